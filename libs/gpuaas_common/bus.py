@@ -1,0 +1,250 @@
+"""Subscriber conventions shared by every service.
+
+Every subscriber is a durable pull consumer provisioned by `jetstream.provision`, bound with
+`declare=False`, and acknowledged manually: ack only after the handler's transaction committed,
+nak with a growing delay on a transient error, and dead-letter (with the reason) a message that is
+not JSON, breaks the contract, or has failed `max_deliver` times. A poison message therefore never
+crashes a consumer and never blocks a stream.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+from faststream import AckPolicy
+from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
+from nats.js import JetStreamContext
+from prometheus_client import Counter
+from pydantic import BaseModel, ValidationError
+
+from . import inbox
+from .contract import BY_TYPE, Envelope, derived_event_id, spec_for
+from .contract.messages import DeadLetter
+from .jetstream import ConsumerSpec
+from .logging import bound_context, get_logger
+from .outbox import OutboxWriter
+
+log = get_logger(__name__)
+
+HANDLED = Counter("gpuaas_messages_total", "Messages handled", ["consumer", "outcome"])
+
+
+class PermanentError(Exception):
+    """The message can never succeed: dead-letter it at once instead of retrying."""
+
+    def __init__(self, reason_code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.reason_code = reason_code
+        self.reason = reason
+
+
+@dataclass
+class HandlerContext:
+    envelope: Envelope
+    payload: Any
+    subject: str
+    consumer: str
+    num_delivered: int
+    conn: asyncpg.Connection | None = None
+    outbox: OutboxWriter | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Handler = Callable[[HandlerContext], Awaitable[None]]
+
+
+def retry_delay(delays: tuple[float, ...], num_delivered: int) -> float:
+    return delays[min(max(num_delivered - 1, 0), len(delays) - 1)]
+
+
+def parse_message(subject: str, body: bytes) -> tuple[Envelope, BaseModel]:
+    """Decode and validate a wire message; raises PermanentError with a reason code."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PermanentError("not_json", f"body is not JSON: {exc}") from None
+    try:
+        envelope = Envelope.model_validate(data)
+    except ValidationError as exc:
+        raise PermanentError("schema_invalid", f"envelope: {_errors(exc)}") from None
+    spec = BY_TYPE.get(envelope.type)
+    if spec is None:
+        raise PermanentError("unknown_type", f"unknown message type {envelope.type!r}")
+    if not spec.subject_regex().match(subject):
+        raise PermanentError("schema_invalid", f"type {envelope.type} does not travel on {subject}")
+    try:
+        payload = spec.model.model_validate(envelope.payload)
+    except ValidationError as exc:
+        raise PermanentError("schema_invalid", f"{envelope.type} payload: {_errors(exc)}") from None
+    return envelope, payload
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:8]
+    )
+
+
+class Bus:
+    """Wires handlers to durable consumers and publishes directly (for services without an outbox)."""
+
+    def __init__(
+        self,
+        broker: NatsBroker,
+        js: JetStreamContext,
+        *,
+        service: str,
+        schema: str | None,
+        pool: asyncpg.Pool | None,
+        retry_delays_s: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0),
+        fetch_timeout_s: float = 1.0,
+    ) -> None:
+        self.broker = broker
+        self.js = js
+        self.service = service
+        self.schema = schema
+        self.pool = pool
+        self.retry_delays_s = retry_delays_s
+        self.fetch_timeout_s = fetch_timeout_s
+        self.consumers: list[ConsumerSpec] = []
+
+    def subscribe(self, spec: ConsumerSpec, handlers: Mapping[str, Handler], *, transactional: bool = True) -> None:
+        if transactional and self.pool is None:
+            raise ValueError("a transactional subscriber needs a database pool")
+        for type_ in handlers:
+            spec_for(type_)  # fail at start-up on a typo, not at the first message
+        self.consumers.append(spec)
+        subscriber = self.broker.subscriber(
+            spec.filter_subject,
+            stream=JStream(spec.stream, declare=False),
+            durable=spec.durable,
+            pull_sub=PullSub(batch_size=1, timeout=self.fetch_timeout_s),
+            ack_policy=AckPolicy.MANUAL,
+        )
+
+        async def on_message(msg: NatsMessage) -> None:
+            await self.dispatch(spec, handlers, msg, transactional)
+
+        subscriber(on_message)
+
+    async def dispatch(
+        self, spec: ConsumerSpec, handlers: Mapping[str, Handler], msg: NatsMessage, transactional: bool
+    ) -> None:
+        raw = msg.raw_message
+        subject = raw.subject
+        md = raw.metadata
+        num_delivered = md.num_delivered or 1
+        try:
+            envelope, payload = parse_message(subject, raw.data)
+        except PermanentError as exc:
+            await self._dead_letter(spec, raw, exc.reason_code, exc.reason, num_delivered)
+            await msg.ack()
+            HANDLED.labels(spec.durable, exc.reason_code).inc()
+            return
+        handler = handlers.get(envelope.type)
+        if handler is None:
+            await msg.ack()
+            HANDLED.labels(spec.durable, "ignored").inc()
+            return
+        ctx = HandlerContext(envelope, payload, subject, spec.durable, num_delivered)
+        ids = {"event_id": envelope.event_id, "event_type": envelope.type, "correlation_id": envelope.correlation_id}
+        for key in ("allocation_id", "task_id", "operation_id", "node_id"):
+            value = getattr(payload, key, None)
+            if value is not None:
+                ids[key] = str(value)
+        with bound_context(consumer=spec.durable, **ids):
+            try:
+                if transactional:
+                    assert self.pool is not None and self.schema is not None
+                    async with self.pool.acquire() as conn, conn.transaction():
+                        if not await inbox.claim(conn, spec.durable, envelope.event_id):
+                            log.info("duplicate_ignored")
+                            HANDLED.labels(spec.durable, "duplicate").inc()
+                        else:
+                            ctx.conn = conn
+                            ctx.outbox = OutboxWriter(
+                                conn, self.schema, self.service,
+                                correlation_id=envelope.correlation_id, causation_id=envelope.event_id,
+                            )
+                            await handler(ctx)
+                            HANDLED.labels(spec.durable, "ok").inc()
+                else:
+                    await handler(ctx)
+                    HANDLED.labels(spec.durable, "ok").inc()
+            except PermanentError as exc:
+                log.warning("message_rejected", reason_code=exc.reason_code, reason=exc.reason)
+                await self._dead_letter(spec, raw, exc.reason_code, exc.reason, num_delivered)
+                await msg.ack()
+                HANDLED.labels(spec.durable, "dead_lettered").inc()
+                return
+            except Exception as exc:
+                if num_delivered >= spec.max_deliver:
+                    log.error("message_gave_up", error=repr(exc), num_delivered=num_delivered, exc_info=True)
+                    await self._dead_letter(spec, raw, "max_deliver", repr(exc), num_delivered)
+                    await msg.reject()
+                    HANDLED.labels(spec.durable, "dead_lettered").inc()
+                else:
+                    delay = retry_delay(self.retry_delays_s, num_delivered)
+                    log.warning("message_retry", error=repr(exc), num_delivered=num_delivered, delay_s=delay)
+                    await msg.nack(delay=delay)
+                    HANDLED.labels(spec.durable, "retried").inc()
+                return
+            await msg.ack()
+
+    async def _dead_letter(self, spec: ConsumerSpec, raw: Any, reason_code: str, reason: str, num: int) -> None:
+        md = raw.metadata
+        stream_seq = md.sequence.stream if md and md.sequence else None
+        try:
+            body_text: str | None = raw.data.decode("utf-8")
+            body_b64 = None
+        except UnicodeDecodeError:
+            body_text, body_b64 = None, base64.b64encode(raw.data).decode()
+        letter = DeadLetter(
+            consumer=spec.durable,
+            stream=spec.stream,
+            subject=raw.subject,
+            stream_seq=stream_seq,
+            num_delivered=num,
+            reason_code=reason_code,  # type: ignore[arg-type]
+            reason=reason[:8000],
+            headers={k: str(v) for k, v in (raw.headers or {}).items()},
+            body_text=body_text[:100_000] if body_text is not None else None,
+            body_base64=body_b64,
+        )
+        cause = f"{spec.stream}:{stream_seq}" if stream_seq is not None else raw.subject
+        await self.publish(
+            "dead_letter", letter, correlation_id=cause,
+            event_id=derived_event_id(cause, f"dlq:{spec.durable}"), consumer=spec.durable,
+        )
+        log.warning("dead_lettered", reason_code=reason_code, reason=reason[:500], stream_seq=stream_seq)
+
+    async def publish(
+        self,
+        type_: str,
+        payload: BaseModel,
+        *,
+        correlation_id: str,
+        causation_id: str | None = None,
+        event_id: str | None = None,
+        **subject_params: str,
+    ) -> Envelope:
+        """Publish without an outbox (node agents, dead letters) and insist on a PubAck."""
+        spec = spec_for(type_)
+        envelope = Envelope.wrap(
+            type_, payload.model_dump(mode="json"), producer=self.service,
+            correlation_id=correlation_id, causation_id=causation_id, event_id=event_id,
+        )
+        ack = await self.js.publish(
+            spec.subject(**subject_params),
+            envelope.model_dump_json().encode(),
+            headers={"Nats-Msg-Id": envelope.event_id},
+            timeout=5.0,
+        )
+        if not ack.stream:
+            raise RuntimeError(f"no PubAck stream for {type_}")
+        return envelope

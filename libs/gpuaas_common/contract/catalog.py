@@ -1,0 +1,157 @@
+"""Every message type: its payload model, its channel address, who sends it and who receives it.
+
+This table is the single source for the AsyncAPI document, the JetStream subjects, and the
+validation of messages in flight.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from . import messages as m
+
+
+@dataclass(frozen=True)
+class MessageSpec:
+    type: str
+    model: type[BaseModel]
+    channel: str
+    address: str
+    summary: str
+    producers: tuple[str, ...]
+    consumers: tuple[str, ...]
+    parameters: dict[str, str] = field(default_factory=dict)
+
+    def subject(self, **params: str) -> str:
+        missing = set(self.parameters) - set(params)
+        if missing:
+            raise ValueError(f"{self.type}: missing subject parameters {sorted(missing)}")
+        subject = self.address
+        for name, value in params.items():
+            if not re.fullmatch(r"[A-Za-z0-9_-]+", value):
+                raise ValueError(f"{self.type}: parameter {name}={value!r} is not a subject token")
+            subject = subject.replace("{" + name + "}", value)
+        return subject
+
+    def subject_regex(self) -> re.Pattern[str]:
+        pattern = re.escape(self.address)
+        for name in self.parameters:
+            pattern = pattern.replace(re.escape("{" + name + "}"), r"[A-Za-z0-9_-]+")
+        return re.compile(f"^{pattern}$")
+
+
+NODE_ID = {"node_id": "Scheduler node id of the host whose agent sends or receives the message"}
+
+_LIFECYCLE = {
+    "accepted": (m.AllocationAccepted, "The request is valid and waits for placement."),
+    "placed": (m.AllocationPlaced, "Resources are claimed on one node."),
+    "unschedulable": (m.AllocationUnschedulable, "No node can take the request; reasons are counted."),
+    "provisioning": (m.AllocationProvisioning, "The node agent or MAAS is building the allocation."),
+    "active": (m.AllocationActive, "The allocation is ready for the tenant."),
+    "releasing": (m.AllocationReleasing, "A release started."),
+    "released": (m.AllocationReleased, "Resources are free again; carries the cleanup proof."),
+    "failed": (m.AllocationFailed, "The allocation failed; says whether cleanup is required."),
+}
+
+ALL: tuple[MessageSpec, ...] = (
+    MessageSpec(
+        "allocation.requested", m.AllocationRequested, "allocationRequested",
+        "gpuaas.allocation.requested",
+        "A portal asks for an allocation; allocation_id is the idempotency key.",
+        ("portal",), ("allocator",),
+    ),
+    MessageSpec(
+        "allocation.release_requested", m.AllocationReleaseRequested, "allocationReleaseRequested",
+        "gpuaas.allocation.release_requested",
+        "A portal asks to release an allocation.", ("portal",), ("allocator",),
+    ),
+    MessageSpec(
+        "allocation.rejected", m.AllocationRejected, "allocationRejected",
+        "gpuaas.allocation.event.rejected",
+        "A request was refused before it became an allocation.", ("allocator",), ("portal", "ops"),
+    ),
+    *(
+        MessageSpec(
+            f"allocation.{name}", model, f"allocation{name.capitalize()}",
+            f"gpuaas.allocation.event.{name}", summary, ("allocator",), ("scheduler", "portal", "ops"),
+        )
+        for name, (model, summary) in _LIFECYCLE.items()
+    ),
+    MessageSpec(
+        "placement.placed", m.PlacementPlaced, "placementPlaced", "gpuaas.scheduler.placement.placed",
+        "The scheduler claimed resources for an allocation.", ("scheduler",), ("allocator",),
+    ),
+    MessageSpec(
+        "placement.unschedulable", m.PlacementUnschedulable, "placementUnschedulable",
+        "gpuaas.scheduler.placement.unschedulable",
+        "The scheduler found no node, with structured reasons.", ("scheduler",), ("allocator",),
+    ),
+    MessageSpec(
+        "slice.vm_provision", m.SliceVmProvision, "nodeTasks", "gpuaas.node.{node_id}.tasks",
+        "Build and start a slice VM on the host.", ("allocator",), ("node-agent",), NODE_ID,
+    ),
+    MessageSpec(
+        "slice.vm_release", m.SliceVmRelease, "nodeTasks", "gpuaas.node.{node_id}.tasks",
+        "Stop, undefine and wipe a slice VM.", ("allocator",), ("node-agent",), NODE_ID,
+    ),
+    MessageSpec(
+        "node.task_progress", m.NodeTaskProgress, "nodeTaskProgress",
+        "gpuaas.node.{node_id}.report.task_progress",
+        "A node task entered a phase.", ("node-agent",), ("allocator", "ops"), NODE_ID,
+    ),
+    MessageSpec(
+        "node.task_result", m.NodeTaskResult, "nodeTaskResult", "gpuaas.node.{node_id}.report.task_result",
+        "A node task finished, with readiness evidence or wipe proof.", ("node-agent",), ("allocator",),
+        NODE_ID,
+    ),
+    MessageSpec(
+        "node.enrolled", m.NodeEnrolled, "nodeEnrolled", "gpuaas.node.{node_id}.report.enrolled",
+        "A node agent came up and enrolled.", ("node-agent",), ("allocator", "ops"), NODE_ID,
+    ),
+    MessageSpec(
+        "maas.deploy_requested", m.MaasDeployRequested, "maasDeployCommand", "gpuaas.maas.command.deploy",
+        "Deploy a machine through MAAS.", ("allocator",), ("maas-gateway",),
+    ),
+    MessageSpec(
+        "maas.release_requested", m.MaasReleaseRequested, "maasReleaseCommand",
+        "gpuaas.maas.command.release",
+        "Release a machine through MAAS.", ("allocator",), ("maas-gateway",),
+    ),
+    MessageSpec(
+        "maas.deploy_result", m.MaasDeployResult, "maasDeployResult", "gpuaas.maas.result.deploy",
+        "The observed outcome of a deploy.", ("maas-gateway",), ("allocator",),
+    ),
+    MessageSpec(
+        "maas.release_result", m.MaasReleaseResult, "maasReleaseResult", "gpuaas.maas.result.release",
+        "The observed outcome of a release.", ("maas-gateway",), ("allocator",),
+    ),
+    MessageSpec(
+        "image.activated", m.ImageActivated, "imageActivated", "gpuaas.image.event.activated",
+        "An image may be used for new allocations.", ("image-pipeline",), ("allocator", "ops"),
+    ),
+    MessageSpec(
+        "image.deactivated", m.ImageDeactivated, "imageDeactivated", "gpuaas.image.event.deactivated",
+        "An image may no longer be used for new allocations.", ("image-pipeline",), ("allocator", "ops"),
+    ),
+    MessageSpec(
+        "dead_letter", m.DeadLetter, "deadLetters", "gpuaas.dlq.{consumer}",
+        "A message a consumer could not process, with the reason.", ("any",), ("ops",),
+        {"consumer": "Durable consumer name that gave up on the message"},
+    ),
+)
+
+BY_TYPE: dict[str, MessageSpec] = {spec.type: spec for spec in ALL}
+
+
+def spec_for(type_: str) -> MessageSpec:
+    try:
+        return BY_TYPE[type_]
+    except KeyError:
+        raise KeyError(f"unknown message type {type_!r}") from None
+
+
+def types_for_subject(subject: str) -> list[MessageSpec]:
+    return [spec for spec in ALL if spec.subject_regex().match(subject)]

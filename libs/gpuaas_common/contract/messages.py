@@ -1,0 +1,331 @@
+"""Payload models of every message in the contract.
+
+`contracts/asyncapi.yaml` is rendered from these models and a test fails when the two drift apart.
+Payloads forbid unknown fields: a typo in a producer is a contract break, not silently dropped data.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Shape = Literal["gpu_slice", "baremetal"]
+AllocationState = Literal[
+    "accepted",
+    "placed",
+    "provisioning",
+    "active",
+    "releasing",
+    "released",
+    "unschedulable",
+    "failed",
+]
+Slug = Field(min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._-]*$")
+Identifier = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+Sha256 = Field(pattern=r"^[0-9a-f]{64}$")
+PciAddress = Field(pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+MacAddress = Field(pattern=r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
+
+
+class Payload(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- shared pieces -----------------------------------------------------------------------------
+
+
+class ImageRef(Payload):
+    slug: str = Slug
+    digest_sha256: str = Sha256
+    image_path: str = Field(min_length=1, max_length=1024)
+
+
+class SlotBinding(Payload):
+    """One approved slot bundle as the scheduler hands it to the node that will use it."""
+
+    slot_id: str = Identifier
+    gpu_pci_address: str = PciAddress
+    nvme_by_id: str = Field(min_length=1, max_length=1024)
+    fabric_vf_pci_address: str | None = PciAddress
+    mac: str = MacAddress
+    private_ip: str = Field(min_length=7, max_length=45)
+    ovs_bridge: str = Field(min_length=1, max_length=64)
+    numa_node: int | None = Field(default=None, ge=0)
+    profile: str = Identifier
+
+
+class Readiness(Payload):
+    mac: str = MacAddress
+    expected_ip: str
+    actual_ip: str | None = None
+    lease_state: Literal["bound", "absent", "mismatch"]
+    ssh_ready: bool
+
+
+class WipeProof(Payload):
+    device: str = Field(min_length=1, max_length=1024)
+    method: str = Field(min_length=1, max_length=64)
+    verified: bool
+    signatures: list[str] = Field(default_factory=list)
+    detail: str | None = None
+
+
+class CleanupReport(Payload):
+    required: bool
+    verified: bool
+    wipe_proofs: list[WipeProof] = Field(default_factory=list)
+    reason: str | None = None
+
+
+class AccessInfo(Payload):
+    ip: str | None = None
+    mac: str | None = None
+    ssh_ready: bool | None = None
+    maas_system_id: str | None = None
+
+
+# --- portal input ------------------------------------------------------------------------------
+
+
+class AllocationRequested(Payload):
+    allocation_id: uuid.UUID
+    tenant_id: str = Identifier
+    shape: Shape
+    sku: str = Field(min_length=1, max_length=64)
+    gpu_count: int = Field(default=8, ge=1, le=64)
+    image: str = Slug
+    region: str = Field(default="default", min_length=1, max_length=64)
+    ssh_public_keys: list[str] = Field(default_factory=list, max_length=16)
+    hostname: str | None = Field(default=None, max_length=63, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+
+
+class AllocationReleaseRequested(Payload):
+    allocation_id: uuid.UUID
+    reason: str | None = Field(default=None, max_length=512)
+
+
+# --- allocation lifecycle (allocator -> ops, portals, scheduler) --------------------------------
+
+
+class AllocationEvent(Payload):
+    allocation_id: uuid.UUID
+    tenant_id: str = Identifier
+    shape: Shape
+    state: AllocationState
+    previous_state: str | None = None
+    seq: int = Field(ge=1, description="Position of this transition in the allocation's timeline")
+
+
+class AllocationAccepted(AllocationEvent):
+    sku: str
+    gpu_count: int = Field(ge=1, le=64)
+    region: str
+    image: ImageRef
+
+
+class AllocationRejected(Payload):
+    """A request that never became an allocation; nothing about it is stored."""
+
+    allocation_id: uuid.UUID
+    tenant_id: str | None = None
+    shape: Shape | None = None
+    reason_code: str = Identifier
+    reason: str = Field(max_length=2048)
+
+
+class AllocationPlaced(AllocationEvent):
+    node_id: str = Identifier
+    claim_mode: Literal["slots", "node_exclusive"]
+    slots: list[SlotBinding] = Field(default_factory=list)
+    maas_system_id: str | None = None
+
+
+class AllocationUnschedulable(AllocationEvent):
+    reason_code: str = Identifier
+    reason: str = Field(max_length=2048)
+    filtered: dict[str, int] = Field(default_factory=dict)
+    free_gpus: int = Field(ge=0)
+    requested_gpus: int = Field(ge=1)
+
+
+class AllocationProvisioning(AllocationEvent):
+    node_id: str = Identifier
+    task_id: str | None = None
+    operation_id: str | None = None
+
+
+class AllocationActive(AllocationEvent):
+    node_id: str = Identifier
+    access: AccessInfo
+
+
+class AllocationReleasing(AllocationEvent):
+    reason: str | None = None
+
+
+class AllocationReleased(AllocationEvent):
+    node_id: str | None = None
+    cleanup: CleanupReport
+
+
+class AllocationFailed(AllocationEvent):
+    reason_code: str = Identifier
+    reason: str = Field(max_length=2048)
+    node_id: str | None = None
+    cleanup_required: bool
+
+
+# --- scheduler -> allocator ----------------------------------------------------------------------
+
+
+class PlacementPlaced(Payload):
+    allocation_id: uuid.UUID
+    node_id: str = Identifier
+    claim_mode: Literal["slots", "node_exclusive"]
+    fencing_epoch: int = Field(ge=1)
+    slots: list[SlotBinding] = Field(default_factory=list)
+    maas_system_id: str | None = None
+
+
+class PlacementUnschedulable(Payload):
+    allocation_id: uuid.UUID
+    reason_code: str = Identifier
+    reason: str = Field(max_length=2048)
+    filtered: dict[str, int] = Field(default_factory=dict)
+    free_gpus: int = Field(ge=0)
+    requested_gpus: int = Field(ge=1)
+
+
+# --- node tasks (allocator -> node agent) and reports (node agent -> allocator) ------------------
+
+
+class SliceVmProvision(Payload):
+    task_id: str = Identifier
+    allocation_id: uuid.UUID
+    node_id: str = Identifier
+    fencing_epoch: int = Field(ge=1)
+    deadline: datetime
+    vm_name: str = Identifier
+    slots: list[SlotBinding] = Field(min_length=1, max_length=8)
+    image: ImageRef
+    ssh_public_keys: list[str] = Field(default_factory=list, max_length=16)
+    hostname: str = Field(min_length=1, max_length=63)
+
+
+class SliceVmRelease(Payload):
+    task_id: str = Identifier
+    allocation_id: uuid.UUID
+    node_id: str = Identifier
+    fencing_epoch: int = Field(ge=1)
+    deadline: datetime
+    vm_name: str = Identifier
+    slots: list[SlotBinding] = Field(min_length=1, max_length=8)
+
+
+class NodeTaskProgress(Payload):
+    task_id: str = Identifier
+    allocation_id: uuid.UUID
+    node_id: str = Identifier
+    task_type: str = Identifier
+    phase: str = Identifier
+    detail: str | None = None
+
+
+class NodeTaskResult(Payload):
+    task_id: str = Identifier
+    allocation_id: uuid.UUID
+    node_id: str = Identifier
+    task_type: str = Identifier
+    status: Literal["succeeded", "failed", "refused"]
+    reason_code: str | None = None
+    reason: str | None = None
+    readiness: Readiness | None = None
+    wipe_proofs: list[WipeProof] = Field(default_factory=list)
+    cleanup_required: bool = False
+
+
+class NodeEnrolled(Payload):
+    node_id: str = Identifier
+    kind: Literal["slice_host", "baremetal"]
+    hostname: str = Field(min_length=1, max_length=253)
+    agent_version: str
+    maas_system_id: str | None = None
+    allocation_id: uuid.UUID | None = None
+    enrolment_proof: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+
+# --- MAAS gateway ----------------------------------------------------------------------------------
+
+
+class MaasDeployRequested(Payload):
+    operation_id: str = Identifier
+    allocation_id: uuid.UUID
+    site: str = Identifier
+    system_id: str = Identifier
+    node_id: str = Identifier
+    profile: str = Identifier
+
+
+class MaasReleaseRequested(Payload):
+    operation_id: str = Identifier
+    allocation_id: uuid.UUID
+    site: str = Identifier
+    system_id: str = Identifier
+    node_id: str = Identifier
+    erase: bool | None = None
+
+
+class MaasOperationResult(Payload):
+    operation_id: str = Identifier
+    allocation_id: uuid.UUID
+    system_id: str = Identifier
+    node_id: str = Identifier
+    resolution: Literal["direct", "polled"]
+    maas_status_name: str | None = None
+    status_message: str | None = None
+    reason_code: str | None = None
+    attempts: int = Field(ge=0)
+
+
+class MaasDeployResult(MaasOperationResult):
+    status: Literal["deployed", "failed"]
+
+
+class MaasReleaseResult(MaasOperationResult):
+    status: Literal["released", "failed"]
+
+
+# --- image pipeline ---------------------------------------------------------------------------------
+
+
+class ImageActivated(Payload):
+    slug: str = Slug
+    kind: Literal["slice", "host"]
+    sku: str
+    digest_sha256: str = Sha256
+    image_path: str
+    source_uri: str | None = None
+
+
+class ImageDeactivated(Payload):
+    slug: str = Slug
+    reason: str
+
+
+# --- dead letters ------------------------------------------------------------------------------------
+
+
+class DeadLetter(Payload):
+    consumer: str
+    stream: str
+    subject: str
+    stream_seq: int | None = None
+    num_delivered: int | None = None
+    reason_code: Literal["not_json", "schema_invalid", "unknown_type", "max_deliver", "handler_error"]
+    reason: str = Field(max_length=8192)
+    headers: dict[str, str] = Field(default_factory=dict)
+    body_text: str | None = None
+    body_base64: str | None = None

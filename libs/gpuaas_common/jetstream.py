@@ -1,0 +1,181 @@
+"""JetStream streams and durable consumers, declared in one place and provisioned idempotently.
+
+nats-py reuses an existing durable consumer unchanged and faststream with `declare=True` overwrites
+stream configs with whatever an app collected, so services bind with `declare=False` and every
+stream and consumer is created *or updated* here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from .logging import get_logger
+
+log = get_logger(__name__)
+
+DAY = 24 * 3600.0
+# Longer than the outbox relay's retry horizon so a republish after a hiccup is still dropped.
+DUPLICATE_WINDOW_S = 15 * 60.0
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float = 7 * DAY
+    description: str = ""
+
+    def config(self, storage: StorageType) -> StreamConfig:
+        return StreamConfig(
+            name=self.name,
+            subjects=list(self.subjects),
+            description=self.description,
+            retention=RetentionPolicy.LIMITS,
+            storage=storage,
+            discard=DiscardPolicy.OLD,
+            max_age=self.max_age_s,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            num_replicas=1,
+        )
+
+
+STREAMS: tuple[StreamSpec, ...] = (
+    StreamSpec("ALLOCATIONS", ("gpuaas.allocation.>",), description="Portal input and allocation lifecycle"),
+    StreamSpec("SCHEDULER", ("gpuaas.scheduler.>",), description="Placement results"),
+    StreamSpec("NODE_TASKS", ("gpuaas.node.*.tasks",), description="Per-host task queues"),
+    StreamSpec("NODE_REPORTS", ("gpuaas.node.*.report.>",), description="Task progress, results, enrolment"),
+    StreamSpec("MAAS", ("gpuaas.maas.>",), description="MAAS commands and results"),
+    StreamSpec("IMAGES", ("gpuaas.image.>",), description="Image catalog events"),
+    StreamSpec("DLQ", ("gpuaas.dlq.>",), max_age_s=30 * DAY, description="Dead letters with reasons"),
+)
+STREAM_BY_NAME = {s.name: s for s in STREAMS}
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    durable: str
+    stream: str
+    filter_subject: str
+    max_deliver: int = 8
+    ack_wait_s: float = 30.0
+    max_ack_pending: int = 1000
+    description: str = ""
+
+    def config(self) -> ConsumerConfig:
+        return ConsumerConfig(
+            durable_name=self.durable,
+            description=self.description,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            max_deliver=self.max_deliver,
+            filter_subject=self.filter_subject,
+            max_ack_pending=self.max_ack_pending,
+        )
+
+
+def consumer(durable: str, stream: str, filter_subject: str, **kw: object) -> ConsumerSpec:
+    if stream not in STREAM_BY_NAME:
+        raise ValueError(f"unknown stream {stream}")
+    return ConsumerSpec(durable=durable, stream=stream, filter_subject=filter_subject, **kw)  # type: ignore[arg-type]
+
+
+# Durable consumers of the long-running services. Node agents derive theirs per host.
+CONSUMERS: tuple[ConsumerSpec, ...] = (
+    consumer("allocator-requested", "ALLOCATIONS", "gpuaas.allocation.requested"),
+    consumer("allocator-release-requested", "ALLOCATIONS", "gpuaas.allocation.release_requested"),
+    consumer("allocator-placement", "SCHEDULER", "gpuaas.scheduler.placement.>"),
+    consumer("allocator-task-results", "NODE_REPORTS", "gpuaas.node.*.report.task_result"),
+    consumer("allocator-enrolments", "NODE_REPORTS", "gpuaas.node.*.report.enrolled"),
+    consumer("allocator-maas-results", "MAAS", "gpuaas.maas.result.>"),
+    consumer("allocator-images", "IMAGES", "gpuaas.image.event.>"),
+    consumer("scheduler-allocation-events", "ALLOCATIONS", "gpuaas.allocation.event.>"),
+    consumer("maas-gateway-commands", "MAAS", "gpuaas.maas.command.>", ack_wait_s=60.0),
+)
+CONSUMER_BY_NAME = {c.durable: c for c in CONSUMERS}
+
+
+def node_agent_consumer(node_id: str, max_deliver: int = 8, ack_wait_s: float = 120.0) -> ConsumerSpec:
+    return consumer(
+        f"node-agent-{node_id}", "NODE_TASKS", f"gpuaas.node.{node_id}.tasks",
+        max_deliver=max_deliver, ack_wait_s=ack_wait_s, max_ack_pending=16,
+    )
+
+
+def _stream_differs(have: StreamConfig, want: StreamConfig) -> bool:
+    return (
+        sorted(have.subjects or []) != sorted(want.subjects or [])
+        or have.max_age != want.max_age
+        or have.duplicate_window != want.duplicate_window
+        or have.description != want.description
+    )
+
+
+def _consumer_differs(have: ConsumerConfig, want: ConsumerConfig) -> bool:
+    return (
+        have.max_deliver != want.max_deliver
+        or have.ack_wait != want.ack_wait
+        or have.filter_subject != want.filter_subject
+        or have.max_ack_pending != want.max_ack_pending
+        or have.ack_policy != want.ack_policy
+    )
+
+
+async def ensure_stream(js: JetStreamContext, spec: StreamSpec, storage: StorageType = StorageType.FILE) -> str:
+    want = spec.config(storage)
+    try:
+        info = await js.stream_info(spec.name)
+    except nats.js.errors.NotFoundError:
+        try:
+            await js.add_stream(want)
+            log.info("stream_created", stream=spec.name)
+            return "created"
+        except nats.js.errors.BadRequestError:
+            # Another service won the race to create it; fall through to the comparison.
+            info = await js.stream_info(spec.name)
+    if _stream_differs(info.config, want):
+        await js.update_stream(want)
+        log.info("stream_updated", stream=spec.name)
+        return "updated"
+    return "unchanged"
+
+
+async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> str:
+    want = spec.config()
+    try:
+        info = await js.consumer_info(spec.stream, spec.durable)
+    except nats.js.errors.NotFoundError:
+        await js.add_consumer(spec.stream, want)
+        log.info("consumer_created", consumer=spec.durable, stream=spec.stream)
+        return "created"
+    if _consumer_differs(info.config, want):
+        # add_consumer on an existing durable is the JetStream "create or update" call.
+        await js.add_consumer(spec.stream, want)
+        log.info("consumer_updated", consumer=spec.durable, stream=spec.stream)
+        return "updated"
+    return "unchanged"
+
+
+async def provision(
+    js: JetStreamContext,
+    consumers: tuple[ConsumerSpec, ...] | list[ConsumerSpec] = (),
+    storage: StorageType = StorageType.FILE,
+) -> dict[str, str]:
+    outcome: dict[str, str] = {}
+    for stream in STREAMS:
+        outcome[f"stream:{stream.name}"] = await ensure_stream(js, stream, storage)
+    for spec in consumers:
+        outcome[f"consumer:{spec.durable}"] = await ensure_consumer(js, spec)
+    return outcome

@@ -1,0 +1,81 @@
+"""Forward-only SQL migrations, one schema per service.
+
+Files `NNN_name.sql` in the service's `migrations` package are applied in order, each in its own
+transaction, under an advisory lock so that two replicas starting together do not race.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+
+import asyncpg
+
+from .db import check_schema
+from .logging import get_logger
+
+log = get_logger(__name__)
+
+# The outbox and inbox live in every Postgres-backed service's own schema.
+COMMON_MIGRATIONS: tuple[tuple[str, str], ...] = (
+    (
+        "000_outbox_inbox",
+        """
+        CREATE TABLE outbox (
+            id           bigserial PRIMARY KEY,
+            event_id     text NOT NULL UNIQUE,
+            aggregate_id text NOT NULL,
+            subject      text NOT NULL,
+            body         bytea NOT NULL,
+            created_at   timestamptz NOT NULL DEFAULT now(),
+            attempts     integer NOT NULL DEFAULT 0,
+            last_error   text
+        );
+        CREATE TABLE inbox (
+            consumer    text NOT NULL,
+            message_id  text NOT NULL,
+            received_at timestamptz NOT NULL DEFAULT now(),
+            PRIMARY KEY (consumer, message_id)
+        );
+        """,
+    ),
+)
+
+
+def service_migrations(package: str) -> list[tuple[str, str]]:
+    files = importlib.resources.files(package)
+    found = sorted(
+        (entry.name.removesuffix(".sql"), entry.read_text())
+        for entry in files.iterdir()
+        if entry.name.endswith(".sql")
+    )
+    return found
+
+
+async def apply_migrations(conn: asyncpg.Connection, schema: str, package: str | None) -> list[str]:
+    check_schema(schema)
+    applied: list[str] = []
+    await conn.execute("SELECT pg_advisory_lock(hashtext($1))", f"gpuaas-migrations:{schema}")
+    try:
+        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        await conn.execute(
+            f'CREATE TABLE IF NOT EXISTS "{schema}".schema_migrations '
+            "(version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+        )
+        done = {
+            r["version"] for r in await conn.fetch(f'SELECT version FROM "{schema}".schema_migrations')
+        }
+        todo = list(COMMON_MIGRATIONS) + (service_migrations(package) if package else [])
+        for version, sql in todo:
+            if version in done:
+                continue
+            async with conn.transaction():
+                await conn.execute(f'SET LOCAL search_path TO "{schema}"')
+                await conn.execute(sql)
+                await conn.execute(
+                    f'INSERT INTO "{schema}".schema_migrations (version) VALUES ($1)', version
+                )
+            applied.append(version)
+            log.info("migration_applied", schema=schema, version=version)
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock(hashtext($1))", f"gpuaas-migrations:{schema}")
+    return applied

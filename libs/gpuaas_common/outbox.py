@@ -1,0 +1,217 @@
+"""Transactional outbox: events are rows written with the domain change, then relayed to JetStream.
+
+The relay claims rows with FOR UPDATE SKIP LOCKED (never `id > last_seen`: sequence values are
+handed out before commit, so a slow transaction would be skipped), wakes on LISTEN/NOTIFY with
+polling as the fallback, publishes with Nats-Msg-Id = event id, checks the PubAck, and keeps
+per-aggregate order: one relay per schema holds an advisory lock, and within a batch the rows of
+one aggregate are published strictly in id order while different aggregates go concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+from nats.js import JetStreamContext
+from prometheus_client import Counter, Histogram
+from pydantic import BaseModel
+
+from .contract import Envelope, spec_for
+from .db import check_schema
+from .logging import get_logger
+
+log = get_logger(__name__)
+
+RELAYED = Counter("gpuaas_outbox_relayed_total", "Outbox rows published and deleted", ["schema"])
+RELAY_ERRORS = Counter("gpuaas_outbox_publish_errors_total", "Failed outbox publishes", ["schema"])
+RELAY_LAG = Histogram(
+    "gpuaas_outbox_lag_seconds", "Commit-to-publish delay of outbox rows", ["schema"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+
+
+def notify_channel(schema: str) -> str:
+    return f"gpuaas_outbox_{check_schema(schema)}"
+
+
+@dataclass
+class OutboxWriter:
+    """Adds events to the outbox inside the caller's transaction."""
+
+    conn: asyncpg.Connection
+    schema: str
+    producer: str
+    correlation_id: str | None = None
+    causation_id: str | None = None
+    _notified: bool = False
+
+    async def add(
+        self,
+        type_: str,
+        payload: BaseModel,
+        *,
+        aggregate_id: str,
+        correlation_id: str | None = None,
+        event_id: str | None = None,
+        **subject_params: str,
+    ) -> Envelope:
+        spec = spec_for(type_)
+        if not isinstance(payload, spec.model):
+            raise TypeError(f"{type_} needs a {spec.model.__name__} payload, got {type(payload).__name__}")
+        envelope = Envelope.wrap(
+            type_,
+            payload.model_dump(mode="json"),
+            producer=self.producer,
+            correlation_id=correlation_id or self.correlation_id or aggregate_id,
+            causation_id=self.causation_id,
+            event_id=event_id,
+        )
+        inserted = await self.conn.fetchval(
+            "INSERT INTO outbox (event_id, aggregate_id, subject, body) VALUES ($1, $2, $3, $4) "
+            "ON CONFLICT (event_id) DO NOTHING RETURNING id",
+            envelope.event_id,
+            aggregate_id,
+            spec.subject(**subject_params),
+            envelope.model_dump_json().encode(),
+        )
+        if inserted is not None and not self._notified:
+            # Delivered at commit; one per transaction is enough to wake the relay.
+            await self.conn.execute("SELECT pg_notify($1, '')", notify_channel(self.schema))
+            self._notified = True
+        return envelope
+
+
+class OutboxRelay:
+    def __init__(
+        self,
+        dsn: str,
+        schema: str,
+        js: JetStreamContext,
+        *,
+        batch_size: int = 200,
+        poll_interval_s: float = 1.0,
+        publish_timeout_s: float = 5.0,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        self.dsn = dsn
+        self.schema = check_schema(schema)
+        self.js = js
+        self.batch_size = batch_size
+        self.poll_interval_s = poll_interval_s
+        self.publish_timeout_s = publish_timeout_s
+        self.max_backoff_s = max_backoff_s
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self.is_leader = False
+        self.published = 0
+
+    async def _connect(self) -> asyncpg.Connection:
+        return await asyncpg.connect(self.dsn, server_settings={"search_path": self.schema})
+
+    async def run(self) -> None:
+        lock_conn = await self._connect()
+        work_conn = await self._connect()
+        try:
+            # One relay per schema keeps per-aggregate order across replicas and restarts.
+            while not self._stopping and not await lock_conn.fetchval(
+                "SELECT pg_try_advisory_lock(hashtext($1))", f"gpuaas-relay:{self.schema}"
+            ):
+                await self._wait(self.poll_interval_s)
+            self.is_leader = True
+            await lock_conn.add_listener(notify_channel(self.schema), self._on_notify)
+            log.info("relay_leader", schema=self.schema)
+            backoff = 0.05
+            while not self._stopping:
+                try:
+                    sent, failed = await self.drain_once(work_conn)
+                except (asyncpg.PostgresConnectionError, ConnectionError, OSError) as exc:
+                    log.warning("relay_db_error", schema=self.schema, error=str(exc))
+                    await self._wait(backoff)
+                    backoff = min(backoff * 2, self.max_backoff_s)
+                    if work_conn.is_closed():
+                        work_conn = await self._connect()
+                    continue
+                if failed:
+                    await self._wait(backoff)
+                    backoff = min(backoff * 2, self.max_backoff_s)
+                elif sent:
+                    backoff = 0.05
+                else:
+                    await self._wait(self.poll_interval_s)
+        finally:
+            await lock_conn.close()
+            await work_conn.close()
+
+    def _on_notify(self, *_: Any) -> None:
+        self._wake.set()
+
+    async def _wait(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=seconds)
+        except asyncio.TimeoutError:
+            pass
+        self._wake.clear()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    async def drain_once(self, conn: asyncpg.Connection) -> tuple[int, int]:
+        async with conn.transaction():
+            rows = await conn.fetch(
+                "SELECT id, event_id, aggregate_id, subject, body, created_at FROM outbox "
+                "ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
+                self.batch_size,
+            )
+            if not rows:
+                return 0, 0
+            groups: OrderedDict[str, list[asyncpg.Record]] = OrderedDict()
+            for row in rows:
+                groups.setdefault(row["aggregate_id"], []).append(row)
+            results = await asyncio.gather(*(self._publish_group(g) for g in groups.values()))
+            done = [i for ok_ids, _ in results for i in ok_ids]
+            errors = [(i, err) for _, failed in results for i, err in failed]
+            if done:
+                await conn.execute("DELETE FROM outbox WHERE id = ANY($1::bigint[])", done)
+            for row_id, err in errors:
+                await conn.execute(
+                    "UPDATE outbox SET attempts = attempts + 1, last_error = $2 WHERE id = $1",
+                    row_id,
+                    err[:1000],
+                )
+        now = time.time()
+        done_ids = set(done)
+        for row in rows:
+            if row["id"] in done_ids:
+                RELAY_LAG.labels(self.schema).observe(max(0.0, now - row["created_at"].timestamp()))
+        RELAYED.labels(self.schema).inc(len(done))
+        self.published += len(done)
+        if errors:
+            RELAY_ERRORS.labels(self.schema).inc(len(errors))
+        return len(done), len(errors)
+
+    async def _publish_group(self, rows: list[asyncpg.Record]) -> tuple[list[int], list[tuple[int, str]]]:
+        ok: list[int] = []
+        for row in rows:
+            try:
+                ack = await self.js.publish(
+                    row["subject"],
+                    bytes(row["body"]),
+                    timeout=self.publish_timeout_s,
+                    headers={"Nats-Msg-Id": row["event_id"]},
+                )
+                if not ack.stream:
+                    raise RuntimeError("PubAck names no stream")
+            except Exception as exc:  # any failure keeps this and later rows of the aggregate
+                log.warning(
+                    "relay_publish_failed", schema=self.schema, event_id=row["event_id"],
+                    subject=row["subject"], error=repr(exc),
+                )
+                # Later rows of the same aggregate wait, or they would overtake this one.
+                return ok, [(row["id"], repr(exc))]
+            ok.append(row["id"])
+        return ok, []

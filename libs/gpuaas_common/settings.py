@@ -1,0 +1,44 @@
+"""Environment-driven settings shared by every service.
+
+Each service subclasses `ServiceSettings` with its own prefix-free fields; every variable is read
+from `GPUAAS_<FIELD>` so one `.env` or compose `environment:` block configures the whole stack.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPUAAS_", extra="ignore", frozen=True)
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    database_url: SecretStr = SecretStr("postgresql://gpuaas@127.0.0.1:5432/gpuaas")
+    health_host: str = "127.0.0.1"
+    health_port: int = Field(default=0, ge=0, le=65535)
+    # Written once the service is ready; lets a supervisor learn a port chosen by the OS.
+    ready_file: str | None = None
+    log_level: str = "INFO"
+    instance_id: str = "0"
+    relay_poll_interval_s: float = Field(default=1.0, gt=0)
+    relay_batch_size: int = Field(default=200, ge=1, le=10_000)
+    consumer_max_deliver: int = Field(default=8, ge=2, le=100)
+    consumer_ack_wait_s: float = Field(default=30.0, gt=0)
+    # Delays for nak-with-delay retries; the last one repeats.
+    retry_delays_s: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0)
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_scheme(cls, v: str) -> str:
+        if not v.startswith(("nats://", "tls://")):
+            raise ValueError("nats_url must start with nats:// or tls://")
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.upper()
+        if v not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ValueError("log_level must be DEBUG, INFO, WARNING or ERROR")
+        return v

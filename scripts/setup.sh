@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Idempotent set-up: Debian packages, npm tools for the contract check, and the project venv.
+# Every step checks first and installs only what is missing, so a second run is quick.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(libvirt-dev pkg-config qemu-utils docker-registry postgresql libxml2-utils)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# The official AsyncAPI parser runs under node; it is installed locally to tools/asyncapi-check.
+if command -v npm >/dev/null 2>&1; then
+  if [ ! -d tools/asyncapi-check/node_modules/@asyncapi/parser ]; then
+    echo "setup: installing @asyncapi/parser"
+    (cd tools/asyncapi-check && npm install --no-audit --no-fund --silent >/dev/null)
+  fi
+else
+  echo "setup: npm is missing; install Node.js to run the AsyncAPI parser check" >&2
+  exit 1
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+  echo "setup: installing Python packages"
+  .venv/bin/pip install -q --upgrade pip >/dev/null
+  .venv/bin/pip install -q -e '.[dev]'
+  rm -f .venv/.installed-*
+  touch "$stamp"
+fi
+echo "setup: ready"
