@@ -11,6 +11,7 @@ import json
 import os
 import signal
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import asyncpg
@@ -22,7 +23,7 @@ from nats.js import JetStreamContext
 from .bus import Bus
 from .db import create_pool
 from .health import HealthServer
-from .jetstream import provision
+from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, provision
 from .logging import configure_logging, get_logger
 from .migrations import apply_migrations
 from .outbox import OutboxRelay
@@ -105,12 +106,26 @@ class ServiceRuntime:
             )
             self.spawn(self.relay.run(), "outbox-relay")
         self.health.ready = True
+        self.spawn(self._announce_ready(), "announce-ready")
+
+    async def _announce_ready(self) -> None:
+        while not all(check() for check in self.health.checks.values()):
+            await asyncio.sleep(0.1)
         if self.settings.ready_file:
             path = Path(self.settings.ready_file)
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps({"service": self.name, "pid": os.getpid(), "health_port": self.health.port}))
             tmp.replace(path)
         log.info("service_ready", health_port=self.health.port)
+
+    def consumer_spec(self, durable: str) -> ConsumerSpec:
+        """A declared consumer with this deployment's retry limits applied."""
+        spec = CONSUMER_BY_NAME[durable]
+        return replace(
+            spec,
+            max_deliver=self.settings.consumer_max_deliver,
+            ack_wait_s=max(spec.ack_wait_s, self.settings.consumer_ack_wait_s),
+        )
 
     async def stop(self) -> None:
         self.health.ready = False

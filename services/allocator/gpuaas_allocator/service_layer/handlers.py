@@ -1,0 +1,407 @@
+"""The allocator as process manager: one message in, one transaction, the next command out.
+
+Every handler locks the allocation row first, so messages about one allocation that arrive on
+different consumers are serialised by Postgres, not by luck.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+
+from gpuaas_common.bus import HandlerContext
+from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import messages as m
+from gpuaas_common.logging import get_logger
+
+from ..adapters import repository as repo
+from ..domain.model import (
+    ActiveImage,
+    check_transition,
+    enrolment_proof,
+    request_fingerprint,
+    validate_request,
+)
+from ..settings import AllocatorSettings
+
+log = get_logger(__name__)
+
+_LIFECYCLE_MODELS: dict[str, type[m.AllocationEvent]] = {
+    "accepted": m.AllocationAccepted,
+    "placed": m.AllocationPlaced,
+    "unschedulable": m.AllocationUnschedulable,
+    "provisioning": m.AllocationProvisioning,
+    "active": m.AllocationActive,
+    "releasing": m.AllocationReleasing,
+    "released": m.AllocationReleased,
+    "failed": m.AllocationFailed,
+}
+
+
+class Allocator:
+    def __init__(self, settings: AllocatorSettings) -> None:
+        self.settings = settings
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    async def _transition(
+        self,
+        ctx: HandlerContext,
+        row: asyncpg.Record | dict[str, Any],
+        new_state: str,
+        *,
+        reason_code: str | None = None,
+        detail: dict[str, Any] | None = None,
+        update: dict[str, Any] | None = None,
+        **event_fields: Any,
+    ) -> dict[str, Any]:
+        assert ctx.conn is not None and ctx.outbox is not None
+        current = row["state"]
+        check_transition(current, new_state)
+        alloc_id = row["allocation_id"]
+        await repo.update_allocation(ctx.conn, alloc_id, state=new_state, **(update or {}))
+        seq = await repo.append_timeline(
+            ctx.conn, alloc_id, new_state, current, reason_code=reason_code, detail=detail,
+            cause_event_id=ctx.envelope.event_id,
+        )
+        model = _LIFECYCLE_MODELS[new_state]
+        event = model(
+            allocation_id=alloc_id, tenant_id=row["tenant_id"], shape=row["shape"], state=new_state,
+            previous_state=current, seq=seq, **event_fields,
+        )
+        await ctx.outbox.add(
+            f"allocation.{new_state}", event, aggregate_id=str(alloc_id),
+            event_id=derived_event_id(str(alloc_id), f"lifecycle:{seq}"),
+        )
+        log.info("allocation_transition", allocation_id=str(alloc_id), from_state=current, to_state=new_state, seq=seq)
+        new_row = dict(row)
+        new_row.update(update or {})
+        new_row["state"] = new_state
+        return new_row
+
+    @staticmethod
+    def _placement(row: asyncpg.Record | dict[str, Any]) -> dict[str, Any]:
+        value = row["placement"]
+        return json.loads(value) if isinstance(value, str) else (value or {})
+
+    # --- portal input ----------------------------------------------------------------------------
+
+    async def on_requested(self, ctx: HandlerContext) -> None:
+        req: m.AllocationRequested = ctx.payload
+        assert ctx.conn is not None and ctx.outbox is not None
+        fingerprint = request_fingerprint(req)
+        existing = await repo.lock_allocation(ctx.conn, req.allocation_id)
+        if existing is not None:
+            if existing["request_hash"] == fingerprint:
+                log.info("request_replay_ignored")
+                return
+            await self._reject(ctx, req, "idempotency_conflict",
+                               "allocation_id already used for a different request")
+            return
+        image = await repo.get_image(ctx.conn, req.image)
+        rejection = validate_request(req, image)
+        if rejection is not None:
+            await self._reject(ctx, req, rejection.reason_code, rejection.reason)
+            return
+        assert image is not None
+        await repo.insert_allocation(
+            ctx.conn,
+            allocation_id=req.allocation_id, tenant_id=req.tenant_id, shape=req.shape, sku=req.sku,
+            gpu_count=req.gpu_count, region=req.region, image_slug=image.slug, image_digest=image.digest_sha256,
+            image_path=image.image_path, request_hash=fingerprint, request=req.model_dump(mode="json"),
+            state="requested",
+        )
+        await repo.append_timeline(ctx.conn, req.allocation_id, "requested", None, cause_event_id=ctx.envelope.event_id)
+        row = {"allocation_id": req.allocation_id, "tenant_id": req.tenant_id, "shape": req.shape, "state": "requested"}
+        await self._transition(
+            ctx, row, "accepted", sku=req.sku, gpu_count=req.gpu_count, region=req.region,
+            image=m.ImageRef(slug=image.slug, digest_sha256=image.digest_sha256, image_path=image.image_path),
+        )
+
+    async def _reject(self, ctx: HandlerContext, req: m.AllocationRequested, code: str, reason: str) -> None:
+        assert ctx.outbox is not None
+        log.info("request_rejected", reason_code=code, reason=reason)
+        await ctx.outbox.add(
+            "allocation.rejected",
+            m.AllocationRejected(
+                allocation_id=req.allocation_id, tenant_id=req.tenant_id, shape=req.shape,
+                reason_code=code, reason=reason,
+            ),
+            aggregate_id=str(req.allocation_id),
+            event_id=derived_event_id(ctx.envelope.event_id, "rejected"),
+        )
+
+    async def on_release_requested(self, ctx: HandlerContext) -> None:
+        req: m.AllocationReleaseRequested = ctx.payload
+        assert ctx.conn is not None
+        row = await repo.lock_allocation(ctx.conn, req.allocation_id)
+        if row is None:
+            log.warning("release_of_unknown_allocation")
+            return
+        state = row["state"]
+        if state in ("releasing", "released", "failed", "unschedulable"):
+            log.info("release_noop", state=state)
+            return
+        row = await self._transition(ctx, row, "releasing", reason=req.reason)
+        # A command already in flight (placement, provisioning) finishes first; its result handler
+        # then starts the teardown. Only an allocation at rest is torn down right away.
+        if state == "active":
+            await self._start_teardown(ctx, row)
+
+    # --- placement --------------------------------------------------------------------------------
+
+    async def on_placed(self, ctx: HandlerContext) -> None:
+        ev: m.PlacementPlaced = ctx.payload
+        assert ctx.conn is not None
+        row = await repo.lock_allocation(ctx.conn, ev.allocation_id)
+        if row is None or row["state"] not in ("accepted", "releasing") or row["node_id"] is not None:
+            log.warning("placement_unexpected", state=row["state"] if row else None)
+            return
+        placement = ev.model_dump(mode="json")
+        update = {"node_id": ev.node_id, "maas_system_id": ev.maas_system_id, "placement": placement}
+        if row["state"] == "releasing":
+            # Released before anything was built: nothing was touched, the claim can go at once.
+            await repo.update_allocation(ctx.conn, ev.allocation_id, **update)
+            await self._transition(
+                ctx, row, "released", node_id=ev.node_id,
+                cleanup=m.CleanupReport(required=False, verified=True, reason="released before provisioning"),
+            )
+            return
+        row = await self._transition(
+            ctx, row, "placed", update=update, node_id=ev.node_id, claim_mode=ev.claim_mode,
+            slots=ev.slots, maas_system_id=ev.maas_system_id,
+        )
+        await self._start_provisioning(ctx, row, ev)
+
+    async def _start_provisioning(self, ctx: HandlerContext, row: dict[str, Any], ev: m.PlacementPlaced) -> None:
+        assert ctx.outbox is not None
+        alloc_id = str(row["allocation_id"])
+        request = row.get("request") or (await ctx.conn.fetchval(  # type: ignore[union-attr]
+            "SELECT request FROM allocations WHERE allocation_id = $1", row["allocation_id"]))
+        request = json.loads(request) if isinstance(request, str) else request
+        if row["shape"] == "gpu_slice":
+            task_id = f"prov-{alloc_id}"
+            image_row = await ctx.conn.fetchrow(  # type: ignore[union-attr]
+                "SELECT image_slug, image_digest, image_path FROM allocations WHERE allocation_id = $1",
+                row["allocation_id"],
+            )
+            task = m.SliceVmProvision(
+                task_id=task_id, allocation_id=row["allocation_id"], node_id=ev.node_id,
+                fencing_epoch=ev.fencing_epoch, deadline=utcnow() + timedelta(seconds=self.settings.task_deadline_s),
+                vm_name=f"gpuaas-{alloc_id[:8]}", slots=ev.slots,
+                image=m.ImageRef(slug=image_row["image_slug"], digest_sha256=image_row["image_digest"],
+                                 image_path=image_row["image_path"]),
+                ssh_public_keys=request.get("ssh_public_keys", []),
+                hostname=request.get("hostname") or f"gpuaas-{alloc_id[:8]}",
+            )
+            await ctx.outbox.add("slice.vm_provision", task, aggregate_id=alloc_id,
+                                 event_id=derived_event_id(alloc_id, "provision-task"), node_id=ev.node_id)
+            await self._transition(ctx, row, "provisioning", update={"task_id": task_id, "awaiting_result": True},
+                                   node_id=ev.node_id, task_id=task_id)
+        else:
+            assert ev.maas_system_id is not None
+            operation_id = f"deploy-{alloc_id}"
+            cmd = m.MaasDeployRequested(
+                operation_id=operation_id, allocation_id=row["allocation_id"], site=self.settings.maas_site,
+                system_id=ev.maas_system_id, node_id=ev.node_id, profile=self.settings.baremetal_profile,
+            )
+            await ctx.outbox.add("maas.deploy_requested", cmd, aggregate_id=alloc_id,
+                                 event_id=derived_event_id(alloc_id, "deploy-command"))
+            await self._transition(ctx, row, "provisioning",
+                                   update={"operation_id": operation_id, "awaiting_result": True},
+                                   node_id=ev.node_id, operation_id=operation_id)
+
+    async def on_unschedulable(self, ctx: HandlerContext) -> None:
+        ev: m.PlacementUnschedulable = ctx.payload
+        assert ctx.conn is not None
+        row = await repo.lock_allocation(ctx.conn, ev.allocation_id)
+        if row is None or row["state"] not in ("accepted", "releasing"):
+            return
+        if row["state"] == "releasing":
+            await self._transition(ctx, row, "released",
+                                   cleanup=m.CleanupReport(required=False, verified=True, reason="never placed"))
+            return
+        await self._transition(
+            ctx, row, "unschedulable", reason_code=ev.reason_code,
+            update={"failure_code": ev.reason_code, "failure_reason": ev.reason},
+            detail={"filtered": ev.filtered, "free_gpus": ev.free_gpus},
+            reason=ev.reason, filtered=ev.filtered, free_gpus=ev.free_gpus, requested_gpus=ev.requested_gpus,
+        )
+
+    # --- teardown ----------------------------------------------------------------------------------
+
+    async def _start_teardown(self, ctx: HandlerContext, row: dict[str, Any]) -> None:
+        assert ctx.outbox is not None and ctx.conn is not None
+        alloc_id = str(row["allocation_id"])
+        placement = self._placement(row)
+        if row["shape"] == "gpu_slice":
+            task_id = f"rel-{alloc_id}"
+            task = m.SliceVmRelease(
+                task_id=task_id, allocation_id=row["allocation_id"], node_id=row["node_id"],
+                fencing_epoch=placement["fencing_epoch"],
+                deadline=utcnow() + timedelta(seconds=self.settings.task_deadline_s),
+                vm_name=f"gpuaas-{alloc_id[:8]}", slots=[m.SlotBinding(**s) for s in placement["slots"]],
+            )
+            await ctx.outbox.add("slice.vm_release", task, aggregate_id=alloc_id,
+                                 event_id=derived_event_id(alloc_id, "release-task"), node_id=row["node_id"])
+            await repo.update_allocation(ctx.conn, row["allocation_id"], release_task_id=task_id, awaiting_result=True)
+        else:
+            operation_id = f"release-{alloc_id}"
+            cmd = m.MaasReleaseRequested(
+                operation_id=operation_id, allocation_id=row["allocation_id"], site=self.settings.maas_site,
+                system_id=row["maas_system_id"], node_id=row["node_id"],
+            )
+            await ctx.outbox.add("maas.release_requested", cmd, aggregate_id=alloc_id,
+                                 event_id=derived_event_id(alloc_id, "release-command"))
+            await repo.update_allocation(ctx.conn, row["allocation_id"], release_operation_id=operation_id,
+                                         awaiting_result=True)
+
+    # --- results from node agents and MAAS ----------------------------------------------------------
+
+    async def on_task_result(self, ctx: HandlerContext) -> None:
+        res: m.NodeTaskResult = ctx.payload
+        assert ctx.conn is not None
+        row = await repo.lock_allocation(ctx.conn, res.allocation_id)
+        if row is None:
+            return
+        if res.task_id == row["task_id"] and row["awaiting_result"] and row["release_task_id"] is None:
+            await self._on_provision_result(ctx, dict(row), res)
+        elif res.task_id == row["release_task_id"] and row["state"] == "releasing":
+            await self._on_release_result(ctx, dict(row), res)
+        else:
+            log.info("task_result_ignored", state=row["state"])
+
+    async def _on_provision_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
+        assert ctx.conn is not None
+        await repo.update_allocation(ctx.conn, row["allocation_id"], awaiting_result=False)
+        if res.status == "succeeded":
+            access = m.AccessInfo(
+                ip=res.readiness.actual_ip if res.readiness else None,
+                mac=res.readiness.mac if res.readiness else None,
+                ssh_ready=res.readiness.ssh_ready if res.readiness else None,
+            )
+            if row["state"] == "releasing":
+                await self._start_teardown(ctx, row)
+                return
+            await self._transition(ctx, row, "active", update={"access": access.model_dump(mode="json")},
+                                   node_id=res.node_id, access=access,
+                                   detail={"readiness": res.readiness.model_dump(mode="json") if res.readiness else None})
+            return
+        code = res.reason_code or "provisioning_failed"
+        await self._transition(
+            ctx, row, "failed", reason_code=code, update={"failure_code": code, "failure_reason": res.reason},
+            reason=res.reason or code, node_id=res.node_id, cleanup_required=res.cleanup_required,
+        )
+
+    async def _on_release_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
+        assert ctx.conn is not None
+        await repo.update_allocation(ctx.conn, row["allocation_id"], awaiting_result=False)
+        if res.status == "succeeded":
+            verified = bool(res.wipe_proofs) and all(p.verified for p in res.wipe_proofs)
+            cleanup = m.CleanupReport(required=True, verified=verified, wipe_proofs=res.wipe_proofs,
+                                      reason=None if verified else "wipe not verified")
+            await self._transition(ctx, row, "released", node_id=res.node_id, cleanup=cleanup)
+            return
+        code = res.reason_code or "release_failed"
+        await self._transition(
+            ctx, row, "failed", reason_code=code, update={"failure_code": code, "failure_reason": res.reason},
+            reason=res.reason or code, node_id=res.node_id, cleanup_required=True,
+        )
+
+    async def on_enrolled(self, ctx: HandlerContext) -> None:
+        ev: m.NodeEnrolled = ctx.payload
+        assert ctx.conn is not None
+        if ev.kind != "baremetal" or ev.allocation_id is None:
+            return
+        row = await repo.lock_allocation(ctx.conn, ev.allocation_id)
+        if row is None or row["shape"] != "baremetal" or row["maas_system_id"] != ev.maas_system_id:
+            log.warning("enrolment_unmatched")
+            return
+        expected = enrolment_proof(self.settings.enrolment_secret.get_secret_value(), str(ev.allocation_id),
+                                   row["maas_system_id"])
+        if ev.enrolment_proof != expected:
+            log.warning("enrolment_proof_mismatch")
+            return
+        await repo.update_allocation(ctx.conn, row["allocation_id"], enrolled=True)
+        row = dict(row)
+        row["enrolled"] = True
+        await self._maybe_baremetal_active(ctx, row)
+
+    async def _maybe_baremetal_active(self, ctx: HandlerContext, row: dict[str, Any]) -> None:
+        if row["state"] == "provisioning" and row["deployed"] and row["enrolled"]:
+            access = m.AccessInfo(maas_system_id=row["maas_system_id"])
+            await self._transition(ctx, row, "active", update={"access": access.model_dump(mode="json")},
+                                   node_id=row["node_id"], access=access)
+
+    async def on_maas_result(self, ctx: HandlerContext) -> None:
+        res = ctx.payload
+        assert ctx.conn is not None
+        row = await repo.lock_allocation(ctx.conn, res.allocation_id)
+        if row is None:
+            return
+        row = dict(row)
+        if ctx.envelope.type == "maas.deploy_result" and res.operation_id == row["operation_id"]:
+            await repo.update_allocation(ctx.conn, row["allocation_id"], awaiting_result=False)
+            if res.status == "deployed":
+                await repo.update_allocation(ctx.conn, row["allocation_id"], deployed=True)
+                row["deployed"] = True
+                if row["state"] == "releasing":
+                    await self._start_teardown(ctx, row)
+                    return
+                await self._maybe_baremetal_active(ctx, row)
+                return
+            code = res.reason_code or "deploy_failed"
+            reason = res.status_message or f"MAAS reports {res.maas_status_name}"
+            await self._transition(
+                ctx, row, "failed", reason_code=code, update={"failure_code": code, "failure_reason": reason},
+                reason=reason, node_id=row["node_id"], cleanup_required=True,
+            )
+        elif ctx.envelope.type == "maas.release_result" and res.operation_id == row["release_operation_id"]:
+            await repo.update_allocation(ctx.conn, row["allocation_id"], awaiting_result=False)
+            if res.status == "released":
+                cleanup = m.CleanupReport(required=True, verified=True, reason=f"MAAS {res.maas_status_name}")
+                await self._transition(ctx, row, "released", node_id=row["node_id"], cleanup=cleanup)
+            else:
+                code = res.reason_code or "release_failed"
+                await self._transition(
+                    ctx, row, "failed", reason_code=code, reason=res.status_message or code,
+                    node_id=row["node_id"], cleanup_required=True,
+                )
+        else:
+            log.info("maas_result_ignored", state=row["state"])
+
+    # --- image catalog -------------------------------------------------------------------------
+
+    async def on_image_activated(self, ctx: HandlerContext) -> None:
+        ev: m.ImageActivated = ctx.payload
+        assert ctx.conn is not None
+        await repo.upsert_image(ctx.conn, ActiveImage(ev.slug, ev.kind, ev.sku, ev.digest_sha256, ev.image_path))
+
+    async def on_image_deactivated(self, ctx: HandlerContext) -> None:
+        assert ctx.conn is not None
+        await repo.delete_image(ctx.conn, ctx.payload.slug)
+
+
+def handlers_by_consumer(allocator: Allocator) -> dict[str, dict[str, Any]]:
+    return {
+        "allocator-requested": {"allocation.requested": allocator.on_requested},
+        "allocator-release-requested": {"allocation.release_requested": allocator.on_release_requested},
+        "allocator-placement": {
+            "placement.placed": allocator.on_placed,
+            "placement.unschedulable": allocator.on_unschedulable,
+        },
+        "allocator-task-results": {"node.task_result": allocator.on_task_result},
+        "allocator-enrolments": {"node.enrolled": allocator.on_enrolled},
+        "allocator-maas-results": {
+            "maas.deploy_result": allocator.on_maas_result,
+            "maas.release_result": allocator.on_maas_result,
+        },
+        "allocator-images": {
+            "image.activated": allocator.on_image_activated,
+            "image.deactivated": allocator.on_image_deactivated,
+        },
+    }

@@ -1,0 +1,56 @@
+"""How a MAAS operation is resolved from what the machine shows. Pure.
+
+A timed-out mutation is never repeated on a guess: the machine's observed state decides whether it
+was accepted, failed, or (only after a grace period of looking untouched) may be submitted again.
+"""
+
+from __future__ import annotations
+
+import enum
+
+# Status names as MAAS reports them (status_name).
+DEPLOYED, DEPLOYING, FAILED_DEPLOYMENT = "Deployed", "Deploying", "Failed deployment"
+READY, ALLOCATED = "Ready", "Allocated"
+RELEASING, DISK_ERASING = "Releasing", "Disk erasing"
+FAILED_RELEASING, FAILED_DISK_ERASING = "Releasing failed", "Failed disk erasing"
+
+
+class Decision(enum.Enum):
+    SUCCEEDED = "succeeded"
+    ACCEPTED = "accepted"
+    FAILED = "failed"
+    WAIT = "wait"
+    RESUBMIT = "resubmit"
+
+
+def decide(kind: str, state: str, status_name: str, untouched_for_s: float | None, grace_s: float) -> Decision:
+    """`state` is the operation's (unknown or accepted); `untouched_for_s` counts from the unknown call."""
+    if kind == "deploy":
+        done, working, failed = {DEPLOYED}, {DEPLOYING}, {FAILED_DEPLOYMENT}
+        untouched = {READY, ALLOCATED}
+    elif kind == "release":
+        done, working, failed = {READY}, {RELEASING, DISK_ERASING}, {FAILED_RELEASING, FAILED_DISK_ERASING}
+        untouched = {DEPLOYED, ALLOCATED, FAILED_DEPLOYMENT, DEPLOYING}
+    else:
+        raise ValueError(f"unknown operation kind {kind}")
+    if status_name in done:
+        return Decision.SUCCEEDED
+    if status_name in working:
+        return Decision.ACCEPTED
+    if status_name in failed:
+        return Decision.FAILED
+    if status_name in untouched:
+        if state == "accepted":
+            # MAAS took the change and then the machine went back: that is a failure, not a retry.
+            return Decision.FAILED
+        if untouched_for_s is not None and untouched_for_s >= grace_s:
+            return Decision.RESUBMIT
+        return Decision.WAIT
+    return Decision.FAILED
+
+
+def normalise_distro_series(name: str, uploaded: tuple[str, ...] | frozenset[str]) -> str:
+    """A bare name of an uploaded image must be sent as custom/<name>; stock series pass through."""
+    if name.startswith("custom/"):
+        return name
+    return f"custom/{name}" if name in uploaded else name

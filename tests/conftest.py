@@ -1,0 +1,45 @@
+"""Session-wide real servers: one nats-server and one Postgres on free loopback ports."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from gpuaas_common.testing.servers import NatsServer, PostgresServer
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path_factory.mktemp("nats")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
+    server = PostgresServer(tmp_path_factory.mktemp("pg")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def fresh_db(postgres_server: PostgresServer) -> AsyncIterator[str]:
+    """A database of its own for one test, dropped afterwards."""
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(postgres_server.dsn)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    await admin.close()
+    dsn = postgres_server.dsn.rsplit("/", 1)[0] + f"/{name}"
+    yield dsn
+    admin = await asyncpg.connect(postgres_server.dsn)
+    await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    await admin.close()
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]

@@ -1,0 +1,244 @@
+"""The shared plumbing across real process boundaries: nats-server and Postgres."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import asyncpg
+import nats
+import pytest
+from faststream.nats import NatsBroker
+
+from gpuaas_common import inbox
+from gpuaas_common.bus import Bus, HandlerContext, PermanentError
+from gpuaas_common.contract import Envelope, derived_event_id
+from gpuaas_common.contract import messages as m
+from gpuaas_common.jetstream import ConsumerSpec, ensure_consumer, provision
+from gpuaas_common.migrations import apply_migrations
+from gpuaas_common.outbox import OutboxRelay, OutboxWriter
+from gpuaas_common.testing.bus_spy import BusSpy
+from gpuaas_common.testing.waiting import eventually
+
+
+@pytest.fixture
+async def js(nats_server):
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await provision(js)
+    yield js
+    await nc.drain()
+
+
+@pytest.fixture
+async def outbox_db(fresh_db):
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, "svc", None)
+    await conn.close()
+    pool = await asyncpg.create_pool(fresh_db, server_settings={"search_path": "svc"})
+    yield fresh_db, pool
+    await pool.close()
+
+
+def _release_requested(alloc: uuid.UUID) -> m.AllocationReleaseRequested:
+    return m.AllocationReleaseRequested(allocation_id=alloc, reason="test")
+
+
+async def test_provision_is_idempotent_and_updates_a_changed_consumer(js):
+    spec = ConsumerSpec("plumbing-probe", "DLQ", "gpuaas.dlq.plumbing-probe", max_deliver=3)
+    assert await ensure_consumer(js, spec) == "created"
+    assert await ensure_consumer(js, spec) == "unchanged"
+    changed = ConsumerSpec("plumbing-probe", "DLQ", "gpuaas.dlq.plumbing-probe", max_deliver=5)
+    assert await ensure_consumer(js, changed) == "updated"
+    info = await js.consumer_info("DLQ", "plumbing-probe")
+    assert info.config.max_deliver == 5
+    again = await provision(js)
+    assert set(again.values()) == {"unchanged"}
+
+
+async def test_relay_publishes_everything_in_per_aggregate_order_with_msg_id(js, outbox_db, nats_server):
+    dsn, pool = outbox_db
+    aggregates = [uuid.uuid4() for _ in range(10)]
+    written: dict[str, list[str]] = {str(a): [] for a in aggregates}
+    for round_ in range(10):
+        async with pool.acquire() as conn, conn.transaction():
+            writer = OutboxWriter(conn, "svc", "test")
+            for agg in aggregates:
+                env = await writer.add("allocation.release_requested", _release_requested(agg), aggregate_id=str(agg))
+                written[str(agg)].append(env.event_id)
+    spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
+    relay = OutboxRelay(dsn, "svc", js, batch_size=37, poll_interval_s=0.2)
+    task = asyncio.create_task(relay.run())
+    try:
+        await spy.wait_for(lambda: len(spy.messages) >= 100, what="100 relayed events")
+        await eventually(lambda: _outbox_empty(pool))
+    finally:
+        relay.stop()
+        await task
+        await spy.stop()
+    seen: dict[str, list[str]] = {}
+    for _, data in spy.messages:
+        seen.setdefault(data["payload"]["allocation_id"], []).append(data["event_id"])
+    assert seen == written
+    assert spy.violations == []
+
+
+async def test_relay_does_not_skip_a_slow_transaction_that_commits_after_a_newer_one(js, outbox_db, nats_server):
+    dsn, pool = outbox_db
+    spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
+    relay = OutboxRelay(dsn, "svc", js, poll_interval_s=0.2)
+    task = asyncio.create_task(relay.run())
+    slow_agg, fast_agg = uuid.uuid4(), uuid.uuid4()
+    try:
+        slow = await asyncpg.connect(dsn, server_settings={"search_path": "svc"})
+        tx = slow.transaction()
+        await tx.start()
+        await OutboxWriter(slow, "svc", "test").add("allocation.release_requested", _release_requested(slow_agg),
+                                                    aggregate_id=str(slow_agg))
+        async with pool.acquire() as conn, conn.transaction():
+            await OutboxWriter(conn, "svc", "test").add("allocation.release_requested", _release_requested(fast_agg),
+                                                        aggregate_id=str(fast_agg))
+        await spy.wait_type("allocation.release_requested", allocation_id=fast_agg)
+        await tx.commit()
+        await slow.close()
+        await spy.wait_type("allocation.release_requested", allocation_id=slow_agg)
+    finally:
+        relay.stop()
+        await task
+        await spy.stop()
+
+
+async def test_republished_event_is_dropped_by_jetstream_dedup(js):
+    env = Envelope.wrap("allocation.release_requested", _release_requested(uuid.uuid4()).model_dump(mode="json"),
+                        producer="test", correlation_id="x")
+    body = env.model_dump_json().encode()
+    first = await js.publish("gpuaas.allocation.release_requested", body, headers={"Nats-Msg-Id": env.event_id})
+    second = await js.publish("gpuaas.allocation.release_requested", body, headers={"Nats-Msg-Id": env.event_id})
+    assert not first.duplicate and second.duplicate and second.seq == first.seq
+
+
+class _Probe:
+    """A handler whose behaviour each test scripts by allocation id."""
+
+    def __init__(self) -> None:
+        self.effects: list[str] = []
+        self.fail_times: dict[str, int] = {}
+        self.attempts: dict[str, int] = {}
+        self.done = asyncio.Event()
+
+    async def handle(self, ctx: HandlerContext) -> None:
+        alloc = str(ctx.payload.allocation_id)
+        self.attempts[alloc] = self.attempts.get(alloc, 0) + 1
+        if ctx.payload.reason == "permanent":
+            raise PermanentError("schema_invalid", "scripted permanent failure")
+        if self.attempts[alloc] <= self.fail_times.get(alloc, 0):
+            raise RuntimeError("scripted transient failure")
+        assert ctx.conn is not None
+        await ctx.conn.execute("CREATE TABLE IF NOT EXISTS effects (alloc text)")
+        await ctx.conn.execute("INSERT INTO effects VALUES ($1)", alloc)
+        self.effects.append(alloc)
+        self.done.set()
+
+
+@pytest.fixture
+async def probe_bus(js, outbox_db, nats_server):
+    dsn, pool = outbox_db
+    durable = f"probe-{uuid.uuid4().hex[:8]}"
+    subject = "gpuaas.allocation.release_requested"
+    # Start the probe consumer at the end of the stream so other tests' messages are not replayed.
+    info = await js.stream_info("ALLOCATIONS")
+    from nats.js.api import ConsumerConfig, DeliverPolicy, AckPolicy
+    await js.add_consumer("ALLOCATIONS", ConsumerConfig(
+        durable_name=durable, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=info.state.last_seq + 1,
+        ack_policy=AckPolicy.EXPLICIT, max_deliver=3, ack_wait=30, filter_subject=subject))
+    spec = ConsumerSpec(durable, "ALLOCATIONS", subject, max_deliver=3)
+    broker = NatsBroker(nats_server.url)
+    bus = Bus(broker, js, service="probe", schema="svc", pool=pool, retry_delays_s=(0.05,))
+    probe = _Probe()
+    bus.subscribe(spec, {"allocation.release_requested": probe.handle})
+    await broker.start()
+    dlq = await BusSpy(nats_server.url, f"gpuaas.dlq.{durable}").start()
+    yield probe, pool, dlq
+    await broker.stop()
+    await dlq.stop()
+
+
+async def _publish(js, body: bytes, msg_id: str | None = None) -> None:
+    headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+    await js.publish("gpuaas.allocation.release_requested", body, headers=headers)
+
+
+def _event(alloc: uuid.UUID, reason: str = "ok", event_id: str | None = None) -> tuple[str, bytes]:
+    env = Envelope.wrap("allocation.release_requested",
+                        m.AllocationReleaseRequested(allocation_id=alloc, reason=reason).model_dump(mode="json"),
+                        producer="test", correlation_id=str(alloc), event_id=event_id)
+    return env.event_id, env.model_dump_json().encode()
+
+
+async def test_poison_messages_are_dead_lettered_and_the_consumer_keeps_going(probe_bus, js):
+    probe, pool, dlq = probe_bus
+    await _publish(js, b"{not json")
+    await _publish(js, json.dumps({"type": "allocation.release_requested", "payload": {}}).encode())
+    bad_payload = json.loads(_event(uuid.uuid4())[1])
+    bad_payload["payload"]["allocation_id"] = "not-a-uuid"
+    await _publish(js, json.dumps(bad_payload).encode())
+    good = uuid.uuid4()
+    await _publish(js, _event(good)[1])
+    await dlq.wait_for(lambda: len(dlq.messages) >= 3, what="three dead letters")
+    await asyncio.wait_for(probe.done.wait(), 10)
+    reasons = sorted(d["payload"]["reason_code"] for _, d in dlq.messages)
+    assert reasons == ["not_json", "schema_invalid", "schema_invalid"]
+    assert all(d["payload"]["reason"] for _, d in dlq.messages)
+    assert probe.effects == [str(good)]
+    assert dlq.violations == []
+
+
+async def test_transient_failures_are_retried_and_take_effect_once(probe_bus, js):
+    probe, pool, dlq = probe_bus
+    alloc = uuid.uuid4()
+    probe.fail_times[str(alloc)] = 2
+    await _publish(js, _event(alloc)[1])
+    await asyncio.wait_for(probe.done.wait(), 10)
+    assert probe.attempts[str(alloc)] == 3
+    assert await pool.fetchval("SELECT count(*) FROM effects WHERE alloc = $1", str(alloc)) == 1
+
+
+async def test_exhausted_retries_go_to_the_dead_letter_stream_with_the_reason(probe_bus, js):
+    probe, pool, dlq = probe_bus
+    alloc = uuid.uuid4()
+    probe.fail_times[str(alloc)] = 99
+    await _publish(js, _event(alloc)[1])
+    letter = await dlq.wait_type("dead_letter", timeout=15)
+    assert letter["payload"]["reason_code"] == "max_deliver"
+    assert "scripted transient failure" in letter["payload"]["reason"]
+    assert letter["payload"]["num_delivered"] == 3
+    assert probe.attempts[str(alloc)] == 3
+
+
+async def test_a_redelivered_event_has_no_second_effect(probe_bus, js):
+    probe, pool, dlq = probe_bus
+    alloc = uuid.uuid4()
+    event_id, body = _event(alloc)
+    # Two copies with different Nats-Msg-Ids get past JetStream dedup; the inbox must catch the second.
+    await _publish(js, body, msg_id=f"{event_id}-a")
+    await _publish(js, body, msg_id=f"{event_id}-b")
+    second = uuid.uuid4()
+    await _publish(js, _event(second)[1])
+    await eventually(lambda: str(second) in probe.effects, timeout=10)
+    assert probe.effects.count(str(alloc)) == 1
+    assert probe.attempts[str(alloc)] == 1
+    assert await pool.fetchval("SELECT count(*) FROM inbox WHERE message_id = $1", event_id) == 1
+
+
+async def test_inbox_claims_once_per_consumer(outbox_db):
+    _, pool = outbox_db
+    event_id = derived_event_id("cause", "purpose")
+    async with pool.acquire() as conn:
+        assert await inbox.claim(conn, "consumer-a", event_id)
+        assert not await inbox.claim(conn, "consumer-a", event_id)
+        assert await inbox.claim(conn, "consumer-b", event_id)
+
+
+async def _outbox_empty(pool) -> bool:
+    return await pool.fetchval("SELECT count(*) FROM outbox") == 0
