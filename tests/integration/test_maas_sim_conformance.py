@@ -1,0 +1,330 @@
+"""The simulator speaks MAAS 2.0 well enough for python-libmaas, and its errors match MAAS's.
+
+python-libmaas is sync-over-async and drives its own event loop, so it runs in a worker thread
+with a loop of its own while the simulator serves from the test's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest_asyncio
+from oauthlib import oauth1
+
+from gpuaas_dev.maas_sim import SimConfig, start, system_id_for
+
+KEY = "CK" * 9 + ":" + "TK" * 9 + ":" + "TS" * 16
+CK, TK, TS = KEY.split(":")
+
+
+class Sim:
+    def __init__(self, port: int) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+        self.maas = f"{self.base}/MAAS/"
+        self.api = f"{self.base}/MAAS/api/2.0/"
+
+
+@pytest_asyncio.fixture
+async def sim() -> AsyncIterator[Sim]:
+    config = SimConfig(
+        machines=[
+            {"hostname": "bm-01", "tags": ["h200"]},
+            {"hostname": "bm-02"},
+            {"hostname": "gpu-x", "system_id": "gpux01", "tags": ["h200", "slice"]},
+        ],
+        api_key=KEY,
+    )
+    runner, port = await start(config, "127.0.0.1", 0)
+    try:
+        yield Sim(port)
+    finally:
+        await runner.cleanup()
+
+
+@pytest_asyncio.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def signed(url: str, method: str = "GET", key: str = KEY) -> dict[str, str]:
+    ck, tk, ts = key.split(":")
+    client = oauth1.Client(ck, client_secret="", resource_owner_key=tk, resource_owner_secret=ts,
+                           signature_method=oauth1.SIGNATURE_PLAINTEXT, realm="OAuth")
+    _, headers, _ = client.sign(url, http_method=method)
+    return {"Authorization": headers["Authorization"]}
+
+
+def oauth_header(**overrides: str | None) -> dict[str, str]:
+    params: dict[str, str | None] = {
+        "oauth_nonce": uuid.uuid4().hex,
+        "oauth_timestamp": str(int(time.time())),
+        "oauth_version": "1.0",
+        "oauth_signature_method": "PLAINTEXT",
+        "oauth_consumer_key": CK,
+        "oauth_token": TK,
+        "oauth_signature": "%26" + TS,
+    }
+    params.update(overrides)
+    items = ", ".join(f'{k}="{v}"' for k, v in params.items() if v is not None)
+    return {"Authorization": f'OAuth realm="OAuth", {items}'}
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    """Poll an observable condition; the simulator's timers are short, the deadline is generous."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        await asyncio.sleep(0.02)
+
+
+async def sim_machine(http: aiohttp.ClientSession, sim: Sim, system_id: str) -> dict[str, Any]:
+    async with http.get(f"{sim.base}/_sim/machines/{system_id}") as r:
+        assert r.status == 200
+        return await r.json()
+
+
+async def set_timers(http: aiohttp.ClientSession, sim: Sim, **timers: float) -> None:
+    async with http.post(f"{sim.base}/_sim/timers", json=timers) as r:
+        assert r.status == 200
+
+
+# ---- python-libmaas ---------------------------------------------------------------------------------
+
+
+def in_libmaas_thread(fn: Callable[[], Any]) -> Awaitable[Any]:
+    def run() -> Any:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            return fn()
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
+
+    return asyncio.to_thread(run)
+
+
+async def test_python_libmaas_lists_reads_deploys_and_releases(
+    sim: Sim, http: aiohttp.ClientSession
+) -> None:
+    from maas.client import connect
+    from maas.client.enum import NodeStatus
+
+    await set_timers(http, sim, deploying=0.2, releasing=0.1, disk_erasing=0.1)
+    sid = system_id_for("bm-01")
+
+    def connect_list_read() -> tuple[list[tuple[str, str, Any]], tuple[Any, ...]]:
+        client = connect(sim.maas, apikey=KEY)
+        listed = [(m.hostname, m.system_id, m.status) for m in client.machines.list()]
+        m = client.machines.get(system_id=sid)
+        return listed, (m.hostname, m.status, m.status_name, m.power_state.value, list(m.ip_addresses))
+
+    listed, read = await in_libmaas_thread(connect_list_read)
+    assert listed == [
+        ("bm-01", sid, NodeStatus.READY),
+        ("bm-02", system_id_for("bm-02"), NodeStatus.READY),
+        ("gpu-x", "gpux01", NodeStatus.READY),
+    ]
+    assert read[:4] == ("bm-01", NodeStatus.READY, "Ready", "off")
+    assert read[4][0].startswith("127.")
+
+    def deploy() -> tuple[Any, str, str]:
+        client = connect(sim.maas, apikey=KEY)
+        m = client.machines.get(system_id=sid)
+        m.deploy(distro_series="custom/gpuaas-h200-host-ubuntu2404",
+                 user_data=b"#cloud-config\nruncmd: [echo enrol]\n")
+        return m.status, m.osystem, m.distro_series
+
+    assert await in_libmaas_thread(deploy) == (NodeStatus.DEPLOYING, "custom",
+                                               "gpuaas-h200-host-ubuntu2404")
+    state = await sim_machine(http, sim, sid)
+    assert state["_sim"]["last_deploy"]["user_data"] == "#cloud-config\nruncmd: [echo enrol]\n"
+
+    async def deployed() -> bool:
+        return (await sim_machine(http, sim, sid))["status_name"] == "Deployed"
+
+    await eventually(deployed)
+
+    def release() -> Any:
+        client = connect(sim.maas, apikey=KEY)
+        m = client.machines.get(system_id=sid)
+        m.release(erase=True, quick_erase=True)
+        return m.status
+
+    assert await in_libmaas_thread(release) == NodeStatus.DISK_ERASING
+
+    async def ready() -> bool:
+        return (await sim_machine(http, sim, sid))["status_name"] == "Ready"
+
+    await eventually(ready)
+
+
+# ---- raw HTTP ---------------------------------------------------------------------------------------
+
+
+async def test_anonymous_version_and_describe(sim: Sim, http: aiohttp.ClientSession) -> None:
+    async with http.get(sim.api + "version/") as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"] == "application/json; charset=utf-8"
+        assert r.headers["X-MAAS-API-Hash"]
+        body = await r.json()
+        assert body["version"].startswith("3.5") and "capabilities" in body
+    async with http.get(sim.api + "describe/") as r:
+        assert r.headers["Content-Type"] == "application/json"
+        doc = await r.json()
+    by_name = {res["name"]: res for res in doc["resources"]}
+    machine = by_name["MachineHandler"]["auth"]
+    assert machine["uri"] == sim.api + "machines/{system_id}/"
+    assert machine["params"] == ["system_id"]
+    assert {"name": "deploy", "method": "POST", "op": "deploy", "restful": False} in [
+        {k: a[k] for k in ("name", "method", "op", "restful")} for a in machine["actions"]
+    ]
+    assert by_name["VersionHandler"]["anon"] is not None
+
+
+async def test_bad_key_is_401_with_realm(sim: Sim, http: aiohttp.ClientSession) -> None:
+    async with http.get(sim.api + "machines/", headers=oauth_header(oauth_consumer_key="nope")) as r:
+        assert r.status == 401
+        assert await r.text() == "Authorization Error: Invalid API key."
+        assert r.headers["WWW-Authenticate"] == 'OAuth realm="OAuth"'
+        assert r.headers["X-MAAS-API-Hash"]
+    async with http.get(sim.api + "machines/", headers=oauth_header(oauth_token="badtoken")) as r:
+        assert r.status == 401
+        assert await r.text() == "Authorization Error: 'Invalid access token: badtoken'"
+    async with http.get(sim.api + "machines/", headers=oauth_header(oauth_signature="%26wrong")) as r:
+        assert r.status == 401
+
+
+async def test_missing_oauth_param_is_400(sim: Sim, http: aiohttp.ClientSession) -> None:
+    async with http.get(sim.api + "machines/", headers=oauth_header(oauth_nonce=None)) as r:
+        assert r.status == 400
+        body = await r.text()
+        assert body.startswith("Bad Request: ") and "oauth_nonce" in body
+
+
+async def test_old_timestamp_and_reused_nonce_are_rejected(sim: Sim, http: aiohttp.ClientSession) -> None:
+    stale = oauth_header(oauth_timestamp=str(int(time.time()) - 301))
+    async with http.get(sim.api + "machines/", headers=stale) as r:
+        assert r.status == 401
+        assert "Expired timestamp" in await r.text()
+    headers = signed(sim.api + "machines/")
+    async with http.get(sim.api + "machines/", headers=headers) as r:
+        assert r.status == 200
+    async with http.get(sim.api + "machines/", headers=headers) as r:
+        assert r.status == 401
+        assert "Nonce already used" in await r.text()
+        assert r.headers["WWW-Authenticate"] == 'OAuth realm="OAuth"'
+
+
+async def test_unknown_machine_and_unknown_endpoint_are_404(sim: Sim, http: aiohttp.ClientSession) -> None:
+    url = sim.api + "machines/zzzzzz/"
+    async with http.get(url, headers=signed(url)) as r:
+        assert r.status == 404
+        assert r.content_type == "text/plain"
+        assert await r.text() == "No Machine matches the given query."
+    url = sim.api + "machines"  # no trailing slash
+    async with http.get(url, headers=signed(url)) as r:
+        assert r.status == 404
+        assert await r.text() == "Unknown API endpoint: /MAAS/api/2.0/machines."
+        assert r.headers["X-MAAS-API-Hash"]
+
+
+async def test_wrong_op_is_400_unrecognised_signature(sim: Sim, http: aiohttp.ClientSession) -> None:
+    url = sim.api + "machines/?op=foo"
+    async with http.post(url, headers=signed(url, "POST"), data={}) as r:
+        assert r.status == 400
+        assert await r.text() == "Unrecognised signature: method=POST op=foo"
+
+
+async def test_deploy_in_deployed_is_409(sim: Sim, http: aiohttp.ClientSession) -> None:
+    await set_timers(http, sim, deploying=0.05)
+    url = sim.api + "machines/gpux01/?op=deploy"
+    form = {"distro_series": "noble", "user_data": base64.b64encode(b"#!/bin/sh\n").decode()}
+    async with http.post(url, headers=signed(url, "POST"), data=form) as r:
+        assert r.status == 200
+        assert (await r.json())["status_name"] == "Deploying"
+
+    async def deployed() -> bool:
+        return (await sim_machine(http, sim, "gpux01"))["status_name"] == "Deployed"
+
+    await eventually(deployed)
+    async with http.post(url, headers=signed(url, "POST"), data=form) as r:
+        assert r.status == 409
+        assert await r.text() == "Can't deploy a machine that is in the 'Deployed' state"
+
+
+async def test_unknown_distro_series_is_400_json(sim: Sim, http: aiohttp.ClientSession) -> None:
+    url = sim.api + "machines/gpux01/?op=deploy"
+    async with http.post(url, headers=signed(url, "POST"), data={"distro_series": "plan9"}) as r:
+        assert r.status == 400
+        body = await r.json()
+        assert body["distro_series"][0].startswith("'plan9' is not a valid")
+
+
+async def test_op_in_body_and_multipart_base64_parts(sim: Sim, http: aiohttp.ClientSession) -> None:
+    # python-libmaas style: every part base64-encoded; op may also travel in the body.
+    with aiohttp.MultipartWriter("form-data") as mp:
+        for name, value in (("op", "release"), ("erase", "true")):
+            part = mp.append(base64.b64encode(value.encode()).decode())
+            part.set_content_disposition("form-data", name=name)
+            part.headers["Content-Transfer-Encoding"] = "base64"
+    sid = system_id_for("bm-02")
+    alloc = sim.api + "machines/?op=allocate"
+    async with http.post(alloc, headers=signed(alloc, "POST"), data={"system_id": sid}) as r:
+        assert r.status == 200 and (await r.json())["status_name"] == "Allocated"
+    url = sim.api + f"machines/{sid}/"
+    async with http.post(url, headers=signed(url, "POST"), data=mp) as r:
+        assert r.status == 200
+        assert (await r.json())["status_name"] == "Disk erasing"
+
+
+async def test_list_filters_repeat_and_combine(sim: Sim, http: aiohttp.ClientSession) -> None:
+    async def names(query: str) -> tuple[int, Any]:
+        url = sim.api + "machines/" + query
+        async with http.get(url, headers=signed(url)) as r:
+            body = await r.json()
+            return r.status, sorted(m["hostname"] for m in body) if r.status == 200 else body
+
+    assert await names("?hostname=bm-01&hostname=gpu-x") == (200, ["bm-01", "gpu-x"])
+    assert await names("?tags=h200&tags=slice") == (200, ["gpu-x"])
+    assert await names("?id=gpux01") == (200, ["gpu-x"])
+    assert await names("?status=ready&hostname=bm-02") == (200, ["bm-02"])
+    assert await names("?status=deployed") == (200, [])
+    assert await names("?tags=nope") == (400, {"tags": ["No such tag(s): 'nope'."]})
+    alloc = sim.api + "machines/?op=allocate"
+    async with http.post(alloc, headers=signed(alloc, "POST"),
+                         data={"tags": "h200", "agent_name": "agent-7"}) as r:
+        assert r.status == 200
+        assert (await r.json())["hostname"] == "bm-01"  # first Ready match by hostname
+    assert await names("?agent_name=agent-7") == (200, ["bm-01"])
+    for expected in (200, 409):
+        async with http.post(alloc, headers=signed(alloc, "POST"), data={"system_id": "gpux01"}) as r:
+            assert r.status == expected
+            text = await r.text()
+    assert text == "No machine with system ID gpux01 available."
+
+
+async def test_tags_create_and_update_nodes(sim: Sim, http: aiohttp.ClientSession) -> None:
+    url = sim.api + "tags/"
+    async with http.post(url, headers=signed(url, "POST"), data={"name": "gpuaas-profile-bm"}) as r:
+        assert r.status == 200
+        body = await r.json()
+        assert body["name"] == "gpuaas-profile-bm"
+        assert set(body) >= {"name", "definition", "comment", "kernel_opts", "resource_uri"}
+    async with http.post(url, headers=signed(url, "POST"), data={"name": "bad name!"}) as r:
+        assert r.status == 400
+    upd = sim.api + "tags/gpuaas-profile-bm/?op=update_nodes"
+    sids = [system_id_for("bm-01"), system_id_for("bm-02")]
+    form = [("add", sids[0]), ("add", sids[1]), ("remove", "gpux01")]
+    async with http.post(upd, headers=signed(upd, "POST"), data=form) as r:
+        assert await r.json() == {"added": 2, "removed": 0}
+    async with http.post(upd, headers=signed(upd, "POST"), data=[("remove", sids[1])]) as r:
+        assert await r.json() == {"added": 0, "removed": 1}
+    assert (await sim_machine(http, sim, sids[0]))["tag_names"] == ["gpuaas-profile-bm", "h200"]

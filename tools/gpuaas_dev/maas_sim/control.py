@@ -1,0 +1,82 @@
+"""Simulator controls under /_sim/: not part of MAAS, unauthenticated, for tests and dev stacks."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from aiohttp import web
+
+from .faults import Fault
+from .state import SimState
+
+
+def add_routes(app: web.Application, state_key: web.AppKey[SimState]) -> None:
+    def state_of(request: web.Request) -> SimState:
+        return request.app[state_key]
+
+    async def healthz(request: web.Request) -> web.Response:
+        state = state_of(request)
+        return web.json_response({"ok": True, "machines": len(state.machines)})
+
+    async def calls(request: web.Request) -> web.Response:
+        return web.json_response({"calls": state_of(request).calls_snapshot()})
+
+    async def reset_calls(request: web.Request) -> web.Response:
+        state_of(request).calls.clear()
+        return web.json_response({"calls": {}})
+
+    async def list_faults(request: web.Request) -> web.Response:
+        return web.json_response({"faults": [f.to_dict() for f in state_of(request).faults.list()]})
+
+    async def add_faults(request: web.Request) -> web.Response:
+        try:
+            body: Any = await request.json()
+            items = body.get("faults", [body]) if isinstance(body, dict) else list(body)
+            faults = [Fault.from_dict(item) for item in items]
+        except (ValueError, TypeError, AttributeError, KeyError) as error:
+            return web.json_response({"error": str(error)}, status=400)
+        state = state_of(request)
+        unknown = [f.system_id for f in faults if f.system_id and f.system_id not in state.machines]
+        if unknown:
+            return web.json_response({"error": f"unknown system_id(s): {unknown}"}, status=400)
+        for fault in faults:
+            state.faults.add(fault)
+        return web.json_response({"faults": [f.to_dict() for f in faults]})
+
+    async def clear_faults(request: web.Request) -> web.Response:
+        fault_id = request.query.get("id")
+        state_of(request).faults.clear(int(fault_id) if fault_id else None)
+        return web.json_response({"faults": [f.to_dict() for f in state_of(request).faults.list()]})
+
+    async def machines(request: web.Request) -> web.Response:
+        state = state_of(request)
+        return web.json_response({"machines": [state.machine_debug(sid) for sid in state.machines]})
+
+    async def machine(request: web.Request) -> web.Response:
+        state = state_of(request)
+        system_id = request.match_info["system_id"]
+        if system_id not in state.machines:
+            return web.json_response({"error": f"no machine {system_id}"}, status=404)
+        return web.json_response(state.machine_debug(system_id))
+
+    async def timers(request: web.Request) -> web.Response:
+        state = state_of(request)
+        if request.method == "POST":
+            try:
+                changes = await request.json()
+                state.timers = state.timers.updated(**changes)
+            except (ValueError, TypeError) as error:
+                return web.json_response({"error": str(error)}, status=400)
+        return web.json_response(dataclasses.asdict(state.timers))
+
+    app.router.add_get("/_sim/healthz", healthz)
+    app.router.add_get("/_sim/calls", calls)
+    app.router.add_delete("/_sim/calls", reset_calls)
+    app.router.add_get("/_sim/faults", list_faults)
+    app.router.add_post("/_sim/faults", add_faults)
+    app.router.add_delete("/_sim/faults", clear_faults)
+    app.router.add_get("/_sim/machines", machines)
+    app.router.add_get("/_sim/machines/{system_id}", machine)
+    app.router.add_get("/_sim/timers", timers)
+    app.router.add_post("/_sim/timers", timers)

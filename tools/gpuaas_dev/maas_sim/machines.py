@@ -1,0 +1,385 @@
+"""Pure state machine of one simulated MAAS machine.
+
+No I/O and no clock of its own: every transition takes `now` (seconds on any monotonic scale) so the
+timers that move Deploying -> Deployed and friends can be driven from a test without sleeping. Timed
+phases are evaluated lazily by `advance(now)`, which the server calls before it reads or mutates.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .errors import BadRequest, NodeStateViolation, NoMachineAvailable
+
+
+class NodeStatus(enum.IntEnum):
+    NEW = 0
+    COMMISSIONING = 1
+    FAILED_COMMISSIONING = 2
+    MISSING = 3
+    READY = 4
+    RESERVED = 5
+    DEPLOYED = 6
+    RETIRED = 7
+    BROKEN = 8
+    DEPLOYING = 9
+    ALLOCATED = 10
+    FAILED_DEPLOYMENT = 11
+    RELEASING = 12
+    FAILED_RELEASING = 13
+    DISK_ERASING = 14
+    FAILED_DISK_ERASING = 15
+    RESCUE_MODE = 16
+    ENTERING_RESCUE_MODE = 17
+    FAILED_ENTERING_RESCUE_MODE = 18
+    EXITING_RESCUE_MODE = 19
+    FAILED_EXITING_RESCUE_MODE = 20
+    TESTING = 21
+    FAILED_TESTING = 22
+
+    @property
+    def label(self) -> str:
+        return STATUS_LABELS[self]
+
+    @property
+    def filter_name(self) -> str:
+        """The spelling `GET machines/?status=` accepts, e.g. `failed_deployment`."""
+        return self.name.lower()
+
+
+# Labels are what MAAS prints in status_name and inside its error messages; they are not derivable
+# from the enum names (e.g. FAILED_RELEASING is labelled "Releasing failed").
+STATUS_LABELS: dict[NodeStatus, str] = {
+    NodeStatus.NEW: "New",
+    NodeStatus.COMMISSIONING: "Commissioning",
+    NodeStatus.FAILED_COMMISSIONING: "Failed commissioning",
+    NodeStatus.MISSING: "Missing",
+    NodeStatus.READY: "Ready",
+    NodeStatus.RESERVED: "Reserved",
+    NodeStatus.DEPLOYED: "Deployed",
+    NodeStatus.RETIRED: "Retired",
+    NodeStatus.BROKEN: "Broken",
+    NodeStatus.DEPLOYING: "Deploying",
+    NodeStatus.ALLOCATED: "Allocated",
+    NodeStatus.FAILED_DEPLOYMENT: "Failed deployment",
+    NodeStatus.RELEASING: "Releasing",
+    NodeStatus.FAILED_RELEASING: "Releasing failed",
+    NodeStatus.DISK_ERASING: "Disk erasing",
+    NodeStatus.FAILED_DISK_ERASING: "Failed disk erasing",
+    NodeStatus.RESCUE_MODE: "Rescue mode",
+    NodeStatus.ENTERING_RESCUE_MODE: "Entering rescue mode",
+    NodeStatus.FAILED_ENTERING_RESCUE_MODE: "Failed to enter rescue mode",
+    NodeStatus.EXITING_RESCUE_MODE: "Exiting rescue mode",
+    NodeStatus.FAILED_EXITING_RESCUE_MODE: "Failed to exit rescue mode",
+    NodeStatus.TESTING: "Testing",
+    NodeStatus.FAILED_TESTING: "Failed testing",
+}
+
+_RELEASE_NOOP = frozenset({NodeStatus.READY, NodeStatus.RELEASING})
+_RELEASABLE = frozenset(
+    {
+        NodeStatus.ALLOCATED,
+        NodeStatus.RESERVED,
+        NodeStatus.BROKEN,
+        NodeStatus.DEPLOYING,
+        NodeStatus.DEPLOYED,
+        NodeStatus.FAILED_DEPLOYMENT,
+        NodeStatus.FAILED_DISK_ERASING,
+        NodeStatus.FAILED_RELEASING,
+    }
+)
+_COMMISSIONABLE = frozenset(
+    {NodeStatus.NEW, NodeStatus.FAILED_COMMISSIONING, NodeStatus.READY, NodeStatus.BROKEN}
+)
+
+# Where each timed phase ends, on success and on an injected failure.
+_PHASE_OUTCOME: dict[NodeStatus, tuple[NodeStatus, NodeStatus]] = {
+    NodeStatus.DEPLOYING: (NodeStatus.DEPLOYED, NodeStatus.FAILED_DEPLOYMENT),
+    NodeStatus.RELEASING: (NodeStatus.READY, NodeStatus.FAILED_RELEASING),
+    NodeStatus.DISK_ERASING: (NodeStatus.READY, NodeStatus.FAILED_DISK_ERASING),
+    NodeStatus.COMMISSIONING: (NodeStatus.TESTING, NodeStatus.FAILED_COMMISSIONING),
+    NodeStatus.TESTING: (NodeStatus.READY, NodeStatus.FAILED_TESTING),
+}
+
+_ALNUM = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
+def system_id_for(hostname: str) -> str:
+    """Deterministic 6-char lowercase alphanumeric system_id, so fixtures and logs are stable."""
+    n = int.from_bytes(hashlib.sha256(hostname.encode("utf-8")).digest()[:8], "big")
+    chars = []
+    for _ in range(6):
+        n, r = divmod(n, len(_ALNUM))
+        chars.append(_ALNUM[r])
+    return "".join(chars)
+
+
+@dataclass(frozen=True)
+class Timers:
+    """Seconds each timed phase lasts; read when a phase starts, so changes affect later phases."""
+
+    deploying: float = 2.0
+    releasing: float = 1.0
+    disk_erasing: float = 1.0
+    commissioning: float = 1.0
+    testing: float = 1.0
+
+    def updated(self, **changes: float) -> Timers:
+        unknown = set(changes) - set(self.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown timers: {sorted(unknown)}")
+        return replace(self, **{k: float(v) for k, v in changes.items()})
+
+    def for_phase(self, status: NodeStatus) -> float:
+        return {
+            NodeStatus.DEPLOYING: self.deploying,
+            NodeStatus.RELEASING: self.releasing,
+            NodeStatus.DISK_ERASING: self.disk_erasing,
+            NodeStatus.COMMISSIONING: self.commissioning,
+            NodeStatus.TESTING: self.testing,
+        }[status]
+
+
+PHASE_NAMES: dict[str, NodeStatus] = {
+    "deploying": NodeStatus.DEPLOYING,
+    "releasing": NodeStatus.RELEASING,
+    "disk_erasing": NodeStatus.DISK_ERASING,
+    "commissioning": NodeStatus.COMMISSIONING,
+    "testing": NodeStatus.TESTING,
+}
+
+
+@dataclass(frozen=True)
+class Transition:
+    at: float
+    from_status: NodeStatus
+    to_status: NodeStatus
+    reason: str
+
+
+@dataclass
+class Machine:
+    system_id: str
+    hostname: str
+    index: int = 1
+    tags: set[str] = field(default_factory=set)
+    status: NodeStatus = NodeStatus.READY
+    status_message: str = ""
+    owner: str | None = None
+    agent_name: str = ""
+    osystem: str = ""
+    distro_series: str = ""
+    hwe_kernel: str | None = None
+    power_state: str = "off"
+    power_type: str = "ipmi"
+    architecture: str = "amd64/generic"
+    cpu_count: int = 224
+    memory: int = 2097152
+    zone: str = "default"
+    pool: str = "default"
+    domain: str = "maas"
+    locked: bool = False
+    previous_status: NodeStatus | None = None
+    phase_deadline: float | None = None
+    pending_failures: dict[NodeStatus, str] = field(default_factory=dict)
+    erase_mode: str | None = None
+    last_deploy: dict[str, Any] | None = None
+    history: list[Transition] = field(default_factory=list)
+
+    # ---- derived facts -------------------------------------------------------------------------
+
+    @property
+    def fqdn(self) -> str:
+        return f"{self.hostname}.{self.domain}"
+
+    @property
+    def ip_address(self) -> str:
+        # Loopback addresses keep any accidental traffic from a simulated host on this machine.
+        return f"127.0.{10 + self.index // 250}.{1 + self.index % 250}"
+
+    @property
+    def mac_address(self) -> str:
+        digest = hashlib.sha256(self.system_id.encode()).digest()
+        return "52:54:00:" + ":".join(f"{b:02x}" for b in digest[:3])
+
+    # ---- transitions ---------------------------------------------------------------------------
+
+    def _move(self, now: float, to: NodeStatus, reason: str, message: str | None = None) -> None:
+        self.history.append(Transition(now, self.status, to, reason))
+        self.status = to
+        self.status_message = message if message is not None else to.label
+        if to in (NodeStatus.DEPLOYING, NodeStatus.COMMISSIONING, NodeStatus.TESTING,
+                  NodeStatus.DISK_ERASING, NodeStatus.DEPLOYED):
+            self.power_state = "on"
+        elif to in (NodeStatus.READY, NodeStatus.NEW, NodeStatus.ALLOCATED):
+            self.power_state = "off"
+
+    def _start_phase(self, now: float, timers: Timers, phase: NodeStatus, reason: str) -> None:
+        self._move(now, phase, reason)
+        self.phase_deadline = now + timers.for_phase(phase)
+
+    def inject_failure(self, phase: str | NodeStatus, message: str) -> None:
+        """Make the next run of `phase` end in its failed state (e.g. Failed deployment)."""
+        status = PHASE_NAMES[phase] if isinstance(phase, str) else phase
+        if status not in _PHASE_OUTCOME:
+            raise ValueError(f"{phase!r} is not a timed phase")
+        self.pending_failures[status] = message
+
+    def advance(self, now: float, timers: Timers) -> None:
+        """Complete every timed phase whose deadline has passed by `now`."""
+        while self.phase_deadline is not None and now >= self.phase_deadline:
+            deadline = self.phase_deadline
+            phase = self.status
+            self.phase_deadline = None
+            ok_status, failed_status = _PHASE_OUTCOME[phase]
+            failure = self.pending_failures.pop(phase, None)
+            if failure is not None:
+                self._move(deadline, failed_status, "timer", failure)
+                continue
+            if ok_status is NodeStatus.TESTING:
+                # Testing is timed from the end of commissioning, not from `now`, so a late poll
+                # sees the same outcome as a prompt one.
+                self._move(deadline, NodeStatus.TESTING, "timer")
+                self.phase_deadline = deadline + timers.testing
+                continue
+            if ok_status is NodeStatus.READY:
+                self._clear_ownership()
+            self._move(deadline, ok_status, "timer")
+
+    def _clear_ownership(self) -> None:
+        self.owner = None
+        self.agent_name = ""
+        self.osystem = ""
+        self.distro_series = ""
+        self.hwe_kernel = None
+        self.erase_mode = None
+
+    def allocate(self, now: float, owner: str, agent_name: str = "", comment: str | None = None) -> None:
+        if self.status is not NodeStatus.READY or self.owner is not None or self.locked:
+            raise NoMachineAvailable(f"No machine with system ID {self.system_id} available.")
+        self.owner = owner
+        self.agent_name = agent_name or ""
+        self._move(now, NodeStatus.ALLOCATED, "allocate")
+
+    def deploy(
+        self,
+        now: float,
+        timers: Timers,
+        *,
+        owner: str,
+        osystem: str,
+        distro_series: str,
+        user_data: bytes | None = None,
+        hwe_kernel: str | None = None,
+        agent_name: str | None = None,
+        comment: str | None = None,
+    ) -> None:
+        if self.status is NodeStatus.READY and self.owner is None and not self.locked:
+            self.allocate(now, owner, agent_name or "", comment)
+        elif self.status is not NodeStatus.ALLOCATED:
+            raise NodeStateViolation(
+                f"Can't deploy a machine that is in the '{self.status.label}' state"
+            )
+        if agent_name:
+            self.agent_name = agent_name
+        self.osystem = osystem
+        self.distro_series = distro_series
+        self.hwe_kernel = hwe_kernel
+        self.last_deploy = {
+            "at": now,
+            "osystem": osystem,
+            "distro_series": distro_series,
+            "hwe_kernel": hwe_kernel,
+            "user_data": user_data,
+            "comment": comment,
+        }
+        self._start_phase(now, timers, NodeStatus.DEPLOYING, "deploy")
+
+    def release(
+        self,
+        now: float,
+        timers: Timers,
+        *,
+        erase: bool = False,
+        quick_erase: bool = False,
+        secure_erase: bool = False,
+        comment: str | None = None,
+    ) -> None:
+        if self.status in _RELEASE_NOOP:
+            return
+        if self.status not in _RELEASABLE:
+            raise NodeStateViolation(
+                f"Machine cannot be released in its current state ('{self.status.label}')."
+            )
+        self.phase_deadline = None
+        # MAAS drops the deploy's failure plan too: a release is a fresh start.
+        self.pending_failures.pop(NodeStatus.DEPLOYING, None)
+        if erase or quick_erase or secure_erase:
+            self.erase_mode = "secure" if secure_erase else "quick" if quick_erase else "full"
+            self._start_phase(now, timers, NodeStatus.DISK_ERASING, "release")
+        else:
+            self._start_phase(now, timers, NodeStatus.RELEASING, "release")
+
+    def commission(self, now: float, timers: Timers) -> None:
+        if self.status not in _COMMISSIONABLE:
+            raise BadRequest(
+                {"__all__": ["Commission is not available because of the current state of the node."]}
+            )
+        self.previous_status = self.status
+        self._start_phase(now, timers, NodeStatus.COMMISSIONING, "commission")
+
+    def abort(self, now: float, comment: str | None = None) -> None:
+        target = {
+            NodeStatus.COMMISSIONING: NodeStatus.NEW,
+            NodeStatus.DEPLOYING: NodeStatus.ALLOCATED,
+            NodeStatus.DISK_ERASING: NodeStatus.FAILED_DISK_ERASING,
+            # Testing goes back to where the machine was before commissioning started.
+            NodeStatus.TESTING: self.previous_status or NodeStatus.NEW,
+        }.get(self.status)
+        if target is None:
+            raise NodeStateViolation(
+                f"Cannot abort in current state: node {self.system_id} is in state "
+                f"{self.status.label}."
+            )
+        self.pending_failures.pop(self.status, None)
+        self.phase_deadline = None
+        self._move(now, target, "abort")
+
+    # ---- wire shape ----------------------------------------------------------------------------
+
+    def to_json(self, api_root: str = "/MAAS/api/2.0/") -> dict[str, Any]:
+        return {
+            "system_id": self.system_id,
+            "hostname": self.hostname,
+            "fqdn": self.fqdn,
+            "domain": {"name": self.domain, "id": 0},
+            "node_type": 0,
+            "node_type_name": "Machine",
+            "status": int(self.status),
+            "status_name": self.status.label,
+            "status_message": self.status_message,
+            "status_action": "",
+            "owner": self.owner,
+            "owner_data": {},
+            "osystem": self.osystem,
+            "distro_series": self.distro_series,
+            "hwe_kernel": self.hwe_kernel,
+            "min_hwe_kernel": "",
+            "netboot": self.status not in (NodeStatus.DEPLOYED,),
+            "power_state": self.power_state,
+            "power_type": self.power_type,
+            "tag_names": sorted(self.tags),
+            "ip_addresses": [self.ip_address],
+            "boot_interface": {"mac_address": self.mac_address, "name": "eno1"},
+            "architecture": self.architecture,
+            "cpu_count": self.cpu_count,
+            "memory": self.memory,
+            "zone": {"name": self.zone, "id": 1, "description": ""},
+            "pool": {"name": self.pool, "id": 0, "description": "Default pool"},
+            "locked": self.locked,
+            "disable_ipv4": False,
+            "resource_uri": f"{api_root}machines/{self.system_id}/",
+        }

@@ -1,0 +1,53 @@
+"""Starting the simulator in-process (tests, dev stack) or as a blocking CLI server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from aiohttp import web
+
+from .app import STATE_KEY, create_app
+from .config import SimConfig
+from .state import SimState
+
+log = structlog.get_logger("gpuaas_dev.maas_sim")
+
+
+async def start(
+    config: SimConfig, host: str = "127.0.0.1", port: int = 0
+) -> tuple[web.AppRunner, int]:
+    """Serve on host:port (0 picks a free port); returns the runner (call `cleanup()`) and the port."""
+    app = create_app(config)
+    # A short shutdown timeout: handlers held open by a lost-response fault are released on
+    # shutdown anyway, and nothing else is long-running.
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server  # aiohttp exposes the bound socket only here
+    actual_port = server.sockets[0].getsockname()[1] if server is not None else port
+    log.info("maas_sim_started", host=host, port=actual_port, machines=len(app[STATE_KEY].machines))
+    return runner, actual_port
+
+
+def state_of(runner: web.AppRunner) -> SimState:
+    """The live simulator state behind a runner returned by `start`, for in-process tests."""
+    return runner.app[STATE_KEY]
+
+
+def run(config: SimConfig, host: str = "127.0.0.1", port: int = 5240) -> None:
+    """Serve until interrupted."""
+
+    async def main() -> None:
+        runner, actual_port = await start(config, host, port)
+        print(f"MAAS simulator at http://{host}:{actual_port}/MAAS/", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
