@@ -1,0 +1,108 @@
+"""One embedded stack (real NATS, Postgres, five service processes, MAAS simulator, simulated
+fleet) shared by the e2e tests of a module, plus helpers that speak to it like a portal would."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import asyncpg
+import nats
+import pytest
+
+from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import messages as m
+from gpuaas_common.jetstream import provision
+from gpuaas_common.testing.bus_spy import BusSpy
+from gpuaas_dev.stack import Stack
+
+TERMINAL = ("active", "failed", "unschedulable", "released")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(tmp_path_factory.mktemp("stack"), slice_hosts=2, slots_per_host=8, baremetal_hosts=2)
+    s.start()
+    yield s
+    s.stop()
+
+
+class Portal:
+    """Publishes portal input and follows the lifecycle, validating every message it sees."""
+
+    def __init__(self, stack: Stack, spy: BusSpy, nc: Any) -> None:
+        self.stack = stack
+        self.spy = spy
+        self.nc = nc
+        self.js = nc.jetstream()
+
+    async def publish(self, type_: str, payload: m.Payload | dict[str, Any], *, msg_id: str | None = None,
+                      event_id: str | None = None) -> Envelope:
+        body = payload if isinstance(payload, dict) else payload.model_dump(mode="json")
+        env = Envelope.wrap(type_, body, producer="portal", correlation_id=str(body.get("allocation_id", "x")),
+                            event_id=event_id)
+        subject = "gpuaas.allocation.requested" if type_ == "allocation.requested" else "gpuaas.allocation.release_requested"
+        await self.js.publish(subject, env.model_dump_json().encode(), headers={"Nats-Msg-Id": msg_id or env.event_id})
+        return env
+
+    async def publish_raw(self, body: bytes) -> None:
+        self.spy.allow_invalid(body)
+        await self.js.publish("gpuaas.allocation.requested", body)
+
+    async def request(self, shape: str = "gpu_slice", gpus: int = 1, **overrides: Any) -> uuid.UUID:
+        alloc = overrides.pop("allocation_id", uuid.uuid4())
+        defaults = {
+            "gpu_slice": {"sku": "h200-sxm-slice", "image": "ubuntu-24.04-h200-slice"},
+            "baremetal": {"sku": "h200-sxm", "image": "ubuntu-24.04-h200-host"},
+        }[shape]
+        payload = {"allocation_id": str(alloc), "tenant_id": "tenant-a", "shape": shape, "gpu_count": gpus,
+                   "ssh_public_keys": ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDev tenant@example"], **defaults,
+                   **overrides}
+        await self.publish("allocation.requested", payload)
+        return alloc
+
+    async def release(self, alloc: uuid.UUID) -> None:
+        await self.publish("allocation.release_requested", m.AllocationReleaseRequested(allocation_id=alloc))
+
+    async def wait_state(self, alloc: uuid.UUID, state: str, timeout: float = 60.0) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            events = self.spy.of_type(f"allocation.{state}", allocation_id=alloc)
+            if events:
+                return events[0]
+            for terminal in TERMINAL + ("rejected",):
+                if terminal != state and self.spy.of_type(f"allocation.{terminal}", allocation_id=alloc):
+                    bad = self.spy.of_type(f"allocation.{terminal}", allocation_id=alloc)[0]
+                    raise AssertionError(f"{alloc} ended {terminal} while waiting for {state}: {bad['payload']}")
+            return None
+
+        return await self.spy.wait_for(found, timeout, f"{alloc} {state}")
+
+
+@pytest.fixture(scope="module")
+async def portal(stack: Stack) -> AsyncIterator[Portal]:
+    spy = await BusSpy(stack.nats_url).start()
+    nc = await nats.connect(stack.nats_url)
+    await provision(nc.jetstream())
+    yield Portal(stack, spy, nc)
+    await nc.drain()
+    await spy.stop()
+    assert spy.violations == [], f"messages broke the contract: {spy.violations[:5]}"
+
+
+@pytest.fixture(scope="module")
+async def db(stack: Stack) -> AsyncIterator[asyncpg.Pool]:
+    pool = await asyncpg.create_pool(stack.dsn, min_size=1, max_size=4)
+    yield pool
+    await pool.close()
+
+
+async def maas_sim(stack: Stack, method: str, path: str, body: Any = None) -> Any:
+    base = stack.maas_url.split("/MAAS")[0]
+    async with aiohttp.ClientSession() as http:
+        async with http.request(method, f"{base}{path}", json=body) as resp:
+            text = await resp.text()
+            assert resp.status < 400, text
+            return json.loads(text)

@@ -1,0 +1,78 @@
+"""Both allocation shapes end to end through five separate service processes."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from gpuaas_common.testing.waiting import eventually
+
+from .conftest import maas_sim
+
+pytestmark = pytest.mark.e2e
+
+FULL_LIFECYCLE = ["requested", "accepted", "placed", "provisioning", "active", "releasing", "released"]
+
+
+async def _timeline(db, alloc: uuid.UUID) -> list[str]:
+    rows = await db.fetch("SELECT state FROM allocator.allocation_timeline WHERE allocation_id = $1 ORDER BY seq", alloc)
+    return [r["state"] for r in rows]
+
+
+async def _live_claims(db, alloc: uuid.UUID) -> int:
+    return await db.fetchval(
+        "SELECT count(*) FROM scheduler.allocation_resource_claims WHERE allocation_id = $1 AND status <> 'released'",
+        alloc,
+    )
+
+
+async def test_slice_allocation_goes_active_and_is_released_with_wipe_proof(portal, db):
+    alloc = await portal.request("gpu_slice", gpus=2)
+    placed = await portal.wait_state(alloc, "placed")
+    slots = placed["payload"]["slots"]
+    assert len(slots) == 2 and placed["payload"]["claim_mode"] == "slots"
+    active = await portal.wait_state(alloc, "active")
+    access = active["payload"]["access"]
+    assert access["ssh_ready"] is True and access["ip"] == slots[0]["private_ip"]
+    task = portal.spy.of_type("slice.vm_provision", allocation_id=alloc)[0]["payload"]
+    assert task["image"]["slug"] == "ubuntu-24.04-h200-slice" and len(task["image"]["digest_sha256"]) == 64
+    statuses = await db.fetch(
+        "SELECT status FROM scheduler.node_resource_slots WHERE slot_id = ANY($1::text[])", [s["slot_id"] for s in slots]
+    )
+    assert {r["status"] for r in statuses} == {"active"}
+
+    await portal.release(alloc)
+    released = await portal.wait_state(alloc, "released")
+    cleanup = released["payload"]["cleanup"]
+    assert cleanup["required"] and cleanup["verified"]
+    assert sorted(p["device"] for p in cleanup["wipe_proofs"]) == sorted(s["nvme_by_id"] for s in slots)
+    assert await _timeline(db, alloc) == FULL_LIFECYCLE
+
+    async def freed() -> bool:
+        rows = await db.fetch("SELECT status FROM scheduler.node_resource_slots WHERE slot_id = ANY($1::text[])",
+                              [s["slot_id"] for s in slots])
+        return {r["status"] for r in rows} == {"available"} and await _live_claims(db, alloc) == 0
+
+    await eventually(freed, timeout=30, what="slots available and claims released")
+
+
+async def test_baremetal_allocation_goes_active_through_maas_and_is_released(portal, db, stack):
+    alloc = await portal.request("baremetal", gpus=8)
+    placed = await portal.wait_state(alloc, "placed")
+    assert placed["payload"]["claim_mode"] == "node_exclusive"
+    system_id = placed["payload"]["maas_system_id"]
+    await portal.wait_state(alloc, "active", timeout=90)
+    machine = await maas_sim(stack, "GET", f"/_sim/machines/{system_id}")
+    assert machine["status_name"] == "Deployed"
+    await portal.release(alloc)
+    released = await portal.wait_state(alloc, "released", timeout=90)
+    assert released["payload"]["cleanup"]["required"] is True
+    assert await _timeline(db, alloc) == FULL_LIFECYCLE
+    machine = await maas_sim(stack, "GET", f"/_sim/machines/{system_id}")
+    assert machine["status_name"] == "Ready"
+    await eventually(lambda: _no_claims(db, alloc), timeout=30, what="node claim released")
+
+
+async def _no_claims(db, alloc) -> bool:
+    return await _live_claims(db, alloc) == 0
