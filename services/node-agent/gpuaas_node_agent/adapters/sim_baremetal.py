@@ -1,0 +1,66 @@
+"""A simulated baremetal host: it "boots" when the MAAS simulator says Deployed and enrols.
+
+Only for the simulated fleet. A real host gets the same env file from cloud-init user_data and its
+agent enrols on start; here we read the user_data the simulator recorded for the last deploy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from gpuaas_common.logging import get_logger
+
+log = get_logger(__name__)
+
+_ENV_LINE = re.compile(r"^\s*(GPUAAS_[A-Z_]+)=(\S+)\s*$", re.MULTILINE)
+
+
+def parse_agent_env(user_data: str) -> dict[str, str]:
+    return dict(_ENV_LINE.findall(user_data or ""))
+
+
+class SimulatedBaremetalHost:
+    def __init__(
+        self,
+        node_id: str,
+        system_id: str,
+        maas_sim_url: str,
+        enrol: Callable[[dict[str, str]], Awaitable[None]],
+        poll_interval_s: float = 0.25,
+    ) -> None:
+        self.node_id = node_id
+        self.system_id = system_id
+        self.url = maas_sim_url.rstrip("/") + f"/_sim/machines/{system_id}"
+        self.enrol = enrol
+        self.poll_interval_s = poll_interval_s
+        self._enrolled_for: str | None = None
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while True:
+                try:
+                    async with http.get(self.url) as resp:
+                        data = await resp.json()
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                    await asyncio.sleep(self.poll_interval_s)
+                    continue
+                status = data.get("status_name")
+                last = (data.get("_sim") or {}).get("last_deploy") or {}
+                env = parse_agent_env(last.get("user_data") or "")
+                allocation = env.get("GPUAAS_ALLOCATION_ID")
+                if status == "Deployed" and allocation and allocation != self._enrolled_for:
+                    await self.enrol(env)
+                    self._enrolled_for = allocation
+                    log.info("sim_baremetal_enrolled", node_id=self.node_id, allocation_id=allocation)
+                elif status != "Deployed":
+                    self._enrolled_for = None
+                await asyncio.sleep(self.poll_interval_s)
+
+
+def enrolment_proof(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()

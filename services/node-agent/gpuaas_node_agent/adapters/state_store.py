@@ -1,0 +1,146 @@
+"""Host-local durable state (sqlite): task records, fencing epochs and resource leases.
+
+It survives an agent restart, so a redelivered task is answered from its record instead of being
+run twice, and a task interrupted after it touched a disk is reported as needing cleanup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+from pathlib import Path
+from collections.abc import Iterator
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id       TEXT PRIMARY KEY,
+    task_type     TEXT NOT NULL,
+    allocation_id TEXT NOT NULL,
+    status        TEXT NOT NULL,
+    phase         TEXT,
+    disk_touched  INTEGER NOT NULL DEFAULT 0,
+    result_json   TEXT,
+    updated_at    REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS slot_epochs (
+    slot_id TEXT PRIMARY KEY,
+    epoch   INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS leases (
+    resource      TEXT PRIMARY KEY,
+    allocation_id TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS verified_images (
+    path   TEXT PRIMARY KEY,
+    digest TEXT NOT NULL,
+    size   INTEGER NOT NULL,
+    mtime  REAL NOT NULL
+);
+"""
+
+
+class StateStore:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    # --- tasks ---------------------------------------------------------------------------------
+
+    def task(self, task_id: str) -> dict[str, Any] | None:
+        row = self._db.execute(
+            "SELECT task_id, task_type, allocation_id, status, phase, disk_touched, result_json FROM tasks "
+            "WHERE task_id = ?", (task_id,),
+        ).fetchone()
+        if row is None:
+            return None
+        keys = ("task_id", "task_type", "allocation_id", "status", "phase", "disk_touched", "result_json")
+        record = dict(zip(keys, row))
+        record["result"] = json.loads(record.pop("result_json")) if record["result_json"] else None
+        return record
+
+    def start_task(self, task_id: str, task_type: str, allocation_id: str) -> None:
+        self._db.execute(
+            "INSERT INTO tasks (task_id, task_type, allocation_id, status, updated_at) VALUES (?, ?, ?, 'running', ?) "
+            "ON CONFLICT (task_id) DO UPDATE SET status = 'running', updated_at = excluded.updated_at",
+            (task_id, task_type, allocation_id, time.time()),
+        )
+
+    def set_phase(self, task_id: str, phase: str, *, disk_touched: bool = False) -> None:
+        self._db.execute(
+            "UPDATE tasks SET phase = ?, disk_touched = MAX(disk_touched, ?), updated_at = ? WHERE task_id = ?",
+            (phase, int(disk_touched), time.time(), task_id),
+        )
+
+    def finish_task(self, task_id: str, status: str, result: dict[str, Any]) -> None:
+        self._db.execute(
+            "UPDATE tasks SET status = ?, result_json = ?, updated_at = ? WHERE task_id = ?",
+            (status, json.dumps(result), time.time(), task_id),
+        )
+
+    # --- fencing ----------------------------------------------------------------------------------
+
+    def check_and_record_epochs(self, slot_ids: list[str], epoch: int) -> str | None:
+        """Refuse an epoch older than one already seen for any slot; otherwise remember it."""
+        with self._immediate():
+            for slot_id in slot_ids:
+                row = self._db.execute("SELECT epoch FROM slot_epochs WHERE slot_id = ?", (slot_id,)).fetchone()
+                if row is not None and row[0] > epoch:
+                    return f"slot {slot_id} is fenced at epoch {row[0]}, task carries {epoch}"
+            for slot_id in slot_ids:
+                self._db.execute(
+                    "INSERT INTO slot_epochs (slot_id, epoch) VALUES (?, ?) "
+                    "ON CONFLICT (slot_id) DO UPDATE SET epoch = MAX(epoch, excluded.epoch)",
+                    (slot_id, epoch),
+                )
+        return None
+
+    @contextlib.contextmanager
+    def _immediate(self) -> Iterator[None]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # --- leases ------------------------------------------------------------------------------------
+
+    def take_leases(self, resources: list[str], allocation_id: str) -> str | None:
+        with self._immediate():
+            for res in resources:
+                row = self._db.execute("SELECT allocation_id FROM leases WHERE resource = ?", (res,)).fetchone()
+                if row is not None and row[0] != allocation_id:
+                    return f"{res} is leased by allocation {row[0]}"
+            self._db.executemany(
+                "INSERT OR IGNORE INTO leases (resource, allocation_id) VALUES (?, ?)",
+                [(res, allocation_id) for res in resources],
+            )
+        return None
+
+    def drop_leases(self, allocation_id: str) -> None:
+        self._db.execute("DELETE FROM leases WHERE allocation_id = ?", (allocation_id,))
+
+    # --- image verification cache ------------------------------------------------------------------
+
+    def verified_digest(self, path: str, size: int, mtime: float) -> str | None:
+        row = self._db.execute(
+            "SELECT digest FROM verified_images WHERE path = ? AND size = ? AND mtime = ?", (path, size, mtime)
+        ).fetchone()
+        return row[0] if row else None
+
+    def remember_digest(self, path: str, digest: str, size: int, mtime: float) -> None:
+        self._db.execute(
+            "INSERT INTO verified_images (path, digest, size, mtime) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (path) DO UPDATE SET digest = excluded.digest, size = excluded.size, mtime = excluded.mtime",
+            (path, digest, size, mtime),
+        )
