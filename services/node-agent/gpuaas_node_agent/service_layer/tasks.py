@@ -243,7 +243,7 @@ class SliceHostAgent:
                 proof = await disk.wipe_and_verify(str(path))
                 proofs.append(m.WipeProof(
                     device=slot.nvme_by_id, method=proof.method, verified=proof.verified,
-                    signatures=[f"{sig.type}@{sig.offset}" for sig in proof.signatures], detail=proof.detail,
+                    signatures=[str(sig) for sig in proof.signatures], detail=proof.detail,
                 ))
         except Refused:
             raise
