@@ -73,7 +73,8 @@ async def e2e_latency(stack: Stack, rate: float, duration: float, gpus: int) -> 
             await asyncio.sleep(delay)
         alloc = str(uuid.uuid4())
         req = m.AllocationRequested(allocation_id=uuid.UUID(alloc), tenant_id="bench", shape="gpu_slice",
-                                    sku="h200-sxm-slice", gpu_count=gpus, image="ubuntu-24.04-h200-slice")
+                                    sku="h200-sxm-slice", gpu_count=gpus, image="ubuntu-24.04-h200-slice",
+                                    ssh_public_keys=["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBench bench@gpuaas"])
         env = Envelope.wrap("allocation.requested", req.model_dump(mode="json"), producer="bench",
                             correlation_id=alloc)
         sent[alloc] = time.perf_counter()

@@ -19,9 +19,6 @@ from gpuaas_common.jetstream import provision
 from gpuaas_common.testing.bus_spy import BusSpy
 from gpuaas_dev.stack import Stack
 
-TERMINAL = ("active", "failed", "unschedulable", "released")
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Stack(tmp_path_factory.mktemp("stack"), slice_hosts=2, slots_per_host=8, baremetal_hosts=2)
@@ -72,7 +69,11 @@ class Portal:
             events = self.spy.of_type(f"allocation.{state}", allocation_id=alloc)
             if events:
                 return events[0]
-            for terminal in TERMINAL + ("rejected",):
+            dead_ends = ("failed", "unschedulable") + (("released",) if state != "released" else ())
+            if not self.spy.of_type("allocation.accepted", allocation_id=alloc):
+                # A rejection after acceptance is a refused duplicate, not the fate of this allocation.
+                dead_ends += ("rejected",)
+            for terminal in dead_ends:
                 if terminal != state and self.spy.of_type(f"allocation.{terminal}", allocation_id=alloc):
                     bad = self.spy.of_type(f"allocation.{terminal}", allocation_id=alloc)[0]
                     raise AssertionError(f"{alloc} ended {terminal} while waiting for {state}: {bad['payload']}")

@@ -37,10 +37,14 @@ async def test_slice_allocation_goes_active_and_is_released_with_wipe_proof(port
     assert access["ssh_ready"] is True and access["ip"] == slots[0]["private_ip"]
     task = portal.spy.of_type("slice.vm_provision", allocation_id=alloc)[0]["payload"]
     assert task["image"]["slug"] == "ubuntu-24.04-h200-slice" and len(task["image"]["digest_sha256"]) == 64
-    statuses = await db.fetch(
-        "SELECT status FROM scheduler.node_resource_slots WHERE slot_id = ANY($1::text[])", [s["slot_id"] for s in slots]
-    )
-    assert {r["status"] for r in statuses} == {"active"}
+
+    async def slot_statuses() -> set[str]:
+        rows = await db.fetch("SELECT status FROM scheduler.node_resource_slots WHERE slot_id = ANY($1::text[])",
+                              [s["slot_id"] for s in slots])
+        return {r["status"] for r in rows}
+
+    # The scheduler follows the lifecycle asynchronously; its slots reach 'active' shortly after.
+    await eventually(lambda: _equals(slot_statuses(), {"active"}), timeout=30, what="slots active")
 
     await portal.release(alloc)
     released = await portal.wait_state(alloc, "released")
@@ -50,9 +54,7 @@ async def test_slice_allocation_goes_active_and_is_released_with_wipe_proof(port
     assert await _timeline(db, alloc) == FULL_LIFECYCLE
 
     async def freed() -> bool:
-        rows = await db.fetch("SELECT status FROM scheduler.node_resource_slots WHERE slot_id = ANY($1::text[])",
-                              [s["slot_id"] for s in slots])
-        return {r["status"] for r in rows} == {"available"} and await _live_claims(db, alloc) == 0
+        return await slot_statuses() == {"available"} and await _live_claims(db, alloc) == 0
 
     await eventually(freed, timeout=30, what="slots available and claims released")
 
@@ -76,3 +78,7 @@ async def test_baremetal_allocation_goes_active_through_maas_and_is_released(por
 
 async def _no_claims(db, alloc) -> bool:
     return await _live_claims(db, alloc) == 0
+
+
+async def _equals(awaitable, expected) -> bool:
+    return await awaitable == expected

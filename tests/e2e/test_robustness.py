@@ -23,7 +23,7 @@ async def _allocation_rows(db, alloc: uuid.UUID) -> int:
 async def test_the_same_request_twice_yields_one_allocation(portal, db):
     alloc = uuid.uuid4()
     body = {"allocation_id": str(alloc), "tenant_id": "tenant-a", "shape": "gpu_slice", "sku": "h200-sxm-slice",
-            "gpu_count": 1, "image": "ubuntu-24.04-h200-slice"}
+            "gpu_count": 1, "image": "ubuntu-24.04-h200-slice", "ssh_public_keys": ["ssh-ed25519 AAAAC3Nza tenant@x"]}
     # Distinct Nats-Msg-Ids get past JetStream dedup: only the allocator's idempotency key can stop it.
     await portal.publish("allocation.requested", body, msg_id=str(uuid.uuid4()))
     await portal.publish("allocation.requested", body, msg_id=str(uuid.uuid4()))

@@ -17,7 +17,7 @@ HOST_IMAGE = ActiveImage("ubuntu-24.04-h200-host", "host", "h200-sxm", "1" * 64,
 
 def req(**kw) -> AllocationRequested:
     base = dict(allocation_id=uuid.uuid4(), tenant_id="t", shape="gpu_slice", sku="h200-sxm-slice", gpu_count=1,
-                image=SLICE_IMAGE.slug)
+                image=SLICE_IMAGE.slug, ssh_public_keys=["ssh-ed25519 AAAA tenant@x"])
     base.update(kw)
     return AllocationRequested(**base)
 
@@ -40,6 +40,7 @@ def test_slice_gpu_counts_rejected(gpus):
         ({}, None, "image_not_active"),
         ({"image": HOST_IMAGE.slug}, HOST_IMAGE, "image_incompatible"),
         ({"shape": "baremetal", "sku": "h200-sxm", "gpu_count": 4}, HOST_IMAGE, "invalid_gpu_count"),
+        ({"ssh_public_keys": []}, SLICE_IMAGE, "ssh_key_required"),
     ],
 )
 def test_rejections_carry_reason_codes(overrides, image, code):

@@ -64,6 +64,8 @@ def validate_request(req: AllocationRequested, image: ActiveImage | None) -> Rej
     if req.gpu_count not in counts:
         allowed = ", ".join(map(str, sorted(counts)))
         return Rejection("invalid_gpu_count", f"{req.sku} takes {allowed} GPUs, not {req.gpu_count}")
+    if req.shape == "gpu_slice" and not req.ssh_public_keys:
+        return Rejection("ssh_key_required", "a slice VM has no password login: give at least one SSH public key")
     if image is None:
         return Rejection("image_not_active", f"image {req.image!r} is not active")
     if image.kind != IMAGE_KIND_FOR_SHAPE[req.shape]:

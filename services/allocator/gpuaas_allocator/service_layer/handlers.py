@@ -69,6 +69,8 @@ class Allocator:
             cause_event_id=ctx.envelope.event_id,
         )
         model = _LIFECYCLE_MODELS[new_state]
+        if reason_code is not None and "reason_code" in model.model_fields:
+            event_fields.setdefault("reason_code", reason_code)
         event = model(
             allocation_id=alloc_id, tenant_id=row["tenant_id"], shape=row["shape"], state=new_state,
             previous_state=current, seq=seq, **event_fields,

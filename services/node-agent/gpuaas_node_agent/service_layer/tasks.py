@@ -117,10 +117,14 @@ class SliceHostAgent:
                 raise Refused("unsupported_task", task_type)
         except Refused as exc:
             log.warning("task_refused", task_id=task.task_id, reason_code=exc.code, reason=exc.reason)
+            if task_type == "slice.vm_provision":
+                self.store.drop_leases(str(task.allocation_id))
             result = self._result(task, task_type, "refused", code=exc.code, reason=exc.reason)
         except TaskFailed as exc:
             record = self.store.task(task.task_id)
             touched = bool(record and record["disk_touched"])
+            if not touched:
+                self.store.drop_leases(str(task.allocation_id))
             log.error("task_failed", task_id=task.task_id, reason_code=exc.code, reason=exc.reason, cleanup_required=touched)
             result = self._result(task, task_type, "failed", code=exc.code, reason=exc.reason, cleanup_required=touched)
         self.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
@@ -189,13 +193,17 @@ class SliceHostAgent:
             raise Refused("domain_exists", f"a domain named {task.vm_name} is already defined")
         primary = task.slots[0]
         try:
-            await self._phase(task, t, "clone_image", disk_touched=True)
-            await disk.clone_image(str(image_path), "raw", str(disks[0]))
+            # The seed is rendered before the disk is touched: bad input must fail with nothing to clean.
             await self._phase(task, t, "seed")
             seed_path = self.seed_dir / f"{task.vm_name}.iso"
             keys = list(task.ssh_public_keys) + ([self.relay_public_key] if self.relay_public_key else [])
-            await seed_iso.write_seed_iso(seed_path, instance_id=str(task.allocation_id), hostname=task.hostname,
-                                          ssh_authorized_keys=keys)
+            try:
+                await seed_iso.write_seed_iso(seed_path, instance_id=str(task.allocation_id), hostname=task.hostname,
+                                              ssh_authorized_keys=keys)
+            except seed_iso.SeedIsoError as exc:
+                raise Refused("invalid_seed", str(exc)) from exc
+            await self._phase(task, t, "clone_image", disk_touched=True)
+            await disk.clone_image(str(image_path), "raw", str(disks[0]))
             await self._phase(task, t, "define")
             vcpus, memory_mib, hugepages = vm_resources(primary.profile, len(task.slots))
             spec = SliceVmSpec(

@@ -1,0 +1,184 @@
+"""The committed AsyncAPI document is the contract: it equals what the models render, the official
+parser accepts it, it names every message type, and it accepts good messages and refuses broken ones."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpuaas_common.contract import ALL, BY_TYPE, Envelope
+from gpuaas_common.contract.asyncapi import CONTRACT_PATH, ContractValidator, ContractViolation, render_yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = ROOT / "contracts" / "asyncapi.yaml"
+
+ALLOC = str(uuid.UUID("6f1c1a52-5d1e-4a8e-9a57-0c0f5d1b2a11"))
+DIGEST = "a" * 64
+SLOT = {
+    "slot_id": "slice-01-s0", "gpu_pci_address": "0000:18:00.0",
+    "nvme_by_id": "/dev/disk/by-id/nvme-eui.0123456789abcdef0123456789abcdef",
+    "fabric_vf_pci_address": "0000:29:00.1", "mac": "52:54:00:00:01:00", "private_ip": "127.100.1.10",
+    "ovs_bridge": "ovsbr0", "numa_node": 0, "profile": "h200_1g_24c_64g",
+}
+IMAGE = {"slug": "ubuntu-24.04-h200-slice", "digest_sha256": DIGEST,
+         "image_path": "/var/lib/gpuaas/images/ubuntu-24.04-h200-slice.raw"}
+EVENT = {"allocation_id": ALLOC, "tenant_id": "tenant-a", "shape": "gpu_slice", "seq": 2}
+WIPE = {"device": SLOT["nvme_by_id"], "method": "blkdiscard+zero-verify", "verified": True}
+TASK = {"task_id": "task-1", "allocation_id": ALLOC, "node_id": "slice-01", "fencing_epoch": 1,
+        "deadline": "2030-01-01T00:00:00+00:00", "vm_name": "vm-6f1c1a52", "slots": [SLOT]}
+MAAS_RESULT = {"operation_id": "op-1", "allocation_id": ALLOC, "system_id": "n0p09j", "node_id": "bm-01",
+               "resolution": "polled", "attempts": 1}
+
+# One valid payload per message type; a new type without a sample fails test_every_type_has_a_sample.
+SAMPLES: dict[str, dict[str, Any]] = {
+    "allocation.requested": {"allocation_id": ALLOC, "tenant_id": "tenant-a", "shape": "gpu_slice",
+                             "sku": "h200-sxm-slice", "gpu_count": 2, "image": "ubuntu-24.04-h200-slice"},
+    "allocation.release_requested": {"allocation_id": ALLOC, "reason": "done"},
+    "allocation.rejected": {"allocation_id": ALLOC, "reason_code": "invalid_gpu_count", "reason": "3 is not allowed"},
+    "allocation.accepted": {**EVENT, "state": "accepted", "sku": "h200-sxm-slice", "gpu_count": 2,
+                            "region": "default", "image": IMAGE},
+    "allocation.placed": {**EVENT, "state": "placed", "node_id": "slice-01", "claim_mode": "slots", "slots": [SLOT]},
+    "allocation.unschedulable": {**EVENT, "state": "unschedulable", "reason_code": "no_topology_safe_group",
+                                 "reason": "12 GPUs free in region but no node has 4 topology-safe slots",
+                                 "filtered": {"topology": 3}, "free_gpus": 12, "requested_gpus": 4},
+    "allocation.provisioning": {**EVENT, "state": "provisioning", "node_id": "slice-01", "task_id": "task-1"},
+    "allocation.active": {**EVENT, "state": "active", "node_id": "slice-01",
+                          "access": {"ip": "127.100.1.10", "mac": "52:54:00:00:01:00", "ssh_ready": True}},
+    "allocation.releasing": {**EVENT, "state": "releasing", "reason": "tenant asked"},
+    "allocation.released": {**EVENT, "state": "released", "node_id": "slice-01",
+                            "cleanup": {"required": True, "verified": True, "wipe_proofs": [WIPE]}},
+    "allocation.failed": {**EVENT, "state": "failed", "reason_code": "readiness_timeout", "reason": "no lease",
+                          "node_id": "slice-01", "cleanup_required": True},
+    "placement.placed": {"allocation_id": ALLOC, "node_id": "slice-01", "claim_mode": "slots", "fencing_epoch": 1,
+                         "slots": [SLOT]},
+    "placement.unschedulable": {"allocation_id": ALLOC, "reason_code": "no_capacity", "reason": "fleet full",
+                                "free_gpus": 0, "requested_gpus": 1},
+    "slice.vm_provision": {**TASK, "image": IMAGE, "hostname": "vm-6f1c1a52"},
+    "slice.vm_release": TASK,
+    "node.task_progress": {"task_id": "task-1", "allocation_id": ALLOC, "node_id": "slice-01",
+                           "task_type": "slice.vm_provision", "phase": "preflight"},
+    "node.task_result": {"task_id": "task-1", "allocation_id": ALLOC, "node_id": "slice-01",
+                         "task_type": "slice.vm_provision", "status": "succeeded",
+                         "readiness": {"mac": "52:54:00:00:01:00", "expected_ip": "127.100.1.10",
+                                       "actual_ip": "127.100.1.10", "lease_state": "bound", "ssh_ready": True}},
+    "node.enrolled": {"node_id": "slice-01", "kind": "slice_host", "hostname": "slice-01", "agent_version": "0.1.0"},
+    "maas.deploy_requested": {"operation_id": "op-1", "allocation_id": ALLOC, "site": "default",
+                              "system_id": "n0p09j", "node_id": "bm-01", "profile": "h200-baremetal"},
+    "maas.release_requested": {"operation_id": "op-2", "allocation_id": ALLOC, "site": "default",
+                               "system_id": "n0p09j", "node_id": "bm-01", "erase": True},
+    "maas.deploy_result": {**MAAS_RESULT, "status": "deployed", "maas_status_name": "Deployed"},
+    "maas.release_result": {**MAAS_RESULT, "status": "released", "maas_status_name": "Ready"},
+    "image.activated": {"slug": "ubuntu-24.04-h200-slice", "kind": "slice", "sku": "h200-sxm-slice",
+                        "digest_sha256": DIGEST, "image_path": IMAGE["image_path"]},
+    "image.deactivated": {"slug": "ubuntu-24.04-h200-slice", "reason": "superseded"},
+    "dead_letter": {"consumer": "allocator-requested", "stream": "ALLOCATIONS",
+                    "subject": "gpuaas.allocation.requested", "reason_code": "not_json", "reason": "body is not JSON",
+                    "body_text": "{oops"},
+}
+SUBJECT_PARAMS = {"node_id": "slice-01", "consumer": "allocator-requested"}
+
+
+def _subject(type_: str) -> str:
+    spec = BY_TYPE[type_]
+    return spec.subject(**{k: SUBJECT_PARAMS[k] for k in spec.parameters})
+
+
+def _wire(type_: str, payload: dict[str, Any]) -> dict[str, Any]:
+    env = Envelope.wrap(type_, payload, producer="contract-test", correlation_id=ALLOC)
+    return json.loads(env.model_dump_json())
+
+
+@pytest.fixture(scope="module")
+def document() -> dict[str, Any]:
+    return yaml.safe_load(COMMITTED.read_text())
+
+
+@pytest.fixture(scope="module")
+def validator() -> ContractValidator:
+    return ContractValidator.from_file(COMMITTED)
+
+
+def test_committed_document_equals_the_rendered_one():
+    assert CONTRACT_PATH.resolve() == COMMITTED.resolve()
+    assert render_yaml() == COMMITTED.read_text(), (
+        "contracts/asyncapi.yaml drifted from libs/gpuaas_common/contract; run `make contract` and commit it"
+    )
+
+
+def test_official_parser_accepts_the_document():
+    node = shutil.which("node")
+    script = ROOT / "tools" / "asyncapi-check" / "validate.mjs"
+    if node is None or not (ROOT / "tools" / "asyncapi-check" / "node_modules" / "@asyncapi" / "parser").exists():
+        pytest.fail("node or @asyncapi/parser missing; run `make setup`")
+    proc = subprocess.run([node, str(script), str(COMMITTED.relative_to(ROOT))], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, f"AsyncAPI parser rejected the document:\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["valid"] is True and report["errors"] == []
+    assert report["channels"] > 0 and report["operations"] > 0 and report["messages"] > 0
+
+
+def test_every_message_type_is_a_component_message_and_back(document):
+    components = document["components"]["messages"]
+    by_name = {msg["name"]: key for key, msg in components.items()}
+    for spec in ALL:
+        assert spec.type in by_name, f"{spec.type} has no component message"
+        key = by_name[spec.type]
+        assert key == spec.model.__name__, f"{spec.type}: component {key} != model {spec.model.__name__}"
+        schema_name = components[key]["payload"]["$ref"].rsplit("/", 1)[-1]
+        assert schema_name in document["components"]["schemas"], f"{spec.type}: payload schema missing"
+        channel = document["channels"][spec.channel]
+        assert channel["address"] == spec.address
+        assert key in channel["messages"], f"{spec.type} is not carried by channel {spec.channel}"
+    for key, msg in components.items():
+        assert msg["name"] in BY_TYPE, f"component message {key} ({msg['name']}) maps to no model"
+        assert BY_TYPE[msg["name"]].model.__name__ == key
+    assert len(components) == len(ALL)
+
+
+def test_every_type_has_a_sample():
+    assert set(SAMPLES) == set(BY_TYPE), "add a sample for each new message type (and drop removed ones)"
+
+
+@pytest.mark.parametrize("type_", sorted(BY_TYPE))
+def test_valid_sample_passes_and_broken_ones_fail(type_, validator):
+    spec = BY_TYPE[type_]
+    payload = SAMPLES[type_]
+    spec.model.model_validate(payload)  # the sample is valid for the code, too
+    subject = _subject(type_)
+    validator.validate(subject, json.dumps(_wire(type_, payload)))
+
+    unknown_field = _wire(type_, {**payload, "unexpected_field": 1})
+    with pytest.raises(ContractViolation):
+        validator.validate(subject, json.dumps(unknown_field))
+
+    required = [name for name, field in spec.model.model_fields.items() if field.is_required()]
+    missing = _wire(type_, {k: v for k, v in payload.items() if k != required[0]})
+    with pytest.raises(ContractViolation):
+        validator.validate(subject, json.dumps(missing))
+
+    no_envelope_field = _wire(type_, payload)
+    del no_envelope_field["event_id"]
+    with pytest.raises(ContractViolation):
+        validator.validate(subject, json.dumps(no_envelope_field))
+
+    wrong_type = copy.deepcopy(_wire(type_, payload))
+    wrong_type["type"] = "allocation.no_such_type"
+    with pytest.raises(ContractViolation):
+        validator.validate(subject, json.dumps(wrong_type))
+
+
+def test_a_message_on_the_wrong_subject_fails(validator):
+    body = json.dumps(_wire("allocation.requested", SAMPLES["allocation.requested"]))
+    with pytest.raises(ContractViolation):
+        validator.validate("gpuaas.allocation.event.active", body)
+    with pytest.raises(ContractViolation):
+        validator.validate("gpuaas.allocation.requested", b"{not json")
