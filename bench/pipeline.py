@@ -24,6 +24,7 @@ import nats
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import provision
+from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import OutboxRelay, OutboxWriter
 from gpuaas_dev.stack import Stack
@@ -158,6 +159,8 @@ async def relay_vs_raw(stack: Stack, rows: int) -> dict:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
+    # Library logs go to stderr so that stdout carries only the JSON result.
+    configure_logging("bench", "WARNING", stream=sys.stderr)
     run_dir = Path(tempfile.mkdtemp(prefix="gpuaas-bench-"))
     stack = Stack(run_dir, slice_hosts=args.hosts, slots_per_host=8, baremetal_hosts=0,
                   env_overrides={"GPUAAS_LOG_LEVEL": "WARNING"})

@@ -113,7 +113,16 @@ class Bus:
         self.fetch_timeout_s = fetch_timeout_s
         self.consumers: list[ConsumerSpec] = []
 
-    def subscribe(self, spec: ConsumerSpec, handlers: Mapping[str, Handler], *, transactional: bool = True) -> None:
+    def subscribe(
+        self,
+        spec: ConsumerSpec,
+        handlers: Mapping[str, Handler],
+        *,
+        transactional: bool = True,
+        concurrency: int = 1,
+    ) -> None:
+        """`concurrency` > 1 handles the messages of one fetch in parallel: only for consumers whose
+        messages carry no order between them (e.g. node tasks on disjoint slots)."""
         if transactional and self.pool is None:
             raise ValueError("a transactional subscriber needs a database pool")
         for type_ in handlers:
@@ -123,7 +132,7 @@ class Bus:
             spec.filter_subject,
             stream=JStream(spec.stream, declare=False),
             durable=spec.durable,
-            pull_sub=PullSub(batch_size=1, timeout=self.fetch_timeout_s),
+            pull_sub=PullSub(batch_size=concurrency, timeout=self.fetch_timeout_s),
             ack_policy=AckPolicy.MANUAL,
         )
 

@@ -23,3 +23,5 @@ class AgentSettings(ServiceSettings):
     # Simulated fleet: where simulated baremetal hosts learn that MAAS deployed them.
     maas_sim_url: str | None = None
     sim_disk_size_mib: int = Field(default=64, ge=1)
+    # Tasks handled in parallel per host (on disjoint slots).
+    task_concurrency: int = Field(default=8, ge=1, le=64)

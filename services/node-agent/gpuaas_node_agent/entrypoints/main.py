@@ -82,7 +82,7 @@ def build_register(settings: AgentSettings):
             handlers = {"slice.vm_provision": agent.on_task, "slice.vm_release": agent.on_task}
             bus.subscribe(
                 node_agent_consumer(node.node_id, max_deliver=settings.consumer_max_deliver),
-                handlers, transactional=False,
+                handlers, transactional=False, concurrency=settings.task_concurrency,
             )
             enrolments.append(m.NodeEnrolled(node_id=node.node_id, kind="slice_host", hostname=node.hostname,
                                              agent_version=AGENT_VERSION))

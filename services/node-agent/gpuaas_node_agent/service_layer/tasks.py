@@ -8,6 +8,7 @@ touched is reported with `cleanup_required` so the scheduler never hands the slo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import uuid
 from collections.abc import Awaitable, Callable
@@ -77,8 +78,9 @@ class SliceHostAgent:
         self.readiness_timeout_s = readiness_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
         self.relay_public_key = relay_public_key
-        # One task at a time per host: provisioning and release of one slot must never interleave.
-        self._lock = asyncio.Lock()
+        # Tasks on disjoint slots run in parallel, as on a real host; two tasks that share a slot never
+        # interleave. Locks are taken in sorted order so two multi-slot tasks cannot deadlock.
+        self._slot_locks: dict[str, asyncio.Lock] = {}
 
     # --- bus entry ----------------------------------------------------------------------------
 
@@ -86,7 +88,9 @@ class SliceHostAgent:
         task = ctx.payload
         if task.node_id != self.node_id:
             raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {self.node_id}")
-        async with self._lock:
+        async with contextlib.AsyncExitStack() as stack:
+            for slot_id in sorted(s.slot_id for s in task.slots):
+                await stack.enter_async_context(self._slot_locks.setdefault(slot_id, asyncio.Lock()))
             result = await self.run(ctx.envelope.type, task)
         await self.publish(
             "node.task_result", result, correlation_id=str(task.allocation_id), causation_id=ctx.envelope.event_id,
