@@ -103,6 +103,8 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     consumer("allocator-images", "IMAGES", "gpuaas.image.event.>"),
     consumer("scheduler-allocation-events", "ALLOCATIONS", "gpuaas.allocation.event.>"),
     consumer("maas-gateway-commands", "MAAS", "gpuaas.maas.command.>", ack_wait_s=60.0),
+    consumer("image-pipeline-enrolments", "NODE_REPORTS", "gpuaas.node.*.report.enrolled"),
+    consumer("image-pipeline-cache-reports", "NODE_REPORTS", "gpuaas.node.*.report.image_cache"),
 )
 CONSUMER_BY_NAME = {c.durable: c for c in CONSUMERS}
 

@@ -54,6 +54,8 @@ class ServiceRuntime:
         self.relay: OutboxRelay | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
+        # Extra fields for the ready file, e.g. a port a service's own HTTP server bound.
+        self.ready_info: dict[str, object] = {}
 
     @property
     def dsn(self) -> str:
@@ -114,9 +116,10 @@ class ServiceRuntime:
         if self.settings.ready_file:
             path = Path(self.settings.ready_file)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"service": self.name, "pid": os.getpid(), "health_port": self.health.port}))
+            info = {**self.ready_info, "service": self.name, "pid": os.getpid(), "health_port": self.health.port}
+            tmp.write_text(json.dumps(info))
             tmp.replace(path)
-        log.info("service_ready", health_port=self.health.port)
+        log.info("service_ready", health_port=self.health.port, **self.ready_info)
 
     def consumer_spec(self, durable: str) -> ConsumerSpec:
         """A declared consumer with this deployment's retry limits applied."""

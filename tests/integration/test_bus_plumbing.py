@@ -201,7 +201,13 @@ async def test_transient_failures_are_retried_and_take_effect_once(probe_bus, js
     await _publish(js, _event(alloc)[1])
     await asyncio.wait_for(probe.done.wait(), 10)
     assert probe.attempts[str(alloc)] == 3
-    assert await pool.fetchval("SELECT count(*) FROM effects WHERE alloc = $1", str(alloc)) == 1
+
+    # The handler signals before its transaction commits; wait for the committed effect itself.
+    async def committed() -> bool:
+        exists = await pool.fetchval("SELECT to_regclass('svc.effects') IS NOT NULL")
+        return exists and await pool.fetchval("SELECT count(*) FROM effects WHERE alloc = $1", str(alloc)) == 1
+
+    await eventually(committed, timeout=10, what="the effect committed")
 
 
 async def test_exhausted_retries_go_to_the_dead_letter_stream_with_the_reason(probe_bus, js):

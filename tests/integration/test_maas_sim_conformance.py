@@ -328,3 +328,111 @@ async def test_tags_create_and_update_nodes(sim: Sim, http: aiohttp.ClientSessio
     async with http.post(upd, headers=signed(upd, "POST"), data=[("remove", sids[1])]) as r:
         assert await r.json() == {"added": 0, "removed": 1}
     assert (await sim_machine(http, sim, sids[0]))["tag_names"] == ["gpuaas-profile-bm", "h200"]
+
+
+# ---- boot resources and scripts ----------------------------------------------------------------------
+
+
+async def test_python_libmaas_uploads_a_boot_resource_in_chunks(sim: Sim, http: aiohttp.ClientSession) -> None:
+    import io
+    import hashlib
+
+    from maas.client import connect
+
+    content = bytes(range(256)) * 40_000  # ~10 MiB: three 4 MiB chunks
+    digest = hashlib.sha256(content).hexdigest()
+
+    def upload() -> tuple[Any, ...]:
+        client = connect(sim.maas, apikey=KEY)
+        resource = client.boot_resources.create(
+            "custom/gpuaas-h200-host-ubuntu2404", "amd64/generic", io.BytesIO(content),
+            title="GPUaaS H200 Host Ubuntu 24.04")
+        files = [f for s in resource.sets.values() for f in s.files.values()]
+        listed = [(r.id, r.name, r.type) for r in client.boot_resources.list()]
+        again = client.boot_resources.create(  # same bytes again: MAAS has them, nothing to upload
+            "custom/gpuaas-h200-host-ubuntu2404", "amd64/generic", io.BytesIO(content))
+        return resource.id, resource.name, [(f.sha256, f.size, f.complete) for f in files], listed, again.id
+
+    rid, name, files, listed, again = await in_libmaas_thread(upload)
+    assert name == "gpuaas-h200-host-ubuntu2404"
+    assert files == [(digest, len(content), True)]
+    assert listed == [(rid, "gpuaas-h200-host-ubuntu2404", "Uploaded")]
+    assert again == rid
+    # Once uploaded it can be deployed by its bare name or as custom/<name>.
+    url = sim.api + "machines/gpux01/?op=deploy"
+    async with http.post(url, headers=signed(url, "POST"), data={"distro_series": "gpuaas-h200-host-ubuntu2404"}) as r:
+        assert r.status == 200
+        assert ((await r.json())["osystem"], (await r.json())["distro_series"]) == ("custom", "gpuaas-h200-host-ubuntu2404")
+
+
+async def test_boot_resource_upload_errors(sim: Sim, http: aiohttp.ClientSession) -> None:
+    import hashlib
+
+    async def post(data: Any) -> tuple[int, Any]:
+        url = sim.api + "boot-resources/"
+        async with http.post(url, headers=signed(url, "POST"), data=data) as r:
+            return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
+
+    async def put(uri: str, body: bytes | None) -> tuple[int, str]:
+        url = sim.base + uri
+        headers = {**signed(url, "PUT"), "Content-Type": "application/octet-stream"}
+        async with http.put(url, headers=headers, data=body) as r:
+            return r.status, await r.text()
+
+    status, body = await post({"name": "custom/x", "architecture": "amd64/generic"})
+    assert status == 400 and body == {"sha256": ["This field is required."], "size": ["This field is required."]}
+    data = b"host image bytes" * 1000
+    good = hashlib.sha256(data).hexdigest()
+    status, created = await post({"name": "custom/img", "architecture": "amd64/generic", "sha256": good,
+                                  "size": str(len(data)), "filetype": "tgz", "base_image": "ubuntu/noble"})
+    assert status == 201
+    (rfile,) = next(iter(created["sets"].values()))["files"].values()
+    assert rfile["complete"] is False and rfile["filename"] == "root-tgz" and rfile["progress"] == 0.0
+    uri = rfile["upload_uri"]
+    assert await put(uri, None) == (400, "Missing data.")
+    assert await put(uri, data + b"x") == (400, "Too much data received.")
+    assert await put(uri, data[:8000]) == (200, "OK")
+    async with http.get(sim.base + created["resource_uri"], headers=signed(sim.base + created["resource_uri"])) as r:
+        (rfile,) = next(iter((await r.json())["sets"].values()))["files"].values()
+        assert rfile["progress"] == 50.0
+    assert await put(uri, data[8000:]) == (200, "OK")
+    assert await put(uri, data[:10]) == (400, "Cannot upload to a complete file.")
+    # Bytes that do not hash to the announced sha256 are refused once the file is full.
+    status, bad = await post({"name": "custom/bad", "architecture": "amd64/generic", "sha256": "0" * 64,
+                              "size": "4"})
+    (bad_file,) = next(iter(bad["sets"].values()))["files"].values()
+    assert await put(bad_file["upload_uri"], b"abcd") == (400, "Saved content does not match given SHA256 value.")
+    # Multipart `content` in one go (as the MAAS CLI sends `content@=file`).
+    with aiohttp.MultipartWriter("form-data") as mp:
+        for field, value in (("name", b"custom/whole"), ("architecture", b"amd64/generic"), ("content", data)):
+            part = mp.append(base64.b64encode(value).decode())
+            part.set_content_disposition("form-data", name=field)
+            part.headers["Content-Transfer-Encoding"] = "base64"
+    status, whole = await post(mp)
+    assert status == 201
+    (wfile,) = next(iter(whole["sets"].values()))["files"].values()
+    assert (wfile["complete"], wfile["sha256"], wfile["size"]) == (True, good, len(data))
+    url = sim.api + "boot-resources/999/"
+    async with http.get(url, headers=signed(url)) as r:
+        assert r.status == 404 and await r.text() == "No BootResource matches the given query."
+
+
+async def test_scripts_create_and_commission_with_them(sim: Sim, http: aiohttp.ClientSession) -> None:
+    url = sim.api + "scripts/"
+    form = {"name": "gpuaas-fw", "script": "#!/bin/sh\necho fw\n", "type": "commissioning"}
+    async with http.post(url, headers=signed(url, "POST"), data=form) as r:
+        assert r.status == 200
+        body = await r.json()
+        assert (body["name"], body["type_name"]) == ("gpuaas-fw", "commissioning")
+    async with http.post(url, headers=signed(url, "POST"), data=form) as r:
+        assert r.status == 400 and await r.json() == {"name": ["Script with this Name already exists."]}
+    async with http.post(url, headers=signed(url, "POST"), data={**form, "name": "x", "script": "echo"}) as r:
+        assert r.status == 400 and await r.json() == {"script": ["Must start with shebang."]}
+    comm = sim.api + "machines/gpux01/?op=commission"
+    async with http.post(comm, headers=signed(comm, "POST"), data={"commissioning_scripts": "nope"}) as r:
+        assert r.status == 400 and "nope" in (await r.json())["commissioning_scripts"][0]
+    async with http.post(comm, headers=signed(comm, "POST"),
+                         data={"commissioning_scripts": "gpuaas-fw,update_firmware"}) as r:
+        assert r.status == 200
+        body = await r.json()
+        assert body["status_name"] == "Commissioning" and body["current_commissioning_result_id"] == 1

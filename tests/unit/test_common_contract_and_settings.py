@@ -17,7 +17,9 @@ def test_subjects_are_built_from_validated_parameters():
 
 def test_subject_lookup_finds_both_task_types():
     types = {s.type for s in types_for_subject("gpuaas.node.slice-02.tasks")}
-    assert types == {"slice.vm_provision", "slice.vm_release"}
+    # The per-host task channel carries every node task type (slice lifecycle, discovery, cache prewarm, …).
+    assert {"slice.vm_provision", "slice.vm_release", "slice.topology_discover"} <= types
+    assert types_for_subject("gpuaas.node.slice-02.report.topology")[0].type == "node.topology_reported"
 
 
 def test_derived_event_ids_are_stable():

@@ -301,3 +301,66 @@ def test_machine_json_has_the_fields_clients_use() -> None:
         assert key in data
     assert data["ip_addresses"][0].startswith("127.")
     assert data["resource_uri"] == "/MAAS/api/2.0/machines/abc123/"
+
+
+def test_every_commissioning_run_gets_a_new_result_id_and_its_scripts() -> None:
+    m = machine_in(S.READY)
+    assert m.to_json()["current_commissioning_result_id"] is None
+    m.commission(T0, TIMERS, ("update_firmware",))
+    m.advance(T0 + 100, TIMERS)
+    m.commission(T0 + 100, TIMERS, ("gpuaas-fw",))
+    assert m.to_json()["current_commissioning_result_id"] == 2
+    assert m.commissioning_scripts == ("gpuaas-fw",)
+
+
+def test_a_refused_commission_leaves_the_result_id_alone() -> None:
+    m = machine_in(S.DEPLOYED)
+    with pytest.raises(BadRequest):
+        m.commission(T0, TIMERS, ("update_firmware",))
+    assert m.current_commissioning_result_id == 0
+
+
+# ---- boot resources and scripts (pure stores) -------------------------------------------------------
+
+from gpuaas_dev.maas_sim.resources import BootResourceStore, ScriptStore  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "fields, errors",
+    [
+        ({"name": "", "architecture": "amd64/generic", "content": b"x"}, {"name"}),
+        ({"name": "custom/a", "architecture": "", "content": b"x"}, {"architecture"}),
+        ({"name": "custom/a", "architecture": "amd64", "content": b"x"}, {"architecture"}),
+        ({"name": "ubuntu/a", "architecture": "amd64/generic", "content": b"x"}, {"name"}),
+        ({"name": "custom/a", "architecture": "amd64/generic", "filetype": "zip", "content": b"x"}, {"filetype"}),
+        ({"name": "custom/a", "architecture": "amd64/generic", "sha256": "0" * 64}, {"size"}),
+        ({"name": "custom/a", "architecture": "amd64/generic", "size": "12"}, {"sha256"}),
+        ({"name": "custom/a", "architecture": "amd64/generic", "sha256": "0" * 64, "size": "x"}, {"size"}),
+    ],
+)
+def test_boot_resource_create_field_errors(fields: dict, errors: set) -> None:
+    with pytest.raises(BadRequest) as err:
+        BootResourceStore().create(**fields)
+    assert set(err.value.body) == errors
+
+
+def test_same_name_and_architecture_is_one_resource_with_a_new_set() -> None:
+    store = BootResourceStore()
+    first = store.create(name="custom/img", architecture="amd64/generic", content=b"abc")
+    second = store.create(name="img", architecture="amd64/generic", content=b"abcd")
+    other_arch = store.create(name="custom/img", architecture="arm64/generic", content=b"abc")
+    assert first.id == second.id != other_arch.id and len(first.sets) == 2
+    assert store.complete_names() == {"img"}
+
+
+def test_script_store_rules() -> None:
+    scripts = ScriptStore()
+    made = scripts.create(name="fw", script="#!/bin/sh\n", script_type="commissioning")
+    assert made.to_json("/MAAS/api/2.0/")["type_name"] == "commissioning"
+    assert scripts.known("fw") and scripts.known("update_firmware") and not scripts.known("nope")
+    for kwargs, field in (({"name": "fw", "script": "#!/bin/sh"}, "name"),
+                          ({"name": "b", "script": "echo"}, "script"),
+                          ({"name": "c", "script": "#!/bin/sh", "script_type": "weird"}, "type")):
+        with pytest.raises(BadRequest) as err:
+            scripts.create(script_type=kwargs.pop("script_type", "testing"), **kwargs)
+        assert field in err.value.body

@@ -21,6 +21,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from gpuaas_node_agent.entrypoints import cli as node_agent_cli
+
 DEFAULT_RUN_DIR = Path(".run/dev")
 ALLOCATION_EVENTS = "gpuaas.allocation.event.>"
 TASK_PROGRESS = "gpuaas.node.*.report.task_progress"
@@ -42,6 +44,10 @@ contract_app = typer.Typer(no_args_is_help=True, help="The AsyncAPI contract.")
 app.add_typer(dev_app, name="dev")
 app.add_typer(events_app, name="events")
 app.add_typer(contract_app, name="contract")
+from .images_cli import images_app  # noqa: E402
+
+app.add_typer(images_app, name="images")
+app.add_typer(node_agent_cli.app, name="node-agent", help="Node agent host checks: discover, parity.")
 
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Where the dev stack keeps its state and logs.")]
 NatsUrlOpt = Annotated[

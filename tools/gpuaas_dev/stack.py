@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuaas_common.fleet import Fleet, generate_fleet
-from gpuaas_common.testing.servers import NatsServer, PostgresServer, free_port
+from gpuaas_common.testing.servers import NatsServer, PostgresServer, RegistryServer, free_port
 
 from .maas_sim.auth import generate_api_key
 from .seed_images import build_seed
@@ -182,6 +182,9 @@ class Stack:
         self.status = "new"
         self._nats: NatsServer | None = None
         self._pg: PostgresServer | None = None
+        self._registry: RegistryServer | None = None
+        self._admin_token: str | None = None
+        self._admin_port: int | None = None
         self._dsn: str | None = None
         self._fleet: Fleet | None = None
         self._maas_api_key: str | None = None
@@ -235,6 +238,22 @@ class Stack:
         return self._enrolment_secret
 
     @property
+    def registry_host(self) -> str:
+        if self._registry is None:
+            raise StackError("stack not started")
+        return self._registry.host
+
+    @property
+    def image_admin_url(self) -> str:
+        return f"http://127.0.0.1:{self._admin_port}"
+
+    @property
+    def image_admin_token(self) -> str:
+        if self._admin_token is None:
+            raise StackError("stack not started")
+        return self._admin_token
+
+    @property
     def fleet(self) -> Fleet:
         if self._fleet is None:
             raise StackError("stack not started")
@@ -281,6 +300,8 @@ class Stack:
         self._reset_run_dir()
         self._maas_api_key = str(generate_api_key())
         self._enrolment_secret = secrets.token_hex(32)
+        self._admin_token = secrets.token_hex(24)
+        self._admin_port = free_port()
         self._write_secrets()
 
         # Held before start() so a start that fails half-way is still stopped by stop().
@@ -289,6 +310,8 @@ class Stack:
         self._pg = PostgresServer(self.run_dir / "pg")
         self._pg.start()
         self._dsn = _run_coro(lambda: _create_database(self._pg.dsn, DATABASE))  # type: ignore[union-attr]
+        self._registry = RegistryServer(self.run_dir / "registry")
+        self._registry.start()
 
         files = prepare_fleet_dir(
             self.run_dir / "fleet", slice_hosts=self.slice_hosts, slots_per_host=self.slots_per_host,
@@ -324,6 +347,9 @@ class Stack:
         if self._nats is not None:
             self._nats.stop()
             self._nats = None
+        if self._registry is not None:
+            self._registry.stop()
+            self._registry = None
         if self._pg is not None:
             try:
                 self._pg.stop()
@@ -405,6 +431,8 @@ class Stack:
             "database_url": self._dsn,
             "maas_url": self.maas_url if self._procs.get(MAAS_SIM) and self._procs[MAAS_SIM].port else None,
             "fleet_file": str(self.run_dir / "fleet" / "fleet.json"),
+            "registry_url": self._registry.url if self._registry else None,
+            "image_admin_url": f"http://127.0.0.1:{self._admin_port}" if self._admin_port else None,
             "fleet": {
                 "slice_hosts": self.slice_hosts, "slots_per_host": self.slots_per_host,
                 "baremetal_hosts": self.baremetal_hosts,
@@ -430,7 +458,7 @@ class Stack:
     def _reset_run_dir(self) -> None:
         # Every start is a fresh world: NATS state left from an earlier run would not match a new database.
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for sub in ("nats", "pg", "hosts", "fleet", "ready"):
+        for sub in ("nats", "pg", "hosts", "fleet", "ready", "registry", "image-builds"):
             shutil.rmtree(self.run_dir / sub, ignore_errors=True)
         (self.run_dir / "ready").mkdir()
         self.logs_dir.mkdir(exist_ok=True)
@@ -442,7 +470,8 @@ class Stack:
         path = self.run_dir / "secrets.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"maas_api_key": self._maas_api_key, "enrolment_secret": self._enrolment_secret}, f)
+            json.dump({"maas_api_key": self._maas_api_key, "enrolment_secret": self._enrolment_secret,
+                       "image_admin_token": self._admin_token}, f)
         os.chmod(path, 0o600)
 
     def _base_env(self) -> dict[str, str]:
@@ -499,6 +528,10 @@ class Stack:
             env["GPUAAS_INVENTORY_FILE"] = str(self._files["fleet"])
         elif name == "image-pipeline":
             env["GPUAAS_IMAGE_SEED_FILE"] = str(self._files["seed"])
+            assert self._registry is not None and self._admin_token is not None
+            env.update(GPUAAS_REGISTRY_HOST=self._registry.host, GPUAAS_REGISTRY_TLS_MODE="plain-http",
+                       GPUAAS_ADMIN_PORT=str(self._admin_port), GPUAAS_ADMIN_TOKEN=self._admin_token,
+                       GPUAAS_IMAGE_BUILD_DIR=str(self.run_dir / "image-builds"))
         elif name == "maas-gateway":
             env["GPUAAS_MAAS_URL"] = self.maas_url
             env["GPUAAS_MAAS_API_KEY"] = self.maas_api_key

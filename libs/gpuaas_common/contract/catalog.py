@@ -112,6 +112,23 @@ ALL: tuple[MessageSpec, ...] = (
         "A node agent came up and enrolled.", ("node-agent",), ("allocator", "ops"), NODE_ID,
     ),
     MessageSpec(
+        "slice.topology_discover", m.SliceTopologyDiscover, "nodeTasks", "gpuaas.node.{node_id}.tasks",
+        "Discover the host's GPUs, fabric devices and NVMe disks and suggest slot candidates.",
+        ("ops",), ("node-agent",), NODE_ID,
+    ),
+    MessageSpec(
+        "node.topology_reported", m.NodeTopologyReported, "nodeTopologyReported",
+        "gpuaas.node.{node_id}.report.topology",
+        "Advisory host topology and candidate slots; never schedulable until approved.",
+        ("node-agent",), ("scheduler", "ops"), NODE_ID,
+    ),
+    MessageSpec(
+        "node.parity_reported", m.NodeParityReported, "nodeParityReported",
+        "gpuaas.node.{node_id}.report.parity",
+        "Slice host parity checks; a host is schedulable only with failures=0.",
+        ("node-agent",), ("scheduler", "ops"), NODE_ID,
+    ),
+    MessageSpec(
         "maas.deploy_requested", m.MaasDeployRequested, "maasDeployCommand", "gpuaas.maas.command.deploy",
         "Deploy a machine through MAAS.", ("allocator",), ("maas-gateway",),
     ),
@@ -129,12 +146,68 @@ ALL: tuple[MessageSpec, ...] = (
         "The observed outcome of a release.", ("maas-gateway",), ("allocator",),
     ),
     MessageSpec(
+        "maas.commission_requested", m.MaasCommissionRequested, "maasCommissionCommand", "gpuaas.maas.command.commission",
+        "Commission a machine with named scripts.", ("ops",), ("maas-gateway",),
+    ),
+    MessageSpec(
+        "maas.commission_result", m.MaasCommissionResult, "maasCommissionResult", "gpuaas.maas.result.commission",
+        "The observed outcome of a commissioning run.", ("maas-gateway",), ("ops",),
+    ),
+    MessageSpec(
+        "maas.tags_sync_requested", m.MaasTagsSyncRequested, "maasSyncTagsCommand", "gpuaas.maas.command.sync_tags",
+        "Create a site profile's tags and put machines in or out of them.", ("ops",), ("maas-gateway",),
+    ),
+    MessageSpec(
+        "maas.tags_sync_result", m.MaasTagsSyncResult, "maasSyncTagsResult", "gpuaas.maas.result.sync_tags",
+        "The tags of a profile as synced to MAAS.", ("maas-gateway",), ("ops",),
+    ),
+    MessageSpec(
+        "maas.image_upload_requested", m.MaasImageUploadRequested, "maasUploadImageCommand", "gpuaas.maas.command.upload_image",
+        "Upload a host image to MAAS as a custom boot resource.", ("ops",), ("maas-gateway",),
+    ),
+    MessageSpec(
+        "maas.image_upload_result", m.MaasImageUploadResult, "maasUploadImageResult", "gpuaas.maas.result.upload_image",
+        "The boot resource a host image was uploaded as.", ("maas-gateway",), ("ops",),
+    ),
+    MessageSpec(
+        "maas.profile_image_set_requested", m.MaasProfileImageSetRequested, "maasSetDistroSeriesCommand", "gpuaas.maas.command.set_distro_series",
+        "Switch the image a site profile deploys.", ("ops",), ("maas-gateway",),
+    ),
+    MessageSpec(
+        "maas.profile_image_set_result", m.MaasProfileImageSetResult, "maasSetDistroSeriesResult", "gpuaas.maas.result.set_distro_series",
+        "The image a site profile deploys from now on.", ("maas-gateway",), ("ops",),
+    ),
+    MessageSpec(
         "image.activated", m.ImageActivated, "imageActivated", "gpuaas.image.event.activated",
         "An image may be used for new allocations.", ("image-pipeline",), ("allocator", "ops"),
     ),
     MessageSpec(
         "image.deactivated", m.ImageDeactivated, "imageDeactivated", "gpuaas.image.event.deactivated",
         "An image may no longer be used for new allocations.", ("image-pipeline",), ("allocator", "ops"),
+    ),
+    MessageSpec(
+        "image.published", m.ImagePublished, "imagePublished", "gpuaas.image.event.published",
+        "A built image is in the registry and catalogued; not yet usable.", ("image-pipeline",), ("ops",),
+    ),
+    MessageSpec(
+        "image.build_progress", m.ImageBuildProgress, "imageBuildProgress", "gpuaas.image.event.build_progress",
+        "Progress of an image build and publish.", ("image-pipeline",), ("ops",),
+    ),
+    MessageSpec(
+        "image.node_cache_changed", m.ImageNodeCacheChanged, "imageNodeCacheChanged",
+        "gpuaas.image.event.node_cache_changed",
+        "A slice host's verified-cache state for an image changed.", ("image-pipeline",), ("scheduler", "ops"),
+    ),
+    MessageSpec(
+        "image.cache_prewarm", m.ImageCachePrewarm, "nodeTasks", "gpuaas.node.{node_id}.tasks",
+        "Pull an image into the node-local cache and verify its digest.", ("image-pipeline",), ("node-agent",),
+        NODE_ID,
+    ),
+    MessageSpec(
+        "node.image_cache_reported", m.NodeImageCacheReported, "nodeImageCacheReported",
+        "gpuaas.node.{node_id}.report.image_cache",
+        "A node's image cache state: pull progress, then verified or mismatch.", ("node-agent",),
+        ("image-pipeline", "ops"), NODE_ID,
     ),
     MessageSpec(
         "dead_letter", m.DeadLetter, "deadLetters", "gpuaas.dlq.{consumer}",

@@ -257,6 +257,93 @@ class NodeEnrolled(Payload):
     enrolment_proof: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
 
+class SliceTopologyDiscover(Payload):
+    task_id: str = Identifier
+    node_id: str = Identifier
+    deadline: datetime
+
+
+class PciFunction(Payload):
+    pci_address: str = PciAddress
+    vendor_id: str = Field(pattern=r"^[0-9a-f]{4}$")
+    device_id: str = Field(pattern=r"^[0-9a-f]{4}$")
+    numa_node: int | None = None
+    iommu_group: int | None = None
+    driver: str | None = None
+    pcie_switch: str | None = Field(default=None, description="Upstream port of the PCIe switch above the device")
+
+
+class GpuDevice(PciFunction):
+    pass
+
+
+class FabricDevice(PciFunction):
+    role: Literal["pf", "vf"]
+    physfn: str | None = Field(default=None, pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+    sriov_totalvfs: int | None = Field(default=None, ge=0)
+    sriov_numvfs: int | None = Field(default=None, ge=0)
+    ib_device: str | None = None
+    ib_port_state: str | None = None
+    link_layer: str | None = None
+
+
+class NvmeDevice(Payload):
+    kernel_name: str = Field(pattern=r"^nvme\d+n\d+$", description="Advisory: not stable across reboots")
+    by_id: str | None = Field(default=None, description="Stable /dev/disk/by-id/nvme-eui.* or nvme-uuid.* path")
+    size_bytes: int = Field(ge=0)
+    numa_node: int | None = None
+    mounted: bool
+    mountpoints: list[str] = Field(default_factory=list)
+    mounted_children: list[str] = Field(default_factory=list)
+    is_os_disk: bool
+    signatures: list[str] | None = Field(default=None, description="None when they could not be read")
+    candidate: bool
+    excluded_reason: str | None = None
+
+
+class CandidateSlot(Payload):
+    index: int = Field(ge=0)
+    gpu_pci_address: str = PciAddress
+    numa_node: int | None = None
+    pcie_switch: str | None = None
+    nvme_by_id: str | None = None
+    fabric_claim_mode: Literal["per_slot_vf"] = "per_slot_vf"
+    fabric_vf_pci_address: str | None = Field(default=None, pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+    mac: str = MacAddress
+    private_ip: str
+    ovs_bridge: str
+    ovs_port: str
+    complete: bool
+    missing: list[str] = Field(default_factory=list)
+
+
+class NodeTopologyReported(Payload):
+    node_id: str = Identifier
+    task_id: str | None = None
+    discovered_at: datetime
+    gpus: list[GpuDevice] = Field(default_factory=list)
+    fabric: list[FabricDevice] = Field(default_factory=list)
+    nvme: list[NvmeDevice] = Field(default_factory=list)
+    candidate_slots: list[CandidateSlot] = Field(default_factory=list)
+    blockers: list[str] = Field(default_factory=list)
+
+
+class ParityCheck(Payload):
+    check: str = Identifier
+    status: Literal["PASS", "WARN", "FAIL"]
+    detail: str = Field(max_length=2048)
+    remediation: str | None = Field(default=None, max_length=2048)
+
+
+class NodeParityReported(Payload):
+    node_id: str = Identifier
+    task_id: str | None = None
+    checked_at: datetime
+    checks: list[ParityCheck]
+    failures: int = Field(ge=0)
+    warnings: int = Field(ge=0)
+
+
 # --- MAAS gateway ----------------------------------------------------------------------------------
 
 
@@ -298,6 +385,93 @@ class MaasReleaseResult(MaasOperationResult):
     status: Literal["released", "failed"]
 
 
+# MAAS lifecycle beyond allocations: ops commands, each resolved like a deploy and answered with a result.
+
+MaasOsName = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+
+
+class MaasScript(Payload):
+    name: str = Identifier
+    script: str = Field(min_length=3, max_length=1_000_000, pattern=r"^#!")
+    type: Literal["commissioning", "testing"] = "commissioning"
+
+
+class MaasCommissionRequested(Payload):
+    operation_id: str = Identifier
+    site: str = Identifier
+    system_id: str = Identifier
+    node_id: str | None = None
+    commissioning_scripts: list[str] = Field(default_factory=list, max_length=64)
+    testing_scripts: list[str] = Field(default_factory=list, max_length=64)
+    # Scripts to make sure exist in MAAS (created when missing) before commissioning.
+    scripts: list[MaasScript] = Field(default_factory=list, max_length=64)
+
+
+class MaasTagsSyncRequested(Payload):
+    operation_id: str = Identifier
+    site: str = Identifier
+    profile: str = Identifier
+    add_system_ids: list[str] = Field(default_factory=list)
+    remove_system_ids: list[str] = Field(default_factory=list)
+
+
+class MaasImageUploadRequested(Payload):
+    operation_id: str = Identifier
+    site: str = Identifier
+    name: str = MaasOsName
+    title: str = ""
+    architecture: str = Field(default="amd64/generic", pattern=r"^[a-z0-9]+/[a-z0-9.-]+$")
+    filetype: Literal["tgz", "tbz", "txz", "ddtgz", "ddgz", "ddraw", "ddbz2", "ddxz", "ddtar"] = "tgz"
+    base_image: str = "ubuntu/noble"
+    source_path: str = Field(min_length=1, max_length=4096)
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    size: int | None = Field(default=None, ge=1)
+
+
+class MaasProfileImageSetRequested(Payload):
+    operation_id: str = Identifier
+    site: str = Identifier
+    profile: str = Identifier
+    distro_series: str = MaasOsName
+
+
+class MaasLifecycleResult(Payload):
+    operation_id: str = Identifier
+    site: str = Identifier
+    status: Literal["succeeded", "failed"]
+    resolution: Literal["direct", "polled"]
+    reason_code: str | None = None
+    status_message: str | None = None
+    attempts: int = Field(ge=0)
+
+
+class MaasCommissionResult(MaasLifecycleResult):
+    system_id: str = Identifier
+    node_id: str | None = None
+    maas_status_name: str | None = None
+
+
+class MaasTagsSyncResult(MaasLifecycleResult):
+    profile: str = Identifier
+    tags: list[str] = Field(default_factory=list)
+    added: int = Field(default=0, ge=0)
+    removed: int = Field(default=0, ge=0)
+
+
+class MaasImageUploadResult(MaasLifecycleResult):
+    name: str = MaasOsName
+    boot_resource_id: int | None = None
+    sha256: str | None = None
+    size: int | None = None
+
+
+class MaasProfileImageSetResult(MaasLifecycleResult):
+    profile: str = Identifier
+    distro_series: str | None = None
+    previous_distro_series: str | None = None
+    deploy_distro_series: str | None = None
+
+
 # --- image pipeline ---------------------------------------------------------------------------------
 
 
@@ -313,6 +487,69 @@ class ImageActivated(Payload):
 class ImageDeactivated(Payload):
     slug: str = Slug
     reason: str
+
+
+class ImagePublished(Payload):
+    """A build's artifact is in the registry and catalogued; node caches are being prewarmed."""
+
+    slug: str = Slug
+    build_id: str = Identifier
+    digest_sha256: str = Sha256
+    source_uri: str = Field(min_length=1, max_length=2048)
+    image_path: str = Field(min_length=1, max_length=1024)
+
+
+class ImageBuildProgress(Payload):
+    """Ephemeral progress of a build (customise, convert, pack, push, catalog); safe to drop."""
+
+    build_id: str = Identifier
+    slug: str = Slug
+    phase: str = Identifier
+    bytes_done: int = Field(default=0, ge=0)
+    bytes_total: int = Field(default=0, ge=0)
+    detail: str | None = Field(default=None, max_length=2048)
+
+
+class ImageNodeCacheChanged(Payload):
+    """A slice host's cache state for an image changed; `schedulable` says whether the host may take
+    slices on this image (its cache is verified with the catalog digest)."""
+
+    node_id: str = Identifier
+    slug: str = Slug
+    status: Literal["absent", "pulling", "verified", "mismatch", "failed"]
+    digest_sha256: str | None = Sha256
+    schedulable: bool
+
+
+class ImageCachePrewarm(Payload):
+    """Pull an image artifact from the registry into the node-local cache and verify it."""
+
+    task_id: str = Identifier
+    node_id: str = Identifier
+    slug: str = Slug
+    digest_sha256: str = Sha256
+    image_path: str = Field(min_length=1, max_length=1024)
+    artifact_ref: str = Field(min_length=1, max_length=2048, pattern=r"^oci://")
+    blob_digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
+    blob_size: int = Field(ge=0)
+    blob_media_type: str = Field(min_length=1, max_length=255)
+    virtual_size: int = Field(ge=0)
+    registry_tls: Literal["verify", "insecure", "plain-http"] = "verify"
+
+
+class NodeImageCacheReported(Payload):
+    """A node's cache state for an image: progress while pulling, then verified, mismatch or failed."""
+
+    task_id: str = Identifier
+    node_id: str = Identifier
+    slug: str = Slug
+    status: Literal["pulling", "verified", "mismatch", "failed"]
+    expected_digest: str = Sha256
+    digest_sha256: str | None = Sha256
+    local_path: str = Field(min_length=1, max_length=1024)
+    bytes_done: int = Field(default=0, ge=0)
+    bytes_total: int = Field(default=0, ge=0)
+    reason: str | None = Field(default=None, max_length=2048)
 
 
 # --- dead letters ------------------------------------------------------------------------------------

@@ -199,3 +199,65 @@ class PostgresServer:
             self._pgserver.cleanup()  # type: ignore[attr-defined]
         elif self._mode == "testcontainers":
             self._container.stop()  # type: ignore[attr-defined]
+
+
+@dataclass
+class RegistryServer:
+    """Debian's `docker-registry` (the CNCF distribution registry) on a free loopback port, plain HTTP,
+    filesystem storage under `data_dir`."""
+
+    data_dir: Path
+    port: int = 0
+    binary: str = "/usr/bin/docker-registry"
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}"
+
+    def start(self, timeout_s: float = 20.0) -> "RegistryServer":
+        import secrets
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        binary = self.binary if Path(self.binary).exists() else shutil.which("docker-registry")
+        if not binary:
+            raise FileNotFoundError("docker-registry not found; install the Debian package docker-registry")
+        config = self.data_dir / "config.yml"
+        # JSON is YAML; `delete` lets tests and operators remove artifacts again.
+        config.write_text(
+            '{"version": "0.1", "log": {"level": "warn", "accesslog": {"disabled": true}},'
+            f' "storage": {{"filesystem": {{"rootdirectory": "{self.data_dir / "storage"}"}},'
+            ' "delete": {"enabled": true}, "maintenance": {"uploadpurging": {"enabled": false}}},'
+            f' "http": {{"addr": "127.0.0.1:{self.port}", "secret": "{secrets.token_hex(16)}"}}}}\n'
+        )
+        self.log_path = self.data_dir / "registry.log"
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [binary, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"{self.url}/v2/", timeout=1) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        _wait_until(ready, timeout_s, "docker-registry", self.proc)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

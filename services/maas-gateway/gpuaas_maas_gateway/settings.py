@@ -4,16 +4,31 @@ from gpuaas_common.settings import ServiceSettings
 
 
 class SiteProfile(BaseModel):
+    # A bare name of an uploaded image is sent to MAAS as custom/<name>; ops switch it at run time
+    # with a set_distro_series command (stored per site, this is the default).
     distro_series: str = "noble"
     hwe_kernel: str | None = None
     erase_on_release: bool = True
     quick_erase: bool = True
     bootstrap_user_data: str = ""
+    # Tags that mark a machine as belonging to this profile in MAAS (synced by sync_tags).
+    tags: tuple[str, ...] = ()
+
+
+class MaasSite(BaseModel):
+    url: str
+    api_key: SecretStr
+    # None: the gateway-wide maas_max_concurrency.
+    max_concurrency: int | None = Field(default=None, ge=1)
 
 
 class GatewaySettings(ServiceSettings):
+    # The single-site settings: used as the site named `maas_default_site` unless `maas_sites` names it.
     maas_url: str = "http://127.0.0.1:5240/MAAS/"
     maas_api_key: SecretStr = SecretStr("")
+    maas_default_site: str = "default"
+    # Every other site: {"site": {"url": …, "api_key": "consumer:token:secret"}} (JSON in GPUAAS_MAAS_SITES).
+    maas_sites: dict[str, MaasSite] = {}
     maas_timeout_s: float = Field(default=10.0, gt=0)
     # How often an unknown or accepted operation is observed; real MAAS clients use 5-10 s.
     maas_poll_interval_s: float = Field(default=1.0, gt=0)
@@ -21,6 +36,22 @@ class GatewaySettings(ServiceSettings):
     maas_grace_s: float = Field(default=5.0, ge=0)
     maas_deadline_s: float = Field(default=1800.0, gt=0)
     maas_max_concurrency: int = Field(default=8, ge=1)
+    # Retry-After is honoured up to this many seconds, so one odd header cannot park work for hours.
+    maas_retry_after_cap_s: float = Field(default=120.0, ge=0)
+    # Consecutive connection failures that open a site's circuit breaker, and how long it stays open.
+    maas_breaker_failures: int = Field(default=3, ge=1)
+    maas_breaker_cooldown_s: float = Field(default=10.0, gt=0)
+    # python-libmaas uploads boot resources in 4 MiB chunks; so do we.
+    maas_upload_chunk_bytes: int = Field(default=4 << 20, ge=1)
     maas_uploaded_images: tuple[str, ...] = ()
+    # Series a profile may name without an upload (also as ubuntu/<series>); any other bare name
+    # must be an uploaded image, at the site or in maas_uploaded_images.
+    maas_stock_series: tuple[str, ...] = ("focal", "jammy", "noble")
     enrolment_secret: SecretStr = SecretStr("dev-enrolment-secret")
     site_profiles: dict[str, SiteProfile] = {"h200-baremetal": SiteProfile()}
+
+    def sites(self) -> dict[str, MaasSite]:
+        sites = dict(self.maas_sites)
+        if self.maas_default_site not in sites and self.maas_api_key.get_secret_value():
+            sites[self.maas_default_site] = MaasSite(url=self.maas_url, api_key=self.maas_api_key)
+        return sites

@@ -23,5 +23,7 @@ class AgentSettings(ServiceSettings):
     # Simulated fleet: where simulated baremetal hosts learn that MAAS deployed them.
     maas_sim_url: str | None = None
     sim_disk_size_mib: int = Field(default=64, ge=1)
+    # How long JetStream waits for a task's ack before redelivering it (a slice provision can take minutes).
+    task_ack_wait_s: float = Field(default=120.0, gt=0)
     # Tasks handled in parallel per host (on disjoint slots).
     task_concurrency: int = Field(default=8, ge=1, le=64)

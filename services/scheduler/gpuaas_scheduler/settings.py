@@ -1,4 +1,4 @@
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from gpuaas_common.settings import ServiceSettings
 
@@ -6,5 +6,14 @@ from gpuaas_common.settings import ServiceSettings
 class SchedulerSettings(ServiceSettings):
     # Fleet description to seed the inventory from (the simulated fleet, or a lab's export).
     inventory_file: str | None = None
-    # Keep at least this many whole clean slice hosts unsliced while sliced ones have room.
+    # Hard reserve: a slice may break a clean slice host only while more than this many clean hosts
+    # remain in its region/SKU (they are kept whole for baremetal and 8-GPU slices).
     clean_node_watermark: int = Field(default=0, ge=0)
+    # GPUs a tenant may hold when the admin API has set no quota of its own; None = unlimited.
+    tenant_gpu_quota: int | None = Field(default=None, ge=0)
+    # Candidate nodes read per index page while ranking; larger pages cost more on every placement.
+    candidate_page: int = Field(default=16, ge=1, le=1000)
+    # Admin HTTP API; port 0 picks a free one (written into the ready file). Disabled without a token.
+    admin_host: str = "127.0.0.1"
+    admin_port: int = Field(default=0, ge=0, le=65535)
+    admin_token: SecretStr | None = None

@@ -13,7 +13,7 @@ from .config import SimConfig
 from .describe import compute_api_hash, describe_document
 from .errors import BadRequest, MaasSimError, NotFound
 from .faults import Fault
-from .handlers import ROUTES, Call, Operation, Route
+from .handlers import ROUTES, Call, Created, NoContent, Operation, Route
 from .state import API_ROOT, SimState
 from .wire import error_response, json_response, read_params, text_response
 
@@ -66,18 +66,34 @@ class _Dropped(Exception):
 
 def _fault_response(fault: Fault) -> web.Response | None:
     if fault.kind == "conflict":
-        return text_response(_CONFLICT_HTML, 409, {"Retry-After": "5"}, content_type="text/html")
+        return text_response(_CONFLICT_HTML, 409, {"Retry-After": _seconds(fault.retry_after, 5)},
+                             content_type="text/html")
     if fault.kind == "unavailable":
         return text_response(
             "Unable to connect to any rack controller; no connections available.",
             503,
-            {"Retry-After": "10"},
+            {"Retry-After": _seconds(fault.retry_after, 10)},
         )
     if fault.kind == "gateway_timeout":
         return text_response("Timed out waiting for a response from the rack controller.", 504)
     if fault.kind == "server_error":
         return text_response("Internal server error.", 500)
     return None
+
+
+def _seconds(value: float | None, default: float) -> str:
+    seconds = default if value is None else value
+    return str(int(seconds)) if float(seconds).is_integer() else str(seconds)
+
+
+def _result_response(result: object) -> web.Response:
+    if isinstance(result, Created):
+        return json_response(result.data, status=201)
+    if isinstance(result, NoContent):
+        return web.Response(status=204)
+    if isinstance(result, str):
+        return text_response(result, 200)
+    return json_response(result)
 
 
 async def _run_operation(
@@ -110,13 +126,14 @@ async def _run_operation(
         response = _fault_response(fault)
         if response is not None:
             return response
-    return json_response(result)
+    return _result_response(result)
 
 
 async def _maas_api(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     path = request.path
     op: str | None = None
+    name: str | None = None
     try:
         found = _match(path)
         if found is None:
@@ -129,9 +146,12 @@ async def _maas_api(request: web.Request) -> web.StreamResponse:
         operation = route.find(request.method, op)
         if operation is None:
             raise BadRequest(f"Unrecognised signature: method={request.method} op={op}")
+        name = operation.name
         response = await _run_operation(request, state, operation, Call(state, params, path_params))
     except MaasSimError as error:
         response = error_response(error)
+    if name is not None:
+        state.record_response(name, response.status)
     log.info("maas_api", method=request.method, path=path, op=op, status=response.status)
     return response
 
@@ -155,7 +175,8 @@ async def _on_shutdown(app: web.Application) -> None:
 
 def create_app(config: SimConfig) -> web.Application:
     state = SimState(config)
-    app = web.Application(middlewares=[_swallow_dropped])
+    # Boot resource chunks are 4 MiB (python-libmaas) and a multipart `content` is a whole image.
+    app = web.Application(middlewares=[_swallow_dropped], client_max_size=1 << 32)
     app[STATE_KEY] = state
     app[API_HASH_KEY] = compute_api_hash([r.spec() for r in ROUTES], API_ROOT)
     app.router.add_get(API_ROOT + "describe/", _describe)

@@ -20,10 +20,13 @@ def add_routes(app: web.Application, state_key: web.AppKey[SimState]) -> None:
         return web.json_response({"ok": True, "machines": len(state.machines)})
 
     async def calls(request: web.Request) -> web.Response:
-        return web.json_response({"calls": state_of(request).calls_snapshot()})
+        state = state_of(request)
+        responses = {op: {str(k): v for k, v in c.items()} for op, c in state.responses.items()}
+        return web.json_response({"calls": state.calls_snapshot(), "responses": responses})
 
     async def reset_calls(request: web.Request) -> web.Response:
         state_of(request).calls.clear()
+        state_of(request).responses.clear()
         return web.json_response({"calls": {}})
 
     async def list_faults(request: web.Request) -> web.Response:

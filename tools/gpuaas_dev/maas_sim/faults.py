@@ -53,6 +53,8 @@ class Fault:
     mode: str = "hold"
     hold_seconds: float = 600.0
     status_message: str = "Failed deployment: curtin installation failed"
+    # Retry-After of a conflict (MAAS: 5) or unavailable (MAAS: 10) answer; tests shorten it.
+    retry_after: float | None = None
     fired: int = 0
     id: int = field(default_factory=lambda: next(_ids))
 
@@ -70,7 +72,7 @@ class Fault:
     def from_dict(cls, data: dict[str, Any]) -> Fault:
         allowed = {
             "kind", "op", "system_id", "count", "probability", "latency", "commit", "mode",
-            "hold_seconds", "status_message",
+            "hold_seconds", "status_message", "retry_after",
         }
         unknown = set(data) - allowed
         if unknown:

@@ -190,15 +190,17 @@ def _resolve_distro(state: SimState, value: str | None) -> tuple[str, str]:
     config = state.config
     series = (value or "").strip() or config.default_distro_series
     osystem, _, name = series.rpartition("/")
+    # Images named in the config count as uploaded; so does every complete uploaded boot resource.
+    uploaded = set(config.custom_images or ()) | state.boot_resources.complete_names()
     if osystem == "custom":
-        if config.custom_images is None or name in config.custom_images:
+        if config.custom_images is None or name in uploaded:
             return "custom", name
     elif osystem in ("", "ubuntu") and name in config.ubuntu_series:
         return "ubuntu", name
-    elif osystem == "" and config.custom_images is not None and name in config.custom_images:
+    elif osystem == "" and name in uploaded:
         return "custom", name
     choices = [f"ubuntu/{s}" for s in config.ubuntu_series]
-    choices += [f"custom/{c}" for c in config.custom_images or ()]
+    choices += [f"custom/{c}" for c in sorted(uploaded)]
     raise BadRequest(
         {"distro_series": [f"'{series}' is not a valid distro_series.  It should be one of: "
                            + ", ".join(f"'{c}'" for c in ["", *choices]) + "."]}
@@ -246,9 +248,20 @@ def release(call: Call) -> Any:
     return machine.to_json(API_ROOT)
 
 
+def _script_names(call: Call, key: str) -> tuple[str, ...]:
+    # MAAS takes a comma-separated list (and repeated keys, from other clients).
+    names = tuple(n.strip() for v in call.params.getall(key) for n in v.split(",") if n.strip())
+    unknown = [n for n in names if not call.state.scripts.known(n)]
+    if unknown:
+        raise BadRequest({key: [f"Unknown script name(s): {', '.join(unknown)}"]})
+    return names
+
+
 def commission(call: Call) -> Any:
     machine = call.machine
-    machine.commission(call.state.now(), call.state.timers)
+    scripts = _script_names(call, "commissioning_scripts")
+    _script_names(call, "testing_scripts")
+    machine.commission(call.state.now(), call.state.timers, scripts)
     return machine.to_json(API_ROOT)
 
 
@@ -313,6 +326,79 @@ def update_tag_nodes(call: Call) -> Any:
             machine.tags.discard(name)
             removed += 1
     return {"added": added, "removed": removed}
+
+
+# ---- boot resources and scripts --------------------------------------------------------------------
+
+
+def list_boot_resources(call: Call) -> Any:
+    wanted = call.params.get("type")
+    resources = call.state.boot_resources.resources.values()
+    if wanted not in (None, "", "uploaded"):
+        resources = []  # only uploaded resources are simulated; synced ones are never present
+    return [r.to_json(API_ROOT, with_sets=False) for r in resources]
+
+
+def create_boot_resource(call: Call) -> Any:
+    params = call.params
+    content = params.files.get("content")
+    if content is None and "content" in params:
+        content = (params.get("content") or "").encode("utf-8")
+    resource = call.state.boot_resources.create(
+        name=params.get("name") or "", architecture=params.get("architecture") or "",
+        title=params.get("title") or "", filetype=(params.get("filetype") or "tgz").lower(),
+        base_image=params.get("base_image") or "", content=content, sha256=params.get("sha256"),
+        size=params.get("size"),
+    )
+    return Created(resource.to_json(API_ROOT, with_sets=True))
+
+
+def read_boot_resource(call: Call) -> Any:
+    return call.state.boot_resources.get(call.path["id"]).to_json(API_ROOT, with_sets=True)
+
+
+def delete_boot_resource(call: Call) -> Any:
+    call.state.boot_resources.delete(call.path["id"])
+    return NoContent()
+
+
+def upload_boot_resource_file(call: Call) -> Any:
+    call.state.boot_resources.upload(call.path["id"], call.path["file_id"], call.params.body)
+    return "OK"
+
+
+def list_scripts(call: Call) -> Any:
+    kind = call.params.get("type")
+    return [s.to_json(API_ROOT) for s in call.state.scripts.scripts.values()
+            if kind is None or s.script_type == kind]
+
+
+def create_script(call: Call) -> Any:
+    params = call.params
+    body = params.files.get("script")
+    script = body.decode("utf-8", errors="replace") if body is not None else params.get("script")
+    return call.state.scripts.create(
+        name=params.get("name") or "", script=script, script_type=params.get("type"),
+        title=params.get("title") or "", description=params.get("description") or "",
+        tags=tuple(t for v in params.getall("tags") for t in v.split(",") if t),
+        timeout=params.get("timeout"),
+    ).to_json(API_ROOT)
+
+
+def read_script(call: Call) -> Any:
+    return call.state.scripts.get(call.path["name"]).to_json(API_ROOT)
+
+
+@dataclass(frozen=True)
+class Created:
+    """A 201 answer (MAAS creates boot resources with 201, most other things with 200)."""
+
+    data: Any
+
+
+@dataclass(frozen=True)
+class NoContent:
+    """A 204 answer."""
 
 
 # ---- anonymous -----------------------------------------------------------------------------------
@@ -385,6 +471,48 @@ ROUTES: tuple[Route, ...] = (
         ),
         doc="Manage a tag.",
     ),
-    # TODO(boot-resources, scripts): POST boot-resources/ with chunked uploads and POST scripts/
-    # are specified in the reference and left for the next issue.
+    Route(
+        "BootResourcesHandler",
+        "boot-resources/",
+        (
+            Operation("boot_resources.list", "GET", None, list_boot_resources, False, "List boot resources."),
+            Operation("boot_resources.create", "POST", None, create_boot_resource, True,
+                      "Upload a new boot resource."),
+        ),
+        doc="Manage the boot resources.",
+    ),
+    Route(
+        "BootResourceHandler",
+        "boot-resources/{id}/",
+        (
+            Operation("boot_resource.read", "GET", None, read_boot_resource, False, "Read a boot resource."),
+            Operation("boot_resource.delete", "DELETE", None, delete_boot_resource, True,
+                      "Delete a boot resource."),
+        ),
+        doc="Manage a boot resource.",
+    ),
+    Route(
+        "BootResourceFileUploadHandler",
+        "boot-resources/{id}/upload/{file_id}/",
+        (
+            Operation("boot_resource.upload", "PUT", None, upload_boot_resource_file, True,
+                      "Upload a chunk of a boot resource file."),
+        ),
+        doc="Upload a boot resource file.",
+    ),
+    Route(
+        "ScriptsHandler",
+        "scripts/",
+        (
+            Operation("scripts.list", "GET", None, list_scripts, False, "List stored scripts."),
+            Operation("scripts.create", "POST", None, create_script, True, "Create a new script."),
+        ),
+        doc="Manage custom scripts.",
+    ),
+    Route(
+        "ScriptHandler",
+        "scripts/{name}/",
+        (Operation("script.read", "GET", None, read_script, False, "Read a script."),),
+        doc="Manage a custom script.",
+    ),
 )

@@ -188,6 +188,10 @@ class Machine:
     erase_mode: str | None = None
     last_deploy: dict[str, Any] | None = None
     history: list[Transition] = field(default_factory=list)
+    # MAAS creates a new commissioning result set for every run; clients tell a finished run from
+    # one that never started by comparing this id with the one seen before asking.
+    current_commissioning_result_id: int = 0
+    commissioning_scripts: tuple[str, ...] = ()
 
     # ---- derived facts -------------------------------------------------------------------------
 
@@ -323,12 +327,14 @@ class Machine:
         else:
             self._start_phase(now, timers, NodeStatus.RELEASING, "release")
 
-    def commission(self, now: float, timers: Timers) -> None:
+    def commission(self, now: float, timers: Timers, scripts: tuple[str, ...] = ()) -> None:
         if self.status not in _COMMISSIONABLE:
             raise BadRequest(
                 {"__all__": ["Commission is not available because of the current state of the node."]}
             )
         self.previous_status = self.status
+        self.current_commissioning_result_id += 1
+        self.commissioning_scripts = tuple(scripts)
         self._start_phase(now, timers, NodeStatus.COMMISSIONING, "commission")
 
     def abort(self, now: float, comment: str | None = None) -> None:
@@ -380,6 +386,7 @@ class Machine:
             "zone": {"name": self.zone, "id": 1, "description": ""},
             "pool": {"name": self.pool, "id": 0, "description": "Default pool"},
             "locked": self.locked,
+            "current_commissioning_result_id": self.current_commissioning_result_id or None,
             "disable_ipv4": False,
             "resource_uri": f"{api_root}machines/{self.system_id}/",
         }

@@ -11,6 +11,7 @@ from .config import SimConfig
 from .errors import NotFound
 from .faults import FaultBook
 from .machines import Machine, Timers
+from .resources import BootResourceStore, ScriptStore
 
 API_ROOT = "/MAAS/api/2.0/"
 
@@ -21,6 +22,8 @@ class SimState:
         self.timers: Timers = config.timers
         self.machines: dict[str, Machine] = {}
         self.tags: dict[str, dict[str, Any]] = {}
+        self.boot_resources = BootResourceStore()
+        self.scripts = ScriptStore()
         for index, spec in enumerate(config.machine_specs(), start=1):
             system_id = spec.resolved_system_id
             if system_id in self.machines:
@@ -33,6 +36,8 @@ class SimState:
         self.verifier = OAuthVerifier([config.key], wall_clock=config.wall_clock)
         self.faults = FaultBook(config.seed)
         self.calls: defaultdict[str, Counter[str]] = defaultdict(Counter)
+        # HTTP status of every answer that was sent, per operation (a dropped response has none).
+        self.responses: defaultdict[str, Counter[int]] = defaultdict(Counter)
         # Set when the server shuts down, so responses held back by a fault are let go promptly.
         self.shutting_down = asyncio.Event()
 
@@ -66,6 +71,9 @@ class SimState:
 
     def record_call(self, op: str, system_id: str | None) -> None:
         self.calls[op][system_id or ""] += 1
+
+    def record_response(self, op: str, status: int) -> None:
+        self.responses[op][status] += 1
 
     def call_count(self, op: str, system_id: str | None = None) -> int:
         if system_id is None:

@@ -20,6 +20,10 @@ class Params:
 
     def __init__(self, pairs: list[tuple[str, str]] | None = None) -> None:
         self._values: dict[str, list[str]] = {}
+        # Undecoded bytes of each multipart part (a boot resource's `content` is binary) and the
+        # raw body of an octet-stream request (a chunk PUT to an upload_uri).
+        self.files: dict[str, bytes] = {}
+        self.body: bytes | None = None
         for key, value in pairs or ():
             self.add(key, value)
 
@@ -30,6 +34,7 @@ class Params:
         for key, values in other._values.items():
             for value in values:
                 self.add(key, value)
+        self.files.update(other.files)
 
     def get(self, key: str, default: str | None = None) -> str | None:
         values = self._values.get(key)
@@ -56,7 +61,7 @@ class Params:
 _COMMA_LISTS = frozenset({"tags", "not_tags"})
 
 
-def _decode_multipart(body: bytes, content_type: str) -> list[tuple[str, str]]:
+def _decode_multipart(body: bytes, content_type: str) -> Params:
     # The email parser honours each part's Content-Transfer-Encoding (python-libmaas always sends
     # base64 parts), which aiohttp's multipart reader no longer decodes for us.
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
@@ -64,14 +69,15 @@ def _decode_multipart(body: bytes, content_type: str) -> list[tuple[str, str]]:
     )
     if not message.is_multipart():
         raise BadRequest("Bad Request: malformed multipart body.")
-    pairs: list[tuple[str, str]] = []
+    params = Params()
     for part in message.iter_parts():
         name = part.get_param("name", header="content-disposition")
         if not name:
             continue
         payload = part.get_payload(decode=True) or b""
-        pairs.append((str(name), payload.decode("utf-8", errors="replace")))
-    return pairs
+        params.add(str(name), payload.decode("utf-8", errors="replace"))
+        params.files[str(name)] = payload
+    return params
 
 
 async def read_params(request: web.Request) -> Params:
@@ -80,10 +86,12 @@ async def read_params(request: web.Request) -> Params:
         body = await request.read()
         ctype = request.headers.get("Content-Type", "")
         if request.content_type == "multipart/form-data":
-            params.extend(Params(_decode_multipart(body, ctype)))
+            params.extend(_decode_multipart(body, ctype))
         elif request.content_type == "application/x-www-form-urlencoded":
             charset = request.charset or "utf-8"
             params.extend(Params(parse_qsl(body.decode(charset), keep_blank_values=True)))
+        else:
+            params.body = body
     return params
 
 

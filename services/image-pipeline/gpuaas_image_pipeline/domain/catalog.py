@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -20,3 +25,99 @@ class SeedImage(BaseModel):
 def activation_event_key(slug: str, digest: str) -> str:
     """One activation announcement per (image, digest): re-seeding does not announce twice."""
     return f"image:{slug}:{digest}"
+
+
+# --- activation gate ------------------------------------------------------------------------------
+
+CacheState = tuple[str, str | None]  # (status, observed digest)
+
+
+def node_schedulable(catalog_digest: str | None, cache: CacheState | None) -> bool:
+    """A slice host may take slices on an image only with that exact digest verified in its cache."""
+    return catalog_digest is not None and cache == ("verified", catalog_digest)
+
+
+def activation_ready(catalog_digest: str | None, hosts: set[str], caches: dict[str, CacheState]) -> bool:
+    """Every known slice host verified the catalog digest. No known host means nothing is proven yet."""
+    return bool(hosts) and all(node_schedulable(catalog_digest, caches.get(h)) for h in hosts)
+
+
+def activation_event_id_key(slug: str, digest: str, seq: int) -> str:
+    """Each (re-)activation is announced once: a disable/enable cycle within JetStream's duplicate window
+    must not be dropped as a repeat, so the activation sequence is part of the key."""
+    return f"{activation_event_key(slug, digest)}:{seq}"
+
+
+def default_tag(now: datetime) -> str:
+    return now.astimezone(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    host: str
+    repository: str
+    tag: str
+    manifest_digest: str | None = None
+
+    @property
+    def uri(self) -> str:
+        at = f"@{self.manifest_digest}" if self.manifest_digest else ""
+        return f"oci://{self.host}/{self.repository}:{self.tag}{at}"
+
+    @classmethod
+    def parse(cls, uri: str) -> "ArtifactRef":
+        m = _REF_RE.match(uri)
+        if not m:
+            raise ValueError(f"not an oci:// artifact reference: {uri!r}")
+        return cls(m["host"], m["repo"], m["tag"], m["digest"])
+
+
+_REF_RE = re.compile(r"^oci://(?P<host>[^/]+)/(?P<repo>[a-z0-9._/-]+):(?P<tag>[A-Za-z0-9_.-]{1,128})"
+                     r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
+
+TLS_MODES = ("verify", "insecure", "plain-http")
+
+
+class ImageCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    slug: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=128)
+    kind: str = Field(default="slice", pattern=r"^(slice|host)$")
+    compatible_sku: str = Field(default="h200-sxm-slice", min_length=1, max_length=64)
+    driver_strategy: str = Field(default="preinstalled", pattern=r"^(preinstalled|cloud_init)$")
+    image_path: str | None = Field(default=None, max_length=1024)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class ImageUpdate(BaseModel):
+    """What an operator may change in place. Digest and source come only from a build."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    compatible_sku: str | None = Field(default=None, min_length=1, max_length=64)
+    driver_strategy: str | None = Field(default=None, pattern=r"^(preinstalled|cloud_init)$")
+    metadata: dict[str, Any] | None = None
+
+
+PROTECTED_METADATA = ("image_path", "artifact_ref", "blob_digest", "blob_size", "blob_media_type", "virtual_size",
+                      "build_id", "registry_tls")
+
+
+class BuildRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source: str | None = Field(default=None, max_length=4096)
+    reuse_build_id: str | None = None
+    customise: str | None = Field(default=None, pattern=r"^(stamp|virt-customize|none)$")
+    packages: list[str] = Field(default_factory=list, max_length=512)
+    tag: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+    namespace: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9._/-]*$", max_length=255)
+    dry_run: bool = False
+    update_catalog: bool = True
+    # Defaults for a slug that does not exist yet.
+    compatible_sku: str = "h200-sxm-slice"
+    driver_strategy: str = Field(default="preinstalled", pattern=r"^(preinstalled|cloud_init)$")
+
+    def check(self) -> None:
+        if bool(self.source) == bool(self.reuse_build_id):
+            raise ValueError("give exactly one of source (build) or reuse_build_id (republish an artifact)")

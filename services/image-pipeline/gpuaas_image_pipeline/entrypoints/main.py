@@ -1,24 +1,29 @@
-"""`gpuaas-image-pipeline`: the image catalog."""
+"""`gpuaas-image-pipeline`: the image catalog, builds and publishing, node cache prewarm and the
+activation gate, and the admin HTTP API."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from gpuaas_common.bus import HandlerContext
 from gpuaas_common.logging import get_logger
 from gpuaas_common.outbox import OutboxWriter
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..domain.catalog import SeedImage
+from ..service_layer import catalog
+from ..service_layer.builds import BuildRunner
 from ..service_layer.seeding import apply_seed
 from ..settings import ImagePipelineSettings
+from .admin_http import AdminApi
 
 log = get_logger(__name__)
 
 
 def build_register(settings: ImagePipelineSettings):
     async def register(rt: ServiceRuntime) -> None:
-        assert rt.pool is not None
+        assert rt.pool is not None and rt.bus is not None
         seeds = []
         if settings.image_seed_file:
             seeds = [SeedImage.model_validate(s) for s in json.loads(Path(settings.image_seed_file).read_text())]
@@ -26,6 +31,28 @@ def build_register(settings: ImagePipelineSettings):
             writer = OutboxWriter(conn, "image_pipeline", "image-pipeline", correlation_id="image-seed")
             activated = await apply_seed(conn, writer, seeds)
         log.info("catalog_seeded", active=activated)
+
+        runner = BuildRunner(rt.pool, rt.bus, settings)
+        interrupted = await runner.recover()
+        if interrupted:
+            log.warning("builds_interrupted", count=interrupted)
+
+        async def on_enrolled(ctx: HandlerContext) -> None:
+            assert ctx.conn is not None and ctx.outbox is not None
+            sent = await catalog.on_enrolled(ctx.conn, ctx.outbox, ctx.payload, ctx.envelope.event_id)
+            log.info("slice_host_known", node_id=ctx.payload.node_id, kind=ctx.payload.kind, prewarm_tasks=sent)
+
+        async def on_cache_reported(ctx: HandlerContext) -> None:
+            assert ctx.conn is not None and ctx.outbox is not None
+            await catalog.on_cache_reported(ctx.conn, ctx.outbox, ctx.payload)
+
+        rt.bus.subscribe(rt.consumer_spec("image-pipeline-enrolments"), {"node.enrolled": on_enrolled})
+        rt.bus.subscribe(rt.consumer_spec("image-pipeline-cache-reports"),
+                         {"node.image_cache_reported": on_cache_reported})
+
+        api = AdminApi(rt.pool, runner, settings)
+        await api.start()
+        rt.health.checks["admin_api"] = lambda: api.port is not None
 
     return register
 

@@ -23,7 +23,7 @@ import aiohttp
 import structlog
 from oauthlib import oauth1
 
-from .maas_errors import MaasError, MaasNoResponse, error_for_status
+from .maas_errors import MaasError, MaasNoResponse, MaasUnreachable, error_for_status
 from .maas_models import Machine
 
 log = structlog.get_logger("gpuaas_maas_gateway.maas_client")
@@ -157,12 +157,16 @@ class MaasClient:
         system_id: str | None = None,
         mutation: bool = False,
         timeout: float | None = None,
+        raw_body: bytes | None = None,
     ) -> Any:
         query_pairs = ([("op", op)] if op else []) + _pairs(query or {})
         url = self._root + path + (("?" + urlencode(query_pairs)) if query_pairs else "")
         headers: dict[str, str] = {"Accept": "application/json"}
         body: bytes | None = None
-        if method in ("POST", "PUT"):
+        if raw_body is not None:
+            body = raw_body
+            headers["Content-Type"] = "application/octet-stream"
+        elif method in ("POST", "PUT"):
             body = urlencode(_pairs(form or {})).encode("ascii")
             headers["Content-Type"] = "application/x-www-form-urlencoded"
         # PLAINTEXT signs neither the URL nor the body, so signing without the body avoids
@@ -176,16 +180,17 @@ class MaasClient:
         try:
             async with self._http().request(
                 method, url, data=body, headers=headers,
-                timeout=aiohttp.ClientTimeout(total=budget),
+                # A separate connect bound tells "MAAS is down" (nothing sent) from "no answer".
+                timeout=aiohttp.ClientTimeout(total=budget, sock_connect=min(budget, 5.0)),
             ) as response:
                 raw = await response.read()
                 status = response.status
                 content_type = response.content_type
                 retry_after = response.headers.get("Retry-After")
-        except aiohttp.ClientConnectorError as error:
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
             # The TCP connection was never made, so the request cannot have reached MAAS.
             self._log.warning("maas_unreachable", **ctx, error=type(error).__name__)
-            raise MaasNoResponse(
+            raise MaasUnreachable(
                 None, f"could not connect: {type(error).__name__}", None,
                 operation=operation, system_id=system_id, outcome_unknown=False,
             ) from None
@@ -344,6 +349,57 @@ class MaasClient:
             form={"comment": comment}, system_id=system_id, mutation=True, timeout=timeout,
         )
         return Machine.from_json(data)
+
+    # ---- tags, scripts, boot resources ---------------------------------------------------------
+
+    async def create_tag(self, name: str, comment: str | None = None, definition: str | None = None,
+                         *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._call("POST", "tags/", operation="create_tag", mutation=True, timeout=timeout,
+                                form={"name": name, "comment": comment, "definition": definition})
+
+    async def list_tags(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        return await self._call("GET", "tags/", operation="list_tags", timeout=timeout)
+
+    async def update_tag_nodes(self, name: str, add: Iterable[str] = (), remove: Iterable[str] = (),
+                               *, timeout: float | None = None) -> dict[str, int]:
+        return await self._call(
+            "POST", f"tags/{name}/", op="update_nodes", operation="update_tag_nodes", mutation=True,
+            form={"add": list(add), "remove": list(remove)}, timeout=timeout,
+        )
+
+    async def create_script(self, name: str, script: str, script_type: str = "commissioning",
+                            *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._call("POST", "scripts/", operation="create_script", mutation=True, timeout=timeout,
+                                form={"name": name, "script": script, "type": script_type})
+
+    async def read_script(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._call("GET", f"scripts/{name}/", operation="read_script", timeout=timeout)
+
+    async def list_boot_resources(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        return await self._call("GET", "boot-resources/", operation="list_boot_resources",
+                                query={"type": "uploaded"}, timeout=timeout)
+
+    async def read_boot_resource(self, resource_id: int, *, timeout: float | None = None) -> dict[str, Any]:
+        return await self._call("GET", f"boot-resources/{resource_id}/", operation="read_boot_resource",
+                                timeout=timeout)
+
+    async def create_boot_resource(
+        self, name: str, architecture: str, sha256: str, size: int, *, title: str = "",
+        filetype: str = "tgz", base_image: str | None = None, timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Announce a file by sha256 and size; its bytes follow through `upload_chunk`."""
+        form = {"name": name, "architecture": architecture, "sha256": sha256, "size": size,
+                "title": title or None, "filetype": filetype, "base_image": base_image}
+        return await self._call("POST", "boot-resources/", operation="create_boot_resource", mutation=True,
+                                form=form, timeout=timeout)
+
+    async def upload_chunk(self, upload_uri: str, chunk: bytes, *, timeout: float | None = None) -> None:
+        """PUT one chunk to a file's `upload_uri` (an absolute path, as MAAS reports it)."""
+        root_path = urlparse(self._root).path
+        if not upload_uri.startswith(root_path):
+            raise ValueError(f"upload_uri {upload_uri!r} is not under the API root")
+        await self._call("PUT", upload_uri[len(root_path):], operation="upload_chunk", mutation=True,
+                         raw_body=chunk, timeout=timeout)
 
 
 __all__ = ["MaasClient", "MaasError", "api_root"]

@@ -95,6 +95,10 @@ class MaasNoResponse(MaasError):
     status = None
 
 
+class MaasUnreachable(MaasNoResponse):
+    """No connection could be made: the request never left, so nothing can have changed."""
+
+
 # 4xx answers prove nothing was changed; the rest may follow a committed change.
 _DEFINITE: dict[int, type[MaasError]] = {
     400: MaasBadRequest,

@@ -54,3 +54,40 @@ def normalise_distro_series(name: str, uploaded: tuple[str, ...] | frozenset[str
     if name.startswith("custom/"):
         return name
     return f"custom/{name}" if name in uploaded else name
+
+
+COMMISSIONING, TESTING = "Commissioning", "Testing"
+FAILED_COMMISSIONING, FAILED_TESTING = "Failed commissioning", "Failed testing"
+
+
+def decide_commission(state: str, status_name: str, result_id: int | None, baseline_id: int | None,
+                      untouched_for_s: float | None, grace_s: float) -> Decision:
+    """A commissioning run is proved by a new commissioning result id, since a machine that finished
+    commissioning is Ready again, exactly like one that never started."""
+    started = result_id is not None and result_id != baseline_id
+    if status_name in (COMMISSIONING, TESTING):
+        return Decision.ACCEPTED
+    if started and status_name == READY:
+        return Decision.SUCCEEDED
+    if started and status_name in (FAILED_COMMISSIONING, FAILED_TESTING):
+        return Decision.FAILED
+    if not started:
+        if state == "accepted":
+            return Decision.FAILED
+        if untouched_for_s is not None and untouched_for_s >= grace_s:
+            return Decision.RESUBMIT
+        return Decision.WAIT
+    return Decision.FAILED
+
+
+STOCK_OSYSTEMS = ("ubuntu", "centos", "rhel", "windows", "esxi")
+
+
+def is_custom_image(name: str, uploaded: tuple[str, ...] | frozenset[str]) -> bool:
+    osystem, _, series = name.rpartition("/")
+    return osystem == "custom" or (osystem == "" and series in uploaded)
+
+
+def image_name(name: str) -> str:
+    """The name MAAS lists an uploaded boot resource under (`custom/` is not stored)."""
+    return name.removeprefix("custom/")

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.maas_client import MaasClient
 from ..service_layer.operations import OperationHandlers, OperationWorker
 from ..settings import GatewaySettings
 
+log = get_logger(__name__)
+
+
+def build_clients(settings: GatewaySettings) -> dict[str, MaasClient]:
+    """One client per site, each holding its own key; the keys are read here and nowhere else."""
+    return {
+        name: MaasClient(site.url, site.api_key.get_secret_value(), timeout=settings.maas_timeout_s)
+        for name, site in settings.sites().items()
+    }
+
 
 def build_register(settings: GatewaySettings):
     async def register(rt: ServiceRuntime) -> None:
         assert rt.bus is not None and rt.pool is not None
         handlers = OperationHandlers(settings)
-        rt.bus.subscribe(
-            rt.consumer_spec("maas-gateway-commands"),
-            {"maas.deploy_requested": handlers.on_command, "maas.release_requested": handlers.on_command},
-        )
-        client = MaasClient(settings.maas_url, settings.maas_api_key.get_secret_value(),
-                            timeout=settings.maas_timeout_s)
-        rt.spawn(OperationWorker(settings, rt.pool, client).run(), "maas-operations")
+        rt.bus.subscribe(rt.consumer_spec("maas-gateway-commands"), handlers.handlers())
+        clients = build_clients(settings)
+        log.info("maas_sites", sites=sorted(clients))
+        rt.spawn(OperationWorker(settings, rt.pool, clients).run(), "maas-operations")
 
     return register
 

@@ -23,7 +23,9 @@ CREATE TABLE IF NOT EXISTS tasks (
     phase         TEXT,
     disk_touched  INTEGER NOT NULL DEFAULT 0,
     result_json   TEXT,
-    updated_at    REAL NOT NULL
+    updated_at    REAL NOT NULL,
+    vm_name       TEXT,
+    payload_json  TEXT
 );
 CREATE TABLE IF NOT EXISTS slot_epochs (
     slot_id TEXT PRIMARY KEY,
@@ -49,6 +51,11 @@ class StateStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(tasks)")}
+        # State written by an older agent: add what recovery needs, keep the records.
+        for column in ("vm_name", "payload_json"):
+            if column not in columns:
+                self._db.execute(f"ALTER TABLE tasks ADD COLUMN {column} TEXT")
 
     def close(self) -> None:
         self._db.close()
@@ -67,12 +74,30 @@ class StateStore:
         record["result"] = json.loads(record.pop("result_json")) if record["result_json"] else None
         return record
 
-    def start_task(self, task_id: str, task_type: str, allocation_id: str) -> None:
+    def start_task(self, task_id: str, task_type: str, allocation_id: str, *, vm_name: str | None = None,
+                   payload: dict[str, Any] | None = None) -> None:
         self._db.execute(
-            "INSERT INTO tasks (task_id, task_type, allocation_id, status, updated_at) VALUES (?, ?, ?, 'running', ?) "
+            "INSERT INTO tasks (task_id, task_type, allocation_id, status, updated_at, vm_name, payload_json) "
+            "VALUES (?, ?, ?, 'running', ?, ?, ?) "
             "ON CONFLICT (task_id) DO UPDATE SET status = 'running', updated_at = excluded.updated_at",
-            (task_id, task_type, allocation_id, time.time()),
+            (task_id, task_type, allocation_id, time.time(), vm_name, json.dumps(payload) if payload else None),
         )
+
+    def running_tasks(self) -> list[dict[str, Any]]:
+        """Tasks a previous run of the agent started and never finished, oldest first, with their payloads."""
+        rows = self._db.execute(
+            "SELECT task_id, task_type, payload_json, disk_touched FROM tasks WHERE status = 'running' "
+            "ORDER BY updated_at"
+        ).fetchall()
+        return [{"task_id": r[0], "task_type": r[1], "payload": json.loads(r[2]) if r[2] else None,
+                 "disk_touched": bool(r[3])} for r in rows]
+
+    def latest_by_vm(self) -> dict[str, tuple[str, str]]:
+        """vm_name → (task_type, status) of the most recent task for that VM."""
+        rows = self._db.execute(
+            "SELECT vm_name, task_type, status FROM tasks WHERE vm_name IS NOT NULL ORDER BY updated_at, rowid"
+        ).fetchall()
+        return {r[0]: (r[1], r[2]) for r in rows}
 
     def set_phase(self, task_id: str, phase: str, *, disk_touched: bool = False) -> None:
         self._db.execute(
@@ -126,6 +151,9 @@ class StateStore:
                 [(res, allocation_id) for res in resources],
             )
         return None
+
+    def leased_resources(self) -> dict[str, str]:
+        return dict(self._db.execute("SELECT resource, allocation_id FROM leases").fetchall())
 
     def drop_leases(self, allocation_id: str) -> None:
         self._db.execute("DELETE FROM leases WHERE allocation_id = ?", (allocation_id,))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from gpuaas_common.bus import PermanentError
@@ -14,11 +15,13 @@ from gpuaas_common.jetstream import node_agent_consumer
 from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
+from ..adapters.fixture_host import build_host_root, describe_fleet_node
 from ..adapters.libvirt_host import LibvirtHost
 from ..adapters.sim_baremetal import SimulatedBaremetalHost, enrolment_proof
 from ..adapters.sim_host import SimulatedDhcpAndGuest
 from ..adapters.state_store import StateStore
 from ..service_layer.host_paths import HostPaths
+from ..service_layer.prewarm import ImagePrewarmer
 from ..service_layer.tasks import SliceHostAgent
 from ..settings import AgentSettings
 
@@ -27,13 +30,9 @@ AGENT_VERSION = "0.1.0"
 
 
 def _prepare_sim_host(settings: AgentSettings, node: FleetNode, paths: HostPaths) -> None:
-    """Give a simulated slice host its disks, its image cache and its dnsmasq directories."""
-    for slot in node.slots:
-        disk = paths.host(slot.nvme_by_id)
-        disk.parent.mkdir(parents=True, exist_ok=True)
-        if not disk.exists():
-            with disk.open("wb") as f:
-                f.truncate(settings.sim_disk_size_mib * 1024 * 1024)
+    """Give a simulated slice host a generated host tree (sysfs, /dev with its disks, /proc, /etc and host
+    tools, so discovery, parity and the disk preflight work on it), its image cache and dnsmasq directories."""
+    build_host_root(paths.root, describe_fleet_node(node, disk_file_bytes=settings.sim_disk_size_mib * 1024 * 1024))
     cache = paths.host(settings.image_cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     if settings.sim_image_dir:
@@ -79,11 +78,16 @@ def build_register(settings: AgentSettings):
                 lease_file=settings.dnsmasq_lease_file, seed_dir=settings.seed_dir, ssh_port=ssh_port,
                 readiness_timeout_s=settings.readiness_timeout_s, shutdown_timeout_s=settings.shutdown_timeout_s,
             )
-            handlers = {"slice.vm_provision": agent.on_task, "slice.vm_release": agent.on_task}
+            handlers = {"slice.vm_provision": agent.on_task, "slice.vm_release": agent.on_task,
+                        "slice.topology_discover": agent.on_discover}
+            handlers["image.cache_prewarm"] = ImagePrewarmer(
+                node.node_id, paths, store, bus.publish, image_cache_dir=settings.image_cache_dir).on_task
             bus.subscribe(
-                node_agent_consumer(node.node_id, max_deliver=settings.consumer_max_deliver),
+                node_agent_consumer(node.node_id, max_deliver=settings.consumer_max_deliver,
+                                    ack_wait_s=settings.task_ack_wait_s),
                 handlers, transactional=False, concurrency=settings.task_concurrency,
             )
+            rt.spawn(_start_agent(agent), f"start-{node.node_id}")
             enrolments.append(m.NodeEnrolled(node_id=node.node_id, kind="slice_host", hostname=node.hostname,
                                              agent_version=AGENT_VERSION))
 
@@ -94,6 +98,12 @@ def build_register(settings: AgentSettings):
         rt.spawn(enrol_all(), "enrol")
 
     return register
+
+
+async def _start_agent(agent: SliceHostAgent) -> None:
+    # Recovery first: a task the previous run left half-done gets its one result before new evidence goes out.
+    await agent.recover()
+    await agent.report_host_state()
 
 
 def _sim_baremetal(rt: ServiceRuntime, node: FleetNode, maas_sim_url: str) -> SimulatedBaremetalHost:
@@ -115,9 +125,18 @@ def _sim_baremetal(rt: ServiceRuntime, node: FleetNode, maas_sim_url: str) -> Si
     return SimulatedBaremetalHost(node.node_id, node.maas_system_id, maas_sim_url, enrol)
 
 
-def main() -> None:
+def serve() -> None:
     settings = AgentSettings()
     run_service("node-agent", settings, build_register(settings))
+
+
+def main() -> None:
+    if len(sys.argv) > 1:
+        from .cli import app
+
+        app()
+        return
+    serve()
 
 
 if __name__ == "__main__":

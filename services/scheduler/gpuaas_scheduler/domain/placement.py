@@ -1,14 +1,35 @@
-"""Placement as small pure functions: slot completeness, slot choice and node scoring.
+"""Placement as small pure functions, in the style of the Kubernetes scheduler framework.
 
-Deterministic by construction: every ordering ends on a unique id, so the same inventory and the
-same request always produce the same choice.
+Filters say why a node cannot take a request (the first failing filter names the node's bucket in
+the why-not answer); scorers order the nodes that pass. The order is lexicographic over the scorers
+in `SCORERS` and ends on the node id, so the same inventory and the same request always give the
+same choice:
+
+1. `score_sliced`   — already-sliced hosts first: clean hosts stay whole for baremetal and 8-GPU slices.
+2. `score_topology` — the tightest topology the node can offer for the request: one PCIe switch (0),
+                      one NUMA node (1), the fewest NUMA nodes the request can span (2).
+3. `score_fit`      — best fit: the fewest free slots left over on the node.
+4. node id.
+
+A group is *topology-safe* when it spans no more NUMA nodes than the request needs
+(ceil(gpus / slots per NUMA node on that host)); slots of unknown NUMA node never join a multi-GPU
+group. A hard filter, so a 4-GPU VM never straddles the inter-socket link when the host could keep
+it on one socket.
+
+The adapter enumerates nodes in exactly this order from an index (see `rank_classes`), so Postgres
+never sorts the fleet and the ranking stays testable here.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable
+
+TIER_SWITCH, TIER_NUMA, TIER_SPAN = 0, 1, 2
+TIER_NAMES = {TIER_SWITCH: "one PCIe switch", TIER_NUMA: "one NUMA node", TIER_SPAN: "minimal NUMA span"}
+BAREMETAL_GPUS = 8
 
 
 @dataclass(frozen=True)
@@ -16,14 +37,65 @@ class SlotView:
     slot_id: str
     numa_node: int | None
     pcie_switch: str | None
+    fabric_device: str | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    slots: tuple[SlotView, ...]
+    tier: int
 
 
 @dataclass(frozen=True)
 class NodeCandidate:
+    """A node as the ranking sees it: its capacity summary, computed from its free slots."""
+
     node_id: str
     free_slots: int
     total_slots: int
+    live_claims: int = 0
+    max_switch_free: int = 0
+    numa_free: tuple[int, ...] = ()
+    numa_capacity: int = 0
+
+    @property
+    def sliced(self) -> bool:
+        return self.live_claims > 0 or self.free_slots < self.total_slots
+
+    @property
+    def max_numa_free(self) -> int:
+        return self.numa_free[0] if self.numa_free else 0
+
+
+@dataclass(frozen=True)
+class Request:
+    shape: str  # gpu_slice | baremetal
+    gpus: int
+    region: str
+    sku: str
+    tenant_id: str = ""
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """Everything the filters look at for one node (the why-not path reads it for the whole fleet)."""
+
+    node_id: str
+    region: str
+    sku: str
+    accepts_slices: bool
+    accepts_baremetal: bool
+    mode: str
+    schedulable: bool
+    draining: bool
+    maintenance: bool
+    parity_failures: int | None
     live_claims: int
+    exclusive_held: bool
+    candidate: NodeCandidate
+
+
+# --- slots ----------------------------------------------------------------------------------------
 
 
 def incomplete_reason(slot: dict) -> str | None:
@@ -43,50 +115,253 @@ def incomplete_reason(slot: dict) -> str | None:
     return None
 
 
-# The same predicates as SQL, so a row made 'available' by hand is still never placed.
+# The approval predicates again, as SQL, so a row made 'available' by hand is still never placed:
+# complete bundle, healthy, and disk evidence present and free of mounts and signatures.
 COMPLETE_SLOT_SQL = (
     "s.gpu_pci_address IS NOT NULL AND s.nvme_by_id LIKE '%/by-id/%' AND s.mac IS NOT NULL "
     "AND s.private_ip IS NOT NULL AND s.fabric_claim_mode = 'per_slot_vf' "
     "AND COALESCE(s.fabric_vf_pci_address, '') <> ''"
 )
+ELIGIBLE_SLOT_SQL = (
+    f"s.status = 'available' AND {COMPLETE_SLOT_SQL} AND s.health_state = 'healthy' "
+    "AND s.nvme_evidence IS NOT NULL "
+    "AND NOT COALESCE((s.nvme_evidence->>'mounted')::boolean, true) "
+    "AND NOT COALESCE((s.nvme_evidence->>'is_os_disk')::boolean, true) "
+    "AND COALESCE(jsonb_array_length(s.nvme_evidence->'mounted_children'), 0) = 0 "
+    "AND COALESCE(jsonb_array_length(s.nvme_evidence->'signatures'), 1) = 0"
+)
 
 
-def choose_slots(slots: Iterable[SlotView], count: int) -> list[SlotView] | None:
-    """Pick `count` slots, preferring one PCIe switch, then one NUMA node, then the lowest ids."""
-    slots = sorted(slots, key=lambda s: s.slot_id)
-    if len(slots) < count:
+def dedupe_fabric(slots: Iterable[SlotView]) -> list[SlotView]:
+    """Slots sharing a fabric device exclude each other: keep the lowest id of each device."""
+    seen: set[str] = set()
+    out = []
+    for slot in sorted(slots, key=lambda s: s.slot_id):
+        if slot.fabric_device:
+            if slot.fabric_device in seen:
+                continue
+            seen.add(slot.fabric_device)
+        out.append(slot)
+    return out
+
+
+def numa_span_needed(gpus: int, numa_capacity: int) -> int:
+    return 1 if gpus <= 1 or numa_capacity <= 0 else math.ceil(gpus / numa_capacity)
+
+
+def _groups(slots: Sequence[SlotView], key) -> dict[object, list[SlotView]]:
+    out: dict[object, list[SlotView]] = {}
+    for slot in slots:
+        out.setdefault(key(slot), []).append(slot)
+    return out
+
+
+def _switch_key(slot: SlotView) -> object:
+    # A slot without a known switch is a switch of its own.
+    return (slot.numa_node, slot.pcie_switch) if slot.pcie_switch is not None else ("solo", slot.slot_id)
+
+
+def choose(slots: Iterable[SlotView], gpus: int, numa_capacity: int | None = None) -> Choice | None:
+    """The topology-safe group for `gpus` on one node, best fit bottom-up, or None.
+
+    Best fit at each level of the hierarchy keeps whole PCIe-switch pairs and whole NUMA nodes free
+    for the larger requests that need them."""
+    free = dedupe_fabric(slots)
+    if len(free) < gpus or gpus < 1:
         return None
-    if count == 1:
-        return slots[:1]
-    for key in (lambda s: s.pcie_switch, lambda s: s.numa_node):
-        groups: dict[object, list[SlotView]] = {}
-        for slot in slots:
-            groups.setdefault(key(slot), []).append(slot)
-        fitting = [g for k, g in groups.items() if k is not None and len(g) >= count]
-        if fitting:
-            # Best fit inside the topology domain: the tightest group that still holds the request.
-            best = min(fitting, key=lambda g: (len(g), g[0].slot_id))
-            return best[:count]
-    return slots[:count]
+    if numa_capacity is None:
+        numa_capacity = max((len(g) for k, g in _groups(free, lambda s: s.numa_node).items() if k is not None),
+                            default=0)
+    by_switch = _groups(free, _switch_key)
+    by_numa = _groups(free, lambda s: s.numa_node)
+    switch_free = {k: len(g) for k, g in by_switch.items()}
+    numa_free = {k: len(g) for k, g in by_numa.items()}
+
+    def fill_order(pool: Iterable[SlotView]) -> list[SlotView]:
+        # Inside a container take broken switches first, so intact pairs survive.
+        return sorted(pool, key=lambda s: (switch_free[_switch_key(s)], str(_switch_key(s)), s.slot_id))
+
+    if gpus == 1:
+        best = min(free, key=lambda s: (switch_free[_switch_key(s)],
+                                        numa_free[s.numa_node] if s.numa_node is not None else 0, s.slot_id))
+        return Choice((best,), TIER_SWITCH)
+    known = [s for s in free if s.numa_node is not None]
+    switches = [g for k, g in by_switch.items() if k[0] != "solo" and k[0] is not None and len(g) >= gpus]
+    if switches:
+        group = min(switches, key=lambda g: (len(g), numa_free[g[0].numa_node], g[0].slot_id))
+        return Choice(tuple(sorted(group, key=lambda s: s.slot_id)[:gpus]), TIER_SWITCH)
+    span = numa_span_needed(gpus, numa_capacity)
+    numas = {k: g for k, g in by_numa.items() if k is not None}
+    if span == 1:
+        fitting = [g for g in numas.values() if len(g) >= gpus]
+        if not fitting:
+            return None
+        group = min(fitting, key=lambda g: (len(g), g[0].numa_node))
+        return Choice(tuple(fill_order(group)[:gpus]), TIER_NUMA)
+    ordered = sorted(numas.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:span]
+    if sum(len(g) for _, g in ordered) < gpus or len(known) < gpus:
+        return None
+    picked: list[SlotView] = []
+    for _, group in ordered:
+        picked.extend(fill_order(group))
+    return Choice(tuple(picked[:gpus]), TIER_SPAN)
 
 
-def node_score(candidate: NodeCandidate, requested: int) -> tuple:
-    """Lower sorts first. Prefer nodes already sliced (keep clean hosts whole for baremetal),
-    then the tightest fit (fewest free slots left over), then the id for determinism."""
-    already_sliced = candidate.live_claims > 0 or candidate.free_slots < candidate.total_slots
-    return (0 if already_sliced else 1, candidate.free_slots - requested, candidate.node_id)
+def choose_slots(slots: Iterable[SlotView], count: int, numa_capacity: int | None = None) -> list[SlotView] | None:
+    choice = choose(slots, count, numa_capacity)
+    return list(choice.slots) if choice else None
 
 
-def rank_nodes(candidates: Iterable[NodeCandidate], requested: int) -> list[NodeCandidate]:
-    return sorted((c for c in candidates if c.free_slots >= requested), key=lambda c: node_score(c, requested))
+def summarize(node_id: str, free: Iterable[SlotView], total_slots: int, live_claims: int,
+              numa_capacity: int) -> NodeCandidate:
+    """The capacity summary the adapter stores on the node row, from its eligible free slots."""
+    usable = dedupe_fabric(free)
+    switch = [len(g) for k, g in _groups(usable, _switch_key).items() if k[0] != "solo" and k[0] is not None]
+    numa = sorted((len(g) for k, g in _groups(usable, lambda s: s.numa_node).items() if k is not None), reverse=True)
+    return NodeCandidate(node_id, len(usable), total_slots, live_claims, max(switch, default=0), tuple(numa),
+                         numa_capacity)
 
 
-def unschedulable_summary(filtered: Counter[str], free_gpus: int, requested: int) -> tuple[str, str]:
+# --- filters --------------------------------------------------------------------------------------
+
+
+def best_tier(node: NodeCandidate, gpus: int) -> int | None:
+    """The tier `choose` would reach on this node, from its summary alone; None if not topology-safe."""
+    if node.free_slots < gpus:
+        return None
+    if gpus == 1:
+        return TIER_SWITCH
+    if node.max_switch_free >= gpus:
+        return TIER_SWITCH
+    span = numa_span_needed(gpus, node.numa_capacity)
+    if span == 1:
+        return TIER_NUMA if node.max_numa_free >= gpus else None
+    return TIER_SPAN if sum(node.numa_free[:span]) >= gpus else None
+
+
+def node_filter(node: NodeFacts, req: Request) -> str | None:
+    """The first filter a node fails for this request (its bucket in `filtered`), or None."""
+    if node.region != req.region:
+        return "region"
+    if node.sku != req.sku:
+        return "sku"
+    if req.shape == "baremetal":
+        if not node.accepts_baremetal:
+            return "profile_intent"
+    elif not node.accepts_slices or node.mode != "slice":
+        return "profile_intent"
+    if node.maintenance:
+        return "maintenance"
+    if node.draining:
+        return "draining"
+    if not node.schedulable:
+        return "not_ready"
+    if req.shape == "baremetal":
+        return "in_use" if node.live_claims else None
+    if node.parity_failures is None or node.parity_failures > 0:
+        return "parity"
+    if node.exclusive_held:
+        return "in_use"
+    if node.candidate.free_slots < req.gpus:
+        return "free_slot_count"
+    if best_tier(node.candidate, req.gpus) is None:
+        return "topology"
+    return None
+
+
+# Filters that judge the node rather than its current occupancy: a node passing them is "eligible"
+# and its free GPUs count in the why-not answer.
+NODE_LEVEL = {"region", "sku", "profile_intent", "maintenance", "draining", "not_ready", "parity", "in_use"}
+
+
+# --- scores ---------------------------------------------------------------------------------------
+
+
+def score_sliced(node: NodeCandidate, gpus: int) -> int:
+    return 0 if node.sliced else 1
+
+
+def score_topology(node: NodeCandidate, gpus: int) -> int:
+    tier = best_tier(node, gpus)
+    return TIER_SPAN + 1 if tier is None else tier
+
+
+def score_fit(node: NodeCandidate, gpus: int) -> int:
+    return node.free_slots - gpus
+
+
+SCORERS = (score_sliced, score_topology, score_fit)
+
+
+def node_score(node: NodeCandidate, gpus: int) -> tuple:
+    """Lower sorts first."""
+    return (*(f(node, gpus) for f in SCORERS), node.node_id)
+
+
+def rank_nodes(candidates: Iterable[NodeCandidate], gpus: int) -> list[NodeCandidate]:
+    return sorted((c for c in candidates if best_tier(c, gpus) is not None), key=lambda c: node_score(c, gpus))
+
+
+def rank_classes(gpus: int, max_switch_slots: int | None = None, max_numa_slots: int | None = None,
+                 min_numa_slots: int | None = None) -> list[tuple[bool, int]]:
+    """(sliced, tier) classes in score order; inside a class the order is (free slots, node id),
+    which an index on (region, sku, sliced DESC, free_slots, node_id) yields without sorting.
+
+    Given the fleet's largest switch and NUMA groups, tiers no host can reach are left out, so a
+    4-GPU request never scans the index for a switch that holds 4 GPUs."""
+    tiers = [TIER_SWITCH] if gpus == 1 else [TIER_SWITCH, TIER_NUMA, TIER_SPAN]
+    if gpus > 1 and max_switch_slots is not None and gpus > max_switch_slots:
+        tiers.remove(TIER_SWITCH)
+    if gpus > 1 and max_numa_slots is not None and gpus > max_numa_slots:
+        tiers.remove(TIER_NUMA)
+    if gpus > 1 and min_numa_slots is not None and gpus <= min_numa_slots:
+        tiers.remove(TIER_SPAN)  # on every host a group that fits one NUMA node must stay on one
+    return [(sliced, tier) for sliced in (True, False) for tier in tiers]
+
+
+def clean_node_allowed(clean_nodes: int, watermark: int) -> bool:
+    """Slicing a clean host is allowed only while more than `watermark` clean hosts would remain."""
+    return clean_nodes > watermark
+
+
+# --- why not --------------------------------------------------------------------------------------
+
+
+_FILTER_TEXT = {
+    "region": "in another region", "sku": "of another SKU", "profile_intent": "without the profile intent",
+    "maintenance": "in maintenance", "draining": "draining", "not_ready": "not ready",
+    "parity": "without parity failures=0", "in_use": "held by another allocation",
+    "free_slot_count": "with too few free slots", "topology": "without a topology-safe group",
+    "clean_node_reserve": "reserved clean for baremetal",
+}
+
+
+def _filtered_text(filtered: Counter[str]) -> str:
+    parts = [f"{n} {_FILTER_TEXT.get(k, k)}" for k, n in sorted(filtered.items(), key=lambda kv: (-kv[1], kv[0])) if n]
+    return "; ".join(parts)
+
+
+def unschedulable_summary(filtered: Counter[str], free_gpus: int, requested: int,
+                          shape: str = "gpu_slice", eligible_nodes: int | None = None,
+                          largest_free: int = 0) -> tuple[str, str]:
+    """A reason code and a sentence an operator can act on."""
+    detail = _filtered_text(filtered)
+    suffix = f" (nodes: {detail})" if detail else ""
+    if eligible_nodes == 0:
+        noun = "baremetal host" if shape == "baremetal" else "slice host"
+        return "no_eligible_node", f"no {noun} is eligible{suffix}"
+    if shape == "baremetal":
+        return "no_capacity", f"no clean baremetal-capable host is free{suffix}"
     if free_gpus == 0:
-        return "no_capacity", f"no GPU is free in the region; {requested} requested"
-    if free_gpus >= requested:
-        return (
-            "fragmented",
-            f"{free_gpus} GPUs free in aggregate but no single node has {requested} eligible slots",
+        return "no_capacity", f"no GPU is free on the eligible hosts; {requested} requested{suffix}"
+    if free_gpus < requested:
+        return "insufficient_capacity", f"{free_gpus} GPUs free, {requested} requested{suffix}"
+    if filtered.get("topology"):
+        return "topology", f"{free_gpus} GPUs free but no node has {requested} topology-safe slots{suffix}"
+    if filtered.get("clean_node_reserve"):
+        return "clean_node_reserve", (
+            f"{free_gpus} GPUs free but the hosts that fit {requested} are clean hosts kept for baremetal{suffix}"
         )
-    return "insufficient_capacity", f"{free_gpus} GPUs free, {requested} requested"
+    return "fragmented", (
+        f"{free_gpus} GPUs free but no node has {requested} free slots (largest: {largest_free}){suffix}"
+    )

@@ -1,14 +1,18 @@
-"""`gpuaas-scheduler`: inventory, placement and claims."""
+"""`gpuaas-scheduler`: inventory, placement and claims, and the admin HTTP API."""
 
 from __future__ import annotations
+
+import asyncio
 
 from gpuaas_common.fleet import Fleet
 from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
-from ..adapters.inventory import seed_from_fleet
+from ..adapters.inventory import refresh_nodes, seed_from_fleet
 from ..service_layer.handlers import Scheduler, handlers
+from ..service_layer.placement import PlacementPolicy, with_fleet_shape
 from ..settings import SchedulerSettings
+from .admin_http import start_admin
 
 log = get_logger(__name__)
 
@@ -16,12 +20,35 @@ log = get_logger(__name__)
 def build_register(settings: SchedulerSettings):
     async def register(rt: ServiceRuntime) -> None:
         assert rt.bus is not None and rt.pool is not None
-        if settings.inventory_file:
-            fleet = Fleet.load(settings.inventory_file)
-            async with rt.pool.acquire() as conn, conn.transaction():
+        async with rt.pool.acquire() as conn, conn.transaction():
+            if settings.inventory_file:
+                fleet = Fleet.load(settings.inventory_file)
                 added = await seed_from_fleet(conn, fleet)
-            log.info("inventory_seeded", slots_added=added, nodes=len(fleet.nodes))
-        rt.bus.subscribe(rt.consumer_spec("scheduler-allocation-events"), handlers(Scheduler()))
+                log.info("inventory_seeded", slots_added=added, nodes=len(fleet.nodes))
+            # The capacity summary only orders candidates, but keep it honest after any restart.
+            await refresh_nodes(conn)
+        policy = PlacementPolicy(
+            clean_node_watermark=settings.clean_node_watermark,
+            default_tenant_gpu_quota=settings.tenant_gpu_quota,
+            candidate_page=settings.candidate_page,
+        )
+        async with rt.pool.acquire() as conn:
+            policy = await with_fleet_shape(conn, policy)
+        rt.bus.subscribe(rt.consumer_spec("scheduler-allocation-events"), handlers(Scheduler(policy)))
+        if settings.admin_token is None:
+            log.warning("admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set")
+            return
+        runner, port = await start_admin(rt.pool, settings.admin_token, settings.admin_host, settings.admin_port)
+        rt.ready_info["admin_port"] = port
+        log.info("admin_api_listening", admin_host=settings.admin_host, admin_port=port)
+
+        async def keep(runner=runner) -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await runner.cleanup()
+
+        rt.spawn(keep(), "admin-api")
 
     return register
 

@@ -2,71 +2,46 @@
 
 from __future__ import annotations
 
+import uuid
+
+import asyncpg
+
 from gpuaas_common.bus import HandlerContext
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
 from ..adapters import inventory as inv
-from ..domain.placement import choose_slots, rank_nodes, unschedulable_summary
+from ..domain.approval import wipe_verdict
+from .placement import PlacementPolicy, place
 
 log = get_logger(__name__)
 
 
 class Scheduler:
+    def __init__(self, policy: PlacementPolicy | None = None) -> None:
+        self.policy = policy or PlacementPolicy()
+
     async def on_accepted(self, ctx: HandlerContext) -> None:
         ev: m.AllocationAccepted = ctx.payload
         assert ctx.conn is not None and ctx.outbox is not None
-        existing = await ctx.conn.fetchval(
-            "SELECT 1 FROM allocation_resource_claims WHERE allocation_id = $1 LIMIT 1", ev.allocation_id
-        )
-        if existing:
+        alloc_id = str(ev.allocation_id)
+        outcome = await place(ctx.conn, ev, self.policy)
+        if outcome.already_placed:
             log.info("already_placed")
             return
-        alloc_id = str(ev.allocation_id)
-        placed_id = derived_event_id(alloc_id, "placement")
-        if ev.shape == "baremetal":
-            node = await inv.claim_baremetal(ctx.conn, ev.region, ev.sku, ev.allocation_id)
-            if node is not None:
-                await ctx.outbox.add(
-                    "placement.placed",
-                    m.PlacementPlaced(allocation_id=ev.allocation_id, node_id=node["node_id"],
-                                      claim_mode="node_exclusive", fencing_epoch=node["epoch"],
-                                      maas_system_id=node["maas_system_id"]),
-                    aggregate_id=alloc_id, event_id=placed_id,
-                )
-                log.info("placed", node_id=node["node_id"], claim_mode="node_exclusive")
-                return
-            kind, requested = "baremetal", 8
+        result = outcome.placed or outcome.unschedulable
+        assert result is not None
+        kind = "placement.placed" if outcome.placed else "placement.unschedulable"
+        await ctx.outbox.add(kind, result, aggregate_id=alloc_id, event_id=derived_event_id(alloc_id, "placement"))
+        if outcome.placed:
+            p = outcome.placed
+            log.info("placed", node_id=p.node_id, claim_mode=p.claim_mode, slots=[s.slot_id for s in p.slots],
+                     attempts=outcome.attempts, skipped_locked=outcome.skipped_locked, tier=outcome.extra.get("tier"))
         else:
-            for candidate in rank_nodes(await inv.slice_candidates(ctx.conn, ev.region, ev.sku), ev.gpu_count):
-                # A savepoint per attempt: a node whose slots were taken meanwhile costs nothing.
-                async with ctx.conn.transaction():
-                    claimed = await inv.claim_slots(ctx.conn, candidate.node_id, ev.allocation_id, ev.gpu_count,
-                                                    choose_slots)
-                if claimed is None:
-                    continue
-                epoch, slots = claimed
-                await ctx.outbox.add(
-                    "placement.placed",
-                    m.PlacementPlaced(
-                        allocation_id=ev.allocation_id, node_id=candidate.node_id, claim_mode="slots",
-                        fencing_epoch=epoch, slots=[m.SlotBinding(**dict(r)) for r in slots],
-                    ),
-                    aggregate_id=alloc_id, event_id=placed_id,
-                )
-                log.info("placed", node_id=candidate.node_id, claim_mode="slots", slots=[r["slot_id"] for r in slots])
-                return
-            kind, requested = "slice_host", ev.gpu_count
-        filtered, free = await inv.filter_counts(ctx.conn, ev.region, ev.sku, kind, requested)
-        code, reason = unschedulable_summary(filtered, free, requested)
-        await ctx.outbox.add(
-            "placement.unschedulable",
-            m.PlacementUnschedulable(allocation_id=ev.allocation_id, reason_code=code, reason=reason,
-                                     filtered=dict(filtered), free_gpus=free, requested_gpus=requested),
-            aggregate_id=alloc_id, event_id=placed_id,
-        )
-        log.info("unschedulable", reason_code=code, filtered=dict(filtered), free_gpus=free)
+            u = outcome.unschedulable
+            log.info("unschedulable", reason_code=u.reason_code, reason=u.reason, filtered=u.filtered,
+                     free_gpus=u.free_gpus)
 
     async def on_provisioning(self, ctx: HandlerContext) -> None:
         assert ctx.conn is not None
@@ -84,33 +59,67 @@ class Scheduler:
     async def on_released(self, ctx: HandlerContext) -> None:
         ev: m.AllocationReleased = ctx.payload
         assert ctx.conn is not None
-        cleanup = ev.cleanup
-        if cleanup.required and not cleanup.verified:
-            # Tenant data may remain: the slot stays out of service until an operator repairs it.
-            await inv.set_slot_status(ctx.conn, ev.allocation_id, "cleanup_blocked",
-                                      cleanup.reason or "wipe proof missing or failed")
-        else:
-            await inv.set_slot_status(ctx.conn, ev.allocation_id, "available")
-        freed = await inv.release_claims(ctx.conn, ev.allocation_id)
-        log.info("claims_released", count=len(freed), wipe_verified=cleanup.verified)
+        freed = await release_allocation(ctx.conn, ev.allocation_id, ev.cleanup)
+        log.info("claims_released", count=freed, wipe_verified=ev.cleanup.verified)
 
     async def on_failed(self, ctx: HandlerContext) -> None:
         ev: m.AllocationFailed = ctx.payload
         assert ctx.conn is not None
-        if ev.cleanup_required:
-            await inv.set_slot_status(ctx.conn, ev.allocation_id, "cleanup_blocked", f"{ev.reason_code}: {ev.reason}"[:500])
-            exclusive = await ctx.conn.fetch(
-                "SELECT node_id FROM allocation_resource_claims WHERE allocation_id = $1 "
-                "AND claim_kind = 'node_exclusive' AND status <> 'released'", ev.allocation_id,
-            )
-            for row in exclusive:
-                await ctx.conn.execute(
-                    "UPDATE nodes SET draining = true, drain_reason = $2, updated_at = now() WHERE node_id = $1",
-                    row["node_id"], f"cleanup required after {ev.reason_code}",
+        await fail_allocation(ctx.conn, ev.allocation_id, ev.cleanup_required, f"{ev.reason_code}: {ev.reason}"[:500])
+
+
+async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID, cleanup: m.CleanupReport) -> int:
+    """releasing -> cleanup -> available only with a verified wipe proof for each slot's disk;
+    otherwise cleanup_blocked with the reason. Claims are released either way: a blocked slot is kept
+    out of service by its status, not by a claim nobody will release."""
+    held = await inv.allocation_slots(conn, allocation_id)
+    await inv.lock_nodes(conn, [r["node_id"] for r in held])
+    slots = [r for r in held if r["slot_id"]]
+    if slots and not cleanup.required:
+        # Released before provisioning: the disk was never written.
+        await inv.move_slots(conn, [r["slot_id"] for r in slots], "available", None, actor="scheduler",
+                             allocation_id=allocation_id, detail={"cleanup": "not required", "reason": cleanup.reason})
+    elif slots:
+        proofs = [p.model_dump(mode="json") for p in cleanup.wipe_proofs]
+        await inv.move_slots(conn, [r["slot_id"] for r in slots], "cleanup", "verifying wipe proof",
+                             actor="scheduler", allocation_id=allocation_id, detail={"wipe_proofs": proofs})
+        for r in slots:
+            problem = wipe_verdict(r, proofs) if cleanup.verified else (cleanup.reason or "wipe proof missing or failed")
+            if problem is None:
+                await inv.move_slots(conn, [r["slot_id"]], "available", None, actor="scheduler",
+                                     allocation_id=allocation_id, detail={"wipe_verified": r["nvme_by_id"]},
+                                     health=("healthy", f"wipe verified for {r['nvme_by_id']}"))
+            else:
+                # Tenant data may remain: out of service until an operator repairs it.
+                await inv.move_slots(conn, [r["slot_id"]], "cleanup_blocked", problem[:500], actor="scheduler",
+                                     allocation_id=allocation_id, detail={"wipe_proofs": proofs},
+                                     health=("degraded", problem[:500]))
+    freed = await inv.release_claims(conn, allocation_id)
+    await inv.refresh_nodes(conn, [r["node_id"] for r in held])
+    return len(freed)
+
+
+async def fail_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID, cleanup_required: bool,
+                          reason: str) -> None:
+    held = await inv.allocation_slots(conn, allocation_id)
+    await inv.lock_nodes(conn, [r["node_id"] for r in held])
+    slot_ids = [r["slot_id"] for r in held if r["slot_id"]]
+    if cleanup_required:
+        # The attempt touched the disk (clone, boot): never straight back to available.
+        await inv.move_slots(conn, slot_ids, "cleanup_blocked", reason, actor="scheduler",
+                             allocation_id=allocation_id, health=("degraded", reason))
+        for r in held:
+            if r["claim_kind"] == "node_exclusive":
+                await conn.execute(
+                    "UPDATE nodes SET draining = true, drain_reason = $2, drained_by = 'scheduler', drained_at = now(), "
+                    "updated_at = now() WHERE node_id = $1",
+                    r["node_id"], f"cleanup required after {reason}"[:500],
                 )
-        else:
-            await inv.set_slot_status(ctx.conn, ev.allocation_id, "available")
-        await inv.release_claims(ctx.conn, ev.allocation_id)
+    else:
+        await inv.move_slots(conn, slot_ids, "available", None, actor="scheduler", allocation_id=allocation_id,
+                             detail={"failed_without_disk_writes": reason})
+    await inv.release_claims(conn, allocation_id)
+    await inv.refresh_nodes(conn, [r["node_id"] for r in held])
 
 
 def handlers(scheduler: Scheduler) -> dict:

@@ -1,0 +1,128 @@
+"""qemu-img conversion and the customisation plug-ins."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from gpuaas_common.logging import get_logger
+
+log = get_logger(__name__)
+
+Progress = Callable[[int, int], None]
+_PCT = re.compile(rb"\((\d+(?:\.\d+)?)/100%\)")
+# Where the local plug-in writes its build stamp: past the first MiB, clear of the partition table and
+# of the boot sector a clone is checked by.
+STAMP_OFFSET = 1 << 20
+
+
+class ImageToolError(RuntimeError):
+    pass
+
+
+async def _run(*argv: str, on_output: Callable[[bytes], None] | None = None) -> bytes:
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout and proc.stderr
+    out = bytearray()
+    while chunk := await proc.stdout.read(4096):
+        out += chunk
+        if on_output:
+            on_output(bytes(out[-256:]))
+    err = await proc.stderr.read()
+    if await proc.wait() != 0:
+        raise ImageToolError(f"{argv[0]} {argv[1] if len(argv) > 1 else ''} failed: {err.decode(errors='replace')[-2000:]}")
+    return bytes(out)
+
+
+async def image_info(path: Path) -> dict:
+    return json.loads(await _run("qemu-img", "info", "--output=json", str(path)))
+
+
+async def convert_to_raw(src: Path, src_format: str, dst: Path, progress: Progress | None = None) -> None:
+    """Sparse raw: `-S 4k` leaves every all-zero 4 KiB block a hole, which is what keeps the artifact small."""
+    def on_output(tail: bytes) -> None:
+        found = _PCT.findall(tail)
+        if found and progress:
+            progress(int(float(found[-1]) * 100), 10_000)
+
+    tmp = dst.with_name(dst.name + ".part")
+    await _run("qemu-img", "convert", "-p", "-f", src_format, "-O", "raw", "-S", "4k", str(src), str(tmp),
+               on_output=on_output)
+    tmp.replace(dst)
+
+
+class Customiser(Protocol):
+    name: str
+
+    def plan(self, image: Path, packages: list[str]) -> list[str]: ...
+
+    async def customise(self, image: Path, packages: list[str], stamp: dict) -> None: ...
+
+
+class NoCustomiser:
+    name = "none"
+
+    def plan(self, image: Path, packages: list[str]) -> list[str]:
+        return []
+
+    async def customise(self, image: Path, packages: list[str], stamp: dict) -> None:
+        return None
+
+
+class StampCustomiser:
+    """The local plug-in: edits the real qcow2 through qemu's block layer (qemu-io), writing a JSON build
+    stamp (build id, slug, package list) into the disk, so every build yields a distinct, traceable raw."""
+
+    name = "stamp"
+
+    def plan(self, image: Path, packages: list[str]) -> list[str]:
+        return [f"qemu-io -f qcow2 -c 'write -s <stamp.json> {STAMP_OFFSET} 4096' {image}"]
+
+    async def customise(self, image: Path, packages: list[str], stamp: dict) -> None:
+        blob = json.dumps({**stamp, "packages": packages}, sort_keys=True).encode()
+        if len(blob) > 4096:
+            raise ImageToolError("build stamp larger than 4 KiB")
+        stamp_file = image.with_suffix(".stamp")
+        stamp_file.write_bytes(blob.ljust(4096, b"\0"))
+        await _run("qemu-io", "-f", "qcow2", "-c", f"write -q -s {stamp_file} {STAMP_OFFSET} 4096", str(image))
+        stamp_file.unlink()
+
+
+class VirtCustomizeCustomiser:
+    """Production plug-in (libguestfs): installs the guest GPU/RDMA package list into the qcow2.
+
+    The runbook's preferred production path, NBD plus a host-network chroot (qemu-nbd --connect, mount,
+    chroot apt-get install, umount, disconnect), needs root and the nbd kernel module on the build host;
+    it plugs in here the same way, as another Customiser. Neither runs in CI (no libguestfs appliance)."""
+
+    name = "virt-customize"
+
+    def plan(self, image: Path, packages: list[str]) -> list[str]:
+        argv = ["virt-customize", "-a", str(image), "--network"]
+        if packages:
+            argv += ["--install", ",".join(packages)]
+        return [" ".join(argv)]
+
+    async def customise(self, image: Path, packages: list[str], stamp: dict) -> None:
+        if not shutil.which("virt-customize"):
+            raise ImageToolError("virt-customize is not installed (Debian package libguestfs-tools)")
+        argv = ["virt-customize", "-a", str(image), "--network"]
+        if packages:
+            argv += ["--install", ",".join(packages)]
+        argv += ["--write", f"/etc/gpuaas-image-build.json:{json.dumps(stamp, sort_keys=True)}"]
+        await _run(*argv)
+
+
+CUSTOMISERS: dict[str, Customiser] = {c.name: c for c in (NoCustomiser(), StampCustomiser(), VirtCustomizeCustomiser())}
+
+
+async def convert_to_qcow2(src: Path, src_format: str, dst: Path) -> None:
+    if src_format not in {"raw", "qcow2", "vmdk", "vdi", "vhdx", "vpc"}:
+        raise ImageToolError(f"unsupported source format {src_format!r}")
+    await _run("qemu-img", "convert", "-f", src_format, "-O", "qcow2", str(src), str(dst))

@@ -1,0 +1,271 @@
+"""Build and publish: source qcow2 -> customise -> sparse raw (qemu-img) -> packed artifact (raw sha256
+and blob sha256 in one pass) -> OCI registry (oras) -> catalog row `published` -> prewarm on every slice
+host. Activation follows from the node reports (see catalog.evaluate_gate).
+
+A build runs as a background task of the pipeline process; each phase is recorded on the build row and
+announced as `image.build_progress`. A build interrupted by a restart is marked failed at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from gpuaas_common.bus import Bus
+from gpuaas_common.contract import messages as m
+from gpuaas_common.logging import bound_context, get_logger
+from gpuaas_common.outbox import OutboxWriter
+
+from ..adapters import qemu, registry, sparse
+from ..domain.catalog import ArtifactRef, BuildRequest, ImageCreate, default_tag
+from ..settings import ImagePipelineSettings
+from . import catalog
+from .catalog import CatalogError
+
+log = get_logger(__name__)
+RUNNING = ("queued", "customising", "converting", "packing", "pushing")
+PROGRESS_INTERVAL_S = 0.25
+
+
+def build_dict(row: asyncpg.Record) -> dict[str, Any]:
+    d = dict(row)
+    for k in ("options", "plan"):
+        if isinstance(d.get(k), str):
+            d[k] = json.loads(d[k])
+    for k in ("created_at", "updated_at"):
+        d[k] = d[k].isoformat()
+    return d
+
+
+class BuildRunner:
+    def __init__(self, pool: asyncpg.Pool, bus: Bus | None, settings: ImagePipelineSettings) -> None:
+        self.pool = pool
+        self.bus = bus
+        self.settings = settings
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def recover(self) -> int:
+        async with self.pool.acquire() as conn:
+            res = await conn.execute(
+                "UPDATE builds SET status = 'failed', error = 'interrupted: the pipeline restarted mid-build', "
+                "updated_at = now() WHERE status = ANY($1::text[])", list(RUNNING))
+        return int(res.split()[-1])
+
+    # --- planning ---------------------------------------------------------------------------------
+
+    def plan(self, slug: str, build_id: str, req: BuildRequest, reuse: asyncpg.Record | None) -> dict[str, Any]:
+        s = self.settings
+        tag = req.tag or s.registry_tag or default_tag(datetime.now(timezone.utc))
+        namespace = (req.namespace or s.registry_namespace).strip("/")
+        catalog_host = s.registry_host or "<GPUAAS_REGISTRY_HOST unset>"
+        ref = ArtifactRef(catalog_host, f"{namespace}/{slug}", tag)
+        workdir = Path(s.image_build_dir) / build_id
+        customiser = qemu.CUSTOMISERS[req.customise or s.image_customise]
+        packages = req.packages or [p for p in s.image_install_packages.split(",") if p]
+        steps: list[str] = []
+        if reuse is None:
+            steps += [f"qemu-img convert -O qcow2 {req.source} {workdir / 'work.qcow2'}"]
+            steps += customiser.plan(workdir / "work.qcow2", packages)
+            steps += [f"qemu-img convert -p -f qcow2 -O raw -S 4k {workdir / 'work.qcow2'} {workdir / 'image.raw'}",
+                      f"pack sparse extents + sha256 -> {workdir / 'image.gpsparse'} ({sparse.MEDIA_TYPE})"]
+        else:
+            steps += [f"reuse artifact of build {reuse['build_id']}: {reuse['artifact_path']} "
+                      f"(raw sha256 {reuse['raw_sha256']})"]
+        steps.append(f"push to {s.registry_push_host or catalog_host}/{ref.repository}:{tag} "
+                     f"(tls {s.registry_tls_mode}) with oras")
+        if req.update_catalog:
+            steps += [f"catalog {slug}: source_uri {ref.uri}@<manifest digest>, status published",
+                      "send image.cache_prewarm to every enrolled slice host; activate when all verify"]
+        return {
+            "build_id": build_id, "slug": slug, "tag": tag, "namespace": namespace, "artifact_ref": ref.uri,
+            "push_endpoint": s.registry_push_host or catalog_host, "catalog_host": catalog_host,
+            "tls_mode": s.registry_tls_mode, "customise": customiser.name, "packages": packages,
+            "reuse_build_id": reuse["build_id"] if reuse is not None else None,
+            "update_catalog": req.update_catalog, "workdir": str(workdir), "steps": steps,
+        }
+
+    # --- start ------------------------------------------------------------------------------------
+
+    async def start(self, slug: str, req: BuildRequest) -> dict[str, Any]:
+        try:
+            req.check()
+        except ValueError as exc:
+            raise CatalogError(422, "invalid_build", str(exc)) from None
+        if req.source and not req.dry_run and not Path(req.source).is_file():
+            raise CatalogError(422, "source_missing", f"source image {req.source} does not exist")
+        if not self.settings.registry_host and not req.dry_run:
+            raise CatalogError(409, "no_registry", "GPUAAS_REGISTRY_HOST is not configured")
+        build_id = str(uuid.uuid4())
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await catalog.lock_image(conn, slug)
+            if row is None:
+                row = await catalog.create_image(
+                    conn, ImageCreate(slug=slug, compatible_sku=req.compatible_sku, driver_strategy=req.driver_strategy),
+                    self.settings.image_cache_dir)
+            if row["kind"] != "slice":
+                raise CatalogError(409, "not_a_slice_image", f"{slug} is a {row['kind']} image")
+            reuse = None
+            if req.reuse_build_id:
+                reuse = await conn.fetchrow("SELECT * FROM builds WHERE build_id = $1", req.reuse_build_id)
+                if reuse is None or not reuse["artifact_path"] or not reuse["raw_sha256"]:
+                    raise CatalogError(409, "nothing_to_reuse", f"build {req.reuse_build_id} left no artifact")
+                if not Path(reuse["artifact_path"]).is_file():
+                    raise CatalogError(409, "nothing_to_reuse", f"{reuse['artifact_path']} is gone")
+            plan = self.plan(slug, build_id, req, reuse)
+            if not req.dry_run and await conn.fetchval(
+                    "SELECT 1 FROM builds WHERE slug = $1 AND status = ANY($2::text[])", slug, list(RUNNING)):
+                raise CatalogError(409, "build_running", f"a build of {slug} is already running")
+            row = await conn.fetchrow(
+                "INSERT INTO builds (build_id, slug, status, source, options, reused_from, plan) "
+                "VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING *",
+                build_id, slug, "planned" if req.dry_run else "queued", req.source,
+                req.model_dump_json(), req.reuse_build_id, json.dumps(plan))
+        if not req.dry_run:
+            task = asyncio.create_task(self._run(build_id, slug, req, plan, reuse))
+            self.tasks[build_id] = task
+            task.add_done_callback(lambda _t: self.tasks.pop(build_id, None))
+        return build_dict(row)
+
+    # --- run --------------------------------------------------------------------------------------
+
+    async def _status(self, build_id: str, status: str, **fields: Any) -> None:
+        sets = ", ".join(f"{k} = ${i}" for i, k in enumerate(fields, start=3))
+        async with self.pool.acquire() as conn:
+            await conn.execute(f"UPDATE builds SET status = $2, updated_at = now(){', ' + sets if sets else ''} "
+                               "WHERE build_id = $1", build_id, status, *fields.values())
+
+    def _progress(self, build_id: str, slug: str, phase: str):
+        loop = asyncio.get_running_loop()
+        last = [0.0]
+
+        def report(done: int, total: int, force: bool = False) -> None:
+            now = time.monotonic()
+            if self.bus is None or (not force and now - last[0] < PROGRESS_INTERVAL_S and done < total):
+                return
+            last[0] = now
+            ev = m.ImageBuildProgress(build_id=build_id, slug=slug, phase=phase, bytes_done=max(done, 0),
+                                      bytes_total=max(total, 0))
+            coro = self.bus.publish("image.build_progress", ev, correlation_id=build_id)
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                asyncio.ensure_future(_quiet(coro))
+            else:
+                asyncio.run_coroutine_threadsafe(_quiet(coro), loop)
+
+        return report
+
+    async def _run(self, build_id: str, slug: str, req: BuildRequest, plan: dict[str, Any],
+                   reuse: asyncpg.Record | None) -> None:
+        with bound_context(build_id=build_id, slug=slug):
+            started = time.monotonic()
+            try:
+                await self._build_and_publish(build_id, slug, req, plan, reuse)
+            except Exception as exc:
+                log.error("image_build_failed", error=repr(exc), exc_info=True)
+                await self._status(build_id, "failed", error=f"{type(exc).__name__}: {exc}"[:4000])
+                self._progress(build_id, slug, "failed")(0, 0, True)
+                return
+            log.info("image_build_published", seconds=round(time.monotonic() - started, 3))
+
+    async def _build_and_publish(self, build_id: str, slug: str, req: BuildRequest, plan: dict[str, Any],
+                                 reuse: asyncpg.Record | None) -> None:
+        s = self.settings
+        workdir = Path(plan["workdir"])
+        workdir.mkdir(parents=True, exist_ok=True)
+        if reuse is None:
+            assert req.source
+            work = workdir / "work.qcow2"
+            info = await qemu.image_info(Path(req.source))
+            await self._status(build_id, "customising")
+            self._progress(build_id, slug, "customise")(0, 1, True)
+            # A private qcow2 copy: the source stays pristine and the customiser may write freely.
+            await qemu.convert_to_qcow2(Path(req.source), info.get("format", "qcow2"), work)
+            customiser = qemu.CUSTOMISERS[plan["customise"]]
+            await customiser.customise(work, plan["packages"], {"build_id": build_id, "slug": slug,
+                                                                "built_at": plan["tag"]})
+            self._progress(build_id, slug, "customise")(1, 1, True)
+            await self._status(build_id, "converting")
+            raw = workdir / "image.raw"
+            await qemu.convert_to_raw(work, "qcow2", raw, self._progress(build_id, slug, "convert"))
+            work.unlink()
+            await self._status(build_id, "packing", raw_path=str(raw))
+            artifact = workdir / "image.gpsparse"
+            packed = await asyncio.to_thread(sparse.pack, raw, artifact, self._progress(build_id, slug, "pack"))
+            await self._status(build_id, "pushing", raw_sha256=packed.raw_sha256, virtual_size=packed.virtual_size,
+                               data_bytes=packed.data_bytes, artifact_path=str(artifact),
+                               blob_digest=f"sha256:{packed.blob_sha256}", blob_size=packed.blob_size)
+            raw_sha256, blob_sha256, blob_size, virtual_size = (packed.raw_sha256, packed.blob_sha256,
+                                                                packed.blob_size, packed.virtual_size)
+        else:
+            artifact = Path(reuse["artifact_path"])
+            raw_sha256, blob_sha256 = reuse["raw_sha256"], reuse["blob_digest"].removeprefix("sha256:")
+            blob_size, virtual_size = reuse["blob_size"], reuse["virtual_size"]
+            await self._status(build_id, "pushing", raw_path=reuse["raw_path"], raw_sha256=raw_sha256,
+                               virtual_size=virtual_size, data_bytes=reuse["data_bytes"], artifact_path=str(artifact),
+                               blob_digest=reuse["blob_digest"], blob_size=blob_size)
+        ref = ArtifactRef.parse(plan["artifact_ref"])
+        pushed = await asyncio.to_thread(
+            registry.push_artifact, push_host=s.registry_push_host or s.registry_host, repository=ref.repository,
+            tag=ref.tag, tls_mode=s.registry_tls_mode, blob=artifact, blob_digest=blob_sha256, blob_size=blob_size,
+            media_type=sparse.MEDIA_TYPE, title=f"{slug}.raw",
+            config={"slug": slug, "digest_sha256": raw_sha256, "virtual_size": virtual_size, "build_id": build_id,
+                    "format": sparse.MEDIA_TYPE},
+            annotations={"org.opencontainers.image.created": datetime.now(timezone.utc).isoformat(),
+                         "org.opencontainers.image.title": slug, "io.gpuaas.image.sha256": raw_sha256,
+                         "io.gpuaas.build.id": build_id},
+            chunk_size=s.registry_chunk_mib << 20, progress=self._progress(build_id, slug, "push"),
+        )
+        artifact_ref = ArtifactRef(ref.host, ref.repository, ref.tag, pushed.manifest_digest).uri
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(
+                "UPDATE builds SET status = 'published', artifact_ref = $2, manifest_digest = $3, updated_at = now() "
+                "WHERE build_id = $1", build_id, artifact_ref, pushed.manifest_digest)
+            if req.update_catalog:
+                writer = OutboxWriter(conn, "image_pipeline", "image-pipeline", correlation_id=build_id)
+                await self._catalog(conn, writer, slug, build_id, raw_sha256, artifact_ref, blob_sha256, blob_size,
+                                    virtual_size)
+        self._progress(build_id, slug, "published")(1, 1, True)
+
+    async def _catalog(self, conn: asyncpg.Connection, writer: OutboxWriter, slug: str, build_id: str,
+                       raw_sha256: str, artifact_ref: str, blob_sha256: str, blob_size: int, virtual_size: int) -> None:
+        row = await catalog.lock_image(conn, slug)
+        if row is None:
+            raise CatalogError(404, "not_found", f"{slug} was deleted during its build")
+        meta = catalog._meta(row)
+        meta.update(artifact_ref=artifact_ref, blob_digest=f"sha256:{blob_sha256}", blob_size=blob_size,
+                    blob_media_type=sparse.MEDIA_TYPE, virtual_size=virtual_size, build_id=build_id,
+                    registry_tls=self.settings.registry_tls_mode)
+        meta.setdefault("image_path", f"{self.settings.image_cache_dir.rstrip('/')}/{slug}.raw")
+        same = row["digest_sha256"] == raw_sha256
+        # Same content republished keeps its status (an active image stays active); a new digest has to be
+        # verified on every host again, and the cache path is shared, so the old digest stops being usable.
+        status = row["status"] if same and row["status"] in ("active", "published") else "published"
+        await conn.execute(
+            "UPDATE os_images SET digest_sha256 = $2, source_uri = $3, metadata = $4, status = $5, updated_at = now() "
+            "WHERE slug = $1", slug, raw_sha256, artifact_ref, json.dumps(meta), status)
+        if row["status"] == "active" and status != "active":
+            await catalog.emit_deactivated(writer, slug, f"new digest {raw_sha256} is being prewarmed")
+        await writer.add("image.published", m.ImagePublished(slug=slug, build_id=build_id, digest_sha256=raw_sha256,
+                                                             source_uri=artifact_ref, image_path=meta["image_path"]),
+                         aggregate_id=f"image:{slug}")
+        sent = await catalog.prewarm_everywhere(conn, writer, slug, cause=f"build:{build_id}")
+        activated = await catalog.evaluate_gate(conn, writer, slug)
+        log.info("image_catalogued", digest=raw_sha256, ref=artifact_ref, prewarm_tasks=sent, activated=activated)
+
+
+async def _quiet(coro) -> None:
+    try:
+        await coro
+    except Exception as exc:  # progress is best effort; the build row is the record
+        log.warning("build_progress_not_published", error=repr(exc))
+

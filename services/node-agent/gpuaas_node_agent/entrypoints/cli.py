@@ -1,0 +1,87 @@
+"""`gpuaas-node-agent discover|parity` (also `gpuaas node-agent …`): read-only host checks from a root.
+
+Run on a host with `--root /`, or against a generated fixture tree. Without a subcommand
+`gpuaas-node-agent` runs the agent service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from gpuaas_common.logging import configure_logging
+
+from ..adapters.discovery import discover
+from ..adapters.host import Host
+from ..adapters.parity import ParityChecker, format_lines
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Node agent host checks.")
+
+
+@app.callback()
+def _logs_to_stderr() -> None:
+    # stdout carries the report (JSON or parity lines); structured logs must not interleave with it.
+    configure_logging("node-agent", os.environ.get("GPUAAS_LOG_LEVEL", "WARNING"), stream=sys.stderr)
+
+
+RootOpt = Annotated[Path, typer.Option("--root", help="Host root: / on a host, or a fixture tree.")]
+NodeIdOpt = Annotated[Optional[str], typer.Option("--node-id", help="Default: the root's /etc/hostname.")]
+
+
+def _node_id(root: Path, node_id: Optional[str]) -> str:
+    if node_id:
+        return node_id
+    name = Host.at(root).fs.read("/etc/hostname")
+    return name or os.uname().nodename
+
+
+@app.command("discover")
+def discover_cmd(
+    root: RootOpt = Path("/"),
+    node_id: NodeIdOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the topology report as JSON.")] = False,
+) -> None:
+    """GPUs, fabric devices, NVMe disks and advisory candidate slots."""
+    report = asyncio.run(discover(Host.at(root), _node_id(root, node_id)))
+    if as_json:
+        typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
+        return
+    for g in report.gpus:
+        typer.echo(f"gpu    {g.pci_address} {g.vendor_id}:{g.device_id} numa={g.numa_node} "
+                   f"iommu_group={g.iommu_group} driver={g.driver}")
+    for f in report.fabric:
+        typer.echo(f"fabric {f.pci_address} {f.role} {f.vendor_id}:{f.device_id} ib={f.ib_device} "
+                   f"state={f.ib_port_state!r} vfs={f.sriov_numvfs}/{f.sriov_totalvfs}")
+    for d in report.nvme:
+        typer.echo(f"nvme   {d.kernel_name} {d.by_id} os={d.is_os_disk} mounted={d.mounted} "
+                   f"children={','.join(d.mounted_children) or '-'} candidate={d.candidate}"
+                   + (f" ({d.excluded_reason})" if d.excluded_reason else ""))
+    for c in report.candidate_slots:
+        typer.echo(f"slot   {c.index} gpu={c.gpu_pci_address} nvme={c.nvme_by_id} vf={c.fabric_vf_pci_address} "
+                   f"mac={c.mac} ip={c.private_ip} port={c.ovs_port} complete={c.complete}")
+    for b in report.blockers:
+        typer.echo(f"blocker {b}")
+
+
+@app.command("parity")
+def parity_cmd(root: RootOpt = Path("/"), node_id: NodeIdOpt = None) -> None:
+    """One GPUAAS_SLICE_PARITY line per runbook condition and a summary; exit 1 when anything failed."""
+    report = asyncio.run(ParityChecker(Host.at(root)).run(_node_id(root, node_id)))
+    for line in format_lines(report):
+        typer.echo(line)
+    if report.failures:
+        raise typer.Exit(1)
+
+
+@app.command("run")
+def run_cmd() -> None:
+    """Run the agent service (configured by GPUAAS_* variables)."""
+    from .main import serve
+
+    serve()

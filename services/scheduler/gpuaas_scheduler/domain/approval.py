@@ -1,0 +1,90 @@
+"""Slot approval rules from the slice runbook, as pure functions.
+
+A candidate becomes an `available` slot only when every runtime-critical binding is present and the
+raw disk is provably free; anything else is approved as `disabled` carrying every problem found, so
+the operator sees the whole list at once rather than one rule per attempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+BINDING_FIELDS = ("gpu_pci_address", "nvme_by_id", "mac", "private_ip", "fabric_vf_pci_address")
+
+
+def disk_problems(evidence: Mapping[str, Any] | None) -> list[str]:
+    """NVMe evidence must show an unmounted, non-OS disk without mounted children or signatures."""
+    if evidence is None:
+        return ["no NVMe evidence from topology discovery"]
+    problems = []
+    if evidence.get("is_os_disk", True):
+        problems.append("NVMe is (or may be) the OS disk")
+    if evidence.get("mounted", True):
+        problems.append("NVMe is mounted")
+    children = evidence.get("mounted_children") or []
+    if children:
+        problems.append(f"NVMe has mounted children: {', '.join(map(str, children))}")
+    signatures = evidence.get("signatures")
+    if signatures is None:
+        problems.append("NVMe signatures could not be read")
+    elif signatures:
+        problems.append(f"NVMe carries unexpected filesystems/signatures: {', '.join(map(str, signatures))}")
+    return problems
+
+
+def binding_problems(candidate: Mapping[str, Any]) -> list[str]:
+    # Unlike incomplete_reason, which stops at the first gap, list them all for the operator.
+    problems = []
+    checks = [
+        ("gpu_pci_address", "missing GPU PCI address"),
+        ("mac", "missing management MAC"),
+        ("private_ip", "missing private IP"),
+        ("fabric_vf_pci_address", "missing fabric VF PCI address"),
+    ]
+    for key, text in checks:
+        if not candidate.get(key):
+            problems.append(text)
+    nvme = candidate.get("nvme_by_id")
+    if not nvme or "/by-id/" not in nvme:
+        problems.append("missing raw NVMe by-id identity")
+    if candidate.get("fabric_claim_mode") != "per_slot_vf":
+        problems.append("fabric claim mode is not per_slot_vf")
+    return problems
+
+
+def duplicate_problems(candidate: Mapping[str, Any], others: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Bindings already owned by another slot of the node: reused fabric or disks never sell twice."""
+    problems = []
+    for other in others:
+        if other.get("slot_id") == candidate.get("slot_id"):
+            continue
+        for key in ("nvme_by_id", "mac", "private_ip", "fabric_vf_pci_address"):
+            value = candidate.get(key)
+            if value and value == other.get(key):
+                problems.append(f"{key} {value} already bound to slot {other.get('slot_id')}")
+    return problems
+
+
+def approval_problems(candidate: Mapping[str, Any], others: Iterable[Mapping[str, Any]] = ()) -> list[str]:
+    return binding_problems(candidate) + disk_problems(candidate.get("nvme_evidence")) + duplicate_problems(
+        candidate, others
+    )
+
+
+def approved_status(problems: list[str]) -> tuple[str, str | None]:
+    return ("disabled", "; ".join(problems)[:2000]) if problems else ("available", None)
+
+
+def wipe_verdict(slot: Mapping[str, Any], proofs: Iterable[Mapping[str, Any]]) -> str | None:
+    """None when a verified proof covers this slot's disk with no signatures left, else why not."""
+    device = slot.get("nvme_by_id")
+    mine = [p for p in proofs if p.get("device") == device]
+    if not mine:
+        return f"no wipe proof for {device}"
+    for proof in mine:
+        if not proof.get("verified"):
+            return f"wipe of {device} not verified ({proof.get('method')}): {proof.get('detail') or 'no detail'}"
+        if proof.get("signatures"):
+            return f"signatures remain on {device}: {', '.join(proof['signatures'])}"
+    return None

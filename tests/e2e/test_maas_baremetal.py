@@ -1,0 +1,51 @@
+"""Baremetal through the MAAS gateway, against the running stack: a failed deployment ends the
+allocation with MAAS's own status message, and the gateway's metrics and logs show what happened."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from gpuaas_common.testing.waiting import eventually
+
+from .conftest import maas_sim
+
+pytestmark = pytest.mark.e2e
+
+CURTIN_FAILURE = "Failed deployment: curtin command install failed (linux-generic DKMS)"
+
+
+async def test_failed_deployment_fails_the_allocation_with_the_maas_message(portal, stack, db):
+    await maas_sim(stack, "POST", "/_sim/faults",
+                   {"kind": "failed_deployment", "op": "deploy", "count": 1, "status_message": CURTIN_FAILURE})
+    alloc = await portal.request("baremetal", gpus=8)
+    placed = await portal.wait_state(alloc, "placed")
+    system_id = placed["payload"]["maas_system_id"]
+    failed = await portal.spy.wait_type("allocation.failed", allocation_id=alloc, timeout=90)
+    assert failed["payload"]["reason"] == CURTIN_FAILURE
+    assert failed["payload"]["reason_code"] == "maas_failed"
+    assert failed["payload"]["cleanup_required"] is True
+    assert not portal.spy.of_type("allocation.active", allocation_id=alloc)
+
+    result = portal.spy.of_type("maas.deploy_result", allocation_id=alloc)[0]["payload"]
+    assert (result["status"], result["maas_status_name"], result["status_message"]) == (
+        "failed", "Failed deployment", CURTIN_FAILURE)
+    machine = await maas_sim(stack, "GET", f"/_sim/machines/{system_id}")
+    assert machine["status_name"] == "Failed deployment"
+    assert machine["_sim"]["calls"]["deploy"] == 1
+    op = await db.fetchrow("SELECT state, maas_calls FROM maas_gateway.maas_operations "
+                           "WHERE allocation_id = $1 AND kind = 'deploy'", alloc)
+    assert dict(op) == {"state": "failed", "maas_calls": 1}
+
+    async def metrics() -> str:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(stack.health_url("maas-gateway") + "/metrics") as r:
+                return await r.text()
+
+    text = await eventually(metrics, what="gateway metrics")
+    assert 'gpuaas_maas_operation_seconds_count{kind="deploy",outcome="failed"}' in text
+    assert 'gpuaas_maas_breaker_state{site="default"} 0.0' in text
+    log = stack.log_path("maas-gateway").read_text()
+    assert "operation_finished" in log
+    for part in stack.maas_api_key.split(":"):
+        assert part not in log

@@ -1,0 +1,83 @@
+"""Catalog rules against a real Postgres: seed re-application never reverts a materialised digest, and the
+activation gate opens only when every known slice host verified the catalog digest."""
+
+from __future__ import annotations
+
+import json
+
+import asyncpg
+
+from gpuaas_common.contract import messages as m
+from gpuaas_common.migrations import apply_migrations
+from gpuaas_common.outbox import OutboxWriter
+from gpuaas_image_pipeline.domain.catalog import SeedImage
+from gpuaas_image_pipeline.service_layer import catalog
+from gpuaas_image_pipeline.service_layer.seeding import apply_seed
+
+SCHEMA = "image_pipeline"
+SEED_DIGEST = "0" * 64
+BUILT_DIGEST = "b" * 64
+
+
+async def _connect(dsn: str) -> asyncpg.Connection:
+    conn = await asyncpg.connect(dsn, server_settings={"search_path": SCHEMA})
+    await apply_migrations(conn, SCHEMA, "gpuaas_image_pipeline.migrations")
+    return conn
+
+
+def _seed(**kw) -> SeedImage:
+    return SeedImage(slug="ubuntu-24.04-h200-cuda", kind="slice", sku="h200-sxm-slice", digest_sha256=SEED_DIGEST,
+                     image_path="/var/lib/gpuaas/images/ubuntu-24.04-h200-cuda.raw", **kw)
+
+
+async def test_seed_reapplication_keeps_materialised_digest_and_status(fresh_db: str) -> None:
+    conn = await _connect(fresh_db)
+    try:
+        async with conn.transaction():
+            await apply_seed(conn, OutboxWriter(conn, SCHEMA, "image-pipeline"), [_seed()])
+        # A build materialised a real digest and the operator disabled it meanwhile.
+        await conn.execute("UPDATE os_images SET digest_sha256 = $1, status = 'disabled', source_uri = 'oci://r/x:1' "
+                           "WHERE slug = 'ubuntu-24.04-h200-cuda'", BUILT_DIGEST)
+        async with conn.transaction():
+            active = await apply_seed(conn, OutboxWriter(conn, SCHEMA, "image-pipeline"), [_seed(source_uri="file://x")])
+        row = await conn.fetchrow("SELECT * FROM os_images WHERE slug = 'ubuntu-24.04-h200-cuda'")
+        assert (row["digest_sha256"], row["status"], row["source_uri"]) == (BUILT_DIGEST, "disabled", "oci://r/x:1")
+        assert active == []
+    finally:
+        await conn.close()
+
+
+async def test_gate_needs_every_known_host_verified_with_the_catalog_digest(fresh_db: str) -> None:
+    conn = await _connect(fresh_db)
+    slug = "img"
+    meta = {"image_path": f"/var/lib/gpuaas/images/{slug}.raw", "artifact_ref": "oci://r/ns/img:t@sha256:" + "1" * 64,
+            "blob_digest": "sha256:" + "2" * 64, "blob_size": 10, "blob_media_type": "x", "virtual_size": 100,
+            "registry_tls": "plain-http"}
+    try:
+        await conn.execute("INSERT INTO os_images (slug, kind, status, compatible_sku, digest_sha256, metadata) "
+                           "VALUES ($1, 'slice', 'published', 'h200-sxm-slice', $2, $3)", slug, BUILT_DIGEST,
+                           json.dumps(meta))
+        async with conn.transaction():
+            w = OutboxWriter(conn, SCHEMA, "image-pipeline")
+            for node in ("n1", "n2"):
+                sent = await catalog.on_enrolled(conn, w, m.NodeEnrolled(node_id=node, kind="slice_host", hostname=node,
+                                                                         agent_version="t"), f"ev-{node}")
+                assert sent == 1
+
+        async def report(node: str, status: str, digest: str) -> str:
+            async with conn.transaction():
+                await catalog.on_cache_reported(conn, OutboxWriter(conn, SCHEMA, "image-pipeline"),
+                                                m.NodeImageCacheReported(task_id="t", node_id=node, slug=slug,
+                                                                         status=status, expected_digest=BUILT_DIGEST,
+                                                                         digest_sha256=digest, local_path="/x"))
+            return await conn.fetchval("SELECT status FROM os_images WHERE slug = $1", slug)
+
+        assert await report("n1", "verified", BUILT_DIGEST) == "published"
+        # A "verified" verdict with another digest counts as a mismatch.
+        assert await report("n2", "verified", "c" * 64) == "published"
+        assert await conn.fetchval("SELECT status FROM node_image_cache WHERE node_id = 'n2'") == "mismatch"
+        assert await report("n2", "verified", BUILT_DIGEST) == "active"
+        events = [json.loads(bytes(r["body"]))["type"] for r in await conn.fetch("SELECT body FROM outbox ORDER BY id")]
+        assert events.count("image.cache_prewarm") == 2 and events.count("image.activated") == 1
+    finally:
+        await conn.close()

@@ -1,0 +1,386 @@
+"""SliceHostAgent on a generated XE9680L root: libvirt test:///default, real qemu-img, pycdlib seed ISOs, the
+simulated DHCP/guest on loopback, events on a real nats-server. Refusals are checked before anything
+destructive runs: the disk bytes must be unchanged."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+import xml.etree.ElementTree as ET
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from gpuaas_common.contract import Envelope, spec_for, utcnow
+from gpuaas_common.contract import messages as m
+from gpuaas_common.jetstream import provision
+from gpuaas_common.testing.bus_spy import BusSpy
+from gpuaas_common.testing.servers import free_port
+from gpuaas_node_agent.adapters.discovery import stable_ids
+from gpuaas_node_agent.adapters.fixture_host import build_host_root, xe9680l
+from gpuaas_node_agent.adapters.host import HostFs
+from gpuaas_node_agent.adapters.libvirt_host import LibvirtHost
+from gpuaas_node_agent.adapters.sim_host import SimulatedDhcpAndGuest
+from gpuaas_node_agent.adapters.state_store import StateStore
+from gpuaas_node_agent.service_layer.host_paths import HostPaths
+from gpuaas_node_agent.service_layer.tasks import SliceHostAgent
+
+MIB = 1 << 20
+MARKER = b"TENANT-DATA-MUST-SURVIVE-A-REFUSAL" * 64
+IMAGE_PATTERN = b"GPUAAS-SLICE-IMAGE" * 100
+IMAGE_PATH = "/var/lib/gpuaas/images/slice.raw"
+
+
+class Env:
+    def __init__(self, root: Path, node_id: str, agent: SliceHostAgent, spy: BusSpy, digest: str, ssh_port: int,
+                 libvirt: LibvirtHost) -> None:
+        self.root, self.node_id, self.agent, self.spy, self.digest = root, node_id, agent, spy, digest
+        self.ssh_port, self.libvirt = ssh_port, libvirt
+        self.slots = self._slots()
+
+    def _slots(self) -> list[m.SlotBinding]:
+        ids = stable_ids(HostFs(self.root))
+        octet = int(self.node_id.rsplit("-", 1)[-1], 16)
+        gpus = ["18", "2a", "3a", "5d", "9a", "ab", "ba", "db"]
+        out = []
+        # Data disks are nvme0..3,5..8 (nvme4 is the OS disk, nvme8 carries a mounted share partition).
+        for i, ctrl in enumerate([0, 1, 2, 3, 5, 6, 7, 8]):
+            out.append(m.SlotBinding(
+                slot_id=f"{self.node_id}-s{i}", gpu_pci_address=f"0000:{gpus[i]}:00.0",
+                nvme_by_id=ids[f"nvme{ctrl}n1"],
+                fabric_vf_pci_address=f"0000:{'29' if i < 4 else 'a9'}:00.{i % 4 + 1}",
+                mac=f"52:54:00:{octet:02x}:00:{i:02x}", private_ip=f"127.101.{octet}.{10 + i}", ovs_bridge="ovsbr0",
+                numa_node=0 if i < 4 else 1, profile="h200_1g_24c_64g",
+            ))
+        return out
+
+    def disk(self, by_id: str) -> Path:
+        return (self.root / by_id.lstrip("/")).resolve()
+
+    def by_id(self, kernel_name: str) -> str:
+        return stable_ids(HostFs(self.root))[kernel_name]
+
+    def provision(self, slots: list[m.SlotBinding], *, epoch: int = 1, digest: str | None = None,
+                  deadline_s: float = 60, allocation_id: uuid.UUID | None = None) -> m.SliceVmProvision:
+        alloc = allocation_id or uuid.uuid4()
+        return m.SliceVmProvision(
+            task_id=f"prov-{uuid.uuid4().hex[:12]}", allocation_id=alloc, node_id=self.node_id,
+            fencing_epoch=epoch, deadline=utcnow() + timedelta(seconds=deadline_s),
+            vm_name=f"it-{alloc.hex[:12]}", slots=slots,
+            image=m.ImageRef(slug="slice", digest_sha256=digest or self.digest, image_path=IMAGE_PATH),
+            ssh_public_keys=["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGl0IHRlc3Qga2V5IG9ubHk tenant@example"],
+            hostname="it-vm",
+        )
+
+    def release(self, prov: m.SliceVmProvision, *, epoch: int | None = None) -> m.SliceVmRelease:
+        return m.SliceVmRelease(
+            task_id=f"rel-{uuid.uuid4().hex[:12]}", allocation_id=prov.allocation_id, node_id=self.node_id,
+            fencing_epoch=epoch or prov.fencing_epoch, deadline=utcnow() + timedelta(seconds=60),
+            vm_name=prov.vm_name, slots=prov.slots,
+        )
+
+
+def _fill(path: Path) -> bytes:
+    data = (MARKER * (path.stat().st_size // len(MARKER) + 1))[: path.stat().st_size]
+    path.write_bytes(data)
+    return hashlib.sha256(data).digest()
+
+
+def _digest(path: Path) -> bytes:
+    return hashlib.sha256(path.read_bytes()).digest()
+
+
+@pytest.fixture
+async def spy(nats_server) -> AsyncIterator[BusSpy]:
+    s = await BusSpy(nats_server.url).start()
+    yield s
+    await s.stop()
+    assert s.violations == [], s.violations[:3]
+
+
+@pytest.fixture
+async def publish(nats_server):
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await provision(js)
+
+    async def _publish(type_: str, payload: Any, *, correlation_id: str, causation_id: str | None = None,
+                       event_id: str | None = None, **params: str) -> Envelope:
+        env = Envelope.wrap(type_, payload.model_dump(mode="json"), producer="node-agent",
+                            correlation_id=correlation_id, causation_id=causation_id, event_id=event_id)
+        await js.publish(spec_for(type_).subject(**params), env.model_dump_json().encode(),
+                         headers={"Nats-Msg-Id": env.event_id})
+        return env
+
+    yield _publish
+    await nc.drain()
+
+
+async def _make_env(tmp_path: Path, publish, spy: BusSpy, *, dhcp: bool = True, shutdown_timeout_s: float = 5.0,
+                    **host: Any) -> AsyncIterator[Env]:
+    node_id = f"it-{uuid.uuid4().hex[:2]}"
+    root = build_host_root(tmp_path / "host", xe9680l(node_id, disk_file_bytes=4 * MIB, **host))
+    image = root / IMAGE_PATH.lstrip("/")
+    image.parent.mkdir(parents=True)
+    image.write_bytes(IMAGE_PATTERN + bytes(MIB - len(IMAGE_PATTERN)))
+    digest = hashlib.sha256(image.read_bytes()).hexdigest()
+    paths = HostPaths(root)
+    port = free_port()
+    sim = SimulatedDhcpAndGuest(paths.host("/etc/gpuaas/dnsmasq-hosts"), paths.host("/var/lib/misc/dnsmasq.leases"),
+                                port, poll_interval_s=0.02)
+    if dhcp:
+        await sim.start()
+    libvirt = LibvirtHost("test:///default", poll_interval_s=0.02)
+    store = StateStore(root / "var/lib/gpuaas/agent/agent.sqlite")
+    agent = SliceHostAgent(
+        node_id, paths, store, libvirt, publish, image_cache_dir="/var/lib/gpuaas/images",
+        hostsdir="/etc/gpuaas/dnsmasq-hosts", lease_file="/var/lib/misc/dnsmasq.leases",
+        seed_dir="/var/lib/gpuaas/seeds", ssh_port=port, readiness_timeout_s=30,
+        shutdown_timeout_s=shutdown_timeout_s, relay_public_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHJlbGF5 relay@node",
+    )
+    paths.host("/var/lib/gpuaas/seeds").mkdir(parents=True, exist_ok=True)
+    env = Env(root, node_id, agent, spy, digest, port, libvirt)
+    try:
+        yield env
+    finally:
+        await sim.stop()
+        for dom in await libvirt.list_domains():
+            if dom.name.startswith("it-"):
+                await libvirt.shutdown(dom.name, 0)
+                await libvirt.undefine(dom.name)
+        await libvirt.close()
+        store.close()
+
+
+@pytest.fixture
+async def env(tmp_path: Path, publish, spy) -> AsyncIterator[Env]:
+    async for e in _make_env(tmp_path, publish, spy):
+        yield e
+
+
+# --- the happy path -----------------------------------------------------------------------------------
+
+
+async def test_provision_then_release_clones_boots_and_wipes_with_proof(env: Env) -> None:
+    prov = env.provision(env.slots[:2])
+    disks = [env.disk(s.nvme_by_id) for s in prov.slots]
+    _fill(disks[0])
+    result = await env.agent.execute("slice.vm_provision", prov)
+    assert result.status == "succeeded", result
+    assert result.readiness and result.readiness.ssh_ready and result.readiness.actual_ip == prov.slots[0].private_ip
+    assert disks[0].read_bytes()[: len(IMAGE_PATTERN)] == IMAGE_PATTERN
+    assert await env.libvirt.exists(prov.vm_name)
+    xml = ET.fromstring(env.libvirt._connection().lookupByName(prov.vm_name).XMLDesc())
+    sources = [s.get("file") or s.get("dev") for s in xml.iter("source") if s.get("file") or s.get("dev")]
+    # The domain names its disks by the stable by-id path, never by a kernel name.
+    assert str(env.root / prov.slots[0].nvme_by_id.lstrip("/")) in sources
+    await env.spy.wait_type("node.task_result", task_id=prov.task_id)
+    phases = [e["payload"]["phase"] for e in env.spy.of_type("node.task_progress", task_id=prov.task_id)]
+    assert phases == ["preflight", "seed", "clone_image", "define", "dhcp_reservation", "wait_ready", "ready"]
+
+    rel = env.release(prov)
+    released = await env.agent.execute("slice.vm_release", rel)
+    assert released.status == "succeeded", released
+    assert [p.device for p in released.wipe_proofs] == [s.nvme_by_id for s in prov.slots]
+    assert all(p.verified and p.signatures == [] for p in released.wipe_proofs)
+    assert all(d.read_bytes() == bytes(d.stat().st_size) for d in disks)
+    assert not await env.libvirt.exists(prov.vm_name)
+    assert not (env.root / "etc/gpuaas/dnsmasq-hosts" / prov.vm_name).exists()
+    assert env.agent.store.leased_resources() == {}
+
+
+async def test_duplicated_task_is_answered_from_its_record_not_run_again(env: Env) -> None:
+    prov = env.provision(env.slots[:1])
+    first = await env.agent.execute("slice.vm_provision", prov)
+    assert first.status == "succeeded"
+    disk = env.disk(prov.slots[0].nvme_by_id)
+    before = _digest(disk)
+    disk.write_bytes(b"\x01" * disk.stat().st_size)  # a rerun would clone over this
+    again = await env.agent.execute("slice.vm_provision", prov)
+    assert again == first
+    assert _digest(disk) != before and disk.read_bytes()[:1] == b"\x01"
+
+
+# --- refusals before anything destructive ------------------------------------------------------------------
+
+
+async def _refused(env: Env, task: m.SliceVmProvision, code: str) -> m.NodeTaskResult:
+    disks = {s.nvme_by_id: env.disk(s.nvme_by_id) for s in task.slots}
+    sums = {k: _fill(p) for k, p in disks.items()}
+    result = await env.agent.execute("slice.vm_provision", task)
+    assert (result.status, result.reason_code) == ("refused", code), result
+    assert not result.cleanup_required
+    assert {k: _digest(p) for k, p in disks.items()} == sums, "a refused task touched a disk"
+    assert not await env.libvirt.exists(task.vm_name)
+    phases = [e["payload"]["phase"] for e in env.spy.of_type("node.task_progress", task_id=task.task_id)]
+    assert "clone_image" not in phases
+    return result
+
+
+async def test_mounted_child_disk_is_refused(env: Env) -> None:
+    slot = env.slots[7].model_copy(update={"nvme_by_id": env.by_id("nvme8n1")})
+    result = await _refused(env, env.provision([slot]), "disk_child_mounted")
+    assert "nvme8n1p1" in (result.reason or "") and "/share8" in (result.reason or "")
+
+
+async def test_os_disk_is_refused(env: Env) -> None:
+    slot = env.slots[3].model_copy(update={"nvme_by_id": env.by_id("nvme4n1")})
+    await _refused(env, env.provision([slot]), "disk_is_os_disk")
+
+
+async def test_mounted_whole_disk_is_refused(tmp_path: Path, publish, spy) -> None:
+    async for e in _make_env(tmp_path, publish, spy):
+        mounts = e.root / "proc/mounts"
+        mounts.write_text(mounts.read_text() + "/dev/nvme2n1 /scratch xfs rw 0 0\n")
+        await _refused(e, e.provision([e.slots[2]]), "disk_mounted")
+
+
+async def test_kernel_name_instead_of_by_id_is_refused(env: Env) -> None:
+    slot = env.slots[0].model_copy(update={"nvme_by_id": "/dev/nvme0n1"})
+    task = env.provision([slot])
+    result = await env.agent.execute("slice.vm_provision", task)
+    assert (result.status, result.reason_code) == ("refused", "disk_identity_unstable")
+
+
+async def test_gpu_already_leased_is_refused(env: Env) -> None:
+    first = await env.agent.execute("slice.vm_provision", env.provision([env.slots[0]]))
+    assert first.status == "succeeded"
+    # Same GPU, another (free) disk: only the agent's own lease stops it, libvirt's test driver would not.
+    clash = env.slots[1].model_copy(update={"gpu_pci_address": env.slots[0].gpu_pci_address})
+    result = await _refused(env, env.provision([clash]), "resource_leased")
+    assert env.slots[0].gpu_pci_address in (result.reason or "")
+
+
+async def test_stale_fencing_epoch_is_refused(env: Env) -> None:
+    newer = env.provision([env.slots[0]], epoch=5)
+    assert (await env.agent.execute("slice.vm_provision", newer)).status == "succeeded"
+    assert (await env.agent.execute("slice.vm_release", env.release(newer))).status == "succeeded"
+    stale = env.provision([env.slots[0]], epoch=3)
+    result = await _refused(env, stale, "stale_epoch")
+    assert "epoch 5" in (result.reason or "")
+
+
+async def test_unverified_image_is_refused(env: Env) -> None:
+    await _refused(env, env.provision([env.slots[0]], digest="0" * 64), "image_unverified")
+
+
+async def test_passed_deadline_is_refused(env: Env) -> None:
+    await _refused(env, env.provision([env.slots[0]], deadline_s=-1), "deadline_passed")
+
+
+@pytest.mark.parametrize(("host", "code"), [
+    ({"kvm": False}, "host_not_ready"),
+    ({"iommu_groups": False}, "host_not_ready"),
+    ({"vfio_modules": False}, "host_not_ready"),
+    ({"ovs_bridge": None}, "ovs_bridge_missing"),
+    ({"hugepages_1g_free": 32}, "hugepages_insufficient"),
+])
+async def test_host_preflight_refuses_before_the_disk(tmp_path: Path, publish, spy, host, code) -> None:
+    async for e in _make_env(tmp_path, publish, spy, **host):
+        await _refused(e, e.provision([e.slots[0]]), code)
+
+
+# --- bounded runtime, failures after the disk, release paths ------------------------------------------------
+
+
+async def test_deadline_bounds_the_runtime_and_cleans_up_the_domain(tmp_path: Path, publish, spy) -> None:
+    async for e in _make_env(tmp_path, publish, spy, dhcp=False):
+        task = e.provision([e.slots[0]], deadline_s=3)
+        result = await e.agent.execute("slice.vm_provision", task)
+        assert (result.status, result.reason_code, result.cleanup_required) == ("failed", "deadline_exceeded", True)
+        assert not await e.libvirt.exists(task.vm_name)
+        assert not (e.root / "etc/gpuaas/dnsmasq-hosts" / task.vm_name).exists()
+        # The disk was touched: its leases stay until a release has wiped it.
+        assert f"nvme:{task.slots[0].nvme_by_id}" in e.agent.store.leased_resources()
+
+
+async def test_release_hard_stops_a_guest_that_ignores_the_power_button(tmp_path: Path, publish, spy) -> None:
+    async for e in _make_env(tmp_path, publish, spy, shutdown_timeout_s=0.3):
+        prov = e.provision([e.slots[0]])
+        assert (await e.agent.execute("slice.vm_provision", prov)).status == "succeeded"
+        conn = e.libvirt._connection()
+        dom = conn.lookupByName(prov.vm_name)
+        root = ET.fromstring(dom.XMLDesc())
+        root.find("on_poweroff").text = "restart"
+        dom.destroy()
+        conn.defineXML(ET.tostring(root, encoding="unicode")).create()
+        rel = e.release(prov)
+        result = await e.agent.execute("slice.vm_release", rel)
+        assert result.status == "succeeded" and all(p.verified for p in result.wipe_proofs)
+        undefine = e.spy.of_type("node.task_progress", task_id=rel.task_id, phase="undefine")
+        assert undefine and undefine[0]["payload"]["detail"] == "stop path: forced"
+        assert not await e.libvirt.exists(prov.vm_name)
+
+
+async def test_release_refuses_to_wipe_a_disk_mounted_since_provision(env: Env) -> None:
+    prov = env.provision([env.slots[1]])
+    assert (await env.agent.execute("slice.vm_provision", prov)).status == "succeeded"
+    disk = env.disk(prov.slots[0].nvme_by_id)
+    before = _digest(disk)
+    name = disk.name
+    mounts = env.root / "proc/mounts"
+    mounts.write_text(mounts.read_text() + f"/dev/{name} /mnt/oops ext4 rw 0 0\n")
+    result = await env.agent.execute("slice.vm_release", env.release(prov))
+    assert (result.status, result.reason_code, result.cleanup_required) == ("refused", "disk_mounted", True)
+    assert _digest(disk) == before
+    assert f"nvme:{prov.slots[0].nvme_by_id}" in env.agent.store.leased_resources()
+
+
+# --- restart: recovery and reconciliation ---------------------------------------------------------------
+
+
+async def test_recovery_reruns_a_task_interrupted_before_the_disk(env: Env) -> None:
+    task = env.provision([env.slots[2]])
+    # What a killed agent leaves behind after preflight: a running record, nothing destructive yet.
+    env.agent.store.start_task(task.task_id, "slice.vm_provision", str(task.allocation_id), vm_name=task.vm_name,
+                               payload=task.model_dump(mode="json"))
+    env.agent.store.set_phase(task.task_id, "preflight")
+    results = await env.agent.recover()
+    assert [(r.task_id, r.status) for r in results] == [(task.task_id, "succeeded")]
+    result = await env.spy.wait_type("node.task_result", task_id=task.task_id)
+    assert result["payload"]["status"] == "succeeded"
+
+
+async def test_recovery_fails_a_provision_interrupted_after_the_disk_with_cleanup(env: Env) -> None:
+    task = env.provision([env.slots[3]])
+    env.agent.store.start_task(task.task_id, "slice.vm_provision", str(task.allocation_id), vm_name=task.vm_name,
+                               payload=task.model_dump(mode="json"))
+    env.agent.store.set_phase(task.task_id, "clone_image", disk_touched=True)
+    results = await env.agent.recover()
+    assert [(r.status, r.reason_code, r.cleanup_required) for r in results] == [("failed", "interrupted", True)]
+    # A redelivery of the same task afterwards gets the same answer.
+    assert await env.agent.execute("slice.vm_provision", task) == results[0]
+
+
+async def test_reconcile_removes_domains_of_failed_provisions_and_leaves_unknown_ones(env: Env) -> None:
+    task = env.provision([env.slots[4]])
+    assert (await env.agent.execute("slice.vm_provision", task)).status == "succeeded"
+    # Leftover from a failed attempt: the record says failed, yet the domain is still defined.
+    env.agent.store.finish_task(task.task_id, "failed", {})
+    foreign = ET.fromstring(env.libvirt._connection().lookupByName(task.vm_name).XMLDesc())
+    foreign.find("name").text = "it-not-ours"
+    foreign.find("uuid").text = str(uuid.uuid4())
+    env.libvirt._connection().defineXML(ET.tostring(foreign, encoding="unicode"))
+    await env.agent.reconcile_domains()
+    assert not await env.libvirt.exists(task.vm_name)
+    assert await env.libvirt.exists("it-not-ours")
+
+
+async def test_discover_task_publishes_topology_and_parity(env: Env) -> None:
+    from gpuaas_common.bus import HandlerContext
+
+    task = m.SliceTopologyDiscover(task_id=f"disc-{uuid.uuid4().hex[:8]}", node_id=env.node_id,
+                                   deadline=utcnow() + timedelta(seconds=30))
+    envelope = Envelope.wrap("slice.topology_discover", task.model_dump(mode="json"), producer="ops",
+                             correlation_id=task.task_id)
+    await env.agent.on_discover(HandlerContext(envelope, task, "s", "c", 1))
+    topo = await env.spy.wait_type("node.topology_reported", task_id=task.task_id)
+    parity = await env.spy.wait_type("node.parity_reported", task_id=task.task_id)
+    assert sum(s["complete"] for s in topo["payload"]["candidate_slots"]) == 7
+    assert parity["payload"]["failures"] == 0
+    node_agent = next(c for c in parity["payload"]["checks"] if c["check"] == "node_agent")
+    assert node_agent["detail"] == "reporting"

@@ -1,0 +1,220 @@
+"""Discovery and parity on generated XE9680L host roots (real files, real symlinks, the host tools the fixture
+provides run as real processes, wipefs on the disk stand-ins)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpuaas_node_agent.adapters.discovery import discover
+from gpuaas_node_agent.adapters.fixture_host import build_host_root, eui_for, xe9680l
+from gpuaas_node_agent.adapters.host import Host
+from gpuaas_node_agent.adapters.parity import ParityChecker, format_lines
+
+GPU_BUSES = ["18", "2a", "3a", "5d", "9a", "ab", "ba", "db"]
+
+
+@pytest.fixture
+async def lab(tmp_path: Path):
+    root = build_host_root(tmp_path / "host", xe9680l("lab-01", disk_file_bytes=1 << 20))
+    return root, await discover(Host.at(root), "lab-01")
+
+
+async def test_gpus_are_found_through_relative_pci_symlinks(lab) -> None:
+    root, report = lab
+    entry = root / "sys/bus/pci/devices/0000:18:00.0"
+    assert entry.is_symlink() and not os.readlink(entry).startswith("/")
+    assert [g.pci_address for g in report.gpus] == [f"0000:{b}:00.0" for b in GPU_BUSES]
+    first = report.gpus[0]
+    assert (first.vendor_id, first.device_id, first.numa_node, first.driver) == ("10de", "2335", 0, "vfio-pci")
+    assert first.iommu_group is not None
+    assert len({g.iommu_group for g in report.gpus}) == 8
+    assert [g.numa_node for g in report.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+    # Two GPUs per PCIe switch: the upstream port above the downstream port.
+    switches = [g.pcie_switch for g in report.gpus]
+    assert len(set(switches)) == 4 and switches[0] == switches[1] != switches[2]
+
+
+async def test_fabric_pfs_vfs_and_ib_ports(lab) -> None:
+    _, report = lab
+    by_addr = {f.pci_address: f for f in report.fabric}
+    cx7 = by_addr["0000:29:00.0"]
+    assert (cx7.role, cx7.device_id, cx7.sriov_totalvfs, cx7.sriov_numvfs) == ("pf", "1021", 16, 4)
+    assert (cx7.ib_device, cx7.ib_port_state, cx7.link_layer) == ("mlx5_0", "4: ACTIVE", "InfiniBand")
+    vf = by_addr["0000:29:00.1"]
+    assert (vf.role, vf.physfn, vf.device_id, vf.driver) == ("vf", "0000:29:00.0", "101e", "vfio-pci")
+    bf3 = by_addr["0000:bc:00.1"]
+    assert (bf3.device_id, bf3.ib_port_state, bf3.link_layer, bf3.sriov_numvfs) == ("a2dc", "1: DOWN", "Ethernet", 0)
+    # The BF3 SoC management function is a DMA controller, not a fabric device.
+    assert "0000:bc:00.2" not in by_addr
+    assert sum(f.role == "vf" for f in report.fabric) == 8 and len(report.fabric) == 12
+
+
+async def test_nvme_inventory_skips_hidden_paths_and_flags_os_and_mounted_child(lab) -> None:
+    root, report = lab
+    hidden = [n for n in os.listdir(root / "sys/block") if "c" in n.removeprefix("nvme")]
+    assert hidden, "the fixture must contain hidden multipath nodes"
+    assert len(report.nvme) == 9
+    assert all(d.kernel_name not in hidden for d in report.nvme)
+    by_name = {d.kernel_name: d for d in report.nvme}
+    os_disk = by_name["nvme4n1"]
+    assert os_disk.is_os_disk and not os_disk.candidate and os_disk.excluded_reason == "is_os_disk"
+    assert os_disk.mounted_children == ["nvme4n1p1", "nvme4n1p2"]
+    share = by_name["nvme8n1"]
+    # The parent itself is not mounted: only the child check catches it.
+    assert not share.mounted and share.mounted_children == ["nvme8n1p1"]
+    assert not share.candidate and share.excluded_reason == "child_mounted"
+    for d in report.nvme:
+        assert d.by_id and d.by_id.startswith("/dev/disk/by-id/nvme-eui.") and "-part" not in d.by_id
+        assert d.signatures == []
+        assert d.size_bytes > 0
+    candidates = {d.by_id for d in report.nvme if d.candidate}
+    assert len(candidates) == 7
+
+
+async def test_candidate_slots_pair_numa_local_devices_deterministically(lab) -> None:
+    root, report = lab
+    slots = report.candidate_slots
+    assert [s.gpu_pci_address for s in slots] == [f"0000:{b}:00.0" for b in GPU_BUSES]
+    complete = [s for s in slots if s.complete]
+    assert len(complete) == 7 and slots[7].missing == ["nvme"]
+    usable = {d.by_id for d in report.nvme if d.candidate}
+    assert {s.nvme_by_id for s in complete} == usable
+    numa_of = {d.by_id: d.numa_node for d in report.nvme}
+    assert all(numa_of[s.nvme_by_id] == s.numa_node for s in complete)
+    assert [s.fabric_vf_pci_address for s in slots] == [f"0000:29:00.{i}" for i in range(1, 5)] + [
+        f"0000:a9:00.{i}" for i in range(1, 5)]
+    assert [s.private_ip for s in slots] == [f"10.100.0.{10 + i}" for i in range(8)]
+    assert [s.ovs_port for s in slots] == [f"gpuaas-s{i}" for i in range(8)]
+    assert len({s.mac for s in slots}) == 8 and all(s.mac.startswith("52:54:00:") for s in slots)
+    assert any("0000:db:00.0" in b for b in report.blockers)
+    again = await discover(Host.at(root), "lab-01")
+    assert [s.model_dump() for s in again.candidate_slots] == [s.model_dump() for s in slots]
+
+
+async def test_by_id_identity_is_stable_when_kernel_names_move(tmp_path: Path) -> None:
+    wwids = [eui_for("lab-02", i) for i in range(8)]
+    before = await discover(Host.at(build_host_root(
+        tmp_path / "a", xe9680l("lab-02", data_disk_wwids=wwids, disk_file_bytes=1 << 20))), "lab-02")
+    # After a reboot the BOSS disk came back as nvme7n1 (as on the lab host) and every other name shifted.
+    after = await discover(Host.at(build_host_root(
+        tmp_path / "b", xe9680l("lab-02", data_disk_wwids=wwids, os_disk_ctrl=7, disk_file_bytes=1 << 20))), "lab-02")
+    names_before = {d.by_id: d.kernel_name for d in before.nvme}
+    names_after = {d.by_id: d.kernel_name for d in after.nvme}
+    assert set(names_before) == set(names_after)
+    assert names_before != names_after
+    os_before = next(d.by_id for d in before.nvme if d.is_os_disk)
+    os_after = next(d for d in after.nvme if d.is_os_disk)
+    assert os_after.by_id == os_before and os_after.kernel_name == "nvme7n1"
+    assert [(s.gpu_pci_address, s.nvme_by_id) for s in before.candidate_slots] == [
+        (s.gpu_pci_address, s.nvme_by_id) for s in after.candidate_slots]
+
+
+async def test_disk_with_old_partition_table_reports_signatures_and_is_not_offered(tmp_path: Path) -> None:
+    desc = xe9680l("lab-03", disk_file_bytes=1 << 20)
+    desc.nvme[1] = desc.nvme[1].model_copy(update={"dos_label": True})
+    root = build_host_root(tmp_path / "host", desc)
+    report = await discover(Host.at(root), "lab-03")
+    dirty = next(d for d in report.nvme if d.kernel_name == f"nvme{desc.nvme[1].ctrl}n1")
+    assert dirty.signatures == ["dos@0x1fe"]
+    assert not dirty.candidate and dirty.excluded_reason == "signatures_present"
+    # A disk leased to a running slice carries its image: it stays a candidate.
+    leased = await discover(Host.at(root), "lab-03", leased_by_id=[dirty.by_id])
+    assert next(d for d in leased.nvme if d.by_id == dirty.by_id).candidate
+
+
+# --- parity ---------------------------------------------------------------------------------------------
+
+
+async def test_healthy_host_passes_every_parity_check(tmp_path: Path) -> None:
+    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20))
+    report = await ParityChecker(Host.at(root)).run("xe9680l-01")
+    assert report.failures == 0 and report.warnings == 0
+    assert [c.check for c in report.checks] == [
+        "kvm", "iommu_groups", "vfio_modules", "libvirtd", "ovs_bridge", "dnsmasq_gpu_subnet", "nat_rule",
+        "ip_forwarding", "ipoib_netplan", "fabric_route", "network_baseline_service", "node_agent"]
+    assert all(c.status == "PASS" for c in report.checks)
+
+
+BROKEN = {
+    "vmx_off": ({"kvm": False}, "kvm"),
+    "no_iommu_groups": ({"iommu_groups": False}, "iommu_groups"),
+    "vfio_not_loaded": ({"vfio_modules": False}, "vfio_modules"),
+    "libvirtd_inactive": ({"libvirtd_active": False}, "libvirtd"),
+    "missing_ovs_bridge": ({"ovs_bridge": None}, "ovs_bridge"),
+    "bridge_wrong_address": ({"ovs_address": "10.200.0.1/24"}, "ovs_bridge"),
+    "no_dnsmasq_subnet": ({"dnsmasq_gpu_subnet": False}, "dnsmasq_gpu_subnet"),
+    "nat_rule_missing": ({"nat_rule": False}, "nat_rule"),
+    "no_ip_forwarding": ({"ip_forward": False}, "ip_forwarding"),
+    "no_ipoib_netplan": ({"ipoib_netplan": False}, "ipoib_netplan"),
+    "no_fabric_route": ({"fabric_route": False}, "fabric_route"),
+    "no_network_baseline": ({"network_baseline": None}, "network_baseline_service"),
+    "node_agent_inactive": ({"node_agent_active": False}, "node_agent"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN))
+async def test_each_broken_variant_fails_exactly_its_check(tmp_path: Path, variant: str) -> None:
+    overrides, check = BROKEN[variant]
+    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20, **overrides))
+    report = await ParityChecker(Host.at(root)).run("xe9680l-01")
+    failed = [c for c in report.checks if c.status == "FAIL"]
+    assert [c.check for c in failed] == [check]
+    assert report.failures == 1 and failed[0].remediation
+
+
+async def test_historical_baseline_service_is_only_a_warning(tmp_path: Path) -> None:
+    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20,
+                                                      network_baseline="gpuaas-slice-host-net-baseline"))
+    report = await ParityChecker(Host.at(root)).run("xe9680l-01")
+    assert report.failures == 0 and report.warnings == 1
+    assert next(c for c in report.checks if c.check == "network_baseline_service").status == "WARN"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("gpuaas-node-agent")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_parity_prints_one_line_per_check_and_a_summary(tmp_path: Path) -> None:
+    healthy = build_host_root(tmp_path / "ok", xe9680l(disk_file_bytes=1 << 20))
+    res = _cli("parity", "--root", str(healthy))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert len(lines) == 13 and all(line.startswith("GPUAAS_SLICE_PARITY ") for line in lines)
+    assert "status=PASS check=kvm detail=" in lines[0]
+    assert lines[-1].endswith("failures=0 warnings=0")
+
+    broken = build_host_root(tmp_path / "bad", xe9680l(disk_file_bytes=1 << 20, nat_rule=False))
+    res = _cli("parity", "--root", str(broken))
+    assert res.returncode == 1
+    nat = next(line for line in res.stdout.splitlines() if "check=nat_rule" in line)
+    assert nat.startswith("GPUAAS_SLICE_PARITY status=FAIL check=nat_rule detail=") and " remediation=" in nat
+    assert res.stdout.splitlines()[-1].endswith("failures=1 warnings=0")
+
+
+def test_cli_discover_json_is_the_topology_report(tmp_path: Path) -> None:
+    root = build_host_root(tmp_path / "host", xe9680l("cli-01", disk_file_bytes=1 << 20))
+    res = _cli("discover", "--root", str(root), "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["node_id"] == "cli-01"
+    assert len(report["gpus"]) == 8 and len(report["nvme"]) == 9
+    assert sum(s["complete"] for s in report["candidate_slots"]) == 7
+
+
+def test_format_lines_escapes_blanks() -> None:
+    from gpuaas_common.contract import messages as m
+    from gpuaas_common.contract import utcnow
+
+    report = m.NodeParityReported(node_id="n", checked_at=utcnow(), failures=1, warnings=0, checks=[
+        m.ParityCheck(check="ipoib_netplan", status="FAIL", detail="command exited with 1",
+                      remediation="render /etc/netplan/60-ipoib.yaml")])
+    assert format_lines(report)[0] == (
+        "GPUAAS_SLICE_PARITY status=FAIL check=ipoib_netplan detail=command\\ exited\\ with\\ 1 "
+        "remediation=render\\ /etc/netplan/60-ipoib.yaml")

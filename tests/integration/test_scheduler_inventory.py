@@ -1,0 +1,360 @@
+"""The scheduler's inventory over real Postgres: approval through the admin HTTP API, the placement-time
+re-checks of hand-edited rows, why-not answers, quota, and the release/cleanup/repair paths."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import asyncpg
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from pydantic import SecretStr
+
+from gpuaas_common.contract import messages as m
+from gpuaas_common.migrations import apply_migrations
+from gpuaas_scheduler.adapters import inventory as inv
+from gpuaas_scheduler.adapters import synthetic
+from gpuaas_scheduler.domain.placement import rank_classes, rank_nodes
+from gpuaas_scheduler.entrypoints.admin_http import build_app
+from gpuaas_scheduler.service_layer.handlers import fail_allocation, release_allocation
+from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place
+
+TOKEN = "test-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+async def pool(fresh_db):
+    p = await asyncpg.create_pool(fresh_db, min_size=1, max_size=4, server_settings={"search_path": "scheduler"})
+    async with p.acquire() as conn:
+        await apply_migrations(conn, "scheduler", "gpuaas_scheduler.migrations")
+    yield p
+    await p.close()
+
+
+@pytest.fixture
+async def api(pool):
+    client = TestClient(TestServer(build_app(pool, SecretStr(TOKEN)), host="127.0.0.1"))
+    await client.start_server()
+    yield client
+    await client.close()
+
+
+def accepted(gpus=1, shape="gpu_slice", tenant="t1", sku="h200-sxm-slice"):
+    return m.AllocationAccepted(
+        allocation_id=uuid.uuid4(), tenant_id=tenant, shape=shape, state="accepted", seq=2, sku=sku, gpu_count=gpus,
+        region="default", image=m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img"))
+
+
+async def run_place(pool, ev, policy=PlacementPolicy()):
+    async with pool.acquire() as conn, conn.transaction():
+        return await place(conn, ev, policy)
+
+
+async def post(api, path, body, key=None, method="POST"):
+    headers = {**AUTH, "Idempotency-Key": key or uuid.uuid4().hex}
+    resp = await api.request(method, path, json=body, headers=headers)
+    return resp.status, await resp.json()
+
+
+CLEAN = {"mounted": False, "mounted_children": [], "signatures": [], "is_os_disk": False}
+
+
+def candidate(i, **change):
+    c = {"candidate_id": f"h1-c{i}", "gpu_pci_address": f"0000:{0x18 + i:02x}:00.0", "numa_node": 0,
+         "pcie_switch": "sw0", "nvme_by_id": f"/dev/disk/by-id/nvme-eui.{i:032x}", "nvme_evidence": CLEAN,
+         "fabric_claim_mode": "per_slot_vf", "fabric_vf_pci_address": f"0000:29:00.{i % 8}",
+         "mac": f"52:54:00:00:01:{i:02x}", "private_ip": f"10.100.0.{10 + i}", "ovs_bridge": "ovsbr0"}
+    c.update(change)
+    return c
+
+
+VIOLATIONS = [
+    ({"gpu_pci_address": None}, "GPU PCI"),
+    ({"nvme_by_id": "/dev/nvme3n1"}, "by-id"),
+    ({"mac": None}, "MAC"),
+    ({"private_ip": None}, "private IP"),
+    ({"fabric_claim_mode": "shared"}, "per_slot_vf"),
+    ({"fabric_vf_pci_address": None}, "fabric VF"),
+    ({"nvme_evidence": {**CLEAN, "mounted_children": ["nvme3n1p1"]}}, "mounted children"),
+    ({"nvme_evidence": {**CLEAN, "signatures": ["xfs"]}}, "unexpected filesystems"),
+    ({"nvme_evidence": {**CLEAN, "mounted": True}}, "is mounted"),
+    ({"nvme_evidence": None}, "no NVMe evidence"),
+]
+
+
+async def test_approval_enforces_every_rule_through_the_api(api, pool):
+    status, _ = await post(api, "/v1/nodes", {"actor": "ops", "node_id": "h1", "kind": "slice_host", "hostname": "h1",
+                                              "sku": "h200-sxm-slice", "maas_tags": [inv.TAG_SLICE]})
+    assert status == 200
+    cands = [candidate(0)] + [candidate(i + 1, **change) for i, (change, _) in enumerate(VIOLATIONS)]
+    status, body = await post(api, "/v1/nodes/h1/candidates", {"actor": "ops", "candidates": cands}, method="PUT")
+    assert status == 200 and len(body["candidates"]) == len(cands)
+    status, body = await post(api, "/v1/nodes/h1/candidates/approve", {"actor": "ops", "reason": "first light"})
+    assert status == 200
+    results = {r["candidate_id"]: r for r in body["results"]}
+    assert results["h1-c0"]["status"] == "available" and results["h1-c0"]["problems"] == []
+    for i, (_, needle) in enumerate(VIOLATIONS):
+        r = results[f"h1-c{i + 1}"]
+        assert r["status"] == "disabled" and any(needle in p for p in r["problems"]), (needle, r)
+    resp = await api.get("/v1/nodes/h1/slots", headers=AUTH)
+    slots = {s["slot_id"]: s for s in (await resp.json())["slots"]}
+    assert slots["h1-c0"]["status"] == "available" and slots["h1-c0"]["approved_by"] == "ops"
+    assert "mounted children" in slots["h1-c7"]["status_reason"]
+    # Candidates stay apart from slots, and a slice host is schedulable only with parity failures = 0.
+    resp = await api.get("/v1/nodes/h1/candidates", headers=AUTH)
+    assert len((await resp.json())["candidates"]) == len(cands)
+    assert (await run_place(pool, accepted())).unschedulable.reason_code == "no_eligible_node"
+    status, _ = await post(api, "/v1/nodes/h1/readiness", {"actor": "agent", "parity_failures": 0}, method="PUT")
+    assert status == 200
+    placed = (await run_place(pool, accepted())).placed
+    assert placed and [s.slot_id for s in placed.slots] == ["h1-c0"]
+
+
+async def test_errors_are_structured_and_leave_nothing_half_written(api, pool):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1)
+    resp = await api.get("/v1/nodes", headers={"Authorization": "Bearer wrong"})
+    assert resp.status == 401 and (await resp.json())["error"]["code"] == "unauthorized"
+    resp = await api.post("/v1/nodes/n00001/drain", json={"actor": "ops", "reason": "x"}, headers=AUTH)
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "idempotency_key_required"
+    status, body = await post(api, "/v1/nodes/nope/drain", {"actor": "ops", "reason": "x"})
+    assert status == 404 and body["error"]["code"] == "node_not_found"
+    status, body = await post(api, "/v1/nodes/n00001/drain", {"actor": "ops"})
+    assert status == 422 and body["error"]["details"]["errors"][0]["loc"] == "reason"
+    # A batch whose second candidate would replace a slot under a live claim approves nothing.
+    placed = (await run_place(pool, accepted())).placed
+    held = placed.slots[0]
+    batch = [candidate(9, candidate_id="new-c", gpu_pci_address="0000:77:00.0"),
+             candidate(8, candidate_id="over", gpu_pci_address=held.gpu_pci_address)]
+    status, _ = await post(api, "/v1/nodes/n00001/candidates", {"actor": "ops", "candidates": batch}, method="PUT")
+    assert status == 200
+    status, body = await post(api, "/v1/nodes/n00001/candidates/approve", {"actor": "ops"})
+    assert status == 409 and body["error"]["code"] == "slot_in_use"
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM node_resource_slots WHERE slot_id = 'new-c'") == 0
+        assert await conn.fetchval("SELECT status FROM node_resource_slots WHERE slot_id = $1", held.slot_id) == "reserved"
+        assert await conn.fetchval("SELECT count(*) FROM admin_audit WHERE action = 'candidates.approve'") == 0
+
+
+async def test_idempotency_key_replays_the_stored_response(api, pool):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1)
+    body = {"actor": "ops", "reason": "rack swap", "maintenance": True}
+    s1, r1 = await post(api, "/v1/nodes/n00001/drain", body, key="k-1")
+    s2, r2 = await post(api, "/v1/nodes/n00001/drain", body, key="k-1")
+    assert s1 == s2 == 200 and r1 == r2 and r1["node"]["drain_reason"] == "rack swap"
+    s3, r3 = await post(api, "/v1/nodes/n00001/drain", {**body, "reason": "other"}, key="k-1")
+    assert s3 == 422 and r3["error"]["code"] == "idempotency_key_reused"
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM admin_audit WHERE action = 'node.drain'") == 1
+    u = await run_place(pool, accepted())
+    assert u.unschedulable.reason_code == "no_eligible_node" and u.unschedulable.filtered == {"maintenance": 1}
+    status, _ = await post(api, "/v1/nodes/n00001/undrain", {"actor": "ops", "reason": "done"})
+    assert status == 200 and (await run_place(pool, accepted())).placed
+
+
+# Hand edits that bypass the approval API: the row still says 'available', placement must ignore it.
+SLOT_EDITS = [
+    "gpu_pci_address = NULL", "nvme_by_id = '/dev/nvme0n1'", "mac = NULL", "private_ip = NULL",
+    "fabric_claim_mode = 'shared'", "fabric_vf_pci_address = ''", "nvme_evidence = NULL",
+    "nvme_evidence = jsonb_set(nvme_evidence, '{mounted}', 'true')",
+    "nvme_evidence = jsonb_set(nvme_evidence, '{mounted_children}', '[\"p1\"]')",
+    "nvme_evidence = jsonb_set(nvme_evidence, '{signatures}', '[\"ext4\"]')",
+    "nvme_evidence = jsonb_set(nvme_evidence, '{is_os_disk}', 'true')",
+    "health_state = 'failed'",
+]
+NODE_EDITS = [
+    "parity_failures = 1", "parity_failures = NULL", "draining = true", "maintenance = true", "schedulable = false",
+    "mode = 'baremetal'", "maas_tags = '{gpuaas-profile-baremetal}'",
+]
+
+
+@pytest.mark.parametrize("edit", SLOT_EDITS)
+async def test_placement_rechecks_each_slot_predicate(pool, edit):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1, slots_per_host=1)
+        await conn.execute(f"UPDATE node_resource_slots SET {edit}")  # summary left stale on purpose
+        assert await conn.fetchval("SELECT free_slots FROM nodes") == 1
+    out = await run_place(pool, accepted())
+    assert out.placed is None and out.unschedulable is not None
+
+
+@pytest.mark.parametrize("edit", NODE_EDITS)
+async def test_placement_rechecks_each_node_predicate(pool, edit):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1, slots_per_host=1)
+        await conn.execute(f"UPDATE nodes SET {edit}")
+    out = await run_place(pool, accepted())
+    assert out.placed is None and out.unschedulable.reason_code == "no_eligible_node"
+
+
+async def test_a_live_claim_on_an_available_row_is_respected(pool):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1, slots_per_host=1)
+        await conn.execute(
+            "INSERT INTO allocation_resource_claims (allocation_id, node_id, slot_id, claim_kind, status, fencing_epoch) "
+            "VALUES ($1, 'n00001', 'n00001-s0', 'slot', 'held', 1)", uuid.uuid4())
+    assert (await run_place(pool, accepted())).placed is None
+
+
+async def test_duplicated_fabric_devices_are_exclusive(pool):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1, slots_per_host=2)
+        await conn.execute("UPDATE node_resource_slots SET fabric_vf_pci_address = '0000:29:00.1'")
+        await inv.refresh_nodes(conn)
+    assert (await run_place(pool, accepted(2))).placed is None
+    assert (await run_place(pool, accepted(1))).placed is not None
+    assert (await run_place(pool, accepted(1))).placed is None
+
+
+async def test_quota_is_checked_inside_the_claim_transaction(pool):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=2)
+        await conn.execute("INSERT INTO tenant_quotas VALUES ('small', 4, 'ops', 'trial')")
+    assert (await run_place(pool, accepted(4, tenant="small"))).placed
+    out = await run_place(pool, accepted(1, tenant="small"))
+    assert out.unschedulable.reason_code == "quota_exceeded" and "4 of its 4" in out.unschedulable.reason
+    assert (await run_place(pool, accepted(1, tenant="small"), PlacementPolicy())).placed is None
+    assert (await run_place(pool, accepted(1, tenant="other", ), PlacementPolicy(default_tenant_gpu_quota=0))
+            ).unschedulable.reason_code == "quota_exceeded"
+
+
+async def test_why_not_counts_are_complete_and_the_reason_precise(pool):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=6, baremetal_hosts=1)
+        await conn.execute("UPDATE nodes SET draining = true WHERE node_id = 'n00001'")
+        await conn.execute("UPDATE nodes SET parity_failures = 2 WHERE node_id = 'n00002'")
+        await conn.execute("UPDATE nodes SET region = 'eu' WHERE node_id = 'n00003'")
+        # n00004..n00006: 4 free each, but two on each NUMA node (no topology-safe group of 4).
+        await conn.execute("UPDATE node_resource_slots SET status = 'cleanup_blocked' WHERE node_id IN "
+                           "('n00004', 'n00005', 'n00006') AND right(slot_id, 1) IN ('0', '1', '4', '5')")
+        await inv.refresh_nodes(conn)
+    u = (await run_place(pool, accepted(4))).unschedulable
+    assert u.reason_code == "topology"
+    assert u.filtered == {"draining": 1, "parity": 1, "region": 1, "sku": 1, "topology": 3}
+    assert u.free_gpus == 12 and u.reason.startswith("12 GPUs free but no node has 4 topology-safe slots")
+    u = (await run_place(pool, accepted(8, "baremetal", sku="h200-sxm"))).unschedulable is None
+    assert u
+
+
+async def test_sql_candidate_order_matches_the_pure_ranking(pool):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=30)
+        await conn.execute("UPDATE node_resource_slots SET status = 'disabled' WHERE "
+                           "hashtext(slot_id) % 3 = 0")
+        await inv.refresh_nodes(conn)
+        rows = await conn.fetch("SELECT * FROM nodes WHERE free_slots > 0")
+        pure_nodes = [inv.candidate_from_row(r) for r in rows]
+        for gpus in (1, 2, 4, 8):
+            req = inv.Request("gpu_slice", gpus, "default", "h200-sxm-slice")
+            sql = [c async for c in inv.slice_candidates(conn, req, rank_classes(gpus), page=4)]
+            assert [c.node_id for c in sql if c in rank_nodes(pure_nodes, gpus)] == \
+                [c.node_id for c in rank_nodes(pure_nodes, gpus)]
+
+
+async def _statuses(pool, slot_ids):
+    async with pool.acquire() as conn:
+        rows = await conn.fetch("SELECT slot_id, status FROM node_resource_slots WHERE slot_id = ANY($1::text[])",
+                                slot_ids)
+        return {r["status"] for r in rows}
+
+
+async def _place_and_activate(pool, gpus=2):
+    placed = (await run_place(pool, accepted(gpus))).placed
+    async with pool.acquire() as conn, conn.transaction():
+        for to, frm in (("provisioning", ("reserved",)), ("active", ("provisioning",)),
+                        ("releasing", ("active",))):
+            await inv.set_slot_status(conn, placed.allocation_id, to, only_from=frm)
+    return placed
+
+
+def proofs(placed, verified=True, skip=0):
+    return [m.WipeProof(device=s.nvme_by_id, method="blkdiscard", verified=verified) for s in placed.slots[skip:]]
+
+
+async def test_release_with_wipe_proof_goes_through_cleanup_to_available(pool):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1)
+    placed = await _place_and_activate(pool)
+    ids = [s.slot_id for s in placed.slots]
+    async with pool.acquire() as conn, conn.transaction():
+        await release_allocation(conn, placed.allocation_id,
+                                 m.CleanupReport(required=True, verified=True, wipe_proofs=proofs(placed)))
+    assert await _statuses(pool, ids) == {"available"}
+    async with pool.acquire() as conn:
+        path = [r["to_status"] for r in await conn.fetch(
+            "SELECT to_status FROM slot_transitions WHERE slot_id = $1 ORDER BY id", ids[0])]
+        assert path == ["provisioning", "active", "releasing", "cleanup", "available"]
+        assert await conn.fetchval("SELECT free_slots FROM nodes") == 8
+
+
+@pytest.mark.parametrize("report", [
+    m.CleanupReport(required=True, verified=False, reason="wipe not verified"),
+    "missing_one",
+    "unverified",
+])
+async def test_release_without_verified_proof_blocks_and_repair_returns_it(pool, api, report):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1)
+    placed = await _place_and_activate(pool)
+    if report == "missing_one":
+        report = m.CleanupReport(required=True, verified=True, wipe_proofs=proofs(placed, skip=1))
+    elif report == "unverified":
+        report = m.CleanupReport(required=True, verified=True, wipe_proofs=proofs(placed, verified=False))
+    async with pool.acquire() as conn, conn.transaction():
+        await release_allocation(conn, placed.allocation_id, report)
+    blocked = placed.slots[0].slot_id
+    assert "cleanup_blocked" in await _statuses(pool, [s.slot_id for s in placed.slots])
+    assert await _statuses(pool, [blocked]) == {"cleanup_blocked"}
+    # The blocked slot is never placed again until repaired.
+    for _ in range(7):
+        p = (await run_place(pool, accepted(1))).placed
+        assert p is None or p.slots[0].slot_id != blocked
+    status, body = await post(api, f"/v1/slots/{blocked}/repair", {"actor": "alice", "reason": "nvme format verified"})
+    assert status == 200 and body["slot"]["status"] == "available"
+    assert body["transitions"][0]["actor"] == "alice" and body["transitions"][0]["detail"]["repair_reason"]
+    # A repair that would put a mounted disk back in service is refused and changes nothing.
+    status, body = await post(api, f"/v1/slots/{blocked}/disable", {"actor": "alice", "reason": "check"})
+    assert status == 200
+    status, body = await post(api, f"/v1/slots/{blocked}/repair", {
+        "actor": "alice", "reason": "try", "nvme_evidence": {**CLEAN, "mounted": True}})
+    assert status == 409 and body["error"]["code"] == "repair_rejected"
+    assert await _statuses(pool, [blocked]) == {"disabled"}
+
+
+async def test_failed_provisioning_that_touched_the_disk_blocks_the_slots(pool):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1)
+    touched = (await run_place(pool, accepted(2))).placed
+    clean = (await run_place(pool, accepted(2))).placed
+    async with pool.acquire() as conn, conn.transaction():
+        await fail_allocation(conn, touched.allocation_id, True, "clone_failed: boom")
+        await fail_allocation(conn, clean.allocation_id, False, "preflight_failed: no kvm")
+    assert await _statuses(pool, [s.slot_id for s in touched.slots]) == {"cleanup_blocked"}
+    assert await _statuses(pool, [s.slot_id for s in clean.slots]) == {"available"}
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM allocation_resource_claims WHERE status <> 'released'") == 0
+
+
+async def test_baremetal_takes_only_clean_convertible_hosts_and_watermark_keeps_them(pool):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=3, convertible=True, sku="h200-sxm")
+    policy = PlacementPolicy(clean_node_watermark=1)
+    s1 = (await run_place(pool, accepted(4, sku="h200-sxm"), policy)).placed
+    s2 = (await run_place(pool, accepted(4, sku="h200-sxm"), policy)).placed
+    assert s1.node_id == s2.node_id == "n00001"
+    s3 = (await run_place(pool, accepted(2, sku="h200-sxm"), policy)).placed
+    assert s3.node_id == "n00002"
+    # Only one clean host is left: the watermark keeps it for baremetal.
+    u = (await run_place(pool, accepted(8, sku="h200-sxm"), policy)).unschedulable
+    assert u.reason_code == "clean_node_reserve" and u.filtered["clean_node_reserve"] == 1
+    bm = (await run_place(pool, accepted(8, "baremetal", sku="h200-sxm"), policy)).placed
+    assert bm.node_id == "n00003" and bm.claim_mode == "node_exclusive"
+    assert (await run_place(pool, accepted(8, "baremetal", sku="h200-sxm"), policy)).placed is None
+    # A host under a baremetal claim takes no slices.
+    assert (await run_place(pool, accepted(1, sku="h200-sxm"), policy)).placed.node_id == "n00002"
+    async with pool.acquire() as conn:
+        assert json.loads(json.dumps(await conn.fetchval(
+            "SELECT count(*) FROM allocation_resource_claims WHERE node_id = 'n00003'"))) == 1
