@@ -1,6 +1,10 @@
 """End-to-end latency (requested -> active) at a steady request rate, and outbox relay throughput
 next to a raw JetStream publish rate measured in the same run.
 
+Two stacks run one after the other: one whose simulated hosts answer tasks instantly (the control
+plane alone, at --rate), and one whose simulated hosts do the real work (qemu-img clone, seed ISO,
+libvirt test driver, DHCP lease and SSH banner, zero-fill wipe and verification) at --full-rate.
+
     .venv/bin/python bench/pipeline.py --json [--rate 50] [--duration 10]
 
 Not a test: it prints numbers. The machine is noisy, so compare ratios, not absolute times.
@@ -158,20 +162,40 @@ async def relay_vs_raw(stack: Stack, rows: int) -> dict:
     }
 
 
+async def _with_stack(hosts: int, instant: bool, fn):
+    run_dir = Path(tempfile.mkdtemp(prefix="gpuaas-bench-"))
+    overrides: dict = {"GPUAAS_LOG_LEVEL": "WARNING"}
+    if instant:
+        overrides["node-agent"] = {"GPUAAS_SIM_INSTANT_HOSTS": "true"}
+    stack = Stack(run_dir, slice_hosts=hosts, slots_per_host=8, baremetal_hosts=0, env_overrides=overrides)
+    stack.start()
+    try:
+        return await fn(stack)
+    finally:
+        stack.stop()
+
+
 async def main_async(args: argparse.Namespace) -> dict:
     # Library logs go to stderr so that stdout carries only the JSON result.
     configure_logging("bench", "WARNING", stream=sys.stderr)
-    run_dir = Path(tempfile.mkdtemp(prefix="gpuaas-bench-"))
-    stack = Stack(run_dir, slice_hosts=args.hosts, slots_per_host=8, baremetal_hosts=0,
-                  env_overrides={"GPUAAS_LOG_LEVEL": "WARNING"})
-    stack.start()
-    try:
+
+    async def instant_run(stack: Stack) -> tuple[dict, dict]:
         e2e = await e2e_latency(stack, args.rate, args.duration, args.gpus)
         relay = await relay_vs_raw(stack, args.relay_rows)
-    finally:
-        stack.stop()
-    return {"benchmark": "pipeline", "e2e_requested_to_active": e2e, "outbox_relay": relay,
-            "config": {"rate": args.rate, "duration_s": args.duration, "gpus": args.gpus, "slice_hosts": args.hosts}}
+        return e2e, relay
+
+    e2e, relay = await _with_stack(args.hosts, True, instant_run)
+    full = await _with_stack(
+        args.hosts, False, lambda stack: e2e_latency(stack, args.full_rate, args.duration, args.gpus)
+    )
+    return {
+        "benchmark": "pipeline",
+        "e2e_requested_to_active_instant_hosts": e2e,
+        "e2e_requested_to_active_full_simulated_hosts": full,
+        "outbox_relay": relay,
+        "config": {"rate": args.rate, "full_rate": args.full_rate, "duration_s": args.duration, "gpus": args.gpus,
+                   "slice_hosts": args.hosts},
+    }
 
 
 def main() -> None:
@@ -179,6 +203,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=50.0)
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--gpus", type=int, default=1)
+    parser.add_argument("--full-rate", type=float, default=5.0,
+                        help="request rate for the run on full simulated hosts (real qemu-img, libvirt, wipe)")
     parser.add_argument("--hosts", type=int, default=16)
     parser.add_argument("--relay-rows", type=int, default=5000)
     parser.add_argument("--json", action="store_true")

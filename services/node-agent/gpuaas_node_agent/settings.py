@@ -25,5 +25,7 @@ class AgentSettings(ServiceSettings):
     sim_disk_size_mib: int = Field(default=64, ge=1)
     # How long JetStream waits for a task's ack before redelivering it (a slice provision can take minutes).
     task_ack_wait_s: float = Field(default=120.0, gt=0)
+    # Simulated fleet for control-plane benchmarks: hosts answer tasks at once (see adapters/sim_instant.py).
+    sim_instant_hosts: bool = False
     # Tasks handled in parallel per host (on disjoint slots).
     task_concurrency: int = Field(default=8, ge=1, le=64)

@@ -17,6 +17,7 @@ from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.fixture_host import build_host_root, describe_fleet_node
 from ..adapters.libvirt_host import LibvirtHost
+from ..adapters.sim_instant import InstantSliceHost
 from ..adapters.sim_baremetal import SimulatedBaremetalHost, enrolment_proof
 from ..adapters.sim_host import SimulatedDhcpAndGuest
 from ..adapters.state_store import StateStore
@@ -64,6 +65,18 @@ def build_register(settings: AgentSettings):
             if node.kind == "baremetal":
                 if settings.fleet_file and settings.maas_sim_url and node.maas_system_id:
                     rt.spawn(_sim_baremetal(rt, node, settings.maas_sim_url).run(), f"sim-bm-{node.node_id}")
+                continue
+            if settings.sim_instant_hosts:
+                if not settings.fleet_file:
+                    raise SystemExit("GPUAAS_SIM_INSTANT_HOSTS is only for a simulated fleet (GPUAAS_FLEET_FILE)")
+                instant = InstantSliceHost(node.node_id, bus.publish)
+                bus.subscribe(
+                    node_agent_consumer(node.node_id, max_deliver=settings.consumer_max_deliver),
+                    {"slice.vm_provision": instant.on_task, "slice.vm_release": instant.on_task},
+                    transactional=False, concurrency=settings.task_concurrency,
+                )
+                enrolments.append(m.NodeEnrolled(node_id=node.node_id, kind="slice_host", hostname=node.hostname,
+                                                 agent_version=AGENT_VERSION))
                 continue
             paths = HostPaths(Path(node.host_root or settings.host_root))
             if settings.fleet_file:
