@@ -105,6 +105,11 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     consumer("maas-gateway-commands", "MAAS", "gpuaas.maas.command.>", ack_wait_s=60.0),
     consumer("image-pipeline-enrolments", "NODE_REPORTS", "gpuaas.node.*.report.enrolled"),
     consumer("image-pipeline-cache-reports", "NODE_REPORTS", "gpuaas.node.*.report.image_cache"),
+    consumer("scheduler-node-parity", "NODE_REPORTS", "gpuaas.node.*.report.parity"),
+    consumer("scheduler-node-topology", "NODE_REPORTS", "gpuaas.node.*.report.topology"),
+    consumer("scheduler-image-cache", "IMAGES", "gpuaas.image.event.node_cache_changed"),
+    consumer("image-pipeline-maas-uploads", "MAAS", "gpuaas.maas.result.upload_image"),
+    consumer("image-pipeline-maas-profiles", "MAAS", "gpuaas.maas.result.set_distro_series"),
 )
 CONSUMER_BY_NAME = {c.durable: c for c in CONSUMERS}
 

@@ -52,6 +52,22 @@ FREE_SLOT_SQL = (
     "OR (COALESCE(s.fabric_vf_pci_address, '') <> '' AND c.fabric_device = s.fabric_vf_pci_address) "
     "OR c.nvme_by_id = s.nvme_by_id))"
 )
+
+
+def image_ready_sql(slug: int, digest: int) -> str:
+    """Node `n` holds the image verified with the requested digest, or no gate applies (the slug
+    parameter is NULL). Parameter positions are the caller's: each query numbers its own."""
+    return (
+        f"(${slug}::text IS NULL OR EXISTS (SELECT 1 FROM node_image_readiness r WHERE r.node_id = n.node_id "
+        f"AND r.slug = ${slug} AND r.status = 'verified' AND r.schedulable AND r.digest_sha256 = ${digest}::text))"
+    )
+
+
+def _gate(req_or_gate: Request | tuple[str, str] | None) -> tuple[str | None, str | None]:
+    gate = req_or_gate.image_gate if isinstance(req_or_gate, Request) else req_or_gate
+    return gate if gate is not None else (None, None)
+
+
 NODE_SUMMARY_COLUMNS = "node_id, free_slots, total_slots, sliced, max_switch_free, numa_free, numa_capacity"
 
 
@@ -159,8 +175,9 @@ async def slice_candidates(conn: asyncpg.Connection, req: Request, classes: Sequ
             rows = await conn.fetch(
                 f"SELECT {NODE_SUMMARY_COLUMNS} FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} "
                 f"AND n.free_slots > 0 AND n.sliced = $4 AND n.free_slots >= $3 AND {tier_sql} "
+                f"AND {image_ready_sql(8, 9)} "
                 "AND (n.free_slots, n.node_id) > ($5, $6) ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT $7",
-                req.region, req.sku, req.gpus, sliced, after[0], after[1], page,
+                req.region, req.sku, req.gpus, sliced, after[0], after[1], page, *_gate(req),
             )
             for r in rows:
                 yield candidate_from_row(r)
@@ -188,18 +205,35 @@ async def count_clean_nodes(conn: asyncpg.Connection, req: Request) -> int:
     )
 
 
+async def image_gate(conn: asyncpg.Connection, slug: str, digest: str) -> tuple[str, str] | None:
+    """(slug, digest) when slice placement must require a verified cache of this image, else None.
+
+    The rule: the gate applies to an image once any `image.node_cache_changed` for its slug has
+    reached the scheduler. Images that predate the prewarm pipeline (the dev stack's seed images,
+    copied into each host's cache by the fleet) are never reported, so they stay placeable as before.
+    For a prewarmed image the rule is safe even before its reports arrive: the image pipeline
+    activates an image only once every known slice host verified the catalog digest, so an
+    allocation for it cannot be accepted while a host lacks it; the reports then keep placement
+    honest afterwards (a host that loses the cache, a mismatch, a new digest, a host added later).
+    """
+    reported = await conn.fetchval("SELECT EXISTS (SELECT 1 FROM node_image_readiness WHERE slug = $1)", slug)
+    return (slug, digest) if reported else None
+
+
 LOCKED = object()
 
 
-async def lock_slice_node(conn: asyncpg.Connection, node_id: str, *, wait: bool) -> Any:
-    """The node row under FOR UPDATE if it may still take slices; LOCKED when another worker holds it."""
+async def lock_slice_node(conn: asyncpg.Connection, node_id: str, *, wait: bool,
+                          image_gate: tuple[str, str] | None = None) -> Any:
+    """The node row under FOR UPDATE if it may still take slices (and, under an image gate, holds the
+    image verified); LOCKED when another worker holds it."""
     skip = "" if wait else " SKIP LOCKED"
     row = await conn.fetchrow(
-        f"SELECT n.node_id, n.total_slots, n.numa_capacity, {SLICE_NODE_SQL} AS ok, "
+        f"SELECT n.node_id, n.total_slots, n.numa_capacity, {SLICE_NODE_SQL} AND {image_ready_sql(2, 3)} AS ok, "
         "EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
         "        AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') AS exclusive "
         f"FROM nodes n WHERE n.node_id = $1 FOR UPDATE{skip}",
-        node_id,
+        node_id, *_gate(image_gate),
     )
     if row is None:
         exists = await conn.fetchval("SELECT 1 FROM nodes WHERE node_id = $1", node_id)
@@ -251,7 +285,7 @@ async def lock_best_in_class(conn: asyncpg.Connection, req: Request, sliced: boo
     rows = await conn.fetch(
         "WITH n AS (SELECT n.node_id, n.total_slots, n.numa_capacity FROM nodes n "
         f"  WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} AND n.free_slots > 0 AND n.sliced = $4 "
-        f"  AND n.free_slots >= $3 AND {tier_sql} "
+        f"  AND n.free_slots >= $3 AND {tier_sql} AND {image_ready_sql(5, 6)} "
         "  AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
         "                  AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') "
         "  ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT 1 FOR UPDATE OF n SKIP LOCKED), "
@@ -259,7 +293,7 @@ async def lock_best_in_class(conn: asyncpg.Connection, req: Request, sliced: boo
         f"  WHERE s.node_id = (SELECT node_id FROM n) AND {FREE_SLOT_SQL} FOR UPDATE OF s SKIP LOCKED) "
         "SELECT n.*, f.slot_id, f.numa_node, f.pcie_switch, f.fabric_vf_pci_address FROM n LEFT JOIN free f ON true "
         "ORDER BY f.slot_id",
-        req.region, req.sku, req.gpus, sliced,
+        req.region, req.sku, req.gpus, sliced, *_gate(req),
     )
     if not rows:
         return None
@@ -330,14 +364,15 @@ async def tenant_usage_locked(conn: asyncpg.Connection, tenant_id: str) -> int:
 # --- why not -----------------------------------------------------------------------------------------
 
 
-async def node_facts(conn: asyncpg.Connection) -> list[NodeFacts]:
+async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | None = None) -> list[NodeFacts]:
     rows = await conn.fetch(
-        "SELECT n.*, "
+        f"SELECT n.*, {image_ready_sql(1, 2)} AS image_ready, "
         " (SELECT count(*) FROM allocation_resource_claims c WHERE c.node_id = n.node_id AND c.status <> 'released')"
         "   AS live_claims, "
         " EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
         "   AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') AS exclusive_held "
-        "FROM nodes n ORDER BY n.node_id"
+        "FROM nodes n ORDER BY n.node_id",
+        *_gate(image_gate),
     )
     return [
         NodeFacts(
@@ -346,6 +381,7 @@ async def node_facts(conn: asyncpg.Connection) -> list[NodeFacts]:
             r["exclusive_held"],
             NodeCandidate(r["node_id"], r["free_slots"], r["total_slots"], r["live_claims"], r["max_switch_free"],
                           tuple(r["numa_free"]), r["numa_capacity"]),
+            r["image_ready"],
         )
         for r in rows
     ]

@@ -74,6 +74,9 @@ class Request:
     region: str
     sku: str
     tenant_id: str = ""
+    # (slug, digest) when the image cache gate applies to this request (see inventory.image_gate);
+    # None: no cache evidence is required.
+    image_gate: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,9 @@ class NodeFacts:
     live_claims: int
     exclusive_held: bool
     candidate: NodeCandidate
+    # The host's cache holds the requested image verified with the requested digest (True when the
+    # request has no image gate).
+    image_ready: bool = True
 
 
 # --- slots ----------------------------------------------------------------------------------------
@@ -260,6 +266,8 @@ def node_filter(node: NodeFacts, req: Request) -> str | None:
         return "in_use" if node.live_claims else None
     if node.parity_failures is None or node.parity_failures > 0:
         return "parity"
+    if not node.image_ready:
+        return "image_cache"
     if node.exclusive_held:
         return "in_use"
     if node.candidate.free_slots < req.gpus:
@@ -271,7 +279,8 @@ def node_filter(node: NodeFacts, req: Request) -> str | None:
 
 # Filters that judge the node rather than its current occupancy: a node passing them is "eligible"
 # and its free GPUs count in the why-not answer.
-NODE_LEVEL = {"region", "sku", "profile_intent", "maintenance", "draining", "not_ready", "parity", "in_use"}
+NODE_LEVEL = {"region", "sku", "profile_intent", "maintenance", "draining", "not_ready", "parity", "image_cache",
+              "in_use"}
 
 
 # --- scores ---------------------------------------------------------------------------------------
@@ -330,7 +339,8 @@ def clean_node_allowed(clean_nodes: int, watermark: int) -> bool:
 _FILTER_TEXT = {
     "region": "in another region", "sku": "of another SKU", "profile_intent": "without the profile intent",
     "maintenance": "in maintenance", "draining": "draining", "not_ready": "not ready",
-    "parity": "without parity failures=0", "in_use": "held by another allocation",
+    "parity": "without parity failures=0", "image_cache": "without the image verified in cache",
+    "in_use": "held by another allocation",
     "free_slot_count": "with too few free slots", "topology": "without a topology-safe group",
     "clean_node_reserve": "reserved clean for baremetal",
 }

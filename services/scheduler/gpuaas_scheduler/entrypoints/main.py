@@ -9,7 +9,7 @@ from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.inventory import refresh_nodes, seed_from_fleet
-from ..service_layer.handlers import Scheduler, handlers
+from ..service_layer.handlers import Scheduler, evidence_handlers, handlers
 from ..service_layer.placement import PlacementPolicy, with_fleet_shape
 from ..settings import SchedulerSettings
 from .admin_http import start_admin
@@ -34,7 +34,12 @@ def build_register(settings: SchedulerSettings):
         )
         async with rt.pool.acquire() as conn:
             policy = await with_fleet_shape(conn, policy)
-        rt.bus.subscribe(rt.consumer_spec("scheduler-allocation-events"), handlers(Scheduler(policy)))
+        scheduler = Scheduler(policy)
+        rt.bus.subscribe(rt.consumer_spec("scheduler-allocation-events"), handlers(scheduler))
+        # Readiness evidence: parity, advisory topology, image cache state. Each is its own durable so a
+        # backlog on one (e.g. a fleet-wide prewarm) never delays the others or placement.
+        for durable, handler_map in evidence_handlers(scheduler).items():
+            rt.bus.subscribe(rt.consumer_spec(durable), handler_map)
         if settings.admin_token is None:
             log.warning("admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set")
             return

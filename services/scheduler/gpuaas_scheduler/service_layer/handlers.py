@@ -13,6 +13,7 @@ from gpuaas_common.logging import get_logger
 
 from ..adapters import inventory as inv
 from ..domain.approval import wipe_verdict
+from . import evidence
 from .placement import PlacementPolicy, place
 
 log = get_logger(__name__)
@@ -42,6 +43,25 @@ class Scheduler:
             u = outcome.unschedulable
             log.info("unschedulable", reason_code=u.reason_code, reason=u.reason, filtered=u.filtered,
                      free_gpus=u.free_gpus)
+
+    async def on_parity(self, ctx: HandlerContext) -> None:
+        ev: m.NodeParityReported = ctx.payload
+        assert ctx.conn is not None
+        outcome = await evidence.record_parity(ctx.conn, ev)
+        log.info("parity_recorded", node_id=ev.node_id, failures=ev.failures, warnings=ev.warnings, outcome=outcome)
+
+    async def on_topology(self, ctx: HandlerContext) -> None:
+        ev: m.NodeTopologyReported = ctx.payload
+        assert ctx.conn is not None
+        outcome = await evidence.record_topology(ctx.conn, ev)
+        log.info("topology_recorded", node_id=ev.node_id, candidates=len(ev.candidate_slots), outcome=outcome)
+
+    async def on_image_cache(self, ctx: HandlerContext) -> None:
+        ev: m.ImageNodeCacheChanged = ctx.payload
+        assert ctx.conn is not None
+        outcome = await evidence.record_image_cache(ctx.conn, ev, ctx.envelope.occurred_at)
+        log.info("image_cache_recorded", node_id=ev.node_id, slug=ev.slug, status=ev.status,
+                 schedulable=ev.schedulable, outcome=outcome)
 
     async def on_provisioning(self, ctx: HandlerContext) -> None:
         assert ctx.conn is not None
@@ -120,6 +140,21 @@ async def fail_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID, cl
                              detail={"failed_without_disk_writes": reason})
     await inv.release_claims(conn, allocation_id)
     await inv.refresh_nodes(conn, [r["node_id"] for r in held])
+
+
+# Evidence consumers, one durable per filter subject (see gpuaas_common.jetstream.CONSUMERS).
+EVIDENCE_CONSUMERS = {
+    "scheduler-node-parity": "node.parity_reported",
+    "scheduler-node-topology": "node.topology_reported",
+    "scheduler-image-cache": "image.node_cache_changed",
+}
+
+
+def evidence_handlers(scheduler: Scheduler) -> dict[str, dict]:
+    """Per evidence consumer, its handler map."""
+    by_type = {"node.parity_reported": scheduler.on_parity, "node.topology_reported": scheduler.on_topology,
+               "image.node_cache_changed": scheduler.on_image_cache}
+    return {durable: {type_: by_type[type_]} for durable, type_ in EVIDENCE_CONSUMERS.items()}
 
 
 def handlers(scheduler: Scheduler) -> dict:

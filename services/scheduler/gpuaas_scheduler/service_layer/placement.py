@@ -89,6 +89,8 @@ async def place(conn: asyncpg.Connection, ev: m.AllocationAccepted, policy: Plac
     if req.shape == "baremetal":
         await _place_baremetal(conn, ev, req, out)
     else:
+        # Only slices boot from the host's image cache; a baremetal image is deployed by MAAS.
+        req = replace(req, image_gate=await inv.image_gate(conn, ev.image.slug, ev.image.digest_sha256))
         await _place_slices(conn, ev, req, policy, out)
     if out.placed is None and not out.already_placed:
         out.unschedulable = await why_not(conn, ev, req, policy)
@@ -138,7 +140,7 @@ async def _place_slices(conn: asyncpg.Connection, ev: m.AllocationAccepted, req:
 
     async def attempt(node_id: str, wait: bool) -> bool:
         out.attempts += 1
-        node = await inv.lock_slice_node(conn, node_id, wait=wait)
+        node = await inv.lock_slice_node(conn, node_id, wait=wait, image_gate=req.image_gate)
         if node is inv.LOCKED:
             out.skipped_locked += 1
             locked.append(node_id)
@@ -197,7 +199,7 @@ async def _place_slices(conn: asyncpg.Connection, ev: m.AllocationAccepted, req:
 async def why_not(conn: asyncpg.Connection, ev: m.AllocationAccepted, req: Request,
                   policy: PlacementPolicy) -> m.PlacementUnschedulable:
     """Every node lands in exactly one bucket: the first filter it fails (or `clean_node_reserve`)."""
-    facts = await inv.node_facts(conn)
+    facts = await inv.node_facts(conn, req.image_gate)
     filtered: Counter[str] = Counter()
     free = eligible = largest = 0
     for node in facts:
