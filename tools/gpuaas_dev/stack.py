@@ -244,6 +244,11 @@ class Stack:
         return self._registry.host
 
     @property
+    def host_image_dir(self) -> Path:
+        """Where the image pipeline writes MAAS host image tgz files for the gateway to upload."""
+        return self.run_dir / "host-images"
+
+    @property
     def image_admin_url(self) -> str:
         return f"http://127.0.0.1:{self._admin_port}"
 
@@ -531,7 +536,10 @@ class Stack:
             assert self._registry is not None and self._admin_token is not None
             env.update(GPUAAS_REGISTRY_HOST=self._registry.host, GPUAAS_REGISTRY_TLS_MODE="plain-http",
                        GPUAAS_ADMIN_PORT=str(self._admin_port), GPUAAS_ADMIN_TOKEN=self._admin_token,
-                       GPUAAS_IMAGE_BUILD_DIR=str(self.run_dir / "image-builds"))
+                       GPUAAS_IMAGE_BUILD_DIR=str(self.run_dir / "image-builds"),
+                       # The gateway uploads host images by the path the pipeline names; both run on this
+                       # machine, so a run-dir directory is shared without any gateway setting.
+                       GPUAAS_HOST_IMAGE_DIR=str(self.host_image_dir))
         elif name == "maas-gateway":
             env["GPUAAS_MAAS_URL"] = self.maas_url
             env["GPUAAS_MAAS_API_KEY"] = self.maas_api_key

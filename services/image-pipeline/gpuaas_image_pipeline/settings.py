@@ -28,3 +28,8 @@ class ImagePipelineSettings(ServiceSettings):
     # Customisation plug-in: stamp (local, edits the image with qemu-io), virt-customize, none.
     image_customise: Literal["stamp", "virt-customize", "none"] = "stamp"
     image_install_packages: str = ""
+    # MAAS host images (rootfs tgz) are written here and uploaded by the MAAS gateway, which reads the file
+    # by its path: the gateway must see this directory at the same path (same host or a shared volume).
+    host_image_dir: str = "/var/lib/gpuaas/maas-host-images"
+    # The gateway's site a host image is uploaded to unless the request names one.
+    maas_site: str = Field(default="default", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")

@@ -100,7 +100,7 @@ class ImageUpdate(BaseModel):
 
 
 PROTECTED_METADATA = ("image_path", "artifact_ref", "blob_digest", "blob_size", "blob_media_type", "virtual_size",
-                      "build_id", "registry_tls")
+                      "build_id", "registry_tls", "maas")
 
 
 class BuildRequest(BaseModel):
@@ -121,3 +121,40 @@ class BuildRequest(BaseModel):
     def check(self) -> None:
         if bool(self.source) == bool(self.reuse_build_id):
             raise ValueError("give exactly one of source (build) or reuse_build_id (republish an artifact)")
+
+
+_MAAS_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+
+
+class HostUploadRequest(BaseModel):
+    """Build a host rootfs tgz from a prepared root tree and have the MAAS gateway upload it as
+    boot resource custom/<slug>."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rootfs: str = Field(min_length=1, max_length=4096)
+    site_bootstrap: str | None = Field(default=None, max_length=4096)
+    site: str | None = Field(default=None, max_length=128, pattern=_MAAS_ID)
+    title: str = Field(default="", max_length=256)
+    architecture: str = Field(default="amd64/generic", pattern=r"^[a-z0-9]+/[a-z0-9.-]+$")
+    base_image: str = Field(default="ubuntu/noble", pattern=r"^[a-z0-9]+/[a-z0-9.-]+$")
+    # Defaults for a slug that does not exist yet.
+    compatible_sku: str = Field(default="h200-sxm", min_length=1, max_length=64)
+    driver_strategy: str = Field(default="preinstalled", pattern=r"^(preinstalled|cloud_init)$")
+
+
+class ProfileImageRequest(BaseModel):
+    """Point a MAAS site profile at this host image (distro_series omitted) or at any other series,
+    e.g. `noble` to switch back to the stock image."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    profile: str = Field(min_length=1, max_length=128, pattern=_MAAS_ID)
+    site: str | None = Field(default=None, max_length=128, pattern=_MAAS_ID)
+    distro_series: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+
+
+def host_tgz_name(slug: str, sha256: str) -> str:
+    """Content-addressed file name: a rebuild never rewrites a file an in-flight upload is still reading,
+    and the same content lands on the same name."""
+    return f"{slug}-{sha256[:16]}.tar.gz"

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import os
+import re
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import asyncpg
 from aiohttp import web
@@ -13,14 +17,24 @@ from pydantic import BaseModel, ValidationError
 from gpuaas_common.logging import get_logger
 from gpuaas_common.outbox import OutboxWriter
 
-from ..domain.catalog import BuildRequest, ImageCreate, ImageUpdate
-from ..service_layer import catalog
+from ..adapters.host_image import HostImage, build_rootfs_tgz
+from ..domain.catalog import (
+    BuildRequest,
+    HostUploadRequest,
+    ImageCreate,
+    ImageUpdate,
+    ProfileImageRequest,
+    host_tgz_name,
+)
+from ..service_layer import catalog, host_images
 from ..service_layer.builds import BuildRunner, build_dict
 from ..service_layer.catalog import CatalogError, image_dict
 from ..settings import ImagePipelineSettings
 
 log = get_logger(__name__)
 SCHEMA = "image_pipeline"
+# The catalog's slug rule, checked before a slug becomes part of a file name.
+SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
 
 def _error(status: int, code: str, reason: str) -> web.Response:
@@ -72,6 +86,10 @@ class AdminApi:
         r.add_post("/v1/images/{slug}/builds", self.start_build)
         r.add_get("/v1/images/{slug}/builds", self.list_builds)
         r.add_get("/v1/builds/{build_id}", self.get_build)
+        r.add_post("/v1/images/{slug}/host-upload", self.host_upload)
+        r.add_post("/v1/images/{slug}/maas-profile", self.maas_profile)
+        r.add_get("/v1/images/{slug}/maas-requests", self.list_maas_requests)
+        r.add_get("/v1/maas-requests/{operation_id}", self.get_maas_request)
         return app
 
     async def start(self) -> int:
@@ -169,3 +187,62 @@ class AdminApi:
         if row is None:
             raise CatalogError(404, "not_found", "no such build")
         return web.json_response(build_dict(row))
+
+    # --- MAAS host images ---------------------------------------------------------------------------
+
+    def _build_host_tgz(self, slug: str, req: HostUploadRequest) -> HostImage:
+        rootfs = Path(req.rootfs)
+        if not rootfs.is_dir():
+            raise CatalogError(422, "rootfs_missing", f"root tree {req.rootfs} is not a directory")
+        bootstrap = Path(req.site_bootstrap) if req.site_bootstrap else None
+        if bootstrap is not None and not bootstrap.is_file():
+            raise CatalogError(422, "site_bootstrap_missing", f"{req.site_bootstrap} is not a file")
+        out_dir = Path(self.settings.host_image_dir)
+        # A private temporary name, then the content-addressed one: concurrent builds never share a file
+        # and an upload still reading an older tgz keeps its bytes.
+        tmp = out_dir / f".{slug}.{uuid.uuid4().hex}.tgz"
+        built = build_rootfs_tgz(rootfs, tmp, bootstrap)
+        final = out_dir / host_tgz_name(slug, built.sha256)
+        os.replace(tmp, final)
+        return HostImage(final, built.sha256, built.size)
+
+    async def host_upload(self, request: web.Request) -> web.Response:
+        slug = request.match_info["slug"]
+        if not SLUG_RE.match(slug):
+            raise CatalogError(422, "invalid", f"{slug!r} is not a valid image slug")
+        req = await _body(request, HostUploadRequest)
+        site = req.site or self.settings.maas_site  # type: ignore[attr-defined]
+        # Refuse early what the catalog would refuse anyway, before writing a tgz nobody uploads.
+        kind = await self.pool.fetchval("SELECT kind FROM os_images WHERE slug = $1", slug)
+        if kind not in (None, "host"):
+            raise CatalogError(409, "not_a_host_image", f"{slug} is a {kind} image")
+        built = await asyncio.to_thread(self._build_host_tgz, slug, req)  # type: ignore[arg-type]
+        async with self.pool.acquire() as conn, conn.transaction():
+            row, op_id, sent = await host_images.request_upload(
+                conn, self._writer(conn, slug), slug, req, built, site,  # type: ignore[arg-type]
+                self.settings.image_cache_dir)
+        log.info("host_image_built", slug=slug, sha256=built.sha256, size=built.size, operation_id=op_id,
+                 upload_sent=sent)
+        return web.json_response({"image": image_dict(row), "operation_id": op_id, "upload_sent": sent,
+                                  "sha256": built.sha256, "size": built.size}, status=202 if sent else 200)
+
+    async def maas_profile(self, request: web.Request) -> web.Response:
+        slug = request.match_info["slug"]
+        req = await _body(request, ProfileImageRequest)
+        async with self.pool.acquire() as conn, conn.transaction():
+            op_id = await host_images.request_profile_image(
+                conn, self._writer(conn, slug), slug, req, self.settings.maas_site)  # type: ignore[arg-type]
+            row = await conn.fetchrow("SELECT * FROM maas_requests WHERE operation_id = $1", op_id)
+        return web.json_response(host_images.request_dict(row), status=202)
+
+    async def list_maas_requests(self, request: web.Request) -> web.Response:
+        rows = await self.pool.fetch("SELECT * FROM maas_requests WHERE slug = $1 ORDER BY created_at DESC LIMIT 50",
+                                     request.match_info["slug"])
+        return web.json_response({"requests": [host_images.request_dict(r) for r in rows]})
+
+    async def get_maas_request(self, request: web.Request) -> web.Response:
+        row = await self.pool.fetchrow("SELECT * FROM maas_requests WHERE operation_id = $1",
+                                       request.match_info["operation_id"])
+        if row is None:
+            raise CatalogError(404, "not_found", "no such MAAS request")
+        return web.json_response(host_images.request_dict(row))

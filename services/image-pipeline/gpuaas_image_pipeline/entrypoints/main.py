@@ -12,7 +12,7 @@ from gpuaas_common.outbox import OutboxWriter
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..domain.catalog import SeedImage
-from ..service_layer import catalog
+from ..service_layer import catalog, host_images
 from ..service_layer.builds import BuildRunner
 from ..service_layer.seeding import apply_seed
 from ..settings import ImagePipelineSettings
@@ -49,6 +49,18 @@ def build_register(settings: ImagePipelineSettings):
         rt.bus.subscribe(rt.consumer_spec("image-pipeline-enrolments"), {"node.enrolled": on_enrolled})
         rt.bus.subscribe(rt.consumer_spec("image-pipeline-cache-reports"),
                          {"node.image_cache_reported": on_cache_reported})
+
+        async def on_upload_result(ctx: HandlerContext) -> None:
+            assert ctx.conn is not None
+            await host_images.on_upload_result(ctx.conn, ctx.payload)
+
+        async def on_profile_result(ctx: HandlerContext) -> None:
+            assert ctx.conn is not None
+            await host_images.on_profile_image_result(ctx.conn, ctx.payload)
+
+        rt.bus.subscribe(rt.consumer_spec("image-pipeline-maas-uploads"), {"maas.image_upload_result": on_upload_result})
+        rt.bus.subscribe(rt.consumer_spec("image-pipeline-maas-profiles"),
+                         {"maas.profile_image_set_result": on_profile_result})
 
         api = AdminApi(rt.pool, runner, settings)
         await api.start()

@@ -211,6 +211,10 @@ async def enable_image(conn: asyncpg.Connection, writer: OutboxWriter, slug: str
         return row
     if not row["digest_sha256"]:
         raise CatalogError(409, "not_built", f"{slug} has no digest yet: build or republish it first")
+    maas = _meta(row).get("maas")
+    if row["kind"] == "host" and maas and maas.get("status") != "uploaded":
+        # A host image built here is deployable only once MAAS holds it complete.
+        raise CatalogError(409, "not_uploaded", f"{slug} is {maas.get('status')} in MAAS, not uploaded")
     if row["kind"] == "host" or not _meta(row).get("artifact_ref"):
         # Host images live in MAAS and seed-style rows have no artifact to prewarm: nothing to gate on.
         await emit_activated(conn, writer, row)

@@ -1,0 +1,174 @@
+"""MAAS host images: catalog a built rootfs tgz, ask the MAAS gateway to upload it as boot resource
+custom/<slug>, record the boot-resource id from the gateway's result, and switch site profiles to it
+(and back). Each function runs inside the caller's transaction; commands leave through its outbox, so
+a crash between the catalog change and the command loses neither.
+
+The catalog keeps the upload state in the image's `maas` metadata (protected from PATCH: only the
+gateway's result may set a boot-resource id); every request is also a `maas_requests` row keyed by the
+gateway operation id.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import asyncpg
+
+from gpuaas_common.contract import messages as m
+from gpuaas_common.logging import get_logger
+from gpuaas_common.outbox import OutboxWriter
+
+from ..adapters.host_image import HostImage
+from ..domain.catalog import HostUploadRequest, ImageCreate, ProfileImageRequest
+from . import catalog
+from .catalog import CatalogError
+
+log = get_logger(__name__)
+
+
+def request_dict(row: asyncpg.Record) -> dict[str, Any]:
+    d = dict(row)
+    for k in ("params", "result"):
+        if isinstance(d.get(k), str):
+            d[k] = json.loads(d[k])
+    for k in ("created_at", "updated_at"):
+        d[k] = d[k].isoformat()
+    return d
+
+
+async def request_upload(conn: asyncpg.Connection, writer: OutboxWriter, slug: str, req: HostUploadRequest,
+                         built: HostImage, site: str, cache_dir: str) -> tuple[asyncpg.Record, str, bool]:
+    """Catalog the tgz and send the upload command. Returns (image row, operation id, sent): the same
+    content already uploaded or on its way to the same site sends nothing (a reproducible rebuild must
+    not upload again)."""
+    row = await catalog.lock_image(conn, slug)
+    if row is None:
+        row = await catalog.create_image(
+            conn, ImageCreate(slug=slug, kind="host", compatible_sku=req.compatible_sku,
+                              driver_strategy=req.driver_strategy), cache_dir)
+    if row["kind"] != "host":
+        raise CatalogError(409, "not_a_host_image", f"{slug} is a {row['kind']} image")
+    meta = catalog._meta(row)
+    current = meta.get("maas") or {}
+    if (current.get("sha256") == built.sha256 and current.get("site") == site
+            and current.get("status") in ("uploading", "uploaded")):
+        return row, current["operation_id"], False
+
+    op_id = str(uuid.uuid4())
+    cmd = m.MaasImageUploadRequested(
+        operation_id=op_id, site=site, name=slug, title=req.title, architecture=req.architecture, filetype="tgz",
+        base_image=req.base_image, source_path=str(built.path), sha256=built.sha256, size=built.size)
+    await conn.execute(
+        "INSERT INTO maas_requests (operation_id, slug, kind, site, params) VALUES ($1, $2, 'upload_image', $3, $4)",
+        op_id, slug, site, cmd.model_dump_json())
+    meta["maas"] = {
+        "site": site, "name": f"custom/{slug}", "architecture": req.architecture, "filetype": "tgz",
+        "operation_id": op_id, "status": "uploading", "source_path": str(built.path), "sha256": built.sha256,
+        "size": built.size, "boot_resource_id": None, "profiles": current.get("profiles", {}),
+    }
+    new_digest = row["digest_sha256"] != built.sha256
+    # New bytes are not deployable until MAAS holds them complete: an active image with another digest
+    # stops being offered until an operator enables the uploaded one.
+    status = "building" if new_digest or row["status"] == "disabled" else row["status"]
+    if row["status"] == "active" and status != "active":
+        await catalog.emit_deactivated(writer, slug, f"new host image {built.sha256} is being uploaded to MAAS")
+    await conn.execute(
+        "UPDATE os_images SET digest_sha256 = $2, metadata = $3, status = $4, updated_at = now() WHERE slug = $1",
+        slug, built.sha256, json.dumps(meta), status)
+    await writer.add("maas.image_upload_requested", cmd, aggregate_id=f"image:{slug}")
+    log.info("host_image_upload_requested", slug=slug, operation_id=op_id, sha256=built.sha256, size=built.size)
+    return await catalog.lock_image(conn, slug), op_id, True
+
+
+async def request_profile_image(conn: asyncpg.Connection, writer: OutboxWriter, slug: str, req: ProfileImageRequest,
+                                default_site: str) -> str:
+    row = await catalog.lock_image(conn, slug)
+    if row is None:
+        raise CatalogError(404, "not_found", f"no image {slug}")
+    if row["kind"] != "host":
+        raise CatalogError(409, "not_a_host_image", f"{slug} is a {row['kind']} image")
+    maas = catalog._meta(row).get("maas") or {}
+    site = req.site or maas.get("site") or default_site
+    series = req.distro_series
+    if series is None:
+        # Selecting this image only makes sense once MAAS holds it complete at that site.
+        if maas.get("status") != "uploaded" or maas.get("site") != site:
+            raise CatalogError(409, "not_uploaded", f"{slug} is not uploaded to MAAS site {site}")
+        series = f"custom/{slug}"
+    op_id = str(uuid.uuid4())
+    cmd = m.MaasProfileImageSetRequested(operation_id=op_id, site=site, profile=req.profile, distro_series=series)
+    await conn.execute(
+        "INSERT INTO maas_requests (operation_id, slug, kind, site, profile, params) "
+        "VALUES ($1, $2, 'set_distro_series', $3, $4, $5)", op_id, slug, site, req.profile, cmd.model_dump_json())
+    await writer.add("maas.profile_image_set_requested", cmd, aggregate_id=f"image:{slug}")
+    log.info("profile_image_set_requested", slug=slug, site=site, profile=req.profile, distro_series=series,
+             operation_id=op_id)
+    return op_id
+
+
+async def _claim_request(conn: asyncpg.Connection, ev: m.MaasLifecycleResult) -> asyncpg.Record | None:
+    """The open request this result answers, now closed; None for someone else's operation or a result
+    already applied."""
+    req = await conn.fetchrow("SELECT * FROM maas_requests WHERE operation_id = $1 FOR UPDATE", ev.operation_id)
+    if req is None or req["status"] != "requested":
+        return None
+    await conn.execute("UPDATE maas_requests SET status = $2, result = $3, updated_at = now() WHERE operation_id = $1",
+                       ev.operation_id, ev.status, ev.model_dump_json())
+    return req
+
+
+async def on_upload_result(conn: asyncpg.Connection, ev: m.MaasImageUploadResult) -> None:
+    req = await _claim_request(conn, ev)
+    if req is None:
+        log.info("upload_result_not_ours", operation_id=ev.operation_id)
+        return
+    row = await catalog.lock_image(conn, req["slug"])
+    meta = catalog._meta(row) if row is not None else {}
+    maas = meta.get("maas") or {}
+    if row is None or maas.get("operation_id") != ev.operation_id:
+        # A newer upload superseded this one; its own result decides the catalog.
+        log.info("upload_result_superseded", slug=req["slug"], operation_id=ev.operation_id)
+        return
+    ok = ev.status == "succeeded" and ev.boot_resource_id is not None
+    reason, message = ev.reason_code, ev.status_message
+    if ok and (ev.sha256 != maas["sha256"] or ev.size != maas["size"]):
+        # Never record a boot resource for bytes other than the ones catalogued.
+        ok, reason, message = False, "digest_mismatch", f"MAAS holds {ev.sha256} ({ev.size} B)"
+    maas.update(status="uploaded" if ok else "failed", boot_resource_id=ev.boot_resource_id if ok else None,
+                reason_code=None if ok else reason, status_message=None if ok else message)
+    meta["maas"] = maas
+    # Only a row this upload put in `building` moves: uploaded = published (deployable once an operator
+    # enables it, which announces image.activated), failed = disabled. Same bytes sent to another site
+    # leave an active image active, so no status change ever bypasses image.deactivated.
+    status = row["status"]
+    if status == "building":
+        status = "published" if ok else "disabled"
+    await conn.execute("UPDATE os_images SET metadata = $2, status = $3, updated_at = now() WHERE slug = $1",
+                       row["slug"], json.dumps(meta), status)
+    log.info("host_image_uploaded" if ok else "host_image_upload_failed", slug=row["slug"],
+             boot_resource_id=ev.boot_resource_id, reason_code=reason)
+
+
+async def on_profile_image_result(conn: asyncpg.Connection, ev: m.MaasProfileImageSetResult) -> None:
+    req = await _claim_request(conn, ev)
+    if req is None:
+        log.info("profile_result_not_ours", operation_id=ev.operation_id)
+        return
+    row = await catalog.lock_image(conn, req["slug"])
+    if row is None:
+        return
+    meta = catalog._meta(row)
+    maas = meta.setdefault("maas", {})
+    profiles = maas.setdefault("profiles", {})
+    key = f"{req['site']}/{req['profile']}"
+    if ev.status == "succeeded":
+        # What the profile deploys now, in MAAS' own namespace: custom/<slug> while it uses this image.
+        profiles[key] = {"distro_series": ev.deploy_distro_series or ev.distro_series,
+                         "previous_distro_series": ev.previous_distro_series, "operation_id": ev.operation_id,
+                         "uses_this_image": (ev.deploy_distro_series or "") == f"custom/{row['slug']}"}
+    await conn.execute("UPDATE os_images SET metadata = $2, updated_at = now() WHERE slug = $1",
+                       row["slug"], json.dumps(meta))
+    log.info("profile_image_result", slug=row["slug"], profile=key, status=ev.status,
+             distro_series=ev.deploy_distro_series, reason_code=ev.reason_code)
