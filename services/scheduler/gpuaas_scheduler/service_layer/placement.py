@@ -138,7 +138,26 @@ async def _place_slices(conn: asyncpg.Connection, ev: m.AllocationAccepted, req:
         )
         out.extra["tier"] = choice.tier
 
+    async def in_savepoint(fn) -> bool:
+        # A node looked at but not taken must not stay locked: waiting on another node while holding
+        # it is how two workers deadlock. Rolling back to the savepoint releases its row locks.
+        savepoint = conn.transaction()
+        await savepoint.start()
+        try:
+            ok = await fn()
+        except BaseException:
+            await savepoint.rollback()
+            raise
+        if ok:
+            await savepoint.commit()
+        else:
+            await savepoint.rollback()
+        return ok
+
     async def attempt(node_id: str, wait: bool) -> bool:
+        return await in_savepoint(lambda: _attempt(node_id, wait))
+
+    async def _attempt(node_id: str, wait: bool) -> bool:
         out.attempts += 1
         node = await inv.lock_slice_node(conn, node_id, wait=wait, image_gate=req.image_gate)
         if node is inv.LOCKED:
@@ -171,14 +190,24 @@ async def _place_slices(conn: asyncpg.Connection, ev: m.AllocationAccepted, req:
         if not sliced and not await clean_allowed():
             break
         out.attempts += 1
-        got = await inv.lock_best_in_class(conn, req, sliced, tier)
-        if got is None:
-            continue
-        node, free = got
-        choice = claim_choice(node["node_id"], node, free)
-        if choice is not None:
+        outcome: dict[str, bool] = {}
+
+        async def fast(sliced: bool = sliced, tier: int = tier) -> bool:
+            got = await inv.lock_best_in_class(conn, req, sliced, tier)
+            if got is None:
+                outcome["empty"] = True
+                return False
+            node, free = got
+            choice = claim_choice(node["node_id"], node, free)
+            if choice is None:
+                return False
             await commit_choice(node["node_id"], node, free, choice)
+            return True
+
+        if await in_savepoint(fast):
             return
+        if outcome.get("empty"):
+            continue
         # The summary was stale (or slots were held): the exhaustive path below decides.
         break
 
