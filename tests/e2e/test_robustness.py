@@ -9,7 +9,6 @@ import uuid
 import pytest
 
 from gpuaas_common.contract import Envelope
-from gpuaas_common.testing.waiting import eventually
 
 from .conftest import maas_sim
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import asyncpg
 import prometheus_client
-import pytest
 import pytest_asyncio
 from pydantic import SecretStr
 

@@ -14,7 +14,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import nats
-import pytest
 
 from gpuaas_common.contract import Envelope, utcnow
 from gpuaas_common.contract import messages as m

@@ -7,7 +7,6 @@ different consumers are serialised by Postgres, not by luck.
 from __future__ import annotations
 
 import json
-import uuid
 from datetime import timedelta
 from typing import Any
 

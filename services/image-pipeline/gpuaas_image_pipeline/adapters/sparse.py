@@ -18,17 +18,14 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-MEDIA_TYPE = "application/vnd.gpuaas.sparse-raw.v1"
-MAGIC = b"GPSPRS01"
-_U64X2 = struct.Struct(">QQ")
-CHUNK = 4 << 20
-_ZEROS = memoryview(bytes(CHUNK))
+from gpuaas_common.sparse_format import CHUNK, MAGIC, MEDIA_TYPE, Progress, hash_zeros, sha256_file
+from gpuaas_common.sparse_format import U64X2 as _U64X2
 
-Progress = Callable[[int, int], None]
+__all__ = ["CHUNK", "MAGIC", "MEDIA_TYPE", "Progress", "sha256_file"]
 
 
 @dataclass(frozen=True)
@@ -53,12 +50,6 @@ def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
         pos = end
 
 
-def _hash_zeros(h: "hashlib._Hash", n: int) -> None:
-    while n > 0:
-        step = min(n, CHUNK)
-        h.update(_ZEROS[:step])
-        n -= step
-
 
 def pack(raw: Path, out: Path, progress: Progress | None = None) -> PackResult:
     size = raw.stat().st_size
@@ -80,7 +71,7 @@ def pack(raw: Path, out: Path, progress: Progress | None = None) -> PackResult:
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         for offset, length in extents:
-            _hash_zeros(raw_h, offset - pos)
+            hash_zeros(raw_h, offset - pos)
             emit(_U64X2.pack(offset, length))
             left = length
             src.seek(offset)
@@ -95,19 +86,10 @@ def pack(raw: Path, out: Path, progress: Progress | None = None) -> PackResult:
                 if progress:
                     progress(data, total)
             pos = offset + length
-        _hash_zeros(raw_h, size - pos)
+        hash_zeros(raw_h, size - pos)
         emit(_U64X2.pack(size, 0) + raw_h.digest())
         dst.flush()
         os.fsync(dst.fileno())
     tmp.replace(out)
     return PackResult(raw_h.hexdigest(), blob_h.hexdigest(), written, size, data)
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb", buffering=0) as f:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(view):
-            h.update(view[:n])
-    return h.hexdigest()

@@ -182,7 +182,7 @@ def block_use(fs: HostFs, name: str, mounts: dict[str, list[str]] | None = None)
     head = fs.realpath(f"/sys/block/{name}") if fs.exists(f"/sys/block/{name}") else fs.realpath(sys_path)
     if fs.read(f"{head}/partition") is not None:
         # A partition is never a slot disk: its parent and siblings are someone's data.
-        return BlockUse(name=name, exists=True, mountpoints=[f"(partition of another disk)"], hidden=False)
+        return BlockUse(name=name, exists=True, mountpoints=["(partition of another disk)"], hidden=False)
     use = BlockUse(name=name, exists=True, hidden=fs.read(f"{head}/hidden") == "1")
     use.partitions = [c for c in fs.listdir(head) if c.startswith(name) and fs.read(f"{head}/{c}/partition")]
     use.holders = fs.listdir(f"{head}/holders")

@@ -17,19 +17,15 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import oras.provider
 
-MEDIA_TYPE = "application/vnd.gpuaas.sparse-raw.v1"
-MAGIC = b"GPSPRS01"
-_U64X2 = struct.Struct(">QQ")
-CHUNK = 4 << 20
-_ZEROS = memoryview(bytes(CHUNK))
+from gpuaas_common.sparse_format import CHUNK, MAGIC, MEDIA_TYPE, Progress, hash_zeros, sha256_file
+from gpuaas_common.sparse_format import U64X2 as _U64X2
 
-Progress = Callable[[int, int], None]
+__all__ = ["CHUNK", "MAGIC", "MEDIA_TYPE", "Progress", "sha256_file"]
 
 
 class PullError(RuntimeError):
@@ -89,12 +85,6 @@ class _Reader:
             got += k
         return bytes(buf)
 
-
-def _hash_zeros(h, n: int) -> None:
-    while n > 0:
-        step = min(n, CHUNK)
-        h.update(_ZEROS[:step])
-        n -= step
 
 
 def pull_into_cache(
@@ -184,11 +174,11 @@ def _unpack(reader: _Reader, fd: int, raw_h, blob_size: int, progress: Progress 
         if length == 0:
             if offset != size:
                 raise Malformed("end record does not carry the image size")
-            _hash_zeros(raw_h, size - pos)
+            hash_zeros(raw_h, size - pos)
             return reader.exact(32)
         if offset < pos or offset + length > size:
             raise Malformed(f"extent {offset}+{length} out of order or past {size}")
-        _hash_zeros(raw_h, offset - pos)
+        hash_zeros(raw_h, offset - pos)
         left, at = length, offset
         while left:
             n = reader.read_into(view[: min(left, CHUNK)])
@@ -204,12 +194,3 @@ def _unpack(reader: _Reader, fd: int, raw_h, blob_size: int, progress: Progress 
                 progress(reader.received, blob_size)
         pos = offset + length
 
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb", buffering=0) as f:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(view):
-            h.update(view[:n])
-    return h.hexdigest()
