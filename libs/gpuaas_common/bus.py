@@ -9,6 +9,7 @@ crashes a consumer and never blocks a stream.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import Awaitable, Callable, Mapping
@@ -112,6 +113,7 @@ class Bus:
         self.retry_delays_s = retry_delays_s
         self.fetch_timeout_s = fetch_timeout_s
         self.consumers: list[ConsumerSpec] = []
+        self._in_flight: set[asyncio.Task[None]] = set()
 
     def subscribe(
         self,
@@ -121,8 +123,12 @@ class Bus:
         transactional: bool = True,
         concurrency: int = 1,
     ) -> None:
-        """`concurrency` > 1 handles the messages of one fetch in parallel: only for consumers whose
-        messages carry no order between them (e.g. node tasks on disjoint slots)."""
+        """`concurrency` > 1 keeps up to that many messages in flight at once: only for consumers whose
+        handlers order what must be ordered themselves (node tasks lock the slots they touch).
+
+        Messages are still fetched one at a time: a pull for a batch of N lingers until N messages or
+        the fetch timeout, which would add up to the timeout to every message at low load. Each message
+        is handed to a task and acked by it after the handler; the fetch loop waits for a free place."""
         if transactional and self.pool is None:
             raise ValueError("a transactional subscriber needs a database pool")
         for type_ in handlers:
@@ -132,12 +138,29 @@ class Bus:
             spec.filter_subject,
             stream=JStream(spec.stream, declare=False),
             durable=spec.durable,
-            pull_sub=PullSub(batch_size=concurrency, timeout=self.fetch_timeout_s),
+            pull_sub=PullSub(batch_size=1, timeout=self.fetch_timeout_s),
             ack_policy=AckPolicy.MANUAL,
         )
 
-        async def on_message(msg: NatsMessage) -> None:
-            await self.dispatch(spec, handlers, msg, transactional)
+        if concurrency == 1:
+
+            async def on_message(msg: NatsMessage) -> None:
+                await self.dispatch(spec, handlers, msg, transactional)
+
+        else:
+            places = asyncio.Semaphore(concurrency)
+
+            async def run(msg: NatsMessage) -> None:
+                try:
+                    await self.dispatch(spec, handlers, msg, transactional)
+                finally:
+                    places.release()
+
+            async def on_message(msg: NatsMessage) -> None:
+                await places.acquire()
+                task = asyncio.create_task(run(msg))
+                self._in_flight.add(task)
+                task.add_done_callback(self._in_flight.discard)
 
         subscriber(on_message)
 
