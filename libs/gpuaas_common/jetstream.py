@@ -101,7 +101,6 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     consumer("allocator-enrolments", "NODE_REPORTS", "gpuaas.node.*.report.enrolled"),
     consumer("allocator-maas-results", "MAAS", "gpuaas.maas.result.>"),
     consumer("allocator-images", "IMAGES", "gpuaas.image.event.>"),
-    consumer("scheduler-placement", "ALLOCATIONS", "gpuaas.allocation.event.accepted"),
     consumer("scheduler-allocation-events", "ALLOCATIONS", "gpuaas.allocation.event.>"),
     consumer("maas-gateway-commands", "MAAS", "gpuaas.maas.command.>", ack_wait_s=60.0),
     consumer("image-pipeline-enrolments", "NODE_REPORTS", "gpuaas.node.*.report.enrolled"),

@@ -203,25 +203,3 @@ async def test_images_never_reported_by_the_prewarm_pipeline_stay_placeable(pool
     assert kind == "placement.placed" and answer["node_id"] == "n00001"
     kind, answer = await place(pool, scheduler, slug="other")
     assert kind == "placement.unschedulable" and answer["filtered"] == {"image_cache": 1}
-
-
-async def test_a_replayed_accepted_event_is_not_decided_twice(pool, scheduler):
-    """Placement runs on a durable of its own: a replay of `allocation.accepted` (a new consumer starting
-    from the stream's beginning) must neither place an unschedulable allocation later nor place twice."""
-    async with pool.acquire() as conn:
-        await synthetic.build(conn, slice_hosts=1, baremetal_hosts=0)
-    ev = m.AllocationAccepted(
-        allocation_id=uuid.uuid4(), tenant_id="t1", shape="gpu_slice", state="accepted", seq=2,
-        sku="h200-sxm-slice", gpu_count=8, region="default",
-        image=m.ImageRef(slug="img", digest_sha256=DIGEST, image_path="/img"))
-    for consumer in ("scheduler-placement", "scheduler-allocation-events"):
-        env = Envelope.wrap("allocation.accepted", ev.model_dump(mode="json"), producer="test", correlation_id="t")
-        async with pool.acquire() as conn, conn.transaction():
-            await scheduler.on_accepted(HandlerContext(env, ev, "gpuaas.allocation.event.accepted", consumer, 1,
-                                                       conn=conn, outbox=OutboxWriter(conn, "scheduler", "scheduler")))
-    async with pool.acquire() as conn:
-        assert await conn.fetchval("SELECT count(*) FROM outbox WHERE aggregate_id = $1", str(ev.allocation_id)) == 1
-        assert await conn.fetchval("SELECT count(*) FROM allocation_resource_claims WHERE allocation_id = $1",
-                                   ev.allocation_id) == 8
-        assert await conn.fetchval("SELECT outcome FROM placement_decisions WHERE allocation_id = $1",
-                                   ev.allocation_id) == "placed"

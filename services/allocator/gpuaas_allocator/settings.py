@@ -5,8 +5,6 @@ from gpuaas_common.settings import ServiceSettings
 
 class AllocatorSettings(ServiceSettings):
     task_deadline_s: float = Field(default=900.0, gt=0)
-    # Messages in flight per durable consumer.
-    consumer_concurrency: int = Field(default=8, ge=1, le=64)
     maas_site: str = "default"
     baremetal_profile: str = "h200-baremetal"
     # Shared with the MAAS gateway, which puts HMAC(secret, allocation:system) into user_data.

@@ -18,12 +18,7 @@ def build_register(settings: AllocatorSettings):
         assert rt.bus is not None and rt.pool is not None
         allocator = Allocator(settings)
         for durable, handlers in handlers_by_consumer(allocator).items():
-            # Parallel within a consumer is safe here: the messages of one allocation on one consumer are
-            # causally sequential (a release task is sent only after the provision result was handled),
-            # and handlers on different consumers are serialised by the allocation row lock.
-            # The image catalog is the exception: activated/deactivated of one slug must apply in order.
-            concurrency = 1 if durable == "allocator-images" else settings.consumer_concurrency
-            rt.bus.subscribe(rt.consumer_spec(durable), handlers, concurrency=concurrency)
+            rt.bus.subscribe(rt.consumer_spec(durable), handlers)
         known = {"count": 0}
 
         async def refresh() -> None:

@@ -9,7 +9,7 @@ from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.inventory import refresh_nodes, seed_from_fleet
-from ..service_layer.handlers import Scheduler, evidence_handlers, handlers, placement_handlers
+from ..service_layer.handlers import Scheduler, evidence_handlers, handlers
 from ..service_layer.placement import PlacementPolicy, with_fleet_shape
 from ..settings import SchedulerSettings
 from .admin_http import start_admin
@@ -35,7 +35,6 @@ def build_register(settings: SchedulerSettings):
         async with rt.pool.acquire() as conn:
             policy = await with_fleet_shape(conn, policy)
         scheduler = Scheduler(policy)
-        rt.bus.subscribe(rt.consumer_spec("scheduler-placement"), placement_handlers(scheduler))
         rt.bus.subscribe(rt.consumer_spec("scheduler-allocation-events"), handlers(scheduler))
         # Readiness evidence: parity, advisory topology, image cache state. Each is its own durable so a
         # backlog on one (e.g. a fleet-wide prewarm) never delays the others or placement.

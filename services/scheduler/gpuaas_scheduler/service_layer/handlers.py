@@ -27,13 +27,6 @@ class Scheduler:
         ev: m.AllocationAccepted = ctx.payload
         assert ctx.conn is not None and ctx.outbox is not None
         alloc_id = str(ev.allocation_id)
-        first = await ctx.conn.fetchval(
-            "INSERT INTO placement_decisions (allocation_id, outcome) VALUES ($1, 'deciding') "
-            "ON CONFLICT DO NOTHING RETURNING 1", ev.allocation_id,
-        )
-        if first is None:
-            log.info("already_decided")
-            return
         outcome = await place(ctx.conn, ev, self.policy)
         if outcome.already_placed:
             log.info("already_placed")
@@ -41,8 +34,6 @@ class Scheduler:
         result = outcome.placed or outcome.unschedulable
         assert result is not None
         kind = "placement.placed" if outcome.placed else "placement.unschedulable"
-        await ctx.conn.execute("UPDATE placement_decisions SET outcome = $2 WHERE allocation_id = $1",
-                               ev.allocation_id, kind.split(".")[1])
         await ctx.outbox.add(kind, result, aggregate_id=alloc_id, event_id=derived_event_id(alloc_id, "placement"))
         if outcome.placed:
             p = outcome.placed
@@ -166,15 +157,9 @@ def evidence_handlers(scheduler: Scheduler) -> dict[str, dict]:
     return {durable: {type_: by_type[type_]} for durable, type_ in EVIDENCE_CONSUMERS.items()}
 
 
-def placement_handlers(scheduler: Scheduler) -> dict:
-    # Placement has a durable of its own so it never queues behind the lifecycle bookkeeping below.
-    # Splitting is safe for ordering: released/failed are only emitted after the allocator saw this
-    # consumer's placement result, so claims exist before anything releases them.
-    return {"allocation.accepted": scheduler.on_accepted}
-
-
 def handlers(scheduler: Scheduler) -> dict:
     return {
+        "allocation.accepted": scheduler.on_accepted,
         "allocation.provisioning": scheduler.on_provisioning,
         "allocation.active": scheduler.on_active,
         "allocation.releasing": scheduler.on_releasing,
