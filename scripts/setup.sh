@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(libvirt-dev pkg-config qemu-utils docker-registry postgresql libxml2-utils)
+APT_PACKAGES=(libvirt-dev pkg-config qemu-utils docker-registry postgresql libxml2-utils e2fsprogs util-linux)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from gpuaas_common.testing.waiting import eventually
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -73,12 +72,6 @@ async def client(sim: Sim) -> AsyncIterator[MaasClient]:
     async with MaasClient(sim.url, KEY, timeout=5.0) as c:
         yield c
 
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.02)
 
 
 async def wait_status(client: MaasClient, system_id: str, status: MachineStatus) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import time
 import uuid
+from gpuaas_common.testing.waiting import eventually
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -75,13 +76,6 @@ def oauth_header(**overrides: str | None) -> dict[str, str]:
     items = ", ".join(f'{k}="{v}"' for k, v in params.items() if v is not None)
     return {"Authorization": f'OAuth realm="OAuth", {items}'}
 
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
-    """Poll an observable condition; the simulator's timers are short, the deadline is generous."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.02)
 
 
 async def sim_machine(http: aiohttp.ClientSession, sim: Sim, system_id: str) -> dict[str, Any]:

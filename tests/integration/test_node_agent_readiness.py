@@ -6,6 +6,7 @@ import asyncio
 import random
 import socket
 import time
+from gpuaas_common.testing.waiting import eventually
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -28,10 +29,7 @@ def _loopback_ip() -> str:
 
 
 async def _eventually(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
+    await eventually(predicate, timeout=timeout_s, interval=0.02)
 
 
 @pytest.fixture
