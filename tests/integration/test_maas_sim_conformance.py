@@ -10,7 +10,6 @@ import asyncio
 import base64
 import time
 import uuid
-from gpuaas_common.testing.waiting import eventually
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ import aiohttp
 import pytest_asyncio
 from oauthlib import oauth1
 
+from gpuaas_common.testing.waiting import eventually
 from gpuaas_dev.maas_sim import SimConfig, start, system_id_for
 
 KEY = "CK" * 9 + ":" + "TK" * 9 + ":" + "TS" * 16

@@ -6,13 +6,13 @@ import asyncio
 import random
 import socket
 import time
-from gpuaas_common.testing.waiting import eventually
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 import structlog
 
+from gpuaas_common.testing.waiting import eventually
 from gpuaas_node_agent.adapters import dnsmasq
 from gpuaas_node_agent.adapters.readiness import probe_ssh_banner, wait_ready
 from gpuaas_node_agent.adapters.sim_host import SimulatedDhcpAndGuest
