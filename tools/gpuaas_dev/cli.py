@@ -283,28 +283,11 @@ def allocate(
     except (ValidationError, ValueError) as exc:
         err.print(f"[red]invalid request[/]: {exc}")
         raise typer.Exit(2) from None
-    url = _resolve_nats_url(nats_url, run_dir)
-    alloc = str(request.allocation_id)
-
-    async def run() -> dict[str, Any]:
-        nc = await _connect(url)
-        js = nc.jetstream()
-        try:
-            async def publish() -> None:
-                await _publish(js, "allocation.requested", request.model_dump(mode="json"), alloc)
-
-            if not wait:
-                await publish()
-                err.print(f"requested [bold]{alloc}[/]")
-                return {"allocation_id": alloc, "state": "requested", "node_id": None, "timed_out": False,
-                        "timeline": [{"state": "requested", "at": _now_iso(), "elapsed_s": 0.0}]}
-            return await _follow(nc, alloc, publish, {"active"},
-                                 {"rejected", "unschedulable", "failed", "releasing", "released"}, timeout, "requested")
-        finally:
-            await nc.drain()
-
-    result = asyncio.run(run())
-    _finish(result, {"active", "requested"} if not wait else {"active"}, as_json)
+    _publish_and_follow(
+        _resolve_nats_url(nats_url, run_dir), "allocation.requested", request, wait=wait, timeout=timeout,
+        initial="requested", said="requested", success={"active"},
+        failure={"rejected", "unschedulable", "failed", "releasing", "released"}, as_json=as_json,
+    )
 
 
 @app.command()
@@ -325,7 +308,18 @@ def release(
     except ValueError as exc:
         err.print(f"[red]invalid allocation id[/]: {exc}")
         raise typer.Exit(2) from None
-    url = _resolve_nats_url(nats_url, run_dir)
+    _publish_and_follow(
+        _resolve_nats_url(nats_url, run_dir), "allocation.release_requested", request, wait=wait, timeout=timeout,
+        initial="release_requested", said="release requested for", success={"released"},
+        failure={"failed", "rejected"}, as_json=as_json,
+    )
+
+
+def _publish_and_follow(
+    url: str, type_: str, request: Any, *, wait: bool, timeout: float, initial: str, said: str,
+    success: set[str], failure: set[str], as_json: bool,
+) -> None:
+    """Publish a portal message; with `wait`, follow the allocation until a success or failure state."""
     alloc = str(request.allocation_id)
 
     async def run() -> dict[str, Any]:
@@ -333,20 +327,19 @@ def release(
         js = nc.jetstream()
         try:
             async def publish() -> None:
-                await _publish(js, "allocation.release_requested", request.model_dump(mode="json"), alloc)
+                await _publish(js, type_, request.model_dump(mode="json"), alloc)
 
             if not wait:
                 await publish()
-                err.print(f"release requested for [bold]{alloc}[/]")
-                return {"allocation_id": alloc, "state": "release_requested", "node_id": None, "timed_out": False,
-                        "timeline": [{"state": "release_requested", "at": _now_iso(), "elapsed_s": 0.0}]}
-            return await _follow(nc, alloc, publish, {"released"}, {"failed", "rejected"}, timeout,
-                                 "release_requested")
+                err.print(f"{said} [bold]{alloc}[/]")
+                return {"allocation_id": alloc, "state": initial, "node_id": None, "timed_out": False,
+                        "timeline": [{"state": initial, "at": _now_iso(), "elapsed_s": 0.0}]}
+            return await _follow(nc, alloc, publish, success, failure, timeout, initial)
         finally:
             await nc.drain()
 
     result = asyncio.run(run())
-    _finish(result, {"released", "release_requested"} if not wait else {"released"}, as_json)
+    _finish(result, success | {initial} if not wait else success, as_json)
 
 
 @events_app.command("tail")

@@ -36,6 +36,25 @@ def _wait_until(predicate, timeout_s: float, what: str, proc: subprocess.Popen |
     raise TimeoutError(f"{what} not ready after {timeout_s}s")
 
 
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _terminate(proc: subprocess.Popen | None) -> None:
+    """SIGTERM a server we started, SIGKILL it if it does not exit in time."""
+    if proc and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def docker_available() -> bool:
     if os.environ.get("GPUAAS_NO_DOCKER"):
         return False
@@ -84,25 +103,12 @@ class NatsServer:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
 
-        def ready() -> bool:
-            try:
-                url = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
-                with urllib.request.urlopen(url, timeout=1) as r:
-                    return r.status == 200
-            except OSError:
-                return False
-
-        _wait_until(ready, timeout_s, "nats-server", self.proc)
+        health = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
+        _wait_until(lambda: _http_ok(health), timeout_s, "nats-server", self.proc)
         return self
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _terminate(self.proc)
 
 
 def _pg_bindir() -> Path | None:
@@ -243,21 +249,8 @@ class RegistryServer:
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
 
-        def ready() -> bool:
-            try:
-                with urllib.request.urlopen(f"{self.url}/v2/", timeout=1) as r:
-                    return r.status == 200
-            except OSError:
-                return False
-
-        _wait_until(ready, timeout_s, "docker-registry", self.proc)
+        _wait_until(lambda: _http_ok(f"{self.url}/v2/"), timeout_s, "docker-registry", self.proc)
         return self
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        _terminate(self.proc)
