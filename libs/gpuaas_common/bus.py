@@ -104,6 +104,7 @@ class Bus:
         pool: asyncpg.Pool | None,
         retry_delays_s: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0),
         fetch_timeout_s: float = 1.0,
+        inbox_prefix: bytes = b"_INBOX",
     ) -> None:
         self.broker = broker
         self.js = js
@@ -112,6 +113,8 @@ class Bus:
         self.pool = pool
         self.retry_delays_s = retry_delays_s
         self.fetch_timeout_s = fetch_timeout_s
+        # Fetch replies arrive on the identity's own inbox prefix, the only one its permissions allow.
+        self.inbox_prefix = inbox_prefix.rstrip(b".") + b"."
         self.consumers: list[ConsumerSpec] = []
         self._in_flight: set[asyncio.Task[None]] = set()
 
@@ -140,6 +143,7 @@ class Bus:
             durable=spec.durable,
             pull_sub=PullSub(batch_size=1, timeout=self.fetch_timeout_s),
             ack_policy=AckPolicy.MANUAL,
+            inbox_prefix=self.inbox_prefix,
         )
 
         if concurrency == 1:

@@ -7,6 +7,8 @@ stream and consumer is created *or updated* here.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 
 import nats.js.errors
@@ -74,7 +76,11 @@ class ConsumerSpec:
     description: str = ""
 
     def config(self) -> ConsumerConfig:
+        # `name` as well as `durable_name`: nats-py then creates it on
+        # `$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>`, a subject that lets the server restrict
+        # each identity to its own durable *and* filter.
         return ConsumerConfig(
+            name=self.durable,
             durable_name=self.durable,
             description=self.description,
             deliver_policy=DeliverPolicy.ALL,
@@ -173,6 +179,25 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> str:
         log.info("consumer_updated", consumer=spec.durable, stream=spec.stream)
         return "updated"
     return "unchanged"
+
+
+async def ensure_consumers(
+    js: JetStreamContext, consumers: tuple[ConsumerSpec, ...] | list[ConsumerSpec], *, wait_s: float = 60.0,
+) -> dict[str, str]:
+    """Create or update one's own durables, waiting for their streams to be provisioned by someone else."""
+    outcome: dict[str, str] = {}
+    deadline = time.monotonic() + wait_s
+    for spec in consumers:
+        while True:
+            try:
+                outcome[f"consumer:{spec.durable}"] = await ensure_consumer(js, spec)
+                break
+            except nats.js.errors.NotFoundError:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("stream_not_provisioned_yet", stream=spec.stream, consumer=spec.durable)
+                await asyncio.sleep(0.5)
+    return outcome
 
 
 async def provision(

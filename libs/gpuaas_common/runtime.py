@@ -15,7 +15,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import asyncpg
-import nats
 from faststream.nats import NatsBroker
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -23,9 +22,10 @@ from nats.js import JetStreamContext
 from .bus import Bus
 from .db import create_pool
 from .health import HealthServer
-from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, provision
+from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, ensure_consumers, provision
 from .logging import configure_logging, get_logger
 from .migrations import apply_migrations
+from .natsconn import NatsIdentity
 from .outbox import OutboxRelay
 from .settings import ServiceSettings
 
@@ -40,8 +40,13 @@ class ServiceRuntime:
         *,
         schema: str | None = None,
         migrations_package: str | None = None,
+        connect_bus: bool = True,
     ) -> None:
+        """`connect_bus=False` for a process whose NATS connections belong to others (the node agent
+        connects once per host, each as that host's own user)."""
         self.name = name
+        self.connect_bus = connect_bus
+        self.identity = NatsIdentity.from_settings(settings)
         self.settings = settings
         self.schema = schema
         self.migrations_package = migrations_package
@@ -54,6 +59,8 @@ class ServiceRuntime:
         self.relay: OutboxRelay | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
+        # Called first on stop, e.g. to close connections a service opened itself.
+        self.on_stop: list[Callable[[], Awaitable[None]]] = []
         # Extra fields for the ready file, e.g. a port a service's own HTTP server bound.
         self.ready_info: dict[str, object] = {}
 
@@ -69,15 +76,14 @@ class ServiceRuntime:
             async with self.pool.acquire() as conn:
                 await apply_migrations(conn, self.schema, self.migrations_package)
             self.health.checks["database"] = lambda: self.pool is not None and not self.pool._closed  # type: ignore[attr-defined]
-        self.nc = await nats.connect(
-            self.settings.nats_url, name=f"gpuaas-{self.name}", max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-        )
+        if not self.connect_bus:
+            return
+        self.nc = await self.identity.connect(name=f"gpuaas-{self.name}")
         self.js = self.nc.jetstream()
-        self.broker = NatsBroker(self.settings.nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        self.broker = NatsBroker(**self.identity.broker_kwargs(), max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         self.bus = Bus(
             self.broker, self.js, service=self.name, schema=self.schema, pool=self.pool,
-            retry_delays_s=self.settings.retry_delays_s,
+            retry_delays_s=self.settings.retry_delays_s, inbox_prefix=self.identity.inbox,
         )
         self.health.checks["nats"] = lambda: self.nc is not None and self.nc.is_connected
 
@@ -97,8 +103,17 @@ class ServiceRuntime:
             self._stop.set()
 
     async def start(self) -> None:
+        if not self.connect_bus:
+            self.health.ready = True
+            self.spawn(self._announce_ready(), "announce-ready")
+            return
         assert self.broker and self.js and self.bus
-        await provision(self.js, self.bus.consumers)
+        if self.settings.nats_creds:
+            # An identity may create only its own durables; streams are provisioned by the admin
+            # identity (the dev stack, compose's init step), which may not have happened yet.
+            await ensure_consumers(self.js, self.bus.consumers)
+        else:
+            await provision(self.js, self.bus.consumers)  # an open dev server: we provision everything
         await self.broker.start()
         if self.schema:
             self.relay = OutboxRelay(
@@ -132,6 +147,8 @@ class ServiceRuntime:
 
     async def stop(self) -> None:
         self.health.ready = False
+        for hook in self.on_stop:
+            await hook()
         if self.relay:
             self.relay.stop()
         if self.broker:
@@ -164,6 +181,8 @@ def run_service(
     *,
     schema: str | None = None,
     migrations_package: str | None = None,
+    connect_bus: bool = True,
 ) -> None:
-    runtime = ServiceRuntime(name, settings, schema=schema, migrations_package=migrations_package)
+    runtime = ServiceRuntime(name, settings, schema=schema, migrations_package=migrations_package,
+                             connect_bus=connect_bus)
     asyncio.run(runtime.run(register))

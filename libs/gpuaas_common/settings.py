@@ -13,7 +13,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPUAAS_", extra="ignore", frozen=True)
 
+    # One URL or a comma-separated list of every server of a cluster.
     nats_url: str = "nats://127.0.0.1:4222"
+    # This process's identity on the bus (a `.creds` file: user JWT + seed) and the CA that signed the
+    # servers' certificates; without them the process connects anonymously, which only an open dev
+    # server accepts.
+    nats_creds: str | None = None
+    nats_ca_file: str | None = None
     database_url: SecretStr = SecretStr("postgresql://gpuaas@127.0.0.1:5432/gpuaas")
     health_host: str = "127.0.0.1"
     health_port: int = Field(default=0, ge=0, le=65535)
@@ -31,9 +37,10 @@ class ServiceSettings(BaseSettings):
     @field_validator("nats_url")
     @classmethod
     def _nats_scheme(cls, v: str) -> str:
-        if not v.startswith(("nats://", "tls://")):
-            raise ValueError("nats_url must start with nats:// or tls://")
-        return v
+        urls = [u.strip() for u in v.split(",") if u.strip()]
+        if not urls or not all(u.startswith(("nats://", "tls://")) for u in urls):
+            raise ValueError("nats_url must be one or more comma-separated nats:// or tls:// URLs")
+        return ",".join(urls)
 
     @field_validator("log_level")
     @classmethod

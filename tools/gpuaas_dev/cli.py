@@ -55,6 +55,12 @@ NatsUrlOpt = Annotated[
     typer.Option("--nats-url", help="Default: $GPUAAS_NATS_URL, else the running dev stack's stack.json."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
+CredsOpt = Annotated[
+    Optional[Path],
+    typer.Option("--creds", help="NATS .creds file to act with. Default: $GPUAAS_NATS_CREDS, else the dev "
+                                 "stack's creds for this command's role (portal for allocate/release, ops "
+                                 "for events tail)."),
+]
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -105,23 +111,40 @@ def _resolve_nats_url(nats_url: Optional[str], run_dir: Path) -> str:
     raise typer.Exit(2)
 
 
-async def _connect(url: str, closed_cb=None):
+def _identity(url: str, creds: Optional[Path], run_dir: Path, role: str):
+    """Who the CLI acts as: --creds, else $GPUAAS_NATS_CREDS, else the dev stack's creds for `role`."""
+    from gpuaas_common.natsconn import NatsIdentity, split_servers
+
+    info = _read_stack_json(run_dir) or {}
+    if creds is None and os.environ.get("GPUAAS_NATS_CREDS"):
+        creds = Path(os.environ["GPUAAS_NATS_CREDS"])
+    if creds is None and info.get("creds_dir") and url == info.get("nats_url"):
+        creds = Path(info["creds_dir"]) / f"{role}.creds"
+    ca = os.environ.get("GPUAAS_NATS_CA_FILE") or (info.get("nats_ca_file") if url == info.get("nats_url") else None)
+    if creds is not None and not creds.is_file():
+        err.print(f"[red]no such creds file[/]: {creds}")
+        raise typer.Exit(2)
+    return NatsIdentity(split_servers(url), str(creds) if creds else None, ca)
+
+
+async def _connect(identity, closed_cb=None):
     import nats
 
     extra = {"closed_cb": closed_cb} if closed_cb else {}
     try:
-        return await nats.connect(url, connect_timeout=3, max_reconnect_attempts=2, reconnect_time_wait=0.5,
-                                  name="gpuaas-cli", **extra)
+        return await nats.connect(**identity.connect_kwargs(), connect_timeout=3, max_reconnect_attempts=2,
+                                  reconnect_time_wait=0.5, name="gpuaas-cli", **extra)
     except Exception as exc:  # nats-py raises several unrelated types for "nobody there"
-        err.print(f"[red]cannot connect to NATS at {url}[/]: {exc!r}")
+        reason = str(exc) or type(exc).__name__
+        err.print(f"[red]cannot connect to NATS at {', '.join(identity.servers)} as {identity.name}[/]: {reason}")
         raise typer.Exit(2) from None
 
 
 async def _publish(js, type_: str, payload: dict[str, Any], correlation_id: str) -> str:
     from gpuaas_common.contract import Envelope, spec_for
-    from gpuaas_common.jetstream import provision
 
-    await provision(js)  # idempotent; makes a publish on a fresh server land in a stream
+    # No provisioning here: streams belong to the admin identity, and a portal or an operator's laptop
+    # must not be able to create or change them. A missing stream shows up as "no stream acknowledged".
     env = Envelope.wrap(type_, payload, producer="gpuaas-cli", correlation_id=correlation_id)
     subject = spec_for(type_).subject()
     ack = await js.publish(subject, env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id})
@@ -182,14 +205,19 @@ def _describe_event(kind: str, payload: dict[str, Any]) -> str:
 
 async def _follow(
     nc, allocation_id: str, start: Any, goal: set[str], fail: set[str], timeout: float, initial: str,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """Subscribe first, then publish (`start`), then print events for one allocation until an end state."""
+    """Subscribe first, then publish (`start`), then print events for one allocation until an end state.
+
+    `progress` adds the agents' task phases, which only identities that read reports may see (not a portal)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def on_msg(msg) -> None:
         await queue.put(msg)
 
-    subs = [await nc.subscribe(ALLOCATION_EVENTS, cb=on_msg), await nc.subscribe(TASK_PROGRESS, cb=on_msg)]
+    subs = [await nc.subscribe(ALLOCATION_EVENTS, cb=on_msg)]
+    if progress:
+        subs.append(await nc.subscribe(TASK_PROGRESS, cb=on_msg))
     await nc.flush()  # the server knows our interest before the request can cause any event
     t0 = time.monotonic()
     result: dict[str, Any] = {
@@ -264,6 +292,7 @@ def allocate(
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait with --wait.")] = 180.0,
     as_json: JsonOpt = False,
     nats_url: NatsUrlOpt = None,
+    creds: CredsOpt = None,
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
 ) -> None:
     """Publish allocation.requested; with --wait follow it to active (exit 0) or a failure (exit 1)."""
@@ -283,8 +312,9 @@ def allocate(
     except (ValidationError, ValueError) as exc:
         err.print(f"[red]invalid request[/]: {exc}")
         raise typer.Exit(2) from None
+    url = _resolve_nats_url(nats_url, run_dir)
     _publish_and_follow(
-        _resolve_nats_url(nats_url, run_dir), "allocation.requested", request, wait=wait, timeout=timeout,
+        _identity(url, creds, run_dir, "portal"), "allocation.requested", request, wait=wait, timeout=timeout,
         initial="requested", said="requested", success={"active"},
         failure={"rejected", "unschedulable", "failed", "releasing", "released"}, as_json=as_json,
     )
@@ -298,6 +328,7 @@ def release(
     timeout: Annotated[float, typer.Option("--timeout")] = 180.0,
     as_json: JsonOpt = False,
     nats_url: NatsUrlOpt = None,
+    creds: CredsOpt = None,
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
 ) -> None:
     """Publish allocation.release_requested; with --wait follow it to released."""
@@ -308,22 +339,23 @@ def release(
     except ValueError as exc:
         err.print(f"[red]invalid allocation id[/]: {exc}")
         raise typer.Exit(2) from None
+    url = _resolve_nats_url(nats_url, run_dir)
     _publish_and_follow(
-        _resolve_nats_url(nats_url, run_dir), "allocation.release_requested", request, wait=wait, timeout=timeout,
+        _identity(url, creds, run_dir, "portal"), "allocation.release_requested", request, wait=wait, timeout=timeout,
         initial="release_requested", said="release requested for", success={"released"},
         failure={"failed", "rejected"}, as_json=as_json,
     )
 
 
 def _publish_and_follow(
-    url: str, type_: str, request: Any, *, wait: bool, timeout: float, initial: str, said: str,
+    identity: Any, type_: str, request: Any, *, wait: bool, timeout: float, initial: str, said: str,
     success: set[str], failure: set[str], as_json: bool,
 ) -> None:
     """Publish a portal message; with `wait`, follow the allocation until a success or failure state."""
     alloc = str(request.allocation_id)
 
     async def run() -> dict[str, Any]:
-        nc = await _connect(url)
+        nc = await _connect(identity)
         js = nc.jetstream()
         try:
             async def publish() -> None:
@@ -334,7 +366,8 @@ def _publish_and_follow(
                 err.print(f"{said} [bold]{alloc}[/]")
                 return {"allocation_id": alloc, "state": initial, "node_id": None, "timed_out": False,
                         "timeline": [{"state": initial, "at": _now_iso(), "elapsed_s": 0.0}]}
-            return await _follow(nc, alloc, publish, success, failure, timeout, initial)
+            return await _follow(nc, alloc, publish, success, failure, timeout, initial,
+                                 progress=identity.name in ("ops", "admin", "anonymous"))
         finally:
             await nc.drain()
 
@@ -348,10 +381,12 @@ def events_tail(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line on stdout.")] = False,
     count: Annotated[int, typer.Option("--count", help="Stop after this many messages (0: never).")] = 0,
     nats_url: NatsUrlOpt = None,
+    creds: CredsOpt = None,
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
 ) -> None:
     """Follow messages as they are published (new ones only) until Ctrl-C."""
     url = _resolve_nats_url(nats_url, run_dir)
+    identity = _identity(url, creds, run_dir, "ops")
 
     async def run() -> None:
         queue: asyncio.Queue = asyncio.Queue()
@@ -359,7 +394,7 @@ def events_tail(
         async def on_closed() -> None:
             await queue.put(None)  # the stack went away: stop instead of waiting forever
 
-        nc = await _connect(url, closed_cb=on_closed)
+        nc = await _connect(identity, closed_cb=on_closed)
 
         async def on_msg(msg) -> None:
             await queue.put(msg)
@@ -736,6 +771,13 @@ def dev_maas_key() -> None:
     from gpuaas_dev.maas_sim import generate_api_key
 
     typer.echo(str(generate_api_key()))
+
+
+# --- Postgres roles (docker-compose's init step) --------------------------------------------------------------
+
+from .pg_roles_cli import pg_roles as _pg_roles  # noqa: E402
+
+dev_app.command("pg-roles")(_pg_roles)
 
 
 def main() -> None:

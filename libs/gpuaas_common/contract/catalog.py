@@ -163,19 +163,19 @@ ALL: tuple[MessageSpec, ...] = (
     ),
     MessageSpec(
         "maas.image_upload_requested", m.MaasImageUploadRequested, "maasUploadImageCommand", "gpuaas.maas.command.upload_image",
-        "Upload a host image to MAAS as a custom boot resource.", ("ops",), ("maas-gateway",),
+        "Upload a host image to MAAS as a custom boot resource.", ("image-pipeline", "ops"), ("maas-gateway",),
     ),
     MessageSpec(
         "maas.image_upload_result", m.MaasImageUploadResult, "maasUploadImageResult", "gpuaas.maas.result.upload_image",
-        "The boot resource a host image was uploaded as.", ("maas-gateway",), ("ops",),
+        "The boot resource a host image was uploaded as.", ("maas-gateway",), ("image-pipeline", "ops"),
     ),
     MessageSpec(
         "maas.profile_image_set_requested", m.MaasProfileImageSetRequested, "maasSetDistroSeriesCommand", "gpuaas.maas.command.set_distro_series",
-        "Switch the image a site profile deploys.", ("ops",), ("maas-gateway",),
+        "Switch the image a site profile deploys.", ("image-pipeline", "ops"), ("maas-gateway",),
     ),
     MessageSpec(
         "maas.profile_image_set_result", m.MaasProfileImageSetResult, "maasSetDistroSeriesResult", "gpuaas.maas.result.set_distro_series",
-        "The image a site profile deploys from now on.", ("maas-gateway",), ("ops",),
+        "The image a site profile deploys from now on.", ("maas-gateway",), ("image-pipeline", "ops"),
     ),
     MessageSpec(
         "image.activated", m.ImageActivated, "imageActivated", "gpuaas.image.event.activated",

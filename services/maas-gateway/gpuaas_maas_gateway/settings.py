@@ -48,6 +48,12 @@ class GatewaySettings(ServiceSettings):
     # must be an uploaded image, at the site or in maas_uploaded_images.
     maas_stock_series: tuple[str, ...] = ("focal", "jammy", "noble")
     enrolment_secret: SecretStr = SecretStr("dev-enrolment-secret")
+    # Bus identities for baremetal hosts: a file holding the scoped host-signing key and the system
+    # account user that pushes revocations (written by `gpuaas dev up` or the deployment's init step).
+    # Unset: deploys carry no NATS credentials (an open dev bus).
+    nats_authority_file: str | None = None
+    # Lifetime of a baremetal host's NATS user; a release revokes it earlier.
+    host_creds_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0)
     site_profiles: dict[str, SiteProfile] = {"h200-baremetal": SiteProfile()}
 
     def sites(self) -> dict[str, MaasSite]:

@@ -18,6 +18,8 @@ class AgentSettings(ServiceSettings):
     seed_dir: str = "/var/lib/gpuaas/seeds"
     # Simulated fleet: run one agent per host of this fleet file in this process.
     fleet_file: str | None = None
+    # Simulated fleet: each host connects with `<dir>/node-<node_id>.creds`, its own NATS user.
+    nats_creds_dir: str | None = None
     # Simulated fleet: images copied into every simulated host's cache at start (until prewarm lands).
     sim_image_dir: str | None = None
     # Simulated fleet: where simulated baremetal hosts learn that MAAS deployed them.

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from gpuaas_common.identity import Issuer
 from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
+from ..adapters.host_credentials import HostCredentials
 from ..adapters.maas_client import MaasClient
 from ..service_layer.operations import OperationHandlers, OperationWorker
 from ..settings import GatewaySettings
@@ -27,7 +29,13 @@ def build_register(settings: GatewaySettings):
         rt.bus.subscribe(rt.consumer_spec("maas-gateway-commands"), handlers.handlers())
         clients = build_clients(settings)
         log.info("maas_sites", sites=sorted(clients))
-        rt.spawn(OperationWorker(settings, rt.pool, clients).run(), "maas-operations")
+        host_credentials = None
+        if settings.nats_authority_file:
+            host_credentials = HostCredentials(
+                Issuer.load(settings.nats_authority_file), rt.pool, rt.identity.servers,
+                tls=rt.identity.tls_context(), ttl_s=settings.host_creds_ttl_s)
+        rt.spawn(OperationWorker(settings, rt.pool, clients, host_credentials=host_credentials).run(),
+                 "maas-operations")
 
     return register
 

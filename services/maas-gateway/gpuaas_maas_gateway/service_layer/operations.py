@@ -33,6 +33,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import bound_context, get_logger
 from gpuaas_common.outbox import OutboxWriter
 
+from ..adapters.host_credentials import HostCredentials
 from ..adapters.maas_client import MaasClient
 from ..adapters.maas_errors import (
     MaasBadRequest,
@@ -78,12 +79,19 @@ def enrolment_token(secret: str, allocation_id: str, system_id: str) -> str:
     return hmac.new(secret.encode(), f"{allocation_id}:{system_id}".encode(), hashlib.sha256).hexdigest()
 
 
-def render_user_data(bootstrap: str, token: str, allocation_id: str, node_id: str, system_id: str) -> str:
-    """cloud-config that hands the node agent its identity and one-time enrolment token."""
+NODE_CREDS_PATH = "/etc/gpuaas/node.creds"
+
+
+def render_user_data(bootstrap: str, token: str, allocation_id: str, node_id: str, system_id: str,
+                     creds: str | None = None) -> str:
+    """cloud-config that hands the node agent its identity, its one-time enrolment token and, with
+    bus identities on, its own short-lived NATS credentials bound to this allocation."""
     env = (
         f"GPUAAS_NODE_ID={node_id}\nGPUAAS_ALLOCATION_ID={allocation_id}\n"
         f"GPUAAS_MAAS_SYSTEM_ID={system_id}\nGPUAAS_ENROLMENT_TOKEN={token}\n"
     )
+    if creds:
+        env += f"GPUAAS_NATS_CREDS={NODE_CREDS_PATH}\n"
     indented = "".join(f"      {line}\n" for line in env.splitlines())
     doc = (
         "#cloud-config\n"
@@ -93,6 +101,13 @@ def render_user_data(bootstrap: str, token: str, allocation_id: str, node_id: st
         "    content: |\n"
         f"{indented}"
     )
+    if creds:
+        doc += (
+            f"  - path: {NODE_CREDS_PATH}\n"
+            "    permissions: '0600'\n"
+            "    content: |\n"
+            + "".join(f"      {line}\n" if line else "\n" for line in creds.splitlines())
+        )
     if bootstrap:
         doc += bootstrap if bootstrap.endswith("\n") else bootstrap + "\n"
     return doc
@@ -172,10 +187,12 @@ class OperationWorker:
         clients: MaasClient | Mapping[str, MaasClient],
         *,
         clock: Callable[[], float] = time.monotonic,
+        host_credentials: HostCredentials | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.clock = clock
+        self.host_credentials = host_credentials
         if isinstance(clients, MaasClient):
             clients = {settings.maas_default_site: clients}
         configured = settings.sites()
@@ -329,6 +346,10 @@ class OperationWorker:
         if kind == "deploy":
             call = await self._deploy_call(site, row)
         elif kind == "release":
+            # The host's bus identity ends before MAAS takes the machine back: the tenant still has root.
+            if not await self._revoke_host_credentials(row):
+                await self._set(op_id, delay=self.settings.maas_poll_interval_s)
+                return
             call = await self._release_call(site, row)
         else:
             call = await self._commission_call(site, row)
@@ -385,12 +406,25 @@ class OperationWorker:
         rows = await self.pool.fetch("SELECT name FROM maas_boot_resources WHERE site = $1", site)
         return frozenset(self.settings.maas_uploaded_images) | {r["name"] for r in rows}
 
+    async def _revoke_host_credentials(self, row: asyncpg.Record) -> bool:
+        if self.host_credentials is None or row["allocation_id"] is None:
+            return True
+        try:
+            await self.host_credentials.revoke_allocation(str(row["allocation_id"]))
+            return True
+        except Exception as exc:  # the bus is down or refused: the release waits, it does not skip this
+            log.warning("host_credentials_revoke_failed", error=str(exc)[:300])
+            return False
+
     async def _deploy_call(self, site: Site, row: asyncpg.Record) -> Callable[[], Awaitable[Any]]:
         _, profile = await self._profile(row["site"], row["profile"])
         token = enrolment_token(self.settings.enrolment_secret.get_secret_value(), str(row["allocation_id"]),
                                 row["system_id"])
+        creds = None
+        if self.host_credentials is not None:
+            creds = await self.host_credentials.issue(str(row["allocation_id"]), row["node_id"])
         user_data = render_user_data(profile.bootstrap_user_data, token, str(row["allocation_id"]),
-                                     row["node_id"], row["system_id"])
+                                     row["node_id"], row["system_id"], creds)
         series = normalise_distro_series(profile.distro_series, await self._uploaded(row["site"]))
         return lambda: site.client.deploy(
             row["system_id"], series, user_data=user_data, hwe_kernel=profile.hwe_kernel,
@@ -685,6 +719,10 @@ class OperationWorker:
                              event_id=derived_event_id(row["operation_id"], "result"))
         OP_DURATION.labels(kind, outcome).observe((_now() - row["created_at"]).total_seconds())
         log.info("operation_finished", outcome=outcome, maas_status=status, reason_code=reason_code)
+        if kind == "deploy" and outcome == "failed":
+            # A host that never became the tenant's keeps no identity; a failed revoke is retried by
+            # the release that follows a failed allocation.
+            await self._revoke_host_credentials(row)
 
 
 def _result_event(row: asyncpg.Record, outcome: str, status: str | None, reason_code: str | None,

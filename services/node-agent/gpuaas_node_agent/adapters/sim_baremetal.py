@@ -12,16 +12,32 @@ import re
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import yaml
 
 from gpuaas_common.logging import get_logger
 
 log = get_logger(__name__)
 
 _ENV_LINE = re.compile(r"^\s*(GPUAAS_[A-Z_]+)=(\S+)\s*$", re.MULTILINE)
+NODE_CREDS_PATH = "/etc/gpuaas/node.creds"
 
 
 def parse_agent_env(user_data: str) -> dict[str, str]:
     return dict(_ENV_LINE.findall(user_data or ""))
+
+
+def parse_node_creds(user_data: str) -> str | None:
+    """The NATS creds file the deploy's cloud-config writes for the agent, as cloud-init would."""
+    try:
+        doc = yaml.safe_load(user_data or "")
+    except yaml.YAMLError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    for entry in doc.get("write_files") or ():
+        if isinstance(entry, dict) and entry.get("path") == NODE_CREDS_PATH:
+            return str(entry.get("content") or "") or None
+    return None
 
 
 class SimulatedBaremetalHost:
@@ -30,9 +46,11 @@ class SimulatedBaremetalHost:
         node_id: str,
         system_id: str,
         maas_sim_url: str,
-        enrol: Callable[[dict[str, str]], Awaitable[None]],
+        enrol: Callable[[dict[str, str], str | None], Awaitable[None]],
+        leave: Callable[[], Awaitable[None]] | None = None,
         poll_interval_s: float = 0.25,
     ) -> None:
+        self.leave = leave
         self.node_id = node_id
         self.system_id = system_id
         self.url = maas_sim_url.rstrip("/") + f"/_sim/machines/{system_id}"
@@ -54,10 +72,18 @@ class SimulatedBaremetalHost:
                 env = parse_agent_env(last.get("user_data") or "")
                 allocation = env.get("GPUAAS_ALLOCATION_ID")
                 if status == "Deployed" and allocation and allocation != self._enrolled_for:
-                    await self.enrol(env)
+                    try:
+                        await self.enrol(env, parse_node_creds(last.get("user_data") or ""))
+                    except Exception as exc:
+                        # A host whose enrolment is refused (revoked or expired credentials) stays up
+                        # and says why; it does not take the fleet process down.
+                        log.warning("sim_baremetal_enrol_failed", node_id=self.node_id, allocation_id=allocation,
+                                    error=str(exc))
                     self._enrolled_for = allocation
                     log.info("sim_baremetal_enrolled", node_id=self.node_id, allocation_id=allocation)
                 elif status != "Deployed":
+                    if self._enrolled_for is not None and self.leave is not None:
+                        await self.leave()
                     self._enrolled_for = None
                 await asyncio.sleep(self.poll_interval_s)
 

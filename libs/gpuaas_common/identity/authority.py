@@ -1,0 +1,248 @@
+"""The trust chain of our NATS deployment: operator → accounts → users, and the keys that sign them.
+
+- The **operator** identity key signs only the operator JWT; accounts are signed by an operator
+  *signing key*, so the identity key can stay offline.
+- Account **SYS** is the system account (claim updates and revocations travel through it).
+- Account **GPUAAS** holds every stream and every user of the product. It has two signing keys: a plain
+  one for service, portal, ops and admin users (their permissions are in the user JWT), and a **scoped**
+  one for hosts, whose template grants each host its own subjects from the JWT's `node:<id>` tag.
+- The server runs the `full` resolver, so a new user needs no server change at all, and a revocation
+  is an account JWT update pushed through the system account, applied at once without a restart.
+
+`Authority` holds the secrets that sign; `Issuer` is the smaller set a service that mints host
+credentials and revokes them needs (the MAAS gateway, for baremetal hosts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import creds as creds_mod
+from .creds import Creds
+from .jwt import Key, decode, encode
+from .permissions import NODE, NODE_TAG, Permissions, node_template, node_user_name
+
+ACCOUNT_NAME = "GPUAAS"
+SYS_NAME = "SYS"
+# JetStream on, unlimited within the account: the server's own limits and the stream configs bound it.
+JETSTREAM_LIMITS = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
+                    "max_ack_pending": -1, "mem_max_stream_bytes": -1, "disk_max_stream_bytes": -1,
+                    "max_bytes_required": False}
+ACCOUNT_LIMITS = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True,
+                  "conn": -1, "leaf": -1}
+DEFAULT_USER_TTL_S = 365 * 24 * 3600.0
+
+
+class AuthorityError(RuntimeError):
+    """A claim update the server refused or did not confirm."""
+
+
+def _user_claims(account_public: str, *, permissions: Permissions | None, tags: list[str]) -> dict[str, Any]:
+    nats: dict[str, Any] = {"type": "user", "issuer_account": account_public, "tags": tags}
+    if permissions is not None:
+        nats.update(permissions.claims())
+        nats.update({"subs": -1, "data": -1, "payload": -1})
+    return nats
+
+
+@dataclass
+class Issuer:
+    """Signs host users with the scoped key and revokes users through the system account."""
+
+    account_public: str
+    operator_signing: Key
+    node_signing: Key
+    sys_creds: Creds
+
+    def issue_node(self, node_id: str, *, ttl_s: float, allocation_id: str | None = None) -> Creds:
+        user = Key.generate("user")
+        tags = [f"{NODE_TAG}:{node_id}"] + ([f"allocation:{allocation_id.lower()}"] if allocation_id else [])
+        jwt = encode(self.node_signing, user.public, node_user_name(node_id),
+                     _user_claims(self.account_public, permissions=None, tags=tags),
+                     expires_at=time.time() + ttl_s)
+        return Creds(jwt=jwt, seed=user.seed)
+
+    # --- revocation ---------------------------------------------------------------------------------
+
+    async def revoke(self, nats_servers: list[str], user_publics: list[str], *, tls: Any = None,
+                     prune_older_than_s: float | None = DEFAULT_USER_TTL_S, attempts: int = 5) -> int:
+        """Revoke users at once: read the account JWT the servers hold, add the keys, re-sign, push,
+        and read back. Several writers (gateway replicas, an ops command) may race; each one re-reads
+        after its push and retries until its keys are in, so no revocation is lost to another's push."""
+        import nats
+
+        nc = await nats.connect(servers=nats_servers, user_credentials=nats.aio.client.RawCredentials(
+            self.sys_creds.render()), tls=tls, connect_timeout=5, max_reconnect_attempts=3, name="gpuaas-authority",
+            inbox_prefix=b"_INBOX_authority")
+        try:
+            for attempt in range(1, attempts + 1):
+                current = await self._lookup(nc)
+                claims = decode(current)
+                revs: dict[str, int] = dict(claims["nats"].get("revocations") or {})
+                now = int(time.time())
+                if all(revs.get(pk, 0) >= now - 1 for pk in user_publics) and attempt > 1:
+                    return len(revs)
+                for pk in user_publics:
+                    revs[pk] = now
+                if prune_older_than_s is not None:
+                    # A revocation older than the longest user lifetime covers only expired JWTs.
+                    horizon = now - prune_older_than_s
+                    revs = {k: v for k, v in revs.items() if v >= horizon}
+                nats_claims = {k: v for k, v in claims["nats"].items() if k != "version"}
+                nats_claims["revocations"] = revs
+                jwt = encode(self.operator_signing, claims["sub"], claims["name"], nats_claims,
+                             issued_at=max(now, int(claims["iat"]) + 1))
+                await self._push(nc, jwt)
+                back = decode(await self._lookup(nc))["nats"].get("revocations") or {}
+                if all(int(back.get(pk, 0)) >= now for pk in user_publics):
+                    return len(back)
+                await asyncio.sleep(0.05 * attempt)  # another writer's push landed in between: merge again
+            raise AuthorityError(f"revocation of {len(user_publics)} user(s) not confirmed after {attempts} attempts")
+        finally:
+            await nc.close()
+
+    async def _lookup(self, nc: Any) -> str:
+        msg = await nc.request(f"$SYS.REQ.ACCOUNT.{self.account_public}.CLAIMS.LOOKUP", b"", timeout=5)
+        text = msg.data.decode()
+        if not text.startswith("eyJ"):
+            raise AuthorityError(f"account lookup failed: {text[:200]}")
+        return text
+
+    async def _push(self, nc: Any, jwt: str) -> None:
+        msg = await nc.request(f"$SYS.REQ.ACCOUNT.{self.account_public}.CLAIMS.UPDATE", jwt.encode(), timeout=5)
+        reply = json.loads(msg.data or b"{}")
+        if "error" in reply or (reply.get("data") or {}).get("code") != 200:
+            raise AuthorityError(f"account update refused: {reply.get('error') or reply}")
+
+    # --- files --------------------------------------------------------------------------------------
+
+    def dump(self) -> str:
+        return json.dumps({
+            "account_public": self.account_public,
+            "operator_signing_seed": self.operator_signing.seed.decode(),
+            "node_signing_seed": self.node_signing.seed.decode(),
+            "sys_creds": self.sys_creds.render(),
+        })
+
+    @classmethod
+    def load(cls, path: Path | str) -> "Issuer":
+        d = json.loads(Path(path).read_text())
+        return cls(d["account_public"], Key.from_seed(d["operator_signing_seed"]),
+                   Key.from_seed(d["node_signing_seed"]), creds_mod.parse(d["sys_creds"]))
+
+    def __repr__(self) -> str:
+        return f"Issuer(account={self.account_public!r})"
+
+
+@dataclass
+class Authority:
+    """Every key of a deployment; created once (`create`), kept in a 0600 directory (`save`/`load`)."""
+
+    operator: Key
+    operator_signing: Key
+    sys_account: Key
+    account: Key
+    account_signing: Key
+    node_signing: Key
+    issued_hosts: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls) -> "Authority":
+        return cls(Key.generate("operator"), Key.generate("operator"), Key.generate("account"),
+                   Key.generate("account"), Key.generate("account"), Key.generate("account"))
+
+    # --- JWTs ---------------------------------------------------------------------------------------
+
+    def operator_jwt(self) -> str:
+        return encode(self.operator, self.operator.public, "gpuaas", {
+            "type": "operator", "signing_keys": [self.operator_signing.public],
+            "system_account": self.sys_account.public,
+        })
+
+    def sys_account_jwt(self) -> str:
+        return encode(self.operator_signing, self.sys_account.public, SYS_NAME, {
+            "type": "account", "limits": {**ACCOUNT_LIMITS}, "signing_keys": [],
+        })
+
+    def account_jwt(self, revocations: dict[str, int] | None = None) -> str:
+        template = node_template().claims()
+        template.update({"subs": -1, "data": -1, "payload": -1})
+        return encode(self.operator_signing, self.account.public, ACCOUNT_NAME, {
+            "type": "account",
+            "limits": {**ACCOUNT_LIMITS, **JETSTREAM_LIMITS},
+            "signing_keys": [
+                self.account_signing.public,
+                {"kind": "user_scope", "key": self.node_signing.public, "role": NODE, "template": template,
+                 "description": "one user per host; its subjects come from the node tag"},
+            ],
+            "revocations": revocations or {},
+        })
+
+    def server_config(self, resolver_dir: Path) -> str:
+        """The operator-mode block of a nats-server config (the rest is the caller's)."""
+        preload = {self.sys_account.public: self.sys_account_jwt(), self.account.public: self.account_jwt()}
+        lines = [
+            f"operator: {self.operator_jwt()}",
+            f"system_account: {self.sys_account.public}",
+            "resolver: {",
+            "  type: full",
+            f"  dir: {json.dumps(str(resolver_dir))}",
+            "  allow_delete: false",
+            "  interval: \"2m\"",
+            "  timeout: \"2s\"",
+            "}",
+            "resolver_preload: {",
+            *(f"  {k}: {v}" for k, v in preload.items()),
+            "}",
+        ]
+        return "\n".join(lines) + "\n"
+
+    # --- users --------------------------------------------------------------------------------------
+
+    def issue_user(self, name: str, permissions: Permissions, *, ttl_s: float = DEFAULT_USER_TTL_S) -> Creds:
+        user = Key.generate("user")
+        jwt = encode(self.account_signing, user.public, name,
+                     _user_claims(self.account.public, permissions=permissions, tags=[f"role:{name}"]),
+                     expires_at=time.time() + ttl_s)
+        return Creds(jwt=jwt, seed=user.seed)
+
+    def issue_sys_user(self, *, ttl_s: float = DEFAULT_USER_TTL_S) -> Creds:
+        user = Key.generate("user")
+        jwt = encode(self.sys_account, user.public, "sys", {"type": "user", "tags": [], "subs": -1, "data": -1, "payload": -1},
+                     expires_at=time.time() + ttl_s)
+        return Creds(jwt=jwt, seed=user.seed)
+
+    def issuer(self) -> Issuer:
+        return Issuer(self.account.public, self.operator_signing, self.node_signing, self.issue_sys_user())
+
+    def issue_host(self, node_id: str, *, ttl_s: float = DEFAULT_USER_TTL_S) -> Creds:
+        """A slice host's credentials at onboarding; the key is remembered so decommissioning revokes it."""
+        c = self.issuer().issue_node(node_id, ttl_s=ttl_s)
+        self.issued_hosts.setdefault(node_id, []).append(str(c.claims["sub"]))
+        return c
+
+    # --- files --------------------------------------------------------------------------------------
+
+    _FILES = ("operator", "operator_signing", "sys_account", "account", "account_signing", "node_signing")
+
+    def save(self, keys_dir: Path) -> None:
+        keys_dir.mkdir(parents=True, exist_ok=True)
+        keys_dir.chmod(0o700)
+        for name in self._FILES:
+            creds_mod.write_secret(keys_dir / f"{name}.nk", getattr(self, name).seed.decode() + "\n")
+        creds_mod.write_secret(keys_dir / "issued-hosts.json", json.dumps(self.issued_hosts, indent=2))
+
+    @classmethod
+    def load(cls, keys_dir: Path) -> "Authority":
+        keys = [Key.from_seed((keys_dir / f"{name}.nk").read_text().strip()) for name in cls._FILES]
+        issued_path = keys_dir / "issued-hosts.json"
+        issued = json.loads(issued_path.read_text()) if issued_path.exists() else {}
+        return cls(*keys, issued_hosts=issued)
+
+    def __repr__(self) -> str:
+        return f"Authority(operator={self.operator.public!r}, account={self.account.public!r})"

@@ -1,0 +1,153 @@
+"""Who may do what on the bus: one identity per role, least privilege by subject.
+
+Derived, not hand-listed: a service may publish exactly the subjects the contract catalog names it the
+producer of, and may create, read and fetch from exactly the durable consumers `jetstream.CONSUMERS`
+declares for it. So adding a message type or a consumer updates the server-enforced rights, and the
+README's table is rendered from this module (a test fails on drift).
+
+JetStream API subjects used (checked against nats-server 2.15, see shared reference notes):
+- fetch: pub `$JS.API.CONSUMER.MSG.NEXT.<stream>.<durable>`, replies on the identity's own inbox prefix;
+- ack/nak/term/progress: pub `$JS.ACK.<stream>.<durable>.>`;
+- bind: pub `$JS.API.CONSUMER.INFO.<stream>.<durable>`;
+- create/update a durable: pub `$JS.API.CONSUMER.CREATE.<stream>.<durable>.<filter>` — the filter is part
+  of the subject, so a service cannot point its durable at another stream subject;
+- publish to a stream: pub on the subject, sub on the inbox prefix for the PubAck.
+Delivery of stream messages ignores subscribe permissions; isolation comes from MSG.NEXT being allowed
+on one's own durable only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..contract.catalog import ALL as MESSAGE_SPECS
+from ..jetstream import CONSUMERS, ConsumerSpec, node_agent_consumer
+
+SERVICES: tuple[str, ...] = ("allocator", "scheduler", "image-pipeline", "maas-gateway")
+# Roles that are people or upstream systems rather than our services.
+PORTAL, OPS, ADMIN, NODE = "portal", "ops", "admin", "node-agent"
+# Tag that carries a host's node id in its user JWT; the scoped signing key's template reads it.
+NODE_TAG = "node"
+
+
+def inbox_prefix(name: str) -> str:
+    """Each identity gets replies on a prefix of its own, so no one can read another's replies."""
+    return f"_INBOX_{name}"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    pub_allow: tuple[str, ...] = ()
+    pub_deny: tuple[str, ...] = ()
+    sub_allow: tuple[str, ...] = ()
+    sub_deny: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def claims(self) -> dict[str, dict[str, list[str]]]:
+        """The `nats.pub` / `nats.sub` members of a user JWT or a scoped key's template.
+
+        An empty allow list means *unrestricted* to nats-server, so a role that may publish nothing
+        gets an explicit deny of everything instead."""
+        out: dict[str, dict[str, list[str]]] = {}
+        for kind, allow, deny in (("pub", self.pub_allow, self.pub_deny), ("sub", self.sub_allow, self.sub_deny)):
+            entry: dict[str, list[str]] = {}
+            if allow:
+                entry["allow"] = list(allow)
+            if deny or not allow:
+                entry["deny"] = list(deny) or [">"]
+            out[kind] = entry
+        return out
+
+
+def _wild(address: str) -> str:
+    """A contract address with its `{param}` tokens as wildcards."""
+    return ".".join("*" if t.startswith("{") else t for t in address.split("."))
+
+
+def produced_subjects(role: str) -> tuple[str, ...]:
+    return tuple(sorted({_wild(s.address) for s in MESSAGE_SPECS if role in s.producers}))
+
+
+def durables_of(service: str) -> tuple[ConsumerSpec, ...]:
+    return tuple(c for c in CONSUMERS if c.durable.startswith(f"{service}-"))
+
+
+def consumer_rights(spec: ConsumerSpec, *, may_create: bool) -> tuple[str, ...]:
+    s, d = spec.stream, spec.durable
+    rights = [f"$JS.API.CONSUMER.MSG.NEXT.{s}.{d}", f"$JS.ACK.{s}.{d}.>", f"$JS.API.CONSUMER.INFO.{s}.{d}",
+              f"gpuaas.dlq.{d}"]
+    if may_create:
+        rights.append(f"$JS.API.CONSUMER.CREATE.{s}.{d}.{spec.filter_subject}")
+    return tuple(rights)
+
+
+def service_permissions(service: str) -> Permissions:
+    if service not in SERVICES:
+        raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
+    pub = list(produced_subjects(service))
+    for spec in durables_of(service):
+        pub += consumer_rights(spec, may_create=True)
+    return Permissions(pub_allow=tuple(pub), sub_allow=(f"{inbox_prefix(service)}.>",))
+
+
+def node_template(tag: str = NODE_TAG) -> Permissions:
+    """The scoped signing key's template: every host user gets these, with its own node id filled in
+    by the server from the JWT's `node:<id>` tag. The host cannot widen them: a user signed by a
+    scoped key must carry no permissions of its own."""
+    node = "{{tag(" + tag + ")}}"
+    spec = node_agent_consumer(node)
+    return Permissions(
+        pub_allow=(
+            *consumer_rights(spec, may_create=False),
+            f"gpuaas.node.{node}.report.>",
+        ),
+        sub_allow=(f"{inbox_prefix('{{name()}}')}.>",),
+    )
+
+
+def node_permissions(node_id: str) -> Permissions:
+    """What the template expands to for one host (used for documentation and tests)."""
+    t = node_template()
+    fill = lambda x: x.replace("{{tag(node)}}", node_id).replace("{{name()}}", node_user_name(node_id))  # noqa: E731
+    return Permissions(pub_allow=tuple(map(fill, t.pub_allow)), sub_allow=tuple(map(fill, t.sub_allow)))
+
+
+def node_user_name(node_id: str) -> str:
+    return f"node-{node_id}"
+
+
+ROLE_PERMISSIONS: dict[str, Permissions] = {
+    **{s: service_permissions(s) for s in SERVICES},
+    PORTAL: Permissions(
+        pub_allow=produced_subjects(PORTAL),
+        sub_allow=("gpuaas.allocation.event.>", f"{inbox_prefix(PORTAL)}.>"),
+    ),
+    # Reads lifecycle, reports and dead letters live; writes nothing.
+    OPS: Permissions(
+        sub_allow=("gpuaas.allocation.event.>", "gpuaas.node.*.report.>", "gpuaas.dlq.>", "gpuaas.image.event.>",
+                   "gpuaas.scheduler.>"),
+    ),
+    # Break-glass: provisions streams and per-host consumers, issues ops commands. Never used by a service.
+    ADMIN: Permissions(pub_allow=(">",), sub_allow=(">",)),
+}
+
+
+def role_permissions(role: str) -> Permissions:
+    try:
+        return ROLE_PERMISSIONS[role]
+    except KeyError:
+        raise ValueError(f"unknown role {role!r}; known: {', '.join(sorted(ROLE_PERMISSIONS))}") from None
+
+
+def render_table() -> str:
+    """The README's identity table (markdown)."""
+    rows = ["| identity | may publish | may subscribe |", "|---|---|---|"]
+    fmt = lambda items: "<br>".join(f"`{i}`" for i in items) or "nothing"  # noqa: E731
+    for role, perms in ROLE_PERMISSIONS.items():
+        pub = ["everything"] if perms.pub_allow == (">",) else perms.pub_allow
+        sub = ["everything"] if perms.sub_allow == (">",) else perms.sub_allow
+        rows.append(f"| `{role}` | {fmt(pub) if pub != ['everything'] else 'everything'} | "
+                    f"{fmt(sub) if sub != ['everything'] else 'everything'} |")
+    t = node_template()
+    rows.append(f"| `node-<node_id>` (one per host, scoped key) | {fmt(t.pub_allow)} | {fmt(t.sub_allow)} |")
+    return "\n".join(rows) + "\n"

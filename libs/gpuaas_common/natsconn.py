@@ -1,0 +1,135 @@
+"""How every process of ours connects to NATS: as an identity, over TLS, with replies on its own inbox.
+
+One place builds the options for both clients a service uses (nats-py for publishing and the outbox
+relay, FastStream's broker for consumers), so they cannot drift apart. A refused credential (expired,
+revoked, malformed, signed by someone else) is logged once as a structured warning that carries the
+server's reason and never the secret; the process keeps running and keeps retrying, because nats-py
+re-reads the creds file on every attempt and ops may replace it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NatsClient
+
+from .identity import creds as creds_mod
+from .identity.jwt import JwtError
+from .identity.permissions import inbox_prefix
+from .identity.tls import client_context
+from .logging import get_logger
+
+log = get_logger(__name__)
+
+AUTH_MARKERS = ("authorization violation", "authentication expired", "authentication revoked", "user authentication")
+
+
+def split_servers(urls: str) -> list[str]:
+    """`tls://a:4222,tls://b:4222` — every seed of a cluster, so a client survives any one server."""
+    return [u.strip() for u in urls.split(",") if u.strip()]
+
+
+class CredentialError(RuntimeError):
+    """Our own creds file cannot be used (missing, unreadable, malformed); the reason never holds the seed."""
+
+
+@dataclass
+class NatsIdentity:
+    servers: list[str]
+    creds_file: str | None = None
+    ca_file: str | None = None
+    _name: str | None = field(default=None, repr=False)
+    _warned: set[str] = field(default_factory=set, repr=False)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> "NatsIdentity":
+        return cls(split_servers(settings.nats_url), settings.nats_creds, settings.nats_ca_file)
+
+    @property
+    def name(self) -> str:
+        """The user name in our JWT: it names our inbox prefix, which our permissions allow."""
+        if self._name is None:
+            if not self.creds_file:
+                self._name = "anonymous"
+            else:
+                try:
+                    self._name = creds_mod.read(self.creds_file).name
+                except (OSError, JwtError) as exc:
+                    raise CredentialError(f"cannot use NATS creds file {self.creds_file}: {exc}") from None
+        return self._name
+
+    @property
+    def inbox(self) -> bytes:
+        return (inbox_prefix(self.name) if self.creds_file else "_INBOX").encode()
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        return client_context(self.ca_file) if self.ca_file else None
+
+    def connect_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"servers": self.servers, "inbox_prefix": self.inbox}
+        if self.creds_file:
+            kw["user_credentials"] = str(Path(self.creds_file))
+        ctx = self.tls_context()
+        if ctx is not None:
+            kw["tls"] = ctx
+        return kw
+
+    def broker_kwargs(self) -> dict[str, Any]:
+        from faststream.nats.security import NatsCredentials, NatsSecurity
+
+        ctx = self.tls_context()
+        security: NatsSecurity | None
+        if self.creds_file:
+            security = NatsCredentials.from_file(self.creds_file, ssl_context=ctx)
+        else:
+            security = NatsSecurity(ssl_context=ctx) if ctx else None
+        kw: dict[str, Any] = {"servers": self.servers, "inbox_prefix": self.inbox}
+        if security is not None:
+            kw["security"] = security
+        return kw
+
+    # --- refusals -----------------------------------------------------------------------------------
+
+    def note_error(self, exc: BaseException) -> None:
+        """error_cb: an auth refusal is logged once per distinct reason; the rest at debug level."""
+        text = str(exc)
+        if any(m in text.lower() for m in AUTH_MARKERS):
+            if text not in self._warned:
+                self._warned.add(text)
+                log.warning("nats_auth_refused", reason=text.removeprefix("nats: ").strip("'"), identity=self.name)
+        else:
+            log.debug("nats_error", error=text)
+
+    def note_connected(self) -> None:
+        self._warned.clear()
+
+    async def connect(self, *, name: str, retry_forever: bool = True, **options: Any) -> NatsClient:
+        """Connect, retrying a refused or unreachable first connection with back-off when asked to."""
+
+        async def error_cb(exc: Exception) -> None:
+            self.note_error(exc)
+
+        async def reconnected_cb() -> None:
+            self.note_connected()
+            log.info("nats_reconnected", identity=self.name)
+
+        opts = {"name": name, "error_cb": error_cb, "reconnected_cb": reconnected_cb,
+                "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, **self.connect_kwargs(), **options}
+        delay = 0.2
+        while True:
+            try:
+                nc = await nats.connect(**opts)
+                self.note_connected()
+                return nc
+            except Exception as exc:  # nats-py raises unrelated types for "refused" and "nobody there"
+                self.note_error(exc)
+                if not retry_forever:
+                    raise
+                log.debug("nats_connect_retry", error=str(exc), delay_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)

@@ -1,0 +1,54 @@
+"""One host's own connection to the bus, as that host's own NATS user.
+
+A real agent has exactly one; the simulated fleet runs one per simulated host in one process, so the
+simulation is held to the same server-enforced permissions as a real fleet: fetch and ack its own
+task durable, publish its own reports, nothing else. It never creates streams or consumers: its
+durable is provisioned when ops onboard the host.
+"""
+
+from __future__ import annotations
+
+from faststream.nats import NatsBroker
+from nats.aio.client import Client as NatsClient
+
+from gpuaas_common.bus import Bus
+from gpuaas_common.logging import get_logger
+from gpuaas_common.natsconn import NatsIdentity
+
+log = get_logger(__name__)
+
+
+class HostLink:
+    def __init__(self, node_id: str, identity: NatsIdentity, *, retry_delays_s: tuple[float, ...]) -> None:
+        self.node_id = node_id
+        self.identity = identity
+        self.retry_delays_s = retry_delays_s
+        self.nc: NatsClient | None = None
+        self.broker: NatsBroker | None = None
+        self.bus: Bus | None = None
+
+    async def open(self, *, retry_forever: bool = True) -> Bus:
+        self.nc = await self.identity.connect(name=f"gpuaas-node-agent-{self.node_id}", retry_forever=retry_forever)
+        self.broker = NatsBroker(**self.identity.broker_kwargs(), max_reconnect_attempts=-1,
+                                 reconnect_time_wait=0.5)
+        self.bus = Bus(self.broker, self.nc.jetstream(), service="node-agent", schema=None, pool=None,
+                       retry_delays_s=self.retry_delays_s, inbox_prefix=self.identity.inbox)
+        return self.bus
+
+    async def start(self) -> None:
+        assert self.broker is not None
+        await self.broker.start()
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    async def close(self) -> None:
+        if self.broker is not None:
+            await self.broker.stop()
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception as exc:  # a revoked or vanished connection cannot drain; it is closed anyway
+                log.debug("host_link_close", node_id=self.node_id, error=repr(exc))
+                await self.nc.close()
