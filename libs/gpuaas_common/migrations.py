@@ -56,7 +56,10 @@ async def apply_migrations(conn: asyncpg.Connection, schema: str, package: str |
     applied: list[str] = []
     await conn.execute("SELECT pg_advisory_lock(hashtext($1))", f"gpuaas-migrations:{schema}")
     try:
-        await conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{schema}"')
+        # Not CREATE SCHEMA IF NOT EXISTS: Postgres checks the database's CREATE privilege before it looks,
+        # and a service role has none; its schema is made for it (pg_roles.py), migrations only fill it.
+        if not await conn.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = $1", schema):
+            await conn.execute(f'CREATE SCHEMA "{schema}"')
         await conn.execute(
             f'CREATE TABLE IF NOT EXISTS "{schema}".schema_migrations '
             "(version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"

@@ -153,3 +153,30 @@ def test_services_wait_for_healthy_dependencies(compose):
             assert deps.get("postgres", {}).get("condition") == "service_healthy", name
         if _command(svc)[0] in SETTINGS_BY_SCRIPT:
             assert "healthcheck" in svc, f"{name}: no healthcheck"
+
+
+def test_each_database_service_connects_as_its_own_role_made_by_the_init_step(compose):
+    from gpuaas_common.pg_roles import SERVICE_ROLES
+
+    services = _gpuaas_services(compose)
+    init = [name for name, svc in services.items() if _command(svc)[1:3] == ["dev", "pg-roles"]]
+    assert len(init) == 1, "exactly one `gpuaas dev pg-roles` init step"
+    init_env = services[init[0]].get("environment") or {}
+    assert services[init[0]]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    seen: dict[str, str] = {}
+    for name, svc in services.items():
+        service = _command(svc)[0].removeprefix("gpuaas-")
+        dsn = (svc.get("environment") or {}).get("GPUAAS_DATABASE_URL")
+        if service not in SERVICE_ROLES:
+            assert dsn is None, f"{name} has no database role, so it must not get a DSN"
+            continue
+        assert dsn, f"{name}: no GPUAAS_DATABASE_URL"
+        var = f"GPUAAS_PG_{service.upper().replace('-', '_')}_PASSWORD"
+        # `:-`, not `:?`: `docker compose down` must work without the secrets; the init step refuses empties.
+        assert dsn.startswith(f"postgresql://{SERVICE_ROLES[service].role}:${{{var}:-}}@postgres:"), (name, dsn)
+        assert init_env.get(var) == f"${{{var}:-}}", f"the init step does not set {var} for {name}'s role"
+        assert svc["depends_on"][init[0]]["condition"] == "service_completed_successfully", name
+        seen[name] = SERVICE_ROLES[service].role
+    assert set(seen.values()) == {s.role for s in SERVICE_ROLES.values()}, "a role-owning service is missing"
+    assert len(set(seen.values())) == len(seen), "two services share a role"
+    assert all(":?" not in str(v) for v in init_env.values())

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuaas_common.fleet import Fleet, generate_fleet
+from gpuaas_common.pg_roles import SERVICE_ROLES, dsn_without_password, ensure_service_roles
 from gpuaas_common.testing.servers import NatsServer, PostgresServer, RegistryServer, free_port
 
 from .maas_sim.auth import generate_api_key
@@ -186,6 +187,7 @@ class Stack:
         self._admin_token: str | None = None
         self._admin_port: int | None = None
         self._dsn: str | None = None
+        self._service_dsns: dict[str, str] = {}  # service -> its own role's DSN, password inside
         self._fleet: Fleet | None = None
         self._maas_api_key: str | None = None
         self._enrolment_secret: str | None = None
@@ -213,6 +215,17 @@ class Stack:
         if self._dsn is None:
             raise StackError("stack not started")
         return self._dsn
+
+    def service_dsn(self, service: str) -> str:
+        """The DSN `service` runs with: its own role, which owns its schema and may touch nothing else.
+
+        `dsn` is the superuser's, for tests and benchmarks that inspect every schema.
+        """
+        if service not in SERVICE_ROLES:
+            raise StackError(f"{service!r} has no database role; those that do: {', '.join(SERVICE_ROLES)}")
+        if service not in self._service_dsns:
+            raise StackError("stack not started")
+        return self._service_dsns[service]
 
     @property
     def maas_url(self) -> str:
@@ -315,6 +328,7 @@ class Stack:
         self._pg = PostgresServer(self.run_dir / "pg")
         self._pg.start()
         self._dsn = _run_coro(lambda: _create_database(self._pg.dsn, DATABASE))  # type: ignore[union-attr]
+        self._create_service_roles()
         self._registry = RegistryServer(self.run_dir / "registry")
         self._registry.start()
 
@@ -433,7 +447,7 @@ class Stack:
             "supervisor_pid": os.getpid(),
             "nats_url": self._nats.url if self._nats else None,
             "nats_pid": self._nats.proc.pid if self._nats and self._nats.proc else None,
-            "database_url": self._dsn,
+            "database_url": dsn_without_password(self._dsn) if self._dsn else None,
             "maas_url": self.maas_url if self._procs.get(MAAS_SIM) and self._procs[MAAS_SIM].port else None,
             "fleet_file": str(self.run_dir / "fleet" / "fleet.json"),
             "registry_url": self._registry.url if self._registry else None,
@@ -484,7 +498,6 @@ class Stack:
         env.update(
             PYTHONUNBUFFERED="1",
             GPUAAS_NATS_URL=self.nats_url,
-            GPUAAS_DATABASE_URL=self.dsn,
             GPUAAS_HEALTH_HOST="127.0.0.1",
             GPUAAS_HEALTH_PORT="0",
             GPUAAS_LOG_LEVEL=self.log_level,
@@ -524,7 +537,7 @@ class Stack:
         )
 
     def _service_proc(self, name: str) -> _Proc:
-        env = self._base_env()
+        env = self._base_env() | self._database_env(name)
         ready_file = self.run_dir / "ready" / f"{name}.json"
         env["GPUAAS_READY_FILE"] = str(ready_file)
         if name == "allocator":
@@ -612,6 +625,33 @@ class Stack:
                     f"{tail(p.log_path)}"
                 )
             time.sleep(0.1)
+
+    # --- per-service Postgres roles -----------------------------------------------------------------
+
+    def _create_service_roles(self) -> None:
+        """One login role per Postgres-backed service (gpuaas_common.pg_roles), fresh passwords each start."""
+        assert self._pg is not None
+        pg = self._pg
+        passwords = {service: secrets.token_hex(24) for service in SERVICE_ROLES}
+        self._service_dsns = _run_coro(lambda: ensure_service_roles(pg.dsn, DATABASE, passwords))
+        self._record_database_secrets()
+
+    def _database_env(self, name: str) -> dict[str, str]:
+        # Only the services with a role get a DSN: the node agent and the simulator need no database.
+        return {"GPUAAS_DATABASE_URL": self._service_dsns[name]} if name in self._service_dsns else {}
+
+    def _record_database_secrets(self) -> None:
+        # Added to what _write_secrets wrote: database passwords live in this 0600 file, never in stack.json.
+        path = self.run_dir / "secrets.json"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data.update(admin_database_url=self._dsn, service_database_urls=self._service_dsns)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.chmod(path, 0o600)
 
 
 async def _create_database(admin_dsn: str, name: str) -> str:

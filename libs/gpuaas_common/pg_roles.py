@@ -1,0 +1,214 @@
+"""One Postgres login role per Postgres-backed service: it owns that service's schema and nothing else.
+
+Each service connects as its own role, so a bug or a compromised process in one service cannot read or
+change another's tables: the role owns its schema (its migrations run as it) and holds no privilege on
+any other service's schema, on the database beyond CONNECT and TEMPORARY, or in `public`. Only this module needs the
+admin (superuser) DSN.
+
+    dsns = await ensure_service_roles(admin_dsn, "gpuaas", {"allocator": pw1, "scheduler": pw2, ...})
+    dsns["allocator"]   # postgresql://gpuaas_allocator:<pw1>@<admin host:port>/gpuaas
+
+Passwords reach the server only as SCRAM-SHA-256 verifiers computed here, so the plaintext never shows
+up in a server log or `pg_stat_statements`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import os
+import re
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import asyncpg
+
+from .logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ServiceRole:
+    role: str
+    schema: str
+
+
+# The schemas are the ones each service passes to `run_service(..., schema=...)`; a test holds them equal.
+# node-agent keeps host-local state and has no role.
+SERVICE_ROLES: Mapping[str, ServiceRole] = MappingProxyType({
+    "allocator": ServiceRole("gpuaas_allocator", "allocator"),
+    "scheduler": ServiceRole("gpuaas_scheduler", "scheduler"),
+    "image-pipeline": ServiceRole("gpuaas_image_pipeline", "image_pipeline"),
+    "maas-gateway": ServiceRole("gpuaas_maas_gateway", "maas_gateway"),
+})
+
+_ROLE_ATTRIBUTES = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOINHERIT NOREPLICATION NOBYPASSRLS"
+# Roles are cluster-wide; advisory locks are per database, but every caller of one deployment names the
+# same database, which is what the lock has to serialise (two init steps racing on CREATE ROLE).
+_LOCK_KEY = "gpuaas-pg-roles"
+_SCRAM_ITERATIONS = 4096
+_PRINTABLE_ASCII = re.compile(r"^[\x21-\x7e]+$")
+
+
+async def ensure_service_roles(admin_dsn: str, database: str, passwords: Mapping[str, str]) -> dict[str, str]:
+    """Create or update the role and schema of every service in `passwords`; return each service's DSN.
+
+    Idempotent: a second call only sets the (possibly new) passwords and re-asserts ownership and
+    revocations. An existing schema, and the tables, views and sequences in it, change owner to the role
+    (the services define no functions or types), so a database that predates the roles is adopted.
+    """
+    unknown = set(passwords) - set(SERVICE_ROLES)
+    if unknown:
+        raise ValueError(f"no Postgres role is defined for {sorted(unknown)}; known: {sorted(SERVICE_ROLES)}")
+    for service, password in passwords.items():
+        _check_password(service, password)
+    conn = await asyncpg.connect(_with_database(admin_dsn, database))
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", _LOCK_KEY)
+            await _lock_down_database(conn, database)
+            for service, password in passwords.items():
+                spec = SERVICE_ROLES[service]
+                await _ensure_role(conn, spec.role, password)
+                # TEMPORARY: session-private tables that no other role can see; migrations use them to
+                # backfill (scheduler 004).
+                await _run_formatted(conn, "GRANT CONNECT, TEMPORARY ON DATABASE %I TO %I", database, spec.role)
+                await _ensure_schema(conn, spec)
+            await _close_foreign_schemas(conn)
+    finally:
+        await conn.close()
+    log.info("pg_roles_ensured", database=database, services=sorted(passwords))
+    return {
+        service: role_dsn(admin_dsn, database, SERVICE_ROLES[service].role, password)
+        for service, password in passwords.items()
+    }
+
+
+def role_dsn(admin_dsn: str, database: str, role: str, password: str) -> str:
+    """The admin DSN's host, port and query (e.g. sslmode), with this role, password and database."""
+    parts = urllib.parse.urlsplit(admin_dsn)
+    host = parts.hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{urllib.parse.quote(role, safe='')}:{urllib.parse.quote(password, safe='')}@{host}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, path=f"/{database}"))
+
+
+def dsn_without_password(dsn: str) -> str:
+    """For places that must not hold secrets (stack.json, logs)."""
+    parts = urllib.parse.urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.netloc.rsplit("@", 1)[0].split(":", 1)[0]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}@{netloc}"))
+
+
+def scram_verifier(password: str, salt: bytes | None = None, iterations: int = _SCRAM_ITERATIONS) -> str:
+    """The SCRAM-SHA-256 verifier Postgres stores for `password` (RFC 5802/7677, Postgres' text form).
+
+    SASLprep is the identity for the printable ASCII that `_check_password` admits, so the server and
+    any client derive the same keys from it.
+    """
+    salt = salt if salt is not None else os.urandom(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    stored_key = hashlib.sha256(hmac.digest(salted, b"Client Key", "sha256")).digest()
+    server_key = hmac.digest(salted, b"Server Key", "sha256")
+    b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
+    return f"SCRAM-SHA-256${iterations}:{b64(salt)}${b64(stored_key)}:{b64(server_key)}"
+
+
+def _check_password(service: str, password: str) -> None:
+    if not password:
+        raise ValueError(f"empty Postgres password for {service}")
+    if not _PRINTABLE_ASCII.match(password):
+        raise ValueError(f"the Postgres password for {service} must be printable ASCII without spaces")
+
+
+def _with_database(dsn: str, database: str) -> str:
+    return urllib.parse.urlunsplit(urllib.parse.urlsplit(dsn)._replace(path=f"/{database}"))
+
+
+async def _run_formatted(conn: asyncpg.Connection, template: str, *args: str) -> None:
+    # DDL takes no bind parameters; the server's own format() quotes identifiers (%I) and literals (%L).
+    placeholders = ", ".join(f"${i}::text" for i in range(2, len(args) + 2))
+    statement = await conn.fetchval(f"SELECT format($1::text, {placeholders})", template, *args)
+    await conn.execute(statement)
+
+
+async def _lock_down_database(conn: asyncpg.Connection, database: str) -> None:
+    # PUBLIC gets CONNECT and TEMPORARY on a new database by default; only the service roles get them
+    # back, by name. Before Postgres 15 PUBLIC could also create in schema public.
+    await _run_formatted(conn, "REVOKE ALL ON DATABASE %I FROM PUBLIC", database)
+    if await conn.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = 'public'"):
+        await conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+
+
+async def _ensure_role(conn: asyncpg.Connection, role: str, password: str) -> None:
+    exists = await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role)
+    verb = "ALTER" if exists else "CREATE"
+    await _run_formatted(conn, f"{verb} ROLE %I WITH {_ROLE_ATTRIBUTES} PASSWORD %L", role, scram_verifier(password))
+    # A membership granted by hand would let the role SET ROLE into another's rights.
+    for granted in await conn.fetch(
+        "SELECT g.rolname FROM pg_auth_members m JOIN pg_roles r ON r.oid = m.member "
+        "JOIN pg_roles g ON g.oid = m.roleid WHERE r.rolname = $1", role,
+    ):
+        await _run_formatted(conn, "REVOKE %I FROM %I", granted["rolname"], role)
+
+
+async def _ensure_schema(conn: asyncpg.Connection, spec: ServiceRole) -> None:
+    row = await conn.fetchrow(
+        "SELECT n.nspowner = r.oid AS owned FROM pg_namespace n, pg_roles r WHERE n.nspname = $1 AND r.rolname = $2",
+        spec.schema, spec.role,
+    )
+    if row is None:
+        await _run_formatted(conn, "CREATE SCHEMA %I AUTHORIZATION %I", spec.schema, spec.role)
+        log.info("pg_schema_created", schema=spec.schema, role=spec.role)
+        return
+    if not row["owned"]:
+        await _run_formatted(conn, "ALTER SCHEMA %I OWNER TO %I", spec.schema, spec.role)
+        log.info("pg_schema_adopted", schema=spec.schema, role=spec.role)
+    # Sequences owned by a column follow their table; ALTER on them directly would be refused.
+    statements = await conn.fetch(
+        """
+        SELECT format('ALTER %s %I.%I OWNER TO %I',
+                      CASE c.relkind WHEN 'S' THEN 'SEQUENCE' WHEN 'v' THEN 'VIEW'
+                                     WHEN 'm' THEN 'MATERIALIZED VIEW' WHEN 'f' THEN 'FOREIGN TABLE'
+                                     ELSE 'TABLE' END,
+                      n.nspname, c.relname, r.rolname) AS stmt
+        FROM pg_class c
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        JOIN pg_roles r ON r.rolname = $2
+        WHERE n.nspname = $1 AND c.relowner <> r.oid AND c.relkind IN ('r', 'p', 'v', 'm', 'S', 'f')
+          AND NOT (c.relkind = 'S' AND EXISTS (
+                SELECT 1 FROM pg_depend d
+                WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype IN ('a', 'i')))
+        """,
+        spec.schema, spec.role,
+    )
+    for row in statements:
+        await conn.execute(row["stmt"])
+    if statements:
+        log.info("pg_relations_adopted", schema=spec.schema, role=spec.role, count=len(statements))
+
+
+async def _close_foreign_schemas(conn: asyncpg.Connection) -> None:
+    """Take back any privilege on a service schema held by PUBLIC or by another service's role.
+
+    Owners never need a grant; a schema without USAGE is a closed door whatever is granted inside it.
+    """
+    existing_roles = {r["rolname"] for r in await conn.fetch(
+        "SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[])", [s.role for s in SERVICE_ROLES.values()],
+    )}
+    for spec in SERVICE_ROLES.values():
+        if not await conn.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = $1", spec.schema):
+            continue
+        await _run_formatted(conn, "REVOKE ALL ON SCHEMA %I FROM PUBLIC", spec.schema)
+        for other in sorted(existing_roles - {spec.role}):
+            await _run_formatted(conn, "REVOKE ALL ON SCHEMA %I FROM %I", spec.schema, other)
