@@ -27,7 +27,6 @@ import nats
 
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
-from gpuaas_common.jetstream import provision
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import OutboxRelay, OutboxWriter
@@ -42,9 +41,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def e2e_latency(stack: Stack, rate: float, duration: float, gpus: int) -> dict:
-    nc = await nats.connect(stack.nats_url)
+    # As the portal: publishes requests and releases, reads the lifecycle (on an open stack: anonymous).
+    nc = await nats.connect(**stack.nats_options("portal"))
     js = nc.jetstream()
-    await provision(js)
     sent: dict[str, float] = {}
     active: dict[str, float] = {}
     failed: dict[str, str] = {}
@@ -105,9 +104,8 @@ async def e2e_latency(stack: Stack, rate: float, duration: float, gpus: int) -> 
 
 
 async def relay_vs_raw(stack: Stack, rows: int) -> dict:
-    nc = await nats.connect(stack.nats_url)
+    nc = await nats.connect(**stack.nats_options("admin"))
     js = nc.jetstream()
-    await provision(js)
     body = m.AllocationReleaseRequested(allocation_id=uuid.uuid4(), reason="bench")
 
     # Baseline: the same number of JetStream publishes with PubAck, 64 in flight, no database.
@@ -162,12 +160,13 @@ async def relay_vs_raw(stack: Stack, rows: int) -> dict:
     }
 
 
-async def _with_stack(hosts: int, instant: bool, fn):
+async def _with_stack(hosts: int, instant: bool, fn, *, auth: bool = True):
     run_dir = Path(tempfile.mkdtemp(prefix="gpuaas-bench-"))
     overrides: dict = {"GPUAAS_LOG_LEVEL": "WARNING"}
     if instant:
         overrides["node-agent"] = {"GPUAAS_SIM_INSTANT_HOSTS": "true"}
-    stack = Stack(run_dir, slice_hosts=hosts, slots_per_host=8, baremetal_hosts=0, env_overrides=overrides)
+    stack = Stack(run_dir, slice_hosts=hosts, slots_per_host=8, baremetal_hosts=0, env_overrides=overrides,
+                  auth=auth)
     stack.start()
     try:
         return await fn(stack)
@@ -188,14 +187,29 @@ async def main_async(args: argparse.Namespace) -> dict:
     full = await _with_stack(
         args.hosts, False, lambda stack: e2e_latency(stack, args.full_rate, args.duration, args.gpus)
     )
+    # The same instant-host run on an open bus (no JWTs, no TLS): what identities cost.
+    open_e2e, open_relay = await _with_stack(args.hosts, True, instant_run, auth=False)
     return {
         "benchmark": "pipeline",
         "e2e_requested_to_active_instant_hosts": e2e,
         "e2e_requested_to_active_full_simulated_hosts": full,
         "outbox_relay": relay,
+        "auth_overhead": {
+            "open_bus_e2e_instant_hosts": open_e2e,
+            "open_bus_outbox_relay": open_relay,
+            "p50_ratio_auth_over_open": _ratio(e2e["p50_ms"], open_e2e["p50_ms"]),
+            "p99_ratio_auth_over_open": _ratio(e2e["p99_ms"], open_e2e["p99_ms"]),
+            "relay_rate_ratio_auth_over_open": _ratio(relay["relay_per_s"], open_relay["relay_per_s"]),
+            "raw_publish_ratio_auth_over_open": _ratio(relay["raw_jetstream_pipelined_per_s"],
+                                                       open_relay["raw_jetstream_pipelined_per_s"]),
+        },
         "config": {"rate": args.rate, "full_rate": args.full_rate, "duration_s": args.duration, "gpus": args.gpus,
                    "slice_hosts": args.hosts},
     }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
 
 
 def main() -> None:

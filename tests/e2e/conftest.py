@@ -15,7 +15,6 @@ import pytest
 
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
-from gpuaas_common.jetstream import provision
 from gpuaas_common.testing.bus_spy import BusSpy
 from gpuaas_dev.stack import Stack
 
@@ -84,9 +83,10 @@ class Portal:
 
 @pytest.fixture(scope="module")
 async def portal(stack: Stack) -> AsyncIterator[Portal]:
-    spy = await BusSpy(stack.nats_url).start()
-    nc = await nats.connect(stack.nats_url)
-    await provision(nc.jetstream())
+    # The tests watch everything and inject hostile input, so they act as the break-glass admin; the
+    # services and hosts under test run as their own least-privilege identities.
+    spy = await BusSpy(stack.nats_url, connect=stack.nats_options("admin")).start()
+    nc = await nats.connect(**stack.nats_options("admin"))
     yield Portal(stack, spy, nc)
     await nc.drain()
     await spy.stop()

@@ -167,7 +167,7 @@ async def test_cli_build_wait_and_status(stack: Stack, known_hosts, tmp_path: Pa
     source = make_source(tmp_path / "cli.qcow2", 0x22)
     res = await asyncio.to_thread(subprocess.run, [gpuaas, "images", "build", "--slug", "cli-image", "--source",
                                                    str(source), "--wait", "--json", "--timeout", "120",
-                                                   "--nats-url", stack.nats_url, *common],
+                                                   "--nats-url", stack.nats_url, "--run-dir", str(stack.run_dir), *common],
                                   capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)

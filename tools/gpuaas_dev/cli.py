@@ -23,6 +23,8 @@ from rich.table import Table
 
 from gpuaas_node_agent.entrypoints import cli as node_agent_cli
 
+from .identity_cli import cli_identity
+
 DEFAULT_RUN_DIR = Path(".run/dev")
 ALLOCATION_EVENTS = "gpuaas.allocation.event.>"
 TASK_PROGRESS = "gpuaas.node.*.report.task_progress"
@@ -112,19 +114,11 @@ def _resolve_nats_url(nats_url: Optional[str], run_dir: Path) -> str:
 
 
 def _identity(url: str, creds: Optional[Path], run_dir: Path, role: str):
-    """Who the CLI acts as: --creds, else $GPUAAS_NATS_CREDS, else the dev stack's creds for `role`."""
-    from gpuaas_common.natsconn import NatsIdentity, split_servers
-
-    info = _read_stack_json(run_dir) or {}
-    if creds is None and os.environ.get("GPUAAS_NATS_CREDS"):
-        creds = Path(os.environ["GPUAAS_NATS_CREDS"])
-    if creds is None and info.get("creds_dir") and url == info.get("nats_url"):
-        creds = Path(info["creds_dir"]) / f"{role}.creds"
-    ca = os.environ.get("GPUAAS_NATS_CA_FILE") or (info.get("nats_ca_file") if url == info.get("nats_url") else None)
-    if creds is not None and not creds.is_file():
-        err.print(f"[red]no such creds file[/]: {creds}")
-        raise typer.Exit(2)
-    return NatsIdentity(split_servers(url), str(creds) if creds else None, ca)
+    try:
+        return cli_identity(url, creds, run_dir, role)
+    except FileNotFoundError as exc:
+        err.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from None
 
 
 async def _connect(identity, closed_cb=None):

@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 from rich.table import Table
 
+from .identity_cli import cli_identity
+
 err = Console(stderr=True, highlight=False)
 images_app = typer.Typer(no_args_is_help=True, help="Slice images: build, publish, prewarm, status.")
 
@@ -121,20 +123,22 @@ def images_build(
             "packages": packages or [], "customise": customise, "tag": tag, "dry_run": dry_run,
             "update_catalog": not no_catalog}
     nats = nats_url or os.environ.get("GPUAAS_NATS_URL") or _read(run_dir / "stack.json").get("nats_url")
-    result = asyncio.run(_build(url, tok, slug, body, wait and not dry_run, timeout, nats, as_json))
+    identity = cli_identity(nats, None, run_dir, "ops") if nats else None
+    result = asyncio.run(_build(url, tok, slug, body, wait and not dry_run, timeout, identity, as_json))
     if as_json:
         print(json.dumps(result, indent=2))
     raise typer.Exit(0 if result.get("ok", True) else 1)
 
 
-async def _build(url: str, tok: str, slug: str, body: dict, wait: bool, timeout: float, nats_url: Optional[str],
+async def _build(url: str, tok: str, slug: str, body: dict, wait: bool, timeout: float, identity: Any,
                  as_json: bool) -> dict[str, Any]:
     nc = None
     events: asyncio.Queue = asyncio.Queue()
-    if wait and nats_url:
+    if wait and identity is not None:
         import nats
 
-        nc = await nats.connect(nats_url, connect_timeout=3, max_reconnect_attempts=2)
+        # As ops: reads image events, writes nothing.
+        nc = await nats.connect(**identity.connect_kwargs(), connect_timeout=3, max_reconnect_attempts=2)
 
         async def on_msg(msg: Any) -> None:
             try:

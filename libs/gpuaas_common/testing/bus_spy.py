@@ -18,8 +18,11 @@ from ..contract.asyncapi import ContractValidator, ContractViolation, default_va
 
 
 class BusSpy:
-    def __init__(self, url: str, subject: str = "gpuaas.>", validator: ContractValidator | None = None) -> None:
+    def __init__(self, url: str, subject: str = "gpuaas.>", validator: ContractValidator | None = None,
+                 connect: dict[str, Any] | None = None) -> None:
+        """`connect`: nats.connect() options (creds, TLS, inbox) of an identity that may read `subject`."""
         self.url = url
+        self.connect = connect
         self.subject = subject
         self.validator = validator or default_validator()
         self.messages: list[tuple[str, dict[str, Any]]] = []
@@ -29,7 +32,7 @@ class BusSpy:
         self._nc: NatsClient | None = None
 
     async def start(self) -> "BusSpy":
-        self._nc = await nats.connect(self.url)
+        self._nc = await nats.connect(**self.connect) if self.connect else await nats.connect(self.url)
         await self._nc.subscribe(self.subject, cb=self._on_msg)
         await self._nc.flush()
         return self

@@ -1,0 +1,324 @@
+"""Least privilege on the bus, enforced by a real nats-server in operator mode with TLS.
+
+For every identity: each allowed action works, and a representative set of forbidden ones (another
+host's tasks and reports, `allocation.requested` from an agent, stream/consumer admin from an agent,
+any write from ops) fails with the server's permissions violation. Unauthenticated, plain-text,
+foreign-signed, expired and revoked clients are refused; revocation needs no restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import RawCredentials
+from structlog.testing import capture_logs
+
+from gpuaas_common.identity import Authority, Creds
+from gpuaas_common.identity.permissions import (
+    ROLE_PERMISSIONS,
+    SERVICES,
+    durables_of,
+    node_user_name,
+    produced_subjects,
+    render_table,
+)
+from gpuaas_common.identity.tls import TlsFiles, client_context, make_ca_and_server_cert
+from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer, provision
+from gpuaas_common.natsconn import NatsIdentity
+from gpuaas_common.testing.servers import NatsServer
+
+NODES = ("n1", "n2")
+
+
+class Client:
+    """A connection that records the server's asynchronous errors, so a test can ask what was refused."""
+
+    def __init__(self, nc: nats.NATS, errors: list[str]) -> None:
+        self.nc = nc
+        self.errors = errors
+
+    async def _refused(self, needle: str) -> bool:
+        # The server answers a forbidden PUB/SUB with -ERR before the PONG of the next flush; two
+        # flushes make sure the error callback has run.
+        await self.nc.flush()
+        await self.nc.flush()
+        return any(needle.lower() in e.lower() for e in self.errors)  # nats-py lower-cases -ERR texts
+
+    async def can_publish(self, subject: str, data: bytes = b"{}") -> bool:
+        self.errors.clear()
+        await self.nc.publish(subject, data)
+        return not await self._refused(f'publish to "{subject}"')
+
+    async def can_subscribe(self, subject: str) -> bool:
+        self.errors.clear()
+        sub = await self.nc.subscribe(subject)
+        refused = await self._refused(f'subscription to "{subject}"')
+        if not refused:
+            await sub.unsubscribe()
+        return not refused
+
+
+@pytest.fixture(scope="module")
+def authority() -> Authority:
+    return Authority.create()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_ca_and_server_cert(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, authority: Authority, tls_files: TlsFiles) -> Iterator[NatsServer]:
+    srv = NatsServer(tmp_path_factory.mktemp("nats-auth"), auth=authority, tls=tls_files).start()
+    yield srv
+    srv.stop()
+
+
+async def connect(server: NatsServer, tls_files: TlsFiles, creds: Creds, **kw: object) -> Client:
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    nc = await nats.connect(server.url, user_credentials=RawCredentials(creds.render()), tls=client_context(tls_files.ca),
+                            inbox_prefix=f"_INBOX_{creds.name}".encode(), error_cb=on_error, allow_reconnect=False,
+                            connect_timeout=5, **kw)
+    return Client(nc, errors)
+
+
+@pytest.fixture(scope="module")
+async def clients(server: NatsServer, tls_files: TlsFiles, authority: Authority) -> AsyncIterator[dict[str, Client]]:
+    out: dict[str, Client] = {}
+    for role, perms in ROLE_PERMISSIONS.items():
+        out[role] = await connect(server, tls_files, authority.issue_user(role, perms))
+    await provision(out["admin"].nc.jetstream(), [*CONSUMERS, *(node_agent_consumer(n) for n in NODES)])
+    for node in NODES:
+        out[node] = await connect(server, tls_files, authority.issue_host(node))
+    yield out
+    for c in out.values():
+        await c.nc.close()
+
+
+def _concrete(subject: str) -> str:
+    return subject.replace("*", "nx")  # a host no test reads tasks of
+
+
+# --- services -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("service", SERVICES)
+async def test_service_publishes_what_it_produces_and_nothing_else(clients: dict[str, Client], service: str) -> None:
+    c = clients[service]
+    js = c.nc.jetstream()
+    for subject in produced_subjects(service):
+        ack = await js.publish(_concrete(subject), b"{}", timeout=5)
+        assert ack.stream, subject
+    others = {s for other in ("portal", *SERVICES) if other != service for s in produced_subjects(other)}
+    for subject in sorted(others - set(produced_subjects(service))):
+        assert not await c.can_publish(_concrete(subject)), f"{service} may publish {subject}"
+
+
+@pytest.mark.parametrize("service", SERVICES)
+async def test_service_reads_only_its_own_durables(clients: dict[str, Client], service: str) -> None:
+    c = clients[service]
+    js = c.nc.jetstream()
+    c.errors.clear()
+    for spec in durables_of(service):
+        info = await js.consumer_info(spec.stream, spec.durable)
+        assert info.config.durable_name == spec.durable
+        sub = await js.pull_subscribe_bind(spec.durable, stream=spec.stream, inbox_prefix=f"_INBOX_{service}.".encode())
+        try:
+            for msg in await sub.fetch(1, timeout=0.3):
+                await msg.ack_sync()  # fetch and ack are allowed on its own durable
+        except nats.errors.TimeoutError:
+            pass  # allowed, and simply nothing there for it
+        assert not c.errors, c.errors
+    foreign = next(spec for spec in CONSUMERS if not spec.durable.startswith(f"{service}-"))
+    assert not await c.can_publish(f"$JS.API.CONSUMER.MSG.NEXT.{foreign.stream}.{foreign.durable}")
+    assert not await c.can_publish(f"$JS.API.CONSUMER.INFO.{foreign.stream}.{foreign.durable}")
+    assert not await c.can_publish("$JS.API.STREAM.CREATE.EVIL")
+    assert not await c.can_publish(f"$JS.API.STREAM.DELETE.{foreign.stream}")
+    assert not await c.can_subscribe("_INBOX.>"), "a shared inbox would let it read others' replies"
+
+
+# --- node agents ----------------------------------------------------------------------------------------
+
+
+async def test_node_agent_fetches_and_acks_only_its_own_tasks(clients: dict[str, Client]) -> None:
+    admin_js = clients["admin"].nc.jetstream()
+    await admin_js.publish("gpuaas.node.n1.tasks", b"task-for-n1")
+    await admin_js.publish("gpuaas.node.n2.tasks", b"task-for-n2")
+    n1 = clients["n1"]
+    js = n1.nc.jetstream()
+    sub = await js.pull_subscribe_bind("node-agent-n1", stream="NODE_TASKS", inbox_prefix=b"_INBOX_node-n1.")
+    msgs = await sub.fetch(1, timeout=5)
+    assert msgs[0].data == b"task-for-n1"
+    await msgs[0].ack_sync()
+    # Another host's durable, directly or through its own durable's API, is closed.
+    assert not await n1.can_publish("$JS.API.CONSUMER.MSG.NEXT.NODE_TASKS.node-agent-n2")
+    assert not await n1.can_publish("$JS.API.CONSUMER.INFO.NODE_TASKS.node-agent-n2")
+    assert not await n1.can_publish("$JS.ACK.NODE_TASKS.node-agent-n2.1.1.1.1.0")
+    # n2's task is still there for n2.
+    n2_sub = await clients["n2"].nc.jetstream().pull_subscribe_bind(
+        "node-agent-n2", stream="NODE_TASKS", inbox_prefix=b"_INBOX_node-n2.")
+    assert (await n2_sub.fetch(1, timeout=5))[0].data == b"task-for-n2"
+
+
+async def test_node_agent_reports_only_as_itself(clients: dict[str, Client]) -> None:
+    n1 = clients["n1"]
+    ack = await n1.nc.jetstream().publish("gpuaas.node.n1.report.parity", b"{}", timeout=5)
+    assert ack.stream == "NODE_REPORTS"
+    assert await n1.can_publish("gpuaas.dlq.node-agent-n1")
+    for forbidden in ("gpuaas.node.n2.report.parity", "gpuaas.node.n2.report.task_result",
+                      "gpuaas.allocation.requested", "gpuaas.allocation.event.active", "gpuaas.node.n1.tasks",
+                      "gpuaas.node.n2.tasks", "gpuaas.maas.command.deploy", "gpuaas.dlq.allocator-requested"):
+        assert not await n1.can_publish(forbidden), forbidden
+
+
+async def test_node_agent_cannot_administer_streams_or_read_others(clients: dict[str, Client]) -> None:
+    n1 = clients["n1"]
+    for forbidden in ("$JS.API.STREAM.CREATE.X", "$JS.API.STREAM.UPDATE.NODE_TASKS", "$JS.API.STREAM.DELETE.NODE_TASKS",
+                      "$JS.API.CONSUMER.CREATE.NODE_TASKS.spy.gpuaas.node.n2.tasks",
+                      "$JS.API.CONSUMER.DURABLE.CREATE.NODE_TASKS.spy", "$JS.API.CONSUMER.CREATE.NODE_TASKS",
+                      "$JS.API.CONSUMER.DELETE.NODE_TASKS.node-agent-n1", "$JS.API.STREAM.MSG.GET.NODE_TASKS",
+                      "$JS.API.DIRECT.GET.NODE_TASKS"):
+        assert not await n1.can_publish(forbidden), forbidden
+    for forbidden in ("gpuaas.node.n2.tasks", "gpuaas.>", "_INBOX.>", "_INBOX_node-n2.>", ">"):
+        assert not await n1.can_subscribe(forbidden), forbidden
+    assert await n1.can_subscribe("_INBOX_node-n1.x")
+
+
+# --- portal, ops ----------------------------------------------------------------------------------------
+
+
+async def test_portal_requests_and_follows_the_lifecycle_only(clients: dict[str, Client]) -> None:
+    portal = clients["portal"]
+    js = portal.nc.jetstream()
+    for subject in ("gpuaas.allocation.requested", "gpuaas.allocation.release_requested"):
+        assert (await js.publish(subject, b"{}", timeout=5)).stream == "ALLOCATIONS"
+    assert await portal.can_subscribe("gpuaas.allocation.event.>")
+    for forbidden in ("gpuaas.allocation.event.active", "gpuaas.node.n1.tasks", "gpuaas.node.n1.report.task_result",
+                      "gpuaas.maas.command.deploy", "$JS.API.STREAM.CREATE.X",
+                      "$JS.API.CONSUMER.MSG.NEXT.ALLOCATIONS.allocator-requested"):
+        assert not await portal.can_publish(forbidden), forbidden
+    for forbidden in ("gpuaas.node.n1.tasks", "gpuaas.allocation.requested", "gpuaas.maas.>"):
+        assert not await portal.can_subscribe(forbidden), forbidden
+
+
+async def test_ops_reads_lifecycle_and_reports_and_writes_nothing(clients: dict[str, Client]) -> None:
+    ops = clients["ops"]
+    for subject in ("gpuaas.allocation.event.>", "gpuaas.node.*.report.>", "gpuaas.dlq.>"):
+        assert await ops.can_subscribe(subject), subject
+    for forbidden in ("gpuaas.allocation.requested", "gpuaas.allocation.release_requested", "gpuaas.node.n1.tasks",
+                      "gpuaas.maas.command.release", "$JS.API.STREAM.INFO.ALLOCATIONS", "$JS.API.STREAM.CREATE.X"):
+        assert not await ops.can_publish(forbidden), forbidden
+    assert not await ops.can_subscribe("gpuaas.node.n1.tasks"), "tasks carry tenants' keys and plans"
+
+
+# --- refused connections --------------------------------------------------------------------------------
+
+
+async def test_unauthenticated_client_is_refused(server: NatsServer, tls_files: TlsFiles) -> None:
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await nats.connect(server.url, tls=client_context(tls_files.ca), allow_reconnect=False, connect_timeout=5)
+
+
+def test_plain_text_client_is_refused(server: NatsServer) -> None:
+    """A client that will not speak TLS gets nothing but the server's demand for it."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+        info = s.recv(4096).decode()
+        assert '"tls_required":true' in info
+        s.sendall(b'CONNECT {"verbose":false}\r\nPING\r\n')
+        s.settimeout(5)
+        try:
+            answer = s.recv(4096)
+        except (ConnectionResetError, socket.timeout):
+            answer = b""
+        assert b"PONG" not in answer
+
+
+async def test_client_trusting_another_ca_is_refused(server: NatsServer, authority: Authority,
+                                                      tmp_path: Path) -> None:
+    other = make_ca_and_server_cert(tmp_path / "other")
+    creds = authority.issue_user("portal", ROLE_PERMISSIONS["portal"])
+    with pytest.raises(ssl.SSLCertVerificationError):
+        await nats.connect(server.url, user_credentials=RawCredentials(creds.render()), tls=client_context(other.ca),
+                           allow_reconnect=False, connect_timeout=5)
+
+
+@pytest.mark.parametrize("case", ["foreign_signed", "expired", "malformed"])
+async def test_bad_credentials_are_refused_with_the_servers_reason(
+    server: NatsServer, tls_files: TlsFiles, authority: Authority, tmp_path: Path, case: str,
+) -> None:
+    if case == "foreign_signed":
+        creds = Authority.create().issue_user("portal", ROLE_PERMISSIONS["portal"])
+        text = creds.render()
+    elif case == "expired":
+        creds = authority.issue_user("portal", ROLE_PERMISSIONS["portal"], ttl_s=-60)
+        text = creds.render()
+    else:
+        good = authority.issue_user("portal", ROLE_PERMISSIONS["portal"])
+        text = good.render().replace(good.jwt, good.jwt[:-20] + "A" * 20)  # signature no longer verifies
+        creds = good
+    path = tmp_path / "bad.creds"
+    path.write_text(text)
+    identity = NatsIdentity([server.url], str(path), str(tls_files.ca))
+    with capture_logs() as logs:
+        for _ in range(2):  # a second refusal of the same kind is not logged again
+            with pytest.raises(Exception, match="(?i)authorization violation"):
+                # Generous: for a foreign account the server first asks its resolver, then refuses.
+                await identity.connect(name="bad", retry_forever=False, allow_reconnect=False, connect_timeout=10)
+    warnings = [e for e in logs if e["event"] == "nats_auth_refused"]
+    assert len(warnings) == 1, logs
+    assert "authorization violation" in warnings[0]["reason"].lower()
+    assert creds.seed.decode() not in repr(logs) and creds.jwt not in repr(logs)
+
+
+async def test_a_revoked_host_is_disconnected_at_once_and_cannot_come_back(
+    server: NatsServer, tls_files: TlsFiles, authority: Authority,
+) -> None:
+    creds = authority.issue_host("n3")
+    closed = asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    host = await connect(server, tls_files, creds, closed_cb=on_closed)
+    assert await host.can_publish("gpuaas.node.n3.report.parity")
+    await authority.issuer().revoke([server.url], authority.issued_hosts["n3"], tls=client_context(tls_files.ca))
+    await asyncio.wait_for(closed.wait(), timeout=5)  # no server restart: the account update closed it
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await connect(server, tls_files, creds)
+    # The revocation touched nobody else.
+    other = await connect(server, tls_files, authority.issue_host("n4"))
+    assert await other.can_publish("gpuaas.node.n4.report.parity")
+    await other.nc.close()
+
+
+async def test_concurrent_revocations_are_all_kept(server: NatsServer, tls_files: TlsFiles, authority: Authority) -> None:
+    """Gateway replicas and an ops command may push account updates at the same moment."""
+    issued = [authority.issue_host(f"c{i}") for i in range(4)]
+    ctx = client_context(tls_files.ca)
+    await asyncio.gather(*(authority.issuer().revoke([server.url], [str(c.claims["sub"])], tls=ctx) for c in issued))
+    for creds in issued:
+        with pytest.raises(Exception, match="(?i)authorization violation"):
+            await connect(server, tls_files, creds)
+
+
+def test_readme_identity_table_matches_the_code(repo_root: Path) -> None:
+    readme = (repo_root / "README.md").read_text()
+    assert render_table() in readme, "README's identity table drifted: paste `gpuaas identities table`"
+
+
+def test_every_node_user_is_named_for_its_host(authority: Authority) -> None:
+    creds = authority.issue_host("slice-07")
+    assert creds.name == node_user_name("slice-07")
+    assert "node:slice-07" in creds.claims["nats"]["tags"]
+    assert "pub" not in creds.claims["nats"], "a scoped key's user must carry no permissions of its own"
