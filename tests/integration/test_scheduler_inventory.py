@@ -3,7 +3,6 @@ re-checks of hand-edited rows, why-not answers, quota, and the release/cleanup/r
 
 from __future__ import annotations
 
-import json
 import uuid
 
 import asyncpg
@@ -338,23 +337,19 @@ async def test_failed_provisioning_that_touched_the_disk_blocks_the_slots(pool):
         assert await conn.fetchval("SELECT count(*) FROM allocation_resource_claims WHERE status <> 'released'") == 0
 
 
-async def test_baremetal_takes_only_clean_convertible_hosts_and_watermark_keeps_them(pool):
+async def test_the_watermark_keeps_the_last_clean_slice_hosts_whole(pool):
+    # Which hosts may serve baremetal is the host mode's business (test_scheduler_host_modes.py); the
+    # watermark only keeps clean slice hosts whole for 8-GPU slices and conversion.
     async with pool.acquire() as conn:
-        await synthetic.build(conn, slice_hosts=3, convertible=True, sku="h200-sxm")
+        await synthetic.build(conn, slice_hosts=3)
     policy = PlacementPolicy(clean_node_watermark=1)
-    s1 = (await run_place(pool, accepted(4, sku="h200-sxm"), policy)).placed
-    s2 = (await run_place(pool, accepted(4, sku="h200-sxm"), policy)).placed
+    s1 = (await run_place(pool, accepted(4), policy)).placed
+    s2 = (await run_place(pool, accepted(4), policy)).placed
     assert s1.node_id == s2.node_id == "n00001"
-    s3 = (await run_place(pool, accepted(2, sku="h200-sxm"), policy)).placed
+    s3 = (await run_place(pool, accepted(2), policy)).placed
     assert s3.node_id == "n00002"
-    # Only one clean host is left: the watermark keeps it for baremetal.
-    u = (await run_place(pool, accepted(8, sku="h200-sxm"), policy)).unschedulable
+    # Only one clean host is left: the watermark keeps it whole.
+    u = (await run_place(pool, accepted(8), policy)).unschedulable
     assert u.reason_code == "clean_node_reserve" and u.filtered["clean_node_reserve"] == 1
-    bm = (await run_place(pool, accepted(8, "baremetal", sku="h200-sxm"), policy)).placed
-    assert bm.node_id == "n00003" and bm.claim_mode == "node_exclusive"
-    assert (await run_place(pool, accepted(8, "baremetal", sku="h200-sxm"), policy)).placed is None
-    # A host under a baremetal claim takes no slices.
-    assert (await run_place(pool, accepted(1, sku="h200-sxm"), policy)).placed.node_id == "n00002"
-    async with pool.acquire() as conn:
-        assert json.loads(json.dumps(await conn.fetchval(
-            "SELECT count(*) FROM allocation_resource_claims WHERE node_id = 'n00003'"))) == 1
+    assert (await run_place(pool, accepted(1), policy)).placed.node_id == "n00002"
+    assert (await run_place(pool, accepted(8), PlacementPolicy())).placed.node_id == "n00003"

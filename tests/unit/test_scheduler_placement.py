@@ -152,7 +152,10 @@ def facts(**kw):
     ({"region": "r2"}, "region"),
     ({"sku": "other"}, "sku"),
     ({"accepts_slices": False}, "profile_intent"),
-    ({"mode": "baremetal"}, "profile_intent"),
+    ({"mode": "baremetal"}, "host_mode"),
+    ({"mode": "converting"}, "host_mode"),
+    ({"mode": "drained"}, "host_mode"),
+    ({"mode": "retired"}, "host_mode"),
     ({"maintenance": True}, "maintenance"),
     ({"draining": True}, "draining"),
     ({"schedulable": False}, "not_ready"),
@@ -171,8 +174,23 @@ def test_baremetal_filters():
     req = Request("baremetal", 8, "r1", "h200-sxm")
     node = facts(sku="h200-sxm", accepts_baremetal=True, accepts_slices=False, mode="baremetal", parity_failures=None)
     assert node_filter(node, req) is None
-    assert node_filter(facts(sku="h200-sxm", accepts_baremetal=True, live_claims=1), req) == "in_use"
+    assert node_filter(facts(sku="h200-sxm", accepts_baremetal=True, mode="baremetal", live_claims=1), req) == "in_use"
     assert node_filter(facts(sku="h200-sxm"), req) == "profile_intent"
+
+
+@pytest.mark.parametrize("mode", ["slice", "converting", "drained", "retired"])
+def test_baremetal_takes_only_baremetal_mode_hosts(mode):
+    # Both profile tags: the tag alone must not make a slice (or converting...) host a baremetal candidate.
+    node = facts(sku="h200-sxm", accepts_baremetal=True, accepts_slices=True, mode=mode)
+    assert node_filter(node, Request("baremetal", 8, "r1", "h200-sxm")) == "host_mode"
+
+
+def test_a_baremetal_mode_host_still_holding_approved_slots_is_not_handed_out():
+    node = facts(sku="h200-sxm", accepts_baremetal=True, mode="baremetal", approved_slots=1)
+    assert node_filter(node, Request("baremetal", 8, "r1", "h200-sxm")) == "approved_slots"
+    code, reason = unschedulable_summary(Counter({"host_mode": 2, "approved_slots": 1}), 0, 8, "baremetal", 0)
+    assert code == "no_eligible_node"
+    assert "2 in a host mode that does not serve this shape" in reason and "1 still holding approved slots" in reason
 
 
 def test_reason_texts_are_precise():

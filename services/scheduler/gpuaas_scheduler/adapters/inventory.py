@@ -30,6 +30,7 @@ from ..domain.placement import (
     incomplete_reason,
     summarize,
 )
+from .host_modes import record_created
 
 SLOT_COLUMNS = (
     "slot_id, gpu_pci_address, nvme_by_id, fabric_vf_pci_address, mac, private_ip, ovs_bridge, numa_node, profile"
@@ -44,6 +45,15 @@ SLICE_NODE_SQL = (
     "n.accepts_slices AND n.mode = 'slice' AND n.parity_failures = 0 AND n.schedulable AND NOT n.draining "
     "AND NOT n.maintenance"
 )
+# A node may be handed out whole: baremetal mode, intent, no drain or maintenance, and no approved slot
+# left in any status but retired: a slot promises its GPU and disk to slices, a baremetal tenant owns
+# them all.
+BAREMETAL_NODE_SQL = (
+    "n.accepts_baremetal AND n.mode = 'baremetal' AND n.schedulable AND NOT n.draining AND NOT n.maintenance "
+    "AND NOT EXISTS (SELECT 1 FROM node_resource_slots s WHERE s.node_id = n.node_id AND s.status <> 'retired')"
+)
+# Slot states that count towards a node's capacity (approved, whether free or not).
+COUNTED_SLOT_SQL = "status NOT IN ('disabled', 'retired')"
 # A slot is free to claim: approved and complete (ELIGIBLE_SLOT_SQL) and no live claim on it, its
 # fabric device or its disk.
 FREE_SLOT_SQL = (
@@ -86,17 +96,21 @@ def candidate_from_row(r: asyncpg.Record) -> NodeCandidate:
 async def seed_from_fleet(conn: asyncpg.Connection, fleet: Fleet) -> int:
     """Insert nodes and slots that are not there yet; never touches the status of existing rows."""
     added = 0
+    created: list[str] = []
     for node in fleet.nodes:
         intent = "slice-vm" if node.kind == "slice_host" else "baremetal"
         # The simulated fleet is generated parity-clean; a real host's agent reports its own.
-        await conn.execute(
+        inserted_node = await conn.fetchval(
             "INSERT INTO nodes (node_id, kind, hostname, region, pool, sku, maas_system_id, profile_intent, "
             "maas_tags, mode, parity_failures, parity_checked_at) "
-            "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, now()) ON CONFLICT (node_id) DO NOTHING",
+            "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, now()) ON CONFLICT (node_id) DO NOTHING "
+            "RETURNING node_id",
             node.node_id, node.kind, node.hostname, node.region, node.pool, node.sku, node.maas_system_id, intent,
             [TAG_SLICE if node.kind == "slice_host" else TAG_BAREMETAL],
             "slice" if node.kind == "slice_host" else "baremetal", 0 if node.kind == "slice_host" else None,
         )
+        if inserted_node:
+            created.append(inserted_node)
         rows = []
         for slot in node.slots:
             data = slot.model_dump()
@@ -119,6 +133,7 @@ async def seed_from_fleet(conn: asyncpg.Connection, fleet: Fleet) -> int:
                 *[list(col) for col in zip(*rows)],
             )
             added += len(inserted)
+    await record_created(conn, created, "fleet-seed", "mode from the fleet file's host kind")
     await refresh_nodes(conn, [n.node_id for n in fleet.nodes])
     return added
 
@@ -128,11 +143,11 @@ async def refresh_nodes(conn: asyncpg.Connection, node_ids: Iterable[str] | None
     ids = sorted(set(node_ids)) if node_ids is not None else None
     nodes = await conn.fetch(
         "SELECT n.node_id, "
-        " (SELECT count(*) FROM node_resource_slots t WHERE t.node_id = n.node_id AND t.status <> 'disabled') AS total,"
+        f" (SELECT count(*) FROM node_resource_slots t WHERE t.node_id = n.node_id AND t.{COUNTED_SLOT_SQL}) AS total,"
         " (SELECT count(*) FROM allocation_resource_claims c WHERE c.node_id = n.node_id AND c.status <> 'released')"
         "   AS live_claims,"
         " (SELECT COALESCE(max(k), 0) FROM (SELECT count(*) AS k FROM node_resource_slots t WHERE t.node_id = n.node_id"
-        "   AND t.status <> 'disabled' AND t.numa_node IS NOT NULL GROUP BY t.numa_node) q) AS numa_capacity "
+        f"   AND t.{COUNTED_SLOT_SQL} AND t.numa_node IS NOT NULL GROUP BY t.numa_node) q) AS numa_capacity "
         "FROM nodes n WHERE ($1::text[] IS NULL OR n.node_id = ANY($1::text[])) ORDER BY n.node_id",
         ids,
     )
@@ -189,7 +204,7 @@ async def slice_candidates(conn: asyncpg.Connection, req: Request, classes: Sequ
 async def fleet_shape(conn: asyncpg.Connection) -> tuple[int | None, int | None, int | None]:
     """The largest number of approved slots behind one PCIe switch and on one NUMA node, fleet-wide."""
     row = await conn.fetchrow(
-        "SELECT (SELECT max(k) FROM (SELECT count(*) AS k FROM node_resource_slots WHERE status <> 'disabled' "
+        f"SELECT (SELECT max(k) FROM (SELECT count(*) AS k FROM node_resource_slots WHERE {COUNTED_SLOT_SQL} "
         "  AND pcie_switch IS NOT NULL AND numa_node IS NOT NULL GROUP BY node_id, numa_node, pcie_switch) a) AS sw, "
         "(SELECT max(numa_capacity) FROM nodes WHERE total_slots > 0) AS max_numa, "
         "(SELECT min(numa_capacity) FROM nodes WHERE total_slots > 0) AS min_numa"
@@ -301,10 +316,9 @@ async def lock_best_in_class(conn: asyncpg.Connection, req: Request, sliced: boo
 
 
 async def baremetal_candidates(conn: asyncpg.Connection, req: Request) -> list[str]:
-    # Baremetal-only hosts first: a convertible host is also slice capacity.
+    # Baremetal-only hosts first: a convertible host could go back to slices.
     rows = await conn.fetch(
-        "SELECT n.node_id FROM nodes n WHERE n.accepts_baremetal AND n.region = $1 AND n.sku = $2 "
-        "AND n.schedulable AND NOT n.draining AND NOT n.maintenance "
+        f"SELECT n.node_id FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {BAREMETAL_NODE_SQL} "
         "AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id AND c.status <> 'released') "
         "ORDER BY n.accepts_slices, n.node_id",
         req.region, req.sku,
@@ -316,8 +330,7 @@ async def try_claim_baremetal(conn: asyncpg.Connection, node_id: str, allocation
                               tenant_id: str | None, *, wait: bool) -> Any:
     skip = "" if wait else " SKIP LOCKED"
     node = await conn.fetchrow(
-        "SELECT n.node_id, n.maas_system_id, n.gpu_count FROM nodes n WHERE n.node_id = $1 AND n.accepts_baremetal "
-        "AND n.schedulable AND NOT n.draining AND NOT n.maintenance "
+        f"SELECT n.node_id, n.maas_system_id, n.gpu_count FROM nodes n WHERE n.node_id = $1 AND {BAREMETAL_NODE_SQL} "
         f"FOR UPDATE{skip}",
         node_id,
     )
@@ -370,7 +383,9 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
         " (SELECT count(*) FROM allocation_resource_claims c WHERE c.node_id = n.node_id AND c.status <> 'released')"
         "   AS live_claims, "
         " EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
-        "   AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') AS exclusive_held "
+        "   AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') AS exclusive_held, "
+        " (SELECT count(*) FROM node_resource_slots s WHERE s.node_id = n.node_id AND s.status <> 'retired')"
+        "   AS approved_slots "
         "FROM nodes n ORDER BY n.node_id",
         *_gate(image_gate),
     )
@@ -381,7 +396,7 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
             r["exclusive_held"],
             NodeCandidate(r["node_id"], r["free_slots"], r["total_slots"], r["live_claims"], r["max_switch_free"],
                           tuple(r["numa_free"]), r["numa_capacity"]),
-            r["image_ready"],
+            r["image_ready"], r["approved_slots"],
         )
         for r in rows
     ]

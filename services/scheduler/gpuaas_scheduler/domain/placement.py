@@ -99,6 +99,8 @@ class NodeFacts:
     # The host's cache holds the requested image verified with the requested digest (True when the
     # request has no image gate).
     image_ready: bool = True
+    # Approved slots in any status but retired: each still promises its GPU and disk to slices.
+    approved_slots: int = 0
 
 
 # --- slots ----------------------------------------------------------------------------------------
@@ -254,8 +256,14 @@ def node_filter(node: NodeFacts, req: Request) -> str | None:
     if req.shape == "baremetal":
         if not node.accepts_baremetal:
             return "profile_intent"
-    elif not node.accepts_slices or node.mode != "slice":
+        if node.mode != "baremetal":
+            return "host_mode"
+        if node.approved_slots:
+            return "approved_slots"
+    elif not node.accepts_slices:
         return "profile_intent"
+    elif node.mode != "slice":
+        return "host_mode"
     if node.maintenance:
         return "maintenance"
     if node.draining:
@@ -279,8 +287,8 @@ def node_filter(node: NodeFacts, req: Request) -> str | None:
 
 # Filters that judge the node rather than its current occupancy: a node passing them is "eligible"
 # and its free GPUs count in the why-not answer.
-NODE_LEVEL = {"region", "sku", "profile_intent", "maintenance", "draining", "not_ready", "parity", "image_cache",
-              "in_use"}
+NODE_LEVEL = {"region", "sku", "profile_intent", "host_mode", "approved_slots", "maintenance", "draining", "not_ready",
+              "parity", "image_cache", "in_use"}
 
 
 # --- scores ---------------------------------------------------------------------------------------
@@ -338,6 +346,8 @@ def clean_node_allowed(clean_nodes: int, watermark: int) -> bool:
 
 _FILTER_TEXT = {
     "region": "in another region", "sku": "of another SKU", "profile_intent": "without the profile intent",
+    "host_mode": "in a host mode that does not serve this shape",
+    "approved_slots": "still holding approved slots",
     "maintenance": "in maintenance", "draining": "draining", "not_ready": "not ready",
     "parity": "without parity failures=0", "image_cache": "without the image verified in cache",
     "in_use": "held by another allocation",

@@ -11,8 +11,11 @@ from typing import Any, Literal
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..adapters import host_modes as mode_repo
 from ..adapters import inventory as inv
 from ..domain.approval import approval_problems, approved_status
+from ..domain.host_mode import BAREMETAL, RETIRED, TRANSITIONS, ModeRefused
+from . import host_modes
 
 Name = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")
 Reason = Field(min_length=1, max_length=500)
@@ -45,6 +48,14 @@ class NodeIn(Body):
     maas_tags: list[str] = Field(default_factory=list, max_length=64)
     mode: Literal["slice", "baremetal"] | None = None
     gpu_count: int = Field(default=8, ge=1, le=64)
+
+
+class ModeIn(Acted):
+    mode: Literal["slice", "baremetal", "converting", "drained", "retired"]
+
+
+class RetireIn(Acted):
+    slot_ids: list[str] | None = Field(default=None, max_length=64)
 
 
 class ReadinessIn(Body):
@@ -135,6 +146,7 @@ async def _lock_node(conn: asyncpg.Connection, node_id: str) -> asyncpg.Record:
 
 NODE_VIEW = (
     "node_id, kind, hostname, region, pool, sku, maas_system_id, maas_tags, accepts_slices, accepts_baremetal, mode, "
+    "mode_changed_at, mode_changed_by, mode_reason, evidence_reset_at, topology_reported_at, "
     "schedulable, parity_failures, parity_checked_at, parity_detail, draining, drain_reason, drained_by, drained_at, "
     "maintenance, maintenance_reason, gpu_count, free_slots, total_slots, sliced, numa_free, updated_at"
 )
@@ -162,22 +174,32 @@ async def get_node(conn: asyncpg.Connection, node_id: str) -> dict:
         "SELECT allocation_id, slot_id, claim_kind, status, tenant_id, gpus, fencing_epoch, created_at "
         "FROM allocation_resource_claims WHERE node_id = $1 AND status <> 'released' ORDER BY claim_id", node_id,
     )
-    return {"node": _jsonable(row), "live_claims": [_jsonable(c) for c in claims]}
+    history = await mode_repo.history(conn, node_id)
+    return {"node": _jsonable(row), "live_claims": [_jsonable(c) for c in claims],
+            "mode_history": [_jsonable(h) for h in history]}
 
 
 async def upsert_node(conn: asyncpg.Connection, body: NodeIn) -> dict:
     intent = "slice-vm" if inv.TAG_SLICE in body.maas_tags else "baremetal"
+    current = await conn.fetchval("SELECT mode FROM nodes WHERE node_id = $1 FOR UPDATE", body.node_id)
+    if current is not None and body.mode is not None and body.mode != current:
+        # Registration sets the first mode only; later changes have guards and a history.
+        raise AdminError(409, "mode_transition_refused",
+                         f"node {body.node_id} is {current}: change its mode with POST /v1/nodes/{{node_id}}/mode",
+                         {"from": current, "to": body.mode})
     mode = body.mode or ("slice" if body.kind == "slice_host" else "baremetal")
     await conn.execute(
         "INSERT INTO nodes (node_id, kind, hostname, region, pool, sku, maas_system_id, profile_intent, maas_tags, "
         "mode, gpu_count) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) "
         "ON CONFLICT (node_id) DO UPDATE SET hostname = EXCLUDED.hostname, region = EXCLUDED.region, "
         "pool = EXCLUDED.pool, sku = EXCLUDED.sku, maas_system_id = EXCLUDED.maas_system_id, "
-        "profile_intent = EXCLUDED.profile_intent, maas_tags = EXCLUDED.maas_tags, mode = EXCLUDED.mode, "
+        "profile_intent = EXCLUDED.profile_intent, maas_tags = EXCLUDED.maas_tags, "
         "gpu_count = EXCLUDED.gpu_count, updated_at = now()",
         body.node_id, body.kind, body.hostname, body.region, body.pool, body.sku, body.maas_system_id, intent,
         body.maas_tags, mode, body.gpu_count,
     )
+    if current is None:
+        await mode_repo.record_created(conn, [body.node_id], body.actor, "registered through the admin API")
     await audit(conn, body.actor, "node.upsert", body.node_id, None, body.model_dump(exclude={"actor"}))
     await inv.refresh_nodes(conn, [body.node_id])
     return await get_node(conn, body.node_id)
@@ -215,6 +237,35 @@ async def undrain(conn: asyncpg.Connection, node_id: str, body: Acted) -> dict:
     )
     await audit(conn, body.actor, "node.undrain", node_id, body.reason)
     return await get_node(conn, node_id)
+
+
+async def get_mode(conn: asyncpg.Connection, node_id: str) -> dict:
+    """The node's mode with who/why/when, what each transition out of it still needs, and its history."""
+    loaded = await mode_repo.load_host(conn, node_id)
+    if loaded is None:
+        raise AdminError(404, "node_not_found", f"no node {node_id!r}")
+    host, _ = loaded
+    row = await conn.fetchrow(
+        "SELECT mode_changed_at, mode_changed_by, mode_reason, evidence_reset_at FROM nodes WHERE node_id = $1",
+        node_id)
+    transitions = {to: host.blockers(to) for (frm, to) in TRANSITIONS if frm == host.mode}
+    history = await mode_repo.history(conn, node_id)
+    return {"node_id": node_id, "mode": host.mode, **_jsonable(row), "transitions": transitions,
+            "history": [_jsonable(h) for h in history]}
+
+
+async def set_mode(conn: asyncpg.Connection, node_id: str, body: ModeIn) -> dict:
+    await _lock_node(conn, node_id)
+    try:
+        change = await host_modes.change_mode(conn, node_id, body.mode, actor=body.actor, reason=body.reason)
+    except ModeRefused as exc:
+        raise AdminError(409, "mode_transition_refused", str(exc), {
+            "from": exc.current, "to": exc.target, "problems": exc.problems,
+            "allowed": [to for (frm, to) in TRANSITIONS if frm == exc.current],
+        }) from None
+    await audit(conn, body.actor, "node.mode", node_id, body.reason,
+                {"from": change.from_mode, "to": change.to_mode, "evidence_reset": change.resets_evidence})
+    return await get_mode(conn, node_id)
 
 
 async def list_slots(conn: asyncpg.Connection, node_id: str | None = None, status: str | None = None) -> dict:
@@ -277,8 +328,15 @@ async def upsert_candidates(conn: asyncpg.Connection, node_id: str, body: Candid
 
 
 async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> dict:
-    """Turn candidates into slots: `available` when every rule holds, else `disabled` with the reasons."""
-    await _lock_node(conn, node_id)
+    """Turn candidates into slots: `available` when every rule holds, else `disabled` with the reasons.
+    On a converting host this is the re-approval that, with rediscovery and a passing parity run,
+    returns it to slice mode."""
+    node = await _lock_node(conn, node_id)
+    if node["mode"] in (BAREMETAL, RETIRED):
+        raise AdminError(409, "mode_forbids_approval",
+                         f"node {node_id} is {node['mode']}: a slot there would promise a baremetal or retired host's "
+                         "GPU and disk to slices; move it to converting and rediscover it first",
+                         {"mode": node["mode"]})
     cands = await conn.fetch(
         "SELECT * FROM candidate_slots WHERE node_id = $1 AND ($2::text[] IS NULL OR candidate_id = ANY($2::text[])) "
         "ORDER BY candidate_id",
@@ -304,7 +362,8 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> di
                              + (" (repair it instead)" if existing["status"] == "cleanup_blocked" else ""),
                              {"slot_id": slot_id, "status": existing["status"]})
         c["slot_id"] = slot_id
-        problems = approval_problems(c, slots.values())
+        # A retired slot owns no binding any more; a re-approved one takes it back.
+        problems = approval_problems(c, [s for s in slots.values() if s["status"] != RETIRED])
         status, reason = approved_status(problems)
         await conn.execute(
             "INSERT INTO node_resource_slots (slot_id, node_id, gpu_pci_address, numa_node, pcie_switch, nvme_by_id, "
@@ -337,7 +396,42 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> di
         results.append({"candidate_id": c["candidate_id"], "slot_id": slot_id, "status": status, "problems": problems})
     await audit(conn, body.actor, "candidates.approve", node_id, body.reason, {"results": results})
     await inv.refresh_nodes(conn, [node_id])
-    return {"results": results}
+    mode, blockers = await host_modes.promote_if_ready(
+        conn, node_id, actor=body.actor,
+        reason=body.reason or "slots re-approved after rediscovery and a passing parity run")
+    out: dict[str, Any] = {"results": results, "mode": mode}
+    if blockers:
+        out["mode_blockers"] = blockers
+    return out
+
+
+async def retire_slots(conn: asyncpg.Connection, node_id: str, body: RetireIn) -> dict:
+    """Slots that no longer promise their GPU and disk to slices (all of the node's unretired slots when
+    slot_ids is absent), atomically. A host must have retired every slot before it may serve baremetal;
+    only re-approval after rediscovery brings a retired slot back."""
+    await _lock_node(conn, node_id)
+    rows = await conn.fetch(
+        "SELECT s.slot_id, s.status, EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.slot_id = s.slot_id "
+        "AND c.status <> 'released') AS claimed FROM node_resource_slots s WHERE s.node_id = $1 "
+        "AND ($2::text[] IS NULL OR s.slot_id = ANY($2::text[])) ORDER BY s.slot_id FOR UPDATE OF s",
+        node_id, body.slot_ids,
+    )
+    if body.slot_ids is not None:
+        missing = sorted(set(body.slot_ids) - {r["slot_id"] for r in rows})
+        if missing:
+            raise AdminError(404, "slot_not_found", f"slots not on node {node_id}", {"slot_ids": missing})
+    busy = {r["slot_id"]: r["status"] for r in rows
+            if r["claimed"] or r["status"] in LIVE_SLOT_STATES + ("cleanup_blocked",)}
+    if busy:
+        # A cleanup_blocked disk may still hold a tenant's data: retiring it would hand that data to
+        # whoever gets the host next. It needs a verified wipe (repair) first.
+        raise AdminError(409, "slot_in_use", "slots in use or awaiting a verified wipe cannot be retired",
+                         {"slots": busy})
+    ids = [r["slot_id"] for r in rows if r["status"] != RETIRED]
+    await inv.move_slots(conn, ids, RETIRED, body.reason, actor=body.actor)
+    await audit(conn, body.actor, "slots.retire", node_id, body.reason, {"slot_ids": ids})
+    await inv.refresh_nodes(conn, [node_id])
+    return await list_slots(conn, node_id=node_id)
 
 
 async def _lock_slot(conn: asyncpg.Connection, slot_id: str) -> dict:
@@ -355,6 +449,8 @@ async def _lock_slot(conn: asyncpg.Connection, slot_id: str) -> dict:
 
 async def disable(conn: asyncpg.Connection, slot_id: str, body: Acted) -> dict:
     slot = await _lock_slot(conn, slot_id)
+    if slot["status"] == RETIRED:
+        raise AdminError(409, "slot_retired", f"slot {slot_id} is retired; only re-approval brings it back")
     if slot["claimed"] or slot["status"] in LIVE_SLOT_STATES:
         raise AdminError(409, "slot_in_use", f"slot {slot_id} is {slot['status']} under a live claim",
                          {"status": slot["status"]})
@@ -375,8 +471,8 @@ async def repair(conn: asyncpg.Connection, slot_id: str, body: RepairIn) -> dict
         raise AdminError(409, "slot_in_use", f"slot {slot_id} still has a live claim")
     evidence = body.nvme_evidence.model_dump() if body.nvme_evidence else (
         json.loads(slot["nvme_evidence"]) if slot["nvme_evidence"] else None)
-    others = await conn.fetch("SELECT * FROM node_resource_slots WHERE node_id = $1 AND slot_id <> $2",
-                              slot["node_id"], slot_id)
+    others = await conn.fetch("SELECT * FROM node_resource_slots WHERE node_id = $1 AND slot_id <> $2 "
+                              "AND status <> 'retired'", slot["node_id"], slot_id)
     problems = approval_problems({**slot, "nvme_evidence": evidence}, [dict(o) for o in others])
     if problems:
         raise AdminError(409, "repair_rejected", "the slot still fails approval rules", {"problems": problems})

@@ -9,7 +9,9 @@
 
 Each runs inside the bus handler's transaction, with the inbox row that makes a redelivery a no-op.
 Reports are applied only when newer than the last one applied, so a late redelivery of an old report
-(past JetStream's duplicate window) cannot roll the evidence back.
+(past JetStream's duplicate window) cannot roll the evidence back; and only when newer than the host's
+last evidence reset (entering `converting`, see domain/host_mode.py), since a report from before
+describes the host as it was before MAAS redeployed it.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ async def record_parity(conn: asyncpg.Connection, ev: m.NodeParityReported) -> s
     row = await conn.fetchrow(
         "UPDATE nodes SET parity_failures = $2, parity_detail = $3::jsonb, parity_checked_at = $4, "
         "parity_reported_at = $4, updated_at = now() "
-        "WHERE node_id = $1 AND (parity_reported_at IS NULL OR parity_reported_at <= $4) RETURNING node_id",
+        "WHERE node_id = $1 AND (parity_reported_at IS NULL OR parity_reported_at <= $4) "
+        "AND (evidence_reset_at IS NULL OR evidence_reset_at < $4) RETURNING node_id",
         ev.node_id, ev.failures, json.dumps(detail), ev.checked_at,
     )
     return "applied" if row else await _why_not_applied(conn, ev.node_id)
@@ -48,7 +51,8 @@ async def record_topology(conn: asyncpg.Connection, ev: m.NodeTopologyReported) 
     reported candidate for the same GPU (or id) is not stored beside them."""
     node = await conn.fetchrow(
         "UPDATE nodes SET topology_reported_at = $2, topology_blockers = $3::jsonb, updated_at = now() "
-        "WHERE node_id = $1 AND (topology_reported_at IS NULL OR topology_reported_at <= $2) RETURNING node_id",
+        "WHERE node_id = $1 AND (topology_reported_at IS NULL OR topology_reported_at <= $2) "
+        "AND (evidence_reset_at IS NULL OR evidence_reset_at < $2) RETURNING node_id",
         ev.node_id, ev.discovered_at, json.dumps(ev.blockers),
     )
     if node is None:

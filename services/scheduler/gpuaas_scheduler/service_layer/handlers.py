@@ -13,7 +13,7 @@ from gpuaas_common.logging import get_logger
 
 from ..adapters import inventory as inv
 from ..domain.approval import wipe_verdict
-from . import evidence
+from . import evidence, host_modes
 from .placement import PlacementPolicy, place
 
 log = get_logger(__name__)
@@ -91,7 +91,8 @@ class Scheduler:
 async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID, cleanup: m.CleanupReport) -> int:
     """releasing -> cleanup -> available only with a verified wipe proof for each slot's disk;
     otherwise cleanup_blocked with the reason. Claims are released either way: a blocked slot is kept
-    out of service by its status, not by a claim nobody will release."""
+    out of service by its status, not by a claim nobody will release. A host released from a baremetal
+    allocation leaves baremetal mode for `converting` when it is slice-capable (see domain/host_mode.py)."""
     held = await inv.allocation_slots(conn, allocation_id)
     await inv.lock_nodes(conn, [r["node_id"] for r in held])
     slots = [r for r in held if r["slot_id"]]
@@ -115,6 +116,8 @@ async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID,
                                      allocation_id=allocation_id, detail={"wipe_proofs": proofs},
                                      health=("degraded", problem[:500]))
     freed = await inv.release_claims(conn, allocation_id)
+    for node_id in sorted({r["node_id"] for r in held if r["claim_kind"] == "node_exclusive"}):
+        await host_modes.return_from_baremetal(conn, node_id, allocation_id)
     await inv.refresh_nodes(conn, [r["node_id"] for r in held])
     return len(freed)
 

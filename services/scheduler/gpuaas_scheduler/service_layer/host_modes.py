@@ -1,0 +1,75 @@
+"""Host mode changes inside the caller's transaction, under the node's row lock: an operator's request
+(admin API), the return of a host from a baremetal allocation (release), and the end of a conversion
+once rediscovery, parity and re-approval are all in (slot approval)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+import asyncpg
+
+from gpuaas_common.logging import get_logger
+
+from ..adapters import host_modes as repo
+from ..domain.host_mode import CONVERTING, SLICE, Host, ModeChange, ModeRefused
+
+log = get_logger(__name__)
+
+
+class UnknownNode(Exception):
+    pass
+
+
+async def _load(conn: asyncpg.Connection, node_id: str) -> tuple[Host, datetime]:
+    loaded = await repo.load_host(conn, node_id)
+    if loaded is None:
+        raise UnknownNode(node_id)
+    return loaded
+
+
+async def change_mode(conn: asyncpg.Connection, node_id: str, target: str, *, actor: str, reason: str) -> ModeChange:
+    """Raises ModeRefused (nothing written) or UnknownNode. The caller holds the node lock."""
+    host, now = await _load(conn, node_id)
+    change = host.change_mode(target, actor=actor, reason=reason, at=now)
+    await repo.save(conn, host)
+    log.info("host_mode_changed", node_id=node_id, from_mode=change.from_mode, to_mode=target, actor=actor)
+    return change
+
+
+async def return_from_baremetal(conn: asyncpg.Connection, node_id: str, allocation_id: uuid.UUID) -> str:
+    """After the node's baremetal claim was released (the caller holds the node lock): the mode it is
+    in now."""
+    host, now = await _load(conn, node_id)
+    try:
+        change = host.return_from_baremetal(
+            actor="scheduler", at=now, allocation_id=str(allocation_id),
+            reason=f"baremetal allocation {allocation_id} released: MAAS redeployed the host, its slice bootstrap, "
+                   "parity and topology must be established again",
+        )
+    except ModeRefused as exc:
+        # Only reachable through hand edits (the guards kept slots off a baremetal host). The host stays
+        # in baremetal mode, where its unretired slots keep it from every placement until ops act.
+        log.warning("host_return_refused", node_id=node_id, problems=exc.problems)
+        return host.mode
+    if change is not None:
+        await repo.save(conn, host)
+        log.info("host_mode_changed", node_id=node_id, from_mode=change.from_mode, to_mode=change.to_mode,
+                 actor=change.actor)
+    return host.mode
+
+
+async def promote_if_ready(conn: asyncpg.Connection, node_id: str, *, actor: str, reason: str
+                           ) -> tuple[str, list[str]]:
+    """converting → slice when rediscovery, a passing parity run and re-approval are all in. The mode
+    after, and what still blocks slice mode when the host stays converting."""
+    host, now = await _load(conn, node_id)
+    if host.mode != CONVERTING:
+        return host.mode, []
+    blockers = host.blockers(SLICE)
+    if blockers:
+        return host.mode, blockers
+    host.change_mode(SLICE, actor=actor, reason=reason, at=now)
+    await repo.save(conn, host)
+    log.info("host_mode_changed", node_id=node_id, from_mode=CONVERTING, to_mode=SLICE, actor=actor)
+    return SLICE, []
