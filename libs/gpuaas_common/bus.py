@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +83,26 @@ def parse_message(subject: str, body: bytes) -> tuple[Envelope, BaseModel]:
         payload = spec.model.model_validate(envelope.payload)
     except ValidationError as exc:
         raise PermanentError("schema_invalid", f"{envelope.type} payload: {_errors(exc)}") from None
+    _check_subject_names_payload(spec, subject, payload)
     return envelope, payload
+
+
+def _check_subject_names_payload(spec: Any, subject: str, payload: BaseModel) -> None:
+    """Defence in depth: the server lets a host publish only on its own subjects, so the subject is
+    the authenticated part; a payload that names another node is forged or broken either way."""
+    if "node_id" not in spec.parameters:
+        return
+    claimed = getattr(payload, "node_id", None)
+    if claimed is None:
+        return
+    pattern = re.escape(spec.address).replace(re.escape("{node_id}"), r"(?P<node_id>[A-Za-z0-9_-]+)")
+    for name in spec.parameters:
+        if name != "node_id":
+            pattern = pattern.replace(re.escape("{" + name + "}"), r"[A-Za-z0-9_-]+")
+    match = re.fullmatch(pattern, subject)
+    if match and match.group("node_id") != str(claimed):
+        raise PermanentError("subject_mismatch",
+                             f"{spec.type} on {subject} names node {claimed!r}, not {match.group('node_id')!r}")
 
 
 def _errors(exc: ValidationError) -> str:

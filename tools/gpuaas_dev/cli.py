@@ -49,6 +49,9 @@ app.add_typer(contract_app, name="contract")
 from .images_cli import images_app  # noqa: E402
 
 app.add_typer(images_app, name="images")
+from .identities_cli import identities_app  # noqa: E402
+
+app.add_typer(identities_app, name="identities")
 app.add_typer(node_agent_cli.app, name="node-agent", help="Node agent host checks: discover, parity.")
 
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Where the dev stack keeps its state and logs.")]

@@ -32,6 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from gpuaas_common.fleet import Fleet, generate_fleet
+from gpuaas_common.identity import Authority
+from gpuaas_common.identity import creds as creds_files
+from gpuaas_common.identity.permissions import ROLE_PERMISSIONS, SERVICES, node_user_name
+from gpuaas_common.identity.tls import TlsFiles, make_ca_and_server_cert
 from gpuaas_common.pg_roles import SERVICE_ROLES, dsn_without_password, ensure_service_roles
 from gpuaas_common.testing.servers import NatsServer, PostgresServer, RegistryServer, free_port
 
@@ -165,9 +169,13 @@ class Stack:
         ready_timeout_s: float = 90.0,
         stop_timeout_s: float = 15.0,
         log_level: str = "INFO",
+        auth: bool = True,
     ) -> None:
         """`env_overrides` maps GPUAAS_* names to values for every service; a key that is a process
-        name (e.g. "maas-gateway") maps to a dict applied to that process only."""
+        name (e.g. "maas-gateway") maps to a dict applied to that process only.
+
+        `auth` (default) runs NATS in operator mode with TLS and every process as its own identity;
+        `auth=False` is an open bus, only for measuring what the identities cost."""
         self.run_dir = Path(run_dir).resolve()
         self.slice_hosts = slice_hosts
         self.slots_per_host = slots_per_host
@@ -180,7 +188,10 @@ class Stack:
         self.ready_timeout_s = ready_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.log_level = log_level
+        self.auth = auth
         self.status = "new"
+        self._authority: Authority | None = None
+        self._tls: TlsFiles | None = None
         self._nats: NatsServer | None = None
         self._pg: PostgresServer | None = None
         self._registry: RegistryServer | None = None
@@ -209,6 +220,38 @@ class Stack:
         if self._nats is None:
             raise StackError("stack not started")
         return self._nats.url
+
+    @property
+    def creds_dir(self) -> Path:
+        return self.run_dir / "creds"
+
+    @property
+    def ca_file(self) -> Path | None:
+        return self._tls.ca if self._tls else None
+
+    def creds_path(self, identity: str) -> Path | None:
+        """`<run-dir>/creds/<identity>.creds`: a role (`portal`, `ops`, `admin`, a service) or `node-<id>`."""
+        if not self.auth:
+            return None
+        path = self.creds_dir / f"{identity}.creds"
+        if not path.exists():
+            raise StackError(f"no credentials for {identity!r} in {self.creds_dir}")
+        return path
+
+    def nats_options(self, identity: str = "admin") -> dict[str, Any]:
+        """nats.connect() keyword arguments for a test or benchmark client acting as `identity`."""
+        from gpuaas_common.natsconn import NatsIdentity, split_servers
+
+        creds = self.creds_path(identity)
+        ident = NatsIdentity(split_servers(self.nats_url), str(creds) if creds else None,
+                             str(self.ca_file) if self.ca_file else None)
+        return ident.connect_kwargs()
+
+    @property
+    def authority(self) -> Authority:
+        if self._authority is None:
+            raise StackError("stack not started with auth")
+        return self._authority
 
     @property
     def dsn(self) -> str:
@@ -323,7 +366,9 @@ class Stack:
         self._write_secrets()
 
         # Held before start() so a start that fails half-way is still stopped by stop().
-        self._nats = NatsServer(self.run_dir / "nats")
+        if self.auth:
+            self._make_identities()
+        self._nats = NatsServer(self.run_dir / "nats", auth=self._authority, tls=self._tls)
         self._nats.start()
         self._pg = PostgresServer(self.run_dir / "pg")
         self._pg.start()
@@ -338,6 +383,7 @@ class Stack:
         )
         self._fleet = Fleet.load(files["fleet"])
         self._files = files
+        self._provision_bus()
         self.describe()
 
         # The simulator picks its own port; the gateway and the agents need it, so it goes first.
@@ -446,6 +492,8 @@ class Stack:
             "run_dir": str(self.run_dir),
             "supervisor_pid": os.getpid(),
             "nats_url": self._nats.url if self._nats else None,
+            "nats_ca_file": str(self._tls.ca) if self._tls else None,
+            "creds_dir": str(self.creds_dir) if self.auth else None,
             "nats_pid": self._nats.proc.pid if self._nats and self._nats.proc else None,
             "database_url": dsn_without_password(self._dsn) if self._dsn else None,
             "maas_url": self.maas_url if self._procs.get(MAAS_SIM) and self._procs[MAAS_SIM].port else None,
@@ -477,7 +525,7 @@ class Stack:
     def _reset_run_dir(self) -> None:
         # Every start is a fresh world: NATS state left from an earlier run would not match a new database.
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        for sub in ("nats", "pg", "hosts", "fleet", "ready", "registry", "image-builds"):
+        for sub in ("nats", "pg", "hosts", "fleet", "ready", "registry", "image-builds", "keys", "creds", "tls"):
             shutil.rmtree(self.run_dir / sub, ignore_errors=True)
         (self.run_dir / "ready").mkdir()
         self.logs_dir.mkdir(exist_ok=True)
@@ -537,7 +585,7 @@ class Stack:
         )
 
     def _service_proc(self, name: str) -> _Proc:
-        env = self._base_env() | self._database_env(name)
+        env = self._base_env() | self._database_env(name) | self._nats_env(name)
         ready_file = self.run_dir / "ready" / f"{name}.json"
         env["GPUAAS_READY_FILE"] = str(ready_file)
         if name == "allocator":
@@ -625,6 +673,62 @@ class Stack:
                     f"{tail(p.log_path)}"
                 )
             time.sleep(0.1)
+
+    # --- bus identities -----------------------------------------------------------------------------
+
+    def _make_identities(self) -> None:
+        """A fresh operator, accounts and CA for every start; one creds file per identity (0600)."""
+        self._tls = make_ca_and_server_cert(self.run_dir / "tls")
+        auth = self._authority = Authority.create()
+        for role, perms in ROLE_PERMISSIONS.items():
+            creds_files.write(self.creds_dir / f"{role}.creds", auth.issue_user(role, perms))
+        keys = self.run_dir / "keys"
+        auth.save(keys)
+        # What the gateway needs to mint and revoke baremetal hosts' users, and nothing more.
+        creds_files.write_secret(keys / "maas-gateway-issuer.json", auth.issuer().dump())
+
+    def _onboard_slice_hosts(self) -> None:
+        """What ops do when a slice host joins: its own user and creds file, its task durable."""
+        assert self._authority is not None and self._fleet is not None
+        for node in self._fleet.nodes:
+            if node.kind == "slice_host":
+                creds_files.write(self.creds_dir / f"{node_user_name(node.node_id)}.creds",
+                                  self._authority.issue_host(node.node_id))
+        self._authority.save(self.run_dir / "keys")
+
+    def _provision_bus(self) -> None:
+        """Streams and every slice host's durable, as the admin identity: no service or host may."""
+        assert self._fleet is not None
+        if self.auth:
+            self._onboard_slice_hosts()
+        options = self.nats_options("admin")
+        node_ids = [n.node_id for n in self._fleet.nodes if n.kind == "slice_host"]
+
+        async def provision_all() -> None:
+            import nats
+
+            from gpuaas_common.jetstream import node_agent_consumer, provision
+
+            nc = await nats.connect(**options, connect_timeout=5, max_reconnect_attempts=3)
+            try:
+                await provision(nc.jetstream(), [node_agent_consumer(n) for n in node_ids])
+            finally:
+                await nc.close()
+
+        _run_coro(provision_all)
+
+    def _nats_env(self, name: str) -> dict[str, str]:
+        if not self.auth:
+            return {}
+        assert self._tls is not None
+        env = {"GPUAAS_NATS_CA_FILE": str(self._tls.ca)}
+        if name in SERVICES:
+            env["GPUAAS_NATS_CREDS"] = str(self.creds_dir / f"{name}.creds")
+        if name == "node-agent":
+            env["GPUAAS_NATS_CREDS_DIR"] = str(self.creds_dir)
+        if name == "maas-gateway":
+            env["GPUAAS_NATS_AUTHORITY_FILE"] = str(self.run_dir / "keys" / "maas-gateway-issuer.json")
+        return env
 
     # --- per-service Postgres roles -----------------------------------------------------------------
 

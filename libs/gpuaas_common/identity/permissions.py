@@ -140,14 +140,18 @@ def role_permissions(role: str) -> Permissions:
 
 
 def render_table() -> str:
-    """The README's identity table (markdown)."""
-    rows = ["| identity | may publish | may subscribe |", "|---|---|---|"]
-    fmt = lambda items: "<br>".join(f"`{i}`" for i in items) or "nothing"  # noqa: E731
-    for role, perms in ROLE_PERMISSIONS.items():
-        pub = ["everything"] if perms.pub_allow == (">",) else perms.pub_allow
-        sub = ["everything"] if perms.sub_allow == (">",) else perms.sub_allow
-        rows.append(f"| `{role}` | {fmt(pub) if pub != ['everything'] else 'everything'} | "
-                    f"{fmt(sub) if sub != ['everything'] else 'everything'} |")
-    t = node_template()
-    rows.append(f"| `node-<node_id>` (one per host, scoped key) | {fmt(t.pub_allow)} | {fmt(t.sub_allow)} |")
+    """The README's identity table (markdown). A durable in the third column means: fetch, ack, read its
+    info and create it with its fixed filter (`$JS.API.CONSUMER.{MSG.NEXT,INFO,CREATE}`, `$JS.ACK`), and
+    dead-letter to `gpuaas.dlq.<durable>`; nothing else of JetStream's API."""
+    code = lambda items: "<br>".join(f"`{i}`" for i in items) or "nothing"  # noqa: E731
+    rows = ["| identity | publishes | consumes (own durables) | subscribes |", "|---|---|---|---|"]
+    for service in SERVICES:
+        rows.append(f"| `{service}` | {code(produced_subjects(service))} | "
+                    f"{code(c.durable for c in durables_of(service))} | `{inbox_prefix(service)}.>` |")
+    rows.append(f"| `{PORTAL}` | {code(produced_subjects(PORTAL))} | nothing | "
+                f"{code(ROLE_PERMISSIONS[PORTAL].sub_allow)} |")
+    rows.append(f"| `{OPS}` | nothing | nothing | {code(ROLE_PERMISSIONS[OPS].sub_allow)} |")
+    rows.append(f"| `{ADMIN}` (break-glass: provisioning, tests) | everything | everything | everything |")
+    rows.append("| `node-<node_id>` (one per host, scoped signing key) | `gpuaas.node.<node_id>.report.>` | "
+                "`node-agent-<node_id>` (no create) | `_INBOX_node-<node_id>.>` |")
     return "\n".join(rows) + "\n"

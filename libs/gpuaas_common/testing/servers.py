@@ -7,6 +7,7 @@ testcontainers clusters require a password on TCP; `PostgresServer.dsn` carries 
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import secrets
@@ -81,27 +82,58 @@ def nats_server_binary() -> str:
 
 @dataclass
 class NatsServer:
+    """One nats-server with JetStream. With `auth` (an identity Authority) it runs in operator mode with
+    the `full` resolver under `data_dir/resolver`; with `tls` every client must speak TLS."""
+
     data_dir: Path
     port: int = 0
     monitor_port: int = 0
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    auth: object | None = None  # gpuaas_common.identity.Authority
+    tls: object | None = None  # gpuaas_common.identity.tls.TlsFiles
+    # JetStream's own fsync cadence; `always` only where a test proves durability.
+    sync_interval: str | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
+
+    def config_text(self) -> str:
+        js = [f"  store_dir: {json.dumps(str(self.data_dir / 'js'))}"]
+        if self.sync_interval:
+            js.append(f"  sync_interval: {self.sync_interval}")
+        lines = [
+            f"listen: 127.0.0.1:{self.port}",
+            f"http: 127.0.0.1:{self.monitor_port}",
+            # A service's user JWT lists every subject it may use and travels in the CONNECT line.
+            "max_control_line: 65536",
+            "jetstream {", *js, "}",
+        ]
+        if self.tls is not None:
+            t = self.tls
+            lines += ["tls {", f"  cert_file: {json.dumps(str(t.cert))}",  # type: ignore[attr-defined]
+                      f"  key_file: {json.dumps(str(t.key))}",  # type: ignore[attr-defined]
+                      f"  ca_file: {json.dumps(str(t.ca))}",  # type: ignore[attr-defined]
+                      "  timeout: 2", "}"]
+        if self.auth is not None:
+            resolver = self.data_dir / "resolver"
+            resolver.mkdir(parents=True, exist_ok=True)
+            lines.append(self.auth.server_config(resolver))  # type: ignore[attr-defined]
+        return "\n".join(lines) + "\n"
 
     def start(self, timeout_s: float = 20.0) -> "NatsServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         self.monitor_port = self.monitor_port or free_port()
         self.log_path = self.data_dir / "nats.log"
+        config = self.data_dir / "nats.conf"
+        # The config holds only public JWTs and file paths; still, nobody else needs to read it.
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.config_text())
         self.proc = subprocess.Popen(
-            [
-                nats_server_binary(), "-js", "-sd", str(self.data_dir / "js"),
-                "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port),
-                "-l", str(self.log_path),
-            ],
+            [nats_server_binary(), "-c", str(config), "-l", str(self.log_path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import asyncpg
 
-from gpuaas_common.bus import HandlerContext
+from gpuaas_common.bus import HandlerContext, PermanentError
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
@@ -267,8 +267,13 @@ class Allocator:
         res: m.NodeTaskResult = ctx.payload
         assert ctx.conn is not None
         row = await repo.lock_allocation(ctx.conn, res.allocation_id)
-        if row is None:
-            return
+        # A host can only report as itself (the bus enforces the subject), but it can still claim a
+        # task it was never sent or another host's allocation: both change nothing and are dead-lettered.
+        if row is None or res.task_id not in {row["task_id"], row["release_task_id"]} - {None}:
+            raise PermanentError("unknown_task", f"no task {res.task_id} was sent for allocation {res.allocation_id}")
+        if row["node_id"] is not None and res.node_id != row["node_id"]:
+            raise PermanentError("node_mismatch",
+                                 f"task {res.task_id} went to {row['node_id']}, result came from {res.node_id}")
         if res.task_id == row["task_id"] and row["awaiting_result"] and row["release_task_id"] is None:
             await self._on_provision_result(ctx, dict(row), res)
         elif res.task_id == row["release_task_id"] and row["state"] == "releasing":
