@@ -122,3 +122,49 @@ async def _create_durable(nats_url: str, node_id: str, admin_creds: Optional[Pat
         err.print(f"durable node-agent-{node_id}: {outcome}")
     finally:
         await nc.close()
+
+
+@identities_app.command("provision")
+def provision_bus(
+    nats_url: Annotated[str, typer.Option("--nats-url", help="Any server of the cluster (comma-separated list ok).")],
+    creds: Annotated[Path, typer.Option("--creds", exists=True, dir_okay=False,
+                                        help="Admin creds: only admin may create streams and hosts' durables.")],
+    ca_file: Annotated[Optional[Path], typer.Option("--ca-file", exists=True, dir_okay=False)] = None,
+    fleet_file: Annotated[Optional[Path], typer.Option(
+        "--fleet-file", exists=True, dir_okay=False,
+        help="Also create the task durable of every slice host of this fleet.")] = None,
+    node_ids: Annotated[Optional[list[str]], typer.Option(
+        "--node-id", help="Also create this slice host's task durable (repeatable).")] = None,
+) -> None:
+    """Create or update every stream and the slice hosts' task durables, as admin (idempotent).
+
+    Services create only their own durables, hosts none: this is the step before either starts.
+    """
+    from gpuaas_common.fleet import Fleet
+
+    hosts = list(node_ids or [])
+    if fleet_file is not None:
+        fleet = Fleet.load(fleet_file)
+        hosts += [n.node_id for n in fleet.nodes if n.kind == "slice_host" and n.node_id not in hosts]
+    try:
+        outcome = asyncio.run(_provision(nats_url, creds, ca_file, hosts))
+    except Exception as exc:  # refused, unreachable, or a stream the server would not accept
+        err.print(f"[red]provisioning failed[/]: {exc}")
+        raise typer.Exit(1) from None
+    for what, result in outcome.items():
+        err.print(f"{what}: {result}")
+
+
+async def _provision(nats_url: str, creds: Path, ca_file: Optional[Path], node_ids: list[str]) -> dict[str, str]:
+    import nats
+
+    from gpuaas_common.jetstream import node_agent_consumer, provision
+    from gpuaas_common.natsconn import NatsIdentity, split_servers
+
+    ident = NatsIdentity(split_servers(nats_url), str(creds), str(ca_file) if ca_file else None)
+    nc = await nats.connect(**ident.connect_kwargs(), name="gpuaas-provision", connect_timeout=5,
+                            max_reconnect_attempts=3)
+    try:
+        return await provision(nc.jetstream(), [node_agent_consumer(n) for n in node_ids])
+    finally:
+        await nc.close()
