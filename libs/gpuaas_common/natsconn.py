@@ -10,6 +10,7 @@ re-reads the creds file on every attempt and ops may replace it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,15 @@ from .identity.tls import client_context
 from .logging import get_logger
 
 log = get_logger(__name__)
+
+
+def _drop_tls_eof_noise(record: logging.LogRecord) -> bool:
+    # asyncio warns on every TLS connection the server closes (a CPython quirk, not a fault of ours); it
+    # would be the one non-JSON line in a service log and noise in every CLI run.
+    return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_drop_tls_eof_noise)
 
 AUTH_MARKERS = ("authorization violation", "authentication expired", "authentication revoked", "user authentication")
 

@@ -101,6 +101,28 @@ async def test_a_host_cannot_forge_results_for_tasks_it_was_never_sent(portal, s
     await portal.wait_state(alloc, "released")
 
 
+async def test_decommissioning_a_slice_host_revokes_its_user_at_once(stack) -> None:
+    """What ops run when a host leaves: the agent's connection is closed by the server, no restart."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    node = [n.node_id for n in stack.fleet.nodes if n.kind == "slice_host"][-1]
+    text = stack.creds_path(f"node-{node}").read_text()
+    closed = asyncio.Event()
+    nc = await _host_connect(stack, text, closed)
+    gpuaas = str(Path(sys.executable).parent / "gpuaas")
+    res = await asyncio.to_thread(subprocess.run, [
+        gpuaas, "identities", "decommission-host", node, "--nats-url", stack.nats_url,
+        "--keys-dir", str(stack.run_dir / "keys"), "--ca-file", str(stack.ca_file)],
+        capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    await asyncio.wait_for(closed.wait(), timeout=5)
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await _host_connect(stack, text)
+    assert not nc.is_connected
+
+
 def _secrets(stack) -> dict[str, str]:
     found: dict[str, str] = {}
     secrets_json = json.loads((stack.run_dir / "secrets.json").read_text())
