@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -95,14 +96,17 @@ def _check_subject_names_payload(spec: Any, subject: str, payload: BaseModel) ->
     claimed = getattr(payload, "node_id", None)
     if claimed is None:
         return
-    pattern = re.escape(spec.address).replace(re.escape("{node_id}"), r"(?P<node_id>[A-Za-z0-9_-]+)")
-    for name in spec.parameters:
-        if name != "node_id":
-            pattern = pattern.replace(re.escape("{" + name + "}"), r"[A-Za-z0-9_-]+")
-    match = re.fullmatch(pattern, subject)
+    match = _node_subject(spec.address).fullmatch(subject)
     if match and match.group("node_id") != str(claimed):
         raise PermanentError("subject_mismatch",
                              f"{spec.type} on {subject} names node {claimed!r}, not {match.group('node_id')!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _node_subject(address: str) -> re.Pattern[str]:
+    """The address as a pattern that captures `{node_id}` (compiled once per message type: hot path)."""
+    pattern = re.escape(address).replace(re.escape("{node_id}"), r"(?P<node_id>[A-Za-z0-9_-]+)")
+    return re.compile(re.sub(r"\\\{[a-z_]+\\\}", "[A-Za-z0-9_-]+", pattern))
 
 
 def _errors(exc: ValidationError) -> str:

@@ -205,9 +205,9 @@ async def provision(
     consumers: tuple[ConsumerSpec, ...] | list[ConsumerSpec] = (),
     storage: StorageType = StorageType.FILE,
 ) -> dict[str, str]:
+    """Every stream and the given durables: what the admin identity does; services call ensure_consumers."""
     outcome: dict[str, str] = {}
     for stream in STREAMS:
         outcome[f"stream:{stream.name}"] = await ensure_stream(js, stream, storage)
-    for spec in consumers:
-        outcome[f"consumer:{spec.durable}"] = await ensure_consumer(js, spec)
+    outcome.update(await ensure_consumers(js, consumers, wait_s=0))
     return outcome

@@ -4,7 +4,9 @@ One place builds the options for both clients a service uses (nats-py for publis
 relay, FastStream's broker for consumers), so they cannot drift apart. A refused credential (expired,
 revoked, malformed, signed by someone else) is logged once as a structured warning that carries the
 server's reason and never the secret; the process keeps running and keeps retrying, because nats-py
-re-reads the creds file on every attempt and ops may replace it.
+re-reads the creds file on every attempt and ops may replace it. A session the server ends with -ERR
+(user revoked or expired while connected) is closed for good by nats-py: that is logged the same way,
+and the process keeps running without that connection.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _drop_tls_eof_noise(record: logging.LogRecord) -> bool:
 
 logging.getLogger("asyncio").addFilter(_drop_tls_eof_noise)
 
-AUTH_MARKERS = ("authorization violation", "authentication expired", "authentication revoked", "user authentication")
+AUTH_MARKERS = ("authorization violation", "authentication expired", "authentication revoked")
 
 
 def split_servers(urls: str) -> list[str]:
@@ -128,12 +130,26 @@ class NatsIdentity:
             self.note_connected()
             log.info("nats_reconnected", identity=self.name)
 
-        opts = {"name": name, "error_cb": error_cb, "reconnected_cb": reconnected_cb,
+        client: list[NatsClient] = []
+        caller_closed_cb = options.pop("closed_cb", None)
+
+        async def closed_cb() -> None:
+            # nats-py closes for good, without calling error_cb, when the server ends the session with
+            # -ERR (revoked or expired user): say why here, once, or the link dies in silence.
+            err = client[0].last_error if client else None
+            if err is not None:
+                self.note_error(err)
+            log.info("nats_connection_closed", identity=self.name, error=str(err) if err else None)
+            if caller_closed_cb is not None:
+                await caller_closed_cb()
+
+        opts = {"name": name, "error_cb": error_cb, "reconnected_cb": reconnected_cb, "closed_cb": closed_cb,
                 "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, **self.connect_kwargs(), **options}
         delay = 0.2
         while True:
             try:
                 nc = await nats.connect(**opts)
+                client.append(nc)
                 self.note_connected()
                 return nc
             except Exception as exc:  # nats-py raises unrelated types for "refused" and "nobody there"

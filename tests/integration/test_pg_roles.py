@@ -111,6 +111,16 @@ async def test_each_role_owns_its_schema_and_works_in_it(role_dsns, fresh_db):
             await conn.close()
 
 
+async def _as_superuser(dsn: str, *statements: str) -> None:
+    """Set up what a careless operator might have done by hand before the roles were ensured."""
+    admin = await asyncpg.connect(dsn)
+    try:
+        for statement in statements:
+            await admin.execute(statement)
+    finally:
+        await admin.close()
+
+
 async def test_roles_get_nothing_beyond_their_schema(role_dsns):
     for service, dsn in role_dsns.items():
         conn = await asyncpg.connect(dsn)
@@ -125,12 +135,9 @@ async def test_roles_get_nothing_beyond_their_schema(role_dsns):
 
 
 async def test_other_roles_of_the_cluster_cannot_even_connect(postgres_server, fresh_db, role_dsns):
-    admin = await asyncpg.connect(fresh_db)
-    try:
-        await admin.execute("DROP ROLE IF EXISTS gpuaas_test_outsider")
-        await admin.execute("CREATE ROLE gpuaas_test_outsider LOGIN PASSWORD 'outsider-password'")
-    finally:
-        await admin.close()
+    await _as_superuser(fresh_db,
+                        "DROP ROLE IF EXISTS gpuaas_test_outsider",
+                        "CREATE ROLE gpuaas_test_outsider LOGIN PASSWORD 'outsider-password'")
     parts = urllib.parse.urlsplit(fresh_db)
     outsider = urllib.parse.urlunsplit(
         parts._replace(netloc=f"gpuaas_test_outsider:outsider-password@{parts.hostname}:{parts.port}")
@@ -188,8 +195,9 @@ async def test_every_services_migrations_run_as_its_role(role_dsns):
 
 
 async def test_ensuring_again_is_harmless_and_rotates_passwords(postgres_server, fresh_db, no_ambient_password):
-    if not postgres_server.enforces_passwords:
-        pytest.skip("the pgserver fallback trusts every connection")
+    # Roles without password checks isolate nothing: on the pgserver fallback (which trusts every
+    # connection) this fails on purpose; `make setup` installs the system Postgres that enforces them.
+    assert postgres_server.enforces_passwords, "this Postgres trusts every connection: roles mean nothing here"
     database = _database(fresh_db)
     passwords = _passwords()
     first = await ensure_service_roles(postgres_server.dsn, database, passwords)
@@ -215,8 +223,9 @@ async def test_ensuring_again_is_harmless_and_rotates_passwords(postgres_server,
 
 
 async def test_wrong_or_missing_password_is_refused(postgres_server, role_dsns, no_ambient_password):
-    if not postgres_server.enforces_passwords:
-        pytest.skip("the pgserver fallback trusts every connection")
+    # Roles without password checks isolate nothing: on the pgserver fallback (which trusts every
+    # connection) this fails on purpose; `make setup` installs the system Postgres that enforces them.
+    assert postgres_server.enforces_passwords, "this Postgres trusts every connection: roles mean nothing here"
     for dsn in (role_dsns["scheduler"], postgres_server.dsn):
         with pytest.raises(asyncpg.InvalidPasswordError):
             await asyncpg.connect(_with_password(dsn, "not-the-password"))
@@ -227,13 +236,10 @@ async def test_wrong_or_missing_password_is_refused(postgres_server, role_dsns, 
 
 
 async def test_a_schema_that_predates_the_roles_is_adopted(postgres_server, fresh_db):
-    admin = await asyncpg.connect(fresh_db)
-    try:
-        await admin.execute("CREATE SCHEMA scheduler")
-        await admin.execute("CREATE TABLE scheduler.legacy (id serial PRIMARY KEY, note text)")
-        await admin.execute("CREATE VIEW scheduler.legacy_notes AS SELECT note FROM scheduler.legacy")
-    finally:
-        await admin.close()
+    await _as_superuser(fresh_db,
+                        "CREATE SCHEMA scheduler",
+                        "CREATE TABLE scheduler.legacy (id serial PRIMARY KEY, note text)",
+                        "CREATE VIEW scheduler.legacy_notes AS SELECT note FROM scheduler.legacy")
     dsns = await ensure_service_roles(postgres_server.dsn, _database(fresh_db), _passwords())
     conn = await asyncpg.connect(dsns["scheduler"])
     try:
@@ -246,13 +252,10 @@ async def test_a_schema_that_predates_the_roles_is_adopted(postgres_server, fres
 
 
 async def test_hand_granted_rights_across_services_are_taken_back(postgres_server, fresh_db, role_dsns):
-    admin = await asyncpg.connect(fresh_db)
-    try:
-        await admin.execute("GRANT USAGE, CREATE ON SCHEMA scheduler TO gpuaas_allocator")
-        await admin.execute("GRANT USAGE ON SCHEMA maas_gateway TO PUBLIC")
-        await admin.execute("GRANT gpuaas_image_pipeline TO gpuaas_allocator")
-    finally:
-        await admin.close()
+    await _as_superuser(fresh_db,
+                        "GRANT USAGE, CREATE ON SCHEMA scheduler TO gpuaas_allocator",
+                        "GRANT USAGE ON SCHEMA maas_gateway TO PUBLIC",
+                        "GRANT gpuaas_image_pipeline TO gpuaas_allocator")
     await ensure_service_roles(postgres_server.dsn, _database(fresh_db), _passwords())
     dsns = await ensure_service_roles(postgres_server.dsn, _database(fresh_db), {"allocator": "p" * 24})
     conn = await asyncpg.connect(dsns["allocator"])

@@ -9,7 +9,6 @@ import json
 import uuid
 from datetime import datetime, timedelta, timezone
 
-import asyncpg
 import pytest
 
 from gpuaas_common.bus import HandlerContext
@@ -17,12 +16,13 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.catalog import spec_for
 from gpuaas_common.contract.envelope import Envelope
 from gpuaas_common.jetstream import CONSUMER_BY_NAME
-from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import OutboxWriter
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.service_layer import admin
 from gpuaas_scheduler.service_layer.handlers import EVIDENCE_CONSUMERS, Scheduler, evidence_handlers
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy
+
+from .scheduler_db import scheduler_pool
 
 DIGEST = "a" * 64
 OLD_DIGEST = "b" * 64
@@ -31,11 +31,8 @@ T0 = datetime(2025, 1, 1, tzinfo=timezone.utc)
 
 @pytest.fixture
 async def pool(fresh_db):
-    p = await asyncpg.create_pool(fresh_db, min_size=1, max_size=2, server_settings={"search_path": "scheduler"})
-    async with p.acquire() as conn:
-        await apply_migrations(conn, "scheduler", "gpuaas_scheduler.migrations")
-    yield p
-    await p.close()
+    async with scheduler_pool(fresh_db, max_size=2) as p:
+        yield p
 
 
 @pytest.fixture

@@ -10,20 +10,18 @@ from datetime import timedelta
 
 import asyncpg
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-from pydantic import SecretStr
 
 from gpuaas_common.contract import messages as m
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters import synthetic
-from gpuaas_scheduler.entrypoints.admin_http import build_app
 from gpuaas_scheduler.service_layer import evidence
 from gpuaas_scheduler.service_layer.handlers import release_allocation
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place
 
-TOKEN = "test-admin-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+from .scheduler_db import ADMIN_AUTH, admin_client, scheduler_pool
+
+AUTH = ADMIN_AUTH
 # One SKU for both shapes, so one host can serve either and only its mode decides.
 SKU = "h200-sxm"
 HOST = "n00001"
@@ -31,19 +29,14 @@ HOST = "n00001"
 
 @pytest.fixture
 async def pool(fresh_db):
-    p = await asyncpg.create_pool(fresh_db, min_size=1, max_size=4, server_settings={"search_path": "scheduler"})
-    async with p.acquire() as conn:
-        await apply_migrations(conn, "scheduler", "gpuaas_scheduler.migrations")
-    yield p
-    await p.close()
+    async with scheduler_pool(fresh_db) as p:
+        yield p
 
 
 @pytest.fixture
 async def api(pool):
-    client = TestClient(TestServer(build_app(pool, SecretStr(TOKEN)), host="127.0.0.1"))
-    await client.start_server()
-    yield client
-    await client.close()
+    async with admin_client(pool) as client:
+        yield client
 
 
 @pytest.fixture

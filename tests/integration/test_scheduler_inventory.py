@@ -5,39 +5,30 @@ from __future__ import annotations
 
 import uuid
 
-import asyncpg
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-from pydantic import SecretStr
 
 from gpuaas_common.contract import messages as m
-from gpuaas_common.migrations import apply_migrations
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.domain.placement import rank_classes, rank_nodes
-from gpuaas_scheduler.entrypoints.admin_http import build_app
 from gpuaas_scheduler.service_layer.handlers import fail_allocation, release_allocation
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place
 
-TOKEN = "test-admin-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
+from .scheduler_db import ADMIN_AUTH, admin_client, scheduler_pool
+
+AUTH = ADMIN_AUTH
 
 
 @pytest.fixture
 async def pool(fresh_db):
-    p = await asyncpg.create_pool(fresh_db, min_size=1, max_size=4, server_settings={"search_path": "scheduler"})
-    async with p.acquire() as conn:
-        await apply_migrations(conn, "scheduler", "gpuaas_scheduler.migrations")
-    yield p
-    await p.close()
+    async with scheduler_pool(fresh_db) as p:
+        yield p
 
 
 @pytest.fixture
 async def api(pool):
-    client = TestClient(TestServer(build_app(pool, SecretStr(TOKEN)), host="127.0.0.1"))
-    await client.start_server()
-    yield client
-    await client.close()
+    async with admin_client(pool) as client:
+        yield client
 
 
 def accepted(gpus=1, shape="gpu_slice", tenant="t1", sku="h200-sxm-slice"):

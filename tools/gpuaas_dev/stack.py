@@ -34,7 +34,8 @@ from typing import Any
 from gpuaas_common.fleet import Fleet, generate_fleet
 from gpuaas_common.identity import Authority
 from gpuaas_common.identity import creds as creds_files
-from gpuaas_common.identity.permissions import ROLE_PERMISSIONS, SERVICES, node_user_name
+from gpuaas_common.identity.permissions import ROLE_PERMISSIONS, node_user_name
+from gpuaas_common.identity.permissions import SERVICES as BUS_SERVICES
 from gpuaas_common.identity.tls import TlsFiles, make_ca_and_server_cert
 from gpuaas_common.pg_roles import SERVICE_ROLES, dsn_without_password, ensure_service_roles
 from gpuaas_common.testing.servers import NatsServer, PostgresServer, RegistryServer, free_port
@@ -722,7 +723,7 @@ class Stack:
             return {}
         assert self._tls is not None
         env = {"GPUAAS_NATS_CA_FILE": str(self._tls.ca)}
-        if name in SERVICES:
+        if name in BUS_SERVICES:
             env["GPUAAS_NATS_CREDS"] = str(self.creds_dir / f"{name}.creds")
         if name == "node-agent":
             env["GPUAAS_NATS_CREDS_DIR"] = str(self.creds_dir)

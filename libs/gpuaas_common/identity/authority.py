@@ -50,6 +50,16 @@ def _user_claims(account_public: str, *, permissions: Permissions | None, tags: 
     return nats
 
 
+def _node_creds(node_signing: Key, account_public: str, node_id: str, *, ttl_s: float,
+                allocation_id: str | None = None) -> Creds:
+    """A host user signed by the scoped key: no permissions of its own, its node (and allocation) as tags."""
+    user = Key.generate("user")
+    tags = [f"{NODE_TAG}:{node_id}"] + ([f"allocation:{allocation_id.lower()}"] if allocation_id else [])
+    jwt = encode(node_signing, user.public, node_user_name(node_id),
+                 _user_claims(account_public, permissions=None, tags=tags), expires_at=time.time() + ttl_s)
+    return Creds(jwt=jwt, seed=user.seed)
+
+
 @dataclass
 class Issuer:
     """Signs host users with the scoped key and revokes users through the system account."""
@@ -60,12 +70,7 @@ class Issuer:
     sys_creds: Creds
 
     def issue_node(self, node_id: str, *, ttl_s: float, allocation_id: str | None = None) -> Creds:
-        user = Key.generate("user")
-        tags = [f"{NODE_TAG}:{node_id}"] + ([f"allocation:{allocation_id.lower()}"] if allocation_id else [])
-        jwt = encode(self.node_signing, user.public, node_user_name(node_id),
-                     _user_claims(self.account_public, permissions=None, tags=tags),
-                     expires_at=time.time() + ttl_s)
-        return Creds(jwt=jwt, seed=user.seed)
+        return _node_creds(self.node_signing, self.account_public, node_id, ttl_s=ttl_s, allocation_id=allocation_id)
 
     # --- revocation ---------------------------------------------------------------------------------
 
@@ -85,8 +90,6 @@ class Issuer:
                 claims = decode(current)
                 revs: dict[str, int] = dict(claims["nats"].get("revocations") or {})
                 now = int(time.time())
-                if all(revs.get(pk, 0) >= now - 1 for pk in user_publics) and attempt > 1:
-                    return len(revs)
                 for pk in user_publics:
                     revs[pk] = now
                 if prune_older_than_s is not None:
@@ -222,7 +225,7 @@ class Authority:
 
     def issue_host(self, node_id: str, *, ttl_s: float = DEFAULT_USER_TTL_S) -> Creds:
         """A slice host's credentials at onboarding; the key is remembered so decommissioning revokes it."""
-        c = self.issuer().issue_node(node_id, ttl_s=ttl_s)
+        c = _node_creds(self.node_signing, self.account.public, node_id, ttl_s=ttl_s)
         self.issued_hosts.setdefault(node_id, []).append(str(c.claims["sub"]))
         return c
 

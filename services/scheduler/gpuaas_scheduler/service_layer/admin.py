@@ -327,6 +327,15 @@ async def upsert_candidates(conn: asyncpg.Connection, node_id: str, body: Candid
     return await list_candidates(conn, node_id)
 
 
+def _require_all(asked: list[str] | None, found: list[asyncpg.Record], key: str, code: str, message: str) -> None:
+    """A request naming ids refuses as a whole when any of them is not there (404 lists them all)."""
+    if asked is None:
+        return
+    missing = sorted(set(asked) - {r[key] for r in found})
+    if missing:
+        raise AdminError(404, code, message, {f"{key}s": missing})
+
+
 async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> dict:
     """Turn candidates into slots: `available` when every rule holds, else `disabled` with the reasons.
     On a converting host this is the re-approval that, with rediscovery and a passing parity run,
@@ -342,10 +351,7 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> di
         "ORDER BY candidate_id",
         node_id, body.candidate_ids,
     )
-    if body.candidate_ids is not None:
-        missing = sorted(set(body.candidate_ids) - {c["candidate_id"] for c in cands})
-        if missing:
-            raise AdminError(404, "candidate_not_found", "unknown candidates", {"candidate_ids": missing})
+    _require_all(body.candidate_ids, cands, "candidate_id", "candidate_not_found", "unknown candidates")
     if not cands:
         raise AdminError(404, "candidate_not_found", f"node {node_id} has no candidates to approve")
     slots = {r["slot_id"]: dict(r) for r in await conn.fetch(
@@ -416,10 +422,7 @@ async def retire_slots(conn: asyncpg.Connection, node_id: str, body: RetireIn) -
         "AND ($2::text[] IS NULL OR s.slot_id = ANY($2::text[])) ORDER BY s.slot_id FOR UPDATE OF s",
         node_id, body.slot_ids,
     )
-    if body.slot_ids is not None:
-        missing = sorted(set(body.slot_ids) - {r["slot_id"] for r in rows})
-        if missing:
-            raise AdminError(404, "slot_not_found", f"slots not on node {node_id}", {"slot_ids": missing})
+    _require_all(body.slot_ids, rows, "slot_id", "slot_not_found", f"slots not on node {node_id}")
     busy = {r["slot_id"]: r["status"] for r in rows
             if r["claimed"] or r["status"] in LIVE_SLOT_STATES + ("cleanup_blocked",)}
     if busy:
