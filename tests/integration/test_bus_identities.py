@@ -31,7 +31,7 @@ from gpuaas_common.identity.permissions import (
 from gpuaas_common.identity.tls import TlsFiles, client_context, make_ca_and_server_cert
 from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer, provision
 from gpuaas_common.natsconn import NatsIdentity
-from gpuaas_common.testing.servers import NatsServer
+from gpuaas_common.testing.servers import NatsServer, _http_ok
 
 NODES = ("n1", "n2")
 
@@ -242,6 +242,12 @@ def test_plain_text_client_is_refused(server: NatsServer) -> None:
         except (ConnectionResetError, socket.timeout):
             answer = b""
         assert b"PONG" not in answer
+
+
+def test_monitoring_listener_speaks_only_tls(server: NatsServer, tls_files: TlsFiles) -> None:
+    health = f"127.0.0.1:{server.monitor_port}/healthz"
+    assert _http_ok(f"https://{health}", str(tls_files.ca))
+    assert not _http_ok(f"http://{health}"), "a plain-HTTP listener answered"
 
 
 async def test_client_trusting_another_ca_is_refused(server: NatsServer, authority: Authority,

@@ -39,9 +39,12 @@ def _wait_until(predicate, timeout_s: float, what: str, proc: subprocess.Popen |
     raise TimeoutError(f"{what} not ready after {timeout_s}s")
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, ca_file: str | None = None) -> bool:
+    import ssl
+
+    context = ssl.create_default_context(cafile=ca_file) if ca_file else None
     try:
-        with urllib.request.urlopen(url, timeout=1) as r:
+        with urllib.request.urlopen(url, timeout=1, context=context) as r:
             return r.status == 200
     except OSError:
         return False
@@ -105,7 +108,8 @@ class NatsServer:
             js.append(f"  sync_interval: {self.sync_interval}")
         lines = [
             f"listen: 127.0.0.1:{self.port}",
-            f"http: 127.0.0.1:{self.monitor_port}",
+            # The monitoring listener too speaks TLS when clients must: no listener of ours is plain.
+            f"{'https' if self.tls else 'http'}: 127.0.0.1:{self.monitor_port}",
             # A service's user JWT lists every subject it may use and travels in the CONNECT line.
             "max_control_line: 65536",
             "jetstream {", *js, "}",
@@ -137,8 +141,10 @@ class NatsServer:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
 
-        health = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
-        _wait_until(lambda: _http_ok(health), timeout_s, "nats-server", self.proc)
+        scheme = "https" if self.tls else "http"
+        health = f"{scheme}://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
+        ca = str(self.tls.ca) if self.tls else None  # type: ignore[attr-defined]
+        _wait_until(lambda: _http_ok(health, ca), timeout_s, "nats-server", self.proc)
         return self
 
     def stop(self) -> None:
