@@ -25,14 +25,13 @@ from pathlib import Path
 
 import asyncpg
 
-from gpuaas_common.bus import HandlerContext
+from gpuaas_common.bus import HandlerContext, deliver
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
-from gpuaas_common.inbox import claim as inbox_claim
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
-from gpuaas_common.outbox import OutboxWriter
 from gpuaas_common.testing.servers import PostgresServer
+from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.service_layer.handlers import Scheduler
@@ -47,8 +46,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def _placements(dsn: str, gpus: int, count: int, start_at: float) -> dict:
-    conn = await asyncpg.connect(dsn, server_settings={"search_path": "scheduler"})
-    scheduler = Scheduler(await with_fleet_shape(conn, PlacementPolicy()))
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1, server_settings={"search_path": "scheduler"})
+    async with pool.acquire() as conn:
+        scheduler = Scheduler(await with_fleet_shape(conn, PlacementPolicy()))
     image = m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img")
     lat: list[float] = []
     placed = 0
@@ -60,16 +60,15 @@ async def _placements(dsn: str, gpus: int, count: int, start_at: float) -> dict:
         env = Envelope.wrap("allocation.accepted", ev.model_dump(mode="json"), producer="bench",
                             correlation_id=str(ev.allocation_id))
         s = time.perf_counter()
-        async with conn.transaction():
-            await inbox_claim(conn, "scheduler-allocation-events", env.event_id)
-            ctx = HandlerContext(env, ev, "gpuaas.allocation.event.accepted", "scheduler-allocation-events", 1, conn,
-                                 OutboxWriter(conn, "scheduler", "scheduler", correlation_id=env.correlation_id,
-                                              causation_id=env.event_id))
-            await scheduler.on_accepted(ctx)
+        # Exactly what the bus does per message: inbox row, placement, outbox, one unit of work.
+        ctx = HandlerContext(env, ev, "gpuaas.allocation.event.accepted", "scheduler-allocation-events", 1)
+        await deliver(scheduler.on_accepted, ctx, UnitOfWork(pool, "scheduler", "scheduler", no_repositories,
+                                                             correlation_id=env.correlation_id,
+                                                             causation_id=env.event_id))
         lat.append((time.perf_counter() - s) * 1000)
         placed += 1
     t1 = time.time()
-    await conn.close()
+    await pool.close()
     return {"lat": lat, "n": placed, "t0": t0, "t1": t1}
 
 

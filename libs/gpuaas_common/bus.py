@@ -15,7 +15,7 @@ import functools
 import json
 import re
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -25,12 +25,11 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
 
-from . import inbox
 from .contract import BY_TYPE, Envelope, derived_event_id, spec_for
 from .contract.messages import DeadLetter
 from .jetstream import ConsumerSpec
 from .logging import bound_context, get_logger
-from .outbox import OutboxWriter
+from .unit_of_work import EventCollector, UnitOfWork, no_repositories
 
 log = get_logger(__name__)
 
@@ -48,14 +47,38 @@ class PermanentError(Exception):
 
 @dataclass
 class HandlerContext:
+    """One message as a handler sees it; `uow` is the unit of work it runs in (transactional consumers)."""
+
     envelope: Envelope
     payload: Any
     subject: str
     consumer: str
     num_delivered: int
-    conn: asyncpg.Connection | None = None
-    outbox: OutboxWriter | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    uow: Any = None  # UnitOfWork | FakeUnitOfWork
+
+    @property
+    def conn(self) -> asyncpg.Connection:
+        if self.uow is None:
+            raise RuntimeError(f"{self.consumer} is not transactional: it has no database connection")
+        return self.uow.conn
+
+    @property
+    def outbox(self) -> EventCollector:
+        if self.uow is None:
+            raise RuntimeError(f"{self.consumer} is not transactional: it has no outbox")
+        return self.uow.events
+
+
+async def deliver(handler: "Handler", ctx: HandlerContext, uow: Any) -> bool:
+    """Run one message's handler in its unit of work: inbox row, effects and events commit together.
+    False when the consumer had already processed it (a redelivery or a republish): nothing happens."""
+    async with uow:
+        if await uow.seen(ctx.consumer, ctx.envelope.event_id):
+            return False
+        ctx.uow = uow
+        await handler(ctx)
+        await uow.commit()
+    return True
 
 
 Handler = Callable[[HandlerContext], Awaitable[None]]
@@ -140,6 +163,8 @@ class Bus:
         # Fetch replies arrive on the identity's own inbox prefix, the only one its permissions allow.
         self.inbox_prefix = inbox_prefix.rstrip(b".") + b"."
         self.consumers: list[ConsumerSpec] = []
+        # What a service's unit of work builds on its connection; set by the service before it subscribes.
+        self.repositories: Callable[[asyncpg.Connection], Any] = no_repositories
         self._in_flight: set[asyncio.Task[None]] = set()
 
     def subscribe(
@@ -220,19 +245,11 @@ class Bus:
         with bound_context(consumer=spec.durable, **ids):
             try:
                 if transactional:
-                    assert self.pool is not None and self.schema is not None
-                    async with self.pool.acquire() as conn, conn.transaction():
-                        if not await inbox.claim(conn, spec.durable, envelope.event_id):
-                            log.info("duplicate_ignored")
-                            HANDLED.labels(spec.durable, "duplicate").inc()
-                        else:
-                            ctx.conn = conn
-                            ctx.outbox = OutboxWriter(
-                                conn, self.schema, self.service,
-                                correlation_id=envelope.correlation_id, causation_id=envelope.event_id,
-                            )
-                            await handler(ctx)
-                            HANDLED.labels(spec.durable, "ok").inc()
+                    if await deliver(handler, ctx, self.unit_of_work(envelope)):
+                        HANDLED.labels(spec.durable, "ok").inc()
+                    else:
+                        log.info("duplicate_ignored")
+                        HANDLED.labels(spec.durable, "duplicate").inc()
                 else:
                     await handler(ctx)
                     HANDLED.labels(spec.durable, "ok").inc()
@@ -255,6 +272,14 @@ class Bus:
                     HANDLED.labels(spec.durable, "retried").inc()
                 return
             await msg.ack()
+
+    def unit_of_work(self, envelope: Envelope | None = None) -> UnitOfWork[Any]:
+        """A unit of work in this service's schema, its events caused by `envelope` (if any)."""
+        if self.pool is None or self.schema is None:
+            raise ValueError(f"{self.service} has no database: no unit of work")
+        return UnitOfWork(self.pool, self.schema, self.service, self.repositories,
+                          correlation_id=envelope.correlation_id if envelope else None,
+                          causation_id=envelope.event_id if envelope else None)
 
     async def _dead_letter(self, spec: ConsumerSpec, raw: Any, reason_code: str, reason: str, num: int) -> None:
         md = raw.metadata

@@ -19,19 +19,22 @@ from typing import Any
 import asyncpg
 import prometheus_client
 import pytest_asyncio
-from pydantic import SecretStr
-
-from gpuaas_common.bus import HandlerContext
+from gpuaas_common.bus import HandlerContext, deliver
 from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.db import create_pool
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.testing.waiting import eventually
+from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
 from gpuaas_dev.maas_sim import Fault, SimConfig, start, state_of, system_id_for
 from gpuaas_maas_gateway.domain.breaker import BreakerState
 from gpuaas_maas_gateway.entrypoints.main import build_clients
-from gpuaas_maas_gateway.service_layer.operations import OperationHandlers, OperationWorker
+from gpuaas_maas_gateway.service_layer.operations import (
+    OperationHandlers,
+    OperationWorker,
+)
 from gpuaas_maas_gateway.settings import GatewaySettings, MaasSite, SiteProfile
+from pydantic import SecretStr
 
 KEY = "Gw7sQ2mZp9LxVb3Nq4:Gt8wR1nYc6HjDf2Gs5:Gs3vB9mQ7pL2kJ8hG4fD1sA6zX0cV5bN"
 EAST_KEY = "Ea1sQ2mZp9LxVb3Nq4:Et8wR1nYc6HjDf2Gs5:Es3vB9mQ7pL2kJ8hG4fD1sA6zX0cV5bN"
@@ -74,9 +77,8 @@ class Gateway:
         model = spec_for(type_).model(**payload)
         env = Envelope.wrap(type_, model.model_dump(mode="json"), producer="test", correlation_id="t")
         ctx = HandlerContext(env, model, spec_for(type_).address, "maas-gateway-commands", 1)
-        async with self.pool.acquire() as conn, conn.transaction():
-            ctx.conn = conn
-            await self.handlers.on_command(ctx)
+        assert await deliver(self.handlers.on_command, ctx,
+                             UnitOfWork(self.pool, "maas_gateway", "maas-gateway", no_repositories))
         return payload["operation_id"]
 
     async def deploy(self, system_id: str, op_id: str, site: str = "default") -> str:

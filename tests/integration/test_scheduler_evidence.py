@@ -10,16 +10,20 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
-
 from gpuaas_common.bus import HandlerContext
+from gpuaas_common.bus import deliver as bus_deliver
 from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.catalog import spec_for
 from gpuaas_common.contract.envelope import Envelope
 from gpuaas_common.jetstream import CONSUMER_BY_NAME
-from gpuaas_common.outbox import OutboxWriter
+from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.service_layer import admin
-from gpuaas_scheduler.service_layer.handlers import EVIDENCE_CONSUMERS, Scheduler, evidence_handlers
+from gpuaas_scheduler.service_layer.handlers import (
+    EVIDENCE_CONSUMERS,
+    Scheduler,
+    evidence_handlers,
+)
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy
 
 from .scheduler_db import scheduler_pool
@@ -47,8 +51,8 @@ async def deliver(pool, scheduler: Scheduler, type_: str, payload, *, occurred_a
     env = Envelope.wrap(type_, payload.model_dump(mode="json"), producer="test", correlation_id="test")
     if occurred_at is not None:
         env = env.model_copy(update={"occurred_at": occurred_at})
-    async with pool.acquire() as conn, conn.transaction():
-        await handler(HandlerContext(env, payload, spec_for(type_).address, durable, 1, conn=conn))
+    assert await bus_deliver(handler, HandlerContext(env, payload, spec_for(type_).address, durable, 1),
+                             UnitOfWork(pool, "scheduler", "scheduler", no_repositories))
 
 
 async def place(pool, scheduler: Scheduler, *, gpus=1, slug="img", digest=DIGEST) -> tuple[str, dict]:
@@ -57,11 +61,9 @@ async def place(pool, scheduler: Scheduler, *, gpus=1, slug="img", digest=DIGEST
         allocation_id=uuid.uuid4(), tenant_id="t1", shape="gpu_slice", state="accepted", seq=2, sku="h200-sxm-slice",
         gpu_count=gpus, region="default", image=m.ImageRef(slug=slug, digest_sha256=digest, image_path="/img"))
     env = Envelope.wrap("allocation.accepted", ev.model_dump(mode="json"), producer="test", correlation_id="test")
-    async with pool.acquire() as conn, conn.transaction():
-        ctx = HandlerContext(env, ev, "gpuaas.allocation.event.accepted", "scheduler-allocation-events", 1, conn=conn,
-                             outbox=OutboxWriter(conn, "scheduler", "scheduler"))
-        await scheduler.on_accepted(ctx)
-        body = await conn.fetchval("SELECT body FROM outbox WHERE aggregate_id = $1", str(ev.allocation_id))
+    ctx = HandlerContext(env, ev, "gpuaas.allocation.event.accepted", "scheduler-allocation-events", 1)
+    assert await bus_deliver(scheduler.on_accepted, ctx, UnitOfWork(pool, "scheduler", "scheduler", no_repositories))
+    body = await pool.fetchval("SELECT body FROM outbox WHERE aggregate_id = $1", str(ev.allocation_id))
     out = json.loads(body)
     return out["type"], out["payload"]
 

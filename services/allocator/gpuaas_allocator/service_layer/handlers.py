@@ -58,7 +58,6 @@ class Allocator:
         update: dict[str, Any] | None = None,
         **event_fields: Any,
     ) -> dict[str, Any]:
-        assert ctx.conn is not None and ctx.outbox is not None
         current = row["state"]
         check_transition(current, new_state)
         alloc_id = row["allocation_id"]
@@ -93,7 +92,6 @@ class Allocator:
 
     async def on_requested(self, ctx: HandlerContext) -> None:
         req: m.AllocationRequested = ctx.payload
-        assert ctx.conn is not None and ctx.outbox is not None
         fingerprint = request_fingerprint(req)
         existing = await repo.lock_allocation(ctx.conn, req.allocation_id)
         if existing is not None:
@@ -124,7 +122,6 @@ class Allocator:
         )
 
     async def _reject(self, ctx: HandlerContext, req: m.AllocationRequested, code: str, reason: str) -> None:
-        assert ctx.outbox is not None
         log.info("request_rejected", reason_code=code, reason=reason)
         await ctx.outbox.add(
             "allocation.rejected",
@@ -138,7 +135,6 @@ class Allocator:
 
     async def on_release_requested(self, ctx: HandlerContext) -> None:
         req: m.AllocationReleaseRequested = ctx.payload
-        assert ctx.conn is not None
         row = await repo.lock_allocation(ctx.conn, req.allocation_id)
         if row is None:
             log.warning("release_of_unknown_allocation")
@@ -157,7 +153,6 @@ class Allocator:
 
     async def on_placed(self, ctx: HandlerContext) -> None:
         ev: m.PlacementPlaced = ctx.payload
-        assert ctx.conn is not None
         row = await repo.lock_allocation(ctx.conn, ev.allocation_id)
         if row is None or row["state"] not in ("accepted", "releasing") or row["node_id"] is not None:
             log.warning("placement_unexpected", state=row["state"] if row else None)
@@ -179,7 +174,6 @@ class Allocator:
         await self._start_provisioning(ctx, row, ev)
 
     async def _start_provisioning(self, ctx: HandlerContext, row: dict[str, Any], ev: m.PlacementPlaced) -> None:
-        assert ctx.outbox is not None
         alloc_id = str(row["allocation_id"])
         request = row.get("request") or (await ctx.conn.fetchval(  # type: ignore[union-attr]
             "SELECT request FROM allocations WHERE allocation_id = $1", row["allocation_id"]))
@@ -218,7 +212,6 @@ class Allocator:
 
     async def on_unschedulable(self, ctx: HandlerContext) -> None:
         ev: m.PlacementUnschedulable = ctx.payload
-        assert ctx.conn is not None
         row = await repo.lock_allocation(ctx.conn, ev.allocation_id)
         if row is None or row["state"] not in ("accepted", "releasing"):
             return
@@ -236,7 +229,6 @@ class Allocator:
     # --- teardown ----------------------------------------------------------------------------------
 
     async def _start_teardown(self, ctx: HandlerContext, row: dict[str, Any]) -> None:
-        assert ctx.outbox is not None and ctx.conn is not None
         alloc_id = str(row["allocation_id"])
         placement = self._placement(row)
         if row["shape"] == "gpu_slice":
@@ -265,7 +257,6 @@ class Allocator:
 
     async def on_task_result(self, ctx: HandlerContext) -> None:
         res: m.NodeTaskResult = ctx.payload
-        assert ctx.conn is not None
         row = await repo.lock_allocation(ctx.conn, res.allocation_id)
         # A host can only report as itself (the bus enforces the subject), but it can still claim a
         # task it was never sent or another host's allocation: both change nothing and are dead-lettered.
@@ -282,7 +273,6 @@ class Allocator:
             log.info("task_result_ignored", state=row["state"])
 
     async def _on_provision_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
-        assert ctx.conn is not None
         await repo.update_allocation(ctx.conn, row["allocation_id"], awaiting_result=False)
         if res.status == "succeeded":
             access = m.AccessInfo(
@@ -304,7 +294,6 @@ class Allocator:
         )
 
     async def _on_release_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
-        assert ctx.conn is not None
         await repo.update_allocation(ctx.conn, row["allocation_id"], awaiting_result=False)
         if res.status == "succeeded":
             verified = bool(res.wipe_proofs) and all(p.verified for p in res.wipe_proofs)
@@ -320,7 +309,6 @@ class Allocator:
 
     async def on_enrolled(self, ctx: HandlerContext) -> None:
         ev: m.NodeEnrolled = ctx.payload
-        assert ctx.conn is not None
         if ev.kind != "baremetal" or ev.allocation_id is None:
             return
         row = await repo.lock_allocation(ctx.conn, ev.allocation_id)
@@ -345,7 +333,6 @@ class Allocator:
 
     async def on_maas_result(self, ctx: HandlerContext) -> None:
         res = ctx.payload
-        assert ctx.conn is not None
         row = await repo.lock_allocation(ctx.conn, res.allocation_id)
         if row is None:
             return
@@ -384,11 +371,9 @@ class Allocator:
 
     async def on_image_activated(self, ctx: HandlerContext) -> None:
         ev: m.ImageActivated = ctx.payload
-        assert ctx.conn is not None
         await repo.upsert_image(ctx.conn, ActiveImage(ev.slug, ev.kind, ev.sku, ev.digest_sha256, ev.image_path))
 
     async def on_image_deactivated(self, ctx: HandlerContext) -> None:
-        assert ctx.conn is not None
         await repo.delete_image(ctx.conn, ctx.payload.slug)
 
 

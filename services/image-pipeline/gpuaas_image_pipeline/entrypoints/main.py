@@ -38,12 +38,10 @@ def build_register(settings: ImagePipelineSettings):
             log.warning("builds_interrupted", count=interrupted)
 
         async def on_enrolled(ctx: HandlerContext) -> None:
-            assert ctx.conn is not None and ctx.outbox is not None
             sent = await catalog.on_enrolled(ctx.conn, ctx.outbox, ctx.payload, ctx.envelope.event_id)
             log.info("slice_host_known", node_id=ctx.payload.node_id, kind=ctx.payload.kind, prewarm_tasks=sent)
 
         async def on_cache_reported(ctx: HandlerContext) -> None:
-            assert ctx.conn is not None and ctx.outbox is not None
             await catalog.on_cache_reported(ctx.conn, ctx.outbox, ctx.payload)
 
         rt.bus.subscribe(rt.consumer_spec("image-pipeline-enrolments"), {"node.enrolled": on_enrolled})
@@ -51,11 +49,9 @@ def build_register(settings: ImagePipelineSettings):
                          {"node.image_cache_reported": on_cache_reported})
 
         async def on_upload_result(ctx: HandlerContext) -> None:
-            assert ctx.conn is not None
             await host_images.on_upload_result(ctx.conn, ctx.payload)
 
         async def on_profile_result(ctx: HandlerContext) -> None:
-            assert ctx.conn is not None
             await host_images.on_profile_image_result(ctx.conn, ctx.payload)
 
         rt.bus.subscribe(rt.consumer_spec("image-pipeline-maas-uploads"), {"maas.image_upload_result": on_upload_result})

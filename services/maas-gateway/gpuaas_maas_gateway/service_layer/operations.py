@@ -134,7 +134,6 @@ class OperationHandlers:
 
     async def on_command(self, ctx: HandlerContext) -> None:
         cmd = ctx.payload
-        assert ctx.conn is not None
         kind = COMMAND_KINDS[ctx.envelope.type]
         fields = cmd.model_dump(mode="json")
         params = {k: v for k, v in fields.items()

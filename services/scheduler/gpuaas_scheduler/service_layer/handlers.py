@@ -25,7 +25,6 @@ class Scheduler:
 
     async def on_accepted(self, ctx: HandlerContext) -> None:
         ev: m.AllocationAccepted = ctx.payload
-        assert ctx.conn is not None and ctx.outbox is not None
         alloc_id = str(ev.allocation_id)
         outcome = await place(ctx.conn, ev, self.policy)
         if outcome.already_placed:
@@ -46,45 +45,37 @@ class Scheduler:
 
     async def on_parity(self, ctx: HandlerContext) -> None:
         ev: m.NodeParityReported = ctx.payload
-        assert ctx.conn is not None
         outcome = await evidence.record_parity(ctx.conn, ev)
         log.info("parity_recorded", node_id=ev.node_id, failures=ev.failures, warnings=ev.warnings, outcome=outcome)
 
     async def on_topology(self, ctx: HandlerContext) -> None:
         ev: m.NodeTopologyReported = ctx.payload
-        assert ctx.conn is not None
         outcome = await evidence.record_topology(ctx.conn, ev)
         log.info("topology_recorded", node_id=ev.node_id, candidates=len(ev.candidate_slots), outcome=outcome)
 
     async def on_image_cache(self, ctx: HandlerContext) -> None:
         ev: m.ImageNodeCacheChanged = ctx.payload
-        assert ctx.conn is not None
         outcome = await evidence.record_image_cache(ctx.conn, ev, ctx.envelope.occurred_at)
         log.info("image_cache_recorded", node_id=ev.node_id, slug=ev.slug, status=ev.status,
                  schedulable=ev.schedulable, outcome=outcome)
 
     async def on_provisioning(self, ctx: HandlerContext) -> None:
-        assert ctx.conn is not None
         await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "provisioning", only_from=("reserved",))
 
     async def on_active(self, ctx: HandlerContext) -> None:
-        assert ctx.conn is not None
         await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "active", only_from=("provisioning",))
 
     async def on_releasing(self, ctx: HandlerContext) -> None:
-        assert ctx.conn is not None
         await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "releasing",
                                   only_from=("reserved", "provisioning", "active"))
 
     async def on_released(self, ctx: HandlerContext) -> None:
         ev: m.AllocationReleased = ctx.payload
-        assert ctx.conn is not None
         freed = await release_allocation(ctx.conn, ev.allocation_id, ev.cleanup)
         log.info("claims_released", count=freed, wipe_verified=ev.cleanup.verified)
 
     async def on_failed(self, ctx: HandlerContext) -> None:
         ev: m.AllocationFailed = ctx.payload
-        assert ctx.conn is not None
         await fail_allocation(ctx.conn, ev.allocation_id, ev.cleanup_required, f"{ev.reason_code}: {ev.reason}"[:500])
 
 

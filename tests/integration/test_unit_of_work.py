@@ -1,0 +1,92 @@
+"""The unit of work commits domain rows, the inbox row and the raised events together, or nothing."""
+
+from __future__ import annotations
+
+import uuid
+
+import asyncpg
+import pytest
+
+from gpuaas_common.bus import HandlerContext, deliver
+from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import messages as m
+from gpuaas_common.migrations import apply_migrations
+from gpuaas_common.unit_of_work import FakeUnitOfWork, UnitOfWork, no_repositories
+
+SCHEMA = "uow_test"
+
+
+@pytest.fixture
+async def pool(fresh_db):
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, SCHEMA, None)
+    await conn.execute(f"CREATE TABLE {SCHEMA}.effects (id text PRIMARY KEY)")
+    await conn.close()
+    p = await asyncpg.create_pool(fresh_db, min_size=1, max_size=2, server_settings={"search_path": SCHEMA})
+    yield p
+    await p.close()
+
+
+def _message() -> HandlerContext:
+    payload = m.AllocationReleaseRequested(allocation_id=uuid.uuid4(), reason="test")
+    env = Envelope.wrap("allocation.release_requested", payload.model_dump(mode="json"), producer="t",
+                        correlation_id="c")
+    return HandlerContext(env, payload, "gpuaas.allocation.release_requested", "consumer-a", 1)
+
+
+async def _effect_and_event(ctx: HandlerContext) -> None:
+    await ctx.conn.execute("INSERT INTO effects VALUES ($1)", str(ctx.payload.allocation_id))
+    await ctx.outbox.add("allocation.release_requested", ctx.payload, aggregate_id=str(ctx.payload.allocation_id))
+
+
+async def _counts(pool) -> tuple[int, int, int]:
+    return (await pool.fetchval("SELECT count(*) FROM effects"), await pool.fetchval("SELECT count(*) FROM inbox"),
+            await pool.fetchval("SELECT count(*) FROM outbox"))
+
+
+async def test_effects_inbox_and_events_commit_together_once(pool) -> None:
+    ctx = _message()
+    assert await deliver(_effect_and_event, ctx, UnitOfWork(pool, SCHEMA, "svc", no_repositories))
+    assert await _counts(pool) == (1, 1, 1)
+    body = await pool.fetchval("SELECT body FROM outbox")
+    assert Envelope.model_validate_json(body).causation_id is None  # no causing message was given
+    # The same message again is a no-op in effect.
+    assert not await deliver(_effect_and_event, _again(ctx), UnitOfWork(pool, SCHEMA, "svc", no_repositories))
+    assert await _counts(pool) == (1, 1, 1)
+
+
+def _again(ctx: HandlerContext) -> HandlerContext:
+    return HandlerContext(ctx.envelope, ctx.payload, ctx.subject, ctx.consumer, 2)
+
+
+async def test_a_failing_handler_leaves_nothing_behind(pool) -> None:
+    async def fails_after_effects(ctx: HandlerContext) -> None:
+        await _effect_and_event(ctx)
+        raise RuntimeError("boom")
+
+    ctx = _message()
+    with pytest.raises(RuntimeError):
+        await deliver(fails_after_effects, ctx, UnitOfWork(pool, SCHEMA, "svc", no_repositories))
+    assert await _counts(pool) == (0, 0, 0)
+    # And the retry is not mistaken for a duplicate.
+    assert await deliver(_effect_and_event, _again(ctx), UnitOfWork(pool, SCHEMA, "svc", no_repositories))
+    assert await _counts(pool) == (1, 1, 1)
+
+
+async def test_the_fake_forgets_a_rolled_back_message_like_the_real_one() -> None:
+    async def fails(ctx: HandlerContext) -> None:
+        await ctx.outbox.add("allocation.release_requested", ctx.payload, aggregate_id="a")
+        raise RuntimeError("boom")
+
+    uow = FakeUnitOfWork(repos=None)
+    ctx = _message()
+    with pytest.raises(RuntimeError):
+        await deliver(fails, ctx, uow)
+    assert (uow.published, uow.inbox) == ([], set())
+
+    async def ok(ctx: HandlerContext) -> None:
+        await ctx.outbox.add("allocation.release_requested", ctx.payload, aggregate_id="a")
+
+    assert await deliver(ok, _again(ctx), uow)
+    assert [e.type for e in uow.published] == ["allocation.release_requested"]
+    assert not await deliver(ok, _again(ctx), FakeUnitOfWork(repos=None, seen=uow.inbox))
