@@ -59,10 +59,32 @@ def test_fingerprint_is_stable_and_body_sensitive():
     assert request_fingerprint(a) != request_fingerprint(AllocationRequested(**{**a.model_dump(), "gpu_count": 2}))
 
 
-@pytest.mark.parametrize("current, new", [("accepted", "placed"), ("provisioning", "active"), ("active", "releasing"),
-                                          ("releasing", "released"), ("accepted", "releasing")])
-def test_allowed_transitions(current, new):
-    check_transition(current, new)
+LIFECYCLE = ["requested", "accepted", "placed", "provisioning", "active", "releasing", "released"]
+AT_REST_OR_IN_FLIGHT = ["accepted", "placed", "provisioning", "active"]
+ENDS = ["released", "failed", "unschedulable"]
+STATES = sorted(set(LIFECYCLE) | set(ENDS))
+
+
+def test_the_lifecycle_walks_from_requested_to_released():
+    walked = [LIFECYCLE[0]]
+    for current, new in zip(LIFECYCLE, LIFECYCLE[1:]):
+        check_transition(current, new)  # raises InvalidTransition on a refused step
+        walked.append(new)
+    assert walked == LIFECYCLE
+
+
+@pytest.mark.parametrize("state", AT_REST_OR_IN_FLIGHT)
+def test_a_release_can_start_from_every_live_state(state):
+    check_transition(state, "releasing")
+    with pytest.raises(InvalidTransition):
+        check_transition(state, "released")  # but nothing is free again without going through releasing
+
+
+@pytest.mark.parametrize("end", ENDS)
+@pytest.mark.parametrize("to", STATES)
+def test_an_ended_allocation_never_moves_again(end, to):
+    with pytest.raises(InvalidTransition):
+        check_transition(end, to)
 
 
 @pytest.mark.parametrize("current, new", [("released", "active"), ("failed", "releasing"), ("accepted", "active"),

@@ -8,7 +8,7 @@ import asyncpg
 
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
-from ..adapters.repository import count_images
+from ..adapters.repository import AllocationRepository, count_images
 from ..service_layer.handlers import Allocator, handlers_by_consumer
 from ..settings import AllocatorSettings
 
@@ -16,6 +16,7 @@ from ..settings import AllocatorSettings
 def build_register(settings: AllocatorSettings):
     async def register(rt: ServiceRuntime) -> None:
         assert rt.bus is not None and rt.pool is not None
+        rt.bus.repositories = AllocationRepository
         allocator = Allocator(settings)
         for durable, handlers in handlers_by_consumer(allocator).items():
             rt.bus.subscribe(rt.consumer_spec(durable), handlers)

@@ -6,18 +6,15 @@ different consumers are serialised by Postgres, not by luck.
 
 from __future__ import annotations
 
-import json
 from datetime import timedelta
 from typing import Any
 
-import asyncpg
 
 from gpuaas_common.bus import HandlerContext, PermanentError
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
-from ..adapters import repository as repo
 from ..domain.model import (
     ActiveImage,
     check_transition,
@@ -50,7 +47,7 @@ class Allocator:
     async def _transition(
         self,
         ctx: HandlerContext,
-        row: asyncpg.Record | dict[str, Any],
+        row: dict[str, Any],
         new_state: str,
         *,
         reason_code: str | None = None,
@@ -61,9 +58,9 @@ class Allocator:
         current = row["state"]
         check_transition(current, new_state)
         alloc_id = row["allocation_id"]
-        await repo.update_allocation(ctx.conn, alloc_id, state=new_state, **(update or {}))
-        seq = await repo.append_timeline(
-            ctx.conn, alloc_id, new_state, current, reason_code=reason_code, detail=detail,
+        await ctx.uow.repos.update(alloc_id, state=new_state, **(update or {}))
+        seq = await ctx.uow.repos.append_timeline(
+            alloc_id, new_state, current, reason_code=reason_code, detail=detail,
             cause_event_id=ctx.envelope.event_id,
         )
         model = _LIFECYCLE_MODELS[new_state]
@@ -84,16 +81,15 @@ class Allocator:
         return new_row
 
     @staticmethod
-    def _placement(row: asyncpg.Record | dict[str, Any]) -> dict[str, Any]:
-        value = row["placement"]
-        return json.loads(value) if isinstance(value, str) else (value or {})
+    def _placement(row: dict[str, Any]) -> dict[str, Any]:
+        return row["placement"] or {}
 
     # --- portal input ----------------------------------------------------------------------------
 
     async def on_requested(self, ctx: HandlerContext) -> None:
         req: m.AllocationRequested = ctx.payload
         fingerprint = request_fingerprint(req)
-        existing = await repo.lock_allocation(ctx.conn, req.allocation_id)
+        existing = await ctx.uow.repos.lock(req.allocation_id)
         if existing is not None:
             if existing["request_hash"] == fingerprint:
                 log.info("request_replay_ignored")
@@ -101,20 +97,19 @@ class Allocator:
             await self._reject(ctx, req, "idempotency_conflict",
                                "allocation_id already used for a different request")
             return
-        image = await repo.get_image(ctx.conn, req.image)
+        image = await ctx.uow.repos.get_image(req.image)
         rejection = validate_request(req, image)
         if rejection is not None:
             await self._reject(ctx, req, rejection.reason_code, rejection.reason)
             return
         assert image is not None
-        await repo.insert_allocation(
-            ctx.conn,
+        await ctx.uow.repos.insert(
             allocation_id=req.allocation_id, tenant_id=req.tenant_id, shape=req.shape, sku=req.sku,
             gpu_count=req.gpu_count, region=req.region, image_slug=image.slug, image_digest=image.digest_sha256,
             image_path=image.image_path, request_hash=fingerprint, request=req.model_dump(mode="json"),
             state="requested",
         )
-        await repo.append_timeline(ctx.conn, req.allocation_id, "requested", None, cause_event_id=ctx.envelope.event_id)
+        await ctx.uow.repos.append_timeline(req.allocation_id, "requested", None, cause_event_id=ctx.envelope.event_id)
         row = {"allocation_id": req.allocation_id, "tenant_id": req.tenant_id, "shape": req.shape, "state": "requested"}
         await self._transition(
             ctx, row, "accepted", sku=req.sku, gpu_count=req.gpu_count, region=req.region,
@@ -135,7 +130,7 @@ class Allocator:
 
     async def on_release_requested(self, ctx: HandlerContext) -> None:
         req: m.AllocationReleaseRequested = ctx.payload
-        row = await repo.lock_allocation(ctx.conn, req.allocation_id)
+        row = await ctx.uow.repos.lock(req.allocation_id)
         if row is None:
             log.warning("release_of_unknown_allocation")
             return
@@ -153,7 +148,7 @@ class Allocator:
 
     async def on_placed(self, ctx: HandlerContext) -> None:
         ev: m.PlacementPlaced = ctx.payload
-        row = await repo.lock_allocation(ctx.conn, ev.allocation_id)
+        row = await ctx.uow.repos.lock(ev.allocation_id)
         if row is None or row["state"] not in ("accepted", "releasing") or row["node_id"] is not None:
             log.warning("placement_unexpected", state=row["state"] if row else None)
             return
@@ -161,7 +156,7 @@ class Allocator:
         update = {"node_id": ev.node_id, "maas_system_id": ev.maas_system_id, "placement": placement}
         if row["state"] == "releasing":
             # Released before anything was built: nothing was touched, the claim can go at once.
-            await repo.update_allocation(ctx.conn, ev.allocation_id, **update)
+            await ctx.uow.repos.update(ev.allocation_id, **update)
             await self._transition(
                 ctx, row, "released", node_id=ev.node_id,
                 cleanup=m.CleanupReport(required=False, verified=True, reason="released before provisioning"),
@@ -175,15 +170,10 @@ class Allocator:
 
     async def _start_provisioning(self, ctx: HandlerContext, row: dict[str, Any], ev: m.PlacementPlaced) -> None:
         alloc_id = str(row["allocation_id"])
-        request = row.get("request") or (await ctx.conn.fetchval(  # type: ignore[union-attr]
-            "SELECT request FROM allocations WHERE allocation_id = $1", row["allocation_id"]))
-        request = json.loads(request) if isinstance(request, str) else request
+        request = row["request"]
         if row["shape"] == "gpu_slice":
             task_id = f"prov-{alloc_id}"
-            image_row = await ctx.conn.fetchrow(  # type: ignore[union-attr]
-                "SELECT image_slug, image_digest, image_path FROM allocations WHERE allocation_id = $1",
-                row["allocation_id"],
-            )
+            image_row = row
             task = m.SliceVmProvision(
                 task_id=task_id, allocation_id=row["allocation_id"], node_id=ev.node_id,
                 fencing_epoch=ev.fencing_epoch, deadline=utcnow() + timedelta(seconds=self.settings.task_deadline_s),
@@ -212,7 +202,7 @@ class Allocator:
 
     async def on_unschedulable(self, ctx: HandlerContext) -> None:
         ev: m.PlacementUnschedulable = ctx.payload
-        row = await repo.lock_allocation(ctx.conn, ev.allocation_id)
+        row = await ctx.uow.repos.lock(ev.allocation_id)
         if row is None or row["state"] not in ("accepted", "releasing"):
             return
         if row["state"] == "releasing":
@@ -241,7 +231,7 @@ class Allocator:
             )
             await ctx.outbox.add("slice.vm_release", task, aggregate_id=alloc_id,
                                  event_id=derived_event_id(alloc_id, "release-task"), node_id=row["node_id"])
-            await repo.update_allocation(ctx.conn, row["allocation_id"], release_task_id=task_id, awaiting_result=True)
+            await ctx.uow.repos.update(row["allocation_id"], release_task_id=task_id, awaiting_result=True)
         else:
             operation_id = f"release-{alloc_id}"
             cmd = m.MaasReleaseRequested(
@@ -250,14 +240,14 @@ class Allocator:
             )
             await ctx.outbox.add("maas.release_requested", cmd, aggregate_id=alloc_id,
                                  event_id=derived_event_id(alloc_id, "release-command"))
-            await repo.update_allocation(ctx.conn, row["allocation_id"], release_operation_id=operation_id,
+            await ctx.uow.repos.update(row["allocation_id"], release_operation_id=operation_id,
                                          awaiting_result=True)
 
     # --- results from node agents and MAAS ----------------------------------------------------------
 
     async def on_task_result(self, ctx: HandlerContext) -> None:
         res: m.NodeTaskResult = ctx.payload
-        row = await repo.lock_allocation(ctx.conn, res.allocation_id)
+        row = await ctx.uow.repos.lock(res.allocation_id)
         # A host can only report as itself (the bus enforces the subject), but it can still claim a
         # task it was never sent or another host's allocation: both change nothing and are dead-lettered.
         if row is None or res.task_id not in {row["task_id"], row["release_task_id"]} - {None}:
@@ -273,7 +263,7 @@ class Allocator:
             log.info("task_result_ignored", state=row["state"])
 
     async def _on_provision_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
-        await repo.update_allocation(ctx.conn, row["allocation_id"], awaiting_result=False)
+        await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
         if res.status == "succeeded":
             access = m.AccessInfo(
                 ip=res.readiness.actual_ip if res.readiness else None,
@@ -294,7 +284,7 @@ class Allocator:
         )
 
     async def _on_release_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
-        await repo.update_allocation(ctx.conn, row["allocation_id"], awaiting_result=False)
+        await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
         if res.status == "succeeded":
             verified = bool(res.wipe_proofs) and all(p.verified for p in res.wipe_proofs)
             cleanup = m.CleanupReport(required=True, verified=verified, wipe_proofs=res.wipe_proofs,
@@ -311,7 +301,7 @@ class Allocator:
         ev: m.NodeEnrolled = ctx.payload
         if ev.kind != "baremetal" or ev.allocation_id is None:
             return
-        row = await repo.lock_allocation(ctx.conn, ev.allocation_id)
+        row = await ctx.uow.repos.lock(ev.allocation_id)
         if row is None or row["shape"] != "baremetal" or row["maas_system_id"] != ev.maas_system_id:
             log.warning("enrolment_unmatched")
             return
@@ -320,7 +310,7 @@ class Allocator:
         if ev.enrolment_proof != expected:
             log.warning("enrolment_proof_mismatch")
             return
-        await repo.update_allocation(ctx.conn, row["allocation_id"], enrolled=True)
+        await ctx.uow.repos.update(row["allocation_id"], enrolled=True)
         row = dict(row)
         row["enrolled"] = True
         await self._maybe_baremetal_active(ctx, row)
@@ -333,14 +323,14 @@ class Allocator:
 
     async def on_maas_result(self, ctx: HandlerContext) -> None:
         res = ctx.payload
-        row = await repo.lock_allocation(ctx.conn, res.allocation_id)
+        row = await ctx.uow.repos.lock(res.allocation_id)
         if row is None:
             return
         row = dict(row)
         if ctx.envelope.type == "maas.deploy_result" and res.operation_id == row["operation_id"]:
-            await repo.update_allocation(ctx.conn, row["allocation_id"], awaiting_result=False)
+            await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
             if res.status == "deployed":
-                await repo.update_allocation(ctx.conn, row["allocation_id"], deployed=True)
+                await ctx.uow.repos.update(row["allocation_id"], deployed=True)
                 row["deployed"] = True
                 if row["state"] == "releasing":
                     await self._start_teardown(ctx, row)
@@ -354,7 +344,7 @@ class Allocator:
                 reason=reason, node_id=row["node_id"], cleanup_required=True,
             )
         elif ctx.envelope.type == "maas.release_result" and res.operation_id == row["release_operation_id"]:
-            await repo.update_allocation(ctx.conn, row["allocation_id"], awaiting_result=False)
+            await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
             if res.status == "released":
                 cleanup = m.CleanupReport(required=True, verified=True, reason=f"MAAS {res.maas_status_name}")
                 await self._transition(ctx, row, "released", node_id=row["node_id"], cleanup=cleanup)
@@ -371,10 +361,10 @@ class Allocator:
 
     async def on_image_activated(self, ctx: HandlerContext) -> None:
         ev: m.ImageActivated = ctx.payload
-        await repo.upsert_image(ctx.conn, ActiveImage(ev.slug, ev.kind, ev.sku, ev.digest_sha256, ev.image_path))
+        await ctx.uow.repos.upsert_image(ActiveImage(ev.slug, ev.kind, ev.sku, ev.digest_sha256, ev.image_path))
 
     async def on_image_deactivated(self, ctx: HandlerContext) -> None:
-        await repo.delete_image(ctx.conn, ctx.payload.slug)
+        await ctx.uow.repos.delete_image(ctx.payload.slug)
 
 
 def handlers_by_consumer(allocator: Allocator) -> dict[str, dict[str, Any]]:
