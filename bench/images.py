@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpuaas_common.testing.servers import RegistryServer
+from gpuaas_dev.testing.servers import RegistryServer
 from gpuaas_image_pipeline.adapters import registry, sparse
 from gpuaas_image_pipeline.domain.catalog import ArtifactRef
 from gpuaas_node_agent.adapters import image_cache

@@ -30,7 +30,7 @@ from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
-from gpuaas_common.testing.servers import PostgresServer
+from gpuaas_dev.testing.servers import PostgresServer
 from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters import synthetic

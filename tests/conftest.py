@@ -9,7 +9,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from gpuaas_common.testing.servers import NatsServer, PostgresServer
+from gpuaas_dev.testing.servers import NatsServer, PostgresServer
 
 
 @pytest.fixture(scope="session")

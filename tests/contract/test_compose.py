@@ -24,7 +24,8 @@ SETTINGS_BY_SCRIPT = {
     "gpuaas-scheduler": "gpuaas_scheduler.settings.SchedulerSettings",
     "gpuaas-image-pipeline": "gpuaas_image_pipeline.settings.ImagePipelineSettings",
     "gpuaas-maas-gateway": "gpuaas_maas_gateway.settings.GatewaySettings",
-    "gpuaas-node-agent": "gpuaas_node_agent.settings.AgentSettings",
+    # Compose runs the simulated fleet where a real deployment runs gpuaas-node-agent on each host.
+    "gpuaas-sim-fleet": "gpuaas_dev.sim.settings.SimFleetSettings",
 }
 _INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)[^}]*\}")
 _SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash")
@@ -257,7 +258,7 @@ def test_nats_config_loads_with_the_generated_identities(compose, tmp_path):
     checked by `nats-server -t`: the include resolves, the TLS files load, the resolver is on a volume."""
     from typer.testing import CliRunner
 
-    from gpuaas_common.testing.servers import nats_server_binary
+    from gpuaas_dev.testing.servers import nats_server_binary
     from gpuaas_dev.cli import app
 
     _, args = _identities_init(compose)
@@ -333,7 +334,7 @@ def test_every_bus_client_is_its_own_identity_over_tls(compose):
         assert all(u.startswith("tls://") for u in env["GPUAAS_NATS_URL"].split(",")), f"{name}: NATS over TLS"
         assert env.get("GPUAAS_NATS_CA_FILE") == f"{out}/tls/ca.pem", name
         assert deps.get("nats", {}).get("condition") == "service_healthy", name
-        if script_name == "gpuaas-node-agent":
+        if script_name == "gpuaas-sim-fleet":
             # One user per slice host, never a shared one.
             assert "GPUAAS_NATS_CREDS" not in env, name
             assert env.get("GPUAAS_NATS_CREDS_DIR") == hosts_dir, f"{name}: the onboarded hosts' creds"
@@ -382,7 +383,7 @@ def test_services_wait_for_healthy_dependencies(compose):
         env = _env(svc)
         if "GPUAAS_NATS_URL" in env:
             assert deps.get("nats", {}).get("condition") == "service_healthy", name
-        if "GPUAAS_DATABASE_URL" in env and _command(svc)[0] != "gpuaas-node-agent":
+        if "GPUAAS_DATABASE_URL" in env and _command(svc)[0] != "gpuaas-sim-fleet":
             assert deps.get("postgres", {}).get("condition") == "service_healthy", name
         if _command(svc)[0] in SETTINGS_BY_SCRIPT:
             assert "healthcheck" in svc, f"{name}: no healthcheck"

@@ -15,7 +15,7 @@ import pytest
 
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
-from gpuaas_common.testing.bus_spy import BusSpy
+from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.stack import Stack
 
 @pytest.fixture(scope="module")

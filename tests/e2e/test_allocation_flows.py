@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from gpuaas_common.testing.waiting import eventually
+from gpuaas_dev.testing.waiting import eventually
 
 from .conftest import maas_sim
 

@@ -16,7 +16,7 @@ from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.tls import client_context
-from gpuaas_common.testing.waiting import eventually
+from gpuaas_dev.testing.waiting import eventually
 
 from .conftest import maas_sim
 

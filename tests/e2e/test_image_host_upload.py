@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gpuaas_common.testing.waiting import eventually
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_dev.stack import Stack
 from gpuaas_maas_gateway.adapters.maas_client import MaasClient
 

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from gpuaas_common.bus import Bus, HandlerContext, parse_message
 from gpuaas_common.contract import messages as m
-from gpuaas_common.testing.waiting import eventually
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_dev.stack import Stack
 from gpuaas_node_agent.adapters.state_store import StateStore
 from gpuaas_node_agent.service_layer.host_paths import HostPaths

@@ -31,7 +31,7 @@ from gpuaas_common.identity.permissions import (
 from gpuaas_common.identity.tls import TlsFiles, client_context, make_ca_and_server_cert
 from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer, provision
 from gpuaas_common.natsconn import NatsIdentity
-from gpuaas_common.testing.servers import NatsServer, _http_ok
+from gpuaas_dev.testing.servers import NatsServer, _http_ok
 
 NODES = ("n1", "n2")
 

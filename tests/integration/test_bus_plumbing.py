@@ -18,8 +18,8 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import ConsumerSpec, ensure_consumer, provision
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import OutboxRelay, OutboxWriter
-from gpuaas_common.testing.bus_spy import BusSpy
-from gpuaas_common.testing.waiting import eventually
+from gpuaas_dev.testing.bus_spy import BusSpy
+from gpuaas_dev.testing.waiting import eventually
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 import pytest_asyncio
 import structlog
 
-from gpuaas_common.testing.waiting import eventually
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_dev.maas_sim import SimConfig, start, system_id_for
 from gpuaas_maas_gateway.adapters.maas_client import MaasClient
 from gpuaas_maas_gateway.adapters.maas_errors import (

@@ -24,7 +24,7 @@ from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.db import create_pool
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
-from gpuaas_common.testing.waiting import eventually
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
 from gpuaas_dev.maas_sim import Fault, SimConfig, start, state_of, system_id_for
 from gpuaas_maas_gateway.domain.breaker import BreakerState

@@ -17,7 +17,7 @@ import aiohttp
 import pytest_asyncio
 from oauthlib import oauth1
 
-from gpuaas_common.testing.waiting import eventually
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_dev.maas_sim import SimConfig, start, system_id_for
 
 KEY = "CK" * 9 + ":" + "TK" * 9 + ":" + "TS" * 16

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import structlog
 
-from gpuaas_common.testing.waiting import eventually
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_node_agent.adapters import dnsmasq
 from gpuaas_node_agent.adapters.readiness import probe_ssh_banner, wait_ready
-from gpuaas_node_agent.adapters.sim_host import SimulatedDhcpAndGuest
+from gpuaas_dev.sim.dhcp_guest import SimulatedDhcpAndGuest
 
 
 def _free_port() -> int:

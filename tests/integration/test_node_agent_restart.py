@@ -18,10 +18,10 @@ import nats
 from gpuaas_common.contract import Envelope, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import provision
-from gpuaas_common.testing.bus_spy import BusSpy
-from gpuaas_common.testing.waiting import eventually
+from gpuaas_dev.testing.bus_spy import BusSpy
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_node_agent.adapters.discovery import stable_ids
-from gpuaas_node_agent.adapters.fixture_host import build_host_root, xe9680l
+from gpuaas_dev.sim.fixture_host import build_host_root, xe9680l
 from gpuaas_node_agent.adapters.host import HostFs
 
 IMAGE = b"GPUAAS-KILL-TEST-IMAGE" * 200

@@ -18,13 +18,13 @@ import pytest
 from gpuaas_common.contract import Envelope, spec_for, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import provision
-from gpuaas_common.testing.bus_spy import BusSpy
-from gpuaas_common.testing.servers import free_port
+from gpuaas_dev.testing.bus_spy import BusSpy
+from gpuaas_dev.testing.servers import free_port
 from gpuaas_node_agent.adapters.discovery import stable_ids
-from gpuaas_node_agent.adapters.fixture_host import build_host_root, xe9680l
+from gpuaas_dev.sim.fixture_host import build_host_root, xe9680l
 from gpuaas_node_agent.adapters.host import HostFs
 from gpuaas_node_agent.adapters.libvirt_host import LibvirtHost
-from gpuaas_node_agent.adapters.sim_host import SimulatedDhcpAndGuest
+from gpuaas_dev.sim.dhcp_guest import SimulatedDhcpAndGuest
 from gpuaas_node_agent.adapters.state_store import StateStore
 from gpuaas_node_agent.service_layer.host_paths import HostPaths
 from gpuaas_node_agent.service_layer.tasks import SliceHostAgent

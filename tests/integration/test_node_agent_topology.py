@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpuaas_node_agent.adapters.discovery import discover
-from gpuaas_node_agent.adapters.fixture_host import build_host_root, eui_for, xe9680l
+from gpuaas_dev.sim.fixture_host import build_host_root, eui_for, xe9680l
 from gpuaas_node_agent.adapters.host import Host
 from gpuaas_node_agent.adapters.parity import ParityChecker, format_lines
 

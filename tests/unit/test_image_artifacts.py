@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuaas_common.testing.servers import RegistryServer
+from gpuaas_dev.testing.servers import RegistryServer
 from gpuaas_image_pipeline.adapters import host_image, registry, sparse
 from gpuaas_image_pipeline.domain.catalog import ArtifactRef, activation_ready, node_schedulable
 from gpuaas_node_agent.adapters import image_cache

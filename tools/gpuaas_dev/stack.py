@@ -38,7 +38,7 @@ from gpuaas_common.identity.permissions import ROLE_PERMISSIONS, node_user_name
 from gpuaas_common.identity.permissions import SERVICES as BUS_SERVICES
 from gpuaas_common.identity.tls import TlsFiles, make_ca_and_server_cert
 from gpuaas_common.pg_roles import SERVICE_ROLES, dsn_without_password, ensure_service_roles
-from gpuaas_common.testing.servers import NatsServer, PostgresServer, RegistryServer, free_port
+from gpuaas_dev.testing.servers import NatsServer, PostgresServer, RegistryServer, free_port
 
 from .maas_sim.auth import generate_api_key
 from .seed_images import build_seed
@@ -611,8 +611,10 @@ class Stack:
             env["GPUAAS_MAAS_SIM_URL"] = self.maas_base_url
             env["GPUAAS_SIM_IMAGE_DIR"] = str(self._files["images"])
             env["GPUAAS_LIBVIRT_URI"] = "test:///default"
+        # The node agent's place in the stack is taken by the simulated fleet: every host in one process.
+        command = "gpuaas-sim-fleet" if name == "node-agent" else f"gpuaas-{name}"
         return _Proc(
-            name=name, argv=[bin_path(f"gpuaas-{name}")], env=self._apply_overrides(name, env),
+            name=name, argv=[bin_path(command)], env=self._apply_overrides(name, env),
             log_path=self.logs_dir / f"{name}.log", ready_file=ready_file, ready_path="/readyz",
         )
 

@@ -16,18 +16,7 @@ class AgentSettings(ServiceSettings):
     dnsmasq_hostsdir: str = "/etc/gpuaas/dnsmasq-hosts"
     dnsmasq_lease_file: str = "/var/lib/misc/dnsmasq.leases"
     seed_dir: str = "/var/lib/gpuaas/seeds"
-    # Simulated fleet: run one agent per host of this fleet file in this process.
-    fleet_file: str | None = None
-    # Simulated fleet: each host connects with `<dir>/node-<node_id>.creds`, its own NATS user.
-    nats_creds_dir: str | None = None
-    # Simulated fleet: images copied into every simulated host's cache at start (until prewarm lands).
-    sim_image_dir: str | None = None
-    # Simulated fleet: where simulated baremetal hosts learn that MAAS deployed them.
-    maas_sim_url: str | None = None
-    sim_disk_size_mib: int = Field(default=64, ge=1)
     # How long JetStream waits for a task's ack before redelivering it (a slice provision can take minutes).
     task_ack_wait_s: float = Field(default=120.0, gt=0)
-    # Simulated fleet for control-plane benchmarks: hosts answer tasks at once (see adapters/sim_instant.py).
-    sim_instant_hosts: bool = False
     # Tasks handled in parallel per host (on disjoint slots).
     task_concurrency: int = Field(default=8, ge=1, le=64)

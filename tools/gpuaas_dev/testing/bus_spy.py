@@ -14,7 +14,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client as NatsClient
 
-from ..contract.asyncapi import ContractValidator, ContractViolation, default_validator
+from gpuaas_common.contract.asyncapi import ContractValidator, ContractViolation, default_validator
 
 
 class BusSpy:

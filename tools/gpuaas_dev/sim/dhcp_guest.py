@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gpuaas_common.logging import get_logger
 
-from .dnsmasq import Reservation, read_reservations
+from gpuaas_node_agent.adapters.dnsmasq import Reservation, read_reservations
 
 log = get_logger(__name__)
 

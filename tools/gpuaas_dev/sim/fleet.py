@@ -1,0 +1,151 @@
+"""`gpuaas-sim-fleet`: every host of a fleet file in one process, each as its own NATS user.
+
+Slice hosts run the production agent wiring (gpuaas_node_agent.entrypoints.host) on a generated host tree
+with simulated DHCP and guests, or answer at once (`GPUAAS_SIM_INSTANT_HOSTS`, benchmarks only). Baremetal
+hosts boot when the MAAS simulator says Deployed and connect only with the creds their user-data carried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+from gpuaas_common.bus import PermanentError
+from gpuaas_common.contract import derived_event_id
+from gpuaas_common.contract import messages as m
+from gpuaas_common.fleet import Fleet, FleetNode
+from gpuaas_common.identity.creds import write_secret
+from gpuaas_common.identity.permissions import node_user_name
+from gpuaas_common.natsconn import NatsIdentity, split_servers
+from gpuaas_common.runtime import ServiceRuntime, run_service
+from gpuaas_node_agent.adapters.host_link import HostLink
+from gpuaas_node_agent.entrypoints.host import AGENT_VERSION, open_host_bus, run_slice_host, slice_host_enrolment
+from gpuaas_node_agent.service_layer.host_paths import HostPaths
+
+from .baremetal import SimulatedBaremetalHost, enrolment_proof
+from .dhcp_guest import SimulatedDhcpAndGuest
+from .fixture_host import build_host_root, describe_fleet_node
+from .instant import InstantSliceHost
+from .settings import SimFleetSettings
+
+
+def _host_identity(settings: SimFleetSettings, node_id: str) -> NatsIdentity:
+    servers = split_servers(settings.nats_url)
+    if settings.nats_creds_dir:
+        return NatsIdentity(servers, str(Path(settings.nats_creds_dir) / f"{node_user_name(node_id)}.creds"),
+                            settings.nats_ca_file)
+    return NatsIdentity(servers, settings.nats_creds, settings.nats_ca_file)
+
+
+def _prepare_host_tree(settings: SimFleetSettings, node: FleetNode, paths: HostPaths) -> None:
+    """A generated host tree (sysfs, /dev with its disks, /proc, /etc and host tools, so discovery, parity
+    and the disk preflight work on it), its image cache and dnsmasq directories."""
+    build_host_root(paths.root, describe_fleet_node(node, disk_file_bytes=settings.sim_disk_size_mib * 1024 * 1024))
+    cache = paths.host(settings.image_cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    if settings.sim_image_dir:
+        for image in Path(settings.sim_image_dir).glob("*.raw"):
+            target = cache / image.name
+            if not target.exists():
+                shutil.copyfile(image, target)
+    paths.host(settings.dnsmasq_hostsdir).mkdir(parents=True, exist_ok=True)
+    paths.host(settings.dnsmasq_lease_file).parent.mkdir(parents=True, exist_ok=True)
+    paths.host(settings.seed_dir).mkdir(parents=True, exist_ok=True)
+
+
+def build_register(settings: SimFleetSettings):
+    async def register(rt: ServiceRuntime) -> None:
+        fleet = Fleet.load(settings.fleet_file)
+        links: dict[str, HostLink] = {}
+        sims: list[SimulatedDhcpAndGuest] = []
+        for node in fleet.nodes:
+            if node.kind == "baremetal":
+                if settings.maas_sim_url and node.maas_system_id:
+                    rt.spawn(_baremetal_host(settings, node, settings.maas_sim_url).run(), f"sim-bm-{node.node_id}")
+                continue
+            link = links[node.node_id] = HostLink(node.node_id, _host_identity(settings, node.node_id),
+                                                  retry_delays_s=settings.retry_delays_s)
+            if settings.sim_instant_hosts:
+                rt.spawn(_run_instant_host(settings, node, link), f"host-{node.node_id}")
+            else:
+                rt.spawn(_run_simulated_slice_host(settings, node, fleet.ssh_port, link, sims), f"host-{node.node_id}")
+        # Ready once every slice host has its own link up; a host that cannot connect keeps the
+        # process unready and says why in the log, the other hosts work on.
+        rt.health.checks["hosts"] = lambda: all(link.bus is not None for link in links.values())
+
+        async def close() -> None:
+            await asyncio.gather(*(link.close() for link in links.values()), return_exceptions=True)
+            await asyncio.gather(*(sim.stop() for sim in sims), return_exceptions=True)
+
+        rt.on_stop.append(close)
+
+    return register
+
+
+async def _run_simulated_slice_host(settings: SimFleetSettings, node: FleetNode, ssh_port: int, link: HostLink,
+                                    sims: list[SimulatedDhcpAndGuest]) -> None:
+    paths = HostPaths(Path(node.host_root or settings.host_root))
+    _prepare_host_tree(settings, node, paths)
+    sim = SimulatedDhcpAndGuest(paths.host(settings.dnsmasq_hostsdir), paths.host(settings.dnsmasq_lease_file),
+                                ssh_port)
+    sims.append(sim)
+    await sim.start()
+    await run_slice_host(settings, node.node_id, node.hostname, paths.root, ssh_port, link)
+
+
+async def _run_instant_host(settings: SimFleetSettings, node: FleetNode, link: HostLink) -> None:
+    bus, spec = await open_host_bus(settings, node.node_id, link)
+    instant = InstantSliceHost(node.node_id, bus.publish)
+    bus.subscribe(spec, {"slice.vm_provision": instant.on_task, "slice.vm_release": instant.on_task},
+                  transactional=False, concurrency=settings.task_concurrency)
+    await link.start()
+    await bus.publish("node.enrolled", slice_host_enrolment(node.node_id, node.hostname),
+                      correlation_id=node.node_id, node_id=node.node_id)
+
+
+def _baremetal_host(settings: SimFleetSettings, node: FleetNode, maas_sim_url: str) -> SimulatedBaremetalHost:
+    """A simulated baremetal host connects only with the credentials its deploy user-data carried, as a
+    real host would, and drops them when MAAS takes the machine back."""
+    assert node.maas_system_id is not None
+    root = Path(node.host_root) if node.host_root else Path(settings.state_dir) / "baremetal" / node.node_id
+    link: HostLink | None = None
+
+    async def enrol(env: dict[str, str], creds_text: str | None) -> None:
+        nonlocal link
+        token = env.get("GPUAAS_ENROLMENT_TOKEN")
+        allocation_id = env.get("GPUAAS_ALLOCATION_ID")
+        if not token or not allocation_id:
+            raise PermanentError("schema_invalid", "user_data carries no enrolment token")
+        await leave()
+        creds_file = None
+        if creds_text:
+            creds_file = str(write_secret(root / "etc" / "gpuaas" / "node.creds", creds_text))
+        elif settings.nats_creds_dir:
+            raise PermanentError("no_credentials", "user_data carries no NATS credentials for this host")
+        link = HostLink(node.node_id, NatsIdentity(split_servers(settings.nats_url), creds_file,
+                                                   settings.nats_ca_file), retry_delays_s=settings.retry_delays_s)
+        bus = await link.open(retry_forever=False)
+        ev = m.NodeEnrolled(
+            node_id=node.node_id, kind="baremetal", hostname=node.hostname, agent_version=AGENT_VERSION,
+            maas_system_id=node.maas_system_id, allocation_id=allocation_id, enrolment_proof=enrolment_proof(token),
+        )
+        await bus.publish("node.enrolled", ev, correlation_id=allocation_id, node_id=node.node_id,
+                          event_id=derived_event_id(allocation_id, f"enrolled:{node.node_id}"))
+
+    async def leave() -> None:
+        nonlocal link
+        if link is not None:
+            await link.close()
+            link = None
+
+    return SimulatedBaremetalHost(node.node_id, node.maas_system_id, maas_sim_url, enrol, leave)
+
+
+def main() -> None:
+    settings = SimFleetSettings()  # type: ignore[call-arg]  # fleet_file comes from GPUAAS_FLEET_FILE
+    run_service("node-agent", settings, build_register(settings), connect_bus=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+from pydantic import Field
+
+from gpuaas_node_agent.settings import AgentSettings
+
+
+class SimFleetSettings(AgentSettings):
+    """The agent's settings, applied to every host of the fleet, plus what only a simulation has."""
+
+    fleet_file: str
+    # Each host connects with `<dir>/node-<node_id>.creds`, its own NATS user; without it, as GPUAAS_NATS_CREDS
+    # (an open dev server).
+    nats_creds_dir: str | None = None
+    # Images copied into every simulated host's cache at start (until prewarm lands).
+    sim_image_dir: str | None = None
+    # Where simulated baremetal hosts learn that MAAS deployed them; without it they never boot.
+    maas_sim_url: str | None = None
+    sim_disk_size_mib: int = Field(default=64, ge=1)
+    # For control-plane benchmarks: hosts answer tasks at once (see instant.py).
+    sim_instant_hosts: bool = False
