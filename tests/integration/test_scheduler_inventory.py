@@ -136,7 +136,7 @@ async def test_idempotency_key_replays_the_stored_response(api, pool):
     s2, r2 = await post(api, "/v1/nodes/n00001/drain", body, key="k-1")
     assert s1 == s2 == 200 and r1 == r2 and r1["node"]["drain_reason"] == "rack swap"
     s3, r3 = await post(api, "/v1/nodes/n00001/drain", {**body, "reason": "other"}, key="k-1")
-    assert s3 == 422 and r3["error"]["code"] == "idempotency_key_reused"
+    assert s3 == 409 and r3["error"]["code"] == "idempotency_conflict"
     async with pool.acquire() as conn:
         assert await conn.fetchval("SELECT count(*) FROM admin_audit WHERE action = 'node.drain'") == 1
     u = await run_place(pool, accepted())
@@ -240,8 +240,15 @@ async def test_sql_candidate_order_matches_the_pure_ranking(pool):
         for gpus in (1, 2, 4, 8):
             req = inv.Request("gpu_slice", gpus, "default", "h200-sxm-slice")
             sql = [c async for c in inv.slice_candidates(conn, req, rank_classes(gpus), page=4)]
-            assert [c.node_id for c in sql if c in rank_nodes(pure_nodes, gpus)] == \
-                [c.node_id for c in rank_nodes(pure_nodes, gpus)]
+            ranked = rank_nodes(pure_nodes, gpus)
+            # The SQL is a pre-filter: it may yield nodes the exact check then refuses, never miss one, never
+            # repeat one, and keeps the documented order among those that fit.
+            assert len({c.node_id for c in sql}) == len(sql), f"a node came twice for {gpus} GPUs"
+            assert [c.node_id for c in sql if c in ranked] == [c.node_id for c in ranked]
+            extras = [c for c in sql if c not in ranked]
+            assert all(rank_nodes([c], gpus) == [] for c in extras), f"a node that fits {gpus} GPUs came unranked"
+            if gpus < 8:  # a third of the slots are disabled: no host keeps 8 free, by construction
+                assert ranked, f"the fixture leaves no node for {gpus} GPUs: the comparison would prove nothing"
 
 
 async def _statuses(pool, slot_ids):
