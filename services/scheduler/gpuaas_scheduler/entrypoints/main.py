@@ -12,7 +12,7 @@ from ..adapters.inventory import refresh_nodes, seed_from_fleet
 from ..service_layer.handlers import Scheduler, evidence_handlers, handlers
 from ..service_layer.placement import PlacementPolicy, with_fleet_shape
 from ..settings import SchedulerSettings
-from .admin_http import start_admin
+from .admin_http import admin_api
 
 log = get_logger(__name__)
 
@@ -41,17 +41,17 @@ def build_register(settings: SchedulerSettings):
         for durable, handler_map in evidence_handlers(scheduler).items():
             rt.bus.subscribe(rt.consumer_spec(durable), handler_map)
         if settings.admin_token is None:
-            log.warning("admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set")
+            log.warning("admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the admin API never listens "
+                                                  "without a token")
             return
-        runner, port = await start_admin(rt.pool, settings.admin_token, settings.admin_host, settings.admin_port)
-        rt.ready_info["admin_port"] = port
-        log.info("admin_api_listening", admin_host=settings.admin_host, admin_port=port)
+        api = admin_api(rt.pool, settings.admin_token)
+        rt.ready_info["admin_port"] = await api.start(settings.admin_host, settings.admin_port)
 
-        async def keep(runner=runner) -> None:
+        async def keep() -> None:
             try:
                 await asyncio.Event().wait()
             finally:
-                await runner.cleanup()
+                await api.stop()
 
         rt.spawn(keep(), "admin-api")
 

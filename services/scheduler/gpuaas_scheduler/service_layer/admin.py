@@ -11,6 +11,8 @@ from typing import Any, Literal
 import asyncpg
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpuaas_common.api_error import ApiError
+
 from ..adapters import host_modes as mode_repo
 from ..adapters import inventory as inv
 from ..domain.approval import approval_problems, approved_status
@@ -21,10 +23,8 @@ Name = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-
 Reason = Field(min_length=1, max_length=500)
 
 
-class AdminError(Exception):
-    def __init__(self, status: int, code: str, message: str, details: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.details = status, code, message, details or {}
+class AdminError(ApiError):
+    """An inventory operation's refusal (see gpuaas_common.api_error)."""
 
 
 class Body(BaseModel):

@@ -1,0 +1,102 @@
+"""Response shapes of the scheduler's admin API: the OpenAPI document is rendered from them and the
+fuzz test holds every answer to them. Rows keep columns not named here (`extra="allow"`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Row(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class NodeView(Row):
+    node_id: str
+    kind: str
+    hostname: str
+    region: str
+    pool: str
+    sku: str
+    mode: str
+    maas_tags: list[str]
+    schedulable: bool
+    draining: bool
+    maintenance: bool
+    parity_failures: int | None
+    gpu_count: int
+    free_slots: int
+    total_slots: int
+    updated_at: str
+
+
+class NodeList(BaseModel):
+    nodes: list[NodeView]
+
+
+class NodeDetail(BaseModel):
+    node: NodeView
+    live_claims: list[dict[str, Any]]
+    mode_history: list[dict[str, Any]]
+
+
+class ModeView(Row):
+    node_id: str
+    mode: str
+    # Each transition out of the current mode and what still blocks it (empty = allowed now).
+    transitions: dict[str, list[str]]
+    history: list[dict[str, Any]]
+
+
+class SlotView(Row):
+    slot_id: str
+    node_id: str
+    gpu_pci_address: str | None
+    profile: str
+    status: str
+    status_reason: str | None
+    health_state: str
+    generation: int
+
+
+class SlotList(BaseModel):
+    slots: list[SlotView]
+
+
+class SlotDetail(BaseModel):
+    slot: SlotView
+    transitions: list[dict[str, Any]]
+
+
+class CandidateView(Row):
+    candidate_id: str
+    node_id: str
+
+
+class CandidateList(BaseModel):
+    candidates: list[CandidateView]
+
+
+class ApprovalResult(BaseModel):
+    candidate_id: str
+    slot_id: str
+    status: str
+    problems: list[str]
+
+
+class ApprovalOut(BaseModel):
+    results: list[ApprovalResult]
+    mode: str
+    mode_blockers: list[str] | None = None
+
+
+class QuotaRow(Row):
+    tenant_id: str
+    max_gpus: int
+
+
+class QuotaView(BaseModel):
+    tenant_id: str
+    quota: QuotaRow | None
+    gpus_in_use: int
