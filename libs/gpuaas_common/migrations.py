@@ -38,6 +38,8 @@ COMMON_MIGRATIONS: tuple[tuple[str, str], ...] = (
         );
         """,
     ),
+    # The retention sweep (retention.py) finds expired rows by age.
+    ("000_inbox_received_at", "CREATE INDEX inbox_received_at ON inbox (received_at);"),
 )
 
 

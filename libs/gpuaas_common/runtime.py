@@ -27,6 +27,7 @@ from .logging import configure_logging, get_logger
 from .migrations import apply_migrations
 from .natsconn import NatsIdentity
 from .outbox import OutboxRelay
+from .retention import RetentionSweeper
 from .settings import ServiceSettings
 
 log = get_logger(__name__)
@@ -122,6 +123,12 @@ class ServiceRuntime:
                 poll_interval_s=self.settings.relay_poll_interval_s,
             )
             self.spawn(self.relay.run(), "outbox-relay")
+            assert self.pool is not None
+            self.spawn(RetentionSweeper(
+                self.pool, self.schema, inbox_retention_s=self.settings.inbox_retention_s,
+                idempotency_retention_s=self.settings.idempotency_retention_s,
+                interval_s=self.settings.retention_sweep_interval_s, batch_size=self.settings.retention_batch_size,
+            ).run(), "retention-sweep")
         self.health.ready = True
         self.spawn(self._announce_ready(), "announce-ready")
 

@@ -31,6 +31,12 @@ class ServiceSettings(BaseSettings):
     relay_batch_size: int = Field(default=200, ge=1, le=10_000)
     consumer_max_deliver: int = Field(default=8, ge=2, le=100)
     consumer_ack_wait_s: float = Field(default=30.0, gt=0)
+    # How long inbox rows and stored Idempotency-Key answers are kept (retention.py says why 8 days); at
+    # least JetStream's 15-minute duplicate window.
+    inbox_retention_s: float = Field(default=8 * 24 * 3600.0, gt=15 * 60.0)
+    idempotency_retention_s: float = Field(default=8 * 24 * 3600.0, gt=15 * 60.0)
+    retention_sweep_interval_s: float = Field(default=3600.0, gt=0)
+    retention_batch_size: int = Field(default=5000, ge=1, le=100_000)
     # Delays for nak-with-delay retries; the last one repeats.
     retry_delays_s: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0)
 
