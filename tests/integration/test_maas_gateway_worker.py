@@ -19,20 +19,20 @@ from typing import Any
 import asyncpg
 import prometheus_client
 import pytest_asyncio
+import yaml
 from gpuaas_common.bus import HandlerContext, deliver
 from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.db import create_pool
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_dev.testing.waiting import eventually
-from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
+from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_dev.maas_sim import Fault, SimConfig, start, state_of, system_id_for
+from gpuaas_maas_gateway.adapters.repository import gateway_repositories
 from gpuaas_maas_gateway.domain.breaker import BreakerState
 from gpuaas_maas_gateway.entrypoints.main import build_clients
-from gpuaas_maas_gateway.service_layer.operations import (
-    OperationHandlers,
-    OperationWorker,
-)
+from gpuaas_maas_gateway.service_layer.commands import OperationHandlers
+from gpuaas_maas_gateway.service_layer.worker import OperationWorker
 from gpuaas_maas_gateway.settings import GatewaySettings, MaasSite, SiteProfile
 from pydantic import SecretStr
 
@@ -78,7 +78,7 @@ class Gateway:
         env = Envelope.wrap(type_, model.model_dump(mode="json"), producer="test", correlation_id="t")
         ctx = HandlerContext(env, model, spec_for(type_).address, "maas-gateway-commands", 1)
         assert await deliver(self.handlers.on_command, ctx,
-                             UnitOfWork(self.pool, "maas_gateway", "maas-gateway", no_repositories))
+                             UnitOfWork(self.pool, "maas_gateway", "maas-gateway", gateway_repositories))
         return payload["operation_id"]
 
     async def deploy(self, system_id: str, op_id: str, site: str = "default") -> str:
@@ -444,7 +444,8 @@ async def test_upload_image_then_switch_profile_and_back(pool: asyncpg.Pool, tmp
             assert last is not None and (last["osystem"], last["distro_series"]) == (
                 "custom", "gpuaas-h200-host-ubuntu2404x")
             user_data = last["user_data"].decode()
-            assert "GPUAAS_ENROLMENT_TOKEN=" in user_data and "runcmd: [site-bootstrap]" in user_data
+            assert "GPUAAS_ENROLMENT_TOKEN=" in user_data
+            assert yaml.safe_load(user_data)["runcmd"] == ["site-bootstrap"]
             assert (await gw.finished(await gw.release(sid, "rel-custom")))["state"] == "succeeded"
             assert sim.machines[sid].history[-2].to_status.label == "Disk erasing"  # the profile erases
 

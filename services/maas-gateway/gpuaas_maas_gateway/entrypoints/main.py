@@ -8,7 +8,10 @@ from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.host_credentials import HostCredentials
 from ..adapters.maas_client import MaasClient
-from ..service_layer.operations import OperationHandlers, OperationWorker
+from ..adapters.repository import gateway_repositories
+from ..service_layer.commands import OperationHandlers
+from ..service_layer.shared import unit_of_work_factory
+from ..service_layer.worker import OperationWorker
 from ..settings import GatewaySettings
 
 log = get_logger(__name__)
@@ -25,6 +28,7 @@ def build_clients(settings: GatewaySettings) -> dict[str, MaasClient]:
 def build_register(settings: GatewaySettings):
     async def register(rt: ServiceRuntime) -> None:
         assert rt.bus is not None and rt.pool is not None
+        rt.bus.repositories = gateway_repositories
         handlers = OperationHandlers(settings)
         rt.bus.subscribe(rt.consumer_spec("maas-gateway-commands"), handlers.handlers())
         clients = build_clients(settings)
@@ -32,7 +36,7 @@ def build_register(settings: GatewaySettings):
         host_credentials = None
         if settings.nats_authority_file:
             host_credentials = HostCredentials(
-                Issuer.load(settings.nats_authority_file), rt.pool, rt.identity.servers,
+                Issuer.load(settings.nats_authority_file), unit_of_work_factory(rt.pool), rt.identity.servers,
                 tls=rt.identity.tls_context(), ttl_s=settings.host_creds_ttl_s)
         rt.spawn(OperationWorker(settings, rt.pool, clients, host_credentials=host_credentials).run(),
                  "maas-operations")

@@ -1,0 +1,231 @@
+"""What every operation kind uses: sites with their breakers, MAAS calls, state writes and the finish.
+
+Each kind module (deploy, release, commission, sync_tags, upload_image, set_distro_series) is a set of
+functions over an `Operations`; the poll loop in worker.py is an `Operations` that drives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+import asyncpg
+
+from gpuaas_common.contract import derived_event_id
+from gpuaas_common.contract import messages as m
+from gpuaas_common.logging import get_logger
+from gpuaas_common.unit_of_work import UnitOfWork
+
+from ..adapters.host_credentials import HostCredentials
+from ..adapters.maas_client import MaasClient
+from ..adapters.maas_errors import MaasError, MaasNoResponse, MaasUnreachable
+from ..adapters.repository import OPEN_STATES, GatewayRepositories, gateway_repositories
+from ..domain.breaker import CircuitBreaker
+from ..settings import GatewaySettings, SiteProfile
+from .metrics import BREAKER_OPENED, BREAKER_STATE, OP_DURATION
+
+log = get_logger(__name__)
+
+SCHEMA, SERVICE = "maas_gateway", "maas-gateway"
+T = TypeVar("T")
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class BreakerOpen(Exception):
+    def __init__(self, wait_s: float) -> None:
+        super().__init__(f"circuit breaker open for {wait_s:.1f}s")
+        self.wait_s = wait_s
+
+
+class Unresolvable(Exception):
+    """An operation that can never succeed as asked (bad input, unknown site or profile)."""
+
+    def __init__(self, reason_code: str, message: str) -> None:
+        super().__init__(message)
+        self.reason_code = reason_code
+        self.message = message
+
+
+@dataclass
+class Site:
+    name: str
+    client: MaasClient
+    semaphore: asyncio.Semaphore
+    breaker: CircuitBreaker
+
+    def publish_state(self) -> None:
+        BREAKER_STATE.labels(self.name).set(int(self.breaker.state))
+
+
+def unit_of_work_factory(pool: asyncpg.Pool) -> Callable[..., UnitOfWork[GatewayRepositories]]:
+    def factory(**kwargs: Any) -> UnitOfWork[GatewayRepositories]:
+        return UnitOfWork(pool, SCHEMA, SERVICE, gateway_repositories, **kwargs)
+
+    return factory
+
+
+class Operations:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        pool: asyncpg.Pool,
+        clients: MaasClient | Mapping[str, MaasClient],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        host_credentials: HostCredentials | None = None,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.unit_of_work = unit_of_work_factory(pool)
+        # Reads outside a transaction: they only choose what to try; every write re-checks in Postgres.
+        self.read = gateway_repositories(pool)
+        self.clock = clock
+        self.host_credentials = host_credentials
+        if isinstance(clients, MaasClient):
+            clients = {settings.maas_default_site: clients}
+        configured = settings.sites()
+        self.sites: dict[str, Site] = {}
+        for name, client in clients.items():
+            limit = configured[name].max_concurrency if name in configured else None
+            self.sites[name] = Site(
+                name, client, asyncio.Semaphore(limit or settings.maas_max_concurrency),
+                CircuitBreaker(settings.maas_breaker_failures, settings.maas_breaker_cooldown_s),
+            )
+            self.sites[name].publish_state()
+
+    # --- MAAS ------------------------------------------------------------------------------------------
+
+    async def maas(self, site: Site, call: Callable[[], Awaitable[T]]) -> T:
+        """Every MAAS call goes through here so the site's breaker sees how it went."""
+        try:
+            result = await call()
+        except MaasUnreachable:
+            if site.breaker.failed(self.clock()):
+                BREAKER_OPENED.labels(site.name).inc()
+                log.warning("maas_breaker_open", site=site.name, cooldown_s=site.breaker.cooldown_s)
+            site.publish_state()
+            raise
+        except MaasNoResponse:
+            site.breaker.released()
+            raise
+        except MaasError:
+            site.breaker.succeeded()  # MAAS answered, so it is up
+            site.publish_state()
+            raise
+        site.breaker.succeeded()
+        site.publish_state()
+        return result
+
+    def retry_delay(self, exc: MaasError | None = None) -> float:
+        """The poll interval, or MAAS's Retry-After when it asked for longer (capped)."""
+        delay = self.settings.maas_poll_interval_s
+        if exc is not None and exc.retry_after is not None:
+            delay = max(delay, min(exc.retry_after, self.settings.maas_retry_after_cap_s))
+        return delay
+
+    # --- configuration as changed at run time ----------------------------------------------------------
+
+    async def profile(self, site: str, name: str | None) -> tuple[str, SiteProfile]:
+        profile = self.settings.site_profiles.get(name or "")
+        if profile is None:
+            raise Unresolvable("unknown_profile", f"unknown site profile {name!r}")
+        override = await self.read.catalog.distro_series_override(site, name)
+        return (name or ""), (profile.model_copy(update={"distro_series": override}) if override else profile)
+
+    async def uploaded(self, site: str) -> frozenset[str]:
+        return frozenset(self.settings.maas_uploaded_images) | await self.read.catalog.uploaded_images(site)
+
+    async def revoke_host_credentials(self, row: asyncpg.Record) -> bool:
+        if self.host_credentials is None or row["allocation_id"] is None:
+            return True
+        try:
+            await self.host_credentials.revoke_allocation(str(row["allocation_id"]))
+            return True
+        except Exception as exc:  # the bus is down or refused: the release waits, it does not skip this
+            log.warning("host_credentials_revoke_failed", error=str(exc)[:300])
+            return False
+
+    # --- state -----------------------------------------------------------------------------------------
+
+    async def write(self, change: Callable[[GatewayRepositories], Awaitable[T]]) -> T:
+        """One state change in its own unit of work."""
+        async with self.unit_of_work() as uow:
+            result = await change(uow.repos)
+            await uow.commit()
+        return result
+
+    async def set(self, op_id: str, *, delay: float, **fields: Any) -> None:
+        await self.write(lambda repos: repos.operations.update(op_id, delay=delay, **fields))
+
+    async def finish(self, row: asyncpg.Record, outcome: str, *, status: str | None = None,
+                     reason_code: str | None = None, message: str | None = None,
+                     result: dict[str, Any] | None = None,
+                     during: Callable[[GatewayRepositories], Awaitable[None]] | None = None) -> None:
+        """Final state, the kind's own rows (`during`, on success) and the result event: one unit of work."""
+        kind = row["kind"]
+        aggregate = str(row["allocation_id"] or row["operation_id"])
+        async with self.unit_of_work(correlation_id=aggregate) as uow:
+            current = await uow.repos.operations.lock(row["operation_id"])
+            if current is None or current["state"] not in OPEN_STATES:
+                return
+            if during is not None and outcome == "succeeded":
+                await during(uow.repos)
+            await uow.repos.operations.finish(row["operation_id"], outcome, status=status, message=message,
+                                              result=result or {})
+            type_, payload = result_event(current, outcome, status, reason_code, message, result or {})
+            await uow.events.add(type_, payload, aggregate_id=aggregate,
+                                 event_id=derived_event_id(row["operation_id"], "result"))
+            await uow.commit()
+        OP_DURATION.labels(kind, outcome).observe((now() - row["created_at"]).total_seconds())
+        log.info("operation_finished", outcome=outcome, maas_status=status, reason_code=reason_code)
+        if kind == "deploy" and outcome == "failed":
+            # A host that never became the tenant's keeps no identity; a failed revoke is retried by
+            # the release that follows a failed allocation.
+            await self.revoke_host_credentials(row)
+
+
+def result_event(row: asyncpg.Record, outcome: str, status: str | None, reason_code: str | None,
+                 message: str | None, result: dict[str, Any]) -> tuple[str, m.Payload]:
+    kind = row["kind"]
+    if kind in ("deploy", "release"):
+        common = dict(
+            operation_id=row["operation_id"], allocation_id=row["allocation_id"], system_id=row["system_id"],
+            node_id=row["node_id"], resolution=row["resolution"], maas_status_name=status,
+            status_message=message, reason_code=reason_code, attempts=row["maas_calls"],
+        )
+        if kind == "deploy":
+            return "maas.deploy_result", m.MaasDeployResult(
+                status="deployed" if outcome == "succeeded" else "failed", **common)
+        return "maas.release_result", m.MaasReleaseResult(
+            status="released" if outcome == "succeeded" else "failed", **common)
+    common = dict(operation_id=row["operation_id"], site=row["site"], status=outcome,
+                  resolution=row["resolution"], reason_code=reason_code, status_message=message,
+                  attempts=row["maas_calls"])
+    if kind == "commission":
+        return "maas.commission_result", m.MaasCommissionResult(
+            system_id=row["system_id"], node_id=row["node_id"], maas_status_name=status, **common)
+    if kind == "sync_tags":
+        return "maas.tags_sync_result", m.MaasTagsSyncResult(profile=row["profile"], **result, **common)
+    if kind == "upload_image":
+        return "maas.image_upload_result", m.MaasImageUploadResult(
+            **{"name": params(row)["name"], **result}, **common)
+    return "maas.profile_image_set_result", m.MaasProfileImageSetResult(
+        **{"profile": row["profile"], **result}, **common)
+
+
+def as_dict(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    return json.loads(value) if isinstance(value, str) else dict(value)
+
+
+def params(row: asyncpg.Record) -> dict[str, Any]:
+    return as_dict(row["params"])
