@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable
-from pathlib import Path
 
 MEDIA_TYPE = "application/vnd.gpuaas.sparse-raw.v1"
 MAGIC = b"GPSPRS01"
@@ -34,11 +33,3 @@ def hash_zeros(h: "hashlib._Hash", n: int) -> None:
         n -= step
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb", buffering=0) as f:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(view):
-            h.update(view[:n])
-    return h.hexdigest()

@@ -7,12 +7,13 @@ slot's disk can be checked byte for byte; the host image is the root-filesystem 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import io
 import json
 import subprocess
 import tarfile
 from pathlib import Path
+
+from gpuaas_common.digests import sha256_file
 
 SLICE_SLUG = "ubuntu-24.04-h200-slice"
 HOST_SLUG = "ubuntu-24.04-h200-host"
@@ -20,12 +21,6 @@ IMAGE_CACHE_DIR = "/var/lib/gpuaas/images"
 SLICE_MARKER = b"GPUAAS-SEED-SLICE-IMAGE\x00"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def build_slice_image(path: Path, size_mib: int = 16) -> str:
@@ -36,7 +31,7 @@ def build_slice_image(path: Path, size_mib: int = 16) -> str:
             f.write(SLICE_MARKER)
             f.seek(510)
             f.write(b"\x55\xaa")  # MBR boot signature: the clone carries a real partition-table marker
-    return _sha256(path)
+    return sha256_file(path)
 
 
 def build_host_image(path: Path) -> str:
@@ -53,7 +48,7 @@ def build_host_image(path: Path) -> str:
                 else:
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
-    return _sha256(path)
+    return sha256_file(path)
 
 
 def build_seed(images_dir: Path) -> Path:

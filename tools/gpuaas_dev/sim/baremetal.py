@@ -7,7 +7,6 @@ agent enrols on start; here we read the user_data the simulator recorded for the
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import re
 from collections.abc import Awaitable, Callable
 
@@ -86,7 +85,3 @@ class SimulatedBaremetalHost:
                         await self.leave()
                     self._enrolled_for = None
                 await asyncio.sleep(self.poll_interval_s)
-
-
-def enrolment_proof(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()

@@ -14,6 +14,7 @@ from pathlib import Path
 from gpuaas_common.bus import PermanentError
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
+from gpuaas_common.enrolment import token_proof
 from gpuaas_common.fleet import Fleet, FleetNode
 from gpuaas_common.identity.creds import write_secret
 from gpuaas_common.identity.permissions import node_user_name
@@ -23,7 +24,7 @@ from gpuaas_node_agent.adapters.host_link import HostLink
 from gpuaas_node_agent.entrypoints.host import AGENT_VERSION, open_host_bus, run_slice_host, slice_host_enrolment
 from gpuaas_node_agent.service_layer.host_paths import HostPaths
 
-from .baremetal import SimulatedBaremetalHost, enrolment_proof
+from .baremetal import SimulatedBaremetalHost
 from .dhcp_guest import SimulatedDhcpAndGuest
 from .fixture_host import build_host_root, describe_fleet_node
 from .instant import InstantSliceHost
@@ -128,7 +129,7 @@ def _baremetal_host(settings: SimFleetSettings, node: FleetNode, maas_sim_url: s
         bus = await link.open(retry_forever=False)
         ev = m.NodeEnrolled(
             node_id=node.node_id, kind="baremetal", hostname=node.hostname, agent_version=AGENT_VERSION,
-            maas_system_id=node.maas_system_id, allocation_id=allocation_id, enrolment_proof=enrolment_proof(token),
+            maas_system_id=node.maas_system_id, allocation_id=allocation_id, enrolment_proof=token_proof(token),
         )
         await bus.publish("node.enrolled", ev, correlation_id=allocation_id, node_id=node.node_id,
                           event_id=derived_event_id(allocation_id, f"enrolled:{node.node_id}"))

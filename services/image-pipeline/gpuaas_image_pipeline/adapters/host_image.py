@@ -8,10 +8,11 @@ copied to the path the runbook's first-boot step runs it from. Upload goes throu
 from __future__ import annotations
 
 import gzip
-import hashlib
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from gpuaas_common.digests import sha256_file
 
 SITE_BOOTSTRAP = "usr/local/share/gpuaas/site-bootstrap/h200-slice-vm/bootstrap.sh"
 CURTIN_MARKER = "curtin"
@@ -54,8 +55,4 @@ def build_rootfs_tgz(rootfs: Path, out: Path, site_bootstrap: Path | None = None
             with site_bootstrap.open("rb") as f:
                 tar.addfile(info, f)
     tmp.replace(out)
-    h = hashlib.sha256()
-    with out.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return HostImage(out, h.hexdigest(), out.stat().st_size)
+    return HostImage(out, sha256_file(out), out.stat().st_size)

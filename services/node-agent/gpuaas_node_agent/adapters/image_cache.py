@@ -22,10 +22,10 @@ from pathlib import Path
 
 import oras.provider
 
-from gpuaas_common.sparse_format import CHUNK, MAGIC, MEDIA_TYPE, Progress, hash_zeros, sha256_file
+from gpuaas_common.sparse_format import CHUNK, MAGIC, MEDIA_TYPE, Progress, hash_zeros
 from gpuaas_common.sparse_format import U64X2 as _U64X2
 
-__all__ = ["CHUNK", "MAGIC", "MEDIA_TYPE", "Progress", "sha256_file"]
+__all__ = ["CHUNK", "MAGIC", "MEDIA_TYPE", "Progress"]
 
 
 class PullError(RuntimeError):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 from gpuaas_common.bus import HandlerContext, PermanentError
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
+from gpuaas_common.digests import sha256_file
 from gpuaas_common.logging import get_logger
 
 from ..adapters import disk, dnsmasq, readiness, seed_iso
@@ -272,7 +272,7 @@ class SliceHostAgent:
         except FileNotFoundError:
             raise Refused("image_not_cached", f"image {image.slug} is not in the node cache at {image.image_path}") from None
         cached = self.store.verified_digest(str(path), st.st_size, st.st_mtime)
-        digest = cached or await asyncio.to_thread(_sha256_file, path)
+        digest = cached or await asyncio.to_thread(sha256_file, path)
         if digest != image.digest_sha256:
             raise Refused("image_unverified", f"cached {image.slug} has digest {digest}, expected {image.digest_sha256}")
         if not cached:
@@ -429,9 +429,3 @@ class SliceHostAgent:
         return self._result(task, t, "succeeded", proofs=proofs)
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
