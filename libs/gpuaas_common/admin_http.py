@@ -400,15 +400,8 @@ def openapi(routes: Sequence[Route], *, title: str, version: str, description: s
         ]
         parameters += [{"name": q, "in": "query", "required": False, "schema": {"type": "string"}} for q in r.query]
         if r.mutation:
-            parameters.append({"name": "Idempotency-Key", "in": "header", "required": True,
-                               "description": "replays the stored answer for the same request; 409 for another",
-                               "schema": {"type": "string", "pattern": KEY_RE.pattern}})
-        parameters.append({"name": "X-Actor", "in": "header", "required": False,
-                           "description": "who acts (audited); default: the token's actor name",
-                           "schema": {"type": "string", "pattern": ACTOR_RE.pattern}})
-        parameters.append({"name": "X-Request-Id", "in": "header", "required": False,
-                           "description": "echoed back; minted when absent or malformed",
-                           "schema": {"type": "string"}})
+            parameters.append({"$ref": "#/components/parameters/IdempotencyKey"})
+        parameters += [{"$ref": "#/components/parameters/XActor"}, {"$ref": "#/components/parameters/XRequestId"}]
         ok_ref = keys[(r.response, "serialization")]
         responses: dict[str, Any] = {
             str(s): {"description": "accepted" if s == 202 else "OK", "content": {"application/json": {"schema": ok_ref}}}
@@ -429,8 +422,22 @@ def openapi(routes: Sequence[Route], *, title: str, version: str, description: s
         "info": {"title": title, "version": version, "description": description},
         "security": [{"bearer": []}],
         "paths": paths,
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-                       "schemas": defs.get("$defs", {})},
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "parameters": {
+                "IdempotencyKey": {"name": "Idempotency-Key", "in": "header", "required": True,
+                                   "description": "the same key and request replay the stored answer; another "
+                                                  "request with this key is a 409 idempotency_conflict",
+                                   "schema": {"type": "string", "pattern": KEY_RE.pattern}},
+                "XActor": {"name": "X-Actor", "in": "header", "required": False,
+                           "description": "who acts (audited); default: the token's actor name",
+                           "schema": {"type": "string", "pattern": ACTOR_RE.pattern}},
+                "XRequestId": {"name": "X-Request-Id", "in": "header", "required": False,
+                               "description": "echoed back on every answer; minted when absent or malformed",
+                               "schema": {"type": "string"}},
+            },
+            "schemas": defs.get("$defs", {}),
+        },
     }
 
 
@@ -438,4 +445,5 @@ def render_yaml(doc: dict[str, Any]) -> str:
     import yaml
 
     header = "# Generated from the routes and pydantic models; do not edit (a test fails on drift).\n"
-    return header + yaml.safe_dump(doc, sort_keys=False, width=120, allow_unicode=True)
+    plain = json.loads(json.dumps(doc))  # no shared objects, so no YAML anchors
+    return header + yaml.safe_dump(plain, sort_keys=False, width=120, allow_unicode=True)

@@ -1,21 +1,25 @@
-"""Admin HTTP API of the image catalog (see ../../openapi.yaml). Bearer token; JSON in and out."""
+"""Admin HTTP API of the image catalog, on the shared stack (`gpuaas_common.admin_http`: bearer auth, one
+error shape, Idempotency-Key and an audit row per mutation, all in one unit of work).
+
+`services/image-pipeline/openapi.yaml` is rendered from `routes()`:
+`python -m gpuaas_image_pipeline.entrypoints.admin_http services/image-pipeline/openapi.yaml`.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 import re
+import sys
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import asyncpg
-from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
+from gpuaas_common import admin_http
+from gpuaas_common.admin_http import Call, Reply, Route, openapi, render_yaml
 from gpuaas_common.logging import get_logger
-from gpuaas_common.outbox import OutboxWriter
 
 from ..adapters.host_image import HostImage, build_rootfs_tgz
 from ..domain.catalog import (
@@ -30,6 +34,7 @@ from ..service_layer import catalog, host_images
 from ..service_layer.builds import BuildRunner, build_dict
 from ..service_layer.catalog import CatalogError, image_dict
 from ..settings import ImagePipelineSettings
+from . import api_models as out
 
 log = get_logger(__name__)
 SCHEMA = "image_pipeline"
@@ -37,82 +42,73 @@ SCHEMA = "image_pipeline"
 SLUG_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 
 
-def _error(status: int, code: str, reason: str) -> web.Response:
-    return web.json_response({"error": code, "reason": reason}, status=status)
-
-
-async def _body(request: web.Request, model: type[BaseModel]) -> BaseModel:
-    try:
-        data = await request.json() if request.can_read_body else {}
-    except ValueError:
-        raise CatalogError(400, "not_json", "request body is not JSON") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        detail = "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:8])
-        raise CatalogError(422, "invalid", detail) from None
-
-
 class AdminApi:
+    """The catalog's handlers; `api()` puts them behind the shared stack."""
+
     def __init__(self, pool: asyncpg.Pool, runner: BuildRunner, settings: ImagePipelineSettings) -> None:
         self.pool = pool
         self.runner = runner
         self.settings = settings
-        self.port: int | None = None
-        self._runner: web.AppRunner | None = None
+        self._api: admin_http.AdminApi | None = None
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-        token = self.settings.admin_token.get_secret_value() if self.settings.admin_token else ""
-        given = request.headers.get("Authorization", "")
-        if not token or not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            return _error(401, "unauthorized", "a valid bearer token is required")
-        try:
-            return await handler(request)
-        except CatalogError as exc:
-            return _error(exc.status, exc.code, exc.reason)
+    @property
+    def port(self) -> int | None:
+        return self._api.port if self._api is not None else None
 
-    def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth])
-        r = app.router
-        r.add_get("/v1/images", self.list_images)
-        r.add_post("/v1/images", self.create_image)
-        r.add_get("/v1/images/{slug}", self.get_image)
-        r.add_patch("/v1/images/{slug}", self.update_image)
-        r.add_delete("/v1/images/{slug}", self.delete_image)
-        r.add_post("/v1/images/{slug}/enable", self.enable_image)
-        r.add_post("/v1/images/{slug}/disable", self.disable_image)
-        r.add_post("/v1/images/{slug}/prewarm", self.prewarm_image)
-        r.add_post("/v1/images/{slug}/builds", self.start_build)
-        r.add_get("/v1/images/{slug}/builds", self.list_builds)
-        r.add_get("/v1/builds/{build_id}", self.get_build)
-        r.add_post("/v1/images/{slug}/host-upload", self.host_upload)
-        r.add_post("/v1/images/{slug}/maas-profile", self.maas_profile)
-        r.add_get("/v1/images/{slug}/maas-requests", self.list_maas_requests)
-        r.add_get("/v1/maas-requests/{operation_id}", self.get_maas_request)
-        return app
+    def api(self) -> admin_http.AdminApi:
+        return admin_http.AdminApi(service="image-pipeline", schema=SCHEMA, pool=self.pool,
+                                   tokens={"admin": self.settings.admin_token}, routes=self.routes())
+
+    def app(self):
+        return self.api().app()
 
     async def start(self) -> int:
-        self._runner = web.AppRunner(self.app(), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.admin_host, self.settings.admin_port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        log.info("admin_api_listening", host=self.settings.admin_host, port=self.port)
-        return self.port
+        self._api = self.api()  # refuses without a token
+        return await self._api.start(self.settings.admin_host, self.settings.admin_port)
 
     async def stop(self) -> None:
-        if self._runner:
-            await self._runner.cleanup()
+        if self._api is not None:
+            await self._api.stop()
 
-    def _writer(self, conn: asyncpg.Connection, what: str) -> OutboxWriter:
-        return OutboxWriter(conn, SCHEMA, "image-pipeline", correlation_id=f"admin:{what}")
+    def routes(self) -> list[Route]:
+        return [
+            Route("GET", "/v1/images", self.list_images, "list the catalog", out.ImageList),
+            Route("POST", "/v1/images", self.create_image, "add a catalog row (disabled until built and enabled)",
+                  out.ImageView, ImageCreate, statuses=(201,), errors=(409,)),
+            Route("GET", "/v1/images/{slug}", self.get_image, "an image, its node caches and last build",
+                  out.ImageDetail),
+            Route("PATCH", "/v1/images/{slug}", self.update_image, "change SKU, driver strategy or metadata",
+                  out.ImageView, ImageUpdate),
+            Route("DELETE", "/v1/images/{slug}", self.delete_image, "remove an image (deactivates it)", out.Deleted),
+            Route("POST", "/v1/images/{slug}/enable", self.enable_image,
+                  "activate (200) or publish and prewarm until every host verified it (202)", out.ImageView,
+                  statuses=(200, 202), errors=(409,)),
+            Route("POST", "/v1/images/{slug}/disable", self.disable_image, "deactivate an image", out.ImageView),
+            Route("POST", "/v1/images/{slug}/prewarm", self.prewarm_image, "send prewarm tasks to every host",
+                  out.Prewarm, statuses=(202,)),
+            Route("POST", "/v1/images/{slug}/builds", self.start_build,
+                  "build, push and catalog a slice image (202), or plan it (dry_run: 200)", out.BuildView,
+                  BuildRequest, statuses=(202, 200), errors=(409,), body_required=False),
+            Route("GET", "/v1/images/{slug}/builds", self.list_builds, "an image's last 50 builds", out.BuildList),
+            Route("GET", "/v1/builds/{build_id}", self.get_build, "one build", out.BuildView),
+            Route("POST", "/v1/images/{slug}/host-upload", self.host_upload,
+                  "archive a root tree as a MAAS host image and ask the gateway to upload it (202; 200 when "
+                  "the same content is already there)", out.HostUpload, HostUploadRequest, statuses=(202, 200),
+                  errors=(409,)),
+            Route("POST", "/v1/images/{slug}/maas-profile", self.maas_profile,
+                  "point a MAAS site profile at this host image", out.MaasRequestView, ProfileImageRequest,
+                  statuses=(202,), errors=(409,)),
+            Route("GET", "/v1/images/{slug}/maas-requests", self.list_maas_requests,
+                  "what was asked of MAAS for this image", out.MaasRequestList),
+            Route("GET", "/v1/maas-requests/{operation_id}", self.get_maas_request, "one MAAS request",
+                  out.MaasRequestView),
+        ]
 
     # --- handlers -------------------------------------------------------------------------------
 
-    async def list_images(self, request: web.Request) -> web.Response:
-        rows = await self.pool.fetch("SELECT * FROM os_images ORDER BY slug")
-        return web.json_response({"images": [image_dict(r) for r in rows]})
+    async def list_images(self, call: Call) -> dict:
+        rows = await call.conn.fetch("SELECT * FROM os_images ORDER BY slug")
+        return {"images": [image_dict(r) for r in rows]}
 
     async def _full(self, conn: asyncpg.Connection, slug: str) -> dict:
         row = await conn.fetchrow("SELECT * FROM os_images WHERE slug = $1", slug)
@@ -124,69 +120,63 @@ class AdminApi:
         out["last_build"] = build_dict(last) if last else None
         return out
 
-    async def get_image(self, request: web.Request) -> web.Response:
-        async with self.pool.acquire() as conn:
-            return web.json_response(await self._full(conn, request.match_info["slug"]))
+    async def get_image(self, call: Call) -> dict:
+        return await self._full(call.conn, call.params["slug"])
 
-    async def create_image(self, request: web.Request) -> web.Response:
-        req = await _body(request, ImageCreate)
-        async with self.pool.acquire() as conn, conn.transaction():
-            row = await catalog.create_image(conn, req, self.settings.image_cache_dir)  # type: ignore[arg-type]
+    async def create_image(self, call: Call) -> dict:
+        row = await catalog.create_image(call.conn, call.body, self.settings.image_cache_dir)
         log.info("image_created", slug=row["slug"])
-        return web.json_response(image_dict(row), status=201)
+        return image_dict(row)
 
-    async def update_image(self, request: web.Request) -> web.Response:
-        req = await _body(request, ImageUpdate)
-        slug = request.match_info["slug"]
-        async with self.pool.acquire() as conn, conn.transaction():
-            row = await catalog.update_image(conn, self._writer(conn, slug), slug, req)  # type: ignore[arg-type]
+    async def update_image(self, call: Call) -> dict:
+        slug = call.params["slug"]
+        row = await catalog.update_image(call.conn, call.uow.events, slug, call.body)  # type: ignore[union-attr,arg-type]
         log.info("image_updated", slug=slug)
-        return web.json_response(image_dict(row))
+        return image_dict(row)
 
-    async def delete_image(self, request: web.Request) -> web.Response:
-        slug = request.match_info["slug"]
-        async with self.pool.acquire() as conn, conn.transaction():
-            await catalog.delete_image(conn, self._writer(conn, slug), slug)
+    async def delete_image(self, call: Call) -> dict:
+        slug = call.params["slug"]
+        await catalog.delete_image(call.conn, call.uow.events, slug)  # type: ignore[union-attr,arg-type]
         log.info("image_deleted", slug=slug)
-        return web.json_response({"deleted": slug})
+        return {"deleted": slug}
 
-    async def enable_image(self, request: web.Request) -> web.Response:
-        slug = request.match_info["slug"]
-        async with self.pool.acquire() as conn, conn.transaction():
-            row = await catalog.enable_image(conn, self._writer(conn, slug), slug)
+    async def enable_image(self, call: Call) -> Reply:
+        slug = call.params["slug"]
+        row = await catalog.enable_image(call.conn, call.uow.events, slug)  # type: ignore[union-attr,arg-type]
         log.info("image_enabled", slug=slug, status=row["status"])
-        return web.json_response(image_dict(row), status=200 if row["status"] == "active" else 202)
+        return Reply(image_dict(row), 200 if row["status"] == "active" else 202)
 
-    async def disable_image(self, request: web.Request) -> web.Response:
-        slug = request.match_info["slug"]
-        async with self.pool.acquire() as conn, conn.transaction():
-            row = await catalog.disable_image(conn, self._writer(conn, slug), slug)
+    async def disable_image(self, call: Call) -> dict:
+        slug = call.params["slug"]
+        row = await catalog.disable_image(call.conn, call.uow.events, slug)  # type: ignore[union-attr,arg-type]
         log.info("image_disabled", slug=slug)
-        return web.json_response(image_dict(row))
+        return image_dict(row)
 
-    async def prewarm_image(self, request: web.Request) -> web.Response:
-        slug = request.match_info["slug"]
-        async with self.pool.acquire() as conn, conn.transaction():
-            if await catalog.lock_image(conn, slug) is None:
-                raise CatalogError(404, "not_found", f"no image {slug}")
-            sent = await catalog.prewarm_everywhere(conn, self._writer(conn, slug), slug, cause=f"admin:{uuid.uuid4()}")
-        return web.json_response({"slug": slug, "prewarm_tasks": sent}, status=202)
+    async def prewarm_image(self, call: Call) -> dict:
+        slug = call.params["slug"]
+        if await catalog.lock_image(call.conn, slug) is None:
+            raise CatalogError(404, "not_found", f"no image {slug}")
+        sent = await catalog.prewarm_everywhere(call.conn, call.uow.events, slug,  # type: ignore[union-attr,arg-type]
+                                                cause=f"admin:{uuid.uuid4()}")
+        return {"slug": slug, "prewarm_tasks": sent}
 
-    async def start_build(self, request: web.Request) -> web.Response:
-        req = await _body(request, BuildRequest)
-        build = await self.runner.start(request.match_info["slug"], req)  # type: ignore[arg-type]
-        return web.json_response(build, status=200 if req.dry_run else 202)  # type: ignore[attr-defined]
+    async def start_build(self, call: Call) -> Reply:
+        req: BuildRequest = call.body
+        build, launch = await self.runner.begin(call.uow, call.params["slug"], req)  # type: ignore[arg-type]
+        if launch is not None:
+            call.after_commit.append(launch)
+        return Reply(build, 200 if req.dry_run else 202)
 
-    async def list_builds(self, request: web.Request) -> web.Response:
-        rows = await self.pool.fetch("SELECT * FROM builds WHERE slug = $1 ORDER BY created_at DESC LIMIT 50",
-                                     request.match_info["slug"])
-        return web.json_response({"builds": [build_dict(r) for r in rows]})
+    async def list_builds(self, call: Call) -> dict:
+        rows = await call.conn.fetch("SELECT * FROM builds WHERE slug = $1 ORDER BY created_at DESC LIMIT 50",
+                                     call.params["slug"])
+        return {"builds": [build_dict(r) for r in rows]}
 
-    async def get_build(self, request: web.Request) -> web.Response:
-        row = await self.pool.fetchrow("SELECT * FROM builds WHERE build_id = $1", request.match_info["build_id"])
+    async def get_build(self, call: Call) -> dict:
+        row = await call.conn.fetchrow("SELECT * FROM builds WHERE build_id = $1", call.params["build_id"])
         if row is None:
             raise CatalogError(404, "not_found", "no such build")
-        return web.json_response(build_dict(row))
+        return build_dict(row)
 
     # --- MAAS host images ---------------------------------------------------------------------------
 
@@ -206,43 +196,55 @@ class AdminApi:
         os.replace(tmp, final)
         return HostImage(final, built.sha256, built.size)
 
-    async def host_upload(self, request: web.Request) -> web.Response:
-        slug = request.match_info["slug"]
+    async def host_upload(self, call: Call) -> Reply:
+        slug = call.params["slug"]
         if not SLUG_RE.match(slug):
             raise CatalogError(422, "invalid", f"{slug!r} is not a valid image slug")
-        req = await _body(request, HostUploadRequest)
-        site = req.site or self.settings.maas_site  # type: ignore[attr-defined]
+        req: HostUploadRequest = call.body
+        site = req.site or self.settings.maas_site
         # Refuse early what the catalog would refuse anyway, before writing a tgz nobody uploads.
-        kind = await self.pool.fetchval("SELECT kind FROM os_images WHERE slug = $1", slug)
+        kind = await call.conn.fetchval("SELECT kind FROM os_images WHERE slug = $1", slug)
         if kind not in (None, "host"):
             raise CatalogError(409, "not_a_host_image", f"{slug} is a {kind} image")
-        built = await asyncio.to_thread(self._build_host_tgz, slug, req)  # type: ignore[arg-type]
-        async with self.pool.acquire() as conn, conn.transaction():
-            row, op_id, sent = await host_images.request_upload(
-                conn, self._writer(conn, slug), slug, req, built, site,  # type: ignore[arg-type]
-                self.settings.image_cache_dir)
+        # Built inside the open unit of work: the stored answer of a retried request must name this file.
+        built = await asyncio.to_thread(self._build_host_tgz, slug, req)
+        row, op_id, sent = await host_images.request_upload(
+            call.conn, call.uow.events, slug, req, built, site,  # type: ignore[union-attr,arg-type]
+            self.settings.image_cache_dir)
         log.info("host_image_built", slug=slug, sha256=built.sha256, size=built.size, operation_id=op_id,
                  upload_sent=sent)
-        return web.json_response({"image": image_dict(row), "operation_id": op_id, "upload_sent": sent,
-                                  "sha256": built.sha256, "size": built.size}, status=202 if sent else 200)
+        return Reply({"image": image_dict(row), "operation_id": op_id, "upload_sent": sent,
+                      "sha256": built.sha256, "size": built.size}, 202 if sent else 200)
 
-    async def maas_profile(self, request: web.Request) -> web.Response:
-        slug = request.match_info["slug"]
-        req = await _body(request, ProfileImageRequest)
-        async with self.pool.acquire() as conn, conn.transaction():
-            op_id = await host_images.request_profile_image(
-                conn, self._writer(conn, slug), slug, req, self.settings.maas_site)  # type: ignore[arg-type]
-            row = await conn.fetchrow("SELECT * FROM maas_requests WHERE operation_id = $1", op_id)
-        return web.json_response(host_images.request_dict(row), status=202)
+    async def maas_profile(self, call: Call) -> dict:
+        slug = call.params["slug"]
+        op_id = await host_images.request_profile_image(
+            call.conn, call.uow.events, slug, call.body, self.settings.maas_site)  # type: ignore[union-attr,arg-type]
+        row = await call.conn.fetchrow("SELECT * FROM maas_requests WHERE operation_id = $1", op_id)
+        return host_images.request_dict(row)
 
-    async def list_maas_requests(self, request: web.Request) -> web.Response:
-        rows = await self.pool.fetch("SELECT * FROM maas_requests WHERE slug = $1 ORDER BY created_at DESC LIMIT 50",
-                                     request.match_info["slug"])
-        return web.json_response({"requests": [host_images.request_dict(r) for r in rows]})
+    async def list_maas_requests(self, call: Call) -> dict:
+        rows = await call.conn.fetch("SELECT * FROM maas_requests WHERE slug = $1 ORDER BY created_at DESC LIMIT 50",
+                                     call.params["slug"])
+        return {"requests": [host_images.request_dict(r) for r in rows]}
 
-    async def get_maas_request(self, request: web.Request) -> web.Response:
-        row = await self.pool.fetchrow("SELECT * FROM maas_requests WHERE operation_id = $1",
-                                       request.match_info["operation_id"])
+    async def get_maas_request(self, call: Call) -> dict:
+        row = await call.conn.fetchrow("SELECT * FROM maas_requests WHERE operation_id = $1",
+                                       call.params["operation_id"])
         if row is None:
             raise CatalogError(404, "not_found", "no such MAAS request")
-        return web.json_response(host_images.request_dict(row))
+        return host_images.request_dict(row)
+
+
+def openapi_document() -> dict[str, Any]:
+    routes = AdminApi(None, None, ImagePipelineSettings.model_construct()).routes()  # type: ignore[arg-type]
+    return openapi(
+        routes, title="gpuaas image pipeline admin API", version="1",
+        description="The image catalog: images (create, update, enable, disable, delete), slice image builds "
+                    "and prewarm, MAAS host images and site profiles. Every mutation needs an Idempotency-Key "
+                    "and is audited (admin_requests); errors share one shape.",
+    )
+
+
+if __name__ == "__main__":
+    Path(sys.argv[1]).write_text(render_yaml(openapi_document()))

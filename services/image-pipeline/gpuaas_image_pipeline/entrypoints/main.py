@@ -58,8 +58,12 @@ def build_register(settings: ImagePipelineSettings):
         rt.bus.subscribe(rt.consumer_spec("image-pipeline-maas-profiles"),
                          {"maas.profile_image_set_result": on_profile_result})
 
+        if settings.admin_token is None:
+            log.warning("admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the admin API never listens "
+                                                  "without a token")
+            return
         api = AdminApi(rt.pool, runner, settings)
-        await api.start()
+        rt.ready_info["admin_port"] = await api.start()
         rt.health.checks["admin_api"] = lambda: api.port is not None
 
     return register

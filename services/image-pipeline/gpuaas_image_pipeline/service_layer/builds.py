@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import asyncpg
 from gpuaas_common.bus import Bus
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import bound_context, get_logger
-from gpuaas_common.outbox import OutboxWriter
+from gpuaas_common.unit_of_work import EventCollector, UnitOfWork, no_repositories
 
 from ..adapters import qemu, registry, sparse
 from ..domain.catalog import ArtifactRef, BuildRequest, ImageCreate, default_tag
@@ -30,6 +31,7 @@ from . import catalog
 from .catalog import CatalogError
 
 log = get_logger(__name__)
+SCHEMA, SERVICE = "image_pipeline", "image-pipeline"
 RUNNING = ("queued", "customising", "converting", "packing", "pushing")
 PROGRESS_INTERVAL_S = 0.25
 
@@ -51,11 +53,15 @@ class BuildRunner:
         self.settings = settings
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
+    def _uow(self, correlation_id: str | None = None) -> UnitOfWork[None]:
+        return UnitOfWork(self.pool, SCHEMA, SERVICE, no_repositories, correlation_id=correlation_id)
+
     async def recover(self) -> int:
-        async with self.pool.acquire() as conn:
-            res = await conn.execute(
+        async with self._uow() as uow:
+            res = await uow.conn.execute(
                 "UPDATE builds SET status = 'failed', error = 'interrupted: the pipeline restarted mid-build', "
                 "updated_at = now() WHERE status = ANY($1::text[])", list(RUNNING))
+            await uow.commit()
         return int(res.split()[-1])
 
     # --- planning ---------------------------------------------------------------------------------
@@ -94,6 +100,18 @@ class BuildRunner:
     # --- start ------------------------------------------------------------------------------------
 
     async def start(self, slug: str, req: BuildRequest) -> dict[str, Any]:
+        """Plan (and unless a dry run, queue and launch) a build in a unit of work of its own."""
+        async with self._uow(correlation_id=f"build:{slug}") as uow:
+            build, launch = await self.begin(uow, slug, req)
+            await uow.commit()
+        if launch is not None:
+            launch()
+        return build
+
+    async def begin(self, uow: UnitOfWork, slug: str, req: BuildRequest
+                    ) -> tuple[dict[str, Any], Callable[[], None] | None]:
+        """The build row, written in the caller's unit of work, and what starts the build: the caller
+        calls it once that unit of work committed (a rolled-back request must not leave a build running)."""
         try:
             req.check()
         except ValueError as exc:
@@ -103,43 +121,48 @@ class BuildRunner:
         if not self.settings.registry_host and not req.dry_run:
             raise CatalogError(409, "no_registry", "GPUAAS_REGISTRY_HOST is not configured")
         build_id = str(uuid.uuid4())
-        async with self.pool.acquire() as conn, conn.transaction():
-            row = await catalog.lock_image(conn, slug)
-            if row is None:
-                row = await catalog.create_image(
-                    conn, ImageCreate(slug=slug, compatible_sku=req.compatible_sku, driver_strategy=req.driver_strategy),
-                    self.settings.image_cache_dir)
-            if row["kind"] != "slice":
-                raise CatalogError(409, "not_a_slice_image", f"{slug} is a {row['kind']} image")
-            reuse = None
-            if req.reuse_build_id:
-                reuse = await conn.fetchrow("SELECT * FROM builds WHERE build_id = $1", req.reuse_build_id)
-                if reuse is None or not reuse["artifact_path"] or not reuse["raw_sha256"]:
-                    raise CatalogError(409, "nothing_to_reuse", f"build {req.reuse_build_id} left no artifact")
-                if not Path(reuse["artifact_path"]).is_file():
-                    raise CatalogError(409, "nothing_to_reuse", f"{reuse['artifact_path']} is gone")
-            plan = self.plan(slug, build_id, req, reuse)
-            if not req.dry_run and await conn.fetchval(
-                    "SELECT 1 FROM builds WHERE slug = $1 AND status = ANY($2::text[])", slug, list(RUNNING)):
-                raise CatalogError(409, "build_running", f"a build of {slug} is already running")
-            row = await conn.fetchrow(
-                "INSERT INTO builds (build_id, slug, status, source, options, reused_from, plan) "
-                "VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING *",
-                build_id, slug, "planned" if req.dry_run else "queued", req.source,
-                req.model_dump_json(), req.reuse_build_id, json.dumps(plan))
-        if not req.dry_run:
+        conn = uow.conn
+        row = await catalog.lock_image(conn, slug)
+        if row is None:
+            row = await catalog.create_image(
+                conn, ImageCreate(slug=slug, compatible_sku=req.compatible_sku, driver_strategy=req.driver_strategy),
+                self.settings.image_cache_dir)
+        if row["kind"] != "slice":
+            raise CatalogError(409, "not_a_slice_image", f"{slug} is a {row['kind']} image")
+        reuse = None
+        if req.reuse_build_id:
+            reuse = await conn.fetchrow("SELECT * FROM builds WHERE build_id = $1", req.reuse_build_id)
+            if reuse is None or not reuse["artifact_path"] or not reuse["raw_sha256"]:
+                raise CatalogError(409, "nothing_to_reuse", f"build {req.reuse_build_id} left no artifact")
+            if not Path(reuse["artifact_path"]).is_file():
+                raise CatalogError(409, "nothing_to_reuse", f"{reuse['artifact_path']} is gone")
+        plan = self.plan(slug, build_id, req, reuse)
+        if not req.dry_run and await conn.fetchval(
+                "SELECT 1 FROM builds WHERE slug = $1 AND status = ANY($2::text[])", slug, list(RUNNING)):
+            raise CatalogError(409, "build_running", f"a build of {slug} is already running")
+        row = await conn.fetchrow(
+            "INSERT INTO builds (build_id, slug, status, source, options, reused_from, plan) "
+            "VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING *",
+            build_id, slug, "planned" if req.dry_run else "queued", req.source,
+            req.model_dump_json(), req.reuse_build_id, json.dumps(plan))
+        if req.dry_run:
+            return build_dict(row), None
+
+        def launch() -> None:
             task = asyncio.create_task(self._run(build_id, slug, req, plan, reuse))
             self.tasks[build_id] = task
             task.add_done_callback(lambda _t: self.tasks.pop(build_id, None))
-        return build_dict(row)
+
+        return build_dict(row), launch
 
     # --- run --------------------------------------------------------------------------------------
 
     async def _status(self, build_id: str, status: str, **fields: Any) -> None:
         sets = ", ".join(f"{k} = ${i}" for i, k in enumerate(fields, start=3))
-        async with self.pool.acquire() as conn:
-            await conn.execute(f"UPDATE builds SET status = $2, updated_at = now(){', ' + sets if sets else ''} "
-                               "WHERE build_id = $1", build_id, status, *fields.values())
+        async with self._uow(correlation_id=build_id) as uow:
+            await uow.conn.execute(f"UPDATE builds SET status = $2, updated_at = now(){', ' + sets if sets else ''} "
+                                   "WHERE build_id = $1", build_id, status, *fields.values())
+            await uow.commit()
 
     def _progress(self, build_id: str, slug: str, phase: str):
         loop = asyncio.get_running_loop()
@@ -226,17 +249,17 @@ class BuildRunner:
             chunk_size=s.registry_chunk_mib << 20, progress=self._progress(build_id, slug, "push"),
         )
         artifact_ref = ArtifactRef(ref.host, ref.repository, ref.tag, pushed.manifest_digest).uri
-        async with self.pool.acquire() as conn, conn.transaction():
-            await conn.execute(
+        async with self._uow(correlation_id=build_id) as uow:
+            await uow.conn.execute(
                 "UPDATE builds SET status = 'published', artifact_ref = $2, manifest_digest = $3, updated_at = now() "
                 "WHERE build_id = $1", build_id, artifact_ref, pushed.manifest_digest)
             if req.update_catalog:
-                writer = OutboxWriter(conn, "image_pipeline", "image-pipeline", correlation_id=build_id)
-                await self._catalog(conn, writer, slug, build_id, raw_sha256, artifact_ref, blob_sha256, blob_size,
-                                    virtual_size)
+                await self._catalog(uow.conn, uow.events, slug, build_id, raw_sha256, artifact_ref, blob_sha256,
+                                    blob_size, virtual_size)
+            await uow.commit()
         self._progress(build_id, slug, "published")(1, 1, True)
 
-    async def _catalog(self, conn: asyncpg.Connection, writer: OutboxWriter, slug: str, build_id: str,
+    async def _catalog(self, conn: asyncpg.Connection, writer: EventCollector, slug: str, build_id: str,
                        raw_sha256: str, artifact_ref: str, blob_sha256: str, blob_size: int, virtual_size: int) -> None:
         row = await catalog.lock_image(conn, slug)
         if row is None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import asyncpg
 
+from gpuaas_common.api_error import ApiError
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
@@ -26,11 +27,11 @@ from ..domain.catalog import (
 log = get_logger(__name__)
 
 
-class CatalogError(Exception):
-    def __init__(self, status: int, code: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.code = code
+class CatalogError(ApiError):
+    """A catalog operation's refusal (see gpuaas_common.api_error)."""
+
+    def __init__(self, status: int, code: str, reason: str, details: dict | None = None) -> None:
+        super().__init__(status, code, reason, details)
         self.reason = reason
 
 
