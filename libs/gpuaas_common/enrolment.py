@@ -25,6 +25,3 @@ def enrolment_proof(secret: str, allocation_id: str, system_id: str) -> str:
     """The proof the allocator expects from the host deployed for this allocation."""
     return token_proof(enrolment_token(secret, allocation_id, system_id))
 
-
-def proof_matches(given: str | None, secret: str, allocation_id: str, system_id: str) -> bool:
-    return given is not None and hmac.compare_digest(given, enrolment_proof(secret, allocation_id, system_id))

@@ -8,12 +8,13 @@ from typing import Any
 
 import pytest
 
-from gpuaas_allocator.domain.model import ActiveImage, enrolment_proof
+from gpuaas_allocator.domain.model import ActiveImage
 from gpuaas_allocator.service_layer.handlers import Allocator
 from gpuaas_allocator.settings import AllocatorSettings
 from gpuaas_common.bus import HandlerContext, PermanentError, deliver
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
+from gpuaas_common.enrolment import enrolment_proof
 from gpuaas_common.unit_of_work import FakeUnitOfWork
 
 SLICE_IMAGE = ActiveImage("ubuntu-slice", "slice", "h200-sxm-slice", "a" * 64, "/img/slice.raw")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 from dataclasses import dataclass
 
@@ -16,7 +15,6 @@ SKUS: dict[str, tuple[str, frozenset[int]]] = {
 }
 IMAGE_KIND_FOR_SHAPE = {"gpu_slice": "slice", "baremetal": "host"}
 
-TERMINAL = frozenset({"released", "failed", "unschedulable"})
 TRANSITIONS: dict[str, frozenset[str]] = {
     "requested": frozenset({"accepted"}),
     "accepted": frozenset({"placed", "unschedulable", "releasing"}),
@@ -79,9 +77,3 @@ def request_fingerprint(req: AllocationRequested) -> str:
     """Same allocation_id with the same body is a replay; with another body it is a conflict."""
     canonical = json.dumps(req.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def enrolment_proof(secret: str, allocation_id: str, system_id: str) -> str:
-    """sha256 of the token the gateway put in user_data; the token itself never travels in events."""
-    token = hmac.new(secret.encode(), f"{allocation_id}:{system_id}".encode(), hashlib.sha256).hexdigest()
-    return hashlib.sha256(token.encode()).hexdigest()

@@ -13,12 +13,12 @@ from typing import Any
 from gpuaas_common.bus import HandlerContext, PermanentError
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
+from gpuaas_common.enrolment import enrolment_proof
 from gpuaas_common.logging import get_logger
 
 from ..domain.model import (
     ActiveImage,
     check_transition,
-    enrolment_proof,
     request_fingerprint,
     validate_request,
 )
