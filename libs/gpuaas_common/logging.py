@@ -44,5 +44,4 @@ def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
     return structlog.get_logger(name)
 
 
-bind_context = structlog.contextvars.bind_contextvars
 bound_context = structlog.contextvars.bound_contextvars

@@ -106,7 +106,6 @@ class OutboxRelay:
         self.max_backoff_s = max_backoff_s
         self._wake = asyncio.Event()
         self._stopping = False
-        self.is_leader = False
         self.published = 0
 
     async def _connect(self) -> asyncpg.Connection:
@@ -121,7 +120,6 @@ class OutboxRelay:
                 "SELECT pg_try_advisory_lock(hashtext($1))", f"gpuaas-relay:{self.schema}"
             ):
                 await self._wait(self.poll_interval_s)
-            self.is_leader = True
             await lock_conn.add_listener(notify_channel(self.schema), self._on_notify)
             log.info("relay_leader", schema=self.schema)
             backoff = 0.05

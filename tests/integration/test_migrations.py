@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import asyncpg
 import pytest
@@ -47,5 +48,21 @@ async def test_invalid_schema_names_are_refused(fresh_db):
     try:
         with pytest.raises(ValueError):
             await apply_migrations(conn, 'x"; DROP TABLE y; --', None)
+    finally:
+        await conn.close()
+
+
+async def test_a_claim_is_held_or_released_never_in_doubt(fresh_db):
+    from gpuaas_scheduler.adapters import synthetic
+
+    conn = await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"})
+    try:
+        await apply_migrations(conn, "scheduler", "gpuaas_scheduler.migrations")
+        (node_id, *_) = await synthetic.build(conn, slice_hosts=0, baremetal_hosts=1)
+        insert = ("INSERT INTO allocation_resource_claims (allocation_id, node_id, claim_kind, status, fencing_epoch) "
+                  "VALUES ($1, $2, 'node_exclusive', $3, 1)")
+        with pytest.raises(asyncpg.CheckViolationError):
+            await conn.execute(insert, uuid.uuid4(), node_id, "in_doubt")
+        await conn.execute(insert, uuid.uuid4(), node_id, "held")
     finally:
         await conn.close()

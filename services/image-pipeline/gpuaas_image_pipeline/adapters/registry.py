@@ -105,9 +105,3 @@ def push_artifact(
 def _check(resp, what: str) -> None:
     if resp.status_code not in (200, 201, 202):
         raise RegistryError(f"{what} failed: HTTP {resp.status_code} {resp.text[:500]}")
-
-
-def fetch_manifest(host: str, repository: str, reference: str, tls_mode: str) -> dict:
-    reg = client(tls_mode)
-    return reg.get_manifest(f"{host}/{repository}:{reference}" if not reference.startswith("sha256:")
-                            else f"{host}/{repository}@{reference}")

@@ -75,8 +75,6 @@ class ArtifactRef:
 _REF_RE = re.compile(r"^oci://(?P<host>[^/]+)/(?P<repo>[a-z0-9._/-]+):(?P<tag>[A-Za-z0-9_.-]{1,128})"
                      r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
 
-TLS_MODES = ("verify", "insecure", "plain-http")
-
 
 class ImageCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
