@@ -16,13 +16,13 @@ from gpuaas_scheduler.domain.placement import (
     choose,
     choose_slots,
     clean_node_allowed,
-    incomplete_reason,
     node_filter,
     rank_classes,
     rank_nodes,
     summarize,
     unschedulable_summary,
 )
+from gpuaas_scheduler.domain.slots import incomplete_reason
 
 
 def host(free_ids, node="n"):

@@ -19,7 +19,6 @@ import asyncpg
 from gpuaas_common.fleet import Fleet
 
 from ..domain.placement import (
-    ELIGIBLE_SLOT_SQL,
     TIER_NUMA,
     TIER_SPAN,
     TIER_SWITCH,
@@ -27,10 +26,11 @@ from ..domain.placement import (
     NodeFacts,
     Request,
     SlotView,
-    incomplete_reason,
     summarize,
 )
+from ..domain.slots import incomplete_reason, movable_from
 from .host_modes import record_created
+from .slot_sql import ELIGIBLE_SLOT_SQL
 
 SLOT_COLUMNS = (
     "slot_id, gpu_pci_address, nvme_by_id, fabric_vf_pci_address, mac, private_ip, ovs_bridge, numa_node, profile"
@@ -427,6 +427,8 @@ async def move_slots(conn: asyncpg.Connection, slot_ids: Sequence[str], status: 
     """Move slots and log each transition (who, why, evidence) in the same statement."""
     if not slot_ids:
         return []
+    # Only the moves domain/slots.py allows: a slot in any other status is left where it is.
+    only_from = movable_from(status, only_from)
     rows = await conn.fetch(
         "WITH old AS (SELECT slot_id, status FROM node_resource_slots WHERE slot_id = ANY($1::text[]) "
         "  AND ($4::text[] IS NULL OR status = ANY($4::text[])) FOR UPDATE), "
@@ -437,7 +439,7 @@ async def move_slots(conn: asyncpg.Connection, slot_ids: Sequence[str], status: 
         "log AS (INSERT INTO slot_transitions (slot_id, from_status, to_status, reason, actor, allocation_id, detail) "
         "  SELECT slot_id, from_status, $2, $3, $5, $6, $9::jsonb FROM moved) "
         "SELECT * FROM moved ORDER BY slot_id",
-        list(slot_ids), status, reason, list(only_from) if only_from else None, actor, allocation_id,
+        list(slot_ids), status, reason, list(only_from), actor, allocation_id,
         health[0] if health else None, health[1] if health else None,
         json.dumps(detail) if detail is not None else None,
     )

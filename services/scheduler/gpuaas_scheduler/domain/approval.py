@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-BINDING_FIELDS = ("gpu_pci_address", "nvme_by_id", "mac", "private_ip", "fabric_vf_pci_address")
+from .slots import BINDING_RULES, broken_rules
 
 
 def disk_problems(evidence: Mapping[str, Any] | None) -> list[str]:
@@ -34,23 +34,8 @@ def disk_problems(evidence: Mapping[str, Any] | None) -> list[str]:
 
 
 def binding_problems(candidate: Mapping[str, Any]) -> list[str]:
-    # Unlike incomplete_reason, which stops at the first gap, list them all for the operator.
-    problems = []
-    checks = [
-        ("gpu_pci_address", "missing GPU PCI address"),
-        ("mac", "missing management MAC"),
-        ("private_ip", "missing private IP"),
-        ("fabric_vf_pci_address", "missing fabric VF PCI address"),
-    ]
-    for key, text in checks:
-        if not candidate.get(key):
-            problems.append(text)
-    nvme = candidate.get("nvme_by_id")
-    if not nvme or "/by-id/" not in nvme:
-        problems.append("missing raw NVMe by-id identity")
-    if candidate.get("fabric_claim_mode") != "per_slot_vf":
-        problems.append("fabric claim mode is not per_slot_vf")
-    return problems
+    """Every missing binding at once (the eligibility rules of domain/slots.py), for the operator."""
+    return [rule.problem for rule in broken_rules(candidate, BINDING_RULES)]
 
 
 def duplicate_problems(candidate: Mapping[str, Any], others: Iterable[Mapping[str, Any]]) -> list[str]:

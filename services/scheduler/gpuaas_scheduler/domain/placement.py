@@ -106,40 +106,6 @@ class NodeFacts:
 # --- slots ----------------------------------------------------------------------------------------
 
 
-def incomplete_reason(slot: dict) -> str | None:
-    """Why a slot bundle may not be handed to a tenant, or None when it is complete."""
-    if not slot.get("gpu_pci_address"):
-        return "missing GPU PCI address"
-    if not slot.get("nvme_by_id") or "/by-id/" not in slot["nvme_by_id"]:
-        return "missing raw NVMe by-id identity"
-    if not slot.get("mac"):
-        return "missing management MAC"
-    if not slot.get("private_ip"):
-        return "missing private IP"
-    if slot.get("fabric_claim_mode") != "per_slot_vf":
-        return "fabric claim mode is not per_slot_vf"
-    if not slot.get("fabric_vf_pci_address"):
-        return "missing fabric VF PCI address"
-    return None
-
-
-# The approval predicates again, as SQL, so a row made 'available' by hand is still never placed:
-# complete bundle, healthy, and disk evidence present and free of mounts and signatures.
-COMPLETE_SLOT_SQL = (
-    "s.gpu_pci_address IS NOT NULL AND s.nvme_by_id LIKE '%/by-id/%' AND s.mac IS NOT NULL "
-    "AND s.private_ip IS NOT NULL AND s.fabric_claim_mode = 'per_slot_vf' "
-    "AND COALESCE(s.fabric_vf_pci_address, '') <> ''"
-)
-ELIGIBLE_SLOT_SQL = (
-    f"s.status = 'available' AND {COMPLETE_SLOT_SQL} AND s.health_state = 'healthy' "
-    "AND s.nvme_evidence IS NOT NULL "
-    "AND NOT COALESCE((s.nvme_evidence->>'mounted')::boolean, true) "
-    "AND NOT COALESCE((s.nvme_evidence->>'is_os_disk')::boolean, true) "
-    "AND COALESCE(jsonb_array_length(s.nvme_evidence->'mounted_children'), 0) = 0 "
-    "AND COALESCE(jsonb_array_length(s.nvme_evidence->'signatures'), 1) = 0"
-)
-
-
 def dedupe_fabric(slots: Iterable[SlotView]) -> list[SlotView]:
     """Slots sharing a fabric device exclude each other: keep the lowest id of each device."""
     seen: set[str] = set()

@@ -1,0 +1,137 @@
+"""What a slot is allowed to be and to become — each rule written once.
+
+**Eligibility.** A slot may be handed to a tenant only when every rule below holds. The approval API
+uses them to list every problem of a candidate at once; placement re-checks them in SQL at claim time,
+so a row made `available` by hand is still never placed. The SQL is not a second definition: it is a
+map from these rule *names* to predicates (adapters/slot_sql.py), the map must cover exactly these
+names, and a test evaluates both on the same slots, one violated rule at a time.
+
+**Transitions.** `SLOT_TRANSITIONS` is every status change a slot may make; the adapter that moves
+slots (the only code that changes a status after approval) refuses any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+Slot = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SlotRule:
+    name: str
+    problem: str
+    holds: Callable[[Slot], bool]
+
+
+def _present(key: str) -> Callable[[Slot], bool]:
+    return lambda s: bool(s.get(key))
+
+
+def _evidence(s: Slot) -> Mapping[str, Any] | None:
+    return s.get("nvme_evidence")
+
+
+# The runtime-critical bundle (slice-node-bootstrap: GPU, raw disk by stable id, management MAC/IP,
+# one fabric VF of its own).
+BINDING_RULES: tuple[SlotRule, ...] = (
+    SlotRule("gpu_pci_address", "missing GPU PCI address", _present("gpu_pci_address")),
+    SlotRule("nvme_by_id", "missing raw NVMe by-id identity", lambda s: "/by-id/" in (s.get("nvme_by_id") or "")),
+    SlotRule("mac", "missing management MAC", _present("mac")),
+    SlotRule("private_ip", "missing private IP", _present("private_ip")),
+    SlotRule("fabric_claim_mode", "fabric claim mode is not per_slot_vf",
+             lambda s: s.get("fabric_claim_mode") == "per_slot_vf"),
+    SlotRule("fabric_vf_pci_address", "missing fabric VF PCI address", _present("fabric_vf_pci_address")),
+)
+
+# The raw disk is provably free: discovery saw it, and it is not the OS disk, not mounted, has no
+# mounted children and no signatures (unreadable signatures count as present).
+DISK_RULES: tuple[SlotRule, ...] = (
+    SlotRule("nvme_evidence", "no NVMe evidence from topology discovery", lambda s: _evidence(s) is not None),
+    SlotRule("not_os_disk", "NVMe is (or may be) the OS disk",
+             lambda s: _evidence(s) is not None and not _evidence(s).get("is_os_disk", True)),
+    SlotRule("not_mounted", "NVMe is mounted",
+             lambda s: _evidence(s) is not None and not _evidence(s).get("mounted", True)),
+    SlotRule("no_mounted_children", "NVMe has mounted children",
+             lambda s: not (_evidence(s) or {}).get("mounted_children")),
+    SlotRule("no_signatures", "NVMe carries signatures, or they could not be read",
+             lambda s: _evidence(s) is not None and _evidence(s).get("signatures") == []),
+)
+
+# What makes an approved, complete slot free to claim right now.
+RUNTIME_RULES: tuple[SlotRule, ...] = (
+    SlotRule("available", "slot is not available", lambda s: s.get("status") == "available"),
+    SlotRule("healthy", "slot is not healthy", lambda s: s.get("health_state") == "healthy"),
+)
+
+ELIGIBILITY_RULES: tuple[SlotRule, ...] = BINDING_RULES + DISK_RULES + RUNTIME_RULES
+
+
+def broken_rules(slot: Slot, rules: tuple[SlotRule, ...] = ELIGIBILITY_RULES) -> list[SlotRule]:
+    return [r for r in rules if not r.holds(slot)]
+
+
+def eligible(slot: Slot) -> bool:
+    return not broken_rules(slot)
+
+
+def incomplete_reason(slot: Slot) -> str | None:
+    """The first missing binding, or None when the bundle is complete."""
+    broken = broken_rules(slot, BINDING_RULES)
+    return broken[0].problem if broken else None
+
+
+# --- transitions -------------------------------------------------------------------------------------
+
+SLOT_STATUSES = ("disabled", "available", "reserved", "provisioning", "active", "releasing", "cleanup",
+                 "cleanup_blocked", "retired")
+# Statuses in which a tenant's VM may have written the disk.
+TOUCHED = frozenset({"provisioning", "active", "releasing", "cleanup"})
+
+SLOT_TRANSITIONS: dict[str, frozenset[str]] = {
+    # Repaired, re-approved or retired by ops.
+    "disabled": frozenset({"available", "retired"}),
+    # Claimed by placement; disabled or retired by ops.
+    "available": frozenset({"reserved", "disabled", "retired"}),
+    # A claim moves on, or ends before anything was written (back to available) or fails.
+    "reserved": frozenset({"provisioning", "releasing", "available", "cleanup", "cleanup_blocked"}),
+    # From here the disk may have been written: back to available only when the attempt provably
+    # never touched it (failed before the clone), else through cleanup with a verified wipe.
+    "provisioning": frozenset({"active", "releasing", "available", "cleanup", "cleanup_blocked"}),
+    "active": frozenset({"releasing", "cleanup", "cleanup_blocked"}),
+    "releasing": frozenset({"cleanup", "available", "cleanup_blocked"}),
+    "cleanup": frozenset({"available", "cleanup_blocked"}),
+    # Tenant data may remain: only a repair with a verified wipe brings it back.
+    "cleanup_blocked": frozenset({"available"}),
+    "retired": frozenset(),
+}
+
+
+class InvalidSlotTransition(ValueError):
+    pass
+
+
+def allowed_from(to: str) -> frozenset[str]:
+    """Every status a slot may be in to move to `to`."""
+    if to not in SLOT_TRANSITIONS:
+        raise InvalidSlotTransition(f"unknown slot status {to!r}")
+    return frozenset(f for f, tos in SLOT_TRANSITIONS.items() if to in tos)
+
+
+def check_slot_transition(current: str, new: str) -> None:
+    if new not in SLOT_TRANSITIONS.get(current, frozenset()):
+        raise InvalidSlotTransition(f"slot {current} -> {new} is not allowed")
+
+
+def movable_from(to: str, only_from: tuple[str, ...] | list[str] | None) -> list[str]:
+    """The statuses a move to `to` may start from: the caller's subset of the table's, and a caller that
+    names a move the table forbids is a programming error, refused before any row is touched."""
+    legal = allowed_from(to)
+    if only_from is None:
+        return sorted(legal)
+    bad = [f for f in only_from if f not in legal]
+    if bad:
+        raise InvalidSlotTransition(f"slot {', '.join(bad)} -> {to} is not allowed")
+    return list(only_from)

@@ -1,0 +1,64 @@
+"""The slot lifecycle rules, stated as rules (domain/slots.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuaas_scheduler.domain.slots import (
+    SLOT_STATUSES,
+    SLOT_TRANSITIONS,
+    InvalidSlotTransition,
+    check_slot_transition,
+    movable_from,
+)
+
+HAPPY_PATH = ["available", "reserved", "provisioning", "active", "releasing", "cleanup", "available"]
+
+
+def test_the_table_covers_every_status_the_database_allows():
+    assert set(SLOT_TRANSITIONS) == set(SLOT_STATUSES)
+    assert all(set(tos) <= set(SLOT_STATUSES) for tos in SLOT_TRANSITIONS.values())
+
+
+def test_a_slot_lives_from_available_back_to_available():
+    for current, new in zip(HAPPY_PATH, HAPPY_PATH[1:]):
+        check_slot_transition(current, new)  # raises on a refused step
+
+
+@pytest.mark.parametrize("written", ["active", "releasing"])
+def test_a_disk_a_vm_has_run_on_returns_only_through_cleanup(written):
+    with pytest.raises(InvalidSlotTransition):
+        check_slot_transition(written, "available") if written == "active" else check_slot_transition(written, "reserved")
+    assert "cleanup" in SLOT_TRANSITIONS[written] or "cleanup_blocked" in SLOT_TRANSITIONS[written]
+
+
+def test_cleanup_blocked_leaves_only_for_available_after_a_repair():
+    assert SLOT_TRANSITIONS["cleanup_blocked"] == {"available"}
+    for status in SLOT_STATUSES:
+        if status != "available":
+            with pytest.raises(InvalidSlotTransition):
+                check_slot_transition("cleanup_blocked", status)
+
+
+def test_retired_is_final_for_the_mover_and_only_idle_slots_retire():
+    assert SLOT_TRANSITIONS["retired"] == set()
+    assert {s for s, tos in SLOT_TRANSITIONS.items() if "retired" in tos} == {"available", "disabled"}
+
+
+def test_nothing_is_claimed_unless_available():
+    assert {s for s, tos in SLOT_TRANSITIONS.items() if "reserved" in tos} == {"available"}
+
+
+@pytest.mark.parametrize("to, only_from, ok", [
+    ("provisioning", ("reserved",), True),
+    ("available", None, True),
+    ("available", ("active",), False),  # a VM ran: never straight back
+    ("reserved", ("cleanup_blocked",), False),
+    ("active", ("reserved",), False),  # provisioning comes first
+])
+def test_a_mover_naming_a_forbidden_move_is_refused(to, only_from, ok):
+    if ok:
+        assert set(movable_from(to, only_from)) <= {s for s, tos in SLOT_TRANSITIONS.items() if to in tos}
+    else:
+        with pytest.raises(InvalidSlotTransition):
+            movable_from(to, only_from)
