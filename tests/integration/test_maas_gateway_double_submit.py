@@ -15,6 +15,8 @@ from typing import Any
 
 import asyncpg
 import pytest_asyncio
+from pydantic import SecretStr
+
 from gpuaas_common.bus import HandlerContext, deliver
 from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.db import create_pool
@@ -26,7 +28,6 @@ from gpuaas_maas_gateway.entrypoints.main import build_clients
 from gpuaas_maas_gateway.service_layer.commands import OperationHandlers
 from gpuaas_maas_gateway.service_layer.worker import OperationWorker
 from gpuaas_maas_gateway.settings import GatewaySettings, SiteProfile
-from pydantic import SecretStr
 
 KEY = "Gw7sQ2mZp9LxVb3Nq4:Gt8wR1nYc6HjDf2Gs5:Gs3vB9mQ7pL2kJ8hG4fD1sA6zX0cV5bN"
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from gpuaas_dev.sim.baremetal import parse_agent_env, parse_node_creds
 
 from gpuaas_common.enrolment import enrolment_proof, enrolment_token, token_proof
+from gpuaas_dev.sim.baremetal import parse_agent_env, parse_node_creds
 from gpuaas_maas_gateway.service_layer.cloud_init import BootstrapNotCloudConfig, render_user_data
 
 CREDS = (

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from gpuaas_common.identity import Issuer
 from gpuaas_common.logging import get_logger
@@ -33,7 +33,7 @@ class HostCredentials:
     async def issue(self, allocation_id: str, node_id: str) -> str:
         """A fresh creds file text for the host; its public key is recorded before it can be used."""
         creds = self.issuer.issue_node(node_id, ttl_s=self.ttl_s, allocation_id=allocation_id)
-        expires = datetime.now(timezone.utc) + timedelta(seconds=self.ttl_s)
+        expires = datetime.now(UTC) + timedelta(seconds=self.ttl_s)
         async with self.unit_of_work() as uow:
             await uow.repos.host_credentials.record(str(creds.claims["sub"]), allocation_id, node_id, expires)
             await uow.commit()

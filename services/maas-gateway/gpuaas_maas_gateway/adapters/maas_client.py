@@ -194,7 +194,7 @@ class MaasClient:
                 None, f"could not connect: {type(error).__name__}", None,
                 operation=operation, system_id=system_id, outcome_unknown=False,
             ) from None
-        except (asyncio.TimeoutError, aiohttp.ClientError) as error:
+        except (TimeoutError, aiohttp.ClientError) as error:
             kind = "timed out" if isinstance(error, asyncio.TimeoutError) else "connection lost"
             self._log.warning(
                 "maas_no_response", **ctx, error=type(error).__name__, kind=kind,

@@ -6,7 +6,7 @@ The worker (worker.py) drives every recorded operation; recording is idempotent 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from gpuaas_common.bus import HandlerContext
 from gpuaas_common.logging import get_logger
@@ -43,6 +43,6 @@ class OperationHandlers:
             site=cmd.site, system_id=getattr(cmd, "system_id", None), node_id=getattr(cmd, "node_id", None),
             profile=getattr(cmd, "profile", None), erase=getattr(cmd, "erase", None),
             params={k: v for k, v in fields.items() if k not in _COLUMNS},
-            deadline_at=datetime.now(timezone.utc) + timedelta(seconds=self.settings.maas_deadline_s),
+            deadline_at=datetime.now(UTC) + timedelta(seconds=self.settings.maas_deadline_s),
         )
         log.info("operation_recorded" if inserted else "operation_already_known", kind=kind, site=cmd.site)

@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import asyncpg
@@ -36,7 +36,7 @@ T = TypeVar("T")
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class BreakerOpen(Exception):
@@ -149,7 +149,7 @@ class Operations:
         try:
             await self.host_credentials.revoke_allocation(str(row["allocation_id"]))
             return True
-        except Exception as exc:  # the bus is down or refused: the release waits, it does not skip this
+        except Exception as exc:  # noqa: BLE001 - the bus is down or refused: the release waits, it does not skip this
             log.warning("host_credentials_revoke_failed", error=str(exc)[:300])
             return False
 
@@ -196,19 +196,20 @@ def result_event(row: asyncpg.Record, outcome: str, status: str | None, reason_c
                  message: str | None, result: dict[str, Any]) -> tuple[str, m.Payload]:
     kind = row["kind"]
     if kind in ("deploy", "release"):
-        common = dict(
-            operation_id=row["operation_id"], allocation_id=row["allocation_id"], system_id=row["system_id"],
-            node_id=row["node_id"], resolution=row["resolution"], maas_status_name=status,
-            status_message=message, reason_code=reason_code, attempts=row["maas_calls"],
-        )
+        common: dict[str, Any] = {
+            "operation_id": row["operation_id"], "allocation_id": row["allocation_id"],
+            "system_id": row["system_id"], "node_id": row["node_id"], "resolution": row["resolution"],
+            "maas_status_name": status, "status_message": message, "reason_code": reason_code,
+            "attempts": row["maas_calls"],
+        }
         if kind == "deploy":
             return "maas.deploy_result", m.MaasDeployResult(
                 status="deployed" if outcome == "succeeded" else "failed", **common)
         return "maas.release_result", m.MaasReleaseResult(
             status="released" if outcome == "succeeded" else "failed", **common)
-    common = dict(operation_id=row["operation_id"], site=row["site"], status=outcome,
-                  resolution=row["resolution"], reason_code=reason_code, status_message=message,
-                  attempts=row["maas_calls"])
+    common = {"operation_id": row["operation_id"], "site": row["site"], "status": outcome,
+              "resolution": row["resolution"], "reason_code": reason_code, "status_message": message,
+              "attempts": row["maas_calls"]}
     if kind == "commission":
         return "maas.commission_result", m.MaasCommissionResult(
             system_id=row["system_id"], node_id=row["node_id"], maas_status_name=status, **common)

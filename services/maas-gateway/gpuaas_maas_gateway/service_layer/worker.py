@@ -69,7 +69,7 @@ class OperationWorker(Operations):
         except BreakerOpen as exc:
             await self.set(op_id, delay=max(exc.wait_s, self.settings.maas_poll_interval_s),
                            last_error="MAAS unreachable: circuit breaker open")
-        except Exception as exc:  # keep the loop alive; the row stays open and is retried
+        except Exception as exc:  # noqa: BLE001 - keep the loop alive; the row stays open and is retried
             log.error("operation_step_failed", operation_id=op_id, error=repr(exc))
             delay = self.retry_delay(exc if isinstance(exc, MaasError) else None)
             await self.set(op_id, delay=delay, last_error=repr(exc)[:500])
