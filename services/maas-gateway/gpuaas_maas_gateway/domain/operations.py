@@ -80,14 +80,6 @@ def decide_commission(state: str, status_name: str, result_id: int | None, basel
     return Decision.FAILED
 
 
-STOCK_OSYSTEMS = ("ubuntu", "centos", "rhel", "windows", "esxi")
-
-
-def is_custom_image(name: str, uploaded: tuple[str, ...] | frozenset[str]) -> bool:
-    osystem, _, series = name.rpartition("/")
-    return osystem == "custom" or (osystem == "" and series in uploaded)
-
-
 def image_name(name: str) -> str:
     """The name MAAS lists an uploaded boot resource under (`custom/` is not stored)."""
     return name.removeprefix("custom/")
