@@ -421,6 +421,18 @@ async def allocation_slots(conn: asyncpg.Connection, allocation_id: uuid.UUID) -
     )
 
 
+async def drain_node(conn: asyncpg.Connection, node_id: str, reason: str, *, actor: str) -> None:
+    await conn.execute(
+        "UPDATE nodes SET draining = true, drain_reason = $2, drained_by = $3, drained_at = now(), updated_at = now() "
+        "WHERE node_id = $1", node_id, reason, actor,
+    )
+
+
+async def lock_clean_watermark(conn: asyncpg.Connection, region: str, sku: str) -> None:
+    """Serialise decisions that may take a clean node in one region and SKU (held until commit)."""
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtext('gpuaas-clean:' || $1 || '/' || $2))", region, sku)
+
+
 async def move_slots(conn: asyncpg.Connection, slot_ids: Sequence[str], status: str, reason: str | None, *,
                      actor: str, only_from: Sequence[str] | None = None, allocation_id: uuid.UUID | None = None,
                      detail: dict | None = None, health: tuple[str, str | None] | None = None) -> list[asyncpg.Record]:

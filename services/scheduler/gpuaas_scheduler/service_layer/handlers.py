@@ -124,11 +124,7 @@ async def fail_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID, cl
                              allocation_id=allocation_id, health=("degraded", reason))
         for r in held:
             if r["claim_kind"] == "node_exclusive":
-                await conn.execute(
-                    "UPDATE nodes SET draining = true, drain_reason = $2, drained_by = 'scheduler', drained_at = now(), "
-                    "updated_at = now() WHERE node_id = $1",
-                    r["node_id"], f"cleanup required after {reason}"[:500],
-                )
+                await inv.drain_node(conn, r["node_id"], f"cleanup required after {reason}"[:500], actor="scheduler")
     else:
         await inv.move_slots(conn, slot_ids, "available", None, actor="scheduler", allocation_id=allocation_id,
                              detail={"failed_without_disk_writes": reason})

@@ -180,8 +180,7 @@ async def _place_slices(conn: asyncpg.Connection, ev: m.AllocationAccepted, req:
         if clean_ok is None:
             # One decision per request, serialised per region/SKU so two workers cannot both
             # break the last clean host above the watermark.
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('gpuaas-clean:' || $1 || '/' || $2))",
-                               req.region, req.sku)
+            await inv.lock_clean_watermark(conn, req.region, req.sku)
             clean_ok = clean_node_allowed(await inv.count_clean_nodes(conn, req), policy.clean_node_watermark)
         return clean_ok
 
