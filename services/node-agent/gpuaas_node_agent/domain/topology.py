@@ -11,6 +11,7 @@ import hashlib
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,15 @@ def _numa_key(numa: int | None) -> int:
     return -1 if numa is None else numa
 
 
-def _take(pool: list, numa: int | None):
+class _NumaPlaced(Protocol):
+    @property
+    def numa_node(self) -> int | None: ...
+
+
+T = TypeVar("T", bound=_NumaPlaced)
+
+
+def _take(pool: list[T], numa: int | None) -> T | None:
     """The first free item on the GPU's NUMA node, else the first free one at all (locality is best effort)."""
     for i, item in enumerate(pool):
         if item.numa_node == numa:

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 TIER_SWITCH, TIER_NUMA, TIER_SPAN = 0, 1, 2
 TIER_NAMES = {TIER_SWITCH: "one PCIe switch", TIER_NUMA: "one NUMA node", TIER_SPAN: "minimal NUMA span"}
@@ -123,14 +124,17 @@ def numa_span_needed(gpus: int, numa_capacity: int) -> int:
     return 1 if gpus <= 1 or numa_capacity <= 0 else math.ceil(gpus / numa_capacity)
 
 
-def _groups(slots: Sequence[SlotView], key) -> dict[object, list[SlotView]]:
-    out: dict[object, list[SlotView]] = {}
+K = TypeVar("K", bound=Hashable)
+
+
+def _groups(slots: Sequence[SlotView], key: Callable[[SlotView], K]) -> dict[K, list[SlotView]]:
+    out: dict[K, list[SlotView]] = {}
     for slot in slots:
         out.setdefault(key(slot), []).append(slot)
     return out
 
 
-def _switch_key(slot: SlotView) -> object:
+def _switch_key(slot: SlotView) -> tuple[object, object]:
     # A slot without a known switch is a switch of its own.
     return (slot.numa_node, slot.pcie_switch) if slot.pcie_switch is not None else ("solo", slot.slot_id)
 
@@ -276,7 +280,7 @@ def score_fit(node: NodeCandidate, gpus: int) -> int:
 SCORERS = (score_sliced, score_topology, score_fit)
 
 
-def node_score(node: NodeCandidate, gpus: int) -> tuple:
+def node_score(node: NodeCandidate, gpus: int) -> tuple[int | str, ...]:
     """Lower sorts first."""
     return (*(f(node, gpus) for f in SCORERS), node.node_id)
 

@@ -34,6 +34,11 @@ def _evidence(s: Slot) -> Mapping[str, Any] | None:
     return s.get("nvme_evidence")
 
 
+def _disk_says(key: str, default: Any) -> Callable[[Slot], Any]:
+    """A disk fact from the evidence; None when there is no evidence at all (which never passes)."""
+    return lambda s: None if _evidence(s) is None else _evidence(s).get(key, default)  # type: ignore[union-attr]
+
+
 # The runtime-critical bundle (slice-node-bootstrap: GPU, raw disk by stable id, management MAC/IP,
 # one fabric VF of its own).
 BINDING_RULES: tuple[SlotRule, ...] = (
@@ -50,14 +55,12 @@ BINDING_RULES: tuple[SlotRule, ...] = (
 # mounted children and no signatures (unreadable signatures count as present).
 DISK_RULES: tuple[SlotRule, ...] = (
     SlotRule("nvme_evidence", "no NVMe evidence from topology discovery", lambda s: _evidence(s) is not None),
-    SlotRule("not_os_disk", "NVMe is (or may be) the OS disk",
-             lambda s: _evidence(s) is not None and not _evidence(s).get("is_os_disk", True)),
-    SlotRule("not_mounted", "NVMe is mounted",
-             lambda s: _evidence(s) is not None and not _evidence(s).get("mounted", True)),
+    SlotRule("not_os_disk", "NVMe is (or may be) the OS disk", lambda s: _disk_says("is_os_disk", True)(s) is False),
+    SlotRule("not_mounted", "NVMe is mounted", lambda s: _disk_says("mounted", True)(s) is False),
     SlotRule("no_mounted_children", "NVMe has mounted children",
-             lambda s: not (_evidence(s) or {}).get("mounted_children")),
+             lambda s: not _disk_says("mounted_children", [])(s)),
     SlotRule("no_signatures", "NVMe carries signatures, or they could not be read",
-             lambda s: _evidence(s) is not None and _evidence(s).get("signatures") == []),
+             lambda s: _disk_says("signatures", None)(s) == []),
 )
 
 # What makes an approved, complete slot free to claim right now.
