@@ -7,8 +7,6 @@ stream and consumer is created *or updated* here.
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
 
 import nats.js.errors
@@ -22,6 +20,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from .logging import get_logger
 
@@ -186,17 +185,15 @@ async def ensure_consumers(
 ) -> dict[str, str]:
     """Create or update one's own durables, waiting for their streams to be provisioned by someone else."""
     outcome: dict[str, str] = {}
-    deadline = time.monotonic() + wait_s
     for spec in consumers:
-        while True:
-            try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(nats.js.errors.NotFoundError), wait=wait_fixed(0.5),
+            stop=stop_after_delay(wait_s), reraise=True,
+            before_sleep=lambda _s, spec=spec: log.info("stream_not_provisioned_yet", stream=spec.stream,
+                                                        consumer=spec.durable),
+        ):
+            with attempt:
                 outcome[f"consumer:{spec.durable}"] = await ensure_consumer(js, spec)
-                break
-            except nats.js.errors.NotFoundError:
-                if time.monotonic() > deadline:
-                    raise
-                log.info("stream_not_provisioned_yet", stream=spec.stream, consumer=spec.durable)
-                await asyncio.sleep(0.5)
     return outcome
 
 

@@ -11,7 +11,6 @@ and the process keeps running without that connection.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import ssl
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 
 import nats
 from nats.aio.client import Client as NatsClient
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_never, wait_exponential
 
 from .identity import creds as creds_mod
 from .identity.jwt import JwtError
@@ -145,17 +145,20 @@ class NatsIdentity:
 
         opts = {"name": name, "error_cb": error_cb, "reconnected_cb": reconnected_cb, "closed_cb": closed_cb,
                 "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, **self.connect_kwargs(), **options}
-        delay = 0.2
-        while True:
-            try:
-                nc = await nats.connect(**opts)
-                client.append(nc)
-                self.note_connected()
-                return nc
-            except Exception as exc:  # nats-py raises unrelated types for "refused" and "nobody there"
-                self.note_error(exc)
-                if not retry_forever:
+        # nats-py raises unrelated types for "refused" and "nobody there": every failure is noted (an auth
+        # refusal once per reason) and, with retry_forever, tried again with back-off up to 5 s.
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(Exception), wait=wait_exponential(multiplier=0.2, max=5.0),
+            stop=stop_never if retry_forever else stop_after_attempt(1), reraise=True,
+            before_sleep=lambda state: log.debug("nats_connect_retry", error=str(state.outcome.exception())),
+        )
+        async for attempt in retrying:
+            with attempt:
+                try:
+                    nc = await nats.connect(**opts)
+                except Exception as exc:
+                    self.note_error(exc)
                     raise
-                log.debug("nats_connect_retry", error=str(exc), delay_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        client.append(nc)
+        self.note_connected()
+        return nc
