@@ -293,7 +293,8 @@ class AdminApi:
                 return await self._mutate(route, request)
             params, query = self._inputs(route, request)
             async with self.pool.acquire() as conn:
-                call = Call(request, params, query, None, request[PRINCIPAL], self._actor(request),
+                # Reads are not audited, so X-Actor means nothing here and is not checked.
+                call = Call(request, params, query, None, request[PRINCIPAL], request[PRINCIPAL],
                             request[REQUEST_ID], conn)
                 return self._answer(route, await route.handler(call))
 
@@ -400,8 +401,8 @@ def openapi(routes: Sequence[Route], *, title: str, version: str, description: s
         ]
         parameters += [{"name": q, "in": "query", "required": False, "schema": {"type": "string"}} for q in r.query]
         if r.mutation:
-            parameters.append({"$ref": "#/components/parameters/IdempotencyKey"})
-        parameters += [{"$ref": "#/components/parameters/XActor"}, {"$ref": "#/components/parameters/XRequestId"}]
+            parameters += [{"$ref": "#/components/parameters/IdempotencyKey"}, {"$ref": "#/components/parameters/XActor"}]
+        parameters.append({"$ref": "#/components/parameters/XRequestId"})
         ok_ref = keys[(r.response, "serialization")]
         responses: dict[str, Any] = {
             str(s): {"description": "accepted" if s == 202 else "OK", "content": {"application/json": {"schema": ok_ref}}}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import tarfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ def sha256_and_size(path: Path) -> tuple[str, int]:
 
 async def admin(stack: Stack, method: str, path: str, body: Any = None) -> tuple[int, Any]:
     headers = {"Authorization": f"Bearer {stack.image_admin_token}"}
+    if method != "GET":
+        headers["Idempotency-Key"] = uuid.uuid4().hex
     async with aiohttp.ClientSession() as http:
         async with http.request(method, f"{stack.image_admin_url}{path}", json=body, headers=headers) as resp:
             return resp.status, await resp.json()
@@ -75,7 +78,7 @@ async def test_host_image_upload_boot_resource_and_profile_switch(stack: Stack, 
     assert started["upload_sent"] is True
     assert started["image"]["kind"] == "host" and started["image"]["status"] == "building"
     status, body = await admin(stack, "POST", f"/v1/images/{SLUG}/maas-profile", {"profile": PROFILE})
-    assert (status, body["error"]) == (409, "not_uploaded"), body
+    assert (status, body["error"]["code"]) == (409, "not_uploaded"), body
 
     # The gateway's answer, on the bus.
     result = await wait_result(portal, "maas.image_upload_result", op_id)
@@ -163,14 +166,14 @@ async def test_host_image_upload_boot_resource_and_profile_switch(stack: Stack, 
 
 async def test_host_upload_refuses_bad_input_and_slice_images(stack: Stack, tmp_path: Path) -> None:
     status, body = await admin(stack, "POST", "/v1/images/some-host/host-upload", {"rootfs": str(tmp_path / "nope")})
-    assert (status, body["error"]) == (422, "rootfs_missing"), body
+    assert (status, body["error"]["code"]) == (422, "rootfs_missing"), body
     status, body = await admin(stack, "POST", "/v1/images/..%2Fescape/host-upload", {"rootfs": str(tmp_path)})
     assert status in (404, 422), body
     # A slice image never goes to MAAS.
     status, body = await admin(stack, "POST", "/v1/images/ubuntu-24.04-h200-slice/host-upload",
                                {"rootfs": str(tmp_path)})
-    assert (status, body["error"]) == (409, "not_a_host_image"), body
+    assert (status, body["error"]["code"]) == (409, "not_a_host_image"), body
     # Only a build result may record a boot resource.
     status, body = await admin(stack, "PATCH", "/v1/images/ubuntu-24.04-h200-host",
                                {"metadata": {"maas": {"boot_resource_id": 1}}})
-    assert (status, body["error"]) == (422, "protected_metadata"), body
+    assert (status, body["error"]["code"]) == (422, "protected_metadata"), body

@@ -52,6 +52,8 @@ def make_source(path: Path, marker: int) -> Path:
 
 async def admin(stack: Stack, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
     headers = {"Authorization": f"Bearer {token if token is not None else stack.image_admin_token}"}
+    if method != "GET":
+        headers["Idempotency-Key"] = uuid.uuid4().hex
     async with aiohttp.ClientSession() as http:
         async with http.request(method, f"{stack.image_admin_url}{path}", json=body, headers=headers) as resp:
             return resp.status, await resp.json()
@@ -132,7 +134,7 @@ async def test_admin_api_update_enable_disable(stack: Stack, portal) -> None:
                               {"driver_strategy": "cloud_init", "metadata": {"title": "CUDA dev image"}})
     assert status == 200 and row["driver_strategy"] == "cloud_init" and row["metadata"]["title"] == "CUDA dev image"
     status, err = await admin(stack, "PATCH", f"/v1/images/{SLUG}", {"metadata": {"artifact_ref": "oci://x/y:z"}})
-    assert status == 422 and err["error"] == "protected_metadata"
+    assert status == 422 and err["error"]["code"] == "protected_metadata"
 
     status, row = await admin(stack, "POST", f"/v1/images/{SLUG}/disable")
     assert status == 200 and row["status"] == "disabled"

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -46,7 +47,11 @@ def _endpoint(admin_url: Optional[str], token: Optional[str], run_dir: Path) -> 
 
 
 async def _call(url: str, token: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+    headers = {"Authorization": f"Bearer {token}"}
+    if method != "GET":
+        # One key per command: the API would replay it if this same request were sent again.
+        headers["Idempotency-Key"] = uuid.uuid4().hex
+    async with aiohttp.ClientSession(headers=headers) as http:
         try:
             async with http.request(method, f"{url}{path}", json=body) as resp:
                 return resp.status, await resp.json()
@@ -56,7 +61,11 @@ async def _call(url: str, token: str, method: str, path: str, body: Any = None) 
 
 
 def _fail(status: int, body: Any) -> None:
-    err.print(f"[red]HTTP {status}[/]: {body.get('error')}: {body.get('reason')}" if isinstance(body, dict) else body)
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        err.print(f"[red]HTTP {status}[/]: {error.get('code')}: {error.get('message')} (request {error.get('request_id')})")
+    else:
+        err.print(f"[red]HTTP {status}[/]: {body}")
     raise typer.Exit(1)
 
 

@@ -60,7 +60,8 @@ class RetireIn(Acted):
 
 class ReadinessIn(Body):
     actor: str = Name
-    parity_failures: int = Field(ge=0)
+    # Bounded like every integer here: the columns are int4 and a larger number is a client error, not a 500.
+    parity_failures: int = Field(ge=0, le=1_000_000)
     detail: dict[str, Any] | None = None
 
 
@@ -78,7 +79,7 @@ class NvmeEvidence(Body):
 class CandidateIn(Body):
     candidate_id: str = Name
     gpu_pci_address: str | None = Field(default=None, pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
-    numa_node: int | None = Field(default=None, ge=0)
+    numa_node: int | None = Field(default=None, ge=0, le=1024)
     pcie_switch: str | None = Field(default=None, max_length=128)
     nvme_by_id: str | None = Field(default=None, max_length=1024)
     nvme_evidence: NvmeEvidence | None = None
