@@ -241,7 +241,9 @@ async def test_maas_outage_opens_the_breaker_commands_wait_and_all_complete_afte
         assert 'gpuaas_maas_breaker_opened_total{site="default"}' in metrics
         assert 'gpuaas_maas_breaker_state{site="default"}' in metrics
         rows = [await gw.op(o) for o in ops]
-        assert {r["state"] for r in rows} == {"pending"}  # waiting, not failed
+        # Waiting, not failed and not unknown: an attempt that the breaker or the refused connection turns
+        # back reads as `submitting` for the moment it takes, then `pending` again.
+        assert {r["state"] for r in rows} <= {"pending", "submitting"}
         assert await gw.events() == []
         # While open, the breaker keeps calls away from MAAS: far fewer attempts than polls.
         attempts = sum(r["maas_calls"] for r in rows)
