@@ -94,28 +94,48 @@ def main() -> None:
             for i in range(args.rounds):
                 # A fresh repository and tag per round: nothing is skipped as already present.
                 repo = f"slice-guest-images/bench-{i}"
-                pushed, s = timed(registry.push_artifact, push_host=reg.host, repository=repo, tag="bench",
-                                  tls_mode="plain-http", blob=tmp / "image.gpsparse", blob_digest=packed.blob_sha256,
-                                  blob_size=packed.blob_size, media_type=sparse.MEDIA_TYPE, title="image.raw",
-                                  config={}, annotations={})
+                pushed, s = timed(
+                    registry.push_artifact,
+                    push_host=reg.host,
+                    repository=repo,
+                    tag="bench",
+                    tls_mode="plain-http",
+                    blob=tmp / "image.gpsparse",
+                    blob_digest=packed.blob_sha256,
+                    blob_size=packed.blob_size,
+                    media_type=sparse.MEDIA_TYPE,
+                    title="image.raw",
+                    config={},
+                    annotations={},
+                )
                 assert pushed.uploaded or i == 0, "the blob was already in the registry"
                 publishes.append(s)
                 dest = tmp / "node" / f"image-{i}.raw"
-                out, s = timed(image_cache.pull_into_cache, artifact_ref=ArtifactRef(reg.host, repo, "bench").uri,
-                               blob_digest=f"sha256:{packed.blob_sha256}", blob_size=packed.blob_size,
-                               expected_raw_sha256=packed.raw_sha256, dest=dest, tls_mode="plain-http")
+                out, s = timed(
+                    image_cache.pull_into_cache,
+                    artifact_ref=ArtifactRef(reg.host, repo, "bench").uri,
+                    blob_digest=f"sha256:{packed.blob_sha256}",
+                    blob_size=packed.blob_size,
+                    expected_raw_sha256=packed.raw_sha256,
+                    dest=dest,
+                    tls_mode="plain-http",
+                )
                 assert out.status == "verified", out
                 pulls.append(s)
                 dest.unlink()
             baseline = min(baselines)
             publish = min(publishes)
             result = {
-                "virtual_bytes": packed.virtual_size, "data_bytes": packed.data_bytes, "blob_bytes": packed.blob_size,
+                "virtual_bytes": packed.virtual_size,
+                "data_bytes": packed.data_bytes,
+                "blob_bytes": packed.blob_size,
                 "baseline_read_data_s": round(baseline, 4),
                 "baseline_read_whole_file_s": round(whole, 4),
                 "pack_and_hash_s": round(pack_s, 4),
-                "publish_s": round(publish, 4), "publish_runs_s": [round(x, 4) for x in publishes],
-                "prewarm_pull_verify_s": round(min(pulls), 4), "prewarm_runs_s": [round(x, 4) for x in pulls],
+                "publish_s": round(publish, 4),
+                "publish_runs_s": [round(x, 4) for x in publishes],
+                "prewarm_pull_verify_s": round(min(pulls), 4),
+                "prewarm_runs_s": [round(x, 4) for x in pulls],
                 "publish_over_baseline": round(publish / baseline, 2),
                 "prewarm_over_baseline": round(min(pulls) / baseline, 2),
                 "target_publish_over_baseline": 2.0,

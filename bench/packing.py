@@ -39,8 +39,9 @@ class Cluster:
         return n not in self.baremetal and len(self.free[n]) == SLOTS
 
     def candidates(self):
-        return [summarize(n, self.free[n].values(), SLOTS, self.live[n], 4) for n in self.nodes
-                if n not in self.baremetal]
+        return [
+            summarize(n, self.free[n].values(), SLOTS, self.live[n], 4) for n in self.nodes if n not in self.baremetal
+        ]
 
 
 def place_scored(c: Cluster, shape: str, gpus: int, rng: random.Random):
@@ -164,14 +165,17 @@ def main() -> None:
     # GPU-hours of requests that ended inside the horizon can run past it; the bound uses the same accounting.
     out["upper_bound_gpu_hours"] = fluid_upper_bound(events, args.nodes)
     out["baremetal_gain_vs_first_fit_points"] = round(
-        100 * (out["scorer"]["acceptance"]["baremetal"] - out["first_fit"]["acceptance"]["baremetal"]), 1)
+        100 * (out["scorer"]["acceptance"]["baremetal"] - out["first_fit"]["acceptance"]["baremetal"]), 1
+    )
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         for name in POLICIES:
             r = out[name]
-            print(f"{name:>10}: accept {r['acceptance_all']:.3f} {r['acceptance']} gpu_h {r['gpu_hours']} "
-                  f"frag {r['fragmentation']}")
+            print(
+                f"{name:>10}: accept {r['acceptance_all']:.3f} {r['acceptance']} gpu_h {r['gpu_hours']} "
+                f"frag {r['fragmentation']}"
+            )
         print(f"upper bound gpu_h {out['upper_bound_gpu_hours']}")
 
 

@@ -30,8 +30,8 @@ from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
-from gpuaas_dev.testing.servers import PostgresServer
 from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
+from gpuaas_dev.testing.servers import PostgresServer
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.service_layer.handlers import Scheduler
@@ -55,16 +55,35 @@ async def _placements(dsn: str, gpus: int, count: int, start_at: float) -> dict:
     await asyncio.sleep(max(0.0, start_at - time.time()))
     t0 = time.time()
     for _ in range(count):
-        ev = m.AllocationAccepted(allocation_id=uuid.uuid4(), tenant_id="bench", shape="gpu_slice", state="accepted",
-                                  seq=2, sku="h200-sxm-slice", gpu_count=gpus, region="default", image=image)
-        env = Envelope.wrap("allocation.accepted", ev.model_dump(mode="json"), producer="bench",
-                            correlation_id=str(ev.allocation_id))
+        ev = m.AllocationAccepted(
+            allocation_id=uuid.uuid4(),
+            tenant_id="bench",
+            shape="gpu_slice",
+            state="accepted",
+            seq=2,
+            sku="h200-sxm-slice",
+            gpu_count=gpus,
+            region="default",
+            image=image,
+        )
+        env = Envelope.wrap(
+            "allocation.accepted", ev.model_dump(mode="json"), producer="bench", correlation_id=str(ev.allocation_id)
+        )
         s = time.perf_counter()
         # Exactly what the bus does per message: inbox row, placement, outbox, one unit of work.
         ctx = HandlerContext(env, ev, "gpuaas.allocation.event.accepted", "scheduler-allocation-events", 1)
-        await deliver(scheduler.on_accepted, ctx, UnitOfWork(pool, "scheduler", "scheduler", no_repositories,
-                                                             correlation_id=env.correlation_id,
-                                                             causation_id=env.event_id))
+        await deliver(
+            scheduler.on_accepted,
+            ctx,
+            UnitOfWork(
+                pool,
+                "scheduler",
+                "scheduler",
+                no_repositories,
+                correlation_id=env.correlation_id,
+                causation_id=env.event_id,
+            ),
+        )
         lat.append((time.perf_counter() - s) * 1000)
         placed += 1
     t1 = time.time()
@@ -82,9 +101,15 @@ async def _baseline(dsn: str, gpus: int, count: int, start_at: float) -> dict:
         async with conn.transaction():
             slot = await conn.fetchval(
                 "UPDATE node_resource_slots SET status = 'reserved' WHERE slot_id = (SELECT slot_id FROM "
-                "node_resource_slots WHERE status = 'available' LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING slot_id")
-            await conn.execute("INSERT INTO outbox (event_id, aggregate_id, subject, body) VALUES ($1, $2, $3, $4)",
-                               str(uuid.uuid4()), str(slot), "gpuaas.scheduler.placement.placed", b"{}")
+                "node_resource_slots WHERE status = 'available' LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING slot_id"
+            )
+            await conn.execute(
+                "INSERT INTO outbox (event_id, aggregate_id, subject, body) VALUES ($1, $2, $3, $4)",
+                str(uuid.uuid4()),
+                str(slot),
+                "gpuaas.scheduler.placement.placed",
+                b"{}",
+            )
         lat.append((time.perf_counter() - s) * 1000)
     t1 = time.time()
     await conn.close()
@@ -109,11 +134,13 @@ async def reset(conn: asyncpg.Connection) -> None:
 async def double_booked(conn: asyncpg.Connection) -> int:
     return await conn.fetchval(
         "SELECT count(*) FROM (SELECT slot_id FROM allocation_resource_claims WHERE status <> 'released' "
-        "AND slot_id IS NOT NULL GROUP BY slot_id HAVING count(*) > 1) d")
+        "AND slot_id IS NOT NULL GROUP BY slot_id HAVING count(*) > 1) d"
+    )
 
 
-async def measure(conn: asyncpg.Connection, pool, dsn: str, kind: str, nodes: int, gpus: int, workers: int,
-                  total: int) -> dict:
+async def measure(
+    conn: asyncpg.Connection, pool, dsn: str, kind: str, nodes: int, gpus: int, workers: int, total: int
+) -> dict:
     # A round uses at most half the fleet's groups, so placements never run short of capacity.
     per_round = max(workers, min(total, nodes * (SLOTS // gpus) // 2))
     lat: list[float] = []
@@ -127,15 +154,21 @@ async def measure(conn: asyncpg.Connection, pool, dsn: str, kind: str, nodes: in
         start_at = time.time() + 0.3
         shares = [n // workers + (1 if i < n % workers else 0) for i in range(workers)]
         parts = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: pool.starmap(run_round, [(kind, dsn, gpus, s, start_at) for s in shares if s]))
+            None, lambda args=[(kind, dsn, gpus, s, start_at) for s in shares if s]: pool.starmap(run_round, args)
+        )
         booked += await double_booked(conn)
         for p in parts:
             lat += p["lat"]
             placed += p["n"]
         window += max(p["t1"] for p in parts) - min(p["t0"] for p in parts)
         done += n
-    return {"per_s": placed / window if window else 0.0, "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99),
-            "n": placed, "double_booked": booked}
+    return {
+        "per_s": placed / window if window else 0.0,
+        "p50_ms": pct(lat, 0.5),
+        "p99_ms": pct(lat, 0.99),
+        "n": placed,
+        "double_booked": booked,
+    }
 
 
 async def bench(sizes: list[int], count1: int, count4: int, workers_list: list[int]) -> dict:
@@ -158,12 +191,18 @@ async def bench(sizes: list[int], count1: int, count4: int, workers_list: list[i
                     for gpus, count in ((1, count1), (4, count4)):
                         r = await measure(conn, pool, dsn, "scheduler", nodes, gpus, workers, count)
                         row = {
-                            "nodes": nodes, "slots_per_node": SLOTS, "gpus": gpus, "workers": workers,
-                            "placements": r["n"], "placements_per_s": round(r["per_s"], 1),
+                            "nodes": nodes,
+                            "slots_per_node": SLOTS,
+                            "gpus": gpus,
+                            "workers": workers,
+                            "placements": r["n"],
+                            "placements_per_s": round(r["per_s"], 1),
                             "baseline_per_s": round(base["per_s"], 1),
                             "ratio": round(r["per_s"] / base["per_s"], 3) if base["per_s"] else None,
-                            "p50_ms": round(r["p50_ms"], 3), "p99_ms": round(r["p99_ms"], 3),
-                            "baseline_p50_ms": round(base["p50_ms"], 3), "double_booked": r["double_booked"],
+                            "p50_ms": round(r["p50_ms"], 3),
+                            "p99_ms": round(r["p99_ms"], 3),
+                            "baseline_p50_ms": round(base["p50_ms"], 3),
+                            "double_booked": r["double_booked"],
                         }
                         results.append(row)
                         print(json.dumps(row), file=sys.stderr)
@@ -179,7 +218,8 @@ async def bench(sizes: list[int], count1: int, count4: int, workers_list: list[i
             for w in workers_list:
                 if (lo, gpus, w) in by and (hi, gpus, w) in by:
                     summary[f"p50_growth_{lo}_to_{hi}_gpus{gpus}_w{w}"] = round(
-                        by[(hi, gpus, w)]["p50_ms"] / by[(lo, gpus, w)]["p50_ms"], 3)
+                        by[(hi, gpus, w)]["p50_ms"] / by[(lo, gpus, w)]["p50_ms"], 3
+                    )
     best = max((r for r in results if r["nodes"] == hi and r["gpus"] == 1), key=lambda r: r["placements_per_s"])
     summary.update({k: best[k] for k in ("placements_per_s", "baseline_per_s", "ratio", "p50_ms", "p99_ms")})
     summary["headline"] = f"1-GPU at {hi} nodes, {best['workers']} workers"
@@ -201,9 +241,11 @@ def main() -> None:
         print(json.dumps(summary, indent=2))
     else:
         for r in summary["runs"]:
-            print(f"{r['nodes']:>5} nodes {r['gpus']} GPU w={r['workers']}: {r['placements_per_s']:8.1f}/s "
-                  f"(baseline {r['baseline_per_s']:8.1f}/s, ratio {r['ratio']}) p50 {r['p50_ms']} ms "
-                  f"p99 {r['p99_ms']} ms double_booked={r['double_booked']}")
+            print(
+                f"{r['nodes']:>5} nodes {r['gpus']} GPU w={r['workers']}: {r['placements_per_s']:8.1f}/s "
+                f"(baseline {r['baseline_per_s']:8.1f}/s, ratio {r['ratio']}) p50 {r['p50_ms']} ms "
+                f"p99 {r['p99_ms']} ms double_booked={r['double_booked']}"
+            )
 
 
 if __name__ == "__main__":

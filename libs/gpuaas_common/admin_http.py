@@ -133,8 +133,14 @@ class Route:
         return sorted(out)
 
 
-def error_response(status: int, code: str, message: str, request_id: str, details: dict | None = None,
-                   headers: Mapping[str, str] | None = None) -> web.Response:
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    request_id: str,
+    details: dict | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
     body = {"error": {"code": code, "message": message, "details": details or {}, "request_id": request_id}}
     return web.json_response(body, status=status, headers={**(headers or {}), "X-Request-Id": request_id})
 
@@ -174,8 +180,12 @@ def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
         raise ApiError(400, "invalid_json", "request body is not JSON") from None
     bad = _unstorable(data)
     if bad:
-        raise ApiError(422, "invalid_request", "request body holds text that cannot be stored",
-                       {"errors": [{"loc": bad, "msg": "NUL or invalid unicode"}]})
+        raise ApiError(
+            422,
+            "invalid_request",
+            "request body holds text that cannot be stored",
+            {"errors": [{"loc": bad, "msg": "NUL or invalid unicode"}]},
+        )
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -192,12 +202,21 @@ def _jsonable(result: Any) -> Any:
 class AdminApi:
     """One service's admin API: its routes behind the shared auth, errors, idempotency and audit."""
 
-    def __init__(self, *, service: str, schema: str, pool: asyncpg.Pool, tokens: Mapping[str, SecretStr | None],
-                 routes: Sequence[Route], repositories: Callable[[asyncpg.Connection], Any] = no_repositories) -> None:
+    def __init__(
+        self,
+        *,
+        service: str,
+        schema: str,
+        pool: asyncpg.Pool,
+        tokens: Mapping[str, SecretStr | None],
+        routes: Sequence[Route],
+        repositories: Callable[[asyncpg.Connection], Any] = no_repositories,
+    ) -> None:
         usable = {actor: t for actor, t in tokens.items() if t is not None and t.get_secret_value()}
         if not usable:
-            raise ValueError(f"the {service} admin API needs a bearer token (set GPUAAS_ADMIN_TOKEN); "
-                             "it does not listen without one")
+            raise ValueError(
+                f"the {service} admin API needs a bearer token (set GPUAAS_ADMIN_TOKEN); it does not listen without one"
+            )
         for actor in usable:
             if not ACTOR_RE.match(actor):
                 raise ValueError(f"token actor name {actor!r} is not an identifier")
@@ -246,11 +265,17 @@ class AdminApi:
         request[REQUEST_ID] = request_id
         principal = self._principal(request)
         if principal is None:
-            return error_response(401, "unauthorized", "a valid bearer token is required", request_id,
-                                  headers={"WWW-Authenticate": "Bearer"})
+            return error_response(
+                401,
+                "unauthorized",
+                "a valid bearer token is required",
+                request_id,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         request[PRINCIPAL] = principal
-        with bound_context(request_id=request_id, admin_method=request.method, admin_path=request.path,
-                           principal=principal):
+        with bound_context(
+            request_id=request_id, admin_method=request.method, admin_path=request.path, principal=principal
+        ):
             try:
                 resp = await handler(request)
             except ApiError as exc:
@@ -259,7 +284,8 @@ class AdminApi:
             except web.HTTPException as exc:
                 # The router's 404/405 and aiohttp's 413, in the same shape as everything else.
                 code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(
-                    exc.status, "http_error")
+                    exc.status, "http_error"
+                )
                 headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
                 return error_response(exc.status, code, exc.reason, request_id, headers=headers)
             except Exception as exc:  # the client gets the error shape, the log the traceback
@@ -275,8 +301,12 @@ class AdminApi:
         query = {q: request.query.get(q) for q in route.query}
         bad = _unstorable(params) or _unstorable(query)
         if bad:
-            raise ApiError(422, "invalid_request", "a path or query parameter holds text that cannot be stored",
-                           {"errors": [{"loc": bad, "msg": "NUL or invalid unicode"}]})
+            raise ApiError(
+                422,
+                "invalid_request",
+                "a path or query parameter holds text that cannot be stored",
+                {"errors": [{"loc": bad, "msg": "NUL or invalid unicode"}]},
+            )
         return params, query
 
     def _actor(self, request: web.Request) -> str:
@@ -294,8 +324,9 @@ class AdminApi:
             params, query = self._inputs(route, request)
             async with self.pool.acquire() as conn:
                 # Reads are not audited, so X-Actor means nothing here and is not checked.
-                call = Call(request, params, query, None, request[PRINCIPAL], request[PRINCIPAL],
-                            request[REQUEST_ID], conn)
+                call = Call(
+                    request, params, query, None, request[PRINCIPAL], request[PRINCIPAL], request[REQUEST_ID], conn
+                )
                 return self._answer(route, await route.handler(call))
 
         return endpoint
@@ -311,13 +342,23 @@ class AdminApi:
         key = request.headers.get("Idempotency-Key")
         raw = await request.read()
         digest = hashlib.sha256(b"\0".join([request.method.encode(), request.path.encode(), raw])).hexdigest()
-        record = {"request_id": request_id, "principal": principal, "actor": principal, "method": request.method,
-                  "path": request.path, "body_sha256": hashlib.sha256(raw).hexdigest(), "idempotency_key": key}
+        record = {
+            "request_id": request_id,
+            "principal": principal,
+            "actor": principal,
+            "method": request.method,
+            "path": request.path,
+            "body_sha256": hashlib.sha256(raw).hexdigest(),
+            "idempotency_key": key,
+        }
         try:
             record["actor"] = actor = self._actor(request)
             if key is None or not KEY_RE.match(key):
-                raise ApiError(400, "idempotency_key_required",
-                               "mutations need an Idempotency-Key header (1-200 printable ASCII characters)")
+                raise ApiError(
+                    400,
+                    "idempotency_key_required",
+                    "mutations need an Idempotency-Key header (1-200 printable ASCII characters)",
+                )
             params, query = self._inputs(route, request)
             body = parse_body(route.body, raw) if route.body is not None else None
             return await self._apply(route, request, key, digest, record, params, query, body, actor)
@@ -328,24 +369,41 @@ class AdminApi:
             await self._audit_refusal(record, 500, "internal")
             raise
 
-    async def _apply(self, route: Route, request: web.Request, key: str, digest: str, record: dict,
-                     params: dict, query: dict, body: Any, actor: str) -> web.Response:
-        uow = UnitOfWork(self.pool, self.schema, self.service, self._repositories,
-                         correlation_id=f"admin:{record['request_id']}")
+    async def _apply(
+        self,
+        route: Route,
+        request: web.Request,
+        key: str,
+        digest: str,
+        record: dict,
+        params: dict,
+        query: dict,
+        body: Any,
+        actor: str,
+    ) -> web.Response:
+        uow = UnitOfWork(
+            self.pool, self.schema, self.service, self._repositories, correlation_id=f"admin:{record['request_id']}"
+        )
         async with uow:
             # Requests with one key run one at a time: the second waits, then replays or conflicts.
             await uow.conn.execute("SELECT pg_advisory_xact_lock(hashtext('gpuaas-admin-idem:' || $1))", key)
             prior = await uow.conn.fetchrow(
-                "SELECT request_hash, method, path, status_code, response FROM admin_idempotency WHERE key = $1", key)
+                "SELECT request_hash, method, path, status_code, response FROM admin_idempotency WHERE key = $1", key
+            )
             if prior is not None:
                 if prior["request_hash"] != digest:
-                    raise ApiError(409, "idempotency_conflict", "this Idempotency-Key was used for another request",
-                                   {"method": prior["method"], "path": prior["path"]})
+                    raise ApiError(
+                        409,
+                        "idempotency_conflict",
+                        "this Idempotency-Key was used for another request",
+                        {"method": prior["method"], "path": prior["path"]},
+                    )
                 await self._audit(uow.conn, record, prior["status_code"], replayed=True)
                 await uow.commit()
                 log.info("admin_replayed", actor=actor)
-                return web.json_response(json.loads(prior["response"]), status=prior["status_code"],
-                                         headers={"Idempotent-Replayed": "true"})
+                return web.json_response(
+                    json.loads(prior["response"]), status=prior["status_code"], headers={"Idempotent-Replayed": "true"}
+                )
             call = Call(request, params, query, body, record["principal"], actor, record["request_id"], uow.conn, uow)
             result = await route.handler(call)
             status = route.statuses[0]
@@ -355,7 +413,15 @@ class AdminApi:
             await uow.conn.execute(
                 "INSERT INTO admin_idempotency (key, method, path, request_hash, status_code, response, request_id, "
                 "actor) VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7, $8)",
-                key, request.method, request.path, digest, status, json.dumps(payload), record["request_id"], actor)
+                key,
+                request.method,
+                request.path,
+                digest,
+                status,
+                json.dumps(payload),
+                record["request_id"],
+                actor,
+            )
             await self._audit(uow.conn, record, status)
             await uow.commit()
         for hook in call.after_commit:
@@ -363,13 +429,29 @@ class AdminApi:
         log.info("admin_mutation", actor=actor, status=status)
         return web.json_response(payload, status=status)
 
-    async def _audit(self, conn: asyncpg.Connection, record: dict, status: int, *, replayed: bool = False,
-                     error_code: str | None = None) -> None:
+    async def _audit(
+        self,
+        conn: asyncpg.Connection,
+        record: dict,
+        status: int,
+        *,
+        replayed: bool = False,
+        error_code: str | None = None,
+    ) -> None:
         await conn.execute(
             "INSERT INTO admin_requests (request_id, principal, actor, method, path, body_sha256, idempotency_key, "
             "status, replayed, error_code) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-            record["request_id"], record["principal"], record["actor"], record["method"], record["path"],
-            record["body_sha256"], record["idempotency_key"], status, replayed, error_code)
+            record["request_id"],
+            record["principal"],
+            record["actor"],
+            record["method"],
+            record["path"],
+            record["body_sha256"],
+            record["idempotency_key"],
+            status,
+            replayed,
+            error_code,
+        )
 
     async def _audit_refusal(self, record: dict, status: int, code: str) -> None:
         """After the rollback, in a transaction of its own: a refusal is audited, its effects are not kept."""
@@ -401,22 +483,32 @@ def openapi(routes: Sequence[Route], *, title: str, version: str, description: s
         ]
         parameters += [{"name": q, "in": "query", "required": False, "schema": {"type": "string"}} for q in r.query]
         if r.mutation:
-            parameters += [{"$ref": "#/components/parameters/IdempotencyKey"}, {"$ref": "#/components/parameters/XActor"}]
+            parameters += [
+                {"$ref": "#/components/parameters/IdempotencyKey"},
+                {"$ref": "#/components/parameters/XActor"},
+            ]
         parameters.append({"$ref": "#/components/parameters/XRequestId"})
         ok_ref = keys[(r.response, "serialization")]
         responses: dict[str, Any] = {
-            str(s): {"description": "accepted" if s == 202 else "OK", "content": {"application/json": {"schema": ok_ref}}}
+            str(s): {
+                "description": "accepted" if s == 202 else "OK",
+                "content": {"application/json": {"schema": ok_ref}},
+            }
             for s in r.statuses
         }
         for s in r.documented_errors():
             responses[str(s)] = {"description": STATUS_TEXT[s], "content": {"application/json": {"schema": error_ref}}}
         op: dict[str, Any] = {
             "operationId": f"{r.method.lower()}_{re.sub(r'[^a-z0-9]+', '_', r.path.lower()).strip('_')}",
-            "summary": r.summary, "parameters": parameters, "responses": responses,
+            "summary": r.summary,
+            "parameters": parameters,
+            "responses": responses,
         }
         if r.body is not None:
-            op["requestBody"] = {"required": r.body_required,
-                                 "content": {"application/json": {"schema": keys[(r.body, "validation")]}}}
+            op["requestBody"] = {
+                "required": r.body_required,
+                "content": {"application/json": {"schema": keys[(r.body, "validation")]}},
+            }
         paths.setdefault(r.path, {})[r.method.lower()] = op
     return {
         "openapi": "3.1.0",
@@ -426,16 +518,28 @@ def openapi(routes: Sequence[Route], *, title: str, version: str, description: s
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "parameters": {
-                "IdempotencyKey": {"name": "Idempotency-Key", "in": "header", "required": True,
-                                   "description": "the same key and request replay the stored answer; another "
-                                                  "request with this key is a 409 idempotency_conflict",
-                                   "schema": {"type": "string", "pattern": KEY_RE.pattern}},
-                "XActor": {"name": "X-Actor", "in": "header", "required": False,
-                           "description": "who acts (audited); default: the token's actor name",
-                           "schema": {"type": "string", "pattern": ACTOR_RE.pattern}},
-                "XRequestId": {"name": "X-Request-Id", "in": "header", "required": False,
-                               "description": "echoed back on every answer; minted when absent or malformed",
-                               "schema": {"type": "string"}},
+                "IdempotencyKey": {
+                    "name": "Idempotency-Key",
+                    "in": "header",
+                    "required": True,
+                    "description": "the same key and request replay the stored answer; another "
+                    "request with this key is a 409 idempotency_conflict",
+                    "schema": {"type": "string", "pattern": KEY_RE.pattern},
+                },
+                "XActor": {
+                    "name": "X-Actor",
+                    "in": "header",
+                    "required": False,
+                    "description": "who acts (audited); default: the token's actor name",
+                    "schema": {"type": "string", "pattern": ACTOR_RE.pattern},
+                },
+                "XRequestId": {
+                    "name": "X-Request-Id",
+                    "in": "header",
+                    "required": False,
+                    "description": "echoed back on every answer; minted when absent or malformed",
+                    "schema": {"type": "string"},
+                },
             },
             "schemas": defs.get("$defs", {}),
         },

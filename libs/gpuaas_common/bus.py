@@ -121,8 +121,9 @@ def _check_subject_names_payload(spec: Any, subject: str, payload: BaseModel) ->
         return
     match = _node_subject(spec.address).fullmatch(subject)
     if match and match.group("node_id") != str(claimed):
-        raise PermanentError("subject_mismatch",
-                             f"{spec.type} on {subject} names node {claimed!r}, not {match.group('node_id')!r}")
+        raise PermanentError(
+            "subject_mismatch", f"{spec.type} on {subject} names node {claimed!r}, not {match.group('node_id')!r}"
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,9 +134,7 @@ def _node_subject(address: str) -> re.Pattern[str]:
 
 
 def _errors(exc: ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:8]
-    )
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:8])
 
 
 class Bus:
@@ -277,9 +276,14 @@ class Bus:
         """A unit of work in this service's schema, its events caused by `envelope` (if any)."""
         if self.pool is None or self.schema is None:
             raise ValueError(f"{self.service} has no database: no unit of work")
-        return UnitOfWork(self.pool, self.schema, self.service, self.repositories,
-                          correlation_id=envelope.correlation_id if envelope else None,
-                          causation_id=envelope.event_id if envelope else None)
+        return UnitOfWork(
+            self.pool,
+            self.schema,
+            self.service,
+            self.repositories,
+            correlation_id=envelope.correlation_id if envelope else None,
+            causation_id=envelope.event_id if envelope else None,
+        )
 
     async def _dead_letter(self, spec: ConsumerSpec, raw: Any, reason_code: str, reason: str, num: int) -> None:
         md = raw.metadata
@@ -303,8 +307,11 @@ class Bus:
         )
         cause = f"{spec.stream}:{stream_seq}" if stream_seq is not None else raw.subject
         await self.publish(
-            "dead_letter", letter, correlation_id=cause,
-            event_id=derived_event_id(cause, f"dlq:{spec.durable}"), consumer=spec.durable,
+            "dead_letter",
+            letter,
+            correlation_id=cause,
+            event_id=derived_event_id(cause, f"dlq:{spec.durable}"),
+            consumer=spec.durable,
         )
         log.warning("dead_lettered", reason_code=reason_code, reason=reason[:500], stream_seq=stream_seq)
 
@@ -321,8 +328,12 @@ class Bus:
         """Publish without an outbox (node agents, dead letters) and insist on a PubAck."""
         spec = spec_for(type_)
         envelope = Envelope.wrap(
-            type_, payload.model_dump(mode="json"), producer=self.service,
-            correlation_id=correlation_id, causation_id=causation_id, event_id=event_id,
+            type_,
+            payload.model_dump(mode="json"),
+            producer=self.service,
+            correlation_id=correlation_id,
+            causation_id=causation_id,
+            event_id=event_id,
         )
         ack = await self.js.publish(
             spec.subject(**subject_params),

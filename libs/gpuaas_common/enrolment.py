@@ -24,4 +24,3 @@ def token_proof(token: str) -> str:
 def enrolment_proof(secret: str, allocation_id: str, system_id: str) -> str:
     """The proof the allocator expects from the host deployed for this allocation."""
     return token_proof(enrolment_token(secret, allocation_id, system_id))
-

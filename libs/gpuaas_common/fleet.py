@@ -114,15 +114,24 @@ def generate_fleet(
             )
         nodes.append(
             FleetNode(
-                node_id=node_id, kind="slice_host", hostname=node_id, region=region,
-                sku="h200-sxm-slice", host_root=str(host_root) if host_root else None, slots=slots,
+                node_id=node_id,
+                kind="slice_host",
+                hostname=node_id,
+                region=region,
+                sku="h200-sxm-slice",
+                host_root=str(host_root) if host_root else None,
+                slots=slots,
             )
         )
     for b in range(1, baremetal_hosts + 1):
         hostname = f"bm-{b:02d}"
         nodes.append(
             FleetNode(
-                node_id=hostname, kind="baremetal", hostname=hostname, region=region, sku="h200-sxm",
+                node_id=hostname,
+                kind="baremetal",
+                hostname=hostname,
+                region=region,
+                sku="h200-sxm",
                 maas_system_id=system_id_for(hostname),
             )
         )

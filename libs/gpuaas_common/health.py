@@ -23,9 +23,7 @@ class HealthServer:
     async def _readyz(self, _: web.Request) -> web.Response:
         checks = {name: bool(fn()) for name, fn in self.checks.items()}
         ok = self.ready and all(checks.values())
-        return web.json_response(
-            {"service": self.service, "ready": ok, "checks": checks}, status=200 if ok else 503
-        )
+        return web.json_response({"service": self.service, "ready": ok, "checks": checks}, status=200 if ok else 503)
 
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -121,8 +121,12 @@ CONSUMER_BY_NAME = {c.durable: c for c in CONSUMERS}
 
 def node_agent_consumer(node_id: str, max_deliver: int = 8, ack_wait_s: float = 120.0) -> ConsumerSpec:
     return consumer(
-        f"node-agent-{node_id}", "NODE_TASKS", f"gpuaas.node.{node_id}.tasks",
-        max_deliver=max_deliver, ack_wait_s=ack_wait_s, max_ack_pending=16,
+        f"node-agent-{node_id}",
+        "NODE_TASKS",
+        f"gpuaas.node.{node_id}.tasks",
+        max_deliver=max_deliver,
+        ack_wait_s=ack_wait_s,
+        max_ack_pending=16,
     )
 
 
@@ -181,16 +185,22 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> str:
 
 
 async def ensure_consumers(
-    js: JetStreamContext, consumers: tuple[ConsumerSpec, ...] | list[ConsumerSpec], *, wait_s: float = 60.0,
+    js: JetStreamContext,
+    consumers: tuple[ConsumerSpec, ...] | list[ConsumerSpec],
+    *,
+    wait_s: float = 60.0,
 ) -> dict[str, str]:
     """Create or update one's own durables, waiting for their streams to be provisioned by someone else."""
     outcome: dict[str, str] = {}
     for spec in consumers:
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(nats.js.errors.NotFoundError), wait=wait_fixed(0.5),
-            stop=stop_after_delay(wait_s), reraise=True,
-            before_sleep=lambda _s, spec=spec: log.info("stream_not_provisioned_yet", stream=spec.stream,
-                                                        consumer=spec.durable),
+            retry=retry_if_exception_type(nats.js.errors.NotFoundError),
+            wait=wait_fixed(0.5),
+            stop=stop_after_delay(wait_s),
+            reraise=True,
+            before_sleep=lambda _s, spec=spec: log.info(
+                "stream_not_provisioned_yet", stream=spec.stream, consumer=spec.durable
+            ),
         ):
             with attempt:
                 outcome[f"consumer:{spec.durable}"] = await ensure_consumer(js, spec)

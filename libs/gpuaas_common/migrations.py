@@ -46,9 +46,7 @@ COMMON_MIGRATIONS: tuple[tuple[str, str], ...] = (
 def service_migrations(package: str) -> list[tuple[str, str]]:
     files = importlib.resources.files(package)
     found = sorted(
-        (entry.name.removesuffix(".sql"), entry.read_text())
-        for entry in files.iterdir()
-        if entry.name.endswith(".sql")
+        (entry.name.removesuffix(".sql"), entry.read_text()) for entry in files.iterdir() if entry.name.endswith(".sql")
     )
     return found
 
@@ -66,9 +64,7 @@ async def apply_migrations(conn: asyncpg.Connection, schema: str, package: str |
             f'CREATE TABLE IF NOT EXISTS "{schema}".schema_migrations '
             "(version text PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
         )
-        done = {
-            r["version"] for r in await conn.fetch(f'SELECT version FROM "{schema}".schema_migrations')
-        }
+        done = {r["version"] for r in await conn.fetch(f'SELECT version FROM "{schema}".schema_migrations')}
         todo = list(COMMON_MIGRATIONS) + (service_migrations(package) if package else [])
         for version, sql in todo:
             if version in done:
@@ -76,9 +72,7 @@ async def apply_migrations(conn: asyncpg.Connection, schema: str, package: str |
             async with conn.transaction():
                 await conn.execute(f'SET LOCAL search_path TO "{schema}"')
                 await conn.execute(sql)
-                await conn.execute(
-                    f'INSERT INTO "{schema}".schema_migrations (version) VALUES ($1)', version
-                )
+                await conn.execute(f'INSERT INTO "{schema}".schema_migrations (version) VALUES ($1)', version)
             applied.append(version)
             log.info("migration_applied", schema=schema, version=version)
     finally:

@@ -143,13 +143,23 @@ class NatsIdentity:
             if caller_closed_cb is not None:
                 await caller_closed_cb()
 
-        opts = {"name": name, "error_cb": error_cb, "reconnected_cb": reconnected_cb, "closed_cb": closed_cb,
-                "max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, **self.connect_kwargs(), **options}
+        opts = {
+            "name": name,
+            "error_cb": error_cb,
+            "reconnected_cb": reconnected_cb,
+            "closed_cb": closed_cb,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": 0.5,
+            **self.connect_kwargs(),
+            **options,
+        }
         # nats-py raises unrelated types for "refused" and "nobody there": every failure is noted (an auth
         # refusal once per reason) and, with retry_forever, tried again with back-off up to 5 s.
         retrying = AsyncRetrying(
-            retry=retry_if_exception_type(Exception), wait=wait_exponential(multiplier=0.2, max=5.0),
-            stop=stop_never if retry_forever else stop_after_attempt(1), reraise=True,
+            retry=retry_if_exception_type(Exception),
+            wait=wait_exponential(multiplier=0.2, max=5.0),
+            stop=stop_never if retry_forever else stop_after_attempt(1),
+            reraise=True,
             before_sleep=lambda state: log.debug("nats_connect_retry", error=str(state.outcome.exception())),
         )
         async for attempt in retrying:

@@ -29,7 +29,9 @@ log = get_logger(__name__)
 RELAYED = Counter("gpuaas_outbox_relayed_total", "Outbox rows published and deleted", ["schema"])
 RELAY_ERRORS = Counter("gpuaas_outbox_publish_errors_total", "Failed outbox publishes", ["schema"])
 RELAY_LAG = Histogram(
-    "gpuaas_outbox_lag_seconds", "Commit-to-publish delay of outbox rows", ["schema"],
+    "gpuaas_outbox_lag_seconds",
+    "Commit-to-publish delay of outbox rows",
+    ["schema"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 
@@ -206,8 +208,11 @@ class OutboxRelay:
                     raise RuntimeError("PubAck names no stream")
             except Exception as exc:  # any failure keeps this and later rows of the aggregate
                 log.warning(
-                    "relay_publish_failed", schema=self.schema, event_id=row["event_id"],
-                    subject=row["subject"], error=repr(exc),
+                    "relay_publish_failed",
+                    schema=self.schema,
+                    event_id=row["event_id"],
+                    subject=row["subject"],
+                    error=repr(exc),
                 )
                 # Later rows of the same aggregate wait, or they would overtake this one.
                 return ok, [(row["id"], repr(exc))]

@@ -39,12 +39,14 @@ class ServiceRole:
 
 # The schemas are the ones each service passes to `run_service(..., schema=...)`; a test holds them equal.
 # node-agent keeps host-local state and has no role.
-SERVICE_ROLES: Mapping[str, ServiceRole] = MappingProxyType({
-    "allocator": ServiceRole("gpuaas_allocator", "allocator"),
-    "scheduler": ServiceRole("gpuaas_scheduler", "scheduler"),
-    "image-pipeline": ServiceRole("gpuaas_image_pipeline", "image_pipeline"),
-    "maas-gateway": ServiceRole("gpuaas_maas_gateway", "maas_gateway"),
-})
+SERVICE_ROLES: Mapping[str, ServiceRole] = MappingProxyType(
+    {
+        "allocator": ServiceRole("gpuaas_allocator", "allocator"),
+        "scheduler": ServiceRole("gpuaas_scheduler", "scheduler"),
+        "image-pipeline": ServiceRole("gpuaas_image_pipeline", "image_pipeline"),
+        "maas-gateway": ServiceRole("gpuaas_maas_gateway", "maas_gateway"),
+    }
+)
 
 _ROLE_ATTRIBUTES = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOINHERIT NOREPLICATION NOBYPASSRLS"
 # Roles are cluster-wide; advisory locks are per database, but every caller of one deployment names the
@@ -157,7 +159,8 @@ async def _ensure_role(conn: asyncpg.Connection, role: str, password: str) -> No
     # A membership granted by hand would let the role SET ROLE into another's rights.
     for granted in await conn.fetch(
         "SELECT g.rolname FROM pg_auth_members m JOIN pg_roles r ON r.oid = m.member "
-        "JOIN pg_roles g ON g.oid = m.roleid WHERE r.rolname = $1", role,
+        "JOIN pg_roles g ON g.oid = m.roleid WHERE r.rolname = $1",
+        role,
     ):
         await _run_formatted(conn, "REVOKE %I FROM %I", granted["rolname"], role)
 
@@ -165,7 +168,8 @@ async def _ensure_role(conn: asyncpg.Connection, role: str, password: str) -> No
 async def _ensure_schema(conn: asyncpg.Connection, spec: ServiceRole) -> None:
     row = await conn.fetchrow(
         "SELECT n.nspowner = r.oid AS owned FROM pg_namespace n, pg_roles r WHERE n.nspname = $1 AND r.rolname = $2",
-        spec.schema, spec.role,
+        spec.schema,
+        spec.role,
     )
     if row is None:
         await _run_formatted(conn, "CREATE SCHEMA %I AUTHORIZATION %I", spec.schema, spec.role)
@@ -190,7 +194,8 @@ async def _ensure_schema(conn: asyncpg.Connection, spec: ServiceRole) -> None:
                 SELECT 1 FROM pg_depend d
                 WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype IN ('a', 'i')))
         """,
-        spec.schema, spec.role,
+        spec.schema,
+        spec.role,
     )
     for row in statements:
         await conn.execute(row["stmt"])
@@ -203,9 +208,13 @@ async def _close_foreign_schemas(conn: asyncpg.Connection) -> None:
 
     Owners never need a grant; a schema without USAGE is a closed door whatever is granted inside it.
     """
-    existing_roles = {r["rolname"] for r in await conn.fetch(
-        "SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[])", [s.role for s in SERVICE_ROLES.values()],
-    )}
+    existing_roles = {
+        r["rolname"]
+        for r in await conn.fetch(
+            "SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[])",
+            [s.role for s in SERVICE_ROLES.values()],
+        )
+    }
     for spec in SERVICE_ROLES.values():
         if not await conn.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = $1", spec.schema):
             continue

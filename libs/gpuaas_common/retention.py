@@ -31,8 +31,16 @@ class RetentionSweeper:
     never holds locks a handler waits on for long. Replicas share the work through an advisory lock: one
     sweeps, the others skip that round."""
 
-    def __init__(self, pool: asyncpg.Pool, schema: str, *, inbox_retention_s: float, idempotency_retention_s: float,
-                 interval_s: float = 3600.0, batch_size: int = 5000) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        schema: str,
+        *,
+        inbox_retention_s: float,
+        idempotency_retention_s: float,
+        interval_s: float = 3600.0,
+        batch_size: int = 5000,
+    ) -> None:
         self.pool = pool
         self.schema = check_schema(schema)
         self.retention_s = {INBOX: inbox_retention_s, ADMIN_IDEMPOTENCY: idempotency_retention_s}

@@ -31,5 +31,3 @@ def hash_zeros(h: "hashlib._Hash", n: int) -> None:
         step = min(n, CHUNK)
         h.update(_ZEROS[:step])
         n -= step
-
-

@@ -47,16 +47,27 @@ class EventCollector:
     causation_id: str | None = None
     pending: list[PendingEvent] = field(default_factory=list)
 
-    async def add(self, type_: str, payload: BaseModel, *, aggregate_id: str, correlation_id: str | None = None,
-                  event_id: str | None = None, **subject_params: str) -> Envelope:
+    async def add(
+        self,
+        type_: str,
+        payload: BaseModel,
+        *,
+        aggregate_id: str,
+        correlation_id: str | None = None,
+        event_id: str | None = None,
+        **subject_params: str,
+    ) -> Envelope:
         """Async for the call sites' sake (they once wrote the row here); nothing is written before commit."""
         spec = spec_for(type_)
         if not isinstance(payload, spec.model):
             raise TypeError(f"{type_} needs a {spec.model.__name__} payload, got {type(payload).__name__}")
         envelope = Envelope.wrap(
-            type_, payload.model_dump(mode="json"), producer=self.producer,
+            type_,
+            payload.model_dump(mode="json"),
+            producer=self.producer,
             correlation_id=correlation_id or self.correlation_id or aggregate_id,
-            causation_id=self.causation_id, event_id=event_id,
+            causation_id=self.causation_id,
+            event_id=event_id,
         )
         self.pending.append(PendingEvent(envelope, aggregate_id, spec.subject(**subject_params)))
         return envelope
@@ -68,8 +79,16 @@ class EventCollector:
 class UnitOfWork(Generic[R]):
     """A Postgres transaction in one service's schema; `repos` is built on its connection."""
 
-    def __init__(self, pool: asyncpg.Pool, schema: str, service: str, repositories: Callable[[asyncpg.Connection], R],
-                 *, correlation_id: str | None = None, causation_id: str | None = None) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        schema: str,
+        service: str,
+        repositories: Callable[[asyncpg.Connection], R],
+        *,
+        correlation_id: str | None = None,
+        causation_id: str | None = None,
+    ) -> None:
         self.pool = pool
         self.schema = schema
         self.events = EventCollector(service, correlation_id, causation_id)
@@ -109,8 +128,10 @@ class UnitOfWork(Generic[R]):
             await self.conn.executemany(
                 "INSERT INTO outbox (event_id, aggregate_id, subject, body) VALUES ($1, $2, $3, $4) "
                 "ON CONFLICT (event_id) DO NOTHING",
-                [(p.envelope.event_id, p.aggregate_id, p.subject, p.envelope.model_dump_json().encode())
-                 for p in pending],
+                [
+                    (p.envelope.event_id, p.aggregate_id, p.subject, p.envelope.model_dump_json().encode())
+                    for p in pending
+                ],
             )
             # Delivered at commit; one per transaction is enough to wake the relay.
             await self.conn.execute("SELECT pg_notify($1, '')", notify_channel(self.schema))

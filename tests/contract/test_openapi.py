@@ -28,7 +28,8 @@ def test_committed_openapi_equals_the_rendered_one(service: str) -> None:
     path, render, package = DOCS[service]
     assert path.read_text() == render_yaml(render()), (
         f"{path.relative_to(ROOT)} is stale: run "
-        f".venv/bin/python -m {package}.entrypoints.admin_http {path.relative_to(ROOT)}")
+        f".venv/bin/python -m {package}.entrypoints.admin_http {path.relative_to(ROOT)}"
+    )
 
 
 @pytest.mark.parametrize("service", DOCS)

@@ -15,8 +15,9 @@ import pytest
 
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
-from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.stack import Stack
+from gpuaas_dev.testing.bus_spy import BusSpy
+
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
@@ -35,12 +36,16 @@ class Portal:
         self.nc = nc
         self.js = nc.jetstream()
 
-    async def publish(self, type_: str, payload: m.Payload | dict[str, Any], *, msg_id: str | None = None,
-                      event_id: str | None = None) -> Envelope:
+    async def publish(
+        self, type_: str, payload: m.Payload | dict[str, Any], *, msg_id: str | None = None, event_id: str | None = None
+    ) -> Envelope:
         body = payload if isinstance(payload, dict) else payload.model_dump(mode="json")
-        env = Envelope.wrap(type_, body, producer="portal", correlation_id=str(body.get("allocation_id", "x")),
-                            event_id=event_id)
-        subject = "gpuaas.allocation.requested" if type_ == "allocation.requested" else "gpuaas.allocation.release_requested"
+        env = Envelope.wrap(
+            type_, body, producer="portal", correlation_id=str(body.get("allocation_id", "x")), event_id=event_id
+        )
+        subject = (
+            "gpuaas.allocation.requested" if type_ == "allocation.requested" else "gpuaas.allocation.release_requested"
+        )
         await self.js.publish(subject, env.model_dump_json().encode(), headers={"Nats-Msg-Id": msg_id or env.event_id})
         return env
 
@@ -54,9 +59,15 @@ class Portal:
             "gpu_slice": {"sku": "h200-sxm-slice", "image": "ubuntu-24.04-h200-slice"},
             "baremetal": {"sku": "h200-sxm", "image": "ubuntu-24.04-h200-host"},
         }[shape]
-        payload = {"allocation_id": str(alloc), "tenant_id": "tenant-a", "shape": shape, "gpu_count": gpus,
-                   "ssh_public_keys": ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDev tenant@example"], **defaults,
-                   **overrides}
+        payload = {
+            "allocation_id": str(alloc),
+            "tenant_id": "tenant-a",
+            "shape": shape,
+            "gpu_count": gpus,
+            "ssh_public_keys": ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDev tenant@example"],
+            **defaults,
+            **overrides,
+        }
         await self.publish("allocation.requested", payload)
         return alloc
 

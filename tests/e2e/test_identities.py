@@ -31,9 +31,15 @@ async def _host_connect(stack, creds_text: str, closed: asyncio.Event | None = N
             closed.set()
 
     name = creds_files.parse(creds_text).name
-    return await nats.connect(stack.nats_url, user_credentials=RawCredentials(creds_text),
-                              tls=client_context(stack.ca_file), inbox_prefix=f"_INBOX_{name}".encode(),
-                              allow_reconnect=False, connect_timeout=5, closed_cb=on_closed)
+    return await nats.connect(
+        stack.nats_url,
+        user_credentials=RawCredentials(creds_text),
+        tls=client_context(stack.ca_file),
+        inbox_prefix=f"_INBOX_{name}".encode(),
+        allow_reconnect=False,
+        connect_timeout=5,
+        closed_cb=on_closed,
+    )
 
 
 async def test_released_baremetal_host_loses_its_credentials_at_once(portal, stack, db) -> None:
@@ -60,8 +66,10 @@ async def test_released_baremetal_host_loses_its_credentials_at_once(portal, sta
     await asyncio.wait_for(closed.wait(), timeout=5)  # closed by the server, no restart involved
     with pytest.raises(Exception, match="(?i)authorization violation"):
         await _host_connect(stack, creds_text)
-    revoked = await db.fetchval("SELECT count(*) FROM maas_gateway.maas_host_credentials "
-                                "WHERE allocation_id = $1 AND revoked_at IS NOT NULL", str(alloc))
+    revoked = await db.fetchval(
+        "SELECT count(*) FROM maas_gateway.maas_host_credentials WHERE allocation_id = $1 AND revoked_at IS NOT NULL",
+        str(alloc),
+    )
     assert revoked >= 1
 
 
@@ -76,21 +84,35 @@ async def test_a_host_cannot_forge_results_for_tasks_it_was_never_sent(portal, s
     js = nc.jetstream()
 
     async def forge(node_in_payload: str, task_id: str) -> None:
-        result = m.NodeTaskResult(task_id=task_id, allocation_id=alloc, node_id=node_in_payload,
-                                  task_type="slice.vm_release", status="succeeded")
-        env = Envelope.wrap("node.task_result", result.model_dump(mode="json"), producer="node-agent",
-                            correlation_id=str(alloc))
-        await js.publish(f"gpuaas.node.{attacker}.report.task_result", env.model_dump_json().encode(),
-                         headers={"Nats-Msg-Id": env.event_id})
+        result = m.NodeTaskResult(
+            task_id=task_id,
+            allocation_id=alloc,
+            node_id=node_in_payload,
+            task_type="slice.vm_release",
+            status="succeeded",
+        )
+        env = Envelope.wrap(
+            "node.task_result", result.model_dump(mode="json"), producer="node-agent", correlation_id=str(alloc)
+        )
+        await js.publish(
+            f"gpuaas.node.{attacker}.report.task_result",
+            env.model_dump_json().encode(),
+            headers={"Nats-Msg-Id": env.event_id},
+        )
 
     await forge(victim, "rel-forged")  # claims to be the victim host
     await forge(attacker, "rel-forged-2")  # as itself, for a task it never got
     task_id = portal.spy.of_type("slice.vm_provision", allocation_id=alloc)[0]["payload"]["task_id"]
     await forge(attacker, task_id)  # the real task id, but the task went to another host
+
     def letters() -> list[dict]:
-        return [d["payload"] for _, d in portal.spy.messages if d.get("type") == "dead_letter"
-                and d["payload"]["subject"] == f"gpuaas.node.{attacker}.report.task_result"
-                and str(alloc) in (d["payload"].get("body_text") or "")]
+        return [
+            d["payload"]
+            for _, d in portal.spy.messages
+            if d.get("type") == "dead_letter"
+            and d["payload"]["subject"] == f"gpuaas.node.{attacker}.report.task_result"
+            and str(alloc) in (d["payload"].get("body_text") or "")
+        ]
 
     await portal.spy.wait_for(lambda: len(letters()) >= 3, 30, "three dead letters")
     assert sorted(p["reason_code"] for p in letters()) == ["node_mismatch", "subject_mismatch", "unknown_task"]
@@ -113,10 +135,24 @@ async def test_decommissioning_a_slice_host_revokes_its_user_at_once(stack) -> N
     closed = asyncio.Event()
     nc = await _host_connect(stack, text, closed)
     gpuaas = str(Path(sys.executable).parent / "gpuaas")
-    res = await asyncio.to_thread(subprocess.run, [
-        gpuaas, "identities", "decommission-host", node, "--nats-url", stack.nats_url,
-        "--keys-dir", str(stack.run_dir / "keys"), "--ca-file", str(stack.ca_file)],
-        capture_output=True, text=True, timeout=60)
+    res = await asyncio.to_thread(
+        subprocess.run,
+        [
+            gpuaas,
+            "identities",
+            "decommission-host",
+            node,
+            "--nats-url",
+            stack.nats_url,
+            "--keys-dir",
+            str(stack.run_dir / "keys"),
+            "--ca-file",
+            str(stack.ca_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     await asyncio.wait_for(closed.wait(), timeout=5)
     with pytest.raises(Exception, match="(?i)authorization violation"):
@@ -170,6 +206,10 @@ def test_no_secret_in_any_log_event_or_description(portal, stack) -> None:
     haystacks["events"] = "\n".join(json.dumps(data) for _, data in portal.spy.messages)
     haystacks["stack.json"] = (stack.run_dir / "stack.json").read_text()
     assert len(portal.spy.messages) > 20
-    leaks = [f"{what} in {where}" for what, secret in secrets.items() for where, text in haystacks.items()
-             if len(secret) >= 12 and secret in text]
+    leaks = [
+        f"{what} in {where}"
+        for what, secret in secrets.items()
+        for where, text in haystacks.items()
+        if len(secret) >= 12 and secret in text
+    ]
     assert leaks == []

@@ -16,8 +16,12 @@ CURTIN_FAILURE = "Failed deployment: curtin command install failed (linux-generi
 
 
 async def test_failed_deployment_fails_the_allocation_with_the_maas_message(portal, stack, db):
-    await maas_sim(stack, "POST", "/_sim/faults",
-                   {"kind": "failed_deployment", "op": "deploy", "count": 1, "status_message": CURTIN_FAILURE})
+    await maas_sim(
+        stack,
+        "POST",
+        "/_sim/faults",
+        {"kind": "failed_deployment", "op": "deploy", "count": 1, "status_message": CURTIN_FAILURE},
+    )
     alloc = await portal.request("baremetal", gpus=8)
     placed = await portal.wait_state(alloc, "placed")
     system_id = placed["payload"]["maas_system_id"]
@@ -29,12 +33,16 @@ async def test_failed_deployment_fails_the_allocation_with_the_maas_message(port
 
     result = portal.spy.of_type("maas.deploy_result", allocation_id=alloc)[0]["payload"]
     assert (result["status"], result["maas_status_name"], result["status_message"]) == (
-        "failed", "Failed deployment", CURTIN_FAILURE)
+        "failed",
+        "Failed deployment",
+        CURTIN_FAILURE,
+    )
     machine = await maas_sim(stack, "GET", f"/_sim/machines/{system_id}")
     assert machine["status_name"] == "Failed deployment"
     assert machine["_sim"]["calls"]["deploy"] == 1
-    op = await db.fetchrow("SELECT state, maas_calls FROM maas_gateway.maas_operations "
-                           "WHERE allocation_id = $1 AND kind = 'deploy'", alloc)
+    op = await db.fetchrow(
+        "SELECT state, maas_calls FROM maas_gateway.maas_operations WHERE allocation_id = $1 AND kind = 'deploy'", alloc
+    )
     assert dict(op) == {"state": "failed", "maas_calls": 1}
 
     async def metrics() -> str:

@@ -21,8 +21,15 @@ async def _allocation_rows(db, alloc: uuid.UUID) -> int:
 
 async def test_the_same_request_twice_yields_one_allocation(portal, db):
     alloc = uuid.uuid4()
-    body = {"allocation_id": str(alloc), "tenant_id": "tenant-a", "shape": "gpu_slice", "sku": "h200-sxm-slice",
-            "gpu_count": 1, "image": "ubuntu-24.04-h200-slice", "ssh_public_keys": ["ssh-ed25519 AAAAC3Nza tenant@x"]}
+    body = {
+        "allocation_id": str(alloc),
+        "tenant_id": "tenant-a",
+        "shape": "gpu_slice",
+        "sku": "h200-sxm-slice",
+        "gpu_count": 1,
+        "image": "ubuntu-24.04-h200-slice",
+        "ssh_public_keys": ["ssh-ed25519 AAAAC3Nza tenant@x"],
+    }
     # Distinct Nats-Msg-Ids get past JetStream dedup: only the allocator's idempotency key can stop it.
     await portal.publish("allocation.requested", body, msg_id=str(uuid.uuid4()))
     await portal.publish("allocation.requested", body, msg_id=str(uuid.uuid4()))
@@ -42,15 +49,19 @@ async def test_redelivered_relayed_events_cause_no_second_effect(portal, db):
     alloc = await portal.request("gpu_slice", gpus=1)
     await portal.wait_state(alloc, "active")
     # Replay every event of this allocation so far, as a relay retrying after an outage would.
-    replayed = [(subj, data) for subj, data in list(portal.spy.messages)
-                if data.get("payload", {}).get("allocation_id") == str(alloc)]
+    replayed = [
+        (subj, data)
+        for subj, data in list(portal.spy.messages)
+        if data.get("payload", {}).get("allocation_id") == str(alloc)
+    ]
     assert len(replayed) >= 8
     for subject, data in replayed:
         await portal.js.publish(subject, json.dumps(data).encode(), headers={"Nats-Msg-Id": str(uuid.uuid4())})
     await portal.release(alloc)
     await portal.wait_state(alloc, "released")
-    claims = await db.fetchval("SELECT count(*) FROM scheduler.allocation_resource_claims WHERE allocation_id = $1",
-                               alloc)
+    claims = await db.fetchval(
+        "SELECT count(*) FROM scheduler.allocation_resource_claims WHERE allocation_id = $1", alloc
+    )
     assert claims == 1
     timeline = await db.fetch("SELECT state FROM allocator.allocation_timeline WHERE allocation_id = $1", alloc)
     assert len(timeline) == 7
@@ -71,12 +82,20 @@ async def test_malformed_input_is_rejected_or_dead_lettered_and_writes_nothing(p
         bad[label] = await portal.request("gpu_slice", gpus=overrides.pop("gpu_count", 1), **overrides)
     codes = {}
     for label, alloc in bad.items():
-        codes[label] = (await portal.spy.wait_type("allocation.rejected", allocation_id=alloc))["payload"]["reason_code"]
-    assert codes == {"three_gpus": "invalid_gpu_count", "unknown_sku": "unknown_sku",
-                     "unknown_image": "image_not_active"}
+        codes[label] = (await portal.spy.wait_type("allocation.rejected", allocation_id=alloc))["payload"][
+            "reason_code"
+        ]
+    assert codes == {
+        "three_gpus": "invalid_gpu_count",
+        "unknown_sku": "unknown_sku",
+        "unknown_image": "image_not_active",
+    }
     letters = await portal.spy.wait_for(
-        lambda: [d for s, d in portal.spy.messages if s == "gpuaas.dlq.allocator-requested"][:2] or None
-        if len([1 for s, _ in portal.spy.messages if s == "gpuaas.dlq.allocator-requested"]) >= 2 else None,
+        lambda: (
+            [d for s, d in portal.spy.messages if s == "gpuaas.dlq.allocator-requested"][:2] or None
+            if len([1 for s, _ in portal.spy.messages if s == "gpuaas.dlq.allocator-requested"]) >= 2
+            else None
+        ),
         what="two dead letters",
     )
     assert sorted(d["payload"]["reason_code"] for d in letters) == ["not_json", "schema_invalid"]
@@ -106,14 +125,19 @@ async def test_kill_9_mid_flow_then_restart_loses_nothing(portal, stack, db):
     for a in (alloc, second):
         await portal.release(a)
         await portal.wait_state(a, "released", timeout=60)
-        states = [r["state"] for r in await db.fetch(
-            "SELECT state FROM allocator.allocation_timeline WHERE allocation_id = $1 ORDER BY seq", a)]
+        states = [
+            r["state"]
+            for r in await db.fetch(
+                "SELECT state FROM allocator.allocation_timeline WHERE allocation_id = $1 ORDER BY seq", a
+            )
+        ]
         assert states == ["requested", "accepted", "placed", "provisioning", "active", "releasing", "released"]
 
 
 async def test_deploy_response_lost_after_commit_is_polled_not_resubmitted(portal, stack, db):
-    await maas_sim(stack, "POST", "/_sim/faults",
-                   {"kind": "lost_after_commit", "op": "deploy", "count": 1, "mode": "close"})
+    await maas_sim(
+        stack, "POST", "/_sim/faults", {"kind": "lost_after_commit", "op": "deploy", "count": 1, "mode": "close"}
+    )
     alloc = await portal.request("baremetal", gpus=8)
     placed = await portal.wait_state(alloc, "placed")
     system_id = placed["payload"]["maas_system_id"]
@@ -122,8 +146,11 @@ async def test_deploy_response_lost_after_commit_is_polled_not_resubmitted(porta
     assert result["status"] == "deployed" and result["resolution"] == "polled" and result["attempts"] == 1
     calls = await maas_sim(stack, "GET", "/_sim/calls")
     assert calls["calls"]["deploy"][system_id] == 1
-    op = await db.fetchrow("SELECT state, maas_calls, resolution FROM maas_gateway.maas_operations "
-                           "WHERE allocation_id = $1 AND kind = 'deploy'", alloc)
+    op = await db.fetchrow(
+        "SELECT state, maas_calls, resolution FROM maas_gateway.maas_operations "
+        "WHERE allocation_id = $1 AND kind = 'deploy'",
+        alloc,
+    )
     assert dict(op) == {"state": "succeeded", "maas_calls": 1, "resolution": "polled"}
     await portal.release(alloc)
     await portal.wait_state(alloc, "released", timeout=90)

@@ -87,9 +87,16 @@ async def connect(server: NatsServer, tls_files: TlsFiles, creds: Creds, **kw: o
     async def on_error(exc: Exception) -> None:
         errors.append(str(exc))
 
-    nc = await nats.connect(server.url, user_credentials=RawCredentials(creds.render()), tls=client_context(tls_files.ca),
-                            inbox_prefix=f"_INBOX_{creds.name}".encode(), error_cb=on_error, allow_reconnect=False,
-                            connect_timeout=5, **kw)
+    nc = await nats.connect(
+        server.url,
+        user_credentials=RawCredentials(creds.render()),
+        tls=client_context(tls_files.ca),
+        inbox_prefix=f"_INBOX_{creds.name}".encode(),
+        error_cb=on_error,
+        allow_reconnect=False,
+        connect_timeout=5,
+        **kw,
+    )
     return Client(nc, errors)
 
 
@@ -166,8 +173,11 @@ async def test_node_agent_fetches_and_acks_only_its_own_tasks(clients: dict[str,
     assert not await n1.can_publish("$JS.API.CONSUMER.INFO.NODE_TASKS.node-agent-n2")
     assert not await n1.can_publish("$JS.ACK.NODE_TASKS.node-agent-n2.1.1.1.1.0")
     # n2's task is still there for n2.
-    n2_sub = await clients["n2"].nc.jetstream().pull_subscribe_bind(
-        "node-agent-n2", stream="NODE_TASKS", inbox_prefix=b"_INBOX_node-n2.")
+    n2_sub = (
+        await clients["n2"]
+        .nc.jetstream()
+        .pull_subscribe_bind("node-agent-n2", stream="NODE_TASKS", inbox_prefix=b"_INBOX_node-n2.")
+    )
     assert (await n2_sub.fetch(1, timeout=5))[0].data == b"task-for-n2"
 
 
@@ -176,19 +186,32 @@ async def test_node_agent_reports_only_as_itself(clients: dict[str, Client]) -> 
     ack = await n1.nc.jetstream().publish("gpuaas.node.n1.report.parity", b"{}", timeout=5)
     assert ack.stream == "NODE_REPORTS"
     assert await n1.can_publish("gpuaas.dlq.node-agent-n1")
-    for forbidden in ("gpuaas.node.n2.report.parity", "gpuaas.node.n2.report.task_result",
-                      "gpuaas.allocation.requested", "gpuaas.allocation.event.active", "gpuaas.node.n1.tasks",
-                      "gpuaas.node.n2.tasks", "gpuaas.maas.command.deploy", "gpuaas.dlq.allocator-requested"):
+    for forbidden in (
+        "gpuaas.node.n2.report.parity",
+        "gpuaas.node.n2.report.task_result",
+        "gpuaas.allocation.requested",
+        "gpuaas.allocation.event.active",
+        "gpuaas.node.n1.tasks",
+        "gpuaas.node.n2.tasks",
+        "gpuaas.maas.command.deploy",
+        "gpuaas.dlq.allocator-requested",
+    ):
         assert not await n1.can_publish(forbidden), forbidden
 
 
 async def test_node_agent_cannot_administer_streams_or_read_others(clients: dict[str, Client]) -> None:
     n1 = clients["n1"]
-    for forbidden in ("$JS.API.STREAM.CREATE.X", "$JS.API.STREAM.UPDATE.NODE_TASKS", "$JS.API.STREAM.DELETE.NODE_TASKS",
-                      "$JS.API.CONSUMER.CREATE.NODE_TASKS.spy.gpuaas.node.n2.tasks",
-                      "$JS.API.CONSUMER.DURABLE.CREATE.NODE_TASKS.spy", "$JS.API.CONSUMER.CREATE.NODE_TASKS",
-                      "$JS.API.CONSUMER.DELETE.NODE_TASKS.node-agent-n1", "$JS.API.STREAM.MSG.GET.NODE_TASKS",
-                      "$JS.API.DIRECT.GET.NODE_TASKS"):
+    for forbidden in (
+        "$JS.API.STREAM.CREATE.X",
+        "$JS.API.STREAM.UPDATE.NODE_TASKS",
+        "$JS.API.STREAM.DELETE.NODE_TASKS",
+        "$JS.API.CONSUMER.CREATE.NODE_TASKS.spy.gpuaas.node.n2.tasks",
+        "$JS.API.CONSUMER.DURABLE.CREATE.NODE_TASKS.spy",
+        "$JS.API.CONSUMER.CREATE.NODE_TASKS",
+        "$JS.API.CONSUMER.DELETE.NODE_TASKS.node-agent-n1",
+        "$JS.API.STREAM.MSG.GET.NODE_TASKS",
+        "$JS.API.DIRECT.GET.NODE_TASKS",
+    ):
         assert not await n1.can_publish(forbidden), forbidden
     for forbidden in ("gpuaas.node.n2.tasks", "gpuaas.>", "_INBOX.>", "_INBOX_node-n2.>", ">"):
         assert not await n1.can_subscribe(forbidden), forbidden
@@ -204,9 +227,14 @@ async def test_portal_requests_and_follows_the_lifecycle_only(clients: dict[str,
     for subject in ("gpuaas.allocation.requested", "gpuaas.allocation.release_requested"):
         assert (await js.publish(subject, b"{}", timeout=5)).stream == "ALLOCATIONS"
     assert await portal.can_subscribe("gpuaas.allocation.event.>")
-    for forbidden in ("gpuaas.allocation.event.active", "gpuaas.node.n1.tasks", "gpuaas.node.n1.report.task_result",
-                      "gpuaas.maas.command.deploy", "$JS.API.STREAM.CREATE.X",
-                      "$JS.API.CONSUMER.MSG.NEXT.ALLOCATIONS.allocator-requested"):
+    for forbidden in (
+        "gpuaas.allocation.event.active",
+        "gpuaas.node.n1.tasks",
+        "gpuaas.node.n1.report.task_result",
+        "gpuaas.maas.command.deploy",
+        "$JS.API.STREAM.CREATE.X",
+        "$JS.API.CONSUMER.MSG.NEXT.ALLOCATIONS.allocator-requested",
+    ):
         assert not await portal.can_publish(forbidden), forbidden
     for forbidden in ("gpuaas.node.n1.tasks", "gpuaas.allocation.requested", "gpuaas.maas.>"):
         assert not await portal.can_subscribe(forbidden), forbidden
@@ -216,8 +244,14 @@ async def test_ops_reads_lifecycle_and_reports_and_writes_nothing(clients: dict[
     ops = clients["ops"]
     for subject in ("gpuaas.allocation.event.>", "gpuaas.node.*.report.>", "gpuaas.dlq.>"):
         assert await ops.can_subscribe(subject), subject
-    for forbidden in ("gpuaas.allocation.requested", "gpuaas.allocation.release_requested", "gpuaas.node.n1.tasks",
-                      "gpuaas.maas.command.release", "$JS.API.STREAM.INFO.ALLOCATIONS", "$JS.API.STREAM.CREATE.X"):
+    for forbidden in (
+        "gpuaas.allocation.requested",
+        "gpuaas.allocation.release_requested",
+        "gpuaas.node.n1.tasks",
+        "gpuaas.maas.command.release",
+        "$JS.API.STREAM.INFO.ALLOCATIONS",
+        "$JS.API.STREAM.CREATE.X",
+    ):
         assert not await ops.can_publish(forbidden), forbidden
     assert not await ops.can_subscribe("gpuaas.node.n1.tasks"), "tasks carry tenants' keys and plans"
 
@@ -250,18 +284,26 @@ def test_monitoring_listener_speaks_only_tls(server: NatsServer, tls_files: TlsF
     assert not _http_ok(f"http://{health}"), "a plain-HTTP listener answered"
 
 
-async def test_client_trusting_another_ca_is_refused(server: NatsServer, authority: Authority,
-                                                      tmp_path: Path) -> None:
+async def test_client_trusting_another_ca_is_refused(server: NatsServer, authority: Authority, tmp_path: Path) -> None:
     other = make_ca_and_server_cert(tmp_path / "other")
     creds = authority.issue_user("portal", ROLE_PERMISSIONS["portal"])
     with pytest.raises(ssl.SSLCertVerificationError):
-        await nats.connect(server.url, user_credentials=RawCredentials(creds.render()), tls=client_context(other.ca),
-                           allow_reconnect=False, connect_timeout=5)
+        await nats.connect(
+            server.url,
+            user_credentials=RawCredentials(creds.render()),
+            tls=client_context(other.ca),
+            allow_reconnect=False,
+            connect_timeout=5,
+        )
 
 
 @pytest.mark.parametrize("case", ["foreign_signed", "expired", "malformed"])
 async def test_bad_credentials_are_refused_with_the_servers_reason(
-    server: NatsServer, tls_files: TlsFiles, authority: Authority, tmp_path: Path, case: str,
+    server: NatsServer,
+    tls_files: TlsFiles,
+    authority: Authority,
+    tmp_path: Path,
+    case: str,
 ) -> None:
     if case == "foreign_signed":
         creds = Authority.create().issue_user("portal", ROLE_PERMISSIONS["portal"])
@@ -288,7 +330,9 @@ async def test_bad_credentials_are_refused_with_the_servers_reason(
 
 
 async def test_a_revoked_host_is_disconnected_at_once_and_cannot_come_back(
-    server: NatsServer, tls_files: TlsFiles, authority: Authority,
+    server: NatsServer,
+    tls_files: TlsFiles,
+    authority: Authority,
 ) -> None:
     creds = authority.issue_host("n3")
     closed = asyncio.Event()
@@ -308,7 +352,9 @@ async def test_a_revoked_host_is_disconnected_at_once_and_cannot_come_back(
     await other.nc.close()
 
 
-async def test_concurrent_revocations_are_all_kept(server: NatsServer, tls_files: TlsFiles, authority: Authority) -> None:
+async def test_concurrent_revocations_are_all_kept(
+    server: NatsServer, tls_files: TlsFiles, authority: Authority
+) -> None:
     """Gateway replicas and an ops command may push account updates at the same moment."""
     issued = [authority.issue_host(f"c{i}") for i in range(4)]
     ctx = client_context(tls_files.ca)

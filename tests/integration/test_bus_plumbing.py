@@ -61,7 +61,7 @@ async def test_relay_publishes_everything_in_per_aggregate_order_with_msg_id(js,
     dsn, pool = outbox_db
     aggregates = [uuid.uuid4() for _ in range(10)]
     written: dict[str, list[str]] = {str(a): [] for a in aggregates}
-    for round_ in range(10):
+    for _round in range(10):
         async with pool.acquire() as conn, conn.transaction():
             writer = OutboxWriter(conn, "svc", "test")
             for agg in aggregates:
@@ -94,11 +94,13 @@ async def test_relay_does_not_skip_a_slow_transaction_that_commits_after_a_newer
         slow = await asyncpg.connect(dsn, server_settings={"search_path": "svc"})
         tx = slow.transaction()
         await tx.start()
-        await OutboxWriter(slow, "svc", "test").add("allocation.release_requested", _release_requested(slow_agg),
-                                                    aggregate_id=str(slow_agg))
+        await OutboxWriter(slow, "svc", "test").add(
+            "allocation.release_requested", _release_requested(slow_agg), aggregate_id=str(slow_agg)
+        )
         async with pool.acquire() as conn, conn.transaction():
-            await OutboxWriter(conn, "svc", "test").add("allocation.release_requested", _release_requested(fast_agg),
-                                                        aggregate_id=str(fast_agg))
+            await OutboxWriter(conn, "svc", "test").add(
+                "allocation.release_requested", _release_requested(fast_agg), aggregate_id=str(fast_agg)
+            )
         await spy.wait_type("allocation.release_requested", allocation_id=fast_agg)
         await tx.commit()
         await slow.close()
@@ -110,8 +112,12 @@ async def test_relay_does_not_skip_a_slow_transaction_that_commits_after_a_newer
 
 
 async def test_republished_event_is_dropped_by_jetstream_dedup(js):
-    env = Envelope.wrap("allocation.release_requested", _release_requested(uuid.uuid4()).model_dump(mode="json"),
-                        producer="test", correlation_id="x")
+    env = Envelope.wrap(
+        "allocation.release_requested",
+        _release_requested(uuid.uuid4()).model_dump(mode="json"),
+        producer="test",
+        correlation_id="x",
+    )
     body = env.model_dump_json().encode()
     first = await js.publish("gpuaas.allocation.release_requested", body, headers={"Nats-Msg-Id": env.event_id})
     second = await js.publish("gpuaas.allocation.release_requested", body, headers={"Nats-Msg-Id": env.event_id})
@@ -148,10 +154,20 @@ async def probe_bus(js, outbox_db, nats_server):
     subject = "gpuaas.allocation.release_requested"
     # Start the probe consumer at the end of the stream so other tests' messages are not replayed.
     info = await js.stream_info("ALLOCATIONS")
-    from nats.js.api import ConsumerConfig, DeliverPolicy, AckPolicy
-    await js.add_consumer("ALLOCATIONS", ConsumerConfig(
-        durable_name=durable, deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=info.state.last_seq + 1,
-        ack_policy=AckPolicy.EXPLICIT, max_deliver=3, ack_wait=30, filter_subject=subject))
+    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+    await js.add_consumer(
+        "ALLOCATIONS",
+        ConsumerConfig(
+            durable_name=durable,
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=info.state.last_seq + 1,
+            ack_policy=AckPolicy.EXPLICIT,
+            max_deliver=3,
+            ack_wait=30,
+            filter_subject=subject,
+        ),
+    )
     spec = ConsumerSpec(durable, "ALLOCATIONS", subject, max_deliver=3)
     broker = NatsBroker(nats_server.url)
     bus = Bus(broker, js, service="probe", schema="svc", pool=pool, retry_delays_s=(0.05,))
@@ -170,9 +186,13 @@ async def _publish(js, body: bytes, msg_id: str | None = None) -> None:
 
 
 def _event(alloc: uuid.UUID, reason: str = "ok", event_id: str | None = None) -> tuple[str, bytes]:
-    env = Envelope.wrap("allocation.release_requested",
-                        m.AllocationReleaseRequested(allocation_id=alloc, reason=reason).model_dump(mode="json"),
-                        producer="test", correlation_id=str(alloc), event_id=event_id)
+    env = Envelope.wrap(
+        "allocation.release_requested",
+        m.AllocationReleaseRequested(allocation_id=alloc, reason=reason).model_dump(mode="json"),
+        producer="test",
+        correlation_id=str(alloc),
+        event_id=event_id,
+    )
     return env.event_id, env.model_dump_json().encode()
 
 

@@ -12,8 +12,8 @@ import pytest
 import pytest_asyncio
 import structlog
 
-from gpuaas_dev.testing.waiting import eventually
 from gpuaas_dev.maas_sim import SimConfig, start, system_id_for
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_maas_gateway.adapters.maas_client import MaasClient
 from gpuaas_maas_gateway.adapters.maas_errors import (
     MaasAuthError,
@@ -73,7 +73,6 @@ async def client(sim: Sim) -> AsyncIterator[MaasClient]:
         yield c
 
 
-
 async def wait_status(client: MaasClient, system_id: str, status: MachineStatus) -> None:
     async def reached() -> bool:
         return (await client.read_machine(system_id)).status is status
@@ -88,15 +87,16 @@ async def test_happy_path_allocate_deploy_release_commission(sim: Sim, client: M
     assert (await client.version())["version"]
     machines = await client.list_machines()
     assert [m.hostname for m in machines] == ["bm-01", "bm-02", "bm-03"]
-    assert [m.hostname for m in await client.list_machines(hostname=["bm-02", "bm-03"])] == [
-        "bm-02", "bm-03"]
+    assert [m.hostname for m in await client.list_machines(hostname=["bm-02", "bm-03"])] == ["bm-02", "bm-03"]
 
     allocated = await client.allocate(system_id=BM01, agent_name="alloc-42", comment="test")
     assert allocated.status is MachineStatus.ALLOCATED
     assert [m.system_id for m in await client.list_machines(agent_name="alloc-42")] == [BM01]
 
     deploying = await client.deploy(
-        BM01, "custom/gpuaas-h200-host-ubuntu2404", user_data=b"#cloud-config\nhostname: x\n",
+        BM01,
+        "custom/gpuaas-h200-host-ubuntu2404",
+        user_data=b"#cloud-config\nhostname: x\n",
         agent_name="alloc-42",
     )
     assert deploying.status is MachineStatus.DEPLOYING
@@ -148,7 +148,8 @@ async def test_definite_errors_are_not_unknown(sim: Sim, client: MaasClient) -> 
     with pytest.raises(MaasBadRequest) as commission:
         await client.commission(BM01)
     assert commission.value.json == {
-        "__all__": ["Commission is not available because of the current state of the node."]}
+        "__all__": ["Commission is not available because of the current state of the node."]
+    }
 
     async with MaasClient(sim.url, "wrongconsumerkey00:" + KEY_PARTS[1] + ":" + KEY_PARTS[2]) as bad_key:
         with pytest.raises(MaasAuthError) as auth:
@@ -170,8 +171,13 @@ async def test_definite_errors_are_not_unknown(sim: Sim, client: MaasClient) -> 
     ],
 )
 async def test_fault_maps_to_exception_and_outcome(
-    sim: Sim, client: MaasClient, kind: str, exc: type[MaasError], unknown: bool,
-    retry_after: float | None, committed: bool,
+    sim: Sim,
+    client: MaasClient,
+    kind: str,
+    exc: type[MaasError],
+    unknown: bool,
+    retry_after: float | None,
+    committed: bool,
 ) -> None:
     await sim.fault(op="deploy", system_id=BM01, kind=kind, count=1)
     with pytest.raises(exc) as err:
@@ -234,8 +240,13 @@ async def test_latency_within_and_beyond_the_client_timeout(sim: Sim) -> None:
 
 
 async def test_deploy_can_end_in_failed_deployment(sim: Sim, client: MaasClient) -> None:
-    await sim.fault(op="deploy", system_id=BM01, kind="failed_deployment",
-                    status_message="Failed deployment: curtin exited 3", count=1)
+    await sim.fault(
+        op="deploy",
+        system_id=BM01,
+        kind="failed_deployment",
+        status_message="Failed deployment: curtin exited 3",
+        count=1,
+    )
     assert (await client.deploy(BM01, "noble")).status is MachineStatus.DEPLOYING
     await wait_status(client, BM01, MachineStatus.FAILED_DEPLOYMENT)
     machine = await client.read_machine(BM01)

@@ -18,7 +18,8 @@ async def test_a_shell_script_bootstrap_fails_the_deploy_without_calling_maas(po
     runner, port = await start(SimConfig(machines=1, api_key=KEY, seed=7), "127.0.0.1", 0)
     sid = system_id_for("bm-01")
     settings = GatewaySettings(
-        maas_url=f"http://127.0.0.1:{port}/MAAS/", maas_api_key=SecretStr(KEY),
+        maas_url=f"http://127.0.0.1:{port}/MAAS/",
+        maas_api_key=SecretStr(KEY),
         site_profiles={"h200-baremetal": SiteProfile(bootstrap_user_data="#!/bin/sh\necho site\n")},
     )
     worker = OperationWorker(settings, pool, build_clients(settings))

@@ -60,12 +60,21 @@ class MeetingCredentials:
 
 async def record_deploy(pool: asyncpg.Pool, settings: GatewaySettings, op_id: str, system_id: str) -> None:
     type_ = "maas.deploy_requested"
-    model = spec_for(type_).model(operation_id=op_id, allocation_id=uuid.uuid4(), site="default",
-                                  system_id=system_id, node_id="bm-01", profile="h200-baremetal")
+    model = spec_for(type_).model(
+        operation_id=op_id,
+        allocation_id=uuid.uuid4(),
+        site="default",
+        system_id=system_id,
+        node_id="bm-01",
+        profile="h200-baremetal",
+    )
     env = Envelope.wrap(type_, model.model_dump(mode="json"), producer="test", correlation_id=op_id)
     ctx = HandlerContext(env, model, spec_for(type_).address, "maas-gateway-commands", 1)
-    assert await deliver(OperationHandlers(settings).on_command, ctx,
-                         UnitOfWork(pool, "maas_gateway", "maas-gateway", gateway_repositories))
+    assert await deliver(
+        OperationHandlers(settings).on_command,
+        ctx,
+        UnitOfWork(pool, "maas_gateway", "maas-gateway", gateway_repositories),
+    )
 
 
 async def test_two_workers_never_both_submit_to_one_machine(pool: asyncpg.Pool) -> None:
@@ -75,19 +84,27 @@ async def test_two_workers_never_both_submit_to_one_machine(pool: asyncpg.Pool) 
     sim = state_of(runner)
     sid = system_id_for("bm-01")
     settings = GatewaySettings(
-        maas_url=f"http://127.0.0.1:{port}/MAAS/", maas_api_key=SecretStr(KEY), maas_timeout_s=2.0,
-        maas_poll_interval_s=0.05, maas_grace_s=5.0, maas_deadline_s=60.0,
+        maas_url=f"http://127.0.0.1:{port}/MAAS/",
+        maas_api_key=SecretStr(KEY),
+        maas_timeout_s=2.0,
+        maas_poll_interval_s=0.05,
+        maas_grace_s=5.0,
+        maas_deadline_s=60.0,
         site_profiles={"h200-baremetal": SiteProfile(distro_series="noble")},
     )
     barrier = asyncio.Barrier(2)
-    workers = [OperationWorker(settings, pool, build_clients(settings), host_credentials=MeetingCredentials(barrier))
-               for _ in range(2)]
+    workers = [
+        OperationWorker(settings, pool, build_clients(settings), host_credentials=MeetingCredentials(barrier))
+        for _ in range(2)
+    ]
     try:
         await record_deploy(pool, settings, "deploy-a", sid)
         await record_deploy(pool, settings, "deploy-b", sid)
         await asyncio.gather(workers[0].step("deploy-a"), workers[1].step("deploy-b"))
-        rows: dict[str, Any] = {r["operation_id"]: dict(r) for r in await pool.fetch(
-            "SELECT operation_id, state, maas_calls FROM maas_operations")}
+        rows: dict[str, Any] = {
+            r["operation_id"]: dict(r)
+            for r in await pool.fetch("SELECT operation_id, state, maas_calls FROM maas_operations")
+        }
     finally:
         for worker in workers:
             for client in worker.sites.values():

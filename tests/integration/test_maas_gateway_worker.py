@@ -20,21 +20,22 @@ import asyncpg
 import prometheus_client
 import pytest_asyncio
 import yaml
+from pydantic import SecretStr
+
 from gpuaas_common.bus import HandlerContext, deliver
 from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.db import create_pool
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
-from gpuaas_dev.testing.waiting import eventually
 from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_dev.maas_sim import Fault, SimConfig, start, state_of, system_id_for
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_maas_gateway.adapters.repository import gateway_repositories
 from gpuaas_maas_gateway.domain.breaker import BreakerState
 from gpuaas_maas_gateway.entrypoints.main import build_clients
 from gpuaas_maas_gateway.service_layer.commands import OperationHandlers
 from gpuaas_maas_gateway.service_layer.worker import OperationWorker
 from gpuaas_maas_gateway.settings import GatewaySettings, MaasSite, SiteProfile
-from pydantic import SecretStr
 
 KEY = "Gw7sQ2mZp9LxVb3Nq4:Gt8wR1nYc6HjDf2Gs5:Gs3vB9mQ7pL2kJ8hG4fD1sA6zX0cV5bN"
 EAST_KEY = "Ea1sQ2mZp9LxVb3Nq4:Et8wR1nYc6HjDf2Gs5:Es3vB9mQ7pL2kJ8hG4fD1sA6zX0cV5bN"
@@ -42,11 +43,24 @@ EAST_KEY = "Ea1sQ2mZp9LxVb3Nq4:Et8wR1nYc6HjDf2Gs5:Es3vB9mQ7pL2kJ8hG4fD1sA6zX0cV5
 
 def settings_for(url: str, **overrides: Any) -> GatewaySettings:
     values: dict[str, Any] = dict(
-        maas_url=url, maas_api_key=SecretStr(KEY), maas_timeout_s=0.3, maas_poll_interval_s=0.03,
-        maas_grace_s=0.4, maas_deadline_s=30.0, maas_max_concurrency=32, maas_retry_after_cap_s=0.2,
-        maas_breaker_failures=3, maas_breaker_cooldown_s=0.3, maas_upload_chunk_bytes=64 * 1024,
-        site_profiles={"h200-baremetal": SiteProfile(distro_series="noble", tags=("gpuaas-profile-bm", "h200"),
-                                                     bootstrap_user_data="runcmd: [site-bootstrap]")},
+        maas_url=url,
+        maas_api_key=SecretStr(KEY),
+        maas_timeout_s=0.3,
+        maas_poll_interval_s=0.03,
+        maas_grace_s=0.4,
+        maas_deadline_s=30.0,
+        maas_max_concurrency=32,
+        maas_retry_after_cap_s=0.2,
+        maas_breaker_failures=3,
+        maas_breaker_cooldown_s=0.3,
+        maas_upload_chunk_bytes=64 * 1024,
+        site_profiles={
+            "h200-baremetal": SiteProfile(
+                distro_series="noble",
+                tags=("gpuaas-profile-bm", "h200"),
+                bootstrap_user_data="runcmd: [site-bootstrap]",
+            )
+        },
     )
     values.update(overrides)
     return GatewaySettings(**values)
@@ -77,18 +91,31 @@ class Gateway:
         model = spec_for(type_).model(**payload)
         env = Envelope.wrap(type_, model.model_dump(mode="json"), producer="test", correlation_id="t")
         ctx = HandlerContext(env, model, spec_for(type_).address, "maas-gateway-commands", 1)
-        assert await deliver(self.handlers.on_command, ctx,
-                             UnitOfWork(self.pool, "maas_gateway", "maas-gateway", gateway_repositories))
+        assert await deliver(
+            self.handlers.on_command, ctx, UnitOfWork(self.pool, "maas_gateway", "maas-gateway", gateway_repositories)
+        )
         return payload["operation_id"]
 
     async def deploy(self, system_id: str, op_id: str, site: str = "default") -> str:
-        return await self.command("maas.deploy_requested", operation_id=op_id, allocation_id=uuid.uuid4(),
-                                  site=site, system_id=system_id, node_id=f"node-{system_id}",
-                                  profile="h200-baremetal")
+        return await self.command(
+            "maas.deploy_requested",
+            operation_id=op_id,
+            allocation_id=uuid.uuid4(),
+            site=site,
+            system_id=system_id,
+            node_id=f"node-{system_id}",
+            profile="h200-baremetal",
+        )
 
     async def release(self, system_id: str, op_id: str) -> str:
-        return await self.command("maas.release_requested", operation_id=op_id, allocation_id=uuid.uuid4(),
-                                  site="default", system_id=system_id, node_id=f"node-{system_id}")
+        return await self.command(
+            "maas.release_requested",
+            operation_id=op_id,
+            allocation_id=uuid.uuid4(),
+            site="default",
+            system_id=system_id,
+            node_id=f"node-{system_id}",
+        )
 
     async def op(self, op_id: str) -> dict[str, Any]:
         row = await self.pool.fetchrow("SELECT * FROM maas_operations WHERE operation_id = $1", op_id)
@@ -124,8 +151,9 @@ async def pool(fresh_db: str) -> AsyncIterator[asyncpg.Pool]:
 
 async def start_sim(machines: int, port: int = 0, **timers: float) -> tuple[Any, int]:
     config = SimConfig(machines=machines, api_key=KEY, seed=7)
-    config.timers = config.timers.updated(**{"deploying": 0.05, "releasing": 0.03, "disk_erasing": 0.03,
-                                             "commissioning": 0.05, "testing": 0.05, **timers})
+    config.timers = config.timers.updated(
+        **{"deploying": 0.05, "releasing": 0.03, "disk_erasing": 0.03, "commissioning": 0.05, "testing": 0.05, **timers}
+    )
     return await start(config, "127.0.0.1", port)
 
 
@@ -144,8 +172,15 @@ async def test_chaos_200_deploy_release_cycles_resolve_to_the_true_outcome(pool:
     # 30 % of mutation answers are lost after MAAS committed (deploys held past the client timeout,
     # releases dropped), 10 % are 503: half after the commit, half before it (nothing changed).
     for op in ("deploy", "release"):
-        sim.faults.add(Fault("lost_after_commit", op=op, probability=0.3,
-                             mode="hold" if op == "deploy" else "close", hold_seconds=3.0))
+        sim.faults.add(
+            Fault(
+                "lost_after_commit",
+                op=op,
+                probability=0.3,
+                mode="hold" if op == "deploy" else "close",
+                hold_seconds=3.0,
+            )
+        )
         sim.faults.add(Fault("unavailable", op=op, probability=0.05, commit=True, retry_after=0.1))
         sim.faults.add(Fault("unavailable", op=op, probability=0.05, commit=False, retry_after=0.1))
     uncommitted = {f.op: f for f in sim.faults.list() if f.kind == "unavailable" and not f.commit}
@@ -155,6 +190,7 @@ async def test_chaos_200_deploy_release_cycles_resolve_to_the_true_outcome(pool:
 
     try:
         async with Gateway(pool, settings_for(url(port))) as gw:
+
             async def cycle_machine(sid: str) -> None:
                 for i in range(cycles_each):
                     deploy_id = await gw.deploy(sid, f"d-{sid}-{i}")
@@ -169,8 +205,12 @@ async def test_chaos_200_deploy_release_cycles_resolve_to_the_true_outcome(pool:
                 # received a deploy call in between.
                 before: dict[str, int] = {}
                 while True:
-                    unknown = {r["system_id"] for r in await pool.fetch(
-                        "SELECT system_id FROM maas_operations WHERE kind = 'deploy' AND state = 'unknown'")}
+                    unknown = {
+                        r["system_id"]
+                        for r in await pool.fetch(
+                            "SELECT system_id FROM maas_operations WHERE kind = 'deploy' AND state = 'unknown'"
+                        )
+                    }
                     now = {sid: sim.call_count("deploy", sid) for sid in unknown}
                     overlapping.extend(sid for sid, calls in now.items() if sid in before and calls > before[sid])
                     before = now
@@ -214,10 +254,12 @@ async def test_chaos_200_deploy_release_cycles_resolve_to_the_true_outcome(pool:
     assert len(results) == 400
     assert {e["payload"]["status"] for e in results} == {"deployed", "released"}
     counts = {
-        "operations": len(ops), "unknown_outcomes": len(unknown_ops),
+        "operations": len(ops),
+        "unknown_outcomes": len(unknown_ops),
         "lost_after_commit_fired": {k: f.fired for k, f in lost.items()},
         "uncommitted_503_fired": {k: f.fired for k, f in uncommitted.items()},
-        "resubmits": resubmitted, "maas_deploy_calls": sim.call_count("deploy"),
+        "resubmits": resubmitted,
+        "maas_deploy_calls": sim.call_count("deploy"),
         "maas_release_calls": sim.call_count("release"),
     }
     print("chaos counts:", json.dumps(counts))
@@ -334,8 +376,14 @@ async def test_failed_deployment_is_reported_with_maas_status_message(pool: asyn
     runner, port = await start_sim(1)
     sim = state_of(runner)
     sid = system_id_for("bm-01")
-    sim.faults.add(Fault("failed_deployment", op="deploy", count=1,
-                         status_message="Failed deployment: curtin failed to install the kernel"))
+    sim.faults.add(
+        Fault(
+            "failed_deployment",
+            op="deploy",
+            count=1,
+            status_message="Failed deployment: curtin failed to install the kernel",
+        )
+    )
     try:
         async with Gateway(pool, settings_for(url(port))) as gw:
             op = await gw.deploy(sid, "doomed")
@@ -359,9 +407,13 @@ async def test_commission_with_named_scripts_survives_a_lost_answer(pool: asyncp
     try:
         async with Gateway(pool, settings_for(url(port))) as gw:
             op = await gw.command(
-                "maas.commission_requested", operation_id="comm-1", site="default", system_id=sid,
+                "maas.commission_requested",
+                operation_id="comm-1",
+                site="default",
+                system_id=sid,
                 commissioning_scripts=["gpuaas-h200-firmware", "update_firmware"],
-                scripts=[{"name": "gpuaas-h200-firmware", "script": "#!/bin/sh\necho fw\n"}])
+                scripts=[{"name": "gpuaas-h200-firmware", "script": "#!/bin/sh\necho fw\n"}],
+            )
             row = await gw.finished(op)
             assert row["state"] == "succeeded" and row["resubmits"] == 0, row
             payload = (await gw.result_of(op))["payload"]
@@ -372,8 +424,13 @@ async def test_commission_with_named_scripts_survives_a_lost_answer(pool: asyncp
             assert machine.current_commissioning_result_id == 1 and sim.call_count("commission", sid) == 1
             assert "gpuaas-h200-firmware" in sim.scripts.scripts
 
-            bad = await gw.command("maas.commission_requested", operation_id="comm-2", site="default",
-                                   system_id=sid, commissioning_scripts=["no-such-script"])
+            bad = await gw.command(
+                "maas.commission_requested",
+                operation_id="comm-2",
+                site="default",
+                system_id=sid,
+                commissioning_scripts=["no-such-script"],
+            )
             payload = (await gw.finished(bad)) and (await gw.result_of(bad))["payload"]
             assert payload["status"] == "failed" and payload["reason_code"] == "maas_http_400"
             assert "no-such-script" in payload["status_message"]
@@ -390,8 +447,14 @@ async def test_sync_profile_tags_creates_tags_and_updates_nodes(pool: asyncpg.Po
     sim.faults.add(Fault("gateway_timeout", op="tag.update_nodes", count=1))
     try:
         async with Gateway(pool, settings_for(url(port))) as gw:
-            op = await gw.command("maas.tags_sync_requested", operation_id="tags-1", site="default",
-                                  profile="h200-baremetal", add_system_ids=[a, b], remove_system_ids=[c])
+            op = await gw.command(
+                "maas.tags_sync_requested",
+                operation_id="tags-1",
+                site="default",
+                profile="h200-baremetal",
+                add_system_ids=[a, b],
+                remove_system_ids=[c],
+            )
             assert (await gw.finished(op))["state"] == "succeeded"
             payload = (await gw.result_of(op))["payload"]
             assert payload["tags"] == ["gpuaas-profile-bm", "h200"] and payload["resolution"] == "polled"
@@ -417,14 +480,26 @@ async def test_upload_image_then_switch_profile_and_back(pool: asyncpg.Pool, tmp
     settings = settings_for(url(port), maas_uploaded_images=())
     try:
         async with Gateway(pool, settings) as gw:
-            switch = await gw.command("maas.profile_image_set_requested", operation_id="sw-0", site="default",
-                                      profile="h200-baremetal", distro_series="gpuaas-h200-host-ubuntu2404x")
+            switch = await gw.command(
+                "maas.profile_image_set_requested",
+                operation_id="sw-0",
+                site="default",
+                profile="h200-baremetal",
+                distro_series="gpuaas-h200-host-ubuntu2404x",
+            )
             payload = (await gw.finished(switch)) and (await gw.result_of(switch))["payload"]
             assert payload["status"] == "failed" and payload["reason_code"] == "image_not_uploaded"
 
-            up = await gw.command("maas.image_upload_requested", operation_id="up-1", site="default",
-                                  name="custom/gpuaas-h200-host-ubuntu2404x", title="GPUaaS H200 Host Ubuntu 24.04",
-                                  source_path=str(image), sha256=digest, size=len(content))
+            up = await gw.command(
+                "maas.image_upload_requested",
+                operation_id="up-1",
+                site="default",
+                name="custom/gpuaas-h200-host-ubuntu2404x",
+                title="GPUaaS H200 Host Ubuntu 24.04",
+                source_path=str(image),
+                sha256=digest,
+                size=len(content),
+            )
             row = await gw.finished(up)
             assert row["state"] == "succeeded", row
             payload = (await gw.result_of(up))["payload"]
@@ -435,8 +510,13 @@ async def test_upload_image_then_switch_profile_and_back(pool: asyncpg.Pool, tmp
             stored = await pool.fetchrow("SELECT * FROM maas_boot_resources")
             assert (stored["boot_resource_id"], stored["sha256"], stored["filetype"]) == (resource.id, digest, "tgz")
 
-            switch = await gw.command("maas.profile_image_set_requested", operation_id="sw-1", site="default",
-                                      profile="h200-baremetal", distro_series="gpuaas-h200-host-ubuntu2404x")
+            switch = await gw.command(
+                "maas.profile_image_set_requested",
+                operation_id="sw-1",
+                site="default",
+                profile="h200-baremetal",
+                distro_series="gpuaas-h200-host-ubuntu2404x",
+            )
             payload = (await gw.finished(switch)) and (await gw.result_of(switch))["payload"]
             assert payload["status"] == "succeeded" and payload["previous_distro_series"] == "noble"
             assert payload["deploy_distro_series"] == "custom/gpuaas-h200-host-ubuntu2404x"
@@ -444,15 +524,22 @@ async def test_upload_image_then_switch_profile_and_back(pool: asyncpg.Pool, tmp
             assert (await gw.finished(await gw.deploy(sid, "dep-custom")))["state"] == "succeeded"
             last = sim.machines[sid].last_deploy
             assert last is not None and (last["osystem"], last["distro_series"]) == (
-                "custom", "gpuaas-h200-host-ubuntu2404x")
+                "custom",
+                "gpuaas-h200-host-ubuntu2404x",
+            )
             user_data = last["user_data"].decode()
             assert "GPUAAS_ENROLMENT_TOKEN=" in user_data
             assert yaml.safe_load(user_data)["runcmd"] == ["site-bootstrap"]
             assert (await gw.finished(await gw.release(sid, "rel-custom")))["state"] == "succeeded"
             assert sim.machines[sid].history[-2].to_status.label == "Disk erasing"  # the profile erases
 
-            back = await gw.command("maas.profile_image_set_requested", operation_id="sw-2", site="default",
-                                    profile="h200-baremetal", distro_series="ubuntu/noble")
+            back = await gw.command(
+                "maas.profile_image_set_requested",
+                operation_id="sw-2",
+                site="default",
+                profile="h200-baremetal",
+                distro_series="ubuntu/noble",
+            )
             payload = (await gw.finished(back)) and (await gw.result_of(back))["payload"]
             assert payload["distro_series"] == "ubuntu/noble" and payload["deploy_distro_series"] == "ubuntu/noble"
             assert payload["previous_distro_series"] == "gpuaas-h200-host-ubuntu2404x"
@@ -486,9 +573,16 @@ async def test_site_api_keys_never_reach_logs_or_events(pool: asyncpg.Pool) -> N
             assert (await gw.finished(east))["state"] == "failed"
             payload = (await gw.result_of(east))["payload"]
             assert payload["reason_code"] == "maas_http_401" and "**redacted**" in payload["status_message"]
-            texts = [stream.getvalue(), repr(settings), str(settings), settings.model_dump_json(),
-                     json.dumps(await gw.events()), repr(gw.clients), repr(gw.worker.sites),
-                     json.dumps([dict(r) for r in await pool.fetch("SELECT * FROM maas_operations")], default=str)]
+            texts = [
+                stream.getvalue(),
+                repr(settings),
+                str(settings),
+                settings.model_dump_json(),
+                json.dumps(await gw.events()),
+                repr(gw.clients),
+                repr(gw.worker.sites),
+                json.dumps([dict(r) for r in await pool.fetch("SELECT * FROM maas_operations")], default=str),
+            ]
     finally:
         configure_logging("tests", "INFO")
         await runner.cleanup()

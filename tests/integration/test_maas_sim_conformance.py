@@ -17,8 +17,8 @@ import aiohttp
 import pytest_asyncio
 from oauthlib import oauth1
 
-from gpuaas_dev.testing.waiting import eventually
 from gpuaas_dev.maas_sim import SimConfig, start, system_id_for
+from gpuaas_dev.testing.waiting import eventually
 
 KEY = "CK" * 9 + ":" + "TK" * 9 + ":" + "TS" * 16
 CK, TK, TS = KEY.split(":")
@@ -56,8 +56,14 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 def signed(url: str, method: str = "GET", key: str = KEY) -> dict[str, str]:
     ck, tk, ts = key.split(":")
-    client = oauth1.Client(ck, client_secret="", resource_owner_key=tk, resource_owner_secret=ts,
-                           signature_method=oauth1.SIGNATURE_PLAINTEXT, realm="OAuth")
+    client = oauth1.Client(
+        ck,
+        client_secret="",
+        resource_owner_key=tk,
+        resource_owner_secret=ts,
+        signature_method=oauth1.SIGNATURE_PLAINTEXT,
+        realm="OAuth",
+    )
     _, headers, _ = client.sign(url, http_method=method)
     return {"Authorization": headers["Authorization"]}
 
@@ -75,7 +81,6 @@ def oauth_header(**overrides: str | None) -> dict[str, str]:
     params.update(overrides)
     items = ", ".join(f'{k}="{v}"' for k, v in params.items() if v is not None)
     return {"Authorization": f'OAuth realm="OAuth", {items}'}
-
 
 
 async def sim_machine(http: aiohttp.ClientSession, sim: Sim, system_id: str) -> dict[str, Any]:
@@ -105,9 +110,7 @@ def in_libmaas_thread(fn: Callable[[], Any]) -> Awaitable[Any]:
     return asyncio.to_thread(run)
 
 
-async def test_python_libmaas_lists_reads_deploys_and_releases(
-    sim: Sim, http: aiohttp.ClientSession
-) -> None:
+async def test_python_libmaas_lists_reads_deploys_and_releases(sim: Sim, http: aiohttp.ClientSession) -> None:
     from maas.client import connect
     from maas.client.enum import NodeStatus
 
@@ -132,12 +135,10 @@ async def test_python_libmaas_lists_reads_deploys_and_releases(
     def deploy() -> tuple[Any, str, str]:
         client = connect(sim.maas, apikey=KEY)
         m = client.machines.get(system_id=sid)
-        m.deploy(distro_series="custom/gpuaas-h200-host-ubuntu2404",
-                 user_data=b"#cloud-config\nruncmd: [echo enrol]\n")
+        m.deploy(distro_series="custom/gpuaas-h200-host-ubuntu2404", user_data=b"#cloud-config\nruncmd: [echo enrol]\n")
         return m.status, m.osystem, m.distro_series
 
-    assert await in_libmaas_thread(deploy) == (NodeStatus.DEPLOYING, "custom",
-                                               "gpuaas-h200-host-ubuntu2404")
+    assert await in_libmaas_thread(deploy) == (NodeStatus.DEPLOYING, "custom", "gpuaas-h200-host-ubuntu2404")
     state = await sim_machine(http, sim, sid)
     assert state["_sim"]["last_deploy"]["user_data"] == "#cloud-config\nruncmd: [echo enrol]\n"
 
@@ -293,8 +294,7 @@ async def test_list_filters_repeat_and_combine(sim: Sim, http: aiohttp.ClientSes
     assert await names("?status=deployed") == (200, [])
     assert await names("?tags=nope") == (400, {"tags": ["No such tag(s): 'nope'."]})
     alloc = sim.api + "machines/?op=allocate"
-    async with http.post(alloc, headers=signed(alloc, "POST"),
-                         data={"tags": "h200", "agent_name": "agent-7"}) as r:
+    async with http.post(alloc, headers=signed(alloc, "POST"), data={"tags": "h200", "agent_name": "agent-7"}) as r:
         assert r.status == 200
         assert (await r.json())["hostname"] == "bm-01"  # first Ready match by hostname
     assert await names("?agent_name=agent-7") == (200, ["bm-01"])
@@ -328,8 +328,8 @@ async def test_tags_create_and_update_nodes(sim: Sim, http: aiohttp.ClientSessio
 
 
 async def test_python_libmaas_uploads_a_boot_resource_in_chunks(sim: Sim, http: aiohttp.ClientSession) -> None:
-    import io
     import hashlib
+    import io
 
     from maas.client import connect
 
@@ -339,12 +339,16 @@ async def test_python_libmaas_uploads_a_boot_resource_in_chunks(sim: Sim, http: 
     def upload() -> tuple[Any, ...]:
         client = connect(sim.maas, apikey=KEY)
         resource = client.boot_resources.create(
-            "custom/gpuaas-h200-host-ubuntu2404", "amd64/generic", io.BytesIO(content),
-            title="GPUaaS H200 Host Ubuntu 24.04")
+            "custom/gpuaas-h200-host-ubuntu2404",
+            "amd64/generic",
+            io.BytesIO(content),
+            title="GPUaaS H200 Host Ubuntu 24.04",
+        )
         files = [f for s in resource.sets.values() for f in s.files.values()]
         listed = [(r.id, r.name, r.type) for r in client.boot_resources.list()]
         again = client.boot_resources.create(  # same bytes again: MAAS has them, nothing to upload
-            "custom/gpuaas-h200-host-ubuntu2404", "amd64/generic", io.BytesIO(content))
+            "custom/gpuaas-h200-host-ubuntu2404", "amd64/generic", io.BytesIO(content)
+        )
         return resource.id, resource.name, [(f.sha256, f.size, f.complete) for f in files], listed, again.id
 
     rid, name, files, listed, again = await in_libmaas_thread(upload)
@@ -356,7 +360,10 @@ async def test_python_libmaas_uploads_a_boot_resource_in_chunks(sim: Sim, http: 
     url = sim.api + "machines/gpux01/?op=deploy"
     async with http.post(url, headers=signed(url, "POST"), data={"distro_series": "gpuaas-h200-host-ubuntu2404"}) as r:
         assert r.status == 200
-        assert ((await r.json())["osystem"], (await r.json())["distro_series"]) == ("custom", "gpuaas-h200-host-ubuntu2404")
+        assert ((await r.json())["osystem"], (await r.json())["distro_series"]) == (
+            "custom",
+            "gpuaas-h200-host-ubuntu2404",
+        )
 
 
 async def test_boot_resource_upload_errors(sim: Sim, http: aiohttp.ClientSession) -> None:
@@ -377,8 +384,16 @@ async def test_boot_resource_upload_errors(sim: Sim, http: aiohttp.ClientSession
     assert status == 400 and body == {"sha256": ["This field is required."], "size": ["This field is required."]}
     data = b"host image bytes" * 1000
     good = hashlib.sha256(data).hexdigest()
-    status, created = await post({"name": "custom/img", "architecture": "amd64/generic", "sha256": good,
-                                  "size": str(len(data)), "filetype": "tgz", "base_image": "ubuntu/noble"})
+    status, created = await post(
+        {
+            "name": "custom/img",
+            "architecture": "amd64/generic",
+            "sha256": good,
+            "size": str(len(data)),
+            "filetype": "tgz",
+            "base_image": "ubuntu/noble",
+        }
+    )
     assert status == 201
     (rfile,) = next(iter(created["sets"].values()))["files"].values()
     assert rfile["complete"] is False and rfile["filename"] == "root-tgz" and rfile["progress"] == 0.0
@@ -392,8 +407,7 @@ async def test_boot_resource_upload_errors(sim: Sim, http: aiohttp.ClientSession
     assert await put(uri, data[8000:]) == (200, "OK")
     assert await put(uri, data[:10]) == (400, "Cannot upload to a complete file.")
     # Bytes that do not hash to the announced sha256 are refused once the file is full.
-    status, bad = await post({"name": "custom/bad", "architecture": "amd64/generic", "sha256": "0" * 64,
-                              "size": "4"})
+    status, bad = await post({"name": "custom/bad", "architecture": "amd64/generic", "sha256": "0" * 64, "size": "4"})
     (bad_file,) = next(iter(bad["sets"].values()))["files"].values()
     assert await put(bad_file["upload_uri"], b"abcd") == (400, "Saved content does not match given SHA256 value.")
     # Multipart `content` in one go (as the MAAS CLI sends `content@=file`).
@@ -425,8 +439,9 @@ async def test_scripts_create_and_commission_with_them(sim: Sim, http: aiohttp.C
     comm = sim.api + "machines/gpux01/?op=commission"
     async with http.post(comm, headers=signed(comm, "POST"), data={"commissioning_scripts": "nope"}) as r:
         assert r.status == 400 and "nope" in (await r.json())["commissioning_scripts"][0]
-    async with http.post(comm, headers=signed(comm, "POST"),
-                         data={"commissioning_scripts": "gpuaas-fw,update_firmware"}) as r:
+    async with http.post(
+        comm, headers=signed(comm, "POST"), data={"commissioning_scripts": "gpuaas-fw,update_firmware"}
+    ) as r:
         assert r.status == 200
         body = await r.json()
         assert body["status_name"] == "Commissioning" and body["current_commissioning_result_id"] == 1

@@ -23,7 +23,10 @@ async def test_services_get_their_own_schema_and_reapplying_is_a_noop(fresh_db):
             "WHERE table_name IN ('outbox', 'allocations', 'nodes') ORDER BY 1, 2"
         )
         assert [(r["table_schema"], r["table_name"]) for r in tables] == [
-            ("allocator", "allocations"), ("allocator", "outbox"), ("scheduler", "nodes"), ("scheduler", "outbox"),
+            ("allocator", "allocations"),
+            ("allocator", "outbox"),
+            ("scheduler", "nodes"),
+            ("scheduler", "outbox"),
         ]
     finally:
         await conn.close()
@@ -59,8 +62,10 @@ async def test_a_claim_is_held_or_released_never_in_doubt(fresh_db):
     try:
         await apply_migrations(conn, "scheduler", "gpuaas_scheduler.migrations")
         (node_id, *_) = await synthetic.build(conn, slice_hosts=0, baremetal_hosts=1)
-        insert = ("INSERT INTO allocation_resource_claims (allocation_id, node_id, claim_kind, status, fencing_epoch) "
-                  "VALUES ($1, $2, 'node_exclusive', $3, 1)")
+        insert = (
+            "INSERT INTO allocation_resource_claims (allocation_id, node_id, claim_kind, status, fencing_epoch) "
+            "VALUES ($1, $2, 'node_exclusive', $3, 1)"
+        )
         with pytest.raises(asyncpg.CheckViolationError):
             await conn.execute(insert, uuid.uuid4(), node_id, "in_doubt")
         await conn.execute(insert, uuid.uuid4(), node_id, "held")

@@ -44,8 +44,8 @@ async def test_clone_qcow2_onto_preexisting_target(tmp_path: Path, qcow2_image: 
     data = target.read_bytes()
     assert len(data) == 8 * MIB  # -n: the target keeps its size
     assert data[: len(PATTERN)] == PATTERN
-    assert data[2 * MIB: 2 * MIB + len(PATTERN)] == PATTERN[::-1]
-    assert data[len(PATTERN): 2 * MIB] == bytes(2 * MIB - len(PATTERN))  # image zeros land as zeros
+    assert data[2 * MIB : 2 * MIB + len(PATTERN)] == PATTERN[::-1]
+    assert data[len(PATTERN) : 2 * MIB] == bytes(2 * MIB - len(PATTERN))  # image zeros land as zeros
 
 
 async def test_clone_onto_too_small_target_is_a_clear_error(tmp_path: Path, qcow2_image: Path) -> None:

@@ -35,9 +35,18 @@ def _xml(names: list[str], *, restart_on_poweroff: bool = False) -> tuple[str, s
     name = f"it-slice-{uuid.uuid4().hex[:10]}"
     names.append(name)
     spec = SliceVmSpec(
-        vm_name=name, uuid=str(uuid.uuid4()), vcpus=2, memory_mib=1024, hugepages=True, numa_node=0, cpuset="0-1",
-        gpus=["0000:18:00.0"], fabric_vfs=["0000:29:00.2"], nvme_by_id=["/dev/disk/by-id/nvme-eui.00aa"],
-        seed_iso_path="/var/lib/gpuaas/seeds/x.iso", mac="52:54:00:00:00:01",
+        vm_name=name,
+        uuid=str(uuid.uuid4()),
+        vcpus=2,
+        memory_mib=1024,
+        hugepages=True,
+        numa_node=0,
+        cpuset="0-1",
+        gpus=["0000:18:00.0"],
+        fabric_vfs=["0000:29:00.2"],
+        nvme_by_id=["/dev/disk/by-id/nvme-eui.00aa"],
+        seed_iso_path="/var/lib/gpuaas/seeds/x.iso",
+        mac="52:54:00:00:00:01",
     )
     root = ET.fromstring(render_domain_xml(spec))
     if restart_on_poweroff:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import structlog
 
+from gpuaas_dev.sim.dhcp_guest import SimulatedDhcpAndGuest
 from gpuaas_dev.testing.waiting import eventually
 from gpuaas_node_agent.adapters import dnsmasq
 from gpuaas_node_agent.adapters.readiness import probe_ssh_banner, wait_ready
-from gpuaas_dev.sim.dhcp_guest import SimulatedDhcpAndGuest
 
 
 def _free_port() -> int:
@@ -39,8 +39,9 @@ def ssh_port() -> int:
 
 @pytest.fixture
 async def sim(tmp_path: Path, ssh_port: int) -> AsyncIterator[SimulatedDhcpAndGuest]:
-    async with SimulatedDhcpAndGuest(tmp_path / "hosts.d", tmp_path / "dnsmasq.leases", ssh_port,
-                                     poll_interval_s=0.05) as s:
+    async with SimulatedDhcpAndGuest(
+        tmp_path / "hosts.d", tmp_path / "dnsmasq.leases", ssh_port, poll_interval_s=0.05
+    ) as s:
         yield s
 
 
@@ -49,8 +50,13 @@ async def test_reservation_leads_to_bound_lease_and_ssh(sim: SimulatedDhcpAndGue
     dnsmasq.write_reservation(sim.hostsdir, "gpuaas-slice-a", mac, ip, "slice-a")
 
     ready = await wait_ready(str(sim.lease_file), mac, ip, ssh_port, deadline_s=10, poll_interval_s=0.05)
-    assert ready.model_dump() == {"mac": "52:54:00:aa:00:01", "expected_ip": ip, "actual_ip": ip,
-                                  "lease_state": "bound", "ssh_ready": True}
+    assert ready.model_dump() == {
+        "mac": "52:54:00:aa:00:01",
+        "expected_ip": ip,
+        "actual_ip": ip,
+        "lease_state": "bound",
+        "ssh_ready": True,
+    }
     lease = dnsmasq.find_lease(sim.lease_file, mac.upper())
     assert lease is not None and lease.hostname == "slice-a" and lease.ip == ip
 
@@ -62,7 +68,8 @@ async def test_reservation_leads_to_bound_lease_and_ssh(sim: SimulatedDhcpAndGue
 
 
 async def test_lease_with_another_ip_is_a_mismatch_within_the_deadline(
-    sim: SimulatedDhcpAndGuest, ssh_port: int,
+    sim: SimulatedDhcpAndGuest,
+    ssh_port: int,
 ) -> None:
     leased_ip, mac = _loopback_ip(), "52:54:00:aa:00:02"
     expected_ip = leased_ip.rsplit(".", 1)[0] + ".1"
@@ -71,8 +78,9 @@ async def test_lease_with_another_ip_is_a_mismatch_within_the_deadline(
 
     deadline_s = 1.0
     started = time.monotonic()
-    ready = await wait_ready(str(sim.lease_file), mac, expected_ip, ssh_port, deadline_s=deadline_s,
-                             poll_interval_s=0.05)
+    ready = await wait_ready(
+        str(sim.lease_file), mac, expected_ip, ssh_port, deadline_s=deadline_s, poll_interval_s=0.05
+    )
     elapsed = time.monotonic() - started
     assert ready.lease_state == "mismatch"
     assert ready.actual_ip == leased_ip and ready.expected_ip == expected_ip
@@ -81,8 +89,14 @@ async def test_lease_with_another_ip_is_a_mismatch_within_the_deadline(
 
 
 async def test_no_lease_is_absent(tmp_path: Path, ssh_port: int) -> None:
-    ready = await wait_ready(str(tmp_path / "never.leases"), "52:54:00:aa:00:03", _loopback_ip(), ssh_port,
-                             deadline_s=0.3, poll_interval_s=0.05)
+    ready = await wait_ready(
+        str(tmp_path / "never.leases"),
+        "52:54:00:aa:00:03",
+        _loopback_ip(),
+        ssh_port,
+        deadline_s=0.3,
+        poll_interval_s=0.05,
+    )
     assert (ready.lease_state, ready.actual_ip, ready.ssh_ready) == ("absent", None, False)
 
 
@@ -90,8 +104,9 @@ async def test_bound_lease_without_ssh_is_not_ready(tmp_path: Path, ssh_port: in
     ip, mac = _loopback_ip(), "52:54:00:aa:00:04"
     leases = tmp_path / "dnsmasq.leases"
     leases.write_text(f"0 {mac} {ip} slice-d *\n")
-    ready = await wait_ready(str(leases), mac, ip, ssh_port, deadline_s=0.5, poll_interval_s=0.05,
-                             connect_timeout_s=0.2)
+    ready = await wait_ready(
+        str(leases), mac, ip, ssh_port, deadline_s=0.5, poll_interval_s=0.05, connect_timeout_s=0.2
+    )
     assert (ready.lease_state, ready.actual_ip, ready.ssh_ready) == ("bound", ip, False)
 
 
@@ -100,11 +115,13 @@ async def test_lease_appearing_late_is_picked_up(tmp_path: Path, ssh_port: int) 
     ip, mac = _loopback_ip(), "52:54:00:aa:00:05"
     dnsmasq.write_reservation(sim.hostsdir, "gpuaas-slice-e", mac, ip, "slice-e")
     with structlog.testing.capture_logs() as logs:
-        waiter = asyncio.create_task(wait_ready(str(sim.lease_file), mac, ip, ssh_port, deadline_s=10,
-                                                poll_interval_s=0.05))
+        waiter = asyncio.create_task(
+            wait_ready(str(sim.lease_file), mac, ip, ssh_port, deadline_s=10, poll_interval_s=0.05)
+        )
         # Only start "dnsmasq" once the waiter has seen no lease at all.
-        await _eventually(lambda: any(e.get("event") == "readiness_lease" and e.get("lease_state") == "absent"
-                                      for e in logs))
+        await _eventually(
+            lambda: any(e.get("event") == "readiness_lease" and e.get("lease_state") == "absent" for e in logs)
+        )
         assert not waiter.done()
         async with sim:
             ready = await waiter

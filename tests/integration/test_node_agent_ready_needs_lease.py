@@ -30,8 +30,9 @@ async def test_ssh_answering_without_a_lease_is_not_ready(tmp_path: Path) -> Non
         assert await probe_ssh_banner(ip, port, 1.0), "the impostor must really answer, or this proves nothing"
         leases = tmp_path / "dnsmasq.leases"
         leases.write_text(f"0 52:54:00:bb:00:99 {ip} someone-else *\n")  # a lease, but for another MAC
-        ready = await wait_ready(str(leases), mac, ip, port, deadline_s=0.5, poll_interval_s=0.05,
-                                 connect_timeout_s=0.2)
+        ready = await wait_ready(
+            str(leases), mac, ip, port, deadline_s=0.5, poll_interval_s=0.05, connect_timeout_s=0.2
+        )
     finally:
         server.close()
         await server.wait_closed()

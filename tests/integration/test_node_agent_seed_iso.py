@@ -44,10 +44,16 @@ def _read(iso_path: Path) -> tuple[str, dict[str, str], dict[str, str]]:
 async def test_seed_iso_has_cidata_label_and_files(tmp_path: Path) -> None:
     path = tmp_path / "seeds" / "vm1.iso"
     written = await seed_iso.write_seed_iso(
-        path, instance_id="alloc-1234", hostname="slice-1234", ssh_authorized_keys=[USER_KEY],
-        username="u_adda9308", relay_public_key=RELAY_KEY,
-        network_config={"version": 2, "ethernets": {"eth0": {"match": {"macaddress": "52:54:00:00:00:01"},
-                                                              "dhcp4": True}}},
+        path,
+        instance_id="alloc-1234",
+        hostname="slice-1234",
+        ssh_authorized_keys=[USER_KEY],
+        username="u_adda9308",
+        relay_public_key=RELAY_KEY,
+        network_config={
+            "version": 2,
+            "ethernets": {"eth0": {"match": {"macaddress": "52:54:00:00:00:01"}, "dhcp4": True}},
+        },
     )
     assert written == path and path.is_file()
     assert [p.name for p in path.parent.iterdir()] == ["vm1.iso"]  # no temp file left behind

@@ -18,13 +18,13 @@ import pytest
 from gpuaas_common.contract import Envelope, spec_for, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import provision
+from gpuaas_dev.sim.dhcp_guest import SimulatedDhcpAndGuest
+from gpuaas_dev.sim.fixture_host import build_host_root, xe9680l
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.servers import free_port
 from gpuaas_node_agent.adapters.discovery import stable_ids
-from gpuaas_dev.sim.fixture_host import build_host_root, xe9680l
 from gpuaas_node_agent.adapters.host import HostFs
 from gpuaas_node_agent.adapters.libvirt_host import LibvirtHost
-from gpuaas_dev.sim.dhcp_guest import SimulatedDhcpAndGuest
 from gpuaas_node_agent.adapters.state_store import StateStore
 from gpuaas_node_agent.service_layer.host_paths import HostPaths
 from gpuaas_node_agent.service_layer.tasks import SliceHostAgent
@@ -36,8 +36,16 @@ IMAGE_PATH = "/var/lib/gpuaas/images/slice.raw"
 
 
 class Env:
-    def __init__(self, root: Path, node_id: str, agent: SliceHostAgent, spy: BusSpy, digest: str, ssh_port: int,
-                 libvirt: LibvirtHost) -> None:
+    def __init__(
+        self,
+        root: Path,
+        node_id: str,
+        agent: SliceHostAgent,
+        spy: BusSpy,
+        digest: str,
+        ssh_port: int,
+        libvirt: LibvirtHost,
+    ) -> None:
         self.root, self.node_id, self.agent, self.spy, self.digest = root, node_id, agent, spy, digest
         self.ssh_port, self.libvirt = ssh_port, libvirt
         self.slots = self._slots()
@@ -49,13 +57,19 @@ class Env:
         out = []
         # Data disks are nvme0..3,5..8 (nvme4 is the OS disk, nvme8 carries a mounted share partition).
         for i, ctrl in enumerate([0, 1, 2, 3, 5, 6, 7, 8]):
-            out.append(m.SlotBinding(
-                slot_id=f"{self.node_id}-s{i}", gpu_pci_address=f"0000:{gpus[i]}:00.0",
-                nvme_by_id=ids[f"nvme{ctrl}n1"],
-                fabric_vf_pci_address=f"0000:{'29' if i < 4 else 'a9'}:00.{i % 4 + 1}",
-                mac=f"52:54:00:{octet:02x}:00:{i:02x}", private_ip=f"127.101.{octet}.{10 + i}", ovs_bridge="ovsbr0",
-                numa_node=0 if i < 4 else 1, profile="h200_1g_24c_64g",
-            ))
+            out.append(
+                m.SlotBinding(
+                    slot_id=f"{self.node_id}-s{i}",
+                    gpu_pci_address=f"0000:{gpus[i]}:00.0",
+                    nvme_by_id=ids[f"nvme{ctrl}n1"],
+                    fabric_vf_pci_address=f"0000:{'29' if i < 4 else 'a9'}:00.{i % 4 + 1}",
+                    mac=f"52:54:00:{octet:02x}:00:{i:02x}",
+                    private_ip=f"127.101.{octet}.{10 + i}",
+                    ovs_bridge="ovsbr0",
+                    numa_node=0 if i < 4 else 1,
+                    profile="h200_1g_24c_64g",
+                )
+            )
         return out
 
     def disk(self, by_id: str) -> Path:
@@ -64,13 +78,24 @@ class Env:
     def by_id(self, kernel_name: str) -> str:
         return stable_ids(HostFs(self.root))[kernel_name]
 
-    def provision(self, slots: list[m.SlotBinding], *, epoch: int = 1, digest: str | None = None,
-                  deadline_s: float = 60, allocation_id: uuid.UUID | None = None) -> m.SliceVmProvision:
+    def provision(
+        self,
+        slots: list[m.SlotBinding],
+        *,
+        epoch: int = 1,
+        digest: str | None = None,
+        deadline_s: float = 60,
+        allocation_id: uuid.UUID | None = None,
+    ) -> m.SliceVmProvision:
         alloc = allocation_id or uuid.uuid4()
         return m.SliceVmProvision(
-            task_id=f"prov-{uuid.uuid4().hex[:12]}", allocation_id=alloc, node_id=self.node_id,
-            fencing_epoch=epoch, deadline=utcnow() + timedelta(seconds=deadline_s),
-            vm_name=f"it-{alloc.hex[:12]}", slots=slots,
+            task_id=f"prov-{uuid.uuid4().hex[:12]}",
+            allocation_id=alloc,
+            node_id=self.node_id,
+            fencing_epoch=epoch,
+            deadline=utcnow() + timedelta(seconds=deadline_s),
+            vm_name=f"it-{alloc.hex[:12]}",
+            slots=slots,
             image=m.ImageRef(slug="slice", digest_sha256=digest or self.digest, image_path=IMAGE_PATH),
             ssh_public_keys=["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGl0IHRlc3Qga2V5IG9ubHk tenant@example"],
             hostname="it-vm",
@@ -78,9 +103,13 @@ class Env:
 
     def release(self, prov: m.SliceVmProvision, *, epoch: int | None = None) -> m.SliceVmRelease:
         return m.SliceVmRelease(
-            task_id=f"rel-{uuid.uuid4().hex[:12]}", allocation_id=prov.allocation_id, node_id=self.node_id,
-            fencing_epoch=epoch or prov.fencing_epoch, deadline=utcnow() + timedelta(seconds=60),
-            vm_name=prov.vm_name, slots=prov.slots,
+            task_id=f"rel-{uuid.uuid4().hex[:12]}",
+            allocation_id=prov.allocation_id,
+            node_id=self.node_id,
+            fencing_epoch=epoch or prov.fencing_epoch,
+            deadline=utcnow() + timedelta(seconds=60),
+            vm_name=prov.vm_name,
+            slots=prov.slots,
         )
 
 
@@ -108,20 +137,35 @@ async def publish(nats_server):
     js = nc.jetstream()
     await provision(js)
 
-    async def _publish(type_: str, payload: Any, *, correlation_id: str, causation_id: str | None = None,
-                       event_id: str | None = None, **params: str) -> Envelope:
-        env = Envelope.wrap(type_, payload.model_dump(mode="json"), producer="node-agent",
-                            correlation_id=correlation_id, causation_id=causation_id, event_id=event_id)
-        await js.publish(spec_for(type_).subject(**params), env.model_dump_json().encode(),
-                         headers={"Nats-Msg-Id": env.event_id})
+    async def _publish(
+        type_: str,
+        payload: Any,
+        *,
+        correlation_id: str,
+        causation_id: str | None = None,
+        event_id: str | None = None,
+        **params: str,
+    ) -> Envelope:
+        env = Envelope.wrap(
+            type_,
+            payload.model_dump(mode="json"),
+            producer="node-agent",
+            correlation_id=correlation_id,
+            causation_id=causation_id,
+            event_id=event_id,
+        )
+        await js.publish(
+            spec_for(type_).subject(**params), env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id}
+        )
         return env
 
     yield _publish
     await nc.drain()
 
 
-async def _make_env(tmp_path: Path, publish, spy: BusSpy, *, dhcp: bool = True, shutdown_timeout_s: float = 5.0,
-                    **host: Any) -> AsyncIterator[Env]:
+async def _make_env(
+    tmp_path: Path, publish, spy: BusSpy, *, dhcp: bool = True, shutdown_timeout_s: float = 5.0, **host: Any
+) -> AsyncIterator[Env]:
     node_id = f"it-{uuid.uuid4().hex[:2]}"
     root = build_host_root(tmp_path / "host", xe9680l(node_id, disk_file_bytes=4 * MIB, **host))
     image = root / IMAGE_PATH.lstrip("/")
@@ -130,17 +174,27 @@ async def _make_env(tmp_path: Path, publish, spy: BusSpy, *, dhcp: bool = True, 
     digest = hashlib.sha256(image.read_bytes()).hexdigest()
     paths = HostPaths(root)
     port = free_port()
-    sim = SimulatedDhcpAndGuest(paths.host("/etc/gpuaas/dnsmasq-hosts"), paths.host("/var/lib/misc/dnsmasq.leases"),
-                                port, poll_interval_s=0.02)
+    sim = SimulatedDhcpAndGuest(
+        paths.host("/etc/gpuaas/dnsmasq-hosts"), paths.host("/var/lib/misc/dnsmasq.leases"), port, poll_interval_s=0.02
+    )
     if dhcp:
         await sim.start()
     libvirt = LibvirtHost("test:///default", poll_interval_s=0.02)
     store = StateStore(root / "var/lib/gpuaas/agent/agent.sqlite")
     agent = SliceHostAgent(
-        node_id, paths, store, libvirt, publish, image_cache_dir="/var/lib/gpuaas/images",
-        hostsdir="/etc/gpuaas/dnsmasq-hosts", lease_file="/var/lib/misc/dnsmasq.leases",
-        seed_dir="/var/lib/gpuaas/seeds", ssh_port=port, readiness_timeout_s=30,
-        shutdown_timeout_s=shutdown_timeout_s, relay_public_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHJlbGF5 relay@node",
+        node_id,
+        paths,
+        store,
+        libvirt,
+        publish,
+        image_cache_dir="/var/lib/gpuaas/images",
+        hostsdir="/etc/gpuaas/dnsmasq-hosts",
+        lease_file="/var/lib/misc/dnsmasq.leases",
+        seed_dir="/var/lib/gpuaas/seeds",
+        ssh_port=port,
+        readiness_timeout_s=30,
+        shutdown_timeout_s=shutdown_timeout_s,
+        relay_public_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHJlbGF5 relay@node",
     )
     paths.host("/var/lib/gpuaas/seeds").mkdir(parents=True, exist_ok=True)
     env = Env(root, node_id, agent, spy, digest, port, libvirt)
@@ -272,13 +326,16 @@ async def test_passed_deadline_is_refused(env: Env) -> None:
     await _refused(env, env.provision([env.slots[0]], deadline_s=-1), "deadline_passed")
 
 
-@pytest.mark.parametrize(("host", "code"), [
-    ({"kvm": False}, "host_not_ready"),
-    ({"iommu_groups": False}, "host_not_ready"),
-    ({"vfio_modules": False}, "host_not_ready"),
-    ({"ovs_bridge": None}, "ovs_bridge_missing"),
-    ({"hugepages_1g_free": 32}, "hugepages_insufficient"),
-])
+@pytest.mark.parametrize(
+    ("host", "code"),
+    [
+        ({"kvm": False}, "host_not_ready"),
+        ({"iommu_groups": False}, "host_not_ready"),
+        ({"vfio_modules": False}, "host_not_ready"),
+        ({"ovs_bridge": None}, "ovs_bridge_missing"),
+        ({"hugepages_1g_free": 32}, "hugepages_insufficient"),
+    ],
+)
 async def test_host_preflight_refuses_before_the_disk(tmp_path: Path, publish, spy, host, code) -> None:
     async for e in _make_env(tmp_path, publish, spy, **host):
         await _refused(e, e.provision([e.slots[0]]), code)
@@ -336,8 +393,13 @@ async def test_release_refuses_to_wipe_a_disk_mounted_since_provision(env: Env) 
 async def test_recovery_reruns_a_task_interrupted_before_the_disk(env: Env) -> None:
     task = env.provision([env.slots[2]])
     # What a killed agent leaves behind after preflight: a running record, nothing destructive yet.
-    env.agent.store.start_task(task.task_id, "slice.vm_provision", str(task.allocation_id), vm_name=task.vm_name,
-                               payload=task.model_dump(mode="json"))
+    env.agent.store.start_task(
+        task.task_id,
+        "slice.vm_provision",
+        str(task.allocation_id),
+        vm_name=task.vm_name,
+        payload=task.model_dump(mode="json"),
+    )
     env.agent.store.set_phase(task.task_id, "preflight")
     results = await env.agent.recover()
     assert [(r.task_id, r.status) for r in results] == [(task.task_id, "succeeded")]
@@ -347,8 +409,13 @@ async def test_recovery_reruns_a_task_interrupted_before_the_disk(env: Env) -> N
 
 async def test_recovery_fails_a_provision_interrupted_after_the_disk_with_cleanup(env: Env) -> None:
     task = env.provision([env.slots[3]])
-    env.agent.store.start_task(task.task_id, "slice.vm_provision", str(task.allocation_id), vm_name=task.vm_name,
-                               payload=task.model_dump(mode="json"))
+    env.agent.store.start_task(
+        task.task_id,
+        "slice.vm_provision",
+        str(task.allocation_id),
+        vm_name=task.vm_name,
+        payload=task.model_dump(mode="json"),
+    )
     env.agent.store.set_phase(task.task_id, "clone_image", disk_touched=True)
     results = await env.agent.recover()
     assert [(r.status, r.reason_code, r.cleanup_required) for r in results] == [("failed", "interrupted", True)]
@@ -373,10 +440,12 @@ async def test_reconcile_removes_domains_of_failed_provisions_and_leaves_unknown
 async def test_discover_task_publishes_topology_and_parity(env: Env) -> None:
     from gpuaas_common.bus import HandlerContext
 
-    task = m.SliceTopologyDiscover(task_id=f"disc-{uuid.uuid4().hex[:8]}", node_id=env.node_id,
-                                   deadline=utcnow() + timedelta(seconds=30))
-    envelope = Envelope.wrap("slice.topology_discover", task.model_dump(mode="json"), producer="ops",
-                             correlation_id=task.task_id)
+    task = m.SliceTopologyDiscover(
+        task_id=f"disc-{uuid.uuid4().hex[:8]}", node_id=env.node_id, deadline=utcnow() + timedelta(seconds=30)
+    )
+    envelope = Envelope.wrap(
+        "slice.topology_discover", task.model_dump(mode="json"), producer="ops", correlation_id=task.task_id
+    )
     await env.agent.on_discover(HandlerContext(envelope, task, "s", "c", 1))
     topo = await env.spy.wait_type("node.topology_reported", task_id=task.task_id)
     parity = await env.spy.wait_type("node.parity_reported", task_id=task.task_id)

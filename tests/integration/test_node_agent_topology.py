@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuaas_node_agent.adapters.discovery import discover
 from gpuaas_dev.sim.fixture_host import build_host_root, eui_for, xe9680l
+from gpuaas_node_agent.adapters.discovery import discover
 from gpuaas_node_agent.adapters.host import Host
 from gpuaas_node_agent.adapters.parity import ParityChecker, format_lines
 
@@ -88,7 +88,8 @@ async def test_candidate_slots_pair_numa_local_devices_deterministically(lab) ->
     numa_of = {d.by_id: d.numa_node for d in report.nvme}
     assert all(numa_of[s.nvme_by_id] == s.numa_node for s in complete)
     assert [s.fabric_vf_pci_address for s in slots] == [f"0000:29:00.{i}" for i in range(1, 5)] + [
-        f"0000:a9:00.{i}" for i in range(1, 5)]
+        f"0000:a9:00.{i}" for i in range(1, 5)
+    ]
     assert [s.private_ip for s in slots] == [f"10.100.0.{10 + i}" for i in range(8)]
     assert [s.ovs_port for s in slots] == [f"gpuaas-s{i}" for i in range(8)]
     assert len({s.mac for s in slots}) == 8 and all(s.mac.startswith("52:54:00:") for s in slots)
@@ -99,11 +100,19 @@ async def test_candidate_slots_pair_numa_local_devices_deterministically(lab) ->
 
 async def test_by_id_identity_is_stable_when_kernel_names_move(tmp_path: Path) -> None:
     wwids = [eui_for("lab-02", i) for i in range(8)]
-    before = await discover(Host.at(build_host_root(
-        tmp_path / "a", xe9680l("lab-02", data_disk_wwids=wwids, disk_file_bytes=1 << 20))), "lab-02")
+    before = await discover(
+        Host.at(build_host_root(tmp_path / "a", xe9680l("lab-02", data_disk_wwids=wwids, disk_file_bytes=1 << 20))),
+        "lab-02",
+    )
     # After a reboot the BOSS disk came back as nvme7n1 (as on the lab host) and every other name shifted.
-    after = await discover(Host.at(build_host_root(
-        tmp_path / "b", xe9680l("lab-02", data_disk_wwids=wwids, os_disk_ctrl=7, disk_file_bytes=1 << 20))), "lab-02")
+    after = await discover(
+        Host.at(
+            build_host_root(
+                tmp_path / "b", xe9680l("lab-02", data_disk_wwids=wwids, os_disk_ctrl=7, disk_file_bytes=1 << 20)
+            )
+        ),
+        "lab-02",
+    )
     names_before = {d.by_id: d.kernel_name for d in before.nvme}
     names_after = {d.by_id: d.kernel_name for d in after.nvme}
     assert set(names_before) == set(names_after)
@@ -112,7 +121,8 @@ async def test_by_id_identity_is_stable_when_kernel_names_move(tmp_path: Path) -
     os_after = next(d for d in after.nvme if d.is_os_disk)
     assert os_after.by_id == os_before and os_after.kernel_name == "nvme7n1"
     assert [(s.gpu_pci_address, s.nvme_by_id) for s in before.candidate_slots] == [
-        (s.gpu_pci_address, s.nvme_by_id) for s in after.candidate_slots]
+        (s.gpu_pci_address, s.nvme_by_id) for s in after.candidate_slots
+    ]
 
 
 async def test_disk_with_old_partition_table_reports_signatures_and_is_not_offered(tmp_path: Path) -> None:
@@ -136,8 +146,19 @@ async def test_healthy_host_passes_every_parity_check(tmp_path: Path) -> None:
     report = await ParityChecker(Host.at(root)).run("xe9680l-01")
     assert report.failures == 0 and report.warnings == 0
     assert [c.check for c in report.checks] == [
-        "kvm", "iommu_groups", "vfio_modules", "libvirtd", "ovs_bridge", "dnsmasq_gpu_subnet", "nat_rule",
-        "ip_forwarding", "ipoib_netplan", "fabric_route", "network_baseline_service", "node_agent"]
+        "kvm",
+        "iommu_groups",
+        "vfio_modules",
+        "libvirtd",
+        "ovs_bridge",
+        "dnsmasq_gpu_subnet",
+        "nat_rule",
+        "ip_forwarding",
+        "ipoib_netplan",
+        "fabric_route",
+        "network_baseline_service",
+        "node_agent",
+    ]
     assert all(c.status == "PASS" for c in report.checks)
 
 
@@ -169,8 +190,9 @@ async def test_each_broken_variant_fails_exactly_its_check(tmp_path: Path, varia
 
 
 async def test_historical_baseline_service_is_only_a_warning(tmp_path: Path) -> None:
-    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20,
-                                                      network_baseline="gpuaas-slice-host-net-baseline"))
+    root = build_host_root(
+        tmp_path / "host", xe9680l(disk_file_bytes=1 << 20, network_baseline="gpuaas-slice-host-net-baseline")
+    )
     report = await ParityChecker(Host.at(root)).run("xe9680l-01")
     assert report.failures == 0 and report.warnings == 1
     assert next(c for c in report.checks if c.check == "network_baseline_service").status == "WARN"
@@ -212,9 +234,21 @@ def test_format_lines_escapes_blanks() -> None:
     from gpuaas_common.contract import messages as m
     from gpuaas_common.contract import utcnow
 
-    report = m.NodeParityReported(node_id="n", checked_at=utcnow(), failures=1, warnings=0, checks=[
-        m.ParityCheck(check="ipoib_netplan", status="FAIL", detail="command exited with 1",
-                      remediation="render /etc/netplan/60-ipoib.yaml")])
+    report = m.NodeParityReported(
+        node_id="n",
+        checked_at=utcnow(),
+        failures=1,
+        warnings=0,
+        checks=[
+            m.ParityCheck(
+                check="ipoib_netplan",
+                status="FAIL",
+                detail="command exited with 1",
+                remediation="render /etc/netplan/60-ipoib.yaml",
+            )
+        ],
+    )
     assert format_lines(report)[0] == (
         "GPUAAS_SLICE_PARITY status=FAIL check=ipoib_netplan detail=command\\ exited\\ with\\ 1 "
-        "remediation=render\\ /etc/netplan/60-ipoib.yaml")
+        "remediation=render\\ /etc/netplan/60-ipoib.yaml"
+    )

@@ -94,15 +94,21 @@ async def test_each_role_owns_its_schema_and_works_in_it(role_dsns, fresh_db):
             assert await conn.fetchval("SELECT current_user") == spec.role
             await conn.execute(f'CREATE TABLE "{spec.schema}".mine (id int PRIMARY KEY, note text)')
             await conn.execute(f'INSERT INTO "{spec.schema}".mine VALUES (1, $1)', service)
-            await conn.execute(f'UPDATE "{spec.schema}".mine SET note = note || \'!\'')
+            await conn.execute(f"UPDATE \"{spec.schema}\".mine SET note = note || '!'")
             assert await conn.fetchval(f'SELECT note FROM "{spec.schema}".mine') == f"{service}!"
             attrs = await conn.fetchrow(
                 "SELECT rolsuper, rolcreatedb, rolcreaterole, rolinherit, rolreplication, rolbypassrls, rolcanlogin "
                 "FROM pg_roles WHERE rolname = current_user"
             )
-            assert dict(attrs) == {"rolsuper": False, "rolcreatedb": False, "rolcreaterole": False,
-                                   "rolinherit": False, "rolreplication": False, "rolbypassrls": False,
-                                   "rolcanlogin": True}
+            assert dict(attrs) == {
+                "rolsuper": False,
+                "rolcreatedb": False,
+                "rolcreaterole": False,
+                "rolinherit": False,
+                "rolreplication": False,
+                "rolbypassrls": False,
+                "rolcanlogin": True,
+            }
             owner = await conn.fetchval(
                 "SELECT pg_get_userbyid(nspowner) FROM pg_namespace WHERE nspname = $1", spec.schema
             )
@@ -122,7 +128,7 @@ async def _as_superuser(dsn: str, *statements: str) -> None:
 
 
 async def test_roles_get_nothing_beyond_their_schema(role_dsns):
-    for service, dsn in role_dsns.items():
+    for dsn in role_dsns.values():
         conn = await asyncpg.connect(dsn)
         try:
             for statement in ("CREATE TABLE public.squat (x int)", "CREATE SCHEMA squat"):
@@ -135,9 +141,11 @@ async def test_roles_get_nothing_beyond_their_schema(role_dsns):
 
 
 async def test_other_roles_of_the_cluster_cannot_even_connect(postgres_server, fresh_db, role_dsns):
-    await _as_superuser(fresh_db,
-                        "DROP ROLE IF EXISTS gpuaas_test_outsider",
-                        "CREATE ROLE gpuaas_test_outsider LOGIN PASSWORD 'outsider-password'")
+    await _as_superuser(
+        fresh_db,
+        "DROP ROLE IF EXISTS gpuaas_test_outsider",
+        "CREATE ROLE gpuaas_test_outsider LOGIN PASSWORD 'outsider-password'",
+    )
     parts = urllib.parse.urlsplit(fresh_db)
     outsider = urllib.parse.urlunsplit(
         parts._replace(netloc=f"gpuaas_test_outsider:outsider-password@{parts.hostname}:{parts.port}")
@@ -164,7 +172,7 @@ async def test_no_role_can_read_write_or_create_in_another_services_schema(migra
             schema = SERVICE_ROLES[b].schema
             for statement in (
                 f'SELECT count(*) FROM "{schema}".outbox',
-                f'INSERT INTO "{schema}".inbox (consumer, message_id) VALUES (\'intruder\', \'m1\')',
+                f"INSERT INTO \"{schema}\".inbox (consumer, message_id) VALUES ('intruder', 'm1')",
                 f'CREATE TABLE "{schema}".intruder (x int)',
             ):
                 try:
@@ -186,9 +194,10 @@ async def test_every_services_migrations_run_as_its_role(role_dsns):
                 applied = await apply_migrations(conn, spec.schema, package)
                 assert applied[0] == "000_outbox_inbox" and len(applied) > 1, (service, applied)
                 assert await apply_migrations(conn, spec.schema, package) == []
-                owners = {r["tableowner"] for r in await conn.fetch(
-                    "SELECT tableowner FROM pg_tables WHERE schemaname = $1", spec.schema
-                )}
+                owners = {
+                    r["tableowner"]
+                    for r in await conn.fetch("SELECT tableowner FROM pg_tables WHERE schemaname = $1", spec.schema)
+                }
                 assert owners == {spec.role}, service
         finally:
             await pool.close()
@@ -236,10 +245,12 @@ async def test_wrong_or_missing_password_is_refused(postgres_server, role_dsns, 
 
 
 async def test_a_schema_that_predates_the_roles_is_adopted(postgres_server, fresh_db):
-    await _as_superuser(fresh_db,
-                        "CREATE SCHEMA scheduler",
-                        "CREATE TABLE scheduler.legacy (id serial PRIMARY KEY, note text)",
-                        "CREATE VIEW scheduler.legacy_notes AS SELECT note FROM scheduler.legacy")
+    await _as_superuser(
+        fresh_db,
+        "CREATE SCHEMA scheduler",
+        "CREATE TABLE scheduler.legacy (id serial PRIMARY KEY, note text)",
+        "CREATE VIEW scheduler.legacy_notes AS SELECT note FROM scheduler.legacy",
+    )
     dsns = await ensure_service_roles(postgres_server.dsn, _database(fresh_db), _passwords())
     conn = await asyncpg.connect(dsns["scheduler"])
     try:
@@ -252,10 +263,12 @@ async def test_a_schema_that_predates_the_roles_is_adopted(postgres_server, fres
 
 
 async def test_hand_granted_rights_across_services_are_taken_back(postgres_server, fresh_db, role_dsns):
-    await _as_superuser(fresh_db,
-                        "GRANT USAGE, CREATE ON SCHEMA scheduler TO gpuaas_allocator",
-                        "GRANT USAGE ON SCHEMA maas_gateway TO PUBLIC",
-                        "GRANT gpuaas_image_pipeline TO gpuaas_allocator")
+    await _as_superuser(
+        fresh_db,
+        "GRANT USAGE, CREATE ON SCHEMA scheduler TO gpuaas_allocator",
+        "GRANT USAGE ON SCHEMA maas_gateway TO PUBLIC",
+        "GRANT gpuaas_image_pipeline TO gpuaas_allocator",
+    )
     await ensure_service_roles(postgres_server.dsn, _database(fresh_db), _passwords())
     dsns = await ensure_service_roles(postgres_server.dsn, _database(fresh_db), {"allocator": "p" * 24})
     conn = await asyncpg.connect(dsns["allocator"])
@@ -270,12 +283,15 @@ async def test_hand_granted_rights_across_services_are_taken_back(postgres_serve
         await conn.close()
 
 
-@pytest.mark.parametrize("passwords, why", [
-    ({"node-agent": "x" * 20}, "no Postgres role"),
-    ({"allocator": ""}, "empty"),
-    ({"allocator": "pässwört-pässwört"}, "printable ASCII"),
-    ({"allocator": "with space inside"}, "printable ASCII"),
-])
+@pytest.mark.parametrize(
+    "passwords, why",
+    [
+        ({"node-agent": "x" * 20}, "no Postgres role"),
+        ({"allocator": ""}, "empty"),
+        ({"allocator": "pässwört-pässwört"}, "printable ASCII"),
+        ({"allocator": "with space inside"}, "printable ASCII"),
+    ],
+)
 async def test_bad_input_is_refused_before_touching_the_cluster(passwords, why):
     # The admin DSN points nowhere: validation has to come first.
     with pytest.raises(ValueError, match=why):

@@ -31,8 +31,12 @@ async def pool(fresh_db):
 
 
 async def _inbox_row(pool: asyncpg.Pool, message_id: str, age_s: float, consumer: str = "c") -> None:
-    await pool.execute("INSERT INTO inbox (consumer, message_id, received_at) "
-                       "VALUES ($1, $2, now() - make_interval(secs => $3))", consumer, message_id, age_s)
+    await pool.execute(
+        "INSERT INTO inbox (consumer, message_id, received_at) VALUES ($1, $2, now() - make_interval(secs => $3))",
+        consumer,
+        message_id,
+        age_s,
+    )
 
 
 async def _redelivered_is_noop(pool: asyncpg.Pool, message_id: str, consumer: str = "c") -> bool:
@@ -48,8 +52,7 @@ async def test_old_inbox_rows_go_in_batches_and_recent_ones_still_stop_redeliver
     await _inbox_row(pool, "recent", age_s=2 * DAY)
     await _inbox_row(pool, "just-now", age_s=0)
 
-    sweeper = RetentionSweeper(pool, SCHEMA, inbox_retention_s=8 * DAY, idempotency_retention_s=8 * DAY,
-                               batch_size=3)
+    sweeper = RetentionSweeper(pool, SCHEMA, inbox_retention_s=8 * DAY, idempotency_retention_s=8 * DAY, batch_size=3)
     deleted = await sweeper.sweep()
 
     assert deleted is not None and deleted["inbox"] == 7
@@ -67,7 +70,10 @@ async def test_stored_idempotency_answers_expire_on_their_own_setting(pool):
         await pool.execute(
             "INSERT INTO admin_idempotency (key, method, path, request_hash, status_code, response, created_at) "
             "VALUES ($1, 'POST', '/x', 'h', 200, $2::jsonb, now() - make_interval(secs => $3))",
-            key, json.dumps({}), age_s)
+            key,
+            json.dumps({}),
+            age_s,
+        )
     await _inbox_row(pool, "three-days", age_s=3 * DAY)
 
     deleted = await RetentionSweeper(pool, SCHEMA, inbox_retention_s=8 * DAY, idempotency_retention_s=DAY).sweep()
@@ -83,8 +89,9 @@ async def test_a_schema_without_the_admin_api_sweeps_its_inbox_only(fresh_db):
     pool = await create_pool(fresh_db, "allocator")
     try:
         await _inbox_row(pool, "old", age_s=9 * DAY)
-        deleted = await RetentionSweeper(pool, "allocator", inbox_retention_s=8 * DAY,
-                                         idempotency_retention_s=8 * DAY).sweep()
+        deleted = await RetentionSweeper(
+            pool, "allocator", inbox_retention_s=8 * DAY, idempotency_retention_s=8 * DAY
+        ).sweep()
         assert deleted == {"inbox": 1}
     finally:
         await pool.close()
@@ -117,15 +124,20 @@ def test_retention_cannot_be_set_inside_the_duplicate_window(monkeypatch):
 async def test_every_postgres_backed_service_runtime_sweeps_its_schema(fresh_db, nats_server):
     conn = await asyncpg.connect(fresh_db)
     await apply_migrations(conn, "allocator", "gpuaas_allocator.migrations")
-    await conn.execute("INSERT INTO allocator.inbox (consumer, message_id, received_at) VALUES "
-                       "('c', 'old', now() - interval '9 days'), ('c', 'recent', now())")
+    await conn.execute(
+        "INSERT INTO allocator.inbox (consumer, message_id, received_at) VALUES "
+        "('c', 'old', now() - interval '9 days'), ('c', 'recent', now())"
+    )
     settings = ServiceSettings(database_url=fresh_db, nats_url=nats_server.url, health_port=0)
     rt = ServiceRuntime("allocator", settings, schema="allocator", migrations_package="gpuaas_allocator.migrations")
     await rt.setup()
     try:
         await rt.start()
-        await eventually(lambda: conn.fetchval("SELECT count(*) = 1 FROM allocator.inbox"), timeout=30,
-                         what="the runtime's retention sweep")
+        await eventually(
+            lambda: conn.fetchval("SELECT count(*) = 1 FROM allocator.inbox"),
+            timeout=30,
+            what="the runtime's retention sweep",
+        )
         assert await conn.fetchval("SELECT message_id FROM allocator.inbox") == "recent"
     finally:
         await rt.stop()

@@ -29,8 +29,9 @@ async def pool(fresh_db):
 
 def _message() -> HandlerContext:
     payload = m.AllocationReleaseRequested(allocation_id=uuid.uuid4(), reason="test")
-    env = Envelope.wrap("allocation.release_requested", payload.model_dump(mode="json"), producer="t",
-                        correlation_id="c")
+    env = Envelope.wrap(
+        "allocation.release_requested", payload.model_dump(mode="json"), producer="t", correlation_id="c"
+    )
     return HandlerContext(env, payload, "gpuaas.allocation.release_requested", "consumer-a", 1)
 
 
@@ -40,8 +41,11 @@ async def _effect_and_event(ctx: HandlerContext) -> None:
 
 
 async def _counts(pool) -> tuple[int, int, int]:
-    return (await pool.fetchval("SELECT count(*) FROM effects"), await pool.fetchval("SELECT count(*) FROM inbox"),
-            await pool.fetchval("SELECT count(*) FROM outbox"))
+    return (
+        await pool.fetchval("SELECT count(*) FROM effects"),
+        await pool.fetchval("SELECT count(*) FROM inbox"),
+        await pool.fetchval("SELECT count(*) FROM outbox"),
+    )
 
 
 async def test_effects_inbox_and_events_commit_together_once(pool) -> None:

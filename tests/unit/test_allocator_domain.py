@@ -1,3 +1,4 @@
+import itertools
 import uuid
 
 import pytest
@@ -16,8 +17,15 @@ HOST_IMAGE = ActiveImage("ubuntu-24.04-h200-host", "host", "h200-sxm", "1" * 64,
 
 
 def req(**kw) -> AllocationRequested:
-    base = dict(allocation_id=uuid.uuid4(), tenant_id="t", shape="gpu_slice", sku="h200-sxm-slice", gpu_count=1,
-                image=SLICE_IMAGE.slug, ssh_public_keys=["ssh-ed25519 AAAA tenant@x"])
+    base = dict(
+        allocation_id=uuid.uuid4(),
+        tenant_id="t",
+        shape="gpu_slice",
+        sku="h200-sxm-slice",
+        gpu_count=1,
+        image=SLICE_IMAGE.slug,
+        ssh_public_keys=["ssh-ed25519 AAAA tenant@x"],
+    )
     base.update(kw)
     return AllocationRequested(**base)
 
@@ -49,7 +57,9 @@ def test_rejections_carry_reason_codes(overrides, image, code):
 
 
 def test_baremetal_takes_the_whole_host():
-    assert validate_request(req(shape="baremetal", sku="h200-sxm", gpu_count=8, image=HOST_IMAGE.slug), HOST_IMAGE) is None
+    assert (
+        validate_request(req(shape="baremetal", sku="h200-sxm", gpu_count=8, image=HOST_IMAGE.slug), HOST_IMAGE) is None
+    )
 
 
 def test_fingerprint_is_stable_and_body_sensitive():
@@ -67,7 +77,7 @@ STATES = sorted(set(LIFECYCLE) | set(ENDS))
 
 def test_the_lifecycle_walks_from_requested_to_released():
     walked = [LIFECYCLE[0]]
-    for current, new in zip(LIFECYCLE, LIFECYCLE[1:]):
+    for current, new in itertools.pairwise(LIFECYCLE):
         check_transition(current, new)  # raises InvalidTransition on a refused step
         walked.append(new)
     assert walked == LIFECYCLE
@@ -87,8 +97,16 @@ def test_an_ended_allocation_never_moves_again(end, to):
         check_transition(end, to)
 
 
-@pytest.mark.parametrize("current, new", [("released", "active"), ("failed", "releasing"), ("accepted", "active"),
-                                          ("unschedulable", "placed"), ("active", "placed")])
+@pytest.mark.parametrize(
+    "current, new",
+    [
+        ("released", "active"),
+        ("failed", "releasing"),
+        ("accepted", "active"),
+        ("unschedulable", "placed"),
+        ("active", "placed"),
+    ],
+)
 def test_forbidden_transitions(current, new):
     with pytest.raises(InvalidTransition):
         check_transition(current, new)

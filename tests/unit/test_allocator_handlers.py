@@ -35,9 +35,19 @@ class FakeAllocationRepository:
         return copy.deepcopy(row) if row else None
 
     async def insert(self, **fields: Any) -> None:
-        row = {"node_id": None, "maas_system_id": None, "placement": None, "task_id": None, "release_task_id": None,
-               "operation_id": None, "release_operation_id": None, "awaiting_result": False, "deployed": False,
-               "enrolled": False, "access": None}
+        row = {
+            "node_id": None,
+            "maas_system_id": None,
+            "placement": None,
+            "task_id": None,
+            "release_task_id": None,
+            "operation_id": None,
+            "release_operation_id": None,
+            "awaiting_result": False,
+            "deployed": False,
+            "enrolled": False,
+            "access": None,
+        }
         row.update(fields)
         self.allocations[fields["allocation_id"]] = row
 
@@ -82,20 +92,51 @@ class World:
 
     async def request(self, shape: str = "gpu_slice") -> uuid.UUID:
         alloc = uuid.uuid4()
-        sku, image, gpus = (("h200-sxm-slice", SLICE_IMAGE, 1) if shape == "gpu_slice" else ("h200-sxm", HOST_IMAGE, 8))
-        await self.send(self.allocator.on_requested, "allocation.requested", m.AllocationRequested(
-            allocation_id=alloc, tenant_id="t", shape=shape, sku=sku, gpu_count=gpus, image=image.slug,
-            ssh_public_keys=["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIUnit unit@test"]))
+        sku, image, gpus = ("h200-sxm-slice", SLICE_IMAGE, 1) if shape == "gpu_slice" else ("h200-sxm", HOST_IMAGE, 8)
+        await self.send(
+            self.allocator.on_requested,
+            "allocation.requested",
+            m.AllocationRequested(
+                allocation_id=alloc,
+                tenant_id="t",
+                shape=shape,
+                sku=sku,
+                gpu_count=gpus,
+                image=image.slug,
+                ssh_public_keys=["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIUnit unit@test"],
+            ),
+        )
         return alloc
 
     async def place(self, alloc: uuid.UUID, shape: str = "gpu_slice") -> None:
-        slots = [m.SlotBinding(slot_id="n1-s0", gpu_pci_address="0000:18:00.0", nvme_by_id="nvme-x",
-                               fabric_vf_pci_address="0000:19:00.2", mac="52:54:00:00:00:01",
-                               private_ip="127.100.0.10", ovs_bridge="br-slice", profile="h200-slice")
-                 ] if shape == "gpu_slice" else []
-        await self.send(self.allocator.on_placed, "placement.placed", m.PlacementPlaced(
-            allocation_id=alloc, node_id="n1", claim_mode="slots" if slots else "node_exclusive", slots=slots,
-            fencing_epoch=1, maas_system_id=None if slots else "abc123"))
+        slots = (
+            [
+                m.SlotBinding(
+                    slot_id="n1-s0",
+                    gpu_pci_address="0000:18:00.0",
+                    nvme_by_id="nvme-x",
+                    fabric_vf_pci_address="0000:19:00.2",
+                    mac="52:54:00:00:00:01",
+                    private_ip="127.100.0.10",
+                    ovs_bridge="br-slice",
+                    profile="h200-slice",
+                )
+            ]
+            if shape == "gpu_slice"
+            else []
+        )
+        await self.send(
+            self.allocator.on_placed,
+            "placement.placed",
+            m.PlacementPlaced(
+                allocation_id=alloc,
+                node_id="n1",
+                claim_mode="slots" if slots else "node_exclusive",
+                slots=slots,
+                fencing_epoch=1,
+                maas_system_id=None if slots else "abc123",
+            ),
+        )
 
 
 @pytest.fixture
@@ -109,14 +150,25 @@ async def test_a_release_while_provisioning_waits_for_the_result_then_tears_down
     task = world.sent("slice.vm_provision")[0]
     assert world.state(alloc) == "provisioning"
 
-    await world.send(world.allocator.on_release_requested, "allocation.release_requested",
-                     m.AllocationReleaseRequested(allocation_id=alloc))
+    await world.send(
+        world.allocator.on_release_requested,
+        "allocation.release_requested",
+        m.AllocationReleaseRequested(allocation_id=alloc),
+    )
     assert world.state(alloc) == "releasing"
     assert world.sent("slice.vm_release") == [], "the teardown must not race the provision still in flight"
 
-    await world.send(world.allocator.on_task_result, "node.task_result", m.NodeTaskResult(
-        task_id=task["task_id"], allocation_id=alloc, node_id="n1", task_type="slice.vm_provision",
-        status="succeeded"))
+    await world.send(
+        world.allocator.on_task_result,
+        "node.task_result",
+        m.NodeTaskResult(
+            task_id=task["task_id"],
+            allocation_id=alloc,
+            node_id="n1",
+            task_type="slice.vm_provision",
+            status="succeeded",
+        ),
+    )
     assert world.state(alloc) == "releasing", "a VM that came up after the release request is never handed out"
     assert not world.sent("allocation.active")
     release = world.sent("slice.vm_release")
@@ -125,8 +177,11 @@ async def test_a_release_while_provisioning_waits_for_the_result_then_tears_down
 
 async def test_a_release_before_placement_frees_without_touching_a_host(world: World) -> None:
     alloc = await world.request()
-    await world.send(world.allocator.on_release_requested, "allocation.release_requested",
-                     m.AllocationReleaseRequested(allocation_id=alloc))
+    await world.send(
+        world.allocator.on_release_requested,
+        "allocation.release_requested",
+        m.AllocationReleaseRequested(allocation_id=alloc),
+    )
     await world.place(alloc)
     assert world.state(alloc) == "released"
     assert world.sent("slice.vm_provision") == [] and world.sent("slice.vm_release") == []
@@ -136,25 +191,51 @@ async def _deployed_baremetal(world: World) -> uuid.UUID:
     alloc = await world.request("baremetal")
     await world.place(alloc, "baremetal")
     op = world.sent("maas.deploy_requested")[0]
-    await world.send(world.allocator.on_maas_result, "maas.deploy_result", m.MaasDeployResult(
-        operation_id=op["operation_id"], allocation_id=alloc, system_id="abc123", node_id="n1", status="deployed",
-        resolution="direct", attempts=1))
+    await world.send(
+        world.allocator.on_maas_result,
+        "maas.deploy_result",
+        m.MaasDeployResult(
+            operation_id=op["operation_id"],
+            allocation_id=alloc,
+            system_id="abc123",
+            node_id="n1",
+            status="deployed",
+            resolution="direct",
+            attempts=1,
+        ),
+    )
     assert world.state(alloc) == "provisioning"  # deployed, but its agent has not proven itself yet
     return alloc
 
 
-@pytest.mark.parametrize("secret, machine, becomes_active", [
-    (SECRET, "abc123", True),
-    ("another-secret", "abc123", False),  # minted by someone without our secret
-    (SECRET, "other-machine", False),  # a proof for another machine replayed here
-])
+@pytest.mark.parametrize(
+    "secret, machine, becomes_active",
+    [
+        (SECRET, "abc123", True),
+        ("another-secret", "abc123", False),  # minted by someone without our secret
+        (SECRET, "other-machine", False),  # a proof for another machine replayed here
+    ],
+)
 async def test_a_baremetal_host_goes_active_only_with_the_right_enrolment_proof(
-    world: World, secret: str, machine: str, becomes_active: bool,
+    world: World,
+    secret: str,
+    machine: str,
+    becomes_active: bool,
 ) -> None:
     alloc = await _deployed_baremetal(world)
-    await world.send(world.allocator.on_enrolled, "node.enrolled", m.NodeEnrolled(
-        node_id="n1", kind="baremetal", hostname="bm", agent_version="t", maas_system_id="abc123",
-        allocation_id=alloc, enrolment_proof=enrolment_proof(secret, str(alloc), machine)))
+    await world.send(
+        world.allocator.on_enrolled,
+        "node.enrolled",
+        m.NodeEnrolled(
+            node_id="n1",
+            kind="baremetal",
+            hostname="bm",
+            agent_version="t",
+            maas_system_id="abc123",
+            allocation_id=alloc,
+            enrolment_proof=enrolment_proof(secret, str(alloc), machine),
+        ),
+    )
     assert (world.state(alloc) == "active") is becomes_active
     assert bool(world.sent("allocation.active")) is becomes_active
 
@@ -165,16 +246,32 @@ async def test_a_result_for_a_task_never_sent_changes_nothing(world: World) -> N
     before = copy.deepcopy(world.repo.allocations[alloc])
     env_count = len(world.events)
     with pytest.raises(PermanentError) as err:
-        await world.send(world.allocator.on_task_result, "node.task_result", m.NodeTaskResult(
-            task_id="rel-forged", allocation_id=alloc, node_id="n1", task_type="slice.vm_release", status="succeeded"))
+        await world.send(
+            world.allocator.on_task_result,
+            "node.task_result",
+            m.NodeTaskResult(
+                task_id="rel-forged",
+                allocation_id=alloc,
+                node_id="n1",
+                task_type="slice.vm_release",
+                status="succeeded",
+            ),
+        )
     assert err.value.reason_code == "unknown_task"
     assert world.repo.allocations[alloc] == before and len(world.events) == env_count
 
 
 async def test_the_same_message_twice_has_one_effect(world: World) -> None:
     alloc = uuid.uuid4()
-    req = m.AllocationRequested(allocation_id=alloc, tenant_id="t", shape="gpu_slice", sku="h200-sxm-slice",
-                                gpu_count=1, image=SLICE_IMAGE.slug, ssh_public_keys=["ssh-ed25519 AAAA k@t"])
+    req = m.AllocationRequested(
+        allocation_id=alloc,
+        tenant_id="t",
+        shape="gpu_slice",
+        sku="h200-sxm-slice",
+        gpu_count=1,
+        image=SLICE_IMAGE.slug,
+        ssh_public_keys=["ssh-ed25519 AAAA k@t"],
+    )
     env = Envelope.wrap("allocation.requested", req.model_dump(mode="json"), producer="test", correlation_id="c")
     for _ in range(2):
         uow = FakeUnitOfWork(world.repo, "allocator", seen=world.inbox)

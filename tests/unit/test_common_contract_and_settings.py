@@ -27,8 +27,12 @@ def test_derived_event_ids_are_stable():
 
 
 def test_parse_message_rejects_a_type_on_the_wrong_subject():
-    env = Envelope.wrap("allocation.release_requested",
-                        {"allocation_id": "6d3f7d1e-8f9a-4a49-9c1e-0d7a4f1b2c3d"}, producer="t", correlation_id="c")
+    env = Envelope.wrap(
+        "allocation.release_requested",
+        {"allocation_id": "6d3f7d1e-8f9a-4a49-9c1e-0d7a4f1b2c3d"},
+        producer="t",
+        correlation_id="c",
+    )
     parse_message("gpuaas.allocation.release_requested", env.model_dump_json().encode())
     with pytest.raises(PermanentError) as err:
         parse_message("gpuaas.allocation.requested", env.model_dump_json().encode())

@@ -52,27 +52,53 @@ def test_pack_push_pull_round_trip_keeps_holes(tmp_path: Path, registry_server: 
     assert packed.raw_sha256 == hashlib.sha256(raw.read_bytes()).hexdigest()
     assert packed.blob_size < 4 << 20  # holes did not travel
     pushed = registry.push_artifact(
-        push_host=registry_server.host, repository="slice-guest-images/img", tag="t1", tls_mode="plain-http",
-        blob=tmp_path / "img.gpsparse", blob_digest=packed.blob_sha256, blob_size=packed.blob_size,
-        media_type=sparse.MEDIA_TYPE, title="img.raw", config={}, annotations={}, chunk_size=1 << 20)
+        push_host=registry_server.host,
+        repository="slice-guest-images/img",
+        tag="t1",
+        tls_mode="plain-http",
+        blob=tmp_path / "img.gpsparse",
+        blob_digest=packed.blob_sha256,
+        blob_size=packed.blob_size,
+        media_type=sparse.MEDIA_TYPE,
+        title="img.raw",
+        config={},
+        annotations={},
+        chunk_size=1 << 20,
+    )
     ref = ArtifactRef(registry_server.host, "slice-guest-images/img", "t1", pushed.manifest_digest).uri
     dest = tmp_path / "node" / "img.raw"
-    out = image_cache.pull_into_cache(artifact_ref=ref, blob_digest=f"sha256:{packed.blob_sha256}",
-                                      blob_size=packed.blob_size, expected_raw_sha256=packed.raw_sha256, dest=dest,
-                                      tls_mode="plain-http")
+    out = image_cache.pull_into_cache(
+        artifact_ref=ref,
+        blob_digest=f"sha256:{packed.blob_sha256}",
+        blob_size=packed.blob_size,
+        expected_raw_sha256=packed.raw_sha256,
+        dest=dest,
+        tls_mode="plain-http",
+    )
     assert out.status == "verified" and dest.read_bytes() == raw.read_bytes()
     assert os.stat(dest).st_blocks * 512 < 8 << 20  # sparse on the node too
 
     # The catalog says another digest: refused, and the verified file is left alone.
-    out = image_cache.pull_into_cache(artifact_ref=ref, blob_digest=f"sha256:{packed.blob_sha256}",
-                                      blob_size=packed.blob_size, expected_raw_sha256=D, dest=dest,
-                                      tls_mode="plain-http")
+    out = image_cache.pull_into_cache(
+        artifact_ref=ref,
+        blob_digest=f"sha256:{packed.blob_sha256}",
+        blob_size=packed.blob_size,
+        expected_raw_sha256=D,
+        dest=dest,
+        tls_mode="plain-http",
+    )
     assert out.status == "mismatch" and dest.read_bytes() == raw.read_bytes()
     assert [p.name for p in dest.parent.iterdir()] == ["img.raw"]  # no temp file left behind
 
     with pytest.raises(image_cache.PullError):
-        image_cache.pull_into_cache(artifact_ref=ref, blob_digest="sha256:" + "9" * 64, blob_size=1,
-                                    expected_raw_sha256=packed.raw_sha256, dest=dest, tls_mode="plain-http")
+        image_cache.pull_into_cache(
+            artifact_ref=ref,
+            blob_digest="sha256:" + "9" * 64,
+            blob_size=1,
+            expected_raw_sha256=packed.raw_sha256,
+            dest=dest,
+            tls_mode="plain-http",
+        )
 
 
 def test_host_image_tgz_has_curtin_marker_and_site_bootstrap(tmp_path: Path) -> None:

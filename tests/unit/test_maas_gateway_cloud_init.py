@@ -10,14 +10,19 @@ from gpuaas_dev.sim.baremetal import parse_agent_env, parse_node_creds
 from gpuaas_maas_gateway.service_layer.cloud_init import BootstrapNotCloudConfig, render_user_data
 
 CREDS = (
-    "-----BEGIN NATS USER JWT-----\neyJ0eXAiOiJKV1QiLCJhbGciOiJlZDI1NTE5LW5rZXkifQ.e30.sig\n------END NATS USER JWT------\n"
+    "-----BEGIN NATS USER JWT-----\n"
+    "eyJ0eXAiOiJKV1QiLCJhbGciOiJlZDI1NTE5LW5rZXkifQ.e30.sig\n------END NATS USER JWT------\n"
     "\n************************* IMPORTANT *************************\n"
     "NKEY Seed printed below can be used to sign and prove identity.\n\n"
     "-----BEGIN USER NKEY SEED-----\nSUAEXAMPLESEED\n------END USER NKEY SEED------\n\n"
     "*************************************************************\n"
 )
-ENV = {"GPUAAS_NODE_ID": "bm-01", "GPUAAS_ALLOCATION_ID": "a-1", "GPUAAS_MAAS_SYSTEM_ID": "sys1",
-       "GPUAAS_ENROLMENT_TOKEN": "tok"}
+ENV = {
+    "GPUAAS_NODE_ID": "bm-01",
+    "GPUAAS_ALLOCATION_ID": "a-1",
+    "GPUAAS_MAAS_SYSTEM_ID": "sys1",
+    "GPUAAS_ENROLMENT_TOKEN": "tok",
+}
 
 
 def render(bootstrap: str, creds: str | None = CREDS) -> str:
@@ -29,19 +34,26 @@ def files(user_data: str) -> dict[str, dict[str, str]]:
 
 
 def test_a_bootstrap_with_its_own_write_files_keeps_the_agent_files_and_its_own() -> None:
-    bootstrap = ("#cloud-config\npackages: [ipmitool]\nwrite_files:\n  - path: /etc/site/motd\n    content: hello\n"
-                 "runcmd:\n  - [systemctl, restart, site-agent]\n")
+    bootstrap = (
+        "#cloud-config\npackages: [ipmitool]\nwrite_files:\n  - path: /etc/site/motd\n    content: hello\n"
+        "runcmd:\n  - [systemctl, restart, site-agent]\n"
+    )
     user_data = render(bootstrap)
 
     assert user_data.startswith("#cloud-config\n")
     doc = yaml.safe_load(user_data)
-    assert [f["path"] for f in doc["write_files"]] == ["/etc/site/motd", "/etc/gpuaas/node-agent.env",
-                                                       "/etc/gpuaas/node.creds"]
+    assert [f["path"] for f in doc["write_files"]] == [
+        "/etc/site/motd",
+        "/etc/gpuaas/node-agent.env",
+        "/etc/gpuaas/node.creds",
+    ]
     assert doc["packages"] == ["ipmitool"] and doc["runcmd"] == [["systemctl", "restart", "site-agent"]]
     env_file = files(user_data)["/etc/gpuaas/node-agent.env"]
     assert env_file["permissions"] == "0600"
     assert dict(line.split("=", 1) for line in env_file["content"].splitlines()) == {
-        **ENV, "GPUAAS_NATS_CREDS": "/etc/gpuaas/node.creds"}
+        **ENV,
+        "GPUAAS_NATS_CREDS": "/etc/gpuaas/node.creds",
+    }
     # What the (simulated) host reads back.
     assert parse_agent_env(user_data) == {**ENV, "GPUAAS_NATS_CREDS": "/etc/gpuaas/node.creds"}
     assert parse_node_creds(user_data) == CREDS
@@ -62,14 +74,17 @@ def test_without_creds_there_is_no_creds_file_and_no_creds_line() -> None:
     assert yaml.safe_load(user_data)["runcmd"] == ["site-bootstrap"]
 
 
-@pytest.mark.parametrize("bootstrap", [
-    "#!/bin/sh\necho hi\n",
-    "#include\nhttps://example.com/cloud-config\n",
-    'Content-Type: multipart/mixed; boundary="x"\n',
-    "- just\n- a list\n",
-    "write_files: /etc/motd\n",
-    "runcmd: [unclosed\n",
-])
+@pytest.mark.parametrize(
+    "bootstrap",
+    [
+        "#!/bin/sh\necho hi\n",
+        "#include\nhttps://example.com/cloud-config\n",
+        'Content-Type: multipart/mixed; boundary="x"\n',
+        "- just\n- a list\n",
+        "write_files: /etc/motd\n",
+        "runcmd: [unclosed\n",
+    ],
+)
 def test_a_bootstrap_that_is_not_a_cloud_config_mapping_is_refused(bootstrap: str) -> None:
     with pytest.raises(BootstrapNotCloudConfig):
         render(bootstrap)

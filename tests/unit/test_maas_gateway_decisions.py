@@ -80,7 +80,10 @@ def test_sites_keep_the_single_site_settings_working():
 
     single = GatewaySettings(maas_url="http://a/MAAS/", maas_api_key=SecretStr("a:b:c"))
     assert list(single.sites()) == ["default"] and single.sites()["default"].url == "http://a/MAAS/"
-    multi = GatewaySettings(maas_url="http://a/MAAS/", maas_api_key=SecretStr("a:b:c"),
-                            maas_sites={"east": MaasSite(url="http://e/MAAS/", api_key=SecretStr("d:e:f"))})
+    multi = GatewaySettings(
+        maas_url="http://a/MAAS/",
+        maas_api_key=SecretStr("a:b:c"),
+        maas_sites={"east": MaasSite(url="http://e/MAAS/", api_key=SecretStr("d:e:f"))},
+    )
     assert sorted(multi.sites()) == ["default", "east"]
     assert "d:e:f" not in repr(multi) and "a:b:c" not in repr(multi)

@@ -27,10 +27,28 @@ def deploy(m: Machine, now: float = T0, **kw: object) -> None:
 # ---- status names ----------------------------------------------------------------------------------
 
 EXPECTED_LABELS = [
-    "New", "Commissioning", "Failed commissioning", "Missing", "Ready", "Reserved", "Deployed",
-    "Retired", "Broken", "Deploying", "Allocated", "Failed deployment", "Releasing",
-    "Releasing failed", "Disk erasing", "Failed disk erasing", "Rescue mode", "Entering rescue mode",
-    "Failed to enter rescue mode", "Exiting rescue mode", "Failed to exit rescue mode", "Testing",
+    "New",
+    "Commissioning",
+    "Failed commissioning",
+    "Missing",
+    "Ready",
+    "Reserved",
+    "Deployed",
+    "Retired",
+    "Broken",
+    "Deploying",
+    "Allocated",
+    "Failed deployment",
+    "Releasing",
+    "Releasing failed",
+    "Disk erasing",
+    "Failed disk erasing",
+    "Rescue mode",
+    "Entering rescue mode",
+    "Failed to enter rescue mode",
+    "Exiting rescue mode",
+    "Failed to exit rescue mode",
+    "Testing",
     "Failed testing",
 ]
 
@@ -102,8 +120,16 @@ def test_deploy_can_end_in_failed_deployment_with_message() -> None:
 
 # ---- release ---------------------------------------------------------------------------------------
 
-RELEASABLE = [S.ALLOCATED, S.RESERVED, S.BROKEN, S.DEPLOYING, S.DEPLOYED, S.FAILED_DEPLOYMENT,
-              S.FAILED_DISK_ERASING, S.FAILED_RELEASING]
+RELEASABLE = [
+    S.ALLOCATED,
+    S.RESERVED,
+    S.BROKEN,
+    S.DEPLOYING,
+    S.DEPLOYED,
+    S.FAILED_DEPLOYMENT,
+    S.FAILED_DISK_ERASING,
+    S.FAILED_RELEASING,
+]
 
 
 @pytest.mark.parametrize("status", [S.READY, S.RELEASING])
@@ -160,17 +186,13 @@ def test_release_during_deploy_cancels_the_deploy_timer() -> None:
     assert m.status is S.READY
 
 
-@pytest.mark.parametrize(
-    "status", [s for s in NodeStatus if s not in RELEASABLE and s not in (S.READY, S.RELEASING)]
-)
+@pytest.mark.parametrize("status", [s for s in NodeStatus if s not in RELEASABLE and s not in (S.READY, S.RELEASING)])
 def test_release_refused_in_other_states(status: NodeStatus) -> None:
     m = machine_in(status)
     with pytest.raises(NodeStateViolation) as err:
         m.release(T0, TIMERS)
     assert err.value.status == 409
-    assert err.value.body == (
-        f"Machine cannot be released in its current state ('{STATUS_LABELS[status]}')."
-    )
+    assert err.value.body == (f"Machine cannot be released in its current state ('{STATUS_LABELS[status]}').")
 
 
 # ---- commission ------------------------------------------------------------------------------------
@@ -195,11 +217,13 @@ def test_a_late_poll_sees_the_whole_commissioning_chain() -> None:
     m.advance(T0 + 100, TIMERS)
     assert m.status is S.READY
     assert [(t.to_status, t.at) for t in m.history] == [
-        (S.COMMISSIONING, T0), (S.TESTING, T0 + 3.0), (S.READY, T0 + 7.0)]
+        (S.COMMISSIONING, T0),
+        (S.TESTING, T0 + 3.0),
+        (S.READY, T0 + 7.0),
+    ]
 
 
-@pytest.mark.parametrize("phase,outcome", [("commissioning", S.FAILED_COMMISSIONING),
-                                           ("testing", S.FAILED_TESTING)])
+@pytest.mark.parametrize("phase,outcome", [("commissioning", S.FAILED_COMMISSIONING), ("testing", S.FAILED_TESTING)])
 def test_commissioning_and_testing_can_fail(phase: str, outcome: NodeStatus) -> None:
     m = machine_in(S.NEW)
     m.inject_failure(phase, f"{phase} failed")
@@ -216,9 +240,7 @@ def test_commission_refused_in_other_states(status: NodeStatus) -> None:
     with pytest.raises(BadRequest) as err:
         m.commission(T0, TIMERS)
     assert err.value.status == 400
-    assert err.value.body == {
-        "__all__": ["Commission is not available because of the current state of the node."]
-    }
+    assert err.value.body == {"__all__": ["Commission is not available because of the current state of the node."]}
     assert err.value.content_type == "application/json"
 
 
@@ -267,9 +289,7 @@ def test_abort_refused_in_other_states(status: NodeStatus) -> None:
     with pytest.raises(NodeStateViolation) as err:
         m.abort(T0)
     assert err.value.status == 409
-    assert err.value.body == (
-        f"Cannot abort in current state: node abc123 is in state {STATUS_LABELS[status]}."
-    )
+    assert err.value.body == (f"Cannot abort in current state: node abc123 is in state {STATUS_LABELS[status]}.")
 
 
 # ---- timers and ids --------------------------------------------------------------------------------
@@ -294,10 +314,29 @@ def test_system_id_for_is_deterministic_short_lowercase_alnum() -> None:
 
 def test_machine_json_has_the_fields_clients_use() -> None:
     data = machine_in(S.READY).to_json()
-    for key in ("system_id", "hostname", "fqdn", "status", "status_name", "status_message", "owner",
-                "osystem", "distro_series", "hwe_kernel", "power_state", "power_type", "tag_names",
-                "ip_addresses", "architecture", "cpu_count", "memory", "zone", "pool", "locked",
-                "resource_uri"):
+    for key in (
+        "system_id",
+        "hostname",
+        "fqdn",
+        "status",
+        "status_name",
+        "status_message",
+        "owner",
+        "osystem",
+        "distro_series",
+        "hwe_kernel",
+        "power_state",
+        "power_type",
+        "tag_names",
+        "ip_addresses",
+        "architecture",
+        "cpu_count",
+        "memory",
+        "zone",
+        "pool",
+        "locked",
+        "resource_uri",
+    ):
         assert key in data
     assert data["ip_addresses"][0].startswith("127.")
     assert data["resource_uri"] == "/MAAS/api/2.0/machines/abc123/"
@@ -358,9 +397,11 @@ def test_script_store_rules() -> None:
     made = scripts.create(name="fw", script="#!/bin/sh\n", script_type="commissioning")
     assert made.to_json("/MAAS/api/2.0/")["type_name"] == "commissioning"
     assert scripts.known("fw") and scripts.known("update_firmware") and not scripts.known("nope")
-    for kwargs, field in (({"name": "fw", "script": "#!/bin/sh"}, "name"),
-                          ({"name": "b", "script": "echo"}, "script"),
-                          ({"name": "c", "script": "#!/bin/sh", "script_type": "weird"}, "type")):
+    for kwargs, field in (
+        ({"name": "fw", "script": "#!/bin/sh"}, "name"),
+        ({"name": "b", "script": "echo"}, "script"),
+        ({"name": "c", "script": "#!/bin/sh", "script_type": "weird"}, "type"),
+    ):
         with pytest.raises(BadRequest) as err:
             scripts.create(script_type=kwargs.pop("script_type", "testing"), **kwargs)
         assert field in err.value.body

@@ -32,8 +32,7 @@ def test_reservation_written_atomically_and_removed(tmp_path: Path) -> None:
         ("n", "52:54:00:00:00:01", "10.0.0.1", "h\ndhcp-range=x", "hostname"),
     ],
 )
-def test_bad_reservations_are_refused(tmp_path: Path, name: str, mac: str, ip: str, hostname: str,
-                                      match: str) -> None:
+def test_bad_reservations_are_refused(tmp_path: Path, name: str, mac: str, ip: str, hostname: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         dnsmasq.write_reservation(tmp_path, name, mac, ip, hostname)
     assert list(tmp_path.iterdir()) == []

@@ -13,8 +13,14 @@ from gpuaas_dev.sim.settings import SimFleetSettings
 from gpuaas_node_agent.settings import AgentSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-SIMULATION_ONLY = {"fleet_file", "nats_creds_dir", "sim_image_dir", "maas_sim_url", "sim_disk_size_mib",
-                   "sim_instant_hosts"}
+SIMULATION_ONLY = {
+    "fleet_file",
+    "nats_creds_dir",
+    "sim_image_dir",
+    "maas_sim_url",
+    "sim_disk_size_mib",
+    "sim_instant_hosts",
+}
 
 
 def test_the_production_agent_has_no_simulation_settings() -> None:

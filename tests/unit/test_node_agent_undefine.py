@@ -41,8 +41,9 @@ async def test_undefine_removes_the_nvram_first(host: LibvirtHost, monkeypatch: 
     assert dom.calls == [("undefineFlags", libvirt.VIR_DOMAIN_UNDEFINE_NVRAM)]
 
 
-async def test_plain_undefine_only_when_the_driver_has_no_nvram_support(host: LibvirtHost,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_plain_undefine_only_when_the_driver_has_no_nvram_support(
+    host: LibvirtHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dom = RecordingDomain(refuse_nvram_with=libvirt.VIR_ERR_INVALID_ARG)
     monkeypatch.setattr(host, "_lookup", lambda name: dom)
     assert await host.undefine("gpuaas-x") is True

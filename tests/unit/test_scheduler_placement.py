@@ -103,7 +103,12 @@ def test_sliced_nodes_first_then_topology_then_best_fit_then_id():
         cand("sliced-split", [1, 3]),  # 2 free on one NUMA node, no free pair
     ]
     assert [n.node_id for n in rank_nodes(nodes, 2)] == [
-        "sliced-tight", "sliced-tight-b", "sliced-roomy", "sliced-split", "clean-a"]
+        "sliced-tight",
+        "sliced-tight-b",
+        "sliced-roomy",
+        "sliced-split",
+        "clean-a",
+    ]
     assert [n.node_id for n in rank_nodes(nodes, 4)] == ["sliced-roomy", "clean-a"]
     assert [n.node_id for n in rank_nodes(nodes, 1)][:3] == ["sliced-split", "sliced-tight", "sliced-tight-b"]
     assert [n.node_id for n in rank_nodes(nodes, 8)] == ["clean-a"]
@@ -141,31 +146,46 @@ def test_clean_node_watermark():
 
 
 def facts(**kw):
-    base = dict(node_id="n1", region="r1", sku="h200-sxm-slice", accepts_slices=True, accepts_baremetal=False,
-                mode="slice", schedulable=True, draining=False, maintenance=False, parity_failures=0, live_claims=0,
-                exclusive_held=False, candidate=cand("n1", range(8)))
+    base = dict(
+        node_id="n1",
+        region="r1",
+        sku="h200-sxm-slice",
+        accepts_slices=True,
+        accepts_baremetal=False,
+        mode="slice",
+        schedulable=True,
+        draining=False,
+        maintenance=False,
+        parity_failures=0,
+        live_claims=0,
+        exclusive_held=False,
+        candidate=cand("n1", range(8)),
+    )
     base.update(kw)
     return NodeFacts(**base)
 
 
-@pytest.mark.parametrize("change,bucket", [
-    ({"region": "r2"}, "region"),
-    ({"sku": "other"}, "sku"),
-    ({"accepts_slices": False}, "profile_intent"),
-    ({"mode": "baremetal"}, "host_mode"),
-    ({"mode": "converting"}, "host_mode"),
-    ({"mode": "drained"}, "host_mode"),
-    ({"mode": "retired"}, "host_mode"),
-    ({"maintenance": True}, "maintenance"),
-    ({"draining": True}, "draining"),
-    ({"schedulable": False}, "not_ready"),
-    ({"parity_failures": None}, "parity"),
-    ({"parity_failures": 2}, "parity"),
-    ({"exclusive_held": True}, "in_use"),
-    ({"candidate": cand("n1", [0, 1])}, "free_slot_count"),
-    ({"candidate": cand("n1", [0, 2, 4, 6])}, "topology"),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "change,bucket",
+    [
+        ({"region": "r2"}, "region"),
+        ({"sku": "other"}, "sku"),
+        ({"accepts_slices": False}, "profile_intent"),
+        ({"mode": "baremetal"}, "host_mode"),
+        ({"mode": "converting"}, "host_mode"),
+        ({"mode": "drained"}, "host_mode"),
+        ({"mode": "retired"}, "host_mode"),
+        ({"maintenance": True}, "maintenance"),
+        ({"draining": True}, "draining"),
+        ({"schedulable": False}, "not_ready"),
+        ({"parity_failures": None}, "parity"),
+        ({"parity_failures": 2}, "parity"),
+        ({"exclusive_held": True}, "in_use"),
+        ({"candidate": cand("n1", [0, 1])}, "free_slot_count"),
+        ({"candidate": cand("n1", [0, 2, 4, 6])}, "topology"),
+        ({}, None),
+    ],
+)
 def test_each_filter_names_its_bucket(change, bucket):
     assert node_filter(facts(**change), Request("gpu_slice", 4, "r1", "h200-sxm-slice")) == bucket
 
@@ -196,8 +216,9 @@ def test_a_baremetal_mode_host_still_holding_approved_slots_is_not_handed_out():
 def test_reason_texts_are_precise():
     code, reason = unschedulable_summary(Counter({"topology": 3}), free_gpus=12, requested=4, eligible_nodes=3)
     assert code == "topology" and reason.startswith("12 GPUs free but no node has 4 topology-safe slots")
-    code, reason = unschedulable_summary(Counter({"free_slot_count": 4}), free_gpus=12, requested=4,
-                                         eligible_nodes=4, largest_free=3)
+    code, reason = unschedulable_summary(
+        Counter({"free_slot_count": 4}), free_gpus=12, requested=4, eligible_nodes=4, largest_free=3
+    )
     assert code == "fragmented" and "12 GPUs free but no node has 4 free slots (largest: 3)" in reason
     code, reason = unschedulable_summary(Counter({"draining": 2, "parity": 1}), 0, 1, eligible_nodes=0)
     assert code == "no_eligible_node" and "2 draining" in reason and "1 without parity failures=0" in reason
@@ -208,28 +229,35 @@ def test_reason_texts_are_precise():
 # --- approval rules -----------------------------------------------------------------------------------
 
 GOOD = {
-    "slot_id": "x", "gpu_pci_address": "0000:18:00.0", "nvme_by_id": "/dev/disk/by-id/nvme-eui.1",
-    "mac": "52:54:00:00:00:01", "private_ip": "10.100.0.10", "fabric_claim_mode": "per_slot_vf",
+    "slot_id": "x",
+    "gpu_pci_address": "0000:18:00.0",
+    "nvme_by_id": "/dev/disk/by-id/nvme-eui.1",
+    "mac": "52:54:00:00:00:01",
+    "private_ip": "10.100.0.10",
+    "fabric_claim_mode": "per_slot_vf",
     "fabric_vf_pci_address": "0000:29:00.1",
     "nvme_evidence": {"mounted": False, "mounted_children": [], "signatures": [], "is_os_disk": False},
 }
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"gpu_pci_address": None}, "GPU PCI"),
-    ({"nvme_by_id": None}, "by-id"),
-    ({"nvme_by_id": "/dev/nvme0n1"}, "by-id"),
-    ({"mac": None}, "MAC"),
-    ({"private_ip": ""}, "private IP"),
-    ({"fabric_claim_mode": "shared"}, "per_slot_vf"),
-    ({"fabric_vf_pci_address": ""}, "fabric VF"),
-    ({"nvme_evidence": None}, "no NVMe evidence"),
-    ({"nvme_evidence": {**GOOD["nvme_evidence"], "mounted": True}}, "is mounted"),
-    ({"nvme_evidence": {**GOOD["nvme_evidence"], "mounted_children": ["nvme0n1p1"]}}, "mounted children"),
-    ({"nvme_evidence": {**GOOD["nvme_evidence"], "signatures": ["ext4"]}}, "unexpected filesystems"),
-    ({"nvme_evidence": {**GOOD["nvme_evidence"], "signatures": None}}, "could not be read"),
-    ({"nvme_evidence": {**GOOD["nvme_evidence"], "is_os_disk": True}}, "OS disk"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"gpu_pci_address": None}, "GPU PCI"),
+        ({"nvme_by_id": None}, "by-id"),
+        ({"nvme_by_id": "/dev/nvme0n1"}, "by-id"),
+        ({"mac": None}, "MAC"),
+        ({"private_ip": ""}, "private IP"),
+        ({"fabric_claim_mode": "shared"}, "per_slot_vf"),
+        ({"fabric_vf_pci_address": ""}, "fabric VF"),
+        ({"nvme_evidence": None}, "no NVMe evidence"),
+        ({"nvme_evidence": {**GOOD["nvme_evidence"], "mounted": True}}, "is mounted"),
+        ({"nvme_evidence": {**GOOD["nvme_evidence"], "mounted_children": ["nvme0n1p1"]}}, "mounted children"),
+        ({"nvme_evidence": {**GOOD["nvme_evidence"], "signatures": ["ext4"]}}, "unexpected filesystems"),
+        ({"nvme_evidence": {**GOOD["nvme_evidence"], "signatures": None}}, "could not be read"),
+        ({"nvme_evidence": {**GOOD["nvme_evidence"], "is_os_disk": True}}, "OS disk"),
+    ],
+)
 def test_each_approval_rule_keeps_the_slot_disabled(change, needle):
     problems = approval_problems({**GOOD, **change})
     status, reason = approved_status(problems)
@@ -243,8 +271,15 @@ def test_complete_candidate_is_available():
 
 @pytest.mark.parametrize("key", ["nvme_by_id", "mac", "private_ip", "fabric_vf_pci_address"])
 def test_bindings_owned_by_another_slot_are_refused(key):
-    other = {**GOOD, "slot_id": "y", "gpu_pci_address": "0000:2a:00.0", "nvme_by_id": "/dev/disk/by-id/nvme-eui.2",
-             "mac": "52:54:00:00:00:02", "private_ip": "10.100.0.11", "fabric_vf_pci_address": "0000:29:00.2"}
+    other = {
+        **GOOD,
+        "slot_id": "y",
+        "gpu_pci_address": "0000:2a:00.0",
+        "nvme_by_id": "/dev/disk/by-id/nvme-eui.2",
+        "mac": "52:54:00:00:00:02",
+        "private_ip": "10.100.0.11",
+        "fabric_vf_pci_address": "0000:29:00.2",
+    }
     other[key] = GOOD[key]
     problems = approval_problems(GOOD, [other])
     assert any(key in p and "slot y" in p for p in problems)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from gpuaas_scheduler.domain.slots import (
@@ -21,14 +23,16 @@ def test_the_table_covers_every_status_the_database_allows():
 
 
 def test_a_slot_lives_from_available_back_to_available():
-    for current, new in zip(HAPPY_PATH, HAPPY_PATH[1:]):
+    for current, new in itertools.pairwise(HAPPY_PATH):
         check_slot_transition(current, new)  # raises on a refused step
 
 
 @pytest.mark.parametrize("written", ["active", "releasing"])
 def test_a_disk_a_vm_has_run_on_returns_only_through_cleanup(written):
     with pytest.raises(InvalidSlotTransition):
-        check_slot_transition(written, "available") if written == "active" else check_slot_transition(written, "reserved")
+        check_slot_transition(written, "available") if written == "active" else check_slot_transition(
+            written, "reserved"
+        )
     assert "cleanup" in SLOT_TRANSITIONS[written] or "cleanup_blocked" in SLOT_TRANSITIONS[written]
 
 
@@ -49,13 +53,16 @@ def test_nothing_is_claimed_unless_available():
     assert {s for s, tos in SLOT_TRANSITIONS.items() if "reserved" in tos} == {"available"}
 
 
-@pytest.mark.parametrize("to, only_from, ok", [
-    ("provisioning", ("reserved",), True),
-    ("available", None, True),
-    ("available", ("active",), False),  # a VM ran: never straight back
-    ("reserved", ("cleanup_blocked",), False),
-    ("active", ("reserved",), False),  # provisioning comes first
-])
+@pytest.mark.parametrize(
+    "to, only_from, ok",
+    [
+        ("provisioning", ("reserved",), True),
+        ("available", None, True),
+        ("available", ("active",), False),  # a VM ran: never straight back
+        ("reserved", ("cleanup_blocked",), False),
+        ("active", ("reserved",), False),  # provisioning comes first
+    ],
+)
 def test_a_mover_naming_a_forbidden_move_is_refused(to, only_from, ok):
     if ok:
         assert set(movable_from(to, only_from)) <= {s for s, tos in SLOT_TRANSITIONS.items() if to in tos}

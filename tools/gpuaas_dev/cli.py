@@ -62,9 +62,12 @@ NatsUrlOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 CredsOpt = Annotated[
     Optional[Path],
-    typer.Option("--creds", help="NATS .creds file to act with. Default: $GPUAAS_NATS_CREDS, else the dev "
-                                 "stack's creds for this command's role (portal for allocate/release, ops "
-                                 "for events tail)."),
+    typer.Option(
+        "--creds",
+        help="NATS .creds file to act with. Default: $GPUAAS_NATS_CREDS, else the dev "
+        "stack's creds for this command's role (portal for allocate/release, ops "
+        "for events tail).",
+    ),
 ]
 
 
@@ -129,8 +132,14 @@ async def _connect(identity, closed_cb=None):
 
     extra = {"closed_cb": closed_cb} if closed_cb else {}
     try:
-        return await nats.connect(**identity.connect_kwargs(), connect_timeout=3, max_reconnect_attempts=2,
-                                  reconnect_time_wait=0.5, name="gpuaas-cli", **extra)
+        return await nats.connect(
+            **identity.connect_kwargs(),
+            connect_timeout=3,
+            max_reconnect_attempts=2,
+            reconnect_time_wait=0.5,
+            name="gpuaas-cli",
+            **extra,
+        )
     except Exception as exc:  # nats-py raises several unrelated types for "nobody there"
         reason = str(exc) or type(exc).__name__
         err.print(f"[red]cannot connect to NATS at {', '.join(identity.servers)} as {identity.name}[/]: {reason}")
@@ -185,8 +194,11 @@ def _describe_event(kind: str, payload: dict[str, Any]) -> str:
         return f"provisioning on {p.get('node_id')} ({what})"
     if kind == "active":
         a = p.get("access", {})
-        bits = [f"ip {a['ip']}" if a.get("ip") else None, "ssh ready" if a.get("ssh_ready") else None,
-                f"MAAS {a['maas_system_id']}" if a.get("maas_system_id") else None]
+        bits = [
+            f"ip {a['ip']}" if a.get("ip") else None,
+            "ssh ready" if a.get("ssh_ready") else None,
+            f"MAAS {a['maas_system_id']}" if a.get("maas_system_id") else None,
+        ]
         return f"[green]active[/] on {p.get('node_id')}: " + ", ".join(b for b in bits if b)
     if kind == "releasing":
         return "releasing" + (f": {p['reason']}" if p.get("reason") else "")
@@ -201,7 +213,13 @@ def _describe_event(kind: str, payload: dict[str, Any]) -> str:
 
 
 async def _follow(
-    nc, allocation_id: str, start: Any, goal: set[str], fail: set[str], timeout: float, initial: str,
+    nc,
+    allocation_id: str,
+    start: Any,
+    goal: set[str],
+    fail: set[str],
+    timeout: float,
+    initial: str,
     progress: bool = False,
 ) -> dict[str, Any]:
     """Subscribe first, then publish (`start`), then print events for one allocation until an end state.
@@ -218,7 +236,10 @@ async def _follow(
     await nc.flush()  # the server knows our interest before the request can cause any event
     t0 = time.monotonic()
     result: dict[str, Any] = {
-        "allocation_id": allocation_id, "state": initial, "node_id": None, "timed_out": False,
+        "allocation_id": allocation_id,
+        "state": initial,
+        "node_id": None,
+        "timed_out": False,
         "timeline": [{"state": initial, "at": _now_iso(), "elapsed_s": 0.0}],
     }
     await start()
@@ -246,8 +267,10 @@ async def _follow(
             elapsed = time.monotonic() - t0
             if type_ == "node.task_progress":
                 detail = f" — {payload['detail']}" if payload.get("detail") else ""
-                err.print(f"[dim]+{elapsed:.2f}s[/]   · {payload.get('node_id')} {payload.get('task_type')}: "
-                          f"{payload.get('phase')}{detail}")
+                err.print(
+                    f"[dim]+{elapsed:.2f}s[/]   · {payload.get('node_id')} {payload.get('task_type')}: "
+                    f"{payload.get('phase')}{detail}"
+                )
                 continue
             if not type_.startswith("allocation."):
                 continue
@@ -278,13 +301,20 @@ def _finish(result: dict[str, Any], goal: set[str], as_json: bool) -> None:
 @app.command()
 def allocate(
     shape: Annotated[str, typer.Option("--shape", help="gpu_slice or baremetal.")],
-    gpus: Annotated[Optional[int], typer.Option("--gpus", help="GPU count (default 1 for a slice, 8 for baremetal).")] = None,
+    gpus: Annotated[
+        Optional[int], typer.Option("--gpus", help="GPU count (default 1 for a slice, 8 for baremetal).")
+    ] = None,
     image: Annotated[Optional[str], typer.Option("--image", help="Image slug (default per shape).")] = None,
     tenant: Annotated[str, typer.Option("--tenant")] = "dev",
     region: Annotated[str, typer.Option("--region")] = "default",
-    ssh_key: Annotated[Optional[list[str]], typer.Option("--ssh-key", help="Public key text or .pub file (repeatable; default: ~/.ssh/id_*.pub).")] = None,
+    ssh_key: Annotated[
+        Optional[list[str]],
+        typer.Option("--ssh-key", help="Public key text or .pub file (repeatable; default: ~/.ssh/id_*.pub)."),
+    ] = None,
     hostname: Annotated[Optional[str], typer.Option("--hostname")] = None,
-    allocation_id: Annotated[Optional[str], typer.Option("--allocation-id", help="Idempotency key (default: new UUID).")] = None,
+    allocation_id: Annotated[
+        Optional[str], typer.Option("--allocation-id", help="Idempotency key (default: new UUID).")
+    ] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Follow the lifecycle until active or a failure.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait with --wait.")] = 180.0,
     as_json: JsonOpt = False,
@@ -303,17 +333,30 @@ def allocate(
     try:
         request = AllocationRequested(
             allocation_id=uuid.UUID(allocation_id) if allocation_id else uuid.uuid4(),
-            tenant_id=tenant, shape=shape, sku=d["sku"], gpu_count=gpus or d["gpus"], image=image or d["image"],
-            region=region, ssh_public_keys=_ssh_keys(ssh_key), hostname=hostname,
+            tenant_id=tenant,
+            shape=shape,
+            sku=d["sku"],
+            gpu_count=gpus or d["gpus"],
+            image=image or d["image"],
+            region=region,
+            ssh_public_keys=_ssh_keys(ssh_key),
+            hostname=hostname,
         )
     except (ValidationError, ValueError) as exc:
         err.print(f"[red]invalid request[/]: {exc}")
         raise typer.Exit(2) from None
     url = _resolve_nats_url(nats_url, run_dir)
     _publish_and_follow(
-        _identity(url, creds, run_dir, "portal"), "allocation.requested", request, wait=wait, timeout=timeout,
-        initial="requested", said="requested", success={"active"},
-        failure={"rejected", "unschedulable", "failed", "releasing", "released"}, as_json=as_json,
+        _identity(url, creds, run_dir, "portal"),
+        "allocation.requested",
+        request,
+        wait=wait,
+        timeout=timeout,
+        initial="requested",
+        said="requested",
+        success={"active"},
+        failure={"rejected", "unschedulable", "failed", "releasing", "released"},
+        as_json=as_json,
     )
 
 
@@ -338,15 +381,31 @@ def release(
         raise typer.Exit(2) from None
     url = _resolve_nats_url(nats_url, run_dir)
     _publish_and_follow(
-        _identity(url, creds, run_dir, "portal"), "allocation.release_requested", request, wait=wait, timeout=timeout,
-        initial="release_requested", said="release requested for", success={"released"},
-        failure={"failed", "rejected"}, as_json=as_json,
+        _identity(url, creds, run_dir, "portal"),
+        "allocation.release_requested",
+        request,
+        wait=wait,
+        timeout=timeout,
+        initial="release_requested",
+        said="release requested for",
+        success={"released"},
+        failure={"failed", "rejected"},
+        as_json=as_json,
     )
 
 
 def _publish_and_follow(
-    identity: Any, type_: str, request: Any, *, wait: bool, timeout: float, initial: str, said: str,
-    success: set[str], failure: set[str], as_json: bool,
+    identity: Any,
+    type_: str,
+    request: Any,
+    *,
+    wait: bool,
+    timeout: float,
+    initial: str,
+    said: str,
+    success: set[str],
+    failure: set[str],
+    as_json: bool,
 ) -> None:
     """Publish a portal message; with `wait`, follow the allocation until a success or failure state."""
     alloc = str(request.allocation_id)
@@ -355,16 +414,30 @@ def _publish_and_follow(
         nc = await _connect(identity)
         js = nc.jetstream()
         try:
+
             async def publish() -> None:
                 await _publish(js, type_, request.model_dump(mode="json"), alloc)
 
             if not wait:
                 await publish()
                 err.print(f"{said} [bold]{alloc}[/]")
-                return {"allocation_id": alloc, "state": initial, "node_id": None, "timed_out": False,
-                        "timeline": [{"state": initial, "at": _now_iso(), "elapsed_s": 0.0}]}
-            return await _follow(nc, alloc, publish, success, failure, timeout, initial,
-                                 progress=identity.name in ("ops", "admin", "anonymous"))
+                return {
+                    "allocation_id": alloc,
+                    "state": initial,
+                    "node_id": None,
+                    "timed_out": False,
+                    "timeline": [{"state": initial, "at": _now_iso(), "elapsed_s": 0.0}],
+                }
+            return await _follow(
+                nc,
+                alloc,
+                publish,
+                success,
+                failure,
+                timeout,
+                initial,
+                progress=identity.name in ("ops", "admin", "anonymous"),
+            )
         finally:
             await nc.drain()
 
@@ -416,10 +489,15 @@ def events_tail(
                     continue
                 payload = data.get("payload", {}) if isinstance(data, dict) else {}
                 kind = str(data.get("type", "?"))
-                summary = (_describe_event(kind.split(".", 1)[1], payload) if kind.startswith("allocation.")
-                           else json.dumps(payload, default=str)[:200])
-                err.print(f"[dim]{data.get('occurred_at', '')}[/] [cyan]{kind}[/] "
-                          f"{payload.get('allocation_id', '')} {summary}")
+                summary = (
+                    _describe_event(kind.split(".", 1)[1], payload)
+                    if kind.startswith("allocation.")
+                    else json.dumps(payload, default=str)[:200]
+                )
+                err.print(
+                    f"[dim]{data.get('occurred_at', '')}[/] [cyan]{kind}[/] "
+                    f"{payload.get('allocation_id', '')} {summary}"
+                )
         finally:
             if not nc.is_closed:
                 await nc.drain()
@@ -435,23 +513,34 @@ def events_tail(
 
 @app.command("maas-sim")
 def maas_sim(
-    api_key: Annotated[str, typer.Option("--api-key", envvar="GPUAAS_MAAS_API_KEY", show_default=False,
-                                         help="The one key MAAS accepts (consumer:token:secret).")],
+    api_key: Annotated[
+        str,
+        typer.Option(
+            "--api-key",
+            envvar="GPUAAS_MAAS_API_KEY",
+            show_default=False,
+            help="The one key MAAS accepts (consumer:token:secret).",
+        ),
+    ],
     port: Annotated[int, typer.Option("--port", help="0 picks a free port.")] = 5240,
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
     machines: Annotated[Optional[int], typer.Option("--machines", help="Machine count (hostnames bm-01…).")] = None,
-    machines_file: Annotated[Optional[Path], typer.Option("--machines-file", exists=True, dir_okay=False,
-                                                          help="JSON list of {system_id, hostname, tags}.")] = None,
+    machines_file: Annotated[
+        Optional[Path],
+        typer.Option("--machines-file", exists=True, dir_okay=False, help="JSON list of {system_id, hostname, tags}."),
+    ] = None,
     deploy_seconds: Annotated[Optional[float], typer.Option("--deploy-seconds")] = None,
     release_seconds: Annotated[Optional[float], typer.Option("--release-seconds")] = None,
     erase_seconds: Annotated[Optional[float], typer.Option("--erase-seconds")] = None,
     commission_seconds: Annotated[Optional[float], typer.Option("--commission-seconds")] = None,
     testing_seconds: Annotated[Optional[float], typer.Option("--testing-seconds")] = None,
-    custom_image: Annotated[Optional[list[str]], typer.Option("--custom-image",
-                                                              help="Uploaded custom image name (repeatable).")] = None,
+    custom_image: Annotated[
+        Optional[list[str]], typer.Option("--custom-image", help="Uploaded custom image name (repeatable).")
+    ] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    ready_file: Annotated[Optional[Path], typer.Option("--ready-file",
-                                                       help="Written as JSON {service, pid, port} once serving.")] = None,
+    ready_file: Annotated[
+        Optional[Path], typer.Option("--ready-file", help="Written as JSON {service, pid, port} once serving.")
+    ] = None,
 ) -> None:
     """Serve the MAAS 2.0 API simulator until SIGTERM/Ctrl-C."""
     from gpuaas_dev.maas_sim import SimConfig
@@ -461,9 +550,15 @@ def maas_sim(
         raise typer.BadParameter("give --machines or --machines-file, not both")
     try:
         config = SimConfig.from_cli(
-            machines=machines if machines is not None else 4, api_key=api_key, machines_file=machines_file,
-            deploy_seconds=deploy_seconds, release_seconds=release_seconds, erase_seconds=erase_seconds,
-            commission_seconds=commission_seconds, testing_seconds=testing_seconds, seed=seed,
+            machines=machines if machines is not None else 4,
+            api_key=api_key,
+            machines_file=machines_file,
+            deploy_seconds=deploy_seconds,
+            release_seconds=release_seconds,
+            erase_seconds=erase_seconds,
+            commission_seconds=commission_seconds,
+            testing_seconds=testing_seconds,
+            seed=seed,
             custom_images=custom_image or None,
         )
     except ValueError as exc:
@@ -492,7 +587,9 @@ def maas_sim(
 
 @contract_app.command("render")
 def contract_render(
-    check: Annotated[bool, typer.Option("--check", help="Exit 1 if the committed file differs; write nothing.")] = False,
+    check: Annotated[
+        bool, typer.Option("--check", help="Exit 1 if the committed file differs; write nothing.")
+    ] = False,
 ) -> None:
     """Render contracts/asyncapi.yaml from the contract models."""
     from gpuaas_common.contract.asyncapi import CONTRACT_PATH, render_yaml
@@ -534,7 +631,9 @@ def _print_summary(info: dict[str, Any]) -> None:
     table.add_column("port", justify="right")
     table.add_column("log")
     for name, s in info.get("services", {}).items():
-        table.add_row(name, str(s.get("pid") or "-"), str(s.get("health_port") or s.get("port") or "-"), s.get("log", ""))
+        table.add_row(
+            name, str(s.get("pid") or "-"), str(s.get("health_port") or s.get("port") or "-"), s.get("log", "")
+        )
     err.print(table)
     err.print(f"NATS      {info.get('nats_url')}")
     err.print(f"Postgres  {info.get('database_url')}")
@@ -574,8 +673,10 @@ def _supervise(stack, *, announce: bool) -> int:
                 except StackError as exc:
                     delay[name] = min(30.0, delay.get(name, 0.5) * 2)
                     next_try[name] = time.monotonic() + delay[name]
-                    err.print(f"{time.strftime('%H:%M:%S')} [red]{name} restart failed[/] "
-                              f"(next try in {delay[name]:.0f}s): {exc}")
+                    err.print(
+                        f"{time.strftime('%H:%M:%S')} [red]{name} restart failed[/] "
+                        f"(next try in {delay[name]:.0f}s): {exc}"
+                    )
             time.sleep(0.5)
     except _Shutdown:
         err.print("stopping the stack")
@@ -614,8 +715,10 @@ def dev_up(
     run_dir = run_dir.resolve()
     info = _read_stack_json(run_dir)
     if info and info.get("status") in ("starting", "ready") and _pid_is_ours(info.get("supervisor_pid")):
-        err.print(f"[red]a stack is already running in {run_dir}[/] (supervisor pid {info['supervisor_pid']}); "
-                  f"`gpuaas dev down --run-dir {run_dir}` first")
+        err.print(
+            f"[red]a stack is already running in {run_dir}[/] (supervisor pid {info['supervisor_pid']}); "
+            f"`gpuaas dev down --run-dir {run_dir}` first"
+        )
         raise typer.Exit(1)
     if not detach:
         stack = Stack(run_dir, log_level=log_level, **_stack_args(slice_hosts, slots, baremetal))
@@ -624,12 +727,27 @@ def dev_up(
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "stack.json").unlink(missing_ok=True)
     log_path = run_dir / "logs" / "supervisor.log"
-    argv = [sys.executable, "-m", "gpuaas_dev.cli", "dev", "supervise", "--run-dir", str(run_dir),
-            "--slice-hosts", str(slice_hosts), "--slots", str(slots), "--baremetal", str(baremetal),
-            "--log-level", log_level]
+    argv = [
+        sys.executable,
+        "-m",
+        "gpuaas_dev.cli",
+        "dev",
+        "supervise",
+        "--run-dir",
+        str(run_dir),
+        "--slice-hosts",
+        str(slice_hosts),
+        "--slots",
+        str(slots),
+        "--baremetal",
+        str(baremetal),
+        "--log-level",
+        log_level,
+    ]
     with log_path.open("ab") as log:
-        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True, cwd=Path.cwd())
+        child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=Path.cwd()
+        )
     err.print(f"supervisor pid {child.pid}; waiting for the stack (log: {log_path})")
     from gpuaas_dev.stack import tail
 
@@ -645,8 +763,10 @@ def dev_up(
             err.print(f"[green]ready[/] — `gpuaas dev down --run-dir {run_dir}` stops it")
             return
         if time.monotonic() > deadline:
-            err.print(f"[red]stack not ready after {timeout:.0f}s[/]; stopping it. Last lines of {log_path}:\n"
-                      f"{tail(log_path)}")
+            err.print(
+                f"[red]stack not ready after {timeout:.0f}s[/]; stopping it. Last lines of {log_path}:\n"
+                f"{tail(log_path)}"
+            )
             child.terminate()
             try:
                 child.wait(60)
@@ -730,8 +850,13 @@ def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -
             except (urllib.error.URLError, OSError):
                 ready = False
         rows[name] = {"pid": s.get("pid"), "port": port, "ready": ready, "restarts": s.get("restarts", 0)}
-    summary = {"running": running, "status": info.get("status") if running else "stopped",
-               "nats_url": info.get("nats_url"), "maas_url": info.get("maas_url"), "services": rows}
+    summary = {
+        "running": running,
+        "status": info.get("status") if running else "stopped",
+        "nats_url": info.get("nats_url"),
+        "maas_url": info.get("maas_url"),
+        "services": rows,
+    }
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
@@ -739,8 +864,13 @@ def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -
         for col in ("process", "pid", "port", "ready", "restarts"):
             table.add_column(col)
         for name, r in rows.items():
-            table.add_row(name, str(r["pid"] or "-"), str(r["port"] or "-"),
-                          "[green]yes[/]" if r["ready"] else "[red]no[/]", str(r["restarts"]))
+            table.add_row(
+                name,
+                str(r["pid"] or "-"),
+                str(r["port"] or "-"),
+                "[green]yes[/]" if r["ready"] else "[red]no[/]",
+                str(r["restarts"]),
+            )
         err.print(table)
     raise typer.Exit(0 if running and all(r["ready"] for r in rows.values()) else 1)
 
@@ -756,8 +886,9 @@ def dev_fleet(
     """Write a simulated fleet, its MAAS machine list and the seed images (used by docker-compose)."""
     from gpuaas_dev.stack import prepare_fleet_dir
 
-    files = prepare_fleet_dir(out_dir, slice_hosts=slice_hosts, slots_per_host=slots, baremetal_hosts=baremetal,
-                              ssh_port=ssh_port)
+    files = prepare_fleet_dir(
+        out_dir, slice_hosts=slice_hosts, slots_per_host=slots, baremetal_hosts=baremetal, ssh_port=ssh_port
+    )
     for kind, path in files.items():
         err.print(f"{kind:9} {path}")
 

@@ -36,7 +36,9 @@ def table() -> None:
 @identities_app.command("init")
 def init(
     out: Annotated[Path, typer.Option("--out", help="Directory to write keys/, creds/, tls/ and nats-auth.conf.")],
-    hostnames: Annotated[Optional[list[str]], typer.Option("--hostname", help="Server certificate name (repeatable).")] = None,
+    hostnames: Annotated[
+        Optional[list[str]], typer.Option("--hostname", help="Server certificate name (repeatable).")
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing trust chain.")] = False,
 ) -> None:
     """Create operator, accounts, signing keys, one creds file per role, a CA and a server certificate."""
@@ -60,7 +62,9 @@ def onboard_host(
     node_id: Annotated[str, typer.Argument(help="Scheduler node id of the slice host.")],
     out: Annotated[Path, typer.Option("--out", help="Where to write the host's .creds file (mode 0600).")],
     keys_dir: KeysOpt = Path(".run/dev/keys"),
-    admin_creds: Annotated[Optional[Path], typer.Option("--admin-creds", help="Admin creds to create the durable.")] = None,
+    admin_creds: Annotated[
+        Optional[Path], typer.Option("--admin-creds", help="Admin creds to create the durable.")
+    ] = None,
     nats_url: Annotated[Optional[str], typer.Option("--nats-url")] = None,
     ca_file: Annotated[Optional[Path], typer.Option("--ca-file")] = None,
     ttl_days: Annotated[float, typer.Option("--ttl-days")] = 365.0,
@@ -114,8 +118,9 @@ async def _create_durable(nats_url: str, node_id: str, admin_creds: Optional[Pat
     from gpuaas_common.jetstream import ensure_consumer, node_agent_consumer
     from gpuaas_common.natsconn import NatsIdentity, split_servers
 
-    ident = NatsIdentity(split_servers(nats_url), str(admin_creds) if admin_creds else None,
-                         str(ca_file) if ca_file else None)
+    ident = NatsIdentity(
+        split_servers(nats_url), str(admin_creds) if admin_creds else None, str(ca_file) if ca_file else None
+    )
     nc = await nats.connect(**ident.connect_kwargs(), connect_timeout=5, max_reconnect_attempts=2)
     try:
         outcome = await ensure_consumer(nc.jetstream(), node_agent_consumer(node_id))
@@ -127,14 +132,28 @@ async def _create_durable(nats_url: str, node_id: str, admin_creds: Optional[Pat
 @identities_app.command("provision")
 def provision_bus(
     nats_url: Annotated[str, typer.Option("--nats-url", help="Any server of the cluster (comma-separated list ok).")],
-    creds: Annotated[Path, typer.Option("--creds", exists=True, dir_okay=False,
-                                        help="Admin creds: only admin may create streams and hosts' durables.")],
+    creds: Annotated[
+        Path,
+        typer.Option(
+            "--creds",
+            exists=True,
+            dir_okay=False,
+            help="Admin creds: only admin may create streams and hosts' durables.",
+        ),
+    ],
     ca_file: Annotated[Optional[Path], typer.Option("--ca-file", exists=True, dir_okay=False)] = None,
-    fleet_file: Annotated[Optional[Path], typer.Option(
-        "--fleet-file", exists=True, dir_okay=False,
-        help="Also create the task durable of every slice host of this fleet.")] = None,
-    node_ids: Annotated[Optional[list[str]], typer.Option(
-        "--node-id", help="Also create this slice host's task durable (repeatable).")] = None,
+    fleet_file: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--fleet-file",
+            exists=True,
+            dir_okay=False,
+            help="Also create the task durable of every slice host of this fleet.",
+        ),
+    ] = None,
+    node_ids: Annotated[
+        Optional[list[str]], typer.Option("--node-id", help="Also create this slice host's task durable (repeatable).")
+    ] = None,
 ) -> None:
     """Create or update every stream and the slice hosts' task durables, as admin (idempotent).
 
@@ -162,8 +181,9 @@ async def _provision(nats_url: str, creds: Path, ca_file: Optional[Path], node_i
     from gpuaas_common.natsconn import NatsIdentity, split_servers
 
     ident = NatsIdentity(split_servers(nats_url), str(creds), str(ca_file) if ca_file else None)
-    nc = await nats.connect(**ident.connect_kwargs(), name="gpuaas-provision", connect_timeout=5,
-                            max_reconnect_attempts=3)
+    nc = await nats.connect(
+        **ident.connect_kwargs(), name="gpuaas-provision", connect_timeout=5, max_reconnect_attempts=3
+    )
     try:
         return await provision(nc.jetstream(), [node_agent_consumer(n) for n in node_ids])
     finally:

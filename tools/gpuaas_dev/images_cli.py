@@ -23,7 +23,9 @@ err = Console(stderr=True, highlight=False)
 images_app = typer.Typer(no_args_is_help=True, help="Slice images: build, publish, prewarm, status.")
 
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Where the dev stack keeps its state.")]
-AdminUrlOpt = Annotated[Optional[str], typer.Option("--admin-url", help="Default: $GPUAAS_IMAGE_ADMIN_URL, else stack.json.")]
+AdminUrlOpt = Annotated[
+    Optional[str], typer.Option("--admin-url", help="Default: $GPUAAS_IMAGE_ADMIN_URL, else stack.json.")
+]
 TokenOpt = Annotated[Optional[str], typer.Option("--token", help="Default: $GPUAAS_ADMIN_TOKEN, else secrets.json.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
 DEFAULT_RUN_DIR = Path(".run/dev")
@@ -63,15 +65,21 @@ async def _call(url: str, token: str, method: str, path: str, body: Any = None) 
 def _fail(status: int, body: Any) -> None:
     error = body.get("error") if isinstance(body, dict) else None
     if isinstance(error, dict):
-        err.print(f"[red]HTTP {status}[/]: {error.get('code')}: {error.get('message')} (request {error.get('request_id')})")
+        err.print(
+            f"[red]HTTP {status}[/]: {error.get('code')}: {error.get('message')} (request {error.get('request_id')})"
+        )
     else:
         err.print(f"[red]HTTP {status}[/]: {body}")
     raise typer.Exit(1)
 
 
 @images_app.command("list")
-def images_list(run_dir: RunDirOpt = DEFAULT_RUN_DIR, admin_url: AdminUrlOpt = None, token: TokenOpt = None,
-                as_json: JsonOpt = False) -> None:
+def images_list(
+    run_dir: RunDirOpt = DEFAULT_RUN_DIR,
+    admin_url: AdminUrlOpt = None,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """The catalog."""
     url, tok = _endpoint(admin_url, token, run_dir)
     status, body = asyncio.run(_call(url, tok, "GET", "/v1/images"))
@@ -82,14 +90,26 @@ def images_list(run_dir: RunDirOpt = DEFAULT_RUN_DIR, admin_url: AdminUrlOpt = N
         return
     table = Table("slug", "kind", "status", "sku", "driver", "digest", "source")
     for i in body["images"]:
-        table.add_row(i["slug"], i["kind"], i["status"], i["compatible_sku"], i["driver_strategy"],
-                      (i["digest_sha256"] or "")[:16], i["source_uri"] or "")
+        table.add_row(
+            i["slug"],
+            i["kind"],
+            i["status"],
+            i["compatible_sku"],
+            i["driver_strategy"],
+            (i["digest_sha256"] or "")[:16],
+            i["source_uri"] or "",
+        )
     Console().print(table)
 
 
 @images_app.command("status")
-def images_status(slug: str, run_dir: RunDirOpt = DEFAULT_RUN_DIR, admin_url: AdminUrlOpt = None,
-                  token: TokenOpt = None, as_json: JsonOpt = False) -> None:
+def images_status(
+    slug: str,
+    run_dir: RunDirOpt = DEFAULT_RUN_DIR,
+    admin_url: AdminUrlOpt = None,
+    token: TokenOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
     """A catalog row and the cache state of every slice host."""
     url, tok = _endpoint(admin_url, token, run_dir)
     status, body = asyncio.run(_call(url, tok, "GET", f"/v1/images/{slug}"))
@@ -99,12 +119,20 @@ def images_status(slug: str, run_dir: RunDirOpt = DEFAULT_RUN_DIR, admin_url: Ad
         print(json.dumps(body, indent=2))
         return
     out = Console()
-    out.print(f"[bold]{body['slug']}[/] {body['status']}  digest {body['digest_sha256']}\n  {body['source_uri']}\n"
-              f"  image_path {body['metadata'].get('image_path')}")
+    out.print(
+        f"[bold]{body['slug']}[/] {body['status']}  digest {body['digest_sha256']}\n  {body['source_uri']}\n"
+        f"  image_path {body['metadata'].get('image_path')}"
+    )
     table = Table("node", "cache", "schedulable", "digest", "verified_at", "reason")
     for n in body["nodes"]:
-        table.add_row(n["node_id"], n["status"], "yes" if n["schedulable"] else "no", (n["digest_sha256"] or "")[:16],
-                      n["verified_at"] or "", n["reason"] or "")
+        table.add_row(
+            n["node_id"],
+            n["status"],
+            "yes" if n["schedulable"] else "no",
+            (n["digest_sha256"] or "")[:16],
+            n["verified_at"] or "",
+            n["reason"] or "",
+        )
     out.print(table)
 
 
@@ -112,7 +140,9 @@ def images_status(slug: str, run_dir: RunDirOpt = DEFAULT_RUN_DIR, admin_url: Ad
 def images_build(
     slug: Annotated[str, typer.Option("--slug")],
     source: Annotated[Optional[Path], typer.Option("--source", help="Source qcow2 (or raw) image.")] = None,
-    reuse_build: Annotated[Optional[str], typer.Option("--reuse-build", help="Republish this build's artifact.")] = None,
+    reuse_build: Annotated[
+        Optional[str], typer.Option("--reuse-build", help="Republish this build's artifact.")
+    ] = None,
     packages: Annotated[Optional[list[str]], typer.Option("--package", help="Package to install (repeatable).")] = None,
     customise: Annotated[Optional[str], typer.Option("--customise", help="stamp | virt-customize | none")] = None,
     tag: Annotated[Optional[str], typer.Option("--tag", help="Registry tag (default: UTC build time).")] = None,
@@ -128,9 +158,15 @@ def images_build(
 ) -> None:
     """Build (or republish), push to the registry, catalog, prewarm every slice host."""
     url, tok = _endpoint(admin_url, token, run_dir)
-    body = {"source": str(source.resolve()) if source else None, "reuse_build_id": reuse_build,
-            "packages": packages or [], "customise": customise, "tag": tag, "dry_run": dry_run,
-            "update_catalog": not no_catalog}
+    body = {
+        "source": str(source.resolve()) if source else None,
+        "reuse_build_id": reuse_build,
+        "packages": packages or [],
+        "customise": customise,
+        "tag": tag,
+        "dry_run": dry_run,
+        "update_catalog": not no_catalog,
+    }
     nats = nats_url or os.environ.get("GPUAAS_NATS_URL") or _read(run_dir / "stack.json").get("nats_url")
     identity = cli_identity(nats, None, run_dir, "ops") if nats else None
     result = asyncio.run(_build(url, tok, slug, body, wait and not dry_run, timeout, identity, as_json))
@@ -139,8 +175,9 @@ def images_build(
     raise typer.Exit(0 if result.get("ok", True) else 1)
 
 
-async def _build(url: str, tok: str, slug: str, body: dict, wait: bool, timeout: float, identity: Any,
-                 as_json: bool) -> dict[str, Any]:
+async def _build(
+    url: str, tok: str, slug: str, body: dict, wait: bool, timeout: float, identity: Any, as_json: bool
+) -> dict[str, Any]:
     nc = None
     events: asyncio.Queue = asyncio.Queue()
     if wait and identity is not None:
@@ -175,13 +212,20 @@ async def _build(url: str, tok: str, slug: str, body: dict, wait: bool, timeout:
             await nc.drain()
 
 
-async def _follow(url: str, tok: str, slug: str, build_id: str, events: asyncio.Queue, timeout: float,
-                  as_json: bool) -> dict[str, Any]:
+async def _follow(
+    url: str, tok: str, slug: str, build_id: str, events: asyncio.Queue, timeout: float, as_json: bool
+) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
-    columns = (TextColumn("{task.description:<28}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeElapsedColumn())
+    columns = (
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+    )
     bars: dict[str, Any] = {}
     with Progress(*columns, console=err, transient=as_json) as progress:
+
         def bar(key: str, total: int) -> Any:
             if key not in bars:
                 bars[key] = progress.add_task(key, total=max(total, 1))
@@ -196,13 +240,13 @@ async def _follow(url: str, tok: str, slug: str, build_id: str, events: asyncio.
             if ev:
                 p, t = ev.get("payload", {}), ev.get("type")
                 if t == "image.build_progress" and p.get("build_id") == build_id and p["phase"] in PHASES:
-                    progress.update(bar(p["phase"], p["bytes_total"]), completed=p["bytes_done"],
-                                    total=max(p["bytes_total"], 1))
+                    progress.update(
+                        bar(p["phase"], p["bytes_total"]), completed=p["bytes_done"], total=max(p["bytes_total"], 1)
+                    )
                 elif t == "node.image_cache_reported" and p.get("slug") == slug:
                     key = f"pull {p['node_id']}"
                     done = p["bytes_total"] if p["status"] == "verified" else p["bytes_done"]
-                    progress.update(bar(key, p["bytes_total"]), completed=done,
-                                    description=f"{key} [{p['status']}]")
+                    progress.update(bar(key, p["bytes_total"]), completed=done, description=f"{key} [{p['status']}]")
             if time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + 1.0
                 _, build = await _call(url, tok, "GET", f"/v1/builds/{build_id}")
@@ -214,8 +258,10 @@ async def _follow(url: str, tok: str, slug: str, build_id: str, events: asyncio.
                     if image["status"] == "active" and image["digest_sha256"] == build["raw_sha256"]:
                         err.print(f"[green]{slug} active[/] with digest {image['digest_sha256']}")
                         return {"ok": True, "build": build, "image": image}
-                    if any(n["status"] in ("mismatch", "failed") and n["expected_digest"] == build["raw_sha256"]
-                           for n in image["nodes"]):
+                    if any(
+                        n["status"] in ("mismatch", "failed") and n["expected_digest"] == build["raw_sha256"]
+                        for n in image["nodes"]
+                    ):
                         bad = [n["node_id"] for n in image["nodes"] if n["status"] in ("mismatch", "failed")]
                         err.print(f"[red]{slug} not active[/]: cache not verified on {', '.join(bad)}")
                         return {"ok": False, "build": build, "image": image}

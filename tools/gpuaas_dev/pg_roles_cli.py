@@ -22,13 +22,24 @@ _SAFE_PASSWORD = re.compile(r"^[A-Za-z0-9._~-]{16,}$")
 
 def _password_opt(service: str) -> object:
     var = f"GPUAAS_PG_{service.upper().replace('-', '_')}_PASSWORD"
-    return typer.Option(f"--{service}-password", envvar=var, show_default=False,
-                        help=f"Password of the {service} role; set it in the environment (argv is world-readable).")
+    return typer.Option(
+        f"--{service}-password",
+        envvar=var,
+        show_default=False,
+        help=f"Password of the {service} role; set it in the environment (argv is world-readable).",
+    )
 
 
 def pg_roles(
-    admin_dsn: Annotated[str, typer.Option("--admin-dsn", envvar="GPUAAS_PG_ADMIN_DSN", show_default=False,
-                                           help="A superuser DSN (any database of the cluster).")],
+    admin_dsn: Annotated[
+        str,
+        typer.Option(
+            "--admin-dsn",
+            envvar="GPUAAS_PG_ADMIN_DSN",
+            show_default=False,
+            help="A superuser DSN (any database of the cluster).",
+        ),
+    ],
     database: Annotated[str, typer.Option("--database", envvar="GPUAAS_PG_DATABASE")] = "gpuaas",
     allocator: Annotated[str, _password_opt("allocator")] = "",
     scheduler: Annotated[str, _password_opt("scheduler")] = "",
@@ -40,13 +51,18 @@ def pg_roles(
 
     from gpuaas_common.pg_roles import SERVICE_ROLES, ensure_service_roles
 
-    passwords = {"allocator": allocator, "scheduler": scheduler, "image-pipeline": image_pipeline,
-                 "maas-gateway": maas_gateway}
+    passwords = {
+        "allocator": allocator,
+        "scheduler": scheduler,
+        "image-pipeline": image_pipeline,
+        "maas-gateway": maas_gateway,
+    }
     weak = [service for service, password in passwords.items() if not _SAFE_PASSWORD.match(password)]
     if weak:
         names = ", ".join(f"GPUAAS_PG_{s.upper().replace('-', '_')}_PASSWORD" for s in weak)
-        raise typer.BadParameter(f"{names}: empty or unsafe; use 16+ characters of [A-Za-z0-9._~-] "
-                                 "(e.g. `openssl rand -hex 24`)")
+        raise typer.BadParameter(
+            f"{names}: empty or unsafe; use 16+ characters of [A-Za-z0-9._~-] (e.g. `openssl rand -hex 24`)"
+        )
     try:
         asyncio.run(ensure_service_roles(admin_dsn, database, passwords))
     except (OSError, ValueError, asyncpg.PostgresError) as exc:

@@ -21,8 +21,6 @@ IMAGE_CACHE_DIR = "/var/lib/gpuaas/images"
 SLICE_MARKER = b"GPUAAS-SEED-SLICE-IMAGE\x00"
 
 
-
-
 def build_slice_image(path: Path, size_mib: int = 16) -> str:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -57,14 +55,20 @@ def build_seed(images_dir: Path) -> Path:
     host_path = images_dir / f"{HOST_SLUG}.tgz"
     seeds = [
         {
-            "slug": SLICE_SLUG, "kind": "slice", "sku": "h200-sxm-slice",
+            "slug": SLICE_SLUG,
+            "kind": "slice",
+            "sku": "h200-sxm-slice",
             "digest_sha256": build_slice_image(slice_path),
-            "image_path": f"{IMAGE_CACHE_DIR}/{slice_path.name}", "source_uri": f"file://{slice_path.name}",
+            "image_path": f"{IMAGE_CACHE_DIR}/{slice_path.name}",
+            "source_uri": f"file://{slice_path.name}",
         },
         {
-            "slug": HOST_SLUG, "kind": "host", "sku": "h200-sxm",
+            "slug": HOST_SLUG,
+            "kind": "host",
+            "sku": "h200-sxm",
             "digest_sha256": build_host_image(host_path),
-            "image_path": f"custom/{HOST_SLUG}", "source_uri": f"file://{host_path.name}",
+            "image_path": f"custom/{HOST_SLUG}",
+            "source_uri": f"file://{host_path.name}",
         },
     ]
     seed_file = images_dir / "seed.json"

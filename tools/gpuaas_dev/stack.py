@@ -110,8 +110,12 @@ def prepare_fleet_dir(
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     fleet = generate_fleet(
-        slice_hosts=slice_hosts, slots_per_host=slots_per_host, baremetal_hosts=baremetal_hosts,
-        root_dir=hosts_root or out_dir / "hosts", subnet=FLEET_SUBNET, ssh_port=ssh_port,
+        slice_hosts=slice_hosts,
+        slots_per_host=slots_per_host,
+        baremetal_hosts=baremetal_hosts,
+        root_dir=hosts_root or out_dir / "hosts",
+        subnet=FLEET_SUBNET,
+        ssh_port=ssh_port,
     )
     fleet_file = out_dir / "fleet.json"
     fleet.dump(fleet_file)
@@ -244,8 +248,9 @@ class Stack:
         from gpuaas_common.natsconn import NatsIdentity, split_servers
 
         creds = self.creds_path(identity)
-        ident = NatsIdentity(split_servers(self.nats_url), str(creds) if creds else None,
-                             str(self.ca_file) if self.ca_file else None)
+        ident = NatsIdentity(
+            split_servers(self.nats_url), str(creds) if creds else None, str(self.ca_file) if self.ca_file else None
+        )
         return ident.connect_kwargs()
 
     @property
@@ -379,8 +384,12 @@ class Stack:
         self._registry.start()
 
         files = prepare_fleet_dir(
-            self.run_dir / "fleet", slice_hosts=self.slice_hosts, slots_per_host=self.slots_per_host,
-            baremetal_hosts=self.baremetal_hosts, ssh_port=free_port(), hosts_root=self.run_dir / "hosts",
+            self.run_dir / "fleet",
+            slice_hosts=self.slice_hosts,
+            slots_per_host=self.slots_per_host,
+            baremetal_hosts=self.baremetal_hosts,
+            ssh_port=free_port(),
+            hosts_root=self.run_dir / "hosts",
         )
         self._fleet = Fleet.load(files["fleet"])
         self._files = files
@@ -502,7 +511,8 @@ class Stack:
             "registry_url": self._registry.url if self._registry else None,
             "image_admin_url": f"http://127.0.0.1:{self._admin_port}" if self._admin_port else None,
             "fleet": {
-                "slice_hosts": self.slice_hosts, "slots_per_host": self.slots_per_host,
+                "slice_hosts": self.slice_hosts,
+                "slots_per_host": self.slots_per_host,
                 "baremetal_hosts": self.baremetal_hosts,
             },
             "services": procs,
@@ -538,8 +548,14 @@ class Stack:
         path = self.run_dir / "secrets.json"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"maas_api_key": self._maas_api_key, "enrolment_secret": self._enrolment_secret,
-                       "image_admin_token": self._admin_token}, f)
+            json.dump(
+                {
+                    "maas_api_key": self._maas_api_key,
+                    "enrolment_secret": self._enrolment_secret,
+                    "image_admin_token": self._admin_token,
+                },
+                f,
+            )
         os.chmod(path, 0o600)
 
     def _base_env(self) -> dict[str, str]:
@@ -567,9 +583,16 @@ class Stack:
 
     def _maas_sim_argv(self, port: int) -> list[str]:
         argv = [
-            bin_path("gpuaas"), "maas-sim", "--host", "127.0.0.1", "--port", str(port),
-            "--machines-file", str(self._files["machines"]),
-            "--ready-file", str(self.run_dir / "ready" / f"{MAAS_SIM}.json"),
+            bin_path("gpuaas"),
+            "maas-sim",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--machines-file",
+            str(self._files["machines"]),
+            "--ready-file",
+            str(self.run_dir / "ready" / f"{MAAS_SIM}.json"),
         ]
         for timer, seconds in self.maas_timers.items():
             argv += [_TIMER_FLAGS[timer], str(seconds)]
@@ -580,8 +603,11 @@ class Stack:
         # Through the environment, not argv: argv is world-readable in the process list.
         env["GPUAAS_MAAS_API_KEY"] = self.maas_api_key
         return _Proc(
-            name=MAAS_SIM, argv=self._maas_sim_argv(port), env=self._apply_overrides(MAAS_SIM, env),
-            log_path=self.logs_dir / f"{MAAS_SIM}.log", ready_file=self.run_dir / "ready" / f"{MAAS_SIM}.json",
+            name=MAAS_SIM,
+            argv=self._maas_sim_argv(port),
+            env=self._apply_overrides(MAAS_SIM, env),
+            log_path=self.logs_dir / f"{MAAS_SIM}.log",
+            ready_file=self.run_dir / "ready" / f"{MAAS_SIM}.json",
             ready_path="/_sim/healthz",
         )
 
@@ -596,12 +622,16 @@ class Stack:
         elif name == "image-pipeline":
             env["GPUAAS_IMAGE_SEED_FILE"] = str(self._files["seed"])
             assert self._registry is not None and self._admin_token is not None
-            env.update(GPUAAS_REGISTRY_HOST=self._registry.host, GPUAAS_REGISTRY_TLS_MODE="plain-http",
-                       GPUAAS_ADMIN_PORT=str(self._admin_port), GPUAAS_ADMIN_TOKEN=self._admin_token,
-                       GPUAAS_IMAGE_BUILD_DIR=str(self.run_dir / "image-builds"),
-                       # The gateway uploads host images by the path the pipeline names; both run on this
-                       # machine, so a run-dir directory is shared without any gateway setting.
-                       GPUAAS_HOST_IMAGE_DIR=str(self.host_image_dir))
+            env.update(
+                GPUAAS_REGISTRY_HOST=self._registry.host,
+                GPUAAS_REGISTRY_TLS_MODE="plain-http",
+                GPUAAS_ADMIN_PORT=str(self._admin_port),
+                GPUAAS_ADMIN_TOKEN=self._admin_token,
+                GPUAAS_IMAGE_BUILD_DIR=str(self.run_dir / "image-builds"),
+                # The gateway uploads host images by the path the pipeline names; both run on this
+                # machine, so a run-dir directory is shared without any gateway setting.
+                GPUAAS_HOST_IMAGE_DIR=str(self.host_image_dir),
+            )
         elif name == "maas-gateway":
             env["GPUAAS_MAAS_URL"] = self.maas_url
             env["GPUAAS_MAAS_API_KEY"] = self.maas_api_key
@@ -614,8 +644,12 @@ class Stack:
         # The node agent's place in the stack is taken by the simulated fleet: every host in one process.
         command = "gpuaas-sim-fleet" if name == "node-agent" else f"gpuaas-{name}"
         return _Proc(
-            name=name, argv=[bin_path(command)], env=self._apply_overrides(name, env),
-            log_path=self.logs_dir / f"{name}.log", ready_file=ready_file, ready_path="/readyz",
+            name=name,
+            argv=[bin_path(command)],
+            env=self._apply_overrides(name, env),
+            log_path=self.logs_dir / f"{name}.log",
+            ready_file=ready_file,
+            ready_path="/readyz",
         )
 
     def _spawn(self, p: _Proc) -> None:
@@ -628,8 +662,13 @@ class Stack:
             # A session of its own: a Ctrl-C in the developer's terminal reaches the supervisor only,
             # which then stops the services in order.
             p.proc = subprocess.Popen(
-                p.argv, env=p.env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=self.run_dir, start_new_session=True,
+                p.argv,
+                env=p.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.run_dir,
+                start_new_session=True,
             )
         p.started_at = time.monotonic()
 
@@ -695,8 +734,9 @@ class Stack:
         assert self._authority is not None and self._fleet is not None
         for node in self._fleet.nodes:
             if node.kind == "slice_host":
-                creds_files.write(self.creds_dir / f"{node_user_name(node.node_id)}.creds",
-                                  self._authority.issue_host(node.node_id))
+                creds_files.write(
+                    self.creds_dir / f"{node_user_name(node.node_id)}.creds", self._authority.issue_host(node.node_id)
+                )
         self._authority.save(self.run_dir / "keys")
 
     def _provision_bus(self) -> None:

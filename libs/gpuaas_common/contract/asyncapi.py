@@ -75,9 +75,7 @@ def render() -> dict[str, Any]:
         )
         channel["messages"][msg_name] = {"$ref": f"#/components/messages/{msg_name}"}
         if spec.parameters:
-            channel["parameters"] = {
-                name: {"description": text} for name, text in sorted(spec.parameters.items())
-            }
+            channel["parameters"] = {name: {"description": text} for name, text in sorted(spec.parameters.items())}
         msg_ref = {"$ref": f"#/channels/{spec.channel}/messages/{msg_name}"}
         for producer in spec.producers:
             if producer in _SERVICES:
@@ -150,11 +148,17 @@ class ContractValidator:
         self._channels: list[tuple[Any, dict[str, str]]] = []
         for channel in document["channels"].values():
             spec_like = MessageSpec(
-                type="", model=Envelope, channel="", address=channel["address"], summary="",
-                producers=(), consumers=(), parameters=channel.get("parameters", {}),
+                type="",
+                model=Envelope,
+                channel="",
+                address=channel["address"],
+                summary="",
+                producers=(),
+                consumers=(),
+                parameters=channel.get("parameters", {}),
             )
             names = {}
-            for key, ref in channel["messages"].items():
+            for ref in channel["messages"].values():
                 target = ref["$ref"].rsplit("/", 1)[-1]
                 message = document["components"]["messages"][target]
                 names[message["name"]] = message["payload"]["$ref"].rsplit("/", 1)[-1]

@@ -564,8 +564,16 @@ class DeadLetter(Payload):
     # subject_mismatch: a payload names another node than the subject it came on; unknown_task: a
     # result for a task its receiver never sent; node_mismatch: a result from another host than the
     # one the task went to.
-    reason_code: Literal["not_json", "schema_invalid", "unknown_type", "max_deliver", "handler_error",
-                         "subject_mismatch", "unknown_task", "node_mismatch"]
+    reason_code: Literal[
+        "not_json",
+        "schema_invalid",
+        "unknown_type",
+        "max_deliver",
+        "handler_error",
+        "subject_mismatch",
+        "unknown_task",
+        "node_mismatch",
+    ]
     reason: str = Field(max_length=8192)
     headers: dict[str, str] = Field(default_factory=dict)
     body_text: str | None = None

@@ -5,5 +5,15 @@ from .creds import Creds
 from .jwt import JwtError, Key
 from .permissions import ROLE_PERMISSIONS, Permissions, inbox_prefix, role_permissions
 
-__all__ = ["Authority", "AuthorityError", "Issuer", "Creds", "JwtError", "Key", "ROLE_PERMISSIONS", "Permissions",
-           "inbox_prefix", "role_permissions"]
+__all__ = [
+    "Authority",
+    "AuthorityError",
+    "Issuer",
+    "Creds",
+    "JwtError",
+    "Key",
+    "ROLE_PERMISSIONS",
+    "Permissions",
+    "inbox_prefix",
+    "role_permissions",
+]

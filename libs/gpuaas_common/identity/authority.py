@@ -30,11 +30,26 @@ from .permissions import NODE, NODE_TAG, Permissions, node_template, node_user_n
 ACCOUNT_NAME = "GPUAAS"
 SYS_NAME = "SYS"
 # JetStream on, unlimited within the account: the server's own limits and the stream configs bound it.
-JETSTREAM_LIMITS = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1,
-                    "max_ack_pending": -1, "mem_max_stream_bytes": -1, "disk_max_stream_bytes": -1,
-                    "max_bytes_required": False}
-ACCOUNT_LIMITS = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True,
-                  "conn": -1, "leaf": -1}
+JETSTREAM_LIMITS = {
+    "mem_storage": -1,
+    "disk_storage": -1,
+    "streams": -1,
+    "consumer": -1,
+    "max_ack_pending": -1,
+    "mem_max_stream_bytes": -1,
+    "disk_max_stream_bytes": -1,
+    "max_bytes_required": False,
+}
+ACCOUNT_LIMITS = {
+    "subs": -1,
+    "data": -1,
+    "payload": -1,
+    "imports": -1,
+    "exports": -1,
+    "wildcards": True,
+    "conn": -1,
+    "leaf": -1,
+}
 DEFAULT_USER_TTL_S = 365 * 24 * 3600.0
 
 
@@ -50,13 +65,19 @@ def _user_claims(account_public: str, *, permissions: Permissions | None, tags: 
     return nats
 
 
-def _node_creds(node_signing: Key, account_public: str, node_id: str, *, ttl_s: float,
-                allocation_id: str | None = None) -> Creds:
+def _node_creds(
+    node_signing: Key, account_public: str, node_id: str, *, ttl_s: float, allocation_id: str | None = None
+) -> Creds:
     """A host user signed by the scoped key: no permissions of its own, its node (and allocation) as tags."""
     user = Key.generate("user")
     tags = [f"{NODE_TAG}:{node_id}"] + ([f"allocation:{allocation_id.lower()}"] if allocation_id else [])
-    jwt = encode(node_signing, user.public, node_user_name(node_id),
-                 _user_claims(account_public, permissions=None, tags=tags), expires_at=time.time() + ttl_s)
+    jwt = encode(
+        node_signing,
+        user.public,
+        node_user_name(node_id),
+        _user_claims(account_public, permissions=None, tags=tags),
+        expires_at=time.time() + ttl_s,
+    )
     return Creds(jwt=jwt, seed=user.seed)
 
 
@@ -74,16 +95,29 @@ class Issuer:
 
     # --- revocation ---------------------------------------------------------------------------------
 
-    async def revoke(self, nats_servers: list[str], user_publics: list[str], *, tls: Any = None,
-                     prune_older_than_s: float | None = DEFAULT_USER_TTL_S, attempts: int = 5) -> int:
+    async def revoke(
+        self,
+        nats_servers: list[str],
+        user_publics: list[str],
+        *,
+        tls: Any = None,
+        prune_older_than_s: float | None = DEFAULT_USER_TTL_S,
+        attempts: int = 5,
+    ) -> int:
         """Revoke users at once: read the account JWT the servers hold, add the keys, re-sign, push,
         and read back. Several writers (gateway replicas, an ops command) may race; each one re-reads
         after its push and retries until its keys are in, so no revocation is lost to another's push."""
         import nats
 
-        nc = await nats.connect(servers=nats_servers, user_credentials=nats.aio.client.RawCredentials(
-            self.sys_creds.render()), tls=tls, connect_timeout=5, max_reconnect_attempts=3, name="gpuaas-authority",
-            inbox_prefix=b"_INBOX_authority")
+        nc = await nats.connect(
+            servers=nats_servers,
+            user_credentials=nats.aio.client.RawCredentials(self.sys_creds.render()),
+            tls=tls,
+            connect_timeout=5,
+            max_reconnect_attempts=3,
+            name="gpuaas-authority",
+            inbox_prefix=b"_INBOX_authority",
+        )
         try:
             for attempt in range(1, attempts + 1):
                 current = await self._lookup(nc)
@@ -98,8 +132,13 @@ class Issuer:
                     revs = {k: v for k, v in revs.items() if v >= horizon}
                 nats_claims = {k: v for k, v in claims["nats"].items() if k != "version"}
                 nats_claims["revocations"] = revs
-                jwt = encode(self.operator_signing, claims["sub"], claims["name"], nats_claims,
-                             issued_at=max(now, int(claims["iat"]) + 1))
+                jwt = encode(
+                    self.operator_signing,
+                    claims["sub"],
+                    claims["name"],
+                    nats_claims,
+                    issued_at=max(now, int(claims["iat"]) + 1),
+                )
                 await self._push(nc, jwt)
                 back = decode(await self._lookup(nc))["nats"].get("revocations") or {}
                 if all(int(back.get(pk, 0)) >= now for pk in user_publics):
@@ -125,18 +164,24 @@ class Issuer:
     # --- files --------------------------------------------------------------------------------------
 
     def dump(self) -> str:
-        return json.dumps({
-            "account_public": self.account_public,
-            "operator_signing_seed": self.operator_signing.seed.decode(),
-            "node_signing_seed": self.node_signing.seed.decode(),
-            "sys_creds": self.sys_creds.render(),
-        })
+        return json.dumps(
+            {
+                "account_public": self.account_public,
+                "operator_signing_seed": self.operator_signing.seed.decode(),
+                "node_signing_seed": self.node_signing.seed.decode(),
+                "sys_creds": self.sys_creds.render(),
+            }
+        )
 
     @classmethod
     def load(cls, path: Path | str) -> "Issuer":
         d = json.loads(Path(path).read_text())
-        return cls(d["account_public"], Key.from_seed(d["operator_signing_seed"]),
-                   Key.from_seed(d["node_signing_seed"]), creds_mod.parse(d["sys_creds"]))
+        return cls(
+            d["account_public"],
+            Key.from_seed(d["operator_signing_seed"]),
+            Key.from_seed(d["node_signing_seed"]),
+            creds_mod.parse(d["sys_creds"]),
+        )
 
     def __repr__(self) -> str:
         return f"Issuer(account={self.account_public!r})"
@@ -156,35 +201,64 @@ class Authority:
 
     @classmethod
     def create(cls) -> "Authority":
-        return cls(Key.generate("operator"), Key.generate("operator"), Key.generate("account"),
-                   Key.generate("account"), Key.generate("account"), Key.generate("account"))
+        return cls(
+            Key.generate("operator"),
+            Key.generate("operator"),
+            Key.generate("account"),
+            Key.generate("account"),
+            Key.generate("account"),
+            Key.generate("account"),
+        )
 
     # --- JWTs ---------------------------------------------------------------------------------------
 
     def operator_jwt(self) -> str:
-        return encode(self.operator, self.operator.public, "gpuaas", {
-            "type": "operator", "signing_keys": [self.operator_signing.public],
-            "system_account": self.sys_account.public,
-        })
+        return encode(
+            self.operator,
+            self.operator.public,
+            "gpuaas",
+            {
+                "type": "operator",
+                "signing_keys": [self.operator_signing.public],
+                "system_account": self.sys_account.public,
+            },
+        )
 
     def sys_account_jwt(self) -> str:
-        return encode(self.operator_signing, self.sys_account.public, SYS_NAME, {
-            "type": "account", "limits": {**ACCOUNT_LIMITS}, "signing_keys": [],
-        })
+        return encode(
+            self.operator_signing,
+            self.sys_account.public,
+            SYS_NAME,
+            {
+                "type": "account",
+                "limits": {**ACCOUNT_LIMITS},
+                "signing_keys": [],
+            },
+        )
 
     def account_jwt(self, revocations: dict[str, int] | None = None) -> str:
         template = node_template().claims()
         template.update({"subs": -1, "data": -1, "payload": -1})
-        return encode(self.operator_signing, self.account.public, ACCOUNT_NAME, {
-            "type": "account",
-            "limits": {**ACCOUNT_LIMITS, **JETSTREAM_LIMITS},
-            "signing_keys": [
-                self.account_signing.public,
-                {"kind": "user_scope", "key": self.node_signing.public, "role": NODE, "template": template,
-                 "description": "one user per host; its subjects come from the node tag"},
-            ],
-            "revocations": revocations or {},
-        })
+        return encode(
+            self.operator_signing,
+            self.account.public,
+            ACCOUNT_NAME,
+            {
+                "type": "account",
+                "limits": {**ACCOUNT_LIMITS, **JETSTREAM_LIMITS},
+                "signing_keys": [
+                    self.account_signing.public,
+                    {
+                        "kind": "user_scope",
+                        "key": self.node_signing.public,
+                        "role": NODE,
+                        "template": template,
+                        "description": "one user per host; its subjects come from the node tag",
+                    },
+                ],
+                "revocations": revocations or {},
+            },
+        )
 
     def server_config(self, resolver_dir: Path) -> str:
         """The operator-mode block of a nats-server config (the rest is the caller's)."""
@@ -196,8 +270,8 @@ class Authority:
             "  type: full",
             f"  dir: {json.dumps(str(resolver_dir))}",
             "  allow_delete: false",
-            "  interval: \"2m\"",
-            "  timeout: \"2s\"",
+            '  interval: "2m"',
+            '  timeout: "2s"',
             "}",
             "resolver_preload: {",
             *(f"  {k}: {v}" for k, v in preload.items()),
@@ -209,15 +283,24 @@ class Authority:
 
     def issue_user(self, name: str, permissions: Permissions, *, ttl_s: float = DEFAULT_USER_TTL_S) -> Creds:
         user = Key.generate("user")
-        jwt = encode(self.account_signing, user.public, name,
-                     _user_claims(self.account.public, permissions=permissions, tags=[f"role:{name}"]),
-                     expires_at=time.time() + ttl_s)
+        jwt = encode(
+            self.account_signing,
+            user.public,
+            name,
+            _user_claims(self.account.public, permissions=permissions, tags=[f"role:{name}"]),
+            expires_at=time.time() + ttl_s,
+        )
         return Creds(jwt=jwt, seed=user.seed)
 
     def issue_sys_user(self, *, ttl_s: float = DEFAULT_USER_TTL_S) -> Creds:
         user = Key.generate("user")
-        jwt = encode(self.sys_account, user.public, "sys", {"type": "user", "tags": [], "subs": -1, "data": -1, "payload": -1},
-                     expires_at=time.time() + ttl_s)
+        jwt = encode(
+            self.sys_account,
+            user.public,
+            "sys",
+            {"type": "user", "tags": [], "subs": -1, "data": -1, "payload": -1},
+            expires_at=time.time() + ttl_s,
+        )
         return Creds(jwt=jwt, seed=user.seed)
 
     def issuer(self) -> Issuer:

@@ -74,8 +74,12 @@ def durables_of(service: str) -> tuple[ConsumerSpec, ...]:
 
 def consumer_rights(spec: ConsumerSpec, *, may_create: bool) -> tuple[str, ...]:
     s, d = spec.stream, spec.durable
-    rights = [f"$JS.API.CONSUMER.MSG.NEXT.{s}.{d}", f"$JS.ACK.{s}.{d}.>", f"$JS.API.CONSUMER.INFO.{s}.{d}",
-              f"gpuaas.dlq.{d}"]
+    rights = [
+        f"$JS.API.CONSUMER.MSG.NEXT.{s}.{d}",
+        f"$JS.ACK.{s}.{d}.>",
+        f"$JS.API.CONSUMER.INFO.{s}.{d}",
+        f"gpuaas.dlq.{d}",
+    ]
     if may_create:
         rights.append(f"$JS.API.CONSUMER.CREATE.{s}.{d}.{spec.filter_subject}")
     return tuple(rights)
@@ -124,8 +128,13 @@ ROLE_PERMISSIONS: dict[str, Permissions] = {
     ),
     # Reads lifecycle, reports and dead letters live; writes nothing.
     OPS: Permissions(
-        sub_allow=("gpuaas.allocation.event.>", "gpuaas.node.*.report.>", "gpuaas.dlq.>", "gpuaas.image.event.>",
-                   "gpuaas.scheduler.>"),
+        sub_allow=(
+            "gpuaas.allocation.event.>",
+            "gpuaas.node.*.report.>",
+            "gpuaas.dlq.>",
+            "gpuaas.image.event.>",
+            "gpuaas.scheduler.>",
+        ),
     ),
     # Break-glass: provisions streams and per-host consumers, issues ops commands. Never used by a service.
     ADMIN: Permissions(pub_allow=(">",), sub_allow=(">",)),
@@ -146,12 +155,17 @@ def render_table() -> str:
     code = lambda items: "<br>".join(f"`{i}`" for i in items) or "nothing"  # noqa: E731
     rows = ["| identity | publishes | consumes (own durables) | subscribes |", "|---|---|---|---|"]
     for service in SERVICES:
-        rows.append(f"| `{service}` | {code(produced_subjects(service))} | "
-                    f"{code(c.durable for c in durables_of(service))} | `{inbox_prefix(service)}.>` |")
-    rows.append(f"| `{PORTAL}` | {code(produced_subjects(PORTAL))} | nothing | "
-                f"{code(ROLE_PERMISSIONS[PORTAL].sub_allow)} |")
+        rows.append(
+            f"| `{service}` | {code(produced_subjects(service))} | "
+            f"{code(c.durable for c in durables_of(service))} | `{inbox_prefix(service)}.>` |"
+        )
+    rows.append(
+        f"| `{PORTAL}` | {code(produced_subjects(PORTAL))} | nothing | {code(ROLE_PERMISSIONS[PORTAL].sub_allow)} |"
+    )
     rows.append(f"| `{OPS}` | nothing | nothing | {code(ROLE_PERMISSIONS[OPS].sub_allow)} |")
     rows.append(f"| `{ADMIN}` (break-glass: provisioning, tests) | everything | everything | everything |")
-    rows.append("| `node-<node_id>` (one per host, scoped signing key) | `gpuaas.node.<node_id>.report.>` | "
-                "`node-agent-<node_id>` (no create) | `_INBOX_node-<node_id>.>` |")
+    rows.append(
+        "| `node-<node_id>` (one per host, scoped signing key) | `gpuaas.node.<node_id>.report.>` | "
+        "`node-agent-<node_id>` (no create) | `_INBOX_node-<node_id>.>` |"
+    )
     return "\n".join(rows) + "\n"

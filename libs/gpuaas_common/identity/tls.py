@@ -31,40 +31,63 @@ class TlsFiles:
 
 
 def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "gpuaas"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+    return x509.Name(
+        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "gpuaas"), x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+    )
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> str:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption()).decode()
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
 
 
-def make_ca_and_server_cert(out_dir: Path, hostnames: tuple[str, ...] = ("localhost",),
-                            ips: tuple[str, ...] = ("127.0.0.1",)) -> TlsFiles:
+def make_ca_and_server_cert(
+    out_dir: Path, hostnames: tuple[str, ...] = ("localhost",), ips: tuple[str, ...] = ("127.0.0.1",)
+) -> TlsFiles:
     """Write `ca.pem`, `ca-key.pem`, `server.pem`, `server-key.pem` (keys 0600) and return their paths."""
     now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
-        x509.CertificateBuilder().subject_name(_name("gpuaas dev CA")).issuer_name(_name("gpuaas dev CA"))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now).not_valid_after(now + VALIDITY)
+        x509.CertificateBuilder()
+        .subject_name(_name("gpuaas dev CA"))
+        .issuer_name(_name("gpuaas dev CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + VALIDITY)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
     sans: list[x509.GeneralName] = [x509.DNSName(h) for h in hostnames]
     sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
     cert = (
-        x509.CertificateBuilder().subject_name(_name(hostnames[0] if hostnames else "nats"))
-        .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now).not_valid_after(now + VALIDITY)
+        x509.CertificateBuilder()
+        .subject_name(_name(hostnames[0] if hostnames else "nats"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + VALIDITY)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                       critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
         .sign(ca_key, hashes.SHA256())
     )
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ _CONFLICT_HTML = (
 
 
 def _match(path: str) -> tuple[Route, dict[str, str]] | None:
-    tail = path[len(API_ROOT):]
+    tail = path[len(API_ROOT) :]
     for route in ROUTES:
         found = route.pattern.match(tail)
         if found:
@@ -41,9 +41,7 @@ async def _describe(request: web.Request) -> web.StreamResponse:
     base_url = f"{request.scheme}://{request.host}"
     doc = describe_document([r.spec() for r in ROUTES], API_ROOT, base_url, request.app[API_HASH_KEY])
     # python-libmaas insists on exactly `application/json` (no charset) here.
-    return web.Response(
-        body=json.dumps(doc).encode("utf-8"), headers={"Content-Type": "application/json"}
-    )
+    return web.Response(body=json.dumps(doc).encode("utf-8"), headers={"Content-Type": "application/json"})
 
 
 async def _hold_or_drop(request: web.Request, state: SimState, fault: Fault) -> web.StreamResponse:
@@ -66,8 +64,9 @@ class _Dropped(Exception):
 
 def _fault_response(fault: Fault) -> web.Response | None:
     if fault.kind == "conflict":
-        return text_response(_CONFLICT_HTML, 409, {"Retry-After": _seconds(fault.retry_after, 5)},
-                             content_type="text/html")
+        return text_response(
+            _CONFLICT_HTML, 409, {"Retry-After": _seconds(fault.retry_after, 5)}, content_type="text/html"
+        )
     if fault.kind == "unavailable":
         return text_response(
             "Unable to connect to any rack controller; no connections available.",
@@ -96,9 +95,7 @@ def _result_response(result: object) -> web.Response:
     return json_response(result)
 
 
-async def _run_operation(
-    request: web.Request, state: SimState, operation: Operation, call: Call
-) -> web.StreamResponse:
+async def _run_operation(request: web.Request, state: SimState, operation: Operation, call: Call) -> web.StreamResponse:
     system_id = call.path.get("system_id") or call.params.get("system_id")
     state.record_call(operation.name, system_id)
     faults = state.faults.draw(operation.name, system_id)

@@ -105,13 +105,10 @@ class OAuthVerifier:
         if key is None:
             raise Unauthorized("Authorization Error: Invalid API key.")
         if params["oauth_token"] != key.token_key:
-            raise Unauthorized(
-                f"Authorization Error: 'Invalid access token: {params['oauth_token']}'"
-            )
+            raise Unauthorized(f"Authorization Error: 'Invalid access token: {params['oauth_token']}'")
         if params["oauth_signature_method"].upper() != "PLAINTEXT":
             raise Unauthorized(
-                "Authorization Error: Signature method "
-                f"{params['oauth_signature_method']!r} not supported."
+                f"Authorization Error: Signature method {params['oauth_signature_method']!r} not supported."
             )
         now = self._wall_clock()
         try:

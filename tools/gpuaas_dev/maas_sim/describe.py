@@ -46,15 +46,12 @@ def describe_handler(spec: HandlerSpec, api_root: str, base_url: str) -> dict[st
         "uri": base_url.rstrip("/") + path,
         "params": list(spec.params),
         "actions": [
-            {"name": a.name, "method": a.method, "op": a.op, "restful": a.restful, "doc": a.doc}
-            for a in spec.actions
+            {"name": a.name, "method": a.method, "op": a.op, "restful": a.restful, "doc": a.doc} for a in spec.actions
         ],
     }
 
 
-def describe_document(
-    handlers: Sequence[HandlerSpec], api_root: str, base_url: str, api_hash: str
-) -> dict[str, Any]:
+def describe_document(handlers: Sequence[HandlerSpec], api_root: str, base_url: str, api_hash: str) -> dict[str, Any]:
     described = [describe_handler(h, api_root, base_url) for h in handlers]
     resources = []
     for spec, desc in zip(handlers, described, strict=True):

@@ -71,8 +71,17 @@ class Fault:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Fault:
         allowed = {
-            "kind", "op", "system_id", "count", "probability", "latency", "commit", "mode",
-            "hold_seconds", "status_message", "retry_after",
+            "kind",
+            "op",
+            "system_id",
+            "count",
+            "probability",
+            "latency",
+            "commit",
+            "mode",
+            "hold_seconds",
+            "status_message",
+            "retry_after",
         }
         unknown = set(data) - allowed
         if unknown:

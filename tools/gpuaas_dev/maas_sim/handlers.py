@@ -83,9 +83,7 @@ class Route:
             params=self.params,
             anon=self.anon,
             doc=self.doc,
-            actions=tuple(
-                ActionSpec(o.action_name, o.method, o.op, o.doc) for o in self.operations
-            ),
+            actions=tuple(ActionSpec(o.action_name, o.method, o.op, o.doc) for o in self.operations),
         )
 
 
@@ -136,11 +134,7 @@ def list_machines(call: Call) -> Any:
     state = call.state
     _check_tags_exist(state, call.params)
     state.advance()
-    return [
-        m.to_json(API_ROOT)
-        for m in state.machines.values()
-        if _machine_matches(m, call.params, state)
-    ]
+    return [m.to_json(API_ROOT) for m in state.machines.values() if _machine_matches(m, call.params, state)]
 
 
 def read_machine(call: Call) -> Any:
@@ -173,15 +167,12 @@ def allocate(call: Call) -> Any:
             continue
         if not tags <= machine.tags or not_tags & machine.tags:
             continue
-        machine.allocate(state.now(), state.config.owner, params.get("agent_name") or "",
-                         params.get("comment"))
+        machine.allocate(state.now(), state.config.owner, params.get("agent_name") or "", params.get("comment"))
         return machine.to_json(API_ROOT)
     if wanted_id is not None:
         raise NoMachineAvailable(f"No machine with system ID {wanted_id} available.")
     constraints = ", ".join(
-        f"{k}={','.join(params.getall(k))}"
-        for k in ("name", "tags", "not_tags", "zone", "pool")
-        if params.getall(k)
+        f"{k}={','.join(params.getall(k))}" for k in ("name", "tags", "not_tags", "zone", "pool") if params.getall(k)
     )
     raise NoMachineAvailable(f"No available machine matches constraints: {constraints or 'any'}")
 
@@ -202,8 +193,13 @@ def _resolve_distro(state: SimState, value: str | None) -> tuple[str, str]:
     choices = [f"ubuntu/{s}" for s in config.ubuntu_series]
     choices += [f"custom/{c}" for c in sorted(uploaded)]
     raise BadRequest(
-        {"distro_series": [f"'{series}' is not a valid distro_series.  It should be one of: "
-                           + ", ".join(f"'{c}'" for c in ["", *choices]) + "."]}
+        {
+            "distro_series": [
+                f"'{series}' is not a valid distro_series.  It should be one of: "
+                + ", ".join(f"'{c}'" for c in ["", *choices])
+                + "."
+            ]
+        }
     )
 
 
@@ -345,9 +341,13 @@ def create_boot_resource(call: Call) -> Any:
     if content is None and "content" in params:
         content = (params.get("content") or "").encode("utf-8")
     resource = call.state.boot_resources.create(
-        name=params.get("name") or "", architecture=params.get("architecture") or "",
-        title=params.get("title") or "", filetype=(params.get("filetype") or "tgz").lower(),
-        base_image=params.get("base_image") or "", content=content, sha256=params.get("sha256"),
+        name=params.get("name") or "",
+        architecture=params.get("architecture") or "",
+        title=params.get("title") or "",
+        filetype=(params.get("filetype") or "tgz").lower(),
+        base_image=params.get("base_image") or "",
+        content=content,
+        sha256=params.get("sha256"),
         size=params.get("size"),
     )
     return Created(resource.to_json(API_ROOT, with_sets=True))
@@ -369,8 +369,7 @@ def upload_boot_resource_file(call: Call) -> Any:
 
 def list_scripts(call: Call) -> Any:
     kind = call.params.get("type")
-    return [s.to_json(API_ROOT) for s in call.state.scripts.scripts.values()
-            if kind is None or s.script_type == kind]
+    return [s.to_json(API_ROOT) for s in call.state.scripts.scripts.values() if kind is None or s.script_type == kind]
 
 
 def create_script(call: Call) -> Any:
@@ -378,8 +377,11 @@ def create_script(call: Call) -> Any:
     body = params.files.get("script")
     script = body.decode("utf-8", errors="replace") if body is not None else params.get("script")
     return call.state.scripts.create(
-        name=params.get("name") or "", script=script, script_type=params.get("type"),
-        title=params.get("title") or "", description=params.get("description") or "",
+        name=params.get("name") or "",
+        script=script,
+        script_type=params.get("type"),
+        title=params.get("title") or "",
+        description=params.get("description") or "",
         tags=tuple(t for v in params.getall("tags") for t in v.split(",") if t),
         timeout=params.get("timeout"),
     ).to_json(API_ROOT)
@@ -466,8 +468,9 @@ ROUTES: tuple[Route, ...] = (
         (
             Operation("tag.read", "GET", None, read_tag, False, "Read a tag."),
             Operation("tag.machines", "GET", "machines", tag_machines, False, "Machines with this tag."),
-            Operation("tag.update_nodes", "POST", "update_nodes", update_tag_nodes, True,
-                      "Add or remove nodes from this tag."),
+            Operation(
+                "tag.update_nodes", "POST", "update_nodes", update_tag_nodes, True, "Add or remove nodes from this tag."
+            ),
         ),
         doc="Manage a tag.",
     ),
@@ -476,8 +479,7 @@ ROUTES: tuple[Route, ...] = (
         "boot-resources/",
         (
             Operation("boot_resources.list", "GET", None, list_boot_resources, False, "List boot resources."),
-            Operation("boot_resources.create", "POST", None, create_boot_resource, True,
-                      "Upload a new boot resource."),
+            Operation("boot_resources.create", "POST", None, create_boot_resource, True, "Upload a new boot resource."),
         ),
         doc="Manage the boot resources.",
     ),
@@ -486,8 +488,7 @@ ROUTES: tuple[Route, ...] = (
         "boot-resources/{id}/",
         (
             Operation("boot_resource.read", "GET", None, read_boot_resource, False, "Read a boot resource."),
-            Operation("boot_resource.delete", "DELETE", None, delete_boot_resource, True,
-                      "Delete a boot resource."),
+            Operation("boot_resource.delete", "DELETE", None, delete_boot_resource, True, "Delete a boot resource."),
         ),
         doc="Manage a boot resource.",
     ),
@@ -495,8 +496,14 @@ ROUTES: tuple[Route, ...] = (
         "BootResourceFileUploadHandler",
         "boot-resources/{id}/upload/{file_id}/",
         (
-            Operation("boot_resource.upload", "PUT", None, upload_boot_resource_file, True,
-                      "Upload a chunk of a boot resource file."),
+            Operation(
+                "boot_resource.upload",
+                "PUT",
+                None,
+                upload_boot_resource_file,
+                True,
+                "Upload a chunk of a boot resource file.",
+            ),
         ),
         doc="Upload a boot resource file.",
     ),

@@ -91,9 +91,7 @@ _RELEASABLE = frozenset(
         NodeStatus.FAILED_RELEASING,
     }
 )
-_COMMISSIONABLE = frozenset(
-    {NodeStatus.NEW, NodeStatus.FAILED_COMMISSIONING, NodeStatus.READY, NodeStatus.BROKEN}
-)
+_COMMISSIONABLE = frozenset({NodeStatus.NEW, NodeStatus.FAILED_COMMISSIONING, NodeStatus.READY, NodeStatus.BROKEN})
 
 # Where each timed phase ends, on success and on an injected failure.
 _PHASE_OUTCOME: dict[NodeStatus, tuple[NodeStatus, NodeStatus]] = {
@@ -215,8 +213,13 @@ class Machine:
         self.history.append(Transition(now, self.status, to, reason))
         self.status = to
         self.status_message = message if message is not None else to.label
-        if to in (NodeStatus.DEPLOYING, NodeStatus.COMMISSIONING, NodeStatus.TESTING,
-                  NodeStatus.DISK_ERASING, NodeStatus.DEPLOYED):
+        if to in (
+            NodeStatus.DEPLOYING,
+            NodeStatus.COMMISSIONING,
+            NodeStatus.TESTING,
+            NodeStatus.DISK_ERASING,
+            NodeStatus.DEPLOYED,
+        ):
             self.power_state = "on"
         elif to in (NodeStatus.READY, NodeStatus.NEW, NodeStatus.ALLOCATED):
             self.power_state = "off"
@@ -284,9 +287,7 @@ class Machine:
         if self.status is NodeStatus.READY and self.owner is None and not self.locked:
             self.allocate(now, owner, agent_name or "", comment)
         elif self.status is not NodeStatus.ALLOCATED:
-            raise NodeStateViolation(
-                f"Can't deploy a machine that is in the '{self.status.label}' state"
-            )
+            raise NodeStateViolation(f"Can't deploy a machine that is in the '{self.status.label}' state")
         if agent_name:
             self.agent_name = agent_name
         self.osystem = osystem
@@ -315,9 +316,7 @@ class Machine:
         if self.status in _RELEASE_NOOP:
             return
         if self.status not in _RELEASABLE:
-            raise NodeStateViolation(
-                f"Machine cannot be released in its current state ('{self.status.label}')."
-            )
+            raise NodeStateViolation(f"Machine cannot be released in its current state ('{self.status.label}').")
         self.phase_deadline = None
         # MAAS drops the deploy's failure plan too: a release is a fresh start.
         self.pending_failures.pop(NodeStatus.DEPLOYING, None)
@@ -329,9 +328,7 @@ class Machine:
 
     def commission(self, now: float, timers: Timers, scripts: tuple[str, ...] = ()) -> None:
         if self.status not in _COMMISSIONABLE:
-            raise BadRequest(
-                {"__all__": ["Commission is not available because of the current state of the node."]}
-            )
+            raise BadRequest({"__all__": ["Commission is not available because of the current state of the node."]})
         self.previous_status = self.status
         self.current_commissioning_result_id += 1
         self.commissioning_scripts = tuple(scripts)
@@ -347,8 +344,7 @@ class Machine:
         }.get(self.status)
         if target is None:
             raise NodeStateViolation(
-                f"Cannot abort in current state: node {self.system_id} is in state "
-                f"{self.status.label}."
+                f"Cannot abort in current state: node {self.system_id} is in state {self.status.label}."
             )
         self.pending_failures.pop(self.status, None)
         self.phase_deadline = None

@@ -15,14 +15,34 @@ from typing import Any
 
 from .errors import BadRequest, NotFound
 
-FILENAMES = {"tgz": "root-tgz", "tbz": "root-tbz", "txz": "root-txz", "ddtgz": "root-dd",
-             "ddgz": "root-dd.gz", "ddraw": "root-dd.raw", "ddbz2": "root-dd.bz2", "ddxz": "root-dd.xz",
-             "ddtar": "root-dd.tar"}
+FILENAMES = {
+    "tgz": "root-tgz",
+    "tbz": "root-tbz",
+    "txz": "root-txz",
+    "ddtgz": "root-dd",
+    "ddgz": "root-dd.gz",
+    "ddraw": "root-dd.raw",
+    "ddbz2": "root-dd.bz2",
+    "ddxz": "root-dd.xz",
+    "ddtar": "root-dd.tar",
+}
 SCRIPT_TYPES = {"commissioning": 2, "testing": 3}
 # Scripts every MAAS ships; commissioning may name them without uploading anything.
-BUILTIN_SCRIPTS = ("00-maas-00-support-info", "20-maas-01-install-lldpd", "50-maas-01-commissioning",
-                   "maas-lshw", "maas-list-modaliases", "update_firmware", "bmc-config", "wipe-disks",
-                   "internet-connectivity", "smartctl-validate", "memtester", "badblocks", "fio")
+BUILTIN_SCRIPTS = (
+    "00-maas-00-support-info",
+    "20-maas-01-install-lldpd",
+    "50-maas-01-commissioning",
+    "maas-lshw",
+    "maas-list-modaliases",
+    "update_firmware",
+    "bmc-config",
+    "wipe-disks",
+    "internet-connectivity",
+    "smartctl-validate",
+    "memtester",
+    "badblocks",
+    "fio",
+)
 
 
 @dataclass
@@ -40,8 +60,11 @@ class ResourceFile:
 
     def to_json(self, resource_id: int, api_root: str) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "filename": self.filename, "filetype": self.filetype, "sha256": self.sha256,
-            "size": self.size, "complete": self.complete,
+            "filename": self.filename,
+            "filetype": self.filetype,
+            "sha256": self.sha256,
+            "size": self.size,
+            "complete": self.complete,
         }
         if not self.complete:
             # MAAS reports an incomplete file's progress in percent and where to PUT the rest.
@@ -59,7 +82,8 @@ class ResourceSet:
     def to_json(self, resource_id: int, api_root: str) -> dict[str, Any]:
         files = {name: f.to_json(resource_id, api_root) for name, f in self.files.items()}
         return {
-            "version": self.version, "label": self.label,
+            "version": self.version,
+            "label": self.label,
             "size": sum(f.size for f in self.files.values()),
             "complete": all(f["complete"] for f in files.values()),
             "files": files,
@@ -81,9 +105,14 @@ class BootResource:
 
     def to_json(self, api_root: str, *, with_sets: bool) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "id": self.id, "type": "Uploaded", "name": self.name, "architecture": self.architecture,
-            "subarches": self.architecture.split("/", 1)[1], "title": self.title,
-            "base_image": self.base_image, "resource_uri": f"{api_root}boot-resources/{self.id}/",
+            "id": self.id,
+            "type": "Uploaded",
+            "name": self.name,
+            "architecture": self.architecture,
+            "subarches": self.architecture.split("/", 1)[1],
+            "title": self.title,
+            "base_image": self.base_image,
+            "resource_uri": f"{api_root}boot-resources/{self.id}/",
         }
         if with_sets:
             out["sets"] = {v: s.to_json(self.id, api_root) for v, s in self.sets.items()}
@@ -117,9 +146,18 @@ class BootResourceStore:
                         return bytes(f.data)
         return None
 
-    def create(self, *, name: str, architecture: str, title: str = "", filetype: str = "tgz",
-               base_image: str = "", content: bytes | None = None, sha256: str | None = None,
-               size: str | None = None) -> BootResource:
+    def create(
+        self,
+        *,
+        name: str,
+        architecture: str,
+        title: str = "",
+        filetype: str = "tgz",
+        base_image: str = "",
+        content: bytes | None = None,
+        sha256: str | None = None,
+        size: str | None = None,
+    ) -> BootResource:
         errors: dict[str, list[str]] = {}
         if not name:
             errors["name"] = ["This field is required."]
@@ -146,8 +184,9 @@ class BootResourceStore:
         else:
             assert sha256 is not None and size is not None
             total = int(size)
-        existing = next((r for r in self.resources.values()
-                         if r.name == series and r.architecture == architecture), None)
+        existing = next(
+            (r for r in self.resources.values() if r.name == series and r.architecture == architecture), None
+        )
         resource = existing or BootResource(next(self._ids), series, architecture, title or series, base_image)
         if title:
             resource.title = title
@@ -195,11 +234,18 @@ class Script:
 
     def to_json(self, api_root: str) -> dict[str, Any]:
         return {
-            "id": self.id, "name": self.name, "title": self.title, "description": self.description,
-            "tags": list(self.tags), "type": SCRIPT_TYPES[self.script_type], "type_name": self.script_type,
-            "script_type": SCRIPT_TYPES[self.script_type], "timeout": self.timeout, "destructive": False,
-            "default": False, "history": [{"id": self.id, "comment": "Created by API",
-                                           "data": self.body}],
+            "id": self.id,
+            "name": self.name,
+            "title": self.title,
+            "description": self.description,
+            "tags": list(self.tags),
+            "type": SCRIPT_TYPES[self.script_type],
+            "type_name": self.script_type,
+            "script_type": SCRIPT_TYPES[self.script_type],
+            "timeout": self.timeout,
+            "destructive": False,
+            "default": False,
+            "history": [{"id": self.id, "comment": "Created by API", "data": self.body}],
             "resource_uri": f"{api_root}scripts/{self.name}",
         }
 
@@ -212,8 +258,17 @@ class ScriptStore:
     def known(self, name: str) -> bool:
         return name in self.scripts or name in BUILTIN_SCRIPTS
 
-    def create(self, *, name: str, script: str | None, script_type: str | None, title: str = "",
-               description: str = "", tags: tuple[str, ...] = (), timeout: str | None = None) -> Script:
+    def create(
+        self,
+        *,
+        name: str,
+        script: str | None,
+        script_type: str | None,
+        title: str = "",
+        description: str = "",
+        tags: tuple[str, ...] = (),
+        timeout: str | None = None,
+    ) -> Script:
         errors: dict[str, list[str]] = {}
         if not name:
             errors["name"] = ["This field is required."]

@@ -14,9 +14,7 @@ from .state import SimState
 log = structlog.get_logger("gpuaas_dev.maas_sim")
 
 
-async def start(
-    config: SimConfig, host: str = "127.0.0.1", port: int = 0
-) -> tuple[web.AppRunner, int]:
+async def start(config: SimConfig, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
     """Serve on host:port (0 picks a free port); returns the runner (call `cleanup()`) and the port."""
     app = create_app(config)
     # A short shutdown timeout: handlers held open by a lost-response fault are released on

@@ -56,8 +56,7 @@ class SimState:
         machine.advance(self.now(), self.timers)
         return machine
 
-    def ensure_tag(self, name: str, definition: str = "", comment: str = "",
-                   kernel_opts: str = "") -> dict[str, Any]:
+    def ensure_tag(self, name: str, definition: str = "", comment: str = "", kernel_opts: str = "") -> dict[str, Any]:
         return self.tags.setdefault(
             name,
             {
@@ -105,8 +104,7 @@ class SimState:
             ),
             "last_deploy": last,
             "history": [
-                {"from": t.from_status.label, "to": t.to_status.label, "reason": t.reason,
-                 "ago_seconds": now - t.at}
+                {"from": t.from_status.label, "to": t.to_status.label, "reason": t.reason, "ago_seconds": now - t.at}
                 for t in machine.history
             ],
             "calls": {op: c[system_id] for op, c in self.calls.items() if c.get(system_id)},

@@ -96,9 +96,7 @@ async def read_params(request: web.Request) -> Params:
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(
-        body=json.dumps(data).encode("utf-8"), status=status, content_type=JSON_UTF8, charset="utf-8"
-    )
+    return web.Response(body=json.dumps(data).encode("utf-8"), status=status, content_type=JSON_UTF8, charset="utf-8")
 
 
 def error_response(error: MaasSimError) -> web.Response:
@@ -108,8 +106,9 @@ def error_response(error: MaasSimError) -> web.Response:
     return response
 
 
-def text_response(text: str, status: int, headers: dict[str, str] | None = None,
-                  content_type: str = "text/plain") -> web.Response:
+def text_response(
+    text: str, status: int, headers: dict[str, str] | None = None, content_type: str = "text/plain"
+) -> web.Response:
     response = web.Response(body=text.encode("utf-8"), status=status, headers=headers or {})
     response.content_type = content_type
     response.charset = "utf-8"

@@ -76,8 +76,9 @@ class SimulatedBaremetalHost:
                     except Exception as exc:
                         # A host whose enrolment is refused (revoked or expired credentials) stays up
                         # and says why; it does not take the fleet process down.
-                        log.warning("sim_baremetal_enrol_failed", node_id=self.node_id, allocation_id=allocation,
-                                    error=str(exc))
+                        log.warning(
+                            "sim_baremetal_enrol_failed", node_id=self.node_id, allocation_id=allocation, error=str(exc)
+                        )
                     self._enrolled_for = allocation
                     log.info("sim_baremetal_enrolled", node_id=self.node_id, allocation_id=allocation)
                 elif status != "Deployed":

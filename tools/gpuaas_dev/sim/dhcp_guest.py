@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from gpuaas_common.logging import get_logger
-
 from gpuaas_node_agent.adapters.dnsmasq import Reservation, read_reservations
 
 log = get_logger(__name__)
@@ -25,8 +24,14 @@ _LEASE_SECONDS = 3600
 
 
 class SimulatedDhcpAndGuest:
-    def __init__(self, hostsdir: str | os.PathLike[str], lease_file: str | os.PathLike[str], ssh_port: int,
-                 *, poll_interval_s: float = 0.1) -> None:
+    def __init__(
+        self,
+        hostsdir: str | os.PathLike[str],
+        lease_file: str | os.PathLike[str],
+        ssh_port: int,
+        *,
+        poll_interval_s: float = 0.1,
+    ) -> None:
         self.hostsdir = Path(hostsdir)
         self.lease_file = Path(lease_file)
         self.ssh_port = ssh_port

@@ -111,29 +111,62 @@ def xe9680l(
     """8 × H200 behind 4 PCIe switches on 2 NUMA nodes, 2 × ConnectX-7 (IB, 4 VFs each), a BlueField-3,
     the BOSS OS disk and data NVMe disks. With `mounted_share` the last data disk carries a mounted child
     partition, as the lab host's /share disks did."""
-    gpus = [Gpu(pci_address=f"0000:{bus}:00.0", numa_node=0 if i < 4 else 1, switch=i // 2)
-            for i, bus in enumerate(GPU_BUSES)]
+    gpus = [
+        Gpu(pci_address=f"0000:{bus}:00.0", numa_node=0 if i < 4 else 1, switch=i // 2)
+        for i, bus in enumerate(GPU_BUSES)
+    ]
     nics = [
         Nic(pci_address="0000:29:00.0", device_id="1021", numa_node=0, numvfs=4, ib_device="mlx5_0"),
         Nic(pci_address="0000:a9:00.0", device_id="1021", numa_node=1, numvfs=4, ib_device="mlx5_1"),
-        Nic(pci_address="0000:bc:00.0", device_id="a2dc", numa_node=1, ib_device="mlx5_2", link_layer="Ethernet",
-            vf_driver="mlx5_core"),
-        Nic(pci_address="0000:bc:00.1", device_id="a2dc", numa_node=1, ib_device="mlx5_3", link_layer="Ethernet",
-            port_state="1: DOWN", vf_driver="mlx5_core"),
+        Nic(
+            pci_address="0000:bc:00.0",
+            device_id="a2dc",
+            numa_node=1,
+            ib_device="mlx5_2",
+            link_layer="Ethernet",
+            vf_driver="mlx5_core",
+        ),
+        Nic(
+            pci_address="0000:bc:00.1",
+            device_id="a2dc",
+            numa_node=1,
+            ib_device="mlx5_3",
+            link_layer="Ethernet",
+            port_state="1: DOWN",
+            vf_driver="mlx5_core",
+        ),
     ]
     wwids = data_disk_wwids if data_disk_wwids is not None else [eui_for(hostname, i) for i in range(8)]
     ctrls = [c for c in range(len(wwids) + 1) if c != os_disk_ctrl][: len(wwids)]
     disks = [
-        NvmeDisk(ctrl=os_disk_ctrl, wwid=eui_for(hostname, 99), pci_address="0000:03:00.0", numa_node=0,
-                 size_bytes=480_103_981_056, model="Dell BOSS-N1", serial="BOSS0", os_disk=True,
-                 partitions=[Partition(number=1, mountpoint="/boot/efi", fstype="vfat"),
-                             Partition(number=2, mountpoint="/")]),
+        NvmeDisk(
+            ctrl=os_disk_ctrl,
+            wwid=eui_for(hostname, 99),
+            pci_address="0000:03:00.0",
+            numa_node=0,
+            size_bytes=480_103_981_056,
+            model="Dell BOSS-N1",
+            serial="BOSS0",
+            os_disk=True,
+            partitions=[
+                Partition(number=1, mountpoint="/boot/efi", fstype="vfat"),
+                Partition(number=2, mountpoint="/"),
+            ],
+        ),
     ]
-    for i, (ctrl, wwid) in enumerate(zip(ctrls, wwids)):
+    for i, (ctrl, wwid) in enumerate(zip(ctrls, wwids, strict=True)):
         numa = 0 if i < len(wwids) / 2 else 1
         bus = (0x41 if numa == 0 else 0xC1) + i
-        disks.append(NvmeDisk(ctrl=ctrl, wwid=wwid, pci_address=f"0000:{bus:02x}:00.0", numa_node=numa,
-                              serial=f"PHAZ{i:04d}", multipath_hidden_paths=i % 3 == 1))
+        disks.append(
+            NvmeDisk(
+                ctrl=ctrl,
+                wwid=wwid,
+                pci_address=f"0000:{bus:02x}:00.0",
+                numa_node=numa,
+                serial=f"PHAZ{i:04d}",
+                multipath_hidden_paths=i % 3 == 1,
+            )
+        )
     if mounted_share and len(disks) > 1:
         share = disks[-1]
         disks[-1] = share.model_copy(update={"partitions": [Partition(number=1, mountpoint=f"/share{share.ctrl}")]})
@@ -168,22 +201,40 @@ class _Sysfs:
         self.sys = root / "sys"
         self.next_group = 10
 
-    def pci(self, bdf: str, chain: list[str], *, vendor: str, device: str, cls: str, numa: int,
-            driver: str | None, iommu: bool) -> Path:
+    def pci(
+        self,
+        bdf: str,
+        chain: list[str],
+        *,
+        vendor: str,
+        device: str,
+        cls: str,
+        numa: int,
+        driver: str | None,
+        iommu: bool,
+    ) -> Path:
         domain, bus = bdf.split(":")[0], bdf.split(":")[1]
         root_bus = chain[0].split(":")[1] if chain else bus
         d = self.sys / "devices" / f"pci{domain}:{root_bus}"
         for bridge in chain:
             d = d / bridge
             if not (d / "class").exists():
-                for name, value in (("vendor", "0x8086"), ("device", "0x352a"), ("class", "0x060400"),
-                                    ("numa_node", str(numa))):
+                for name, value in (
+                    ("vendor", "0x8086"),
+                    ("device", "0x352a"),
+                    ("class", "0x060400"),
+                    ("numa_node", str(numa)),
+                ):
                     _write(d / name, value + "\n")
         d = d / bdf
-        for name, value in (("vendor", f"0x{vendor}"), ("device", f"0x{device}"), ("class", cls),
-                            ("numa_node", str(numa)), ("driver_override", "(null)"),
-                            ("uevent", f"DRIVER={driver or ''}\nPCI_ID={vendor.upper()}:{device.upper()}\n"
-                                       f"PCI_SLOT_NAME={bdf}")):
+        for name, value in (
+            ("vendor", f"0x{vendor}"),
+            ("device", f"0x{device}"),
+            ("class", cls),
+            ("numa_node", str(numa)),
+            ("driver_override", "(null)"),
+            ("uevent", f"DRIVER={driver or ''}\nPCI_ID={vendor.upper()}:{device.upper()}\nPCI_SLOT_NAME={bdf}"),
+        ):
             _write(d / name, value + "\n")
         _symlink(self.sys / "bus/pci/devices" / bdf, d)
         if driver:
@@ -217,23 +268,46 @@ def build_host_root(root: str | os.PathLike[str], desc: HostDescription) -> Path
         slot = downstream_slot.get(gpu.switch, 0)
         downstream_slot[gpu.switch] = slot + 1
         chain = [f"0000:{rb:02x}:01.0", f"0000:{rb + 1:02x}:00.0", f"0000:{rb + 2:02x}:{slot:02x}.0"]
-        fs.pci(gpu.pci_address, chain, vendor="10de", device=gpu.device_id, cls="0x030200", numa=gpu.numa_node,
-               driver=gpu.driver, iommu=desc.iommu_groups)
+        fs.pci(
+            gpu.pci_address,
+            chain,
+            vendor="10de",
+            device=gpu.device_id,
+            cls="0x030200",
+            numa=gpu.numa_node,
+            driver=gpu.driver,
+            iommu=desc.iommu_groups,
+        )
 
     for nic in desc.nics:
         bus = int(nic.pci_address.split(":")[1], 16)
         chain = [f"0000:{bus - 2:02x}:01.0"]
-        pf = fs.pci(nic.pci_address, chain, vendor="15b3", device=nic.device_id,
-                    cls="0x020700" if nic.link_layer == "InfiniBand" else "0x020000", numa=nic.numa_node,
-                    driver="mlx5_core", iommu=desc.iommu_groups)
+        pf = fs.pci(
+            nic.pci_address,
+            chain,
+            vendor="15b3",
+            device=nic.device_id,
+            cls="0x020700" if nic.link_layer == "InfiniBand" else "0x020000",
+            numa=nic.numa_node,
+            driver="mlx5_core",
+            iommu=desc.iommu_groups,
+        )
         _write(pf / "sriov_totalvfs", f"{nic.totalvfs}\n")
         _write(pf / "sriov_numvfs", f"{nic.numvfs}\n")
         _write(pf / "sriov_vf_device", f"{nic.vf_device_id}\n")
         base = nic.pci_address[:-1]
         for n in range(nic.numvfs):
             vf_bdf = f"{base}{n + 1}"
-            vf = fs.pci(vf_bdf, chain, vendor="15b3", device=nic.vf_device_id, cls="0x020700",
-                        numa=nic.numa_node, driver=nic.vf_driver, iommu=desc.iommu_groups)
+            vf = fs.pci(
+                vf_bdf,
+                chain,
+                vendor="15b3",
+                device=nic.vf_device_id,
+                cls="0x020700",
+                numa=nic.numa_node,
+                driver=nic.vf_driver,
+                iommu=desc.iommu_groups,
+            )
             _symlink(pf / f"virtfn{n}", vf)
             _symlink(vf / "physfn", pf)
         if nic.ib_device:
@@ -244,17 +318,34 @@ def build_host_root(root: str | os.PathLike[str], desc: HostDescription) -> Path
             _symlink(sysroot / "class/infiniband" / nic.ib_device, ib)
         if nic.device_id == "a2dc" and nic.pci_address.endswith(".0"):
             # The BF3 SoC management function: a DMA controller, not a fabric device.
-            fs.pci(f"{base}2", chain, vendor="15b3", device="c2d5", cls="0x080100", numa=nic.numa_node,
-                   driver=None, iommu=desc.iommu_groups)
+            fs.pci(
+                f"{base}2",
+                chain,
+                vendor="15b3",
+                device="c2d5",
+                cls="0x080100",
+                numa=nic.numa_node,
+                driver=None,
+                iommu=desc.iommu_groups,
+            )
 
-    mounts = ["sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0",
-              "proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0",
-              "tmpfs /run tmpfs rw,nosuid,nodev,size=52428800k,mode=755 0 0"]
+    mounts = [
+        "sysfs /sys sysfs rw,nosuid,nodev,noexec,relatime 0 0",
+        "proc /proc proc rw,nosuid,nodev,noexec,relatime 0 0",
+        "tmpfs /run tmpfs rw,nosuid,nodev,size=52428800k,mode=755 0 0",
+    ]
     dev = root / "dev"
     for disk in desc.nvme:
-        ctrl_dir = fs.pci(disk.pci_address, [f"0000:{int(disk.pci_address.split(':')[1], 16) - 1:02x}:01.0"],
-                          vendor="144d", device="a80a", cls="0x010802", numa=disk.numa_node, driver="nvme",
-                          iommu=desc.iommu_groups)
+        ctrl_dir = fs.pci(
+            disk.pci_address,
+            [f"0000:{int(disk.pci_address.split(':')[1], 16) - 1:02x}:01.0"],
+            vendor="144d",
+            device="a80a",
+            cls="0x010802",
+            numa=disk.numa_node,
+            driver="nvme",
+            iommu=desc.iommu_groups,
+        )
         name = f"nvme{disk.ctrl}n1"
         nvme_ctrl = ctrl_dir / "nvme" / f"nvme{disk.ctrl}"
         _write(nvme_ctrl / "serial", disk.serial + "\n")
@@ -274,8 +365,13 @@ def build_host_root(root: str | os.PathLike[str], desc: HostDescription) -> Path
         else:
             head = nvme_ctrl / name
             _symlink(head / "device", nvme_ctrl)
-        for attr, value in (("hidden", "0"), ("size", str(disk.size_bytes // 512)), ("wwid", disk.wwid),
-                            ("removable", "0"), ("ro", "0")):
+        for attr, value in (
+            ("hidden", "0"),
+            ("size", str(disk.size_bytes // 512)),
+            ("wwid", disk.wwid),
+            ("removable", "0"),
+            ("ro", "0"),
+        ):
             _write(head / attr, value + "\n")
         (head / "holders").mkdir(parents=True, exist_ok=True)
         _symlink(sysroot / "block" / name, head)
@@ -341,24 +437,34 @@ def build_host_root(root: str | os.PathLike[str], desc: HostDescription) -> Path
             stale.unlink()
     fabric_if = "ibp24s0"
     if desc.ipoib_netplan:
-        _write(etc / "netplan/60-ipoib.yaml",
-               f"network:\n  version: 2\n  ethernets:\n    {fabric_if}:\n      addresses: [{desc.fabric_address}]\n")
+        _write(
+            etc / "netplan/60-ipoib.yaml",
+            f"network:\n  version: 2\n  ethernets:\n    {fabric_if}:\n      addresses: [{desc.fabric_address}]\n",
+        )
     if desc.dnsmasq_gpu_subnet:
-        _write(etc / "dnsmasq.d/gpuaas-slice.conf",
-               f"interface={desc.ovs_bridge or 'ovsbr0'}\nbind-interfaces\n"
-               "dhcp-range=10.100.0.10,10.100.0.250,255.255.255.0,12h\n"
-               "dhcp-option=option:router,10.100.0.1\ndhcp-hostsdir=/etc/gpuaas/dnsmasq-hosts\n")
+        _write(
+            etc / "dnsmasq.d/gpuaas-slice.conf",
+            f"interface={desc.ovs_bridge or 'ovsbr0'}\nbind-interfaces\n"
+            "dhcp-range=10.100.0.10,10.100.0.250,255.255.255.0,12h\n"
+            "dhcp-option=option:router,10.100.0.1\ndhcp-hostsdir=/etc/gpuaas/dnsmasq-hosts\n",
+        )
     _write(etc / "hostname", desc.hostname + "\n")
 
     # What `ip`, `iptables` and `systemctl` would say on this host.
     data = root / FIXTURE_DATA
-    links = [{"ifname": "lo", "addr_info": [{"family": "inet", "local": "127.0.0.1", "prefixlen": 8}]},
-             {"ifname": "eno8303", "addr_info": [{"family": "inet", "local": "10.177.36.197", "prefixlen": 24}]}]
-    routes = [{"dst": "default", "gateway": "10.177.36.1", "dev": "eno8303"},
-              {"dst": "10.177.36.0/24", "dev": "eno8303", "prefsrc": "10.177.36.197"}]
+    links = [
+        {"ifname": "lo", "addr_info": [{"family": "inet", "local": "127.0.0.1", "prefixlen": 8}]},
+        {"ifname": "eno8303", "addr_info": [{"family": "inet", "local": "10.177.36.197", "prefixlen": 24}]},
+    ]
+    routes = [
+        {"dst": "default", "gateway": "10.177.36.1", "dev": "eno8303"},
+        {"dst": "10.177.36.0/24", "dev": "eno8303", "prefsrc": "10.177.36.197"},
+    ]
     if desc.ovs_bridge:
         addr, plen = desc.ovs_address.split("/")
-        links.append({"ifname": desc.ovs_bridge, "addr_info": [{"family": "inet", "local": addr, "prefixlen": int(plen)}]})
+        links.append(
+            {"ifname": desc.ovs_bridge, "addr_info": [{"family": "inet", "local": addr, "prefixlen": int(plen)}]}
+        )
         _write(sysroot / "class/net" / desc.ovs_bridge / "address", "0e:5a:11:00:00:01\n")
         _write(sysroot / "class/net" / desc.ovs_bridge / "operstate", "unknown\n")
     if desc.fabric_address:
@@ -383,16 +489,24 @@ def build_host_root(root: str | os.PathLike[str], desc: HostDescription) -> Path
     _write(data / "active-units.txt", "\n".join(active) + "\n")
 
     sbin = root / "usr/sbin"
-    _script(sbin / "ip", 'case "$*" in\n  "-j addr show") cat "$DATA/ip-addr.json";;\n'
-                         '  "-j route show") cat "$DATA/ip-route.json";;\n'
-                         '  *) echo "fixture ip: unsupported: $*" >&2; exit 1;;\nesac\n')
-    _script(sbin / "iptables", 'if [ "$*" = "-t nat -S POSTROUTING" ]; then cat "$DATA/iptables-nat-POSTROUTING.txt";'
-                               ' else echo "fixture iptables: unsupported: $*" >&2; exit 2; fi\n')
-    _script(root / "usr/bin/systemctl",
-            'if [ "$1" != "is-active" ]; then echo "fixture systemctl: unsupported: $*" >&2; exit 1; fi\n'
-            'unit="${2%.service}"\n'
-            'if grep -qx "$unit" "$DATA/active-units.txt"; then echo active; exit 0; fi\n'
-            'echo inactive; exit 3\n')
+    _script(
+        sbin / "ip",
+        'case "$*" in\n  "-j addr show") cat "$DATA/ip-addr.json";;\n'
+        '  "-j route show") cat "$DATA/ip-route.json";;\n'
+        '  *) echo "fixture ip: unsupported: $*" >&2; exit 1;;\nesac\n',
+    )
+    _script(
+        sbin / "iptables",
+        'if [ "$*" = "-t nat -S POSTROUTING" ]; then cat "$DATA/iptables-nat-POSTROUTING.txt";'
+        ' else echo "fixture iptables: unsupported: $*" >&2; exit 2; fi\n',
+    )
+    _script(
+        root / "usr/bin/systemctl",
+        'if [ "$1" != "is-active" ]; then echo "fixture systemctl: unsupported: $*" >&2; exit 1; fi\n'
+        'unit="${2%.service}"\n'
+        'if grep -qx "$unit" "$DATA/active-units.txt"; then echo active; exit 0; fi\n'
+        "echo inactive; exit 3\n",
+    )
     # Signature probes are the real tools: they read the disk stand-ins like they read a device.
     for tool in ("wipefs", "blkid"):
         real = shutil.which(tool)

@@ -34,8 +34,9 @@ from .settings import SimFleetSettings
 def _host_identity(settings: SimFleetSettings, node_id: str) -> NatsIdentity:
     servers = split_servers(settings.nats_url)
     if settings.nats_creds_dir:
-        return NatsIdentity(servers, str(Path(settings.nats_creds_dir) / f"{node_user_name(node_id)}.creds"),
-                            settings.nats_ca_file)
+        return NatsIdentity(
+            servers, str(Path(settings.nats_creds_dir) / f"{node_user_name(node_id)}.creds"), settings.nats_ca_file
+        )
     return NatsIdentity(servers, settings.nats_creds, settings.nats_ca_file)
 
 
@@ -65,8 +66,9 @@ def build_register(settings: SimFleetSettings):
                 if settings.maas_sim_url and node.maas_system_id:
                     rt.spawn(_baremetal_host(settings, node, settings.maas_sim_url).run(), f"sim-bm-{node.node_id}")
                 continue
-            link = links[node.node_id] = HostLink(node.node_id, _host_identity(settings, node.node_id),
-                                                  retry_delays_s=settings.retry_delays_s)
+            link = links[node.node_id] = HostLink(
+                node.node_id, _host_identity(settings, node.node_id), retry_delays_s=settings.retry_delays_s
+            )
             if settings.sim_instant_hosts:
                 rt.spawn(_run_instant_host(settings, node, link), f"host-{node.node_id}")
             else:
@@ -84,12 +86,14 @@ def build_register(settings: SimFleetSettings):
     return register
 
 
-async def _run_simulated_slice_host(settings: SimFleetSettings, node: FleetNode, ssh_port: int, link: HostLink,
-                                    sims: list[SimulatedDhcpAndGuest]) -> None:
+async def _run_simulated_slice_host(
+    settings: SimFleetSettings, node: FleetNode, ssh_port: int, link: HostLink, sims: list[SimulatedDhcpAndGuest]
+) -> None:
     paths = HostPaths(Path(node.host_root or settings.host_root))
     _prepare_host_tree(settings, node, paths)
-    sim = SimulatedDhcpAndGuest(paths.host(settings.dnsmasq_hostsdir), paths.host(settings.dnsmasq_lease_file),
-                                ssh_port)
+    sim = SimulatedDhcpAndGuest(
+        paths.host(settings.dnsmasq_hostsdir), paths.host(settings.dnsmasq_lease_file), ssh_port
+    )
     sims.append(sim)
     await sim.start()
     await run_slice_host(settings, node.node_id, node.hostname, paths.root, ssh_port, link)
@@ -98,11 +102,19 @@ async def _run_simulated_slice_host(settings: SimFleetSettings, node: FleetNode,
 async def _run_instant_host(settings: SimFleetSettings, node: FleetNode, link: HostLink) -> None:
     bus, spec = await open_host_bus(settings, node.node_id, link)
     instant = InstantSliceHost(node.node_id, bus.publish)
-    bus.subscribe(spec, {"slice.vm_provision": instant.on_task, "slice.vm_release": instant.on_task},
-                  transactional=False, concurrency=settings.task_concurrency)
+    bus.subscribe(
+        spec,
+        {"slice.vm_provision": instant.on_task, "slice.vm_release": instant.on_task},
+        transactional=False,
+        concurrency=settings.task_concurrency,
+    )
     await link.start()
-    await bus.publish("node.enrolled", slice_host_enrolment(node.node_id, node.hostname),
-                      correlation_id=node.node_id, node_id=node.node_id)
+    await bus.publish(
+        "node.enrolled",
+        slice_host_enrolment(node.node_id, node.hostname),
+        correlation_id=node.node_id,
+        node_id=node.node_id,
+    )
 
 
 def _baremetal_host(settings: SimFleetSettings, node: FleetNode, maas_sim_url: str) -> SimulatedBaremetalHost:
@@ -124,15 +136,28 @@ def _baremetal_host(settings: SimFleetSettings, node: FleetNode, maas_sim_url: s
             creds_file = str(write_secret(root / "etc" / "gpuaas" / "node.creds", creds_text))
         elif settings.nats_creds_dir:
             raise PermanentError("no_credentials", "user_data carries no NATS credentials for this host")
-        link = HostLink(node.node_id, NatsIdentity(split_servers(settings.nats_url), creds_file,
-                                                   settings.nats_ca_file), retry_delays_s=settings.retry_delays_s)
+        link = HostLink(
+            node.node_id,
+            NatsIdentity(split_servers(settings.nats_url), creds_file, settings.nats_ca_file),
+            retry_delays_s=settings.retry_delays_s,
+        )
         bus = await link.open(retry_forever=False)
         ev = m.NodeEnrolled(
-            node_id=node.node_id, kind="baremetal", hostname=node.hostname, agent_version=AGENT_VERSION,
-            maas_system_id=node.maas_system_id, allocation_id=allocation_id, enrolment_proof=token_proof(token),
+            node_id=node.node_id,
+            kind="baremetal",
+            hostname=node.hostname,
+            agent_version=AGENT_VERSION,
+            maas_system_id=node.maas_system_id,
+            allocation_id=allocation_id,
+            enrolment_proof=token_proof(token),
         )
-        await bus.publish("node.enrolled", ev, correlation_id=allocation_id, node_id=node.node_id,
-                          event_id=derived_event_id(allocation_id, f"enrolled:{node.node_id}"))
+        await bus.publish(
+            "node.enrolled",
+            ev,
+            correlation_id=allocation_id,
+            node_id=node.node_id,
+            event_id=derived_event_id(allocation_id, f"enrolled:{node.node_id}"),
+        )
 
     async def leave() -> None:
         nonlocal link

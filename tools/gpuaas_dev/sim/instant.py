@@ -24,18 +24,43 @@ class InstantSliceHost:
 
     async def on_task(self, ctx: HandlerContext) -> None:
         task = ctx.payload
-        common = dict(task_id=task.task_id, allocation_id=task.allocation_id, node_id=self.node_id,
-                      task_type=ctx.envelope.type, status="succeeded")
+        common = dict(
+            task_id=task.task_id,
+            allocation_id=task.allocation_id,
+            node_id=self.node_id,
+            task_type=ctx.envelope.type,
+            status="succeeded",
+        )
         if ctx.envelope.type == "slice.vm_provision":
             primary = task.slots[0]
-            result = m.NodeTaskResult(**common, readiness=m.Readiness(
-                mac=primary.mac, expected_ip=primary.private_ip, actual_ip=primary.private_ip,
-                lease_state="bound", ssh_ready=True))
+            result = m.NodeTaskResult(
+                **common,
+                readiness=m.Readiness(
+                    mac=primary.mac,
+                    expected_ip=primary.private_ip,
+                    actual_ip=primary.private_ip,
+                    lease_state="bound",
+                    ssh_ready=True,
+                ),
+            )
         else:
-            result = m.NodeTaskResult(**common, wipe_proofs=[
-                m.WipeProof(device=s.nvme_by_id, method="simulated-instant", verified=True,
-                            detail="instant simulated host: there is no disk to wipe")
-                for s in task.slots])
-        await self.publish("node.task_result", result, correlation_id=str(task.allocation_id),
-                           causation_id=ctx.envelope.event_id, event_id=derived_event_id(task.task_id, "result"),
-                           node_id=self.node_id)
+            result = m.NodeTaskResult(
+                **common,
+                wipe_proofs=[
+                    m.WipeProof(
+                        device=s.nvme_by_id,
+                        method="simulated-instant",
+                        verified=True,
+                        detail="instant simulated host: there is no disk to wipe",
+                    )
+                    for s in task.slots
+                ],
+            )
+        await self.publish(
+            "node.task_result",
+            result,
+            correlation_id=str(task.allocation_id),
+            causation_id=ctx.envelope.event_id,
+            event_id=derived_event_id(task.task_id, "result"),
+            node_id=self.node_id,
+        )

@@ -18,8 +18,13 @@ from gpuaas_common.contract.asyncapi import ContractValidator, ContractViolation
 
 
 class BusSpy:
-    def __init__(self, url: str, subject: str = "gpuaas.>", validator: ContractValidator | None = None,
-                 connect: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        subject: str = "gpuaas.>",
+        validator: ContractValidator | None = None,
+        connect: dict[str, Any] | None = None,
+    ) -> None:
         """`connect`: nats.connect() options (creds, TLS, inbox) of an identity that may read `subject`."""
         self.url = url
         self.connect = connect

@@ -112,14 +112,20 @@ class NatsServer:
             f"{'https' if self.tls else 'http'}: 127.0.0.1:{self.monitor_port}",
             # A service's user JWT lists every subject it may use and travels in the CONNECT line.
             "max_control_line: 65536",
-            "jetstream {", *js, "}",
+            "jetstream {",
+            *js,
+            "}",
         ]
         if self.tls is not None:
             t = self.tls
-            lines += ["tls {", f"  cert_file: {json.dumps(str(t.cert))}",  # type: ignore[attr-defined]
-                      f"  key_file: {json.dumps(str(t.key))}",  # type: ignore[attr-defined]
-                      f"  ca_file: {json.dumps(str(t.ca))}",  # type: ignore[attr-defined]
-                      "  timeout: 2", "}"]
+            lines += [
+                "tls {",
+                f"  cert_file: {json.dumps(str(t.cert))}",  # type: ignore[attr-defined]
+                f"  key_file: {json.dumps(str(t.key))}",  # type: ignore[attr-defined]
+                f"  ca_file: {json.dumps(str(t.ca))}",  # type: ignore[attr-defined]
+                "  timeout: 2",
+                "}",
+            ]
         if self.auth is not None:
             resolver = self.data_dir / "resolver"
             resolver.mkdir(parents=True, exist_ok=True)
@@ -138,7 +144,9 @@ class NatsServer:
             f.write(self.config_text())
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(config), "-l", str(self.log_path)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
 
         scheme = "https" if self.tls else "http"
@@ -234,9 +242,23 @@ class PostgresServer:
             "-c full_page_writes=off -c max_connections=300 -c shared_buffers=128MB"
         )
         subprocess.run(
-            [*self._runas, str(bindir / "pg_ctl"), "-D", str(pgdata), "-o", options,
-             "-l", str(self.data_dir / "postgres.log"), "-w", "-t", str(int(timeout_s)), "start"],
-            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            [
+                *self._runas,
+                str(bindir / "pg_ctl"),
+                "-D",
+                str(pgdata),
+                "-o",
+                options,
+                "-l",
+                str(self.data_dir / "postgres.log"),
+                "-w",
+                "-t",
+                str(int(timeout_s)),
+                "start",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         self._bindir = bindir
         self._pgdata = pgdata
@@ -258,10 +280,24 @@ class PostgresServer:
                 account = pwd.getpwnam("postgres")
                 os.chown(pwfile, account.pw_uid, account.pw_gid)
             subprocess.run(
-                [*self._runas, str(bindir / "initdb"), "-D", str(pgdata), "-U", self.user,
-                 "--auth-host=scram-sha-256", "--auth-local=trust", f"--pwfile={pwfile}",
-                 "-E", "UTF8", "--no-locale", "--no-sync"],
-                check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                [
+                    *self._runas,
+                    str(bindir / "initdb"),
+                    "-D",
+                    str(pgdata),
+                    "-U",
+                    self.user,
+                    "--auth-host=scram-sha-256",
+                    "--auth-local=trust",
+                    f"--pwfile={pwfile}",
+                    "-E",
+                    "UTF8",
+                    "--no-locale",
+                    "--no-sync",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
             )
         finally:
             pwfile.unlink(missing_ok=True)
@@ -270,7 +306,8 @@ class PostgresServer:
         if self._mode == "system":
             subprocess.run(
                 [*self._runas, str(self._bindir / "pg_ctl"), "-D", str(self._pgdata), "-m", "fast", "-w", "stop"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             if self._owned_dir:
                 shutil.rmtree(self.data_dir, ignore_errors=True)
@@ -318,8 +355,11 @@ class RegistryServer:
         self.log_path = self.data_dir / "registry.log"
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [binary, "serve", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
+                [binary, "serve", str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
 
         _wait_until(lambda: _http_ok(f"{self.url}/v2/"), timeout_s, "docker-registry", self.proc)

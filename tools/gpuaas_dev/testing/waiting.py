@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-async def eventually(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05,
-                     what: str = "condition") -> Any:
+async def eventually(
+    predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05, what: str = "condition"
+) -> Any:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

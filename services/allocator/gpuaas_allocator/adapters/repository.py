@@ -36,24 +36,37 @@ class AllocationRepository:
     async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None:
         sets = ", ".join(f"{col} = ${i}" for i, col in enumerate(fields, start=2))
         await self.conn.execute(
-            f"UPDATE allocations SET {sets}, updated_at = now() WHERE allocation_id = $1", allocation_id,
+            f"UPDATE allocations SET {sets}, updated_at = now() WHERE allocation_id = $1",
+            allocation_id,
             *_values(fields),
         )
 
     async def append_timeline(
-        self, allocation_id: uuid.UUID, state: str, previous_state: str | None, *, reason_code: str | None = None,
-        detail: dict[str, Any] | None = None, cause_event_id: str | None = None,
+        self,
+        allocation_id: uuid.UUID,
+        state: str,
+        previous_state: str | None,
+        *,
+        reason_code: str | None = None,
+        detail: dict[str, Any] | None = None,
+        cause_event_id: str | None = None,
     ) -> int:
         return await self.conn.fetchval(
             "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
             "cause_event_id) SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, $3, $4, $5, $6 FROM allocation_timeline "
             "WHERE allocation_id = $1 RETURNING seq",
-            allocation_id, state, previous_state, reason_code, json.dumps(detail or {}), cause_event_id,
+            allocation_id,
+            state,
+            previous_state,
+            reason_code,
+            json.dumps(detail or {}),
+            cause_event_id,
         )
 
     async def get_image(self, slug: str) -> ActiveImage | None:
         row = await self.conn.fetchrow(
-            "SELECT slug, kind, sku, digest_sha256, image_path FROM active_images WHERE slug = $1", slug)
+            "SELECT slug, kind, sku, digest_sha256, image_path FROM active_images WHERE slug = $1", slug
+        )
         return ActiveImage(**dict(row)) if row else None
 
     async def upsert_image(self, image: ActiveImage) -> None:
@@ -61,7 +74,11 @@ class AllocationRepository:
             "INSERT INTO active_images (slug, kind, sku, digest_sha256, image_path) VALUES ($1, $2, $3, $4, $5) "
             "ON CONFLICT (slug) DO UPDATE SET kind = EXCLUDED.kind, sku = EXCLUDED.sku, "
             "digest_sha256 = EXCLUDED.digest_sha256, image_path = EXCLUDED.image_path, updated_at = now()",
-            image.slug, image.kind, image.sku, image.digest_sha256, image.image_path,
+            image.slug,
+            image.kind,
+            image.sku,
+            image.digest_sha256,
+            image.image_path,
         )
 
     async def delete_image(self, slug: str) -> None:

@@ -43,8 +43,13 @@ async def _poll(fn) -> None:
 
 def main() -> None:
     settings = AllocatorSettings()
-    run_service("allocator", settings, build_register(settings), schema="allocator",
-                migrations_package="gpuaas_allocator.migrations")
+    run_service(
+        "allocator",
+        settings,
+        build_register(settings),
+        schema="allocator",
+        migrations_package="gpuaas_allocator.migrations",
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-
 from gpuaas_common.bus import HandlerContext, PermanentError
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
@@ -60,18 +59,29 @@ class Allocator:
         alloc_id = row["allocation_id"]
         await ctx.uow.repos.update(alloc_id, state=new_state, **(update or {}))
         seq = await ctx.uow.repos.append_timeline(
-            alloc_id, new_state, current, reason_code=reason_code, detail=detail,
+            alloc_id,
+            new_state,
+            current,
+            reason_code=reason_code,
+            detail=detail,
             cause_event_id=ctx.envelope.event_id,
         )
         model = _LIFECYCLE_MODELS[new_state]
         if reason_code is not None and "reason_code" in model.model_fields:
             event_fields.setdefault("reason_code", reason_code)
         event = model(
-            allocation_id=alloc_id, tenant_id=row["tenant_id"], shape=row["shape"], state=new_state,
-            previous_state=current, seq=seq, **event_fields,
+            allocation_id=alloc_id,
+            tenant_id=row["tenant_id"],
+            shape=row["shape"],
+            state=new_state,
+            previous_state=current,
+            seq=seq,
+            **event_fields,
         )
         await ctx.outbox.add(
-            f"allocation.{new_state}", event, aggregate_id=str(alloc_id),
+            f"allocation.{new_state}",
+            event,
+            aggregate_id=str(alloc_id),
             event_id=derived_event_id(str(alloc_id), f"lifecycle:{seq}"),
         )
         log.info("allocation_transition", allocation_id=str(alloc_id), from_state=current, to_state=new_state, seq=seq)
@@ -94,8 +104,7 @@ class Allocator:
             if existing["request_hash"] == fingerprint:
                 log.info("request_replay_ignored")
                 return
-            await self._reject(ctx, req, "idempotency_conflict",
-                               "allocation_id already used for a different request")
+            await self._reject(ctx, req, "idempotency_conflict", "allocation_id already used for a different request")
             return
         image = await ctx.uow.repos.get_image(req.image)
         rejection = validate_request(req, image)
@@ -104,15 +113,28 @@ class Allocator:
             return
         assert image is not None
         await ctx.uow.repos.insert(
-            allocation_id=req.allocation_id, tenant_id=req.tenant_id, shape=req.shape, sku=req.sku,
-            gpu_count=req.gpu_count, region=req.region, image_slug=image.slug, image_digest=image.digest_sha256,
-            image_path=image.image_path, request_hash=fingerprint, request=req.model_dump(mode="json"),
+            allocation_id=req.allocation_id,
+            tenant_id=req.tenant_id,
+            shape=req.shape,
+            sku=req.sku,
+            gpu_count=req.gpu_count,
+            region=req.region,
+            image_slug=image.slug,
+            image_digest=image.digest_sha256,
+            image_path=image.image_path,
+            request_hash=fingerprint,
+            request=req.model_dump(mode="json"),
             state="requested",
         )
         await ctx.uow.repos.append_timeline(req.allocation_id, "requested", None, cause_event_id=ctx.envelope.event_id)
         row = {"allocation_id": req.allocation_id, "tenant_id": req.tenant_id, "shape": req.shape, "state": "requested"}
         await self._transition(
-            ctx, row, "accepted", sku=req.sku, gpu_count=req.gpu_count, region=req.region,
+            ctx,
+            row,
+            "accepted",
+            sku=req.sku,
+            gpu_count=req.gpu_count,
+            region=req.region,
             image=m.ImageRef(slug=image.slug, digest_sha256=image.digest_sha256, image_path=image.image_path),
         )
 
@@ -121,8 +143,11 @@ class Allocator:
         await ctx.outbox.add(
             "allocation.rejected",
             m.AllocationRejected(
-                allocation_id=req.allocation_id, tenant_id=req.tenant_id, shape=req.shape,
-                reason_code=code, reason=reason,
+                allocation_id=req.allocation_id,
+                tenant_id=req.tenant_id,
+                shape=req.shape,
+                reason_code=code,
+                reason=reason,
             ),
             aggregate_id=str(req.allocation_id),
             event_id=derived_event_id(ctx.envelope.event_id, "rejected"),
@@ -158,13 +183,22 @@ class Allocator:
             # Released before anything was built: nothing was touched, the claim can go at once.
             await ctx.uow.repos.update(ev.allocation_id, **update)
             await self._transition(
-                ctx, row, "released", node_id=ev.node_id,
+                ctx,
+                row,
+                "released",
+                node_id=ev.node_id,
                 cleanup=m.CleanupReport(required=False, verified=True, reason="released before provisioning"),
             )
             return
         row = await self._transition(
-            ctx, row, "placed", update=update, node_id=ev.node_id, claim_mode=ev.claim_mode,
-            slots=ev.slots, maas_system_id=ev.maas_system_id,
+            ctx,
+            row,
+            "placed",
+            update=update,
+            node_id=ev.node_id,
+            claim_mode=ev.claim_mode,
+            slots=ev.slots,
+            maas_system_id=ev.maas_system_id,
         )
         await self._start_provisioning(ctx, row, ev)
 
@@ -175,30 +209,61 @@ class Allocator:
             task_id = f"prov-{alloc_id}"
             image_row = row
             task = m.SliceVmProvision(
-                task_id=task_id, allocation_id=row["allocation_id"], node_id=ev.node_id,
-                fencing_epoch=ev.fencing_epoch, deadline=utcnow() + timedelta(seconds=self.settings.task_deadline_s),
-                vm_name=f"gpuaas-{alloc_id[:8]}", slots=ev.slots,
-                image=m.ImageRef(slug=image_row["image_slug"], digest_sha256=image_row["image_digest"],
-                                 image_path=image_row["image_path"]),
+                task_id=task_id,
+                allocation_id=row["allocation_id"],
+                node_id=ev.node_id,
+                fencing_epoch=ev.fencing_epoch,
+                deadline=utcnow() + timedelta(seconds=self.settings.task_deadline_s),
+                vm_name=f"gpuaas-{alloc_id[:8]}",
+                slots=ev.slots,
+                image=m.ImageRef(
+                    slug=image_row["image_slug"],
+                    digest_sha256=image_row["image_digest"],
+                    image_path=image_row["image_path"],
+                ),
                 ssh_public_keys=request.get("ssh_public_keys", []),
                 hostname=request.get("hostname") or f"gpuaas-{alloc_id[:8]}",
             )
-            await ctx.outbox.add("slice.vm_provision", task, aggregate_id=alloc_id,
-                                 event_id=derived_event_id(alloc_id, "provision-task"), node_id=ev.node_id)
-            await self._transition(ctx, row, "provisioning", update={"task_id": task_id, "awaiting_result": True},
-                                   node_id=ev.node_id, task_id=task_id)
+            await ctx.outbox.add(
+                "slice.vm_provision",
+                task,
+                aggregate_id=alloc_id,
+                event_id=derived_event_id(alloc_id, "provision-task"),
+                node_id=ev.node_id,
+            )
+            await self._transition(
+                ctx,
+                row,
+                "provisioning",
+                update={"task_id": task_id, "awaiting_result": True},
+                node_id=ev.node_id,
+                task_id=task_id,
+            )
         else:
             assert ev.maas_system_id is not None
             operation_id = f"deploy-{alloc_id}"
             cmd = m.MaasDeployRequested(
-                operation_id=operation_id, allocation_id=row["allocation_id"], site=self.settings.maas_site,
-                system_id=ev.maas_system_id, node_id=ev.node_id, profile=self.settings.baremetal_profile,
+                operation_id=operation_id,
+                allocation_id=row["allocation_id"],
+                site=self.settings.maas_site,
+                system_id=ev.maas_system_id,
+                node_id=ev.node_id,
+                profile=self.settings.baremetal_profile,
             )
-            await ctx.outbox.add("maas.deploy_requested", cmd, aggregate_id=alloc_id,
-                                 event_id=derived_event_id(alloc_id, "deploy-command"))
-            await self._transition(ctx, row, "provisioning",
-                                   update={"operation_id": operation_id, "awaiting_result": True},
-                                   node_id=ev.node_id, operation_id=operation_id)
+            await ctx.outbox.add(
+                "maas.deploy_requested",
+                cmd,
+                aggregate_id=alloc_id,
+                event_id=derived_event_id(alloc_id, "deploy-command"),
+            )
+            await self._transition(
+                ctx,
+                row,
+                "provisioning",
+                update={"operation_id": operation_id, "awaiting_result": True},
+                node_id=ev.node_id,
+                operation_id=operation_id,
+            )
 
     async def on_unschedulable(self, ctx: HandlerContext) -> None:
         ev: m.PlacementUnschedulable = ctx.payload
@@ -206,14 +271,21 @@ class Allocator:
         if row is None or row["state"] not in ("accepted", "releasing"):
             return
         if row["state"] == "releasing":
-            await self._transition(ctx, row, "released",
-                                   cleanup=m.CleanupReport(required=False, verified=True, reason="never placed"))
+            await self._transition(
+                ctx, row, "released", cleanup=m.CleanupReport(required=False, verified=True, reason="never placed")
+            )
             return
         await self._transition(
-            ctx, row, "unschedulable", reason_code=ev.reason_code,
+            ctx,
+            row,
+            "unschedulable",
+            reason_code=ev.reason_code,
             update={"failure_code": ev.reason_code, "failure_reason": ev.reason},
             detail={"filtered": ev.filtered, "free_gpus": ev.free_gpus},
-            reason=ev.reason, filtered=ev.filtered, free_gpus=ev.free_gpus, requested_gpus=ev.requested_gpus,
+            reason=ev.reason,
+            filtered=ev.filtered,
+            free_gpus=ev.free_gpus,
+            requested_gpus=ev.requested_gpus,
         )
 
     # --- teardown ----------------------------------------------------------------------------------
@@ -224,24 +296,38 @@ class Allocator:
         if row["shape"] == "gpu_slice":
             task_id = f"rel-{alloc_id}"
             task = m.SliceVmRelease(
-                task_id=task_id, allocation_id=row["allocation_id"], node_id=row["node_id"],
+                task_id=task_id,
+                allocation_id=row["allocation_id"],
+                node_id=row["node_id"],
                 fencing_epoch=placement["fencing_epoch"],
                 deadline=utcnow() + timedelta(seconds=self.settings.task_deadline_s),
-                vm_name=f"gpuaas-{alloc_id[:8]}", slots=[m.SlotBinding(**s) for s in placement["slots"]],
+                vm_name=f"gpuaas-{alloc_id[:8]}",
+                slots=[m.SlotBinding(**s) for s in placement["slots"]],
             )
-            await ctx.outbox.add("slice.vm_release", task, aggregate_id=alloc_id,
-                                 event_id=derived_event_id(alloc_id, "release-task"), node_id=row["node_id"])
+            await ctx.outbox.add(
+                "slice.vm_release",
+                task,
+                aggregate_id=alloc_id,
+                event_id=derived_event_id(alloc_id, "release-task"),
+                node_id=row["node_id"],
+            )
             await ctx.uow.repos.update(row["allocation_id"], release_task_id=task_id, awaiting_result=True)
         else:
             operation_id = f"release-{alloc_id}"
             cmd = m.MaasReleaseRequested(
-                operation_id=operation_id, allocation_id=row["allocation_id"], site=self.settings.maas_site,
-                system_id=row["maas_system_id"], node_id=row["node_id"],
+                operation_id=operation_id,
+                allocation_id=row["allocation_id"],
+                site=self.settings.maas_site,
+                system_id=row["maas_system_id"],
+                node_id=row["node_id"],
             )
-            await ctx.outbox.add("maas.release_requested", cmd, aggregate_id=alloc_id,
-                                 event_id=derived_event_id(alloc_id, "release-command"))
-            await ctx.uow.repos.update(row["allocation_id"], release_operation_id=operation_id,
-                                         awaiting_result=True)
+            await ctx.outbox.add(
+                "maas.release_requested",
+                cmd,
+                aggregate_id=alloc_id,
+                event_id=derived_event_id(alloc_id, "release-command"),
+            )
+            await ctx.uow.repos.update(row["allocation_id"], release_operation_id=operation_id, awaiting_result=True)
 
     # --- results from node agents and MAAS ----------------------------------------------------------
 
@@ -253,8 +339,9 @@ class Allocator:
         if row is None or res.task_id not in {row["task_id"], row["release_task_id"]} - {None}:
             raise PermanentError("unknown_task", f"no task {res.task_id} was sent for allocation {res.allocation_id}")
         if row["node_id"] is not None and res.node_id != row["node_id"]:
-            raise PermanentError("node_mismatch",
-                                 f"task {res.task_id} went to {row['node_id']}, result came from {res.node_id}")
+            raise PermanentError(
+                "node_mismatch", f"task {res.task_id} went to {row['node_id']}, result came from {res.node_id}"
+            )
         if res.task_id == row["task_id"] and row["awaiting_result"] and row["release_task_id"] is None:
             await self._on_provision_result(ctx, dict(row), res)
         elif res.task_id == row["release_task_id"] and row["state"] == "releasing":
@@ -273,28 +360,50 @@ class Allocator:
             if row["state"] == "releasing":
                 await self._start_teardown(ctx, row)
                 return
-            await self._transition(ctx, row, "active", update={"access": access.model_dump(mode="json")},
-                                   node_id=res.node_id, access=access,
-                                   detail={"readiness": res.readiness.model_dump(mode="json") if res.readiness else None})
+            await self._transition(
+                ctx,
+                row,
+                "active",
+                update={"access": access.model_dump(mode="json")},
+                node_id=res.node_id,
+                access=access,
+                detail={"readiness": res.readiness.model_dump(mode="json") if res.readiness else None},
+            )
             return
         code = res.reason_code or "provisioning_failed"
         await self._transition(
-            ctx, row, "failed", reason_code=code, update={"failure_code": code, "failure_reason": res.reason},
-            reason=res.reason or code, node_id=res.node_id, cleanup_required=res.cleanup_required,
+            ctx,
+            row,
+            "failed",
+            reason_code=code,
+            update={"failure_code": code, "failure_reason": res.reason},
+            reason=res.reason or code,
+            node_id=res.node_id,
+            cleanup_required=res.cleanup_required,
         )
 
     async def _on_release_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
         await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
         if res.status == "succeeded":
             verified = bool(res.wipe_proofs) and all(p.verified for p in res.wipe_proofs)
-            cleanup = m.CleanupReport(required=True, verified=verified, wipe_proofs=res.wipe_proofs,
-                                      reason=None if verified else "wipe not verified")
+            cleanup = m.CleanupReport(
+                required=True,
+                verified=verified,
+                wipe_proofs=res.wipe_proofs,
+                reason=None if verified else "wipe not verified",
+            )
             await self._transition(ctx, row, "released", node_id=res.node_id, cleanup=cleanup)
             return
         code = res.reason_code or "release_failed"
         await self._transition(
-            ctx, row, "failed", reason_code=code, update={"failure_code": code, "failure_reason": res.reason},
-            reason=res.reason or code, node_id=res.node_id, cleanup_required=True,
+            ctx,
+            row,
+            "failed",
+            reason_code=code,
+            update={"failure_code": code, "failure_reason": res.reason},
+            reason=res.reason or code,
+            node_id=res.node_id,
+            cleanup_required=True,
         )
 
     async def on_enrolled(self, ctx: HandlerContext) -> None:
@@ -305,8 +414,9 @@ class Allocator:
         if row is None or row["shape"] != "baremetal" or row["maas_system_id"] != ev.maas_system_id:
             log.warning("enrolment_unmatched")
             return
-        expected = enrolment_proof(self.settings.enrolment_secret.get_secret_value(), str(ev.allocation_id),
-                                   row["maas_system_id"])
+        expected = enrolment_proof(
+            self.settings.enrolment_secret.get_secret_value(), str(ev.allocation_id), row["maas_system_id"]
+        )
         if ev.enrolment_proof != expected:
             log.warning("enrolment_proof_mismatch")
             return
@@ -318,8 +428,14 @@ class Allocator:
     async def _maybe_baremetal_active(self, ctx: HandlerContext, row: dict[str, Any]) -> None:
         if row["state"] == "provisioning" and row["deployed"] and row["enrolled"]:
             access = m.AccessInfo(maas_system_id=row["maas_system_id"])
-            await self._transition(ctx, row, "active", update={"access": access.model_dump(mode="json")},
-                                   node_id=row["node_id"], access=access)
+            await self._transition(
+                ctx,
+                row,
+                "active",
+                update={"access": access.model_dump(mode="json")},
+                node_id=row["node_id"],
+                access=access,
+            )
 
     async def on_maas_result(self, ctx: HandlerContext) -> None:
         res = ctx.payload
@@ -340,8 +456,14 @@ class Allocator:
             code = res.reason_code or "deploy_failed"
             reason = res.status_message or f"MAAS reports {res.maas_status_name}"
             await self._transition(
-                ctx, row, "failed", reason_code=code, update={"failure_code": code, "failure_reason": reason},
-                reason=reason, node_id=row["node_id"], cleanup_required=True,
+                ctx,
+                row,
+                "failed",
+                reason_code=code,
+                update={"failure_code": code, "failure_reason": reason},
+                reason=reason,
+                node_id=row["node_id"],
+                cleanup_required=True,
             )
         elif ctx.envelope.type == "maas.release_result" and res.operation_id == row["release_operation_id"]:
             await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
@@ -351,8 +473,13 @@ class Allocator:
             else:
                 code = res.reason_code or "release_failed"
                 await self._transition(
-                    ctx, row, "failed", reason_code=code, reason=res.status_message or code,
-                    node_id=row["node_id"], cleanup_required=True,
+                    ctx,
+                    row,
+                    "failed",
+                    reason_code=code,
+                    reason=res.status_message or code,
+                    node_id=row["node_id"],
+                    cleanup_required=True,
                 )
         else:
             log.info("maas_result_ignored", state=row["state"])

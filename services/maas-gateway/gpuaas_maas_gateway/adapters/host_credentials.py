@@ -22,8 +22,15 @@ log = get_logger(__name__)
 
 
 class HostCredentials:
-    def __init__(self, issuer: Issuer, unit_of_work: Callable[[], UnitOfWork[GatewayRepositories]],
-                 servers: list[str], *, tls: ssl.SSLContext | None, ttl_s: float) -> None:
+    def __init__(
+        self,
+        issuer: Issuer,
+        unit_of_work: Callable[[], UnitOfWork[GatewayRepositories]],
+        servers: list[str],
+        *,
+        tls: ssl.SSLContext | None,
+        ttl_s: float,
+    ) -> None:
         self.issuer = issuer
         self.unit_of_work = unit_of_work
         self.servers = servers

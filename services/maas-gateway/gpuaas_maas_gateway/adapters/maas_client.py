@@ -179,7 +179,10 @@ class MaasClient:
         ctx = {"operation": operation, "system_id": system_id, "method": method}
         try:
             async with self._http().request(
-                method, url, data=body, headers=headers,
+                method,
+                url,
+                data=body,
+                headers=headers,
                 # A separate connect bound tells "MAAS is down" (nothing sent) from "no answer".
                 timeout=aiohttp.ClientTimeout(total=budget, sock_connect=min(budget, 5.0)),
             ) as response:
@@ -191,30 +194,50 @@ class MaasClient:
             # The TCP connection was never made, so the request cannot have reached MAAS.
             self._log.warning("maas_unreachable", **ctx, error=type(error).__name__)
             raise MaasUnreachable(
-                None, f"could not connect: {type(error).__name__}", None,
-                operation=operation, system_id=system_id, outcome_unknown=False,
+                None,
+                f"could not connect: {type(error).__name__}",
+                None,
+                operation=operation,
+                system_id=system_id,
+                outcome_unknown=False,
             ) from None
         except (TimeoutError, aiohttp.ClientError) as error:
             kind = "timed out" if isinstance(error, asyncio.TimeoutError) else "connection lost"
             self._log.warning(
-                "maas_no_response", **ctx, error=type(error).__name__, kind=kind,
-                elapsed=round(time.monotonic() - started, 3), outcome_unknown=mutation,
+                "maas_no_response",
+                **ctx,
+                error=type(error).__name__,
+                kind=kind,
+                elapsed=round(time.monotonic() - started, 3),
+                outcome_unknown=mutation,
             )
             raise MaasNoResponse(
-                None, f"{kind} after {time.monotonic() - started:.1f}s ({type(error).__name__})",
-                None, operation=operation, system_id=system_id, outcome_unknown=mutation,
+                None,
+                f"{kind} after {time.monotonic() - started:.1f}s ({type(error).__name__})",
+                None,
+                operation=operation,
+                system_id=system_id,
+                outcome_unknown=mutation,
             ) from None
 
         elapsed = round(time.monotonic() - started, 3)
         text = self._credentials.scrub(raw.decode("utf-8", errors="replace"))
         if status // 100 != 2:
             error = error_for_status(
-                status, text, _retry_after(retry_after),
-                operation=operation, system_id=system_id, mutation=mutation,
+                status,
+                text,
+                _retry_after(retry_after),
+                operation=operation,
+                system_id=system_id,
+                mutation=mutation,
             )
             self._log.warning(
-                "maas_error", **ctx, status=status, elapsed=elapsed,
-                outcome_unknown=error.outcome_unknown, retry_after=error.retry_after,
+                "maas_error",
+                **ctx,
+                status=status,
+                elapsed=elapsed,
+                outcome_unknown=error.outcome_unknown,
+                retry_after=error.retry_after,
             )
             raise error
         self._log.debug("maas_call", **ctx, status=status, elapsed=elapsed)
@@ -229,14 +252,15 @@ class MaasClient:
 
     async def list_machines(self, *, timeout: float | None = None, **filters: Filter) -> list[Machine]:
         """Filters as MAAS names them (hostname, id, tags, status, agent_name, …); lists repeat."""
-        data = await self._call(
-            "GET", "machines/", operation="list_machines", query=filters, timeout=timeout
-        )
+        data = await self._call("GET", "machines/", operation="list_machines", query=filters, timeout=timeout)
         return [Machine.from_json(m) for m in data]
 
     async def read_machine(self, system_id: str, *, timeout: float | None = None) -> Machine:
         data = await self._call(
-            "GET", f"machines/{system_id}/", operation="read_machine", system_id=system_id,
+            "GET",
+            f"machines/{system_id}/",
+            operation="read_machine",
+            system_id=system_id,
             timeout=timeout,
         )
         return Machine.from_json(data)
@@ -258,8 +282,14 @@ class MaasClient:
             "tags": list(tags) if tags is not None else None,
         }
         data = await self._call(
-            "POST", "machines/", op="allocate", operation="allocate", form=form,
-            system_id=system_id, mutation=True, timeout=timeout,
+            "POST",
+            "machines/",
+            op="allocate",
+            operation="allocate",
+            form=form,
+            system_id=system_id,
+            mutation=True,
+            timeout=timeout,
         )
         return Machine.from_json(data)
 
@@ -287,8 +317,14 @@ class MaasClient:
             "comment": comment,
         }
         data = await self._call(
-            "POST", f"machines/{system_id}/", op="deploy", operation="deploy", form=form,
-            system_id=system_id, mutation=True, timeout=timeout,
+            "POST",
+            f"machines/{system_id}/",
+            op="deploy",
+            operation="deploy",
+            form=form,
+            system_id=system_id,
+            mutation=True,
+            timeout=timeout,
         )
         return Machine.from_json(data)
 
@@ -309,8 +345,14 @@ class MaasClient:
             "comment": comment,
         }
         data = await self._call(
-            "POST", f"machines/{system_id}/", op="release", operation="release", form=form,
-            system_id=system_id, mutation=True, timeout=timeout,
+            "POST",
+            f"machines/{system_id}/",
+            op="release",
+            operation="release",
+            form=form,
+            system_id=system_id,
+            mutation=True,
+            timeout=timeout,
         )
         return Machine.from_json(data)
 
@@ -336,70 +378,124 @@ class MaasClient:
             "skip_storage": skip_storage,
         }
         data = await self._call(
-            "POST", f"machines/{system_id}/", op="commission", operation="commission", form=form,
-            system_id=system_id, mutation=True, timeout=timeout,
+            "POST",
+            f"machines/{system_id}/",
+            op="commission",
+            operation="commission",
+            form=form,
+            system_id=system_id,
+            mutation=True,
+            timeout=timeout,
         )
         return Machine.from_json(data)
 
-    async def abort(
-        self, system_id: str, comment: str | None = None, *, timeout: float | None = None
-    ) -> Machine:
+    async def abort(self, system_id: str, comment: str | None = None, *, timeout: float | None = None) -> Machine:
         data = await self._call(
-            "POST", f"machines/{system_id}/", op="abort", operation="abort",
-            form={"comment": comment}, system_id=system_id, mutation=True, timeout=timeout,
+            "POST",
+            f"machines/{system_id}/",
+            op="abort",
+            operation="abort",
+            form={"comment": comment},
+            system_id=system_id,
+            mutation=True,
+            timeout=timeout,
         )
         return Machine.from_json(data)
 
     # ---- tags, scripts, boot resources ---------------------------------------------------------
 
-    async def create_tag(self, name: str, comment: str | None = None, definition: str | None = None,
-                         *, timeout: float | None = None) -> dict[str, Any]:
-        return await self._call("POST", "tags/", operation="create_tag", mutation=True, timeout=timeout,
-                                form={"name": name, "comment": comment, "definition": definition})
+    async def create_tag(
+        self, name: str, comment: str | None = None, definition: str | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        return await self._call(
+            "POST",
+            "tags/",
+            operation="create_tag",
+            mutation=True,
+            timeout=timeout,
+            form={"name": name, "comment": comment, "definition": definition},
+        )
 
     async def list_tags(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         return await self._call("GET", "tags/", operation="list_tags", timeout=timeout)
 
-    async def update_tag_nodes(self, name: str, add: Iterable[str] = (), remove: Iterable[str] = (),
-                               *, timeout: float | None = None) -> dict[str, int]:
+    async def update_tag_nodes(
+        self, name: str, add: Iterable[str] = (), remove: Iterable[str] = (), *, timeout: float | None = None
+    ) -> dict[str, int]:
         return await self._call(
-            "POST", f"tags/{name}/", op="update_nodes", operation="update_tag_nodes", mutation=True,
-            form={"add": list(add), "remove": list(remove)}, timeout=timeout,
+            "POST",
+            f"tags/{name}/",
+            op="update_nodes",
+            operation="update_tag_nodes",
+            mutation=True,
+            form={"add": list(add), "remove": list(remove)},
+            timeout=timeout,
         )
 
-    async def create_script(self, name: str, script: str, script_type: str = "commissioning",
-                            *, timeout: float | None = None) -> dict[str, Any]:
-        return await self._call("POST", "scripts/", operation="create_script", mutation=True, timeout=timeout,
-                                form={"name": name, "script": script, "type": script_type})
+    async def create_script(
+        self, name: str, script: str, script_type: str = "commissioning", *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        return await self._call(
+            "POST",
+            "scripts/",
+            operation="create_script",
+            mutation=True,
+            timeout=timeout,
+            form={"name": name, "script": script, "type": script_type},
+        )
 
     async def read_script(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
         return await self._call("GET", f"scripts/{name}/", operation="read_script", timeout=timeout)
 
     async def list_boot_resources(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
-        return await self._call("GET", "boot-resources/", operation="list_boot_resources",
-                                query={"type": "uploaded"}, timeout=timeout)
+        return await self._call(
+            "GET", "boot-resources/", operation="list_boot_resources", query={"type": "uploaded"}, timeout=timeout
+        )
 
     async def read_boot_resource(self, resource_id: int, *, timeout: float | None = None) -> dict[str, Any]:
-        return await self._call("GET", f"boot-resources/{resource_id}/", operation="read_boot_resource",
-                                timeout=timeout)
+        return await self._call(
+            "GET", f"boot-resources/{resource_id}/", operation="read_boot_resource", timeout=timeout
+        )
 
     async def create_boot_resource(
-        self, name: str, architecture: str, sha256: str, size: int, *, title: str = "",
-        filetype: str = "tgz", base_image: str | None = None, timeout: float | None = None,
+        self,
+        name: str,
+        architecture: str,
+        sha256: str,
+        size: int,
+        *,
+        title: str = "",
+        filetype: str = "tgz",
+        base_image: str | None = None,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """Announce a file by sha256 and size; its bytes follow through `upload_chunk`."""
-        form = {"name": name, "architecture": architecture, "sha256": sha256, "size": size,
-                "title": title or None, "filetype": filetype, "base_image": base_image}
-        return await self._call("POST", "boot-resources/", operation="create_boot_resource", mutation=True,
-                                form=form, timeout=timeout)
+        form = {
+            "name": name,
+            "architecture": architecture,
+            "sha256": sha256,
+            "size": size,
+            "title": title or None,
+            "filetype": filetype,
+            "base_image": base_image,
+        }
+        return await self._call(
+            "POST", "boot-resources/", operation="create_boot_resource", mutation=True, form=form, timeout=timeout
+        )
 
     async def upload_chunk(self, upload_uri: str, chunk: bytes, *, timeout: float | None = None) -> None:
         """PUT one chunk to a file's `upload_uri` (an absolute path, as MAAS reports it)."""
         root_path = urlparse(self._root).path
         if not upload_uri.startswith(root_path):
             raise ValueError(f"upload_uri {upload_uri!r} is not under the API root")
-        await self._call("PUT", upload_uri[len(root_path):], operation="upload_chunk", mutation=True,
-                         raw_body=chunk, timeout=timeout)
+        await self._call(
+            "PUT",
+            upload_uri[len(root_path) :],
+            operation="upload_chunk",
+            mutation=True,
+            raw_body=chunk,
+            timeout=timeout,
+        )
 
 
 __all__ = ["MaasClient", "MaasError", "api_root"]

@@ -60,8 +60,14 @@ COMMISSIONING, TESTING = "Commissioning", "Testing"
 FAILED_COMMISSIONING, FAILED_TESTING = "Failed commissioning", "Failed testing"
 
 
-def decide_commission(state: str, status_name: str, result_id: int | None, baseline_id: int | None,
-                      untouched_for_s: float | None, grace_s: float) -> Decision:
+def decide_commission(
+    state: str,
+    status_name: str,
+    result_id: int | None,
+    baseline_id: int | None,
+    untouched_for_s: float | None,
+    grace_s: float,
+) -> Decision:
     """A commissioning run is proved by a new commissioning result id, since a machine that finished
     commissioning is Ready again, exactly like one that never started."""
     started = result_id is not None and result_id != baseline_id

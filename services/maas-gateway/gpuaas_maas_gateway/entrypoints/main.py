@@ -36,18 +36,28 @@ def build_register(settings: GatewaySettings):
         host_credentials = None
         if settings.nats_authority_file:
             host_credentials = HostCredentials(
-                Issuer.load(settings.nats_authority_file), unit_of_work_factory(rt.pool), rt.identity.servers,
-                tls=rt.identity.tls_context(), ttl_s=settings.host_creds_ttl_s)
-        rt.spawn(OperationWorker(settings, rt.pool, clients, host_credentials=host_credentials).run(),
-                 "maas-operations")
+                Issuer.load(settings.nats_authority_file),
+                unit_of_work_factory(rt.pool),
+                rt.identity.servers,
+                tls=rt.identity.tls_context(),
+                ttl_s=settings.host_creds_ttl_s,
+            )
+        rt.spawn(
+            OperationWorker(settings, rt.pool, clients, host_credentials=host_credentials).run(), "maas-operations"
+        )
 
     return register
 
 
 def main() -> None:
     settings = GatewaySettings()
-    run_service("maas-gateway", settings, build_register(settings), schema="maas_gateway",
-                migrations_package="gpuaas_maas_gateway.migrations")
+    run_service(
+        "maas-gateway",
+        settings,
+        build_register(settings),
+        schema="maas_gateway",
+        migrations_package="gpuaas_maas_gateway.migrations",
+    )
 
 
 if __name__ == "__main__":

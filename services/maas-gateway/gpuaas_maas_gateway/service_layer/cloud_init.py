@@ -21,8 +21,17 @@ NODE_ENV_PATH = "/etc/gpuaas/node-agent.env"
 NODE_CREDS_PATH = "/etc/gpuaas/node.creds"
 HEADER = "#cloud-config"
 # The first line of every other user-data format cloud-init knows.
-_OTHER_FORMATS = ("#!", "#include", "#cloud-boothook", "#part-handler", "#upstart-job", "#cloud-config-archive",
-                  "#cloud-config-jsonp", "content-type:", "mime-version:")
+_OTHER_FORMATS = (
+    "#!",
+    "#include",
+    "#cloud-boothook",
+    "#part-handler",
+    "#upstart-job",
+    "#cloud-config-archive",
+    "#cloud-config-jsonp",
+    "content-type:",
+    "mime-version:",
+)
 
 
 class BootstrapNotCloudConfig(ValueError):
@@ -48,7 +57,8 @@ def parse_bootstrap(bootstrap: str) -> dict[str, Any]:
     first = text.splitlines()[0].strip().lower()
     if first != HEADER and first.startswith(_OTHER_FORMATS):
         raise BootstrapNotCloudConfig(
-            f"the site bootstrap must be a cloud-config mapping, not {first[:40]!r} user-data")
+            f"the site bootstrap must be a cloud-config mapping, not {first[:40]!r} user-data"
+        )
     try:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -62,10 +72,13 @@ def parse_bootstrap(bootstrap: str) -> dict[str, Any]:
     return doc
 
 
-def agent_files(token: str, allocation_id: str, node_id: str, system_id: str,
-                creds: str | None = None) -> list[dict[str, str]]:
-    env = (f"GPUAAS_NODE_ID={node_id}\nGPUAAS_ALLOCATION_ID={allocation_id}\n"
-           f"GPUAAS_MAAS_SYSTEM_ID={system_id}\nGPUAAS_ENROLMENT_TOKEN={token}\n")
+def agent_files(
+    token: str, allocation_id: str, node_id: str, system_id: str, creds: str | None = None
+) -> list[dict[str, str]]:
+    env = (
+        f"GPUAAS_NODE_ID={node_id}\nGPUAAS_ALLOCATION_ID={allocation_id}\n"
+        f"GPUAAS_MAAS_SYSTEM_ID={system_id}\nGPUAAS_ENROLMENT_TOKEN={token}\n"
+    )
     if creds:
         env += f"GPUAAS_NATS_CREDS={NODE_CREDS_PATH}\n"
     files = [{"path": NODE_ENV_PATH, "permissions": "0600", "content": env}]
@@ -75,12 +88,14 @@ def agent_files(token: str, allocation_id: str, node_id: str, system_id: str,
     return files
 
 
-def render_user_data(bootstrap: str, token: str, allocation_id: str, node_id: str, system_id: str,
-                     creds: str | None = None) -> str:
+def render_user_data(
+    bootstrap: str, token: str, allocation_id: str, node_id: str, system_id: str, creds: str | None = None
+) -> str:
     """cloud-config that hands the node agent its identity, its one-time enrolment token and, with
     bus identities on, its own short-lived NATS credentials bound to this allocation."""
     doc = parse_bootstrap(bootstrap)
-    doc["write_files"] = list(doc.get("write_files") or []) + agent_files(token, allocation_id, node_id,
-                                                                          system_id, creds)
+    doc["write_files"] = list(doc.get("write_files") or []) + agent_files(
+        token, allocation_id, node_id, system_id, creds
+    )
     body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
     return f"{HEADER}\n{body}"

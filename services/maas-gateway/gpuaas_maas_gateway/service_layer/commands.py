@@ -39,9 +39,14 @@ class OperationHandlers:
         kind = COMMAND_KINDS[ctx.envelope.type]
         fields = cmd.model_dump(mode="json")
         inserted = await ctx.uow.repos.operations.record(
-            operation_id=cmd.operation_id, kind=kind, allocation_id=getattr(cmd, "allocation_id", None),
-            site=cmd.site, system_id=getattr(cmd, "system_id", None), node_id=getattr(cmd, "node_id", None),
-            profile=getattr(cmd, "profile", None), erase=getattr(cmd, "erase", None),
+            operation_id=cmd.operation_id,
+            kind=kind,
+            allocation_id=getattr(cmd, "allocation_id", None),
+            site=cmd.site,
+            system_id=getattr(cmd, "system_id", None),
+            node_id=getattr(cmd, "node_id", None),
+            profile=getattr(cmd, "profile", None),
+            erase=getattr(cmd, "erase", None),
             params={k: v for k, v in fields.items() if k not in _COLUMNS},
             deadline_at=datetime.now(UTC) + timedelta(seconds=self.settings.maas_deadline_s),
         )

@@ -19,10 +19,12 @@ async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[
     # The result id before asking is what later proves whether this run happened.
     before = await ops.maas(site, lambda: site.client.read_machine(row["system_id"]))
     baseline = before.raw.get("current_commissioning_result_id")
-    await ops.write(lambda repos: repos.operations.merge_progress(row["operation_id"],
-                                                                  {"baseline_result_id": baseline}))
+    await ops.write(
+        lambda repos: repos.operations.merge_progress(row["operation_id"], {"baseline_result_id": baseline})
+    )
     return lambda: site.client.commission(
-        row["system_id"], commissioning_scripts=p.get("commissioning_scripts") or None,
+        row["system_id"],
+        commissioning_scripts=p.get("commissioning_scripts") or None,
         testing_scripts=p.get("testing_scripts") or None,
     )
 
@@ -34,8 +36,10 @@ async def _ensure_script(ops: Operations, site: Site, script: dict[str, Any]) ->
     except MaasNotFound:
         pass
     try:
-        await ops.maas(site, lambda: site.client.create_script(script["name"], script["script"],
-                                                                script.get("type", "commissioning")))
+        await ops.maas(
+            site,
+            lambda: site.client.create_script(script["name"], script["script"], script.get("type", "commissioning")),
+        )
     except MaasBadRequest as exc:
         # A create whose answer was lost earlier may have made it already.
         if "already exists" not in exc.body:

@@ -17,20 +17,26 @@ from .shared import Operations, Site, Unresolvable
 
 async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[[], Awaitable[Any]]:
     _, profile = await ops.profile(row["site"], row["profile"])
-    token = enrolment_token(ops.settings.enrolment_secret.get_secret_value(), str(row["allocation_id"]),
-                            row["system_id"])
+    token = enrolment_token(
+        ops.settings.enrolment_secret.get_secret_value(), str(row["allocation_id"]), row["system_id"]
+    )
     creds = None
     if ops.host_credentials is not None:
         creds = await ops.host_credentials.issue(str(row["allocation_id"]), row["node_id"])
     try:
-        user_data = render_user_data(profile.bootstrap_user_data, token, str(row["allocation_id"]),
-                                     row["node_id"], row["system_id"], creds)
+        user_data = render_user_data(
+            profile.bootstrap_user_data, token, str(row["allocation_id"]), row["node_id"], row["system_id"], creds
+        )
     except BootstrapNotCloudConfig as exc:
         raise Unresolvable("invalid_bootstrap", f"site profile {row['profile']!r}: {exc}") from None
     series = normalise_distro_series(profile.distro_series, await ops.uploaded(row["site"]))
     return lambda: site.client.deploy(
-        row["system_id"], series, user_data=user_data, hwe_kernel=profile.hwe_kernel,
-        agent_name=str(row["allocation_id"]), comment=f"gpuaas allocation {row['allocation_id']}",
+        row["system_id"],
+        series,
+        user_data=user_data,
+        hwe_kernel=profile.hwe_kernel,
+        agent_name=str(row["allocation_id"]),
+        comment=f"gpuaas allocation {row['allocation_id']}",
     )
 
 

@@ -68,16 +68,27 @@ async def submit(ops: Operations, site: Site, row: asyncpg.Record, prepare: Prep
         if exc.outcome_unknown:
             UNKNOWN_OUTCOMES.labels(kind).inc()
             log.warning("maas_outcome_unknown", error=str(exc), status=exc.status)
-            await ops.set(op_id, state="unknown", unknown_since=now(), resolution="polled",
-                          last_error=str(exc)[:500], delay=ops.retry_delay(exc))
+            await ops.set(
+                op_id,
+                state="unknown",
+                unknown_since=now(),
+                resolution="polled",
+                last_error=str(exc)[:500],
+                delay=ops.retry_delay(exc),
+            )
         elif isinstance(exc, MaasConflict) and exc.retry_after is not None:
             # A serialization conflict was rolled back: send again after the advised wait.
             await ops.set(op_id, state="pending", last_error=str(exc)[:500], delay=ops.retry_delay(exc))
         elif kind == "deploy" and isinstance(exc, MaasConflict) and await _deployed_by_us(ops, site, row):
             # An earlier submit of ours did land after all (MAAS answers a repeat with 409).
             log.warning("maas_deploy_conflict_is_ours")
-            await ops.set(op_id, state="accepted", resolution="polled", last_error=str(exc)[:500],
-                          delay=ops.settings.maas_poll_interval_s)
+            await ops.set(
+                op_id,
+                state="accepted",
+                resolution="polled",
+                last_error=str(exc)[:500],
+                delay=ops.settings.maas_poll_interval_s,
+            )
         else:
             await ops.finish(row, "failed", reason_code=f"maas_http_{exc.status}", message=exc.body[:500])
         return
@@ -86,8 +97,9 @@ async def submit(ops: Operations, site: Site, row: asyncpg.Record, prepare: Prep
 
 
 async def _deployed_by_us(ops: Operations, site: Site, row: asyncpg.Record) -> bool:
-    mine = await ops.maas(site, lambda: site.client.list_machines(
-        id=row["system_id"], agent_name=str(row["allocation_id"])))
+    mine = await ops.maas(
+        site, lambda: site.client.list_machines(id=row["system_id"], agent_name=str(row["allocation_id"]))
+    )
     return any(mm.status_name in ("Deploying", "Deployed") for mm in mine)
 
 
@@ -102,8 +114,13 @@ async def observe(ops: Operations, site: Site, row: asyncpg.Record) -> None:
     grace = ops.settings.maas_grace_s
     if kind == "commission":
         decision = decide_commission(
-            row["state"], machine.status_name, machine.raw.get("current_commissioning_result_id"),
-            (row["progress"] and as_dict(row["progress"]).get("baseline_result_id")), untouched_for, grace)
+            row["state"],
+            machine.status_name,
+            machine.raw.get("current_commissioning_result_id"),
+            (row["progress"] and as_dict(row["progress"]).get("baseline_result_id")),
+            untouched_for,
+            grace,
+        )
     else:
         decision = decide(kind, row["state"], machine.status_name, untouched_for, grace)
     if row["state"] == "unknown" and decision is not Decision.WAIT:
@@ -112,14 +129,18 @@ async def observe(ops: Operations, site: Site, row: asyncpg.Record) -> None:
     if decision is Decision.SUCCEEDED:
         await ops.finish(row, "succeeded", status=machine.status_name, message=machine.status_message)
     elif decision is Decision.FAILED:
-        await ops.finish(row, "failed", status=machine.status_name, reason_code="maas_failed",
-                         message=machine.status_message or f"machine is {machine.status_name}")
+        await ops.finish(
+            row,
+            "failed",
+            status=machine.status_name,
+            reason_code="maas_failed",
+            message=machine.status_message or f"machine is {machine.status_name}",
+        )
     elif decision is Decision.RESUBMIT:
         RESUBMITS.labels(kind).inc()
         log.warning("unknown_not_accepted_resubmitting", status=machine.status_name)
         await ops.write(lambda repos: repos.operations.back_to_pending(op_id, machine.status_name))
     elif decision is Decision.ACCEPTED:
-        await ops.set(op_id, state="accepted", last_status=machine.status_name,
-                      delay=ops.settings.maas_poll_interval_s)
+        await ops.set(op_id, state="accepted", last_status=machine.status_name, delay=ops.settings.maas_poll_interval_s)
     else:
         await ops.set(op_id, last_status=machine.status_name, delay=ops.settings.maas_poll_interval_s)

@@ -18,7 +18,7 @@ async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
     wanted = params(row)["distro_series"]
     uploaded = await ops.uploaded(row["site"])
     osystem, _, series = wanted.rpartition("/")
-    stock = (osystem in ("", "ubuntu") and series in ops.settings.maas_stock_series)
+    stock = osystem in ("", "ubuntu") and series in ops.settings.maas_stock_series
     if not stock and osystem not in ("", "custom"):
         raise Unresolvable("unknown_distro_series", f"{wanted!r} is neither a stock series nor an upload")
     if not stock and image_name(wanted) not in uploaded:
@@ -26,8 +26,9 @@ async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
         listed = await ops.maas(site, site.client.list_boot_resources)
         names = {image_name(r.get("name", "")) for r in listed}
         if image_name(wanted) not in names:
-            raise Unresolvable("image_not_uploaded",
-                               f"no boot resource custom/{image_name(wanted)} at site {row['site']}")
+            raise Unresolvable(
+                "image_not_uploaded", f"no boot resource custom/{image_name(wanted)} at site {row['site']}"
+            )
         uploaded = uploaded | {image_name(wanted)}
     stored = wanted if stock else image_name(wanted)
 
@@ -35,7 +36,14 @@ async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
         await repos.catalog.set_distro_series(row["site"], profile_name, stored, row["operation_id"])
 
     log.info("profile_distro_series_set", profile=profile_name, previous=profile.distro_series, now=stored)
-    await ops.finish(row, "succeeded", during=store, result={
-        "profile": profile_name, "distro_series": stored, "previous_distro_series": profile.distro_series,
-        "deploy_distro_series": normalise_distro_series(stored, uploaded),
-    })
+    await ops.finish(
+        row,
+        "succeeded",
+        during=store,
+        result={
+            "profile": profile_name,
+            "distro_series": stored,
+            "previous_distro_series": profile.distro_series,
+            "deploy_distro_series": normalise_distro_series(stored, uploaded),
+        },
+    )

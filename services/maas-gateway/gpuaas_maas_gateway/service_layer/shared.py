@@ -96,7 +96,9 @@ class Operations:
         for name, client in clients.items():
             limit = configured[name].max_concurrency if name in configured else None
             self.sites[name] = Site(
-                name, client, asyncio.Semaphore(limit or settings.maas_max_concurrency),
+                name,
+                client,
+                asyncio.Semaphore(limit or settings.maas_max_concurrency),
                 CircuitBreaker(settings.maas_breaker_failures, settings.maas_breaker_cooldown_s),
             )
             self.sites[name].publish_state()
@@ -165,10 +167,17 @@ class Operations:
     async def set(self, op_id: str, *, delay: float, **fields: Any) -> None:
         await self.write(lambda repos: repos.operations.update(op_id, delay=delay, **fields))
 
-    async def finish(self, row: asyncpg.Record, outcome: str, *, status: str | None = None,
-                     reason_code: str | None = None, message: str | None = None,
-                     result: dict[str, Any] | None = None,
-                     during: Callable[[GatewayRepositories], Awaitable[None]] | None = None) -> None:
+    async def finish(
+        self,
+        row: asyncpg.Record,
+        outcome: str,
+        *,
+        status: str | None = None,
+        reason_code: str | None = None,
+        message: str | None = None,
+        result: dict[str, Any] | None = None,
+        during: Callable[[GatewayRepositories], Awaitable[None]] | None = None,
+    ) -> None:
         """Final state, the kind's own rows (`during`, on success) and the result event: one unit of work."""
         kind = row["kind"]
         aggregate = str(row["allocation_id"] or row["operation_id"])
@@ -178,11 +187,13 @@ class Operations:
                 return
             if during is not None and outcome == "succeeded":
                 await during(uow.repos)
-            await uow.repos.operations.finish(row["operation_id"], outcome, status=status, message=message,
-                                              result=result or {})
+            await uow.repos.operations.finish(
+                row["operation_id"], outcome, status=status, message=message, result=result or {}
+            )
             type_, payload = result_event(current, outcome, status, reason_code, message, result or {})
-            await uow.events.add(type_, payload, aggregate_id=aggregate,
-                                 event_id=derived_event_id(row["operation_id"], "result"))
+            await uow.events.add(
+                type_, payload, aggregate_id=aggregate, event_id=derived_event_id(row["operation_id"], "result")
+            )
             await uow.commit()
         OP_DURATION.labels(kind, outcome).observe((now() - row["created_at"]).total_seconds())
         log.info("operation_finished", outcome=outcome, maas_status=status, reason_code=reason_code)
@@ -192,34 +203,54 @@ class Operations:
             await self.revoke_host_credentials(row)
 
 
-def result_event(row: asyncpg.Record, outcome: str, status: str | None, reason_code: str | None,
-                 message: str | None, result: dict[str, Any]) -> tuple[str, m.Payload]:
+def result_event(
+    row: asyncpg.Record,
+    outcome: str,
+    status: str | None,
+    reason_code: str | None,
+    message: str | None,
+    result: dict[str, Any],
+) -> tuple[str, m.Payload]:
     kind = row["kind"]
     if kind in ("deploy", "release"):
         common: dict[str, Any] = {
-            "operation_id": row["operation_id"], "allocation_id": row["allocation_id"],
-            "system_id": row["system_id"], "node_id": row["node_id"], "resolution": row["resolution"],
-            "maas_status_name": status, "status_message": message, "reason_code": reason_code,
+            "operation_id": row["operation_id"],
+            "allocation_id": row["allocation_id"],
+            "system_id": row["system_id"],
+            "node_id": row["node_id"],
+            "resolution": row["resolution"],
+            "maas_status_name": status,
+            "status_message": message,
+            "reason_code": reason_code,
             "attempts": row["maas_calls"],
         }
         if kind == "deploy":
             return "maas.deploy_result", m.MaasDeployResult(
-                status="deployed" if outcome == "succeeded" else "failed", **common)
+                status="deployed" if outcome == "succeeded" else "failed", **common
+            )
         return "maas.release_result", m.MaasReleaseResult(
-            status="released" if outcome == "succeeded" else "failed", **common)
-    common = {"operation_id": row["operation_id"], "site": row["site"], "status": outcome,
-              "resolution": row["resolution"], "reason_code": reason_code, "status_message": message,
-              "attempts": row["maas_calls"]}
+            status="released" if outcome == "succeeded" else "failed", **common
+        )
+    common = {
+        "operation_id": row["operation_id"],
+        "site": row["site"],
+        "status": outcome,
+        "resolution": row["resolution"],
+        "reason_code": reason_code,
+        "status_message": message,
+        "attempts": row["maas_calls"],
+    }
     if kind == "commission":
         return "maas.commission_result", m.MaasCommissionResult(
-            system_id=row["system_id"], node_id=row["node_id"], maas_status_name=status, **common)
+            system_id=row["system_id"], node_id=row["node_id"], maas_status_name=status, **common
+        )
     if kind == "sync_tags":
         return "maas.tags_sync_result", m.MaasTagsSyncResult(profile=row["profile"], **result, **common)
     if kind == "upload_image":
-        return "maas.image_upload_result", m.MaasImageUploadResult(
-            **{"name": params(row)["name"], **result}, **common)
+        return "maas.image_upload_result", m.MaasImageUploadResult(**{"name": params(row)["name"], **result}, **common)
     return "maas.profile_image_set_result", m.MaasProfileImageSetResult(
-        **{"profile": row["profile"], **result}, **common)
+        **{"profile": row["profile"], **result}, **common
+    )
 
 
 def as_dict(value: Any) -> dict[str, Any]:

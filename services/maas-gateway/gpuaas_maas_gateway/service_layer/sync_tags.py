@@ -27,23 +27,34 @@ async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
         for tag in profile.tags:
             if tag not in existing:
                 try:
-                    await ops.maas(site, lambda tag=tag: site.client.create_tag(
-                        tag, comment=f"gpuaas site profile {row['profile']}"))
+                    await ops.maas(
+                        site,
+                        lambda tag=tag: site.client.create_tag(tag, comment=f"gpuaas site profile {row['profile']}"),
+                    )
                 except MaasBadRequest as exc:
                     if "already exists" not in exc.body:
                         raise
             if p.get("add_system_ids") or p.get("remove_system_ids"):
-                counts = await ops.maas(site, lambda tag=tag: site.client.update_tag_nodes(
-                    tag, add=p.get("add_system_ids") or (), remove=p.get("remove_system_ids") or ()))
+                counts = await ops.maas(
+                    site,
+                    lambda tag=tag: site.client.update_tag_nodes(
+                        tag, add=p.get("add_system_ids") or (), remove=p.get("remove_system_ids") or ()
+                    ),
+                )
                 added += int(counts.get("added", 0))
                 removed += int(counts.get("removed", 0))
     except MaasError as exc:
         if exc.outcome_unknown or isinstance(exc, MaasUnreachable) or exc.retry_after is not None:
             if exc.outcome_unknown:
                 UNKNOWN_OUTCOMES.labels("sync_tags").inc()
-            await ops.set(row["operation_id"], state="unknown", resolution="polled",
-                          unknown_since=row["unknown_since"] or now(), last_error=str(exc)[:500],
-                          delay=ops.retry_delay(exc))
+            await ops.set(
+                row["operation_id"],
+                state="unknown",
+                resolution="polled",
+                unknown_since=row["unknown_since"] or now(),
+                last_error=str(exc)[:500],
+                delay=ops.retry_delay(exc),
+            )
             return
         await ops.finish(row, "failed", reason_code=f"maas_http_{exc.status}", message=exc.body[:500])
         return

@@ -51,9 +51,18 @@ async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
                 return
             await ops.set(op_id, state="submitting", delay=0, maas_calls=row["maas_calls"] + 1)
             MAAS_CALLS.labels("upload_image").inc()
-            created = await ops.maas(site, lambda: site.client.create_boot_resource(
-                f"custom/{name}", arch, digest, size, title=p.get("title") or "",
-                filetype=p.get("filetype") or "tgz", base_image=p.get("base_image") or None))
+            created = await ops.maas(
+                site,
+                lambda: site.client.create_boot_resource(
+                    f"custom/{name}",
+                    arch,
+                    digest,
+                    size,
+                    title=p.get("title") or "",
+                    filetype=p.get("filetype") or "tgz",
+                    base_image=p.get("base_image") or None,
+                ),
+            )
             found = file_in(created, digest)
             if found is None:
                 raise Unresolvable("maas_unexpected", "MAAS created the resource without our file")
@@ -71,39 +80,65 @@ async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
             await ops.set(op_id, delay=0, progress=json.dumps({**progress, "uploaded": offset}))
         found = await _find_resource_file(ops, site, name, arch, digest)
     except MaasUnreachable as exc:
-        await ops.set(op_id, state="unknown" if row["maas_calls"] else "pending", last_error=str(exc)[:500],
-                      delay=ops.settings.maas_poll_interval_s)
+        await ops.set(
+            op_id,
+            state="unknown" if row["maas_calls"] else "pending",
+            last_error=str(exc)[:500],
+            delay=ops.settings.maas_poll_interval_s,
+        )
         return
     except MaasError as exc:
         if exc.outcome_unknown or exc.retry_after is not None:
             if exc.outcome_unknown:
                 UNKNOWN_OUTCOMES.labels("upload_image").inc()
-            await ops.set(op_id, state="unknown", resolution="polled",
-                          unknown_since=now(), last_error=str(exc)[:500], delay=ops.retry_delay(exc))
+            await ops.set(
+                op_id,
+                state="unknown",
+                resolution="polled",
+                unknown_since=now(),
+                last_error=str(exc)[:500],
+                delay=ops.retry_delay(exc),
+            )
             return
         reason = "checksum_mismatch" if "SHA256" in exc.body else f"maas_http_{exc.status}"
         await ops.finish(row, "failed", reason_code=reason, message=exc.body[:500])
         return
     if found is None or not found[1].get("complete"):
         # MAAS did not take every byte (e.g. a chunk answer lost in a way we could not see): look again.
-        await ops.set(op_id, state="unknown", unknown_since=row["unknown_since"] or now(),
-                      resolution="polled", delay=ops.settings.maas_poll_interval_s)
+        await ops.set(
+            op_id,
+            state="unknown",
+            unknown_since=row["unknown_since"] or now(),
+            resolution="polled",
+            delay=ops.settings.maas_poll_interval_s,
+        )
         return
     resource_id = found[0]
 
     async def record(repos: GatewayRepositories) -> None:
         await repos.catalog.record_boot_resource(
-            site=row["site"], name=name, architecture=arch, boot_resource_id=resource_id,
-            filetype=p.get("filetype") or "tgz", sha256=digest, size=size, operation_id=op_id)
+            site=row["site"],
+            name=name,
+            architecture=arch,
+            boot_resource_id=resource_id,
+            filetype=p.get("filetype") or "tgz",
+            sha256=digest,
+            size=size,
+            operation_id=op_id,
+        )
 
     log.info("boot_resource_uploaded", boot_resource_id=resource_id, image=name, size=size)
-    await ops.finish(row, "succeeded", during=record,
-                     result={"name": f"custom/{name}", "boot_resource_id": resource_id, "sha256": digest,
-                             "size": size})
+    await ops.finish(
+        row,
+        "succeeded",
+        during=record,
+        result={"name": f"custom/{name}", "boot_resource_id": resource_id, "sha256": digest, "size": size},
+    )
 
 
-async def _find_resource_file(ops: Operations, site: Site, name: str, arch: str,
-                              digest: str) -> tuple[int, dict[str, Any]] | None:
+async def _find_resource_file(
+    ops: Operations, site: Site, name: str, arch: str, digest: str
+) -> tuple[int, dict[str, Any]] | None:
     listed = await ops.maas(site, site.client.list_boot_resources)
     for item in listed:
         if image_name(item.get("name", "")) == name and item.get("architecture") == arch:

@@ -67,8 +67,11 @@ class OperationWorker(Operations):
             async with site.semaphore:
                 await self.step(op_id)
         except BreakerOpen as exc:
-            await self.set(op_id, delay=max(exc.wait_s, self.settings.maas_poll_interval_s),
-                           last_error="MAAS unreachable: circuit breaker open")
+            await self.set(
+                op_id,
+                delay=max(exc.wait_s, self.settings.maas_poll_interval_s),
+                last_error="MAAS unreachable: circuit breaker open",
+            )
         except Exception as exc:  # noqa: BLE001 - keep the loop alive; the row stays open and is retried
             log.error("operation_step_failed", operation_id=op_id, error=repr(exc))
             delay = self.retry_delay(exc if isinstance(exc, MaasError) else None)
@@ -88,13 +91,18 @@ class OperationWorker(Operations):
         with bound_context(**ctx):
             if row["deadline_at"] <= now():
                 never_sent = row["state"] == "pending" and row["maas_calls"] == 0
-                await self.finish(row, "failed", reason_code="maas_unreachable" if never_sent else "unresolved",
-                                  message="no outcome observed before the deadline")
+                await self.finish(
+                    row,
+                    "failed",
+                    reason_code="maas_unreachable" if never_sent else "unresolved",
+                    message="no outcome observed before the deadline",
+                )
                 return
             site = self.sites.get(row["site"])
             if site is None:
-                await self.finish(row, "failed", reason_code="unknown_site",
-                                  message=f"no MAAS site {row['site']!r} is configured")
+                await self.finish(
+                    row, "failed", reason_code="unknown_site", message=f"no MAAS site {row['site']!r} is configured"
+                )
                 return
             clock = self.clock()
             if not site.breaker.allow(clock):

@@ -72,9 +72,14 @@ def pci_devices(fs: HostFs) -> dict[str, PciInfo]:
         bridges = [c for c in path.split("/") if _BDF.match(c)][:-1]
         group = fs.link_name(f"{path}/iommu_group")
         out[bdf] = PciInfo(
-            bdf=bdf, path=path, vendor=_hex4(fs.read(f"{path}/vendor")), device=_hex4(fs.read(f"{path}/device")),
-            cls=(fs.read(f"{path}/class") or "").lower(), numa_node=_numa(fs.read(f"{path}/numa_node")),
-            iommu_group=_int(group), driver=fs.link_name(f"{path}/driver"),
+            bdf=bdf,
+            path=path,
+            vendor=_hex4(fs.read(f"{path}/vendor")),
+            device=_hex4(fs.read(f"{path}/device")),
+            cls=(fs.read(f"{path}/class") or "").lower(),
+            numa_node=_numa(fs.read(f"{path}/numa_node")),
+            iommu_group=_int(group),
+            driver=fs.link_name(f"{path}/driver"),
             # root port → switch upstream port → downstream port → device
             pcie_switch=bridges[-2] if len(bridges) >= 3 else None,
         )
@@ -82,14 +87,23 @@ def pci_devices(fs: HostFs) -> dict[str, PciInfo]:
 
 
 def _pci_fields(info: PciInfo) -> dict[str, object]:
-    return {"pci_address": info.bdf, "vendor_id": info.vendor, "device_id": info.device,
-            "numa_node": info.numa_node, "iommu_group": info.iommu_group, "driver": info.driver,
-            "pcie_switch": info.pcie_switch}
+    return {
+        "pci_address": info.bdf,
+        "vendor_id": info.vendor,
+        "device_id": info.device,
+        "numa_node": info.numa_node,
+        "iommu_group": info.iommu_group,
+        "driver": info.driver,
+        "pcie_switch": info.pcie_switch,
+    }
 
 
 def gpus(devices: dict[str, PciInfo]) -> list[m.GpuDevice]:
-    return [m.GpuDevice(**_pci_fields(d)) for d in devices.values()  # type: ignore[arg-type]
-            if d.vendor == "10de" and d.cls.startswith("0x0302")]
+    return [
+        m.GpuDevice(**_pci_fields(d))
+        for d in devices.values()  # type: ignore[arg-type]
+        if d.vendor == "10de" and d.cls.startswith("0x0302")
+    ]
 
 
 def fabric(fs: HostFs, devices: dict[str, PciInfo]) -> list[m.FabricDevice]:
@@ -98,20 +112,28 @@ def fabric(fs: HostFs, devices: dict[str, PciInfo]) -> list[m.FabricDevice]:
         dev_path = fs.realpath(f"/sys/class/infiniband/{ib}/device")
         ib_path = fs.realpath(f"/sys/class/infiniband/{ib}")
         ib_by_pci[dev_path.rsplit("/", 1)[-1]] = (
-            ib, fs.read(f"{ib_path}/ports/1/state"), fs.read(f"{ib_path}/ports/1/link_layer"))
+            ib,
+            fs.read(f"{ib_path}/ports/1/state"),
+            fs.read(f"{ib_path}/ports/1/link_layer"),
+        )
     out = []
     for d in devices.values():
         if d.vendor != "15b3" or not d.cls.startswith("0x02"):
             continue
         physfn = fs.realpath(f"{d.path}/physfn").rsplit("/", 1)[-1] if fs.exists(f"{d.path}/physfn") else None
         ib = ib_by_pci.get(d.bdf)
-        out.append(m.FabricDevice(
-            **_pci_fields(d),  # type: ignore[arg-type]
-            role="vf" if physfn else "pf", physfn=physfn,
-            sriov_totalvfs=_int(fs.read(f"{d.path}/sriov_totalvfs")),
-            sriov_numvfs=_int(fs.read(f"{d.path}/sriov_numvfs")),
-            ib_device=ib[0] if ib else None, ib_port_state=ib[1] if ib else None, link_layer=ib[2] if ib else None,
-        ))
+        out.append(
+            m.FabricDevice(
+                **_pci_fields(d),  # type: ignore[arg-type]
+                role="vf" if physfn else "pf",
+                physfn=physfn,
+                sriov_totalvfs=_int(fs.read(f"{d.path}/sriov_totalvfs")),
+                sriov_numvfs=_int(fs.read(f"{d.path}/sriov_numvfs")),
+                ib_device=ib[0] if ib else None,
+                ib_port_state=ib[1] if ib else None,
+                link_layer=ib[2] if ib else None,
+            )
+        )
     return out
 
 
@@ -249,12 +271,21 @@ async def nvme_disks(host: Host, *, leased_by_id: Iterable[str] = ()) -> list[m.
         if excluded is None and sigs and by_id not in leased:
             excluded = "signatures_present"
         size = _int(fs.read(f"{head}/size")) or 0
-        out.append(m.NvmeDevice(
-            kernel_name=name, by_id=by_id, size_bytes=size * 512,
-            numa_node=_numa(fs.read(f"/sys/class/nvme/nvme{match.group(1)}/device/numa_node")),
-            mounted=bool(use.mountpoints), mountpoints=use.mountpoints, mounted_children=sorted(use.child_mounts),
-            is_os_disk=use.is_os_disk, signatures=sigs, candidate=excluded is None, excluded_reason=excluded,
-        ))
+        out.append(
+            m.NvmeDevice(
+                kernel_name=name,
+                by_id=by_id,
+                size_bytes=size * 512,
+                numa_node=_numa(fs.read(f"/sys/class/nvme/nvme{match.group(1)}/device/numa_node")),
+                mounted=bool(use.mountpoints),
+                mountpoints=use.mountpoints,
+                mounted_children=sorted(use.child_mounts),
+                is_os_disk=use.is_os_disk,
+                signatures=sigs,
+                candidate=excluded is None,
+                excluded_reason=excluded,
+            )
+        )
     return sorted(out, key=lambda d: (d.by_id or "~", d.kernel_name))
 
 
@@ -268,8 +299,12 @@ async def interface_addresses(host: Host) -> dict[str, list[str]]:
         return {}
     try:
         links = json.loads(res.stdout or "[]")
-        return {link["ifname"]: [f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", [])
-                                 if a.get("family") == "inet"] for link in links}
+        return {
+            link["ifname"]: [
+                f"{a['local']}/{a['prefixlen']}" for a in link.get("addr_info", []) if a.get("family") == "inet"
+            ]
+            for link in links
+        }
     except (ValueError, KeyError, TypeError):
         return {}
 
@@ -277,8 +312,14 @@ async def interface_addresses(host: Host) -> dict[str, list[str]]:
 # --- the whole report ---------------------------------------------------------------------------------
 
 
-async def discover(host: Host, node_id: str, *, task_id: str | None = None, ovs_bridge: str = "ovsbr0",
-                   leased_by_id: Iterable[str] = ()) -> m.NodeTopologyReported:
+async def discover(
+    host: Host,
+    node_id: str,
+    *,
+    task_id: str | None = None,
+    ovs_bridge: str = "ovsbr0",
+    leased_by_id: Iterable[str] = (),
+) -> m.NodeTopologyReported:
     devices = pci_devices(host.fs)
     gpu_list = gpus(devices)
     fabric_list = fabric(host.fs, devices)
@@ -292,25 +333,50 @@ async def discover(host: Host, node_id: str, *, task_id: str | None = None, ovs_
         [GpuRef(g.pci_address, g.numa_node, g.pcie_switch) for g in gpu_list],
         [DiskRef(d.by_id, d.numa_node) for d in disks if d.candidate and d.by_id],
         [VfRef(f.pci_address, f.numa_node) for f in fabric_list if f.role == "vf"],
-        ovs_bridge=ovs_bridge, bridge_cidr=bridge_cidrs[0] if bridge_cidrs else "10.100.0.1/24",
+        ovs_bridge=ovs_bridge,
+        bridge_cidr=bridge_cidrs[0] if bridge_cidrs else "10.100.0.1/24",
     )
     slots = []
     for c in candidates:
-        slots.append(m.CandidateSlot(
-            index=c.index, gpu_pci_address=c.gpu.pci_address, numa_node=c.gpu.numa_node,
-            pcie_switch=c.gpu.pcie_switch, nvme_by_id=c.nvme_by_id, fabric_vf_pci_address=c.fabric_vf,
-            mac=c.mac, private_ip=c.private_ip, ovs_bridge=c.ovs_bridge, ovs_port=c.ovs_port,
-            complete=not c.missing, missing=c.missing,
-        ))
+        slots.append(
+            m.CandidateSlot(
+                index=c.index,
+                gpu_pci_address=c.gpu.pci_address,
+                numa_node=c.gpu.numa_node,
+                pcie_switch=c.gpu.pcie_switch,
+                nvme_by_id=c.nvme_by_id,
+                fabric_vf_pci_address=c.fabric_vf,
+                mac=c.mac,
+                private_ip=c.private_ip,
+                ovs_bridge=c.ovs_bridge,
+                ovs_port=c.ovs_port,
+                complete=not c.missing,
+                missing=c.missing,
+            )
+        )
         if c.missing:
             blockers.append(f"GPU {c.gpu.pci_address} has no free {' or '.join(c.missing)}")
     for g in gpu_list:
         if g.iommu_group is None:
             blockers.append(f"GPU {g.pci_address} is in no IOMMU group")
     report = m.NodeTopologyReported(
-        node_id=node_id, task_id=task_id, discovered_at=utcnow(), gpus=gpu_list, fabric=fabric_list, nvme=disks,
-        candidate_slots=slots, blockers=blockers,
+        node_id=node_id,
+        task_id=task_id,
+        discovered_at=utcnow(),
+        gpus=gpu_list,
+        fabric=fabric_list,
+        nvme=disks,
+        candidate_slots=slots,
+        blockers=blockers,
     )
-    log.info("topology_discovered", node_id=node_id, task_id=task_id, gpus=len(gpu_list), fabric=len(fabric_list),
-             nvme=len(disks), candidates=sum(s.complete for s in slots), blockers=len(blockers))
+    log.info(
+        "topology_discovered",
+        node_id=node_id,
+        task_id=task_id,
+        gpus=len(gpu_list),
+        fabric=len(fabric_list),
+        nvme=len(disks),
+        candidates=sum(s.complete for s in slots),
+        blockers=len(blockers),
+    )
     return report

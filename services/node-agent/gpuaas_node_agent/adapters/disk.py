@@ -64,7 +64,10 @@ async def _run(*argv: str, timeout_s: float | None = None) -> _Run:
     """Run a tool without a shell. Raises FileNotFoundError when the tool is not installed."""
     # LC_ALL=C: error classification matches the tools' English messages.
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "LC_ALL": "C"},
     )
     try:
@@ -112,14 +115,15 @@ def _classify_qemu_img_error(stderr: str) -> str:
     return "clone_failed"
 
 
-async def clone_image(src: str | os.PathLike[str], src_format: str, dst: str | os.PathLike[str],
-                      *, timeout_s: float | None = None) -> None:
+async def clone_image(
+    src: str | os.PathLike[str], src_format: str, dst: str | os.PathLike[str], *, timeout_s: float | None = None
+) -> None:
     """Convert `src` (qcow2, raw, …) onto the pre-existing `dst` as raw. `-f` is always given: probing the
     format of an untrusted image is unsafe. The target is never created or resized (`-n`)."""
     if src_format not in {"raw", "qcow2", "vmdk", "vdi", "vhdx", "vpc"}:
         raise DiskError("source_format_unsupported", f"unsupported source format {src_format!r}")
     src_p, dst_p = Path(src), Path(dst)
-    if not src_p.is_file():
+    if not await asyncio.to_thread(src_p.is_file):
         raise DiskError("source_missing", f"source image {src_p} does not exist")
     kind = _kind(dst_p)
     argv = ["qemu-img", "convert", "-n", "-f", src_format, "-O", "raw"]
@@ -137,8 +141,12 @@ async def clone_image(src: str | os.PathLike[str], src_format: str, dst: str | o
     if res.rc != 0:
         code = _classify_qemu_img_error(res.stderr)
         log.error("disk_clone_failed", dst=str(dst_p), rc=res.rc, reason_code=code, stderr=res.stderr)
-        raise DiskError(code, f"qemu-img convert to {dst_p} failed ({code}, rc {res.rc}): {res.stderr}",
-                        rc=res.rc, stderr=res.stderr)
+        raise DiskError(
+            code,
+            f"qemu-img convert to {dst_p} failed ({code}, rc {res.rc}): {res.stderr}",
+            rc=res.rc,
+            stderr=res.stderr,
+        )
     log.info("disk_clone_finished", dst=str(dst_p))
 
 
@@ -193,8 +201,9 @@ async def _wipe_block(dev: Path) -> str:
     # Discarded blocks need not read back as zeros; -z writes zeros (offloaded where the device can).
     zero = await _run("blkdiscard", "-f", "-z", str(dev))
     if zero.rc != 0:
-        raise DiskError("wipe_failed", f"blkdiscard -z {dev} failed (rc {zero.rc}): {zero.stderr}",
-                        rc=zero.rc, stderr=zero.stderr)
+        raise DiskError(
+            "wipe_failed", f"blkdiscard -z {dev} failed (rc {zero.rc}): {zero.stderr}", rc=zero.rc, stderr=zero.stderr
+        )
     return "blkdiscard+zeroout" if discard.rc == 0 else "zeroout"
 
 
@@ -209,8 +218,12 @@ async def _wipefs_signatures(path: Path) -> list[DiskSignature]:
         return []  # older util-linux prints nothing at all for a clean device
     try:
         entries = json.loads(res.stdout)["signatures"]
-        return [DiskSignature(source="wipefs", type=e.get("type"), offset=e.get("offset"), uuid=e.get("uuid"),
-                              label=e.get("label")) for e in entries]
+        return [
+            DiskSignature(
+                source="wipefs", type=e.get("type"), offset=e.get("offset"), uuid=e.get("uuid"), label=e.get("label")
+            )
+            for e in entries
+        ]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise DiskError("verify_failed", f"unexpected wipefs output: {exc}") from exc
 
@@ -223,8 +236,11 @@ async def _blkid_signatures(path: Path) -> list[DiskSignature]:
         raise DiskError("verify_failed", f"blkid rc {res.rc}: {res.stderr}", rc=res.rc, stderr=res.stderr)
     values = dict(line.split("=", 1) for line in res.stdout.splitlines() if "=" in line)
     kind = values.get("TYPE") or values.get("PTTYPE") or "unknown"
-    return [DiskSignature(source="blkid", type=kind, uuid=values.get("UUID") or values.get("PTUUID"),
-                          label=values.get("LABEL"))]
+    return [
+        DiskSignature(
+            source="blkid", type=kind, uuid=values.get("UUID") or values.get("PTUUID"), label=values.get("LABEL")
+        )
+    ]
 
 
 async def verify_wiped(dst: str | os.PathLike[str], method: str = "unspecified") -> WipeProof:
@@ -247,13 +263,27 @@ async def verify_wiped(dst: str | os.PathLike[str], method: str = "unspecified")
             except DiskError as exc:
                 problems.append(str(exc))
     verified = not problems and not signatures
-    detail = "; ".join(problems) if problems else (
-        "signatures remain: " + ", ".join(map(str, signatures)) if signatures else None)
-    proof = WipeProof(device=str(path), method=method, verified=verified, signatures=signatures,
-                      checked_at=datetime.now(UTC), detail=detail)
+    detail = (
+        "; ".join(problems)
+        if problems
+        else ("signatures remain: " + ", ".join(map(str, signatures)) if signatures else None)
+    )
+    proof = WipeProof(
+        device=str(path),
+        method=method,
+        verified=verified,
+        signatures=signatures,
+        checked_at=datetime.now(UTC),
+        detail=detail,
+    )
     log_fn = log.info if verified else log.warning
-    log_fn("disk_wipe_verified" if verified else "disk_wipe_not_verified", device=str(path), method=method,
-           signatures=[str(s) for s in signatures], detail=detail)
+    log_fn(
+        "disk_wipe_verified" if verified else "disk_wipe_not_verified",
+        device=str(path),
+        method=method,
+        signatures=[str(s) for s in signatures],
+        detail=detail,
+    )
     return proof
 
 
@@ -262,6 +292,7 @@ async def wipe_and_verify(dst: str | os.PathLike[str]) -> WipeProof:
     try:
         method = await wipe(dst)
     except DiskError as exc:
-        return WipeProof(device=str(dst), method="failed", verified=False, checked_at=datetime.now(UTC),
-                         detail=f"{exc.code}: {exc}")
+        return WipeProof(
+            device=str(dst), method="failed", verified=False, checked_at=datetime.now(UTC), detail=f"{exc.code}: {exc}"
+        )
     return await verify_wiped(dst, method)

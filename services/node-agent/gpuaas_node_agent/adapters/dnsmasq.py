@@ -140,8 +140,13 @@ def parse_lease_line(line: str) -> Lease | None:
         return None
     if expiry_n < 0:
         return None
-    return Lease(expiry=expiry_n, mac=mac, ip=ip, hostname=None if hostname == "*" else hostname,
-                 client_id=None if client_id == "*" else client_id)
+    return Lease(
+        expiry=expiry_n,
+        mac=mac,
+        ip=ip,
+        hostname=None if hostname == "*" else hostname,
+        client_id=None if client_id == "*" else client_id,
+    )
 
 
 def parse_leases(text: str) -> list[Lease]:

@@ -114,8 +114,12 @@ class CommandRunner:
         if exe is None:
             return CommandResult(tuple(argv), 127, "", f"{argv[0]}: command not found under {self.root}")
         proc = await asyncio.create_subprocess_exec(
-            str(exe), *argv[1:], stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env={**os.environ, "LC_ALL": "C", "GPUAAS_HOST_ROOT": str(self.root)},
+            str(exe),
+            *argv[1:],
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "LC_ALL": "C", "GPUAAS_HOST_ROOT": str(self.root)},
         )
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout_s or self.timeout_s)
@@ -124,8 +128,9 @@ class CommandRunner:
             await proc.wait()
             raise
         assert proc.returncode is not None
-        return CommandResult(tuple(argv), proc.returncode, out.decode(errors="replace"),
-                             err.decode(errors="replace").strip())
+        return CommandResult(
+            tuple(argv), proc.returncode, out.decode(errors="replace"), err.decode(errors="replace").strip()
+        )
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,16 @@ class HostLink:
 
     async def open(self, *, retry_forever: bool = True) -> Bus:
         self.nc = await self.identity.connect(name=f"gpuaas-node-agent-{self.node_id}", retry_forever=retry_forever)
-        self.broker = NatsBroker(**self.identity.broker_kwargs(), max_reconnect_attempts=-1,
-                                 reconnect_time_wait=0.5)
-        self.bus = Bus(self.broker, self.nc.jetstream(), service="node-agent", schema=None, pool=None,
-                       retry_delays_s=self.retry_delays_s, inbox_prefix=self.identity.inbox)
+        self.broker = NatsBroker(**self.identity.broker_kwargs(), max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        self.bus = Bus(
+            self.broker,
+            self.nc.jetstream(),
+            service="node-agent",
+            schema=None,
+            pool=None,
+            retry_delays_s=self.retry_delays_s,
+            inbox_prefix=self.identity.inbox,
+        )
         return self.bus
 
     async def start(self) -> None:

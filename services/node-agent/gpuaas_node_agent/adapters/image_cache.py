@@ -53,7 +53,7 @@ def parse_ref(artifact_ref: str) -> tuple[str, str]:
     """`oci://host/repo:tag[@digest]` -> (host, repo)."""
     if not artifact_ref.startswith("oci://"):
         raise PullError(f"not an oci:// reference: {artifact_ref}")
-    rest = artifact_ref[len("oci://"):].split("@", 1)[0]
+    rest = artifact_ref[len("oci://") :].split("@", 1)[0]
     host, _, path = rest.partition("/")
     repo = path.rsplit(":", 1)[0]
     if not host or not repo:
@@ -84,7 +84,6 @@ class _Reader:
                 raise Malformed(f"stream ended after {self.received} bytes")
             got += k
         return bytes(buf)
-
 
 
 def pull_into_cache(
@@ -123,7 +122,9 @@ def pull_into_cache(
         tmp.unlink(missing_ok=True)
 
 
-def _receive(resp, tmp: Path, raw_h, blob_h, blob_size: int, progress: Progress | None) -> tuple[PullOutcome | None, int]:
+def _receive(
+    resp, tmp: Path, raw_h, blob_h, blob_size: int, progress: Progress | None
+) -> tuple[PullOutcome | None, int]:
     with resp, tmp.open("wb") as out:
         reader = _Reader(resp.raw, blob_h)
         try:
@@ -136,13 +137,19 @@ def _receive(resp, tmp: Path, raw_h, blob_h, blob_size: int, progress: Progress 
             pass
         os.fsync(out.fileno())
         if trailer != raw_h.digest():
-            return PullOutcome("mismatch", raw_h.hexdigest(), blob_h.hexdigest(), reader.received,
-                               "artifact trailer disagrees with the data received"), reader.received
+            return PullOutcome(
+                "mismatch",
+                raw_h.hexdigest(),
+                blob_h.hexdigest(),
+                reader.received,
+                "artifact trailer disagrees with the data received",
+            ), reader.received
         return None, reader.received
 
 
-def _install(tmp: Path, dest: Path, raw_h, blob_h, received: int, blob_digest: str,
-             expected_raw_sha256: str) -> PullOutcome:
+def _install(
+    tmp: Path, dest: Path, raw_h, blob_h, received: int, blob_digest: str, expected_raw_sha256: str
+) -> PullOutcome:
     raw_digest, blob_seen = raw_h.hexdigest(), blob_h.hexdigest()
     reasons = []
     if f"sha256:{blob_seen}" != blob_digest:
@@ -193,4 +200,3 @@ def _unpack(reader: _Reader, fd: int, raw_h, blob_size: int, progress: Progress 
             if progress:
                 progress(reader.received, blob_size)
         pos = offset + length
-

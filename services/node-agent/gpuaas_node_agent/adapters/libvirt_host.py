@@ -162,9 +162,12 @@ class LibvirtHost:
             try:
                 domains = self._connection().listAllDomains()
                 return [
-                    DomainSummary(name=d.name(), uuid=d.UUIDString(),
-                                  state=_STATES.get(d.state()[0], DomainState.NOSTATE),
-                                  persistent=bool(d.isPersistent()))
+                    DomainSummary(
+                        name=d.name(),
+                        uuid=d.UUIDString(),
+                        state=_STATES.get(d.state()[0], DomainState.NOSTATE),
+                        persistent=bool(d.isPersistent()),
+                    )
                     for d in domains
                 ]
             except libvirt.libvirtError as exc:

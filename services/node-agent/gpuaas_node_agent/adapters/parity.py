@@ -36,8 +36,9 @@ def _fail(check: str, detail: str, remediation: str) -> m.ParityCheck:
 
 
 class ParityChecker:
-    def __init__(self, host: Host, *, bridge: str = "ovsbr0", bridge_cidr: str = "10.100.0.1/24",
-                 agent_running: bool = False) -> None:
+    def __init__(
+        self, host: Host, *, bridge: str = "ovsbr0", bridge_cidr: str = "10.100.0.1/24", agent_running: bool = False
+    ) -> None:
         self.host = host
         self.bridge = bridge
         self.bridge_if = ipaddress.ip_interface(bridge_cidr)
@@ -64,16 +65,18 @@ class ParityChecker:
         groups = self.host.fs.listdir("/sys/kernel/iommu_groups")
         if groups:
             return _ok("iommu_groups", f"{len(groups)} groups")
-        return _fail("iommu_groups", "no IOMMU groups",
-                     "enable VT-d in firmware and boot with intel_iommu=on iommu=pt")
+        return _fail("iommu_groups", "no IOMMU groups", "enable VT-d in firmware and boot with intel_iommu=on iommu=pt")
 
     async def vfio_modules(self) -> m.ParityCheck:
         # /sys/module lists built-in modules too, which lsmod does not.
         missing = [mod for mod in VFIO_MODULES if not self.host.fs.exists(f"/sys/module/{mod}")]
         if not missing:
             return _ok("vfio_modules", ",".join(VFIO_MODULES))
-        return _fail("vfio_modules", "not loaded: " + ",".join(missing),
-                     "load vfio modules via /etc/modules-load.d/gpuaas-vfio.conf")
+        return _fail(
+            "vfio_modules",
+            "not loaded: " + ",".join(missing),
+            "load vfio modules via /etc/modules-load.d/gpuaas-vfio.conf",
+        )
 
     async def libvirtd(self) -> m.ParityCheck:
         for unit in ("libvirtd", "virtqemud"):
@@ -87,8 +90,11 @@ class ParityChecker:
         if have is None:
             return _fail("ovs_bridge", f"{self.bridge} missing", "run the slice network baseline (creates the bridge)")
         if want not in have:
-            return _fail("ovs_bridge", f"{self.bridge} has {','.join(have) or 'no address'}, expected {want}",
-                         f"ip addr add {want} dev {self.bridge}")
+            return _fail(
+                "ovs_bridge",
+                f"{self.bridge} has {','.join(have) or 'no address'}, expected {want}",
+                f"ip addr add {want} dev {self.bridge}",
+            )
         return _ok("ovs_bridge", f"{self.bridge} {want}")
 
     async def dnsmasq_gpu_subnet(self) -> m.ParityCheck:
@@ -102,22 +108,31 @@ class ParityChecker:
             in_net = any(_in_network(r, net) for r in ranges)
             if on_bridge and in_net:
                 return _ok("dnsmasq_gpu_subnet", f"/etc/dnsmasq.d/{name} serves {net} on {self.bridge}")
-        return _fail("dnsmasq_gpu_subnet", f"no dnsmasq config serves {net} on {self.bridge}",
-                     "render /etc/dnsmasq.d/gpuaas-slice.conf from the network baseline")
+        return _fail(
+            "dnsmasq_gpu_subnet",
+            f"no dnsmasq config serves {net} on {self.bridge}",
+            "render /etc/dnsmasq.d/gpuaas-slice.conf from the network baseline",
+        )
 
     async def nat_rule(self) -> m.ParityCheck:
         net = self.bridge_if.network
         res = await self.host.run.run("iptables", "-t", "nat", "-S", "POSTROUTING")
         if not res.ok:
-            return _fail("nat_rule", f"iptables exited with {res.rc}: {res.stderr[:200]}",
-                         "install iptables and run the slice network baseline")
+            return _fail(
+                "nat_rule",
+                f"iptables exited with {res.rc}: {res.stderr[:200]}",
+                "install iptables and run the slice network baseline",
+            )
         for line in res.stdout.splitlines():
             words = shlex.split(line)
             if words[:2] == ["-A", "POSTROUTING"] and "MASQUERADE" in words and "-s" in words:
                 if words[words.index("-s") + 1] == str(net):
                     return _ok("nat_rule", f"-s {net} -j MASQUERADE")
-        return _fail("nat_rule", f"no MASQUERADE rule for {net}",
-                     f"iptables -t nat -A POSTROUTING -s {net} -j MASQUERADE (network baseline service)")
+        return _fail(
+            "nat_rule",
+            f"no MASQUERADE rule for {net}",
+            f"iptables -t nat -A POSTROUTING -s {net} -j MASQUERADE (network baseline service)",
+        )
 
     async def ip_forwarding(self) -> m.ParityCheck:
         value = self.host.fs.read("/proc/sys/net/ipv4/ip_forward")
@@ -128,15 +143,22 @@ class ParityChecker:
     async def ipoib_netplan(self) -> m.ParityCheck:
         if self.host.fs.exists("/etc/netplan/60-ipoib.yaml"):
             return _ok("ipoib_netplan", "/etc/netplan/60-ipoib.yaml present")
-        return _fail("ipoib_netplan", "/etc/netplan/60-ipoib.yaml missing",
-                     "render /etc/netplan/60-ipoib.yaml from site/profile bootstrap")
+        return _fail(
+            "ipoib_netplan",
+            "/etc/netplan/60-ipoib.yaml missing",
+            "render /etc/netplan/60-ipoib.yaml from site/profile bootstrap",
+        )
 
     async def fabric_route(self) -> m.ParityCheck:
-        fabric = {ifname: cidrs for ifname, cidrs in (await self.addresses()).items()
-                  if FABRIC_IFACE.match(ifname) and cidrs}
+        fabric = {
+            ifname: cidrs for ifname, cidrs in (await self.addresses()).items() if FABRIC_IFACE.match(ifname) and cidrs
+        }
         if not fabric:
-            return _fail("fabric_route", "no ibp* interface owns a fabric address",
-                         "apply the IPoIB netplan and bring the fabric interface up")
+            return _fail(
+                "fabric_route",
+                "no ibp* interface owns a fabric address",
+                "apply the IPoIB netplan and bring the fabric interface up",
+            )
         res = await self.host.run.run("ip", "-j", "route", "show")
         try:
             routes = json.loads(res.stdout or "[]") if res.ok else []
@@ -146,18 +168,27 @@ class ParityChecker:
             nets = {str(ipaddress.ip_interface(c).network) for c in cidrs}
             if any(r.get("dev") == ifname and r.get("dst") in nets for r in routes):
                 return _ok("fabric_route", f"{ifname} {','.join(cidrs)} routed")
-        return _fail("fabric_route", f"no route for the fabric subnet via {','.join(sorted(fabric))}",
-                     "add the fabric route for the configured IPoIB subnet")
+        return _fail(
+            "fabric_route",
+            f"no route for the fabric subnet via {','.join(sorted(fabric))}",
+            "add the fabric route for the configured IPoIB subnet",
+        )
 
     async def network_baseline_service(self) -> m.ParityCheck:
         if await self._unit_active(NORMALISED_BASELINE):
             return _ok("network_baseline_service", f"{NORMALISED_BASELINE} active")
         if await self._unit_active(HISTORICAL_BASELINE):
-            return m.ParityCheck(check="network_baseline_service", status="WARN",
-                                 detail=f"only the historical {HISTORICAL_BASELINE} is active",
-                                 remediation=f"migrate to {NORMALISED_BASELINE}")
-        return _fail("network_baseline_service", f"{NORMALISED_BASELINE} not active",
-                     f"install and enable {NORMALISED_BASELINE}.service")
+            return m.ParityCheck(
+                check="network_baseline_service",
+                status="WARN",
+                detail=f"only the historical {HISTORICAL_BASELINE} is active",
+                remediation=f"migrate to {NORMALISED_BASELINE}",
+            )
+        return _fail(
+            "network_baseline_service",
+            f"{NORMALISED_BASELINE} not active",
+            f"install and enable {NORMALISED_BASELINE}.service",
+        )
 
     async def node_agent(self) -> m.ParityCheck:
         if self.agent_running:
@@ -167,9 +198,20 @@ class ParityChecker:
         return _fail("node_agent", "gpuaas-node-agent not active", "systemctl enable --now gpuaas-node-agent")
 
     def checks(self) -> list[Callable[[], Awaitable[m.ParityCheck]]]:
-        return [self.kvm, self.iommu_groups, self.vfio_modules, self.libvirtd, self.ovs_bridge,
-                self.dnsmasq_gpu_subnet, self.nat_rule, self.ip_forwarding, self.ipoib_netplan, self.fabric_route,
-                self.network_baseline_service, self.node_agent]
+        return [
+            self.kvm,
+            self.iommu_groups,
+            self.vfio_modules,
+            self.libvirtd,
+            self.ovs_bridge,
+            self.dnsmasq_gpu_subnet,
+            self.nat_rule,
+            self.ip_forwarding,
+            self.ipoib_netplan,
+            self.fabric_route,
+            self.network_baseline_service,
+            self.node_agent,
+        ]
 
     async def run(self, node_id: str, *, task_id: str | None = None) -> m.NodeParityReported:
         results = []
@@ -181,10 +223,17 @@ class ParityChecker:
                 results.append(_fail(name, f"check raised {type(exc).__name__}: {exc}", "inspect the agent log"))
         failures = sum(r.status == "FAIL" for r in results)
         warnings = sum(r.status == "WARN" for r in results)
-        log.info("parity_checked", node_id=node_id, task_id=task_id, failures=failures, warnings=warnings,
-                 failed=[r.check for r in results if r.status == "FAIL"])
-        return m.NodeParityReported(node_id=node_id, task_id=task_id, checked_at=utcnow(), checks=results,
-                                    failures=failures, warnings=warnings)
+        log.info(
+            "parity_checked",
+            node_id=node_id,
+            task_id=task_id,
+            failures=failures,
+            warnings=warnings,
+            failed=[r.check for r in results if r.status == "FAIL"],
+        )
+        return m.NodeParityReported(
+            node_id=node_id, task_id=task_id, checked_at=utcnow(), checks=results, failures=failures, warnings=warnings
+        )
 
 
 def _in_network(address: str, net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
@@ -206,6 +255,7 @@ def format_lines(report: m.NodeParityReported) -> list[str]:
         if c.remediation:
             line += f" remediation={_quote(c.remediation)}"
         lines.append(line)
-    lines.append(f"GPUAAS_SLICE_PARITY summary checks={len(report.checks)} failures={report.failures} "
-                 f"warnings={report.warnings}")
+    lines.append(
+        f"GPUAAS_SLICE_PARITY summary checks={len(report.checks)} failures={report.failures} warnings={report.warnings}"
+    )
     return lines

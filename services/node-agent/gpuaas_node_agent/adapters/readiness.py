@@ -56,8 +56,16 @@ async def probe_ssh_banner(ip: str, port: int, timeout_s: float) -> bool:
                 pass
 
 
-async def wait_ready(lease_file: str, mac: str, expected_ip: str, ssh_port: int, deadline_s: float,
-                     *, poll_interval_s: float = 0.25, connect_timeout_s: float = 2.0) -> Readiness:
+async def wait_ready(
+    lease_file: str,
+    mac: str,
+    expected_ip: str,
+    ssh_port: int,
+    deadline_s: float,
+    *,
+    poll_interval_s: float = 0.25,
+    connect_timeout_s: float = 2.0,
+) -> Readiness:
     """Wait up to `deadline_s` seconds for the lease of `mac` to show `expected_ip` and for SSH to answer there.
     Always returns within the deadline (plus one connect timeout at most) with the last observation; the caller
     decides what a not-ready result means."""
@@ -90,7 +98,8 @@ async def wait_ready(lease_file: str, mac: str, expected_ip: str, ssh_port: int,
             break
         await asyncio.sleep(min(poll_interval_s, remaining))
 
-    result = Readiness(mac=mac, expected_ip=expected_ip, actual_ip=actual_ip, lease_state=lease_state,
-                       ssh_ready=ssh_ready)
+    result = Readiness(
+        mac=mac, expected_ip=expected_ip, actual_ip=actual_ip, lease_state=lease_state, ssh_ready=ssh_ready
+    )
     (log.info if ssh_ready else log.warning)("readiness_result", **result.model_dump())
     return result

@@ -20,7 +20,10 @@ log = get_logger(__name__)
 VOLUME_LABEL = "cidata"
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 _USERNAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
-_KEY = re.compile(r"^(ssh-(ed25519|rsa|dss)|ecdsa-sha2-nistp(256|384|521)|sk-(ssh-ed25519|ecdsa-sha2-nistp256)@openssh\.com) [A-Za-z0-9+/=]+( .*)?$")
+_KEY = re.compile(
+    r"^(ssh-(ed25519|rsa|dss)|ecdsa-sha2-nistp(256|384|521)|sk-(ssh-ed25519|ecdsa-sha2-nistp256)@openssh\.com)"
+    r" [A-Za-z0-9+/=]+( .*)?$"
+)
 
 # ISO 9660 names cannot hold '-'; cloud-init reads the Rock Ridge / Joliet names.
 _FILES = {"user-data": "/USERDATA.;1", "meta-data": "/METADATA.;1", "network-config": "/NETCONF.;1"}
@@ -37,8 +40,9 @@ def _check_key(key: str) -> str:
     return key
 
 
-def render_user_data(*, hostname: str, ssh_authorized_keys: list[str], username: str | None = None,
-                     relay_public_key: str | None = None) -> str:
+def render_user_data(
+    *, hostname: str, ssh_authorized_keys: list[str], username: str | None = None, relay_public_key: str | None = None
+) -> str:
     """`#cloud-config` user-data. Without `username` the keys go to the image's default user; with it, a
     passwordless-sudo user of that name is created. The node-local terminal relay key, when given, is
     authorised for the same user so the browser terminal can reach the guest."""
@@ -58,14 +62,16 @@ def render_user_data(*, hostname: str, ssh_authorized_keys: list[str], username:
     else:
         if not _USERNAME.match(username):
             raise SeedIsoError(f"invalid username {username!r}")
-        doc["users"] = [{
-            "name": username,
-            "groups": ["sudo"],
-            "shell": "/bin/bash",
-            "sudo": "ALL=(ALL) NOPASSWD:ALL",
-            "lock_passwd": True,
-            "ssh_authorized_keys": keys,
-        }]
+        doc["users"] = [
+            {
+                "name": username,
+                "groups": ["sudo"],
+                "shell": "/bin/bash",
+                "sudo": "ALL=(ALL) NOPASSWD:ALL",
+                "lock_passwd": True,
+                "ssh_authorized_keys": keys,
+            }
+        ]
     return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
 
@@ -107,27 +113,43 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
-async def write_seed_iso(path: str | os.PathLike[str], *, instance_id: str, hostname: str,
-                         ssh_authorized_keys: list[str], username: str | None = None,
-                         relay_public_key: str | None = None,
-                         network_config: dict[str, Any] | str | None = None) -> Path:
+async def write_seed_iso(
+    path: str | os.PathLike[str],
+    *,
+    instance_id: str,
+    hostname: str,
+    ssh_authorized_keys: list[str],
+    username: str | None = None,
+    relay_public_key: str | None = None,
+    network_config: dict[str, Any] | str | None = None,
+) -> Path:
     """Render and write the seed ISO atomically (a reader never sees a half-written image); returns its path.
     `network_config` is a network-config v2 document (dict) or its YAML text."""
     files = {
-        "user-data": render_user_data(hostname=hostname, ssh_authorized_keys=ssh_authorized_keys,
-                                      username=username, relay_public_key=relay_public_key),
+        "user-data": render_user_data(
+            hostname=hostname,
+            ssh_authorized_keys=ssh_authorized_keys,
+            username=username,
+            relay_public_key=relay_public_key,
+        ),
         "meta-data": render_meta_data(instance_id=instance_id, hostname=hostname),
     }
     if network_config is not None:
-        files["network-config"] = (network_config if isinstance(network_config, str)
-                                   else yaml.safe_dump(network_config, sort_keys=False))
+        files["network-config"] = (
+            network_config if isinstance(network_config, str) else yaml.safe_dump(network_config, sort_keys=False)
+        )
     target = Path(path)
 
     def _build_and_write() -> None:
         _write_atomically(target, build_seed_iso_bytes(files))
 
     await asyncio.to_thread(_build_and_write)
-    log.info("seed_iso_written", path=str(target), instance_id=instance_id, hostname=hostname,
-             keys=len(ssh_authorized_keys) + (1 if relay_public_key else 0),
-             network_config=network_config is not None)
+    log.info(
+        "seed_iso_written",
+        path=str(target),
+        instance_id=instance_id,
+        hostname=hostname,
+        keys=len(ssh_authorized_keys) + (1 if relay_public_key else 0),
+        network_config=network_config is not None,
+    )
     return target

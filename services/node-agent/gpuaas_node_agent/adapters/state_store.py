@@ -10,8 +10,8 @@ import contextlib
 import json
 import sqlite3
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 _SCHEMA = """
@@ -65,17 +65,25 @@ class StateStore:
     def task(self, task_id: str) -> dict[str, Any] | None:
         row = self._db.execute(
             "SELECT task_id, task_type, allocation_id, status, phase, disk_touched, result_json FROM tasks "
-            "WHERE task_id = ?", (task_id,),
+            "WHERE task_id = ?",
+            (task_id,),
         ).fetchone()
         if row is None:
             return None
         keys = ("task_id", "task_type", "allocation_id", "status", "phase", "disk_touched", "result_json")
-        record = dict(zip(keys, row))
+        record = dict(zip(keys, row, strict=True))
         record["result"] = json.loads(record.pop("result_json")) if record["result_json"] else None
         return record
 
-    def start_task(self, task_id: str, task_type: str, allocation_id: str, *, vm_name: str | None = None,
-                   payload: dict[str, Any] | None = None) -> None:
+    def start_task(
+        self,
+        task_id: str,
+        task_type: str,
+        allocation_id: str,
+        *,
+        vm_name: str | None = None,
+        payload: dict[str, Any] | None = None,
+    ) -> None:
         self._db.execute(
             "INSERT INTO tasks (task_id, task_type, allocation_id, status, updated_at, vm_name, payload_json) "
             "VALUES (?, ?, ?, 'running', ?, ?, ?) "
@@ -89,8 +97,15 @@ class StateStore:
             "SELECT task_id, task_type, payload_json, disk_touched FROM tasks WHERE status = 'running' "
             "ORDER BY updated_at"
         ).fetchall()
-        return [{"task_id": r[0], "task_type": r[1], "payload": json.loads(r[2]) if r[2] else None,
-                 "disk_touched": bool(r[3])} for r in rows]
+        return [
+            {
+                "task_id": r[0],
+                "task_type": r[1],
+                "payload": json.loads(r[2]) if r[2] else None,
+                "disk_touched": bool(r[3]),
+            }
+            for r in rows
+        ]
 
     def latest_by_vm(self) -> dict[str, tuple[str, str]]:
         """vm_name → (task_type, status) of the most recent task for that VM."""

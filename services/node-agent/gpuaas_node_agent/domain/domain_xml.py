@@ -20,8 +20,14 @@ def _hostdev(devices: ET.Element, address: str) -> None:
     hostdev = _sub(devices, "hostdev", mode="subsystem", type="pci", managed="yes")
     _sub(hostdev, "driver", name="vfio")
     source = _sub(hostdev, "source")
-    _sub(source, "address", domain=f"0x{pci.domain:04x}", bus=f"0x{pci.bus:02x}",
-         slot=f"0x{pci.slot:02x}", function=f"0x{pci.function:x}")
+    _sub(
+        source,
+        "address",
+        domain=f"0x{pci.domain:04x}",
+        bus=f"0x{pci.bus:02x}",
+        slot=f"0x{pci.slot:02x}",
+        function=f"0x{pci.function:x}",
+    )
 
 
 def _cputune(root: ET.Element, spec: SliceVmSpec) -> None:

@@ -86,7 +86,9 @@ def pair_candidates(
     first_host: int = 10,
 ) -> list[Candidate]:
     iface = ipaddress.ip_interface(bridge_cidr)
-    hosts = [h for h in iface.network.hosts() if h != iface.ip and int(h) - int(iface.network.network_address) >= first_host]
+    hosts = [
+        h for h in iface.network.hosts() if h != iface.ip and int(h) - int(iface.network.network_address) >= first_host
+    ]
     disk_pool = sorted(disks, key=lambda d: (_numa_key(d.numa_node), d.by_id))
     vf_pool = sorted(vfs, key=lambda v: (_numa_key(v.numa_node), v.pci_address))
     out: list[Candidate] = []
@@ -98,9 +100,16 @@ def pair_candidates(
         while mac in seen_macs:  # vanishingly rare; still never hand out one MAC twice on a host
             mac = suggested_mac(node_id, mac)
         seen_macs.add(mac)
-        out.append(Candidate(
-            index=index, gpu=gpu, nvme_by_id=disk.by_id if disk else None, fabric_vf=vf.pci_address if vf else None,
-            mac=mac, private_ip=str(hosts[index]) if index < len(hosts) else "",
-            ovs_bridge=ovs_bridge, ovs_port=f"gpuaas-s{index}",
-        ))
+        out.append(
+            Candidate(
+                index=index,
+                gpu=gpu,
+                nvme_by_id=disk.by_id if disk else None,
+                fabric_vf=vf.pci_address if vf else None,
+                mac=mac,
+                private_ip=str(hosts[index]) if index < len(hosts) else "",
+                ovs_bridge=ovs_bridge,
+                ovs_port=f"gpuaas-s{index}",
+            )
+        )
     return out

@@ -53,18 +53,26 @@ def discover_cmd(
         typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
         return
     for g in report.gpus:
-        typer.echo(f"gpu    {g.pci_address} {g.vendor_id}:{g.device_id} numa={g.numa_node} "
-                   f"iommu_group={g.iommu_group} driver={g.driver}")
+        typer.echo(
+            f"gpu    {g.pci_address} {g.vendor_id}:{g.device_id} numa={g.numa_node} "
+            f"iommu_group={g.iommu_group} driver={g.driver}"
+        )
     for f in report.fabric:
-        typer.echo(f"fabric {f.pci_address} {f.role} {f.vendor_id}:{f.device_id} ib={f.ib_device} "
-                   f"state={f.ib_port_state!r} vfs={f.sriov_numvfs}/{f.sriov_totalvfs}")
+        typer.echo(
+            f"fabric {f.pci_address} {f.role} {f.vendor_id}:{f.device_id} ib={f.ib_device} "
+            f"state={f.ib_port_state!r} vfs={f.sriov_numvfs}/{f.sriov_totalvfs}"
+        )
     for d in report.nvme:
-        typer.echo(f"nvme   {d.kernel_name} {d.by_id} os={d.is_os_disk} mounted={d.mounted} "
-                   f"children={','.join(d.mounted_children) or '-'} candidate={d.candidate}"
-                   + (f" ({d.excluded_reason})" if d.excluded_reason else ""))
+        typer.echo(
+            f"nvme   {d.kernel_name} {d.by_id} os={d.is_os_disk} mounted={d.mounted} "
+            f"children={','.join(d.mounted_children) or '-'} candidate={d.candidate}"
+            + (f" ({d.excluded_reason})" if d.excluded_reason else "")
+        )
     for c in report.candidate_slots:
-        typer.echo(f"slot   {c.index} gpu={c.gpu_pci_address} nvme={c.nvme_by_id} vf={c.fabric_vf_pci_address} "
-                   f"mac={c.mac} ip={c.private_ip} port={c.ovs_port} complete={c.complete}")
+        typer.echo(
+            f"slot   {c.index} gpu={c.gpu_pci_address} nvme={c.nvme_by_id} vf={c.fabric_vf_pci_address} "
+            f"mac={c.mac} ip={c.private_ip} port={c.ovs_port} complete={c.complete}"
+        )
     for b in report.blockers:
         typer.echo(f"blocker {b}")
 

@@ -25,8 +25,7 @@ AGENT_VERSION = "0.1.0"
 
 async def open_host_bus(settings: AgentSettings, node_id: str, link: HostLink) -> tuple[Bus, ConsumerSpec]:
     bus = await link.open()
-    spec = node_agent_consumer(node_id, max_deliver=settings.consumer_max_deliver,
-                               ack_wait_s=settings.task_ack_wait_s)
+    spec = node_agent_consumer(node_id, max_deliver=settings.consumer_max_deliver, ack_wait_s=settings.task_ack_wait_s)
     if not link.identity.creds_file:
         await provision(bus.js, [spec])  # an open dev server only; a host identity may not provision
     return bus, spec
@@ -36,25 +35,37 @@ def slice_host_enrolment(node_id: str, hostname: str) -> m.NodeEnrolled:
     return m.NodeEnrolled(node_id=node_id, kind="slice_host", hostname=hostname, agent_version=AGENT_VERSION)
 
 
-async def run_slice_host(settings: AgentSettings, node_id: str, hostname: str, root: Path, ssh_port: int,
-                         link: HostLink) -> None:
+async def run_slice_host(
+    settings: AgentSettings, node_id: str, hostname: str, root: Path, ssh_port: int, link: HostLink
+) -> None:
     bus, spec = await open_host_bus(settings, node_id, link)
     paths = HostPaths(root)
     store = StateStore(paths.host(settings.state_dir) / "agent.sqlite")
     agent = SliceHostAgent(
-        node_id, paths, store, LibvirtHost(settings.libvirt_uri), bus.publish,
-        image_cache_dir=settings.image_cache_dir, hostsdir=settings.dnsmasq_hostsdir,
-        lease_file=settings.dnsmasq_lease_file, seed_dir=settings.seed_dir, ssh_port=ssh_port,
-        readiness_timeout_s=settings.readiness_timeout_s, shutdown_timeout_s=settings.shutdown_timeout_s,
+        node_id,
+        paths,
+        store,
+        LibvirtHost(settings.libvirt_uri),
+        bus.publish,
+        image_cache_dir=settings.image_cache_dir,
+        hostsdir=settings.dnsmasq_hostsdir,
+        lease_file=settings.dnsmasq_lease_file,
+        seed_dir=settings.seed_dir,
+        ssh_port=ssh_port,
+        readiness_timeout_s=settings.readiness_timeout_s,
+        shutdown_timeout_s=settings.shutdown_timeout_s,
     )
-    handlers = {"slice.vm_provision": agent.on_task, "slice.vm_release": agent.on_task,
-                "slice.topology_discover": agent.on_discover}
+    handlers = {
+        "slice.vm_provision": agent.on_task,
+        "slice.vm_release": agent.on_task,
+        "slice.topology_discover": agent.on_discover,
+    }
     handlers["image.cache_prewarm"] = ImagePrewarmer(
-        node_id, paths, store, bus.publish, image_cache_dir=settings.image_cache_dir).on_task
+        node_id, paths, store, bus.publish, image_cache_dir=settings.image_cache_dir
+    ).on_task
     bus.subscribe(spec, handlers, transactional=False, concurrency=settings.task_concurrency)
     # Recovery first: a task the previous run left half-done gets its one result before new evidence goes out.
     await agent.recover()
     await link.start()
     await agent.report_host_state()
-    await bus.publish("node.enrolled", slice_host_enrolment(node_id, hostname), correlation_id=node_id,
-                      node_id=node_id)
+    await bus.publish("node.enrolled", slice_host_enrolment(node_id, hostname), correlation_id=node_id, node_id=node_id)

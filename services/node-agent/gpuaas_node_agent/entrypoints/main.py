@@ -21,8 +21,10 @@ def build_register(settings: AgentSettings):
         if not node_id:
             raise SystemExit("set GPUAAS_NODE_ID: the id of the host this agent runs on")
         link = HostLink(node_id, NatsIdentity.from_settings(settings), retry_delays_s=settings.retry_delays_s)
-        rt.spawn(run_slice_host(settings, node_id, os.uname().nodename, Path(settings.host_root),
-                                settings.ssh_port, link), f"host-{node_id}")
+        rt.spawn(
+            run_slice_host(settings, node_id, os.uname().nodename, Path(settings.host_root), settings.ssh_port, link),
+            f"host-{node_id}",
+        )
         # A host that cannot connect keeps the process unready and says why in the log.
         rt.health.checks["host"] = lambda: link.bus is not None
         rt.on_stop.append(link.close)

@@ -84,9 +84,14 @@ class ImagePrewarmer:
         try:
             outcome = await asyncio.to_thread(
                 image_cache.pull_into_cache,
-                artifact_ref=task.artifact_ref, blob_digest=task.blob_digest, blob_size=task.blob_size,
-                expected_raw_sha256=task.digest_sha256, dest=dest, tls_mode=task.registry_tls,
-                endpoint=self.registry_endpoint, progress=progress,
+                artifact_ref=task.artifact_ref,
+                blob_digest=task.blob_digest,
+                blob_size=task.blob_size,
+                expected_raw_sha256=task.digest_sha256,
+                dest=dest,
+                tls_mode=task.registry_tls,
+                endpoint=self.registry_endpoint,
+                progress=progress,
             )
         except image_cache.PullError as exc:
             log.error("image_pull_failed", slug=task.slug, reason=str(exc))
@@ -98,12 +103,18 @@ class ImagePrewarmer:
         if outcome.status == "verified":
             st = dest.stat()
             self.store.remember_digest(str(dest), task.digest_sha256, st.st_size, st.st_mtime)
-            log.info("image_cache_verified", slug=task.slug, path=task.image_path, seconds=round(elapsed, 3),
-                     bytes=outcome.bytes_received)
+            log.info(
+                "image_cache_verified",
+                slug=task.slug,
+                path=task.image_path,
+                seconds=round(elapsed, 3),
+                bytes=outcome.bytes_received,
+            )
         else:
             log.error("image_cache_mismatch", slug=task.slug, reason=outcome.reason, digest=outcome.raw_sha256)
-        return self._make(task, outcome.status, digest=outcome.raw_sha256, done=outcome.bytes_received,
-                          reason=outcome.reason)
+        return self._make(
+            task, outcome.status, digest=outcome.raw_sha256, done=outcome.bytes_received, reason=outcome.reason
+        )
 
     def _already_verified(self, dest: Path, digest: str) -> bool:
         try:
@@ -112,20 +123,40 @@ class ImagePrewarmer:
             return False
         return self.store.verified_digest(str(dest), st.st_size, st.st_mtime) == digest
 
-    def _make(self, task: m.ImageCachePrewarm, status: str, *, digest: str | None = None, done: int = 0,
-              reason: str | None = None) -> m.NodeImageCacheReported:
+    def _make(
+        self,
+        task: m.ImageCachePrewarm,
+        status: str,
+        *,
+        digest: str | None = None,
+        done: int = 0,
+        reason: str | None = None,
+    ) -> m.NodeImageCacheReported:
         return m.NodeImageCacheReported(
-            task_id=task.task_id, node_id=self.node_id, slug=task.slug, status=status,
-            expected_digest=task.digest_sha256, digest_sha256=digest, local_path=task.image_path,
-            bytes_done=done, bytes_total=task.blob_size, reason=reason[:2000] if reason else None,
+            task_id=task.task_id,
+            node_id=self.node_id,
+            slug=task.slug,
+            status=status,
+            expected_digest=task.digest_sha256,
+            digest_sha256=digest,
+            local_path=task.image_path,
+            bytes_done=done,
+            bytes_total=task.blob_size,
+            reason=reason[:2000] if reason else None,
         )
 
     async def _report(self, ev: m.NodeImageCacheReported, causation_id: str | None, *, final: bool) -> None:
         # A final report repeats with the same id for the same outcome; a different outcome is new news.
-        event_id = (derived_event_id(ev.task_id, f"cache:{ev.status}:{ev.digest_sha256}") if final else None)
+        event_id = derived_event_id(ev.task_id, f"cache:{ev.status}:{ev.digest_sha256}") if final else None
         try:
-            await self.publish("node.image_cache_reported", ev, correlation_id=ev.task_id, causation_id=causation_id,
-                               event_id=event_id, node_id=self.node_id)
+            await self.publish(
+                "node.image_cache_reported",
+                ev,
+                correlation_id=ev.task_id,
+                causation_id=causation_id,
+                event_id=event_id,
+                node_id=self.node_id,
+            )
         except Exception as exc:
             if final:
                 raise

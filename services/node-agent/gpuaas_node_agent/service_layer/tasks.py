@@ -39,7 +39,8 @@ log = get_logger(__name__)
 HUGEPAGES_1G_FREE = "/sys/kernel/mm/hugepages/hugepages-1048576kB/free_hugepages"
 SLICE_TASKS = ("slice.vm_provision", "slice.vm_release")
 _TASK_MODELS: dict[str, type[m.Payload]] = {
-    "slice.vm_provision": m.SliceVmProvision, "slice.vm_release": m.SliceVmRelease,
+    "slice.vm_provision": m.SliceVmProvision,
+    "slice.vm_release": m.SliceVmRelease,
 }
 
 Publish = Callable[..., Awaitable[Any]]
@@ -109,23 +110,30 @@ class SliceHostAgent:
                 await stack.enter_async_context(self._slot_locks.setdefault(slot_id, asyncio.Lock()))
             result = await self.run(task_type, task)
         await self.publish(
-            "node.task_result", result, correlation_id=str(task.allocation_id), causation_id=causation_id,
-            event_id=derived_event_id(task.task_id, "result"), node_id=self.node_id,
+            "node.task_result",
+            result,
+            correlation_id=str(task.allocation_id),
+            causation_id=causation_id,
+            event_id=derived_event_id(task.task_id, "result"),
+            node_id=self.node_id,
         )
         return result
 
     async def run(self, task_type: str, task: Any) -> m.NodeTaskResult:
         record = self.store.task(task.task_id)
         if record and record["status"] != "running" and record["result"]:
-            log.info("task_replayed", task_id=task.task_id, allocation_id=str(task.allocation_id),
-                     status=record["status"])
+            log.info(
+                "task_replayed", task_id=task.task_id, allocation_id=str(task.allocation_id), status=record["status"]
+            )
             return m.NodeTaskResult.model_validate(record["result"])
         # A provision interrupted after the disk was touched cannot be resumed blindly (the clone may be
         # half-written); a release can, because every one of its steps is idempotent.
-        interrupted_after_disk = bool(record and record["status"] == "running" and record["disk_touched"]
-                                      and task_type == "slice.vm_provision")
-        self.store.start_task(task.task_id, task_type, str(task.allocation_id), vm_name=task.vm_name,
-                              payload=task.model_dump(mode="json"))
+        interrupted_after_disk = bool(
+            record and record["status"] == "running" and record["disk_touched"] and task_type == "slice.vm_provision"
+        )
+        self.store.start_task(
+            task.task_id, task_type, str(task.allocation_id), vm_name=task.vm_name, payload=task.model_dump(mode="json")
+        )
         try:
             if interrupted_after_disk:
                 raise TaskFailed("interrupted", "agent restarted while the task was running after the disk was touched")
@@ -145,16 +153,24 @@ class SliceHostAgent:
                     else:
                         raise Refused("unsupported_task", task_type)
             except TimeoutError:
-                raise TaskFailed("deadline_exceeded", f"task did not finish by its deadline {task.deadline.isoformat()}") from None
+                raise TaskFailed(
+                    "deadline_exceeded", f"task did not finish by its deadline {task.deadline.isoformat()}"
+                ) from None
         except Refused as exc:
-            log.warning("task_refused", task_id=task.task_id, allocation_id=str(task.allocation_id),
-                        reason_code=exc.code, reason=exc.reason)
+            log.warning(
+                "task_refused",
+                task_id=task.task_id,
+                allocation_id=str(task.allocation_id),
+                reason_code=exc.code,
+                reason=exc.reason,
+            )
             if task_type == "slice.vm_provision":
                 self.store.drop_leases(str(task.allocation_id))
             # A release that refused to wipe a disk leaves tenant data on it: the slot still needs cleanup.
             unwiped = task_type == "slice.vm_release" and exc.code.startswith("disk_")
-            result = self._result(task, task_type, "refused", code=exc.code, reason=exc.reason,
-                                  cleanup_required=unwiped)
+            result = self._result(
+                task, task_type, "refused", code=exc.code, reason=exc.reason, cleanup_required=unwiped
+            )
         except TaskFailed as exc:
             record = self.store.task(task.task_id)
             touched = bool(record and record["disk_touched"])
@@ -163,8 +179,14 @@ class SliceHostAgent:
                 await self._teardown_domain(task)
             if not touched:
                 self.store.drop_leases(str(task.allocation_id))
-            log.error("task_failed", task_id=task.task_id, allocation_id=str(task.allocation_id),
-                      reason_code=exc.code, reason=exc.reason, cleanup_required=touched)
+            log.error(
+                "task_failed",
+                task_id=task.task_id,
+                allocation_id=str(task.allocation_id),
+                reason_code=exc.code,
+                reason=exc.reason,
+                cleanup_required=touched,
+            )
             result = self._result(task, task_type, "failed", code=exc.code, reason=exc.reason, cleanup_required=touched)
         self.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
         return result
@@ -174,8 +196,12 @@ class SliceHostAgent:
             if await self.libvirt.exists(task.vm_name):
                 await self.libvirt.shutdown(task.vm_name, 0)
                 await self.libvirt.undefine(task.vm_name)
-                log.warning("libvirt_domain_torn_down", task_id=task.task_id, allocation_id=str(task.allocation_id),
-                            domain=task.vm_name)
+                log.warning(
+                    "libvirt_domain_torn_down",
+                    task_id=task.task_id,
+                    allocation_id=str(task.allocation_id),
+                    domain=task.vm_name,
+                )
             dnsmasq.remove_reservation(self.hostsdir, task.vm_name)
         except (LibvirtHostError, OSError) as exc:
             log.error("libvirt_domain_teardown_failed", task_id=task.task_id, domain=task.vm_name, error=str(exc))
@@ -190,8 +216,13 @@ class SliceHostAgent:
             if model is None or record["payload"] is None:
                 continue
             task = model.model_validate(record["payload"])
-            log.warning("task_recovering", task_id=task.task_id, allocation_id=str(task.allocation_id),
-                        task_type=record["task_type"], disk_touched=record["disk_touched"])
+            log.warning(
+                "task_recovering",
+                task_id=task.task_id,
+                allocation_id=str(task.allocation_id),
+                task_type=record["task_type"],
+                disk_touched=record["disk_touched"],
+            )
             results.append(await self.execute(record["task_type"], task))
         await self.reconcile_domains()
         return results
@@ -207,7 +238,8 @@ class SliceHostAgent:
                 continue
             task_type, status = record
             stale = (task_type == "slice.vm_provision" and status in ("failed", "refused")) or (
-                task_type == "slice.vm_release" and status == "succeeded")
+                task_type == "slice.vm_release" and status == "succeeded"
+            )
             if stale:
                 await self.libvirt.shutdown(dom.name, 0)
                 await self.libvirt.undefine(dom.name)
@@ -215,15 +247,20 @@ class SliceHostAgent:
 
     # --- topology and parity -----------------------------------------------------------------------
 
-    async def report_host_state(self, *, task_id: str | None = None) -> tuple[m.NodeTopologyReported, m.NodeParityReported]:
+    async def report_host_state(
+        self, *, task_id: str | None = None
+    ) -> tuple[m.NodeTopologyReported, m.NodeParityReported]:
         """Discover topology and run the parity checks; publish both as readiness evidence."""
         leased = [r.removeprefix("nvme:") for r in self.store.leased_resources() if r.startswith("nvme:")]
         topology = await discover(self.host, self.node_id, task_id=task_id, leased_by_id=leased)
         parity = await ParityChecker(self.host, agent_running=True).run(self.node_id, task_id=task_id)
         for type_, payload in (("node.topology_reported", topology), ("node.parity_reported", parity)):
             await self.publish(
-                type_, payload, correlation_id=task_id or self.node_id,
-                event_id=derived_event_id(task_id, type_) if task_id else None, node_id=self.node_id,
+                type_,
+                payload,
+                correlation_id=task_id or self.node_id,
+                event_id=derived_event_id(task_id, type_) if task_id else None,
+                node_id=self.node_id,
             )
         return topology, parity
 
@@ -239,27 +276,52 @@ class SliceHostAgent:
         self.store.start_task(task.task_id, "slice.topology_discover", "")
         async with asyncio.timeout((task.deadline - utcnow()).total_seconds()):
             topology, parity = await self.report_host_state(task_id=task.task_id)
-        self.store.finish_task(task.task_id, "succeeded", {"candidates": len(topology.candidate_slots),
-                                                           "parity_failures": parity.failures})
+        self.store.finish_task(
+            task.task_id, "succeeded", {"candidates": len(topology.candidate_slots), "parity_failures": parity.failures}
+        )
 
-    def _result(self, task: Any, task_type: str, status: str, *, code: str | None = None, reason: str | None = None,
-                cleanup_required: bool = False, readiness_: m.Readiness | None = None,
-                proofs: list[m.WipeProof] | None = None) -> m.NodeTaskResult:
+    def _result(
+        self,
+        task: Any,
+        task_type: str,
+        status: str,
+        *,
+        code: str | None = None,
+        reason: str | None = None,
+        cleanup_required: bool = False,
+        readiness_: m.Readiness | None = None,
+        proofs: list[m.WipeProof] | None = None,
+    ) -> m.NodeTaskResult:
         return m.NodeTaskResult(
-            task_id=task.task_id, allocation_id=task.allocation_id, node_id=self.node_id, task_type=task_type,
-            status=status, reason_code=code, reason=reason, readiness=readiness_, wipe_proofs=proofs or [],
+            task_id=task.task_id,
+            allocation_id=task.allocation_id,
+            node_id=self.node_id,
+            task_type=task_type,
+            status=status,
+            reason_code=code,
+            reason=reason,
+            readiness=readiness_,
+            wipe_proofs=proofs or [],
             cleanup_required=cleanup_required,
         )
 
-    async def _phase(self, task: Any, task_type: str, phase: str, *, disk_touched: bool = False,
-                     detail: str | None = None) -> None:
+    async def _phase(
+        self, task: Any, task_type: str, phase: str, *, disk_touched: bool = False, detail: str | None = None
+    ) -> None:
         self.store.set_phase(task.task_id, phase, disk_touched=disk_touched)
         log.info("task_phase", task_id=task.task_id, allocation_id=str(task.allocation_id), phase=phase, detail=detail)
         await self.publish(
             "node.task_progress",
-            m.NodeTaskProgress(task_id=task.task_id, allocation_id=task.allocation_id, node_id=self.node_id,
-                               task_type=task_type, phase=phase, detail=detail),
-            correlation_id=str(task.allocation_id), event_id=derived_event_id(task.task_id, f"phase:{phase}"),
+            m.NodeTaskProgress(
+                task_id=task.task_id,
+                allocation_id=task.allocation_id,
+                node_id=self.node_id,
+                task_type=task_type,
+                phase=phase,
+                detail=detail,
+            ),
+            correlation_id=str(task.allocation_id),
+            event_id=derived_event_id(task.task_id, f"phase:{phase}"),
             node_id=self.node_id,
         )
 
@@ -270,11 +332,15 @@ class SliceHostAgent:
         try:
             st = path.stat()
         except FileNotFoundError:
-            raise Refused("image_not_cached", f"image {image.slug} is not in the node cache at {image.image_path}") from None
+            raise Refused(
+                "image_not_cached", f"image {image.slug} is not in the node cache at {image.image_path}"
+            ) from None
         cached = self.store.verified_digest(str(path), st.st_size, st.st_mtime)
         digest = cached or await asyncio.to_thread(sha256_file, path)
         if digest != image.digest_sha256:
-            raise Refused("image_unverified", f"cached {image.slug} has digest {digest}, expected {image.digest_sha256}")
+            raise Refused(
+                "image_unverified", f"cached {image.slug} has digest {digest}, expected {image.digest_sha256}"
+            )
         if not cached:
             self.store.remember_digest(str(path), digest, st.st_size, st.st_mtime)
         return path
@@ -318,7 +384,9 @@ class SliceHostAgent:
             need = -(-memory_mib // 1024)
             free = fs.read(HUGEPAGES_1G_FREE)
             if free is None or not free.isdigit() or int(free) < need:
-                raise Refused("hugepages_insufficient", f"profile needs {need} free 1 GiB hugepages, host has {free or 0}")
+                raise Refused(
+                    "hugepages_insufficient", f"profile needs {need} free 1 GiB hugepages, host has {free or 0}"
+                )
 
     async def _validate_xml(self, xml: str) -> None:
         if self.host.run.which("virt-xml-validate") is None:
@@ -349,12 +417,18 @@ class SliceHostAgent:
         try:
             vcpus, memory_mib, hugepages = vm_resources(primary.profile, len(task.slots))
             spec = SliceVmSpec(
-                vm_name=task.vm_name, uuid=str(uuid.uuid5(uuid.NAMESPACE_URL, str(task.allocation_id))),
-                vcpus=vcpus, memory_mib=memory_mib, hugepages=hugepages, numa_node=primary.numa_node,
+                vm_name=task.vm_name,
+                uuid=str(uuid.uuid5(uuid.NAMESPACE_URL, str(task.allocation_id))),
+                vcpus=vcpus,
+                memory_mib=memory_mib,
+                hugepages=hugepages,
+                numa_node=primary.numa_node,
                 gpus=[s.gpu_pci_address for s in task.slots],
                 fabric_vfs=[s.fabric_vf_pci_address for s in task.slots if s.fabric_vf_pci_address],
-                nvme_by_id=[str(d) for d in disks], seed_iso_path=str(self.seed_dir / f"{task.vm_name}.iso"),
-                mac=primary.mac, bridge=primary.ovs_bridge,
+                nvme_by_id=[str(d) for d in disks],
+                seed_iso_path=str(self.seed_dir / f"{task.vm_name}.iso"),
+                mac=primary.mac,
+                bridge=primary.ovs_bridge,
             )
         except ValueError as exc:
             raise Refused("invalid_vm_spec", str(exc)[:1000]) from exc
@@ -366,8 +440,9 @@ class SliceHostAgent:
             seed_path = self.seed_dir / f"{task.vm_name}.iso"
             keys = list(task.ssh_public_keys) + ([self.relay_public_key] if self.relay_public_key else [])
             try:
-                await seed_iso.write_seed_iso(seed_path, instance_id=str(task.allocation_id), hostname=task.hostname,
-                                              ssh_authorized_keys=keys)
+                await seed_iso.write_seed_iso(
+                    seed_path, instance_id=str(task.allocation_id), hostname=task.hostname, ssh_authorized_keys=keys
+                )
             except seed_iso.SeedIsoError as exc:
                 raise Refused("invalid_seed", str(exc)) from exc
             await self._phase(task, t, "clone_image", disk_touched=True)
@@ -377,16 +452,22 @@ class SliceHostAgent:
             await self._phase(task, t, "dhcp_reservation")
             dnsmasq.write_reservation(self.hostsdir, task.vm_name, primary.mac, primary.private_ip, task.hostname)
             await self._phase(task, t, "wait_ready")
-            ready = await readiness.wait_ready(self.lease_file, primary.mac, primary.private_ip, self.ssh_port,
-                                               self.readiness_timeout_s)
+            ready = await readiness.wait_ready(
+                self.lease_file, primary.mac, primary.private_ip, self.ssh_port, self.readiness_timeout_s
+            )
         except Refused:
             raise
         except Exception as exc:
             raise TaskFailed("provision_error", f"{type(exc).__name__}: {exc}") from exc
         if not (ready.ssh_ready and ready.lease_state == "bound"):
             raise TaskFailed("not_ready", f"lease {ready.lease_state}, ssh_ready={ready.ssh_ready}")
-        readiness_ev = m.Readiness(mac=ready.mac, expected_ip=ready.expected_ip, actual_ip=ready.actual_ip,
-                                   lease_state=ready.lease_state, ssh_ready=ready.ssh_ready)
+        readiness_ev = m.Readiness(
+            mac=ready.mac,
+            expected_ip=ready.expected_ip,
+            actual_ip=ready.actual_ip,
+            lease_state=ready.lease_state,
+            ssh_ready=ready.ssh_ready,
+        )
         await self._phase(task, t, "ready")
         return self._result(task, t, "succeeded", readiness_=readiness_ev)
 
@@ -409,10 +490,15 @@ class SliceHostAgent:
             proofs = []
             for by_id, path in paths:
                 proof = await disk.wipe_and_verify(str(path))
-                proofs.append(m.WipeProof(
-                    device=by_id, method=proof.method, verified=proof.verified,
-                    signatures=[str(sig) for sig in proof.signatures], detail=proof.detail,
-                ))
+                proofs.append(
+                    m.WipeProof(
+                        device=by_id,
+                        method=proof.method,
+                        verified=proof.verified,
+                        signatures=[str(sig) for sig in proof.signatures],
+                        detail=proof.detail,
+                    )
+                )
         except Refused:
             raise
         except Exception as exc:
@@ -422,10 +508,9 @@ class SliceHostAgent:
             # The leases stay: the disks still hold tenant data as far as anyone can prove.
             reason = "; ".join(f"{p.device}: {p.detail or 'not verified'}" for p in unverified)
             log.error("wipe_not_verified", task_id=task.task_id, allocation_id=str(task.allocation_id), reason=reason)
-            return self._result(task, t, "failed", code="wipe_unverified", reason=reason[:2000],
-                                cleanup_required=True, proofs=proofs)
+            return self._result(
+                task, t, "failed", code="wipe_unverified", reason=reason[:2000], cleanup_required=True, proofs=proofs
+            )
         self.store.drop_leases(str(task.allocation_id))
         await self._phase(task, t, "released")
         return self._result(task, t, "succeeded", proofs=proofs)
-
-
