@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
@@ -41,15 +41,20 @@ def notify_channel(schema: str) -> str:
 
 
 @dataclass
-class OutboxWriter:
-    """Adds events to the outbox inside the caller's transaction."""
+class PendingEvent:
+    envelope: Envelope
+    aggregate_id: str
+    subject: str
 
-    conn: asyncpg.Connection
-    schema: str
+
+@dataclass
+class EventCollector:
+    """Events raised during a unit of work; each gets its envelope (and event id) at once."""
+
     producer: str
     correlation_id: str | None = None
     causation_id: str | None = None
-    _notified: bool = False
+    pending: list[PendingEvent] = field(default_factory=list)
 
     async def add(
         self,
@@ -61,6 +66,7 @@ class OutboxWriter:
         event_id: str | None = None,
         **subject_params: str,
     ) -> Envelope:
+        """Async for the call sites' sake (they once wrote the row here); nothing is written before commit."""
         spec = spec_for(type_)
         if not isinstance(payload, spec.model):
             raise TypeError(f"{type_} needs a {spec.model.__name__} payload, got {type(payload).__name__}")
@@ -72,18 +78,57 @@ class OutboxWriter:
             causation_id=self.causation_id,
             event_id=event_id,
         )
-        inserted = await self.conn.fetchval(
-            "INSERT INTO outbox (event_id, aggregate_id, subject, body) VALUES ($1, $2, $3, $4) "
-            "ON CONFLICT (event_id) DO NOTHING RETURNING id",
-            envelope.event_id,
-            aggregate_id,
-            spec.subject(**subject_params),
-            envelope.model_dump_json().encode(),
+        self.pending.append(PendingEvent(envelope, aggregate_id, spec.subject(**subject_params)))
+        return envelope
+
+    def of_type(self, type_: str) -> list[Envelope]:
+        return [p.envelope for p in self.pending if p.envelope.type == type_]
+
+
+async def write_pending(conn: asyncpg.Connection, schema: str, pending: list[PendingEvent]) -> None:
+    """Insert the rows in the caller's transaction; a repeated event id is dropped, as the relay would."""
+    if not pending:
+        return
+    await conn.executemany(
+        "INSERT INTO outbox (event_id, aggregate_id, subject, body) VALUES ($1, $2, $3, $4) "
+        "ON CONFLICT (event_id) DO NOTHING",
+        [(p.envelope.event_id, p.aggregate_id, p.subject, p.envelope.model_dump_json().encode()) for p in pending],
+    )
+    # Delivered at commit (Postgres folds repeats within a transaction); it only wakes the relay.
+    await conn.execute("SELECT pg_notify($1, '')", notify_channel(schema))
+
+
+@dataclass
+class OutboxWriter:
+    """Writes each event at once into the caller's open transaction: for code that runs no unit of work
+    (a service's start-up seeding, tests and benchmarks of the relay itself)."""
+
+    conn: asyncpg.Connection
+    schema: str
+    producer: str
+    correlation_id: str | None = None
+    causation_id: str | None = None
+
+    async def add(
+        self,
+        type_: str,
+        payload: BaseModel,
+        *,
+        aggregate_id: str,
+        correlation_id: str | None = None,
+        event_id: str | None = None,
+        **subject_params: str,
+    ) -> Envelope:
+        events = EventCollector(self.producer, self.correlation_id, self.causation_id)
+        envelope = await events.add(
+            type_,
+            payload,
+            aggregate_id=aggregate_id,
+            correlation_id=correlation_id,
+            event_id=event_id,
+            **subject_params,
         )
-        if inserted is not None and not self._notified:
-            # Delivered at commit; one per transaction is enough to wake the relay.
-            await self.conn.execute("SELECT pg_notify($1, '')", notify_channel(self.schema))
-            self._notified = True
+        await write_pending(self.conn, self.schema, events.pending)
         return envelope
 
 

@@ -18,62 +18,15 @@ tested without servers (the style of cosmicpython's `service_layer/unit_of_work.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import asyncpg
-from pydantic import BaseModel
 
 from . import inbox
-from .contract import Envelope, spec_for
-from .outbox import notify_channel
+from .contract import Envelope
+from .outbox import EventCollector, write_pending
 
 R = TypeVar("R")
-
-
-@dataclass
-class PendingEvent:
-    envelope: Envelope
-    aggregate_id: str
-    subject: str
-
-
-@dataclass
-class EventCollector:
-    """Events raised during a unit of work; each gets its envelope (and event id) at once."""
-
-    producer: str
-    correlation_id: str | None = None
-    causation_id: str | None = None
-    pending: list[PendingEvent] = field(default_factory=list)
-
-    async def add(
-        self,
-        type_: str,
-        payload: BaseModel,
-        *,
-        aggregate_id: str,
-        correlation_id: str | None = None,
-        event_id: str | None = None,
-        **subject_params: str,
-    ) -> Envelope:
-        """Async for the call sites' sake (they once wrote the row here); nothing is written before commit."""
-        spec = spec_for(type_)
-        if not isinstance(payload, spec.model):
-            raise TypeError(f"{type_} needs a {spec.model.__name__} payload, got {type(payload).__name__}")
-        envelope = Envelope.wrap(
-            type_,
-            payload.model_dump(mode="json"),
-            producer=self.producer,
-            correlation_id=correlation_id or self.correlation_id or aggregate_id,
-            causation_id=self.causation_id,
-            event_id=event_id,
-        )
-        self.pending.append(PendingEvent(envelope, aggregate_id, spec.subject(**subject_params)))
-        return envelope
-
-    def of_type(self, type_: str) -> list[Envelope]:
-        return [p.envelope for p in self.pending if p.envelope.type == type_]
 
 
 class UnitOfWork(Generic[R]):
@@ -123,18 +76,7 @@ class UnitOfWork(Generic[R]):
         return not await inbox.claim(self.conn, consumer, message_id)
 
     async def commit(self) -> None:
-        pending = self.events.pending
-        if pending:
-            await self.conn.executemany(
-                "INSERT INTO outbox (event_id, aggregate_id, subject, body) VALUES ($1, $2, $3, $4) "
-                "ON CONFLICT (event_id) DO NOTHING",
-                [
-                    (p.envelope.event_id, p.aggregate_id, p.subject, p.envelope.model_dump_json().encode())
-                    for p in pending
-                ],
-            )
-            # Delivered at commit; one per transaction is enough to wake the relay.
-            await self.conn.execute("SELECT pg_notify($1, '')", notify_channel(self.schema))
+        await write_pending(self.conn, self.schema, self.events.pending)
         await self._tx.commit()
         self.committed = True
 
