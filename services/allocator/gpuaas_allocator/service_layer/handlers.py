@@ -90,6 +90,28 @@ class Allocator:
         new_row["state"] = new_state
         return new_row
 
+    async def _fail(
+        self,
+        ctx: HandlerContext,
+        row: dict[str, Any],
+        code: str,
+        reason: str | None,
+        node_id: str | None,
+        *,
+        cleanup_required: bool = True,
+    ) -> None:
+        """The allocation failed; unless told the disk was never touched, it needs cleanup."""
+        await self._transition(
+            ctx,
+            row,
+            "failed",
+            reason_code=code,
+            update={"failure_code": code, "failure_reason": reason or code},
+            reason=reason or code,
+            node_id=node_id,
+            cleanup_required=cleanup_required,
+        )
+
     @staticmethod
     def _placement(row: dict[str, Any]) -> dict[str, Any]:
         return row["placement"] or {}
@@ -370,15 +392,12 @@ class Allocator:
                 detail={"readiness": res.readiness.model_dump(mode="json") if res.readiness else None},
             )
             return
-        code = res.reason_code or "provisioning_failed"
-        await self._transition(
+        await self._fail(
             ctx,
             row,
-            "failed",
-            reason_code=code,
-            update={"failure_code": code, "failure_reason": res.reason},
-            reason=res.reason or code,
-            node_id=res.node_id,
+            res.reason_code or "provisioning_failed",
+            res.reason,
+            res.node_id,
             cleanup_required=res.cleanup_required,
         )
 
@@ -394,17 +413,7 @@ class Allocator:
             )
             await self._transition(ctx, row, "released", node_id=res.node_id, cleanup=cleanup)
             return
-        code = res.reason_code or "release_failed"
-        await self._transition(
-            ctx,
-            row,
-            "failed",
-            reason_code=code,
-            update={"failure_code": code, "failure_reason": res.reason},
-            reason=res.reason or code,
-            node_id=res.node_id,
-            cleanup_required=True,
-        )
+        await self._fail(ctx, row, res.reason_code or "release_failed", res.reason, res.node_id)
 
     async def on_enrolled(self, ctx: HandlerContext) -> None:
         ev: m.NodeEnrolled = ctx.payload
@@ -455,32 +464,14 @@ class Allocator:
                 return
             code = res.reason_code or "deploy_failed"
             reason = res.status_message or f"MAAS reports {res.maas_status_name}"
-            await self._transition(
-                ctx,
-                row,
-                "failed",
-                reason_code=code,
-                update={"failure_code": code, "failure_reason": reason},
-                reason=reason,
-                node_id=row["node_id"],
-                cleanup_required=True,
-            )
+            await self._fail(ctx, row, code, reason, row["node_id"])
         elif ctx.envelope.type == "maas.release_result" and res.operation_id == row["release_operation_id"]:
             await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
             if res.status == "released":
                 cleanup = m.CleanupReport(required=True, verified=True, reason=f"MAAS {res.maas_status_name}")
                 await self._transition(ctx, row, "released", node_id=row["node_id"], cleanup=cleanup)
             else:
-                code = res.reason_code or "release_failed"
-                await self._transition(
-                    ctx,
-                    row,
-                    "failed",
-                    reason_code=code,
-                    reason=res.status_message or code,
-                    node_id=row["node_id"],
-                    cleanup_required=True,
-                )
+                await self._fail(ctx, row, res.reason_code or "release_failed", res.status_message, row["node_id"])
         else:
             log.info("maas_result_ignored", state=row["state"])
 
