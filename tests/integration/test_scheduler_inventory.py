@@ -8,9 +8,10 @@ import uuid
 import pytest
 
 from gpuaas_common.contract import messages as m
+from gpuaas_scheduler.adapters import admin_slots, synthetic
 from gpuaas_scheduler.adapters import inventory as inv
-from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.domain.placement import rank_classes, rank_nodes
+from gpuaas_scheduler.domain.slots import InvalidSlotTransition
 from gpuaas_scheduler.service_layer.handlers import fail_allocation, release_allocation
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place
 
@@ -37,9 +38,9 @@ def accepted(gpus=1, shape="gpu_slice", tenant="t1", sku="h200-sxm-slice"):
         region="default", image=m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img"))
 
 
-async def run_place(pool, ev, policy=PlacementPolicy()):
+async def run_place(pool, ev, policy=None):
     async with pool.acquire() as conn, conn.transaction():
-        return await place(conn, ev, policy)
+        return await place(conn, ev, policy or PlacementPolicy())
 
 
 async def post(api, path, body, key=None, method="POST"):
@@ -124,7 +125,8 @@ async def test_errors_are_structured_and_leave_nothing_half_written(api, pool):
     assert status == 409 and body["error"]["code"] == "slot_in_use"
     async with pool.acquire() as conn:
         assert await conn.fetchval("SELECT count(*) FROM node_resource_slots WHERE slot_id = 'new-c'") == 0
-        assert await conn.fetchval("SELECT status FROM node_resource_slots WHERE slot_id = $1", held.slot_id) == "reserved"
+        held_status = await conn.fetchval("SELECT status FROM node_resource_slots WHERE slot_id = $1", held.slot_id)
+        assert held_status == "reserved"
         assert await conn.fetchval("SELECT count(*) FROM admin_audit WHERE action = 'candidates.approve'") == 0
 
 
@@ -184,8 +186,8 @@ async def test_a_live_claim_on_an_available_row_is_respected(pool):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=1, slots_per_host=1)
         await conn.execute(
-            "INSERT INTO allocation_resource_claims (allocation_id, node_id, slot_id, claim_kind, status, fencing_epoch) "
-            "VALUES ($1, 'n00001', 'n00001-s0', 'slot', 'held', 1)", uuid.uuid4())
+            "INSERT INTO allocation_resource_claims (allocation_id, node_id, slot_id, claim_kind, status, "
+            "fencing_epoch) VALUES ($1, 'n00001', 'n00001-s0', 'slot', 'held', 1)", uuid.uuid4())
     assert (await run_place(pool, accepted())).placed is None
 
 
@@ -351,3 +353,54 @@ async def test_the_watermark_keeps_the_last_clean_slice_hosts_whole(pool):
     assert u.reason_code == "clean_node_reserve" and u.filtered["clean_node_reserve"] == 1
     assert (await run_place(pool, accepted(1), policy)).placed.node_id == "n00002"
     assert (await run_place(pool, accepted(8), PlacementPolicy())).placed.node_id == "n00003"
+
+
+def rediscovered(slot, candidate_id):
+    """A candidate for the GPU of an existing slot, with that slot's own bindings and a clean disk."""
+    return {"candidate_id": candidate_id, **{k: slot[k] for k in (
+        "gpu_pci_address", "numa_node", "pcie_switch", "nvme_by_id", "fabric_claim_mode", "fabric_vf_pci_address",
+        "mac", "private_ip", "ovs_bridge")}, "nvme_evidence": CLEAN}
+
+
+@pytest.mark.parametrize("status", ["disabled", "available", "retired", "reserved", "provisioning", "active",
+                                    "releasing", "cleanup", "cleanup_blocked"])
+async def test_approval_rewrites_an_idle_slot_and_refuses_any_other(api, pool, status):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1, slots_per_host=2)
+        await conn.execute("UPDATE node_resource_slots SET status = $1 WHERE slot_id = 'n00001-s0'", status)
+        before = dict(await conn.fetchrow("SELECT * FROM node_resource_slots WHERE slot_id = 'n00001-s0'"))
+    status_code, _ = await post(api, "/v1/nodes/n00001/candidates",
+                                {"actor": "ops", "candidates": [rediscovered(before, "n00001-gpu0")]}, method="PUT")
+    assert status_code == 200
+    status_code, body = await post(api, "/v1/nodes/n00001/candidates/approve", {"actor": "ops", "reason": "again"})
+    async with pool.acquire() as conn:
+        after = dict(await conn.fetchrow("SELECT * FROM node_resource_slots WHERE slot_id = 'n00001-s0'"))
+        logged = await conn.fetch("SELECT from_status, to_status FROM slot_transitions WHERE slot_id = 'n00001-s0'")
+    if status in ("disabled", "available", "retired"):
+        assert status_code == 200, body
+        assert body["results"] == [{"candidate_id": "n00001-gpu0", "slot_id": "n00001-s0", "status": "available",
+                                    "problems": []}]
+        assert after["status"] == "available" and after["candidate_id"] == "n00001-gpu0"
+        assert after["generation"] == before["generation"] + 1
+        assert [(r["from_status"], r["to_status"]) for r in logged] == [(status, "available")]
+    else:
+        assert status_code == 409 and body["error"]["code"] == "slot_in_use"
+        assert body["error"]["details"] == {"slot_id": "n00001-s0", "status": status}
+        assert after == before and logged == []
+
+
+async def test_the_approval_write_itself_refuses_a_slot_that_is_not_idle(pool):
+    """Even a caller that read the slot wrong cannot overwrite one under a claim: the statement checks
+    the rule on the row as it is, and writes nothing."""
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1, slots_per_host=1)
+        await conn.execute("UPDATE node_resource_slots SET status = 'reserved' WHERE slot_id = 'n00001-s0'")
+        before = dict(await conn.fetchrow("SELECT * FROM node_resource_slots WHERE slot_id = 'n00001-s0'"))
+        cand = {**rediscovered(before, "n00001-gpu0"), "ovs_port": None, "profile": before["profile"]}
+        async with conn.transaction():
+            with pytest.raises(InvalidSlotTransition, match="reserved"):
+                await admin_slots.save_approval(conn, "n00001-s0", "n00001", cand, previous="available",
+                                                status="available", reason=None, actor="ops", log_reason=None,
+                                                problems=[])
+            assert dict(await conn.fetchrow("SELECT * FROM node_resource_slots WHERE slot_id = 'n00001-s0'")) == before
+            assert await conn.fetchval("SELECT count(*) FROM slot_transitions") == 0

@@ -7,9 +7,13 @@ import itertools
 import pytest
 
 from gpuaas_scheduler.domain.slots import (
+    APPROVAL_REPLACES,
+    IN_USE,
     SLOT_STATUSES,
     SLOT_TRANSITIONS,
+    TOUCHED,
     InvalidSlotTransition,
+    check_approval,
     check_slot_transition,
     movable_from,
 )
@@ -69,3 +73,29 @@ def test_a_mover_naming_a_forbidden_move_is_refused(to, only_from, ok):
     else:
         with pytest.raises(InvalidSlotTransition):
             movable_from(to, only_from)
+
+
+# Approval is not a transition (see domain/slots.py): it rewrites an idle slot's binding, whatever its status.
+IDLE = {"available", "disabled", "retired"}
+
+
+@pytest.mark.parametrize("current", [None, *SLOT_STATUSES])
+@pytest.mark.parametrize("new", ["available", "disabled"])
+def test_approval_creates_a_slot_or_rewrites_only_an_idle_one(current, new):
+    if current is None or current in IDLE:
+        check_approval(current, new)
+    else:  # under a claim, or a disk that may still hold a tenant's data
+        with pytest.raises(InvalidSlotTransition):
+            check_approval(current, new)
+
+
+@pytest.mark.parametrize("new", sorted(set(SLOT_STATUSES) - {"available", "disabled"}))
+def test_approval_makes_a_slot_available_or_disabled_only(new):
+    with pytest.raises(InvalidSlotTransition):
+        check_approval(None, new)
+
+
+def test_only_approval_brings_a_retired_slot_back():
+    assert SLOT_TRANSITIONS["retired"] == set()
+    check_approval("retired", "available")
+    assert APPROVAL_REPLACES == IDLE and not APPROVAL_REPLACES & (IN_USE | TOUCHED | {"cleanup_blocked"})

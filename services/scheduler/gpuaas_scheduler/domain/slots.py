@@ -8,6 +8,12 @@ names, and a test evaluates both on the same slots, one violated rule at a time.
 
 **Transitions.** `SLOT_TRANSITIONS` is every status change a slot may make; the adapter that moves
 slots (the only code that changes a status after approval) refuses any other.
+
+**Approval is not a transition.** It (re)writes a slot's whole binding from a candidate (GPU, disk,
+fabric, evidence) and derives the status from the eligibility rules, whatever the status was; so it is
+not an edge of the table, and putting its edges there (retired -> available above all) would let the
+mover resurrect retired slots. Its own rule, `APPROVAL_REPLACES`, is checked by the same adapter
+statement that writes the slot.
 """
 
 from __future__ import annotations
@@ -138,3 +144,23 @@ def movable_from(to: str, only_from: tuple[str, ...] | list[str] | None) -> list
     if bad:
         raise InvalidSlotTransition(f"slot {', '.join(bad)} -> {to} is not allowed")
     return list(only_from)
+
+
+# --- approval ------------------------------------------------------------------------------------------
+
+# Statuses under a live claim (a tenant's VM may be placed, running or being cleaned up).
+IN_USE = frozenset({"reserved", "provisioning", "active", "releasing", "cleanup"})
+# The statuses of an existing slot that approval may rewrite: no claim and no tenant data left on its
+# disk (cleanup_blocked may still hold some; only a repair with a verified wipe frees it). A retired
+# slot is among them: re-approval after rediscovery is the one way back from retired.
+APPROVAL_REPLACES = frozenset(SLOT_STATUSES) - IN_USE - {"cleanup_blocked"}
+# What approval makes of a candidate (see approval.approved_status).
+APPROVAL_RESULTS = frozenset({"available", "disabled"})
+
+
+def check_approval(current: str | None, new: str) -> None:
+    """current is None for a slot approval creates."""
+    if new not in APPROVAL_RESULTS:
+        raise InvalidSlotTransition(f"approval cannot make a slot {new}")
+    if current is not None and current not in APPROVAL_REPLACES:
+        raise InvalidSlotTransition(f"approval cannot replace a {current} slot")

@@ -1,0 +1,42 @@
+"""What the admin operations share: the node lock, the JSON view of a row, all-or-nothing id lists."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import asyncpg
+
+from ...adapters import admin_nodes as nodes_repo
+from .models import AdminError
+
+
+def jsonable(row: Mapping[str, Any]) -> dict:
+    out = {}
+    for k, v in dict(row).items():
+        if hasattr(v, "isoformat"):
+            v = v.isoformat()
+        elif k in ("nvme_evidence", "parity_detail", "detail") and isinstance(v, str):
+            v = json.loads(v)
+        elif k == "allocation_id" and v is not None:
+            v = str(v)
+        out[k] = v
+    return out
+
+
+async def lock_node(conn: asyncpg.Connection, node_id: str) -> asyncpg.Record:
+    row = await nodes_repo.lock_node(conn, node_id)
+    if row is None:
+        raise AdminError(404, "node_not_found", f"no node {node_id!r}")
+    return row
+
+
+def require_all(asked: list[str] | None, found: Iterable[Mapping[str, Any]], key: str, code: str,
+                message: str) -> None:
+    """A request naming ids refuses as a whole when any of them is not there (404 lists them all)."""
+    if asked is None:
+        return
+    missing = sorted(set(asked) - {r[key] for r in found})
+    if missing:
+        raise AdminError(404, code, message, {f"{key}s": missing})

@@ -1,0 +1,101 @@
+"""Request bodies of the inventory admin API and its refusal type (see gpuaas_common.api_error)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gpuaas_common.api_error import ApiError
+
+Name = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")
+Reason = Field(min_length=1, max_length=500)
+
+
+class AdminError(ApiError):
+    """An inventory operation's refusal (see gpuaas_common.api_error)."""
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Acted(Body):
+    actor: str = Name
+    reason: str = Reason
+
+
+class NodeIn(Body):
+    actor: str = Name
+    node_id: str = Name
+    kind: Literal["slice_host", "baremetal"]
+    hostname: str = Field(min_length=1, max_length=253)
+    region: str = Field(default="default", min_length=1, max_length=64)
+    pool: str = Field(default="default", min_length=1, max_length=64)
+    sku: str = Field(min_length=1, max_length=64)
+    maas_system_id: str | None = None
+    maas_tags: list[str] = Field(default_factory=list, max_length=64)
+    mode: Literal["slice", "baremetal"] | None = None
+    gpu_count: int = Field(default=8, ge=1, le=64)
+
+
+class ModeIn(Acted):
+    mode: Literal["slice", "baremetal", "converting", "drained", "retired"]
+
+
+class RetireIn(Acted):
+    slot_ids: list[str] | None = Field(default=None, max_length=64)
+
+
+class ReadinessIn(Body):
+    actor: str = Name
+    # Bounded like every integer here: the columns are int4 and a larger number is a client error, not a 500.
+    parity_failures: int = Field(ge=0, le=1_000_000)
+    detail: dict[str, Any] | None = None
+
+
+class DrainIn(Acted):
+    maintenance: bool = False
+
+
+class NvmeEvidence(Body):
+    mounted: bool
+    mounted_children: list[str] = Field(default_factory=list)
+    signatures: list[str] | None
+    is_os_disk: bool
+
+
+class CandidateIn(Body):
+    candidate_id: str = Name
+    gpu_pci_address: str | None = Field(default=None, pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+    numa_node: int | None = Field(default=None, ge=0, le=1024)
+    pcie_switch: str | None = Field(default=None, max_length=128)
+    nvme_by_id: str | None = Field(default=None, max_length=1024)
+    nvme_evidence: NvmeEvidence | None = None
+    fabric_claim_mode: Literal["per_slot_vf", "shared"] | None = None
+    fabric_vf_pci_address: str | None = Field(default=None, max_length=32)
+    mac: str | None = Field(default=None, pattern=r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
+    private_ip: str | None = Field(default=None, max_length=45)
+    ovs_bridge: str | None = Field(default=None, max_length=64)
+    ovs_port: str | None = Field(default=None, max_length=64)
+    profile: str = Field(default="h200_1g_24c_64g", pattern=r"^[a-z0-9_]+$", max_length=64)
+
+
+class CandidatesIn(Body):
+    actor: str = Name
+    source: Literal["admin", "discovery"] = "admin"
+    candidates: list[CandidateIn] = Field(min_length=1, max_length=64)
+
+
+class ApproveIn(Body):
+    actor: str = Name
+    reason: str | None = Field(default=None, max_length=500)
+    candidate_ids: list[str] | None = Field(default=None, max_length=64)
+
+
+class RepairIn(Acted):
+    nvme_evidence: NvmeEvidence | None = None
+
+
+class QuotaIn(Acted):
+    max_gpus: int = Field(ge=0, le=1_000_000)

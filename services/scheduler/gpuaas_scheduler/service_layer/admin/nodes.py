@@ -1,0 +1,67 @@
+"""Nodes: registration (its first mode only), readiness, drain and undrain."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from ...adapters import admin_nodes as repo
+from ...adapters import host_modes as mode_repo
+from ...adapters import inventory as inv
+from .common import jsonable, lock_node
+from .models import Acted, AdminError, DrainIn, NodeIn, ReadinessIn
+
+
+async def list_nodes(conn: asyncpg.Connection, region: str | None = None, sku: str | None = None) -> dict:
+    return {"nodes": [jsonable(r) for r in await repo.list_nodes(conn, region, sku)]}
+
+
+async def get_node(conn: asyncpg.Connection, node_id: str) -> dict:
+    row = await repo.node_view(conn, node_id)
+    if row is None:
+        raise AdminError(404, "node_not_found", f"no node {node_id!r}")
+    claims = await repo.live_claims(conn, node_id)
+    history = await mode_repo.history(conn, node_id)
+    return {"node": jsonable(row), "live_claims": [jsonable(c) for c in claims],
+            "mode_history": [jsonable(h) for h in history]}
+
+
+async def upsert_node(conn: asyncpg.Connection, body: NodeIn) -> dict:
+    intent = "slice-vm" if inv.TAG_SLICE in body.maas_tags else "baremetal"
+    current = await repo.lock_node_mode(conn, body.node_id)
+    if current is not None and body.mode is not None and body.mode != current:
+        # Registration sets the first mode only; later changes have guards and a history.
+        raise AdminError(409, "mode_transition_refused",
+                         f"node {body.node_id} is {current}: change its mode with POST /v1/nodes/{{node_id}}/mode",
+                         {"from": current, "to": body.mode})
+    mode = body.mode or ("slice" if body.kind == "slice_host" else "baremetal")
+    await repo.upsert_node(
+        conn, node_id=body.node_id, kind=body.kind, hostname=body.hostname, region=body.region, pool=body.pool,
+        sku=body.sku, maas_system_id=body.maas_system_id, profile_intent=intent, maas_tags=body.maas_tags, mode=mode,
+        gpu_count=body.gpu_count,
+    )
+    if current is None:
+        await mode_repo.record_created(conn, [body.node_id], body.actor, "registered through the admin API")
+    await repo.audit(conn, body.actor, "node.upsert", body.node_id, None, body.model_dump(exclude={"actor"}))
+    await inv.refresh_nodes(conn, [body.node_id])
+    return await get_node(conn, body.node_id)
+
+
+async def set_readiness(conn: asyncpg.Connection, node_id: str, body: ReadinessIn) -> dict:
+    await lock_node(conn, node_id)
+    await repo.set_readiness(conn, node_id, body.parity_failures, body.detail)
+    await repo.audit(conn, body.actor, "node.readiness", node_id, None, {"parity_failures": body.parity_failures})
+    return await get_node(conn, node_id)
+
+
+async def drain(conn: asyncpg.Connection, node_id: str, body: DrainIn) -> dict:
+    await lock_node(conn, node_id)
+    await repo.drain(conn, node_id, reason=body.reason, actor=body.actor, maintenance=body.maintenance)
+    await repo.audit(conn, body.actor, "node.drain", node_id, body.reason, {"maintenance": body.maintenance})
+    return await get_node(conn, node_id)
+
+
+async def undrain(conn: asyncpg.Connection, node_id: str, body: Acted) -> dict:
+    await lock_node(conn, node_id)
+    await repo.undrain(conn, node_id)
+    await repo.audit(conn, body.actor, "node.undrain", node_id, body.reason)
+    return await get_node(conn, node_id)
