@@ -9,7 +9,8 @@ import asyncpg
 
 from gpuaas_common.contract import messages as m
 from gpuaas_common.migrations import apply_migrations
-from gpuaas_common.outbox import OutboxWriter
+from gpuaas_common.unit_of_work import UnitOfWork
+from gpuaas_image_pipeline.adapters.repository import image_pipeline_repositories
 from gpuaas_image_pipeline.domain.catalog import SeedImage
 from gpuaas_image_pipeline.service_layer import catalog
 from gpuaas_image_pipeline.service_layer.seeding import apply_seed
@@ -19,10 +20,15 @@ SEED_DIGEST = "0" * 64
 BUILT_DIGEST = "b" * 64
 
 
-async def _connect(dsn: str) -> asyncpg.Connection:
+async def _connect(dsn: str) -> tuple[asyncpg.Connection, asyncpg.Pool]:
     conn = await asyncpg.connect(dsn, server_settings={"search_path": SCHEMA})
     await apply_migrations(conn, SCHEMA, "gpuaas_image_pipeline.migrations")
-    return conn
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2, server_settings={"search_path": SCHEMA})
+    return conn, pool
+
+
+def _uow(pool: asyncpg.Pool) -> UnitOfWork:
+    return UnitOfWork(pool, SCHEMA, "image-pipeline", image_pipeline_repositories)
 
 
 def _seed(**kw) -> SeedImage:
@@ -31,24 +37,27 @@ def _seed(**kw) -> SeedImage:
 
 
 async def test_seed_reapplication_keeps_materialised_digest_and_status(fresh_db: str) -> None:
-    conn = await _connect(fresh_db)
+    conn, pool = await _connect(fresh_db)
     try:
-        async with conn.transaction():
-            await apply_seed(conn, OutboxWriter(conn, SCHEMA, "image-pipeline"), [_seed()])
+        async with _uow(pool) as uow:
+            await apply_seed(uow, [_seed()])
+            await uow.commit()
         # A build materialised a real digest and the operator disabled it meanwhile.
         await conn.execute("UPDATE os_images SET digest_sha256 = $1, status = 'disabled', source_uri = 'oci://r/x:1' "
                            "WHERE slug = 'ubuntu-24.04-h200-cuda'", BUILT_DIGEST)
-        async with conn.transaction():
-            active = await apply_seed(conn, OutboxWriter(conn, SCHEMA, "image-pipeline"), [_seed(source_uri="file://x")])
+        async with _uow(pool) as uow:
+            active = await apply_seed(uow, [_seed(source_uri="file://x")])
+            await uow.commit()
         row = await conn.fetchrow("SELECT * FROM os_images WHERE slug = 'ubuntu-24.04-h200-cuda'")
         assert (row["digest_sha256"], row["status"], row["source_uri"]) == (BUILT_DIGEST, "disabled", "oci://r/x:1")
         assert active == []
     finally:
+        await pool.close()
         await conn.close()
 
 
 async def test_gate_needs_every_known_host_verified_with_the_catalog_digest(fresh_db: str) -> None:
-    conn = await _connect(fresh_db)
+    conn, pool = await _connect(fresh_db)
     slug = "img"
     meta = {"image_path": f"/var/lib/gpuaas/images/{slug}.raw", "artifact_ref": "oci://r/ns/img:t@sha256:" + "1" * 64,
             "blob_digest": "sha256:" + "2" * 64, "blob_size": 10, "blob_media_type": "x", "virtual_size": 100,
@@ -57,19 +66,19 @@ async def test_gate_needs_every_known_host_verified_with_the_catalog_digest(fres
         await conn.execute("INSERT INTO os_images (slug, kind, status, compatible_sku, digest_sha256, metadata) "
                            "VALUES ($1, 'slice', 'published', 'h200-sxm-slice', $2, $3)", slug, BUILT_DIGEST,
                            json.dumps(meta))
-        async with conn.transaction():
-            w = OutboxWriter(conn, SCHEMA, "image-pipeline")
+        async with _uow(pool) as uow:
             for node in ("n1", "n2"):
-                sent = await catalog.on_enrolled(conn, w, m.NodeEnrolled(node_id=node, kind="slice_host", hostname=node,
-                                                                         agent_version="t"), f"ev-{node}")
+                sent = await catalog.on_enrolled(uow, m.NodeEnrolled(node_id=node, kind="slice_host", hostname=node,
+                                                                     agent_version="t"), f"ev-{node}")
                 assert sent == 1
+            await uow.commit()
 
         async def report(node: str, status: str, digest: str) -> str:
-            async with conn.transaction():
-                await catalog.on_cache_reported(conn, OutboxWriter(conn, SCHEMA, "image-pipeline"),
-                                                m.NodeImageCacheReported(task_id="t", node_id=node, slug=slug,
-                                                                         status=status, expected_digest=BUILT_DIGEST,
-                                                                         digest_sha256=digest, local_path="/x"))
+            async with _uow(pool) as uow:
+                await catalog.on_cache_reported(uow, m.NodeImageCacheReported(
+                    task_id="t", node_id=node, slug=slug, status=status, expected_digest=BUILT_DIGEST,
+                    digest_sha256=digest, local_path="/x"))
+                await uow.commit()
             return await conn.fetchval("SELECT status FROM os_images WHERE slug = $1", slug)
 
         assert await report("n1", "verified", BUILT_DIGEST) == "published"
@@ -80,4 +89,5 @@ async def test_gate_needs_every_known_host_verified_with_the_catalog_digest(fres
         events = [json.loads(bytes(r["body"]))["type"] for r in await conn.fetch("SELECT body FROM outbox ORDER BY id")]
         assert events.count("image.cache_prewarm") == 2 and events.count("image.activated") == 1
     finally:
+        await pool.close()
         await conn.close()

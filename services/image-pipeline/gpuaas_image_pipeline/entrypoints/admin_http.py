@@ -22,6 +22,7 @@ from gpuaas_common.admin_http import Call, Reply, Route, openapi, render_yaml
 from gpuaas_common.logging import get_logger
 
 from ..adapters.host_image import HostImage, build_rootfs_tgz
+from ..adapters.repository import ImagePipelineRepositories, image_pipeline_repositories
 from ..domain.catalog import (
     BuildRequest,
     HostUploadRequest,
@@ -57,7 +58,8 @@ class AdminApi:
 
     def api(self) -> admin_http.AdminApi:
         return admin_http.AdminApi(service="image-pipeline", schema=SCHEMA, pool=self.pool,
-                                   tokens={"admin": self.settings.admin_token}, routes=self.routes())
+                                   tokens={"admin": self.settings.admin_token}, routes=self.routes(),
+                                   repositories=image_pipeline_repositories)
 
     def app(self):
         return self.api().app()
@@ -106,58 +108,59 @@ class AdminApi:
 
     # --- handlers -------------------------------------------------------------------------------
 
-    async def list_images(self, call: Call) -> dict:
-        rows = await call.conn.fetch("SELECT * FROM os_images ORDER BY slug")
-        return {"images": [image_dict(r) for r in rows]}
+    @staticmethod
+    def _repos(call: Call) -> ImagePipelineRepositories:
+        """A mutation's unit of work holds them already; a read builds them on its plain connection."""
+        return call.uow.repos if call.uow is not None else image_pipeline_repositories(call.conn)
 
-    async def _full(self, conn: asyncpg.Connection, slug: str) -> dict:
-        row = await conn.fetchrow("SELECT * FROM os_images WHERE slug = $1", slug)
+    async def list_images(self, call: Call) -> dict:
+        return {"images": [image_dict(r) for r in await self._repos(call).images.all_by_slug()]}
+
+    async def get_image(self, call: Call) -> dict:
+        repos, slug = self._repos(call), call.params["slug"]
+        row = await repos.images.get(slug)
         if row is None:
             raise CatalogError(404, "not_found", f"no image {slug}")
         out = image_dict(row)
-        out["nodes"] = await catalog.node_caches(conn, slug)
-        last = await conn.fetchrow("SELECT * FROM builds WHERE slug = $1 ORDER BY created_at DESC LIMIT 1", slug)
-        out["last_build"] = build_dict(last) if last else None
+        out["nodes"] = await catalog.node_caches(repos, slug)
+        last = await repos.builds.of_image(slug, 1)
+        out["last_build"] = build_dict(last[0]) if last else None
         return out
 
-    async def get_image(self, call: Call) -> dict:
-        return await self._full(call.conn, call.params["slug"])
-
     async def create_image(self, call: Call) -> dict:
-        row = await catalog.create_image(call.conn, call.body, self.settings.image_cache_dir)
+        row = await catalog.create_image(call.uow, call.body, self.settings.image_cache_dir)  # type: ignore[arg-type]
         log.info("image_created", slug=row["slug"])
         return image_dict(row)
 
     async def update_image(self, call: Call) -> dict:
         slug = call.params["slug"]
-        row = await catalog.update_image(call.conn, call.uow.events, slug, call.body)  # type: ignore[union-attr,arg-type]
+        row = await catalog.update_image(call.uow, slug, call.body)  # type: ignore[arg-type]
         log.info("image_updated", slug=slug)
         return image_dict(row)
 
     async def delete_image(self, call: Call) -> dict:
         slug = call.params["slug"]
-        await catalog.delete_image(call.conn, call.uow.events, slug)  # type: ignore[union-attr,arg-type]
+        await catalog.delete_image(call.uow, slug)  # type: ignore[arg-type]
         log.info("image_deleted", slug=slug)
         return {"deleted": slug}
 
     async def enable_image(self, call: Call) -> Reply:
         slug = call.params["slug"]
-        row = await catalog.enable_image(call.conn, call.uow.events, slug)  # type: ignore[union-attr,arg-type]
+        row = await catalog.enable_image(call.uow, slug)  # type: ignore[arg-type]
         log.info("image_enabled", slug=slug, status=row["status"])
         return Reply(image_dict(row), 200 if row["status"] == "active" else 202)
 
     async def disable_image(self, call: Call) -> dict:
         slug = call.params["slug"]
-        row = await catalog.disable_image(call.conn, call.uow.events, slug)  # type: ignore[union-attr,arg-type]
+        row = await catalog.disable_image(call.uow, slug)  # type: ignore[arg-type]
         log.info("image_disabled", slug=slug)
         return image_dict(row)
 
     async def prewarm_image(self, call: Call) -> dict:
         slug = call.params["slug"]
-        if await catalog.lock_image(call.conn, slug) is None:
+        if await self._repos(call).images.lock(slug) is None:
             raise CatalogError(404, "not_found", f"no image {slug}")
-        sent = await catalog.prewarm_everywhere(call.conn, call.uow.events, slug,  # type: ignore[union-attr,arg-type]
-                                                cause=f"admin:{uuid.uuid4()}")
+        sent = await catalog.prewarm_everywhere(call.uow, slug, cause=f"admin:{uuid.uuid4()}")  # type: ignore[arg-type]
         return {"slug": slug, "prewarm_tasks": sent}
 
     async def start_build(self, call: Call) -> Reply:
@@ -168,12 +171,11 @@ class AdminApi:
         return Reply(build, 200 if req.dry_run else 202)
 
     async def list_builds(self, call: Call) -> dict:
-        rows = await call.conn.fetch("SELECT * FROM builds WHERE slug = $1 ORDER BY created_at DESC LIMIT 50",
-                                     call.params["slug"])
+        rows = await self._repos(call).builds.of_image(call.params["slug"], 50)
         return {"builds": [build_dict(r) for r in rows]}
 
     async def get_build(self, call: Call) -> dict:
-        row = await call.conn.fetchrow("SELECT * FROM builds WHERE build_id = $1", call.params["build_id"])
+        row = await self._repos(call).builds.get(call.params["build_id"])
         if row is None:
             raise CatalogError(404, "not_found", "no such build")
         return build_dict(row)
@@ -203,14 +205,13 @@ class AdminApi:
         req: HostUploadRequest = call.body
         site = req.site or self.settings.maas_site
         # Refuse early what the catalog would refuse anyway, before writing a tgz nobody uploads.
-        kind = await call.conn.fetchval("SELECT kind FROM os_images WHERE slug = $1", slug)
+        kind = await self._repos(call).images.kind(slug)
         if kind not in (None, "host"):
             raise CatalogError(409, "not_a_host_image", f"{slug} is a {kind} image")
         # Built inside the open unit of work: the stored answer of a retried request must name this file.
         built = await asyncio.to_thread(self._build_host_tgz, slug, req)
         row, op_id, sent = await host_images.request_upload(
-            call.conn, call.uow.events, slug, req, built, site,  # type: ignore[union-attr,arg-type]
-            self.settings.image_cache_dir)
+            call.uow, slug, req, built, site, self.settings.image_cache_dir)  # type: ignore[arg-type]
         log.info("host_image_built", slug=slug, sha256=built.sha256, size=built.size, operation_id=op_id,
                  upload_sent=sent)
         return Reply({"image": image_dict(row), "operation_id": op_id, "upload_sent": sent,
@@ -219,18 +220,16 @@ class AdminApi:
     async def maas_profile(self, call: Call) -> dict:
         slug = call.params["slug"]
         op_id = await host_images.request_profile_image(
-            call.conn, call.uow.events, slug, call.body, self.settings.maas_site)  # type: ignore[union-attr,arg-type]
-        row = await call.conn.fetchrow("SELECT * FROM maas_requests WHERE operation_id = $1", op_id)
-        return host_images.request_dict(row)
+            call.uow, slug, call.body, self.settings.maas_site)  # type: ignore[arg-type]
+        row = await self._repos(call).maas_requests.get(op_id)
+        return host_images.request_dict(row)  # type: ignore[arg-type]
 
     async def list_maas_requests(self, call: Call) -> dict:
-        rows = await call.conn.fetch("SELECT * FROM maas_requests WHERE slug = $1 ORDER BY created_at DESC LIMIT 50",
-                                     call.params["slug"])
+        rows = await self._repos(call).maas_requests.of_image(call.params["slug"], 50)
         return {"requests": [host_images.request_dict(r) for r in rows]}
 
     async def get_maas_request(self, call: Call) -> dict:
-        row = await call.conn.fetchrow("SELECT * FROM maas_requests WHERE operation_id = $1",
-                                       call.params["operation_id"])
+        row = await self._repos(call).maas_requests.get(call.params["operation_id"])
         if row is None:
             raise CatalogError(404, "not_found", "no such MAAS request")
         return host_images.request_dict(row)

@@ -3,14 +3,16 @@ activation gate, and the admin HTTP API."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 from gpuaas_common.bus import HandlerContext
 from gpuaas_common.logging import get_logger
-from gpuaas_common.outbox import OutboxWriter
 from gpuaas_common.runtime import ServiceRuntime, run_service
+from gpuaas_common.unit_of_work import UnitOfWork
 
+from ..adapters.repository import image_pipeline_repositories
 from ..domain.catalog import SeedImage
 from ..service_layer import catalog, host_images
 from ..service_layer.builds import BuildRunner
@@ -26,10 +28,13 @@ def build_register(settings: ImagePipelineSettings):
         assert rt.pool is not None and rt.bus is not None
         seeds = []
         if settings.image_seed_file:
-            seeds = [SeedImage.model_validate(s) for s in json.loads(Path(settings.image_seed_file).read_text())]
-        async with rt.pool.acquire() as conn, conn.transaction():
-            writer = OutboxWriter(conn, "image_pipeline", "image-pipeline", correlation_id="image-seed")
-            activated = await apply_seed(conn, writer, seeds)
+            text = await asyncio.to_thread(Path(settings.image_seed_file).read_text)
+            seeds = [SeedImage.model_validate(s) for s in json.loads(text)]
+        rt.bus.repositories = image_pipeline_repositories
+        async with UnitOfWork(rt.pool, "image_pipeline", "image-pipeline", image_pipeline_repositories,
+                              correlation_id="image-seed") as uow:
+            activated = await apply_seed(uow, seeds)
+            await uow.commit()
         log.info("catalog_seeded", active=activated)
 
         runner = BuildRunner(rt.pool, rt.bus, settings)
@@ -38,23 +43,24 @@ def build_register(settings: ImagePipelineSettings):
             log.warning("builds_interrupted", count=interrupted)
 
         async def on_enrolled(ctx: HandlerContext) -> None:
-            sent = await catalog.on_enrolled(ctx.conn, ctx.outbox, ctx.payload, ctx.envelope.event_id)
+            sent = await catalog.on_enrolled(ctx.uow, ctx.payload, ctx.envelope.event_id)
             log.info("slice_host_known", node_id=ctx.payload.node_id, kind=ctx.payload.kind, prewarm_tasks=sent)
 
         async def on_cache_reported(ctx: HandlerContext) -> None:
-            await catalog.on_cache_reported(ctx.conn, ctx.outbox, ctx.payload)
+            await catalog.on_cache_reported(ctx.uow, ctx.payload)
 
         rt.bus.subscribe(rt.consumer_spec("image-pipeline-enrolments"), {"node.enrolled": on_enrolled})
         rt.bus.subscribe(rt.consumer_spec("image-pipeline-cache-reports"),
                          {"node.image_cache_reported": on_cache_reported})
 
         async def on_upload_result(ctx: HandlerContext) -> None:
-            await host_images.on_upload_result(ctx.conn, ctx.payload)
+            await host_images.on_upload_result(ctx.uow, ctx.payload)
 
         async def on_profile_result(ctx: HandlerContext) -> None:
-            await host_images.on_profile_image_result(ctx.conn, ctx.payload)
+            await host_images.on_profile_image_result(ctx.uow, ctx.payload)
 
-        rt.bus.subscribe(rt.consumer_spec("image-pipeline-maas-uploads"), {"maas.image_upload_result": on_upload_result})
+        rt.bus.subscribe(rt.consumer_spec("image-pipeline-maas-uploads"),
+                         {"maas.image_upload_result": on_upload_result})
         rt.bus.subscribe(rt.consumer_spec("image-pipeline-maas-profiles"),
                          {"maas.profile_image_set_result": on_profile_result})
 

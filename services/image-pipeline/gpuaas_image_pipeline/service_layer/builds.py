@@ -9,7 +9,6 @@ announced as `image.build_progress`. A build interrupted by a restart is marked 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -22,13 +21,14 @@ import asyncpg
 from gpuaas_common.bus import Bus
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import bound_context, get_logger
-from gpuaas_common.unit_of_work import EventCollector, UnitOfWork, no_repositories
+from gpuaas_common.unit_of_work import UnitOfWork
 
 from ..adapters import qemu, registry, sparse
+from ..adapters.repository import image_pipeline_repositories
 from ..domain.catalog import ArtifactRef, BuildRequest, ImageCreate, default_tag
 from ..settings import ImagePipelineSettings
 from . import catalog
-from .catalog import CatalogError
+from .catalog import CatalogError, Row, Uow
 
 log = get_logger(__name__)
 SCHEMA, SERVICE = "image_pipeline", "image-pipeline"
@@ -36,11 +36,8 @@ RUNNING = ("queued", "customising", "converting", "packing", "pushing")
 PROGRESS_INTERVAL_S = 0.25
 
 
-def build_dict(row: asyncpg.Record) -> dict[str, Any]:
+def build_dict(row: Row) -> dict[str, Any]:
     d = dict(row)
-    for k in ("options", "plan"):
-        if isinstance(d.get(k), str):
-            d[k] = json.loads(d[k])
     for k in ("created_at", "updated_at"):
         d[k] = d[k].isoformat()
     return d
@@ -53,20 +50,18 @@ class BuildRunner:
         self.settings = settings
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
-    def _uow(self, correlation_id: str | None = None) -> UnitOfWork[None]:
-        return UnitOfWork(self.pool, SCHEMA, SERVICE, no_repositories, correlation_id=correlation_id)
+    def _uow(self, correlation_id: str | None = None) -> Uow:
+        return UnitOfWork(self.pool, SCHEMA, SERVICE, image_pipeline_repositories, correlation_id=correlation_id)
 
     async def recover(self) -> int:
         async with self._uow() as uow:
-            res = await uow.conn.execute(
-                "UPDATE builds SET status = 'failed', error = 'interrupted: the pipeline restarted mid-build', "
-                "updated_at = now() WHERE status = ANY($1::text[])", list(RUNNING))
+            count = await uow.repos.builds.fail_all_in(list(RUNNING), "interrupted: the pipeline restarted mid-build")
             await uow.commit()
-        return int(res.split()[-1])
+        return count
 
     # --- planning ---------------------------------------------------------------------------------
 
-    def plan(self, slug: str, build_id: str, req: BuildRequest, reuse: asyncpg.Record | None) -> dict[str, Any]:
+    def plan(self, slug: str, build_id: str, req: BuildRequest, reuse: Row | None) -> dict[str, Any]:
         s = self.settings
         tag = req.tag or s.registry_tag or default_tag(datetime.now(timezone.utc))
         namespace = (req.namespace or s.registry_namespace).strip("/")
@@ -108,7 +103,7 @@ class BuildRunner:
             launch()
         return build
 
-    async def begin(self, uow: UnitOfWork, slug: str, req: BuildRequest
+    async def begin(self, uow: Uow, slug: str, req: BuildRequest
                     ) -> tuple[dict[str, Any], Callable[[], None] | None]:
         """The build row, written in the caller's unit of work, and what starts the build: the caller
         calls it once that unit of work committed (a rolled-back request must not leave a build running)."""
@@ -116,35 +111,30 @@ class BuildRunner:
             req.check()
         except ValueError as exc:
             raise CatalogError(422, "invalid_build", str(exc)) from None
-        if req.source and not req.dry_run and not Path(req.source).is_file():
+        if req.source and not req.dry_run and not await asyncio.to_thread(Path(req.source).is_file):
             raise CatalogError(422, "source_missing", f"source image {req.source} does not exist")
         if not self.settings.registry_host and not req.dry_run:
             raise CatalogError(409, "no_registry", "GPUAAS_REGISTRY_HOST is not configured")
         build_id = str(uuid.uuid4())
-        conn = uow.conn
-        row = await catalog.lock_image(conn, slug)
+        row = await uow.repos.images.lock(slug)
         if row is None:
             row = await catalog.create_image(
-                conn, ImageCreate(slug=slug, compatible_sku=req.compatible_sku, driver_strategy=req.driver_strategy),
+                uow, ImageCreate(slug=slug, compatible_sku=req.compatible_sku, driver_strategy=req.driver_strategy),
                 self.settings.image_cache_dir)
         if row["kind"] != "slice":
             raise CatalogError(409, "not_a_slice_image", f"{slug} is a {row['kind']} image")
         reuse = None
         if req.reuse_build_id:
-            reuse = await conn.fetchrow("SELECT * FROM builds WHERE build_id = $1", req.reuse_build_id)
+            reuse = await uow.repos.builds.get(req.reuse_build_id)
             if reuse is None or not reuse["artifact_path"] or not reuse["raw_sha256"]:
                 raise CatalogError(409, "nothing_to_reuse", f"build {req.reuse_build_id} left no artifact")
-            if not Path(reuse["artifact_path"]).is_file():
+            if not await asyncio.to_thread(Path(reuse["artifact_path"]).is_file):
                 raise CatalogError(409, "nothing_to_reuse", f"{reuse['artifact_path']} is gone")
         plan = self.plan(slug, build_id, req, reuse)
-        if not req.dry_run and await conn.fetchval(
-                "SELECT 1 FROM builds WHERE slug = $1 AND status = ANY($2::text[])", slug, list(RUNNING)):
+        if not req.dry_run and await uow.repos.builds.any_in(slug, list(RUNNING)):
             raise CatalogError(409, "build_running", f"a build of {slug} is already running")
-        row = await conn.fetchrow(
-            "INSERT INTO builds (build_id, slug, status, source, options, reused_from, plan) "
-            "VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING *",
-            build_id, slug, "planned" if req.dry_run else "queued", req.source,
-            req.model_dump_json(), req.reuse_build_id, json.dumps(plan))
+        row = await uow.repos.builds.insert(build_id, slug, "planned" if req.dry_run else "queued", req.source,
+                                            req.model_dump(mode="json"), req.reuse_build_id, plan)
         if req.dry_run:
             return build_dict(row), None
 
@@ -158,10 +148,8 @@ class BuildRunner:
     # --- run --------------------------------------------------------------------------------------
 
     async def _status(self, build_id: str, status: str, **fields: Any) -> None:
-        sets = ", ".join(f"{k} = ${i}" for i, k in enumerate(fields, start=3))
         async with self._uow(correlation_id=build_id) as uow:
-            await uow.conn.execute(f"UPDATE builds SET status = $2, updated_at = now(){', ' + sets if sets else ''} "
-                                   "WHERE build_id = $1", build_id, status, *fields.values())
+            await uow.repos.builds.update(build_id, status=status, **fields)
             await uow.commit()
 
     def _progress(self, build_id: str, slug: str, phase: str):
@@ -188,7 +176,7 @@ class BuildRunner:
         return report
 
     async def _run(self, build_id: str, slug: str, req: BuildRequest, plan: dict[str, Any],
-                   reuse: asyncpg.Record | None) -> None:
+                   reuse: Row | None) -> None:
         with bound_context(build_id=build_id, slug=slug):
             started = time.monotonic()
             try:
@@ -201,10 +189,10 @@ class BuildRunner:
             log.info("image_build_published", seconds=round(time.monotonic() - started, 3))
 
     async def _build_and_publish(self, build_id: str, slug: str, req: BuildRequest, plan: dict[str, Any],
-                                 reuse: asyncpg.Record | None) -> None:
+                                 reuse: Row | None) -> None:
         s = self.settings
         workdir = Path(plan["workdir"])
-        workdir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
         if reuse is None:
             assert req.source
             work = workdir / "work.qcow2"
@@ -250,18 +238,17 @@ class BuildRunner:
         )
         artifact_ref = ArtifactRef(ref.host, ref.repository, ref.tag, pushed.manifest_digest).uri
         async with self._uow(correlation_id=build_id) as uow:
-            await uow.conn.execute(
-                "UPDATE builds SET status = 'published', artifact_ref = $2, manifest_digest = $3, updated_at = now() "
-                "WHERE build_id = $1", build_id, artifact_ref, pushed.manifest_digest)
+            await uow.repos.builds.update(build_id, status="published", artifact_ref=artifact_ref,
+                                          manifest_digest=pushed.manifest_digest)
             if req.update_catalog:
-                await self._catalog(uow.conn, uow.events, slug, build_id, raw_sha256, artifact_ref, blob_sha256,
-                                    blob_size, virtual_size)
+                await self._catalog(uow, slug, build_id, raw_sha256, artifact_ref, blob_sha256, blob_size,
+                                    virtual_size)
             await uow.commit()
         self._progress(build_id, slug, "published")(1, 1, True)
 
-    async def _catalog(self, conn: asyncpg.Connection, writer: EventCollector, slug: str, build_id: str,
-                       raw_sha256: str, artifact_ref: str, blob_sha256: str, blob_size: int, virtual_size: int) -> None:
-        row = await catalog.lock_image(conn, slug)
+    async def _catalog(self, uow: Uow, slug: str, build_id: str, raw_sha256: str, artifact_ref: str,
+                       blob_sha256: str, blob_size: int, virtual_size: int) -> None:
+        row = await uow.repos.images.lock(slug)
         if row is None:
             raise CatalogError(404, "not_found", f"{slug} was deleted during its build")
         meta = catalog._meta(row)
@@ -273,16 +260,15 @@ class BuildRunner:
         # Same content republished keeps its status (an active image stays active); a new digest has to be
         # verified on every host again, and the cache path is shared, so the old digest stops being usable.
         status = row["status"] if same and row["status"] in ("active", "published") else "published"
-        await conn.execute(
-            "UPDATE os_images SET digest_sha256 = $2, source_uri = $3, metadata = $4, status = $5, updated_at = now() "
-            "WHERE slug = $1", slug, raw_sha256, artifact_ref, json.dumps(meta), status)
+        await uow.repos.images.update(slug, digest_sha256=raw_sha256, source_uri=artifact_ref, metadata=meta,
+                                      status=status)
         if row["status"] == "active" and status != "active":
-            await catalog.emit_deactivated(writer, slug, f"new digest {raw_sha256} is being prewarmed")
-        await writer.add("image.published", m.ImagePublished(slug=slug, build_id=build_id, digest_sha256=raw_sha256,
+            await catalog.emit_deactivated(uow, slug, f"new digest {raw_sha256} is being prewarmed")
+        await uow.events.add("image.published", m.ImagePublished(slug=slug, build_id=build_id, digest_sha256=raw_sha256,
                                                              source_uri=artifact_ref, image_path=meta["image_path"]),
                          aggregate_id=f"image:{slug}")
-        sent = await catalog.prewarm_everywhere(conn, writer, slug, cause=f"build:{build_id}")
-        activated = await catalog.evaluate_gate(conn, writer, slug)
+        sent = await catalog.prewarm_everywhere(uow, slug, cause=f"build:{build_id}")
+        activated = await catalog.evaluate_gate(uow, slug)
         log.info("image_catalogued", digest=raw_sha256, ref=artifact_ref, prewarm_tasks=sent, activated=activated)
 
 

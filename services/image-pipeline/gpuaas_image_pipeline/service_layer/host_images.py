@@ -1,7 +1,7 @@
 """MAAS host images: catalog a built rootfs tgz, ask the MAAS gateway to upload it as boot resource
 custom/<slug>, record the boot-resource id from the gateway's result, and switch site profiles to it
-(and back). Each function runs inside the caller's transaction; commands leave through its outbox, so
-a crash between the catalog change and the command loses neither.
+(and back). Each function works in the caller's unit of work; commands leave through its outbox, so a
+crash between the catalog change and the command loses neither.
 
 The catalog keeps the upload state in the image's `maas` metadata (protected from PATCH: only the
 gateway's result may set a boot-resource id); every request is also a `maas_requests` row keyed by the
@@ -10,43 +10,36 @@ gateway operation id.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
-import asyncpg
-
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
-from gpuaas_common.outbox import OutboxWriter
 
 from ..adapters.host_image import HostImage
 from ..domain.catalog import HostUploadRequest, ImageCreate, ProfileImageRequest
 from . import catalog
-from .catalog import CatalogError
+from .catalog import CatalogError, Row, Uow
 
 log = get_logger(__name__)
 
 
-def request_dict(row: asyncpg.Record) -> dict[str, Any]:
+def request_dict(row: Row) -> dict[str, Any]:
     d = dict(row)
-    for k in ("params", "result"):
-        if isinstance(d.get(k), str):
-            d[k] = json.loads(d[k])
     for k in ("created_at", "updated_at"):
         d[k] = d[k].isoformat()
     return d
 
 
-async def request_upload(conn: asyncpg.Connection, writer: OutboxWriter, slug: str, req: HostUploadRequest,
-                         built: HostImage, site: str, cache_dir: str) -> tuple[asyncpg.Record, str, bool]:
+async def request_upload(uow: Uow, slug: str, req: HostUploadRequest, built: HostImage, site: str,
+                         cache_dir: str) -> tuple[Row, str, bool]:
     """Catalog the tgz and send the upload command. Returns (image row, operation id, sent): the same
     content already uploaded or on its way to the same site sends nothing (a reproducible rebuild must
     not upload again)."""
-    row = await catalog.lock_image(conn, slug)
+    row = await uow.repos.images.lock(slug)
     if row is None:
         row = await catalog.create_image(
-            conn, ImageCreate(slug=slug, kind="host", compatible_sku=req.compatible_sku,
+            uow, ImageCreate(slug=slug, kind="host", compatible_sku=req.compatible_sku,
                               driver_strategy=req.driver_strategy), cache_dir)
     if row["kind"] != "host":
         raise CatalogError(409, "not_a_host_image", f"{slug} is a {row['kind']} image")
@@ -60,9 +53,7 @@ async def request_upload(conn: asyncpg.Connection, writer: OutboxWriter, slug: s
     cmd = m.MaasImageUploadRequested(
         operation_id=op_id, site=site, name=slug, title=req.title, architecture=req.architecture, filetype="tgz",
         base_image=req.base_image, source_path=str(built.path), sha256=built.sha256, size=built.size)
-    await conn.execute(
-        "INSERT INTO maas_requests (operation_id, slug, kind, site, params) VALUES ($1, $2, 'upload_image', $3, $4)",
-        op_id, slug, site, cmd.model_dump_json())
+    await uow.repos.maas_requests.insert(op_id, slug, "upload_image", site, cmd.model_dump(mode="json"))
     meta["maas"] = {
         "site": site, "name": f"custom/{slug}", "architecture": req.architecture, "filetype": "tgz",
         "operation_id": op_id, "status": "uploading", "source_path": str(built.path), "sha256": built.sha256,
@@ -73,18 +64,15 @@ async def request_upload(conn: asyncpg.Connection, writer: OutboxWriter, slug: s
     # stops being offered until an operator enables the uploaded one.
     status = "building" if new_digest or row["status"] == "disabled" else row["status"]
     if row["status"] == "active" and status != "active":
-        await catalog.emit_deactivated(writer, slug, f"new host image {built.sha256} is being uploaded to MAAS")
-    await conn.execute(
-        "UPDATE os_images SET digest_sha256 = $2, metadata = $3, status = $4, updated_at = now() WHERE slug = $1",
-        slug, built.sha256, json.dumps(meta), status)
-    await writer.add("maas.image_upload_requested", cmd, aggregate_id=f"image:{slug}")
+        await catalog.emit_deactivated(uow, slug, f"new host image {built.sha256} is being uploaded to MAAS")
+    await uow.repos.images.update(slug, digest_sha256=built.sha256, metadata=meta, status=status)
+    await uow.events.add("maas.image_upload_requested", cmd, aggregate_id=f"image:{slug}")
     log.info("host_image_upload_requested", slug=slug, operation_id=op_id, sha256=built.sha256, size=built.size)
-    return await catalog.lock_image(conn, slug), op_id, True
+    return await uow.repos.images.lock(slug), op_id, True  # type: ignore[return-value]
 
 
-async def request_profile_image(conn: asyncpg.Connection, writer: OutboxWriter, slug: str, req: ProfileImageRequest,
-                                default_site: str) -> str:
-    row = await catalog.lock_image(conn, slug)
+async def request_profile_image(uow: Uow, slug: str, req: ProfileImageRequest, default_site: str) -> str:
+    row = await uow.repos.images.lock(slug)
     if row is None:
         raise CatalogError(404, "not_found", f"no image {slug}")
     if row["kind"] != "host":
@@ -99,32 +87,30 @@ async def request_profile_image(conn: asyncpg.Connection, writer: OutboxWriter, 
         series = f"custom/{slug}"
     op_id = str(uuid.uuid4())
     cmd = m.MaasProfileImageSetRequested(operation_id=op_id, site=site, profile=req.profile, distro_series=series)
-    await conn.execute(
-        "INSERT INTO maas_requests (operation_id, slug, kind, site, profile, params) "
-        "VALUES ($1, $2, 'set_distro_series', $3, $4, $5)", op_id, slug, site, req.profile, cmd.model_dump_json())
-    await writer.add("maas.profile_image_set_requested", cmd, aggregate_id=f"image:{slug}")
+    await uow.repos.maas_requests.insert(op_id, slug, "set_distro_series", site, cmd.model_dump(mode="json"),
+                                         profile=req.profile)
+    await uow.events.add("maas.profile_image_set_requested", cmd, aggregate_id=f"image:{slug}")
     log.info("profile_image_set_requested", slug=slug, site=site, profile=req.profile, distro_series=series,
              operation_id=op_id)
     return op_id
 
 
-async def _claim_request(conn: asyncpg.Connection, ev: m.MaasLifecycleResult) -> asyncpg.Record | None:
+async def _claim_request(uow: Uow, ev: m.MaasLifecycleResult) -> Row | None:
     """The open request this result answers, now closed; None for someone else's operation or a result
     already applied."""
-    req = await conn.fetchrow("SELECT * FROM maas_requests WHERE operation_id = $1 FOR UPDATE", ev.operation_id)
+    req = await uow.repos.maas_requests.lock(ev.operation_id)
     if req is None or req["status"] != "requested":
         return None
-    await conn.execute("UPDATE maas_requests SET status = $2, result = $3, updated_at = now() WHERE operation_id = $1",
-                       ev.operation_id, ev.status, ev.model_dump_json())
+    await uow.repos.maas_requests.close(ev.operation_id, ev.status, ev.model_dump(mode="json"))
     return req
 
 
-async def on_upload_result(conn: asyncpg.Connection, ev: m.MaasImageUploadResult) -> None:
-    req = await _claim_request(conn, ev)
+async def on_upload_result(uow: Uow, ev: m.MaasImageUploadResult) -> None:
+    req = await _claim_request(uow, ev)
     if req is None:
         log.info("upload_result_not_ours", operation_id=ev.operation_id)
         return
-    row = await catalog.lock_image(conn, req["slug"])
+    row = await uow.repos.images.lock(req["slug"])
     meta = catalog._meta(row) if row is not None else {}
     maas = meta.get("maas") or {}
     if row is None or maas.get("operation_id") != ev.operation_id:
@@ -145,18 +131,17 @@ async def on_upload_result(conn: asyncpg.Connection, ev: m.MaasImageUploadResult
     status = row["status"]
     if status == "building":
         status = "published" if ok else "disabled"
-    await conn.execute("UPDATE os_images SET metadata = $2, status = $3, updated_at = now() WHERE slug = $1",
-                       row["slug"], json.dumps(meta), status)
+    await uow.repos.images.update(row["slug"], metadata=meta, status=status)
     log.info("host_image_uploaded" if ok else "host_image_upload_failed", slug=row["slug"],
              boot_resource_id=ev.boot_resource_id, reason_code=reason)
 
 
-async def on_profile_image_result(conn: asyncpg.Connection, ev: m.MaasProfileImageSetResult) -> None:
-    req = await _claim_request(conn, ev)
+async def on_profile_image_result(uow: Uow, ev: m.MaasProfileImageSetResult) -> None:
+    req = await _claim_request(uow, ev)
     if req is None:
         log.info("profile_result_not_ours", operation_id=ev.operation_id)
         return
-    row = await catalog.lock_image(conn, req["slug"])
+    row = await uow.repos.images.lock(req["slug"])
     if row is None:
         return
     meta = catalog._meta(row)
@@ -168,7 +153,6 @@ async def on_profile_image_result(conn: asyncpg.Connection, ev: m.MaasProfileIma
         profiles[key] = {"distro_series": ev.deploy_distro_series or ev.distro_series,
                          "previous_distro_series": ev.previous_distro_series, "operation_id": ev.operation_id,
                          "uses_this_image": (ev.deploy_distro_series or "") == f"custom/{row['slug']}"}
-    await conn.execute("UPDATE os_images SET metadata = $2, updated_at = now() WHERE slug = $1",
-                       row["slug"], json.dumps(meta))
+    await uow.repos.images.update(row["slug"], metadata=meta)
     log.info("profile_image_result", slug=row["slug"], profile=key, status=ev.status,
              distro_series=ev.deploy_distro_series, reason_code=ev.reason_code)
