@@ -9,12 +9,13 @@ GPUAAS  := $(VENV)/bin/gpuaas
 RUN_DIR ?= .run/dev
 DEMO_TIMEOUT ?= 180
 
-.PHONY: help setup run demo up down status test bench contract
+.PHONY: help setup run demo up down status test check bench contract
 
 help:
 	@echo "make setup     install Debian packages, the AsyncAPI parser and the venv (idempotent)"
 	@echo "make run       start the dev stack, allocate and release a slice and a baremetal host, stop"
-	@echo "make test      import contracts and the whole pytest suite (what CI runs)"
+	@echo "make test      static checks (import contracts, ruff, mypy on domains) and the whole pytest suite (CI)"
+	@echo "make check     the static checks alone"
 	@echo "make bench     pipeline benchmark (JSON on stdout)"
 	@echo "make contract  render contracts/asyncapi.yaml from the contract models"
 	@echo "make up|down|status  the detached dev stack in $(RUN_DIR)"
@@ -49,9 +50,18 @@ down:
 status:
 	@$(GPUAAS) dev status --run-dir $(RUN_DIR)
 
-test: setup
-	$(VENV)/bin/lint-imports
+DOMAINS := $(wildcard services/*/gpuaas_*/domain)
+CODE    := libs services tools tests bench
+
+test: setup check
 	$(PY) -m pytest -q
+
+# Static checks (also run by `make test`): import contracts, ruff lint and format, mypy --strict on domains.
+check: setup
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check $(CODE)
+	$(VENV)/bin/ruff format --check $(CODE)
+	$(VENV)/bin/mypy --strict --follow-imports=silent --ignore-missing-imports $(DOMAINS)
 
 bench: setup
 	$(PY) bench/pipeline.py --json

@@ -16,7 +16,9 @@ FULL_LIFECYCLE = ["requested", "accepted", "placed", "provisioning", "active", "
 
 
 async def _timeline(db, alloc: uuid.UUID) -> list[str]:
-    rows = await db.fetch("SELECT state FROM allocator.allocation_timeline WHERE allocation_id = $1 ORDER BY seq", alloc)
+    rows = await db.fetch(
+        "SELECT state FROM allocator.allocation_timeline WHERE allocation_id = $1 ORDER BY seq", alloc
+    )
     return [r["state"] for r in rows]
 
 
@@ -39,8 +41,10 @@ async def test_slice_allocation_goes_active_and_is_released_with_wipe_proof(port
     assert task["image"]["slug"] == "ubuntu-24.04-h200-slice" and len(task["image"]["digest_sha256"]) == 64
 
     async def slot_statuses() -> set[str]:
-        rows = await db.fetch("SELECT status FROM scheduler.node_resource_slots WHERE slot_id = ANY($1::text[])",
-                              [s["slot_id"] for s in slots])
+        rows = await db.fetch(
+            "SELECT status FROM scheduler.node_resource_slots WHERE slot_id = ANY($1::text[])",
+            [s["slot_id"] for s in slots],
+        )
         return {r["status"] for r in rows}
 
     # The scheduler follows the lifecycle asynchronously; its slots reach 'active' shortly after.

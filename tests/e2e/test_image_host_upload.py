@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gpuaas_dev.testing.waiting import eventually
 from gpuaas_dev.stack import Stack
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_maas_gateway.adapters.maas_client import MaasClient
 
 pytestmark = pytest.mark.e2e
@@ -52,13 +52,15 @@ def make_rootfs(root: Path) -> Path:
     (root / "etc" / "os-release").write_text('NAME="Ubuntu"\nVERSION_ID="24.04"\n')
     (root / "usr" / "lib" / "gpuaas").mkdir(parents=True)
     (root / "usr" / "lib" / "gpuaas" / "blob.bin").write_bytes(
-        b"".join(hashlib.sha256(i.to_bytes(4, "big")).digest() for i in range(300_000)))  # ~9.6 MB
+        b"".join(hashlib.sha256(i.to_bytes(4, "big")).digest() for i in range(300_000))
+    )  # ~9.6 MB
     return root
 
 
 async def wait_result(portal, type_: str, operation_id: str, timeout: float = 60.0) -> dict[str, Any]:
-    found = await portal.spy.wait_for(lambda: portal.spy.of_type(type_, operation_id=operation_id), timeout,
-                                      f"{type_} {operation_id}")
+    found = await portal.spy.wait_for(
+        lambda: portal.spy.of_type(type_, operation_id=operation_id), timeout, f"{type_} {operation_id}"
+    )
     return found[0]["payload"]
 
 
@@ -143,12 +145,17 @@ async def test_host_image_upload_boot_resource_and_profile_switch(stack: Stack, 
 
     state = await eventually(lambda: profile_state(True), timeout=30, what="profile uses the image")
     assert state["operation_id"] == switch["operation_id"]
-    assert await db.fetchval("SELECT distro_series FROM maas_gateway.maas_site_profiles "
-                             "WHERE site = 'default' AND profile = $1", PROFILE) == SLUG
+    assert (
+        await db.fetchval(
+            "SELECT distro_series FROM maas_gateway.maas_site_profiles WHERE site = 'default' AND profile = $1", PROFILE
+        )
+        == SLUG
+    )
 
     # ... and back to the stock image.
-    status, back = await admin(stack, "POST", f"/v1/images/{SLUG}/maas-profile",
-                               {"profile": PROFILE, "distro_series": "noble"})
+    status, back = await admin(
+        stack, "POST", f"/v1/images/{SLUG}/maas-profile", {"profile": PROFILE, "distro_series": "noble"}
+    )
     assert status == 202, back
     result = await wait_result(portal, "maas.profile_image_set_result", back["operation_id"])
     assert result["status"] == "succeeded", result
@@ -170,10 +177,12 @@ async def test_host_upload_refuses_bad_input_and_slice_images(stack: Stack, tmp_
     status, body = await admin(stack, "POST", "/v1/images/..%2Fescape/host-upload", {"rootfs": str(tmp_path)})
     assert status in (404, 422), body
     # A slice image never goes to MAAS.
-    status, body = await admin(stack, "POST", "/v1/images/ubuntu-24.04-h200-slice/host-upload",
-                               {"rootfs": str(tmp_path)})
+    status, body = await admin(
+        stack, "POST", "/v1/images/ubuntu-24.04-h200-slice/host-upload", {"rootfs": str(tmp_path)}
+    )
     assert (status, body["error"]["code"]) == (409, "not_a_host_image"), body
     # Only a build result may record a boot resource.
-    status, body = await admin(stack, "PATCH", "/v1/images/ubuntu-24.04-h200-host",
-                               {"metadata": {"maas": {"boot_resource_id": 1}}})
+    status, body = await admin(
+        stack, "PATCH", "/v1/images/ubuntu-24.04-h200-host", {"metadata": {"maas": {"boot_resource_id": 1}}}
+    )
     assert (status, body["error"]["code"]) == (422, "protected_metadata"), body

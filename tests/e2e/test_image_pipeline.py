@@ -20,8 +20,8 @@ from aiohttp import web
 
 from gpuaas_common.bus import Bus, HandlerContext, parse_message
 from gpuaas_common.contract import messages as m
-from gpuaas_dev.testing.waiting import eventually
 from gpuaas_dev.stack import Stack
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_node_agent.adapters.state_store import StateStore
 from gpuaas_node_agent.service_layer.host_paths import HostPaths
 from gpuaas_node_agent.service_layer.prewarm import ImagePrewarmer
@@ -44,8 +44,12 @@ def sha256(path: Path) -> str:
 def make_source(path: Path, marker: int) -> Path:
     """A small real qcow2: 64 MiB virtual, a few MiB of data, an MBR signature."""
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(path), "64M"], check=True)
-    for cmd in (f"write -q -P {marker} 0 2M", "write -q -P 0x55 510 1", "write -q -P 0xaa 511 1",
-                "write -q -P 0xcd 40M 1M"):
+    for cmd in (
+        f"write -q -P {marker} 0 2M",
+        "write -q -P 0x55 510 1",
+        "write -q -P 0xaa 511 1",
+        "write -q -P 0xcd 40M 1M",
+    ):
         subprocess.run(["qemu-io", "-f", "qcow2", "-c", cmd, str(path)], check=True)
     return path
 
@@ -85,9 +89,13 @@ async def _count_hosts(db, n: int) -> bool:
 
 
 async def test_build_publish_prewarm_activate_allocate(stack: Stack, portal, db, known_hosts, tmp_path: Path) -> None:
-    source = make_source(tmp_path / "noble.qcow2", 0xab)
-    status, build = await admin(stack, "POST", f"/v1/images/{SLUG}/builds",
-                                {"source": str(source), "packages": ["cuda-drivers-570", "rdma-core"]})
+    source = make_source(tmp_path / "noble.qcow2", 0xAB)
+    status, build = await admin(
+        stack,
+        "POST",
+        f"/v1/images/{SLUG}/builds",
+        {"source": str(source), "packages": ["cuda-drivers-570", "rdma-core"]},
+    )
     assert status == 202, build
     build = await wait_build(stack, build["build_id"])
     activated = await portal.spy.wait_type("image.activated", timeout=120, slug=SLUG)
@@ -96,11 +104,17 @@ async def test_build_publish_prewarm_activate_allocate(stack: Stack, portal, db,
     raw = Path(build["raw_path"])
     digest = sha256(raw)
     assert build["raw_sha256"] == digest == activated["payload"]["digest_sha256"]
-    out = subprocess.run(["qemu-img", "info", "--output=json", str(raw)], check=True, capture_output=True, text=True)
+    out = await asyncio.to_thread(
+        subprocess.run, ["qemu-img", "info", "--output=json", str(raw)], check=True, capture_output=True, text=True
+    )
     assert json.loads(out.stdout)["format"] == "raw"
-    with raw.open("rb") as f:  # the customisation step really edited the image
-        f.seek(1 << 20)
-        stamp = json.loads(f.read(4096).rstrip(b"\0"))
+
+    def read_stamp() -> dict:  # the customisation step really edited the image
+        with raw.open("rb") as f:
+            f.seek(1 << 20)
+            return json.loads(f.read(4096).rstrip(b"\0"))
+
+    stamp = await asyncio.to_thread(read_stamp)
     assert stamp["build_id"] == build["build_id"] and stamp["packages"] == ["cuda-drivers-570", "rdma-core"]
     # Holes did not travel: the artifact is about the size of the data, not of the disk.
     assert build["blob_size"] < build["virtual_size"] // 4
@@ -111,7 +125,8 @@ async def test_build_publish_prewarm_activate_allocate(stack: Stack, portal, db,
     assert image["metadata"]["artifact_ref"] == image["source_uri"]
     image_path = image["metadata"]["image_path"]
     assert {n["node_id"]: (n["status"], n["schedulable"]) for n in image["nodes"]} == {
-        h: ("verified", True) for h in known_hosts}
+        h: ("verified", True) for h in known_hosts
+    }
     for node in stack.fleet.nodes:
         if node.kind == "slice_host":
             assert sha256(HostPaths(Path(node.host_root)).host(image_path)) == digest
@@ -130,8 +145,9 @@ async def test_build_publish_prewarm_activate_allocate(stack: Stack, portal, db,
 async def test_admin_api_update_enable_disable(stack: Stack, portal) -> None:
     status, _ = await admin(stack, "GET", "/v1/images", token="wrong")
     assert status == 401
-    status, row = await admin(stack, "PATCH", f"/v1/images/{SLUG}",
-                              {"driver_strategy": "cloud_init", "metadata": {"title": "CUDA dev image"}})
+    status, row = await admin(
+        stack, "PATCH", f"/v1/images/{SLUG}", {"driver_strategy": "cloud_init", "metadata": {"title": "CUDA dev image"}}
+    )
     assert status == 200 and row["driver_strategy"] == "cloud_init" and row["metadata"]["title"] == "CUDA dev image"
     status, err = await admin(stack, "PATCH", f"/v1/images/{SLUG}", {"metadata": {"artifact_ref": "oci://x/y:z"}})
     assert status == 422 and err["error"]["code"] == "protected_metadata"
@@ -147,8 +163,9 @@ async def test_admin_api_update_enable_disable(stack: Stack, portal) -> None:
     before = len(portal.spy.of_type("image.activated", slug=SLUG))
     status, row = await admin(stack, "POST", f"/v1/images/{SLUG}/enable")
     assert status == 200 and row["status"] == "active"  # every host still holds it verified
-    await portal.spy.wait_for(lambda: len(portal.spy.of_type("image.activated", slug=SLUG)) > before,
-                              what="re-activation announced")
+    await portal.spy.wait_for(
+        lambda: len(portal.spy.of_type("image.activated", slug=SLUG)) > before, what="re-activation announced"
+    )
 
     status, created = await admin(stack, "POST", "/v1/images", {"slug": "scratch-image"})
     assert status == 201 and created["status"] == "disabled"
@@ -157,8 +174,12 @@ async def test_admin_api_update_enable_disable(stack: Stack, portal) -> None:
     assert (await admin(stack, "DELETE", "/v1/images/scratch-image"))[0] == 200
     assert (await admin(stack, "GET", "/v1/images/scratch-image"))[0] == 404
 
-    status, plan = await admin(stack, "POST", f"/v1/images/{SLUG}/builds",
-                               {"source": "/nonexistent.qcow2", "dry_run": True, "tag": "planned-1"})
+    status, plan = await admin(
+        stack,
+        "POST",
+        f"/v1/images/{SLUG}/builds",
+        {"source": "/nonexistent.qcow2", "dry_run": True, "tag": "planned-1"},
+    )
     assert status == 200 and plan["status"] == "planned"
     assert plan["plan"]["artifact_ref"] == f"oci://{stack.registry_host}/slice-guest-images/{SLUG}:planned-1"
 
@@ -167,20 +188,46 @@ async def test_cli_build_wait_and_status(stack: Stack, known_hosts, tmp_path: Pa
     gpuaas = str(Path(sys.executable).parent / "gpuaas")
     common = ["--admin-url", stack.image_admin_url, "--token", stack.image_admin_token]
     source = make_source(tmp_path / "cli.qcow2", 0x22)
-    res = await asyncio.to_thread(subprocess.run, [gpuaas, "images", "build", "--slug", "cli-image", "--source",
-                                                   str(source), "--wait", "--json", "--timeout", "120",
-                                                   "--nats-url", stack.nats_url, "--run-dir", str(stack.run_dir), *common],
-                                  capture_output=True, text=True, timeout=180)
+    res = await asyncio.to_thread(
+        subprocess.run,
+        [
+            gpuaas,
+            "images",
+            "build",
+            "--slug",
+            "cli-image",
+            "--source",
+            str(source),
+            "--wait",
+            "--json",
+            "--timeout",
+            "120",
+            "--nats-url",
+            stack.nats_url,
+            "--run-dir",
+            str(stack.run_dir),
+            *common,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["ok"] and out["image"]["status"] == "active"
     assert out["image"]["digest_sha256"] == sha256(Path(out["build"]["raw_path"]))
-    res = await asyncio.to_thread(subprocess.run, [gpuaas, "images", "status", "cli-image", "--json", *common],
-                                  capture_output=True, text=True, timeout=60)
+    res = await asyncio.to_thread(
+        subprocess.run,
+        [gpuaas, "images", "status", "cli-image", "--json", *common],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     status = json.loads(res.stdout)
     assert [n["status"] for n in status["nodes"]] == ["verified"] * len(known_hosts)
-    res = await asyncio.to_thread(subprocess.run, [gpuaas, "images", "list", "--json", *common],
-                                  capture_output=True, text=True, timeout=60)
+    res = await asyncio.to_thread(
+        subprocess.run, [gpuaas, "images", "list", "--json", *common], capture_output=True, text=True, timeout=60
+    )
     assert "cli-image" in {i["slug"] for i in json.loads(res.stdout)}
 
 
@@ -195,15 +242,22 @@ class CorruptingProxy:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         async with aiohttp.ClientSession(auto_decompress=False) as http:
-            async with http.request(request.method, f"http://{self.upstream}{request.path_qs}",
-                                    headers={k: v for k, v in request.headers.items() if k.lower() != "host"},
-                                    data=await request.read(), allow_redirects=False) as up:
+            async with http.request(
+                request.method,
+                f"http://{self.upstream}{request.path_qs}",
+                headers={k: v for k, v in request.headers.items() if k.lower() != "host"},
+                data=await request.read(),
+                allow_redirects=False,
+            ) as up:
                 body = bytearray(await up.read())
                 if "/blobs/sha256:" in request.path and request.method == "GET" and len(body) > 64 << 10:
                     body[len(body) // 2] ^= 0xFF
                     self.corrupted += 1
-                headers = {k: v for k, v in up.headers.items()
-                           if k.lower() not in ("content-length", "transfer-encoding", "connection")}
+                headers = {
+                    k: v
+                    for k, v in up.headers.items()
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection")
+                }
                 return web.Response(status=up.status, body=bytes(body), headers=headers)
 
     async def start(self) -> "CorruptingProxy":
@@ -231,8 +285,9 @@ class InProcessAgent:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> "InProcessAgent":
-        sub = await self.js.pull_subscribe(f"gpuaas.node.{self.node_id}.tasks", durable=f"test-agent-{uuid.uuid4().hex[:8]}",
-                                           stream="NODE_TASKS")
+        sub = await self.js.pull_subscribe(
+            f"gpuaas.node.{self.node_id}.tasks", durable=f"test-agent-{uuid.uuid4().hex[:8]}", stream="NODE_TASKS"
+        )
         self._task = asyncio.create_task(self._loop(sub))
         return self
 
@@ -260,22 +315,34 @@ async def late_host(stack: Stack, portal, tmp_path: Path) -> AsyncIterator[dict[
     bus = Bus(None, portal.js, service="node-agent", schema=None, pool=None)  # type: ignore[arg-type]
     paths = HostPaths(tmp_path / "late-host")
     store = StateStore(tmp_path / "late-agent.sqlite")
-    corrupt = ImagePrewarmer(LATE, paths, store, bus.publish, image_cache_dir="/var/lib/gpuaas/images",
-                             registry_endpoint=f"127.0.0.1:{proxy.port}")
+    corrupt = ImagePrewarmer(
+        LATE,
+        paths,
+        store,
+        bus.publish,
+        image_cache_dir="/var/lib/gpuaas/images",
+        registry_endpoint=f"127.0.0.1:{proxy.port}",
+    )
     agent = await InProcessAgent(portal.js, corrupt, LATE).start()
     yield {"bus": bus, "paths": paths, "store": store, "proxy": proxy, "agent": agent}
     await agent.stop()
     await proxy.stop()
 
 
-async def test_corrupted_pull_reports_mismatch_and_blocks_activation(stack: Stack, portal, db, known_hosts,
-                                                                     late_host, tmp_path: Path) -> None:
+async def test_corrupted_pull_reports_mismatch_and_blocks_activation(
+    stack: Stack, portal, db, known_hosts, late_host, tmp_path: Path
+) -> None:
     bus: Bus = late_host["bus"]
-    await bus.publish("node.enrolled", m.NodeEnrolled(node_id=LATE, kind="slice_host", hostname="late-1",
-                                                      agent_version="test"), correlation_id=LATE, node_id=LATE)
+    await bus.publish(
+        "node.enrolled",
+        m.NodeEnrolled(node_id=LATE, kind="slice_host", hostname="late-1", agent_version="test"),
+        correlation_id=LATE,
+        node_id=LATE,
+    )
     # The already-active image is offered to the late host; corrupted bytes are refused.
-    changed = await portal.spy.wait_type("image.node_cache_changed", timeout=60, node_id=LATE, slug=SLUG,
-                                         status="mismatch")
+    changed = await portal.spy.wait_type(
+        "image.node_cache_changed", timeout=60, node_id=LATE, slug=SLUG, status="mismatch"
+    )
     assert changed["payload"]["schedulable"] is False
     assert late_host["proxy"].corrupted >= 1
     assert not late_host["paths"].host(f"/var/lib/gpuaas/images/{SLUG}.raw").exists()
@@ -284,8 +351,9 @@ async def test_corrupted_pull_reports_mismatch_and_blocks_activation(stack: Stac
     assert {n["node_id"]: n["schedulable"] for n in image["nodes"]}[LATE] is False
 
     # A new image is never activated while one known host holds mismatching bytes.
-    status, build = await admin(stack, "POST", f"/v1/images/{NEXT}/builds",
-                                {"source": str(make_source(tmp_path / "next.qcow2", 0x11))})
+    status, build = await admin(
+        stack, "POST", f"/v1/images/{NEXT}/builds", {"source": str(make_source(tmp_path / "next.qcow2", 0x11))}
+    )
     assert status == 202, build
     build = await wait_build(stack, build["build_id"])
 
@@ -306,8 +374,9 @@ async def test_corrupted_pull_reports_mismatch_and_blocks_activation(stack: Stac
 
     # Once the host pulls clean bytes (straight from the registry), the gate opens.
     await late_host["agent"].stop()
-    clean = ImagePrewarmer(LATE, late_host["paths"], late_host["store"], bus.publish,
-                           image_cache_dir="/var/lib/gpuaas/images")
+    clean = ImagePrewarmer(
+        LATE, late_host["paths"], late_host["store"], bus.publish, image_cache_dir="/var/lib/gpuaas/images"
+    )
     agent = await InProcessAgent(portal.js, clean, LATE).start()
     try:
         status, _ = await admin(stack, "POST", f"/v1/images/{NEXT}/prewarm")

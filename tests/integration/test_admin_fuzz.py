@@ -52,16 +52,26 @@ TOKEN = "fuzz-admin-token"
 MUTATIONS = {"POST", "PUT", "PATCH", "DELETE"}
 # Examples per service: a couple of hundred in all keeps `make test` well under a minute on 2 cores.
 EXAMPLES = 150
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+]
 
 
 class LiveApi:
     """An admin app, its pool and a fresh database, on an event loop of their own."""
 
-    def __init__(self, pg: PostgresServer, schema: str, migrations: str,
-                 seed: Callable[[asyncpg.Connection], Awaitable[None]],
-                 make_app: Callable[[asyncpg.Pool], web.Application]) -> None:
+    def __init__(
+        self,
+        pg: PostgresServer,
+        schema: str,
+        migrations: str,
+        seed: Callable[[asyncpg.Connection], Awaitable[None]],
+        make_app: Callable[[asyncpg.Pool], web.Application],
+    ) -> None:
         self.pg, self.schema, self.migrations, self.seed, self.make_app = pg, schema, migrations, seed, make_app
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -106,11 +116,20 @@ class LiveApi:
     async def _fingerprint(self) -> dict[str, str]:
         """Every table of the schema but the audit log, as one digest each."""
         async with self.pool.acquire() as conn:
-            tables = [r["table_name"] for r in await conn.fetch(
-                "SELECT table_name FROM information_schema.tables WHERE table_schema = $1 "
-                "AND table_type = 'BASE TABLE' AND table_name <> 'admin_requests'", self.schema)]
-            return {t: await conn.fetchval(
-                f'SELECT md5(coalesce(string_agg(t::text, \'|\' ORDER BY t::text), \'\')) FROM "{t}" t') for t in tables}
+            tables = [
+                r["table_name"]
+                for r in await conn.fetch(
+                    "SELECT table_name FROM information_schema.tables WHERE table_schema = $1 "
+                    "AND table_type = 'BASE TABLE' AND table_name <> 'admin_requests'",
+                    self.schema,
+                )
+            ]
+            return {
+                t: await conn.fetchval(
+                    f"SELECT md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), '')) FROM \"{t}\" t"
+                )
+                for t in tables
+            }
 
     def fingerprint(self) -> dict[str, str]:
         return self.run(self._fingerprint())
@@ -127,17 +146,24 @@ def _strategy(schema: schemathesis.BaseSchema, skip: set[tuple[str, str]]) -> st
     ops = [r.ok() for r in schema.get_all_operations()]
     ops = [op for op in ops if (op.method.upper(), op.path) not in skip]
     assert ops
-    return st.one_of(*[op.as_strategy(generation_mode=mode) for op in ops
-                       for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)])
+    return st.one_of(
+        *[
+            op.as_strategy(generation_mode=mode)
+            for op in ops
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+        ]
+    )
 
 
-def _fuzz(api: LiveApi, schema: schemathesis.BaseSchema, known: dict[str, list[str]],
-          skip: set[tuple[str, str]] = frozenset()) -> dict[str, int]:  # type: ignore[assignment]
+def _fuzz(
+    api: LiveApi, schema: schemathesis.BaseSchema, known: dict[str, list[str]], skip: set[tuple[str, str]] = frozenset()
+) -> dict[str, int]:  # type: ignore[assignment]
     figures = {"examples": 0, "mutations_accepted": 0, "mutations_refused": 0, "replays": 0}
     session = requests.Session()
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(case=_strategy(schema, skip), swap=st.booleans(), pick=st.integers(min_value=0, max_value=1000))
     def run(case: Any, swap: bool, pick: int) -> None:
         if swap:  # an id that exists, so the change itself runs and not only the 404
@@ -196,27 +222,37 @@ def test_scheduler_admin_api_holds_to_its_spec(pg: PostgresServer) -> None:
     async def seed(conn: asyncpg.Connection) -> None:
         await synthetic.build(conn, slice_hosts=2, slots_per_host=2, baremetal_hosts=1, convertible=True)
 
-    with LiveApi(pg, "scheduler", "gpuaas_scheduler.migrations", seed,
-                 lambda pool: scheduler_admin(pool, SecretStr(TOKEN)).app()) as api:
+    with LiveApi(
+        pg, "scheduler", "gpuaas_scheduler.migrations", seed, lambda pool: scheduler_admin(pool, SecretStr(TOKEN)).app()
+    ) as api:
         nodes = [r["node_id"] for r in api.fetch("SELECT node_id FROM nodes ORDER BY node_id")]
         slots = [r["slot_id"] for r in api.fetch("SELECT slot_id FROM node_resource_slots ORDER BY slot_id")]
-        figures = _fuzz(api, _load("services/scheduler/openapi.yaml"),
-                        {"node_id": nodes, "slot_id": slots, "tenant_id": ["tenant-a"]})
+        figures = _fuzz(
+            api,
+            _load("services/scheduler/openapi.yaml"),
+            {"node_id": nodes, "slot_id": slots, "tenant_id": ["tenant-a"]},
+        )
     print("scheduler fuzz", figures)
     assert figures["examples"] >= EXAMPLES // 2
     assert figures["mutations_accepted"] and figures["mutations_refused"], figures
 
 
 def test_image_admin_api_holds_to_its_spec(pg: PostgresServer, tmp_path: Path) -> None:
-    settings_ = ImagePipelineSettings(admin_token=SecretStr(TOKEN), image_build_dir=str(tmp_path / "builds"),
-                                      image_cache_dir=str(tmp_path / "cache"), host_image_dir=str(tmp_path / "host"))
+    settings_ = ImagePipelineSettings(
+        admin_token=SecretStr(TOKEN),
+        image_build_dir=str(tmp_path / "builds"),
+        image_cache_dir=str(tmp_path / "cache"),
+        host_image_dir=str(tmp_path / "host"),
+    )
 
     async def seed(conn: asyncpg.Connection) -> None:
         await conn.execute(
-            "INSERT INTO os_images (slug, kind, status, driver_strategy, compatible_sku, digest_sha256, metadata) VALUES "
+            "INSERT INTO os_images (slug, kind, status, driver_strategy, compatible_sku, digest_sha256, metadata) "
+            "VALUES "
             "('ubuntu-2404', 'slice', 'active', 'preinstalled', 'h200-sxm-slice', $1, '{\"image_path\": \"/i.raw\"}'), "
             "('host-2404', 'host', 'disabled', 'preinstalled', 'h200-sxm', NULL, '{\"image_path\": \"custom/h\"}')",
-            "a" * 64)
+            "a" * 64,
+        )
         await conn.execute("INSERT INTO slice_hosts (node_id, hostname) VALUES ('n1', 'n1.example')")
 
     def make_app(pool: asyncpg.Pool) -> web.Application:
@@ -224,8 +260,12 @@ def test_image_admin_api_holds_to_its_spec(pg: PostgresServer, tmp_path: Path) -
 
     with LiveApi(pg, "image_pipeline", "gpuaas_image_pipeline.migrations", seed, make_app) as api:
         # host-upload archives a server-side directory the request names: fuzzing it would archive "/".
-        figures = _fuzz(api, _load("services/image-pipeline/openapi.yaml"),
-                        {"slug": ["ubuntu-2404", "host-2404"]}, skip={("POST", "/v1/images/{slug}/host-upload")})
+        figures = _fuzz(
+            api,
+            _load("services/image-pipeline/openapi.yaml"),
+            {"slug": ["ubuntu-2404", "host-2404"]},
+            skip={("POST", "/v1/images/{slug}/host-upload")},
+        )
     print("image-pipeline fuzz", figures)
     assert figures["examples"] >= EXAMPLES // 2
     assert figures["mutations_accepted"] and figures["mutations_refused"], figures

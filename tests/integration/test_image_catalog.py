@@ -32,8 +32,14 @@ def _uow(pool: asyncpg.Pool) -> UnitOfWork:
 
 
 def _seed(**kw) -> SeedImage:
-    return SeedImage(slug="ubuntu-24.04-h200-cuda", kind="slice", sku="h200-sxm-slice", digest_sha256=SEED_DIGEST,
-                     image_path="/var/lib/gpuaas/images/ubuntu-24.04-h200-cuda.raw", **kw)
+    return SeedImage(
+        slug="ubuntu-24.04-h200-cuda",
+        kind="slice",
+        sku="h200-sxm-slice",
+        digest_sha256=SEED_DIGEST,
+        image_path="/var/lib/gpuaas/images/ubuntu-24.04-h200-cuda.raw",
+        **kw,
+    )
 
 
 async def test_seed_reapplication_keeps_materialised_digest_and_status(fresh_db: str) -> None:
@@ -43,8 +49,11 @@ async def test_seed_reapplication_keeps_materialised_digest_and_status(fresh_db:
             await apply_seed(uow, [_seed()])
             await uow.commit()
         # A build materialised a real digest and the operator disabled it meanwhile.
-        await conn.execute("UPDATE os_images SET digest_sha256 = $1, status = 'disabled', source_uri = 'oci://r/x:1' "
-                           "WHERE slug = 'ubuntu-24.04-h200-cuda'", BUILT_DIGEST)
+        await conn.execute(
+            "UPDATE os_images SET digest_sha256 = $1, status = 'disabled', source_uri = 'oci://r/x:1' "
+            "WHERE slug = 'ubuntu-24.04-h200-cuda'",
+            BUILT_DIGEST,
+        )
         async with _uow(pool) as uow:
             active = await apply_seed(uow, [_seed(source_uri="file://x")])
             await uow.commit()
@@ -59,25 +68,45 @@ async def test_seed_reapplication_keeps_materialised_digest_and_status(fresh_db:
 async def test_gate_needs_every_known_host_verified_with_the_catalog_digest(fresh_db: str) -> None:
     conn, pool = await _connect(fresh_db)
     slug = "img"
-    meta = {"image_path": f"/var/lib/gpuaas/images/{slug}.raw", "artifact_ref": "oci://r/ns/img:t@sha256:" + "1" * 64,
-            "blob_digest": "sha256:" + "2" * 64, "blob_size": 10, "blob_media_type": "x", "virtual_size": 100,
-            "registry_tls": "plain-http"}
+    meta = {
+        "image_path": f"/var/lib/gpuaas/images/{slug}.raw",
+        "artifact_ref": "oci://r/ns/img:t@sha256:" + "1" * 64,
+        "blob_digest": "sha256:" + "2" * 64,
+        "blob_size": 10,
+        "blob_media_type": "x",
+        "virtual_size": 100,
+        "registry_tls": "plain-http",
+    }
     try:
-        await conn.execute("INSERT INTO os_images (slug, kind, status, compatible_sku, digest_sha256, metadata) "
-                           "VALUES ($1, 'slice', 'published', 'h200-sxm-slice', $2, $3)", slug, BUILT_DIGEST,
-                           json.dumps(meta))
+        await conn.execute(
+            "INSERT INTO os_images (slug, kind, status, compatible_sku, digest_sha256, metadata) "
+            "VALUES ($1, 'slice', 'published', 'h200-sxm-slice', $2, $3)",
+            slug,
+            BUILT_DIGEST,
+            json.dumps(meta),
+        )
         async with _uow(pool) as uow:
             for node in ("n1", "n2"):
-                sent = await catalog.on_enrolled(uow, m.NodeEnrolled(node_id=node, kind="slice_host", hostname=node,
-                                                                     agent_version="t"), f"ev-{node}")
+                sent = await catalog.on_enrolled(
+                    uow, m.NodeEnrolled(node_id=node, kind="slice_host", hostname=node, agent_version="t"), f"ev-{node}"
+                )
                 assert sent == 1
             await uow.commit()
 
         async def report(node: str, status: str, digest: str) -> str:
             async with _uow(pool) as uow:
-                await catalog.on_cache_reported(uow, m.NodeImageCacheReported(
-                    task_id="t", node_id=node, slug=slug, status=status, expected_digest=BUILT_DIGEST,
-                    digest_sha256=digest, local_path="/x"))
+                await catalog.on_cache_reported(
+                    uow,
+                    m.NodeImageCacheReported(
+                        task_id="t",
+                        node_id=node,
+                        slug=slug,
+                        status=status,
+                        expected_digest=BUILT_DIGEST,
+                        digest_sha256=digest,
+                        local_path="/x",
+                    ),
+                )
                 await uow.commit()
             return await conn.fetchval("SELECT status FROM os_images WHERE slug = $1", slug)
 

@@ -42,8 +42,14 @@ async def _work(dsn: str, jobs: list[tuple[str, str, int, str]]) -> list[tuple[s
     try:
         for alloc, shape, gpus, tenant in jobs:
             ev = m.AllocationAccepted(
-                allocation_id=uuid.UUID(alloc), tenant_id=tenant, shape=shape, state="accepted", seq=2,
-                sku="h200-sxm" if shape == "baremetal" else "h200-sxm-slice", gpu_count=gpus, region="default",
+                allocation_id=uuid.UUID(alloc),
+                tenant_id=tenant,
+                shape=shape,
+                state="accepted",
+                seq=2,
+                sku="h200-sxm" if shape == "baremetal" else "h200-sxm-slice",
+                gpu_count=gpus,
+                region="default",
                 image=m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img"),
             )
             async with conn.transaction():
@@ -66,8 +72,9 @@ async def test_eight_processes_never_double_book_and_every_refusal_is_true(fresh
     conn = await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"})
     await apply_migrations(conn, "scheduler", "gpuaas_scheduler.migrations")
     await synthetic.build(conn, slice_hosts=NODES, baremetal_hosts=BAREMETAL)
-    await conn.execute("INSERT INTO tenant_quotas (tenant_id, max_gpus, updated_by) VALUES ($1, $2, 'test')",
-                       QUOTA_TENANT, QUOTA)
+    await conn.execute(
+        "INSERT INTO tenant_quotas (tenant_id, max_gpus, updated_by) VALUES ($1, $2, 'test')", QUOTA_TENANT, QUOTA
+    )
     requests = make_requests()
     chunks = [requests[i::WORKERS] for i in range(WORKERS)]
     ctx = mp.get_context("spawn")
@@ -79,19 +86,33 @@ async def test_eight_processes_never_double_book_and_every_refusal_is_true(fresh
     by_id = {r[0]: r for r in requests}
 
     # 1. The audit: no slot or node under two live claims, claims match slot states and requests.
-    assert await conn.fetchval(
-        "SELECT count(*) FROM (SELECT slot_id FROM allocation_resource_claims WHERE status <> 'released' "
-        "AND slot_id IS NOT NULL GROUP BY slot_id HAVING count(*) > 1) d") == 0
-    assert await conn.fetchval(
-        "SELECT count(*) FROM allocation_resource_claims a JOIN allocation_resource_claims b "
-        "ON a.node_id = b.node_id AND a.claim_id <> b.claim_id AND a.status <> 'released' AND b.status <> 'released' "
-        "WHERE a.claim_kind = 'node_exclusive'") == 0
-    assert await conn.fetchval(
-        "SELECT count(*) FROM node_resource_slots s WHERE (s.status = 'reserved') <> EXISTS (SELECT 1 FROM "
-        "allocation_resource_claims c WHERE c.slot_id = s.slot_id AND c.status <> 'released')") == 0
+    assert (
+        await conn.fetchval(
+            "SELECT count(*) FROM (SELECT slot_id FROM allocation_resource_claims WHERE status <> 'released' "
+            "AND slot_id IS NOT NULL GROUP BY slot_id HAVING count(*) > 1) d"
+        )
+        == 0
+    )
+    assert (
+        await conn.fetchval(
+            "SELECT count(*) FROM allocation_resource_claims a JOIN allocation_resource_claims b "
+            "ON a.node_id = b.node_id AND a.claim_id <> b.claim_id "
+            "AND a.status <> 'released' AND b.status <> 'released' "
+            "WHERE a.claim_kind = 'node_exclusive'"
+        )
+        == 0
+    )
+    assert (
+        await conn.fetchval(
+            "SELECT count(*) FROM node_resource_slots s WHERE (s.status = 'reserved') <> EXISTS (SELECT 1 FROM "
+            "allocation_resource_claims c WHERE c.slot_id = s.slot_id AND c.status <> 'released')"
+        )
+        == 0
+    )
     claims = await conn.fetch(
         "SELECT allocation_id::text AS a, count(*) AS n, count(DISTINCT node_id) AS nodes, min(claim_kind) AS kind, "
-        "sum(gpus) AS gpus FROM allocation_resource_claims GROUP BY allocation_id")
+        "sum(gpus) AS gpus FROM allocation_resource_claims GROUP BY allocation_id"
+    )
     placed = {alloc for alloc, (code, _) in results.items() if code == "placed"}
     assert {r["a"] for r in claims} == placed
     for r in claims:
@@ -101,23 +122,29 @@ async def test_eight_processes_never_double_book_and_every_refusal_is_true(fresh
     # Every multi-GPU group is topology-safe (one NUMA node for 2 and 4 GPUs).
     spans = await conn.fetch(
         "SELECT c.allocation_id::text AS a, count(DISTINCT s.numa_node) AS numa FROM allocation_resource_claims c "
-        "JOIN node_resource_slots s USING (slot_id) GROUP BY c.allocation_id")
+        "JOIN node_resource_slots s USING (slot_id) GROUP BY c.allocation_id"
+    )
     for r in spans:
         assert r["numa"] == (2 if by_id[r["a"]][2] == 8 else 1)
     assert await conn.fetchval("SELECT count(*) FROM outbox") == REQUESTS
 
     # 2. Every refusal still holds on the final (smaller) inventory.
-    free = await conn.fetch("SELECT node_id, slot_id, numa_node, pcie_switch, fabric_vf_pci_address FROM "
-                            "node_resource_slots WHERE status = 'available'")
+    free = await conn.fetch(
+        "SELECT node_id, slot_id, numa_node, pcie_switch, fabric_vf_pci_address FROM "
+        "node_resource_slots WHERE status = 'available'"
+    )
     per_node: dict[str, list[SlotView]] = {}
     for r in free:
-        per_node.setdefault(r["node_id"], []).append(SlotView(r["slot_id"], r["numa_node"], r["pcie_switch"],
-                                                              r["fabric_vf_pci_address"]))
+        per_node.setdefault(r["node_id"], []).append(
+            SlotView(r["slot_id"], r["numa_node"], r["pcie_switch"], r["fabric_vf_pci_address"])
+        )
     clean_bm = await conn.fetchval(
         "SELECT count(*) FROM nodes n WHERE accepts_baremetal AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims "
-        "c WHERE c.node_id = n.node_id AND c.status <> 'released')")
+        "c WHERE c.node_id = n.node_id AND c.status <> 'released')"
+    )
     capped_used = await conn.fetchval(
-        "SELECT COALESCE(sum(gpus), 0) FROM allocation_resource_claims WHERE tenant_id = $1", QUOTA_TENANT)
+        "SELECT COALESCE(sum(gpus), 0) FROM allocation_resource_claims WHERE tenant_id = $1", QUOTA_TENANT
+    )
     assert capped_used <= QUOTA
     codes = set()
     for alloc, (code, _) in results.items():

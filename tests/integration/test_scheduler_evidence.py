@@ -10,6 +10,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 import pytest
+
 from gpuaas_common.bus import HandlerContext
 from gpuaas_common.bus import deliver as bus_deliver
 from gpuaas_common.contract import messages as m
@@ -51,15 +52,26 @@ async def deliver(pool, scheduler: Scheduler, type_: str, payload, *, occurred_a
     env = Envelope.wrap(type_, payload.model_dump(mode="json"), producer="test", correlation_id="test")
     if occurred_at is not None:
         env = env.model_copy(update={"occurred_at": occurred_at})
-    assert await bus_deliver(handler, HandlerContext(env, payload, spec_for(type_).address, durable, 1),
-                             UnitOfWork(pool, "scheduler", "scheduler", no_repositories))
+    assert await bus_deliver(
+        handler,
+        HandlerContext(env, payload, spec_for(type_).address, durable, 1),
+        UnitOfWork(pool, "scheduler", "scheduler", no_repositories),
+    )
 
 
 async def place(pool, scheduler: Scheduler, *, gpus=1, slug="img", digest=DIGEST) -> tuple[str, dict]:
     """`allocation.accepted` through the scheduler's handler; the answer as the outbox holds it."""
     ev = m.AllocationAccepted(
-        allocation_id=uuid.uuid4(), tenant_id="t1", shape="gpu_slice", state="accepted", seq=2, sku="h200-sxm-slice",
-        gpu_count=gpus, region="default", image=m.ImageRef(slug=slug, digest_sha256=digest, image_path="/img"))
+        allocation_id=uuid.uuid4(),
+        tenant_id="t1",
+        shape="gpu_slice",
+        state="accepted",
+        seq=2,
+        sku="h200-sxm-slice",
+        gpu_count=gpus,
+        region="default",
+        image=m.ImageRef(slug=slug, digest_sha256=digest, image_path="/img"),
+    )
     env = Envelope.wrap("allocation.accepted", ev.model_dump(mode="json"), producer="test", correlation_id="test")
     ctx = HandlerContext(env, ev, "gpuaas.allocation.event.accepted", "scheduler-allocation-events", 1)
     assert await bus_deliver(scheduler.on_accepted, ctx, UnitOfWork(pool, "scheduler", "scheduler", no_repositories))
@@ -70,14 +82,21 @@ async def place(pool, scheduler: Scheduler, *, gpus=1, slug="img", digest=DIGEST
 
 def parity(node_id: str, failures: int, at: datetime) -> m.NodeParityReported:
     checks = [m.ParityCheck(check="iommu", status="PASS", detail="IOMMU groups isolate each GPU")]
-    checks += [m.ParityCheck(check=f"vfio_{i}", status="FAIL", detail="GPU not bound to vfio-pci",
-                             remediation="bind it") for i in range(failures)]
+    checks += [
+        m.ParityCheck(check=f"vfio_{i}", status="FAIL", detail="GPU not bound to vfio-pci", remediation="bind it")
+        for i in range(failures)
+    ]
     return m.NodeParityReported(node_id=node_id, checked_at=at, checks=checks, failures=failures, warnings=0)
 
 
 def cache(node_id: str, status: str, digest: str | None, slug="img") -> m.ImageNodeCacheChanged:
-    return m.ImageNodeCacheChanged(node_id=node_id, slug=slug, status=status, digest_sha256=digest,
-                                   schedulable=status == "verified" and digest == DIGEST)
+    return m.ImageNodeCacheChanged(
+        node_id=node_id,
+        slug=slug,
+        status=status,
+        digest_sha256=digest,
+        schedulable=status == "verified" and digest == DIGEST,
+    )
 
 
 def test_each_evidence_consumer_is_declared_on_its_subject():
@@ -121,12 +140,33 @@ def topology(node_id: str, gpus: list[int], at: datetime, *, mounted_disk: int |
     nvme, cands = [], []
     for i in gpus:
         by_id = f"/dev/disk/by-id/nvme-eui.{i:032x}"
-        nvme.append(m.NvmeDevice(kernel_name=f"nvme{i}n1", by_id=by_id, size_bytes=3_840_000_000_000, numa_node=0,
-                                 mounted=i == mounted_disk, is_os_disk=False, signatures=[], candidate=True))
-        cands.append(m.CandidateSlot(
-            index=i, gpu_pci_address=f"0000:{0x18 + i:02x}:00.0", numa_node=0, pcie_switch=f"sw{i // 2}",
-            nvme_by_id=by_id, fabric_vf_pci_address=f"0000:29:00.{i % 8}", mac=f"52:54:00:00:01:{i:02x}",
-            private_ip=f"10.100.0.{10 + i}", ovs_bridge="ovsbr0", ovs_port=f"vf{i}", complete=True))
+        nvme.append(
+            m.NvmeDevice(
+                kernel_name=f"nvme{i}n1",
+                by_id=by_id,
+                size_bytes=3_840_000_000_000,
+                numa_node=0,
+                mounted=i == mounted_disk,
+                is_os_disk=False,
+                signatures=[],
+                candidate=True,
+            )
+        )
+        cands.append(
+            m.CandidateSlot(
+                index=i,
+                gpu_pci_address=f"0000:{0x18 + i:02x}:00.0",
+                numa_node=0,
+                pcie_switch=f"sw{i // 2}",
+                nvme_by_id=by_id,
+                fabric_vf_pci_address=f"0000:29:00.{i % 8}",
+                mac=f"52:54:00:00:01:{i:02x}",
+                private_ip=f"10.100.0.{10 + i}",
+                ovs_bridge="ovsbr0",
+                ovs_port=f"vf{i}",
+                complete=True,
+            )
+        )
     return m.NodeTopologyReported(node_id=node_id, discovered_at=at, nvme=nvme, candidate_slots=cands)
 
 
@@ -140,8 +180,12 @@ async def test_topology_is_stored_as_candidates_never_as_slots(pool, scheduler):
         assert await conn.fetchval("SELECT count(*) FROM node_resource_slots") == 0
     assert [c["gpu_pci_address"] for c in cands] == ["0000:18:00.0", "0000:19:00.0", "0000:1a:00.0"]
     assert {c["source"] for c in cands} == {"node-agent"} and {c["approved_slot_id"] for c in cands} == {None}
-    assert json.loads(cands[0]["nvme_evidence"]) == {"mounted": False, "mounted_children": [], "signatures": [],
-                                                     "is_os_disk": False}
+    assert json.loads(cands[0]["nvme_evidence"]) == {
+        "mounted": False,
+        "mounted_children": [],
+        "signatures": [],
+        "is_os_disk": False,
+    }
     # Advisory only: nothing became placeable.
     kind, answer = await place(pool, scheduler)
     assert kind == "placement.unschedulable" and answer["free_gpus"] == 0
@@ -150,20 +194,25 @@ async def test_topology_is_stored_as_candidates_never_as_slots(pool, scheduler):
     async with pool.acquire() as conn, conn.transaction():
         body = admin.ApproveIn(actor="ops@example", candidate_ids=[cands[0]["candidate_id"]])
         await admin.approve(conn, "n00001", body)
-    await deliver(pool, scheduler, "node.topology_reported",
-                  topology("n00001", [0, 3], T0 + timedelta(minutes=5), mounted_disk=0))
+    await deliver(
+        pool, scheduler, "node.topology_reported", topology("n00001", [0, 3], T0 + timedelta(minutes=5), mounted_disk=0)
+    )
     async with pool.acquire() as conn:
         after = await conn.fetch("SELECT * FROM candidate_slots ORDER BY candidate_id")
     assert [(c["gpu_pci_address"], c["approved_slot_id"] is not None) for c in after] == [
-        ("0000:18:00.0", True), ("0000:1b:00.0", False)]
+        ("0000:18:00.0", True),
+        ("0000:1b:00.0", False),
+    ]
     # The approved candidate kept the evidence it was approved on, not the newer report's.
     assert json.loads(after[0]["nvme_evidence"])["mounted"] is False
 
     # A stale redelivery of the first report changes nothing.
     await deliver(pool, scheduler, "node.topology_reported", topology("n00001", [0, 1, 2], T0))
     async with pool.acquire() as conn:
-        assert [c["gpu_pci_address"] for c in await conn.fetch(
-            "SELECT gpu_pci_address FROM candidate_slots ORDER BY candidate_id")] == ["0000:18:00.0", "0000:1b:00.0"]
+        assert [
+            c["gpu_pci_address"]
+            for c in await conn.fetch("SELECT gpu_pci_address FROM candidate_slots ORDER BY candidate_id")
+        ] == ["0000:18:00.0", "0000:1b:00.0"]
 
 
 async def test_slices_need_the_image_verified_with_the_requested_digest(pool, scheduler):
@@ -186,8 +235,13 @@ async def test_slices_need_the_image_verified_with_the_requested_digest(pool, sc
 
     # Losing the cache takes the host out again; an older event arriving late does not bring it back.
     now = datetime.now(timezone.utc)
-    await deliver(pool, scheduler, "image.node_cache_changed", cache("n00002", "failed", None),
-                  occurred_at=now + timedelta(minutes=1))
+    await deliver(
+        pool,
+        scheduler,
+        "image.node_cache_changed",
+        cache("n00002", "failed", None),
+        occurred_at=now + timedelta(minutes=1),
+    )
     await deliver(pool, scheduler, "image.node_cache_changed", cache("n00002", "verified", DIGEST), occurred_at=now)
     kind, answer = await place(pool, scheduler)
     assert kind == "placement.unschedulable" and answer["filtered"] == {"image_cache": 2}

@@ -50,9 +50,16 @@ async def convertible(pool):
 
 def accepted(gpus=1, shape="gpu_slice"):
     return m.AllocationAccepted(
-        allocation_id=uuid.uuid4(), tenant_id="t1", shape=shape, state="accepted", seq=2, sku=SKU,
-        gpu_count=8 if shape == "baremetal" else gpus, region="default",
-        image=m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img"))
+        allocation_id=uuid.uuid4(),
+        tenant_id="t1",
+        shape=shape,
+        state="accepted",
+        seq=2,
+        sku=SKU,
+        gpu_count=8 if shape == "baremetal" else gpus,
+        region="default",
+        image=m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img"),
+    )
 
 
 async def run_place(pool, ev):
@@ -90,9 +97,11 @@ async def release(pool, allocation_id, cleanup=None):
 
 
 async def to_baremetal(api):
-    for path, body in (("mode", {"mode": "drained", "reason": "tenant needs a whole host"}),
-                       ("slots/retire", {"reason": "host goes baremetal"}),
-                       ("mode", {"mode": "baremetal", "reason": "tenant needs a whole host"})):
+    for path, body in (
+        ("mode", {"mode": "drained", "reason": "tenant needs a whole host"}),
+        ("slots/retire", {"reason": "host goes baremetal"}),
+        ("mode", {"mode": "baremetal", "reason": "tenant needs a whole host"}),
+    ):
         status, answer = await post(api, f"/v1/nodes/{HOST}/{path}", {"actor": "ops", **body})
         assert status == 200, answer
 
@@ -116,8 +125,11 @@ async def test_one_unretired_slot_in_any_status_keeps_a_baremetal_host_out(pool,
     # Hand edits past the guards: baremetal mode while one slot still promises its GPU and disk.
     async with pool.acquire() as conn:
         await conn.execute("UPDATE nodes SET mode = 'baremetal'")
-        await conn.execute("UPDATE node_resource_slots SET status = CASE WHEN slot_id = $1 THEN $2 ELSE 'retired' END",
-                           f"{HOST}-s0", status)
+        await conn.execute(
+            "UPDATE node_resource_slots SET status = CASE WHEN slot_id = $1 THEN $2 ELSE 'retired' END",
+            f"{HOST}-s0",
+            status,
+        )
     u = (await run_place(pool, accepted(shape="baremetal"))).unschedulable
     assert u.filtered == {"approved_slots": 1}
     async with pool.acquire() as conn, conn.transaction():
@@ -130,18 +142,24 @@ async def test_one_unretired_slot_in_any_status_keeps_a_baremetal_host_out(pool,
 # --- slice → baremetal ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("violation,needle", [
-    ("not_drained", "drain it first"),
-    ("live_claim", "live claim(s) on the host"),
-    ("unretired_slot", "1 approved slot(s) not retired"),
-])
+@pytest.mark.parametrize(
+    "violation,needle",
+    [
+        ("not_drained", "drain it first"),
+        ("live_claim", "live claim(s) on the host"),
+        ("unretired_slot", "1 approved slot(s) not retired"),
+    ],
+)
 async def test_slice_to_baremetal_is_refused_naming_the_broken_rule(pool, api, convertible, violation, needle):
     held = (await run_place(pool, accepted(1))).placed if violation == "live_claim" else None
     if violation != "not_drained":
         assert (await set_mode(api, "drained", "make room for a baremetal tenant"))[0] == 200
     idle = [f"{HOST}-s{i}" for i in range(8) if not held or f"{HOST}-s{i}" != held.slots[0].slot_id]
-    status, _ = await post(api, f"/v1/nodes/{HOST}/slots/retire", {
-        "actor": "ops", "reason": "convert", "slot_ids": idle[1:] if violation == "unretired_slot" else idle})
+    status, _ = await post(
+        api,
+        f"/v1/nodes/{HOST}/slots/retire",
+        {"actor": "ops", "reason": "convert", "slot_ids": idle[1:] if violation == "unretired_slot" else idle},
+    )
     assert status == 200
     before = (await node_row(pool))["mode"], len(await history(pool))
 
@@ -159,8 +177,7 @@ async def test_slice_to_baremetal_is_refused_naming_the_broken_rule(pool, api, c
 async def test_retiring_refuses_slots_under_a_live_claim_or_awaiting_a_wipe(pool, api, convertible):
     held = (await run_place(pool, accepted(1))).placed
     async with pool.acquire() as conn:
-        await conn.execute("UPDATE node_resource_slots SET status = 'cleanup_blocked' WHERE slot_id = $1",
-                           f"{HOST}-s7")
+        await conn.execute("UPDATE node_resource_slots SET status = 'cleanup_blocked' WHERE slot_id = $1", f"{HOST}-s7")
     status, body = await post(api, f"/v1/nodes/{HOST}/slots/retire", {"actor": "ops", "reason": "convert"})
     assert status == 409 and body["error"]["code"] == "slot_in_use"
     assert body["error"]["details"]["slots"] == {held.slots[0].slot_id: "reserved", f"{HOST}-s7": "cleanup_blocked"}
@@ -184,16 +201,28 @@ async def test_drain_retire_convert_records_who_why_when_and_only_then_serves_ba
     assert (await post(api, f"/v1/nodes/{HOST}/slots/retire", {"actor": "ops", "reason": "to baremetal"}))[0] == 200
     status, body = await set_mode(api, "baremetal", "tenant A needs a whole host")
     assert status == 200 and body["mode"] == "baremetal"
-    assert [(h["from_mode"], h["to_mode"]) for h in await history(pool)][-2:] == [("slice", "drained"),
-                                                                                   ("drained", "baremetal")]
+    assert [(h["from_mode"], h["to_mode"]) for h in await history(pool)][-2:] == [
+        ("slice", "drained"),
+        ("drained", "baremetal"),
+    ]
     assert all(h["actor"] == "ops" and h["at"] is not None for h in (await history(pool))[-2:])
     bm = (await run_place(pool, accepted(shape="baremetal"))).placed
     assert bm.node_id == HOST
     await assert_no_slice_lands(pool)
     # Registration cannot bypass the table.
-    status, body = await post(api, "/v1/nodes", {"actor": "ops", "node_id": HOST, "kind": "slice_host",
-                                                 "hostname": HOST, "sku": SKU, "mode": "slice",
-                                                 "maas_tags": [inv.TAG_SLICE, inv.TAG_BAREMETAL]})
+    status, body = await post(
+        api,
+        "/v1/nodes",
+        {
+            "actor": "ops",
+            "node_id": HOST,
+            "kind": "slice_host",
+            "hostname": HOST,
+            "sku": SKU,
+            "mode": "slice",
+            "maas_tags": [inv.TAG_SLICE, inv.TAG_BAREMETAL],
+        },
+    )
     assert status == 409 and body["error"]["code"] == "mode_transition_refused"
     assert (await node_row(pool))["mode"] == "baremetal"
 
@@ -206,12 +235,32 @@ def topology(at):
     nvme, cands = [], []
     for s in range(8):
         r = synthetic.slot_row(HOST, 1, s)
-        nvme.append(m.NvmeDevice(kernel_name=f"nvme{s}n1", by_id=r["nvme_by_id"], size_bytes=3_840_000_000_000,
-                                 mounted=False, is_os_disk=False, signatures=[], candidate=True))
-        cands.append(m.CandidateSlot(
-            index=s, gpu_pci_address=r["gpu_pci_address"], numa_node=r["numa_node"], pcie_switch=r["pcie_switch"],
-            nvme_by_id=r["nvme_by_id"], fabric_vf_pci_address=r["fabric_vf_pci_address"], mac=r["mac"],
-            private_ip=r["private_ip"], ovs_bridge="ovsbr0", ovs_port=f"vf{s}", complete=True))
+        nvme.append(
+            m.NvmeDevice(
+                kernel_name=f"nvme{s}n1",
+                by_id=r["nvme_by_id"],
+                size_bytes=3_840_000_000_000,
+                mounted=False,
+                is_os_disk=False,
+                signatures=[],
+                candidate=True,
+            )
+        )
+        cands.append(
+            m.CandidateSlot(
+                index=s,
+                gpu_pci_address=r["gpu_pci_address"],
+                numa_node=r["numa_node"],
+                pcie_switch=r["pcie_switch"],
+                nvme_by_id=r["nvme_by_id"],
+                fabric_vf_pci_address=r["fabric_vf_pci_address"],
+                mac=r["mac"],
+                private_ip=r["private_ip"],
+                ovs_bridge="ovsbr0",
+                ovs_port=f"vf{s}",
+                complete=True,
+            )
+        )
     return m.NodeTopologyReported(node_id=HOST, discovered_at=at, nvme=nvme, candidate_slots=cands)
 
 
@@ -244,7 +293,11 @@ async def test_a_host_back_from_baremetal_is_converting_with_evidence_unknown(po
     assert row["topology_reported_at"] is None and reset_at is not None
     last = (await history(pool))[-1]
     assert (last["from_mode"], last["to_mode"], last["actor"], last["allocation_id"]) == (
-        "baremetal", "converting", "scheduler", allocation_id)
+        "baremetal",
+        "converting",
+        "scheduler",
+        allocation_id,
+    )
     assert "MAAS redeployed" in last["reason"]
     async with pool.acquire() as conn:
         # Its old candidates (approved ones included) carried the old disk evidence: gone.
@@ -271,7 +324,11 @@ async def test_rediscovery_parity_and_reapproval_return_it_to_slices(pool, api, 
     assert {r["status"] for r in body["results"]} == {"available"}
     last = (await history(pool))[-1]
     assert (last["from_mode"], last["to_mode"], last["actor"], last["reason"]) == (
-        "converting", "slice", "alice", "re-approved")
+        "converting",
+        "slice",
+        "alice",
+        "re-approved",
+    )
     placed = (await run_place(pool, accepted(4))).placed
     assert placed.node_id == HOST and placed.claim_mode == "slots"
 
@@ -281,11 +338,31 @@ async def test_a_converting_host_takes_no_slice_while_a_step_is_missing(pool, ap
     reset_at, _ = back_from_baremetal
     if missing == "rediscovery":
         # Candidates typed in by hand are no rediscovery of the host.
-        cands = [{"candidate_id": f"manual-{s}", **{k: v for k, v in synthetic.slot_row(HOST, 1, s).items() if k in (
-            "gpu_pci_address", "numa_node", "pcie_switch", "nvme_by_id", "fabric_claim_mode", "fabric_vf_pci_address",
-            "mac", "private_ip")}, "nvme_evidence": synthetic.SIMULATED_CLEAN_DISK} for s in range(8)]
-        assert (await post(api, f"/v1/nodes/{HOST}/candidates", {"actor": "ops", "candidates": cands},
-                           method="PUT"))[0] == 200
+        cands = [
+            {
+                "candidate_id": f"manual-{s}",
+                **{
+                    k: v
+                    for k, v in synthetic.slot_row(HOST, 1, s).items()
+                    if k
+                    in (
+                        "gpu_pci_address",
+                        "numa_node",
+                        "pcie_switch",
+                        "nvme_by_id",
+                        "fabric_claim_mode",
+                        "fabric_vf_pci_address",
+                        "mac",
+                        "private_ip",
+                    )
+                },
+                "nvme_evidence": synthetic.SIMULATED_CLEAN_DISK,
+            }
+            for s in range(8)
+        ]
+        assert (await post(api, f"/v1/nodes/{HOST}/candidates", {"actor": "ops", "candidates": cands}, method="PUT"))[
+            0
+        ] == 200
     else:
         await deliver(pool, evidence.record_topology, topology(reset_at + timedelta(minutes=1)))
     if missing != "parity":
@@ -295,18 +372,29 @@ async def test_a_converting_host_takes_no_slice_while_a_step_is_missing(pool, ap
         async with pool.acquire() as conn:
             await conn.execute("UPDATE node_resource_slots SET status = 'available' WHERE slot_id = $1", f"{HOST}-s7")
     if missing != "reapproval":
-        ids = None if missing != "hand_revived_slot" else [f"{HOST}-{synthetic.slot_row(HOST, 1, s)['gpu_pci_address']}"
-                                                             for s in range(7)]
-        status, body = await post(api, f"/v1/nodes/{HOST}/candidates/approve",
-                                  {"actor": "alice", "candidate_ids": ids} if ids else {"actor": "alice"})
+        ids = (
+            None
+            if missing != "hand_revived_slot"
+            else [f"{HOST}-{synthetic.slot_row(HOST, 1, s)['gpu_pci_address']}" for s in range(7)]
+        )
+        status, body = await post(
+            api,
+            f"/v1/nodes/{HOST}/candidates/approve",
+            {"actor": "alice", "candidate_ids": ids} if ids else {"actor": "alice"},
+        )
         assert status == 200 and body["mode"] == "converting" and body["mode_blockers"]
 
     assert (await node_row(pool))["mode"] == "converting"
     await assert_no_slice_lands(pool)
     status, body = await set_mode(api, "slice", "try anyway")
     assert status == 409
-    needle = {"rediscovery": "no topology report", "parity": "no parity run", "failing_parity": "2 failure(s)",
-              "reapproval": "no slot re-approved", "hand_revived_slot": "approved before the evidence reset"}[missing]
+    needle = {
+        "rediscovery": "no topology report",
+        "parity": "no parity run",
+        "failing_parity": "2 failure(s)",
+        "reapproval": "no slot re-approved",
+        "hand_revived_slot": "approved before the evidence reset",
+    }[missing]
     assert any(needle in p for p in body["error"]["details"]["problems"]), body
 
 
@@ -322,8 +410,10 @@ async def test_a_baremetal_only_host_goes_back_to_the_baremetal_pool(pool):
 async def test_approval_is_refused_on_a_baremetal_host(pool, api, convertible):
     await to_baremetal(api)
     async with pool.acquire() as conn:
-        await conn.execute("INSERT INTO candidate_slots (candidate_id, node_id, gpu_pci_address) "
-                           "VALUES ('c', $1, '0000:18:00.0')", HOST)
+        await conn.execute(
+            "INSERT INTO candidate_slots (candidate_id, node_id, gpu_pci_address) VALUES ('c', $1, '0000:18:00.0')",
+            HOST,
+        )
     status, body = await post(api, f"/v1/nodes/{HOST}/candidates/approve", {"actor": "ops"})
     assert status == 409 and body["error"]["code"] == "mode_forbids_approval"
     async with pool.acquire() as conn:
@@ -338,15 +428,20 @@ async def test_the_migration_derives_existing_hosts_modes(fresh_db):
     try:
         # Apply everything before 004, as a database from before host modes.
         await conn.execute("CREATE SCHEMA scheduler")
-        await conn.execute("CREATE TABLE scheduler.schema_migrations (version text PRIMARY KEY, "
-                           "applied_at timestamptz NOT NULL DEFAULT now())")
+        await conn.execute(
+            "CREATE TABLE scheduler.schema_migrations (version text PRIMARY KEY, "
+            "applied_at timestamptz NOT NULL DEFAULT now())"
+        )
         await conn.execute("INSERT INTO scheduler.schema_migrations (version) VALUES ('004_host_modes')")
         await apply_migrations(conn, "scheduler", "gpuaas_scheduler.migrations")
         await synthetic.build(conn, slice_hosts=3, convertible=True, baremetal_hosts=1, sku=SKU)
         # n00002: a baremetal tenant on a slice-mode host (what today's code allowed);
         # n00003: only the baremetal tag left, mode still 'slice'.
-        await conn.execute("INSERT INTO allocation_resource_claims (allocation_id, node_id, claim_kind, status, "
-                           "fencing_epoch) VALUES ($1, 'n00002', 'node_exclusive', 'held', 1)", uuid.uuid4())
+        await conn.execute(
+            "INSERT INTO allocation_resource_claims (allocation_id, node_id, claim_kind, status, "
+            "fencing_epoch) VALUES ($1, 'n00002', 'node_exclusive', 'held', 1)",
+            uuid.uuid4(),
+        )
         await conn.execute("UPDATE nodes SET maas_tags = '{gpuaas-profile-baremetal}' WHERE node_id = 'n00003'")
         await conn.execute("DELETE FROM scheduler.schema_migrations WHERE version = '004_host_modes'")
 
@@ -354,11 +449,16 @@ async def test_the_migration_derives_existing_hosts_modes(fresh_db):
 
         modes = dict(await conn.fetch("SELECT node_id, mode FROM nodes"))
         assert modes == {"n00001": "slice", "n00002": "baremetal", "n00003": "baremetal", "bm00001": "baremetal"}
-        statuses = dict(await conn.fetch("SELECT node_id, array_agg(DISTINCT status) FROM node_resource_slots "
-                                         "GROUP BY node_id"))
+        statuses = dict(
+            await conn.fetch("SELECT node_id, array_agg(DISTINCT status) FROM node_resource_slots GROUP BY node_id")
+        )
         assert statuses["n00002"] == ["retired"] and statuses["n00001"] == ["available"]
-        assert await conn.fetchval("SELECT count(*) FROM slot_transitions WHERE to_status = 'retired' "
-                                   "AND actor = 'migration-004'") == 8 + 8
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM slot_transitions WHERE to_status = 'retired' AND actor = 'migration-004'"
+            )
+            == 8 + 8
+        )
         rows = {r["node_id"]: r for r in await conn.fetch("SELECT * FROM node_mode_history")}
         assert set(rows) == set(modes) and rows["n00002"]["from_mode"] == "slice"
         assert rows["n00001"]["from_mode"] is None and rows["n00001"]["actor"] == "migration-004"

@@ -34,8 +34,16 @@ async def api(pool):
 
 def accepted(gpus=1, shape="gpu_slice", tenant="t1", sku="h200-sxm-slice"):
     return m.AllocationAccepted(
-        allocation_id=uuid.uuid4(), tenant_id=tenant, shape=shape, state="accepted", seq=2, sku=sku, gpu_count=gpus,
-        region="default", image=m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img"))
+        allocation_id=uuid.uuid4(),
+        tenant_id=tenant,
+        shape=shape,
+        state="accepted",
+        seq=2,
+        sku=sku,
+        gpu_count=gpus,
+        region="default",
+        image=m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img"),
+    )
 
 
 async def run_place(pool, ev, policy=None):
@@ -53,10 +61,19 @@ CLEAN = {"mounted": False, "mounted_children": [], "signatures": [], "is_os_disk
 
 
 def candidate(i, **change):
-    c = {"candidate_id": f"h1-c{i}", "gpu_pci_address": f"0000:{0x18 + i:02x}:00.0", "numa_node": 0,
-         "pcie_switch": "sw0", "nvme_by_id": f"/dev/disk/by-id/nvme-eui.{i:032x}", "nvme_evidence": CLEAN,
-         "fabric_claim_mode": "per_slot_vf", "fabric_vf_pci_address": f"0000:29:00.{i % 8}",
-         "mac": f"52:54:00:00:01:{i:02x}", "private_ip": f"10.100.0.{10 + i}", "ovs_bridge": "ovsbr0"}
+    c = {
+        "candidate_id": f"h1-c{i}",
+        "gpu_pci_address": f"0000:{0x18 + i:02x}:00.0",
+        "numa_node": 0,
+        "pcie_switch": "sw0",
+        "nvme_by_id": f"/dev/disk/by-id/nvme-eui.{i:032x}",
+        "nvme_evidence": CLEAN,
+        "fabric_claim_mode": "per_slot_vf",
+        "fabric_vf_pci_address": f"0000:29:00.{i % 8}",
+        "mac": f"52:54:00:00:01:{i:02x}",
+        "private_ip": f"10.100.0.{10 + i}",
+        "ovs_bridge": "ovsbr0",
+    }
     c.update(change)
     return c
 
@@ -76,8 +93,18 @@ VIOLATIONS = [
 
 
 async def test_approval_enforces_every_rule_through_the_api(api, pool):
-    status, _ = await post(api, "/v1/nodes", {"actor": "ops", "node_id": "h1", "kind": "slice_host", "hostname": "h1",
-                                              "sku": "h200-sxm-slice", "maas_tags": [inv.TAG_SLICE]})
+    status, _ = await post(
+        api,
+        "/v1/nodes",
+        {
+            "actor": "ops",
+            "node_id": "h1",
+            "kind": "slice_host",
+            "hostname": "h1",
+            "sku": "h200-sxm-slice",
+            "maas_tags": [inv.TAG_SLICE],
+        },
+    )
     assert status == 200
     cands = [candidate(0)] + [candidate(i + 1, **change) for i, (change, _) in enumerate(VIOLATIONS)]
     status, body = await post(api, "/v1/nodes/h1/candidates", {"actor": "ops", "candidates": cands}, method="PUT")
@@ -117,8 +144,10 @@ async def test_errors_are_structured_and_leave_nothing_half_written(api, pool):
     # A batch whose second candidate would replace a slot under a live claim approves nothing.
     placed = (await run_place(pool, accepted())).placed
     held = placed.slots[0]
-    batch = [candidate(9, candidate_id="new-c", gpu_pci_address="0000:77:00.0"),
-             candidate(8, candidate_id="over", gpu_pci_address=held.gpu_pci_address)]
+    batch = [
+        candidate(9, candidate_id="new-c", gpu_pci_address="0000:77:00.0"),
+        candidate(8, candidate_id="over", gpu_pci_address=held.gpu_pci_address),
+    ]
     status, _ = await post(api, "/v1/nodes/n00001/candidates", {"actor": "ops", "candidates": batch}, method="PUT")
     assert status == 200
     status, body = await post(api, "/v1/nodes/n00001/candidates/approve", {"actor": "ops"})
@@ -149,8 +178,13 @@ async def test_idempotency_key_replays_the_stored_response(api, pool):
 
 # Hand edits that bypass the approval API: the row still says 'available', placement must ignore it.
 SLOT_EDITS = [
-    "gpu_pci_address = NULL", "nvme_by_id = '/dev/nvme0n1'", "mac = NULL", "private_ip = NULL",
-    "fabric_claim_mode = 'shared'", "fabric_vf_pci_address = ''", "nvme_evidence = NULL",
+    "gpu_pci_address = NULL",
+    "nvme_by_id = '/dev/nvme0n1'",
+    "mac = NULL",
+    "private_ip = NULL",
+    "fabric_claim_mode = 'shared'",
+    "fabric_vf_pci_address = ''",
+    "nvme_evidence = NULL",
     "nvme_evidence = jsonb_set(nvme_evidence, '{mounted}', 'true')",
     "nvme_evidence = jsonb_set(nvme_evidence, '{mounted_children}', '[\"p1\"]')",
     "nvme_evidence = jsonb_set(nvme_evidence, '{signatures}', '[\"ext4\"]')",
@@ -158,8 +192,13 @@ SLOT_EDITS = [
     "health_state = 'failed'",
 ]
 NODE_EDITS = [
-    "parity_failures = 1", "parity_failures = NULL", "draining = true", "maintenance = true", "schedulable = false",
-    "mode = 'baremetal'", "maas_tags = '{gpuaas-profile-baremetal}'",
+    "parity_failures = 1",
+    "parity_failures = NULL",
+    "draining = true",
+    "maintenance = true",
+    "schedulable = false",
+    "mode = 'baremetal'",
+    "maas_tags = '{gpuaas-profile-baremetal}'",
 ]
 
 
@@ -187,7 +226,9 @@ async def test_a_live_claim_on_an_available_row_is_respected(pool):
         await synthetic.build(conn, slice_hosts=1, slots_per_host=1)
         await conn.execute(
             "INSERT INTO allocation_resource_claims (allocation_id, node_id, slot_id, claim_kind, status, "
-            "fencing_epoch) VALUES ($1, 'n00001', 'n00001-s0', 'slot', 'held', 1)", uuid.uuid4())
+            "fencing_epoch) VALUES ($1, 'n00001', 'n00001-s0', 'slot', 'held', 1)",
+            uuid.uuid4(),
+        )
     assert (await run_place(pool, accepted())).placed is None
 
 
@@ -209,8 +250,16 @@ async def test_quota_is_checked_inside_the_claim_transaction(pool):
     out = await run_place(pool, accepted(1, tenant="small"))
     assert out.unschedulable.reason_code == "quota_exceeded" and "4 of its 4" in out.unschedulable.reason
     assert (await run_place(pool, accepted(1, tenant="small"), PlacementPolicy())).placed is None
-    assert (await run_place(pool, accepted(1, tenant="other", ), PlacementPolicy(default_tenant_gpu_quota=0))
-            ).unschedulable.reason_code == "quota_exceeded"
+    assert (
+        await run_place(
+            pool,
+            accepted(
+                1,
+                tenant="other",
+            ),
+            PlacementPolicy(default_tenant_gpu_quota=0),
+        )
+    ).unschedulable.reason_code == "quota_exceeded"
 
 
 async def test_why_not_counts_are_complete_and_the_reason_precise(pool):
@@ -220,8 +269,10 @@ async def test_why_not_counts_are_complete_and_the_reason_precise(pool):
         await conn.execute("UPDATE nodes SET parity_failures = 2 WHERE node_id = 'n00002'")
         await conn.execute("UPDATE nodes SET region = 'eu' WHERE node_id = 'n00003'")
         # n00004..n00006: 4 free each, but two on each NUMA node (no topology-safe group of 4).
-        await conn.execute("UPDATE node_resource_slots SET status = 'cleanup_blocked' WHERE node_id IN "
-                           "('n00004', 'n00005', 'n00006') AND right(slot_id, 1) IN ('0', '1', '4', '5')")
+        await conn.execute(
+            "UPDATE node_resource_slots SET status = 'cleanup_blocked' WHERE node_id IN "
+            "('n00004', 'n00005', 'n00006') AND right(slot_id, 1) IN ('0', '1', '4', '5')"
+        )
         await inv.refresh_nodes(conn)
     u = (await run_place(pool, accepted(4))).unschedulable
     assert u.reason_code == "topology"
@@ -234,8 +285,7 @@ async def test_why_not_counts_are_complete_and_the_reason_precise(pool):
 async def test_sql_candidate_order_matches_the_pure_ranking(pool):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=30)
-        await conn.execute("UPDATE node_resource_slots SET status = 'disabled' WHERE "
-                           "hashtext(slot_id) % 3 = 0")
+        await conn.execute("UPDATE node_resource_slots SET status = 'disabled' WHERE hashtext(slot_id) % 3 = 0")
         await inv.refresh_nodes(conn)
         rows = await conn.fetch("SELECT * FROM nodes WHERE free_slots > 0")
         pure_nodes = [inv.candidate_from_row(r) for r in rows]
@@ -255,16 +305,16 @@ async def test_sql_candidate_order_matches_the_pure_ranking(pool):
 
 async def _statuses(pool, slot_ids):
     async with pool.acquire() as conn:
-        rows = await conn.fetch("SELECT slot_id, status FROM node_resource_slots WHERE slot_id = ANY($1::text[])",
-                                slot_ids)
+        rows = await conn.fetch(
+            "SELECT slot_id, status FROM node_resource_slots WHERE slot_id = ANY($1::text[])", slot_ids
+        )
         return {r["status"] for r in rows}
 
 
 async def _place_and_activate(pool, gpus=2):
     placed = (await run_place(pool, accepted(gpus))).placed
     async with pool.acquire() as conn, conn.transaction():
-        for to, frm in (("provisioning", ("reserved",)), ("active", ("provisioning",)),
-                        ("releasing", ("active",))):
+        for to, frm in (("provisioning", ("reserved",)), ("active", ("provisioning",)), ("releasing", ("active",))):
             await inv.set_slot_status(conn, placed.allocation_id, to, only_from=frm)
     return placed
 
@@ -279,21 +329,27 @@ async def test_release_with_wipe_proof_goes_through_cleanup_to_available(pool):
     placed = await _place_and_activate(pool)
     ids = [s.slot_id for s in placed.slots]
     async with pool.acquire() as conn, conn.transaction():
-        await release_allocation(conn, placed.allocation_id,
-                                 m.CleanupReport(required=True, verified=True, wipe_proofs=proofs(placed)))
+        await release_allocation(
+            conn, placed.allocation_id, m.CleanupReport(required=True, verified=True, wipe_proofs=proofs(placed))
+        )
     assert await _statuses(pool, ids) == {"available"}
     async with pool.acquire() as conn:
-        path = [r["to_status"] for r in await conn.fetch(
-            "SELECT to_status FROM slot_transitions WHERE slot_id = $1 ORDER BY id", ids[0])]
+        path = [
+            r["to_status"]
+            for r in await conn.fetch("SELECT to_status FROM slot_transitions WHERE slot_id = $1 ORDER BY id", ids[0])
+        ]
         assert path == ["provisioning", "active", "releasing", "cleanup", "available"]
         assert await conn.fetchval("SELECT free_slots FROM nodes") == 8
 
 
-@pytest.mark.parametrize("report", [
-    m.CleanupReport(required=True, verified=False, reason="wipe not verified"),
-    "missing_one",
-    "unverified",
-])
+@pytest.mark.parametrize(
+    "report",
+    [
+        m.CleanupReport(required=True, verified=False, reason="wipe not verified"),
+        "missing_one",
+        "unverified",
+    ],
+)
 async def test_release_without_verified_proof_blocks_and_repair_returns_it(pool, api, report):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=1)
@@ -307,6 +363,10 @@ async def test_release_without_verified_proof_blocks_and_repair_returns_it(pool,
     blocked = placed.slots[0].slot_id
     assert "cleanup_blocked" in await _statuses(pool, [s.slot_id for s in placed.slots])
     assert await _statuses(pool, [blocked]) == {"cleanup_blocked"}
+    # Disabling it would drop the mark that its disk still needs a verified wipe: refused, unchanged.
+    status, body = await post(api, f"/v1/slots/{blocked}/disable", {"actor": "alice", "reason": "park it"})
+    assert status == 409 and body["error"]["code"] == "slot_not_disableable"
+    assert await _statuses(pool, [blocked]) == {"cleanup_blocked"}
     # The blocked slot is never placed again until repaired.
     for _ in range(7):
         p = (await run_place(pool, accepted(1))).placed
@@ -317,8 +377,21 @@ async def test_release_without_verified_proof_blocks_and_repair_returns_it(pool,
     # A repair that would put a mounted disk back in service is refused and changes nothing.
     status, body = await post(api, f"/v1/slots/{blocked}/disable", {"actor": "alice", "reason": "check"})
     assert status == 200
-    status, body = await post(api, f"/v1/slots/{blocked}/repair", {
-        "actor": "alice", "reason": "try", "nvme_evidence": {**CLEAN, "mounted": True}})
+    # Asked again, it stays disabled with one transition, not two.
+    status, again = await post(api, f"/v1/slots/{blocked}/disable", {"actor": "alice", "reason": "check"})
+    assert status == 200 and again["slot"]["status"] == "disabled"
+    async with pool.acquire() as conn:
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM slot_transitions WHERE slot_id = $1 AND to_status = 'disabled'", blocked
+            )
+            == 1
+        )
+    status, body = await post(
+        api,
+        f"/v1/slots/{blocked}/repair",
+        {"actor": "alice", "reason": "try", "nvme_evidence": {**CLEAN, "mounted": True}},
+    )
     assert status == 409 and body["error"]["code"] == "repair_rejected"
     assert await _statuses(pool, [blocked]) == {"disabled"}
 
@@ -357,20 +430,51 @@ async def test_the_watermark_keeps_the_last_clean_slice_hosts_whole(pool):
 
 def rediscovered(slot, candidate_id):
     """A candidate for the GPU of an existing slot, with that slot's own bindings and a clean disk."""
-    return {"candidate_id": candidate_id, **{k: slot[k] for k in (
-        "gpu_pci_address", "numa_node", "pcie_switch", "nvme_by_id", "fabric_claim_mode", "fabric_vf_pci_address",
-        "mac", "private_ip", "ovs_bridge")}, "nvme_evidence": CLEAN}
+    return {
+        "candidate_id": candidate_id,
+        **{
+            k: slot[k]
+            for k in (
+                "gpu_pci_address",
+                "numa_node",
+                "pcie_switch",
+                "nvme_by_id",
+                "fabric_claim_mode",
+                "fabric_vf_pci_address",
+                "mac",
+                "private_ip",
+                "ovs_bridge",
+            )
+        },
+        "nvme_evidence": CLEAN,
+    }
 
 
-@pytest.mark.parametrize("status", ["disabled", "available", "retired", "reserved", "provisioning", "active",
-                                    "releasing", "cleanup", "cleanup_blocked"])
+@pytest.mark.parametrize(
+    "status",
+    [
+        "disabled",
+        "available",
+        "retired",
+        "reserved",
+        "provisioning",
+        "active",
+        "releasing",
+        "cleanup",
+        "cleanup_blocked",
+    ],
+)
 async def test_approval_rewrites_an_idle_slot_and_refuses_any_other(api, pool, status):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=1, slots_per_host=2)
         await conn.execute("UPDATE node_resource_slots SET status = $1 WHERE slot_id = 'n00001-s0'", status)
         before = dict(await conn.fetchrow("SELECT * FROM node_resource_slots WHERE slot_id = 'n00001-s0'"))
-    status_code, _ = await post(api, "/v1/nodes/n00001/candidates",
-                                {"actor": "ops", "candidates": [rediscovered(before, "n00001-gpu0")]}, method="PUT")
+    status_code, _ = await post(
+        api,
+        "/v1/nodes/n00001/candidates",
+        {"actor": "ops", "candidates": [rediscovered(before, "n00001-gpu0")]},
+        method="PUT",
+    )
     assert status_code == 200
     status_code, body = await post(api, "/v1/nodes/n00001/candidates/approve", {"actor": "ops", "reason": "again"})
     async with pool.acquire() as conn:
@@ -378,8 +482,9 @@ async def test_approval_rewrites_an_idle_slot_and_refuses_any_other(api, pool, s
         logged = await conn.fetch("SELECT from_status, to_status FROM slot_transitions WHERE slot_id = 'n00001-s0'")
     if status in ("disabled", "available", "retired"):
         assert status_code == 200, body
-        assert body["results"] == [{"candidate_id": "n00001-gpu0", "slot_id": "n00001-s0", "status": "available",
-                                    "problems": []}]
+        assert body["results"] == [
+            {"candidate_id": "n00001-gpu0", "slot_id": "n00001-s0", "status": "available", "problems": []}
+        ]
         assert after["status"] == "available" and after["candidate_id"] == "n00001-gpu0"
         assert after["generation"] == before["generation"] + 1
         assert [(r["from_status"], r["to_status"]) for r in logged] == [(status, "available")]
@@ -399,8 +504,17 @@ async def test_the_approval_write_itself_refuses_a_slot_that_is_not_idle(pool):
         cand = {**rediscovered(before, "n00001-gpu0"), "ovs_port": None, "profile": before["profile"]}
         async with conn.transaction():
             with pytest.raises(InvalidSlotTransition, match="reserved"):
-                await admin_slots.save_approval(conn, "n00001-s0", "n00001", cand, previous="available",
-                                                status="available", reason=None, actor="ops", log_reason=None,
-                                                problems=[])
+                await admin_slots.save_approval(
+                    conn,
+                    "n00001-s0",
+                    "n00001",
+                    cand,
+                    previous="available",
+                    status="available",
+                    reason=None,
+                    actor="ops",
+                    log_reason=None,
+                    problems=[],
+                )
             assert dict(await conn.fetchrow("SELECT * FROM node_resource_slots WHERE slot_id = 'n00001-s0'")) == before
             assert await conn.fetchval("SELECT count(*) FROM slot_transitions") == 0

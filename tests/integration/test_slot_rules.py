@@ -12,9 +12,14 @@ from gpuaas_scheduler.adapters.slot_sql import ELIGIBLE_SLOT_SQL, RULE_SQL
 from gpuaas_scheduler.domain.slots import ELIGIBILITY_RULES, broken_rules, eligible
 
 GOOD = {
-    "status": "available", "health_state": "healthy", "gpu_pci_address": "0000:18:00.0",
-    "nvme_by_id": "/dev/disk/by-id/nvme-SAMSUNG_1", "mac": "52:54:00:00:00:01", "private_ip": "127.100.0.10",
-    "fabric_claim_mode": "per_slot_vf", "fabric_vf_pci_address": "0000:19:00.2",
+    "status": "available",
+    "health_state": "healthy",
+    "gpu_pci_address": "0000:18:00.0",
+    "nvme_by_id": "/dev/disk/by-id/nvme-SAMSUNG_1",
+    "mac": "52:54:00:00:00:01",
+    "private_ip": "127.100.0.10",
+    "fabric_claim_mode": "per_slot_vf",
+    "fabric_vf_pci_address": "0000:19:00.2",
     "nvme_evidence": {"is_os_disk": False, "mounted": False, "mounted_children": [], "signatures": []},
 }
 # One slot per rule that breaks exactly that rule (and a few more ways to break the disk rules).
@@ -26,12 +31,16 @@ VIOLATIONS = {
     "fabric_claim_mode": [{"fabric_claim_mode": "shared"}, {"fabric_claim_mode": None}],
     "fabric_vf_pci_address": [{"fabric_vf_pci_address": ""}],
     "nvme_evidence": [{"nvme_evidence": None}],
-    "not_os_disk": [{"nvme_evidence": {**GOOD["nvme_evidence"], "is_os_disk": True}},
-                    {"nvme_evidence": {k: v for k, v in GOOD["nvme_evidence"].items() if k != "is_os_disk"}}],
+    "not_os_disk": [
+        {"nvme_evidence": {**GOOD["nvme_evidence"], "is_os_disk": True}},
+        {"nvme_evidence": {k: v for k, v in GOOD["nvme_evidence"].items() if k != "is_os_disk"}},
+    ],
     "not_mounted": [{"nvme_evidence": {**GOOD["nvme_evidence"], "mounted": True}}],
     "no_mounted_children": [{"nvme_evidence": {**GOOD["nvme_evidence"], "mounted_children": ["nvme0n1p1"]}}],
-    "no_signatures": [{"nvme_evidence": {**GOOD["nvme_evidence"], "signatures": ["ext4"]}},
-                      {"nvme_evidence": {**GOOD["nvme_evidence"], "signatures": None}}],
+    "no_signatures": [
+        {"nvme_evidence": {**GOOD["nvme_evidence"], "signatures": ["ext4"]}},
+        {"nvme_evidence": {**GOOD["nvme_evidence"], "signatures": None}},
+    ],
     "available": [{"status": "disabled"}, {"status": "cleanup_blocked"}],
     "healthy": [{"health_state": "degraded"}, {"health_state": "failed"}],
 }
@@ -60,8 +69,11 @@ async def _sql_verdict(conn, slot: dict, predicate: str) -> bool:
 async def test_python_and_sql_agree_rule_by_rule(conn, name: str, slot: dict) -> None:
     broken = {r.name for r in broken_rules(slot)}
     # Without evidence nothing about the disk can be shown: those rules fail with it.
-    expected = {"nvme_evidence", "not_os_disk", "not_mounted", "no_signatures"} if slot["nvme_evidence"] is None else (
-        set() if name == "good" else {name})
+    expected = (
+        {"nvme_evidence", "not_os_disk", "not_mounted", "no_signatures"}
+        if slot["nvme_evidence"] is None
+        else (set() if name == "good" else {name})
+    )
     assert broken == expected, "the case breaks other rules than it names"
     assert await _sql_verdict(conn, slot, ELIGIBLE_SLOT_SQL) is eligible(slot)
     for rule in ELIGIBILITY_RULES:

@@ -21,12 +21,25 @@ OTHER = "c" * 64
 def _image(status: str = "published") -> dict[str, Any]:
     now = datetime.now(timezone.utc)
     return {
-        "slug": SLUG, "kind": "slice", "status": status, "driver_strategy": "preinstalled",
-        "compatible_sku": "h200-sxm-slice", "source_uri": "oci://r/ns/ubuntu-slice:t@sha256:" + "1" * 64,
-        "digest_sha256": DIGEST, "activation_seq": 0, "created_at": now, "updated_at": now,
-        "metadata": {"image_path": f"/var/lib/gpuaas/images/{SLUG}.raw", "artifact_ref": "oci://r/ns/ubuntu-slice:t",
-                     "blob_digest": "sha256:" + "2" * 64, "blob_size": 10, "blob_media_type": "x",
-                     "virtual_size": 100, "registry_tls": "plain-http"},
+        "slug": SLUG,
+        "kind": "slice",
+        "status": status,
+        "driver_strategy": "preinstalled",
+        "compatible_sku": "h200-sxm-slice",
+        "source_uri": "oci://r/ns/ubuntu-slice:t@sha256:" + "1" * 64,
+        "digest_sha256": DIGEST,
+        "activation_seq": 0,
+        "created_at": now,
+        "updated_at": now,
+        "metadata": {
+            "image_path": f"/var/lib/gpuaas/images/{SLUG}.raw",
+            "artifact_ref": "oci://r/ns/ubuntu-slice:t",
+            "blob_digest": "sha256:" + "2" * 64,
+            "blob_size": 10,
+            "blob_media_type": "x",
+            "virtual_size": 100,
+            "registry_tls": "plain-http",
+        },
     }
 
 
@@ -45,8 +58,9 @@ class FakeImages:
         return row["digest_sha256"] if row else None
 
     async def prewarmable_slugs(self) -> list[str]:
-        return sorted(s for s, r in self.rows.items()
-                      if r["kind"] == "slice" and r["status"] in ("published", "active"))
+        return sorted(
+            s for s, r in self.rows.items() if r["kind"] == "slice" and r["status"] in ("published", "active")
+        )
 
     async def activate(self, slug: str) -> int:
         row = self.rows[slug]
@@ -77,11 +91,15 @@ class FakeSliceHosts:
     async def cache_states(self, slug: str) -> dict[str, tuple[str, str | None]]:
         return {n: (c["status"], c["digest_sha256"]) for (n, s), c in self.caches.items() if s == slug}
 
-    async def set_cache(self, *, node_id: str, slug: str, status: str, digest: str | None, task_id: str | None,
-                        **_: Any) -> None:
+    async def set_cache(
+        self, *, node_id: str, slug: str, status: str, digest: str | None, task_id: str | None, **_: Any
+    ) -> None:
         prior = self.caches.get((node_id, slug), {})
-        self.caches[(node_id, slug)] = {"status": status, "digest_sha256": digest,
-                                        "task_id": task_id or prior.get("task_id")}
+        self.caches[(node_id, slug)] = {
+            "status": status,
+            "digest_sha256": digest,
+            "task_id": task_id or prior.get("task_id"),
+        }
 
 
 @dataclass
@@ -112,13 +130,26 @@ class World:
         return env
 
     async def enrol(self, node: str) -> None:
-        await self.send(_on_enrolled, "node.enrolled",
-                        m.NodeEnrolled(node_id=node, kind="slice_host", hostname=node, agent_version="t"))
+        await self.send(
+            _on_enrolled,
+            "node.enrolled",
+            m.NodeEnrolled(node_id=node, kind="slice_host", hostname=node, agent_version="t"),
+        )
 
     async def report(self, node: str, status: str, digest: str | None, expected: str = DIGEST) -> Envelope:
-        return await self.send(_on_cache_reported, "node.image_cache_reported", m.NodeImageCacheReported(
-            task_id=f"t-{node}", node_id=node, slug=SLUG, status=status, expected_digest=expected,
-            digest_sha256=digest, local_path="/x"))
+        return await self.send(
+            _on_cache_reported,
+            "node.image_cache_reported",
+            m.NodeImageCacheReported(
+                task_id=f"t-{node}",
+                node_id=node,
+                slug=SLUG,
+                status=status,
+                expected_digest=expected,
+                digest_sha256=digest,
+                local_path="/x",
+            ),
+        )
 
     @property
     def status(self) -> str:

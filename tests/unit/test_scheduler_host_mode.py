@@ -28,11 +28,21 @@ AT = datetime(2026, 4, 17, 12, 0, tzinfo=timezone.utc)
 
 # Facts under which every guard of a transition holds. Entering slice needs re-approved (so unretired)
 # slots, every other transition needs all slots retired: hence two sets.
-READY_FOR_SLICE = HostFacts("h1", SLICE, accepts_slices=True, accepts_baremetal=True, live_claims=0,
-                            unretired_slots=8, parity_failures=0, rediscovered=True, reapproved_slots=8,
-                            stale_slots=0)
-EMPTY = HostFacts("h1", SLICE, accepts_slices=True, accepts_baremetal=True, live_claims=0, unretired_slots=0,
-                  parity_failures=None)
+READY_FOR_SLICE = HostFacts(
+    "h1",
+    SLICE,
+    accepts_slices=True,
+    accepts_baremetal=True,
+    live_claims=0,
+    unretired_slots=8,
+    parity_failures=0,
+    rediscovered=True,
+    reapproved_slots=8,
+    stale_slots=0,
+)
+EMPTY = HostFacts(
+    "h1", SLICE, accepts_slices=True, accepts_baremetal=True, live_claims=0, unretired_slots=0, parity_failures=None
+)
 
 
 def ready(frm: str, to: str) -> HostFacts:
@@ -41,10 +51,17 @@ def ready(frm: str, to: str) -> HostFacts:
 
 EXPECTED_TABLE = {
     (SLICE, DRAINED),
-    (DRAINED, SLICE), (DRAINED, BAREMETAL), (DRAINED, CONVERTING), (DRAINED, RETIRED),
-    (BAREMETAL, CONVERTING), (BAREMETAL, RETIRED),
-    (CONVERTING, SLICE), (CONVERTING, BAREMETAL), (CONVERTING, RETIRED),
-    (RETIRED, CONVERTING), (RETIRED, BAREMETAL),
+    (DRAINED, SLICE),
+    (DRAINED, BAREMETAL),
+    (DRAINED, CONVERTING),
+    (DRAINED, RETIRED),
+    (BAREMETAL, CONVERTING),
+    (BAREMETAL, RETIRED),
+    (CONVERTING, SLICE),
+    (CONVERTING, BAREMETAL),
+    (CONVERTING, RETIRED),
+    (RETIRED, CONVERTING),
+    (RETIRED, BAREMETAL),
 }
 
 
@@ -58,8 +75,13 @@ def test_the_table_is_the_documented_one():
 def test_every_allowed_transition_records_who_why_when(frm, to):
     host = Host(ready(frm, to))
     change = host.change_mode(to, actor="ops@site", reason="ticket 42", at=AT)
-    assert (change.from_mode, change.to_mode, change.actor, change.reason, change.at) == (frm, to, "ops@site",
-                                                                                         "ticket 42", AT)
+    assert (change.from_mode, change.to_mode, change.actor, change.reason, change.at) == (
+        frm,
+        to,
+        "ops@site",
+        "ticket 42",
+        AT,
+    )
     assert host.mode == to and host.changes == [change]
     # Entering converting, and only that, puts parity and topology back to unknown.
     assert change.resets_evidence == (to == CONVERTING)
@@ -152,7 +174,10 @@ def test_return_from_baremetal_converts_a_slice_capable_host_and_keeps_a_baremet
     host = Host(replace(EMPTY, mode=BAREMETAL, parity_failures=0, rediscovered=True))
     change = host.return_from_baremetal(actor="scheduler", reason="released", at=AT, allocation_id="a-1")
     assert change is not None and (change.from_mode, change.to_mode, change.allocation_id) == (
-        BAREMETAL, CONVERTING, "a-1")
+        BAREMETAL,
+        CONVERTING,
+        "a-1",
+    )
     assert change.resets_evidence and host.facts.parity_failures is None and not host.facts.rediscovered
     only_bm = Host(replace(EMPTY, mode=BAREMETAL, accepts_slices=False))
     assert only_bm.return_from_baremetal(actor="scheduler", reason="released", at=AT) is None

@@ -38,8 +38,11 @@ def build_rootfs_tgz(rootfs: Path, out: Path, site_bootstrap: Path | None = None
         return info
 
     # No file name in the gzip header either: the same tree must give the same bytes under any name.
-    with tmp.open("wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz, \
-            tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
+    with (
+        tmp.open("wb") as raw,
+        gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
         names = set()
         for path in sorted(rootfs.rglob("*")):
             rel = path.relative_to(rootfs).as_posix()

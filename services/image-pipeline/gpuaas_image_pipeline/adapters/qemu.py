@@ -26,8 +26,7 @@ class ImageToolError(RuntimeError):
 
 
 async def _run(*argv: str, on_output: Callable[[bytes], None] | None = None) -> bytes:
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     assert proc.stdout and proc.stderr
     out = bytearray()
     while chunk := await proc.stdout.read(4096):
@@ -36,7 +35,9 @@ async def _run(*argv: str, on_output: Callable[[bytes], None] | None = None) -> 
             on_output(bytes(out[-256:]))
     err = await proc.stderr.read()
     if await proc.wait() != 0:
-        raise ImageToolError(f"{argv[0]} {argv[1] if len(argv) > 1 else ''} failed: {err.decode(errors='replace')[-2000:]}")
+        raise ImageToolError(
+            f"{argv[0]} {argv[1] if len(argv) > 1 else ''} failed: {err.decode(errors='replace')[-2000:]}"
+        )
     return bytes(out)
 
 
@@ -46,14 +47,16 @@ async def image_info(path: Path) -> dict:
 
 async def convert_to_raw(src: Path, src_format: str, dst: Path, progress: Progress | None = None) -> None:
     """Sparse raw: `-S 4k` leaves every all-zero 4 KiB block a hole, which is what keeps the artifact small."""
+
     def on_output(tail: bytes) -> None:
         found = _PCT.findall(tail)
         if found and progress:
             progress(int(float(found[-1]) * 100), 10_000)
 
     tmp = dst.with_name(dst.name + ".part")
-    await _run("qemu-img", "convert", "-p", "-f", src_format, "-O", "raw", "-S", "4k", str(src), str(tmp),
-               on_output=on_output)
+    await _run(
+        "qemu-img", "convert", "-p", "-f", src_format, "-O", "raw", "-S", "4k", str(src), str(tmp), on_output=on_output
+    )
     tmp.replace(dst)
 
 

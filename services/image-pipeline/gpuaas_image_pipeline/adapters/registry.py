@@ -75,7 +75,9 @@ def push_artifact(
     reg = client(tls_mode, progress=progress, total=blob_size)
     container = reg.get_container(f"{push_host}/{repository}:{tag}")
     layer = {
-        "mediaType": media_type, "size": blob_size, "digest": f"sha256:{blob_digest}",
+        "mediaType": media_type,
+        "size": blob_size,
+        "digest": f"sha256:{blob_digest}",
         "annotations": {oras.defaults.annotation_title: title},
     }
     existed = reg.blob_exists(layer, container)
@@ -86,8 +88,11 @@ def push_artifact(
     config_bytes = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
     config_file = blob.with_name(blob.name + ".config.json")
     config_file.write_bytes(config_bytes)
-    conf = {"mediaType": CONFIG_MEDIA_TYPE, "size": len(config_bytes),
-            "digest": f"sha256:{hashlib.sha256(config_bytes).hexdigest()}"}
+    conf = {
+        "mediaType": CONFIG_MEDIA_TYPE,
+        "size": len(config_bytes),
+        "digest": f"sha256:{hashlib.sha256(config_bytes).hexdigest()}",
+    }
     _check(reg.upload_blob(str(config_file), container, conf), "config upload")
     config_file.unlink()
     manifest = oras.oci.NewManifest()

@@ -50,7 +50,6 @@ def data_extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
         pos = end
 
 
-
 def pack(raw: Path, out: Path, progress: Progress | None = None) -> PackResult:
     size = raw.stat().st_size
     raw_h, blob_h = hashlib.sha256(), hashlib.sha256()
@@ -92,4 +91,3 @@ def pack(raw: Path, out: Path, progress: Progress | None = None) -> PackResult:
         os.fsync(dst.fileno())
     tmp.replace(out)
     return PackResult(raw_h.hexdigest(), blob_h.hexdigest(), written, size, data)
-

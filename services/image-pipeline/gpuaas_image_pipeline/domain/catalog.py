@@ -72,8 +72,10 @@ class ArtifactRef:
         return cls(m["host"], m["repo"], m["tag"], m["digest"])
 
 
-_REF_RE = re.compile(r"^oci://(?P<host>[^/]+)/(?P<repo>[a-z0-9._/-]+):(?P<tag>[A-Za-z0-9_.-]{1,128})"
-                     r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
+_REF_RE = re.compile(
+    r"^oci://(?P<host>[^/]+)/(?P<repo>[a-z0-9._/-]+):(?P<tag>[A-Za-z0-9_.-]{1,128})"
+    r"(?:@(?P<digest>sha256:[0-9a-f]{64}))?$"
+)
 
 
 class ImageCreate(BaseModel):
@@ -97,8 +99,17 @@ class ImageUpdate(BaseModel):
     metadata: dict[str, Any] | None = None
 
 
-PROTECTED_METADATA = ("image_path", "artifact_ref", "blob_digest", "blob_size", "blob_media_type", "virtual_size",
-                      "build_id", "registry_tls", "maas")
+PROTECTED_METADATA = (
+    "image_path",
+    "artifact_ref",
+    "blob_digest",
+    "blob_size",
+    "blob_media_type",
+    "virtual_size",
+    "build_id",
+    "registry_tls",
+    "maas",
+)
 
 
 class BuildRequest(BaseModel):

@@ -57,9 +57,14 @@ class AdminApi:
         return self._api.port if self._api is not None else None
 
     def api(self) -> admin_http.AdminApi:
-        return admin_http.AdminApi(service="image-pipeline", schema=SCHEMA, pool=self.pool,
-                                   tokens={"admin": self.settings.admin_token}, routes=self.routes(),
-                                   repositories=image_pipeline_repositories)
+        return admin_http.AdminApi(
+            service="image-pipeline",
+            schema=SCHEMA,
+            pool=self.pool,
+            tokens={"admin": self.settings.admin_token},
+            routes=self.routes(),
+            repositories=image_pipeline_repositories,
+        )
 
     def app(self):
         return self.api().app()
@@ -75,35 +80,94 @@ class AdminApi:
     def routes(self) -> list[Route]:
         return [
             Route("GET", "/v1/images", self.list_images, "list the catalog", out.ImageList),
-            Route("POST", "/v1/images", self.create_image, "add a catalog row (disabled until built and enabled)",
-                  out.ImageView, ImageCreate, statuses=(201,), errors=(409,)),
-            Route("GET", "/v1/images/{slug}", self.get_image, "an image, its node caches and last build",
-                  out.ImageDetail),
-            Route("PATCH", "/v1/images/{slug}", self.update_image, "change SKU, driver strategy or metadata",
-                  out.ImageView, ImageUpdate),
+            Route(
+                "POST",
+                "/v1/images",
+                self.create_image,
+                "add a catalog row (disabled until built and enabled)",
+                out.ImageView,
+                ImageCreate,
+                statuses=(201,),
+                errors=(409,),
+            ),
+            Route(
+                "GET", "/v1/images/{slug}", self.get_image, "an image, its node caches and last build", out.ImageDetail
+            ),
+            Route(
+                "PATCH",
+                "/v1/images/{slug}",
+                self.update_image,
+                "change SKU, driver strategy or metadata",
+                out.ImageView,
+                ImageUpdate,
+            ),
             Route("DELETE", "/v1/images/{slug}", self.delete_image, "remove an image (deactivates it)", out.Deleted),
-            Route("POST", "/v1/images/{slug}/enable", self.enable_image,
-                  "activate (200) or publish and prewarm until every host verified it (202)", out.ImageView,
-                  statuses=(200, 202), errors=(409,)),
+            Route(
+                "POST",
+                "/v1/images/{slug}/enable",
+                self.enable_image,
+                "activate (200) or publish and prewarm until every host verified it (202)",
+                out.ImageView,
+                statuses=(200, 202),
+                errors=(409,),
+            ),
             Route("POST", "/v1/images/{slug}/disable", self.disable_image, "deactivate an image", out.ImageView),
-            Route("POST", "/v1/images/{slug}/prewarm", self.prewarm_image, "send prewarm tasks to every host",
-                  out.Prewarm, statuses=(202,)),
-            Route("POST", "/v1/images/{slug}/builds", self.start_build,
-                  "build, push and catalog a slice image (202), or plan it (dry_run: 200)", out.BuildView,
-                  BuildRequest, statuses=(202, 200), errors=(409,), body_required=False),
+            Route(
+                "POST",
+                "/v1/images/{slug}/prewarm",
+                self.prewarm_image,
+                "send prewarm tasks to every host",
+                out.Prewarm,
+                statuses=(202,),
+            ),
+            Route(
+                "POST",
+                "/v1/images/{slug}/builds",
+                self.start_build,
+                "build, push and catalog a slice image (202), or plan it (dry_run: 200)",
+                out.BuildView,
+                BuildRequest,
+                statuses=(202, 200),
+                errors=(409,),
+                body_required=False,
+            ),
             Route("GET", "/v1/images/{slug}/builds", self.list_builds, "an image's last 50 builds", out.BuildList),
             Route("GET", "/v1/builds/{build_id}", self.get_build, "one build", out.BuildView),
-            Route("POST", "/v1/images/{slug}/host-upload", self.host_upload,
-                  "archive a root tree as a MAAS host image and ask the gateway to upload it (202; 200 when "
-                  "the same content is already there)", out.HostUpload, HostUploadRequest, statuses=(202, 200),
-                  errors=(409,)),
-            Route("POST", "/v1/images/{slug}/maas-profile", self.maas_profile,
-                  "point a MAAS site profile at this host image", out.MaasRequestView, ProfileImageRequest,
-                  statuses=(202,), errors=(409,)),
-            Route("GET", "/v1/images/{slug}/maas-requests", self.list_maas_requests,
-                  "what was asked of MAAS for this image", out.MaasRequestList),
-            Route("GET", "/v1/maas-requests/{operation_id}", self.get_maas_request, "one MAAS request",
-                  out.MaasRequestView),
+            Route(
+                "POST",
+                "/v1/images/{slug}/host-upload",
+                self.host_upload,
+                "archive a root tree as a MAAS host image and ask the gateway to upload it (202; 200 when "
+                "the same content is already there)",
+                out.HostUpload,
+                HostUploadRequest,
+                statuses=(202, 200),
+                errors=(409,),
+            ),
+            Route(
+                "POST",
+                "/v1/images/{slug}/maas-profile",
+                self.maas_profile,
+                "point a MAAS site profile at this host image",
+                out.MaasRequestView,
+                ProfileImageRequest,
+                statuses=(202,),
+                errors=(409,),
+            ),
+            Route(
+                "GET",
+                "/v1/images/{slug}/maas-requests",
+                self.list_maas_requests,
+                "what was asked of MAAS for this image",
+                out.MaasRequestList,
+            ),
+            Route(
+                "GET",
+                "/v1/maas-requests/{operation_id}",
+                self.get_maas_request,
+                "one MAAS request",
+                out.MaasRequestView,
+            ),
         ]
 
     # --- handlers -------------------------------------------------------------------------------
@@ -211,16 +275,25 @@ class AdminApi:
         # Built inside the open unit of work: the stored answer of a retried request must name this file.
         built = await asyncio.to_thread(self._build_host_tgz, slug, req)
         row, op_id, sent = await host_images.request_upload(
-            call.uow, slug, req, built, site, self.settings.image_cache_dir)  # type: ignore[arg-type]
-        log.info("host_image_built", slug=slug, sha256=built.sha256, size=built.size, operation_id=op_id,
-                 upload_sent=sent)
-        return Reply({"image": image_dict(row), "operation_id": op_id, "upload_sent": sent,
-                      "sha256": built.sha256, "size": built.size}, 202 if sent else 200)
+            call.uow, slug, req, built, site, self.settings.image_cache_dir
+        )  # type: ignore[arg-type]
+        log.info(
+            "host_image_built", slug=slug, sha256=built.sha256, size=built.size, operation_id=op_id, upload_sent=sent
+        )
+        return Reply(
+            {
+                "image": image_dict(row),
+                "operation_id": op_id,
+                "upload_sent": sent,
+                "sha256": built.sha256,
+                "size": built.size,
+            },
+            202 if sent else 200,
+        )
 
     async def maas_profile(self, call: Call) -> dict:
         slug = call.params["slug"]
-        op_id = await host_images.request_profile_image(
-            call.uow, slug, call.body, self.settings.maas_site)  # type: ignore[arg-type]
+        op_id = await host_images.request_profile_image(call.uow, slug, call.body, self.settings.maas_site)  # type: ignore[arg-type]
         row = await self._repos(call).maas_requests.get(op_id)
         return host_images.request_dict(row)  # type: ignore[arg-type]
 
@@ -238,10 +311,12 @@ class AdminApi:
 def openapi_document() -> dict[str, Any]:
     routes = AdminApi(None, None, ImagePipelineSettings.model_construct()).routes()  # type: ignore[arg-type]
     return openapi(
-        routes, title="gpuaas image pipeline admin API", version="1",
+        routes,
+        title="gpuaas image pipeline admin API",
+        version="1",
         description="The image catalog: images (create, update, enable, disable, delete), slice image builds "
-                    "and prewarm, MAAS host images and site profiles. Every mutation needs an Idempotency-Key "
-                    "and is audited (admin_requests); errors share one shape.",
+        "and prewarm, MAAS host images and site profiles. Every mutation needs an Idempotency-Key "
+        "and is audited (admin_requests); errors share one shape.",
     )
 
 

@@ -31,8 +31,9 @@ def build_register(settings: ImagePipelineSettings):
             text = await asyncio.to_thread(Path(settings.image_seed_file).read_text)
             seeds = [SeedImage.model_validate(s) for s in json.loads(text)]
         rt.bus.repositories = image_pipeline_repositories
-        async with UnitOfWork(rt.pool, "image_pipeline", "image-pipeline", image_pipeline_repositories,
-                              correlation_id="image-seed") as uow:
+        async with UnitOfWork(
+            rt.pool, "image_pipeline", "image-pipeline", image_pipeline_repositories, correlation_id="image-seed"
+        ) as uow:
             activated = await apply_seed(uow, seeds)
             await uow.commit()
         log.info("catalog_seeded", active=activated)
@@ -50,8 +51,9 @@ def build_register(settings: ImagePipelineSettings):
             await catalog.on_cache_reported(ctx.uow, ctx.payload)
 
         rt.bus.subscribe(rt.consumer_spec("image-pipeline-enrolments"), {"node.enrolled": on_enrolled})
-        rt.bus.subscribe(rt.consumer_spec("image-pipeline-cache-reports"),
-                         {"node.image_cache_reported": on_cache_reported})
+        rt.bus.subscribe(
+            rt.consumer_spec("image-pipeline-cache-reports"), {"node.image_cache_reported": on_cache_reported}
+        )
 
         async def on_upload_result(ctx: HandlerContext) -> None:
             await host_images.on_upload_result(ctx.uow, ctx.payload)
@@ -59,14 +61,17 @@ def build_register(settings: ImagePipelineSettings):
         async def on_profile_result(ctx: HandlerContext) -> None:
             await host_images.on_profile_image_result(ctx.uow, ctx.payload)
 
-        rt.bus.subscribe(rt.consumer_spec("image-pipeline-maas-uploads"),
-                         {"maas.image_upload_result": on_upload_result})
-        rt.bus.subscribe(rt.consumer_spec("image-pipeline-maas-profiles"),
-                         {"maas.profile_image_set_result": on_profile_result})
+        rt.bus.subscribe(
+            rt.consumer_spec("image-pipeline-maas-uploads"), {"maas.image_upload_result": on_upload_result}
+        )
+        rt.bus.subscribe(
+            rt.consumer_spec("image-pipeline-maas-profiles"), {"maas.profile_image_set_result": on_profile_result}
+        )
 
         if settings.admin_token is None:
-            log.warning("admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the admin API never listens "
-                                                  "without a token")
+            log.warning(
+                "admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the admin API never listens without a token"
+            )
             return
         api = AdminApi(rt.pool, runner, settings)
         rt.ready_info["admin_port"] = await api.start()
@@ -77,8 +82,13 @@ def build_register(settings: ImagePipelineSettings):
 
 def main() -> None:
     settings = ImagePipelineSettings()
-    run_service("image-pipeline", settings, build_register(settings), schema="image_pipeline",
-                migrations_package="gpuaas_image_pipeline.migrations")
+    run_service(
+        "image-pipeline",
+        settings,
+        build_register(settings),
+        schema="image_pipeline",
+        migrations_package="gpuaas_image_pipeline.migrations",
+    )
 
 
 if __name__ == "__main__":

@@ -74,22 +74,39 @@ class BuildRunner:
         if reuse is None:
             steps += [f"qemu-img convert -O qcow2 {req.source} {workdir / 'work.qcow2'}"]
             steps += customiser.plan(workdir / "work.qcow2", packages)
-            steps += [f"qemu-img convert -p -f qcow2 -O raw -S 4k {workdir / 'work.qcow2'} {workdir / 'image.raw'}",
-                      f"pack sparse extents + sha256 -> {workdir / 'image.gpsparse'} ({sparse.MEDIA_TYPE})"]
+            steps += [
+                f"qemu-img convert -p -f qcow2 -O raw -S 4k {workdir / 'work.qcow2'} {workdir / 'image.raw'}",
+                f"pack sparse extents + sha256 -> {workdir / 'image.gpsparse'} ({sparse.MEDIA_TYPE})",
+            ]
         else:
-            steps += [f"reuse artifact of build {reuse['build_id']}: {reuse['artifact_path']} "
-                      f"(raw sha256 {reuse['raw_sha256']})"]
-        steps.append(f"push to {s.registry_push_host or catalog_host}/{ref.repository}:{tag} "
-                     f"(tls {s.registry_tls_mode}) with oras")
+            steps += [
+                f"reuse artifact of build {reuse['build_id']}: {reuse['artifact_path']} "
+                f"(raw sha256 {reuse['raw_sha256']})"
+            ]
+        steps.append(
+            f"push to {s.registry_push_host or catalog_host}/{ref.repository}:{tag} "
+            f"(tls {s.registry_tls_mode}) with oras"
+        )
         if req.update_catalog:
-            steps += [f"catalog {slug}: source_uri {ref.uri}@<manifest digest>, status published",
-                      "send image.cache_prewarm to every enrolled slice host; activate when all verify"]
+            steps += [
+                f"catalog {slug}: source_uri {ref.uri}@<manifest digest>, status published",
+                "send image.cache_prewarm to every enrolled slice host; activate when all verify",
+            ]
         return {
-            "build_id": build_id, "slug": slug, "tag": tag, "namespace": namespace, "artifact_ref": ref.uri,
-            "push_endpoint": s.registry_push_host or catalog_host, "catalog_host": catalog_host,
-            "tls_mode": s.registry_tls_mode, "customise": customiser.name, "packages": packages,
+            "build_id": build_id,
+            "slug": slug,
+            "tag": tag,
+            "namespace": namespace,
+            "artifact_ref": ref.uri,
+            "push_endpoint": s.registry_push_host or catalog_host,
+            "catalog_host": catalog_host,
+            "tls_mode": s.registry_tls_mode,
+            "customise": customiser.name,
+            "packages": packages,
             "reuse_build_id": reuse["build_id"] if reuse is not None else None,
-            "update_catalog": req.update_catalog, "workdir": str(workdir), "steps": steps,
+            "update_catalog": req.update_catalog,
+            "workdir": str(workdir),
+            "steps": steps,
         }
 
     # --- start ------------------------------------------------------------------------------------
@@ -103,8 +120,7 @@ class BuildRunner:
             launch()
         return build
 
-    async def begin(self, uow: Uow, slug: str, req: BuildRequest
-                    ) -> tuple[dict[str, Any], Callable[[], None] | None]:
+    async def begin(self, uow: Uow, slug: str, req: BuildRequest) -> tuple[dict[str, Any], Callable[[], None] | None]:
         """The build row, written in the caller's unit of work, and what starts the build: the caller
         calls it once that unit of work committed (a rolled-back request must not leave a build running)."""
         try:
@@ -119,8 +135,10 @@ class BuildRunner:
         row = await uow.repos.images.lock(slug)
         if row is None:
             row = await catalog.create_image(
-                uow, ImageCreate(slug=slug, compatible_sku=req.compatible_sku, driver_strategy=req.driver_strategy),
-                self.settings.image_cache_dir)
+                uow,
+                ImageCreate(slug=slug, compatible_sku=req.compatible_sku, driver_strategy=req.driver_strategy),
+                self.settings.image_cache_dir,
+            )
         if row["kind"] != "slice":
             raise CatalogError(409, "not_a_slice_image", f"{slug} is a {row['kind']} image")
         reuse = None
@@ -133,8 +151,15 @@ class BuildRunner:
         plan = self.plan(slug, build_id, req, reuse)
         if not req.dry_run and await uow.repos.builds.any_in(slug, list(RUNNING)):
             raise CatalogError(409, "build_running", f"a build of {slug} is already running")
-        row = await uow.repos.builds.insert(build_id, slug, "planned" if req.dry_run else "queued", req.source,
-                                            req.model_dump(mode="json"), req.reuse_build_id, plan)
+        row = await uow.repos.builds.insert(
+            build_id,
+            slug,
+            "planned" if req.dry_run else "queued",
+            req.source,
+            req.model_dump(mode="json"),
+            req.reuse_build_id,
+            plan,
+        )
         if req.dry_run:
             return build_dict(row), None
 
@@ -161,8 +186,9 @@ class BuildRunner:
             if self.bus is None or (not force and now - last[0] < PROGRESS_INTERVAL_S and done < total):
                 return
             last[0] = now
-            ev = m.ImageBuildProgress(build_id=build_id, slug=slug, phase=phase, bytes_done=max(done, 0),
-                                      bytes_total=max(total, 0))
+            ev = m.ImageBuildProgress(
+                build_id=build_id, slug=slug, phase=phase, bytes_done=max(done, 0), bytes_total=max(total, 0)
+            )
             coro = self.bus.publish("image.build_progress", ev, correlation_id=build_id)
             try:
                 running = asyncio.get_running_loop()
@@ -175,8 +201,7 @@ class BuildRunner:
 
         return report
 
-    async def _run(self, build_id: str, slug: str, req: BuildRequest, plan: dict[str, Any],
-                   reuse: Row | None) -> None:
+    async def _run(self, build_id: str, slug: str, req: BuildRequest, plan: dict[str, Any], reuse: Row | None) -> None:
         with bound_context(build_id=build_id, slug=slug):
             started = time.monotonic()
             try:
@@ -188,8 +213,9 @@ class BuildRunner:
                 return
             log.info("image_build_published", seconds=round(time.monotonic() - started, 3))
 
-    async def _build_and_publish(self, build_id: str, slug: str, req: BuildRequest, plan: dict[str, Any],
-                                 reuse: Row | None) -> None:
+    async def _build_and_publish(
+        self, build_id: str, slug: str, req: BuildRequest, plan: dict[str, Any], reuse: Row | None
+    ) -> None:
         s = self.settings
         workdir = Path(plan["workdir"])
         await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
@@ -202,8 +228,9 @@ class BuildRunner:
             # A private qcow2 copy: the source stays pristine and the customiser may write freely.
             await qemu.convert_to_qcow2(Path(req.source), info.get("format", "qcow2"), work)
             customiser = qemu.CUSTOMISERS[plan["customise"]]
-            await customiser.customise(work, plan["packages"], {"build_id": build_id, "slug": slug,
-                                                                "built_at": plan["tag"]})
+            await customiser.customise(
+                work, plan["packages"], {"build_id": build_id, "slug": slug, "built_at": plan["tag"]}
+            )
             self._progress(build_id, slug, "customise")(1, 1, True)
             await self._status(build_id, "converting")
             raw = workdir / "image.raw"
@@ -212,61 +239,120 @@ class BuildRunner:
             await self._status(build_id, "packing", raw_path=str(raw))
             artifact = workdir / "image.gpsparse"
             packed = await asyncio.to_thread(sparse.pack, raw, artifact, self._progress(build_id, slug, "pack"))
-            await self._status(build_id, "pushing", raw_sha256=packed.raw_sha256, virtual_size=packed.virtual_size,
-                               data_bytes=packed.data_bytes, artifact_path=str(artifact),
-                               blob_digest=f"sha256:{packed.blob_sha256}", blob_size=packed.blob_size)
-            raw_sha256, blob_sha256, blob_size, virtual_size = (packed.raw_sha256, packed.blob_sha256,
-                                                                packed.blob_size, packed.virtual_size)
+            await self._status(
+                build_id,
+                "pushing",
+                raw_sha256=packed.raw_sha256,
+                virtual_size=packed.virtual_size,
+                data_bytes=packed.data_bytes,
+                artifact_path=str(artifact),
+                blob_digest=f"sha256:{packed.blob_sha256}",
+                blob_size=packed.blob_size,
+            )
+            raw_sha256, blob_sha256, blob_size, virtual_size = (
+                packed.raw_sha256,
+                packed.blob_sha256,
+                packed.blob_size,
+                packed.virtual_size,
+            )
         else:
             artifact = Path(reuse["artifact_path"])
             raw_sha256, blob_sha256 = reuse["raw_sha256"], reuse["blob_digest"].removeprefix("sha256:")
             blob_size, virtual_size = reuse["blob_size"], reuse["virtual_size"]
-            await self._status(build_id, "pushing", raw_path=reuse["raw_path"], raw_sha256=raw_sha256,
-                               virtual_size=virtual_size, data_bytes=reuse["data_bytes"], artifact_path=str(artifact),
-                               blob_digest=reuse["blob_digest"], blob_size=blob_size)
+            await self._status(
+                build_id,
+                "pushing",
+                raw_path=reuse["raw_path"],
+                raw_sha256=raw_sha256,
+                virtual_size=virtual_size,
+                data_bytes=reuse["data_bytes"],
+                artifact_path=str(artifact),
+                blob_digest=reuse["blob_digest"],
+                blob_size=blob_size,
+            )
         ref = ArtifactRef.parse(plan["artifact_ref"])
         pushed = await asyncio.to_thread(
-            registry.push_artifact, push_host=s.registry_push_host or s.registry_host, repository=ref.repository,
-            tag=ref.tag, tls_mode=s.registry_tls_mode, blob=artifact, blob_digest=blob_sha256, blob_size=blob_size,
-            media_type=sparse.MEDIA_TYPE, title=f"{slug}.raw",
-            config={"slug": slug, "digest_sha256": raw_sha256, "virtual_size": virtual_size, "build_id": build_id,
-                    "format": sparse.MEDIA_TYPE},
-            annotations={"org.opencontainers.image.created": datetime.now(timezone.utc).isoformat(),
-                         "org.opencontainers.image.title": slug, "io.gpuaas.image.sha256": raw_sha256,
-                         "io.gpuaas.build.id": build_id},
-            chunk_size=s.registry_chunk_mib << 20, progress=self._progress(build_id, slug, "push"),
+            registry.push_artifact,
+            push_host=s.registry_push_host or s.registry_host,
+            repository=ref.repository,
+            tag=ref.tag,
+            tls_mode=s.registry_tls_mode,
+            blob=artifact,
+            blob_digest=blob_sha256,
+            blob_size=blob_size,
+            media_type=sparse.MEDIA_TYPE,
+            title=f"{slug}.raw",
+            config={
+                "slug": slug,
+                "digest_sha256": raw_sha256,
+                "virtual_size": virtual_size,
+                "build_id": build_id,
+                "format": sparse.MEDIA_TYPE,
+            },
+            annotations={
+                "org.opencontainers.image.created": datetime.now(timezone.utc).isoformat(),
+                "org.opencontainers.image.title": slug,
+                "io.gpuaas.image.sha256": raw_sha256,
+                "io.gpuaas.build.id": build_id,
+            },
+            chunk_size=s.registry_chunk_mib << 20,
+            progress=self._progress(build_id, slug, "push"),
         )
         artifact_ref = ArtifactRef(ref.host, ref.repository, ref.tag, pushed.manifest_digest).uri
         async with self._uow(correlation_id=build_id) as uow:
-            await uow.repos.builds.update(build_id, status="published", artifact_ref=artifact_ref,
-                                          manifest_digest=pushed.manifest_digest)
+            await uow.repos.builds.update(
+                build_id, status="published", artifact_ref=artifact_ref, manifest_digest=pushed.manifest_digest
+            )
             if req.update_catalog:
-                await self._catalog(uow, slug, build_id, raw_sha256, artifact_ref, blob_sha256, blob_size,
-                                    virtual_size)
+                await self._catalog(uow, slug, build_id, raw_sha256, artifact_ref, blob_sha256, blob_size, virtual_size)
             await uow.commit()
         self._progress(build_id, slug, "published")(1, 1, True)
 
-    async def _catalog(self, uow: Uow, slug: str, build_id: str, raw_sha256: str, artifact_ref: str,
-                       blob_sha256: str, blob_size: int, virtual_size: int) -> None:
+    async def _catalog(
+        self,
+        uow: Uow,
+        slug: str,
+        build_id: str,
+        raw_sha256: str,
+        artifact_ref: str,
+        blob_sha256: str,
+        blob_size: int,
+        virtual_size: int,
+    ) -> None:
         row = await uow.repos.images.lock(slug)
         if row is None:
             raise CatalogError(404, "not_found", f"{slug} was deleted during its build")
         meta = catalog._meta(row)
-        meta.update(artifact_ref=artifact_ref, blob_digest=f"sha256:{blob_sha256}", blob_size=blob_size,
-                    blob_media_type=sparse.MEDIA_TYPE, virtual_size=virtual_size, build_id=build_id,
-                    registry_tls=self.settings.registry_tls_mode)
+        meta.update(
+            artifact_ref=artifact_ref,
+            blob_digest=f"sha256:{blob_sha256}",
+            blob_size=blob_size,
+            blob_media_type=sparse.MEDIA_TYPE,
+            virtual_size=virtual_size,
+            build_id=build_id,
+            registry_tls=self.settings.registry_tls_mode,
+        )
         meta.setdefault("image_path", f"{self.settings.image_cache_dir.rstrip('/')}/{slug}.raw")
         same = row["digest_sha256"] == raw_sha256
         # Same content republished keeps its status (an active image stays active); a new digest has to be
         # verified on every host again, and the cache path is shared, so the old digest stops being usable.
         status = row["status"] if same and row["status"] in ("active", "published") else "published"
-        await uow.repos.images.update(slug, digest_sha256=raw_sha256, source_uri=artifact_ref, metadata=meta,
-                                      status=status)
+        await uow.repos.images.update(
+            slug, digest_sha256=raw_sha256, source_uri=artifact_ref, metadata=meta, status=status
+        )
         if row["status"] == "active" and status != "active":
             await catalog.emit_deactivated(uow, slug, f"new digest {raw_sha256} is being prewarmed")
-        await uow.events.add("image.published", m.ImagePublished(slug=slug, build_id=build_id, digest_sha256=raw_sha256,
-                                                             source_uri=artifact_ref, image_path=meta["image_path"]),
-                         aggregate_id=f"image:{slug}")
+        await uow.events.add(
+            "image.published",
+            m.ImagePublished(
+                slug=slug,
+                build_id=build_id,
+                digest_sha256=raw_sha256,
+                source_uri=artifact_ref,
+                image_path=meta["image_path"],
+            ),
+            aggregate_id=f"image:{slug}",
+        )
         sent = await catalog.prewarm_everywhere(uow, slug, cause=f"build:{build_id}")
         activated = await catalog.evaluate_gate(uow, slug)
         log.info("image_catalogued", digest=raw_sha256, ref=artifact_ref, prewarm_tasks=sent, activated=activated)
@@ -277,4 +363,3 @@ async def _quiet(coro) -> None:
         await coro
     except Exception as exc:  # progress is best effort; the build row is the record
         log.warning("build_progress_not_published", error=repr(exc))
-

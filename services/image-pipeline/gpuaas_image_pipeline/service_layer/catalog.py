@@ -42,10 +42,16 @@ def _meta(row: Row) -> dict[str, Any]:
 
 def image_dict(row: Row) -> dict[str, Any]:
     return {
-        "slug": row["slug"], "kind": row["kind"], "status": row["status"],
-        "driver_strategy": row["driver_strategy"], "compatible_sku": row["compatible_sku"],
-        "source_uri": row["source_uri"], "digest_sha256": row["digest_sha256"], "metadata": _meta(row),
-        "created_at": row["created_at"].isoformat(), "updated_at": row["updated_at"].isoformat(),
+        "slug": row["slug"],
+        "kind": row["kind"],
+        "status": row["status"],
+        "driver_strategy": row["driver_strategy"],
+        "compatible_sku": row["compatible_sku"],
+        "source_uri": row["source_uri"],
+        "digest_sha256": row["digest_sha256"],
+        "metadata": _meta(row),
+        "created_at": row["created_at"].isoformat(),
+        "updated_at": row["updated_at"].isoformat(),
     }
 
 
@@ -68,9 +74,14 @@ async def emit_activated(uow: Uow, row: Row) -> None:
     meta = _meta(row)
     await uow.events.add(
         "image.activated",
-        m.ImageActivated(slug=row["slug"], kind=row["kind"], sku=row["compatible_sku"],
-                         digest_sha256=row["digest_sha256"], image_path=meta["image_path"],
-                         source_uri=row["source_uri"]),
+        m.ImageActivated(
+            slug=row["slug"],
+            kind=row["kind"],
+            sku=row["compatible_sku"],
+            digest_sha256=row["digest_sha256"],
+            image_path=meta["image_path"],
+            source_uri=row["source_uri"],
+        ),
         aggregate_id=f"image:{row['slug']}",
         event_id=derived_event_id(activation_event_id_key(row["slug"], row["digest_sha256"], seq), "activated"),
     )
@@ -78,8 +89,9 @@ async def emit_activated(uow: Uow, row: Row) -> None:
 
 
 async def emit_deactivated(uow: Uow, slug: str, reason: str) -> None:
-    await uow.events.add("image.deactivated", m.ImageDeactivated(slug=slug, reason=reason),
-                         aggregate_id=f"image:{slug}")
+    await uow.events.add(
+        "image.deactivated", m.ImageDeactivated(slug=slug, reason=reason), aggregate_id=f"image:{slug}"
+    )
     log.info("image_deactivated", slug=slug, reason=reason)
 
 
@@ -96,18 +108,44 @@ async def evaluate_gate(uow: Uow, slug: str) -> bool:
     return True
 
 
-async def set_cache(uow: Uow, *, node_id: str, slug: str, status: str, digest: str | None, expected: str | None,
-                    local_path: str | None, task_id: str | None = None, done: int = 0, total: int = 0,
-                    reason: str | None = None) -> None:
+async def set_cache(
+    uow: Uow,
+    *,
+    node_id: str,
+    slug: str,
+    status: str,
+    digest: str | None,
+    expected: str | None,
+    local_path: str | None,
+    task_id: str | None = None,
+    done: int = 0,
+    total: int = 0,
+    reason: str | None = None,
+) -> None:
     prev = await uow.repos.hosts.cache(node_id, slug)
-    await uow.repos.hosts.set_cache(node_id=node_id, slug=slug, status=status, digest=digest, expected=expected,
-                                    local_path=local_path, task_id=task_id, done=done, total=total, reason=reason)
+    await uow.repos.hosts.set_cache(
+        node_id=node_id,
+        slug=slug,
+        status=status,
+        digest=digest,
+        expected=expected,
+        local_path=local_path,
+        task_id=task_id,
+        done=done,
+        total=total,
+        reason=reason,
+    )
     if prev is None or (prev["status"], prev["digest_sha256"]) != (status, digest):
         catalog_digest = await uow.repos.images.digest(slug)
         await uow.events.add(
             "image.node_cache_changed",
-            m.ImageNodeCacheChanged(node_id=node_id, slug=slug, status=status, digest_sha256=digest,
-                                    schedulable=node_schedulable(catalog_digest, (status, digest))),
+            m.ImageNodeCacheChanged(
+                node_id=node_id,
+                slug=slug,
+                status=status,
+                digest_sha256=digest,
+                schedulable=node_schedulable(catalog_digest, (status, digest)),
+            ),
             aggregate_id=f"image:{slug}",
         )
 
@@ -120,19 +158,40 @@ async def send_prewarm(uow: Uow, row: Row, node_id: str, cause: str) -> bool:
     current = await uow.repos.hosts.cache(node_id, row["slug"])
     if current and node_schedulable(row["digest_sha256"], (current["status"], current["digest_sha256"])):
         return False
-    task_id = str(uuid.uuid5(uuid.NAMESPACE_URL,
-                             f"gpuaas:prewarm:{row['slug']}:{row['digest_sha256']}:{node_id}:{cause}"))
+    task_id = str(
+        uuid.uuid5(uuid.NAMESPACE_URL, f"gpuaas:prewarm:{row['slug']}:{row['digest_sha256']}:{node_id}:{cause}")
+    )
     task = m.ImageCachePrewarm(
-        task_id=task_id, node_id=node_id, slug=row["slug"], digest_sha256=row["digest_sha256"],
-        image_path=meta["image_path"], artifact_ref=meta["artifact_ref"], blob_digest=meta["blob_digest"],
-        blob_size=meta["blob_size"], blob_media_type=meta["blob_media_type"], virtual_size=meta["virtual_size"],
+        task_id=task_id,
+        node_id=node_id,
+        slug=row["slug"],
+        digest_sha256=row["digest_sha256"],
+        image_path=meta["image_path"],
+        artifact_ref=meta["artifact_ref"],
+        blob_digest=meta["blob_digest"],
+        blob_size=meta["blob_size"],
+        blob_media_type=meta["blob_media_type"],
+        virtual_size=meta["virtual_size"],
         registry_tls=meta.get("registry_tls", "verify"),
     )
-    await set_cache(uow, node_id=node_id, slug=row["slug"], status="pulling", digest=None,
-                    expected=row["digest_sha256"], local_path=meta["image_path"], task_id=task_id,
-                    total=meta["blob_size"])
-    await uow.events.add("image.cache_prewarm", task, aggregate_id=f"node:{node_id}",
-                     event_id=derived_event_id(task_id, "prewarm"), node_id=node_id)
+    await set_cache(
+        uow,
+        node_id=node_id,
+        slug=row["slug"],
+        status="pulling",
+        digest=None,
+        expected=row["digest_sha256"],
+        local_path=meta["image_path"],
+        task_id=task_id,
+        total=meta["blob_size"],
+    )
+    await uow.events.add(
+        "image.cache_prewarm",
+        task,
+        aggregate_id=f"node:{node_id}",
+        event_id=derived_event_id(task_id, "prewarm"),
+        node_id=node_id,
+    )
     return True
 
 
@@ -149,10 +208,12 @@ async def prewarm_everywhere(uow: Uow, slug: str, cause: str) -> int:
 
 
 async def create_image(uow: Uow, req: ImageCreate, cache_dir: str) -> Row:
-    image_path = req.image_path or (f"{cache_dir.rstrip('/')}/{req.slug}.raw" if req.kind == "slice"
-                                    else f"custom/{req.slug}")
-    row = await uow.repos.images.create(req.slug, req.kind, req.driver_strategy, req.compatible_sku,
-                                        {**req.metadata, "image_path": image_path})
+    image_path = req.image_path or (
+        f"{cache_dir.rstrip('/')}/{req.slug}.raw" if req.kind == "slice" else f"custom/{req.slug}"
+    )
+    row = await uow.repos.images.create(
+        req.slug, req.kind, req.driver_strategy, req.compatible_sku, {**req.metadata, "image_path": image_path}
+    )
     if row is None:
         raise CatalogError(409, "exists", f"image {req.slug} already exists")
     return row
@@ -241,8 +302,18 @@ async def on_cache_reported(uow: Uow, ev: m.NodeImageCacheReported) -> None:
             return  # progress overtaken by the task's own verdict
     if status == "verified" and ev.digest_sha256 != row["digest_sha256"]:
         status = "mismatch"  # never trust a verdict that disagrees with its own digest
-    await set_cache(uow, node_id=ev.node_id, slug=ev.slug, status=status, digest=ev.digest_sha256,
-                    expected=ev.expected_digest, local_path=ev.local_path, task_id=ev.task_id, done=ev.bytes_done,
-                    total=ev.bytes_total, reason=ev.reason)
+    await set_cache(
+        uow,
+        node_id=ev.node_id,
+        slug=ev.slug,
+        status=status,
+        digest=ev.digest_sha256,
+        expected=ev.expected_digest,
+        local_path=ev.local_path,
+        task_id=ev.task_id,
+        done=ev.bytes_done,
+        total=ev.bytes_total,
+        reason=ev.reason,
+    )
     if status == "verified":
         await evaluate_gate(uow, ev.slug)

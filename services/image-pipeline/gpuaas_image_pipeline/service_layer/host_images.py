@@ -31,33 +31,56 @@ def request_dict(row: Row) -> dict[str, Any]:
     return d
 
 
-async def request_upload(uow: Uow, slug: str, req: HostUploadRequest, built: HostImage, site: str,
-                         cache_dir: str) -> tuple[Row, str, bool]:
+async def request_upload(
+    uow: Uow, slug: str, req: HostUploadRequest, built: HostImage, site: str, cache_dir: str
+) -> tuple[Row, str, bool]:
     """Catalog the tgz and send the upload command. Returns (image row, operation id, sent): the same
     content already uploaded or on its way to the same site sends nothing (a reproducible rebuild must
     not upload again)."""
     row = await uow.repos.images.lock(slug)
     if row is None:
         row = await catalog.create_image(
-            uow, ImageCreate(slug=slug, kind="host", compatible_sku=req.compatible_sku,
-                              driver_strategy=req.driver_strategy), cache_dir)
+            uow,
+            ImageCreate(slug=slug, kind="host", compatible_sku=req.compatible_sku, driver_strategy=req.driver_strategy),
+            cache_dir,
+        )
     if row["kind"] != "host":
         raise CatalogError(409, "not_a_host_image", f"{slug} is a {row['kind']} image")
     meta = catalog._meta(row)
     current = meta.get("maas") or {}
-    if (current.get("sha256") == built.sha256 and current.get("site") == site
-            and current.get("status") in ("uploading", "uploaded")):
+    if (
+        current.get("sha256") == built.sha256
+        and current.get("site") == site
+        and current.get("status") in ("uploading", "uploaded")
+    ):
         return row, current["operation_id"], False
 
     op_id = str(uuid.uuid4())
     cmd = m.MaasImageUploadRequested(
-        operation_id=op_id, site=site, name=slug, title=req.title, architecture=req.architecture, filetype="tgz",
-        base_image=req.base_image, source_path=str(built.path), sha256=built.sha256, size=built.size)
+        operation_id=op_id,
+        site=site,
+        name=slug,
+        title=req.title,
+        architecture=req.architecture,
+        filetype="tgz",
+        base_image=req.base_image,
+        source_path=str(built.path),
+        sha256=built.sha256,
+        size=built.size,
+    )
     await uow.repos.maas_requests.insert(op_id, slug, "upload_image", site, cmd.model_dump(mode="json"))
     meta["maas"] = {
-        "site": site, "name": f"custom/{slug}", "architecture": req.architecture, "filetype": "tgz",
-        "operation_id": op_id, "status": "uploading", "source_path": str(built.path), "sha256": built.sha256,
-        "size": built.size, "boot_resource_id": None, "profiles": current.get("profiles", {}),
+        "site": site,
+        "name": f"custom/{slug}",
+        "architecture": req.architecture,
+        "filetype": "tgz",
+        "operation_id": op_id,
+        "status": "uploading",
+        "source_path": str(built.path),
+        "sha256": built.sha256,
+        "size": built.size,
+        "boot_resource_id": None,
+        "profiles": current.get("profiles", {}),
     }
     new_digest = row["digest_sha256"] != built.sha256
     # New bytes are not deployable until MAAS holds them complete: an active image with another digest
@@ -87,11 +110,18 @@ async def request_profile_image(uow: Uow, slug: str, req: ProfileImageRequest, d
         series = f"custom/{slug}"
     op_id = str(uuid.uuid4())
     cmd = m.MaasProfileImageSetRequested(operation_id=op_id, site=site, profile=req.profile, distro_series=series)
-    await uow.repos.maas_requests.insert(op_id, slug, "set_distro_series", site, cmd.model_dump(mode="json"),
-                                         profile=req.profile)
+    await uow.repos.maas_requests.insert(
+        op_id, slug, "set_distro_series", site, cmd.model_dump(mode="json"), profile=req.profile
+    )
     await uow.events.add("maas.profile_image_set_requested", cmd, aggregate_id=f"image:{slug}")
-    log.info("profile_image_set_requested", slug=slug, site=site, profile=req.profile, distro_series=series,
-             operation_id=op_id)
+    log.info(
+        "profile_image_set_requested",
+        slug=slug,
+        site=site,
+        profile=req.profile,
+        distro_series=series,
+        operation_id=op_id,
+    )
     return op_id
 
 
@@ -122,8 +152,12 @@ async def on_upload_result(uow: Uow, ev: m.MaasImageUploadResult) -> None:
     if ok and (ev.sha256 != maas["sha256"] or ev.size != maas["size"]):
         # Never record a boot resource for bytes other than the ones catalogued.
         ok, reason, message = False, "digest_mismatch", f"MAAS holds {ev.sha256} ({ev.size} B)"
-    maas.update(status="uploaded" if ok else "failed", boot_resource_id=ev.boot_resource_id if ok else None,
-                reason_code=None if ok else reason, status_message=None if ok else message)
+    maas.update(
+        status="uploaded" if ok else "failed",
+        boot_resource_id=ev.boot_resource_id if ok else None,
+        reason_code=None if ok else reason,
+        status_message=None if ok else message,
+    )
     meta["maas"] = maas
     # Only a row this upload put in `building` moves: uploaded = published (deployable once an operator
     # enables it, which announces image.activated), failed = disabled. Same bytes sent to another site
@@ -132,8 +166,12 @@ async def on_upload_result(uow: Uow, ev: m.MaasImageUploadResult) -> None:
     if status == "building":
         status = "published" if ok else "disabled"
     await uow.repos.images.update(row["slug"], metadata=meta, status=status)
-    log.info("host_image_uploaded" if ok else "host_image_upload_failed", slug=row["slug"],
-             boot_resource_id=ev.boot_resource_id, reason_code=reason)
+    log.info(
+        "host_image_uploaded" if ok else "host_image_upload_failed",
+        slug=row["slug"],
+        boot_resource_id=ev.boot_resource_id,
+        reason_code=reason,
+    )
 
 
 async def on_profile_image_result(uow: Uow, ev: m.MaasProfileImageSetResult) -> None:
@@ -150,9 +188,18 @@ async def on_profile_image_result(uow: Uow, ev: m.MaasProfileImageSetResult) -> 
     key = f"{req['site']}/{req['profile']}"
     if ev.status == "succeeded":
         # What the profile deploys now, in MAAS' own namespace: custom/<slug> while it uses this image.
-        profiles[key] = {"distro_series": ev.deploy_distro_series or ev.distro_series,
-                         "previous_distro_series": ev.previous_distro_series, "operation_id": ev.operation_id,
-                         "uses_this_image": (ev.deploy_distro_series or "") == f"custom/{row['slug']}"}
+        profiles[key] = {
+            "distro_series": ev.deploy_distro_series or ev.distro_series,
+            "previous_distro_series": ev.previous_distro_series,
+            "operation_id": ev.operation_id,
+            "uses_this_image": (ev.deploy_distro_series or "") == f"custom/{row['slug']}",
+        }
     await uow.repos.images.update(row["slug"], metadata=meta)
-    log.info("profile_image_result", slug=row["slug"], profile=key, status=ev.status,
-             distro_series=ev.deploy_distro_series, reason_code=ev.reason_code)
+    log.info(
+        "profile_image_result",
+        slug=row["slug"],
+        profile=key,
+        status=ev.status,
+        distro_series=ev.deploy_distro_series,
+        reason_code=ev.reason_code,
+    )

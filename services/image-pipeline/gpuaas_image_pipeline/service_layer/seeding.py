@@ -17,9 +17,14 @@ async def apply_seed(uow: Uow, seeds: list[SeedImage]) -> list[str]:
         meta = row["metadata"]
         await uow.events.add(
             "image.activated",
-            m.ImageActivated(slug=row["slug"], kind=row["kind"], sku=row["compatible_sku"],
-                             digest_sha256=row["digest_sha256"], image_path=meta["image_path"],
-                             source_uri=row["source_uri"]),
+            m.ImageActivated(
+                slug=row["slug"],
+                kind=row["kind"],
+                sku=row["compatible_sku"],
+                digest_sha256=row["digest_sha256"],
+                image_path=meta["image_path"],
+                source_uri=row["source_uri"],
+            ),
             aggregate_id=f"image:{row['slug']}",
             event_id=derived_event_id(activation_event_key(row["slug"], row["digest_sha256"]), "activated"),
         )

@@ -22,11 +22,16 @@ def _json(value: Any) -> str | None:
     return json.dumps(value) if value is not None else None
 
 
-async def audit(conn: asyncpg.Connection, actor: str, action: str, target: str, reason: str | None,
-                detail: dict | None = None) -> None:
+async def audit(
+    conn: asyncpg.Connection, actor: str, action: str, target: str, reason: str | None, detail: dict | None = None
+) -> None:
     await conn.execute(
         "INSERT INTO admin_audit (actor, action, target, reason, detail) VALUES ($1, $2, $3, $4, $5::jsonb)",
-        actor, action, target, reason, _json(detail),
+        actor,
+        action,
+        target,
+        reason,
+        _json(detail),
     )
 
 
@@ -43,7 +48,8 @@ async def list_nodes(conn: asyncpg.Connection, region: str | None, sku: str | No
     return await conn.fetch(
         f"SELECT {NODE_VIEW} FROM nodes WHERE ($1::text IS NULL OR region = $1) AND ($2::text IS NULL OR sku = $2) "
         "ORDER BY node_id",
-        region, sku,
+        region,
+        sku,
     )
 
 
@@ -54,13 +60,26 @@ async def node_view(conn: asyncpg.Connection, node_id: str) -> asyncpg.Record | 
 async def live_claims(conn: asyncpg.Connection, node_id: str) -> list[asyncpg.Record]:
     return await conn.fetch(
         "SELECT allocation_id, slot_id, claim_kind, status, tenant_id, gpus, fencing_epoch, created_at "
-        "FROM allocation_resource_claims WHERE node_id = $1 AND status <> 'released' ORDER BY claim_id", node_id,
+        "FROM allocation_resource_claims WHERE node_id = $1 AND status <> 'released' ORDER BY claim_id",
+        node_id,
     )
 
 
-async def upsert_node(conn: asyncpg.Connection, *, node_id: str, kind: str, hostname: str, region: str, pool: str,
-                      sku: str, maas_system_id: str | None, profile_intent: str, maas_tags: Sequence[str], mode: str,
-                      gpu_count: int) -> None:
+async def upsert_node(
+    conn: asyncpg.Connection,
+    *,
+    node_id: str,
+    kind: str,
+    hostname: str,
+    region: str,
+    pool: str,
+    sku: str,
+    maas_system_id: str | None,
+    profile_intent: str,
+    maas_tags: Sequence[str],
+    mode: str,
+    gpu_count: int,
+) -> None:
     """Registers a node with its first mode, or updates what it declares; never its mode."""
     await conn.execute(
         "INSERT INTO nodes (node_id, kind, hostname, region, pool, sku, maas_system_id, profile_intent, maas_tags, "
@@ -69,16 +88,29 @@ async def upsert_node(conn: asyncpg.Connection, *, node_id: str, kind: str, host
         "pool = EXCLUDED.pool, sku = EXCLUDED.sku, maas_system_id = EXCLUDED.maas_system_id, "
         "profile_intent = EXCLUDED.profile_intent, maas_tags = EXCLUDED.maas_tags, "
         "gpu_count = EXCLUDED.gpu_count, updated_at = now()",
-        node_id, kind, hostname, region, pool, sku, maas_system_id, profile_intent, list(maas_tags), mode, gpu_count,
+        node_id,
+        kind,
+        hostname,
+        region,
+        pool,
+        sku,
+        maas_system_id,
+        profile_intent,
+        list(maas_tags),
+        mode,
+        gpu_count,
     )
 
 
-async def set_readiness(conn: asyncpg.Connection, node_id: str, parity_failures: int,
-                        detail: dict[str, Any] | None) -> None:
+async def set_readiness(
+    conn: asyncpg.Connection, node_id: str, parity_failures: int, detail: dict[str, Any] | None
+) -> None:
     await conn.execute(
         "UPDATE nodes SET parity_failures = $2, parity_detail = $3::jsonb, parity_checked_at = now(), "
         "updated_at = now() WHERE node_id = $1",
-        node_id, parity_failures, _json(detail),
+        node_id,
+        parity_failures,
+        _json(detail),
     )
 
 
@@ -87,7 +119,10 @@ async def drain(conn: asyncpg.Connection, node_id: str, *, reason: str, actor: s
         "UPDATE nodes SET draining = true, drain_reason = $2, drained_by = $3, drained_at = now(), "
         "maintenance = maintenance OR $4, maintenance_reason = CASE WHEN $4 THEN $2 ELSE maintenance_reason END, "
         "updated_at = now() WHERE node_id = $1",
-        node_id, reason, actor, maintenance,
+        node_id,
+        reason,
+        actor,
+        maintenance,
     )
 
 
@@ -102,8 +137,8 @@ async def undrain(conn: asyncpg.Connection, node_id: str) -> None:
 async def mode_record(conn: asyncpg.Connection, node_id: str) -> asyncpg.Record | None:
     """Who set the node's mode, when and why, and its last evidence reset."""
     return await conn.fetchrow(
-        "SELECT mode_changed_at, mode_changed_by, mode_reason, evidence_reset_at FROM nodes WHERE node_id = $1",
-        node_id)
+        "SELECT mode_changed_at, mode_changed_by, mode_reason, evidence_reset_at FROM nodes WHERE node_id = $1", node_id
+    )
 
 
 async def upsert_quota(conn: asyncpg.Connection, tenant_id: str, max_gpus: int, *, actor: str, reason: str) -> None:
@@ -111,15 +146,21 @@ async def upsert_quota(conn: asyncpg.Connection, tenant_id: str, max_gpus: int, 
         "INSERT INTO tenant_quotas (tenant_id, max_gpus, updated_by, reason) VALUES ($1, $2, $3, $4) "
         "ON CONFLICT (tenant_id) DO UPDATE SET max_gpus = EXCLUDED.max_gpus, updated_by = EXCLUDED.updated_by, "
         "reason = EXCLUDED.reason, updated_at = now()",
-        tenant_id, max_gpus, actor, reason,
+        tenant_id,
+        max_gpus,
+        actor,
+        reason,
     )
 
 
 async def quota(conn: asyncpg.Connection, tenant_id: str) -> asyncpg.Record | None:
-    return await conn.fetchrow("SELECT tenant_id, max_gpus, updated_by, reason, updated_at FROM tenant_quotas "
-                               "WHERE tenant_id = $1", tenant_id)
+    return await conn.fetchrow(
+        "SELECT tenant_id, max_gpus, updated_by, reason, updated_at FROM tenant_quotas WHERE tenant_id = $1", tenant_id
+    )
 
 
 async def gpus_in_use(conn: asyncpg.Connection, tenant_id: str) -> int:
-    return await conn.fetchval("SELECT COALESCE(sum(gpus), 0) FROM allocation_resource_claims "
-                               "WHERE tenant_id = $1 AND status <> 'released'", tenant_id)
+    return await conn.fetchval(
+        "SELECT COALESCE(sum(gpus), 0) FROM allocation_resource_claims WHERE tenant_id = $1 AND status <> 'released'",
+        tenant_id,
+    )

@@ -20,11 +20,24 @@ SLOT_VIEW = (
     "fabric_vf_pci_address, mac, private_ip, ovs_bridge, ovs_port, profile, status, status_reason, health_state, "
     "health_detail, generation, candidate_id, approved_by, approved_at, updated_at"
 )
-CANDIDATE_FIELDS = ("gpu_pci_address", "numa_node", "pcie_switch", "nvme_by_id", "fabric_claim_mode",
-                    "fabric_vf_pci_address", "mac", "private_ip", "ovs_bridge", "ovs_port", "profile")
+CANDIDATE_FIELDS = (
+    "gpu_pci_address",
+    "numa_node",
+    "pcie_switch",
+    "nvme_by_id",
+    "fabric_claim_mode",
+    "fabric_vf_pci_address",
+    "mac",
+    "private_ip",
+    "ovs_bridge",
+    "ovs_port",
+    "profile",
+)
 # `claimed`: a live claim names the slot, whatever its status says.
-_CLAIMED = ("EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.slot_id = s.slot_id "
-            "AND c.status <> 'released') AS claimed")
+_CLAIMED = (
+    "EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.slot_id = s.slot_id "
+    "AND c.status <> 'released') AS claimed"
+)
 
 
 class GpuAlreadyCandidate(Exception):
@@ -42,7 +55,8 @@ async def list_slots(conn: asyncpg.Connection, node_id: str | None, status: str 
     return await conn.fetch(
         f"SELECT {SLOT_VIEW} FROM node_resource_slots WHERE ($1::text IS NULL OR node_id = $1) "
         "AND ($2::text IS NULL OR status = $2) ORDER BY node_id, slot_id",
-        node_id, status,
+        node_id,
+        status,
     )
 
 
@@ -53,7 +67,9 @@ async def slot_view(conn: asyncpg.Connection, slot_id: str) -> asyncpg.Record | 
 async def slot_history(conn: asyncpg.Connection, slot_id: str, limit: int = 50) -> list[asyncpg.Record]:
     return await conn.fetch(
         "SELECT from_status, to_status, reason, actor, allocation_id, detail, at FROM slot_transitions "
-        "WHERE slot_id = $1 ORDER BY id DESC LIMIT $2", slot_id, limit,
+        "WHERE slot_id = $1 ORDER BY id DESC LIMIT $2",
+        slot_id,
+        limit,
     )
 
 
@@ -63,35 +79,46 @@ async def node_slots(conn: asyncpg.Connection, node_id: str) -> list[asyncpg.Rec
 
 async def other_unretired_slots(conn: asyncpg.Connection, node_id: str, slot_id: str) -> list[asyncpg.Record]:
     """The slots of the node that still own their bindings, but this one."""
-    return await conn.fetch("SELECT * FROM node_resource_slots WHERE node_id = $1 AND slot_id <> $2 "
-                            "AND status <> 'retired'", node_id, slot_id)
+    return await conn.fetch(
+        "SELECT * FROM node_resource_slots WHERE node_id = $1 AND slot_id <> $2 AND status <> 'retired'",
+        node_id,
+        slot_id,
+    )
 
 
 # --- candidates ----------------------------------------------------------------------------------------
 
 
-async def list_candidates(conn: asyncpg.Connection, node_id: str,
-                          candidate_ids: Sequence[str] | None = None) -> list[asyncpg.Record]:
+async def list_candidates(
+    conn: asyncpg.Connection, node_id: str, candidate_ids: Sequence[str] | None = None
+) -> list[asyncpg.Record]:
     """The node's candidates (only those named, when candidate_ids is given), in id order."""
     return await conn.fetch(
         "SELECT * FROM candidate_slots WHERE node_id = $1 AND ($2::text[] IS NULL OR candidate_id = ANY($2::text[])) "
         "ORDER BY candidate_id",
-        node_id, list(candidate_ids) if candidate_ids is not None else None,
+        node_id,
+        list(candidate_ids) if candidate_ids is not None else None,
     )
 
 
-async def candidates_elsewhere(conn: asyncpg.Connection, candidate_ids: Sequence[str],
-                               node_id: str) -> dict[str, str]:
+async def candidates_elsewhere(conn: asyncpg.Connection, candidate_ids: Sequence[str], node_id: str) -> dict[str, str]:
     """Of these candidate ids, those recorded on another node: id -> that node."""
     rows = await conn.fetch(
         "SELECT candidate_id, node_id FROM candidate_slots WHERE candidate_id = ANY($1::text[]) AND node_id <> $2",
-        list(candidate_ids), node_id,
+        list(candidate_ids),
+        node_id,
     )
     return {r["candidate_id"]: r["node_id"] for r in rows}
 
 
-async def upsert_candidate(conn: asyncpg.Connection, node_id: str, candidate_id: str, fields: Mapping[str, Any],
-                           nvme_evidence: Mapping[str, Any] | None, source: str) -> None:
+async def upsert_candidate(
+    conn: asyncpg.Connection,
+    node_id: str,
+    candidate_id: str,
+    fields: Mapping[str, Any],
+    nvme_evidence: Mapping[str, Any] | None,
+    source: str,
+) -> None:
     """fields: every name of CANDIDATE_FIELDS. Raises GpuAlreadyCandidate."""
     n = len(CANDIDATE_FIELDS)
     try:
@@ -100,7 +127,11 @@ async def upsert_candidate(conn: asyncpg.Connection, node_id: str, candidate_id:
             f"source) VALUES ($1, $2, {', '.join(f'${i + 3}' for i in range(n))}, ${n + 3}::jsonb, ${n + 4}) "
             f"ON CONFLICT (candidate_id) DO UPDATE SET {', '.join(f'{f} = EXCLUDED.{f}' for f in CANDIDATE_FIELDS)}, "
             "nvme_evidence = EXCLUDED.nvme_evidence, source = EXCLUDED.source, updated_at = now()",
-            candidate_id, node_id, *(fields[f] for f in CANDIDATE_FIELDS), _json(nvme_evidence), source,
+            candidate_id,
+            node_id,
+            *(fields[f] for f in CANDIDATE_FIELDS),
+            _json(nvme_evidence),
+            source,
         )
     except asyncpg.UniqueViolationError:
         raise GpuAlreadyCandidate(candidate_id) from None
@@ -109,9 +140,19 @@ async def upsert_candidate(conn: asyncpg.Connection, node_id: str, candidate_id:
 # --- approval ------------------------------------------------------------------------------------------
 
 
-async def save_approval(conn: asyncpg.Connection, slot_id: str, node_id: str, candidate: Mapping[str, Any], *,
-                        previous: str | None, status: str, reason: str | None, actor: str,
-                        log_reason: str | None, problems: list[str]) -> None:
+async def save_approval(
+    conn: asyncpg.Connection,
+    slot_id: str,
+    node_id: str,
+    candidate: Mapping[str, Any],
+    *,
+    previous: str | None,
+    status: str,
+    reason: str | None,
+    actor: str,
+    log_reason: str | None,
+    problems: list[str],
+) -> None:
     """Write the slot a candidate approves to (created, or its binding replaced), log the transition and
     mark the candidate approved. `previous` is the slot's status as the caller read it under the node
     lock (None: no slot yet). Raises InvalidSlotTransition, with nothing written, when the approval rule
@@ -135,9 +176,24 @@ async def save_approval(conn: asyncpg.Connection, slot_id: str, node_id: str, ca
         "updated_at = now() "
         # The replace rule again, on the row as it is: nothing approval may not replace is overwritten.
         "WHERE node_resource_slots.status = ANY($19::text[]) RETURNING slot_id",
-        slot_id, node_id, c["gpu_pci_address"], c["numa_node"], c["pcie_switch"], c["nvme_by_id"],
-        _json(c["nvme_evidence"]), c["fabric_claim_mode"], c["fabric_vf_pci_address"], c["mac"], c["private_ip"],
-        c["ovs_bridge"] or "ovsbr0", c["ovs_port"], c["profile"], status, reason, c["candidate_id"], actor,
+        slot_id,
+        node_id,
+        c["gpu_pci_address"],
+        c["numa_node"],
+        c["pcie_switch"],
+        c["nvme_by_id"],
+        _json(c["nvme_evidence"]),
+        c["fabric_claim_mode"],
+        c["fabric_vf_pci_address"],
+        c["mac"],
+        c["private_ip"],
+        c["ovs_bridge"] or "ovsbr0",
+        c["ovs_port"],
+        c["profile"],
+        status,
+        reason,
+        c["candidate_id"],
+        actor,
         sorted(APPROVAL_REPLACES),
     )
     if written is None:
@@ -146,23 +202,30 @@ async def save_approval(conn: asyncpg.Connection, slot_id: str, node_id: str, ca
     await conn.execute(
         "INSERT INTO slot_transitions (slot_id, from_status, to_status, reason, actor, detail) "
         "VALUES ($1, $2, $3, $4, $5, $6::jsonb)",
-        slot_id, previous, status, log_reason, actor,
+        slot_id,
+        previous,
+        status,
+        log_reason,
+        actor,
         json.dumps({"candidate_id": c["candidate_id"], "problems": problems}),
     )
-    await conn.execute("UPDATE candidate_slots SET approved_slot_id = $2 WHERE candidate_id = $1",
-                       c["candidate_id"], slot_id)
+    await conn.execute(
+        "UPDATE candidate_slots SET approved_slot_id = $2 WHERE candidate_id = $1", c["candidate_id"], slot_id
+    )
 
 
 # --- retire, disable, repair ---------------------------------------------------------------------------
 
 
-async def lock_node_slots(conn: asyncpg.Connection, node_id: str,
-                          slot_ids: Sequence[str] | None) -> list[asyncpg.Record]:
+async def lock_node_slots(
+    conn: asyncpg.Connection, node_id: str, slot_ids: Sequence[str] | None
+) -> list[asyncpg.Record]:
     """slot_id, status, claimed of the node's slots (only those named, when slot_ids is given), locked."""
     return await conn.fetch(
         f"SELECT s.slot_id, s.status, {_CLAIMED} FROM node_resource_slots s WHERE s.node_id = $1 "
         "AND ($2::text[] IS NULL OR s.slot_id = ANY($2::text[])) ORDER BY s.slot_id FOR UPDATE OF s",
-        node_id, list(slot_ids) if slot_ids is not None else None,
+        node_id,
+        list(slot_ids) if slot_ids is not None else None,
     )
 
 
@@ -173,10 +236,12 @@ async def slot_node(conn: asyncpg.Connection, slot_id: str) -> str | None:
 async def lock_slot(conn: asyncpg.Connection, slot_id: str) -> asyncpg.Record | None:
     """The whole slot row and `claimed`, locked (after its node: see the module's docstring)."""
     return await conn.fetchrow(
-        f"SELECT s.*, {_CLAIMED} FROM node_resource_slots s WHERE s.slot_id = $1 FOR UPDATE OF s", slot_id,
+        f"SELECT s.*, {_CLAIMED} FROM node_resource_slots s WHERE s.slot_id = $1 FOR UPDATE OF s",
+        slot_id,
     )
 
 
 async def set_nvme_evidence(conn: asyncpg.Connection, slot_id: str, evidence: Mapping[str, Any]) -> None:
-    await conn.execute("UPDATE node_resource_slots SET nvme_evidence = $2::jsonb WHERE slot_id = $1",
-                       slot_id, json.dumps(evidence))
+    await conn.execute(
+        "UPDATE node_resource_slots SET nvme_evidence = $2::jsonb WHERE slot_id = $1", slot_id, json.dumps(evidence)
+    )

@@ -12,33 +12,55 @@ from typing import Any
 
 import asyncpg
 
-CANDIDATE_FIELDS = ("gpu_pci_address", "numa_node", "pcie_switch", "nvme_by_id", "fabric_claim_mode",
-                    "fabric_vf_pci_address", "mac", "private_ip", "ovs_bridge", "ovs_port")
+CANDIDATE_FIELDS = (
+    "gpu_pci_address",
+    "numa_node",
+    "pcie_switch",
+    "nvme_by_id",
+    "fabric_claim_mode",
+    "fabric_vf_pci_address",
+    "mac",
+    "private_ip",
+    "ovs_bridge",
+    "ovs_port",
+)
 
 
-async def update_parity(conn: asyncpg.Connection, node_id: str, failures: int, detail: dict[str, Any],
-                        checked_at: datetime) -> bool:
-    return await conn.fetchrow(
-        "UPDATE nodes SET parity_failures = $2, parity_detail = $3::jsonb, parity_checked_at = $4, "
-        "parity_reported_at = $4, updated_at = now() "
-        "WHERE node_id = $1 AND (parity_reported_at IS NULL OR parity_reported_at <= $4) "
-        "AND (evidence_reset_at IS NULL OR evidence_reset_at < $4) RETURNING node_id",
-        node_id, failures, json.dumps(detail), checked_at,
-    ) is not None
+async def update_parity(
+    conn: asyncpg.Connection, node_id: str, failures: int, detail: dict[str, Any], checked_at: datetime
+) -> bool:
+    return (
+        await conn.fetchrow(
+            "UPDATE nodes SET parity_failures = $2, parity_detail = $3::jsonb, parity_checked_at = $4, "
+            "parity_reported_at = $4, updated_at = now() "
+            "WHERE node_id = $1 AND (parity_reported_at IS NULL OR parity_reported_at <= $4) "
+            "AND (evidence_reset_at IS NULL OR evidence_reset_at < $4) RETURNING node_id",
+            node_id,
+            failures,
+            json.dumps(detail),
+            checked_at,
+        )
+        is not None
+    )
 
 
-async def update_topology(conn: asyncpg.Connection, node_id: str, discovered_at: datetime,
-                          blockers: list[Any]) -> bool:
-    return await conn.fetchrow(
-        "UPDATE nodes SET topology_reported_at = $2, topology_blockers = $3::jsonb, updated_at = now() "
-        "WHERE node_id = $1 AND (topology_reported_at IS NULL OR topology_reported_at <= $2) "
-        "AND (evidence_reset_at IS NULL OR evidence_reset_at < $2) RETURNING node_id",
-        node_id, discovered_at, json.dumps(blockers),
-    ) is not None
+async def update_topology(conn: asyncpg.Connection, node_id: str, discovered_at: datetime, blockers: list[Any]) -> bool:
+    return (
+        await conn.fetchrow(
+            "UPDATE nodes SET topology_reported_at = $2, topology_blockers = $3::jsonb, updated_at = now() "
+            "WHERE node_id = $1 AND (topology_reported_at IS NULL OR topology_reported_at <= $2) "
+            "AND (evidence_reset_at IS NULL OR evidence_reset_at < $2) RETURNING node_id",
+            node_id,
+            discovered_at,
+            json.dumps(blockers),
+        )
+        is not None
+    )
 
 
-async def replace_unapproved_candidates(conn: asyncpg.Connection, node_id: str,
-                                        rows: Sequence[tuple[Any, ...]]) -> None:
+async def replace_unapproved_candidates(
+    conn: asyncpg.Connection, node_id: str, rows: Sequence[tuple[Any, ...]]
+) -> None:
     """rows: (candidate_id, node_id, *CANDIDATE_FIELDS, nvme_evidence json or None)."""
     await conn.execute("DELETE FROM candidate_slots WHERE node_id = $1 AND approved_slot_id IS NULL", node_id)
     if rows:
@@ -51,16 +73,31 @@ async def replace_unapproved_candidates(conn: asyncpg.Connection, node_id: str,
         )
 
 
-async def upsert_image_readiness(conn: asyncpg.Connection, node_id: str, slug: str, status: str,
-                                 digest: str | None, schedulable: bool, reported_at: datetime) -> bool:
-    return await conn.fetchrow(
-        "INSERT INTO node_image_readiness (node_id, slug, status, digest_sha256, schedulable, reported_at) "
-        "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (node_id, slug) DO UPDATE SET status = EXCLUDED.status, "
-        "digest_sha256 = EXCLUDED.digest_sha256, schedulable = EXCLUDED.schedulable, "
-        "reported_at = EXCLUDED.reported_at, updated_at = now() "
-        "WHERE node_image_readiness.reported_at <= EXCLUDED.reported_at RETURNING node_id",
-        node_id, slug, status, digest, schedulable, reported_at,
-    ) is not None
+async def upsert_image_readiness(
+    conn: asyncpg.Connection,
+    node_id: str,
+    slug: str,
+    status: str,
+    digest: str | None,
+    schedulable: bool,
+    reported_at: datetime,
+) -> bool:
+    return (
+        await conn.fetchrow(
+            "INSERT INTO node_image_readiness (node_id, slug, status, digest_sha256, schedulable, reported_at) "
+            "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (node_id, slug) DO UPDATE SET status = EXCLUDED.status, "
+            "digest_sha256 = EXCLUDED.digest_sha256, schedulable = EXCLUDED.schedulable, "
+            "reported_at = EXCLUDED.reported_at, updated_at = now() "
+            "WHERE node_image_readiness.reported_at <= EXCLUDED.reported_at RETURNING node_id",
+            node_id,
+            slug,
+            status,
+            digest,
+            schedulable,
+            reported_at,
+        )
+        is not None
+    )
 
 
 async def node_exists(conn: asyncpg.Connection, node_id: str) -> bool:

@@ -37,10 +37,16 @@ async def load_host(conn: asyncpg.Connection, node_id: str) -> tuple[Host, datet
     if row is None:
         return None
     facts = HostFacts(
-        node_id=row["node_id"], mode=row["mode"], accepts_slices=row["accepts_slices"],
-        accepts_baremetal=row["accepts_baremetal"], live_claims=row["live_claims"],
-        unretired_slots=row["unretired_slots"], parity_failures=row["parity_failures"],
-        rediscovered=row["rediscovered"], reapproved_slots=row["reapproved_slots"], stale_slots=row["stale_slots"],
+        node_id=row["node_id"],
+        mode=row["mode"],
+        accepts_slices=row["accepts_slices"],
+        accepts_baremetal=row["accepts_baremetal"],
+        live_claims=row["live_claims"],
+        unretired_slots=row["unretired_slots"],
+        parity_failures=row["parity_failures"],
+        rediscovered=row["rediscovered"],
+        reapproved_slots=row["reapproved_slots"],
+        stale_slots=row["stale_slots"],
     )
     return Host(facts), row["now"]
 
@@ -52,15 +58,25 @@ async def save(conn: asyncpg.Connection, host: Host) -> list[ModeChange]:
         await conn.execute(
             "UPDATE nodes SET mode = $2, mode_changed_at = $3, mode_changed_by = $4, mode_reason = $5, "
             "updated_at = now() WHERE node_id = $1",
-            ch.node_id, ch.to_mode, ch.at, ch.actor, ch.reason,
+            ch.node_id,
+            ch.to_mode,
+            ch.at,
+            ch.actor,
+            ch.reason,
         )
         if ch.resets_evidence:
             await reset_evidence(conn, ch.node_id, ch.at)
         await conn.execute(
             "INSERT INTO node_mode_history (node_id, from_mode, to_mode, actor, reason, allocation_id, detail, at) "
             "VALUES ($1, $2, $3, $4, $5, $6::uuid, $7::jsonb, $8)",
-            ch.node_id, ch.from_mode, ch.to_mode, ch.actor, ch.reason, ch.allocation_id,
-            json.dumps({"evidence_reset": ch.resets_evidence}), ch.at,
+            ch.node_id,
+            ch.from_mode,
+            ch.to_mode,
+            ch.actor,
+            ch.reason,
+            ch.allocation_id,
+            json.dumps({"evidence_reset": ch.resets_evidence}),
+            ch.at,
         )
     host.changes.clear()
     return saved
@@ -73,7 +89,8 @@ async def reset_evidence(conn: asyncpg.Connection, node_id: str, at: datetime) -
         "UPDATE nodes SET parity_failures = NULL, parity_detail = NULL, parity_checked_at = NULL, "
         "parity_reported_at = NULL, topology_reported_at = NULL, topology_blockers = NULL, evidence_reset_at = $2 "
         "WHERE node_id = $1",
-        node_id, at,
+        node_id,
+        at,
     )
     await conn.execute("DELETE FROM candidate_slots WHERE node_id = $1", node_id)
 
@@ -86,7 +103,9 @@ async def record_created(conn: asyncpg.Connection, node_ids: list[str], actor: s
             "  WHERE node_id = ANY($1::text[]) RETURNING node_id, mode) "
             "INSERT INTO node_mode_history (node_id, from_mode, to_mode, actor, reason) "
             "SELECT node_id, NULL, mode, $2, $3 FROM n",
-            node_ids, actor, reason,
+            node_ids,
+            actor,
+            reason,
         )
 
 
@@ -94,5 +113,6 @@ async def history(conn: asyncpg.Connection, node_id: str, limit: int = 20) -> li
     return await conn.fetch(
         "SELECT from_mode, to_mode, actor, reason, allocation_id, detail, at FROM node_mode_history "
         "WHERE node_id = $1 ORDER BY id DESC LIMIT $2",
-        node_id, limit,
+        node_id,
+        limit,
     )

@@ -86,8 +86,15 @@ def _slot_view(r: asyncpg.Record) -> SlotView:
 
 
 def candidate_from_row(r: asyncpg.Record) -> NodeCandidate:
-    return NodeCandidate(r["node_id"], r["free_slots"], r["total_slots"], 1 if r["sliced"] else 0,
-                         r["max_switch_free"], tuple(r["numa_free"]), r["numa_capacity"])
+    return NodeCandidate(
+        r["node_id"],
+        r["free_slots"],
+        r["total_slots"],
+        1 if r["sliced"] else 0,
+        r["max_switch_free"],
+        tuple(r["numa_free"]),
+        r["numa_capacity"],
+    )
 
 
 # --- seeding and the capacity summary --------------------------------------------------------------
@@ -105,9 +112,17 @@ async def seed_from_fleet(conn: asyncpg.Connection, fleet: Fleet) -> int:
             "maas_tags, mode, parity_failures, parity_checked_at) "
             "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, now()) ON CONFLICT (node_id) DO NOTHING "
             "RETURNING node_id",
-            node.node_id, node.kind, node.hostname, node.region, node.pool, node.sku, node.maas_system_id, intent,
+            node.node_id,
+            node.kind,
+            node.hostname,
+            node.region,
+            node.pool,
+            node.sku,
+            node.maas_system_id,
+            intent,
             [TAG_SLICE if node.kind == "slice_host" else TAG_BAREMETAL],
-            "slice" if node.kind == "slice_host" else "baremetal", 0 if node.kind == "slice_host" else None,
+            "slice" if node.kind == "slice_host" else "baremetal",
+            0 if node.kind == "slice_host" else None,
         )
         if inserted_node:
             created.append(inserted_node)
@@ -115,12 +130,25 @@ async def seed_from_fleet(conn: asyncpg.Connection, fleet: Fleet) -> int:
         for slot in node.slots:
             data = slot.model_dump()
             reason = incomplete_reason(data)
-            rows.append((
-                slot.slot_id, node.node_id, slot.gpu_pci_address, slot.numa_node, slot.pcie_switch,
-                slot.nvme_by_id, slot.fabric_claim_mode, slot.fabric_vf_pci_address, slot.mac, slot.private_ip,
-                slot.ovs_bridge, slot.profile, "disabled" if reason else "available", reason,
-                json.dumps(SIMULATED_CLEAN_DISK),
-            ))
+            rows.append(
+                (
+                    slot.slot_id,
+                    node.node_id,
+                    slot.gpu_pci_address,
+                    slot.numa_node,
+                    slot.pcie_switch,
+                    slot.nvme_by_id,
+                    slot.fabric_claim_mode,
+                    slot.fabric_vf_pci_address,
+                    slot.mac,
+                    slot.private_ip,
+                    slot.ovs_bridge,
+                    slot.profile,
+                    "disabled" if reason else "available",
+                    reason,
+                    json.dumps(SIMULATED_CLEAN_DISK),
+                )
+            )
         if rows:
             inserted = await conn.fetch(
                 "INSERT INTO node_resource_slots (slot_id, node_id, gpu_pci_address, numa_node, pcie_switch, "
@@ -130,7 +158,7 @@ async def seed_from_fleet(conn: asyncpg.Connection, fleet: Fleet) -> int:
                 "$5::text[], $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], $11::text[], $12::text[], "
                 "$13::text[], $14::text[], $15::jsonb[]) AS r "
                 "ON CONFLICT (slot_id) DO NOTHING RETURNING slot_id",
-                *[list(col) for col in zip(*rows)],
+                *[list(col) for col in zip(*rows, strict=True)],
             )
             added += len(inserted)
     await record_created(conn, created, "fleet-seed", "mode from the fleet file's host kind")
@@ -166,8 +194,19 @@ async def refresh_nodes(conn: asyncpg.Connection, node_ids: Iterable[str] | None
     await conn.executemany(
         "UPDATE nodes SET free_slots = $2, total_slots = $3, sliced = $4, max_switch_free = $5, max_numa_free = $6, "
         "numa_free = $7, numa_capacity = $8 WHERE node_id = $1",
-        [(c.node_id, c.free_slots, c.total_slots, c.sliced, c.max_switch_free, c.max_numa_free, list(c.numa_free),
-          c.numa_capacity) for c in summaries],
+        [
+            (
+                c.node_id,
+                c.free_slots,
+                c.total_slots,
+                c.sliced,
+                c.max_switch_free,
+                c.max_numa_free,
+                list(c.numa_free),
+                c.numa_capacity,
+            )
+            for c in summaries
+        ],
     )
 
 
@@ -180,8 +219,9 @@ _TIER_SQL = {
 }
 
 
-async def slice_candidates(conn: asyncpg.Connection, req: Request, classes: Sequence[tuple[bool, int]],
-                           page: int = 16) -> AsyncIterator[NodeCandidate]:
+async def slice_candidates(
+    conn: asyncpg.Connection, req: Request, classes: Sequence[tuple[bool, int]], page: int = 16
+) -> AsyncIterator[NodeCandidate]:
     """Nodes in the documented score order, a page at a time, straight off the partial index."""
     for sliced, tier in classes:
         tier_sql = "TRUE" if req.gpus == 1 else _TIER_SQL[tier]
@@ -192,7 +232,14 @@ async def slice_candidates(conn: asyncpg.Connection, req: Request, classes: Sequ
                 f"AND n.free_slots > 0 AND n.sliced = $4 AND n.free_slots >= $3 AND {tier_sql} "
                 f"AND {image_ready_sql(8, 9)} "
                 "AND (n.free_slots, n.node_id) > ($5, $6) ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT $7",
-                req.region, req.sku, req.gpus, sliced, after[0], after[1], page, *_gate(req),
+                req.region,
+                req.sku,
+                req.gpus,
+                sliced,
+                after[0],
+                after[1],
+                page,
+                *_gate(req),
             )
             for r in rows:
                 yield candidate_from_row(r)
@@ -216,7 +263,8 @@ async def count_clean_nodes(conn: asyncpg.Connection, req: Request) -> int:
     return await conn.fetchval(
         f"SELECT count(*) FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} AND NOT n.sliced "
         "AND n.free_slots > 0",
-        req.region, req.sku,
+        req.region,
+        req.sku,
     )
 
 
@@ -238,8 +286,9 @@ async def image_gate(conn: asyncpg.Connection, slug: str, digest: str) -> tuple[
 LOCKED = object()
 
 
-async def lock_slice_node(conn: asyncpg.Connection, node_id: str, *, wait: bool,
-                          image_gate: tuple[str, str] | None = None) -> Any:
+async def lock_slice_node(
+    conn: asyncpg.Connection, node_id: str, *, wait: bool, image_gate: tuple[str, str] | None = None
+) -> Any:
     """The node row under FOR UPDATE if it may still take slices (and, under an image gate, holds the
     image verified); LOCKED when another worker holds it."""
     skip = "" if wait else " SKIP LOCKED"
@@ -248,7 +297,8 @@ async def lock_slice_node(conn: asyncpg.Connection, node_id: str, *, wait: bool,
         "EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
         "        AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') AS exclusive "
         f"FROM nodes n WHERE n.node_id = $1 FOR UPDATE{skip}",
-        node_id, *_gate(image_gate),
+        node_id,
+        *_gate(image_gate),
     )
     if row is None:
         exists = await conn.fetchval("SELECT 1 FROM nodes WHERE node_id = $1", node_id)
@@ -267,8 +317,14 @@ async def free_slots_locked(conn: asyncpg.Connection, node_id: str) -> list[Slot
     return [_slot_view(r) for r in rows]
 
 
-async def claim_slots(conn: asyncpg.Connection, node_id: str, allocation_id: uuid.UUID, tenant_id: str | None,
-                      chosen: Sequence[SlotView], after: NodeCandidate) -> tuple[int, list[asyncpg.Record]]:
+async def claim_slots(
+    conn: asyncpg.Connection,
+    node_id: str,
+    allocation_id: uuid.UUID,
+    tenant_id: str | None,
+    chosen: Sequence[SlotView],
+    after: NodeCandidate,
+) -> tuple[int, list[asyncpg.Record]]:
     """Claims, slot states and the node summary in one statement, under the node lock."""
     ids = [s.slot_id for s in chosen]
     rows = await conn.fetch(
@@ -283,7 +339,13 @@ async def claim_slots(conn: asyncpg.Connection, node_id: str, allocation_id: uui
         "summary AS (UPDATE nodes SET free_slots = $5, sliced = true, max_switch_free = $6, max_numa_free = $7, "
         "  numa_free = $8 WHERE node_id = $3) "
         "SELECT m.*, (SELECT max(fencing_epoch) FROM ins) AS epoch FROM moved m ORDER BY m.slot_id",
-        ids, allocation_id, node_id, tenant_id, after.free_slots, after.max_switch_free, after.max_numa_free,
+        ids,
+        allocation_id,
+        node_id,
+        tenant_id,
+        after.free_slots,
+        after.max_switch_free,
+        after.max_numa_free,
         list(after.numa_free),
     )
     if len(rows) != len(ids):
@@ -291,8 +353,9 @@ async def claim_slots(conn: asyncpg.Connection, node_id: str, allocation_id: uui
     return rows[0]["epoch"], rows
 
 
-async def lock_best_in_class(conn: asyncpg.Connection, req: Request, sliced: bool, tier: int
-                             ) -> tuple[asyncpg.Record, list[SlotView]] | None:
+async def lock_best_in_class(
+    conn: asyncpg.Connection, req: Request, sliced: bool, tier: int
+) -> tuple[asyncpg.Record, list[SlotView]] | None:
     """The fast path: the first node of a rank class that nobody else holds, locked, with its free
     slots locked too, in one round trip. Postgres walks the rank index and skips locked rows, which
     is exactly "fall back to the next node if taken"."""
@@ -308,7 +371,11 @@ async def lock_best_in_class(conn: asyncpg.Connection, req: Request, sliced: boo
         f"  WHERE s.node_id = (SELECT node_id FROM n) AND {FREE_SLOT_SQL} FOR UPDATE OF s SKIP LOCKED) "
         "SELECT n.*, f.slot_id, f.numa_node, f.pcie_switch, f.fabric_vf_pci_address FROM n LEFT JOIN free f ON true "
         "ORDER BY f.slot_id",
-        req.region, req.sku, req.gpus, sliced, *_gate(req),
+        req.region,
+        req.sku,
+        req.gpus,
+        sliced,
+        *_gate(req),
     )
     if not rows:
         return None
@@ -319,15 +386,18 @@ async def baremetal_candidates(conn: asyncpg.Connection, req: Request) -> list[s
     # Baremetal-only hosts first: a convertible host could go back to slices.
     rows = await conn.fetch(
         f"SELECT n.node_id FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {BAREMETAL_NODE_SQL} "
-        "AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id AND c.status <> 'released') "
+        "AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c "
+        "WHERE c.node_id = n.node_id AND c.status <> 'released') "
         "ORDER BY n.accepts_slices, n.node_id",
-        req.region, req.sku,
+        req.region,
+        req.sku,
     )
     return [r["node_id"] for r in rows]
 
 
-async def try_claim_baremetal(conn: asyncpg.Connection, node_id: str, allocation_id: uuid.UUID,
-                              tenant_id: str | None, *, wait: bool) -> Any:
+async def try_claim_baremetal(
+    conn: asyncpg.Connection, node_id: str, allocation_id: uuid.UUID, tenant_id: str | None, *, wait: bool
+) -> Any:
     skip = "" if wait else " SKIP LOCKED"
     node = await conn.fetchrow(
         f"SELECT n.node_id, n.maas_system_id, n.gpu_count FROM nodes n WHERE n.node_id = $1 AND {BAREMETAL_NODE_SQL} "
@@ -346,7 +416,10 @@ async def try_claim_baremetal(conn: asyncpg.Connection, node_id: str, allocation
     epoch = await conn.fetchval(
         "INSERT INTO allocation_resource_claims (allocation_id, node_id, claim_kind, status, fencing_epoch, tenant_id, "
         "gpus) VALUES ($1, $2, 'node_exclusive', 'held', nextval('fencing_epoch_seq'), $3, $4) RETURNING fencing_epoch",
-        allocation_id, node_id, tenant_id, node["gpu_count"],
+        allocation_id,
+        node_id,
+        tenant_id,
+        node["gpu_count"],
     )
     await conn.execute("UPDATE nodes SET sliced = true WHERE node_id = $1", node_id)
     return {"node_id": node_id, "maas_system_id": node["maas_system_id"], "epoch": epoch}
@@ -360,7 +433,8 @@ async def prelude(conn: asyncpg.Connection, allocation_id: uuid.UUID, tenant_id:
     row = await conn.fetchrow(
         "SELECT EXISTS (SELECT 1 FROM allocation_resource_claims WHERE allocation_id = $1) AS already, "
         "(SELECT max_gpus FROM tenant_quotas WHERE tenant_id = $2) AS max_gpus",
-        allocation_id, tenant_id,
+        allocation_id,
+        tenant_id,
     )
     return row["already"], row["max_gpus"]
 
@@ -391,12 +465,29 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
     )
     return [
         NodeFacts(
-            r["node_id"], r["region"], r["sku"], r["accepts_slices"], r["accepts_baremetal"], r["mode"],
-            r["schedulable"], r["draining"], r["maintenance"], r["parity_failures"], r["live_claims"],
+            r["node_id"],
+            r["region"],
+            r["sku"],
+            r["accepts_slices"],
+            r["accepts_baremetal"],
+            r["mode"],
+            r["schedulable"],
+            r["draining"],
+            r["maintenance"],
+            r["parity_failures"],
+            r["live_claims"],
             r["exclusive_held"],
-            NodeCandidate(r["node_id"], r["free_slots"], r["total_slots"], r["live_claims"], r["max_switch_free"],
-                          tuple(r["numa_free"]), r["numa_capacity"]),
-            r["image_ready"], r["approved_slots"],
+            NodeCandidate(
+                r["node_id"],
+                r["free_slots"],
+                r["total_slots"],
+                r["live_claims"],
+                r["max_switch_free"],
+                tuple(r["numa_free"]),
+                r["numa_capacity"],
+            ),
+            r["image_ready"],
+            r["approved_slots"],
         )
         for r in rows
     ]
@@ -424,7 +515,10 @@ async def allocation_slots(conn: asyncpg.Connection, allocation_id: uuid.UUID) -
 async def drain_node(conn: asyncpg.Connection, node_id: str, reason: str, *, actor: str) -> None:
     await conn.execute(
         "UPDATE nodes SET draining = true, drain_reason = $2, drained_by = $3, drained_at = now(), updated_at = now() "
-        "WHERE node_id = $1", node_id, reason, actor,
+        "WHERE node_id = $1",
+        node_id,
+        reason,
+        actor,
     )
 
 
@@ -433,9 +527,18 @@ async def lock_clean_watermark(conn: asyncpg.Connection, region: str, sku: str) 
     await conn.execute("SELECT pg_advisory_xact_lock(hashtext('gpuaas-clean:' || $1 || '/' || $2))", region, sku)
 
 
-async def move_slots(conn: asyncpg.Connection, slot_ids: Sequence[str], status: str, reason: str | None, *,
-                     actor: str, only_from: Sequence[str] | None = None, allocation_id: uuid.UUID | None = None,
-                     detail: dict | None = None, health: tuple[str, str | None] | None = None) -> list[asyncpg.Record]:
+async def move_slots(
+    conn: asyncpg.Connection,
+    slot_ids: Sequence[str],
+    status: str,
+    reason: str | None,
+    *,
+    actor: str,
+    only_from: Sequence[str] | None = None,
+    allocation_id: uuid.UUID | None = None,
+    detail: dict | None = None,
+    health: tuple[str, str | None] | None = None,
+) -> list[asyncpg.Record]:
     """Move slots and log each transition (who, why, evidence) in the same statement."""
     if not slot_ids:
         return []
@@ -451,19 +554,32 @@ async def move_slots(conn: asyncpg.Connection, slot_ids: Sequence[str], status: 
         "log AS (INSERT INTO slot_transitions (slot_id, from_status, to_status, reason, actor, allocation_id, detail) "
         "  SELECT slot_id, from_status, $2, $3, $5, $6, $9::jsonb FROM moved) "
         "SELECT * FROM moved ORDER BY slot_id",
-        list(slot_ids), status, reason, list(only_from), actor, allocation_id,
-        health[0] if health else None, health[1] if health else None,
+        list(slot_ids),
+        status,
+        reason,
+        list(only_from),
+        actor,
+        allocation_id,
+        health[0] if health else None,
+        health[1] if health else None,
         json.dumps(detail) if detail is not None else None,
     )
     return rows
 
 
-async def set_slot_status(conn: asyncpg.Connection, allocation_id: uuid.UUID, status: str, reason: str | None = None,
-                          only_from: tuple[str, ...] | None = None, actor: str = "scheduler") -> int:
+async def set_slot_status(
+    conn: asyncpg.Connection,
+    allocation_id: uuid.UUID,
+    status: str,
+    reason: str | None = None,
+    only_from: tuple[str, ...] | None = None,
+    actor: str = "scheduler",
+) -> int:
     """Move the slots held by an allocation's live claims."""
     slots = [r["slot_id"] for r in await allocation_slots(conn, allocation_id) if r["slot_id"]]
-    return len(await move_slots(conn, slots, status, reason, actor=actor, only_from=only_from,
-                                allocation_id=allocation_id))
+    return len(
+        await move_slots(conn, slots, status, reason, actor=actor, only_from=only_from, allocation_id=allocation_id)
+    )
 
 
 async def release_claims(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[asyncpg.Record]:

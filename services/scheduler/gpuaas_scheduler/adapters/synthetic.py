@@ -15,38 +15,104 @@ _BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
 def slot_row(node_id: str, n: int, s: int) -> dict:
     eui = hashlib.sha256(f"{node_id}:nvme{s}".encode()).hexdigest()[:32]
     return {
-        "slot_id": f"{node_id}-s{s}", "node_id": node_id, "gpu_pci_address": f"0000:{_BUSES[s]}:00.0",
-        "numa_node": 0 if s < 4 else 1, "pcie_switch": f"sw{s // 2}", "nvme_by_id": f"/dev/disk/by-id/nvme-eui.{eui}",
-        "fabric_claim_mode": "per_slot_vf", "fabric_vf_pci_address": f"0000:{0x29 + (s // 4) * 0x80:02x}:00.{(s % 4) + 1}",
+        "slot_id": f"{node_id}-s{s}",
+        "node_id": node_id,
+        "gpu_pci_address": f"0000:{_BUSES[s]}:00.0",
+        "numa_node": 0 if s < 4 else 1,
+        "pcie_switch": f"sw{s // 2}",
+        "nvme_by_id": f"/dev/disk/by-id/nvme-eui.{eui}",
+        "fabric_claim_mode": "per_slot_vf",
+        "fabric_vf_pci_address": f"0000:{0x29 + (s // 4) * 0x80:02x}:00.{(s % 4) + 1}",
         "mac": "52:54:%02x:%02x:%02x:%02x" % (n >> 16 & 0xFF, n >> 8 & 0xFF, n & 0xFF, s),
-        "private_ip": f"10.{100 + (n >> 8)}.{n & 0xFF}.{10 + s}", "ovs_bridge": "ovsbr0",
-        "profile": "h200_1g_24c_64g", "status": "available", "nvme_evidence": SIMULATED_CLEAN_DISK,
+        "private_ip": f"10.{100 + (n >> 8)}.{n & 0xFF}.{10 + s}",
+        "ovs_bridge": "ovsbr0",
+        "profile": "h200_1g_24c_64g",
+        "status": "available",
+        "nvme_evidence": SIMULATED_CLEAN_DISK,
     }
 
 
-async def build(conn: asyncpg.Connection, *, slice_hosts: int, slots_per_host: int = 8, baremetal_hosts: int = 0,
-                convertible: bool = False, region: str = "default", sku: str = "h200-sxm-slice",
-                baremetal_sku: str = "h200-sxm", prefix: str = "n") -> list[str]:
+async def build(
+    conn: asyncpg.Connection,
+    *,
+    slice_hosts: int,
+    slots_per_host: int = 8,
+    baremetal_hosts: int = 0,
+    convertible: bool = False,
+    region: str = "default",
+    sku: str = "h200-sxm-slice",
+    baremetal_sku: str = "h200-sxm",
+    prefix: str = "n",
+) -> list[str]:
     """Slice hosts `<prefix>00001…` (parity-clean, every slot approved) and baremetal hosts `bm…`.
     With `convertible`, slice hosts also carry the baremetal tag."""
     import json
 
     tags = [TAG_SLICE, TAG_BAREMETAL] if convertible else [TAG_SLICE]
     nodes = [
-        (f"{prefix}{i:05d}", "slice_host", f"{prefix}{i:05d}", region, "default", sku, None, "slice-vm", tags, "slice", 0)
+        (
+            f"{prefix}{i:05d}",
+            "slice_host",
+            f"{prefix}{i:05d}",
+            region,
+            "default",
+            sku,
+            None,
+            "slice-vm",
+            tags,
+            "slice",
+            0,
+        )
         for i in range(1, slice_hosts + 1)
     ] + [
-        (f"bm{i:05d}", "baremetal", f"bm{i:05d}", region, "default", baremetal_sku, f"sys{i:05d}", "baremetal",
-         [TAG_BAREMETAL], "baremetal", None)
+        (
+            f"bm{i:05d}",
+            "baremetal",
+            f"bm{i:05d}",
+            region,
+            "default",
+            baremetal_sku,
+            f"sys{i:05d}",
+            "baremetal",
+            [TAG_BAREMETAL],
+            "baremetal",
+            None,
+        )
         for i in range(1, baremetal_hosts + 1)
     ]
     await conn.copy_records_to_table(
-        "nodes", records=nodes,
-        columns=["node_id", "kind", "hostname", "region", "pool", "sku", "maas_system_id", "profile_intent",
-                 "maas_tags", "mode", "parity_failures"],
+        "nodes",
+        records=nodes,
+        columns=[
+            "node_id",
+            "kind",
+            "hostname",
+            "region",
+            "pool",
+            "sku",
+            "maas_system_id",
+            "profile_intent",
+            "maas_tags",
+            "mode",
+            "parity_failures",
+        ],
     )
-    cols = ["slot_id", "node_id", "gpu_pci_address", "numa_node", "pcie_switch", "nvme_by_id", "fabric_claim_mode",
-            "fabric_vf_pci_address", "mac", "private_ip", "ovs_bridge", "profile", "status", "nvme_evidence"]
+    cols = [
+        "slot_id",
+        "node_id",
+        "gpu_pci_address",
+        "numa_node",
+        "pcie_switch",
+        "nvme_by_id",
+        "fabric_claim_mode",
+        "fabric_vf_pci_address",
+        "mac",
+        "private_ip",
+        "ovs_bridge",
+        "profile",
+        "status",
+        "nvme_evidence",
+    ]
     rows = []
     for i in range(1, slice_hosts + 1):
         for s in range(slots_per_host):

@@ -52,8 +52,10 @@ def duplicate_problems(candidate: Mapping[str, Any], others: Iterable[Mapping[st
 
 
 def approval_problems(candidate: Mapping[str, Any], others: Iterable[Mapping[str, Any]] = ()) -> list[str]:
-    return binding_problems(candidate) + disk_problems(candidate.get("nvme_evidence")) + duplicate_problems(
-        candidate, others
+    return (
+        binding_problems(candidate)
+        + disk_problems(candidate.get("nvme_evidence"))
+        + duplicate_problems(candidate, others)
     )
 
 

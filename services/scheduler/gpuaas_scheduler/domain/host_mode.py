@@ -58,14 +58,22 @@ Guard = Callable[[HostFacts], "str | None"]
 
 
 def no_live_claims(h: HostFacts) -> str | None:
-    return None if h.live_claims == 0 else (
-        f"{h.live_claims} live claim(s) on the host: wait for their allocations to be released")
+    return (
+        None
+        if h.live_claims == 0
+        else (f"{h.live_claims} live claim(s) on the host: wait for their allocations to be released")
+    )
 
 
 def slots_retired(h: HostFacts) -> str | None:
-    return None if h.unretired_slots == 0 else (
-        f"{h.unretired_slots} approved slot(s) not retired: retire them first "
-        "(POST /v1/nodes/{node_id}/slots/retire); a cleanup_blocked slot needs a verified wipe first")
+    return (
+        None
+        if h.unretired_slots == 0
+        else (
+            f"{h.unretired_slots} approved slot(s) not retired: retire them first "
+            "(POST /v1/nodes/{node_id}/slots/retire); a cleanup_blocked slot needs a verified wipe first"
+        )
+    )
 
 
 def baremetal_profile(h: HostFacts) -> str | None:
@@ -91,8 +99,11 @@ def reapproved(h: HostFacts) -> str | None:
 
 
 def no_stale_slots(h: HostFacts) -> str | None:
-    return None if h.stale_slots == 0 else (
-        f"{h.stale_slots} slot(s) were approved before the evidence reset: re-approve or retire them")
+    return (
+        None
+        if h.stale_slots == 0
+        else (f"{h.stale_slots} slot(s) were approved before the evidence reset: re-approve or retire them")
+    )
 
 
 # (from, to) -> guards; every pair not listed is refused. Entering `converting` resets the evidence.
@@ -115,15 +126,14 @@ RESETS_EVIDENCE = frozenset({CONVERTING})
 # Why a tempting shortcut is not a transition, and the path that is.
 _DETOURS = {
     (SLICE, BAREMETAL): "drain it first: slice → drained → baremetal, once its live claims are released and "
-                        "its slots retired",
+    "its slots retired",
     (SLICE, RETIRED): "drain it first: slice → drained → retired",
     (SLICE, CONVERTING): "drain it first: slice → drained → converting",
     (BAREMETAL, SLICE): "a host back from baremetal goes through converting: rediscovery, a passing parity run "
-                        "and re-approval of its slots",
+    "and re-approval of its slots",
     (BAREMETAL, DRAINED): "a baremetal host leaves through converting or retired; use drain/maintenance to stop "
-                          "placements on it",
-    (CONVERTING, DRAINED): "a converting host becomes a slice host only through rediscovery, parity and "
-                           "re-approval",
+    "placements on it",
+    (CONVERTING, DRAINED): "a converting host becomes a slice host only through rediscovery, parity and re-approval",
     (RETIRED, SLICE): "a retired host returns through converting",
     (RETIRED, DRAINED): "a retired host returns through converting",
 }
@@ -143,8 +153,11 @@ def transition_problems(facts: HostFacts, target: str) -> list[str]:
     if guards is None:
         hint = _DETOURS.get((facts.mode, target))
         allowed = ", ".join(allowed_targets(facts.mode)) or "nothing"
-        return [f"{facts.mode} → {target} is not a transition" + (f": {hint}" if hint else "")
-                + f" (from {facts.mode}: {allowed})"]
+        return [
+            f"{facts.mode} → {target} is not a transition"
+            + (f": {hint}" if hint else "")
+            + f" (from {facts.mode}: {allowed})"
+        ]
     return [p for p in (g(facts) for g in guards) if p is not None]
 
 
@@ -180,8 +193,9 @@ class Host:
     def blockers(self, target: str) -> list[str]:
         return transition_problems(self.facts, target)
 
-    def change_mode(self, target: str, *, actor: str, reason: str, at: datetime,
-                    allocation_id: str | None = None) -> ModeChange:
+    def change_mode(
+        self, target: str, *, actor: str, reason: str, at: datetime, allocation_id: str | None = None
+    ) -> ModeChange:
         problems = self.blockers(target)
         if problems:
             raise ModeRefused(self.facts.node_id, self.facts.mode, target, problems)
@@ -190,14 +204,16 @@ class Host:
         facts = replace(self.facts, mode=target)
         if resets:
             # Unknown, not failed: the evidence has to be gathered again.
-            facts = replace(facts, parity_failures=None, rediscovered=False, reapproved_slots=0,
-                            stale_slots=facts.unretired_slots)
+            facts = replace(
+                facts, parity_failures=None, rediscovered=False, reapproved_slots=0, stale_slots=facts.unretired_slots
+            )
         self.facts = facts
         self.changes.append(change)
         return change
 
-    def return_from_baremetal(self, *, actor: str, reason: str, at: datetime,
-                              allocation_id: str | None = None) -> ModeChange | None:
+    def return_from_baremetal(
+        self, *, actor: str, reason: str, at: datetime, allocation_id: str | None = None
+    ) -> ModeChange | None:
         """After a baremetal allocation is released. MAAS redeployed the host, so its slice bootstrap
         is gone: a slice-capable host goes to `converting`. A baremetal-only host has nothing to
         convert to and stays in the baremetal pool (None)."""

@@ -148,8 +148,9 @@ def choose(slots: Iterable[SlotView], gpus: int, numa_capacity: int | None = Non
     if len(free) < gpus or gpus < 1:
         return None
     if numa_capacity is None:
-        numa_capacity = max((len(g) for k, g in _groups(free, lambda s: s.numa_node).items() if k is not None),
-                            default=0)
+        numa_capacity = max(
+            (len(g) for k, g in _groups(free, lambda s: s.numa_node).items() if k is not None), default=0
+        )
     by_switch = _groups(free, _switch_key)
     by_numa = _groups(free, lambda s: s.numa_node)
     switch_free = {k: len(g) for k, g in by_switch.items()}
@@ -160,8 +161,14 @@ def choose(slots: Iterable[SlotView], gpus: int, numa_capacity: int | None = Non
         return sorted(pool, key=lambda s: (switch_free[_switch_key(s)], str(_switch_key(s)), s.slot_id))
 
     if gpus == 1:
-        best = min(free, key=lambda s: (switch_free[_switch_key(s)],
-                                        numa_free[s.numa_node] if s.numa_node is not None else 0, s.slot_id))
+        best = min(
+            free,
+            key=lambda s: (
+                switch_free[_switch_key(s)],
+                numa_free[s.numa_node] if s.numa_node is not None else 0,
+                s.slot_id,
+            ),
+        )
         return Choice((best,), TIER_SWITCH)
     known = [s for s in free if s.numa_node is not None]
     switches = [g for k, g in by_switch.items() if k[0] != "solo" and k[0] is not None and len(g) >= gpus]
@@ -190,14 +197,16 @@ def choose_slots(slots: Iterable[SlotView], count: int, numa_capacity: int | Non
     return list(choice.slots) if choice else None
 
 
-def summarize(node_id: str, free: Iterable[SlotView], total_slots: int, live_claims: int,
-              numa_capacity: int) -> NodeCandidate:
+def summarize(
+    node_id: str, free: Iterable[SlotView], total_slots: int, live_claims: int, numa_capacity: int
+) -> NodeCandidate:
     """The capacity summary the adapter stores on the node row, from its eligible free slots."""
     usable = dedupe_fabric(free)
     switch = [len(g) for k, g in _groups(usable, _switch_key).items() if k[0] != "solo" and k[0] is not None]
     numa = sorted((len(g) for k, g in _groups(usable, lambda s: s.numa_node).items() if k is not None), reverse=True)
-    return NodeCandidate(node_id, len(usable), total_slots, live_claims, max(switch, default=0), tuple(numa),
-                         numa_capacity)
+    return NodeCandidate(
+        node_id, len(usable), total_slots, live_claims, max(switch, default=0), tuple(numa), numa_capacity
+    )
 
 
 # --- filters --------------------------------------------------------------------------------------
@@ -257,8 +266,19 @@ def node_filter(node: NodeFacts, req: Request) -> str | None:
 
 # Filters that judge the node rather than its current occupancy: a node passing them is "eligible"
 # and its free GPUs count in the why-not answer.
-NODE_LEVEL = {"region", "sku", "profile_intent", "host_mode", "approved_slots", "maintenance", "draining", "not_ready",
-              "parity", "image_cache", "in_use"}
+NODE_LEVEL = {
+    "region",
+    "sku",
+    "profile_intent",
+    "host_mode",
+    "approved_slots",
+    "maintenance",
+    "draining",
+    "not_ready",
+    "parity",
+    "image_cache",
+    "in_use",
+}
 
 
 # --- scores ---------------------------------------------------------------------------------------
@@ -289,8 +309,9 @@ def rank_nodes(candidates: Iterable[NodeCandidate], gpus: int) -> list[NodeCandi
     return sorted((c for c in candidates if best_tier(c, gpus) is not None), key=lambda c: node_score(c, gpus))
 
 
-def rank_classes(gpus: int, max_switch_slots: int | None = None, max_numa_slots: int | None = None,
-                 min_numa_slots: int | None = None) -> list[tuple[bool, int]]:
+def rank_classes(
+    gpus: int, max_switch_slots: int | None = None, max_numa_slots: int | None = None, min_numa_slots: int | None = None
+) -> list[tuple[bool, int]]:
     """(sliced, tier) classes in score order; inside a class the order is (free slots, node id),
     which an index on (region, sku, sliced DESC, free_slots, node_id) yields without sorting.
 
@@ -315,13 +336,19 @@ def clean_node_allowed(clean_nodes: int, watermark: int) -> bool:
 
 
 _FILTER_TEXT = {
-    "region": "in another region", "sku": "of another SKU", "profile_intent": "without the profile intent",
+    "region": "in another region",
+    "sku": "of another SKU",
+    "profile_intent": "without the profile intent",
     "host_mode": "in a host mode that does not serve this shape",
     "approved_slots": "still holding approved slots",
-    "maintenance": "in maintenance", "draining": "draining", "not_ready": "not ready",
-    "parity": "without parity failures=0", "image_cache": "without the image verified in cache",
+    "maintenance": "in maintenance",
+    "draining": "draining",
+    "not_ready": "not ready",
+    "parity": "without parity failures=0",
+    "image_cache": "without the image verified in cache",
     "in_use": "held by another allocation",
-    "free_slot_count": "with too few free slots", "topology": "without a topology-safe group",
+    "free_slot_count": "with too few free slots",
+    "topology": "without a topology-safe group",
     "clean_node_reserve": "reserved clean for baremetal",
 }
 
@@ -331,9 +358,14 @@ def _filtered_text(filtered: Counter[str]) -> str:
     return "; ".join(parts)
 
 
-def unschedulable_summary(filtered: Counter[str], free_gpus: int, requested: int,
-                          shape: str = "gpu_slice", eligible_nodes: int | None = None,
-                          largest_free: int = 0) -> tuple[str, str]:
+def unschedulable_summary(
+    filtered: Counter[str],
+    free_gpus: int,
+    requested: int,
+    shape: str = "gpu_slice",
+    eligible_nodes: int | None = None,
+    largest_free: int = 0,
+) -> tuple[str, str]:
     """A reason code and a sentence an operator can act on."""
     detail = _filtered_text(filtered)
     suffix = f" (nodes: {detail})" if detail else ""

@@ -7,7 +7,8 @@ map from these rule *names* to predicates (adapters/slot_sql.py), the map must c
 names, and a test evaluates both on the same slots, one violated rule at a time.
 
 **Transitions.** `SLOT_TRANSITIONS` is every status change a slot may make; the adapter that moves
-slots (the only code that changes a status after approval) refuses any other.
+slots refuses any other; the one other writer, placement's claim, only takes `available` slots to `reserved`
+(it selects them through the eligibility SQL), a move the table allows.
 
 **Approval is not a transition.** It (re)writes a slot's whole binding from a candidate (GPU, disk,
 fabric, evidence) and derives the status from the eligibility rules, whatever the status was; so it is
@@ -52,8 +53,11 @@ BINDING_RULES: tuple[SlotRule, ...] = (
     SlotRule("nvme_by_id", "missing raw NVMe by-id identity", lambda s: "/by-id/" in (s.get("nvme_by_id") or "")),
     SlotRule("mac", "missing management MAC", _present("mac")),
     SlotRule("private_ip", "missing private IP", _present("private_ip")),
-    SlotRule("fabric_claim_mode", "fabric claim mode is not per_slot_vf",
-             lambda s: s.get("fabric_claim_mode") == "per_slot_vf"),
+    SlotRule(
+        "fabric_claim_mode",
+        "fabric claim mode is not per_slot_vf",
+        lambda s: s.get("fabric_claim_mode") == "per_slot_vf",
+    ),
     SlotRule("fabric_vf_pci_address", "missing fabric VF PCI address", _present("fabric_vf_pci_address")),
 )
 
@@ -63,10 +67,12 @@ DISK_RULES: tuple[SlotRule, ...] = (
     SlotRule("nvme_evidence", "no NVMe evidence from topology discovery", lambda s: _evidence(s) is not None),
     SlotRule("not_os_disk", "NVMe is (or may be) the OS disk", lambda s: _disk_says("is_os_disk", True)(s) is False),
     SlotRule("not_mounted", "NVMe is mounted", lambda s: _disk_says("mounted", True)(s) is False),
-    SlotRule("no_mounted_children", "NVMe has mounted children",
-             lambda s: not _disk_says("mounted_children", [])(s)),
-    SlotRule("no_signatures", "NVMe carries signatures, or they could not be read",
-             lambda s: _disk_says("signatures", None)(s) == []),
+    SlotRule("no_mounted_children", "NVMe has mounted children", lambda s: not _disk_says("mounted_children", [])(s)),
+    SlotRule(
+        "no_signatures",
+        "NVMe carries signatures, or they could not be read",
+        lambda s: _disk_says("signatures", None)(s) == [],
+    ),
 )
 
 # What makes an approved, complete slot free to claim right now.
@@ -94,8 +100,17 @@ def incomplete_reason(slot: Slot) -> str | None:
 
 # --- transitions -------------------------------------------------------------------------------------
 
-SLOT_STATUSES = ("disabled", "available", "reserved", "provisioning", "active", "releasing", "cleanup",
-                 "cleanup_blocked", "retired")
+SLOT_STATUSES = (
+    "disabled",
+    "available",
+    "reserved",
+    "provisioning",
+    "active",
+    "releasing",
+    "cleanup",
+    "cleanup_blocked",
+    "retired",
+)
 # Statuses in which a tenant's VM may have written the disk.
 TOUCHED = frozenset({"provisioning", "active", "releasing", "cleanup"})
 

@@ -42,47 +42,122 @@ async def _node_slots(conn: asyncpg.Connection, node_id: str) -> dict[str, Any]:
     return await ops.list_slots(conn, node_id=node_id)
 
 
-def _r(method: str, path: str, handler, summary: str, response: type[BaseModel], body: type[BaseModel] | None = None,
-       errors: tuple[int, ...] = (), query: tuple[str, ...] = ()) -> Route:
+def _r(
+    method: str,
+    path: str,
+    handler,
+    summary: str,
+    response: type[BaseModel],
+    body: type[BaseModel] | None = None,
+    errors: tuple[int, ...] = (),
+    query: tuple[str, ...] = (),
+) -> Route:
     return Route(method, path, handler, summary, response, body, errors=errors, query=query)
 
 
 ROUTES = [
     _r("GET", "/v1/nodes", read(ops.list_nodes), "list nodes", out.NodeList, query=("region", "sku")),
-    _r("POST", "/v1/nodes", write(ops.upsert_node), "register or update a node (its first mode only)",
-       out.NodeDetail, ops.NodeIn),
-    _r("GET", "/v1/nodes/{node_id}", read(ops.get_node), "a node, its live claims and mode history",
-       out.NodeDetail),
-    _r("PUT", "/v1/nodes/{node_id}/readiness", write(ops.set_readiness), "record a parity run's result",
-       out.NodeDetail, ops.ReadinessIn),
-    _r("POST", "/v1/nodes/{node_id}/drain", write(ops.drain), "stop new placements on a node", out.NodeDetail,
-       ops.DrainIn),
-    _r("POST", "/v1/nodes/{node_id}/undrain", write(ops.undrain), "accept placements again", out.NodeDetail,
-       ops.Acted),
-    _r("GET", "/v1/nodes/{node_id}/mode", read(ops.get_mode), "mode, what blocks each transition, history",
-       out.ModeView),
-    _r("POST", "/v1/nodes/{node_id}/mode", write(ops.set_mode), "change the host mode (guarded)", out.ModeView,
-       ops.ModeIn, errors=(409,)),
+    _r(
+        "POST",
+        "/v1/nodes",
+        write(ops.upsert_node),
+        "register or update a node (its first mode only)",
+        out.NodeDetail,
+        ops.NodeIn,
+    ),
+    _r("GET", "/v1/nodes/{node_id}", read(ops.get_node), "a node, its live claims and mode history", out.NodeDetail),
+    _r(
+        "PUT",
+        "/v1/nodes/{node_id}/readiness",
+        write(ops.set_readiness),
+        "record a parity run's result",
+        out.NodeDetail,
+        ops.ReadinessIn,
+    ),
+    _r(
+        "POST",
+        "/v1/nodes/{node_id}/drain",
+        write(ops.drain),
+        "stop new placements on a node",
+        out.NodeDetail,
+        ops.DrainIn,
+    ),
+    _r("POST", "/v1/nodes/{node_id}/undrain", write(ops.undrain), "accept placements again", out.NodeDetail, ops.Acted),
+    _r(
+        "GET",
+        "/v1/nodes/{node_id}/mode",
+        read(ops.get_mode),
+        "mode, what blocks each transition, history",
+        out.ModeView,
+    ),
+    _r(
+        "POST",
+        "/v1/nodes/{node_id}/mode",
+        write(ops.set_mode),
+        "change the host mode (guarded)",
+        out.ModeView,
+        ops.ModeIn,
+        errors=(409,),
+    ),
     _r("GET", "/v1/nodes/{node_id}/slots", read(_node_slots), "a node's slots", out.SlotList),
-    _r("POST", "/v1/nodes/{node_id}/slots/retire", write(ops.retire_slots),
-       "retire slots (all unretired ones when slot_ids is absent), atomically", out.SlotList, ops.RetireIn),
-    _r("GET", "/v1/nodes/{node_id}/candidates", read(ops.list_candidates), "discovered slot candidates",
-       out.CandidateList),
-    _r("PUT", "/v1/nodes/{node_id}/candidates", write(ops.upsert_candidates), "record slot candidates",
-       out.CandidateList, ops.CandidatesIn),
-    _r("POST", "/v1/nodes/{node_id}/candidates/approve", write(ops.approve),
-       "turn candidates into slots (available only when every approval rule holds)", out.ApprovalOut,
-       ops.ApproveIn),
+    _r(
+        "POST",
+        "/v1/nodes/{node_id}/slots/retire",
+        write(ops.retire_slots),
+        "retire slots (all unretired ones when slot_ids is absent), atomically",
+        out.SlotList,
+        ops.RetireIn,
+    ),
+    _r(
+        "GET",
+        "/v1/nodes/{node_id}/candidates",
+        read(ops.list_candidates),
+        "discovered slot candidates",
+        out.CandidateList,
+    ),
+    _r(
+        "PUT",
+        "/v1/nodes/{node_id}/candidates",
+        write(ops.upsert_candidates),
+        "record slot candidates",
+        out.CandidateList,
+        ops.CandidatesIn,
+    ),
+    _r(
+        "POST",
+        "/v1/nodes/{node_id}/candidates/approve",
+        write(ops.approve),
+        "turn candidates into slots (available only when every approval rule holds)",
+        out.ApprovalOut,
+        ops.ApproveIn,
+    ),
     _r("GET", "/v1/slots", read(ops.list_slots), "list slots", out.SlotList, query=("node_id", "status")),
     _r("GET", "/v1/slots/{slot_id}", read(ops.get_slot), "a slot and its transitions", out.SlotDetail),
-    _r("POST", "/v1/slots/{slot_id}/disable", write(ops.disable), "take a slot out of placement", out.SlotDetail,
-       ops.Acted),
-    _r("POST", "/v1/slots/{slot_id}/repair", write(ops.repair),
-       "cleanup_blocked or disabled -> available, if the approval rules hold now", out.SlotDetail, ops.RepairIn),
-    _r("GET", "/v1/tenants/{tenant_id}/quota", read(ops.get_quota), "a tenant's GPU quota and use",
-       out.QuotaView),
-    _r("PUT", "/v1/tenants/{tenant_id}/quota", write(ops.set_quota), "set a tenant's GPU quota", out.QuotaView,
-       ops.QuotaIn),
+    _r(
+        "POST",
+        "/v1/slots/{slot_id}/disable",
+        write(ops.disable),
+        "take a slot out of placement",
+        out.SlotDetail,
+        ops.Acted,
+    ),
+    _r(
+        "POST",
+        "/v1/slots/{slot_id}/repair",
+        write(ops.repair),
+        "cleanup_blocked or disabled -> available, if the approval rules hold now",
+        out.SlotDetail,
+        ops.RepairIn,
+    ),
+    _r("GET", "/v1/tenants/{tenant_id}/quota", read(ops.get_quota), "a tenant's GPU quota and use", out.QuotaView),
+    _r(
+        "PUT",
+        "/v1/tenants/{tenant_id}/quota",
+        write(ops.set_quota),
+        "set a tenant's GPU quota",
+        out.QuotaView,
+        ops.QuotaIn,
+    ),
 ]
 
 
@@ -96,10 +171,12 @@ def build_app(pool: asyncpg.Pool, token: SecretStr | None):
 
 def openapi_document() -> dict[str, Any]:
     return openapi(
-        ROUTES, title="gpuaas scheduler admin API", version="1",
+        ROUTES,
+        title="gpuaas scheduler admin API",
+        version="1",
         description="Inventory administration: nodes, slot candidates and approval (the runbook's completeness "
-                    "rules), disable/repair, drain/undrain, host modes, tenant quotas. Every mutation needs an "
-                    "Idempotency-Key and is audited (admin_requests); errors share one shape.",
+        "rules), disable/repair, drain/undrain, host modes, tenant quotas. Every mutation needs an "
+        "Idempotency-Key and is audited (admin_requests); errors share one shape.",
     )
 
 

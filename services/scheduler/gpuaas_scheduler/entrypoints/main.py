@@ -41,8 +41,9 @@ def build_register(settings: SchedulerSettings):
         for durable, handler_map in evidence_handlers(scheduler).items():
             rt.bus.subscribe(rt.consumer_spec(durable), handler_map)
         if settings.admin_token is None:
-            log.warning("admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the admin API never listens "
-                                                  "without a token")
+            log.warning(
+                "admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the admin API never listens without a token"
+            )
             return
         api = admin_api(rt.pool, settings.admin_token)
         rt.ready_info["admin_port"] = await api.start(settings.admin_host, settings.admin_port)
@@ -60,8 +61,13 @@ def build_register(settings: SchedulerSettings):
 
 def main() -> None:
     settings = SchedulerSettings()
-    run_service("scheduler", settings, build_register(settings), schema="scheduler",
-                migrations_package="gpuaas_scheduler.migrations")
+    run_service(
+        "scheduler",
+        settings,
+        build_register(settings),
+        schema="scheduler",
+        migrations_package="gpuaas_scheduler.migrations",
+    )
 
 
 if __name__ == "__main__":

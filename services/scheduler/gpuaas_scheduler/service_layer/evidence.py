@@ -31,8 +31,12 @@ log = get_logger(__name__)
 
 async def record_parity(conn: asyncpg.Connection, ev: m.NodeParityReported) -> str:
     """'applied', 'stale' or 'unknown_node'."""
-    detail = {"checks": [c.model_dump(mode="json") for c in ev.checks], "warnings": ev.warnings,
-              "task_id": ev.task_id, "source": "node-agent"}
+    detail = {
+        "checks": [c.model_dump(mode="json") for c in ev.checks],
+        "warnings": ev.warnings,
+        "task_id": ev.task_id,
+        "source": "node-agent",
+    }
     if await repo.update_parity(conn, ev.node_id, ev.failures, detail, ev.checked_at):
         return "applied"
     return await _why_not_applied(conn, ev.node_id)
@@ -49,10 +53,26 @@ async def record_topology(conn: asyncpg.Connection, ev: m.NodeTopologyReported) 
     for c in ev.candidate_slots:
         disk = disks.get(c.nvme_by_id) if c.nvme_by_id else None
         # The approval rules read the disk evidence in this shape; no evidence means not approvable.
-        evidence = json.dumps({"mounted": disk.mounted, "mounted_children": disk.mounted_children,
-                               "signatures": disk.signatures, "is_os_disk": disk.is_os_disk}) if disk else None
-        rows.append((candidate_id(ev.node_id, c.gpu_pci_address), ev.node_id,
-                     *(getattr(c, f) for f in repo.CANDIDATE_FIELDS), evidence))
+        evidence = (
+            json.dumps(
+                {
+                    "mounted": disk.mounted,
+                    "mounted_children": disk.mounted_children,
+                    "signatures": disk.signatures,
+                    "is_os_disk": disk.is_os_disk,
+                }
+            )
+            if disk
+            else None
+        )
+        rows.append(
+            (
+                candidate_id(ev.node_id, c.gpu_pci_address),
+                ev.node_id,
+                *(getattr(c, f) for f in repo.CANDIDATE_FIELDS),
+                evidence,
+            )
+        )
     await repo.replace_unapproved_candidates(conn, ev.node_id, rows)
     return "applied"
 
@@ -65,8 +85,9 @@ def candidate_id(node_id: str, gpu_pci_address: str) -> str:
 
 async def record_image_cache(conn: asyncpg.Connection, ev: m.ImageNodeCacheChanged, occurred_at: datetime) -> str:
     """'applied' or 'stale'. The payload carries no time of its own; the envelope's does."""
-    applied = await repo.upsert_image_readiness(conn, ev.node_id, ev.slug, ev.status, ev.digest_sha256,
-                                                ev.schedulable, occurred_at)
+    applied = await repo.upsert_image_readiness(
+        conn, ev.node_id, ev.slug, ev.status, ev.digest_sha256, ev.schedulable, occurred_at
+    )
     return "applied" if applied else "stale"
 
 

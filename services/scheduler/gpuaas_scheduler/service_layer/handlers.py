@@ -36,12 +36,20 @@ class Scheduler:
         await ctx.outbox.add(kind, result, aggregate_id=alloc_id, event_id=derived_event_id(alloc_id, "placement"))
         if outcome.placed:
             p = outcome.placed
-            log.info("placed", node_id=p.node_id, claim_mode=p.claim_mode, slots=[s.slot_id for s in p.slots],
-                     attempts=outcome.attempts, skipped_locked=outcome.skipped_locked, tier=outcome.extra.get("tier"))
+            log.info(
+                "placed",
+                node_id=p.node_id,
+                claim_mode=p.claim_mode,
+                slots=[s.slot_id for s in p.slots],
+                attempts=outcome.attempts,
+                skipped_locked=outcome.skipped_locked,
+                tier=outcome.extra.get("tier"),
+            )
         else:
             u = outcome.unschedulable
-            log.info("unschedulable", reason_code=u.reason_code, reason=u.reason, filtered=u.filtered,
-                     free_gpus=u.free_gpus)
+            log.info(
+                "unschedulable", reason_code=u.reason_code, reason=u.reason, filtered=u.filtered, free_gpus=u.free_gpus
+            )
 
     async def on_parity(self, ctx: HandlerContext) -> None:
         ev: m.NodeParityReported = ctx.payload
@@ -56,8 +64,14 @@ class Scheduler:
     async def on_image_cache(self, ctx: HandlerContext) -> None:
         ev: m.ImageNodeCacheChanged = ctx.payload
         outcome = await evidence.record_image_cache(ctx.conn, ev, ctx.envelope.occurred_at)
-        log.info("image_cache_recorded", node_id=ev.node_id, slug=ev.slug, status=ev.status,
-                 schedulable=ev.schedulable, outcome=outcome)
+        log.info(
+            "image_cache_recorded",
+            node_id=ev.node_id,
+            slug=ev.slug,
+            status=ev.status,
+            schedulable=ev.schedulable,
+            outcome=outcome,
+        )
 
     async def on_provisioning(self, ctx: HandlerContext) -> None:
         await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "provisioning", only_from=("reserved",))
@@ -66,8 +80,9 @@ class Scheduler:
         await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "active", only_from=("provisioning",))
 
     async def on_releasing(self, ctx: HandlerContext) -> None:
-        await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "releasing",
-                                  only_from=("reserved", "provisioning", "active"))
+        await inv.set_slot_status(
+            ctx.conn, ctx.payload.allocation_id, "releasing", only_from=("reserved", "provisioning", "active")
+        )
 
     async def on_released(self, ctx: HandlerContext) -> None:
         ev: m.AllocationReleased = ctx.payload
@@ -89,23 +104,53 @@ async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID,
     slots = [r for r in held if r["slot_id"]]
     if slots and not cleanup.required:
         # Released before provisioning: the disk was never written.
-        await inv.move_slots(conn, [r["slot_id"] for r in slots], "available", None, actor="scheduler",
-                             allocation_id=allocation_id, detail={"cleanup": "not required", "reason": cleanup.reason})
+        await inv.move_slots(
+            conn,
+            [r["slot_id"] for r in slots],
+            "available",
+            None,
+            actor="scheduler",
+            allocation_id=allocation_id,
+            detail={"cleanup": "not required", "reason": cleanup.reason},
+        )
     elif slots:
         proofs = [p.model_dump(mode="json") for p in cleanup.wipe_proofs]
-        await inv.move_slots(conn, [r["slot_id"] for r in slots], "cleanup", "verifying wipe proof",
-                             actor="scheduler", allocation_id=allocation_id, detail={"wipe_proofs": proofs})
+        await inv.move_slots(
+            conn,
+            [r["slot_id"] for r in slots],
+            "cleanup",
+            "verifying wipe proof",
+            actor="scheduler",
+            allocation_id=allocation_id,
+            detail={"wipe_proofs": proofs},
+        )
         for r in slots:
-            problem = wipe_verdict(r, proofs) if cleanup.verified else (cleanup.reason or "wipe proof missing or failed")
+            problem = (
+                wipe_verdict(r, proofs) if cleanup.verified else (cleanup.reason or "wipe proof missing or failed")
+            )
             if problem is None:
-                await inv.move_slots(conn, [r["slot_id"]], "available", None, actor="scheduler",
-                                     allocation_id=allocation_id, detail={"wipe_verified": r["nvme_by_id"]},
-                                     health=("healthy", f"wipe verified for {r['nvme_by_id']}"))
+                await inv.move_slots(
+                    conn,
+                    [r["slot_id"]],
+                    "available",
+                    None,
+                    actor="scheduler",
+                    allocation_id=allocation_id,
+                    detail={"wipe_verified": r["nvme_by_id"]},
+                    health=("healthy", f"wipe verified for {r['nvme_by_id']}"),
+                )
             else:
                 # Tenant data may remain: out of service until an operator repairs it.
-                await inv.move_slots(conn, [r["slot_id"]], "cleanup_blocked", problem[:500], actor="scheduler",
-                                     allocation_id=allocation_id, detail={"wipe_proofs": proofs},
-                                     health=("degraded", problem[:500]))
+                await inv.move_slots(
+                    conn,
+                    [r["slot_id"]],
+                    "cleanup_blocked",
+                    problem[:500],
+                    actor="scheduler",
+                    allocation_id=allocation_id,
+                    detail={"wipe_proofs": proofs},
+                    health=("degraded", problem[:500]),
+                )
     freed = await inv.release_claims(conn, allocation_id)
     for node_id in sorted({r["node_id"] for r in held if r["claim_kind"] == "node_exclusive"}):
         await host_modes.return_from_baremetal(conn, node_id, allocation_id)
@@ -113,21 +158,36 @@ async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID,
     return len(freed)
 
 
-async def fail_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID, cleanup_required: bool,
-                          reason: str) -> None:
+async def fail_allocation(
+    conn: asyncpg.Connection, allocation_id: uuid.UUID, cleanup_required: bool, reason: str
+) -> None:
     held = await inv.allocation_slots(conn, allocation_id)
     await inv.lock_nodes(conn, [r["node_id"] for r in held])
     slot_ids = [r["slot_id"] for r in held if r["slot_id"]]
     if cleanup_required:
         # The attempt touched the disk (clone, boot): never straight back to available.
-        await inv.move_slots(conn, slot_ids, "cleanup_blocked", reason, actor="scheduler",
-                             allocation_id=allocation_id, health=("degraded", reason))
+        await inv.move_slots(
+            conn,
+            slot_ids,
+            "cleanup_blocked",
+            reason,
+            actor="scheduler",
+            allocation_id=allocation_id,
+            health=("degraded", reason),
+        )
         for r in held:
             if r["claim_kind"] == "node_exclusive":
                 await inv.drain_node(conn, r["node_id"], f"cleanup required after {reason}"[:500], actor="scheduler")
     else:
-        await inv.move_slots(conn, slot_ids, "available", None, actor="scheduler", allocation_id=allocation_id,
-                             detail={"failed_without_disk_writes": reason})
+        await inv.move_slots(
+            conn,
+            slot_ids,
+            "available",
+            None,
+            actor="scheduler",
+            allocation_id=allocation_id,
+            detail={"failed_without_disk_writes": reason},
+        )
     await inv.release_claims(conn, allocation_id)
     await inv.refresh_nodes(conn, [r["node_id"] for r in held])
 
@@ -142,8 +202,11 @@ EVIDENCE_CONSUMERS = {
 
 def evidence_handlers(scheduler: Scheduler) -> dict[str, dict]:
     """Per evidence consumer, its handler map."""
-    by_type = {"node.parity_reported": scheduler.on_parity, "node.topology_reported": scheduler.on_topology,
-               "image.node_cache_changed": scheduler.on_image_cache}
+    by_type = {
+        "node.parity_reported": scheduler.on_parity,
+        "node.topology_reported": scheduler.on_topology,
+        "image.node_cache_changed": scheduler.on_image_cache,
+    }
     return {durable: {type_: by_type[type_]} for durable, type_ in EVIDENCE_CONSUMERS.items()}
 
 

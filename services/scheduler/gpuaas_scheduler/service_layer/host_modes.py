@@ -43,9 +43,11 @@ async def return_from_baremetal(conn: asyncpg.Connection, node_id: str, allocati
     host, now = await _load(conn, node_id)
     try:
         change = host.return_from_baremetal(
-            actor="scheduler", at=now, allocation_id=str(allocation_id),
+            actor="scheduler",
+            at=now,
+            allocation_id=str(allocation_id),
             reason=f"baremetal allocation {allocation_id} released: MAAS redeployed the host, its slice bootstrap, "
-                   "parity and topology must be established again",
+            "parity and topology must be established again",
         )
     except ModeRefused as exc:
         # Only reachable through hand edits (the guards kept slots off a baremetal host). The host stays
@@ -54,13 +56,13 @@ async def return_from_baremetal(conn: asyncpg.Connection, node_id: str, allocati
         return host.mode
     if change is not None:
         await repo.save(conn, host)
-        log.info("host_mode_changed", node_id=node_id, from_mode=change.from_mode, to_mode=change.to_mode,
-                 actor=change.actor)
+        log.info(
+            "host_mode_changed", node_id=node_id, from_mode=change.from_mode, to_mode=change.to_mode, actor=change.actor
+        )
     return host.mode
 
 
-async def promote_if_ready(conn: asyncpg.Connection, node_id: str, *, actor: str, reason: str
-                           ) -> tuple[str, list[str]]:
+async def promote_if_ready(conn: asyncpg.Connection, node_id: str, *, actor: str, reason: str) -> tuple[str, list[str]]:
     """converting → slice when rediscovery, a passing parity run and re-approval are all in. The mode
     after, and what still blocks slice mode when the host stays converting."""
     host, now = await _load(conn, node_id)

@@ -81,9 +81,12 @@ async def place(conn: asyncpg.Connection, ev: m.AllocationAccepted, policy: Plac
         used = await inv.tenant_usage_locked(conn, req.tenant_id)
         if used + req.gpus > limit:
             out.unschedulable = m.PlacementUnschedulable(
-                allocation_id=ev.allocation_id, reason_code="quota_exceeded",
+                allocation_id=ev.allocation_id,
+                reason_code="quota_exceeded",
                 reason=f"tenant {req.tenant_id} holds {used} of its {limit} GPU quota; {req.gpus} more requested",
-                filtered={"quota": 1}, free_gpus=0, requested_gpus=req.gpus,
+                filtered={"quota": 1},
+                free_gpus=0,
+                requested_gpus=req.gpus,
             )
             return out
     if req.shape == "baremetal":
@@ -109,14 +112,18 @@ async def _place_baremetal(conn: asyncpg.Connection, ev: m.AllocationAccepted, r
                 continue
             if got:
                 out.placed = m.PlacementPlaced(
-                    allocation_id=ev.allocation_id, node_id=got["node_id"], claim_mode="node_exclusive",
-                    fencing_epoch=got["epoch"], maas_system_id=got["maas_system_id"],
+                    allocation_id=ev.allocation_id,
+                    node_id=got["node_id"],
+                    claim_mode="node_exclusive",
+                    fencing_epoch=got["epoch"],
+                    maas_system_id=got["maas_system_id"],
                 )
                 return
 
 
-async def _place_slices(conn: asyncpg.Connection, ev: m.AllocationAccepted, req: Request, policy: PlacementPolicy,
-                        out: Outcome) -> None:
+async def _place_slices(
+    conn: asyncpg.Connection, ev: m.AllocationAccepted, req: Request, policy: PlacementPolicy, out: Outcome
+) -> None:
     locked: list[str] = []
     clean_ok: bool | None = None
     seen: set[str] = set()
@@ -129,11 +136,15 @@ async def _place_slices(conn: asyncpg.Connection, ev: m.AllocationAccepted, req:
 
     async def commit_choice(node_id: str, node, free, choice: Choice) -> None:
         chosen = {s.slot_id for s in choice.slots}
-        after = summarize(node_id, [s for s in free if s.slot_id not in chosen], node["total_slots"], 1,
-                          node["numa_capacity"])
+        after = summarize(
+            node_id, [s for s in free if s.slot_id not in chosen], node["total_slots"], 1, node["numa_capacity"]
+        )
         epoch, rows = await inv.claim_slots(conn, node_id, ev.allocation_id, req.tenant_id, choice.slots, after)
         out.placed = m.PlacementPlaced(
-            allocation_id=ev.allocation_id, node_id=node_id, claim_mode="slots", fencing_epoch=epoch,
+            allocation_id=ev.allocation_id,
+            node_id=node_id,
+            claim_mode="slots",
+            fencing_epoch=epoch,
             slots=[m.SlotBinding(**{k: r[k] for k in r.keys() if k != "epoch"}) for r in rows],
         )
         out.extra["tier"] = choice.tier
@@ -191,7 +202,7 @@ async def _place_slices(conn: asyncpg.Connection, ev: m.AllocationAccepted, req:
         out.attempts += 1
         outcome: dict[str, bool] = {}
 
-        async def fast(sliced: bool = sliced, tier: int = tier) -> bool:
+        async def fast(sliced: bool = sliced, tier: int = tier, outcome: dict[str, bool] = outcome) -> bool:
             got = await inv.lock_best_in_class(conn, req, sliced, tier)
             if got is None:
                 outcome["empty"] = True
@@ -224,8 +235,9 @@ async def _place_slices(conn: asyncpg.Connection, ev: m.AllocationAccepted, req:
             return
 
 
-async def why_not(conn: asyncpg.Connection, ev: m.AllocationAccepted, req: Request,
-                  policy: PlacementPolicy) -> m.PlacementUnschedulable:
+async def why_not(
+    conn: asyncpg.Connection, ev: m.AllocationAccepted, req: Request, policy: PlacementPolicy
+) -> m.PlacementUnschedulable:
     """Every node lands in exactly one bucket: the first filter it fails (or `clean_node_reserve`)."""
     facts = await inv.node_facts(conn, req.image_gate)
     filtered: Counter[str] = Counter()
@@ -251,7 +263,10 @@ async def why_not(conn: asyncpg.Connection, ev: m.AllocationAccepted, req: Reque
             filtered["in_use"] += 1
     code, text = unschedulable_summary(filtered, free, req.gpus, req.shape, eligible, largest)
     return m.PlacementUnschedulable(
-        allocation_id=ev.allocation_id, reason_code=code, reason=text[:2048], filtered=dict(filtered),
-        free_gpus=free, requested_gpus=req.gpus,
+        allocation_id=ev.allocation_id,
+        reason_code=code,
+        reason=text[:2048],
+        filtered=dict(filtered),
+        free_gpus=free,
+        requested_gpus=req.gpus,
     )
-

@@ -32,8 +32,7 @@ async def lock_node(conn: asyncpg.Connection, node_id: str) -> asyncpg.Record:
     return row
 
 
-def require_all(asked: list[str] | None, found: Iterable[Mapping[str, Any]], key: str, code: str,
-                message: str) -> None:
+def require_all(asked: list[str] | None, found: Iterable[Mapping[str, Any]], key: str, code: str, message: str) -> None:
     """A request naming ids refuses as a whole when any of them is not there (404 lists them all)."""
     if asked is None:
         return

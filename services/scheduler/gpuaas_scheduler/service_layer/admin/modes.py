@@ -21,8 +21,13 @@ async def get_mode(conn: asyncpg.Connection, node_id: str) -> dict:
     row = await repo.mode_record(conn, node_id)
     transitions = {to: host.blockers(to) for (frm, to) in TRANSITIONS if frm == host.mode}
     history = await mode_repo.history(conn, node_id)
-    return {"node_id": node_id, "mode": host.mode, **jsonable(row), "transitions": transitions,
-            "history": [jsonable(h) for h in history]}
+    return {
+        "node_id": node_id,
+        "mode": host.mode,
+        **jsonable(row),
+        "transitions": transitions,
+        "history": [jsonable(h) for h in history],
+    }
 
 
 async def set_mode(conn: asyncpg.Connection, node_id: str, body: ModeIn) -> dict:
@@ -30,10 +35,23 @@ async def set_mode(conn: asyncpg.Connection, node_id: str, body: ModeIn) -> dict
     try:
         change = await host_modes.change_mode(conn, node_id, body.mode, actor=body.actor, reason=body.reason)
     except ModeRefused as exc:
-        raise AdminError(409, "mode_transition_refused", str(exc), {
-            "from": exc.current, "to": exc.target, "problems": exc.problems,
-            "allowed": [to for (frm, to) in TRANSITIONS if frm == exc.current],
-        }) from None
-    await repo.audit(conn, body.actor, "node.mode", node_id, body.reason,
-                     {"from": change.from_mode, "to": change.to_mode, "evidence_reset": change.resets_evidence})
+        raise AdminError(
+            409,
+            "mode_transition_refused",
+            str(exc),
+            {
+                "from": exc.current,
+                "to": exc.target,
+                "problems": exc.problems,
+                "allowed": [to for (frm, to) in TRANSITIONS if frm == exc.current],
+            },
+        ) from None
+    await repo.audit(
+        conn,
+        body.actor,
+        "node.mode",
+        node_id,
+        body.reason,
+        {"from": change.from_mode, "to": change.to_mode, "evidence_reset": change.resets_evidence},
+    )
     return await get_mode(conn, node_id)

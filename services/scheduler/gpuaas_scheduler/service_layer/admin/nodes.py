@@ -21,8 +21,11 @@ async def get_node(conn: asyncpg.Connection, node_id: str) -> dict:
         raise AdminError(404, "node_not_found", f"no node {node_id!r}")
     claims = await repo.live_claims(conn, node_id)
     history = await mode_repo.history(conn, node_id)
-    return {"node": jsonable(row), "live_claims": [jsonable(c) for c in claims],
-            "mode_history": [jsonable(h) for h in history]}
+    return {
+        "node": jsonable(row),
+        "live_claims": [jsonable(c) for c in claims],
+        "mode_history": [jsonable(h) for h in history],
+    }
 
 
 async def upsert_node(conn: asyncpg.Connection, body: NodeIn) -> dict:
@@ -30,13 +33,25 @@ async def upsert_node(conn: asyncpg.Connection, body: NodeIn) -> dict:
     current = await repo.lock_node_mode(conn, body.node_id)
     if current is not None and body.mode is not None and body.mode != current:
         # Registration sets the first mode only; later changes have guards and a history.
-        raise AdminError(409, "mode_transition_refused",
-                         f"node {body.node_id} is {current}: change its mode with POST /v1/nodes/{{node_id}}/mode",
-                         {"from": current, "to": body.mode})
+        raise AdminError(
+            409,
+            "mode_transition_refused",
+            f"node {body.node_id} is {current}: change its mode with POST /v1/nodes/{{node_id}}/mode",
+            {"from": current, "to": body.mode},
+        )
     mode = body.mode or ("slice" if body.kind == "slice_host" else "baremetal")
     await repo.upsert_node(
-        conn, node_id=body.node_id, kind=body.kind, hostname=body.hostname, region=body.region, pool=body.pool,
-        sku=body.sku, maas_system_id=body.maas_system_id, profile_intent=intent, maas_tags=body.maas_tags, mode=mode,
+        conn,
+        node_id=body.node_id,
+        kind=body.kind,
+        hostname=body.hostname,
+        region=body.region,
+        pool=body.pool,
+        sku=body.sku,
+        maas_system_id=body.maas_system_id,
+        profile_intent=intent,
+        maas_tags=body.maas_tags,
+        mode=mode,
         gpu_count=body.gpu_count,
     )
     if current is None:

@@ -16,7 +16,7 @@ from ...adapters import evidence as evidence_repo
 from ...adapters import inventory as inv
 from ...domain.approval import approval_problems, approved_status
 from ...domain.host_mode import BAREMETAL, RETIRED
-from ...domain.slots import APPROVAL_REPLACES, IN_USE
+from ...domain.slots import APPROVAL_REPLACES, IN_USE, allowed_from
 from .. import host_modes
 from .common import jsonable, lock_node, require_all
 from .models import Acted, AdminError, ApproveIn, CandidatesIn, RepairIn, RetireIn
@@ -47,17 +47,19 @@ async def upsert_candidates(conn: asyncpg.Connection, node_id: str, body: Candid
         raise AdminError(422, "duplicate_candidate", "candidate ids repeat within the request")
     others = await repo.candidates_elsewhere(conn, ids, node_id)
     if others:
-        raise AdminError(409, "candidate_on_other_node", "candidate ids belong to another node",
-                         {"candidates": others})
+        raise AdminError(409, "candidate_on_other_node", "candidate ids belong to another node", {"candidates": others})
     for c in body.candidates:
         fields = {f: getattr(c, f) for f in repo.CANDIDATE_FIELDS}
         evidence = c.nvme_evidence.model_dump() if c.nvme_evidence else None
         try:
             await repo.upsert_candidate(conn, node_id, c.candidate_id, fields, evidence, body.source)
         except repo.GpuAlreadyCandidate:
-            raise AdminError(409, "gpu_already_a_candidate",
-                             f"GPU {c.gpu_pci_address} of {node_id} is already another candidate",
-                             {"candidate_id": c.candidate_id}) from None
+            raise AdminError(
+                409,
+                "gpu_already_a_candidate",
+                f"GPU {c.gpu_pci_address} of {node_id} is already another candidate",
+                {"candidate_id": c.candidate_id},
+            ) from None
     await audit_repo.audit(conn, body.actor, "candidates.upsert", node_id, None, {"candidate_ids": ids})
     return await list_candidates(conn, node_id)
 
@@ -68,10 +70,13 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> di
     returns it to slice mode."""
     node = await lock_node(conn, node_id)
     if node["mode"] in (BAREMETAL, RETIRED):
-        raise AdminError(409, "mode_forbids_approval",
-                         f"node {node_id} is {node['mode']}: a slot there would promise a baremetal or retired host's "
-                         "GPU and disk to slices; move it to converting and rediscover it first",
-                         {"mode": node["mode"]})
+        raise AdminError(
+            409,
+            "mode_forbids_approval",
+            f"node {node_id} is {node['mode']}: a slot there would promise a baremetal or retired host's "
+            "GPU and disk to slices; move it to converting and rediscover it first",
+            {"mode": node["mode"]},
+        )
     cands = await repo.list_candidates(conn, node_id, body.candidate_ids)
     require_all(body.candidate_ids, cands, "candidate_id", "candidate_not_found", "unknown candidates")
     if not cands:
@@ -81,27 +86,45 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> di
     for cand in cands:
         c = dict(cand)
         c["nvme_evidence"] = json.loads(c["nvme_evidence"]) if c["nvme_evidence"] else None
-        existing = next((s for s in slots.values() if s["gpu_pci_address"] and
-                         s["gpu_pci_address"] == c["gpu_pci_address"]), None) or slots.get(c["candidate_id"])
+        existing = next(
+            (s for s in slots.values() if s["gpu_pci_address"] and s["gpu_pci_address"] == c["gpu_pci_address"]), None
+        ) or slots.get(c["candidate_id"])
         slot_id = existing["slot_id"] if existing else c["candidate_id"]
         previous = existing["status"] if existing else None
         if previous is not None and previous not in APPROVAL_REPLACES:
-            raise AdminError(409, "slot_in_use", f"slot {slot_id} is {previous}; approval cannot replace it"
-                             + (" (repair it instead)" if previous == "cleanup_blocked" else ""),
-                             {"slot_id": slot_id, "status": previous})
+            raise AdminError(
+                409,
+                "slot_in_use",
+                f"slot {slot_id} is {previous}; approval cannot replace it"
+                + (" (repair it instead)" if previous == "cleanup_blocked" else ""),
+                {"slot_id": slot_id, "status": previous},
+            )
         c["slot_id"] = slot_id
         # A retired slot owns no binding any more; a re-approved one takes it back.
         problems = approval_problems(c, [s for s in slots.values() if s["status"] != RETIRED])
         status, reason = approved_status(problems)
-        await repo.save_approval(conn, slot_id, node_id, c, previous=previous, status=status, reason=reason,
-                                 actor=body.actor, log_reason=reason or body.reason, problems=problems)
+        await repo.save_approval(
+            conn,
+            slot_id,
+            node_id,
+            c,
+            previous=previous,
+            status=status,
+            reason=reason,
+            actor=body.actor,
+            log_reason=reason or body.reason,
+            problems=problems,
+        )
         slots[slot_id] = {**c, "status": status}
         results.append({"candidate_id": c["candidate_id"], "slot_id": slot_id, "status": status, "problems": problems})
     await audit_repo.audit(conn, body.actor, "candidates.approve", node_id, body.reason, {"results": results})
     await inv.refresh_nodes(conn, [node_id])
     mode, blockers = await host_modes.promote_if_ready(
-        conn, node_id, actor=body.actor,
-        reason=body.reason or "slots re-approved after rediscovery and a passing parity run")
+        conn,
+        node_id,
+        actor=body.actor,
+        reason=body.reason or "slots re-approved after rediscovery and a passing parity run",
+    )
     out: dict[str, Any] = {"results": results, "mode": mode}
     if blockers:
         out["mode_blockers"] = blockers
@@ -115,13 +138,13 @@ async def retire_slots(conn: asyncpg.Connection, node_id: str, body: RetireIn) -
     await lock_node(conn, node_id)
     rows = await repo.lock_node_slots(conn, node_id, body.slot_ids)
     require_all(body.slot_ids, rows, "slot_id", "slot_not_found", f"slots not on node {node_id}")
-    busy = {r["slot_id"]: r["status"] for r in rows
-            if r["claimed"] or r["status"] in IN_USE | {"cleanup_blocked"}}
+    busy = {r["slot_id"]: r["status"] for r in rows if r["claimed"] or r["status"] in IN_USE | {"cleanup_blocked"}}
     if busy:
         # A cleanup_blocked disk may still hold a tenant's data: retiring it would hand that data to
         # whoever gets the host next. It needs a verified wipe (repair) first.
-        raise AdminError(409, "slot_in_use", "slots in use or awaiting a verified wipe cannot be retired",
-                         {"slots": busy})
+        raise AdminError(
+            409, "slot_in_use", "slots in use or awaiting a verified wipe cannot be retired", {"slots": busy}
+        )
     ids = [r["slot_id"] for r in rows if r["status"] != RETIRED]
     await inv.move_slots(conn, ids, RETIRED, body.reason, actor=body.actor)
     await audit_repo.audit(conn, body.actor, "slots.retire", node_id, body.reason, {"slot_ids": ids})
@@ -142,8 +165,20 @@ async def disable(conn: asyncpg.Connection, slot_id: str, body: Acted) -> dict:
     if slot["status"] == RETIRED:
         raise AdminError(409, "slot_retired", f"slot {slot_id} is retired; only re-approval brings it back")
     if slot["claimed"] or slot["status"] in IN_USE:
-        raise AdminError(409, "slot_in_use", f"slot {slot_id} is {slot['status']} under a live claim",
-                         {"status": slot["status"]})
+        raise AdminError(
+            409, "slot_in_use", f"slot {slot_id} is {slot['status']} under a live claim", {"status": slot["status"]}
+        )
+    if slot["status"] == "disabled":
+        return await get_slot(conn, slot_id)  # already where it was asked to be
+    if slot["status"] not in allowed_from("disabled"):
+        # e.g. cleanup_blocked: tenant data may remain, and a disabled slot could be repaired by
+        # anyone later without the wipe that cleanup_blocked demands.
+        raise AdminError(
+            409,
+            "slot_not_disableable",
+            f"slot {slot_id} is {slot['status']}; it cannot be disabled",
+            {"status": slot["status"]},
+        )
     await inv.move_slots(conn, [slot_id], "disabled", body.reason, actor=body.actor)
     await audit_repo.audit(conn, body.actor, "slot.disable", slot_id, body.reason)
     await inv.refresh_nodes(conn, [slot["node_id"]])
@@ -155,21 +190,29 @@ async def repair(conn: asyncpg.Connection, slot_id: str, body: RepairIn) -> dict
     evidence from an infra wipe can come with the request); records who and why."""
     slot = await _lock_slot(conn, slot_id)
     if slot["status"] not in ("cleanup_blocked", "disabled"):
-        raise AdminError(409, "slot_not_repairable", f"slot {slot_id} is {slot['status']}",
-                         {"status": slot["status"]})
+        raise AdminError(409, "slot_not_repairable", f"slot {slot_id} is {slot['status']}", {"status": slot["status"]})
     if slot["claimed"]:
         raise AdminError(409, "slot_in_use", f"slot {slot_id} still has a live claim")
-    evidence = body.nvme_evidence.model_dump() if body.nvme_evidence else (
-        json.loads(slot["nvme_evidence"]) if slot["nvme_evidence"] else None)
+    evidence = (
+        body.nvme_evidence.model_dump()
+        if body.nvme_evidence
+        else (json.loads(slot["nvme_evidence"]) if slot["nvme_evidence"] else None)
+    )
     others = await repo.other_unretired_slots(conn, slot["node_id"], slot_id)
     problems = approval_problems({**slot, "nvme_evidence": evidence}, [dict(o) for o in others])
     if problems:
         raise AdminError(409, "repair_rejected", "the slot still fails approval rules", {"problems": problems})
     if body.nvme_evidence:
         await repo.set_nvme_evidence(conn, slot_id, evidence)
-    await inv.move_slots(conn, [slot_id], "available", None, actor=body.actor,
-                         detail={"repair_reason": body.reason, "from": slot["status"]},
-                         health=("healthy", f"repaired by {body.actor}: {body.reason}"))
+    await inv.move_slots(
+        conn,
+        [slot_id],
+        "available",
+        None,
+        actor=body.actor,
+        detail={"repair_reason": body.reason, "from": slot["status"]},
+        health=("healthy", f"repaired by {body.actor}: {body.reason}"),
+    )
     await audit_repo.audit(conn, body.actor, "slot.repair", slot_id, body.reason, {"from": slot["status"]})
     await inv.refresh_nodes(conn, [slot["node_id"]])
     return await get_slot(conn, slot_id)
