@@ -20,13 +20,14 @@ log = get_logger(__name__)
 def build_register(settings: SchedulerSettings):
     async def register(rt: ServiceRuntime) -> None:
         assert rt.bus is not None and rt.pool is not None
-        async with rt.pool.acquire() as conn, conn.transaction():
+        async with rt.bus.unit_of_work() as uow:
             if settings.inventory_file:
                 fleet = Fleet.load(settings.inventory_file)
-                added = await seed_from_fleet(conn, fleet)
+                added = await seed_from_fleet(uow.conn, fleet)
                 log.info("inventory_seeded", slots_added=added, nodes=len(fleet.nodes))
             # The capacity summary only orders candidates, but keep it honest after any restart.
-            await refresh_nodes(conn)
+            await refresh_nodes(uow.conn)
+            await uow.commit()
         policy = PlacementPolicy(
             clean_node_watermark=settings.clean_node_watermark,
             default_tenant_gpu_quota=settings.tenant_gpu_quota,
