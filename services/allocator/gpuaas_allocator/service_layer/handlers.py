@@ -1,120 +1,31 @@
 """The allocator as process manager: one message in, one transaction, the next command out.
 
 Every handler locks the allocation row first, so messages about one allocation that arrive on
-different consumers are serialised by Postgres, not by luck.
+different consumers are serialised by Postgres, not by luck. State changes go through
+`lifecycle.transition` (and `lifecycle.fail`); the tasks and MAAS commands sent out are built in `commands`.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 from gpuaas_common.bus import HandlerContext, PermanentError
-from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.enrolment import enrolment_proof
 from gpuaas_common.logging import get_logger
 
-from ..domain.model import (
-    ActiveImage,
-    check_transition,
-    request_fingerprint,
-    validate_request,
-)
+from ..domain.model import ActiveImage, request_fingerprint, validate_request
 from ..settings import AllocatorSettings
+from .commands import start_provisioning, start_teardown
+from .lifecycle import fail, transition
 
 log = get_logger(__name__)
-
-_LIFECYCLE_MODELS: dict[str, type[m.AllocationEvent]] = {
-    "accepted": m.AllocationAccepted,
-    "placed": m.AllocationPlaced,
-    "unschedulable": m.AllocationUnschedulable,
-    "provisioning": m.AllocationProvisioning,
-    "active": m.AllocationActive,
-    "releasing": m.AllocationReleasing,
-    "released": m.AllocationReleased,
-    "failed": m.AllocationFailed,
-}
 
 
 class Allocator:
     def __init__(self, settings: AllocatorSettings) -> None:
         self.settings = settings
-
-    # --- helpers -------------------------------------------------------------------------------
-
-    async def _transition(
-        self,
-        ctx: HandlerContext,
-        row: dict[str, Any],
-        new_state: str,
-        *,
-        reason_code: str | None = None,
-        detail: dict[str, Any] | None = None,
-        update: dict[str, Any] | None = None,
-        **event_fields: Any,
-    ) -> dict[str, Any]:
-        current = row["state"]
-        check_transition(current, new_state)
-        alloc_id = row["allocation_id"]
-        await ctx.uow.repos.update(alloc_id, state=new_state, **(update or {}))
-        seq = await ctx.uow.repos.append_timeline(
-            alloc_id,
-            new_state,
-            current,
-            reason_code=reason_code,
-            detail=detail,
-            cause_event_id=ctx.envelope.event_id,
-        )
-        model = _LIFECYCLE_MODELS[new_state]
-        if reason_code is not None and "reason_code" in model.model_fields:
-            event_fields.setdefault("reason_code", reason_code)
-        event = model(
-            allocation_id=alloc_id,
-            tenant_id=row["tenant_id"],
-            shape=row["shape"],
-            state=new_state,
-            previous_state=current,
-            seq=seq,
-            **event_fields,
-        )
-        await ctx.outbox.add(
-            f"allocation.{new_state}",
-            event,
-            aggregate_id=str(alloc_id),
-            event_id=derived_event_id(str(alloc_id), f"lifecycle:{seq}"),
-        )
-        log.info("allocation_transition", allocation_id=str(alloc_id), from_state=current, to_state=new_state, seq=seq)
-        new_row = dict(row)
-        new_row.update(update or {})
-        new_row["state"] = new_state
-        return new_row
-
-    async def _fail(
-        self,
-        ctx: HandlerContext,
-        row: dict[str, Any],
-        code: str,
-        reason: str | None,
-        node_id: str | None,
-        *,
-        cleanup_required: bool = True,
-    ) -> None:
-        """The allocation failed; unless told the disk was never touched, it needs cleanup."""
-        await self._transition(
-            ctx,
-            row,
-            "failed",
-            reason_code=code,
-            update={"failure_code": code, "failure_reason": reason or code},
-            reason=reason or code,
-            node_id=node_id,
-            cleanup_required=cleanup_required,
-        )
-
-    @staticmethod
-    def _placement(row: dict[str, Any]) -> dict[str, Any]:
-        return row["placement"] or {}
 
     # --- portal input ----------------------------------------------------------------------------
 
@@ -150,7 +61,7 @@ class Allocator:
         )
         await ctx.uow.repos.append_timeline(req.allocation_id, "requested", None, cause_event_id=ctx.envelope.event_id)
         row = {"allocation_id": req.allocation_id, "tenant_id": req.tenant_id, "shape": req.shape, "state": "requested"}
-        await self._transition(
+        await transition(
             ctx,
             row,
             "accepted",
@@ -185,11 +96,11 @@ class Allocator:
         if state in ("releasing", "released", "failed", "unschedulable"):
             log.info("release_noop", state=state)
             return
-        row = await self._transition(ctx, row, "releasing", reason=req.reason)
+        row = await transition(ctx, row, "releasing", reason=req.reason)
         # A command already in flight (placement, provisioning) finishes first; its result handler
         # then starts the teardown. Only an allocation at rest is torn down right away.
         if state == "active":
-            await self._start_teardown(ctx, row)
+            await start_teardown(self.settings, ctx, row)
 
     # --- placement --------------------------------------------------------------------------------
 
@@ -204,7 +115,7 @@ class Allocator:
         if row["state"] == "releasing":
             # Released before anything was built: nothing was touched, the claim can go at once.
             await ctx.uow.repos.update(ev.allocation_id, **update)
-            await self._transition(
+            await transition(
                 ctx,
                 row,
                 "released",
@@ -212,7 +123,7 @@ class Allocator:
                 cleanup=m.CleanupReport(required=False, verified=True, reason="released before provisioning"),
             )
             return
-        row = await self._transition(
+        row = await transition(
             ctx,
             row,
             "placed",
@@ -222,70 +133,7 @@ class Allocator:
             slots=ev.slots,
             maas_system_id=ev.maas_system_id,
         )
-        await self._start_provisioning(ctx, row, ev)
-
-    async def _start_provisioning(self, ctx: HandlerContext, row: dict[str, Any], ev: m.PlacementPlaced) -> None:
-        alloc_id = str(row["allocation_id"])
-        request = row["request"]
-        if row["shape"] == "gpu_slice":
-            task_id = f"prov-{alloc_id}"
-            image_row = row
-            task = m.SliceVmProvision(
-                task_id=task_id,
-                allocation_id=row["allocation_id"],
-                node_id=ev.node_id,
-                fencing_epoch=ev.fencing_epoch,
-                deadline=utcnow() + timedelta(seconds=self.settings.task_deadline_s),
-                vm_name=f"gpuaas-{alloc_id[:8]}",
-                slots=ev.slots,
-                image=m.ImageRef(
-                    slug=image_row["image_slug"],
-                    digest_sha256=image_row["image_digest"],
-                    image_path=image_row["image_path"],
-                ),
-                ssh_public_keys=request.get("ssh_public_keys", []),
-                hostname=request.get("hostname") or f"gpuaas-{alloc_id[:8]}",
-            )
-            await ctx.outbox.add(
-                "slice.vm_provision",
-                task,
-                aggregate_id=alloc_id,
-                event_id=derived_event_id(alloc_id, "provision-task"),
-                node_id=ev.node_id,
-            )
-            await self._transition(
-                ctx,
-                row,
-                "provisioning",
-                update={"task_id": task_id, "awaiting_result": True},
-                node_id=ev.node_id,
-                task_id=task_id,
-            )
-        else:
-            assert ev.maas_system_id is not None
-            operation_id = f"deploy-{alloc_id}"
-            cmd = m.MaasDeployRequested(
-                operation_id=operation_id,
-                allocation_id=row["allocation_id"],
-                site=self.settings.maas_site,
-                system_id=ev.maas_system_id,
-                node_id=ev.node_id,
-                profile=self.settings.baremetal_profile,
-            )
-            await ctx.outbox.add(
-                "maas.deploy_requested",
-                cmd,
-                aggregate_id=alloc_id,
-                event_id=derived_event_id(alloc_id, "deploy-command"),
-            )
-            await self._transition(
-                ctx,
-                row,
-                "provisioning",
-                update={"operation_id": operation_id, "awaiting_result": True},
-                node_id=ev.node_id,
-                operation_id=operation_id,
-            )
+        await start_provisioning(self.settings, ctx, row, ev)
 
     async def on_unschedulable(self, ctx: HandlerContext) -> None:
         ev: m.PlacementUnschedulable = ctx.payload
@@ -293,11 +141,11 @@ class Allocator:
         if row is None or row["state"] not in ("accepted", "releasing"):
             return
         if row["state"] == "releasing":
-            await self._transition(
+            await transition(
                 ctx, row, "released", cleanup=m.CleanupReport(required=False, verified=True, reason="never placed")
             )
             return
-        await self._transition(
+        await transition(
             ctx,
             row,
             "unschedulable",
@@ -309,47 +157,6 @@ class Allocator:
             free_gpus=ev.free_gpus,
             requested_gpus=ev.requested_gpus,
         )
-
-    # --- teardown ----------------------------------------------------------------------------------
-
-    async def _start_teardown(self, ctx: HandlerContext, row: dict[str, Any]) -> None:
-        alloc_id = str(row["allocation_id"])
-        placement = self._placement(row)
-        if row["shape"] == "gpu_slice":
-            task_id = f"rel-{alloc_id}"
-            task = m.SliceVmRelease(
-                task_id=task_id,
-                allocation_id=row["allocation_id"],
-                node_id=row["node_id"],
-                fencing_epoch=placement["fencing_epoch"],
-                deadline=utcnow() + timedelta(seconds=self.settings.task_deadline_s),
-                vm_name=f"gpuaas-{alloc_id[:8]}",
-                slots=[m.SlotBinding(**s) for s in placement["slots"]],
-            )
-            await ctx.outbox.add(
-                "slice.vm_release",
-                task,
-                aggregate_id=alloc_id,
-                event_id=derived_event_id(alloc_id, "release-task"),
-                node_id=row["node_id"],
-            )
-            await ctx.uow.repos.update(row["allocation_id"], release_task_id=task_id, awaiting_result=True)
-        else:
-            operation_id = f"release-{alloc_id}"
-            cmd = m.MaasReleaseRequested(
-                operation_id=operation_id,
-                allocation_id=row["allocation_id"],
-                site=self.settings.maas_site,
-                system_id=row["maas_system_id"],
-                node_id=row["node_id"],
-            )
-            await ctx.outbox.add(
-                "maas.release_requested",
-                cmd,
-                aggregate_id=alloc_id,
-                event_id=derived_event_id(alloc_id, "release-command"),
-            )
-            await ctx.uow.repos.update(row["allocation_id"], release_operation_id=operation_id, awaiting_result=True)
 
     # --- results from node agents and MAAS ----------------------------------------------------------
 
@@ -380,9 +187,9 @@ class Allocator:
                 ssh_ready=res.readiness.ssh_ready if res.readiness else None,
             )
             if row["state"] == "releasing":
-                await self._start_teardown(ctx, row)
+                await start_teardown(self.settings, ctx, row)
                 return
-            await self._transition(
+            await transition(
                 ctx,
                 row,
                 "active",
@@ -392,7 +199,7 @@ class Allocator:
                 detail={"readiness": res.readiness.model_dump(mode="json") if res.readiness else None},
             )
             return
-        await self._fail(
+        await fail(
             ctx,
             row,
             res.reason_code or "provisioning_failed",
@@ -411,9 +218,9 @@ class Allocator:
                 wipe_proofs=res.wipe_proofs,
                 reason=None if verified else "wipe not verified",
             )
-            await self._transition(ctx, row, "released", node_id=res.node_id, cleanup=cleanup)
+            await transition(ctx, row, "released", node_id=res.node_id, cleanup=cleanup)
             return
-        await self._fail(ctx, row, res.reason_code or "release_failed", res.reason, res.node_id)
+        await fail(ctx, row, res.reason_code or "release_failed", res.reason, res.node_id)
 
     async def on_enrolled(self, ctx: HandlerContext) -> None:
         ev: m.NodeEnrolled = ctx.payload
@@ -437,7 +244,7 @@ class Allocator:
     async def _maybe_baremetal_active(self, ctx: HandlerContext, row: dict[str, Any]) -> None:
         if row["state"] == "provisioning" and row["deployed"] and row["enrolled"]:
             access = m.AccessInfo(maas_system_id=row["maas_system_id"])
-            await self._transition(
+            await transition(
                 ctx,
                 row,
                 "active",
@@ -458,20 +265,20 @@ class Allocator:
                 await ctx.uow.repos.update(row["allocation_id"], deployed=True)
                 row["deployed"] = True
                 if row["state"] == "releasing":
-                    await self._start_teardown(ctx, row)
+                    await start_teardown(self.settings, ctx, row)
                     return
                 await self._maybe_baremetal_active(ctx, row)
                 return
             code = res.reason_code or "deploy_failed"
             reason = res.status_message or f"MAAS reports {res.maas_status_name}"
-            await self._fail(ctx, row, code, reason, row["node_id"])
+            await fail(ctx, row, code, reason, row["node_id"])
         elif ctx.envelope.type == "maas.release_result" and res.operation_id == row["release_operation_id"]:
             await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
             if res.status == "released":
                 cleanup = m.CleanupReport(required=True, verified=True, reason=f"MAAS {res.maas_status_name}")
-                await self._transition(ctx, row, "released", node_id=row["node_id"], cleanup=cleanup)
+                await transition(ctx, row, "released", node_id=row["node_id"], cleanup=cleanup)
             else:
-                await self._fail(ctx, row, res.reason_code or "release_failed", res.status_message, row["node_id"])
+                await fail(ctx, row, res.reason_code or "release_failed", res.status_message, row["node_id"])
         else:
             log.info("maas_result_ignored", state=row["state"])
 

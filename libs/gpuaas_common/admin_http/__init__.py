@@ -1,0 +1,29 @@
+"""The one admin HTTP stack of the services that have an admin API (scheduler, image pipeline).
+
+A service declares `Route`s (method, path, pydantic request/response models, handler); this package owns
+everything around them, identically for every service:
+
+- bearer-token auth (constant-time; each token has an actor name, `X-Actor` may name the person);
+- one error shape, `{"error": {"code", "message", "details", "request_id"}}`, for handler refusals,
+  validation, auth, unknown routes, wrong methods and unhandled failures alike;
+- a request id per request (`X-Request-Id` taken when well formed, else minted; echoed on every answer);
+- every mutation (POST/PUT/PATCH/DELETE) needs an `Idempotency-Key`: the change, the stored answer, the
+  audit row and any events commit in one `UnitOfWork`; the same key with the same request replays the
+  stored answer, with another request is a 409 `idempotency_conflict`;
+- an `admin_requests` row per authenticated mutation (who, what, when, request id), refusals included;
+- the OpenAPI document rendered from the same routes and models, so it cannot drift from the code.
+
+Tables `admin_idempotency` and `admin_requests` live in the service's own schema (its migrations).
+
+Modules: `routes` (Route, Call, Reply), `headers` (header rules, body limit, request keys), `errors` (the
+error shape, status texts), `bodies` (JSON bodies in and out), `api` (AdminApi: auth, request ids,
+endpoints, mutations), `idempotency` and `audit` (their tables), `openapi_document` (openapi, render_yaml).
+"""
+
+from ..api_error import ApiError
+from .api import AdminApi
+from .errors import Error
+from .openapi_document import openapi, render_yaml
+from .routes import Call, Reply, Route
+
+__all__ = ["AdminApi", "ApiError", "Call", "Error", "Reply", "Route", "openapi", "render_yaml"]

@@ -1,0 +1,247 @@
+"""One service's admin API: auth, request ids, the error shape around every route, and mutations under
+an Idempotency-Key in one unit of work with their audit row."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import asyncpg
+from aiohttp import web
+from pydantic import SecretStr
+
+from ..api_error import ApiError
+from ..logging import bound_context, get_logger
+from ..unit_of_work import UnitOfWork, no_repositories
+from .audit import audit, audit_refusal
+from .bodies import jsonable, parse_body, unstorable
+from .errors import error_response
+from .headers import ACTOR_RE, KEY_RE, MAX_BODY, PRINCIPAL, REQUEST_ID, REQUEST_ID_RE
+from .idempotency import lock_key, store_answer, stored_answer
+from .routes import Call, Reply, Route
+
+log = get_logger(__name__)
+
+
+class AdminApi:
+    """One service's admin API: its routes behind the shared auth, errors, idempotency and audit."""
+
+    def __init__(
+        self,
+        *,
+        service: str,
+        schema: str,
+        pool: asyncpg.Pool,
+        tokens: Mapping[str, SecretStr | None],
+        routes: Sequence[Route],
+        repositories: Callable[[asyncpg.Connection], Any] = no_repositories,
+    ) -> None:
+        usable = {actor: t for actor, t in tokens.items() if t is not None and t.get_secret_value()}
+        if not usable:
+            raise ValueError(
+                f"the {service} admin API needs a bearer token (set GPUAAS_ADMIN_TOKEN); it does not listen without one"
+            )
+        for actor in usable:
+            if not ACTOR_RE.match(actor):
+                raise ValueError(f"token actor name {actor!r} is not an identifier")
+        self.service, self.schema, self.pool = service, schema, pool
+        self._tokens = [(actor, t.get_secret_value().encode()) for actor, t in usable.items()]
+        self.routes = list(routes)
+        self._repositories = repositories
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # --- the aiohttp application ----------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY)
+        for route in self.routes:
+            app.router.add_route(route.method, route.path, self._endpoint(route))
+        return app
+
+    async def start(self, host: str, port: int) -> int:
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        log.info("admin_api_listening", service=self.service, admin_host=host, admin_port=self.port)
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def _principal(self, request: web.Request) -> str | None:
+        given = request.headers.get("Authorization", "")
+        token = given[7:].encode() if given.startswith("Bearer ") else b""
+        found = None
+        for actor, expected in self._tokens:  # every token compared: the time says nothing about which matched
+            if hmac.compare_digest(token, expected) and token:
+                found = actor
+        return found
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        given = request.headers.get("X-Request-Id", "")
+        request_id = given if REQUEST_ID_RE.match(given) else uuid.uuid4().hex
+        request[REQUEST_ID] = request_id
+        principal = self._principal(request)
+        if principal is None:
+            return error_response(
+                401,
+                "unauthorized",
+                "a valid bearer token is required",
+                request_id,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        request[PRINCIPAL] = principal
+        with bound_context(
+            request_id=request_id, admin_method=request.method, admin_path=request.path, principal=principal
+        ):
+            try:
+                resp = await handler(request)
+            except ApiError as exc:
+                log.info("admin_rejected", code=exc.code, status=exc.status)
+                return error_response(exc.status, exc.code, exc.message, request_id, exc.details)
+            except web.HTTPException as exc:
+                # The router's 404/405 and aiohttp's 413, in the same shape as everything else.
+                code = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}.get(
+                    exc.status, "http_error"
+                )
+                headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+                return error_response(exc.status, code, exc.reason, request_id, headers=headers)
+            except Exception as exc:  # the client gets the error shape, the log the traceback
+                log.error("admin_failed", error=repr(exc), exc_info=True)
+                return error_response(500, "internal", "internal error", request_id)
+            resp.headers["X-Request-Id"] = request_id
+            return resp
+
+    # --- one route --------------------------------------------------------------------------------
+
+    def _inputs(self, route: Route, request: web.Request) -> tuple[dict[str, str], dict[str, str | None]]:
+        params = {p: request.match_info[p] for p in route.path_params}
+        query = {q: request.query.get(q) for q in route.query}
+        bad = unstorable(params) or unstorable(query)
+        if bad:
+            raise ApiError(
+                422,
+                "invalid_request",
+                "a path or query parameter holds text that cannot be stored",
+                {"errors": [{"loc": bad, "msg": "NUL or invalid unicode"}]},
+            )
+        return params, query
+
+    def _actor(self, request: web.Request) -> str:
+        named = request.headers.get("X-Actor")
+        if named is None:
+            return request[PRINCIPAL]
+        if not ACTOR_RE.match(named):
+            raise ApiError(400, "invalid_actor", "X-Actor must be an identifier (letters, digits, ._:@-)")
+        return named
+
+    def _endpoint(self, route: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def endpoint(request: web.Request) -> web.Response:
+            if route.mutation:
+                return await self._mutate(route, request)
+            params, query = self._inputs(route, request)
+            async with self.pool.acquire() as conn:
+                # Reads are not audited, so X-Actor means nothing here and is not checked.
+                call = Call(
+                    request, params, query, None, request[PRINCIPAL], request[PRINCIPAL], request[REQUEST_ID], conn
+                )
+                return self._answer(route, await route.handler(call))
+
+        return endpoint
+
+    def _answer(self, route: Route, result: Any) -> web.Response:
+        status = route.statuses[0]
+        if isinstance(result, Reply):
+            result, status = result.body, result.status
+        return web.json_response(jsonable(result), status=status)
+
+    async def _mutate(self, route: Route, request: web.Request) -> web.Response:
+        request_id, principal = request[REQUEST_ID], request[PRINCIPAL]
+        key = request.headers.get("Idempotency-Key")
+        raw = await request.read()
+        digest = hashlib.sha256(b"\0".join([request.method.encode(), request.path.encode(), raw])).hexdigest()
+        record = {
+            "request_id": request_id,
+            "principal": principal,
+            "actor": principal,
+            "method": request.method,
+            "path": request.path,
+            "body_sha256": hashlib.sha256(raw).hexdigest(),
+            "idempotency_key": key,
+        }
+        try:
+            record["actor"] = actor = self._actor(request)
+            if key is None or not KEY_RE.match(key):
+                raise ApiError(
+                    400,
+                    "idempotency_key_required",
+                    "mutations need an Idempotency-Key header (1-200 printable ASCII characters)",
+                )
+            params, query = self._inputs(route, request)
+            body = parse_body(route.body, raw) if route.body is not None else None
+            return await self._apply(route, request, key, digest, record, params, query, body, actor)
+        except ApiError as exc:
+            await audit_refusal(self.pool, self.schema, self.service, record, exc.status, exc.code)
+            raise
+        except Exception:
+            await audit_refusal(self.pool, self.schema, self.service, record, 500, "internal")
+            raise
+
+    async def _apply(
+        self,
+        route: Route,
+        request: web.Request,
+        key: str,
+        digest: str,
+        record: dict,
+        params: dict,
+        query: dict,
+        body: Any,
+        actor: str,
+    ) -> web.Response:
+        uow = UnitOfWork(
+            self.pool, self.schema, self.service, self._repositories, correlation_id=f"admin:{record['request_id']}"
+        )
+        async with uow:
+            # Requests with one key run one at a time: the second waits, then replays or conflicts.
+            await lock_key(uow.conn, key)
+            prior = await stored_answer(uow.conn, key)
+            if prior is not None:
+                if prior["request_hash"] != digest:
+                    raise ApiError(
+                        409,
+                        "idempotency_conflict",
+                        "this Idempotency-Key was used for another request",
+                        {"method": prior["method"], "path": prior["path"]},
+                    )
+                await audit(uow.conn, record, prior["status_code"], replayed=True)
+                await uow.commit()
+                log.info("admin_replayed", actor=actor)
+                return web.json_response(
+                    json.loads(prior["response"]), status=prior["status_code"], headers={"Idempotent-Replayed": "true"}
+                )
+            call = Call(request, params, query, body, record["principal"], actor, record["request_id"], uow.conn, uow)
+            result = await route.handler(call)
+            status = route.statuses[0]
+            if isinstance(result, Reply):
+                result, status = result.body, result.status
+            payload = jsonable(result)
+            await store_answer(
+                uow.conn, key, request.method, request.path, digest, status, payload, record["request_id"], actor
+            )
+            await audit(uow.conn, record, status)
+            await uow.commit()
+        for hook in call.after_commit:
+            hook()
+        log.info("admin_mutation", actor=actor, status=status)
+        return web.json_response(payload, status=status)

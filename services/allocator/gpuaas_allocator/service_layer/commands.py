@@ -1,0 +1,120 @@
+"""The commands the allocator sends once an allocation is placed or released: a VM task to the slice host's
+node agent, or a deploy/release to the MAAS gateway."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from gpuaas_common.bus import HandlerContext
+from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import messages as m
+
+from ..settings import AllocatorSettings
+from .lifecycle import transition
+
+
+async def start_provisioning(
+    settings: AllocatorSettings, ctx: HandlerContext, row: dict[str, Any], ev: m.PlacementPlaced
+) -> None:
+    alloc_id = str(row["allocation_id"])
+    request = row["request"]
+    if row["shape"] == "gpu_slice":
+        task_id = f"prov-{alloc_id}"
+        image_row = row
+        task = m.SliceVmProvision(
+            task_id=task_id,
+            allocation_id=row["allocation_id"],
+            node_id=ev.node_id,
+            fencing_epoch=ev.fencing_epoch,
+            deadline=utcnow() + timedelta(seconds=settings.task_deadline_s),
+            vm_name=f"gpuaas-{alloc_id[:8]}",
+            slots=ev.slots,
+            image=m.ImageRef(
+                slug=image_row["image_slug"],
+                digest_sha256=image_row["image_digest"],
+                image_path=image_row["image_path"],
+            ),
+            ssh_public_keys=request.get("ssh_public_keys", []),
+            hostname=request.get("hostname") or f"gpuaas-{alloc_id[:8]}",
+        )
+        await ctx.outbox.add(
+            "slice.vm_provision",
+            task,
+            aggregate_id=alloc_id,
+            event_id=derived_event_id(alloc_id, "provision-task"),
+            node_id=ev.node_id,
+        )
+        await transition(
+            ctx,
+            row,
+            "provisioning",
+            update={"task_id": task_id, "awaiting_result": True},
+            node_id=ev.node_id,
+            task_id=task_id,
+        )
+    else:
+        assert ev.maas_system_id is not None
+        operation_id = f"deploy-{alloc_id}"
+        cmd = m.MaasDeployRequested(
+            operation_id=operation_id,
+            allocation_id=row["allocation_id"],
+            site=settings.maas_site,
+            system_id=ev.maas_system_id,
+            node_id=ev.node_id,
+            profile=settings.baremetal_profile,
+        )
+        await ctx.outbox.add(
+            "maas.deploy_requested",
+            cmd,
+            aggregate_id=alloc_id,
+            event_id=derived_event_id(alloc_id, "deploy-command"),
+        )
+        await transition(
+            ctx,
+            row,
+            "provisioning",
+            update={"operation_id": operation_id, "awaiting_result": True},
+            node_id=ev.node_id,
+            operation_id=operation_id,
+        )
+
+
+async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: dict[str, Any]) -> None:
+    alloc_id = str(row["allocation_id"])
+    placement = row["placement"] or {}
+    if row["shape"] == "gpu_slice":
+        task_id = f"rel-{alloc_id}"
+        task = m.SliceVmRelease(
+            task_id=task_id,
+            allocation_id=row["allocation_id"],
+            node_id=row["node_id"],
+            fencing_epoch=placement["fencing_epoch"],
+            deadline=utcnow() + timedelta(seconds=settings.task_deadline_s),
+            vm_name=f"gpuaas-{alloc_id[:8]}",
+            slots=[m.SlotBinding(**s) for s in placement["slots"]],
+        )
+        await ctx.outbox.add(
+            "slice.vm_release",
+            task,
+            aggregate_id=alloc_id,
+            event_id=derived_event_id(alloc_id, "release-task"),
+            node_id=row["node_id"],
+        )
+        await ctx.uow.repos.update(row["allocation_id"], release_task_id=task_id, awaiting_result=True)
+    else:
+        operation_id = f"release-{alloc_id}"
+        cmd = m.MaasReleaseRequested(
+            operation_id=operation_id,
+            allocation_id=row["allocation_id"],
+            site=settings.maas_site,
+            system_id=row["maas_system_id"],
+            node_id=row["node_id"],
+        )
+        await ctx.outbox.add(
+            "maas.release_requested",
+            cmd,
+            aggregate_id=alloc_id,
+            event_id=derived_event_id(alloc_id, "release-command"),
+        )
+        await ctx.uow.repos.update(row["allocation_id"], release_operation_id=operation_id, awaiting_result=True)

@@ -1,0 +1,95 @@
+"""Allocation state changes: the transition (checked against the table in domain/model.py), its timeline row
+and its lifecycle event, in the handler's transaction; and the one way an allocation fails."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpuaas_common.bus import HandlerContext
+from gpuaas_common.contract import derived_event_id
+from gpuaas_common.contract import messages as m
+from gpuaas_common.logging import get_logger
+
+from ..domain.model import check_transition
+
+log = get_logger(__name__)
+
+LIFECYCLE_MODELS: dict[str, type[m.AllocationEvent]] = {
+    "accepted": m.AllocationAccepted,
+    "placed": m.AllocationPlaced,
+    "unschedulable": m.AllocationUnschedulable,
+    "provisioning": m.AllocationProvisioning,
+    "active": m.AllocationActive,
+    "releasing": m.AllocationReleasing,
+    "released": m.AllocationReleased,
+    "failed": m.AllocationFailed,
+}
+
+
+async def transition(
+    ctx: HandlerContext,
+    row: dict[str, Any],
+    new_state: str,
+    *,
+    reason_code: str | None = None,
+    detail: dict[str, Any] | None = None,
+    update: dict[str, Any] | None = None,
+    **event_fields: Any,
+) -> dict[str, Any]:
+    current = row["state"]
+    check_transition(current, new_state)
+    alloc_id = row["allocation_id"]
+    await ctx.uow.repos.update(alloc_id, state=new_state, **(update or {}))
+    seq = await ctx.uow.repos.append_timeline(
+        alloc_id,
+        new_state,
+        current,
+        reason_code=reason_code,
+        detail=detail,
+        cause_event_id=ctx.envelope.event_id,
+    )
+    model = LIFECYCLE_MODELS[new_state]
+    if reason_code is not None and "reason_code" in model.model_fields:
+        event_fields.setdefault("reason_code", reason_code)
+    event = model(
+        allocation_id=alloc_id,
+        tenant_id=row["tenant_id"],
+        shape=row["shape"],
+        state=new_state,
+        previous_state=current,
+        seq=seq,
+        **event_fields,
+    )
+    await ctx.outbox.add(
+        f"allocation.{new_state}",
+        event,
+        aggregate_id=str(alloc_id),
+        event_id=derived_event_id(str(alloc_id), f"lifecycle:{seq}"),
+    )
+    log.info("allocation_transition", allocation_id=str(alloc_id), from_state=current, to_state=new_state, seq=seq)
+    new_row = dict(row)
+    new_row.update(update or {})
+    new_row["state"] = new_state
+    return new_row
+
+
+async def fail(
+    ctx: HandlerContext,
+    row: dict[str, Any],
+    code: str,
+    reason: str | None,
+    node_id: str | None,
+    *,
+    cleanup_required: bool = True,
+) -> None:
+    """The allocation failed; unless told the disk was never touched, it needs cleanup."""
+    await transition(
+        ctx,
+        row,
+        "failed",
+        reason_code=code,
+        update={"failure_code": code, "failure_reason": reason or code},
+        reason=reason or code,
+        node_id=node_id,
+        cleanup_required=cleanup_required,
+    )

@@ -1,0 +1,90 @@
+"""Inventory and claims in Postgres: seeding, the capacity summary, index-ordered candidates,
+node-locked SKIP LOCKED claims, slot transitions and release.
+
+Locking protocol: every change to a node's slots or claims happens under that node's row lock
+(`FOR UPDATE`). Placement takes it with SKIP LOCKED, so concurrent workers spread over the next
+nodes in rank order instead of queueing on the best one; release, repair and admin changes wait for
+it. The DB unique indexes on live claims are the last line of defence either way.
+
+The package re-exports every name below, so callers keep `from ..adapters import inventory as inv`:
+
+- `predicates`: the shared SQL fragments (slice/baremetal node, counted and free slot, image gate, tiers)
+  and row mappers;
+- `seeding`: nodes and slots from the fleet file;
+- `capacity`: the per-node capacity summary and the fleet's shape;
+- `candidates`: nodes in rank order, the image gate, the facts behind "why not";
+- `claims`: node-locked claims of slots and whole nodes, and the quota checks;
+- `slot_transitions`: logged slot moves, node locks and drains, claim release.
+"""
+
+from ...domain.placement import Request
+from .candidates import baremetal_candidates, count_clean_nodes, image_gate, node_facts, slice_candidates
+from .capacity import fleet_shape, refresh_nodes
+from .claims import (
+    LOCKED,
+    claim_slots,
+    free_slots_locked,
+    lock_best_in_class,
+    lock_slice_node,
+    prelude,
+    tenant_usage_locked,
+    try_claim_baremetal,
+)
+from .predicates import (
+    BAREMETAL_NODE_SQL,
+    COUNTED_SLOT_SQL,
+    FREE_SLOT_SQL,
+    NODE_SUMMARY_COLUMNS,
+    SLICE_NODE_SQL,
+    SLOT_COLUMNS,
+    candidate_from_row,
+    image_ready_sql,
+)
+from .seeding import SIMULATED_CLEAN_DISK, TAG_BAREMETAL, TAG_SLICE, seed_from_fleet
+from .slot_transitions import (
+    allocation_slots,
+    drain_node,
+    lock_clean_watermark,
+    lock_nodes,
+    move_slots,
+    release_claims,
+    set_slot_status,
+)
+
+__all__ = [
+    "BAREMETAL_NODE_SQL",
+    "COUNTED_SLOT_SQL",
+    "FREE_SLOT_SQL",
+    "LOCKED",
+    "NODE_SUMMARY_COLUMNS",
+    "SIMULATED_CLEAN_DISK",
+    "SLICE_NODE_SQL",
+    "SLOT_COLUMNS",
+    "TAG_BAREMETAL",
+    "TAG_SLICE",
+    "Request",
+    "allocation_slots",
+    "baremetal_candidates",
+    "candidate_from_row",
+    "claim_slots",
+    "count_clean_nodes",
+    "drain_node",
+    "fleet_shape",
+    "free_slots_locked",
+    "image_gate",
+    "image_ready_sql",
+    "lock_best_in_class",
+    "lock_clean_watermark",
+    "lock_nodes",
+    "lock_slice_node",
+    "move_slots",
+    "node_facts",
+    "prelude",
+    "refresh_nodes",
+    "release_claims",
+    "seed_from_fleet",
+    "set_slot_status",
+    "slice_candidates",
+    "tenant_usage_locked",
+    "try_claim_baremetal",
+]

@@ -1,0 +1,130 @@
+"""Candidate nodes in rank order for slices and for baremetal, the image gate, and the facts behind
+"why not" answers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+import asyncpg
+
+from ...domain.placement import NodeCandidate, NodeFacts, Request
+from .predicates import (
+    BAREMETAL_NODE_SQL,
+    NODE_SUMMARY_COLUMNS,
+    SLICE_NODE_SQL,
+    TIER_SQL,
+    candidate_from_row,
+    gate_params,
+    image_ready_sql,
+)
+
+
+async def slice_candidates(
+    conn: asyncpg.Connection, req: Request, classes: Sequence[tuple[bool, int]], page: int = 16
+) -> AsyncIterator[NodeCandidate]:
+    """Nodes in the documented score order, a page at a time, straight off the partial index."""
+    for sliced, tier in classes:
+        tier_sql = "TRUE" if req.gpus == 1 else TIER_SQL[tier]
+        after: tuple[int, str] = (-1, "")
+        while True:
+            rows = await conn.fetch(
+                f"SELECT {NODE_SUMMARY_COLUMNS} FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} "
+                f"AND n.free_slots > 0 AND n.sliced = $4 AND n.free_slots >= $3 AND {tier_sql} "
+                f"AND {image_ready_sql(8, 9)} "
+                "AND (n.free_slots, n.node_id) > ($5, $6) ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT $7",
+                req.region,
+                req.sku,
+                req.gpus,
+                sliced,
+                after[0],
+                after[1],
+                page,
+                *gate_params(req),
+            )
+            for r in rows:
+                yield candidate_from_row(r)
+            if len(rows) < page:
+                break
+            after = (rows[-1]["free_slots"], rows[-1]["node_id"])
+
+
+async def count_clean_nodes(conn: asyncpg.Connection, req: Request) -> int:
+    return await conn.fetchval(
+        f"SELECT count(*) FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} AND NOT n.sliced "
+        "AND n.free_slots > 0",
+        req.region,
+        req.sku,
+    )
+
+
+async def image_gate(conn: asyncpg.Connection, slug: str, digest: str) -> tuple[str, str] | None:
+    """(slug, digest) when slice placement must require a verified cache of this image, else None.
+
+    The rule: the gate applies to an image once any `image.node_cache_changed` for its slug has
+    reached the scheduler. Images that predate the prewarm pipeline (the dev stack's seed images,
+    copied into each host's cache by the fleet) are never reported, so they stay placeable as before.
+    For a prewarmed image the rule is safe even before its reports arrive: the image pipeline
+    activates an image only once every known slice host verified the catalog digest, so an
+    allocation for it cannot be accepted while a host lacks it; the reports then keep placement
+    honest afterwards (a host that loses the cache, a mismatch, a new digest, a host added later).
+    """
+    reported = await conn.fetchval("SELECT EXISTS (SELECT 1 FROM node_image_readiness WHERE slug = $1)", slug)
+    return (slug, digest) if reported else None
+
+
+async def baremetal_candidates(conn: asyncpg.Connection, req: Request) -> list[str]:
+    # Baremetal-only hosts first: a convertible host could go back to slices.
+    rows = await conn.fetch(
+        f"SELECT n.node_id FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {BAREMETAL_NODE_SQL} "
+        "AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c "
+        "WHERE c.node_id = n.node_id AND c.status <> 'released') "
+        "ORDER BY n.accepts_slices, n.node_id",
+        req.region,
+        req.sku,
+    )
+    return [r["node_id"] for r in rows]
+
+
+# --- why not -----------------------------------------------------------------------------------------
+
+
+async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | None = None) -> list[NodeFacts]:
+    rows = await conn.fetch(
+        f"SELECT n.*, {image_ready_sql(1, 2)} AS image_ready, "
+        " (SELECT count(*) FROM allocation_resource_claims c WHERE c.node_id = n.node_id AND c.status <> 'released')"
+        "   AS live_claims, "
+        " EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
+        "   AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') AS exclusive_held, "
+        " (SELECT count(*) FROM node_resource_slots s WHERE s.node_id = n.node_id AND s.status <> 'retired')"
+        "   AS approved_slots "
+        "FROM nodes n ORDER BY n.node_id",
+        *gate_params(image_gate),
+    )
+    return [
+        NodeFacts(
+            r["node_id"],
+            r["region"],
+            r["sku"],
+            r["accepts_slices"],
+            r["accepts_baremetal"],
+            r["mode"],
+            r["schedulable"],
+            r["draining"],
+            r["maintenance"],
+            r["parity_failures"],
+            r["live_claims"],
+            r["exclusive_held"],
+            NodeCandidate(
+                r["node_id"],
+                r["free_slots"],
+                r["total_slots"],
+                r["live_claims"],
+                r["max_switch_free"],
+                tuple(r["numa_free"]),
+                r["numa_capacity"],
+            ),
+            r["image_ready"],
+            r["approved_slots"],
+        )
+        for r in rows
+    ]

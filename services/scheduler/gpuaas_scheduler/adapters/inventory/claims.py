@@ -1,0 +1,172 @@
+"""Node-locked SKIP LOCKED claims of slots and of whole nodes, and the tenant quota checks around them."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import asyncpg
+
+from ...domain.placement import NodeCandidate, Request, SlotView
+from .predicates import (
+    BAREMETAL_NODE_SQL,
+    FREE_SLOT_SQL,
+    SLICE_NODE_SQL,
+    SLOT_COLUMNS,
+    TIER_SQL,
+    gate_params,
+    image_ready_sql,
+    slot_view,
+)
+
+LOCKED = object()
+
+
+async def lock_slice_node(
+    conn: asyncpg.Connection, node_id: str, *, wait: bool, image_gate: tuple[str, str] | None = None
+) -> Any:
+    """The node row under FOR UPDATE if it may still take slices (and, under an image gate, holds the
+    image verified); LOCKED when another worker holds it."""
+    skip = "" if wait else " SKIP LOCKED"
+    row = await conn.fetchrow(
+        f"SELECT n.node_id, n.total_slots, n.numa_capacity, {SLICE_NODE_SQL} AND {image_ready_sql(2, 3)} AS ok, "
+        "EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
+        "        AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') AS exclusive "
+        f"FROM nodes n WHERE n.node_id = $1 FOR UPDATE{skip}",
+        node_id,
+        *gate_params(image_gate),
+    )
+    if row is None:
+        exists = await conn.fetchval("SELECT 1 FROM nodes WHERE node_id = $1", node_id)
+        return LOCKED if exists and not wait else None
+    if not row["ok"] or row["exclusive"]:
+        return None
+    return row
+
+
+async def free_slots_locked(conn: asyncpg.Connection, node_id: str) -> list[SlotView]:
+    rows = await conn.fetch(
+        f"SELECT s.slot_id, s.numa_node, s.pcie_switch, s.fabric_vf_pci_address FROM node_resource_slots s "
+        f"WHERE s.node_id = $1 AND {FREE_SLOT_SQL} ORDER BY s.slot_id FOR UPDATE OF s SKIP LOCKED",
+        node_id,
+    )
+    return [slot_view(r) for r in rows]
+
+
+async def claim_slots(
+    conn: asyncpg.Connection,
+    node_id: str,
+    allocation_id: uuid.UUID,
+    tenant_id: str | None,
+    chosen: Sequence[SlotView],
+    after: NodeCandidate,
+) -> tuple[int, list[asyncpg.Record]]:
+    """Claims, slot states and the node summary in one statement, under the node lock."""
+    ids = [s.slot_id for s in chosen]
+    rows = await conn.fetch(
+        "WITH e AS (SELECT nextval('fencing_epoch_seq') AS epoch), "
+        "moved AS (UPDATE node_resource_slots s SET status = 'reserved', status_reason = NULL, "
+        "  generation = generation + 1, updated_at = now() WHERE s.slot_id = ANY($1::text[]) "
+        f"  RETURNING {', '.join('s.' + c.strip() for c in SLOT_COLUMNS.split(','))}), "
+        "ins AS (INSERT INTO allocation_resource_claims (allocation_id, node_id, slot_id, claim_kind, status, "
+        "  fencing_epoch, tenant_id, gpus, fabric_device, nvme_by_id) "
+        "  SELECT $2, $3, m.slot_id, 'slot', 'held', e.epoch, $4, 1, m.fabric_vf_pci_address, m.nvme_by_id "
+        "  FROM moved m, e RETURNING fencing_epoch), "
+        "summary AS (UPDATE nodes SET free_slots = $5, sliced = true, max_switch_free = $6, max_numa_free = $7, "
+        "  numa_free = $8 WHERE node_id = $3) "
+        "SELECT m.*, (SELECT max(fencing_epoch) FROM ins) AS epoch FROM moved m ORDER BY m.slot_id",
+        ids,
+        allocation_id,
+        node_id,
+        tenant_id,
+        after.free_slots,
+        after.max_switch_free,
+        after.max_numa_free,
+        list(after.numa_free),
+    )
+    if len(rows) != len(ids):
+        raise RuntimeError(f"claimed {len(rows)} of {len(ids)} slots on {node_id}")
+    return rows[0]["epoch"], rows
+
+
+async def lock_best_in_class(
+    conn: asyncpg.Connection, req: Request, sliced: bool, tier: int
+) -> tuple[asyncpg.Record, list[SlotView]] | None:
+    """The fast path: the first node of a rank class that nobody else holds, locked, with its free
+    slots locked too, in one round trip. Postgres walks the rank index and skips locked rows, which
+    is exactly "fall back to the next node if taken"."""
+    tier_sql = "TRUE" if req.gpus == 1 else TIER_SQL[tier]
+    rows = await conn.fetch(
+        "WITH n AS (SELECT n.node_id, n.total_slots, n.numa_capacity FROM nodes n "
+        f"  WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} AND n.free_slots > 0 AND n.sliced = $4 "
+        f"  AND n.free_slots >= $3 AND {tier_sql} AND {image_ready_sql(5, 6)} "
+        "  AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
+        "                  AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') "
+        "  ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT 1 FOR UPDATE OF n SKIP LOCKED), "
+        "free AS (SELECT s.slot_id, s.numa_node, s.pcie_switch, s.fabric_vf_pci_address FROM node_resource_slots s "
+        f"  WHERE s.node_id = (SELECT node_id FROM n) AND {FREE_SLOT_SQL} FOR UPDATE OF s SKIP LOCKED) "
+        "SELECT n.*, f.slot_id, f.numa_node, f.pcie_switch, f.fabric_vf_pci_address FROM n LEFT JOIN free f ON true "
+        "ORDER BY f.slot_id",
+        req.region,
+        req.sku,
+        req.gpus,
+        sliced,
+        *gate_params(req),
+    )
+    if not rows:
+        return None
+    return rows[0], [slot_view(r) for r in rows if r["slot_id"] is not None]
+
+
+async def try_claim_baremetal(
+    conn: asyncpg.Connection, node_id: str, allocation_id: uuid.UUID, tenant_id: str | None, *, wait: bool
+) -> Any:
+    skip = "" if wait else " SKIP LOCKED"
+    node = await conn.fetchrow(
+        f"SELECT n.node_id, n.maas_system_id, n.gpu_count FROM nodes n WHERE n.node_id = $1 AND {BAREMETAL_NODE_SQL} "
+        f"FOR UPDATE{skip}",
+        node_id,
+    )
+    if node is None:
+        if not wait and await conn.fetchval("SELECT 1 FROM nodes WHERE node_id = $1", node_id):
+            return LOCKED
+        return None
+    busy = await conn.fetchval(
+        "SELECT 1 FROM allocation_resource_claims WHERE node_id = $1 AND status <> 'released' LIMIT 1", node_id
+    )
+    if busy:
+        return None
+    epoch = await conn.fetchval(
+        "INSERT INTO allocation_resource_claims (allocation_id, node_id, claim_kind, status, fencing_epoch, tenant_id, "
+        "gpus) VALUES ($1, $2, 'node_exclusive', 'held', nextval('fencing_epoch_seq'), $3, $4) RETURNING fencing_epoch",
+        allocation_id,
+        node_id,
+        tenant_id,
+        node["gpu_count"],
+    )
+    await conn.execute("UPDATE nodes SET sliced = true WHERE node_id = $1", node_id)
+    return {"node_id": node_id, "maas_system_id": node["maas_system_id"], "epoch": epoch}
+
+
+# --- quota -------------------------------------------------------------------------------------------
+
+
+async def prelude(conn: asyncpg.Connection, allocation_id: uuid.UUID, tenant_id: str) -> tuple[bool, int | None]:
+    """Whether the allocation already holds claims, and the tenant's own quota, in one round trip."""
+    row = await conn.fetchrow(
+        "SELECT EXISTS (SELECT 1 FROM allocation_resource_claims WHERE allocation_id = $1) AS already, "
+        "(SELECT max_gpus FROM tenant_quotas WHERE tenant_id = $2) AS max_gpus",
+        allocation_id,
+        tenant_id,
+    )
+    return row["already"], row["max_gpus"]
+
+
+async def tenant_usage_locked(conn: asyncpg.Connection, tenant_id: str) -> int:
+    # Serialises one tenant's placements so two concurrent claims cannot both pass the check.
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtext('gpuaas-quota:' || $1))", tenant_id)
+    return await conn.fetchval(
+        "SELECT COALESCE(sum(gpus), 0) FROM allocation_resource_claims WHERE tenant_id = $1 AND status <> 'released'",
+        tenant_id,
+    )

@@ -1,0 +1,76 @@
+"""The SQL fragments inventory queries share (which nodes may take slices or be handed out whole, which
+slots count and which are free, the image readiness gate, the rank tiers) and the row mappers."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from ...domain.placement import TIER_NUMA, TIER_SPAN, TIER_SWITCH, NodeCandidate, Request, SlotView
+from ..slot_sql import ELIGIBLE_SLOT_SQL
+
+SLOT_COLUMNS = (
+    "slot_id, gpu_pci_address, nvme_by_id, fabric_vf_pci_address, mac, private_ip, ovs_bridge, numa_node, profile"
+)
+
+# A node may take slices now: intent, mode, readiness evidence, and no drain or maintenance.
+SLICE_NODE_SQL = (
+    "n.accepts_slices AND n.mode = 'slice' AND n.parity_failures = 0 AND n.schedulable AND NOT n.draining "
+    "AND NOT n.maintenance"
+)
+# A node may be handed out whole: baremetal mode, intent, no drain or maintenance, and no approved slot
+# left in any status but retired: a slot promises its GPU and disk to slices, a baremetal tenant owns
+# them all.
+BAREMETAL_NODE_SQL = (
+    "n.accepts_baremetal AND n.mode = 'baremetal' AND n.schedulable AND NOT n.draining AND NOT n.maintenance "
+    "AND NOT EXISTS (SELECT 1 FROM node_resource_slots s WHERE s.node_id = n.node_id AND s.status <> 'retired')"
+)
+# Slot states that count towards a node's capacity (approved, whether free or not).
+COUNTED_SLOT_SQL = "status NOT IN ('disabled', 'retired')"
+# A slot is free to claim: approved and complete (ELIGIBLE_SLOT_SQL) and no live claim on it, its
+# fabric device or its disk.
+FREE_SLOT_SQL = (
+    f"{ELIGIBLE_SLOT_SQL} AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c "
+    "WHERE c.node_id = s.node_id AND c.status <> 'released' AND (c.slot_id = s.slot_id "
+    "OR (COALESCE(s.fabric_vf_pci_address, '') <> '' AND c.fabric_device = s.fabric_vf_pci_address) "
+    "OR c.nvme_by_id = s.nvme_by_id))"
+)
+
+
+def image_ready_sql(slug: int, digest: int) -> str:
+    """Node `n` holds the image verified with the requested digest, or no gate applies (the slug
+    parameter is NULL). Parameter positions are the caller's: each query numbers its own."""
+    return (
+        f"(${slug}::text IS NULL OR EXISTS (SELECT 1 FROM node_image_readiness r WHERE r.node_id = n.node_id "
+        f"AND r.slug = ${slug} AND r.status = 'verified' AND r.schedulable AND r.digest_sha256 = ${digest}::text))"
+    )
+
+
+def gate_params(req_or_gate: Request | tuple[str, str] | None) -> tuple[str | None, str | None]:
+    gate = req_or_gate.image_gate if isinstance(req_or_gate, Request) else req_or_gate
+    return gate if gate is not None else (None, None)
+
+
+NODE_SUMMARY_COLUMNS = "node_id, free_slots, total_slots, sliced, max_switch_free, numa_free, numa_capacity"
+
+
+def slot_view(r: asyncpg.Record) -> SlotView:
+    return SlotView(r["slot_id"], r["numa_node"], r["pcie_switch"], r["fabric_vf_pci_address"])
+
+
+def candidate_from_row(r: asyncpg.Record) -> NodeCandidate:
+    return NodeCandidate(
+        r["node_id"],
+        r["free_slots"],
+        r["total_slots"],
+        1 if r["sliced"] else 0,
+        r["max_switch_free"],
+        tuple(r["numa_free"]),
+        r["numa_capacity"],
+    )
+
+
+TIER_SQL = {
+    TIER_SWITCH: "n.max_switch_free >= $3",
+    TIER_NUMA: "n.max_switch_free < $3 AND n.max_numa_free >= $3",
+    TIER_SPAN: "n.max_numa_free < $3",
+}

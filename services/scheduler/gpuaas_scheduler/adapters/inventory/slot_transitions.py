@@ -1,0 +1,105 @@
+"""Slot transitions (logged, guarded by domain/slots.py), node locks and drains, and claim release."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterable, Sequence
+
+import asyncpg
+
+from ...domain.slots import movable_from
+
+
+async def lock_nodes(conn: asyncpg.Connection, node_ids: Iterable[str]) -> None:
+    """Wait for the row locks of these nodes, in id order so two lockers never deadlock."""
+    ids = sorted(set(node_ids))
+    if ids:
+        await conn.fetch("SELECT node_id FROM nodes WHERE node_id = ANY($1::text[]) ORDER BY node_id FOR UPDATE", ids)
+
+
+async def allocation_slots(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[asyncpg.Record]:
+    return await conn.fetch(
+        "SELECT c.node_id, c.slot_id, c.claim_kind, s.status, s.nvme_by_id FROM allocation_resource_claims c "
+        "LEFT JOIN node_resource_slots s ON s.slot_id = c.slot_id "
+        "WHERE c.allocation_id = $1 AND c.status <> 'released' ORDER BY c.slot_id",
+        allocation_id,
+    )
+
+
+async def drain_node(conn: asyncpg.Connection, node_id: str, reason: str, *, actor: str) -> None:
+    await conn.execute(
+        "UPDATE nodes SET draining = true, drain_reason = $2, drained_by = $3, drained_at = now(), updated_at = now() "
+        "WHERE node_id = $1",
+        node_id,
+        reason,
+        actor,
+    )
+
+
+async def lock_clean_watermark(conn: asyncpg.Connection, region: str, sku: str) -> None:
+    """Serialise decisions that may take a clean node in one region and SKU (held until commit)."""
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtext('gpuaas-clean:' || $1 || '/' || $2))", region, sku)
+
+
+async def move_slots(
+    conn: asyncpg.Connection,
+    slot_ids: Sequence[str],
+    status: str,
+    reason: str | None,
+    *,
+    actor: str,
+    only_from: Sequence[str] | None = None,
+    allocation_id: uuid.UUID | None = None,
+    detail: dict | None = None,
+    health: tuple[str, str | None] | None = None,
+) -> list[asyncpg.Record]:
+    """Move slots and log each transition (who, why, evidence) in the same statement."""
+    if not slot_ids:
+        return []
+    # Only the moves domain/slots.py allows: a slot in any other status is left where it is.
+    only_from = movable_from(status, only_from)
+    rows = await conn.fetch(
+        "WITH old AS (SELECT slot_id, status FROM node_resource_slots WHERE slot_id = ANY($1::text[]) "
+        "  AND ($4::text[] IS NULL OR status = ANY($4::text[])) FOR UPDATE), "
+        "moved AS (UPDATE node_resource_slots s SET status = $2, status_reason = $3, generation = s.generation + 1, "
+        "  updated_at = now(), health_state = COALESCE($7, s.health_state), "
+        "  health_detail = CASE WHEN $7::text IS NULL THEN s.health_detail ELSE $8 END "
+        "  FROM old WHERE s.slot_id = old.slot_id RETURNING s.slot_id, s.node_id, old.status AS from_status), "
+        "log AS (INSERT INTO slot_transitions (slot_id, from_status, to_status, reason, actor, allocation_id, detail) "
+        "  SELECT slot_id, from_status, $2, $3, $5, $6, $9::jsonb FROM moved) "
+        "SELECT * FROM moved ORDER BY slot_id",
+        list(slot_ids),
+        status,
+        reason,
+        list(only_from),
+        actor,
+        allocation_id,
+        health[0] if health else None,
+        health[1] if health else None,
+        json.dumps(detail) if detail is not None else None,
+    )
+    return rows
+
+
+async def set_slot_status(
+    conn: asyncpg.Connection,
+    allocation_id: uuid.UUID,
+    status: str,
+    reason: str | None = None,
+    only_from: tuple[str, ...] | None = None,
+    actor: str = "scheduler",
+) -> int:
+    """Move the slots held by an allocation's live claims."""
+    slots = [r["slot_id"] for r in await allocation_slots(conn, allocation_id) if r["slot_id"]]
+    return len(
+        await move_slots(conn, slots, status, reason, actor=actor, only_from=only_from, allocation_id=allocation_id)
+    )
+
+
+async def release_claims(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[asyncpg.Record]:
+    return await conn.fetch(
+        "UPDATE allocation_resource_claims SET status = 'released', released_at = now() "
+        "WHERE allocation_id = $1 AND status <> 'released' RETURNING node_id, slot_id, claim_kind",
+        allocation_id,
+    )
