@@ -1,0 +1,41 @@
+"""`gpuaas`: the developer's command line — run the embedded stack, act as a portal, watch the bus.
+
+Human-readable progress goes to stderr (rich); `--json` puts one machine-readable result on stdout.
+
+Modules: `dev` (the dev stack), `portal` (allocate, release), `follow` (an allocation's lifecycle),
+`events` (events tail), `contract` (contract render), `maas_simulator` (maas-sim), `bus` (NATS URL,
+identity, connect, publish) and `common` (console, shared options, stack.json).
+"""
+
+import os
+
+import typer
+
+from gpuaas_node_agent.entrypoints import cli as node_agent_cli
+
+from ..identities_cli import identities_app
+from ..images_cli import images_app
+from .contract import contract_app
+from .dev import dev_app
+from .events import events_app
+from .maas_simulator import maas_sim
+from .portal import allocate, release
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="gpuaas developer tooling.")
+app.add_typer(dev_app, name="dev")
+app.add_typer(events_app, name="events")
+app.add_typer(contract_app, name="contract")
+app.add_typer(images_app, name="images")
+app.add_typer(identities_app, name="identities")
+app.add_typer(node_agent_cli.app, name="node-agent", help="Node agent host checks: discover, parity.")
+app.command()(allocate)
+app.command()(release)
+app.command("maas-sim")(maas_sim)
+
+
+def main() -> None:
+    from gpuaas_common.logging import configure_logging
+
+    # Library logs (stream provisioning, the simulator) go to stderr so `--json` output stays parseable.
+    configure_logging("gpuaas-cli", os.environ.get("GPUAAS_LOG_LEVEL", "WARNING").upper())
+    app()

@@ -1,0 +1,102 @@
+"""Talking to the bus from a command line: which NATS, as whom, connecting, publishing, describing events."""
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from ..identity_cli import cli_identity
+from .common import err, pid_alive, read_stack_json
+
+ALLOCATION_EVENTS = "gpuaas.allocation.event.>"
+TASK_PROGRESS = "gpuaas.node.*.report.task_progress"
+
+
+def resolve_nats_url(nats_url: Optional[str], run_dir: Path) -> str:
+    if nats_url:
+        return nats_url
+    if os.environ.get("GPUAAS_NATS_URL"):
+        return os.environ["GPUAAS_NATS_URL"]
+    info = read_stack_json(run_dir)
+    if info and info.get("nats_url") and info.get("status") == "ready" and pid_alive(info.get("supervisor_pid")):
+        return info["nats_url"]
+    err.print(
+        f"[red]no NATS URL[/]: pass --nats-url, set GPUAAS_NATS_URL, or start the stack "
+        f"(`gpuaas dev up --detach --run-dir {run_dir}`)"
+    )
+    raise typer.Exit(2)
+
+
+def bus_identity(url: str, creds: Optional[Path], run_dir: Path, role: str):
+    try:
+        return cli_identity(url, creds, run_dir, role)
+    except FileNotFoundError as exc:
+        err.print(f"[red]{exc}[/]")
+        raise typer.Exit(2) from None
+
+
+async def connect(identity, closed_cb=None):
+    import nats
+
+    extra = {"closed_cb": closed_cb} if closed_cb else {}
+    try:
+        return await nats.connect(
+            **identity.connect_kwargs(),
+            connect_timeout=3,
+            max_reconnect_attempts=2,
+            reconnect_time_wait=0.5,
+            name="gpuaas-cli",
+            **extra,
+        )
+    except Exception as exc:  # nats-py raises several unrelated types for "nobody there"
+        reason = str(exc) or type(exc).__name__
+        err.print(f"[red]cannot connect to NATS at {', '.join(identity.servers)} as {identity.name}[/]: {reason}")
+        raise typer.Exit(2) from None
+
+
+async def publish_event(js, type_: str, payload: dict[str, Any], correlation_id: str) -> str:
+    from gpuaas_common.contract import Envelope, spec_for
+
+    # No provisioning here: streams belong to the admin identity, and a portal or an operator's laptop
+    # must not be able to create or change them. A missing stream shows up as "no stream acknowledged".
+    env = Envelope.wrap(type_, payload, producer="gpuaas-cli", correlation_id=correlation_id)
+    subject = spec_for(type_).subject()
+    ack = await js.publish(subject, env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id})
+    if not ack.stream:
+        err.print(f"[red]{subject}: no stream acknowledged the message[/]")
+        raise typer.Exit(1)
+    if ack.duplicate:
+        err.print(f"[yellow]{subject}: JetStream reports a duplicate of event {env.event_id}[/]")
+    return env.event_id
+
+
+def describe_event(kind: str, payload: dict[str, Any]) -> str:
+    p = payload
+    if kind == "accepted":
+        return f"accepted: {p.get('sku')} × {p.get('gpu_count')} GPU, image {p.get('image', {}).get('slug')}"
+    if kind == "placed":
+        slots = ", ".join(s["slot_id"] for s in p.get("slots", []))
+        where = f"slots {slots}" if slots else f"whole node (MAAS {p.get('maas_system_id')})"
+        return f"placed on [bold]{p.get('node_id')}[/]: {where}"
+    if kind == "provisioning":
+        what = f"task {p['task_id']}" if p.get("task_id") else f"MAAS operation {p.get('operation_id')}"
+        return f"provisioning on {p.get('node_id')} ({what})"
+    if kind == "active":
+        a = p.get("access", {})
+        bits = [
+            f"ip {a['ip']}" if a.get("ip") else None,
+            "ssh ready" if a.get("ssh_ready") else None,
+            f"MAAS {a['maas_system_id']}" if a.get("maas_system_id") else None,
+        ]
+        return f"[green]active[/] on {p.get('node_id')}: " + ", ".join(b for b in bits if b)
+    if kind == "releasing":
+        return "releasing" + (f": {p['reason']}" if p.get("reason") else "")
+    if kind == "released":
+        c = p.get("cleanup", {})
+        proof = f"{len(c.get('wipe_proofs', []))} wipe proof(s)" if c.get("wipe_proofs") else "no wipe needed"
+        return f"[green]released[/]: cleanup verified={c.get('verified')}, {proof}"
+    if kind in ("rejected", "unschedulable", "failed"):
+        extra = f" (free GPUs {p.get('free_gpus')}, asked {p.get('requested_gpus')})" if kind == "unschedulable" else ""
+        return f"[red]{kind}[/]: {p.get('reason_code')}: {p.get('reason')}{extra}"
+    return kind

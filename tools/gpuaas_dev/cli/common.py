@@ -1,0 +1,59 @@
+"""What every `gpuaas` command shares: the stderr console, the common options and the run dir's stack.json."""
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+
+DEFAULT_RUN_DIR = Path(".run/dev")
+
+err = Console(stderr=True, highlight=False)
+
+RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Where the dev stack keeps its state and logs.")]
+NatsUrlOpt = Annotated[
+    Optional[str],
+    typer.Option("--nats-url", help="Default: $GPUAAS_NATS_URL, else the running dev stack's stack.json."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
+CredsOpt = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--creds",
+        help="NATS .creds file to act with. Default: $GPUAAS_NATS_CREDS, else the dev "
+        "stack's creds for this command's role (portal for allocate/release, ops "
+        "for events tail).",
+    ),
+]
+
+
+def read_stack_json(run_dir: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads((run_dir / "stack.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def pid_alive(pid: Optional[int]) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def pid_is_ours(pid: Optional[int]) -> bool:
+    """Alive and still a gpuaas process: a PID from an old stack.json may have been reused."""
+    if not pid_alive(pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return True  # no procfs: trust the liveness check
+    return b"gpuaas" in cmdline or b"nats-server" in cmdline

@@ -1,0 +1,311 @@
+"""`gpuaas dev …`: run the embedded development stack (up, down, status, the detached supervisor) and the
+docker-compose init steps (fleet, maas-key, pg-roles)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from ..pg_roles_cli import pg_roles as _pg_roles
+from .common import DEFAULT_RUN_DIR, JsonOpt, RunDirOpt, err, pid_alive, pid_is_ours, read_stack_json
+
+dev_app = typer.Typer(no_args_is_help=True, help="The embedded development stack.")
+
+
+class _Shutdown(BaseException):
+    """Raised from a signal handler so a stack that is still starting unwinds and stops what it started."""
+
+
+def _raise_shutdown(signum, _frame) -> None:
+    raise _Shutdown(signum)
+
+
+def _print_summary(info: dict[str, Any]) -> None:
+    table = Table(title=f"gpuaas dev stack ({info.get('status')})", show_lines=False)
+    table.add_column("process")
+    table.add_column("pid", justify="right")
+    table.add_column("port", justify="right")
+    table.add_column("log")
+    for name, s in info.get("services", {}).items():
+        table.add_row(
+            name, str(s.get("pid") or "-"), str(s.get("health_port") or s.get("port") or "-"), s.get("log", "")
+        )
+    err.print(table)
+    err.print(f"NATS      {info.get('nats_url')}")
+    err.print(f"Postgres  {info.get('database_url')}")
+    err.print(f"MAAS sim  {info.get('maas_url')}")
+    err.print(f"run dir   {info.get('run_dir')} (stack.json, logs/)")
+
+
+def _supervise(stack, *, announce: bool) -> int:
+    """Start the stack, keep it running (restarting crashed services with back-off), stop it on a signal."""
+    from gpuaas_dev.stack import StackError
+
+    signal.signal(signal.SIGTERM, _raise_shutdown)
+    signal.signal(signal.SIGINT, _raise_shutdown)
+    try:
+        try:
+            stack.start()
+        except StackError as exc:
+            err.print(f"[red]stack failed to start[/]: {exc}")
+            return 1
+        if announce:
+            _print_summary(stack.describe())
+            err.print("[green]ready[/] — Ctrl-C stops the stack")
+        else:
+            err.print(f"{time.strftime('%H:%M:%S')} stack ready")
+        next_try: dict[str, float] = {}
+        delay: dict[str, float] = {}
+        while True:
+            for name in stack.crashed():
+                now = time.monotonic()
+                if now < next_try.get(name, 0.0):
+                    continue
+                err.print(f"{time.strftime('%H:%M:%S')} [yellow]{name} exited; restarting[/]")
+                try:
+                    stack.restart(name)
+                    delay.pop(name, None)
+                    err.print(f"{time.strftime('%H:%M:%S')} {name} ready again (pid {stack.pid(name)})")
+                except StackError as exc:
+                    delay[name] = min(30.0, delay.get(name, 0.5) * 2)
+                    next_try[name] = time.monotonic() + delay[name]
+                    err.print(
+                        f"{time.strftime('%H:%M:%S')} [red]{name} restart failed[/] "
+                        f"(next try in {delay[name]:.0f}s): {exc}"
+                    )
+            time.sleep(0.5)
+    except _Shutdown:
+        err.print("stopping the stack")
+        return 0
+    finally:
+        # A second Ctrl-C must not abandon half-stopped processes.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stack.stop()
+        err.print("stack stopped")
+
+
+def _stack_args(slice_hosts: int, slots: int, baremetal: int) -> dict[str, int]:
+    return {"slice_hosts": slice_hosts, "slots_per_host": slots, "baremetal_hosts": baremetal}
+
+
+SliceHostsOpt = Annotated[int, typer.Option("--slice-hosts", min=0)]
+SlotsOpt = Annotated[int, typer.Option("--slots", min=1, max=8, help="Slots (GPUs) per slice host.")]
+BaremetalOpt = Annotated[int, typer.Option("--baremetal", min=0, help="Baremetal machines in MAAS.")]
+LogLevelOpt = Annotated[str, typer.Option("--log-level")]
+
+
+@dev_app.command("up")
+def dev_up(
+    detach: Annotated[bool, typer.Option("--detach", help="Leave a supervisor running in the background.")] = False,
+    run_dir: RunDirOpt = DEFAULT_RUN_DIR,
+    slice_hosts: SliceHostsOpt = 4,
+    slots: SlotsOpt = 8,
+    baremetal: BaremetalOpt = 2,
+    log_level: LogLevelOpt = "INFO",
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the stack to be ready.")] = 180.0,
+) -> None:
+    """Start NATS, Postgres, the MAAS simulator and the five services; return once all are ready."""
+    from gpuaas_dev.stack import Stack
+
+    run_dir = run_dir.resolve()
+    info = read_stack_json(run_dir)
+    if info and info.get("status") in ("starting", "ready") and pid_is_ours(info.get("supervisor_pid")):
+        err.print(
+            f"[red]a stack is already running in {run_dir}[/] (supervisor pid {info['supervisor_pid']}); "
+            f"`gpuaas dev down --run-dir {run_dir}` first"
+        )
+        raise typer.Exit(1)
+    if not detach:
+        stack = Stack(run_dir, log_level=log_level, **_stack_args(slice_hosts, slots, baremetal))
+        raise typer.Exit(_supervise(stack, announce=True))
+
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "stack.json").unlink(missing_ok=True)
+    log_path = run_dir / "logs" / "supervisor.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "gpuaas_dev.cli",
+        "dev",
+        "supervise",
+        "--run-dir",
+        str(run_dir),
+        "--slice-hosts",
+        str(slice_hosts),
+        "--slots",
+        str(slots),
+        "--baremetal",
+        str(baremetal),
+        "--log-level",
+        log_level,
+    ]
+    with log_path.open("ab") as log:
+        child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=Path.cwd()
+        )
+    err.print(f"supervisor pid {child.pid}; waiting for the stack (log: {log_path})")
+    from gpuaas_dev.stack import tail
+
+    deadline = time.monotonic() + timeout
+    while True:
+        code = child.poll()
+        if code is not None:
+            err.print(f"[red]the supervisor exited with code {code}[/]; last lines of {log_path}:\n{tail(log_path)}")
+            raise typer.Exit(1)
+        info = read_stack_json(run_dir)
+        if info and info.get("status") == "ready" and info.get("supervisor_pid") == child.pid:
+            _print_summary(info)
+            err.print(f"[green]ready[/] — `gpuaas dev down --run-dir {run_dir}` stops it")
+            return
+        if time.monotonic() > deadline:
+            err.print(
+                f"[red]stack not ready after {timeout:.0f}s[/]; stopping it. Last lines of {log_path}:\n"
+                f"{tail(log_path)}"
+            )
+            child.terminate()
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+            raise typer.Exit(1)
+        time.sleep(0.2)
+
+
+@dev_app.command("supervise", hidden=True)
+def dev_supervise(
+    run_dir: RunDirOpt = DEFAULT_RUN_DIR,
+    slice_hosts: SliceHostsOpt = 4,
+    slots: SlotsOpt = 8,
+    baremetal: BaremetalOpt = 2,
+    log_level: LogLevelOpt = "INFO",
+) -> None:
+    """The detached supervisor behind `dev up --detach`."""
+    from gpuaas_dev.stack import Stack
+
+    stack = Stack(run_dir.resolve(), log_level=log_level, **_stack_args(slice_hosts, slots, baremetal))
+    raise typer.Exit(_supervise(stack, announce=False))
+
+
+@dev_app.command("down")
+def dev_down(
+    run_dir: RunDirOpt = DEFAULT_RUN_DIR,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for a clean stop.")] = 60.0,
+) -> None:
+    """Stop the stack started by `dev up` in this run dir (SIGTERM to its supervisor)."""
+    run_dir = run_dir.resolve()
+    info = read_stack_json(run_dir)
+    if info is None:
+        err.print(f"no stack in {run_dir}")
+        return
+    pid = info.get("supervisor_pid")
+    if not pid_is_ours(pid):
+        _stop_leftovers(info)
+        err.print(f"no stack running in {run_dir}")
+        return
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if pid_alive(pid):
+        err.print(f"[yellow]supervisor {pid} did not stop within {timeout:.0f}s; killing it and its services[/]")
+        os.kill(pid, signal.SIGKILL)
+        _stop_leftovers(info)
+    err.print(f"stack in {run_dir} stopped")
+
+
+def _stop_leftovers(info: dict[str, Any]) -> None:
+    """Last resort when the supervisor is gone: the service PIDs it recorded, if they are still gpuaas."""
+    pids = [s.get("pid") for s in info.get("services", {}).values()] + [info.get("nats_pid")]
+    for pid in pids:
+        if pid_is_ours(pid):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+@dev_app.command("status")
+def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -> None:
+    """Show the stack's processes and whether each answers /readyz."""
+    run_dir = run_dir.resolve()
+    info = read_stack_json(run_dir)
+    if info is None:
+        err.print(f"no stack in {run_dir}")
+        raise typer.Exit(1)
+    running = pid_is_ours(info.get("supervisor_pid")) and info.get("status") in ("starting", "ready")
+    rows = {}
+    for name, s in info.get("services", {}).items():
+        port = s.get("health_port") or s.get("port")
+        path = "/_sim/healthz" if name == "maas-sim" else "/readyz"
+        ready = False
+        if running and port and pid_alive(s.get("pid")):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
+                    ready = resp.status == 200
+            except (urllib.error.URLError, OSError):
+                ready = False
+        rows[name] = {"pid": s.get("pid"), "port": port, "ready": ready, "restarts": s.get("restarts", 0)}
+    summary = {
+        "running": running,
+        "status": info.get("status") if running else "stopped",
+        "nats_url": info.get("nats_url"),
+        "maas_url": info.get("maas_url"),
+        "services": rows,
+    }
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+    else:
+        table = Table(title=f"gpuaas dev stack in {run_dir}: {summary['status']}")
+        for col in ("process", "pid", "port", "ready", "restarts"):
+            table.add_column(col)
+        for name, r in rows.items():
+            table.add_row(
+                name,
+                str(r["pid"] or "-"),
+                str(r["port"] or "-"),
+                "[green]yes[/]" if r["ready"] else "[red]no[/]",
+                str(r["restarts"]),
+            )
+        err.print(table)
+    raise typer.Exit(0 if running and all(r["ready"] for r in rows.values()) else 1)
+
+
+@dev_app.command("fleet")
+def dev_fleet(
+    out_dir: Annotated[Path, typer.Option("--out-dir", help="Directory for fleet.json, maas-machines.json, images/.")],
+    slice_hosts: SliceHostsOpt = 4,
+    slots: SlotsOpt = 8,
+    baremetal: BaremetalOpt = 2,
+    ssh_port: Annotated[int, typer.Option("--ssh-port", help="Port the simulated guests answer SSH on.")] = 2222,
+) -> None:
+    """Write a simulated fleet, its MAAS machine list and the seed images (used by docker-compose)."""
+    from gpuaas_dev.stack import prepare_fleet_dir
+
+    files = prepare_fleet_dir(
+        out_dir, slice_hosts=slice_hosts, slots_per_host=slots, baremetal_hosts=baremetal, ssh_port=ssh_port
+    )
+    for kind, path in files.items():
+        err.print(f"{kind:9} {path}")
+
+
+@dev_app.command("maas-key")
+def dev_maas_key() -> None:
+    """Print a fresh MAAS-shaped API key (for GPUAAS_MAAS_API_KEY in docker-compose)."""
+    from gpuaas_dev.maas_sim import generate_api_key
+
+    typer.echo(str(generate_api_key()))
+
+
+# --- Postgres roles (docker-compose's init step) --------------------------------------------------------------
+
+dev_app.command("pg-roles")(_pg_roles)

@@ -1,0 +1,150 @@
+"""Following one allocation's lifecycle on the bus after a portal command publishes its request."""
+
+import asyncio
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import typer
+
+from .bus import ALLOCATION_EVENTS, TASK_PROGRESS, connect, describe_event, publish_event
+from .common import err
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+async def follow(
+    nc,
+    allocation_id: str,
+    start: Any,
+    goal: set[str],
+    fail: set[str],
+    timeout: float,
+    initial: str,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Subscribe first, then publish (`start`), then print events for one allocation until an end state.
+
+    `progress` adds the agents' task phases, which only identities that read reports may see (not a portal)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def on_msg(msg) -> None:
+        await queue.put(msg)
+
+    subs = [await nc.subscribe(ALLOCATION_EVENTS, cb=on_msg)]
+    if progress:
+        subs.append(await nc.subscribe(TASK_PROGRESS, cb=on_msg))
+    await nc.flush()  # the server knows our interest before the request can cause any event
+    t0 = time.monotonic()
+    result: dict[str, Any] = {
+        "allocation_id": allocation_id,
+        "state": initial,
+        "node_id": None,
+        "timed_out": False,
+        "timeline": [{"state": initial, "at": now_iso(), "elapsed_s": 0.0}],
+    }
+    await start()
+    err.print(f"[dim]+0.00s[/] {initial} [bold]{allocation_id}[/]")
+    deadline = t0 + timeout
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                result["timed_out"] = True
+                err.print(f"[red]timed out after {timeout:.0f}s[/] in state {result['state']}")
+                return result
+            try:
+                msg = await asyncio.wait_for(queue.get(), remaining)
+            except asyncio.TimeoutError:
+                continue
+            try:
+                data = json.loads(msg.data)
+                payload = data["payload"]
+                type_ = data["type"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            if str(payload.get("allocation_id")) != allocation_id:
+                continue
+            elapsed = time.monotonic() - t0
+            if type_ == "node.task_progress":
+                detail = f" — {payload['detail']}" if payload.get("detail") else ""
+                err.print(
+                    f"[dim]+{elapsed:.2f}s[/]   · {payload.get('node_id')} {payload.get('task_type')}: "
+                    f"{payload.get('phase')}{detail}"
+                )
+                continue
+            if not type_.startswith("allocation."):
+                continue
+            state = type_.split(".", 1)[1]
+            result["state"] = state
+            result["node_id"] = payload.get("node_id") or result["node_id"]
+            result["timeline"].append({"state": state, "at": data.get("occurred_at"), "elapsed_s": round(elapsed, 3)})
+            for key in ("reason_code", "reason", "access", "cleanup"):
+                if payload.get(key) is not None:
+                    result[key] = payload[key]
+            err.print(f"[dim]+{elapsed:.2f}s[/] {describe_event(state, payload)}")
+            if state in goal or state in fail:
+                return result
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+
+
+def finish(result: dict[str, Any], goal: set[str], as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(result, indent=2, default=str))
+    raise typer.Exit(0 if result["state"] in goal and not result.get("timed_out") else 1)
+
+
+def publish_and_follow(
+    identity: Any,
+    type_: str,
+    request: Any,
+    *,
+    wait: bool,
+    timeout: float,
+    initial: str,
+    said: str,
+    success: set[str],
+    failure: set[str],
+    as_json: bool,
+) -> None:
+    """Publish a portal message; with `wait`, follow the allocation until a success or failure state."""
+    alloc = str(request.allocation_id)
+
+    async def run() -> dict[str, Any]:
+        nc = await connect(identity)
+        js = nc.jetstream()
+        try:
+
+            async def publish() -> None:
+                await publish_event(js, type_, request.model_dump(mode="json"), alloc)
+
+            if not wait:
+                await publish()
+                err.print(f"{said} [bold]{alloc}[/]")
+                return {
+                    "allocation_id": alloc,
+                    "state": initial,
+                    "node_id": None,
+                    "timed_out": False,
+                    "timeline": [{"state": initial, "at": now_iso(), "elapsed_s": 0.0}],
+                }
+            return await follow(
+                nc,
+                alloc,
+                publish,
+                success,
+                failure,
+                timeout,
+                initial,
+                progress=identity.name in ("ops", "admin", "anonymous"),
+            )
+        finally:
+            await nc.drain()
+
+    result = asyncio.run(run())
+    finish(result, success | {initial} if not wait else success, as_json)

@@ -1,0 +1,82 @@
+"""`gpuaas maas-sim`: serve the MAAS 2.0 API simulator."""
+
+import asyncio
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import err
+
+
+def maas_sim(
+    api_key: Annotated[
+        str,
+        typer.Option(
+            "--api-key",
+            envvar="GPUAAS_MAAS_API_KEY",
+            show_default=False,
+            help="The one key MAAS accepts (consumer:token:secret).",
+        ),
+    ],
+    port: Annotated[int, typer.Option("--port", help="0 picks a free port.")] = 5240,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    machines: Annotated[Optional[int], typer.Option("--machines", help="Machine count (hostnames bm-01…).")] = None,
+    machines_file: Annotated[
+        Optional[Path],
+        typer.Option("--machines-file", exists=True, dir_okay=False, help="JSON list of {system_id, hostname, tags}."),
+    ] = None,
+    deploy_seconds: Annotated[Optional[float], typer.Option("--deploy-seconds")] = None,
+    release_seconds: Annotated[Optional[float], typer.Option("--release-seconds")] = None,
+    erase_seconds: Annotated[Optional[float], typer.Option("--erase-seconds")] = None,
+    commission_seconds: Annotated[Optional[float], typer.Option("--commission-seconds")] = None,
+    testing_seconds: Annotated[Optional[float], typer.Option("--testing-seconds")] = None,
+    custom_image: Annotated[
+        Optional[list[str]], typer.Option("--custom-image", help="Uploaded custom image name (repeatable).")
+    ] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    ready_file: Annotated[
+        Optional[Path], typer.Option("--ready-file", help="Written as JSON {service, pid, port} once serving.")
+    ] = None,
+) -> None:
+    """Serve the MAAS 2.0 API simulator until SIGTERM/Ctrl-C."""
+    from gpuaas_dev.maas_sim import SimConfig
+    from gpuaas_dev.maas_sim import server as sim_server
+
+    if machines is not None and machines_file is not None:
+        raise typer.BadParameter("give --machines or --machines-file, not both")
+    try:
+        config = SimConfig.from_cli(
+            machines=machines if machines is not None else 4,
+            api_key=api_key,
+            machines_file=machines_file,
+            deploy_seconds=deploy_seconds,
+            release_seconds=release_seconds,
+            erase_seconds=erase_seconds,
+            commission_seconds=commission_seconds,
+            testing_seconds=testing_seconds,
+            seed=seed,
+            custom_images=custom_image or None,
+        )
+    except ValueError as exc:
+        err.print(f"[red]invalid simulator configuration[/]: {exc}")
+        raise typer.Exit(2) from None
+
+    async def serve() -> None:
+        runner, actual = await sim_server.start(config, host, port)
+        if ready_file is not None:
+            tmp = ready_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"service": "maas-sim", "pid": os.getpid(), "port": actual}))
+            tmp.replace(ready_file)
+        err.print(f"MAAS simulator at http://{host}:{actual}/MAAS/")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
+    asyncio.run(serve())

@@ -1,0 +1,92 @@
+"""What the stack tells the outside: `stack.json` (how to reach it, no secrets) and `secrets.json` (mode 0600:
+the MAAS API key, the enrolment secret, the image admin token and the database passwords)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpuaas_common.pg_roles import dsn_without_password
+
+from .processes import MAAS_SIM
+
+if TYPE_CHECKING:
+    from .stack import Stack
+
+
+def describe_stack(stack: Stack) -> dict[str, Any]:
+    """What a developer or the CLI needs to reach the stack; written to `run_dir/stack.json`.
+
+    Never contains the MAAS API key or the enrolment secret (those live in `secrets.json`, mode 0600).
+    """
+    procs = {}
+    for name, p in stack._procs.items():
+        entry: dict[str, Any] = {
+            "pid": p.pid if p.alive() else None,
+            "running": p.alive(),
+            "log": str(p.log_path),
+            "restarts": p.restarts,
+        }
+        if name == MAAS_SIM:
+            entry["port"] = p.port
+        else:
+            entry["health_port"] = p.port
+            entry["readyz"] = f"http://127.0.0.1:{p.port}/readyz" if p.port else None
+        procs[name] = entry
+    info = {
+        "status": stack.status,
+        "run_dir": str(stack.run_dir),
+        "supervisor_pid": os.getpid(),
+        "nats_url": stack._nats.url if stack._nats else None,
+        "nats_ca_file": str(stack._tls.ca) if stack._tls else None,
+        "creds_dir": str(stack.creds_dir) if stack.auth else None,
+        "nats_pid": stack._nats.proc.pid if stack._nats and stack._nats.proc else None,
+        "database_url": dsn_without_password(stack._dsn) if stack._dsn else None,
+        "maas_url": stack.maas_url if stack._procs.get(MAAS_SIM) and stack._procs[MAAS_SIM].port else None,
+        "fleet_file": str(stack.run_dir / "fleet" / "fleet.json"),
+        "registry_url": stack._registry.url if stack._registry else None,
+        "image_admin_url": f"http://127.0.0.1:{stack._admin_port}" if stack._admin_port else None,
+        "fleet": {
+            "slice_hosts": stack.slice_hosts,
+            "slots_per_host": stack.slots_per_host,
+            "baremetal_hosts": stack.baremetal_hosts,
+        },
+        "services": procs,
+        "secrets_file": str(stack.run_dir / "secrets.json"),
+        "updated_at": time.time(),
+    }
+    if stack.run_dir.exists():
+        tmp = stack.description_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info, indent=2))
+        tmp.replace(stack.description_file)
+    return info
+
+
+def write_secrets(path: Path, *, maas_api_key: str, enrolment_secret: str, image_admin_token: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(
+            {
+                "maas_api_key": maas_api_key,
+                "enrolment_secret": enrolment_secret,
+                "image_admin_token": image_admin_token,
+            },
+            f,
+        )
+    os.chmod(path, 0o600)
+
+
+def record_database_secrets(path: Path, admin_dsn: str | None, service_dsns: dict[str, str]) -> None:
+    # Added to what write_secrets wrote: database passwords live in this 0600 file, never in stack.json.
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data.update(admin_database_url=admin_dsn, service_database_urls=service_dsns)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.chmod(path, 0o600)

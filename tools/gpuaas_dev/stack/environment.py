@@ -1,0 +1,130 @@
+"""How the stack starts each process: argv and environment for the MAAS simulator and the five services."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .database import database_env
+from .identities import nats_env
+from .processes import ALL_PROCESSES, MAAS_SIM, _Proc, bin_path
+
+if TYPE_CHECKING:
+    from .stack import Stack
+
+# Stack timer names -> `gpuaas maas-sim` flags.
+TIMER_FLAGS = {
+    "deploying": "--deploy-seconds",
+    "releasing": "--release-seconds",
+    "disk_erasing": "--erase-seconds",
+    "commissioning": "--commission-seconds",
+    "testing": "--testing-seconds",
+}
+
+
+def base_env(nats_url: str, log_level: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_")}
+    env.update(
+        PYTHONUNBUFFERED="1",
+        GPUAAS_NATS_URL=nats_url,
+        GPUAAS_HEALTH_HOST="127.0.0.1",
+        GPUAAS_HEALTH_PORT="0",
+        GPUAAS_LOG_LEVEL=log_level,
+    )
+    # Keep a developer's opt-outs such as GPUAAS_NO_DOCKER; the stack's own settings win over the rest.
+    if "GPUAAS_NO_DOCKER" in os.environ:
+        env["GPUAAS_NO_DOCKER"] = os.environ["GPUAAS_NO_DOCKER"]
+    return env
+
+
+def apply_overrides(overrides: Mapping[str, Any], name: str, env: dict[str, str]) -> dict[str, str]:
+    for key, value in overrides.items():
+        if isinstance(value, Mapping):
+            if key == name:
+                env.update({k: str(v) for k, v in value.items()})
+        elif key not in ALL_PROCESSES:
+            env[key] = str(value)
+    return env
+
+
+def maas_sim_argv(stack: Stack, port: int) -> list[str]:
+    argv = [
+        bin_path("gpuaas"),
+        "maas-sim",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--machines-file",
+        str(stack._files["machines"]),
+        "--ready-file",
+        str(stack.run_dir / "ready" / f"{MAAS_SIM}.json"),
+    ]
+    for timer, seconds in stack.maas_timers.items():
+        argv += [TIMER_FLAGS[timer], str(seconds)]
+    return argv
+
+
+def maas_sim_proc(stack: Stack, port: int) -> _Proc:
+    env = base_env(stack.nats_url, stack.log_level)
+    # Through the environment, not argv: argv is world-readable in the process list.
+    env["GPUAAS_MAAS_API_KEY"] = stack.maas_api_key
+    return _Proc(
+        name=MAAS_SIM,
+        argv=maas_sim_argv(stack, port),
+        env=apply_overrides(stack.env_overrides, MAAS_SIM, env),
+        log_path=stack.logs_dir / f"{MAAS_SIM}.log",
+        ready_file=stack.run_dir / "ready" / f"{MAAS_SIM}.json",
+        ready_path="/_sim/healthz",
+    )
+
+
+def service_proc(stack: Stack, name: str) -> _Proc:
+    env = base_env(stack.nats_url, stack.log_level) | database_env(name, stack._service_dsns) | _nats_env(stack, name)
+    ready_file = stack.run_dir / "ready" / f"{name}.json"
+    env["GPUAAS_READY_FILE"] = str(ready_file)
+    files = stack._files
+    if name == "allocator":
+        env["GPUAAS_ENROLMENT_SECRET"] = stack.enrolment_secret
+    elif name == "scheduler":
+        env["GPUAAS_INVENTORY_FILE"] = str(files["fleet"])
+    elif name == "image-pipeline":
+        env["GPUAAS_IMAGE_SEED_FILE"] = str(files["seed"])
+        assert stack._registry is not None and stack._admin_token is not None
+        env.update(
+            GPUAAS_REGISTRY_HOST=stack._registry.host,
+            GPUAAS_REGISTRY_TLS_MODE="plain-http",
+            GPUAAS_ADMIN_PORT=str(stack._admin_port),
+            GPUAAS_ADMIN_TOKEN=stack._admin_token,
+            GPUAAS_IMAGE_BUILD_DIR=str(stack.run_dir / "image-builds"),
+            # The gateway uploads host images by the path the pipeline names; both run on this
+            # machine, so a run-dir directory is shared without any gateway setting.
+            GPUAAS_HOST_IMAGE_DIR=str(stack.host_image_dir),
+        )
+    elif name == "maas-gateway":
+        env["GPUAAS_MAAS_URL"] = stack.maas_url
+        env["GPUAAS_MAAS_API_KEY"] = stack.maas_api_key
+        env["GPUAAS_ENROLMENT_SECRET"] = stack.enrolment_secret
+    elif name == "node-agent":
+        env["GPUAAS_FLEET_FILE"] = str(files["fleet"])
+        env["GPUAAS_MAAS_SIM_URL"] = stack.maas_base_url
+        env["GPUAAS_SIM_IMAGE_DIR"] = str(files["images"])
+        env["GPUAAS_LIBVIRT_URI"] = "test:///default"
+    # The node agent's place in the stack is taken by the simulated fleet: every host in one process.
+    command = "gpuaas-sim-fleet" if name == "node-agent" else f"gpuaas-{name}"
+    return _Proc(
+        name=name,
+        argv=[bin_path(command)],
+        env=apply_overrides(stack.env_overrides, name, env),
+        log_path=stack.logs_dir / f"{name}.log",
+        ready_file=ready_file,
+        ready_path="/readyz",
+    )
+
+
+def _nats_env(stack: Stack, name: str) -> dict[str, str]:
+    if not stack.auth:
+        return {}
+    assert stack._tls is not None
+    return nats_env(name, stack._tls, stack.creds_dir, stack.run_dir / "keys")

@@ -1,0 +1,66 @@
+"""The stack's bus identities: the NATS trust chain (operator, accounts, CA), one creds file per role and
+per slice host, the streams and durables provisioned as the admin identity, and each process's NATS env."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gpuaas_common.fleet import Fleet
+from gpuaas_common.identity import Authority
+from gpuaas_common.identity import creds as creds_files
+from gpuaas_common.identity.permissions import ROLE_PERMISSIONS, node_user_name
+from gpuaas_common.identity.permissions import SERVICES as BUS_SERVICES
+from gpuaas_common.identity.tls import TlsFiles, make_ca_and_server_cert
+
+from .coroutines import run_coro
+
+
+def make_identities(run_dir: Path, creds_dir: Path) -> tuple[TlsFiles, Authority]:
+    """A fresh operator, accounts and CA for every start; one creds file per identity (0600)."""
+    tls = make_ca_and_server_cert(run_dir / "tls")
+    auth = Authority.create()
+    for role, perms in ROLE_PERMISSIONS.items():
+        creds_files.write(creds_dir / f"{role}.creds", auth.issue_user(role, perms))
+    keys = run_dir / "keys"
+    auth.save(keys)
+    # What the gateway needs to mint and revoke baremetal hosts' users, and nothing more.
+    creds_files.write_secret(keys / "maas-gateway-issuer.json", auth.issuer().dump())
+    return tls, auth
+
+
+def onboard_slice_hosts(authority: Authority, fleet: Fleet, creds_dir: Path, keys_dir: Path) -> None:
+    """What ops do when a slice host joins: its own user and creds file, its task durable."""
+    for node in fleet.nodes:
+        if node.kind == "slice_host":
+            creds_files.write(creds_dir / f"{node_user_name(node.node_id)}.creds", authority.issue_host(node.node_id))
+    authority.save(keys_dir)
+
+
+def provision_bus(options: dict[str, Any], node_ids: list[str]) -> None:
+    """Streams and every slice host's durable, as the admin identity (`options`): no service or host may."""
+
+    async def provision_all() -> None:
+        import nats
+
+        from gpuaas_common.jetstream import node_agent_consumer, provision
+
+        nc = await nats.connect(**options, connect_timeout=5, max_reconnect_attempts=3)
+        try:
+            await provision(nc.jetstream(), [node_agent_consumer(n) for n in node_ids])
+        finally:
+            await nc.close()
+
+    run_coro(provision_all)
+
+
+def nats_env(name: str, tls: TlsFiles, creds_dir: Path, keys_dir: Path) -> dict[str, str]:
+    """The CA, creds and (for the gateway) issuer files process `name` connects with."""
+    env = {"GPUAAS_NATS_CA_FILE": str(tls.ca)}
+    if name in BUS_SERVICES:
+        env["GPUAAS_NATS_CREDS"] = str(creds_dir / f"{name}.creds")
+    if name == "node-agent":
+        env["GPUAAS_NATS_CREDS_DIR"] = str(creds_dir)
+    if name == "maas-gateway":
+        env["GPUAAS_NATS_AUTHORITY_FILE"] = str(keys_dir / "maas-gateway-issuer.json")
+    return env

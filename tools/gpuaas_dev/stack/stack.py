@@ -1,0 +1,398 @@
+"""The `Stack` itself: its settings, what it exposes to tests and the CLI, and its lifecycle."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gpuaas_common.fleet import Fleet
+from gpuaas_common.identity import Authority
+from gpuaas_common.identity.tls import TlsFiles
+from gpuaas_common.pg_roles import SERVICE_ROLES
+from gpuaas_dev.testing.servers import NatsServer, PostgresServer, RegistryServer, free_port
+
+from ..maas_sim.auth import generate_api_key
+from .database import create_database, create_service_roles
+from .description import describe_stack, record_database_secrets, write_secrets
+from .environment import TIMER_FLAGS, maas_sim_argv, maas_sim_proc, service_proc
+from .fleet import prepare_fleet_dir
+from .identities import make_identities, onboard_slice_hosts, provision_bus
+from .processes import (
+    ALL_PROCESSES,
+    MAAS_SIM,
+    SERVICES,
+    StackError,
+    _Proc,
+    send_signal,
+    spawn,
+    tail,
+    wait_until_ready,
+)
+
+
+class Stack:
+    def __init__(
+        self,
+        run_dir: Path | str,
+        *,
+        slice_hosts: int = 4,
+        slots_per_host: int = 8,
+        baremetal_hosts: int = 2,
+        maas_timers: Mapping[str, float] | None = None,
+        env_overrides: Mapping[str, Any] | None = None,
+        ready_timeout_s: float = 90.0,
+        stop_timeout_s: float = 15.0,
+        log_level: str = "INFO",
+        auth: bool = True,
+    ) -> None:
+        """`env_overrides` maps GPUAAS_* names to values for every service; a key that is a process
+        name (e.g. "maas-gateway") maps to a dict applied to that process only.
+
+        `auth` (default) runs NATS in operator mode with TLS and every process as its own identity;
+        `auth=False` is an open bus, only for measuring what the identities cost."""
+        self.run_dir = Path(run_dir).resolve()
+        self.slice_hosts = slice_hosts
+        self.slots_per_host = slots_per_host
+        self.baremetal_hosts = baremetal_hosts
+        unknown = set(maas_timers or {}) - set(TIMER_FLAGS)
+        if unknown:
+            raise ValueError(f"unknown MAAS timers {sorted(unknown)}; known: {sorted(TIMER_FLAGS)}")
+        self.maas_timers = dict(maas_timers or {})
+        self.env_overrides = dict(env_overrides or {})
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.log_level = log_level
+        self.auth = auth
+        self.status = "new"
+        self._authority: Authority | None = None
+        self._tls: TlsFiles | None = None
+        self._nats: NatsServer | None = None
+        self._pg: PostgresServer | None = None
+        self._registry: RegistryServer | None = None
+        self._admin_token: str | None = None
+        self._admin_port: int | None = None
+        self._dsn: str | None = None
+        self._service_dsns: dict[str, str] = {}  # service -> its own role's DSN, password inside
+        self._fleet: Fleet | None = None
+        self._maas_api_key: str | None = None
+        self._enrolment_secret: str | None = None
+        self._procs: dict[str, _Proc] = {}
+        self._files: dict[str, Path] = {}
+
+    # --- public properties --------------------------------------------------------------------------
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+    @property
+    def description_file(self) -> Path:
+        return self.run_dir / "stack.json"
+
+    @property
+    def nats_url(self) -> str:
+        if self._nats is None:
+            raise StackError("stack not started")
+        return self._nats.url
+
+    @property
+    def creds_dir(self) -> Path:
+        return self.run_dir / "creds"
+
+    @property
+    def ca_file(self) -> Path | None:
+        return self._tls.ca if self._tls else None
+
+    def creds_path(self, identity: str) -> Path | None:
+        """`<run-dir>/creds/<identity>.creds`: a role (`portal`, `ops`, `admin`, a service) or `node-<id>`."""
+        if not self.auth:
+            return None
+        path = self.creds_dir / f"{identity}.creds"
+        if not path.exists():
+            raise StackError(f"no credentials for {identity!r} in {self.creds_dir}")
+        return path
+
+    def nats_options(self, identity: str = "admin") -> dict[str, Any]:
+        """nats.connect() keyword arguments for a test or benchmark client acting as `identity`."""
+        from gpuaas_common.natsconn import NatsIdentity, split_servers
+
+        creds = self.creds_path(identity)
+        ident = NatsIdentity(
+            split_servers(self.nats_url), str(creds) if creds else None, str(self.ca_file) if self.ca_file else None
+        )
+        return ident.connect_kwargs()
+
+    @property
+    def authority(self) -> Authority:
+        if self._authority is None:
+            raise StackError("stack not started with auth")
+        return self._authority
+
+    @property
+    def dsn(self) -> str:
+        if self._dsn is None:
+            raise StackError("stack not started")
+        return self._dsn
+
+    def service_dsn(self, service: str) -> str:
+        """The DSN `service` runs with: its own role, which owns its schema and may touch nothing else.
+
+        `dsn` is the superuser's, for tests and benchmarks that inspect every schema.
+        """
+        if service not in SERVICE_ROLES:
+            raise StackError(f"{service!r} has no database role; those that do: {', '.join(SERVICE_ROLES)}")
+        if service not in self._service_dsns:
+            raise StackError("stack not started")
+        return self._service_dsns[service]
+
+    @property
+    def maas_url(self) -> str:
+        return f"{self.maas_base_url}/MAAS/"
+
+    @property
+    def maas_base_url(self) -> str:
+        sim = self._procs.get(MAAS_SIM)
+        if sim is None or sim.port is None:
+            raise StackError("MAAS simulator not started")
+        return f"http://127.0.0.1:{sim.port}"
+
+    @property
+    def maas_api_key(self) -> str:
+        if self._maas_api_key is None:
+            raise StackError("stack not started")
+        return self._maas_api_key
+
+    @property
+    def enrolment_secret(self) -> str:
+        if self._enrolment_secret is None:
+            raise StackError("stack not started")
+        return self._enrolment_secret
+
+    @property
+    def registry_host(self) -> str:
+        if self._registry is None:
+            raise StackError("stack not started")
+        return self._registry.host
+
+    @property
+    def host_image_dir(self) -> Path:
+        """Where the image pipeline writes MAAS host image tgz files for the gateway to upload."""
+        return self.run_dir / "host-images"
+
+    @property
+    def image_admin_url(self) -> str:
+        return f"http://127.0.0.1:{self._admin_port}"
+
+    @property
+    def image_admin_token(self) -> str:
+        if self._admin_token is None:
+            raise StackError("stack not started")
+        return self._admin_token
+
+    @property
+    def fleet(self) -> Fleet:
+        if self._fleet is None:
+            raise StackError("stack not started")
+        return self._fleet
+
+    @property
+    def services(self) -> tuple[str, ...]:
+        return ALL_PROCESSES
+
+    def pid(self, service: str) -> int | None:
+        return self._get(service).pid
+
+    def is_running(self, service: str) -> bool:
+        return self._get(service).alive()
+
+    def health_url(self, service: str) -> str:
+        p = self._get(service)
+        if p.port is None:
+            raise StackError(f"{service} has no known port yet")
+        return f"http://127.0.0.1:{p.port}"
+
+    def log_path(self, service: str) -> Path:
+        return self._get(service).log_path
+
+    def log_tail(self, service: str, lines: int = 40) -> str:
+        return tail(self.log_path(service), lines)
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> "Stack":
+        if self.status in ("starting", "ready"):
+            raise StackError("stack already started")
+        self.status = "starting"
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        self.status = "ready"
+        self.describe()
+        return self
+
+    def _start(self) -> None:
+        self._reset_run_dir()
+        self._maas_api_key = str(generate_api_key())
+        self._enrolment_secret = secrets.token_hex(32)
+        self._admin_token = secrets.token_hex(24)
+        self._admin_port = free_port()
+        write_secrets(
+            self.run_dir / "secrets.json",
+            maas_api_key=self._maas_api_key,
+            enrolment_secret=self._enrolment_secret,
+            image_admin_token=self._admin_token,
+        )
+
+        # Held before start() so a start that fails half-way is still stopped by stop().
+        if self.auth:
+            self._tls, self._authority = make_identities(self.run_dir, self.creds_dir)
+        self._nats = NatsServer(self.run_dir / "nats", auth=self._authority, tls=self._tls)
+        self._nats.start()
+        self._pg = PostgresServer(self.run_dir / "pg")
+        self._pg.start()
+        self._dsn = create_database(self._pg.dsn)
+        self._service_dsns = create_service_roles(self._pg.dsn)
+        record_database_secrets(self.run_dir / "secrets.json", self._dsn, self._service_dsns)
+        self._registry = RegistryServer(self.run_dir / "registry")
+        self._registry.start()
+
+        files = prepare_fleet_dir(
+            self.run_dir / "fleet",
+            slice_hosts=self.slice_hosts,
+            slots_per_host=self.slots_per_host,
+            baremetal_hosts=self.baremetal_hosts,
+            ssh_port=free_port(),
+            hosts_root=self.run_dir / "hosts",
+        )
+        self._fleet = Fleet.load(files["fleet"])
+        self._files = files
+        self._provision_bus()
+        self.describe()
+
+        # The simulator picks its own port; the gateway and the agents need it, so it goes first.
+        self._procs[MAAS_SIM] = maas_sim_proc(self, port=0)
+        spawn(self._procs[MAAS_SIM], self.run_dir)
+        self._wait([MAAS_SIM], self.ready_timeout_s)
+        for name in SERVICES:
+            self._procs[name] = service_proc(self, name)
+            spawn(self._procs[name], self.run_dir)
+        self.describe()
+        self._wait(list(SERVICES), self.ready_timeout_s)
+
+    def stop(self) -> None:
+        """SIGTERM every process this stack started (by PID), SIGKILL after `stop_timeout_s`."""
+        running = [p for name in reversed(ALL_PROCESSES) if (p := self._procs.get(name)) and p.alive()]
+        for p in running:
+            send_signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_timeout_s
+        for p in running:
+            assert p.proc is not None
+            try:
+                p.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                send_signal(p, signal.SIGKILL)
+                p.proc.wait()
+        if self._nats is not None:
+            self._nats.stop()
+            self._nats = None
+        if self._registry is not None:
+            self._registry.stop()
+            self._registry = None
+        if self._pg is not None:
+            try:
+                self._pg.stop()
+            except (AttributeError, OSError, subprocess.SubprocessError):
+                pass  # it never got as far as running
+            finally:
+                self._pg = None
+        if self.status != "new":
+            self.status = "stopped"
+            self.describe()
+
+    def kill(self, service: str, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the service's process; for SIGKILL/SIGTERM, return once it has exited."""
+        p = self._get(service)
+        if not p.alive():
+            return
+        send_signal(p, sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+            assert p.proc is not None
+            try:
+                p.proc.wait(self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                send_signal(p, signal.SIGKILL)
+                p.proc.wait()
+        self.describe()
+
+    def restart(self, service: str) -> None:
+        """Stop the service if it runs, start it with the same environment, wait until ready."""
+        p = self._get(service)
+        if p.alive():
+            self.kill(service, signal.SIGTERM)
+        if service == MAAS_SIM:
+            # Same port again: the gateway and the agents were given this URL.
+            p.argv = maas_sim_argv(self, p.port or 0)
+        p.restarts += 1
+        spawn(p, self.run_dir)
+        self.describe()
+        self.wait_ready(service)
+
+    def wait_ready(self, service: str, timeout_s: float | None = None) -> None:
+        self._wait([service], timeout_s or self.ready_timeout_s)
+        self.describe()
+
+    def crashed(self) -> list[str]:
+        """Processes that were started and have exited without being asked to."""
+        return [name for name, p in self._procs.items() if p.proc is not None and p.proc.poll() is not None]
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def describe(self) -> dict[str, Any]:
+        """What a developer or the CLI needs to reach the stack; written to `run_dir/stack.json`.
+
+        Never contains the MAAS API key or the enrolment secret (those live in `secrets.json`, mode 0600).
+        """
+        return describe_stack(self)
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _get(self, service: str) -> _Proc:
+        try:
+            return self._procs[service]
+        except KeyError:
+            raise StackError(f"unknown or not started service {service!r}; known: {', '.join(ALL_PROCESSES)}") from None
+
+    def _reset_run_dir(self) -> None:
+        # Every start is a fresh world: NATS state left from an earlier run would not match a new database.
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for sub in ("nats", "pg", "hosts", "fleet", "ready", "registry", "image-builds", "keys", "creds", "tls"):
+            shutil.rmtree(self.run_dir / sub, ignore_errors=True)
+        (self.run_dir / "ready").mkdir()
+        self.logs_dir.mkdir(exist_ok=True)
+        for old in self.logs_dir.glob("*.log"):
+            if old.name != "supervisor.log":
+                old.unlink()
+
+    def _wait(self, names: list[str], timeout_s: float) -> None:
+        wait_until_ready({name: self._get(name) for name in names}, timeout_s)
+
+    def _provision_bus(self) -> None:
+        """Streams and every slice host's durable, as the admin identity: no service or host may."""
+        assert self._fleet is not None
+        if self.auth:
+            assert self._authority is not None
+            onboard_slice_hosts(self._authority, self._fleet, self.creds_dir, self.run_dir / "keys")
+        options = self.nats_options("admin")
+        provision_bus(options, [n.node_id for n in self._fleet.nodes if n.kind == "slice_host"])
