@@ -1,0 +1,29 @@
+"""Node tasks: one task message in, host work done in phases, one result out.
+
+Idempotent per task id through the local state store; a stale fencing epoch or a resource leased to
+another allocation is refused before anything destructive runs; any failure after the disk was
+touched is reported with `cleanup_required` so the scheduler never hands the slot out unwiped.
+Every task runs within its deadline, and a task a killed agent left half-done is finished on restart:
+rerun when nothing destructive had happened yet (or when it was a release), else reported failed
+with cleanup — exactly one result either way.
+
+The agent is assembled from one module per concern: core (wiring, exceptions, phases, disk check), provision,
+release, runner (one task end to end), recovery (start-up) and evidence (topology and parity).
+"""
+
+from __future__ import annotations
+
+from .agent import SliceHostAgent
+from .core import AgentCore, Publish, Refused, TaskFailed
+from .provision import HUGEPAGES_1G_FREE
+from .runner import SLICE_TASKS
+
+__all__ = [
+    "HUGEPAGES_1G_FREE",
+    "SLICE_TASKS",
+    "AgentCore",
+    "Publish",
+    "Refused",
+    "SliceHostAgent",
+    "TaskFailed",
+]

@@ -1,0 +1,11 @@
+"""The slice host agent: the task runner with recovery and readiness evidence."""
+
+from __future__ import annotations
+
+from .evidence import HostEvidence
+from .recovery import TaskRecovery
+
+
+class SliceHostAgent(TaskRecovery, HostEvidence):
+    """Provision and release tasks (provision.py, release.py) run through runner.py; recovery.py finishes what
+    a previous run left half-done; evidence.py reports topology and parity."""

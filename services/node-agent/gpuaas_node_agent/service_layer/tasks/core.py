@@ -1,0 +1,136 @@
+"""What every slice task shares: the agent's wiring, the refusal and failure exceptions, the phase and
+result messages, and the disk identity check both provision and release run before touching a disk."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from gpuaas_common.contract import derived_event_id
+from gpuaas_common.contract import messages as m
+from gpuaas_common.logging import get_logger
+
+from ...adapters.discovery import block_use
+from ...adapters.host import Host
+from ...adapters.libvirt_host import LibvirtHost
+from ...adapters.state_store import StateStore
+from ..host_paths import HostPaths
+
+log = get_logger("gpuaas_node_agent.service_layer.tasks")  # one logger name for the whole task runner
+
+Publish = Callable[..., Awaitable[Any]]
+
+
+class Refused(Exception):
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class TaskFailed(Exception):
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class AgentCore:
+    def __init__(
+        self,
+        node_id: str,
+        paths: HostPaths,
+        store: StateStore,
+        libvirt: LibvirtHost,
+        publish: Publish,
+        *,
+        image_cache_dir: str,
+        hostsdir: str,
+        lease_file: str,
+        seed_dir: str,
+        ssh_port: int,
+        readiness_timeout_s: float,
+        shutdown_timeout_s: float,
+        relay_public_key: str | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.paths = paths
+        self.store = store
+        self.libvirt = libvirt
+        self.publish = publish
+        self.image_cache_dir = image_cache_dir
+        self.hostsdir = paths.host(hostsdir)
+        self.lease_file = paths.host(lease_file)
+        self.seed_dir = paths.host(seed_dir)
+        self.ssh_port = ssh_port
+        self.readiness_timeout_s = readiness_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self.relay_public_key = relay_public_key
+        self.host = Host.at(paths.root)
+        # Tasks on disjoint slots run in parallel, as on a real host; two tasks that share a slot never
+        # interleave. Locks are taken in sorted order so two multi-slot tasks cannot deadlock.
+        self._slot_locks: dict[str, asyncio.Lock] = {}
+
+    def _result(
+        self,
+        task: Any,
+        task_type: str,
+        status: str,
+        *,
+        code: str | None = None,
+        reason: str | None = None,
+        cleanup_required: bool = False,
+        readiness_: m.Readiness | None = None,
+        proofs: list[m.WipeProof] | None = None,
+    ) -> m.NodeTaskResult:
+        return m.NodeTaskResult(
+            task_id=task.task_id,
+            allocation_id=task.allocation_id,
+            node_id=self.node_id,
+            task_type=task_type,
+            status=status,
+            reason_code=code,
+            reason=reason,
+            readiness=readiness_,
+            wipe_proofs=proofs or [],
+            cleanup_required=cleanup_required,
+        )
+
+    async def _phase(
+        self, task: Any, task_type: str, phase: str, *, disk_touched: bool = False, detail: str | None = None
+    ) -> None:
+        self.store.set_phase(task.task_id, phase, disk_touched=disk_touched)
+        log.info("task_phase", task_id=task.task_id, allocation_id=str(task.allocation_id), phase=phase, detail=detail)
+        await self.publish(
+            "node.task_progress",
+            m.NodeTaskProgress(
+                task_id=task.task_id,
+                allocation_id=task.allocation_id,
+                node_id=self.node_id,
+                task_type=task_type,
+                phase=phase,
+                detail=detail,
+            ),
+            correlation_id=str(task.allocation_id),
+            event_id=derived_event_id(task.task_id, f"phase:{phase}"),
+            node_id=self.node_id,
+        )
+
+    def _check_disk(self, by_id: str) -> Path:
+        """The disk behind a stable by-id link, refused unless it is a whole, unmounted, unheld NVMe disk that is
+        not the OS disk (children checked one by one: a lab wipe once hit a disk whose partition was mounted)."""
+        fs = self.host.fs
+        if not by_id.startswith("/dev/disk/by-id/"):
+            raise Refused("disk_identity_unstable", f"{by_id} is not a /dev/disk/by-id path")
+        if not fs.exists(by_id):
+            raise Refused("disk_missing", f"{by_id} does not resolve on this host")
+        real = fs.realpath(by_id)
+        if not real.startswith("/dev/") or real.count("/") != 2:
+            raise Refused("disk_missing", f"{by_id} resolves to {real}, not a device node")
+        use = block_use(fs, real.rsplit("/", 1)[-1])
+        refusal = use.refusal()
+        if refusal:
+            raise Refused(refusal[0], f"{by_id}: {refusal[1]}")
+        return fs.agent_path(by_id)

@@ -1,0 +1,51 @@
+"""Readiness evidence: topology discovery and the parity checks, published on request
+(slice.topology_discover) and at start-up."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gpuaas_common.bus import HandlerContext, PermanentError
+from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import messages as m
+
+from ...adapters.discovery import discover
+from ...adapters.parity import ParityChecker
+from .core import AgentCore, log
+
+
+class HostEvidence(AgentCore):
+    # --- topology and parity -----------------------------------------------------------------------
+
+    async def report_host_state(
+        self, *, task_id: str | None = None
+    ) -> tuple[m.NodeTopologyReported, m.NodeParityReported]:
+        """Discover topology and run the parity checks; publish both as readiness evidence."""
+        leased = [r.removeprefix("nvme:") for r in self.store.leased_resources() if r.startswith("nvme:")]
+        topology = await discover(self.host, self.node_id, task_id=task_id, leased_by_id=leased)
+        parity = await ParityChecker(self.host, agent_running=True).run(self.node_id, task_id=task_id)
+        for type_, payload in (("node.topology_reported", topology), ("node.parity_reported", parity)):
+            await self.publish(
+                type_,
+                payload,
+                correlation_id=task_id or self.node_id,
+                event_id=derived_event_id(task_id, type_) if task_id else None,
+                node_id=self.node_id,
+            )
+        return topology, parity
+
+    async def on_discover(self, ctx: HandlerContext) -> None:
+        task: m.SliceTopologyDiscover = ctx.payload
+        if task.node_id != self.node_id:
+            raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {self.node_id}")
+        if task.deadline <= utcnow():
+            log.warning("task_refused", task_id=task.task_id, reason_code="deadline_passed")
+            return
+        # Read-only and cheap: a redelivery simply discovers again; the event ids derive from the task id,
+        # so JetStream drops the repeat within its duplicate window.
+        self.store.start_task(task.task_id, "slice.topology_discover", "")
+        async with asyncio.timeout((task.deadline - utcnow()).total_seconds()):
+            topology, parity = await self.report_host_state(task_id=task.task_id)
+        self.store.finish_task(
+            task.task_id, "succeeded", {"candidates": len(topology.candidate_slots), "parity_failures": parity.failures}
+        )

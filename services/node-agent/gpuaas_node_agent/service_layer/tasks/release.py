@@ -1,0 +1,53 @@
+"""slice.vm_release: stop and undefine the VM, drop its DHCP reservation and seed, then wipe and verify every
+disk (all re-checked first); the leases go only once every wipe is proven."""
+
+from __future__ import annotations
+
+from gpuaas_common.contract import messages as m
+
+from ...adapters import disk, dnsmasq
+from .core import AgentCore, Refused, TaskFailed, log
+
+
+class ReleaseTask(AgentCore):
+    async def _release(self, task: m.SliceVmRelease) -> m.NodeTaskResult:
+        t = "slice.vm_release"
+        await self._phase(task, t, "stop")
+        try:
+            if await self.libvirt.exists(task.vm_name):
+                stopped = await self.libvirt.shutdown(task.vm_name, self.shutdown_timeout_s)
+                await self._phase(task, t, "undefine", detail=f"stop path: {stopped.value}")
+                await self.libvirt.undefine(task.vm_name)
+            dnsmasq.remove_reservation(self.hostsdir, task.vm_name)
+            seed = self.seed_dir / f"{task.vm_name}.iso"
+            seed.unlink(missing_ok=True)
+            # Every disk is re-checked before the first one is wiped: host state may have changed since provision.
+            paths = [(slot.nvme_by_id, self._check_disk(slot.nvme_by_id)) for slot in task.slots]
+            await self._phase(task, t, "wipe", disk_touched=True)
+            proofs = []
+            for by_id, path in paths:
+                proof = await disk.wipe_and_verify(str(path))
+                proofs.append(
+                    m.WipeProof(
+                        device=by_id,
+                        method=proof.method,
+                        verified=proof.verified,
+                        signatures=[str(sig) for sig in proof.signatures],
+                        detail=proof.detail,
+                    )
+                )
+        except Refused:
+            raise
+        except Exception as exc:
+            raise TaskFailed("release_error", f"{type(exc).__name__}: {exc}") from exc
+        unverified = [p for p in proofs if not p.verified]
+        if unverified:
+            # The leases stay: the disks still hold tenant data as far as anyone can prove.
+            reason = "; ".join(f"{p.device}: {p.detail or 'not verified'}" for p in unverified)
+            log.error("wipe_not_verified", task_id=task.task_id, allocation_id=str(task.allocation_id), reason=reason)
+            return self._result(
+                task, t, "failed", code="wipe_unverified", reason=reason[:2000], cleanup_required=True, proofs=proofs
+            )
+        self.store.drop_leases(str(task.allocation_id))
+        await self._phase(task, t, "released")
+        return self._result(task, t, "succeeded", proofs=proofs)

@@ -1,0 +1,132 @@
+"""Running one task: per-slot locks, replay by task id, the fencing epoch and deadline checks, dispatch to
+provision or release, and the refused/failed bookkeeping that decides `cleanup_required`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from gpuaas_common.bus import HandlerContext, PermanentError
+from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import messages as m
+
+from ...adapters import dnsmasq
+from ...adapters.libvirt_host import LibvirtHostError
+from .core import Refused, TaskFailed, log
+from .provision import ProvisionTask
+from .release import ReleaseTask
+
+SLICE_TASKS = ("slice.vm_provision", "slice.vm_release")
+
+
+class TaskRunner(ProvisionTask, ReleaseTask):
+    # --- bus entry ----------------------------------------------------------------------------
+
+    async def on_task(self, ctx: HandlerContext) -> None:
+        task = ctx.payload
+        if task.node_id != self.node_id:
+            raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {self.node_id}")
+        await self.execute(ctx.envelope.type, task, causation_id=ctx.envelope.event_id)
+
+    async def execute(self, task_type: str, task: Any, *, causation_id: str | None = None) -> m.NodeTaskResult:
+        async with contextlib.AsyncExitStack() as stack:
+            for slot_id in sorted(s.slot_id for s in task.slots):
+                await stack.enter_async_context(self._slot_locks.setdefault(slot_id, asyncio.Lock()))
+            result = await self.run(task_type, task)
+        await self.publish(
+            "node.task_result",
+            result,
+            correlation_id=str(task.allocation_id),
+            causation_id=causation_id,
+            event_id=derived_event_id(task.task_id, "result"),
+            node_id=self.node_id,
+        )
+        return result
+
+    async def run(self, task_type: str, task: Any) -> m.NodeTaskResult:
+        record = self.store.task(task.task_id)
+        if record and record["status"] != "running" and record["result"]:
+            log.info(
+                "task_replayed", task_id=task.task_id, allocation_id=str(task.allocation_id), status=record["status"]
+            )
+            return m.NodeTaskResult.model_validate(record["result"])
+        # A provision interrupted after the disk was touched cannot be resumed blindly (the clone may be
+        # half-written); a release can, because every one of its steps is idempotent.
+        interrupted_after_disk = bool(
+            record and record["status"] == "running" and record["disk_touched"] and task_type == "slice.vm_provision"
+        )
+        self.store.start_task(
+            task.task_id, task_type, str(task.allocation_id), vm_name=task.vm_name, payload=task.model_dump(mode="json")
+        )
+        try:
+            if interrupted_after_disk:
+                raise TaskFailed("interrupted", "agent restarted while the task was running after the disk was touched")
+            remaining = (task.deadline - utcnow()).total_seconds()
+            if remaining <= 0:
+                raise Refused("deadline_passed", f"task deadline {task.deadline.isoformat()} has passed")
+            slot_ids = [s.slot_id for s in task.slots]
+            stale = self.store.check_and_record_epochs(slot_ids, task.fencing_epoch)
+            if stale:
+                raise Refused("stale_epoch", stale)
+            try:
+                async with asyncio.timeout(remaining):
+                    if task_type == "slice.vm_provision":
+                        result = await self._provision(task)
+                    elif task_type == "slice.vm_release":
+                        result = await self._release(task)
+                    else:
+                        raise Refused("unsupported_task", task_type)
+            except TimeoutError:
+                raise TaskFailed(
+                    "deadline_exceeded", f"task did not finish by its deadline {task.deadline.isoformat()}"
+                ) from None
+        except Refused as exc:
+            log.warning(
+                "task_refused",
+                task_id=task.task_id,
+                allocation_id=str(task.allocation_id),
+                reason_code=exc.code,
+                reason=exc.reason,
+            )
+            if task_type == "slice.vm_provision":
+                self.store.drop_leases(str(task.allocation_id))
+            # A release that refused to wipe a disk leaves tenant data on it: the slot still needs cleanup.
+            unwiped = task_type == "slice.vm_release" and exc.code.startswith("disk_")
+            result = self._result(
+                task, task_type, "refused", code=exc.code, reason=exc.reason, cleanup_required=unwiped
+            )
+        except TaskFailed as exc:
+            record = self.store.task(task.task_id)
+            touched = bool(record and record["disk_touched"])
+            if task_type == "slice.vm_provision":
+                # Never leave a half-provisioned VM defined or running: it would hold the GPUs and the disk.
+                await self._teardown_domain(task)
+            if not touched:
+                self.store.drop_leases(str(task.allocation_id))
+            log.error(
+                "task_failed",
+                task_id=task.task_id,
+                allocation_id=str(task.allocation_id),
+                reason_code=exc.code,
+                reason=exc.reason,
+                cleanup_required=touched,
+            )
+            result = self._result(task, task_type, "failed", code=exc.code, reason=exc.reason, cleanup_required=touched)
+        self.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
+        return result
+
+    async def _teardown_domain(self, task: Any) -> None:
+        try:
+            if await self.libvirt.exists(task.vm_name):
+                await self.libvirt.shutdown(task.vm_name, 0)
+                await self.libvirt.undefine(task.vm_name)
+                log.warning(
+                    "libvirt_domain_torn_down",
+                    task_id=task.task_id,
+                    allocation_id=str(task.allocation_id),
+                    domain=task.vm_name,
+                )
+            dnsmasq.remove_reservation(self.hostsdir, task.vm_name)
+        except (LibvirtHostError, OSError) as exc:
+            log.error("libvirt_domain_teardown_failed", task_id=task.task_id, domain=task.vm_name, error=str(exc))

@@ -1,0 +1,190 @@
+"""Machine operations: list (with MAAS filters), read, allocate, deploy, release, commission, abort."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+from ..errors import BadRequest, NoMachineAvailable
+from ..machines import Machine, NodeStatus
+from ..state import API_ROOT, SimState
+from ..wire import Params
+from .routing import Call
+
+
+def _status_from_filter(value: str) -> NodeStatus | None:
+    for status in NodeStatus:
+        if value.strip().lower() in (status.filter_name, status.label.lower(), str(int(status))):
+            return status
+    return None
+
+
+def _machine_matches(machine: Machine, params: Params, state: SimState) -> bool:
+    def any_of(key: str, actual: str | None) -> bool:
+        wanted = params.getall(key)
+        return not wanted or actual in wanted
+
+    if not any_of("hostname", machine.hostname) and not any_of("hostname", machine.fqdn):
+        return False
+    checks = (
+        ("id", machine.system_id),
+        ("system_id", machine.system_id),
+        ("agent_name", machine.agent_name),
+        ("zone", machine.zone),
+        ("pool", machine.pool),
+        ("owner", machine.owner),
+        ("mac_address", machine.mac_address),
+    )
+    if not all(any_of(key, actual) for key, actual in checks):
+        return False
+    statuses = params.getall("status")
+    if statuses and machine.status not in {_status_from_filter(s) for s in statuses}:
+        return False
+    if not set(params.getall("tags")) <= machine.tags:
+        return False
+    return not set(params.getall("not_tags")) & machine.tags
+
+
+def _check_tags_exist(state: SimState, params: Params, key: str = "tags") -> None:
+    unknown = [t for t in params.getall(key) if t not in state.tags]
+    if unknown:
+        names = ", ".join(f"'{t}'" for t in unknown)
+        raise BadRequest({key: [f"No such tag(s): {names}."]})
+
+
+def list_machines(call: Call) -> Any:
+    state = call.state
+    _check_tags_exist(state, call.params)
+    state.advance()
+    return [m.to_json(API_ROOT) for m in state.machines.values() if _machine_matches(m, call.params, state)]
+
+
+def read_machine(call: Call) -> Any:
+    return call.machine.to_json(API_ROOT)
+
+
+def allocate(call: Call) -> Any:
+    state, params = call.state, call.params
+    _check_tags_exist(state, params)
+    state.advance()
+    wanted_id = params.get("system_id")
+    if wanted_id is not None:
+        machine = state.machines.get(wanted_id)
+        if machine is None or machine.status is not NodeStatus.READY or machine.owner is not None:
+            raise NoMachineAvailable(f"No machine with system ID {wanted_id} available.")
+        candidates = [machine]
+    else:
+        candidates = [
+            m
+            for m in sorted(state.machines.values(), key=lambda m: m.hostname)
+            if m.status is NodeStatus.READY and m.owner is None and not m.locked
+        ]
+    name = params.get("name")
+    zone, pool = params.get("zone"), params.get("pool")
+    tags, not_tags = set(params.getall("tags")), set(params.getall("not_tags"))
+    for machine in candidates:
+        if name and name not in (machine.hostname, machine.fqdn):
+            continue
+        if (zone and zone != machine.zone) or (pool and pool != machine.pool):
+            continue
+        if not tags <= machine.tags or not_tags & machine.tags:
+            continue
+        machine.allocate(state.now(), state.config.owner, params.get("agent_name") or "", params.get("comment"))
+        return machine.to_json(API_ROOT)
+    if wanted_id is not None:
+        raise NoMachineAvailable(f"No machine with system ID {wanted_id} available.")
+    constraints = ", ".join(
+        f"{k}={','.join(params.getall(k))}" for k in ("name", "tags", "not_tags", "zone", "pool") if params.getall(k)
+    )
+    raise NoMachineAvailable(f"No available machine matches constraints: {constraints or 'any'}")
+
+
+def _resolve_distro(state: SimState, value: str | None) -> tuple[str, str]:
+    config = state.config
+    series = (value or "").strip() or config.default_distro_series
+    osystem, _, name = series.rpartition("/")
+    # Images named in the config count as uploaded; so does every complete uploaded boot resource.
+    uploaded = set(config.custom_images or ()) | state.boot_resources.complete_names()
+    if osystem == "custom":
+        if config.custom_images is None or name in uploaded:
+            return "custom", name
+    elif osystem in ("", "ubuntu") and name in config.ubuntu_series:
+        return "ubuntu", name
+    elif osystem == "" and name in uploaded:
+        return "custom", name
+    choices = [f"ubuntu/{s}" for s in config.ubuntu_series]
+    choices += [f"custom/{c}" for c in sorted(uploaded)]
+    raise BadRequest(
+        {
+            "distro_series": [
+                f"'{series}' is not a valid distro_series.  It should be one of: "
+                + ", ".join(f"'{c}'" for c in ["", *choices])
+                + "."
+            ]
+        }
+    )
+
+
+def _decode_user_data(value: str | None) -> bytes | None:
+    if value is None or value == "":
+        return None
+    try:
+        return base64.b64decode("".join(value.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest({"user_data": ["User data must be base64 encoded."]}) from None
+
+
+def deploy(call: Call) -> Any:
+    state, params = call.state, call.params
+    machine = call.machine
+    osystem, series = _resolve_distro(state, params.get("distro_series"))
+    user_data = _decode_user_data(params.get("user_data"))
+    machine.deploy(
+        state.now(),
+        state.timers,
+        owner=state.config.owner,
+        osystem=osystem,
+        distro_series=series,
+        user_data=user_data,
+        hwe_kernel=params.get("hwe_kernel") or None,
+        agent_name=params.get("agent_name"),
+        comment=params.get("comment"),
+    )
+    return machine.to_json(API_ROOT)
+
+
+def release(call: Call) -> Any:
+    machine, params = call.machine, call.params
+    machine.release(
+        call.state.now(),
+        call.state.timers,
+        erase=params.flag("erase"),
+        quick_erase=params.flag("quick_erase"),
+        secure_erase=params.flag("secure_erase"),
+        comment=params.get("comment"),
+    )
+    return machine.to_json(API_ROOT)
+
+
+def _script_names(call: Call, key: str) -> tuple[str, ...]:
+    # MAAS takes a comma-separated list (and repeated keys, from other clients).
+    names = tuple(n.strip() for v in call.params.getall(key) for n in v.split(",") if n.strip())
+    unknown = [n for n in names if not call.state.scripts.known(n)]
+    if unknown:
+        raise BadRequest({key: [f"Unknown script name(s): {', '.join(unknown)}"]})
+    return names
+
+
+def commission(call: Call) -> Any:
+    machine = call.machine
+    scripts = _script_names(call, "commissioning_scripts")
+    _script_names(call, "testing_scripts")
+    machine.commission(call.state.now(), call.state.timers, scripts)
+    return machine.to_json(API_ROOT)
+
+
+def abort(call: Call) -> Any:
+    machine = call.machine
+    machine.abort(call.state.now(), call.params.get("comment"))
+    return machine.to_json(API_ROOT)

@@ -1,0 +1,136 @@
+"""The rest of the host: /dev/kvm and vfio, kernel modules, hugepages, /proc, /etc, and the data and scripts
+behind the `ip`, `iptables` and `systemctl` the agent runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .description import HostDescription
+from .tree import FIXTURE_DATA, _script, _Sysfs, _write
+
+FABRIC_IF = "ibp24s0"
+
+
+def write_kernel(fs: _Sysfs, desc: HostDescription, mounts: list[str]) -> None:
+    """/dev/kvm and vfio, loaded modules, hugepages and /proc (its mounts are `mounts`)."""
+    root = fs.root
+    sysroot = fs.sys
+    dev = root / "dev"
+    if desc.kvm:
+        _write(dev / "kvm", "")
+    elif (dev / "kvm").exists():
+        (dev / "kvm").unlink()
+    (dev / "vfio").mkdir(parents=True, exist_ok=True)
+    _write(dev / "vfio/vfio", "")
+
+    modules = ["kvm", "kvm_intel", "mlx5_core", "nvme", "openvswitch"]
+    if desc.vfio_modules:
+        modules += ["vfio", "vfio_pci", "vfio_iommu_type1"]
+    for module in modules:
+        _write(sysroot / "module" / module / "refcnt", "0\n")
+
+    hp = sysroot / "kernel/mm/hugepages/hugepages-1048576kB"
+    _write(hp / "nr_hugepages", f"{desc.hugepages_1g_total}\n")
+    _write(hp / "free_hugepages", f"{desc.hugepages_1g_free}\n")
+    _write(sysroot / "kernel/mm/hugepages/hugepages-2048kB/free_hugepages", "0\n")
+
+    proc = root / "proc"
+    _write(proc / "mounts", "\n".join(mounts) + "\n")
+    _write(proc / "swaps", "Filename\t\t\t\tType\t\tSize\t\tUsed\t\tPriority\n")
+    _write(proc / "cmdline", "BOOT_IMAGE=/vmlinuz root=UUID=0 ro intel_iommu=on iommu=pt\n")
+    _write(proc / "sys/net/ipv4/ip_forward", "1\n" if desc.ip_forward else "0\n")
+    _write(proc / "sys/kernel/hostname", desc.hostname + "\n")
+
+
+def write_etc(root: Path, desc: HostDescription) -> None:
+    etc = root / "etc"
+    for stale in (etc / "netplan/60-ipoib.yaml", etc / "dnsmasq.d/gpuaas-slice.conf"):
+        if stale.exists():
+            stale.unlink()
+    if desc.ipoib_netplan:
+        _write(
+            etc / "netplan/60-ipoib.yaml",
+            f"network:\n  version: 2\n  ethernets:\n    {FABRIC_IF}:\n      addresses: [{desc.fabric_address}]\n",
+        )
+    if desc.dnsmasq_gpu_subnet:
+        _write(
+            etc / "dnsmasq.d/gpuaas-slice.conf",
+            f"interface={desc.ovs_bridge or 'ovsbr0'}\nbind-interfaces\n"
+            "dhcp-range=10.100.0.10,10.100.0.250,255.255.255.0,12h\n"
+            "dhcp-option=option:router,10.100.0.1\ndhcp-hostsdir=/etc/gpuaas/dnsmasq-hosts\n",
+        )
+    _write(etc / "hostname", desc.hostname + "\n")
+
+
+def write_host_tools(fs: _Sysfs, desc: HostDescription) -> None:
+    root = fs.root
+    sysroot = fs.sys
+    # What `ip`, `iptables` and `systemctl` would say on this host.
+    data = root / FIXTURE_DATA
+    links = [
+        {"ifname": "lo", "addr_info": [{"family": "inet", "local": "127.0.0.1", "prefixlen": 8}]},
+        {"ifname": "eno8303", "addr_info": [{"family": "inet", "local": "10.177.36.197", "prefixlen": 24}]},
+    ]
+    routes = [
+        {"dst": "default", "gateway": "10.177.36.1", "dev": "eno8303"},
+        {"dst": "10.177.36.0/24", "dev": "eno8303", "prefsrc": "10.177.36.197"},
+    ]
+    if desc.ovs_bridge:
+        addr, plen = desc.ovs_address.split("/")
+        links.append(
+            {"ifname": desc.ovs_bridge, "addr_info": [{"family": "inet", "local": addr, "prefixlen": int(plen)}]}
+        )
+        _write(sysroot / "class/net" / desc.ovs_bridge / "address", "0e:5a:11:00:00:01\n")
+        _write(sysroot / "class/net" / desc.ovs_bridge / "operstate", "unknown\n")
+    if desc.fabric_address:
+        addr, plen = desc.fabric_address.split("/")
+        links.append({"ifname": FABRIC_IF, "addr_info": [{"family": "inet", "local": addr, "prefixlen": int(plen)}]})
+        if desc.fabric_route:
+            net = ".".join(addr.split(".")[:3]) + ".0"
+            routes.append({"dst": f"{net}/{plen}", "dev": FABRIC_IF, "prefsrc": addr})
+    _write(data / "ip-addr.json", json.dumps(links))
+    _write(data / "ip-route.json", json.dumps(routes))
+    nat = ["-P POSTROUTING ACCEPT"]
+    if desc.nat_rule:
+        nat.append("-A POSTROUTING -s 10.100.0.0/24 -j MASQUERADE")
+    _write(data / "iptables-nat-POSTROUTING.txt", "\n".join(nat) + "\n")
+    active = ["openvswitch-switch", "dnsmasq", "rshim"]
+    if desc.libvirtd_active:
+        active.append("libvirtd")
+    if desc.network_baseline:
+        active.append(desc.network_baseline)
+    if desc.node_agent_active:
+        active.append("gpuaas-node-agent")
+    _write(data / "active-units.txt", "\n".join(active) + "\n")
+
+    sbin = root / "usr/sbin"
+    _script(
+        sbin / "ip",
+        'case "$*" in\n  "-j addr show") cat "$DATA/ip-addr.json";;\n'
+        '  "-j route show") cat "$DATA/ip-route.json";;\n'
+        '  *) echo "fixture ip: unsupported: $*" >&2; exit 1;;\nesac\n',
+    )
+    _script(
+        sbin / "iptables",
+        'if [ "$*" = "-t nat -S POSTROUTING" ]; then cat "$DATA/iptables-nat-POSTROUTING.txt";'
+        ' else echo "fixture iptables: unsupported: $*" >&2; exit 2; fi\n',
+    )
+    _script(
+        root / "usr/bin/systemctl",
+        'if [ "$1" != "is-active" ]; then echo "fixture systemctl: unsupported: $*" >&2; exit 1; fi\n'
+        'unit="${2%.service}"\n'
+        'if grep -qx "$unit" "$DATA/active-units.txt"; then echo active; exit 0; fi\n'
+        "echo inactive; exit 3\n",
+    )
+    # Signature probes are the real tools: they read the disk stand-ins like they read a device.
+    for tool in ("wipefs", "blkid"):
+        real = shutil.which(tool)
+        if real:
+            link = sbin / tool
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            os.symlink(real, link)
+    return root
