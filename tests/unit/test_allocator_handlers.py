@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import uuid
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 
 from gpuaas_allocator.domain.model import ActiveImage
+from gpuaas_allocator.service_layer.deadlines import expire_overdue_tasks
 from gpuaas_allocator.service_layer.handlers import Allocator
 from gpuaas_allocator.settings import AllocatorSettings
 from gpuaas_common.bus import HandlerContext, PermanentError, deliver
@@ -28,6 +30,7 @@ class FakeAllocationRepository:
     def __init__(self) -> None:
         self.allocations: dict[uuid.UUID, dict[str, Any]] = {}
         self.timeline: list[tuple[uuid.UUID, str]] = []
+        self.entries: list[dict[str, Any]] = []  # the timeline rows in full
         self.images = {i.slug: i for i in (SLICE_IMAGE, HOST_IMAGE)}
 
     async def lock(self, allocation_id: uuid.UUID) -> dict[str, Any] | None:
@@ -47,6 +50,8 @@ class FakeAllocationRepository:
             "deployed": False,
             "enrolled": False,
             "access": None,
+            "task_deadline_at": None,
+            "timed_out_task_id": None,
         }
         row.update(fields)
         self.allocations[fields["allocation_id"]] = row
@@ -54,8 +59,25 @@ class FakeAllocationRepository:
     async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None:
         self.allocations[allocation_id].update(copy.deepcopy(fields))
 
-    async def append_timeline(self, allocation_id: uuid.UUID, state: str, previous_state: str | None, **_: Any) -> int:
+    async def lock_overdue(self, grace_s: float, limit: int) -> list[dict[str, Any]]:
+        now = datetime.now(timezone.utc)
+        rows = [
+            copy.deepcopy(r)
+            for r in self.allocations.values()
+            if r["awaiting_result"]
+            and r["task_deadline_at"] is not None
+            and r["state"] in ("provisioning", "releasing")
+            and r["task_deadline_at"] + timedelta(seconds=grace_s) < now
+        ]
+        return sorted(rows, key=lambda r: r["task_deadline_at"])[:limit]
+
+    async def append_timeline(
+        self, allocation_id: uuid.UUID, state: str, previous_state: str | None, **fields: Any
+    ) -> int:
         self.timeline.append((allocation_id, state))
+        self.entries.append(
+            {"allocation_id": allocation_id, "state": state, "previous_state": previous_state, **fields}
+        )
         return sum(1 for a, _s in self.timeline if a == allocation_id)
 
     async def get_image(self, slug: str) -> ActiveImage | None:
@@ -83,6 +105,19 @@ class World:
         await deliver(handler, HandlerContext(env, payload, "subject", consumer, 1), uow)
         self.events.extend(uow.published)
         return uow.published
+
+    async def sweep(self) -> int:
+        """One pass of the allocator's deadline sweep, each batch in its own fake unit of work."""
+        uows: list[FakeUnitOfWork[FakeAllocationRepository]] = []
+
+        def factory() -> FakeUnitOfWork[FakeAllocationRepository]:
+            uows.append(FakeUnitOfWork(self.repo, "allocator"))
+            return uows[-1]
+
+        n = await expire_overdue_tasks(factory, self.allocator.settings)
+        for uow in uows:
+            self.events.extend(uow.published)
+        return n
 
     def state(self, alloc: uuid.UUID) -> str:
         return self.repo.allocations[alloc]["state"]
@@ -278,3 +313,124 @@ async def test_the_same_message_twice_has_one_effect(world: World) -> None:
         await deliver(world.allocator.on_requested, HandlerContext(env, req, "s", "allocator-requested", 1), uow)
         world.events.extend(uow.published)
     assert [e.type for e in world.events] == ["allocation.accepted"]
+
+
+# --- deadlines owned by the control plane ---------------------------------------------------------------
+
+
+def test_the_default_slice_task_deadline_is_twenty_minutes() -> None:
+    # slice-node-bootstrap: "Increased the deployed provisioning node-task TTL to 20m".
+    assert AllocatorSettings().task_deadline_s == 20 * 60
+
+
+def _overdue(world: World, alloc: uuid.UUID, minutes: float = 30) -> None:
+    world.repo.allocations[alloc]["task_deadline_at"] = datetime.now(timezone.utc) - timedelta(minutes=minutes)
+
+
+def _result(alloc: uuid.UUID, task_id: str, status: str = "succeeded", **kw: Any) -> m.NodeTaskResult:
+    task_type = "slice.vm_release" if task_id.startswith("rel-") else "slice.vm_provision"
+    return m.NodeTaskResult(
+        task_id=task_id, allocation_id=alloc, node_id="n1", task_type=task_type, status=status, **kw
+    )
+
+
+async def test_the_provision_task_carries_the_deadline_the_allocator_keeps(world: World) -> None:
+    alloc = await world.request()
+    before = datetime.now(timezone.utc)
+    await world.place(alloc)
+    task = world.sent("slice.vm_provision")[0]
+    kept = world.repo.allocations[alloc]["task_deadline_at"]
+    assert kept is not None and kept.isoformat().replace("+00:00", "Z")[:19] == task["deadline"][:19]
+    assert timedelta(minutes=19) < kept - before <= timedelta(minutes=20, seconds=1)
+
+
+async def test_a_silent_host_fails_the_allocation_at_the_deadline_and_keeps_the_slots_for_cleanup(
+    world: World,
+) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    assert await world.sweep() == 0, "nothing is overdue before the deadline"
+    assert world.state(alloc) == "provisioning"
+
+    _overdue(world, alloc)
+    assert await world.sweep() == 1
+    assert world.state(alloc) == "failed"
+    failed = world.sent("allocation.failed")
+    assert len(failed) == 1
+    assert failed[0]["reason_code"] == "task_deadline_passed"
+    # cleanup_required: the scheduler keeps the claims and moves the slots to cleanup_blocked, never available.
+    assert failed[0]["cleanup_required"] is True and failed[0]["node_id"] == "n1"
+    entry = [e for e in world.repo.entries if e["allocation_id"] == alloc][-1]
+    assert (entry["state"], entry["reason_code"]) == ("failed", "task_deadline_passed")
+    assert entry["detail"]["task_id"] == f"prov-{alloc}"
+    assert world.repo.allocations[alloc]["timed_out_task_id"] == f"prov-{alloc}"
+    assert await world.sweep() == 0, "a task is timed out once"
+    assert len(world.sent("allocation.failed")) == 1
+
+
+async def test_the_deadline_sweep_waits_out_the_grace_the_agent_has_to_answer_itself(world: World) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    _overdue(world, alloc, minutes=0.5)  # past the deadline but within the 60 s grace
+    assert await world.sweep() == 0 and world.state(alloc) == "provisioning"
+
+
+async def test_a_silent_host_during_release_fails_it_with_cleanup_required(world: World) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    await world.send(
+        world.allocator.on_release_requested,
+        "allocation.release_requested",
+        m.AllocationReleaseRequested(allocation_id=alloc),
+    )
+    assert world.sent("slice.vm_release") and world.state(alloc) == "releasing"
+    _overdue(world, alloc)
+    assert await world.sweep() == 1
+    assert world.state(alloc) == "failed"
+    failed = world.sent("allocation.failed")[0]
+    assert (failed["reason_code"], failed["cleanup_required"]) == ("task_deadline_passed", True)
+    assert world.repo.allocations[alloc]["timed_out_task_id"] == f"rel-{alloc}"
+
+
+async def test_a_baremetal_deploy_is_not_timed_out_by_the_node_task_sweep(world: World) -> None:
+    alloc = await world.request("baremetal")
+    await world.place(alloc, "baremetal")
+    world.repo.allocations[alloc]["created_at"] = datetime.now(timezone.utc) - timedelta(hours=2)
+    assert await world.sweep() == 0 and world.state(alloc) == "provisioning"
+
+
+async def test_a_late_answer_after_the_deadline_is_recorded_not_applied_and_not_dead_lettered(
+    world: World,
+) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    _overdue(world, alloc)
+    await world.sweep()
+    before = copy.deepcopy(world.repo.allocations[alloc])
+    events = len(world.events)
+
+    # A success that arrives late does not make the allocation active: its slots already wait for cleanup.
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    assert world.repo.allocations[alloc] == before and world.state(alloc) == "failed"
+    assert len(world.events) == events, "no lifecycle event for a late answer"
+    late = world.repo.entries[-1]
+    assert (late["state"], late["previous_state"], late["reason_code"]) == (
+        "failed",
+        "failed",
+        "late_task_result_ignored",
+    )
+    assert late["detail"]["task_id"] == f"prov-{alloc}" and late["detail"]["status"] == "succeeded"
+
+    # ...whereas a task the allocator never sent is still dead-lettered.
+    with pytest.raises(PermanentError) as err:
+        await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, "prov-forged"))
+    assert err.value.reason_code == "unknown_task"
+
+
+async def test_an_answer_in_time_stops_the_deadline(world: World) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    _overdue(world, alloc)
+    assert await world.sweep() == 0 and world.state(alloc) == "active"

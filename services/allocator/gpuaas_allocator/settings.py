@@ -4,7 +4,13 @@ from gpuaas_common.settings import ServiceSettings
 
 
 class AllocatorSettings(ServiceSettings):
-    task_deadline_s: float = Field(default=900.0, gt=0)
+    # Slice node tasks (provision, release): the lab needed 20 minutes for image import + readiness
+    # (slice-node-bootstrap runbook: "Increased the deployed provisioning node-task TTL to 20m").
+    task_deadline_s: float = Field(default=1200.0, gt=0)
+    # The agent enforces the same deadline and reports `deadline_exceeded`; the control plane waits this much
+    # longer for that answer before it gives up on a silent host itself.
+    task_deadline_grace_s: float = Field(default=60.0, ge=0)
+    task_deadline_sweep_interval_s: float = Field(default=10.0, gt=0)
     maas_site: str = "default"
     baremetal_profile: str = "h200-baremetal"
     # Shared with the MAAS gateway, which puts HMAC(secret, allocation:system) into user_data.

@@ -28,6 +28,24 @@ class AllocationRepository:
                 out[key] = json.loads(out[key])
         return out
 
+    async def lock_overdue(self, grace_s: float, limit: int) -> list[dict[str, Any]]:
+        """Allocations whose node task is past its deadline plus `grace_s`, locked; rows another replica's sweep
+        (or a handler) holds are skipped, so replicas never time out the same task twice."""
+        rows = await self.conn.fetch(
+            "SELECT allocation_id FROM allocations WHERE awaiting_result AND task_deadline_at IS NOT NULL "
+            "AND state IN ('provisioning', 'releasing') "
+            "AND task_deadline_at + make_interval(secs => $1) < now() "
+            "ORDER BY task_deadline_at LIMIT $2 FOR UPDATE SKIP LOCKED",
+            grace_s,
+            limit,
+        )
+        out = []
+        for r in rows:
+            row = await self.lock(r["allocation_id"])  # already ours: the full row, JSON decoded
+            if row is not None:
+                out.append(row)
+        return out
+
     async def insert(self, **fields: Any) -> None:
         cols = ", ".join(fields)
         params = ", ".join(f"${i}" for i in range(1, len(fields) + 1))

@@ -6,11 +6,15 @@ import asyncio
 
 import asyncpg
 
+from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.repository import AllocationRepository, count_images
+from ..service_layer.deadlines import expire_overdue_tasks
 from ..service_layer.handlers import Allocator, handlers_by_consumer
 from ..settings import AllocatorSettings
+
+log = get_logger(__name__)
 
 
 def build_register(settings: AllocatorSettings):
@@ -29,6 +33,13 @@ def build_register(settings: AllocatorSettings):
         rt.health.checks["images_known"] = lambda: known["count"] > 0
         rt.spawn(_poll(refresh), "image-readiness")
 
+        # The control plane owns node-task deadlines: a silent host fails its allocation (see deadlines.py).
+        bus = rt.bus
+        rt.spawn(
+            _every(settings.task_deadline_sweep_interval_s, lambda: expire_overdue_tasks(bus.unit_of_work, settings)),
+            "task-deadlines",
+        )
+
     return register
 
 
@@ -39,6 +50,15 @@ async def _poll(fn) -> None:
         except (OSError, asyncpg.PostgresError):
             pass  # readiness simply stays false while the database is away
         await asyncio.sleep(0.5)
+
+
+async def _every(interval_s: float, fn) -> None:
+    while True:
+        try:
+            await fn()
+        except (OSError, asyncpg.PostgresError) as exc:
+            log.warning("task_deadline_sweep_failed", error=str(exc)[:300])
+        await asyncio.sleep(interval_s)
 
 
 def main() -> None:

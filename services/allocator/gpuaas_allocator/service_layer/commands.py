@@ -22,12 +22,13 @@ async def start_provisioning(
     if row["shape"] == "gpu_slice":
         task_id = f"prov-{alloc_id}"
         image_row = row
+        deadline = utcnow() + timedelta(seconds=settings.task_deadline_s)
         task = m.SliceVmProvision(
             task_id=task_id,
             allocation_id=row["allocation_id"],
             node_id=ev.node_id,
             fencing_epoch=ev.fencing_epoch,
-            deadline=utcnow() + timedelta(seconds=settings.task_deadline_s),
+            deadline=deadline,
             vm_name=f"gpuaas-{alloc_id[:8]}",
             slots=ev.slots,
             image=m.ImageRef(
@@ -49,7 +50,7 @@ async def start_provisioning(
             ctx,
             row,
             "provisioning",
-            update={"task_id": task_id, "awaiting_result": True},
+            update={"task_id": task_id, "awaiting_result": True, "task_deadline_at": deadline},
             node_id=ev.node_id,
             task_id=task_id,
         )
@@ -85,12 +86,13 @@ async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: 
     placement = row["placement"] or {}
     if row["shape"] == "gpu_slice":
         task_id = f"rel-{alloc_id}"
+        deadline = utcnow() + timedelta(seconds=settings.task_deadline_s)
         task = m.SliceVmRelease(
             task_id=task_id,
             allocation_id=row["allocation_id"],
             node_id=row["node_id"],
             fencing_epoch=placement["fencing_epoch"],
-            deadline=utcnow() + timedelta(seconds=settings.task_deadline_s),
+            deadline=deadline,
             vm_name=f"gpuaas-{alloc_id[:8]}",
             slots=[m.SlotBinding(**s) for s in placement["slots"]],
         )
@@ -101,7 +103,9 @@ async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: 
             event_id=derived_event_id(alloc_id, "release-task"),
             node_id=row["node_id"],
         )
-        await ctx.uow.repos.update(row["allocation_id"], release_task_id=task_id, awaiting_result=True)
+        await ctx.uow.repos.update(
+            row["allocation_id"], release_task_id=task_id, awaiting_result=True, task_deadline_at=deadline
+        )
     else:
         operation_id = f"release-{alloc_id}"
         cmd = m.MaasReleaseRequested(

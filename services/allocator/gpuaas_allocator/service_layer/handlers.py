@@ -18,6 +18,7 @@ from gpuaas_common.logging import get_logger
 from ..domain.model import ActiveImage, request_fingerprint, validate_request
 from ..settings import AllocatorSettings
 from .commands import start_provisioning, start_teardown
+from .deadlines import LATE_TASK_RESULT
 from .lifecycle import fail, transition
 
 log = get_logger(__name__)
@@ -171,12 +172,42 @@ class Allocator:
             raise PermanentError(
                 "node_mismatch", f"task {res.task_id} went to {row['node_id']}, result came from {res.node_id}"
             )
+        if row.get("timed_out_task_id") == res.task_id:
+            # A task we did send, but gave up on at its deadline: the allocation has already failed and its
+            # slots wait for cleanup. Record the answer for ops; apply nothing; do not dead-letter it.
+            await self._record_late_result(ctx, row, res)
+            return
         if res.task_id == row["task_id"] and row["awaiting_result"] and row["release_task_id"] is None:
             await self._on_provision_result(ctx, dict(row), res)
         elif res.task_id == row["release_task_id"] and row["state"] == "releasing":
             await self._on_release_result(ctx, dict(row), res)
         else:
             log.info("task_result_ignored", state=row["state"])
+
+    async def _record_late_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
+        log.warning(
+            "late_task_result_ignored",
+            allocation_id=str(res.allocation_id),
+            task_id=res.task_id,
+            status=res.status,
+            result_reason_code=res.reason_code,
+        )
+        await ctx.uow.repos.append_timeline(
+            res.allocation_id,
+            row["state"],
+            row["state"],
+            reason_code=LATE_TASK_RESULT,
+            detail={
+                "task_id": res.task_id,
+                "node_id": res.node_id,
+                "status": res.status,
+                "reason_code": res.reason_code,
+                "reason": res.reason,
+                "cleanup_required": res.cleanup_required,
+                "wipe_proofs": [p.model_dump(mode="json") for p in res.wipe_proofs],
+            },
+            cause_event_id=ctx.envelope.event_id,
+        )
 
     async def _on_provision_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
         await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)

@@ -46,7 +46,8 @@ async def transition(
         current,
         reason_code=reason_code,
         detail=detail,
-        cause_event_id=ctx.envelope.event_id,
+        # The deadline sweep acts on no message: its changes have no causing event.
+        cause_event_id=ctx.envelope.event_id if ctx.envelope is not None else None,
     )
     model = LIFECYCLE_MODELS[new_state]
     if reason_code is not None and "reason_code" in model.model_fields:
@@ -81,6 +82,7 @@ async def fail(
     node_id: str | None,
     *,
     cleanup_required: bool = True,
+    detail: dict[str, Any] | None = None,
 ) -> None:
     """The allocation failed; unless told the disk was never touched, it needs cleanup."""
     await transition(
@@ -88,6 +90,7 @@ async def fail(
         row,
         "failed",
         reason_code=code,
+        detail=detail,
         update={"failure_code": code, "failure_reason": reason or code},
         reason=reason or code,
         node_id=node_id,

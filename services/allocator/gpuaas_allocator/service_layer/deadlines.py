@@ -1,0 +1,68 @@
+"""Node-task deadlines owned by the control plane.
+
+The agent enforces a task's deadline itself, but a host that vanished (power, network, a dead agent) never
+answers, and the allocation would wait forever. The sweep fails such an allocation with
+`task_deadline_passed` once the deadline plus a grace has passed. The disk may have been touched, so the
+failure says `cleanup_required`: the scheduler keeps the claims and moves the slots to `cleanup_blocked`
+(slice-implementation-checklist: "Slice slots attached to a failed provisioning attempt move to
+cleanup_blocked, not available"). The task is remembered as `timed_out_task_id`; an answer that arrives
+later is recorded on the timeline and changes nothing (`Allocator.on_task_result`).
+
+Replicas share the work: the overdue rows are taken with `FOR UPDATE SKIP LOCKED`, in one unit of work
+per batch, so a row is timed out once and never while a handler holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gpuaas_common.bus import HandlerContext
+from gpuaas_common.logging import get_logger
+
+from ..settings import AllocatorSettings
+from .lifecycle import fail
+
+log = get_logger(__name__)
+
+TASK_DEADLINE_PASSED = "task_deadline_passed"
+LATE_TASK_RESULT = "late_task_result_ignored"
+SWEEP_CONSUMER = "allocator-task-deadlines"
+
+
+async def expire_overdue_tasks(uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50) -> int:
+    """Time out every overdue task, batch by batch; the number timed out."""
+    total = 0
+    while True:
+        async with uow_factory() as uow:
+            rows = await uow.repos.lock_overdue(settings.task_deadline_grace_s, batch)
+            ctx = HandlerContext(None, None, "", SWEEP_CONSUMER, 0, uow)  # type: ignore[arg-type]
+            for row in rows:
+                await expire_task(ctx, row)
+            await uow.commit()
+        total += len(rows)
+        if len(rows) < batch:
+            return total
+
+
+async def expire_task(ctx: HandlerContext, row: dict[str, Any]) -> None:
+    task_id = row["release_task_id"] or row["task_id"]
+    deadline = row["task_deadline_at"]
+    await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False, timed_out_task_id=task_id)
+    log.warning(
+        "task_deadline_passed",
+        allocation_id=str(row["allocation_id"]),
+        task_id=task_id,
+        node_id=row["node_id"],
+        deadline=str(deadline),
+    )
+    await fail(
+        ctx,
+        row,
+        TASK_DEADLINE_PASSED,
+        f"node {row['node_id']} did not answer task {task_id} by its deadline {deadline}; "
+        "the disk may have been touched",
+        row["node_id"],
+        cleanup_required=True,
+        detail={"task_id": task_id, "deadline": deadline.isoformat() if deadline else None},
+    )
