@@ -9,6 +9,10 @@ missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Node runs the official AsyncAPI parser; a Node already on PATH (e.g. from nodesource) is used as it is.
+if ! command -v npm >/dev/null 2>&1; then
+  missing+=(nodejs npm)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -23,7 +27,7 @@ if command -v npm >/dev/null 2>&1; then
     (cd tools/asyncapi-check && npm install --no-audit --no-fund --silent >/dev/null)
   fi
 else
-  echo "setup: npm is missing; install Node.js to run the AsyncAPI parser check" >&2
+  echo "setup: npm is still missing after installing Debian's nodejs and npm" >&2
   exit 1
 fi
 
