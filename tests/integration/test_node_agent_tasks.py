@@ -334,6 +334,10 @@ async def test_passed_deadline_is_refused(env: Env) -> None:
         ({"vfio_modules": False}, "host_not_ready"),
         ({"ovs_bridge": None}, "ovs_bridge_missing"),
         ({"hugepages_1g_free": 32}, "hugepages_insufficient"),
+        # managed='no' domains: a device off vfio-pci or held by a host GPU service refuses the task.
+        ({"nvidia_bound_gpus": 1}, "device_not_vfio"),
+        ({"nvidia_persistenced_active": True}, "host_gpu_services_active"),
+        ({"fabricmanager_active": True}, "host_gpu_services_active"),
     ],
 )
 async def test_host_preflight_refuses_before_the_disk(tmp_path: Path, publish, spy, host, code) -> None:
@@ -407,8 +411,8 @@ async def test_recovery_reruns_a_task_interrupted_before_the_disk(env: Env) -> N
     assert result["payload"]["status"] == "succeeded"
 
 
-async def test_recovery_fails_a_provision_interrupted_after_the_disk_with_cleanup(env: Env) -> None:
-    task = env.provision([env.slots[3]])
+def _interrupted(env: Env, task: m.SliceVmProvision, phase: str = "wait_ready") -> None:
+    """What a killed agent leaves behind once it has written the disk: a running record past the clone."""
     env.agent.store.start_task(
         task.task_id,
         "slice.vm_provision",
@@ -416,11 +420,66 @@ async def test_recovery_fails_a_provision_interrupted_after_the_disk_with_cleanu
         vm_name=task.vm_name,
         payload=task.model_dump(mode="json"),
     )
+    env.agent.store.check_and_record_epochs([s.slot_id for s in task.slots], task.fencing_epoch)
     env.agent.store.set_phase(task.task_id, "clone_image", disk_touched=True)
+    env.agent.store.set_phase(task.task_id, phase)
+
+
+async def test_recovery_resumes_a_provision_interrupted_after_the_disk(env: Env) -> None:
+    task = env.provision([env.slots[3]])
+    _interrupted(env, task)
     results = await env.agent.recover()
-    assert [(r.status, r.reason_code, r.cleanup_required) for r in results] == [("failed", "interrupted", True)]
+    assert [(r.status, r.reason_code, r.cleanup_required) for r in results] == [("succeeded", None, False)]
+    assert await env.libvirt.exists(task.vm_name)
     # A redelivery of the same task afterwards gets the same answer.
     assert await env.agent.execute("slice.vm_provision", task) == results[0]
+
+
+async def test_recovery_resumes_even_when_the_domain_was_already_defined(env: Env) -> None:
+    task = env.provision([env.slots[5]])
+    assert (await env.agent.execute("slice.vm_provision", task)).status == "succeeded"
+    # Killed between define and the result: the domain exists and the record is still running.
+    env.agent.store._db.execute(
+        "UPDATE tasks SET status = 'running', result_json = NULL WHERE task_id = ?", (task.task_id,)
+    )
+    results = await env.agent.recover()
+    assert [(r.status, r.reason_code) for r in results] == [("succeeded", None)]
+
+
+async def test_recovery_wipes_with_proof_a_provision_that_cannot_resume(env: Env) -> None:
+    task = env.provision([env.slots[6]], deadline_s=-1)
+    disk = env.disk(task.slots[0].nvme_by_id)
+    _fill(disk)
+    _interrupted(env, task)
+    results = await env.agent.recover()
+    [r] = results
+    assert (r.status, r.reason_code, r.cleanup_required) == ("failed", "deadline_passed", False)
+    assert [(p.device, p.verified) for p in r.wipe_proofs] == [(task.slots[0].nvme_by_id, True)]
+    assert disk.read_bytes() == bytes(disk.stat().st_size)
+    assert not any(a == str(task.allocation_id) for a in env.agent.store.leased_resources().values())
+
+
+async def test_recovery_never_wipes_a_disk_a_newer_claim_owns(env: Env) -> None:
+    task = env.provision([env.slots[7]])
+    disk = env.disk(task.slots[0].nvme_by_id)
+    _interrupted(env, task)
+    # While the agent was down the slot was fenced by a newer claim: its disk is not this task's any more.
+    env.agent.store.check_and_record_epochs([task.slots[0].slot_id], task.fencing_epoch + 1)
+    before = _digest(disk)
+    [r] = await env.agent.recover()
+    assert (r.status, r.reason_code, r.wipe_proofs) == ("refused", "stale_epoch", [])
+    assert _digest(disk) == before
+
+
+async def test_recovery_reports_cleanup_when_the_wipe_cannot_be_done(env: Env) -> None:
+    task = env.provision([env.slots[0]], deadline_s=-1)
+    _interrupted(env, task)
+    disk = env.disk(task.slots[0].nvme_by_id)
+    mounts = env.root / "proc/mounts"
+    mounts.write_text(mounts.read_text() + f"/dev/{disk.name} /mnt/oops ext4 rw 0 0\n")
+    [r] = await env.agent.recover()
+    assert (r.status, r.reason_code, r.cleanup_required) == ("failed", "deadline_passed", True)
+    assert "wipe not verified" in (r.reason or "")
 
 
 async def test_reconcile_removes_domains_of_failed_provisions_and_leaves_unknown_ones(env: Env) -> None:

@@ -1,7 +1,8 @@
 """Host-local durable state (sqlite): task records, fencing epochs and resource leases.
 
 It survives an agent restart, so a redelivered task is answered from its record instead of being
-run twice, and a task interrupted after it touched a disk is reported as needing cleanup.
+run twice, and a task a killed agent left running is resumed from its stored payload (whether it had
+touched a disk decides whether, when it cannot resume, the agent must wipe that disk itself).
 """
 
 from __future__ import annotations

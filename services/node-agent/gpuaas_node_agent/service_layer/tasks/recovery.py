@@ -1,7 +1,9 @@
-"""Start-up recovery: finish the tasks a killed agent left running, then bring libvirt in line with the task
-records."""
+"""Start-up recovery: resume the tasks a killed agent left running (a restart is not a failure), then bring
+libvirt in line with the task records."""
 
 from __future__ import annotations
+
+import asyncio
 
 from gpuaas_common.contract import messages as m
 
@@ -18,8 +20,10 @@ class TaskRecovery(TaskRunner):
     # --- start-up ---------------------------------------------------------------------------------
 
     async def recover(self) -> list[m.NodeTaskResult]:
-        """Finish what a previous run left half-done, then bring libvirt in line with the task records."""
-        results = []
+        """Resume what a previous run left half-done under the same claim and fencing epoch (tasks on disjoint
+        slots in parallel, as at run time), then bring libvirt in line with the task records. A provision that
+        cannot resume is wiped and verified here, and its result carries the proof."""
+        resumed = []
         for record in self.store.running_tasks():
             model = _TASK_MODELS.get(record["task_type"])
             if model is None or record["payload"] is None:
@@ -32,7 +36,8 @@ class TaskRecovery(TaskRunner):
                 task_type=record["task_type"],
                 disk_touched=record["disk_touched"],
             )
-            results.append(await self.execute(record["task_type"], task))
+            resumed.append(self.execute(record["task_type"], task))
+        results = list(await asyncio.gather(*resumed))
         await self.reconcile_domains()
         return results
 

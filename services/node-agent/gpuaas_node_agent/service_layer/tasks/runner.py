@@ -11,7 +11,7 @@ from gpuaas_common.bus import HandlerContext, PermanentError
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 
-from ...adapters import dnsmasq
+from ...adapters import disk, dnsmasq
 from ...adapters.libvirt_host import LibvirtHostError
 from .core import Refused, TaskFailed, log
 from .provision import ProvisionTask
@@ -51,27 +51,28 @@ class TaskRunner(ProvisionTask, ReleaseTask):
                 "task_replayed", task_id=task.task_id, allocation_id=str(task.allocation_id), status=record["status"]
             )
             return m.NodeTaskResult.model_validate(record["result"])
-        # A provision interrupted after the disk was touched cannot be resumed blindly (the clone may be
-        # half-written); a release can, because every one of its steps is idempotent.
-        interrupted_after_disk = bool(
-            record and record["status"] == "running" and record["disk_touched"] and task_type == "slice.vm_provision"
-        )
+        # A task a killed agent left running is resumed under the same claim and fencing epoch: every step of
+        # provision and release is idempotent (clone again, re-render the seed, redefine, re-check readiness).
+        resuming = bool(record and record["status"] == "running")
+        touched_before = bool(record and record["disk_touched"])
         self.store.start_task(
             task.task_id, task_type, str(task.allocation_id), vm_name=task.vm_name, payload=task.model_dump(mode="json")
         )
         try:
-            if interrupted_after_disk:
-                raise TaskFailed("interrupted", "agent restarted while the task was running after the disk was touched")
-            remaining = (task.deadline - utcnow()).total_seconds()
-            if remaining <= 0:
-                raise Refused("deadline_passed", f"task deadline {task.deadline.isoformat()} has passed")
             slot_ids = [s.slot_id for s in task.slots]
+            # Fencing first: a newer claim on the slot owns its disk, so nothing here may touch it any more.
             stale = self.store.check_and_record_epochs(slot_ids, task.fencing_epoch)
             if stale:
                 raise Refused("stale_epoch", stale)
+            remaining = (task.deadline - utcnow()).total_seconds()
+            if remaining <= 0:
+                raise Refused("deadline_passed", f"task deadline {task.deadline.isoformat()} has passed")
             try:
                 async with asyncio.timeout(remaining):
                     if task_type == "slice.vm_provision":
+                        if resuming:
+                            log.warning("task_resuming", task_id=task.task_id, allocation_id=str(task.allocation_id))
+                            await self._teardown_domain(task)
                         result = await self._provision(task)
                     elif task_type == "slice.vm_release":
                         result = await self._release(task)
@@ -81,7 +82,19 @@ class TaskRunner(ProvisionTask, ReleaseTask):
                 raise TaskFailed(
                     "deadline_exceeded", f"task did not finish by its deadline {task.deadline.isoformat()}"
                 ) from None
-        except Refused as exc:
+        except (Refused, TaskFailed) as exc:
+            if resuming and touched_before and task_type == "slice.vm_provision" and exc.code != "stale_epoch":
+                # The interrupted provision cannot go on, and the disk was written: wipe it here, with proof.
+                result = await self._wipe_interrupted(task, exc.code, exc.reason)
+                self.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
+                return result
+            result = await self._settle(task, task_type, exc)
+        self.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
+        return result
+
+    async def _settle(self, task: Any, task_type: str, exc: Refused | TaskFailed) -> m.NodeTaskResult:
+        """The refused or failed result, with the bookkeeping that decides `cleanup_required`."""
+        if isinstance(exc, Refused):
             log.warning(
                 "task_refused",
                 task_id=task.task_id,
@@ -93,28 +106,71 @@ class TaskRunner(ProvisionTask, ReleaseTask):
                 self.store.drop_leases(str(task.allocation_id))
             # A release that refused to wipe a disk leaves tenant data on it: the slot still needs cleanup.
             unwiped = task_type == "slice.vm_release" and exc.code.startswith("disk_")
-            result = self._result(
-                task, task_type, "refused", code=exc.code, reason=exc.reason, cleanup_required=unwiped
-            )
-        except TaskFailed as exc:
-            record = self.store.task(task.task_id)
-            touched = bool(record and record["disk_touched"])
-            if task_type == "slice.vm_provision":
-                # Never leave a half-provisioned VM defined or running: it would hold the GPUs and the disk.
-                await self._teardown_domain(task)
-            if not touched:
-                self.store.drop_leases(str(task.allocation_id))
-            log.error(
-                "task_failed",
-                task_id=task.task_id,
-                allocation_id=str(task.allocation_id),
-                reason_code=exc.code,
-                reason=exc.reason,
-                cleanup_required=touched,
-            )
-            result = self._result(task, task_type, "failed", code=exc.code, reason=exc.reason, cleanup_required=touched)
-        self.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
-        return result
+            return self._result(task, task_type, "refused", code=exc.code, reason=exc.reason, cleanup_required=unwiped)
+        record = self.store.task(task.task_id)
+        touched = bool(record and record["disk_touched"])
+        if task_type == "slice.vm_provision":
+            # Never leave a half-provisioned VM defined or running: it would hold the GPUs and the disk.
+            await self._teardown_domain(task)
+        if not touched:
+            self.store.drop_leases(str(task.allocation_id))
+        log.error(
+            "task_failed",
+            task_id=task.task_id,
+            allocation_id=str(task.allocation_id),
+            reason_code=exc.code,
+            reason=exc.reason,
+            cleanup_required=touched,
+        )
+        return self._result(task, task_type, "failed", code=exc.code, reason=exc.reason, cleanup_required=touched)
+
+    async def _wipe_interrupted(self, task: Any, code: str, reason: str) -> m.NodeTaskResult:
+        """A provision a restart interrupted after the disk was written, that cannot be resumed: tear the VM down,
+        wipe and verify every disk of the task here and report the proofs, so the slots go back to service.
+        Only a wipe that cannot be done or verified leaves `cleanup_required` for ops."""
+        t = "slice.vm_provision"
+        await self._teardown_domain(task)
+        (self.seed_dir / f"{task.vm_name}.iso").unlink(missing_ok=True)
+        proofs: list[m.WipeProof] = []
+        problem = None
+        try:
+            paths = [(slot.nvme_by_id, self._check_disk(slot.nvme_by_id)) for slot in task.slots]
+            await self._phase(task, t, "wipe", disk_touched=True)
+            for by_id, path in paths:
+                proof = await disk.wipe_and_verify(str(path))
+                proofs.append(
+                    m.WipeProof(
+                        device=by_id,
+                        method=proof.method,
+                        verified=proof.verified,
+                        signatures=[str(sig) for sig in proof.signatures],
+                        detail=proof.detail,
+                    )
+                )
+        except Refused as exc:
+            problem = f"{exc.code}: {exc.reason}"
+        except Exception as exc:
+            problem = f"wipe_error: {type(exc).__name__}: {exc}"
+        unverified = [p for p in proofs if not p.verified]
+        if problem is None and unverified:
+            problem = "; ".join(f"{p.device}: {p.detail or 'not verified'}" for p in unverified)
+        verified = problem is None
+        if verified:
+            self.store.drop_leases(str(task.allocation_id))
+        log.error(
+            "task_interrupted_wiped" if verified else "task_interrupted_wipe_unverified",
+            task_id=task.task_id,
+            allocation_id=str(task.allocation_id),
+            reason_code=code,
+            reason=reason,
+            wipe_problem=problem,
+        )
+        detail = f"resume after restart impossible ({code}: {reason}); " + (
+            "disk wiped and verified by the agent" if verified else f"wipe not verified: {problem}"
+        )
+        return self._result(
+            task, t, "failed", code=code, reason=detail[:2000], cleanup_required=not verified, proofs=proofs
+        )
 
     async def _teardown_domain(self, task: Any) -> None:
         try:
