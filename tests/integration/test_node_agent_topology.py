@@ -15,6 +15,7 @@ from gpuaas_dev.sim.fixture_host import build_host_root, eui_for, xe9680l
 from gpuaas_node_agent.adapters.discovery import discover
 from gpuaas_node_agent.adapters.host import Host
 from gpuaas_node_agent.adapters.parity import ParityChecker, format_lines
+from gpuaas_node_agent.service_layer.device_binding import enter_slice_mode, leave_slice_mode
 
 GPU_BUSES = ["18", "2a", "3a", "5d", "9a", "ab", "ba", "db"]
 
@@ -142,8 +143,9 @@ async def test_disk_with_old_partition_table_reports_signatures_and_is_not_offer
 
 
 async def test_healthy_host_passes_every_parity_check(tmp_path: Path) -> None:
-    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20))
-    report = await ParityChecker(Host.at(root)).run("xe9680l-01")
+    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20, mounted_share=False))
+    host = Host.at(root)
+    report = await ParityChecker(host, topology=await discover(host, "xe9680l-01")).run("xe9680l-01")
     assert report.failures == 0 and report.warnings == 0
     assert [c.check for c in report.checks] == [
         "kvm",
@@ -158,8 +160,32 @@ async def test_healthy_host_passes_every_parity_check(tmp_path: Path) -> None:
         "fabric_route",
         "network_baseline_service",
         "node_agent",
+        "vfio_binding",
+        "nvidia_persistenced",
+        "nvidia_fabricmanager",
+        "fabric_vfs_service",
+        "vfio_devices_service",
+        "ovs_bridge_service",
+        "dnsmasq_service",
+        "host_baseline",
+        "tmfifo_net0",
+        "reboot_required",
+        "api_topology",
     ]
     assert all(c.status == "PASS" for c in report.checks)
+
+
+async def test_api_topology_warns_when_only_local_checks_ran_or_blockers_remain(tmp_path: Path) -> None:
+    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20))
+    host = Host.at(root)
+    local = await ParityChecker(host).run("xe9680l-01")
+    api = next(c for c in local.checks if c.check == "api_topology")
+    assert (api.status, local.failures, local.warnings) == ("WARN", 0, 1)
+    assert "only local checks ran" in api.detail and "not for scheduler approval" in (api.remediation or "")
+    # The mounted /share disk leaves one GPU without a disk: a topology blocker, reported, not hidden.
+    with_topology = await ParityChecker(host, topology=await discover(host, "xe9680l-01")).run("xe9680l-01")
+    api = next(c for c in with_topology.checks if c.check == "api_topology")
+    assert api.status == "WARN" and "0000:db:00.0" in api.detail
 
 
 BROKEN = {
@@ -176,6 +202,27 @@ BROKEN = {
     "no_fabric_route": ({"fabric_route": False}, "fabric_route"),
     "no_network_baseline": ({"network_baseline": None}, "network_baseline_service"),
     "node_agent_inactive": ({"node_agent_active": False}, "node_agent"),
+    "gpu_on_nvidia_driver": ({"nvidia_bound_gpus": 1}, "vfio_binding"),
+    "no_driverctl_overrides": ({"driverctl_overrides": False}, "vfio_binding"),
+    "persistenced_active": ({"nvidia_persistenced_active": True}, "nvidia_persistenced"),
+    "fabricmanager_bare_metal_mode": ({"fabricmanager_active": True}, "nvidia_fabricmanager"),
+    "no_fabric_vfs_service": (
+        {"slice_services": ("gpuaas-slice-vfio-devices", "gpuaas-slice-ovs-bridge")},
+        "fabric_vfs_service",
+    ),
+    "no_vfio_devices_service": (
+        {"slice_services": ("gpuaas-slice-fabric-vfs", "gpuaas-slice-ovs-bridge")},
+        "vfio_devices_service",
+    ),
+    "no_ovs_bridge_service": (
+        {"slice_services": ("gpuaas-slice-fabric-vfs", "gpuaas-slice-vfio-devices")},
+        "ovs_bridge_service",
+    ),
+    "dnsmasq_inactive": ({"dnsmasq_active": False}, "dnsmasq_service"),
+    "no_h200_ib_done": ({"h200_ib_done": False}, "host_baseline"),
+    "no_tmfifo_net0": ({"tmfifo_address": None}, "tmfifo_net0"),
+    "tmfifo_wrong_address": ({"tmfifo_address": "192.168.200.1/30"}, "tmfifo_net0"),
+    "reboot_pending": ({"reboot_required": True}, "reboot_required"),
 }
 
 
@@ -189,13 +236,77 @@ async def test_each_broken_variant_fails_exactly_its_check(tmp_path: Path, varia
     assert report.failures == 1 and failed[0].remediation
 
 
+REMEDIATION = {
+    "vfio_binding": "persistent driverctl overrides generated from the approved topology",
+    "nvidia_persistenced": "nvidia-persistenced",
+    "nvidia_fabricmanager": "nvidia-fabricmanager",
+    "fabric_vfs_service": "gpuaas-slice-fabric-vfs",
+    "vfio_devices_service": "gpuaas-slice-vfio-devices",
+    "ovs_bridge_service": "gpuaas-slice-ovs-bridge",
+    "dnsmasq_service": "ExecStartPost=",
+    "host_baseline": "site-bootstrap/h200-ib/bootstrap.sh",
+    "tmfifo_net0": "network baseline service",
+    "reboot_required": "GPUAAS_SLICE_REBOOT_IF_REQUIRED=1",
+}
+
+
+@pytest.mark.parametrize("variant", sorted(v for v, (_, c) in BROKEN.items() if c in REMEDIATION))
+async def test_new_checks_carry_the_runbook_remediation(tmp_path: Path, variant: str) -> None:
+    overrides, check = BROKEN[variant]
+    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20, **overrides))
+    report = await ParityChecker(Host.at(root)).run("xe9680l-01")
+    failed = next(c for c in report.checks if c.check == check)
+    assert REMEDIATION[check] in (failed.remediation or "")
+
+
+async def test_fabricmanager_in_shared_nvswitch_mode_passes(tmp_path: Path) -> None:
+    desc = xe9680l(disk_file_bytes=1 << 20, fabricmanager_active=True, fabricmanager_mode=1)
+    report = await ParityChecker(Host.at(build_host_root(tmp_path / "host", desc))).run("xe9680l-01")
+    fm = next(c for c in report.checks if c.check == "nvidia_fabricmanager")
+    assert fm.status == "PASS" and "FABRIC_MODE=1" in fm.detail
+
+
+# --- device binding: driverctl overrides from the approved topology ------------------------------------
+
+
+async def test_entering_slice_mode_writes_overrides_for_the_approved_devices_and_leaving_removes_them(
+    tmp_path: Path,
+) -> None:
+    # A host coming from baremetal: GPUs on nvidia, no override yet.
+    desc = xe9680l(disk_file_bytes=1 << 20, driverctl_overrides=False, nvidia_bound_gpus=8)
+    root = build_host_root(tmp_path / "host", desc)
+    host = Host.at(root)
+    overrides = root / "etc/driverctl.d"
+    gpu = root / "sys/bus/pci/devices/0000:18:00.0/driver"
+    assert os.readlink(gpu).endswith("/nvidia")
+    approved = ["0000:18:00.0", "0000:29:00.1", "0000:2a:00.0", "0000:29:00.2"]  # two approved slots
+    done = await enter_slice_mode(host, approved)
+    assert list(done.set_override) == sorted(approved)
+    assert sorted(p.name for p in overrides.iterdir()) == [f"pci-{d}" for d in sorted(approved)]
+    assert all((overrides / f"pci-{d}").read_text().strip() == "vfio-pci" for d in approved)
+    assert os.readlink(gpu).endswith("/vfio-pci") and not os.readlink(gpu).startswith("/")
+    # Not approved: left alone.
+    assert os.readlink(root / "sys/bus/pci/devices/0000:3a:00.0/driver").endswith("/nvidia")
+    assert (await enter_slice_mode(host, approved)).empty  # idempotent
+    # Only the approved devices are checked: parity passes its binding check.
+    report = await ParityChecker(host).run("xe9680l-01")
+    assert next(c for c in report.checks if c.check == "vfio_binding").status == "PASS"
+    # A slot approved away: its override goes.
+    assert list((await enter_slice_mode(host, approved[:2])).unset_override) == ["0000:29:00.2", "0000:2a:00.0"]
+    left = await leave_slice_mode(host)
+    assert list(left.unset_override) == sorted(approved[:2])
+    assert not list(overrides.iterdir())
+    assert os.readlink(gpu).endswith("/nvidia")
+    assert os.readlink(root / "sys/bus/pci/devices/0000:29:00.1/driver").endswith("/mlx5_core")
+
+
 async def test_historical_baseline_service_is_only_a_warning(tmp_path: Path) -> None:
     root = build_host_root(
         tmp_path / "host", xe9680l(disk_file_bytes=1 << 20, network_baseline="gpuaas-slice-host-net-baseline")
     )
     report = await ParityChecker(Host.at(root)).run("xe9680l-01")
-    assert report.failures == 0 and report.warnings == 1
-    assert next(c for c in report.checks if c.check == "network_baseline_service").status == "WARN"
+    assert report.failures == 0 and report.warnings == 2  # and api_topology: only local checks ran
+    assert [c.check for c in report.checks if c.status == "WARN"] == ["network_baseline_service", "api_topology"]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -208,16 +319,18 @@ def test_cli_parity_prints_one_line_per_check_and_a_summary(tmp_path: Path) -> N
     res = _cli("parity", "--root", str(healthy))
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert len(lines) == 13 and all(line.startswith("GPUAAS_SLICE_PARITY ") for line in lines)
+    assert len(lines) == 24 and all(line.startswith("GPUAAS_SLICE_PARITY ") for line in lines)
     assert "status=PASS check=kvm detail=" in lines[0]
-    assert lines[-1].endswith("failures=0 warnings=0")
+    # Only local checks ran: api_topology warns, as the runbook's checker does without an API token.
+    assert lines[-2].startswith("GPUAAS_SLICE_PARITY status=WARN check=api_topology detail=only\\ local")
+    assert lines[-1].endswith("failures=0 warnings=1")
 
     broken = build_host_root(tmp_path / "bad", xe9680l(disk_file_bytes=1 << 20, nat_rule=False))
     res = _cli("parity", "--root", str(broken))
     assert res.returncode == 1
     nat = next(line for line in res.stdout.splitlines() if "check=nat_rule" in line)
     assert nat.startswith("GPUAAS_SLICE_PARITY status=FAIL check=nat_rule detail=") and " remediation=" in nat
-    assert res.stdout.splitlines()[-1].endswith("failures=1 warnings=0")
+    assert res.stdout.splitlines()[-1].endswith("failures=1 warnings=1")
 
 
 def test_cli_discover_json_is_the_topology_report(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.contract import utcnow
 from gpuaas_common.logging import get_logger
 
+from ..domain.device_binding import VFIO_DRIVER, wrong_bindings
+from . import driverctl
 from .discovery import interface_addresses
 from .host import Host
 
@@ -25,6 +27,18 @@ NORMALISED_BASELINE = "gpuaas-slice-network-baseline"
 HISTORICAL_BASELINE = "gpuaas-slice-host-net-baseline"
 VFIO_MODULES = ("vfio", "vfio_pci", "vfio_iommu_type1")
 FABRIC_IFACE = re.compile(r"^ib")
+# The slice services of the host-image runbook's slice baseline, besides the network baseline (its own check,
+# with the historical name as a warning): (check, unit).
+SLICE_SERVICES = (
+    ("fabric_vfs_service", "gpuaas-slice-fabric-vfs"),
+    ("vfio_devices_service", "gpuaas-slice-vfio-devices"),
+    ("ovs_bridge_service", "gpuaas-slice-ovs-bridge"),
+)
+H200_IB_DONE = "/var/lib/gpuaas/site-bootstrap/h200-ib.done"
+REBOOT_REQUIRED = "/var/run/reboot-required"
+FABRICMANAGER_CFG = "/usr/share/nvidia/nvswitch/fabricmanager.cfg"
+TMFIFO = "tmfifo_net0"
+TMFIFO_CIDR = "192.168.100.1/30"
 
 
 def _ok(check: str, detail: str) -> m.ParityCheck:
@@ -37,9 +51,17 @@ def _fail(check: str, detail: str, remediation: str) -> m.ParityCheck:
 
 class ParityChecker:
     def __init__(
-        self, host: Host, *, bridge: str = "ovsbr0", bridge_cidr: str = "10.100.0.1/24", agent_running: bool = False
+        self,
+        host: Host,
+        *,
+        bridge: str = "ovsbr0",
+        bridge_cidr: str = "10.100.0.1/24",
+        agent_running: bool = False,
+        topology: m.NodeTopologyReported | None = None,
     ) -> None:
         self.host = host
+        # The agent's own topology report when it runs the checks; None when only local checks run (the CLI).
+        self.topology = topology
         self.bridge = bridge
         self.bridge_if = ipaddress.ip_interface(bridge_cidr)
         self.agent_running = agent_running
@@ -197,6 +219,133 @@ class ParityChecker:
             return _ok("node_agent", "gpuaas-node-agent active")
         return _fail("node_agent", "gpuaas-node-agent not active", "systemctl enable --now gpuaas-node-agent")
 
+    # --- device binding (slice mode keeps GPUs and fabric VFs on vfio-pci, host GPU services quiesced) --------
+
+    async def vfio_binding(self) -> m.ParityCheck:
+        """Every device with a persistent override (written from the approved topology on entering slice
+        mode) is bound to vfio-pci right now."""
+        overrides = await driverctl.list_overrides(self.host)
+        approved = sorted(d for d, drv in overrides.items() if drv == VFIO_DRIVER)
+        if not approved:
+            return _fail(
+                "vfio_binding",
+                "no persistent vfio-pci driverctl override: the host has not entered slice mode",
+                "enter slice mode (gpuaas-node-agent slice-mode enter): persistent driverctl overrides generated "
+                "from the approved topology",
+            )
+        wrong = wrong_bindings({d: driverctl.bound_driver(self.host, d) for d in approved})
+        if wrong:
+            return _fail(
+                "vfio_binding",
+                "; ".join(wrong),
+                "bind GPU and fabric devices to vfio-pci with persistent driverctl overrides generated from the "
+                "approved topology, not hard-coded PCI lists",
+            )
+        return _ok("vfio_binding", f"{len(approved)} approved devices on vfio-pci")
+
+    async def nvidia_persistenced(self) -> m.ParityCheck:
+        if await self._unit_active("nvidia-persistenced"):
+            return _fail(
+                "nvidia_persistenced",
+                "nvidia-persistenced active (holds /dev/nvidia*, blocks VFIO detach)",
+                "systemctl disable --now nvidia-persistenced.service on slice-mode hosts",
+            )
+        return _ok("nvidia_persistenced", "inactive")
+
+    async def nvidia_fabricmanager(self) -> m.ParityCheck:
+        if not await self._unit_active("nvidia-fabricmanager"):
+            return _ok("nvidia_fabricmanager", "inactive")
+        mode = "0"
+        for line in (self.host.fs.read(FABRICMANAGER_CFG) or "").splitlines():
+            if line.strip().startswith("FABRIC_MODE="):
+                mode = line.split("=", 1)[1].strip() or "0"
+        if mode == "0":
+            return _fail(
+                "nvidia_fabricmanager",
+                "nvidia-fabricmanager active in bare-metal mode (FABRIC_MODE=0 holds NVSwitch and NVLink devices)",
+                "systemctl disable --now nvidia-fabricmanager.service on slice-mode hosts",
+            )
+        return _ok("nvidia_fabricmanager", f"active with FABRIC_MODE={mode}, not bare-metal mode")
+
+    # --- the rest of the slice baseline -------------------------------------------------------------------
+
+    async def _service(self, check: str, unit: str) -> m.ParityCheck:
+        if await self._unit_active(unit):
+            return _ok(check, f"{unit} active")
+        return _fail(check, f"{unit} not active", f"systemctl enable --now {unit}.service (slice host bootstrap)")
+
+    async def fabric_vfs_service(self) -> m.ParityCheck:
+        return await self._service(*SLICE_SERVICES[0])
+
+    async def vfio_devices_service(self) -> m.ParityCheck:
+        return await self._service(*SLICE_SERVICES[1])
+
+    async def ovs_bridge_service(self) -> m.ParityCheck:
+        return await self._service(*SLICE_SERVICES[2])
+
+    async def dnsmasq_service(self) -> m.ParityCheck:
+        if await self._unit_active("dnsmasq"):
+            return _ok("dnsmasq_service", "dnsmasq active")
+        return _fail(
+            "dnsmasq_service",
+            "dnsmasq not active",
+            "restart dnsmasq.service (the network baseline service restarts it from ExecStartPost=)",
+        )
+
+    async def host_baseline(self) -> m.ParityCheck:
+        if self.host.fs.exists(H200_IB_DONE):
+            return _ok("host_baseline", f"{H200_IB_DONE} present")
+        return _fail(
+            "host_baseline",
+            f"{H200_IB_DONE} missing: host-baseline incomplete",
+            "run /usr/local/share/gpuaas/site-bootstrap/h200-ib/bootstrap.sh (H200/IB, NVIDIA, OFED and fabric "
+            "baseline) before the slice bootstrap",
+        )
+
+    async def tmfifo_net0(self) -> m.ParityCheck:
+        have = (await self.addresses()).get(TMFIFO)
+        if have is None:
+            return _fail(
+                "tmfifo_net0",
+                f"{TMFIFO} missing",
+                "check rshim is active; the network baseline service repairs the tmfifo_net0 address after reboot",
+            )
+        if TMFIFO_CIDR not in have:
+            return _fail(
+                "tmfifo_net0",
+                f"{TMFIFO} has {','.join(have) or 'no address'}, expected {TMFIFO_CIDR}",
+                f"ip addr add {TMFIFO_CIDR} dev {TMFIFO} (network baseline service)",
+            )
+        return _ok("tmfifo_net0", f"{TMFIFO} {TMFIFO_CIDR}")
+
+    async def reboot_required(self) -> m.ParityCheck:
+        if self.host.fs.exists(REBOOT_REQUIRED):
+            return _fail(
+                "reboot_required",
+                f"{REBOOT_REQUIRED} present (kernel args or initramfs changed)",
+                "reboot the host and re-run the slice validation (GPUAAS_SLICE_REBOOT_IF_REQUIRED=1 lets the "
+                "bootstrap reboot it)",
+            )
+        return _ok("reboot_required", "no reboot pending")
+
+    async def api_topology(self) -> m.ParityCheck:
+        if self.topology is None:
+            return m.ParityCheck(
+                check="api_topology",
+                status="WARN",
+                detail="only local checks ran: node-agent topology evidence not proven",
+                remediation="acceptable for first-pass host diagnosis, not for scheduler approval: check the "
+                "topology the agent reported (slice.topology_discover)",
+            )
+        if self.topology.blockers:
+            return m.ParityCheck(
+                check="api_topology",
+                status="WARN",
+                detail=f"completed with {len(self.topology.blockers)} blockers: " + "; ".join(self.topology.blockers),
+                remediation="resolve the topology blockers before approving the affected slots",
+            )
+        return _ok("api_topology", f"completed with no blockers, {len(self.topology.candidate_slots)} candidates")
+
     def checks(self) -> list[Callable[[], Awaitable[m.ParityCheck]]]:
         return [
             self.kvm,
@@ -211,6 +360,17 @@ class ParityChecker:
             self.fabric_route,
             self.network_baseline_service,
             self.node_agent,
+            self.vfio_binding,
+            self.nvidia_persistenced,
+            self.nvidia_fabricmanager,
+            self.fabric_vfs_service,
+            self.vfio_devices_service,
+            self.ovs_bridge_service,
+            self.dnsmasq_service,
+            self.host_baseline,
+            self.tmfifo_net0,
+            self.reboot_required,
+            self.api_topology,
         ]
 
     async def run(self, node_id: str, *, task_id: str | None = None) -> m.NodeParityReported:

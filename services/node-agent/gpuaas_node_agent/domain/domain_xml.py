@@ -16,8 +16,9 @@ def _sub(parent: ET.Element, tag: str, text: str | None = None, **attrs: str) ->
 
 def _hostdev(devices: ET.Element, address: str) -> None:
     pci = parse_pci_address(address)
-    # managed='yes': libvirt detaches from the host driver and rebinds to vfio-pci on start, back on stop.
-    hostdev = _sub(devices, "hostdev", mode="subsystem", type="pci", managed="yes")
+    # managed='no': the device stays on vfio-pci (persistent driverctl override) for as long as the host is in
+    # slice mode; with 'yes' libvirt would rebind it to the host driver whenever the VM stops.
+    hostdev = _sub(devices, "hostdev", mode="subsystem", type="pci", managed="no")
     _sub(hostdev, "driver", name="vfio")
     source = _sub(hostdev, "source")
     _sub(

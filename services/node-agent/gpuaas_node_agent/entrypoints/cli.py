@@ -18,8 +18,10 @@ import typer
 from gpuaas_common.logging import configure_logging
 
 from ..adapters.discovery import discover
+from ..adapters.driverctl import DriverctlError
 from ..adapters.host import Host
 from ..adapters.parity import ParityChecker, format_lines
+from ..service_layer.device_binding import enter_slice_mode, leave_slice_mode
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Node agent host checks.")
 
@@ -85,6 +87,35 @@ def parity_cmd(root: RootOpt = Path("/"), node_id: NodeIdOpt = None) -> None:
         typer.echo(line)
     if report.failures:
         raise typer.Exit(1)
+
+
+slice_mode = typer.Typer(no_args_is_help=True, help="Persistent vfio-pci binding of the approved devices.")
+app.add_typer(slice_mode, name="slice-mode")
+
+
+@slice_mode.command("enter")
+def slice_mode_enter(
+    device: Annotated[list[str], typer.Option("--device", help="Approved GPU or fabric VF (BDF); repeat.")],
+    root: RootOpt = Path("/"),
+) -> None:
+    """Write a driverctl vfio-pci override for every approved device (and drop overrides no longer approved)."""
+    try:
+        done = asyncio.run(enter_slice_mode(Host.at(root), device))
+    except DriverctlError as exc:
+        typer.echo(f"slice-mode enter failed: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"set={','.join(done.set_override) or '-'} unset={','.join(done.unset_override) or '-'}")
+
+
+@slice_mode.command("leave")
+def slice_mode_leave(root: RootOpt = Path("/")) -> None:
+    """Remove every vfio-pci driverctl override: the devices return to their host drivers."""
+    try:
+        done = asyncio.run(leave_slice_mode(Host.at(root)))
+    except DriverctlError as exc:
+        typer.echo(f"slice-mode leave failed: {exc}", err=True)
+        raise typer.Exit(1) from exc
+    typer.echo(f"unset={','.join(done.unset_override) or '-'}")
 
 
 @app.command("run")

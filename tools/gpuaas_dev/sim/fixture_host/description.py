@@ -75,6 +75,23 @@ class HostDescription(BaseModel):
     fabric_route: bool = True
     network_baseline: str | None = "gpuaas-slice-network-baseline"
     node_agent_active: bool = True
+    # Device binding in slice mode: GPUs and fabric VFs stay on vfio-pci under persistent driverctl overrides,
+    # host GPU services quiesced. `nvidia_bound_gpus` puts the first N GPUs back on the host driver (drift).
+    driverctl_overrides: bool = True
+    nvidia_bound_gpus: int = 0
+    nvidia_persistenced_active: bool = False
+    fabricmanager_active: bool = False
+    fabricmanager_mode: int = 0  # FABRIC_MODE in fabricmanager.cfg: 0 bare metal (holds the GPUs), 1 shared NVSwitch
+    # The rest of the runbook's slice baseline.
+    slice_services: tuple[str, ...] = (
+        "gpuaas-slice-fabric-vfs",
+        "gpuaas-slice-vfio-devices",
+        "gpuaas-slice-ovs-bridge",
+    )
+    dnsmasq_active: bool = True
+    h200_ib_done: bool = True
+    tmfifo_address: str | None = "192.168.100.1/30"
+    reboot_required: bool = False
     hugepages_1g_total: int = 512
     hugepages_1g_free: int = 512
     disk_file_bytes: int = 64 * MIB

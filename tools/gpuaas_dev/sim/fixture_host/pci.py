@@ -12,7 +12,7 @@ _SWITCH_ROOT_BUS = (0x15, 0x37, 0x97, 0xB7)
 def write_gpus(fs: _Sysfs, desc: HostDescription) -> None:
     # GPUs behind PCIe switches: root port → switch upstream port → downstream port → GPU.
     downstream_slot: dict[int, int] = {}
-    for gpu in desc.gpus:
+    for index, gpu in enumerate(desc.gpus):
         rb = _SWITCH_ROOT_BUS[gpu.switch % len(_SWITCH_ROOT_BUS)]
         slot = downstream_slot.get(gpu.switch, 0)
         downstream_slot[gpu.switch] = slot + 1
@@ -24,7 +24,7 @@ def write_gpus(fs: _Sysfs, desc: HostDescription) -> None:
             device=gpu.device_id,
             cls="0x030200",
             numa=gpu.numa_node,
-            driver=gpu.driver,
+            driver="nvidia" if index < desc.nvidia_bound_gpus else gpu.driver,
             iommu=desc.iommu_groups,
         )
 

@@ -45,11 +45,42 @@ def write_kernel(fs: _Sysfs, desc: HostDescription, mounts: list[str]) -> None:
     _write(proc / "sys/kernel/hostname", desc.hostname + "\n")
 
 
+DRIVERCTL_DIR = "etc/driverctl.d"
+H200_IB_DONE = "var/lib/gpuaas/site-bootstrap/h200-ib.done"
+REBOOT_REQUIRED = "var/run/reboot-required"
+FABRICMANAGER_CFG = "usr/share/nvidia/nvswitch/fabricmanager.cfg"
+
+
+def _vfio_devices(desc: HostDescription) -> list[tuple[str, str]]:
+    """(BDF, host driver) of every device a slice-mode host keeps on vfio-pci: the GPUs and the fabric VFs."""
+    out = [(g.pci_address, "nvidia") for g in desc.gpus]
+    for nic in desc.nics:
+        if nic.vf_driver == "vfio-pci":
+            out += [(f"{nic.pci_address[:-1]}{n + 1}", "mlx5_core") for n in range(nic.numvfs)]
+    return out
+
+
 def write_etc(root: Path, desc: HostDescription) -> None:
     etc = root / "etc"
-    for stale in (etc / "netplan/60-ipoib.yaml", etc / "dnsmasq.d/gpuaas-slice.conf"):
+    for stale in (
+        etc / "netplan/60-ipoib.yaml",
+        etc / "dnsmasq.d/gpuaas-slice.conf",
+        root / H200_IB_DONE,
+        root / REBOOT_REQUIRED,
+        root / FABRICMANAGER_CFG,
+    ):
         if stale.exists():
             stale.unlink()
+    shutil.rmtree(root / DRIVERCTL_DIR, ignore_errors=True)
+    if desc.driverctl_overrides:
+        # What `driverctl set-override <dev> vfio-pci` left behind when the host entered slice mode.
+        for bdf, _ in _vfio_devices(desc):
+            _write(root / DRIVERCTL_DIR / f"pci-{bdf}", "vfio-pci\n")
+    if desc.h200_ib_done:
+        _write(root / H200_IB_DONE, "")
+    if desc.reboot_required:
+        _write(root / REBOOT_REQUIRED, "*** System restart required ***\n")
+    _write(root / FABRICMANAGER_CFG, f"FABRIC_MODE={desc.fabricmanager_mode}\n")
     if desc.ipoib_netplan:
         _write(
             etc / "netplan/60-ipoib.yaml",
@@ -91,13 +122,24 @@ def write_host_tools(fs: _Sysfs, desc: HostDescription) -> None:
         if desc.fabric_route:
             net = ".".join(addr.split(".")[:3]) + ".0"
             routes.append({"dst": f"{net}/{plen}", "dev": FABRIC_IF, "prefsrc": addr})
+    if desc.tmfifo_address:
+        addr, plen = desc.tmfifo_address.split("/")
+        links.append(
+            {"ifname": "tmfifo_net0", "addr_info": [{"family": "inet", "local": addr, "prefixlen": int(plen)}]}
+        )
     _write(data / "ip-addr.json", json.dumps(links))
     _write(data / "ip-route.json", json.dumps(routes))
     nat = ["-P POSTROUTING ACCEPT"]
     if desc.nat_rule:
         nat.append("-A POSTROUTING -s 10.100.0.0/24 -j MASQUERADE")
     _write(data / "iptables-nat-POSTROUTING.txt", "\n".join(nat) + "\n")
-    active = ["openvswitch-switch", "dnsmasq", "rshim"]
+    active = ["openvswitch-switch", "rshim", *desc.slice_services]
+    if desc.dnsmasq_active:
+        active.append("dnsmasq")
+    if desc.nvidia_persistenced_active:
+        active.append("nvidia-persistenced")
+    if desc.fabricmanager_active:
+        active.append("nvidia-fabricmanager")
     if desc.libvirtd_active:
         active.append("libvirtd")
     if desc.network_baseline:
@@ -124,6 +166,28 @@ def write_host_tools(fs: _Sysfs, desc: HostDescription) -> None:
         'unit="${2%.service}"\n'
         'if grep -qx "$unit" "$DATA/active-units.txt"; then echo active; exit 0; fi\n'
         "echo inactive; exit 3\n",
+    )
+    _write(data / "pci-default-drivers.txt", "".join(f"{bdf} {drv}\n" for bdf, drv in _vfio_devices(desc)))
+    # driverctl keeps one file per override under /etc/driverctl.d and (re)binds the device at once; here
+    # binding is relinking the sysfs `driver` symlink, so the agent's checks read the result for real.
+    _script(
+        sbin / "driverctl",
+        'ROOT="$(cd "$(dirname "$0")/../.." && pwd -P)"\nD="$ROOT/etc/driverctl.d"\n'
+        'bind() {\n  real="$(cd "$ROOT/sys/bus/pci/devices/$1" && pwd -P)"\n'
+        '  if [ -z "$2" ]; then rm -f "$real/driver"; return; fi\n'
+        '  mkdir -p "$ROOT/sys/bus/pci/drivers/$2"\n'
+        '  ln -sfn "$(realpath --relative-to="$real" "$ROOT/sys/bus/pci/drivers/$2")" "$real/driver"\n}\n'
+        '[ "$1" = "--nosave" ] && { echo "fixture driverctl: --nosave unsupported" >&2; exit 2; }\n'
+        'case "$1" in\n'
+        '  list-overrides) for f in "$D"/pci-*; do [ -e "$f" ] || continue; echo "${f##*/pci-} $(cat "$f")"; done;;\n'
+        "  set-override)\n"
+        '    [ -e "$ROOT/sys/bus/pci/devices/$2" ] || { echo "driverctl: device $2 not found" >&2; exit 1; }\n'
+        '    mkdir -p "$D" && echo "$3" > "$D/pci-$2" && bind "$2" "$3";;\n'
+        "  unset-override)\n"
+        '    [ -e "$D/pci-$2" ] || { echo "driverctl: no override for $2" >&2; exit 1; }\n'
+        '    rm -f "$D/pci-$2"\n'
+        '    bind "$2" "$(grep "^$2 " "$DATA/pci-default-drivers.txt" | cut -d" " -f2)";;\n'
+        '  *) echo "fixture driverctl: unsupported: $*" >&2; exit 1;;\nesac\n',
     )
     # Signature probes are the real tools: they read the disk stand-ins like they read a device.
     for tool in ("wipefs", "blkid"):

@@ -10,8 +10,9 @@ from pathlib import Path
 from gpuaas_common.contract import messages as m
 from gpuaas_common.digests import sha256_file
 
-from ...adapters import disk, dnsmasq, readiness, seed_iso
+from ...adapters import disk, dnsmasq, driverctl, readiness, seed_iso
 from ...adapters.parity import ParityChecker
+from ...domain.device_binding import wrong_bindings
 from ...domain.domain_xml import render_domain_xml
 from ...domain.profiles import vm_resources
 from ...domain.vm_spec import SliceVmSpec
@@ -53,6 +54,20 @@ class ProvisionTask(AgentCore):
             for address in filter(None, (slot.gpu_pci_address, slot.fabric_vf_pci_address)):
                 if not fs.exists(f"/sys/bus/pci/devices/{address}"):
                     raise Refused("device_missing", f"PCI device {address} of slot {slot.slot_id} is not on this host")
+        # Domains use managed='no': libvirt will not rebind anything, so every device must already sit on
+        # vfio-pci (driverctl overrides from slice mode) and no host GPU service may hold it.
+        bound = {
+            address: driverctl.bound_driver(self.host, address)
+            for slot in task.slots
+            for address in filter(None, (slot.gpu_pci_address, slot.fabric_vf_pci_address))
+        }
+        wrong = wrong_bindings(bound)
+        if wrong:
+            raise Refused("device_not_vfio", "; ".join(wrong))
+        for check in (parity.nvidia_persistenced, parity.nvidia_fabricmanager):
+            result = await check()
+            if result.status != "PASS":
+                raise Refused("host_gpu_services_active", f"{result.check}: {result.detail}")
         try:
             _, memory_mib, hugepages = vm_resources(task.slots[0].profile, len(task.slots))
         except ValueError as exc:

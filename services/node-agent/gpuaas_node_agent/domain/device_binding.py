@@ -1,0 +1,56 @@
+"""Which devices a slice-mode host keeps on vfio-pci, and the driverctl overrides that get it there. Pure.
+
+The approved topology (the slots the agent is given) names the devices; nothing here knows a PCI address
+of its own. `plan` turns the wanted set and the host's current overrides into the overrides to set and the
+ones to remove, so entering slice mode twice changes nothing and leaving it removes only vfio-pci overrides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+VFIO_DRIVER = "vfio-pci"
+
+
+@dataclass(frozen=True)
+class BindingPlan:
+    set_override: tuple[str, ...]
+    unset_override: tuple[str, ...]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.set_override or self.unset_override)
+
+
+def approved_devices(slots: Iterable[tuple[str, str | None]]) -> list[str]:
+    """GPU and fabric VF addresses of the approved slots ((gpu, vf) pairs), sorted, without duplicates."""
+    out: set[str] = set()
+    for gpu, vf in slots:
+        out.add(gpu)
+        if vf:
+            out.add(vf)
+    return sorted(out)
+
+
+def plan(wanted: Iterable[str], current: Mapping[str, str]) -> BindingPlan:
+    """Overrides to write (wanted, not already vfio-pci) and to remove (vfio-pci, no longer wanted)."""
+    want = set(wanted)
+    to_set = sorted(d for d in want if current.get(d) != VFIO_DRIVER)
+    to_unset = sorted(d for d, drv in current.items() if drv == VFIO_DRIVER and d not in want)
+    return BindingPlan(tuple(to_set), tuple(to_unset))
+
+
+def wrong_bindings(bound: Mapping[str, str | None]) -> list[str]:
+    """'<bdf> bound to <driver>' for every device whose bound driver is not vfio-pci."""
+    return [f"{bdf} bound to {drv or 'no driver'}" for bdf, drv in sorted(bound.items()) if drv != VFIO_DRIVER]
+
+
+def parse_list_overrides(text: str) -> dict[str, str]:
+    """`driverctl list-overrides` output: one '<device> <driver>' per line (other lines ignored)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) >= 2:
+            out[words[0]] = words[1]
+    return out
