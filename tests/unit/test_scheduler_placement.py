@@ -294,6 +294,29 @@ def test_wipe_verdict():
     assert "signatures remain" in wipe_verdict(slot, [{**ok, "signatures": ["gpt"]}])
 
 
+@pytest.mark.parametrize(
+    ("policy", "method", "accepted"),
+    [
+        ("blkdiscard", "blkdiscard", True),
+        ("blkdiscard", "blkdiscard+zeroout", True),
+        ("blkdiscard", "zero_fill", True),
+        ("nvme_format", "nvme_format", True),
+        ("nvme_format", "blkdiscard", False),
+        ("crypto_erase", "crypto_erase", True),
+        ("crypto_erase", "nvme_format", False),
+        ("crypto_erase", "blkdiscard", False),
+        ("blkdiscard", "failed", False),
+    ],
+)
+def test_wipe_verdict_needs_a_method_of_the_slots_policy(policy, method, accepted):
+    slot = {"nvme_by_id": "/dev/disk/by-id/nvme-eui.1", "destructive_wipe_policy": policy}
+    proof = {"device": slot["nvme_by_id"], "method": method, "verified": True, "signatures": []}
+    verdict = wipe_verdict(slot, [proof])
+    assert (verdict is None) == accepted, verdict
+    if not accepted:
+        assert f"{policy} policy" in verdict
+
+
 def test_summary_counts_duplicated_fabric_once():
     slots = [SlotView("a", 0, "sw0", "vf1"), SlotView("b", 0, "sw0", "vf1")]
     summary = summarize("n", slots, 2, 0, 2)

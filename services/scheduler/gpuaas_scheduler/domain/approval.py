@@ -63,13 +63,40 @@ def approved_status(problems: list[str]) -> tuple[str, str | None]:
     return ("disabled", "; ".join(problems)[:2000]) if problems else ("available", None)
 
 
+# The site's destructive wipe policy between tenants (runbook: "Tenant isolation wipe policy: blkdiscard,
+# nvme format, or site-specific secure erase path before any released slot can be reused") and the wipe
+# methods whose proof satisfies it. The node agent reports `blkdiscard` (discard that reads back as zeros),
+# `blkdiscard+zeroout`/`zeroout` (discard then written zeros) and, on the simulated file-backed disks,
+# `zero_fill`: each leaves nothing of the tenant's data readable, so each satisfies `blkdiscard`. A format or
+# a crypto erase is only proven by that very method.
+WIPE_POLICIES: dict[str, frozenset[str]] = {
+    "blkdiscard": frozenset({"blkdiscard", "blkdiscard+zeroout", "zeroout", "zero_fill"}),
+    "nvme_format": frozenset({"nvme_format"}),
+    "crypto_erase": frozenset({"crypto_erase", "nvme_format_crypto", "nvme_sanitize_crypto"}),
+}
+DEFAULT_WIPE_POLICY = "blkdiscard"
+STORAGE_OWNERSHIPS = frozenset({"slice"})
+STORAGE_MODES = frozenset({"slice"})
+STORAGE_IDENTITY_KINDS = frozenset({"nvme_wwn_by_id"})
+
+
 def wipe_verdict(slot: Mapping[str, Any], proofs: Iterable[Mapping[str, Any]]) -> str | None:
-    """None when a verified proof covers this slot's disk with no signatures left, else why not."""
+    """None when a verified proof, made by a method of the slot's wipe policy, covers this slot's disk with no
+    signatures left, else why not."""
     device = slot.get("nvme_by_id")
+    policy = slot.get("destructive_wipe_policy") or DEFAULT_WIPE_POLICY
+    accepted = WIPE_POLICIES.get(policy)
+    if accepted is None:
+        return f"slot wipe policy {policy!r} is unknown"
     mine = [p for p in proofs if p.get("device") == device]
     if not mine:
         return f"no wipe proof for {device}"
     for proof in mine:
+        if proof.get("method") not in accepted:
+            return (
+                f"wipe of {device} by {proof.get('method')!r} does not satisfy the slot's {policy} policy "
+                f"(accepted: {', '.join(sorted(accepted))})"
+            )
         if not proof.get("verified"):
             return f"wipe of {device} not verified ({proof.get('method')}): {proof.get('detail') or 'no detail'}"
         if proof.get("signatures"):

@@ -58,6 +58,10 @@ class SlotView(Row):
     status_reason: str | None
     health_state: str
     generation: int
+    storage_ownership: str
+    storage_mode: str
+    destructive_wipe_policy: str
+    storage_identity_kind: str
 
 
 class SlotList(BaseModel):

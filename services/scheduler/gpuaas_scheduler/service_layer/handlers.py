@@ -149,7 +149,7 @@ async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID,
                     actor="scheduler",
                     allocation_id=allocation_id,
                     detail={"wipe_proofs": proofs},
-                    health=("degraded", problem[:500]),
+                    health=("failed", problem[:500]),  # runbook: failed cleanup marks the slot failed
                 )
     freed = await inv.release_claims(conn, allocation_id)
     for node_id in sorted({r["node_id"] for r in held if r["claim_kind"] == "node_exclusive"}):
@@ -173,7 +173,7 @@ async def fail_allocation(
             reason,
             actor="scheduler",
             allocation_id=allocation_id,
-            health=("degraded", reason),
+            health=("failed", reason),
         )
         for r in held:
             if r["claim_kind"] == "node_exclusive":

@@ -20,7 +20,8 @@ async def lock_nodes(conn: asyncpg.Connection, node_ids: Iterable[str]) -> None:
 
 async def allocation_slots(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[asyncpg.Record]:
     return await conn.fetch(
-        "SELECT c.node_id, c.slot_id, c.claim_kind, s.status, s.nvme_by_id FROM allocation_resource_claims c "
+        "SELECT c.node_id, c.slot_id, c.claim_kind, s.status, s.nvme_by_id, s.destructive_wipe_policy "
+        "FROM allocation_resource_claims c "
         "LEFT JOIN node_resource_slots s ON s.slot_id = c.slot_id "
         "WHERE c.allocation_id = $1 AND c.status <> 'released' ORDER BY c.slot_id",
         allocation_id,

@@ -91,6 +91,14 @@ class ApproveIn(Body):
     actor: str = Name
     reason: str | None = Field(default=None, max_length=500)
     candidate_ids: list[str] | None = Field(default=None, max_length=64)
+    # Storage metadata the approval records on each slot (slice-node-bootstrap runbook): infra approved the
+    # disk as a slice-owned raw device (`storage_ownership`/`storage_mode` = slice), named by a stable by-id
+    # identity, wiped between tenants by the site's `destructive_wipe_policy`, whose proof alone lets a
+    # released slot be reused.
+    storage_ownership: Literal["slice"] = "slice"
+    storage_mode: Literal["slice"] = "slice"
+    destructive_wipe_policy: Literal["blkdiscard", "nvme_format", "crypto_erase"] = "blkdiscard"
+    storage_identity_kind: Literal["nvme_wwn_by_id"] = "nvme_wwn_by_id"
 
 
 class RepairIn(Acted):

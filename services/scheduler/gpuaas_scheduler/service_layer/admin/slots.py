@@ -100,6 +100,7 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> di
                 {"slot_id": slot_id, "status": previous},
             )
         c["slot_id"] = slot_id
+        c.update({f: getattr(body, f) for f in repo.STORAGE_FIELDS})
         # A retired slot owns no binding any more; a re-approved one takes it back.
         problems = approval_problems(c, [s for s in slots.values() if s["status"] != RETIRED])
         status, reason = approved_status(problems)
