@@ -113,6 +113,7 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     consumer("scheduler-node-parity", "NODE_REPORTS", "gpuaas.node.*.report.parity"),
     consumer("scheduler-node-topology", "NODE_REPORTS", "gpuaas.node.*.report.topology"),
     consumer("scheduler-image-cache", "IMAGES", "gpuaas.image.event.node_cache_changed"),
+    consumer("scheduler-slice-preflight", "MAAS", "gpuaas.maas.report.slice_preflight"),
     consumer("image-pipeline-maas-uploads", "MAAS", "gpuaas.maas.result.upload_image"),
     consumer("image-pipeline-maas-profiles", "MAAS", "gpuaas.maas.result.set_distro_series"),
 )

@@ -208,6 +208,31 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "commissioning_scripts": ["gpuaas-fw", "update_firmware"],
         "scripts": [{"name": "gpuaas-fw", "script": "#!/bin/sh\necho fw\n"}],
     },
+    "node.slice_preflight_reported": {
+        "operation_id": "op-3",
+        "site": "default",
+        "system_id": "abc123",
+        "node_id": "slice-01",
+        "result_set_id": 7,
+        "script_name": "50-gpuaas-slice-firmware-preflight",
+        "script_status": "Failed",
+        "exit_status": 1,
+        "status": "failed",
+        "reasons": ["kvm: kvm=missing (remediation: enable VT-x/VMX in firmware)"],
+        "warnings": [],
+        "checks": [{"check": "kvm", "status": "FAIL", "detail": "kvm=missing", "remediation": "enable VT-x/VMX"}],
+        "nvme": [
+            {
+                "by_id": "/dev/disk/by-id/nvme-eui.0001",
+                "kernel": "nvme0n1",
+                "os_disk": False,
+                "mounted": False,
+                "signatures": [],
+                "children": [{"name": "nvme0n1p1", "mountpoint": "/share2", "fstype": "ext4"}],
+            }
+        ],
+        "reported_at": "2026-04-17T10:00:00Z",
+    },
     "maas.commission_result": {
         "operation_id": "op-3",
         "site": "default",

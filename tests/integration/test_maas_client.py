@@ -309,3 +309,56 @@ async def test_api_key_never_leaks(sim: Sim, caplog: pytest.LogCaptureFixture) -
     assert "**redacted**" in everything  # the 401 echoed the token and was scrubbed
     for secret in (KEY, *KEY_PARTS, "wrongtokenkey00000"):
         assert secret not in everything
+
+
+# ---- commissioning script results ------------------------------------------------------------------
+
+PREFLIGHT = "50-gpuaas-slice-firmware-preflight"
+
+
+async def _commission_with_preflight(client: MaasClient, system_id: str, expect: MachineStatus) -> int:
+    try:
+        await client.read_script(PREFLIGHT)
+    except MaasNotFound:
+        await client.create_script(PREFLIGHT, "#!/bin/bash\necho GPUAAS_SLICE_PREFLIGHT\n")
+    await client.commission(system_id, commissioning_scripts=[PREFLIGHT])
+    await wait_status(client, system_id, expect)
+    return (await client.read_machine(system_id)).raw["current_commissioning_result_id"]
+
+
+async def test_script_results_fetched_as_maas_serves_them_and_judged(sim: Sim, client: MaasClient) -> None:
+    from gpuaas_maas_gateway.adapters.maas_client import decode_output
+    from gpuaas_maas_gateway.domain import slice_preflight as pre
+
+    set_id = await _commission_with_preflight(client, BM01, MachineStatus.READY)
+    sets = await client.list_results(BM01, filters=[PREFLIGHT])
+    assert [s["id"] for s in sets] == [set_id] and sets[0]["type_name"] == "Commissioning"
+    assert sets[0]["resource_uri"] == f"/MAAS/api/2.0/nodes/{BM01}/results/{set_id}/"
+    (result,) = sets[0]["results"]
+    assert (result["name"], result["status_name"], result["exit_status"]) == (PREFLIGHT, "Passed", 0)
+    text = decode_output(result, "stdout")
+    assert text is not None and "GPUAAS_SLICE_PREFLIGHT_SUMMARY failures=0" in text
+    assert decode_output(result, "output") == text
+    assert pre.verdict(pre.parse(text), script_status="Passed", exit_status=0).status == "passed"
+    # Without include_output no output keys; the whole set lists the builtins too, sorted by name.
+    bare = await client.list_results(BM01, include_output=False)
+    names = [r["name"] for r in bare[0]["results"]]
+    assert names == sorted(names) and PREFLIGHT in names and "stdout" not in bare[0]["results"][0]
+    current = await client.read_result(BM01, "current-commissioning", filters=[PREFLIGHT])
+    assert current["id"] == set_id
+    with pytest.raises(MaasBadRequest) as bad:
+        await client.read_result(BM01, "current-testing")
+    assert 'Unknown id "current-testing"' in bad.value.body
+    with pytest.raises(MaasNotFound):
+        await client.read_result(BM01, 999)
+    with pytest.raises(MaasBadRequest):
+        await client.list_results(BM01, result_type="bogus")
+
+    # A host whose preflight fails: the script exits 1, MAAS fails commissioning, the output says why.
+    r = await sim.http.post(f"{sim.base}/_sim/machines/{BM02}/preflight", json={"fail": {"kvm": "kvm=missing"}})
+    assert r.status == 200
+    failed_id = await _commission_with_preflight(client, BM02, MachineStatus.FAILED_COMMISSIONING)
+    (failed,) = (await client.read_result(BM02, failed_id, filters=[PREFLIGHT]))["results"]
+    assert (failed["status_name"], failed["exit_status"]) == ("Failed", 1)
+    judged = pre.verdict(pre.parse(decode_output(failed) or ""), script_status="Failed", exit_status=1)
+    assert judged.status == "failed" and any(x.startswith("kvm: kvm=missing") for x in judged.reasons)

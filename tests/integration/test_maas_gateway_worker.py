@@ -134,7 +134,20 @@ class Gateway:
         return [{"subject": r["subject"], **json.loads(bytes(r["body"]))} for r in rows]
 
     async def result_of(self, op_id: str) -> dict[str, Any]:
-        found = [e for e in await self.events() if e["payload"].get("operation_id") == op_id]
+        found = [
+            e
+            for e in await self.events()
+            if e["payload"].get("operation_id") == op_id and e["subject"].startswith("gpuaas.maas.result.")
+        ]
+        assert len(found) == 1, found
+        return found[0]
+
+    async def preflight_of(self, op_id: str) -> dict[str, Any]:
+        found = [
+            e
+            for e in await self.events()
+            if e["payload"].get("operation_id") == op_id and e["type"] == "node.slice_preflight_reported"
+        ]
         assert len(found) == 1, found
         return found[0]
 
@@ -591,3 +604,51 @@ async def test_site_api_keys_never_reach_logs_or_events(pool: asyncpg.Pool) -> N
     for key in (KEY, EAST_KEY, wrong_east):
         for part in key.split(":"):
             assert part not in everything, "a MAAS key part leaked"
+
+
+PREFLIGHT_SCRIPT = {"name": "50-gpuaas-slice-firmware-preflight", "script": "#!/bin/bash\necho preflight\n"}
+
+
+async def test_commission_publishes_the_judged_slice_preflight(pool: asyncpg.Pool) -> None:
+    """Passed, failed (the script exits 1, MAAS fails commissioning) and missing (the run did not
+    include the script): each comes with the commission result, in the same unit of work."""
+    runner, port = await start_sim(2)
+    sim = state_of(runner)
+    sid, other = system_id_for("bm-01"), system_id_for("bm-02")
+    sim.machines[other].preflight_failures = {"bios_proc_virtualization": "ProcVirtualization=Disabled"}
+    try:
+        async with Gateway(pool, settings_for(url(port))) as gw:
+            cases = [
+                ("pf-ok", sid, [PREFLIGHT_SCRIPT["name"]], "succeeded", "passed"),
+                ("pf-bad", other, [PREFLIGHT_SCRIPT["name"]], "failed", "failed"),
+                ("pf-none", sid, ["update_firmware"], "succeeded", "missing"),
+            ]
+            for op_id, system_id, scripts, outcome, preflight in cases:
+                op = await gw.command(
+                    "maas.commission_requested",
+                    operation_id=op_id,
+                    site="default",
+                    system_id=system_id,
+                    node_id="slice-01",
+                    commissioning_scripts=scripts,
+                    scripts=[PREFLIGHT_SCRIPT],
+                )
+                await gw.finished(op)
+                result = (await gw.result_of(op))["payload"]
+                report = await gw.preflight_of(op)
+                assert report["subject"] == "gpuaas.maas.report.slice_preflight"
+                payload = report["payload"]
+                assert (op_id, result["status"], payload["status"]) == (op_id, outcome, preflight), payload
+                assert payload["system_id"] == system_id and payload["node_id"] == "slice-01"
+                assert payload["result_set_id"] == sim.machines[system_id].current_commissioning_result_id
+                if preflight == "passed":
+                    assert payload["reasons"] == [] and len(payload["nvme"]) == 9
+                    assert {c["check"] for c in payload["checks"]} >= {"kvm", "iommu", "gpu", "bf3", "sriov"}
+                elif preflight == "failed":
+                    assert result["maas_status_name"] == "Failed commissioning"
+                    assert any("ProcVirtualization=Disabled" in r for r in payload["reasons"]), payload
+                    assert any("exited with 1" in r for r in payload["reasons"])
+                else:
+                    assert payload["reasons"] == ["the commissioning run has no preflight script result"]
+    finally:
+        await runner.cleanup()

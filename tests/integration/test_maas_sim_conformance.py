@@ -445,3 +445,74 @@ async def test_scripts_create_and_commission_with_them(sim: Sim, http: aiohttp.C
         assert r.status == 200
         body = await r.json()
         assert body["status_name"] == "Commissioning" and body["current_commissioning_result_id"] == 1
+
+
+async def test_python_libmaas_reads_commissioning_results_with_base64_output(
+    sim: Sim, http: aiohttp.ClientSession
+) -> None:
+    """python-libmaas has no viscera object for results: bones exposes `NodeScriptResults.read`."""
+    from maas.client import bones
+
+    await set_timers(http, sim, commissioning=0.1, testing=0.1)
+    url = sim.api + "scripts/"
+    form = {"name": "50-gpuaas-slice-firmware-preflight", "script": "#!/bin/bash\necho x\n", "type": "commissioning"}
+    async with http.post(url, headers=signed(url, "POST"), data=form) as r:
+        assert r.status == 200
+    comm = sim.api + "machines/gpux01/?op=commission"
+    async with http.post(comm, headers=signed(comm, "POST"), data={}) as r:
+        assert r.status == 200
+        set_id = (await r.json())["current_commissioning_result_id"]
+
+    async def ready() -> bool:
+        return (await sim_machine(http, sim, "gpux01"))["status_name"] == "Ready"
+
+    await eventually(ready)
+
+    def read() -> Any:
+        async def go() -> Any:
+            session = await bones.SessionAPI.fromURL(sim.maas + "api/2.0/", credentials=tuple(KEY.split(":")))
+            return await session.NodeScriptResults.read(system_id="gpux01", type="commissioning", include_output="1")
+
+        return asyncio.get_event_loop().run_until_complete(go())
+
+    sets = await in_libmaas_thread(read)
+    assert [s["id"] for s in sets] == [set_id]
+    results = {r["name"]: r for r in sets[0]["results"]}
+    preflight = results["50-gpuaas-slice-firmware-preflight"]
+    assert preflight["status_name"] == "Passed" and preflight["exit_status"] == 0
+    text = base64.b64decode(preflight["stdout"]).decode()
+    assert "GPUAAS_SLICE_PREFLIGHT status=PASS check=kvm" in text
+    assert set(preflight) >= {
+        "id",
+        "created",
+        "updated",
+        "started",
+        "ended",
+        "runtime",
+        "starttime",
+        "endtime",
+        "estimated_runtime",
+        "parameters",
+        "script_id",
+        "script_revision_id",
+        "suppressed",
+        "output",
+        "stdout",
+        "stderr",
+        "result",
+    }
+    assert set(sets[0]) >= {
+        "id",
+        "system_id",
+        "type",
+        "type_name",
+        "last_ping",
+        "status",
+        "status_name",
+        "started",
+        "ended",
+        "runtime",
+        "resource_uri",
+        "results",
+    }
+    assert [r["name"] for r in sets[0]["results"]] == sorted(results)

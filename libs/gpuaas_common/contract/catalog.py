@@ -249,6 +249,15 @@ ALL: tuple[MessageSpec, ...] = (
         ("ops",),
     ),
     MessageSpec(
+        "node.slice_preflight_reported",
+        m.NodeSlicePreflightReported,
+        "nodeSlicePreflightReported",
+        "gpuaas.maas.report.slice_preflight",
+        "A commissioning run's slice firmware preflight (GPUAAS_SLICE_* lines), parsed and judged.",
+        ("maas-gateway",),
+        ("scheduler", "ops"),
+    ),
+    MessageSpec(
         "maas.tags_sync_requested",
         m.MaasTagsSyncRequested,
         "maasSyncTagsCommand",

@@ -451,6 +451,48 @@ class MaasCommissionResult(MaasLifecycleResult):
     maas_status_name: str | None = None
 
 
+class SlicePreflightCheck(Payload):
+    check: str = Field(min_length=1, max_length=128)
+    status: Literal["PASS", "WARN", "FAIL"]
+    detail: str = Field(default="", max_length=2048)
+    remediation: str = Field(default="", max_length=2048)
+
+
+class SlicePreflightNvmeChild(Payload):
+    name: str = Field(min_length=1, max_length=256)
+    mountpoint: str = Field(default="", max_length=1024)
+    fstype: str = Field(default="", max_length=64)
+
+
+class SlicePreflightNvme(Payload):
+    by_id: str = Field(min_length=1, max_length=1024)
+    kernel: str = Field(default="", max_length=256)
+    os_disk: bool = False
+    mounted: bool = False
+    signatures: list[str] = Field(default_factory=list, max_length=64)
+    children: list[SlicePreflightNvmeChild] = Field(default_factory=list, max_length=256)
+
+
+class NodeSlicePreflightReported(Payload):
+    """The `GPUAAS_SLICE_*` lines of a commissioning run's firmware preflight, parsed and judged by the
+    gateway. `missing`: the run has no result for the preflight script; `failed` names every reason."""
+
+    operation_id: str = Identifier
+    site: str = Identifier
+    system_id: str = Identifier
+    node_id: str | None = None
+    result_set_id: int | None = None
+    script_name: str = Field(min_length=1, max_length=256)
+    script_status: str | None = None
+    exit_status: int | None = None
+    status: Literal["passed", "failed", "missing"]
+    reasons: list[str] = Field(default_factory=list, max_length=512)
+    warnings: list[str] = Field(default_factory=list, max_length=512)
+    checks: list[SlicePreflightCheck] = Field(default_factory=list, max_length=512)
+    nvme: list[SlicePreflightNvme] = Field(default_factory=list, max_length=256)
+    reported_at: datetime
+
+
 class MaasTagsSyncResult(MaasLifecycleResult):
     profile: str = Identifier
     tags: list[str] = Field(default_factory=list)

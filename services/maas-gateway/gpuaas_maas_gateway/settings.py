@@ -54,6 +54,9 @@ class GatewaySettings(ServiceSettings):
     nats_authority_file: str | None = None
     # Lifetime of a baremetal host's NATS user; a release revokes it earlier.
     host_creds_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0)
+    # The commissioning script whose GPUAAS_SLICE_* output every commission's result is judged by
+    # (runbook: scripts/maas/commissioning/50-gpuaas-slice-firmware-preflight.sh).
+    maas_slice_preflight_script: str = "50-gpuaas-slice-firmware-preflight"
     site_profiles: dict[str, SiteProfile] = {"h200-baremetal": SiteProfile()}
 
     def sites(self) -> dict[str, MaasSite]:

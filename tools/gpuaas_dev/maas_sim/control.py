@@ -73,6 +73,30 @@ def add_routes(app: web.Application, state_key: web.AppKey[SimState]) -> None:
                 return web.json_response({"error": str(error)}, status=400)
         return web.json_response(dataclasses.asdict(state.timers))
 
+    async def preflight(request: web.Request) -> web.Response:
+        """What the slice firmware preflight prints on the machine's next commissioning runs:
+        {"fail": {"kvm": "detail", …}} or {"output": "…", "exit_status": 0}; {} back to healthy."""
+        state = state_of(request)
+        system_id = request.match_info["system_id"]
+        if system_id not in state.machines:
+            return web.json_response({"error": f"no machine {system_id}"}, status=404)
+        try:
+            body: Any = await request.json()
+            fail = body.get("fail") or {}
+            if isinstance(fail, list):
+                fail = {name: "" for name in fail}
+            output, exit_status = body.get("output"), body.get("exit_status")
+            if not isinstance(fail, dict) or (output is not None and not isinstance(output, str)):
+                raise TypeError("fail must be a list or object, output a string")
+        except (ValueError, TypeError, AttributeError) as error:
+            return web.json_response({"error": str(error)}, status=400)
+        machine = state.machines[system_id]
+        machine.preflight_failures = {str(k): str(v) for k, v in fail.items()}
+        machine.preflight_output = output
+        machine.preflight_exit_status = int(exit_status) if exit_status is not None else None
+        return web.json_response({"system_id": system_id, "fail": machine.preflight_failures})
+
+    app.router.add_post("/_sim/machines/{system_id}/preflight", preflight)
     app.router.add_get("/_sim/healthz", healthz)
     app.router.add_get("/_sim/calls", calls)
     app.router.add_delete("/_sim/calls", reset_calls)

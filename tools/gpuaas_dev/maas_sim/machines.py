@@ -190,6 +190,11 @@ class Machine:
     # one that never started by comparing this id with the one seen before asking.
     current_commissioning_result_id: int = 0
     commissioning_scripts: tuple[str, ...] = ()
+    # What the slice firmware preflight prints on this machine's next commissioning runs: check name ->
+    # failing detail ("" for the default), or the whole stdout and exit status (tests and /_sim/).
+    preflight_failures: dict[str, str] = field(default_factory=dict)
+    preflight_output: str | None = None
+    preflight_exit_status: int | None = None
 
     # ---- derived facts -------------------------------------------------------------------------
 

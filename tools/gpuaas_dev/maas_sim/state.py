@@ -12,6 +12,7 @@ from .errors import NotFound
 from .faults import FaultBook
 from .machines import Machine, Timers
 from .resources import BootResourceStore, ScriptStore
+from .script_results import ResultStore
 
 API_ROOT = "/MAAS/api/2.0/"
 
@@ -24,6 +25,7 @@ class SimState:
         self.tags: dict[str, dict[str, Any]] = {}
         self.boot_resources = BootResourceStore()
         self.scripts = ScriptStore()
+        self.results = ResultStore()
         for index, spec in enumerate(config.machine_specs(), start=1):
             system_id = spec.resolved_system_id
             if system_id in self.machines:

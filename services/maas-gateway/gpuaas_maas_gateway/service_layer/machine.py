@@ -17,6 +17,7 @@ from gpuaas_common.logging import get_logger
 
 from ..adapters.maas_errors import MaasConflict, MaasError, MaasUnreachable
 from ..domain.operations import Decision, decide, decide_commission
+from . import slice_preflight
 from .metrics import MAAS_CALLS, RESUBMITS, UNKNOWN_OUTCOMES, UNKNOWN_RESOLUTION
 from .shared import Operations, Site, as_dict, now
 
@@ -126,8 +127,21 @@ async def observe(ops: Operations, site: Site, row: asyncpg.Record) -> None:
     if row["state"] == "unknown" and decision is not Decision.WAIT:
         UNKNOWN_RESOLUTION.labels(kind, decision.value).observe(untouched_for or 0.0)
         log.info("unknown_resolved", decision=decision.value, status=machine.status_name)
+    extra: tuple[tuple[str, Any, str], ...] = ()
+    if kind == "commission" and decision in (Decision.SUCCEEDED, Decision.FAILED):
+        # A finished run (passed or failed: a failing preflight script fails commissioning) is judged
+        # by its preflight output, published with the result in the same unit of work.
+        try:
+            report = await slice_preflight.fetch(ops, site, row, machine)
+        except MaasError as exc:
+            await ops.set(op_id, last_error=str(exc)[:500], delay=ops.retry_delay(exc))
+            return
+        log.info("slice_preflight_judged", status=report.status, reasons=len(report.reasons))
+        extra = (("node.slice_preflight_reported", report, "slice_preflight"),)
     if decision is Decision.SUCCEEDED:
-        await ops.finish(row, "succeeded", status=machine.status_name, message=machine.status_message)
+        await ops.finish(
+            row, "succeeded", status=machine.status_name, message=machine.status_message, extra_events=extra
+        )
     elif decision is Decision.FAILED:
         await ops.finish(
             row,
@@ -135,6 +149,7 @@ async def observe(ops: Operations, site: Site, row: asyncpg.Record) -> None:
             status=machine.status_name,
             reason_code="maas_failed",
             message=machine.status_message or f"machine is {machine.status_name}",
+            extra_events=extra,
         )
     elif decision is Decision.RESUBMIT:
         RESUBMITS.labels(kind).inc()

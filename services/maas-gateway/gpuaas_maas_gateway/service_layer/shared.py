@@ -177,6 +177,7 @@ class Operations:
         message: str | None = None,
         result: dict[str, Any] | None = None,
         during: Callable[[GatewayRepositories], Awaitable[None]] | None = None,
+        extra_events: tuple[tuple[str, m.Payload, str], ...] = (),
     ) -> None:
         """Final state, the kind's own rows (`during`, on success) and the result event: one unit of work."""
         kind = row["kind"]
@@ -194,6 +195,13 @@ class Operations:
             await uow.events.add(
                 type_, payload, aggregate_id=aggregate, event_id=derived_event_id(row["operation_id"], "result")
             )
+            for extra_type, extra_payload, suffix in extra_events:
+                await uow.events.add(
+                    extra_type,
+                    extra_payload,
+                    aggregate_id=aggregate,
+                    event_id=derived_event_id(row["operation_id"], suffix),
+                )
             await uow.commit()
         OP_DURATION.labels(kind, outcome).observe((now() - row["created_at"]).total_seconds())
         log.info("operation_finished", outcome=outcome, maas_status=status, reason_code=reason_code)

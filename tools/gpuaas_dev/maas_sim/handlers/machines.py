@@ -8,6 +8,13 @@ from typing import Any
 
 from ..errors import BadRequest, NoMachineAvailable
 from ..machines import Machine, NodeStatus
+from ..script_results import (
+    BUILTIN_COMMISSIONING,
+    HARDWARE_TYPES,
+    PREFLIGHT_SCRIPT,
+    RESULT_TYPES,
+    preflight_output,
+)
 from ..state import API_ROOT, SimState
 from ..wire import Params
 from .routing import Call
@@ -181,7 +188,84 @@ def commission(call: Call) -> Any:
     scripts = _script_names(call, "commissioning_scripts")
     _script_names(call, "testing_scripts")
     machine.commission(call.state.now(), call.state.timers, scripts)
+    _record_commissioning_run(call.state, machine, scripts)
     return machine.to_json(API_ROOT)
+
+
+def _record_commissioning_run(state: SimState, machine: Machine, scripts: tuple[str, ...]) -> None:
+    """The run's result set: builtins plus the uploaded commissioning scripts it runs (all when the
+    request named none). A failing script fails commissioning, as MAAS does."""
+    rset = state.results.new_set(machine.system_id, 0, state.config.wall_clock())
+    machine.current_commissioning_result_id = rset.id
+    uploaded = [
+        s
+        for s in state.scripts.scripts.values()
+        if s.script_type == "commissioning" and (not scripts or s.name in scripts)
+    ]
+    for name in BUILTIN_COMMISSIONING:
+        state.results.add(rset, name, None, f"{name} on {machine.hostname}\n")
+    for script in uploaded:
+        if script.name == PREFLIGHT_SCRIPT:
+            out = machine.preflight_output
+            if out is None:
+                out = preflight_output(machine.hostname, machine.preflight_failures)
+            exit_status = machine.preflight_exit_status
+            if exit_status is None:
+                exit_status = 1 if machine.preflight_failures else 0
+            state.results.add(rset, script.name, script.id, out, exit_status)
+            if exit_status != 0:
+                machine.inject_failure("commissioning", f"Failed commissioning: {script.name} exited {exit_status}")
+        else:
+            state.results.add(rset, script.name, script.id, "")
+
+
+def _current_ids(machine: Machine) -> dict[str, int | None]:
+    return {
+        "current-commissioning": machine.current_commissioning_result_id or None,
+        "current-testing": None,
+        "current-installation": None,
+    }
+
+
+def _settle(state: SimState, machine: Machine) -> None:
+    """A set runs while its machine is still commissioning it."""
+    for rset in state.results.for_node(machine.system_id):
+        if rset.running and not (
+            machine.status is NodeStatus.COMMISSIONING and machine.current_commissioning_result_id == rset.id
+        ):
+            rset.running = False
+            rset.ended = state.config.wall_clock()
+
+
+def _output_params(call: Call) -> tuple[bool, tuple[str, ...]]:
+    hardware = call.params.get("hardware_type")
+    if hardware is not None and hardware.strip().lower() not in HARDWARE_TYPES:
+        raise BadRequest({"hardware_type": [f"Unknown hardware type '{hardware}'"]})
+    filters = tuple(f.strip() for v in call.params.getall("filters") for f in v.split(",") if f.strip())
+    # Any value switches include_output on, "false" too (MAAS only looks for the key).
+    return ("include_output" in call.params, filters)
+
+
+def list_results(call: Call) -> Any:
+    machine = call.machine
+    _settle(call.state, machine)
+    kind = call.params.get("type")
+    wanted: int | None = None
+    if kind is not None:
+        if kind.strip().lower() not in RESULT_TYPES:
+            raise BadRequest({"type": [f"Unknown type '{kind}'"]})
+        wanted = RESULT_TYPES[kind.strip().lower()]
+    include, filters = _output_params(call)
+    sets = [s for s in call.state.results.for_node(machine.system_id) if wanted is None or s.result_type == wanted]
+    return [s.to_json(API_ROOT, include, filters) for s in sorted(sets, key=lambda s: s.id)]
+
+
+def read_result(call: Call) -> Any:
+    machine = call.machine
+    _settle(call.state, machine)
+    rset = call.state.results.get(machine.system_id, call.path["id"], _current_ids(machine))
+    include, filters = _output_params(call)
+    return rset.to_json(API_ROOT, include, filters)
 
 
 def abort(call: Call) -> Any:

@@ -11,7 +11,17 @@ from .boot_resources import (
     read_boot_resource,
     upload_boot_resource_file,
 )
-from .machines import abort, allocate, commission, deploy, list_machines, read_machine, release
+from .machines import (
+    abort,
+    allocate,
+    commission,
+    deploy,
+    list_machines,
+    list_results,
+    read_machine,
+    read_result,
+    release,
+)
 from .routing import Call, Operation, Route
 from .scripts import create_script, list_scripts, read_script
 from .tags import create_tag, list_tags, read_tag, tag_machines, update_tag_nodes
@@ -65,6 +75,18 @@ ROUTES: tuple[Route, ...] = (
             Operation("abort", "POST", "abort", abort, True, "Abort the machine's current action."),
         ),
         doc="Manage an individual machine.",
+    ),
+    Route(
+        "NodeScriptResultsHandler",
+        "nodes/{system_id}/results/",
+        (Operation("results.list", "GET", None, list_results, False, "Script result sets of a node."),),
+        doc="Manage node script results.",
+    ),
+    Route(
+        "NodeScriptResultHandler",
+        "nodes/{system_id}/results/{id}/",
+        (Operation("result.read", "GET", None, read_result, False, "One script result set of a node."),),
+        doc="Manage node script results.",
     ),
     Route(
         "TagsHandler",

@@ -8,7 +8,7 @@ The API key is held in a private object that never renders itself, is never boun
 and is scrubbed from any error body MAAS echoes back (a 401 names the token it rejected).
 
 One module per concern: auth (the key), wire (URL and form encoding), transport (the signed call),
-machines, tags_scripts and boot_resources (the operations); `MaasClient` combines them.
+machines, tags_scripts, boot_resources and results (the operations); `MaasClient` combines them.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from __future__ import annotations
 from ..maas_errors import MaasError
 from .boot_resources import BootResourceCalls
 from .machines import Filter, MachineCalls
+from .results import ScriptResultCalls, decode_output
 from .tags_scripts import TagScriptCalls
 from .wire import api_root
 
 
-class MaasClient(MachineCalls, TagScriptCalls, BootResourceCalls):
+class MaasClient(MachineCalls, TagScriptCalls, BootResourceCalls, ScriptResultCalls):
     """Async client of the MAAS REST API 2.0: every operation of the gateway over one signed transport."""
 
 
-__all__ = ["Filter", "MaasClient", "MaasError", "api_root"]
+__all__ = ["Filter", "MaasClient", "MaasError", "api_root", "decode_output"]
