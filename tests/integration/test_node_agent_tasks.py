@@ -512,3 +512,30 @@ async def test_discover_task_publishes_topology_and_parity(env: Env) -> None:
     assert parity["payload"]["failures"] == 0
     node_agent = next(c for c in parity["payload"]["checks"] if c["check"] == "node_agent")
     assert node_agent["detail"] == "reporting"
+
+
+async def test_reconciler_sweeps_orphaned_reservations_and_reports_drift(env: Env) -> None:
+    from gpuaas_node_agent.adapters import dnsmasq
+
+    live = env.provision([env.slots[1]])
+    assert (await env.agent.execute("slice.vm_provision", live)).status == "succeeded"
+    dead = env.provision([env.slots[2]])
+    assert (await env.agent.execute("slice.vm_provision", dead)).status == "succeeded"
+    assert (await env.agent.execute("slice.vm_release", env.release(dead))).status == "succeeded"
+    # Left behind by a crash between undefine and the reservation's removal, and one written by hand.
+    dnsmasq.write_reservation(env.agent.hostsdir, dead.vm_name, "52:54:00:aa:00:01", "127.101.1.99", "dead-vm")
+    dnsmasq.write_reservation(env.agent.hostsdir, "by-hand", "52:54:00:aa:00:02", "127.101.1.98", "ops-vm")
+    env.agent.store.take_leases(["gpu:0000:ff:00.0"], "no-such-allocation")
+    drift = await env.agent.reconcile_host()
+    kinds = {(d.kind, d.subject, d.swept) for d in drift}
+    assert ("dhcp_reservation_orphaned", dead.vm_name, True) in kinds
+    assert ("dhcp_reservation_orphaned", "by-hand", False) in kinds
+    assert ("lease_orphaned", "gpu:0000:ff:00.0", False) in kinds
+    reservations = dnsmasq.read_reservations(env.agent.hostsdir)
+    assert dead.vm_name not in reservations and "by-hand" in reservations and live.vm_name in reservations
+    assert not any(d.subject == live.vm_name for d in drift)
+    # The live VM's domain vanishing behind the agent's back is drift too.
+    await env.libvirt.shutdown(live.vm_name, 0)
+    await env.libvirt.undefine(live.vm_name)
+    drift = await env.agent.reconcile_host()
+    assert ("domain_missing", live.vm_name) in {(d.kind, d.subject) for d in drift}

@@ -115,6 +115,19 @@ class StateStore:
         ).fetchall()
         return {r[0]: (r[1], r[2]) for r in rows}
 
+    def live_allocations(self) -> set[str]:
+        """Allocations whose latest task is a running or succeeded provision, or an unfinished release."""
+        rows = self._db.execute(
+            "SELECT allocation_id, task_type, status FROM tasks ORDER BY updated_at, rowid"
+        ).fetchall()
+        latest = {r[0]: (r[1], r[2]) for r in rows}
+        return {
+            a
+            for a, (t, s) in latest.items()
+            if (t == "slice.vm_provision" and s in ("running", "succeeded"))
+            or (t == "slice.vm_release" and s != "succeeded")
+        }
+
     def set_phase(self, task_id: str, phase: str, *, disk_touched: bool = False) -> None:
         self._db.execute(
             "UPDATE tasks SET phase = ?, disk_touched = MAX(disk_touched, ?), updated_at = ? WHERE task_id = ?",

@@ -3,12 +3,13 @@
 Idempotent per task id through the local state store; a stale fencing epoch or a resource leased to
 another allocation is refused before anything destructive runs; any failure after the disk was
 touched is reported with `cleanup_required` so the scheduler never hands the slot out unwiped.
-Every task runs within its deadline, and a task a killed agent left half-done is finished on restart:
-rerun when nothing destructive had happened yet (or when it was a release), else reported failed
-with cleanup — exactly one result either way.
+Every task runs within its deadline, and a task a killed agent left half-done is resumed on restart under
+the same claim and fencing epoch; a provision that cannot resume after it wrote the disk is wiped and
+verified by the agent, with the proof in its result — exactly one result either way.
 
 The agent is assembled from one module per concern: core (wiring, exceptions, phases, disk check), provision,
-release, runner (one task end to end), recovery (start-up) and evidence (topology and parity).
+release, runner (one task end to end), recovery (start-up), reconciler (host against records) and evidence
+(topology and parity).
 """
 
 from __future__ import annotations

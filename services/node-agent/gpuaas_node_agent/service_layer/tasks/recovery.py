@@ -8,7 +8,7 @@ import asyncio
 from gpuaas_common.contract import messages as m
 
 from .core import log
-from .runner import TaskRunner
+from .reconciler import HostReconciler
 
 _TASK_MODELS: dict[str, type[m.Payload]] = {
     "slice.vm_provision": m.SliceVmProvision,
@@ -16,7 +16,7 @@ _TASK_MODELS: dict[str, type[m.Payload]] = {
 }
 
 
-class TaskRecovery(TaskRunner):
+class TaskRecovery(HostReconciler):
     # --- start-up ---------------------------------------------------------------------------------
 
     async def recover(self) -> list[m.NodeTaskResult]:
@@ -38,7 +38,7 @@ class TaskRecovery(TaskRunner):
             )
             resumed.append(self.execute(record["task_type"], task))
         results = list(await asyncio.gather(*resumed))
-        await self.reconcile_domains()
+        await self.reconcile_host()
         return results
 
     async def reconcile_domains(self) -> None:
