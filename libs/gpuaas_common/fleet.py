@@ -119,6 +119,8 @@ def generate_fleet(
                 hostname=node_id,
                 region=region,
                 sku="h200-sxm-slice",
+                # A MAAS machine too: commissioning runs its slice firmware preflight.
+                maas_system_id=system_id_for(node_id),
                 host_root=str(host_root) if host_root else None,
                 slots=slots,
             )

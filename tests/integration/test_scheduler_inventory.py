@@ -12,6 +12,7 @@ from gpuaas_scheduler.adapters import admin_slots, synthetic
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.domain.placement import rank_classes, rank_nodes
 from gpuaas_scheduler.domain.slots import InvalidSlotTransition
+from gpuaas_scheduler.service_layer.evidence import record_slice_preflight
 from gpuaas_scheduler.service_layer.handlers import fail_allocation, release_allocation
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place
 
@@ -55,6 +56,21 @@ async def post(api, path, body, key=None, method="POST"):
     headers = {**AUTH, "Idempotency-Key": key or uuid.uuid4().hex}
     resp = await api.request(method, path, json=body, headers=headers)
     return resp.status, await resp.json()
+
+
+def preflight_report(node_id, status, *, system_id="sys-h1", op="pf-1", reasons=()):
+    from datetime import UTC, datetime
+
+    return m.NodeSlicePreflightReported(
+        operation_id=op,
+        site="default",
+        system_id=system_id,
+        node_id=node_id,
+        script_name="50-gpuaas-slice-firmware-preflight",
+        status=status,
+        reasons=list(reasons),
+        reported_at=datetime.now(UTC),
+    )
 
 
 CLEAN = {"mounted": False, "mounted_children": [], "signatures": [], "is_os_disk": False}
@@ -126,6 +142,11 @@ async def test_approval_enforces_every_rule_through_the_api(api, pool):
     assert (await run_place(pool, accepted())).unschedulable.reason_code == "no_eligible_node"
     status, _ = await post(api, "/v1/nodes/h1/readiness", {"actor": "agent", "parity_failures": 0}, method="PUT")
     assert status == 200
+    # ... and with a passing commissioning preflight (none reported yet: missing).
+    u = (await run_place(pool, accepted())).unschedulable
+    assert u is not None and u.filtered.get("preflight_missing") == 1, u
+    async with pool.acquire() as conn:
+        await record_slice_preflight(conn, preflight_report("h1", "passed"))
     placed = (await run_place(pool, accepted())).placed
     assert placed and [s.slot_id for s in placed.slots] == ["h1-c0"]
 
@@ -518,3 +539,57 @@ async def test_the_approval_write_itself_refuses_a_slot_that_is_not_idle(pool):
                 )
             assert dict(await conn.fetchrow("SELECT * FROM node_resource_slots WHERE slot_id = 'n00001-s0'")) == before
             assert await conn.fetchval("SELECT count(*) FROM slot_transitions") == 0
+
+
+PREFLIGHT_GATE = [
+    # (reports in order as (status, by system id?), outcome of the last, bucket or None when placeable)
+    ([("passed", True)], "applied", None),
+    ([("failed", True)], "applied", "preflight_failed"),
+    ([("missing", True)], "applied", "preflight_missing"),
+    ([("passed", True), ("failed", True)], "applied", "preflight_failed"),
+    ([("failed", True), ("passed", False)], "applied", None),
+]
+
+
+@pytest.mark.parametrize(("reports", "outcome", "bucket"), PREFLIGHT_GATE)
+async def test_slice_capability_is_gated_on_the_commissioning_preflight(pool, reports, outcome, bucket):
+    """The machine maps to its node by maas_system_id (or the command's node id); the latest verdict gates."""
+    async with pool.acquire() as conn:
+        (node,) = await synthetic.build(conn, slice_hosts=1, slots_per_host=2)
+        await conn.execute(
+            "UPDATE nodes SET maas_system_id = 'sys-x', preflight_status = NULL WHERE node_id = $1", node
+        )
+        u = (await run_place(pool, accepted(gpus=1))).unschedulable
+        assert u is not None and u.filtered.get("preflight_missing") == 1
+        got = None
+        for i, (status, by_sid) in enumerate(reports):
+            ev = preflight_report(
+                None if by_sid else node, status, system_id="sys-x" if by_sid else "sys-y", op=f"pf{i}"
+            )
+            got = await record_slice_preflight(conn, ev)
+        assert got == outcome
+        assert await record_slice_preflight(conn, ev) == "duplicate"
+        kept = await conn.fetchval("SELECT count(*) FROM node_slice_preflight WHERE node_id = $1", node)
+        assert kept == len(reports)
+    result = await run_place(pool, accepted(gpus=1))
+    if bucket is None:
+        assert result.placed is not None
+    else:
+        assert result.unschedulable is not None and result.unschedulable.filtered.get(bucket) == 1, result
+
+
+async def test_preflight_for_an_unknown_machine_is_kept_without_a_node_and_an_old_one_is_stale(pool):
+    from datetime import timedelta
+
+    async with pool.acquire() as conn:
+        (node,) = await synthetic.build(conn, slice_hosts=1, slots_per_host=1)
+        await conn.execute("UPDATE nodes SET maas_system_id = 'sys-x' WHERE node_id = $1", node)
+        assert (
+            await record_slice_preflight(conn, preflight_report(None, "passed", system_id="nobody")) == "unknown_node"
+        )
+        assert await conn.fetchval("SELECT node_id FROM node_slice_preflight WHERE operation_id = 'pf-1'") is None
+        late = preflight_report(None, "failed", system_id="sys-x", op="pf-old")
+        late = late.model_copy(update={"reported_at": late.reported_at - timedelta(hours=1)})
+        await record_slice_preflight(conn, preflight_report(None, "passed", system_id="sys-x", op="pf-new"))
+        assert await record_slice_preflight(conn, late) == "stale"
+        assert await conn.fetchval("SELECT preflight_status FROM nodes WHERE node_id = $1", node) == "passed"

@@ -160,6 +160,7 @@ def facts(**kw):
         live_claims=0,
         exclusive_held=False,
         candidate=cand("n1", range(8)),
+        preflight_status="passed",
     )
     base.update(kw)
     return NodeFacts(**base)
@@ -178,6 +179,10 @@ def facts(**kw):
         ({"maintenance": True}, "maintenance"),
         ({"draining": True}, "draining"),
         ({"schedulable": False}, "not_ready"),
+        ({"preflight_status": None}, "preflight_missing"),
+        ({"preflight_status": "missing"}, "preflight_missing"),
+        ({"preflight_status": "failed"}, "preflight_failed"),
+        ({"preflight_status": "failed", "parity_failures": 3}, "preflight_failed"),
         ({"parity_failures": None}, "parity"),
         ({"parity_failures": 2}, "parity"),
         ({"exclusive_held": True}, "in_use"),
@@ -194,6 +199,20 @@ def test_baremetal_filters():
     req = Request("baremetal", 8, "r1", "h200-sxm")
     node = facts(sku="h200-sxm", accepts_baremetal=True, accepts_slices=False, mode="baremetal", parity_failures=None)
     assert node_filter(node, req) is None
+    # The commissioning preflight gates slice capability only: a whole host needs no VFIO firmware.
+    assert (
+        node_filter(
+            facts(
+                sku="h200-sxm",
+                accepts_baremetal=True,
+                mode="baremetal",
+                preflight_status="failed",
+                accepts_slices=False,
+            ),
+            req,
+        )
+        is None
+    )
     assert node_filter(facts(sku="h200-sxm", accepts_baremetal=True, mode="baremetal", live_claims=1), req) == "in_use"
     assert node_filter(facts(sku="h200-sxm"), req) == "profile_intent"
 

@@ -14,11 +14,16 @@ FLEET_SUBNET = "127.100.0.0/16"
 
 
 def maas_machines(fleet: Fleet) -> list[dict[str, Any]]:
-    """The simulator's machine list: exactly the fleet's baremetal nodes, so their system ids agree."""
+    """The simulator's machine list: every fleet node MAAS knows (baremetal hosts, and slice hosts, which
+    MAAS commissions), so their system ids agree."""
     return [
-        {"system_id": n.maas_system_id, "hostname": n.hostname, "tags": ["gpuaas", n.sku]}
+        {
+            "system_id": n.maas_system_id,
+            "hostname": n.hostname,
+            "tags": ["gpuaas", n.sku] + (["gpuaas-profile-slice-vm"] if n.kind == "slice_host" else []),
+        }
         for n in fleet.nodes
-        if n.kind == "baremetal" and n.maas_system_id
+        if n.maas_system_id
     ]
 
 

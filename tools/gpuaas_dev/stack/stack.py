@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import shutil
 import signal
@@ -23,6 +24,7 @@ from .description import describe_stack, record_database_secrets, write_secrets
 from .environment import TIMER_FLAGS, maas_sim_argv, maas_sim_proc, service_proc
 from .fleet import prepare_fleet_dir
 from .identities import make_identities, onboard_slice_hosts, provision_bus
+from .preflight import commission_slice_hosts
 from .processes import (
     ALL_PROCESSES,
     MAAS_SIM,
@@ -286,6 +288,12 @@ class Stack:
             spawn(self._procs[name], self.run_dir)
         self.describe()
         self._wait(list(SERVICES), self.ready_timeout_s)
+        # Slice hosts become slice-capable only with a passing commissioning preflight: commission them
+        # through the gateway, as ops would (see stack/preflight.py).
+        try:
+            asyncio.run(commission_slice_hosts(self.nats_options("admin"), self.dsn, self._fleet, self.ready_timeout_s))
+        except TimeoutError as exc:
+            raise StackError(f"{exc}\n--- maas-gateway log ---\n{self.log_tail('maas-gateway')}") from None
 
     def stop(self) -> None:
         """SIGTERM every process this stack started (by PID), SIGKILL after `stop_timeout_s`."""

@@ -102,3 +102,55 @@ async def upsert_image_readiness(
 
 async def node_exists(conn: asyncpg.Connection, node_id: str) -> bool:
     return bool(await conn.fetchval("SELECT 1 FROM nodes WHERE node_id = $1", node_id))
+
+
+async def node_for_machine(conn: asyncpg.Connection, system_id: str, node_id: str | None) -> str | None:
+    """The scheduler node a MAAS machine is: by its system id (nodes carry maas_system_id), else by the
+    node id the command named."""
+    found = await conn.fetchval("SELECT node_id FROM nodes WHERE maas_system_id = $1", system_id)
+    if found is None and node_id:
+        found = await conn.fetchval("SELECT node_id FROM nodes WHERE node_id = $1", node_id)
+    return found
+
+
+async def insert_slice_preflight(conn: asyncpg.Connection, node_id: str | None, row: dict[str, Any]) -> bool:
+    return (
+        await conn.fetchval(
+            "INSERT INTO node_slice_preflight (operation_id, node_id, site, system_id, result_set_id, script_name, "
+            "script_status, exit_status, status, reasons, warnings, checks, nvme, reported_at) "
+            "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11::jsonb, $12::jsonb, $13::jsonb, $14) "
+            "ON CONFLICT (operation_id) DO NOTHING RETURNING operation_id",
+            row["operation_id"],
+            node_id,
+            row["site"],
+            row["system_id"],
+            row["result_set_id"],
+            row["script_name"],
+            row["script_status"],
+            row["exit_status"],
+            row["status"],
+            json.dumps(row["reasons"]),
+            json.dumps(row["warnings"]),
+            json.dumps(row["checks"]),
+            json.dumps(row["nvme"]),
+            row["reported_at"],
+        )
+        is not None
+    )
+
+
+async def update_preflight(
+    conn: asyncpg.Connection, node_id: str, status: str, reported_at: datetime, operation_id: str
+) -> bool:
+    return (
+        await conn.fetchrow(
+            "UPDATE nodes SET preflight_status = $2, preflight_reported_at = $3, preflight_operation_id = $4, "
+            "updated_at = now() WHERE node_id = $1 AND (preflight_reported_at IS NULL OR preflight_reported_at <= $3) "
+            "RETURNING node_id",
+            node_id,
+            status,
+            reported_at,
+            operation_id,
+        )
+        is not None
+    )

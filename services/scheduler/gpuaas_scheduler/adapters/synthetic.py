@@ -44,8 +44,8 @@ async def build(
     baremetal_sku: str = "h200-sxm",
     prefix: str = "n",
 ) -> list[str]:
-    """Slice hosts `<prefix>00001…` (parity-clean, every slot approved) and baremetal hosts `bm…`.
-    With `convertible`, slice hosts also carry the baremetal tag."""
+    """Slice hosts `<prefix>00001…` (parity-clean, commissioning preflight passed, every slot approved)
+    and baremetal hosts `bm…`. With `convertible`, slice hosts also carry the baremetal tag."""
     import json
 
     tags = [TAG_SLICE, TAG_BAREMETAL] if convertible else [TAG_SLICE]
@@ -62,6 +62,7 @@ async def build(
             tags,
             "slice",
             0,
+            "passed",
         )
         for i in range(1, slice_hosts + 1)
     ] + [
@@ -76,6 +77,7 @@ async def build(
             "baremetal",
             [TAG_BAREMETAL],
             "baremetal",
+            None,
             None,
         )
         for i in range(1, baremetal_hosts + 1)
@@ -95,6 +97,7 @@ async def build(
             "maas_tags",
             "mode",
             "parity_failures",
+            "preflight_status",
         ],
     )
     cols = [

@@ -102,6 +102,8 @@ class NodeFacts:
     image_ready: bool = True
     # Approved slots in any status but retired: each still promises its GPU and disk to slices.
     approved_slots: int = 0
+    # The last commissioning preflight's verdict (passed / failed / missing); None: never reported.
+    preflight_status: str | None = None
 
 
 # --- slots ----------------------------------------------------------------------------------------
@@ -251,6 +253,9 @@ def node_filter(node: NodeFacts, req: Request) -> str | None:
         return "not_ready"
     if req.shape == "baremetal":
         return "in_use" if node.live_claims else None
+    if node.preflight_status != "passed":
+        # Commissioning decides whether the host is firmware-capable (runbook): no passing preflight, no slices.
+        return "preflight_failed" if node.preflight_status == "failed" else "preflight_missing"
     if node.parity_failures is None or node.parity_failures > 0:
         return "parity"
     if not node.image_ready:
@@ -275,6 +280,8 @@ NODE_LEVEL = {
     "maintenance",
     "draining",
     "not_ready",
+    "preflight_failed",
+    "preflight_missing",
     "parity",
     "image_cache",
     "in_use",
@@ -344,6 +351,8 @@ _FILTER_TEXT = {
     "maintenance": "in maintenance",
     "draining": "draining",
     "not_ready": "not ready",
+    "preflight_failed": "whose commissioning preflight failed",
+    "preflight_missing": "without a commissioning preflight",
     "parity": "without parity failures=0",
     "image_cache": "without the image verified in cache",
     "in_use": "held by another allocation",

@@ -4,6 +4,10 @@
   gate on (a slice host takes slices only with failures = 0).
 - `node.topology_reported` -> `candidate_slots`: advisory only. Nothing here ever creates or changes
   a slot; an operator approves candidates through the admin API.
+- `node.slice_preflight_reported` (MAAS gateway, after a commissioning run) -> a `node_slice_preflight`
+  row (the evidence, kept) and the node's `preflight_status`, which SLICE_NODE_SQL and the
+  `preflight_failed` / `preflight_missing` filters gate on. The machine is mapped to its node by
+  `maas_system_id`; a report for a machine no node carries is kept with no node.
 - `image.node_cache_changed` -> `node_image_readiness`, read by the image cache gate of slice
   placement (see `inventory.image_gate`).
 
@@ -95,3 +99,15 @@ async def _why_not_applied(conn: asyncpg.Connection, node_id: str) -> str:
     # An unknown node is not an error to retry: the scheduler learns nodes from the fleet file or the
     # admin API, and the agent reports again at its next start or discovery task.
     return "stale" if await repo.node_exists(conn, node_id) else "unknown_node"
+
+
+async def record_slice_preflight(conn: asyncpg.Connection, ev: m.NodeSlicePreflightReported) -> str:
+    """'applied', 'stale', 'duplicate' or 'unknown_node' (the evidence row is kept in every case but a duplicate)."""
+    node_id = await repo.node_for_machine(conn, ev.system_id, ev.node_id)
+    if not await repo.insert_slice_preflight(conn, node_id, ev.model_dump(mode="python")):
+        return "duplicate"
+    if node_id is None:
+        return "unknown_node"
+    if await repo.update_preflight(conn, node_id, ev.status, ev.reported_at, ev.operation_id):
+        return "applied"
+    return "stale"

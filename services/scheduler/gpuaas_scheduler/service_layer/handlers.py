@@ -61,6 +61,17 @@ class Scheduler:
         outcome = await evidence.record_topology(ctx.conn, ev)
         log.info("topology_recorded", node_id=ev.node_id, candidates=len(ev.candidate_slots), outcome=outcome)
 
+    async def on_slice_preflight(self, ctx: HandlerContext) -> None:
+        ev: m.NodeSlicePreflightReported = ctx.payload
+        outcome = await evidence.record_slice_preflight(ctx.conn, ev)
+        log.info(
+            "slice_preflight_recorded",
+            system_id=ev.system_id,
+            status=ev.status,
+            reasons=ev.reasons[:5],
+            outcome=outcome,
+        )
+
     async def on_image_cache(self, ctx: HandlerContext) -> None:
         ev: m.ImageNodeCacheChanged = ctx.payload
         outcome = await evidence.record_image_cache(ctx.conn, ev, ctx.envelope.occurred_at)
@@ -197,6 +208,7 @@ EVIDENCE_CONSUMERS = {
     "scheduler-node-parity": "node.parity_reported",
     "scheduler-node-topology": "node.topology_reported",
     "scheduler-image-cache": "image.node_cache_changed",
+    "scheduler-slice-preflight": "node.slice_preflight_reported",
 }
 
 
@@ -206,6 +218,7 @@ def evidence_handlers(scheduler: Scheduler) -> dict[str, dict]:
         "node.parity_reported": scheduler.on_parity,
         "node.topology_reported": scheduler.on_topology,
         "image.node_cache_changed": scheduler.on_image_cache,
+        "node.slice_preflight_reported": scheduler.on_slice_preflight,
     }
     return {durable: {type_: by_type[type_]} for durable, type_ in EVIDENCE_CONSUMERS.items()}
 

@@ -125,6 +125,7 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
             ),
             r["image_ready"],
             r["approved_slots"],
+            r["preflight_status"],
         )
         for r in rows
     ]

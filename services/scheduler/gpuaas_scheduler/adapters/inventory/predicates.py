@@ -12,10 +12,11 @@ SLOT_COLUMNS = (
     "slot_id, gpu_pci_address, nvme_by_id, fabric_vf_pci_address, mac, private_ip, ovs_bridge, numa_node, profile"
 )
 
-# A node may take slices now: intent, mode, readiness evidence, and no drain or maintenance.
+# A node may take slices now: intent, mode, readiness evidence (a passing commissioning preflight and
+# parity), and no drain or maintenance.
 SLICE_NODE_SQL = (
-    "n.accepts_slices AND n.mode = 'slice' AND n.parity_failures = 0 AND n.schedulable AND NOT n.draining "
-    "AND NOT n.maintenance"
+    "n.accepts_slices AND n.mode = 'slice' AND n.preflight_status = 'passed' AND n.parity_failures = 0 "
+    "AND n.schedulable AND NOT n.draining AND NOT n.maintenance"
 )
 # A node may be handed out whole: baremetal mode, intent, no drain or maintenance, and no approved slot
 # left in any status but retired: a slot promises its GPU and disk to slices, a baremetal tenant owns
