@@ -16,6 +16,7 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
+    KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -208,6 +209,20 @@ async def ensure_consumers(
     return outcome
 
 
+# The bus's revocation ledger (see identity/authority.py): one key, compare-and-set, no history needed.
+IDENTITY_BUCKET = "IDENTITY"
+
+
+async def ensure_identity_bucket(js: JetStreamContext, storage: StorageType = StorageType.FILE) -> str:
+    try:
+        await js.key_value(IDENTITY_BUCKET)
+        return "unchanged"
+    except nats.js.errors.BucketNotFoundError:
+        await js.create_key_value(KeyValueConfig(bucket=IDENTITY_BUCKET, history=1, storage=storage))
+        log.info("kv_created", bucket=IDENTITY_BUCKET)
+        return "created"
+
+
 async def provision(
     js: JetStreamContext,
     consumers: tuple[ConsumerSpec, ...] | list[ConsumerSpec] = (),
@@ -217,5 +232,6 @@ async def provision(
     outcome: dict[str, str] = {}
     for stream in STREAMS:
         outcome[f"stream:{stream.name}"] = await ensure_stream(js, stream, storage)
+    outcome[f"kv:{IDENTITY_BUCKET}"] = await ensure_identity_bucket(js, storage)
     outcome.update(await ensure_consumers(js, consumers, wait_s=0))
     return outcome

@@ -330,6 +330,7 @@ async def test_bad_credentials_are_refused_with_the_servers_reason(
 
 
 async def test_a_revoked_host_is_disconnected_at_once_and_cannot_come_back(
+    clients: dict[str, Client],
     server: NatsServer,
     tls_files: TlsFiles,
     authority: Authority,
@@ -342,7 +343,9 @@ async def test_a_revoked_host_is_disconnected_at_once_and_cannot_come_back(
 
     host = await connect(server, tls_files, creds, closed_cb=on_closed)
     assert await host.can_publish("gpuaas.node.n3.report.parity")
-    await authority.issuer().revoke([server.url], authority.issued_hosts["n3"], tls=client_context(tls_files.ca))
+    await authority.issuer().revoke(
+        [server.url], authority.issued_hosts["n3"], js=clients["admin"].nc.jetstream(), tls=client_context(tls_files.ca)
+    )
     await asyncio.wait_for(closed.wait(), timeout=5)  # no server restart: the account update closed it
     with pytest.raises(Exception, match="(?i)authorization violation"):
         await connect(server, tls_files, creds)
@@ -353,12 +356,15 @@ async def test_a_revoked_host_is_disconnected_at_once_and_cannot_come_back(
 
 
 async def test_concurrent_revocations_are_all_kept(
-    server: NatsServer, tls_files: TlsFiles, authority: Authority
+    clients: dict[str, Client], server: NatsServer, tls_files: TlsFiles, authority: Authority
 ) -> None:
-    """Gateway replicas and an ops command may push account updates at the same moment."""
-    issued = [authority.issue_host(f"c{i}") for i in range(4)]
+    """Gateway replicas and an ops command may revoke at the same moment: none of them may be lost."""
+    issued = [authority.issue_host(f"c{i}") for i in range(8)]
     ctx = client_context(tls_files.ca)
-    await asyncio.gather(*(authority.issuer().revoke([server.url], [str(c.claims["sub"])], tls=ctx) for c in issued))
+    js = clients["admin"].nc.jetstream()
+    await asyncio.gather(
+        *(authority.issuer().revoke([server.url], [str(c.claims["sub"])], js=js, tls=ctx) for c in issued)
+    )
     for creds in issued:
         with pytest.raises(Exception, match="(?i)authorization violation"):
             await connect(server, tls_files, creds)

@@ -85,6 +85,10 @@ def decommission_host(
     nats_url: Annotated[str, typer.Option("--nats-url", help="Any server of the cluster.")],
     keys_dir: KeysOpt = Path(".run/dev/keys"),
     ca_file: Annotated[Optional[Path], typer.Option("--ca-file")] = None,
+    admin_creds: Annotated[
+        Optional[Path],
+        typer.Option("--admin-creds", help="Creds allowed on the revocation ledger (default: ../creds/admin.creds)."),
+    ] = None,
 ) -> None:
     """Revoke every user issued to the host; its connections close at once."""
     from gpuaas_common.identity.tls import client_context
@@ -96,8 +100,22 @@ def decommission_host(
         err.print(f"[red]no users were issued to {node_id} from {keys_dir}[/]")
         raise typer.Exit(2)
     tls = client_context(ca_file) if ca_file else None
+    admin = admin_creds or keys_dir.parent / "creds" / "admin.creds"
+
+    async def revoke() -> int:
+        import nats
+
+        from gpuaas_common.natsconn import NatsIdentity
+
+        ident = NatsIdentity(split_servers(nats_url), str(admin), str(ca_file) if ca_file else None)
+        nc = await nats.connect(**ident.connect_kwargs(), connect_timeout=5, max_reconnect_attempts=2)
+        try:
+            return await auth.issuer().revoke(split_servers(nats_url), users, js=nc.jetstream(), tls=tls)
+        finally:
+            await nc.close()
+
     try:
-        asyncio.run(auth.issuer().revoke(split_servers(nats_url), users, tls=tls))
+        asyncio.run(revoke())
     except Exception as exc:
         err.print(f"[red]revocation failed[/]: {exc}")
         raise typer.Exit(1) from None

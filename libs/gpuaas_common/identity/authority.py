@@ -15,13 +15,13 @@ credentials and revokes them needs (the MAAS gateway, for baremetal hosts).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..jetstream import IDENTITY_BUCKET
 from . import creds as creds_mod
 from .creds import Creds
 from .jwt import Key, decode, encode
@@ -51,6 +51,9 @@ ACCOUNT_LIMITS = {
     "leaf": -1,
 }
 DEFAULT_USER_TTL_S = 365 * 24 * 3600.0
+# The revocation ledger: a JetStream KV entry in the GPUAAS account, written by compare-and-set.
+REVOCATIONS_BUCKET = IDENTITY_BUCKET
+REVOCATIONS_KEY = "revocations"
 
 
 class AuthorityError(RuntimeError):
@@ -100,15 +103,23 @@ class Issuer:
         nats_servers: list[str],
         user_publics: list[str],
         *,
+        js: Any,
         tls: Any = None,
         prune_older_than_s: float | None = DEFAULT_USER_TTL_S,
-        attempts: int = 5,
+        attempts: int = 20,
     ) -> int:
-        """Revoke users at once: read the account JWT the servers hold, add the keys, re-sign, push,
-        and read back. Several writers (gateway replicas, an ops command) may race; each one re-reads
-        after its push and retries until its keys are in, so no revocation is lost to another's push."""
-        import nats
+        """Revoke users at once, safely against other revokers (gateway replicas, an ops command).
 
+        Pushing an account JWT replaces the one the servers hold, so two writers that each read, add
+        and push can lose each other's revocations. The list therefore lives in a JetStream KV entry
+        (`js`: a connection in the GPUAAS account allowed to use it) updated by compare-and-set, and
+        the account JWT pushed is always built from the newest revision: a writer pushes, reads the
+        revision again and pushes once more if someone wrote in between, so the last push carries
+        everything. Returns how many users are revoked in total."""
+        import nats
+        from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+        kv = await js.key_value(REVOCATIONS_BUCKET)
         nc = await nats.connect(
             servers=nats_servers,
             user_credentials=nats.aio.client.RawCredentials(self.sys_creds.render()),
@@ -119,34 +130,46 @@ class Issuer:
             inbox_prefix=b"_INBOX_authority",
         )
         try:
-            for attempt in range(1, attempts + 1):
-                current = await self._lookup(nc)
-                claims = decode(current)
-                revs: dict[str, int] = dict(claims["nats"].get("revocations") or {})
+            for _ in range(attempts):  # 1: record, by compare-and-set
+                try:
+                    entry = await kv.get(REVOCATIONS_KEY)
+                    revs, revision = json.loads(entry.value), entry.revision
+                except KeyNotFoundError:
+                    # First use: start from what the servers hold, so nothing revoked before is dropped.
+                    revs = dict(decode(await self._lookup(nc))["nats"].get("revocations") or {})
+                    revision = None
                 now = int(time.time())
-                for pk in user_publics:
-                    revs[pk] = now
+                revs.update({pk: now for pk in user_publics})
                 if prune_older_than_s is not None:
                     # A revocation older than the longest user lifetime covers only expired JWTs.
-                    horizon = now - prune_older_than_s
-                    revs = {k: v for k, v in revs.items() if v >= horizon}
-                nats_claims = {k: v for k, v in claims["nats"].items() if k != "version"}
-                nats_claims["revocations"] = revs
-                jwt = encode(
-                    self.operator_signing,
-                    claims["sub"],
-                    claims["name"],
-                    nats_claims,
-                    issued_at=max(now, int(claims["iat"]) + 1),
-                )
-                await self._push(nc, jwt)
-                back = decode(await self._lookup(nc))["nats"].get("revocations") or {}
-                if all(int(back.get(pk, 0)) >= now for pk in user_publics):
-                    return len(back)
-                await asyncio.sleep(0.05 * attempt)  # another writer's push landed in between: merge again
-            raise AuthorityError(f"revocation of {len(user_publics)} user(s) not confirmed after {attempts} attempts")
+                    revs = {k: v for k, v in revs.items() if v >= now - prune_older_than_s}
+                data = json.dumps(revs, sort_keys=True).encode()
+                try:
+                    if revision is None:
+                        await kv.create(REVOCATIONS_KEY, data)
+                    else:
+                        await kv.update(REVOCATIONS_KEY, data, last=revision)
+                    break
+                except KeyWrongLastSequenceError:
+                    continue  # another revoker wrote first: merge into theirs
+            else:
+                raise AuthorityError(f"could not record {len(user_publics)} revocation(s): too much contention")
+            for _ in range(attempts):  # 2: the servers get the newest revision, whoever pushes it
+                entry = await kv.get(REVOCATIONS_KEY)
+                await self._push(nc, self._with_revocations(await self._lookup(nc), json.loads(entry.value)))
+                if (await kv.get(REVOCATIONS_KEY)).revision == entry.revision:
+                    return len(json.loads(entry.value))
+            raise AuthorityError("the revocation list kept changing while it was pushed")
         finally:
             await nc.close()
+
+    def _with_revocations(self, current_jwt: str, revocations: dict[str, int]) -> str:
+        claims = decode(current_jwt)
+        nats_claims = {k: v for k, v in claims["nats"].items() if k != "version"}
+        nats_claims["revocations"] = revocations
+        # A later iat than the stored JWT's, or resolvers that sync keep the older one.
+        iat = max(int(time.time()), int(claims["iat"]) + 1)
+        return encode(self.operator_signing, claims["sub"], claims["name"], nats_claims, issued_at=iat)
 
     async def _lookup(self, nc: Any) -> str:
         msg = await nc.request(f"$SYS.REQ.ACCOUNT.{self.account_public}.CLAIMS.LOOKUP", b"", timeout=5)

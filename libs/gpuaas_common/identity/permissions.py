@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..contract.catalog import ALL as MESSAGE_SPECS
-from ..jetstream import CONSUMERS, ConsumerSpec, node_agent_consumer
+from ..jetstream import CONSUMERS, IDENTITY_BUCKET, ConsumerSpec, node_agent_consumer
 
 SERVICES: tuple[str, ...] = ("allocator", "scheduler", "image-pipeline", "maas-gateway")
 # Roles that are people or upstream systems rather than our services.
@@ -85,10 +85,24 @@ def consumer_rights(spec: ConsumerSpec, *, may_create: bool) -> tuple[str, ...]:
     return tuple(rights)
 
 
+# Services that revoke host users (the MAAS gateway, at a baremetal release) keep the revocation ledger,
+# a KV entry: read it, and write it by compare-and-set; nothing else of the bucket's stream.
+REVOKERS = ("maas-gateway",)
+_KV = f"KV_{IDENTITY_BUCKET}"
+REVOCATION_LEDGER_RIGHTS = (
+    f"$JS.API.STREAM.INFO.{_KV}",
+    f"$JS.API.DIRECT.GET.{_KV}.>",
+    f"$JS.API.STREAM.MSG.GET.{_KV}",
+    f"$KV.{IDENTITY_BUCKET}.revocations",
+)
+
+
 def service_permissions(service: str) -> Permissions:
     if service not in SERVICES:
         raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
     pub = list(produced_subjects(service))
+    if service in REVOKERS:
+        pub += REVOCATION_LEDGER_RIGHTS
     for spec in durables_of(service):
         pub += consumer_rights(spec, may_create=True)
     return Permissions(pub_allow=tuple(pub), sub_allow=(f"{inbox_prefix(service)}.>",))

@@ -95,7 +95,7 @@ def service_proc(stack: Stack, name: str) -> _Proc:
         env.update(
             GPUAAS_REGISTRY_HOST=stack._registry.host,
             GPUAAS_REGISTRY_TLS_MODE="plain-http",
-            GPUAAS_ADMIN_PORT=str(stack._admin_port),
+            GPUAAS_ADMIN_PORT="0",
             GPUAAS_ADMIN_TOKEN=stack._admin_token,
             GPUAAS_IMAGE_BUILD_DIR=str(stack.run_dir / "image-builds"),
             # The gateway uploads host images by the path the pipeline names; both run on this

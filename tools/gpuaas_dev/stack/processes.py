@@ -10,8 +10,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MAAS_SIM = "maas-sim"
 # Start order; stop runs in reverse so consumers go before what they consume from.
@@ -65,6 +66,8 @@ class _Proc:
     port: int | None = None  # health port (services) or API port (maas-sim)
     started_at: float | None = None
     restarts: int = 0
+    # What the process wrote in its ready file, e.g. the port its admin API bound.
+    info: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pid(self) -> int | None:
@@ -116,6 +119,7 @@ def check_ready(p: _Proc) -> bool:
     if not port:
         return False
     p.port = int(port)
+    p.info = info
     return _http_ok(f"http://127.0.0.1:{p.port}{p.ready_path}")
 
 

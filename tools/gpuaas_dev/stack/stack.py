@@ -78,7 +78,6 @@ class Stack:
         self._pg: PostgresServer | None = None
         self._registry: RegistryServer | None = None
         self._admin_token: str | None = None
-        self._admin_port: int | None = None
         self._dsn: str | None = None
         self._service_dsns: dict[str, str] = {}  # service -> its own role's DSN, password inside
         self._fleet: Fleet | None = None
@@ -188,7 +187,17 @@ class Stack:
         return self.run_dir / "host-images"
 
     @property
+    def _admin_port(self) -> int | None:
+        """The image admin API binds a port of its own choosing (no race for a pre-picked free port) and
+        names it in its ready file."""
+        p = self._procs.get("image-pipeline")
+        port = p.info.get("admin_port") if p is not None and p.alive() else None
+        return int(port) if port else None
+
+    @property
     def image_admin_url(self) -> str:
+        if self._admin_port is None:
+            raise StackError("the image pipeline's admin API is not up")
         return f"http://127.0.0.1:{self._admin_port}"
 
     @property
@@ -245,7 +254,6 @@ class Stack:
         self._maas_api_key = str(generate_api_key())
         self._enrolment_secret = secrets.token_hex(32)
         self._admin_token = secrets.token_hex(24)
-        self._admin_port = free_port()
         write_secrets(
             self.run_dir / "secrets.json",
             maas_api_key=self._maas_api_key,

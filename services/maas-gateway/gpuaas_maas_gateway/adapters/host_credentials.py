@@ -11,6 +11,7 @@ from __future__ import annotations
 import ssl
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from gpuaas_common.identity import Issuer
 from gpuaas_common.logging import get_logger
@@ -28,9 +29,11 @@ class HostCredentials:
         unit_of_work: Callable[[], UnitOfWork[GatewayRepositories]],
         servers: list[str],
         *,
+        js: Any,
         tls: ssl.SSLContext | None,
         ttl_s: float,
     ) -> None:
+        self.js = js  # the gateway's own connection: it keeps the revocation ledger with it
         self.issuer = issuer
         self.unit_of_work = unit_of_work
         self.servers = servers
@@ -55,7 +58,8 @@ class HostCredentials:
             return 0
         # Pushed to NATS outside any transaction: a revocation that went through but was not recorded is
         # simply pushed again by the next attempt (revoking twice is harmless).
-        await self.issuer.revoke(self.servers, keys, tls=self.tls, prune_older_than_s=self.ttl_s * 2)
+        # No shorter pruning than the default: the ledger also holds slice hosts' year-long users.
+        await self.issuer.revoke(self.servers, keys, js=self.js, tls=self.tls)
         async with self.unit_of_work() as uow:
             await uow.repos.host_credentials.mark_revoked(keys)
             await uow.commit()

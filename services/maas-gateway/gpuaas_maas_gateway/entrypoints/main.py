@@ -39,6 +39,7 @@ def build_register(settings: GatewaySettings):
                 Issuer.load(settings.nats_authority_file),
                 unit_of_work_factory(rt.pool),
                 rt.identity.servers,
+                js=rt.js,
                 tls=rt.identity.tls_context(),
                 ttl_s=settings.host_creds_ttl_s,
             )
