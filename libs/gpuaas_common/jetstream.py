@@ -218,7 +218,9 @@ async def ensure_identity_bucket(js: JetStreamContext, storage: StorageType = St
         await js.key_value(IDENTITY_BUCKET)
         return "unchanged"
     except nats.js.errors.BucketNotFoundError:
-        await js.create_key_value(KeyValueConfig(bucket=IDENTITY_BUCKET, history=1, storage=storage))
+        # No direct get: its responders come up after the stream and answered "no responders" under load;
+        # reads go through the JetStream API, which always answers.
+        await js.create_key_value(KeyValueConfig(bucket=IDENTITY_BUCKET, history=1, storage=storage, direct=False))
         log.info("kv_created", bucket=IDENTITY_BUCKET)
         return "created"
 

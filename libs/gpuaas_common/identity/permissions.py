@@ -91,7 +91,6 @@ REVOKERS = ("maas-gateway",)
 _KV = f"KV_{IDENTITY_BUCKET}"
 REVOCATION_LEDGER_RIGHTS = (
     f"$JS.API.STREAM.INFO.{_KV}",
-    f"$JS.API.DIRECT.GET.{_KV}.>",
     f"$JS.API.STREAM.MSG.GET.{_KV}",
     f"$KV.{IDENTITY_BUCKET}.revocations",
 )
