@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import shutil
 import signal
@@ -19,6 +18,7 @@ from gpuaas_common.pg_roles import SERVICE_ROLES
 from gpuaas_dev.testing.servers import NatsServer, PostgresServer, RegistryServer, free_port
 
 from ..maas_sim.auth import generate_api_key
+from .coroutines import run_coro
 from .database import create_database, create_service_roles
 from .description import describe_stack, record_database_secrets, write_secrets
 from .environment import TIMER_FLAGS, maas_sim_argv, maas_sim_proc, service_proc
@@ -299,7 +299,9 @@ class Stack:
         # Slice hosts become slice-capable only with a passing commissioning preflight: commission them
         # through the gateway, as ops would (see stack/preflight.py).
         try:
-            asyncio.run(commission_slice_hosts(self.nats_options("admin"), self.dsn, self._fleet, self.ready_timeout_s))
+            # On a thread of its own, like every async step here: the caller may be inside a running loop.
+            options, fleet = self.nats_options("admin"), self._fleet
+            run_coro(lambda: commission_slice_hosts(options, self.dsn, fleet, self.ready_timeout_s))
         except TimeoutError as exc:
             raise StackError(f"{exc}\n--- maas-gateway log ---\n{self.log_tail('maas-gateway')}") from None
 

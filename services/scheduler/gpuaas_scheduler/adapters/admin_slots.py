@@ -14,6 +14,7 @@ from typing import Any
 import asyncpg
 
 from ..domain.slots import APPROVAL_REPLACES, InvalidSlotTransition, check_approval
+from .evidence import CANDIDATE_FIELDS as REPORTED_CANDIDATE_FIELDS
 
 SLOT_VIEW = (
     "slot_id, node_id, gpu_pci_address, numa_node, pcie_switch, nvme_by_id, nvme_evidence, fabric_claim_mode, "
@@ -23,19 +24,8 @@ SLOT_VIEW = (
 )
 # Storage metadata recorded at approval (migrations/007_slot_storage.sql says what each means).
 STORAGE_FIELDS = ("storage_ownership", "storage_mode", "destructive_wipe_policy", "storage_identity_kind")
-CANDIDATE_FIELDS = (
-    "gpu_pci_address",
-    "numa_node",
-    "pcie_switch",
-    "nvme_by_id",
-    "fabric_claim_mode",
-    "fabric_vf_pci_address",
-    "mac",
-    "private_ip",
-    "ovs_bridge",
-    "ovs_port",
-    "profile",
-)
+# What an agent reports for a candidate, plus the runtime profile ops choose at approval.
+CANDIDATE_FIELDS = (*REPORTED_CANDIDATE_FIELDS, "profile")
 # `claimed`: a live claim names the slot, whatever its status says.
 _CLAIMED = (
     "EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.slot_id = s.slot_id "
