@@ -38,7 +38,9 @@ def _drop_tls_eof_noise(record: logging.LogRecord) -> bool:
 
 logging.getLogger("asyncio").addFilter(_drop_tls_eof_noise)
 
-AUTH_MARKERS = ("authorization violation", "authentication expired", "authentication revoked")
+# nats-py words the same refusal differently on different paths ("authorization failed" is its own text
+# for the server's Authorization Violation).
+AUTH_MARKERS = ("authorization violation", "authorization failed", "authentication expired", "authentication revoked")
 
 
 def split_servers(urls: str) -> list[str]:
