@@ -1,5 +1,5 @@
 """What the stack tells the outside: `stack.json` (how to reach it, no secrets) and `secrets.json` (mode 0600:
-the MAAS API key, the enrolment secret, the image admin token and the database passwords)."""
+the MAAS API key, the enrolment secret, the admin API tokens and the database passwords)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ from .processes import MAAS_SIM
 
 if TYPE_CHECKING:
     from .stack import Stack
+
+# The services with an admin API -> the prefix of their keys: `<prefix>_admin_url` in stack.json,
+# `<prefix>_admin_token` in secrets.json.
+ADMIN_APIS: dict[str, str] = {"scheduler": "scheduler", "image-pipeline": "image"}
 
 
 def describe_stack(stack: Stack) -> dict[str, Any]:
@@ -48,7 +52,10 @@ def describe_stack(stack: Stack) -> dict[str, Any]:
         "maas_url": stack.maas_url if stack._procs.get(MAAS_SIM) and stack._procs[MAAS_SIM].port else None,
         "fleet_file": str(stack.run_dir / "fleet" / "fleet.json"),
         "registry_url": stack._registry.url if stack._registry else None,
-        "image_admin_url": f"http://127.0.0.1:{stack._admin_port}" if stack._admin_port else None,
+        **{
+            f"{prefix}_admin_url": f"http://127.0.0.1:{port}" if (port := stack.admin_port(service)) else None
+            for service, prefix in ADMIN_APIS.items()
+        },
         "fleet": {
             "slice_hosts": stack.slice_hosts,
             "slots_per_host": stack.slots_per_host,
@@ -65,14 +72,16 @@ def describe_stack(stack: Stack) -> dict[str, Any]:
     return info
 
 
-def write_secrets(path: Path, *, maas_api_key: str, enrolment_secret: str, image_admin_token: str) -> None:
+def write_secrets(path: Path, *, maas_api_key: str, enrolment_secret: str, admin_tokens: dict[str, str]) -> None:
+    """`admin_tokens` maps a service of ADMIN_APIS to its token, stored as `<prefix>_admin_token`
+    (`scheduler_admin_token`, `image_admin_token`)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(
             {
                 "maas_api_key": maas_api_key,
                 "enrolment_secret": enrolment_secret,
-                "image_admin_token": image_admin_token,
+                **{f"{ADMIN_APIS[service]}_admin_token": token for service, token in admin_tokens.items()},
             },
             f,
         )

@@ -89,14 +89,16 @@ def service_proc(stack: Stack, name: str) -> _Proc:
         env["GPUAAS_ENROLMENT_SECRET"] = stack.enrolment_secret
     elif name == "scheduler":
         env["GPUAAS_INVENTORY_FILE"] = str(files["fleet"])
+        # Port 0: the API binds its own and names it in the ready file (stack.json's scheduler_admin_url).
+        env.update(GPUAAS_ADMIN_PORT="0", GPUAAS_ADMIN_TOKEN=stack.admin_token(name))
     elif name == "image-pipeline":
         env["GPUAAS_IMAGE_SEED_FILE"] = str(files["seed"])
-        assert stack._registry is not None and stack._admin_token is not None
+        assert stack._registry is not None
         env.update(
             GPUAAS_REGISTRY_HOST=stack._registry.host,
             GPUAAS_REGISTRY_TLS_MODE="plain-http",
             GPUAAS_ADMIN_PORT="0",
-            GPUAAS_ADMIN_TOKEN=stack._admin_token,
+            GPUAAS_ADMIN_TOKEN=stack.admin_token(name),
             GPUAAS_IMAGE_BUILD_DIR=str(stack.run_dir / "image-builds"),
             # The gateway uploads host images by the path the pipeline names; both run on this
             # machine, so a run-dir directory is shared without any gateway setting.

@@ -20,7 +20,7 @@ from gpuaas_dev.testing.servers import NatsServer, PostgresServer, RegistryServe
 from ..maas_sim.auth import generate_api_key
 from .coroutines import run_coro
 from .database import create_database, create_service_roles
-from .description import describe_stack, record_database_secrets, write_secrets
+from .description import ADMIN_APIS, describe_stack, record_database_secrets, write_secrets
 from .environment import TIMER_FLAGS, maas_sim_argv, maas_sim_proc, service_proc
 from .fleet import prepare_fleet_dir
 from .identities import make_identities, onboard_slice_hosts, provision_bus
@@ -77,7 +77,8 @@ class Stack:
         self._nats: NatsServer | None = None
         self._pg: PostgresServer | None = None
         self._registry: RegistryServer | None = None
-        self._admin_token: str | None = None
+        # One bearer token per admin API (scheduler, image pipeline); both in secrets.json.
+        self._admin_tokens: dict[str, str] = {}
         self._dsn: str | None = None
         self._service_dsns: dict[str, str] = {}  # service -> its own role's DSN, password inside
         self._fleet: Fleet | None = None
@@ -186,25 +187,41 @@ class Stack:
         """Where the image pipeline writes MAAS host image tgz files for the gateway to upload."""
         return self.run_dir / "host-images"
 
-    @property
-    def _admin_port(self) -> int | None:
-        """The image admin API binds a port of its own choosing (no race for a pre-picked free port) and
-        names it in its ready file."""
-        p = self._procs.get("image-pipeline")
+    def admin_port(self, service: str) -> int | None:
+        """An admin API (scheduler, image-pipeline) binds a port of its own choosing (no race for a
+        pre-picked free port) and names it in its ready file."""
+        p = self._procs.get(service)
         port = p.info.get("admin_port") if p is not None and p.alive() else None
         return int(port) if port else None
 
+    def admin_url(self, service: str) -> str:
+        port = self.admin_port(service)
+        if port is None:
+            raise StackError(f"the {service} admin API is not up")
+        return f"http://127.0.0.1:{port}"
+
+    def admin_token(self, service: str) -> str:
+        if service not in ADMIN_APIS:
+            raise StackError(f"{service!r} has no admin API; those that do: {', '.join(ADMIN_APIS)}")
+        if service not in self._admin_tokens:
+            raise StackError("stack not started")
+        return self._admin_tokens[service]
+
     @property
     def image_admin_url(self) -> str:
-        if self._admin_port is None:
-            raise StackError("the image pipeline's admin API is not up")
-        return f"http://127.0.0.1:{self._admin_port}"
+        return self.admin_url("image-pipeline")
 
     @property
     def image_admin_token(self) -> str:
-        if self._admin_token is None:
-            raise StackError("stack not started")
-        return self._admin_token
+        return self.admin_token("image-pipeline")
+
+    @property
+    def scheduler_admin_url(self) -> str:
+        return self.admin_url("scheduler")
+
+    @property
+    def scheduler_admin_token(self) -> str:
+        return self.admin_token("scheduler")
 
     @property
     def fleet(self) -> Fleet:
@@ -253,12 +270,12 @@ class Stack:
         self._reset_run_dir()
         self._maas_api_key = str(generate_api_key())
         self._enrolment_secret = secrets.token_hex(32)
-        self._admin_token = secrets.token_hex(24)
+        self._admin_tokens = {service: secrets.token_hex(24) for service in ADMIN_APIS}
         write_secrets(
             self.run_dir / "secrets.json",
             maas_api_key=self._maas_api_key,
             enrolment_secret=self._enrolment_secret,
-            image_admin_token=self._admin_token,
+            admin_tokens=self._admin_tokens,
         )
 
         # Held before start() so a start that fails half-way is still stopped by stop().
