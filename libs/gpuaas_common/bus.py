@@ -5,6 +5,9 @@ Every subscriber is a durable pull consumer provisioned by `jetstream.provision`
 nak with a growing delay on a transient error, and dead-letter (with the reason) a message that is
 not JSON, breaks the contract, or has failed `max_deliver` times. A poison message therefore never
 crashes a consumer and never blocks a stream.
+
+Ack waits are short (a few seconds) so a message whose consumer died is redelivered soon; a message
+still being worked on (or waiting for a free place) is kept by progress acks every third of the ack wait.
 """
 
 from __future__ import annotations
@@ -137,6 +140,36 @@ def _errors(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:8])
 
 
+class _KeepAlive:
+    """Progress acks (`+WPI`) every third of the ack wait until stopped, so JetStream redelivers a message
+    only when its consumer is gone, not because its handler is slow. A timer, not a task: most messages
+    finish long before the first progress ack is due and cost nothing."""
+
+    def __init__(self, raw: Any, ack_wait_s: float) -> None:
+        self._raw = raw
+        self._interval = max(ack_wait_s / 3.0, 0.05)
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(self._interval, self._tick)
+        self._sending: asyncio.Task[None] | None = None
+
+    def _tick(self) -> None:
+        if self._sending is None or self._sending.done():
+            self._sending = self._loop.create_task(self._send())
+        self._handle = self._loop.call_later(self._interval, self._tick)
+
+    async def _send(self) -> None:
+        try:
+            await self._raw.in_progress()
+        except Exception as exc:
+            # A lost connection: the server redelivers after the ack wait, which is what it should do.
+            log.debug("progress_ack_failed", error=repr(exc))
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class Bus:
     """Wires handlers to durable consumers and publishes directly (for services without an outbox)."""
 
@@ -197,20 +230,31 @@ class Bus:
         if concurrency == 1:
 
             async def on_message(msg: NatsMessage) -> None:
-                await self.dispatch(spec, handlers, msg, transactional)
+                keep = _KeepAlive(msg.raw_message, spec.ack_wait_s)
+                try:
+                    await self.dispatch(spec, handlers, msg, transactional)
+                finally:
+                    keep.stop()
 
         else:
             places = asyncio.Semaphore(concurrency)
 
-            async def run(msg: NatsMessage) -> None:
+            async def run(msg: NatsMessage, keep: _KeepAlive) -> None:
                 try:
                     await self.dispatch(spec, handlers, msg, transactional)
                 finally:
+                    keep.stop()
                     places.release()
 
             async def on_message(msg: NatsMessage) -> None:
-                await places.acquire()
-                task = asyncio.create_task(run(msg))
+                # From receipt: a message waiting for a place is in flight too.
+                keep = _KeepAlive(msg.raw_message, spec.ack_wait_s)
+                try:
+                    await places.acquire()
+                except BaseException:
+                    keep.stop()
+                    raise
+                task = asyncio.create_task(run(msg, keep))
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
 

@@ -30,6 +30,9 @@ log = get_logger(__name__)
 DAY = 24 * 3600.0
 # Longer than the outbox relay's retry horizon so a republish after a hiccup is still dropped.
 DUPLICATE_WINDOW_S = 15 * 60.0
+# How long a delivered message may go without an ack or a progress ack before JetStream redelivers it: the
+# time a dead consumer holds its messages. Short, because the bus sends progress acks while it works.
+ACK_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class StreamSpec:
     max_age_s: float = 7 * DAY
     description: str = ""
 
-    def config(self, storage: StorageType) -> StreamConfig:
+    def config(self, storage: StorageType, replicas: int = 1) -> StreamConfig:
         return StreamConfig(
             name=self.name,
             subjects=list(self.subjects),
@@ -49,7 +52,7 @@ class StreamSpec:
             discard=DiscardPolicy.OLD,
             max_age=self.max_age_s,
             duplicate_window=DUPLICATE_WINDOW_S,
-            num_replicas=1,
+            num_replicas=replicas,
         )
 
 
@@ -71,7 +74,7 @@ class ConsumerSpec:
     stream: str
     filter_subject: str
     max_deliver: int = 8
-    ack_wait_s: float = 30.0
+    ack_wait_s: float = ACK_WAIT_S
     max_ack_pending: int = 1000
     description: str = ""
 
@@ -108,11 +111,12 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     consumer("allocator-maas-results", "MAAS", "gpuaas.maas.result.>"),
     consumer("allocator-images", "IMAGES", "gpuaas.image.event.>"),
     consumer("scheduler-allocation-events", "ALLOCATIONS", "gpuaas.allocation.event.>"),
-    consumer("maas-gateway-commands", "MAAS", "gpuaas.maas.command.>", ack_wait_s=60.0),
+    consumer("maas-gateway-commands", "MAAS", "gpuaas.maas.command.>"),
     consumer("image-pipeline-enrolments", "NODE_REPORTS", "gpuaas.node.*.report.enrolled"),
     consumer("image-pipeline-cache-reports", "NODE_REPORTS", "gpuaas.node.*.report.image_cache"),
     consumer("scheduler-node-parity", "NODE_REPORTS", "gpuaas.node.*.report.parity"),
     consumer("scheduler-node-topology", "NODE_REPORTS", "gpuaas.node.*.report.topology"),
+    consumer("scheduler-node-drift", "NODE_REPORTS", "gpuaas.node.*.report.drift"),
     consumer("scheduler-image-cache", "IMAGES", "gpuaas.image.event.node_cache_changed"),
     consumer("scheduler-slice-preflight", "MAAS", "gpuaas.maas.report.slice_preflight"),
     consumer("image-pipeline-maas-uploads", "MAAS", "gpuaas.maas.result.upload_image"),
@@ -121,7 +125,7 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
 CONSUMER_BY_NAME = {c.durable: c for c in CONSUMERS}
 
 
-def node_agent_consumer(node_id: str, max_deliver: int = 8, ack_wait_s: float = 120.0) -> ConsumerSpec:
+def node_agent_consumer(node_id: str, max_deliver: int = 8, ack_wait_s: float = ACK_WAIT_S) -> ConsumerSpec:
     return consumer(
         f"node-agent-{node_id}",
         "NODE_TASKS",
@@ -138,6 +142,7 @@ def _stream_differs(have: StreamConfig, want: StreamConfig) -> bool:
         or have.max_age != want.max_age
         or have.duplicate_window != want.duplicate_window
         or have.description != want.description
+        or (have.num_replicas or 1) != (want.num_replicas or 1)
     )
 
 
@@ -151,8 +156,10 @@ def _consumer_differs(have: ConsumerConfig, want: ConsumerConfig) -> bool:
     )
 
 
-async def ensure_stream(js: JetStreamContext, spec: StreamSpec, storage: StorageType = StorageType.FILE) -> str:
-    want = spec.config(storage)
+async def ensure_stream(
+    js: JetStreamContext, spec: StreamSpec, storage: StorageType = StorageType.FILE, replicas: int = 1
+) -> str:
+    want = spec.config(storage, replicas)
     try:
         info = await js.stream_info(spec.name)
     except nats.js.errors.NotFoundError:
@@ -213,14 +220,18 @@ async def ensure_consumers(
 IDENTITY_BUCKET = "IDENTITY"
 
 
-async def ensure_identity_bucket(js: JetStreamContext, storage: StorageType = StorageType.FILE) -> str:
+async def ensure_identity_bucket(
+    js: JetStreamContext, storage: StorageType = StorageType.FILE, replicas: int = 1
+) -> str:
     try:
         await js.key_value(IDENTITY_BUCKET)
         return "unchanged"
     except nats.js.errors.BucketNotFoundError:
         # No direct get: its responders come up after the stream and answered "no responders" under load;
         # reads go through the JetStream API, which always answers.
-        await js.create_key_value(KeyValueConfig(bucket=IDENTITY_BUCKET, history=1, storage=storage, direct=False))
+        await js.create_key_value(
+            KeyValueConfig(bucket=IDENTITY_BUCKET, history=1, storage=storage, direct=False, replicas=replicas)
+        )
         log.info("kv_created", bucket=IDENTITY_BUCKET)
         return "created"
 
@@ -229,11 +240,15 @@ async def provision(
     js: JetStreamContext,
     consumers: tuple[ConsumerSpec, ...] | list[ConsumerSpec] = (),
     storage: StorageType = StorageType.FILE,
+    replicas: int = 1,
 ) -> dict[str, str]:
-    """Every stream and the given durables: what the admin identity does; services call ensure_consumers."""
+    """Every stream and the given durables: what the admin identity does; services call ensure_consumers.
+
+    `replicas` is 3 on a 3-node cluster (every stream, the ledger and — by inheritance — every durable
+    survive one dead server), 1 on a single server."""
     outcome: dict[str, str] = {}
     for stream in STREAMS:
-        outcome[f"stream:{stream.name}"] = await ensure_stream(js, stream, storage)
-    outcome[f"kv:{IDENTITY_BUCKET}"] = await ensure_identity_bucket(js, storage)
+        outcome[f"stream:{stream.name}"] = await ensure_stream(js, stream, storage, replicas)
+    outcome[f"kv:{IDENTITY_BUCKET}"] = await ensure_identity_bucket(js, storage, replicas)
     outcome.update(await ensure_consumers(js, consumers, wait_s=0))
     return outcome

@@ -26,11 +26,16 @@ class ServiceSettings(BaseSettings):
     # Written once the service is ready; lets a supervisor learn a port chosen by the OS.
     ready_file: str | None = None
     log_level: str = "INFO"
+    # How long start-up waits for Postgres and NATS to answer before it exits with a reason
+    # (database_unreachable, nats_unreachable, nats_auth_refused) for the supervisor to act on.
+    startup_timeout_s: float = Field(default=30.0, gt=0)
     instance_id: str = "0"
     relay_poll_interval_s: float = Field(default=1.0, gt=0)
     relay_batch_size: int = Field(default=200, ge=1, le=10_000)
     consumer_max_deliver: int = Field(default=8, ge=2, le=100)
-    consumer_ack_wait_s: float = Field(default=30.0, gt=0)
+    # JetStream redelivers a message after this long without an ack or progress ack (see bus.py): how long a
+    # crashed consumer's messages wait. A consumer may declare a longer one; none shorter.
+    consumer_ack_wait_s: float = Field(default=5.0, gt=0)
     # How long inbox rows and stored Idempotency-Key answers are kept (retention.py says why 8 days); at
     # least JetStream's 15-minute duplicate window.
     inbox_retention_s: float = Field(default=8 * 24 * 3600.0, gt=15 * 60.0)

@@ -16,7 +16,13 @@ class AgentSettings(ServiceSettings):
     dnsmasq_hostsdir: str = "/etc/gpuaas/dnsmasq-hosts"
     dnsmasq_lease_file: str = "/var/lib/misc/dnsmasq.leases"
     seed_dir: str = "/var/lib/gpuaas/seeds"
-    # How long JetStream waits for a task's ack before redelivering it (a slice provision can take minutes).
-    task_ack_wait_s: float = Field(default=120.0, gt=0)
+    # The GPU bridge's address the parity run expects (runbook: ovsbr0 10.100.0.1/24, dnsmasq and NAT on its /24).
+    gpu_bridge_cidr: str = "10.100.0.1/24"
+    # How long JetStream waits for a task's ack or progress ack before redelivering it. A slice provision takes
+    # minutes, but the bus sends progress acks while it runs: this only bounds how long a dead agent holds it.
+    task_ack_wait_s: float = Field(default=5.0, gt=0)
     # Tasks handled in parallel per host (on disjoint slots).
     task_concurrency: int = Field(default=8, ge=1, le=64)
+    # Seconds between reconciler passes (host against the task records, drift reported to the scheduler);
+    # one pass also runs at start.
+    reconcile_interval_s: float = Field(default=300.0, gt=0)
