@@ -183,6 +183,20 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "warnings": 0,
         "checks": [{"check": "kvm", "status": "PASS", "detail": "/dev/kvm"}],
     },
+    "node.drift_reported": {
+        "node_id": "slice-01",
+        "checked_at": "2030-01-01T00:00:00+00:00",
+        "drift": [
+            {
+                "kind": "device_binding",
+                "subject": "0000:18:00.0",
+                "detail": "bound to nvidia",
+                "slot_ids": ["slice-01-s0"],
+                "devices": ["0000:18:00.0"],
+            },
+            {"kind": "dhcp_reservation_orphaned", "subject": "gpuaas-1", "detail": "released", "swept": True},
+        ],
+    },
     "maas.deploy_requested": {
         "operation_id": "op-1",
         "allocation_id": ALLOC,

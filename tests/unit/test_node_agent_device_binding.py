@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from gpuaas_node_agent.domain.device_binding import approved_devices, parse_list_overrides, plan, wrong_bindings
+from gpuaas_node_agent.domain.device_binding import (
+    approved_devices,
+    binding_problems,
+    parse_list_overrides,
+    plan,
+    wrong_bindings,
+)
 
 
 def test_approved_devices_are_the_slots_gpus_and_vfs_deduplicated() -> None:
@@ -30,3 +36,19 @@ def test_list_overrides_output_is_parsed() -> None:
         "0000:18:00.0": "vfio-pci",
         "0000:29:00.1": "vfio-pci",
     }
+
+
+def test_binding_problems_cover_every_approved_device_and_only_what_is_wrong() -> None:
+    gpu, vf, other, gone, nvme = "0000:18:00.0", "0000:29:00.1", "0000:3a:00.0", "0000:5d:00.0", "0000:03:00.0"
+    overrides = {vf: "vfio-pci", other: "vfio-pci", gone: "vfio-pci", nvme: "nvme", gpu: "nvidia"}
+    bound = {gpu: "nvidia", vf: "vfio-pci", other: None, nvme: "nvme"}
+    problems = binding_problems([gpu, vf], overrides, bound, present=[gpu, vf, other, nvme])
+    assert problems == {
+        # A slot's GPU overridden to its host driver: neither persistent nor bound.
+        gpu: ["no persistent vfio-pci override (override to nvidia)", "bound to nvidia"],
+        # An override nobody used yet is an approved device all the same.
+        other: ["bound to no driver"],
+        gone: ["not on this host"],
+    }
+    assert binding_problems([], {}, {}, present=[]) == {}
+    assert binding_problems([gpu], {}, {gpu: "vfio-pci"}, present=[gpu]) == {gpu: ["no persistent vfio-pci override"]}

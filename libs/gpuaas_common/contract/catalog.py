@@ -195,6 +195,16 @@ ALL: tuple[MessageSpec, ...] = (
         NODE_ID,
     ),
     MessageSpec(
+        "node.drift_reported",
+        m.NodeDriftReported,
+        "nodeDriftReported",
+        "gpuaas.node.{node_id}.report.drift",
+        "The agent reconciler's current drift list (empty = clean); placement skips drifted slots until ops act.",
+        ("node-agent",),
+        ("scheduler", "ops"),
+        NODE_ID,
+    ),
+    MessageSpec(
         "maas.deploy_requested",
         m.MaasDeployRequested,
         "maasDeployCommand",

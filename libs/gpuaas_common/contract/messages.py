@@ -344,6 +344,39 @@ class NodeParityReported(Payload):
     warnings: int = Field(ge=0)
 
 
+DriftKind = Literal[
+    "domain_unmanaged",
+    "domain_missing",
+    "dhcp_reservation_orphaned",
+    "lease_orphaned",
+    "device_binding",
+    "disk_unusable",
+    "disk_dirty",
+]
+
+
+class NodeDrift(Payload):
+    """One disagreement between the host and the agent's records. `swept`: the agent removed the orphan
+    itself (evidence only). Otherwise it stands until the host agrees again or ops acknowledge it: on the
+    slots named (by id, or by their GPU, fabric VF or disk among `devices`), else on the whole node."""
+
+    kind: DriftKind
+    subject: str = Field(min_length=1, max_length=1024)
+    detail: str = Field(max_length=2048)
+    swept: bool = False
+    slot_ids: list[str] = Field(default_factory=list, max_length=64)
+    devices: list[str] = Field(default_factory=list, max_length=64)
+
+
+class NodeDriftReported(Payload):
+    """The agent reconciler's full current drift list (empty: the host agrees with the records); each
+    report replaces the previous one."""
+
+    node_id: str = Identifier
+    checked_at: datetime
+    drift: list[NodeDrift] = Field(default_factory=list, max_length=1024)
+
+
 # --- MAAS gateway ----------------------------------------------------------------------------------
 
 

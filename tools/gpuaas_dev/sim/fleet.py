@@ -40,6 +40,19 @@ def _host_identity(settings: SimFleetSettings, node_id: str) -> NatsIdentity:
     return NatsIdentity(servers, settings.nats_creds, settings.nats_ca_file)
 
 
+SHARED_TEST_HYPERVISOR = "test:///default"
+
+
+def _private_test_hypervisor(paths: HostPaths) -> str:
+    """`test:///default` is one hypervisor per process, shared by every host simulated here, with a `test`
+    domain of its own: each host's reconciler would report the others' VMs as domains it does not manage.
+    A test driver opened from a file is private to its connection: one empty hypervisor per host."""
+    node_xml = paths.host("/var/lib/gpuaas/sim-hypervisor.xml")
+    node_xml.parent.mkdir(parents=True, exist_ok=True)
+    node_xml.write_text("<node>\n</node>\n")
+    return f"test://{node_xml.resolve()}"
+
+
 def _prepare_host_tree(settings: SimFleetSettings, node: FleetNode, paths: HostPaths) -> None:
     """A generated host tree (sysfs, /dev with its disks, /proc, /etc and host tools, so discovery, parity
     and the disk preflight work on it), its image cache and dnsmasq directories."""
@@ -91,6 +104,8 @@ async def _run_simulated_slice_host(
 ) -> None:
     paths = HostPaths(Path(node.host_root or settings.host_root))
     _prepare_host_tree(settings, node, paths)
+    if settings.libvirt_uri == SHARED_TEST_HYPERVISOR:
+        settings = settings.model_copy(update={"libvirt_uri": _private_test_hypervisor(paths)})
     sim = SimulatedDhcpAndGuest(
         paths.host(settings.dnsmasq_hostsdir), paths.host(settings.dnsmasq_lease_file), ssh_port
     )

@@ -243,6 +243,20 @@ async def _blkid_signatures(path: Path) -> list[DiskSignature]:
     ]
 
 
+async def signatures(dst: str | os.PathLike[str]) -> list[DiskSignature]:
+    """What wipefs and blkid find on the disk now, read-only. Raises DiskError when a probe cannot run (a
+    missing tool included): "nothing found" must never stand in for "not looked"."""
+    path = Path(dst)
+    _kind(path)
+    found: list[DiskSignature] = []
+    for tool, check in (("wipefs", _wipefs_signatures), ("blkid", _blkid_signatures)):
+        try:
+            found += await check(path)
+        except FileNotFoundError:
+            raise DiskError("tool_missing", f"{tool} is not installed") from None
+    return found
+
+
 async def verify_wiped(dst: str | os.PathLike[str], method: str = "unspecified") -> WipeProof:
     """Both wipefs and blkid must run and find nothing. A check that cannot run gives verified=False with
     the reason in `detail`, never a pass."""

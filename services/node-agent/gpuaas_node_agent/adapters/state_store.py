@@ -128,6 +128,25 @@ class StateStore:
             or (t == "slice.vm_release" and s != "succeeded")
         }
 
+    def slot_records(self) -> dict[str, dict[str, Any]]:
+        """slot_id → the latest task that named the slot: its binding (as the task carried it), task type,
+        status, VM and allocation. Tasks on one slot never interleave, so the latest update is the latest task."""
+        rows = self._db.execute(
+            "SELECT task_type, status, vm_name, allocation_id, payload_json FROM tasks "
+            "WHERE payload_json IS NOT NULL ORDER BY updated_at, rowid"
+        ).fetchall()
+        out: dict[str, dict[str, Any]] = {}
+        for task_type, status, vm_name, allocation_id, payload in rows:
+            for binding in json.loads(payload).get("slots") or []:
+                out[binding["slot_id"]] = {
+                    "binding": binding,
+                    "task_type": task_type,
+                    "status": status,
+                    "vm_name": vm_name,
+                    "allocation_id": allocation_id,
+                }
+        return out
+
     def set_phase(self, task_id: str, phase: str, *, disk_touched: bool = False) -> None:
         self._db.execute(
             "UPDATE tasks SET phase = ?, disk_touched = MAX(disk_touched, ?), updated_at = ? WHERE task_id = ?",

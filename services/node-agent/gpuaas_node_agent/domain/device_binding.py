@@ -54,3 +54,26 @@ def parse_list_overrides(text: str) -> dict[str, str]:
         if len(words) >= 2:
             out[words[0]] = words[1]
     return out
+
+
+def binding_problems(
+    wanted: Iterable[str], overrides: Mapping[str, str], bound: Mapping[str, str | None], present: Iterable[str]
+) -> dict[str, list[str]]:
+    """Per device that should sit on vfio-pci (the host's vfio-pci overrides plus `wanted`, the devices of the
+    slots the agent was handed), what is wrong with it: no persistent vfio-pci override (a reboot would give
+    it back to its host driver), not on the host, or bound to another driver now. Devices without a problem
+    are left out."""
+    here = set(present)
+    out: dict[str, list[str]] = {}
+    for dev in sorted(set(wanted) | {d for d, drv in overrides.items() if drv == VFIO_DRIVER}):
+        problems = []
+        if overrides.get(dev) != VFIO_DRIVER:
+            other = overrides.get(dev)
+            problems.append(f"no persistent vfio-pci override{f' (override to {other})' if other else ''}")
+        if dev not in here:
+            problems.append("not on this host")
+        elif bound.get(dev) != VFIO_DRIVER:
+            problems.append(f"bound to {bound.get(dev) or 'no driver'}")
+        if problems:
+            out[dev] = problems
+    return out

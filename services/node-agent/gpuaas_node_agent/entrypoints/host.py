@@ -69,3 +69,6 @@ async def run_slice_host(
     await link.start()
     await agent.report_host_state()
     await bus.publish("node.enrolled", slice_host_enrolment(node_id, hostname), correlation_id=node_id, node_id=node_id)
+    # The start-up pass (in recover) swept before new work came in; from here the reconciler reports drift,
+    # now and every interval, for as long as the host runs.
+    await agent.reconcile_periodically(settings.reconcile_interval_s)

@@ -72,6 +72,8 @@ class AgentCore:
         # Tasks on disjoint slots run in parallel, as on a real host; two tasks that share a slot never
         # interleave. Locks are taken in sorted order so two multi-slot tasks cannot deadlock.
         self._slot_locks: dict[str, asyncio.Lock] = {}
+        # Held by the task working on a VM, so the periodic reconciler never acts on a VM mid-task.
+        self._vm_locks: dict[str, asyncio.Lock] = {}
 
     def _result(
         self,

@@ -1,26 +1,47 @@
-"""The agent's reconciler: the host as it is (libvirt domains, DHCP reservation files, resource leases) against
-the agent's task records. Orphans are swept where the record proves they are ours and dead (a reservation file
-of a VM that is released, failed or never provisioned); everything else that disagrees is drift, returned and
-logged as evidence for ops, never "fixed" by guesswork.
+"""The agent's reconciler: the host as it is (libvirt domains, device binding, slot disks, DHCP reservation
+files, resource leases) against the agent's task records. Orphans are swept where the record proves they are
+ours and dead (a reservation file of a VM that is released, failed or never provisioned); everything else that
+disagrees is drift, returned and reported as evidence (`node.drift_reported`, the full current list each time)
+so the scheduler stops placing on what drifted until the host agrees again or ops acknowledge it. Nothing is
+"fixed" by guesswork.
 
-Device binding (driverctl overrides against the approved topology) belongs here too once the binding work lands:
-`_binding_drift` is its hook."""
+It runs at start (after recovery) and then every `reconcile_interval_s`, while tasks run: it never acts on a
+VM whose task holds the VM's lock, and it reads nothing of a slot whose task holds the slot's lock."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import asdict, dataclass
+from typing import Any
 
-from ...adapters import dnsmasq
-from .core import log
+from gpuaas_common.contract import messages as m
+from gpuaas_common.contract import utcnow
+
+from ...adapters import disk, dnsmasq, driverctl
+from ...domain.device_binding import binding_problems
+from .core import Refused, log
 from .runner import TaskRunner
 
 
 @dataclass(frozen=True)
 class Drift:
-    kind: str  # domain_unmanaged, domain_missing, dhcp_reservation_orphaned, lease_orphaned, device_binding
+    kind: str  # see messages.DriftKind
     subject: str
     detail: str
     swept: bool = False
+    # Where it bites: the slots it concerns (by id, or by a device of theirs); neither = the whole node.
+    slot_ids: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+
+    def message(self) -> m.NodeDrift:
+        return m.NodeDrift(
+            kind=self.kind,  # type: ignore[arg-type]  # the kinds written here are the contract's
+            subject=self.subject[:1024],
+            detail=self.detail[:2048],
+            swept=self.swept,
+            slot_ids=list(self.slot_ids),
+            devices=list(self.devices),
+        )
 
 
 def _live(record: tuple[str, str] | None) -> bool:
@@ -33,41 +54,161 @@ def _live(record: tuple[str, str] | None) -> bool:
     )
 
 
+def _slots_using(slots: dict[str, dict[str, Any]], device: str) -> tuple[str, ...]:
+    fields = ("gpu_pci_address", "fabric_vf_pci_address", "nvme_by_id")
+    return tuple(sorted(s for s, rec in slots.items() if device in (rec["binding"].get(f) for f in fields)))
+
+
 class HostReconciler(TaskRunner):
+    def vm_busy(self, vm_name: str) -> bool:
+        lock = self._vm_locks.get(vm_name)
+        return lock is not None and lock.locked()
+
+    def _slot_busy(self, slot_id: str) -> bool:
+        lock = self._slot_locks.get(slot_id)
+        return lock is not None and lock.locked()
+
     async def reconcile_host(self) -> list[Drift]:
         """One pass: stale domains removed (see reconcile_domains), orphaned reservation files swept, the rest
         reported. Safe to run at start and periodically: it never touches a VM whose task is running."""
         await self.reconcile_domains()
         latest = self.store.latest_by_vm()
+        slots = self.store.slot_records()
+        vm_slots: dict[str, list[str]] = {}
+        for slot_id, rec in sorted(slots.items()):
+            if rec["vm_name"]:
+                vm_slots.setdefault(rec["vm_name"], []).append(slot_id)
         drift: list[Drift] = []
         domains = {d.name for d in await self.libvirt.list_domains()}
         for name in sorted(domains - set(latest)):
+            # Nobody knows what it holds: the whole node until ops look.
             drift.append(Drift("domain_unmanaged", name, "libvirt domain the agent has no task record of"))
         for vm, record in sorted(latest.items()):
-            if record == ("slice.vm_provision", "succeeded") and vm not in domains:
-                drift.append(Drift("domain_missing", vm, "provisioned VM whose libvirt domain is gone"))
-        for name in sorted(dnsmasq.read_reservations(self.hostsdir)):
+            if record == ("slice.vm_provision", "succeeded") and vm not in domains and not self.vm_busy(vm):
+                drift.append(
+                    Drift(
+                        "domain_missing",
+                        vm,
+                        "provisioned VM whose libvirt domain is gone",
+                        slot_ids=tuple(vm_slots.get(vm, ())),
+                    )
+                )
+        drift += self._sweep_reservations()
+        # Leases first, live allocations second: a lease taken after the first read belongs to a task that
+        # started before the second, so a running provision is never reported as an orphan.
+        leased = self.store.leased_resources()
+        live_allocations = self.store.live_allocations()
+        for resource, allocation_id in sorted(leased.items()):
+            if allocation_id not in live_allocations:
+                device = resource.split(":", 1)[1] if ":" in resource else resource
+                # Kept on purpose after an unverified wipe; ops decide, so it is reported, not dropped.
+                drift.append(
+                    Drift(
+                        "lease_orphaned",
+                        resource,
+                        f"leased to allocation {allocation_id} with no live VM",
+                        slot_ids=_slots_using(slots, device),
+                        devices=(device,),
+                    )
+                )
+        drift += await self._binding_drift(slots)
+        drift += await self._disk_drift(slots)
+        for d in drift:
+            log.warning("node_drift_detected", node_id=self.node_id, **asdict(d))
+        return drift
+
+    def _sweep_reservations(self) -> list[Drift]:
+        # Synchronous from the record read to the removal: no task can start on the VM in between.
+        drift: list[Drift] = []
+        latest = self.store.latest_by_vm()
+        for name, reservation in sorted(dnsmasq.read_reservations(self.hostsdir).items()):
             record = latest.get(name)
-            if _live(record):
+            if _live(record) or self.vm_busy(name):
                 continue
             if record is None:
                 # Not a VM of ours by name: report, leave it (ops may have written it by hand).
-                drift.append(Drift("dhcp_reservation_orphaned", name, "reservation file of no VM the agent knows"))
+                drift.append(
+                    Drift(
+                        "dhcp_reservation_orphaned",
+                        name,
+                        f"reservation file of no VM the agent knows ({reservation.mac} -> {reservation.ip})",
+                        devices=(reservation.mac, reservation.ip),
+                    )
+                )
                 continue
             dnsmasq.remove_reservation(self.hostsdir, name)
             drift.append(
                 Drift("dhcp_reservation_orphaned", name, f"reservation of a VM whose last task is {record}", True)
             )
-        live_allocations = self.store.live_allocations()
-        for resource, allocation_id in sorted(self.store.leased_resources().items()):
-            if allocation_id not in live_allocations:
-                # Kept on purpose after an unverified wipe; ops decide, so it is reported, not dropped.
-                drift.append(Drift("lease_orphaned", resource, f"leased to allocation {allocation_id} with no live VM"))
-        drift += await self._binding_drift()
-        for d in drift:
-            log.warning("node_drift_detected", node_id=self.node_id, **asdict(d))
         return drift
 
-    async def _binding_drift(self) -> list[Drift]:
-        """Hook for the device-binding check (approved GPU/fabric devices bound to vfio-pci)."""
-        return []
+    async def _binding_drift(self, slots: dict[str, dict[str, Any]]) -> list[Drift]:
+        """Every approved device (a vfio-pci override, or a GPU or fabric VF of a slot the agent was handed)
+        must keep its persistent override and be bound to vfio-pci now: domains use managed='no', so nothing
+        rebinds a device for a VM, and a reboot without the override gives it back to the host driver."""
+        wanted: dict[str, list[str]] = {}
+        for slot_id, rec in sorted(slots.items()):
+            b = rec["binding"]
+            for dev in filter(None, (b.get("gpu_pci_address"), b.get("fabric_vf_pci_address"))):
+                wanted.setdefault(dev, []).append(slot_id)
+        try:
+            overrides = await driverctl.list_overrides(self.host)
+        except driverctl.DriverctlError as exc:
+            return [Drift("device_binding", "driverctl", f"persistent overrides cannot be read: {exc}")]
+        devices = set(wanted) | set(overrides)
+        present = [d for d in devices if self.host.fs.exists(f"/sys/bus/pci/devices/{d}")]
+        bound = {d: driverctl.bound_driver(self.host, d) for d in present}
+        return [
+            Drift("device_binding", dev, "; ".join(problems), slot_ids=tuple(wanted.get(dev, ())), devices=(dev,))
+            for dev, problems in binding_problems(wanted, overrides, bound, present).items()
+        ]
+
+    async def _disk_drift(self, slots: dict[str, dict[str, Any]]) -> list[Drift]:
+        """The disk of a slot with no live VM must be a whole, unheld disk with no signature left (the last
+        release wiped it, or the failed provision never wrote it). Slots the agent never ran a task on are
+        not its to judge: approval checked them."""
+        drift: list[Drift] = []
+        for slot_id, rec in sorted(slots.items()):
+            by_id = rec["binding"].get("nvme_by_id")
+            if not by_id or _live((rec["task_type"], rec["status"])) or self._slot_busy(slot_id):
+                continue
+            found = await self._probe_disk(by_id)
+            # A task may have taken the slot while the probe ran: its disk is the task's now.
+            if found is None or self._slot_busy(slot_id):
+                continue
+            kind, detail = found
+            drift.append(Drift(kind, by_id, detail, slot_ids=(slot_id,), devices=(by_id,)))
+        return drift
+
+    async def _probe_disk(self, by_id: str) -> tuple[str, str] | None:
+        try:
+            path = self._check_disk(by_id)
+        except Refused as exc:
+            return "disk_unusable", f"{exc.code}: {exc.reason}"
+        try:
+            found = await disk.signatures(path)
+        except disk.DiskError as exc:
+            return "disk_unusable", f"signature probe failed ({exc.code}): {exc}"
+        if found:
+            return "disk_dirty", "idle slot disk carries " + ", ".join(map(str, found))
+        return None
+
+    # --- reporting ------------------------------------------------------------------------------------
+
+    async def report_drift(self) -> list[Drift]:
+        """One pass, published as the full current list (an empty list says the host is clean again)."""
+        drift = await self.reconcile_host()
+        report = m.NodeDriftReported(node_id=self.node_id, checked_at=utcnow(), drift=[d.message() for d in drift])
+        await self.publish("node.drift_reported", report, correlation_id=self.node_id, node_id=self.node_id)
+        log.info("node_drift_reported", node_id=self.node_id, drift=len(drift), swept=sum(d.swept for d in drift))
+        return drift
+
+    async def reconcile_periodically(self, interval_s: float) -> None:
+        """Report now, then every `interval_s`. A failed pass is logged and retried at the next tick: the
+        reconciler must never take the agent down."""
+        while True:
+            try:
+                await self.report_drift()
+            except Exception as exc:
+                log.error("node_reconcile_failed", node_id=self.node_id, error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(interval_s)

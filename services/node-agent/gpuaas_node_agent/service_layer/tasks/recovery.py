@@ -43,18 +43,24 @@ class TaskRecovery(HostReconciler):
 
     async def reconcile_domains(self) -> None:
         """A domain whose last task was a failed provision or a finished release must not exist: stop and
-        undefine it. Domains the agent has no record of are reported and left alone (not ours to touch)."""
+        undefine it. Domains the agent has no record of are reported and left alone (not ours to touch), and
+        so is a domain whose task is running."""
         latest = self.store.latest_by_vm()
         for dom in await self.libvirt.list_domains():
             record = latest.get(dom.name)
             if record is None:
                 log.info("libvirt_domain_unmanaged", domain=dom.name, state=dom.state.value)
                 continue
-            task_type, status = record
-            stale = (task_type == "slice.vm_provision" and status in ("failed", "refused")) or (
-                task_type == "slice.vm_release" and status == "succeeded"
-            )
-            if stale:
-                await self.libvirt.shutdown(dom.name, 0)
-                await self.libvirt.undefine(dom.name)
-                log.warning("libvirt_domain_reconciled", domain=dom.name, last_task=task_type, last_status=status)
+            lock = self._vm_locks.setdefault(dom.name, asyncio.Lock())
+            if lock.locked():
+                continue  # its task is running: the task decides what becomes of the domain
+            async with lock:
+                # Under the VM's lock: a task for it waits until the domain is gone, never sees it half torn.
+                task_type, status = self.store.latest_by_vm().get(dom.name, record)
+                stale = (task_type == "slice.vm_provision" and status in ("failed", "refused")) or (
+                    task_type == "slice.vm_release" and status == "succeeded"
+                )
+                if stale:
+                    await self.libvirt.shutdown(dom.name, 0)
+                    await self.libvirt.undefine(dom.name)
+                    log.warning("libvirt_domain_reconciled", domain=dom.name, last_task=task_type, last_status=status)

@@ -33,6 +33,7 @@ class TaskRunner(ProvisionTask, ReleaseTask):
         async with contextlib.AsyncExitStack() as stack:
             for slot_id in sorted(s.slot_id for s in task.slots):
                 await stack.enter_async_context(self._slot_locks.setdefault(slot_id, asyncio.Lock()))
+            await stack.enter_async_context(self._vm_locks.setdefault(task.vm_name, asyncio.Lock()))
             result = await self.run(task_type, task)
         await self.publish(
             "node.task_result",
