@@ -4,7 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(libvirt-dev pkg-config qemu-utils docker-registry postgresql libxml2-utils e2fsprogs util-linux)
+# Checked from a fresh Debian (debootstrap --variant=minbase): nothing else is needed.
+APT_PACKAGES=(
+  make                                     # the Makefile's entry points (fresh Debian has none)
+  ca-certificates                          # HTTPS to the Python and npm package registries
+  python3 python3-venv python3-dev gcc     # the venv; libvirt-python compiles against Python.h and libvirt-dev
+  libvirt-dev pkg-config                   # libvirt-python's build
+  qemu-utils                               # qemu-img / qemu-io: images and simulated disks
+  docker-registry                          # the OCI registry the dev stack pushes images to
+  postgresql                               # initdb / pg_ctl for the dev stack's and the tests' clusters
+  libxml2-utils e2fsprogs util-linux       # xmllint; mkfs.ext4; wipefs and blkid (wipe proofs)
+)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -32,9 +42,11 @@ else
 fi
 
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
+# A venv without a working pip (an interrupted or failed creation) is made again.
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
   echo "setup: creating .venv"
-  "$PY" -m venv .venv
+  "$PY" -m venv --clear .venv
+  rm -f .venv/.installed-*
 fi
 stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -f "$stamp" ]; then
