@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import uuid
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .admin_http.errors import error_response
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    # Unknown paths and wrong methods answer in the admin APIs' error shape, not aiohttp's plain text.
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return error_response(exc.status, code, exc.reason, uuid.uuid4().hex, headers=headers)
 
 
 class HealthServer:
@@ -29,7 +45,7 @@ class HealthServer:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def start(self) -> int:
-        app = web.Application()
+        app = web.Application(middlewares=[_json_errors])
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/metrics", self._metrics)

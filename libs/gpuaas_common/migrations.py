@@ -43,6 +43,14 @@ COMMON_MIGRATIONS: tuple[tuple[str, str], ...] = (
 )
 
 
+class MigrationError(RuntimeError):
+    """One migration failed and was rolled back; those before it stay applied."""
+
+    def __init__(self, schema: str, version: str, cause: asyncpg.PostgresError) -> None:
+        super().__init__(f"migration {schema}/{version} failed: {type(cause).__name__}: {cause}")
+        self.schema, self.version = schema, version
+
+
 def service_migrations(package: str) -> list[tuple[str, str]]:
     files = importlib.resources.files(package)
     found = sorted(
@@ -69,10 +77,13 @@ async def apply_migrations(conn: asyncpg.Connection, schema: str, package: str |
         for version, sql in todo:
             if version in done:
                 continue
-            async with conn.transaction():
-                await conn.execute(f'SET LOCAL search_path TO "{schema}"')
-                await conn.execute(sql)
-                await conn.execute(f'INSERT INTO "{schema}".schema_migrations (version) VALUES ($1)', version)
+            try:
+                async with conn.transaction():
+                    await conn.execute(f'SET LOCAL search_path TO "{schema}"')
+                    await conn.execute(sql)
+                    await conn.execute(f'INSERT INTO "{schema}".schema_migrations (version) VALUES ($1)', version)
+            except asyncpg.PostgresError as exc:
+                raise MigrationError(schema, version, exc) from exc
             applied.append(version)
             log.info("migration_applied", schema=schema, version=version)
     finally:

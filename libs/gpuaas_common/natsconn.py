@@ -25,7 +25,7 @@ from .identity import creds as creds_mod
 from .identity.jwt import JwtError
 from .identity.permissions import inbox_prefix
 from .identity.tls import client_context
-from .logging import get_logger
+from .logging import BROKER_LOGGER, get_logger
 
 log = get_logger(__name__)
 
@@ -41,6 +41,10 @@ logging.getLogger("asyncio").addFilter(_drop_tls_eof_noise)
 # nats-py words the same refusal differently on different paths ("authorization failed" is its own text
 # for the server's Authorization Violation).
 AUTH_MARKERS = ("authorization violation", "authorization failed", "authentication expired", "authentication revoked")
+
+
+def is_auth_refusal(text: str) -> bool:
+    return any(m in text.lower() for m in AUTH_MARKERS)
 
 
 def split_servers(urls: str) -> list[str]:
@@ -59,6 +63,9 @@ class NatsIdentity:
     ca_file: str | None = None
     _name: str | None = field(default=None, repr=False)
     _warned: set[str] = field(default_factory=set, repr=False)
+    # The newest error of any connection attempt (never holds a secret): what a start-up that gives up
+    # reports as the reason.
+    last_error: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_settings(cls, settings: Any) -> "NatsIdentity":
@@ -102,7 +109,12 @@ class NatsIdentity:
             security = NatsCredentials.from_file(self.creds_file, ssl_context=ctx)
         else:
             security = NatsSecurity(ssl_context=ctx) if ctx else None
-        kw: dict[str, Any] = {"servers": self.servers, "inbox_prefix": self.inbox}
+        # Our logger, not FastStream's coloured default: configure_logging renders its records as JSON.
+        kw: dict[str, Any] = {
+            "servers": self.servers,
+            "inbox_prefix": self.inbox,
+            "logger": logging.getLogger(BROKER_LOGGER),
+        }
         if security is not None:
             kw["security"] = security
         return kw
@@ -111,8 +123,9 @@ class NatsIdentity:
 
     def note_error(self, exc: BaseException) -> None:
         """error_cb: an auth refusal is logged once per distinct reason; the rest at debug level."""
-        text = str(exc)
-        if any(m in text.lower() for m in AUTH_MARKERS):
+        text = str(exc) or type(exc).__name__
+        self.last_error = text
+        if is_auth_refusal(text):
             if text not in self._warned:
                 self._warned.add(text)
                 log.warning("nats_auth_refused", reason=text.removeprefix("nats: ").strip("'"), identity=self.name)

@@ -2,6 +2,10 @@
 
 Order matters: migrations before subscribers (handlers need their tables), provisioning before the
 broker binds (consumers must exist with our config, see jetstream.py), readiness last.
+
+A start-up that cannot finish ends the process with one `startup_failed` JSON line and the exit code of
+its reason (startup.py): settings are read inside `run_service` for that, and Postgres and NATS are
+waited for at most `startup_timeout_s`.
 """
 
 from __future__ import annotations
@@ -10,11 +14,16 @@ import asyncio
 import json
 import os
 import signal
+import sys
+import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import TypeVar
 
 import asyncpg
+import nats.errors
 from faststream.nats import NatsBroker
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -25,12 +34,17 @@ from .health import HealthServer
 from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, ensure_consumers, provision
 from .logging import configure_logging, get_logger
 from .migrations import apply_migrations
-from .natsconn import NatsIdentity
+from .natsconn import NatsIdentity, is_auth_refusal
 from .outbox import OutboxRelay
+from .pg_roles import dsn_without_password
 from .retention import RetentionSweeper
 from .settings import ServiceSettings
+from .startup import StartupFailed, classify, redact
 
 log = get_logger(__name__)
+
+S = TypeVar("S", bound=ServiceSettings)
+Register = Callable[["ServiceRuntime"], Awaitable[None]]
 
 
 class ServiceRuntime:
@@ -64,6 +78,7 @@ class ServiceRuntime:
         self.on_stop: list[Callable[[], Awaitable[None]]] = []
         # Extra fields for the ready file, e.g. a port a service's own HTTP server bound.
         self.ready_info: dict[str, object] = {}
+        self._failed = False  # a background task died: the process exits non-zero
 
     @property
     def dsn(self) -> str:
@@ -71,15 +86,23 @@ class ServiceRuntime:
 
     async def setup(self) -> None:
         configure_logging(self.name, self.settings.log_level)
-        await self.health.start()
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        try:
+            await self.health.start()
+        except OSError as exc:
+            raise StartupFailed(
+                "port_unavailable",
+                f"health server on {self.settings.health_host}:{self.settings.health_port}: {exc.strerror or exc}",
+                setting="GPUAAS_HEALTH_PORT",
+            ) from None
         if self.schema:
-            self.pool = await create_pool(self.dsn, self.schema)
+            self.pool = await self._connect_database(self.schema, deadline)
             async with self.pool.acquire() as conn:
                 await apply_migrations(conn, self.schema, self.migrations_package)
             self.health.checks["database"] = lambda: self.pool is not None and not self.pool._closed  # type: ignore[attr-defined]
         if not self.connect_bus:
             return
-        self.nc = await self.identity.connect(name=f"gpuaas-{self.name}")
+        self.nc = await self._connect_nats(deadline)
         self.js = self.nc.jetstream()
         self.broker = NatsBroker(**self.identity.broker_kwargs(), max_reconnect_attempts=-1, reconnect_time_wait=0.5)
         self.bus = Bus(
@@ -92,6 +115,52 @@ class ServiceRuntime:
             inbox_prefix=self.identity.inbox,
         )
         self.health.checks["nats"] = lambda: self.nc is not None and self.nc.is_connected
+
+    async def _connect_database(self, schema: str, deadline: float) -> asyncpg.Pool:
+        """The pool, once Postgres answers; refused credentials and bad DSNs fail at once."""
+        password = urllib.parse.urlsplit(self.dsn).password
+        where = {"database": dsn_without_password(self.dsn)}
+        delay = 0.1
+        while True:
+            try:
+                return await asyncio.wait_for(
+                    create_pool(self.dsn, schema), timeout=max(0.1, deadline - time.monotonic())
+                )
+            except asyncpg.InvalidAuthorizationSpecificationError as exc:  # wrong role or password
+                raise StartupFailed("database_auth_refused", redact(str(exc), password), **where) from None
+            except (ValueError, asyncpg.InterfaceError) as exc:  # asyncpg cannot even parse the DSN
+                raise StartupFailed(
+                    "invalid_settings", redact(str(exc), password, self.dsn), setting="GPUAAS_DATABASE_URL"
+                ) from None
+            except (OSError, TimeoutError, asyncpg.CannotConnectNowError, asyncpg.TooManyConnectionsError) as exc:
+                last = redact(str(exc) or type(exc).__name__, password)
+            except asyncpg.PostgresError as exc:  # e.g. the database does not exist: waiting will not help
+                raise StartupFailed("database_unreachable", redact(str(exc), password), **where) from None
+            if time.monotonic() + delay >= deadline:
+                raise StartupFailed(
+                    "database_unreachable",
+                    f"no answer within {self.settings.startup_timeout_s:g}s: {last}",
+                    **where,
+                )
+            await asyncio.sleep(delay)  # back-off between connection attempts
+            delay = min(delay * 2, 2.0)
+
+    async def _connect_nats(self, deadline: float) -> NatsClient:
+        """Our connection, once a server accepts it. nats-py retries the first connection by itself (and
+        re-reads the creds file each time); the deadline is ours."""
+        try:
+            return await asyncio.wait_for(
+                self.identity.connect(name=f"gpuaas-{self.name}"), timeout=max(0.1, deadline - time.monotonic())
+            )
+        except TimeoutError:
+            last = self.identity.last_error or "no answer"
+            reason = "nats_auth_refused" if is_auth_refusal(last) else "nats_unreachable"
+            raise StartupFailed(
+                reason,
+                f"not connected within {self.settings.startup_timeout_s:g}s: {last}",
+                nats_url=self.settings.nats_url,
+                identity=self.identity.name,
+            ) from None
 
     def spawn(self, coro: Awaitable[None], name: str) -> None:
         task = asyncio.ensure_future(coro)
@@ -106,6 +175,7 @@ class ServiceRuntime:
         if exc is not None:
             # A dead background loop is a dead service: exit so the supervisor restarts us.
             log.error("background_task_died", task=task.get_name(), error=repr(exc))
+            self._failed = True
             self._stop.set()
 
     async def start(self) -> None:
@@ -114,13 +184,20 @@ class ServiceRuntime:
             self.spawn(self._announce_ready(), "announce-ready")
             return
         assert self.broker and self.js and self.bus
-        if self.settings.nats_creds:
-            # An identity may create only its own durables; streams are provisioned by the admin
-            # identity (the dev stack, compose's init step), which may not have happened yet.
-            await ensure_consumers(self.js, self.bus.consumers)
-        else:
-            await provision(self.js, self.bus.consumers)  # an open dev server: we provision everything
-        await self.broker.start()
+        try:
+            if self.settings.nats_creds:
+                # An identity may create only its own durables; streams are provisioned by the admin
+                # identity (the dev stack, compose's init step), which may not have happened yet.
+                await ensure_consumers(self.js, self.bus.consumers)
+            else:
+                await provision(self.js, self.bus.consumers)  # an open dev server: we provision everything
+            await self.broker.start()
+        except (nats.errors.Error, OSError, TimeoutError) as exc:
+            raise StartupFailed(
+                "nats_setup_failed",
+                f"consumers or streams: {type(exc).__name__}: {exc}"[:500],
+                identity=self.identity.name,
+            ) from None
         if self.schema:
             self.relay = OutboxRelay(
                 self.dsn,
@@ -184,27 +261,72 @@ class ServiceRuntime:
         await self.health.stop()
         log.info("service_stopped")
 
-    async def run(self, register: Callable[["ServiceRuntime"], Awaitable[None]]) -> None:
+    async def _abandon(self) -> None:
+        """Release what a failed start-up holds; whatever fails here is not the news."""
+        try:
+            await asyncio.wait_for(self._release(), timeout=5.0)
+        except Exception:  # noqa: BLE001, S110 - the start-up failure is already logged
+            pass
+
+    async def _release(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.broker:
+            await self.broker.stop()
+        if self.nc and not self.nc.is_closed:
+            await self.nc.close()
+        if self.pool:
+            self.pool.terminate()
+        await self.health.stop()
+
+    async def run(self, register: Register) -> int:
+        """Start, serve until SIGTERM/SIGINT, stop; the process's exit code."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
-        await self.setup()
-        await register(self)
-        await self.start()
+        try:
+            await self.setup()
+            await register(self)
+            await self.start()
+        except Exception as exc:
+            failure = classify(exc)
+            await self._abandon()
+            log.error("startup_failed", **failure.log_fields())  # the last line: what the operator reads
+            return failure.exit_code
         await self._stop.wait()
         await self.stop()
+        return EXIT_SERVICE_FAILED if self._failed else 0
+
+
+# A background loop died after start-up (its `background_task_died` line says which).
+EXIT_SERVICE_FAILED = 70
 
 
 def run_service(
     name: str,
-    settings: ServiceSettings,
-    register: Callable[[ServiceRuntime], Awaitable[None]],
+    load_settings: Callable[[], S],
+    build_register: Callable[[S], Register],
     *,
     schema: str | None = None,
     migrations_package: str | None = None,
     connect_bus: bool = True,
 ) -> None:
+    """The whole life of a service process. Settings are read here, not by the caller, so that a bad
+    variable is a `startup_failed` line (reason invalid_settings) like every other start-up failure."""
+    # Until the settings are read, the level comes from the environment as given (if it is a level).
+    level = os.environ.get("GPUAAS_LOG_LEVEL", "INFO").upper()
+    configure_logging(name, level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO")
+    try:
+        settings = load_settings()
+        register = build_register(settings)
+    except Exception as exc:
+        failure = classify(exc)
+        log.error("startup_failed", **failure.log_fields())
+        sys.exit(failure.exit_code)
     runtime = ServiceRuntime(
         name, settings, schema=schema, migrations_package=migrations_package, connect_bus=connect_bus
     )
-    asyncio.run(runtime.run(register))
+    code = asyncio.run(runtime.run(register))
+    if code:
+        sys.exit(code)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import tomllib
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
+from gpuaas_common.startup import StartupFailed
 from gpuaas_dev.sim.settings import SimFleetSettings
 from gpuaas_node_agent.settings import AgentSettings
 
@@ -38,9 +38,9 @@ def test_the_production_agent_refuses_to_start_without_its_host_id(monkeypatch) 
     from gpuaas_node_agent.entrypoints.main import build_register
 
     monkeypatch.delenv("GPUAAS_NODE_ID", raising=False)
-    register = build_register(AgentSettings())
-    with pytest.raises(SystemExit, match="GPUAAS_NODE_ID"):
-        asyncio.run(register(None))  # type: ignore[arg-type]
+    with pytest.raises(StartupFailed, match="GPUAAS_NODE_ID") as refused:
+        build_register(AgentSettings())
+    assert refused.value.reason == "invalid_settings"
 
 
 def test_console_scripts_point_the_agent_and_the_fleet_at_their_packages() -> None:

@@ -184,8 +184,8 @@ def _baremetal_host(settings: SimFleetSettings, node: FleetNode, maas_sim_url: s
 
 
 def main() -> None:
-    settings = SimFleetSettings()  # type: ignore[call-arg]  # fleet_file comes from GPUAAS_FLEET_FILE
-    run_service("node-agent", settings, build_register(settings), connect_bus=False)
+    # fleet_file comes from GPUAAS_FLEET_FILE; run_service reads the settings so a bad one fails legibly.
+    run_service("node-agent", SimFleetSettings, build_register, connect_bus=False)
 
 
 if __name__ == "__main__":

@@ -62,11 +62,10 @@ async def _every(interval_s: float, fn) -> None:
 
 
 def main() -> None:
-    settings = AllocatorSettings()
     run_service(
         "allocator",
-        settings,
-        build_register(settings),
+        AllocatorSettings,
+        build_register,
         schema="allocator",
         migrations_package="gpuaas_allocator.migrations",
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 from gpuaas_common.bus import HandlerContext
 from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
+from gpuaas_common.startup import StartupFailed
 from gpuaas_common.unit_of_work import UnitOfWork
 
 from ..adapters.repository import image_pipeline_repositories
@@ -26,10 +27,7 @@ log = get_logger(__name__)
 def build_register(settings: ImagePipelineSettings):
     async def register(rt: ServiceRuntime) -> None:
         assert rt.pool is not None and rt.bus is not None
-        seeds = []
-        if settings.image_seed_file:
-            text = await asyncio.to_thread(Path(settings.image_seed_file).read_text)
-            seeds = [SeedImage.model_validate(s) for s in json.loads(text)]
+        seeds = await asyncio.to_thread(_seeds, settings.image_seed_file) if settings.image_seed_file else []
         rt.bus.repositories = image_pipeline_repositories
         async with UnitOfWork(
             rt.pool, "image_pipeline", "image-pipeline", image_pipeline_repositories, correlation_id="image-seed"
@@ -80,12 +78,20 @@ def build_register(settings: ImagePipelineSettings):
     return register
 
 
+def _seeds(path: str) -> list[SeedImage]:
+    try:
+        return [SeedImage.model_validate(s) for s in json.loads(Path(path).read_text())]
+    except (OSError, ValueError, TypeError) as exc:  # a missing or malformed file is a wrong setting, not a crash
+        raise StartupFailed(
+            "invalid_settings", f"GPUAAS_IMAGE_SEED_FILE {path}: {exc}"[:500], setting="GPUAAS_IMAGE_SEED_FILE"
+        ) from None
+
+
 def main() -> None:
-    settings = ImagePipelineSettings()
     run_service(
         "image-pipeline",
-        settings,
-        build_register(settings),
+        ImagePipelineSettings,
+        build_register,
         schema="image_pipeline",
         migrations_package="gpuaas_image_pipeline.migrations",
     )

@@ -51,11 +51,10 @@ def build_register(settings: GatewaySettings):
 
 
 def main() -> None:
-    settings = GatewaySettings()
     run_service(
         "maas-gateway",
-        settings,
-        build_register(settings),
+        GatewaySettings,
+        build_register,
         schema="maas_gateway",
         migrations_package="gpuaas_maas_gateway.migrations",
     )

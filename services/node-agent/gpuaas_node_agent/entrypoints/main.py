@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gpuaas_common.natsconn import NatsIdentity
 from gpuaas_common.runtime import ServiceRuntime, run_service
+from gpuaas_common.startup import StartupFailed
 
 from ..adapters.host_link import HostLink
 from ..settings import AgentSettings
@@ -16,10 +17,15 @@ from .host import run_slice_host
 
 
 def build_register(settings: AgentSettings):
+    node_id = settings.node_id
+    if not node_id:
+        raise StartupFailed(
+            "invalid_settings",
+            "GPUAAS_NODE_ID is not set: the id of the host this agent runs on",
+            setting="GPUAAS_NODE_ID",
+        )
+
     async def register(rt: ServiceRuntime) -> None:
-        node_id = settings.node_id
-        if not node_id:
-            raise SystemExit("set GPUAAS_NODE_ID: the id of the host this agent runs on")
         link = HostLink(node_id, NatsIdentity.from_settings(settings), retry_delays_s=settings.retry_delays_s)
         rt.spawn(
             run_slice_host(settings, node_id, os.uname().nodename, Path(settings.host_root), settings.ssh_port, link),
@@ -33,8 +39,7 @@ def build_register(settings: AgentSettings):
 
 
 def serve() -> None:
-    settings = AgentSettings()
-    run_service("node-agent", settings, build_register(settings), connect_bus=False)
+    run_service("node-agent", AgentSettings, build_register, connect_bus=False)
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import asyncio
 from gpuaas_common.fleet import Fleet
 from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
+from gpuaas_common.startup import StartupFailed
 
 from ..adapters.inventory import refresh_nodes, seed_from_fleet
 from ..service_layer.handlers import Scheduler, evidence_handlers, handlers
@@ -20,9 +21,9 @@ log = get_logger(__name__)
 def build_register(settings: SchedulerSettings):
     async def register(rt: ServiceRuntime) -> None:
         assert rt.bus is not None and rt.pool is not None
+        fleet = _inventory(settings.inventory_file) if settings.inventory_file else None
         async with rt.bus.unit_of_work() as uow:
-            if settings.inventory_file:
-                fleet = Fleet.load(settings.inventory_file)
+            if fleet is not None:
                 added = await seed_from_fleet(uow.conn, fleet)
                 log.info("inventory_seeded", slots_added=added, nodes=len(fleet.nodes))
             # The capacity summary only orders candidates, but keep it honest after any restart.
@@ -60,12 +61,20 @@ def build_register(settings: SchedulerSettings):
     return register
 
 
+def _inventory(path: str) -> Fleet:
+    try:
+        return Fleet.load(path)
+    except (OSError, ValueError) as exc:  # a missing or malformed file is a wrong setting, not a crash
+        raise StartupFailed(
+            "invalid_settings", f"GPUAAS_INVENTORY_FILE {path}: {exc}"[:500], setting="GPUAAS_INVENTORY_FILE"
+        ) from None
+
+
 def main() -> None:
-    settings = SchedulerSettings()
     run_service(
         "scheduler",
-        settings,
-        build_register(settings),
+        SchedulerSettings,
+        build_register,
         schema="scheduler",
         migrations_package="gpuaas_scheduler.migrations",
     )
