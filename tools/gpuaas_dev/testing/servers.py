@@ -97,6 +97,11 @@ class NatsServer:
     tls: object | None = None  # gpuaas_common.identity.tls.TlsFiles
     # JetStream's own fsync cadence; `always` only where a test proves durability.
     sync_interval: str | None = None
+    # Cluster membership (see NatsCluster): this server's route port and its peers' route ports.
+    server_name: str | None = None
+    cluster_name: str | None = None
+    cluster_port: int = 0
+    routes: tuple[int, ...] = ()
 
     @property
     def url(self) -> str:
@@ -107,6 +112,7 @@ class NatsServer:
         if self.sync_interval:
             js.append(f"  sync_interval: {self.sync_interval}")
         lines = [
+            *([f"server_name: {self.server_name}"] if self.server_name else []),
             f"listen: 127.0.0.1:{self.port}",
             # The monitoring listener too speaks TLS when clients must: no listener of ours is plain.
             f"{'https' if self.tls else 'http'}: 127.0.0.1:{self.monitor_port}",
@@ -126,16 +132,39 @@ class NatsServer:
                 "  timeout: 2",
                 "}",
             ]
+        if self.cluster_name:
+            lines += [
+                "cluster {",
+                f"  name: {self.cluster_name}",
+                f"  listen: 127.0.0.1:{self.cluster_port}",
+                "  routes: [",
+                *(f"    {'tls' if self.tls else 'nats'}://127.0.0.1:{p}" for p in self.routes),
+                "  ]",
+            ]
+            if self.tls is not None:
+                # Routes are mutual TLS with the same loopback certificate (it carries client and server use).
+                t = self.tls
+                lines += [
+                    "  tls {",
+                    f"    cert_file: {json.dumps(str(t.cert))}",  # type: ignore[attr-defined]
+                    f"    key_file: {json.dumps(str(t.key))}",  # type: ignore[attr-defined]
+                    f"    ca_file: {json.dumps(str(t.ca))}",  # type: ignore[attr-defined]
+                    "    timeout: 2",
+                    "  }",
+                ]
+            lines.append("}")
         if self.auth is not None:
             resolver = self.data_dir / "resolver"
             resolver.mkdir(parents=True, exist_ok=True)
             lines.append(self.auth.server_config(resolver))  # type: ignore[attr-defined]
         return "\n".join(lines) + "\n"
 
-    def start(self, timeout_s: float = 20.0) -> "NatsServer":
+    def start(self, timeout_s: float = 20.0, *, wait_jetstream: bool = True) -> "NatsServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         self.monitor_port = self.monitor_port or free_port()
+        if self.cluster_name:
+            self.cluster_port = self.cluster_port or free_port()
         self.log_path = self.data_dir / "nats.log"
         config = self.data_dir / "nats.conf"
         # The config holds only public JWTs and file paths; still, nobody else needs to read it.
@@ -149,14 +178,76 @@ class NatsServer:
             start_new_session=True,
         )
 
-        scheme = "https" if self.tls else "http"
-        health = f"{scheme}://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
-        ca = str(self.tls.ca) if self.tls else None  # type: ignore[attr-defined]
-        _wait_until(lambda: _http_ok(health, ca), timeout_s, "nats-server", self.proc)
+        if wait_jetstream:
+            self.wait_healthy(timeout_s)
         return self
+
+    def wait_healthy(self, timeout_s: float = 20.0) -> None:
+        """JetStream up; in a cluster the full check: a meta leader is known and this server's streams and
+        consumers are current (`js-enabled-only` answers before the first leader election)."""
+        scheme = "https" if self.tls else "http"
+        query = "" if self.cluster_name else "?js-enabled-only=true"
+        health = f"{scheme}://127.0.0.1:{self.monitor_port}/healthz{query}"
+        ca = str(self.tls.ca) if self.tls else None  # type: ignore[attr-defined]
+        _wait_until(lambda: _http_ok(health, ca), timeout_s, f"nats-server {self.server_name or ''}", self.proc)
 
     def stop(self) -> None:
         _terminate(self.proc)
+
+    def kill(self) -> None:
+        """SIGKILL, for fault injection; `start()` again brings it back with the same ports and store."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class NatsCluster:
+    """`size` nats-servers in one JetStream cluster on loopback, every route to every peer. With size 1 it
+    is a plain single server. Streams are placed at R3 by whoever provisions them (jetstream.provision)."""
+
+    data_dir: Path
+    size: int = 3
+    auth: object | None = None
+    tls: object | None = None
+    sync_interval: str | None = None
+    name: str = "gpuaas"
+    servers: list[NatsServer] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """Every seed URL, comma-separated: clients try them all and reconnect to the survivors."""
+        return ",".join(s.url for s in self.servers)
+
+    def start(self, timeout_s: float = 40.0) -> "NatsCluster":
+        ports = [free_port() for _ in range(self.size)]
+        for i in range(self.size):
+            peers = tuple(p for j, p in enumerate(ports) if j != i)
+            self.servers.append(
+                NatsServer(
+                    self.data_dir / f"n{i + 1}",
+                    auth=self.auth,
+                    tls=self.tls,
+                    sync_interval=self.sync_interval,
+                    server_name=f"{self.name}-n{i + 1}" if self.size > 1 else None,
+                    cluster_name=self.name if self.size > 1 else None,
+                    cluster_port=ports[i],
+                    routes=peers if self.size > 1 else (),
+                )
+            )
+        # All processes first: a clustered JetStream is healthy only once a meta leader exists.
+        for server in self.servers:
+            server.start(timeout_s, wait_jetstream=False)
+        for server in self.servers:
+            server.wait_healthy(timeout_s)
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
 
 
 def _pg_bindir() -> Path | None:
@@ -173,9 +264,13 @@ def _pg_bindir() -> Path | None:
 
 @dataclass
 class PostgresServer:
+    """Durable by default: fsync, synchronous_commit and full_page_writes on, like any Postgres that must
+    not lose a commit. `unsafe_no_fsync=True` turns all three off (and initdb's sync): faster, and a crash or an
+    immediate restart can lose the last commits -- only for tests and benchmarks that ask for it."""
+
     data_dir: Path
     port: int = 0
-    fsync: bool = False
+    unsafe_no_fsync: bool = False
     user: str = "postgres"
     password: str = field(default="", repr=False)
     _mode: str = ""
@@ -234,12 +329,13 @@ class PostgresServer:
             # earlier run cannot be reused.
             raise RuntimeError(f"{pgdata} already holds a cluster; give PostgresServer an empty data_dir")
         self._initdb(bindir, pgdata)
-        options = (
+        sync = "off" if self.unsafe_no_fsync else "on"
+        self._options = (
             # Sockets only for the account running the cluster: local connections are trusted (see _initdb).
             f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self.data_dir} "
             "-c unix_socket_permissions=0700 "
-            f"-c fsync={'on' if self.fsync else 'off'} -c synchronous_commit={'on' if self.fsync else 'off'} "
-            "-c full_page_writes=off -c max_connections=300 -c shared_buffers=128MB"
+            f"-c fsync={sync} -c synchronous_commit={sync} -c full_page_writes={sync} "
+            "-c max_connections=300 -c shared_buffers=128MB"
         )
         subprocess.run(
             [
@@ -248,7 +344,7 @@ class PostgresServer:
                 "-D",
                 str(pgdata),
                 "-o",
-                options,
+                self._options,
                 "-l",
                 str(self.data_dir / "postgres.log"),
                 "-w",
@@ -263,6 +359,37 @@ class PostgresServer:
         self._bindir = bindir
         self._pgdata = pgdata
         return self
+
+    def restart(self, mode: str = "fast", timeout_s: float = 60.0) -> None:
+        """Stop (`fast`: disconnect clients and shut down cleanly; `immediate`: no shutdown checkpoint, crash
+        recovery at start, like a power cut) and start again on the same port and data. System Postgres only."""
+        if self._mode != "system":
+            raise RuntimeError(f"restart needs the system Postgres, not {self._mode or 'an unstarted server'}")
+        if mode not in ("fast", "immediate"):
+            raise ValueError("mode is fast or immediate")
+        pg_ctl = [*self._runas, str(self._bindir / "pg_ctl"), "-D", str(self._pgdata)]
+        subprocess.run([*pg_ctl, "-m", mode, "-w", "stop"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                *pg_ctl,
+                "-o",
+                self._options,
+                "-l",
+                str(self.data_dir / "postgres.log"),
+                "-w",
+                "-t",
+                str(int(timeout_s)),
+                "start",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+
+    @property
+    def durable(self) -> bool:
+        """Whether a commit survives a crash: true unless started with `unsafe_no_fsync`."""
+        return not self.unsafe_no_fsync
 
     def _initdb(self, bindir: Path, pgdata: Path) -> None:
         """Password (SCRAM) authentication on TCP, so per-service roles and their passwords mean something.
@@ -293,7 +420,7 @@ class PostgresServer:
                     "-E",
                     "UTF8",
                     "--no-locale",
-                    "--no-sync",
+                    *(["--no-sync"] if self.unsafe_no_fsync else []),
                 ],
                 check=True,
                 stdout=subprocess.DEVNULL,
