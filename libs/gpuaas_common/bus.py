@@ -140,6 +140,49 @@ def _errors(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in exc.errors()[:8])
 
 
+# Payload fields naming the aggregate a message belongs to, most specific first.
+ORDERING_FIELDS = ("allocation_id", "operation_id", "slug", "node_id", "task_id")
+
+
+def ordering_key(subject: str, body: bytes) -> str:
+    """The aggregate a message belongs to, read cheaply from the raw body; messages that share it are handled
+    one after the other in delivery order. Unparseable bodies share one lane: they only go to the DLQ."""
+    try:
+        payload = json.loads(body).get("payload")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return "<unparseable>"
+    if isinstance(payload, dict):
+        for name in ORDERING_FIELDS:
+            value = payload.get(name)
+            if isinstance(value, (str, int)) and value != "":
+                return f"{name}:{value}"
+    return f"subject:{subject}"
+
+
+class KeyedLanes:
+    """Per-key FIFO without a task per key: each entrant gets the future of its predecessor (None when the
+    lane is idle) and a `done` callback that releases its successor. Lanes vanish when they drain."""
+
+    def __init__(self) -> None:
+        self._tails: dict[str, asyncio.Future[None]] = {}
+
+    def enter(self, key: str) -> tuple["asyncio.Future[None] | None", Any]:
+        previous = self._tails.get(key)
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._tails[key] = mine
+
+        def done() -> None:
+            if not mine.done():
+                mine.set_result(None)
+            if self._tails.get(key) is mine:
+                del self._tails[key]
+
+        return previous, done
+
+    def __len__(self) -> int:
+        return len(self._tails)
+
+
 class _KeepAlive:
     """Progress acks (`+WPI`) every third of the ack wait until stopped, so JetStream redelivers a message
     only when its consumer is gone, not because its handler is slow. A timer, not a task: most messages
@@ -184,6 +227,7 @@ class Bus:
         retry_delays_s: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0),
         fetch_timeout_s: float = 1.0,
         inbox_prefix: bytes = b"_INBOX",
+        default_concurrency: int = 1,
     ) -> None:
         self.broker = broker
         self.js = js
@@ -198,6 +242,7 @@ class Bus:
         # What a service's unit of work builds on its connection; set by the service before it subscribes.
         self.repositories: Callable[[asyncpg.Connection], Any] = no_repositories
         self._in_flight: set[asyncio.Task[None]] = set()
+        self.default_concurrency = default_concurrency
 
     def subscribe(
         self,
@@ -205,10 +250,10 @@ class Bus:
         handlers: Mapping[str, Handler],
         *,
         transactional: bool = True,
-        concurrency: int = 1,
+        concurrency: int | None = None,
     ) -> None:
-        """`concurrency` > 1 keeps up to that many messages in flight at once: only for consumers whose
-        handlers order what must be ordered themselves (node tasks lock the slots they touch).
+        """`concurrency` > 1 keeps up to that many messages in flight at once, in order per aggregate
+        (`ordering_key`: allocation, node, image, operation): one slow allocation holds up only itself.
 
         Messages are still fetched one at a time: a pull for a batch of N lingers until N messages or
         the fetch timeout, which would add up to the timeout to every message at low load. Each message
@@ -227,6 +272,7 @@ class Bus:
             inbox_prefix=self.inbox_prefix,
         )
 
+        concurrency = concurrency or self.default_concurrency
         if concurrency == 1:
 
             async def on_message(msg: NatsMessage) -> None:
@@ -238,11 +284,15 @@ class Bus:
 
         else:
             places = asyncio.Semaphore(concurrency)
+            lanes = KeyedLanes()
 
-            async def run(msg: NatsMessage, keep: _KeepAlive) -> None:
+            async def run(msg: NatsMessage, keep: _KeepAlive, turn: "asyncio.Future[None] | None", done: Any) -> None:
                 try:
+                    if turn is not None:
+                        await turn  # the previous message of the same aggregate has been handled
                     await self.dispatch(spec, handlers, msg, transactional)
                 finally:
+                    done()
                     keep.stop()
                     places.release()
 
@@ -254,7 +304,8 @@ class Bus:
                 except BaseException:
                     keep.stop()
                     raise
-                task = asyncio.create_task(run(msg, keep))
+                turn, done = lanes.enter(ordering_key(msg.raw_message.subject, msg.raw_message.data))
+                task = asyncio.create_task(run(msg, keep, turn, done))
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
 
