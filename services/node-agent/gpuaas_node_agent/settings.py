@@ -18,6 +18,8 @@ class AgentSettings(ServiceSettings):
     seed_dir: str = "/var/lib/gpuaas/seeds"
     # The GPU bridge's address the parity run expects (runbook: ovsbr0 10.100.0.1/24, dnsmasq and NAT on its /24).
     gpu_bridge_cidr: str = "10.100.0.1/24"
+    # The GPU bridge's address the parity run expects (runbook: ovsbr0 10.100.0.1/24, dnsmasq and NAT on its /24).
+    gpu_bridge_cidr: str = "10.100.0.1/24"
     # How long JetStream waits for a task's ack or progress ack before redelivering it. A slice provision takes
     # minutes, but the bus sends progress acks while it runs: this only bounds how long a dead agent holds it.
     task_ack_wait_s: float = Field(default=5.0, gt=0)

@@ -48,8 +48,12 @@ class SimulatedBaremetalHost:
         enrol: Callable[[dict[str, str], str | None], Awaitable[None]],
         leave: Callable[[], Awaitable[None]] | None = None,
         poll_interval_s: float = 0.25,
+        returned: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.leave = leave
+        # Called once the machine is Ready again after a tenant's deployment (a slice host's way back).
+        self.returned = returned
+        self._away = False
         self.node_id = node_id
         self.system_id = system_id
         self.url = maas_sim_url.rstrip("/") + f"/_sim/machines/{system_id}"
@@ -80,9 +84,14 @@ class SimulatedBaremetalHost:
                             "sim_baremetal_enrol_failed", node_id=self.node_id, allocation_id=allocation, error=str(exc)
                         )
                     self._enrolled_for = allocation
+                    self._away = True
                     log.info("sim_baremetal_enrolled", node_id=self.node_id, allocation_id=allocation)
                 elif status != "Deployed":
                     if self._enrolled_for is not None and self.leave is not None:
                         await self.leave()
                     self._enrolled_for = None
+                    if status == "Ready" and self._away:
+                        self._away = False
+                        if self.returned is not None:
+                            await self.returned()
                 await asyncio.sleep(self.poll_interval_s)

@@ -3,12 +3,20 @@
 Slice hosts run the production agent wiring (gpuaas_node_agent.entrypoints.host) on a generated host tree
 with simulated DHCP and guests, or answer at once (`GPUAAS_SIM_INSTANT_HOSTS`, benchmarks only). Baremetal
 hosts boot when the MAAS simulator says Deployed and connect only with the creds their user-data carried.
+
+A slice host that is a MAAS machine can be deployed to a baremetal tenant too (once ops converted it): MAAS
+replaces its OS, so its slice agent stops and the host enrols as a baremetal host with the deploy's
+credentials; when MAAS has it back (Ready after the release), the simulation stands in for ops re-applying
+the slice bootstrap and starts the slice agent again on the same host tree, which then reports its
+topology and parity like any freshly bootstrapped host.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gpuaas_common.bus import PermanentError
@@ -18,6 +26,7 @@ from gpuaas_common.enrolment import token_proof
 from gpuaas_common.fleet import Fleet, FleetNode
 from gpuaas_common.identity.creds import write_secret
 from gpuaas_common.identity.permissions import node_user_name
+from gpuaas_common.logging import get_logger
 from gpuaas_common.natsconn import NatsIdentity, split_servers
 from gpuaas_common.runtime import ServiceRuntime, run_service
 from gpuaas_node_agent.adapters.host_link import HostLink
@@ -26,9 +35,11 @@ from gpuaas_node_agent.service_layer.host_paths import HostPaths
 
 from .baremetal import SimulatedBaremetalHost
 from .dhcp_guest import SimulatedDhcpAndGuest
-from .fixture_host import build_host_root, describe_fleet_node
+from .fixture_host import build_host_root, describe_fleet_node, fleet_bridge_cidr
 from .instant import InstantSliceHost
 from .settings import SimFleetSettings
+
+log = get_logger(__name__)
 
 
 def _host_identity(settings: SimFleetSettings, node_id: str) -> NatsIdentity:
@@ -74,6 +85,7 @@ def build_register(settings: SimFleetSettings):
         fleet = Fleet.load(settings.fleet_file)
         links: dict[str, HostLink] = {}
         sims: list[SimulatedDhcpAndGuest] = []
+        hosts: list[_SimulatedSliceHost] = []
         for node in fleet.nodes:
             if node.kind == "baremetal":
                 if settings.maas_sim_url and node.maas_system_id:
@@ -84,13 +96,22 @@ def build_register(settings: SimFleetSettings):
             )
             if settings.sim_instant_hosts:
                 rt.spawn(_run_instant_host(settings, node, link), f"host-{node.node_id}")
-            else:
-                rt.spawn(_run_simulated_slice_host(settings, node, fleet.ssh_port, link, sims), f"host-{node.node_id}")
+                continue
+            host = _SimulatedSliceHost(settings, node, fleet.ssh_port, link)
+            sims.append(host.dhcp)
+            hosts.append(host)
+            rt.spawn(host.first_boot(), f"host-{node.node_id}")
+            if settings.maas_sim_url and node.maas_system_id:
+                bm = _baremetal_host(
+                    settings, node, settings.maas_sim_url, handed_over=host.shut_down, returned=host.boot
+                )
+                rt.spawn(bm.run(), f"sim-bm-{node.node_id}")
         # Ready once every slice host has its own link up; a host that cannot connect keeps the
         # process unready and says why in the log, the other hosts work on.
         rt.health.checks["hosts"] = lambda: all(link.bus is not None for link in links.values())
 
         async def close() -> None:
+            await asyncio.gather(*(host.shut_down() for host in hosts), return_exceptions=True)
             await asyncio.gather(*(link.close() for link in links.values()), return_exceptions=True)
             await asyncio.gather(*(sim.stop() for sim in sims), return_exceptions=True)
 
@@ -99,19 +120,52 @@ def build_register(settings: SimFleetSettings):
     return register
 
 
-async def _run_simulated_slice_host(
-    settings: SimFleetSettings, node: FleetNode, ssh_port: int, link: HostLink, sims: list[SimulatedDhcpAndGuest]
-) -> None:
-    paths = HostPaths(Path(node.host_root or settings.host_root))
-    _prepare_host_tree(settings, node, paths)
-    if settings.libvirt_uri == SHARED_TEST_HYPERVISOR:
-        settings = settings.model_copy(update={"libvirt_uri": _private_test_hypervisor(paths)})
-    sim = SimulatedDhcpAndGuest(
-        paths.host(settings.dnsmasq_hostsdir), paths.host(settings.dnsmasq_lease_file), ssh_port
-    )
-    sims.append(sim)
-    await sim.start()
-    await run_slice_host(settings, node.node_id, node.hostname, paths.root, ssh_port, link)
+class _SimulatedSliceHost:
+    """One simulated slice host: its host tree and simulated DHCP/guests (prepared once, kept across
+    agent runs), and the production agent on its own link, which `shut_down` stops and `boot` starts again."""
+
+    def __init__(self, settings: SimFleetSettings, node: FleetNode, ssh_port: int, link: HostLink) -> None:
+        self.settings, self.node, self.ssh_port, self.link = settings, node, ssh_port, link
+        self.paths = HostPaths(Path(node.host_root or settings.host_root))
+        self.dhcp = SimulatedDhcpAndGuest(
+            self.paths.host(settings.dnsmasq_hostsdir), self.paths.host(settings.dnsmasq_lease_file), ssh_port
+        )
+        self._agent: asyncio.Task[None] | None = None
+
+    async def first_boot(self) -> None:
+        _prepare_host_tree(self.settings, self.node, self.paths)
+        if self.settings.libvirt_uri == SHARED_TEST_HYPERVISOR:
+            self.settings = self.settings.model_copy(update={"libvirt_uri": _private_test_hypervisor(self.paths)})
+        await self.dhcp.start()
+        await self.boot()
+
+    async def boot(self) -> None:
+        """Start the agent (it runs until `shut_down`); returns at once."""
+        self._agent = asyncio.create_task(
+            run_slice_host(
+                self.settings,
+                self.node.node_id,
+                self.node.hostname,
+                self.paths.root,
+                self.ssh_port,
+                self.link,
+                bridge_cidr=fleet_bridge_cidr(self.node),
+            ),
+            name=f"agent-{self.node.node_id}",
+        )
+        self._agent.add_done_callback(self._agent_ended)
+
+    def _agent_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("sim_slice_agent_failed", node_id=self.node.node_id, error=repr(task.exception()))
+
+    async def shut_down(self) -> None:
+        if self._agent is not None:
+            self._agent.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._agent
+            self._agent = None
+        await self.link.close()
 
 
 async def _run_instant_host(settings: SimFleetSettings, node: FleetNode, link: HostLink) -> None:
@@ -124,6 +178,7 @@ async def _run_instant_host(settings: SimFleetSettings, node: FleetNode, link: H
         concurrency=settings.task_concurrency,
     )
     await link.start()
+    await instant.report_host_state(node)
     await bus.publish(
         "node.enrolled",
         slice_host_enrolment(node.node_id, node.hostname),
@@ -132,11 +187,22 @@ async def _run_instant_host(settings: SimFleetSettings, node: FleetNode, link: H
     )
 
 
-def _baremetal_host(settings: SimFleetSettings, node: FleetNode, maas_sim_url: str) -> SimulatedBaremetalHost:
+def _baremetal_host(
+    settings: SimFleetSettings,
+    node: FleetNode,
+    maas_sim_url: str,
+    *,
+    handed_over: Callable[[], Awaitable[None]] | None = None,
+    returned: Callable[[], Awaitable[None]] | None = None,
+) -> SimulatedBaremetalHost:
     """A simulated baremetal host connects only with the credentials its deploy user-data carried, as a
-    real host would, and drops them when MAAS takes the machine back."""
+    real host would, and drops them when MAAS takes the machine back. For a slice host deployed to a
+    tenant, `handed_over` stops its slice agent first and `returned` starts it again once MAAS has the
+    machine back."""
     assert node.maas_system_id is not None
     root = Path(node.host_root) if node.host_root else Path(settings.state_dir) / "baremetal" / node.node_id
+    if node.kind == "slice_host":
+        root = root / "baremetal"  # the tenant's creds file lives apart from the slice host's tree
     link: HostLink | None = None
 
     async def enrol(env: dict[str, str], creds_text: str | None) -> None:
@@ -145,6 +211,8 @@ def _baremetal_host(settings: SimFleetSettings, node: FleetNode, maas_sim_url: s
         allocation_id = env.get("GPUAAS_ALLOCATION_ID")
         if not token or not allocation_id:
             raise PermanentError("schema_invalid", "user_data carries no enrolment token")
+        if handed_over is not None:
+            await handed_over()
         await leave()
         creds_file = None
         if creds_text:
@@ -180,7 +248,7 @@ def _baremetal_host(settings: SimFleetSettings, node: FleetNode, maas_sim_url: s
             await link.close()
             link = None
 
-    return SimulatedBaremetalHost(node.node_id, node.maas_system_id, maas_sim_url, enrol, leave)
+    return SimulatedBaremetalHost(node.node_id, node.maas_system_id, maas_sim_url, enrol, leave, returned=returned)
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 
 It answers provision and release tasks at once, without disks, libvirt or DHCP, so a benchmark
 measures the services and the bus rather than qemu-img and zero-fill on a 2-core machine. Its wipe
-proofs say `method="simulated-instant"`, never a real method, and it runs only in a simulated fleet.
+proofs say `method="simulated-instant"`, never a real method, its parity check is named
+`simulated_instant_host`, and it runs only in a simulated fleet.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpuaas_common.bus import HandlerContext
-from gpuaas_common.contract import derived_event_id
+from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
+from gpuaas_common.fleet import FleetNode
 
 Publish = Callable[..., Awaitable[Any]]
 
@@ -64,3 +66,62 @@ class InstantSliceHost:
             event_id=derived_event_id(task.task_id, "result"),
             node_id=self.node_id,
         )
+
+    async def report_host_state(self, node: FleetNode) -> None:
+        """Topology and parity evidence for a host that has no host tree to discover or check: the fleet
+        file's slot bundles are reported as what discovery found (disks clean and unmounted, since there is
+        no disk), and the one parity check says it is simulated. The scheduler still records them as
+        evidence and ops (or the dev stack, as `gpuaas-dev`) still approve the candidates."""
+        now = utcnow()
+        topology = m.NodeTopologyReported(
+            node_id=self.node_id,
+            discovered_at=now,
+            gpus=[
+                m.GpuDevice(pci_address=s.gpu_pci_address, vendor_id="10de", device_id="2335", numa_node=s.numa_node)
+                for s in node.slots
+            ],
+            nvme=[
+                m.NvmeDevice(
+                    kernel_name=f"nvme{i}n1",
+                    by_id=s.nvme_by_id,
+                    size_bytes=0,
+                    numa_node=s.numa_node,
+                    mounted=False,
+                    is_os_disk=False,
+                    signatures=[],
+                    candidate=True,
+                )
+                for i, s in enumerate(node.slots)
+            ],
+            candidate_slots=[
+                m.CandidateSlot(
+                    index=i,
+                    gpu_pci_address=s.gpu_pci_address,
+                    numa_node=s.numa_node,
+                    pcie_switch=s.pcie_switch,
+                    nvme_by_id=s.nvme_by_id,
+                    fabric_vf_pci_address=s.fabric_vf_pci_address,
+                    mac=s.mac,
+                    private_ip=s.private_ip,
+                    ovs_bridge=s.ovs_bridge,
+                    ovs_port=f"gpuaas-s{i}",
+                    complete=True,
+                )
+                for i, s in enumerate(node.slots)
+            ],
+        )
+        parity = m.NodeParityReported(
+            node_id=self.node_id,
+            checked_at=now,
+            checks=[
+                m.ParityCheck(
+                    check="simulated_instant_host",
+                    status="PASS",
+                    detail="instant simulated host (benchmarks only): there is no host to check",
+                )
+            ],
+            failures=0,
+            warnings=0,
+        )
+        for type_, payload in (("node.topology_reported", topology), ("node.parity_reported", parity)):
+            await self.publish(type_, payload, correlation_id=self.node_id, node_id=self.node_id)

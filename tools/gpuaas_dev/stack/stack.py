@@ -18,6 +18,7 @@ from gpuaas_common.pg_roles import SERVICE_ROLES
 from gpuaas_dev.testing.servers import NatsServer, PostgresServer, RegistryServer, free_port
 
 from ..maas_sim.auth import generate_api_key
+from .approval import ApprovalFailed, approve_slice_hosts
 from .coroutines import run_coro
 from .database import create_database, create_service_roles
 from .description import ADMIN_APIS, describe_stack, record_database_secrets, write_secrets
@@ -321,6 +322,13 @@ class Stack:
             run_coro(lambda: commission_slice_hosts(options, self.dsn, fleet, self.ready_timeout_s))
         except TimeoutError as exc:
             raise StackError(f"{exc}\n--- maas-gateway log ---\n{self.log_tail('maas-gateway')}") from None
+        # Seeding fabricates no evidence: slots exist only once the agents reported topology and parity and
+        # the candidates were approved through the scheduler's admin API, here as `gpuaas-dev`.
+        try:
+            url, token = self.scheduler_admin_url, self.scheduler_admin_token
+            run_coro(lambda: approve_slice_hosts(url, token, fleet, self.ready_timeout_s))
+        except (TimeoutError, ApprovalFailed) as exc:
+            raise StackError(f"{exc}\n--- node-agent log ---\n{self.log_tail('node-agent')}") from None
 
     def stop(self) -> None:
         """SIGTERM every process this stack started (by PID), SIGKILL after `stop_timeout_s`."""

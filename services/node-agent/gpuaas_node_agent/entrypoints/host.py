@@ -36,7 +36,14 @@ def slice_host_enrolment(node_id: str, hostname: str) -> m.NodeEnrolled:
 
 
 async def run_slice_host(
-    settings: AgentSettings, node_id: str, hostname: str, root: Path, ssh_port: int, link: HostLink
+    settings: AgentSettings,
+    node_id: str,
+    hostname: str,
+    root: Path,
+    ssh_port: int,
+    link: HostLink,
+    *,
+    bridge_cidr: str | None = None,
 ) -> None:
     bus, spec = await open_host_bus(settings, node_id, link)
     paths = HostPaths(root)
@@ -54,6 +61,7 @@ async def run_slice_host(
         ssh_port=ssh_port,
         readiness_timeout_s=settings.readiness_timeout_s,
         shutdown_timeout_s=settings.shutdown_timeout_s,
+        bridge_cidr=bridge_cidr or settings.gpu_bridge_cidr,
     )
     handlers = {
         "slice.vm_provision": agent.on_task,

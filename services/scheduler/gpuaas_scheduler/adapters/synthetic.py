@@ -7,7 +7,11 @@ import hashlib
 
 import asyncpg
 
-from .inventory import SIMULATED_CLEAN_DISK, TAG_BAREMETAL, TAG_SLICE, refresh_nodes
+from .inventory import TAG_BAREMETAL, TAG_SLICE, refresh_nodes
+
+# Synthetic fleets stand in for hosts whose discovery and approval already happened: their disks are
+# described as a clean raw NVMe would be. Only tests and benchmarks build them; never the dev stack.
+SIMULATED_CLEAN_DISK = {"mounted": False, "mounted_children": [], "signatures": [], "is_os_disk": False}
 
 _BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
 

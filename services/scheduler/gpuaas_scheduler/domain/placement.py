@@ -228,11 +228,23 @@ def best_tier(node: NodeCandidate, gpus: int) -> int | None:
     return TIER_SPAN if sum(node.numa_free[:span]) >= gpus else None
 
 
+# A slice-capable host handed out whole is a host of the baremetal offer: one machine, two offers (slice
+# SKU -> whole-host SKU). Its mode, not its SKU, decides which one it serves at a time (domain/host_mode.py).
+WHOLE_HOST_SKU: dict[str, str] = {"h200-sxm-slice": "h200-sxm"}
+
+
+def node_skus(req: Request) -> tuple[str, ...]:
+    """The node SKUs that may serve the request: its own, and for baremetal the slice SKUs of that host."""
+    if req.shape != "baremetal":
+        return (req.sku,)
+    return (req.sku, *sorted(s for s, whole in WHOLE_HOST_SKU.items() if whole == req.sku))
+
+
 def node_filter(node: NodeFacts, req: Request) -> str | None:
     """The first filter a node fails for this request (its bucket in `filtered`), or None."""
     if node.region != req.region:
         return "region"
-    if node.sku != req.sku:
+    if node.sku not in node_skus(req):
         return "sku"
     if req.shape == "baremetal":
         if not node.accepts_baremetal:

@@ -27,6 +27,7 @@ from .description import (
     Partition,
     describe_fleet_node,
     eui_for,
+    fleet_bridge_cidr,
     xe9680l,
 )
 from .nvme import write_nvme
@@ -72,5 +73,6 @@ __all__ = [
     "build_host_root",
     "describe_fleet_node",
     "eui_for",
+    "fleet_bridge_cidr",
     "xe9680l",
 ]

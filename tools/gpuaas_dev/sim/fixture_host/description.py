@@ -4,6 +4,7 @@ a Dell XE9680L with 8 × H200, and the host behind a simulated fleet node."""
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 
 from pydantic import BaseModel, Field
 
@@ -175,8 +176,22 @@ def xe9680l(
     return desc.model_copy(update=overrides) if overrides else desc
 
 
+def fleet_bridge_cidr(node: FleetNode) -> str | None:
+    """The GPU bridge address of a simulated fleet host: .1 of the /24 its slots' IPs are in.
+
+    Real hosts all use the runbook's 10.100.0.1/24 behind NAT; simulated hosts share one network namespace
+    and their guests must answer on loopback, so each gets its own loopback /24 (the fleet's)."""
+    if not node.slots:
+        return None
+    net = ipaddress.ip_network(f"{node.slots[0].private_ip}/24", strict=False)
+    return f"{net.network_address + 1}/{net.prefixlen}"
+
+
 def describe_fleet_node(node: FleetNode, *, disk_file_bytes: int = 64 * MIB) -> HostDescription:
-    """The host a simulated fleet node runs on: its slots' disks become the data NVMe disks, so discovery on
-    the simulated host finds exactly the by-id paths the fleet approved."""
+    """The host a simulated fleet node runs on: its slots' disks become the data NVMe disks and its GPU
+    bridge carries the fleet's subnet, so discovery on the simulated host finds the by-id paths and
+    suggests the IPs the fleet file describes."""
     wwids = [slot.nvme_by_id.rsplit("/", 1)[-1].removeprefix("nvme-") for slot in node.slots]
-    return xe9680l(node.hostname, data_disk_wwids=wwids, mounted_share=False, disk_file_bytes=disk_file_bytes)
+    cidr = fleet_bridge_cidr(node)
+    extra: dict[str, object] = {"ovs_address": cidr} if cidr else {}
+    return xe9680l(node.hostname, data_disk_wwids=wwids, mounted_share=False, disk_file_bytes=disk_file_bytes, **extra)

@@ -3,6 +3,7 @@ behind the `ip`, `iptables` and `systemctl` the agent runs."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
@@ -87,11 +88,15 @@ def write_etc(root: Path, desc: HostDescription) -> None:
             f"network:\n  version: 2\n  ethernets:\n    {FABRIC_IF}:\n      addresses: [{desc.fabric_address}]\n",
         )
     if desc.dnsmasq_gpu_subnet:
+        # The runbook's range (.10-.250 of the bridge's /24, the bridge as router), on the bridge's subnet.
+        bridge = ipaddress.ip_interface(desc.ovs_address)
+        base = int(bridge.network.network_address)
         _write(
             etc / "dnsmasq.d/gpuaas-slice.conf",
             f"interface={desc.ovs_bridge or 'ovsbr0'}\nbind-interfaces\n"
-            "dhcp-range=10.100.0.10,10.100.0.250,255.255.255.0,12h\n"
-            "dhcp-option=option:router,10.100.0.1\ndhcp-hostsdir=/etc/gpuaas/dnsmasq-hosts\n",
+            f"dhcp-range={ipaddress.ip_address(base + 10)},{ipaddress.ip_address(base + 250)},"
+            f"{bridge.network.netmask},12h\n"
+            f"dhcp-option=option:router,{bridge.ip}\ndhcp-hostsdir=/etc/gpuaas/dnsmasq-hosts\n",
         )
     _write(etc / "hostname", desc.hostname + "\n")
 
@@ -131,7 +136,7 @@ def write_host_tools(fs: _Sysfs, desc: HostDescription) -> None:
     _write(data / "ip-route.json", json.dumps(routes))
     nat = ["-P POSTROUTING ACCEPT"]
     if desc.nat_rule:
-        nat.append("-A POSTROUTING -s 10.100.0.0/24 -j MASQUERADE")
+        nat.append(f"-A POSTROUTING -s {ipaddress.ip_interface(desc.ovs_address).network} -j MASQUERADE")
     _write(data / "iptables-nat-POSTROUTING.txt", "\n".join(nat) + "\n")
     active = ["openvswitch-switch", "rshim", *desc.slice_services]
     if desc.dnsmasq_active:

@@ -54,8 +54,10 @@ class AgentCore:
         readiness_timeout_s: float,
         shutdown_timeout_s: float,
         relay_public_key: str | None = None,
+        bridge_cidr: str = "10.100.0.1/24",
     ) -> None:
         self.node_id = node_id
+        self.bridge_cidr = bridge_cidr
         self.paths = paths
         self.store = store
         self.libvirt = libvirt

@@ -23,9 +23,9 @@ class HostEvidence(AgentCore):
         """Discover topology and run the parity checks; publish both as readiness evidence."""
         leased = [r.removeprefix("nvme:") for r in self.store.leased_resources() if r.startswith("nvme:")]
         topology = await discover(self.host, self.node_id, task_id=task_id, leased_by_id=leased)
-        parity = await ParityChecker(self.host, agent_running=True, topology=topology).run(
-            self.node_id, task_id=task_id
-        )
+        parity = await ParityChecker(
+            self.host, bridge_cidr=self.bridge_cidr, agent_running=True, topology=topology
+        ).run(self.node_id, task_id=task_id)
         for type_, payload in (("node.topology_reported", topology), ("node.parity_reported", parity)):
             await self.publish(
                 type_,

@@ -40,7 +40,7 @@ from .predicates import (
     candidate_from_row,
     image_ready_sql,
 )
-from .seeding import SIMULATED_CLEAN_DISK, TAG_BAREMETAL, TAG_SLICE, seed_from_fleet
+from .seeding import SEED_SOURCE, TAG_BAREMETAL, TAG_SLICE, seed_from_fleet
 from .slot_transitions import (
     allocation_slots,
     drain_node,
@@ -57,7 +57,7 @@ __all__ = [
     "FREE_SLOT_SQL",
     "LOCKED",
     "NODE_SUMMARY_COLUMNS",
-    "SIMULATED_CLEAN_DISK",
+    "SEED_SOURCE",
     "SLICE_NODE_SQL",
     "SLOT_COLUMNS",
     "TAG_BAREMETAL",

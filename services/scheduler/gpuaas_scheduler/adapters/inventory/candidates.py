@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
 
-from ...domain.placement import NodeCandidate, NodeFacts, Request
+from ...domain.placement import NodeCandidate, NodeFacts, Request, node_skus
 from .predicates import (
     BAREMETAL_NODE_SQL,
     NODE_SUMMARY_COLUMNS,
@@ -75,12 +75,12 @@ async def image_gate(conn: asyncpg.Connection, slug: str, digest: str) -> tuple[
 async def baremetal_candidates(conn: asyncpg.Connection, req: Request) -> list[str]:
     # Baremetal-only hosts first: a convertible host could go back to slices.
     rows = await conn.fetch(
-        f"SELECT n.node_id FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {BAREMETAL_NODE_SQL} "
+        f"SELECT n.node_id FROM nodes n WHERE n.region = $1 AND n.sku = ANY($2::text[]) AND {BAREMETAL_NODE_SQL} "
         "AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c "
         "WHERE c.node_id = n.node_id AND c.status <> 'released') "
         "ORDER BY n.accepts_slices, n.node_id",
         req.region,
-        req.sku,
+        list(node_skus(req)),
     )
     return [r["node_id"] for r in rows]
 
