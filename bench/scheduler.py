@@ -173,7 +173,7 @@ async def measure(
 
 async def bench(sizes: list[int], count1: int, count4: int, workers_list: list[int]) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="gpuaas-bench-sched-"))
-    pg = PostgresServer(tmp / "pg", fsync=True).start()
+    pg = PostgresServer(tmp / "pg").start()  # durable: fsync and synchronous_commit on
     ctx = mp.get_context("spawn")
     results = []
     try:

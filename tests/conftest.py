@@ -21,7 +21,9 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
 
 @pytest.fixture(scope="session")
 def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
-    server = PostgresServer(tmp_path_factory.mktemp("pg")).start()
+    # Non-durable on purpose: a throwaway database where a commit without fsync costs several times less; the
+    # tests of crash safety start durable servers of their own (test_postgres_recovery.py).
+    server = PostgresServer(tmp_path_factory.mktemp("pg"), unsafe_no_fsync=True).start()
     yield server
     server.stop()
 

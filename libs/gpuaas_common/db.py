@@ -9,6 +9,22 @@ import asyncpg
 _SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
+def check_dsn(dsn: str) -> str:
+    """A Postgres URL, possibly naming several servers (`postgresql://u:p@h1:5432,h2:5432/db?target_session_attrs=
+    read-write`: asyncpg tries them in order and keeps the first that matches the attrs, so a promoted standby
+    is found after a failover). Errors never quote the password."""
+    scheme, sep, rest = dsn.partition("://")
+    if not sep or scheme not in ("postgres", "postgresql"):
+        raise ValueError("database_url must be a postgresql:// URL")
+    hosts = rest.split("/", 1)[0].split("?", 1)[0].rsplit("@", 1)[-1]
+    for host in filter(None, hosts.split(",")):
+        tail = host.rsplit("]", 1)[-1] if host.startswith("[") else host  # after an IPv6 literal: ":port" or ""
+        port = tail.rpartition(":")[2] if ":" in tail else None
+        if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f"database_url: bad port in host {host!r}")
+    return dsn
+
+
 def check_schema(schema: str) -> str:
     if not _SCHEMA_RE.match(schema):
         raise ValueError(f"invalid schema name {schema!r}")

@@ -91,14 +91,11 @@ async def ensure_service_roles(admin_dsn: str, database: str, passwords: Mapping
 
 
 def role_dsn(admin_dsn: str, database: str, role: str, password: str) -> str:
-    """The admin DSN's host, port and query (e.g. sslmode), with this role, password and database."""
+    """The admin DSN's hosts, ports and query (e.g. sslmode, target_session_attrs), with this role, password and
+    database. The host part is kept as written: it may list several servers (`h1:5432,h2:5432`)."""
     parts = urllib.parse.urlsplit(admin_dsn)
-    host = parts.hostname or "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{urllib.parse.quote(role, safe='')}:{urllib.parse.quote(password, safe='')}@{host}"
-    if parts.port:
-        netloc += f":{parts.port}"
+    hosts = parts.netloc.rsplit("@", 1)[-1] or "127.0.0.1"
+    netloc = f"{urllib.parse.quote(role, safe='')}:{urllib.parse.quote(password, safe='')}@{hosts}"
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, path=f"/{database}"))
 
 

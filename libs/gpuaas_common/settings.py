@@ -9,9 +9,12 @@ from __future__ import annotations
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from .db import check_dsn
+
 
 class ServiceSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="GPUAAS_", extra="ignore", frozen=True)
+    # Errors never echo a value: the database URL carries a password.
+    model_config = SettingsConfigDict(env_prefix="GPUAAS_", extra="ignore", frozen=True, hide_input_in_errors=True)
 
     # One URL or a comma-separated list of every server of a cluster.
     nats_url: str = "nats://127.0.0.1:4222"
@@ -20,6 +23,7 @@ class ServiceSettings(BaseSettings):
     # server accepts.
     nats_creds: str | None = None
     nats_ca_file: str | None = None
+    # One server or several (`postgresql://u:p@h1:5432,h2:5432/db?target_session_attrs=read-write`, see db.check_dsn).
     database_url: SecretStr = SecretStr("postgresql://gpuaas@127.0.0.1:5432/gpuaas")
     health_host: str = "127.0.0.1"
     health_port: int = Field(default=0, ge=0, le=65535)
@@ -52,6 +56,12 @@ class ServiceSettings(BaseSettings):
         if not urls or not all(u.startswith(("nats://", "tls://")) for u in urls):
             raise ValueError("nats_url must be one or more comma-separated nats:// or tls:// URLs")
         return ",".join(urls)
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_dsn(cls, v: SecretStr) -> SecretStr:
+        check_dsn(v.get_secret_value())
+        return v
 
     @field_validator("log_level")
     @classmethod

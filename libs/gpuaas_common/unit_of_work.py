@@ -59,7 +59,23 @@ class UnitOfWork(Generic[R]):
     async def __aenter__(self) -> "UnitOfWork[R]":
         self._conn = await self.pool.acquire()
         self._tx = self._conn.transaction()
-        await self._tx.start()
+        try:
+            await self._tx.start()
+        except (asyncpg.ConnectionDoesNotExistError, asyncpg.InterfaceError, OSError):
+            # The pooled connection died while idle (Postgres restarted, a failover): the pool does not check
+            # before handing it out. Nothing happened on it yet, so every pooled connection is retired and
+            # the transaction starts once more on a fresh one; a second failure is the caller's.
+            await self.pool.release(self._conn)
+            self._conn = None
+            self.pool.expire_connections()  # type: ignore[no-untyped-call]
+            self._conn = await self.pool.acquire()
+            self._tx = self._conn.transaction()
+            try:
+                await self._tx.start()
+            except BaseException:
+                await self.pool.release(self._conn)
+                self._conn = None
+                raise
         self.repos = self._repositories(self._conn)
         return self
 

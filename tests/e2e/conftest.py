@@ -21,7 +21,11 @@ from gpuaas_dev.testing.bus_spy import BusSpy
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(tmp_path_factory.mktemp("stack"), slice_hosts=2, slots_per_host=8, baremetal_hosts=2)
+    # Non-durable Postgres on purpose: these tests check behaviour, not crash safety, and a commit costs
+    # several times less without fsync (`make run` and the benchmarks stay durable).
+    s = Stack(
+        tmp_path_factory.mktemp("stack"), slice_hosts=2, slots_per_host=8, baremetal_hosts=2, unsafe_no_fsync=True
+    )
     s.start()
     yield s
     s.stop()

@@ -102,6 +102,14 @@ SliceHostsOpt = Annotated[int, typer.Option("--slice-hosts", min=0)]
 SlotsOpt = Annotated[int, typer.Option("--slots", min=1, max=8, help="Slots (GPUs) per slice host.")]
 BaremetalOpt = Annotated[int, typer.Option("--baremetal", min=0, help="Baremetal machines in MAAS.")]
 LogLevelOpt = Annotated[str, typer.Option("--log-level")]
+UnsafeNoFsyncOpt = Annotated[
+    bool,
+    typer.Option(
+        "--unsafe-no-fsync",
+        help="Run Postgres with fsync and synchronous_commit off: faster, but a crash can lose the last commits. "
+        "For tests and benchmarks only; without it the stack is durable.",
+    ),
+]
 
 
 @dev_app.command("up")
@@ -113,6 +121,7 @@ def dev_up(
     baremetal: BaremetalOpt = 2,
     log_level: LogLevelOpt = "INFO",
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the stack to be ready.")] = 180.0,
+    unsafe_no_fsync: UnsafeNoFsyncOpt = False,
 ) -> None:
     """Start NATS, Postgres, the MAAS simulator and the five services; return once all are ready."""
     from gpuaas_dev.stack import Stack
@@ -126,7 +135,9 @@ def dev_up(
         )
         raise typer.Exit(1)
     if not detach:
-        stack = Stack(run_dir, log_level=log_level, **_stack_args(slice_hosts, slots, baremetal))
+        stack = Stack(
+            run_dir, log_level=log_level, unsafe_no_fsync=unsafe_no_fsync, **_stack_args(slice_hosts, slots, baremetal)
+        )
         raise typer.Exit(_supervise(stack, announce=True))
 
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -148,6 +159,7 @@ def dev_up(
         str(baremetal),
         "--log-level",
         log_level,
+        *(["--unsafe-no-fsync"] if unsafe_no_fsync else []),
     ]
     with log_path.open("ab") as log:
         child = subprocess.Popen(
@@ -188,11 +200,17 @@ def dev_supervise(
     slots: SlotsOpt = 8,
     baremetal: BaremetalOpt = 2,
     log_level: LogLevelOpt = "INFO",
+    unsafe_no_fsync: UnsafeNoFsyncOpt = False,
 ) -> None:
     """The detached supervisor behind `dev up --detach`."""
     from gpuaas_dev.stack import Stack
 
-    stack = Stack(run_dir.resolve(), log_level=log_level, **_stack_args(slice_hosts, slots, baremetal))
+    stack = Stack(
+        run_dir.resolve(),
+        log_level=log_level,
+        unsafe_no_fsync=unsafe_no_fsync,
+        **_stack_args(slice_hosts, slots, baremetal),
+    )
     raise typer.Exit(_supervise(stack, announce=False))
 
 

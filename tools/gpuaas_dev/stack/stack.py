@@ -53,12 +53,16 @@ class Stack:
         stop_timeout_s: float = 15.0,
         log_level: str = "INFO",
         auth: bool = True,
+        unsafe_no_fsync: bool = False,
     ) -> None:
         """`env_overrides` maps GPUAAS_* names to values for every service; a key that is a process
         name (e.g. "maas-gateway") maps to a dict applied to that process only.
 
         `auth` (default) runs NATS in operator mode with TLS and every process as its own identity;
-        `auth=False` is an open bus, only for measuring what the identities cost."""
+        `auth=False` is an open bus, only for measuring what the identities cost.
+
+        Postgres is durable (fsync, synchronous_commit on); `unsafe_no_fsync=True` is faster and may lose the
+        last commits in a crash: only for tests and benchmarks that ask for it."""
         self.run_dir = Path(run_dir).resolve()
         self.slice_hosts = slice_hosts
         self.slots_per_host = slots_per_host
@@ -72,6 +76,7 @@ class Stack:
         self.stop_timeout_s = stop_timeout_s
         self.log_level = log_level
         self.auth = auth
+        self.unsafe_no_fsync = unsafe_no_fsync
         self.status = "new"
         self._authority: Authority | None = None
         self._tls: TlsFiles | None = None
@@ -284,7 +289,7 @@ class Stack:
             self._tls, self._authority = make_identities(self.run_dir, self.creds_dir)
         self._nats = NatsServer(self.run_dir / "nats", auth=self._authority, tls=self._tls)
         self._nats.start()
-        self._pg = PostgresServer(self.run_dir / "pg")
+        self._pg = PostgresServer(self.run_dir / "pg", unsafe_no_fsync=self.unsafe_no_fsync)
         self._pg.start()
         self._dsn = create_database(self._pg.dsn)
         self._service_dsns = create_service_roles(self._pg.dsn)
