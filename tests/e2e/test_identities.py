@@ -177,6 +177,8 @@ def _secrets(stack) -> dict[str, str]:
     secrets_json = json.loads((stack.run_dir / "secrets.json").read_text())
     found["maas_api_key"] = stack.maas_api_key
     found["enrolment_secret"] = stack.enrolment_secret
+    for service in ("scheduler", "image-pipeline"):
+        found[f"{service} admin token"] = stack.admin_token(service)
     for name, dsn in secrets_json.get("service_database_urls", {}).items():
         password = re.match(r"^[^:]+://[^:]+:([^@]+)@", dsn)
         if password:

@@ -43,7 +43,16 @@ def _print_summary(info: dict[str, Any]) -> None:
     err.print(f"NATS      {info.get('nats_url')}")
     err.print(f"Postgres  {info.get('database_url')}")
     err.print(f"MAAS sim  {info.get('maas_url')}")
+    _print_admin_apis(info, err)
     err.print(f"run dir   {info.get('run_dir')} (stack.json, logs/)")
+
+
+def _print_admin_apis(info: dict[str, Any], console: Any) -> None:
+    # Their tokens are in secrets.json (0600), never printed; the README shows how to read one.
+    for prefix in ("scheduler", "image"):
+        url = info.get(f"{prefix}_admin_url")
+        console.print(f"{prefix + ' admin API':<20} {url}  (token: {prefix}_admin_token in secrets.json)")
+    console.print(f"secrets   {info.get('secrets_file')}")
 
 
 def _supervise(stack, *, announce: bool) -> int:
