@@ -104,6 +104,9 @@ class NodeFacts:
     approved_slots: int = 0
     # The last commissioning preflight's verdict (passed / failed / missing); None: never reported.
     preflight_status: str | None = None
+    # Open drift the node agent reported on the node as a whole, and the slots free but for open drift on them.
+    drift_open: bool = False
+    drifted_free_slots: int = 0
 
 
 # --- slots ----------------------------------------------------------------------------------------
@@ -270,12 +273,16 @@ def node_filter(node: NodeFacts, req: Request) -> str | None:
         return "preflight_failed" if node.preflight_status == "failed" else "preflight_missing"
     if node.parity_failures is None or node.parity_failures > 0:
         return "parity"
+    if node.drift_open:
+        return "drift_reported"
     if not node.image_ready:
         return "image_cache"
     if node.exclusive_held:
         return "in_use"
     if node.candidate.free_slots < req.gpus:
-        return "free_slot_count"
+        # Enough slots but for those with open drift: the answer ops can act on.
+        drift_only = node.candidate.free_slots + node.drifted_free_slots >= req.gpus
+        return "drift_reported" if drift_only else "free_slot_count"
     if best_tier(node.candidate, req.gpus) is None:
         return "topology"
     return None
@@ -295,6 +302,7 @@ NODE_LEVEL = {
     "preflight_failed",
     "preflight_missing",
     "parity",
+    "drift_reported",
     "image_cache",
     "in_use",
 }
@@ -366,6 +374,7 @@ _FILTER_TEXT = {
     "preflight_failed": "whose commissioning preflight failed",
     "preflight_missing": "without a commissioning preflight",
     "parity": "without parity failures=0",
+    "drift_reported": "with open drift reported by the node agent",
     "image_cache": "without the image verified in cache",
     "in_use": "held by another allocation",
     "free_slot_count": "with too few free slots",

@@ -18,6 +18,7 @@ from pydantic import BaseModel, SecretStr
 from gpuaas_common.admin_http import AdminApi, Call, Route, openapi, render_yaml
 
 from ..service_layer import admin as ops
+from ..service_layer.admin import drift as drift_ops
 from . import api_models as out
 
 SCHEMA = "scheduler"
@@ -83,6 +84,22 @@ ROUTES = [
         ops.DrainIn,
     ),
     _r("POST", "/v1/nodes/{node_id}/undrain", write(ops.undrain), "accept placements again", out.NodeDetail, ops.Acted),
+    _r(
+        "GET",
+        "/v1/nodes/{node_id}/drift",
+        read(drift_ops.list_drift),
+        "drift the node agent reported (unresolved by default; status=open|acknowledged|resolved|all)",
+        out.DriftList,
+        query=("status",),
+    ),
+    _r(
+        "POST",
+        "/v1/nodes/{node_id}/drift/ack",
+        write(drift_ops.ack_drift),
+        "acknowledge open drift (all, or drift_ids): its slots or the node take placements again",
+        out.DriftList,
+        drift_ops.DriftAckIn,
+    ),
     _r(
         "GET",
         "/v1/nodes/{node_id}/mode",

@@ -41,6 +41,28 @@ class NodeDetail(BaseModel):
     mode_history: list[dict[str, Any]]
 
 
+class DriftItem(Row):
+    drift_id: int
+    node_id: str
+    # None: the node as a whole.
+    slot_id: str | None
+    kind: str
+    subject: str
+    detail: str
+    devices: list[str]
+    status: str
+    first_reported_at: str
+    last_reported_at: str
+
+
+class DriftList(BaseModel):
+    node_id: str
+    drift_open: bool
+    drift_reported_at: str | None
+    drift: list[DriftItem]
+    acknowledged: list[int] | None = None
+
+
 class ModeView(Row):
     node_id: str
     mode: str

@@ -13,7 +13,7 @@ from gpuaas_common.logging import get_logger
 
 from ..adapters import inventory as inv
 from ..domain.approval import wipe_verdict
-from . import evidence, host_modes
+from . import drift, evidence, host_modes
 from .placement import PlacementPolicy, place
 
 log = get_logger(__name__)
@@ -60,6 +60,11 @@ class Scheduler:
         ev: m.NodeTopologyReported = ctx.payload
         outcome = await evidence.record_topology(ctx.conn, ev)
         log.info("topology_recorded", node_id=ev.node_id, candidates=len(ev.candidate_slots), outcome=outcome)
+
+    async def on_drift(self, ctx: HandlerContext) -> None:
+        ev: m.NodeDriftReported = ctx.payload
+        counts = await drift.record_drift(ctx.conn, ev, ctx.envelope.event_id)
+        log.info("drift_recorded", node_id=ev.node_id, reported=len(ev.drift), **counts)
 
     async def on_slice_preflight(self, ctx: HandlerContext) -> None:
         ev: m.NodeSlicePreflightReported = ctx.payload
@@ -209,6 +214,7 @@ EVIDENCE_CONSUMERS = {
     "scheduler-node-topology": "node.topology_reported",
     "scheduler-image-cache": "image.node_cache_changed",
     "scheduler-slice-preflight": "node.slice_preflight_reported",
+    "scheduler-node-drift": "node.drift_reported",
 }
 
 
@@ -219,6 +225,7 @@ def evidence_handlers(scheduler: Scheduler) -> dict[str, dict]:
         "node.topology_reported": scheduler.on_topology,
         "image.node_cache_changed": scheduler.on_image_cache,
         "node.slice_preflight_reported": scheduler.on_slice_preflight,
+        "node.drift_reported": scheduler.on_drift,
     }
     return {durable: {type_: by_type[type_]} for durable, type_ in EVIDENCE_CONSUMERS.items()}
 

@@ -12,7 +12,9 @@ from .predicates import (
     BAREMETAL_NODE_SQL,
     NODE_SUMMARY_COLUMNS,
     SLICE_NODE_SQL,
+    SLOT_DRIFT_SQL,
     TIER_SQL,
+    UNCLAIMED_SLOT_SQL,
     candidate_from_row,
     gate_params,
     image_ready_sql,
@@ -96,7 +98,9 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
         " EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
         "   AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') AS exclusive_held, "
         " (SELECT count(*) FROM node_resource_slots s WHERE s.node_id = n.node_id AND s.status <> 'retired')"
-        "   AS approved_slots "
+        "   AS approved_slots, "
+        f" (SELECT count(*) FROM node_resource_slots s WHERE s.node_id = n.node_id AND {UNCLAIMED_SLOT_SQL} "
+        f"   AND {SLOT_DRIFT_SQL}) AS drifted_free_slots "
         "FROM nodes n ORDER BY n.node_id",
         *gate_params(image_gate),
     )
@@ -126,6 +130,8 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
             r["image_ready"],
             r["approved_slots"],
             r["preflight_status"],
+            drift_open=r["drift_open"],
+            drifted_free_slots=r["drifted_free_slots"],
         )
         for r in rows
     ]

@@ -13,10 +13,10 @@ SLOT_COLUMNS = (
 )
 
 # A node may take slices now: intent, mode, readiness evidence (a passing commissioning preflight and
-# parity), and no drain or maintenance.
+# parity), no drain or maintenance, and no open node-wide drift.
 SLICE_NODE_SQL = (
     "n.accepts_slices AND n.mode = 'slice' AND n.preflight_status = 'passed' AND n.parity_failures = 0 "
-    "AND n.schedulable AND NOT n.draining AND NOT n.maintenance"
+    "AND n.schedulable AND NOT n.draining AND NOT n.maintenance AND NOT n.drift_open"
 )
 # A node may be handed out whole: baremetal mode, intent, no drain or maintenance, and no approved slot
 # left in any status but retired: a slot promises its GPU and disk to slices, a baremetal tenant owns
@@ -27,14 +27,18 @@ BAREMETAL_NODE_SQL = (
 )
 # Slot states that count towards a node's capacity (approved, whether free or not).
 COUNTED_SLOT_SQL = "status NOT IN ('disabled', 'retired')"
-# A slot is free to claim: approved and complete (ELIGIBLE_SLOT_SQL) and no live claim on it, its
-# fabric device or its disk.
-FREE_SLOT_SQL = (
+# A slot is unclaimed: approved and complete (ELIGIBLE_SLOT_SQL) and no live claim on it, its fabric
+# device or its disk.
+UNCLAIMED_SLOT_SQL = (
     f"{ELIGIBLE_SLOT_SQL} AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c "
     "WHERE c.node_id = s.node_id AND c.status <> 'released' AND (c.slot_id = s.slot_id "
     "OR (COALESCE(s.fabric_vf_pci_address, '') <> '' AND c.fabric_device = s.fabric_vf_pci_address) "
     "OR c.nvme_by_id = s.nvme_by_id))"
 )
+# Open drift the node agent reported on the slot (acknowledged or resolved drift no longer counts).
+SLOT_DRIFT_SQL = "EXISTS (SELECT 1 FROM node_drift d WHERE d.slot_id = s.slot_id AND d.status = 'open')"
+# A slot is free to claim: unclaimed and no open drift on it.
+FREE_SLOT_SQL = f"{UNCLAIMED_SLOT_SQL} AND NOT {SLOT_DRIFT_SQL}"
 
 
 def image_ready_sql(slug: int, digest: int) -> str:
