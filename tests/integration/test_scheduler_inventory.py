@@ -13,7 +13,7 @@ from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.domain.placement import rank_classes, rank_nodes
 from gpuaas_scheduler.domain.slots import InvalidSlotTransition
 from gpuaas_scheduler.service_layer.evidence import record_slice_preflight
-from gpuaas_scheduler.service_layer.handlers import fail_allocation, release_allocation
+from gpuaas_scheduler.service_layer.handlers import EndedOutOfOrder, fail_allocation, release_allocation
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place
 
 from .scheduler_db import ADMIN_AUTH, admin_client, scheduler_pool
@@ -593,3 +593,32 @@ async def test_preflight_for_an_unknown_machine_is_kept_without_a_node_and_an_ol
         await record_slice_preflight(conn, preflight_report(None, "passed", system_id="sys-x", op="pf-new"))
         assert await record_slice_preflight(conn, late) == "stale"
         assert await conn.fetchval("SELECT preflight_status FROM nodes WHERE node_id = $1", node) == "passed"
+
+
+async def test_an_end_that_contradicts_the_slots_keeps_the_claims_and_is_retried(pool):
+    """`released` saying the disk was never written while the slots are `active` (a reordered or forged
+    event): before, the claims were freed and the slots stayed `active` with no claim (found by fuzzing)."""
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1)
+    placed = (await run_place(pool, accepted(2))).placed
+    async with pool.acquire() as conn, conn.transaction():
+        for to, frm in (("provisioning", ("reserved",)), ("active", ("provisioning",))):
+            await inv.set_slot_status(conn, placed.allocation_id, to, only_from=frm)
+    ids = [s.slot_id for s in placed.slots]
+    with pytest.raises(EndedOutOfOrder, match="claims kept"):
+        async with pool.acquire() as conn, conn.transaction():
+            await release_allocation(conn, placed.allocation_id, m.CleanupReport(required=False, verified=False))
+    assert await _statuses(pool, ids) == {"active"}
+    async with pool.acquire() as conn:
+        live = await conn.fetchval(
+            "SELECT count(*) FROM allocation_resource_claims WHERE allocation_id = $1 AND status = 'held'",
+            placed.allocation_id,
+        )
+    assert live == len(ids)
+    # Once `releasing` has been applied, the same end goes through.
+    async with pool.acquire() as conn, conn.transaction():
+        await inv.set_slot_status(conn, placed.allocation_id, "releasing", only_from=("active",))
+        await release_allocation(
+            conn, placed.allocation_id, m.CleanupReport(required=True, verified=True, wipe_proofs=proofs(placed))
+        )
+    assert await _statuses(pool, ids) == {"available"}

@@ -13,6 +13,7 @@ from gpuaas_common.logging import get_logger
 
 from ..adapters import inventory as inv
 from ..domain.approval import wipe_verdict
+from ..domain.slots import allowed_from
 from . import drift, evidence, host_modes
 from .placement import PlacementPolicy, place
 
@@ -110,6 +111,22 @@ class Scheduler:
         await fail_allocation(ctx.conn, ev.allocation_id, ev.cleanup_required, f"{ev.reason_code}: {ev.reason}"[:500])
 
 
+class EndedOutOfOrder(RuntimeError):
+    """An allocation's end arrived while its slots are in a status that end cannot follow (e.g. `released`
+    saying the disk was never written while a slot is `active`). Its claims are kept and the message is
+    retried: a reordered `releasing` may still come; one that never does is dead-lettered with this text,
+    instead of freeing claims of slots that stay in use."""
+
+
+def _check_in_order(allocation_id: uuid.UUID, slots: list[asyncpg.Record], target: str, event: str) -> None:
+    legal = allowed_from(target) | {target}
+    stuck = sorted(f"{r['slot_id']} ({r['status']})" for r in slots if r["status"] not in legal)
+    if stuck:
+        raise EndedOutOfOrder(
+            f"allocation.{event} for {allocation_id} cannot move {', '.join(stuck)} to {target}; claims kept"
+        )
+
+
 async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID, cleanup: m.CleanupReport) -> int:
     """releasing -> cleanup -> available only with a verified wipe proof for each slot's disk;
     otherwise cleanup_blocked with the reason. Claims are released either way: a blocked slot is kept
@@ -118,6 +135,7 @@ async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID,
     held = await inv.allocation_slots(conn, allocation_id)
     await inv.lock_nodes(conn, [r["node_id"] for r in held])
     slots = [r for r in held if r["slot_id"]]
+    _check_in_order(allocation_id, slots, "available" if not cleanup.required else "cleanup", "released")
     if slots and not cleanup.required:
         # Released before provisioning: the disk was never written.
         await inv.move_slots(
@@ -180,6 +198,12 @@ async def fail_allocation(
     held = await inv.allocation_slots(conn, allocation_id)
     await inv.lock_nodes(conn, [r["node_id"] for r in held])
     slot_ids = [r["slot_id"] for r in held if r["slot_id"]]
+    _check_in_order(
+        allocation_id,
+        [r for r in held if r["slot_id"]],
+        "cleanup_blocked" if cleanup_required else "available",
+        "failed",
+    )
     if cleanup_required:
         # The attempt touched the disk (clone, boot): never straight back to available.
         await inv.move_slots(
