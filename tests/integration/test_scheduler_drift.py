@@ -140,7 +140,9 @@ async def test_node_drift_keeps_the_node_out_until_ops_acknowledge(pool, schedul
     kind, answer = await place(pool, scheduler)
     assert kind == "placement.placed"
     async with pool.acquire() as conn:
-        audit = await conn.fetch("SELECT actor, action, target, reason FROM admin_audit WHERE action = 'node.drift_ack'")
+        audit = await conn.fetch(
+            "SELECT actor, action, target, reason FROM admin_audit WHERE action = 'node.drift_ack'"
+        )
     assert [tuple(r) for r in audit] == [("alice", "node.drift_ack", NODE, ack["reason"])]
 
     # Still reported: stays acknowledged. A new item opens and blocks again.
@@ -163,9 +165,7 @@ async def test_acknowledging_named_drift_is_all_or_nothing(pool, scheduler, api)
     )
     assert missing.status == 404 and (await missing.json())["error"]["code"] == "drift_not_found"
     assert {r[2] for r in await drift_rows(pool)} == {"open"}
-    one = await api.post(
-        f"/v1/nodes/{NODE}/drift/ack", json={**body, "drift_ids": [ids["disk_dirty"]]}, headers=h("b")
-    )
+    one = await api.post(f"/v1/nodes/{NODE}/drift/ack", json={**body, "drift_ids": [ids["disk_dirty"]]}, headers=h("b"))
     assert one.status == 200
     assert await drift_rows(pool) == [
         ("device_binding", f"{NODE}-s0", "open"),
