@@ -70,6 +70,35 @@ SAMPLES: dict[str, dict[str, Any]] = {
     },
     "allocation.release_requested": {"allocation_id": ALLOC, "reason": "done"},
     "allocation.rejected": {"allocation_id": ALLOC, "reason_code": "invalid_gpu_count", "reason": "3 is not allowed"},
+    "allocation.release_rejected": {
+        "allocation_id": ALLOC,
+        "tenant_id": "tenant-a",
+        "shape": "gpu_slice",
+        "state": "released",
+        "reason_code": "already_released",
+        "reason": "the allocation is already released",
+    },
+    "allocation.query": {"tenant_id": "tenant-a", "state": "active", "node_id": "slice-01", "limit": 20},
+    "allocation.query_result": {
+        "status": "found",
+        "allocations": [
+            {
+                "allocation_id": ALLOC,
+                "tenant_id": "tenant-a",
+                "shape": "gpu_slice",
+                "sku": "h200-sxm-slice",
+                "gpu_count": 2,
+                "region": "default",
+                "image": "ubuntu-24.04-h200-slice",
+                "state": "active",
+                "node_id": "slice-01",
+                "access": {"ip": "127.100.1.10", "ssh_ready": True},
+                "created_at": "2030-01-01T00:00:00+00:00",
+                "updated_at": "2030-01-01T00:01:00+00:00",
+            }
+        ],
+        "timeline": [{"seq": 1, "state": "requested", "at": "2030-01-01T00:00:00+00:00"}],
+    },
     "allocation.accepted": {
         **EVENT,
         "state": "accepted",
@@ -376,6 +405,8 @@ SUBJECT_PARAMS = {"node_id": "slice-01", "consumer": "allocator-requested"}
 
 def _subject(type_: str) -> str:
     spec = BY_TYPE[type_]
+    if spec.address is None:
+        return "_INBOX_ops.Xq3c8bE1.1"  # a reply travels on the asker's inbox, as nats-py names it
     return spec.subject(**{k: SUBJECT_PARAMS[k] for k in spec.parameters})
 
 
@@ -450,9 +481,10 @@ def test_valid_sample_passes_and_broken_ones_fail(type_, validator):
         validator.validate(subject, json.dumps(unknown_field))
 
     required = [name for name, field in spec.model.model_fields.items() if field.is_required()]
-    missing = _wire(type_, {k: v for k, v in payload.items() if k != required[0]})
-    with pytest.raises(ContractViolation):
-        validator.validate(subject, json.dumps(missing))
+    if required:  # a query may have no required field (no filter: every allocation)
+        missing = _wire(type_, {k: v for k, v in payload.items() if k != required[0]})
+        with pytest.raises(ContractViolation):
+            validator.validate(subject, json.dumps(missing))
 
     no_envelope_field = _wire(type_, payload)
     del no_envelope_field["event_id"]
@@ -463,6 +495,17 @@ def test_valid_sample_passes_and_broken_ones_fail(type_, validator):
     wrong_type["type"] = "allocation.no_such_type"
     with pytest.raises(ContractViolation):
         validator.validate(subject, json.dumps(wrong_type))
+
+
+def test_a_reply_travels_only_on_an_inbox_and_a_query_only_on_its_subject(validator):
+    reply = json.dumps(_wire("allocation.query_result", SAMPLES["allocation.query_result"]))
+    validator.validate("_INBOX.abc.1", reply)
+    with pytest.raises(ContractViolation):
+        validator.validate("gpuaas.query.allocations", reply)
+    query = json.dumps(_wire("allocation.query", SAMPLES["allocation.query"]))
+    validator.validate("gpuaas.query.allocations", query)
+    with pytest.raises(ContractViolation):
+        validator.validate("_INBOX_ops.abc.1", query)
 
 
 def test_a_message_on_the_wrong_subject_fails(validator):

@@ -6,8 +6,11 @@ import pytest
 from gpuaas_allocator.domain.model import (
     ActiveImage,
     InvalidTransition,
+    allowed_gpu_counts,
     check_transition,
+    release_refusal,
     request_fingerprint,
+    validate_offer,
     validate_request,
 )
 from gpuaas_common.contract.messages import AllocationRequested
@@ -110,3 +113,39 @@ def test_an_ended_allocation_never_moves_again(end, to):
 def test_forbidden_transitions(current, new):
     with pytest.raises(InvalidTransition):
         check_transition(current, new)
+
+
+@pytest.mark.parametrize(
+    "state, code",
+    [
+        (None, "unknown_allocation"),
+        ("releasing", "already_releasing"),
+        ("released", "already_released"),
+        ("failed", "not_releasable"),
+        ("unschedulable", "not_releasable"),
+        *((s, None) for s in AT_REST_OR_IN_FLIGHT),
+    ],
+)
+def test_a_release_is_refused_exactly_where_the_state_machine_has_no_releasing(state, code):
+    refusal = release_refusal(state)
+    assert (refusal.reason_code if refusal else None) == code
+
+
+@pytest.mark.parametrize(
+    "shape, sku, gpus, code",
+    [
+        ("gpu_slice", "h200-sxm-slice", 0, "invalid_gpu_count"),
+        ("gpu_slice", "h200-sxm-slice", -1, "invalid_gpu_count"),
+        ("gpu_slice", "h200-sxm-slice", 3, "invalid_gpu_count"),
+        ("gpu_slice", "h200-sxm-slice", 16, "invalid_gpu_count"),
+        ("baremetal", "h200-sxm", 4, "invalid_gpu_count"),
+        ("baremetal", "h200-sxm-slice", 8, "shape_sku_mismatch"),
+        ("gpu_slice", "h100", 1, "unknown_sku"),
+        ("gpu_slice", "h200-sxm-slice", 4, None),
+        ("baremetal", "h200-sxm", 8, None),
+    ],
+)
+def test_the_offer_check_a_client_runs_before_publishing(shape, sku, gpus, code):
+    refusal = validate_offer(shape, sku, gpus)
+    assert (refusal.reason_code if refusal else None) == code
+    assert allowed_gpu_counts("h200-sxm-slice") == (1, 2, 4, 8) and allowed_gpu_counts("h200-sxm") == (8,)

@@ -434,3 +434,63 @@ async def test_an_answer_in_time_stops_the_deadline(world: World) -> None:
     await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
     _overdue(world, alloc)
     assert await world.sweep() == 0 and world.state(alloc) == "active"
+
+
+async def _release(world: World, alloc: uuid.UUID) -> list[Envelope]:
+    return await world.send(
+        world.allocator.on_release_requested,
+        "allocation.release_requested",
+        m.AllocationReleaseRequested(allocation_id=alloc),
+    )
+
+
+async def test_a_release_the_allocator_cannot_act_on_is_answered_at_once_and_changes_nothing(world: World) -> None:
+    unknown = uuid.uuid4()
+    (answer,) = await _release(world, unknown)
+    assert answer.type == "allocation.release_rejected"
+    assert (answer.payload["reason_code"], answer.payload["state"], answer.payload["tenant_id"]) == (
+        "unknown_allocation",
+        None,
+        None,
+    )
+    assert world.repo.allocations == {}, "a refused release leaves no row behind"
+
+    alloc = await world.request()
+    await _release(world, alloc)
+    await world.place(alloc)  # released before provisioning: nothing to tear down
+    assert world.state(alloc) == "released"
+    timeline = len(world.repo.timeline)
+    (again,) = await _release(world, alloc)
+    assert again.type == "allocation.release_rejected"
+    assert (again.payload["reason_code"], again.payload["state"], again.payload["tenant_id"]) == (
+        "already_released",
+        "released",
+        "t",
+    )
+    assert world.state(alloc) == "released" and len(world.repo.timeline) == timeline
+
+
+async def test_a_second_release_while_releasing_says_so_and_starts_nothing_new(world: World) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    await _release(world, alloc)
+    assert world.state(alloc) == "releasing"
+    (answer,) = await _release(world, alloc)
+    assert (answer.type, answer.payload["reason_code"]) == ("allocation.release_rejected", "already_releasing")
+    assert world.sent("allocation.releasing") and len(world.sent("allocation.releasing")) == 1
+
+
+async def test_the_same_refused_release_redelivered_is_answered_once(world: World) -> None:
+    env = Envelope.wrap(
+        "allocation.release_requested",
+        {"allocation_id": str(uuid.uuid4())},
+        producer="test",
+        correlation_id="c",
+    )
+    payload = m.AllocationReleaseRequested.model_validate(env.payload)
+    ids = []
+    for _ in range(2):
+        uow = FakeUnitOfWork(world.repo, "allocator", seen=world.inbox)
+        await deliver(world.allocator.on_release_requested, HandlerContext(env, payload, "subject", "test", 1), uow)
+        ids += [e.event_id for e in uow.published]
+    assert len(ids) == 1, "the inbox drops the redelivery; the derived event id would dedup a relay repeat"

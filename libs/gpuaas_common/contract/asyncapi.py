@@ -17,7 +17,7 @@ from pydantic.json_schema import models_json_schema
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
-from .catalog import ALL, MessageSpec
+from .catalog import ALL, BY_TYPE, MessageSpec
 from .envelope import Envelope
 
 CONTRACT_PATH = Path(__file__).resolve().parents[3] / "contracts" / "asyncapi.yaml"
@@ -58,7 +58,9 @@ def render() -> dict[str, Any]:
             "title": spec.type,
             "summary": spec.summary,
             "contentType": "application/json",
-            "headers": {
+        }
+        if spec.address is not None and spec.reply is None:
+            messages[msg_name]["headers"] = {
                 "type": "object",
                 "properties": {
                     "Nats-Msg-Id": {
@@ -66,18 +68,20 @@ def render() -> dict[str, Any]:
                         "description": "Equals the envelope's event_id; JetStream drops repeats.",
                     }
                 },
-            },
-            "payload": {"$ref": _REF.format(model=f"{msg_name}Message")},
-        }
+            }
+        messages[msg_name]["payload"] = {"$ref": _REF.format(model=f"{msg_name}Message")}
         channel = channels.setdefault(
             spec.channel,
             {"address": spec.address, "messages": {}},
         )
+        if spec.address is None:
+            channel["description"] = "The asker's reply subject (NATS request/reply): its own inbox, never stored."
         channel["messages"][msg_name] = {"$ref": f"#/components/messages/{msg_name}"}
         if spec.parameters:
             channel["parameters"] = {name: {"description": text} for name, text in sorted(spec.parameters.items())}
         msg_ref = {"$ref": f"#/channels/{spec.channel}/messages/{msg_name}"}
-        for producer in spec.producers:
+        # A reply is sent as part of the operation that receives its request (see `reply` below).
+        for producer in spec.producers if spec.address is not None else ():
             if producer in _SERVICES:
                 op = operations.setdefault(
                     _camel(f"{producer} send {spec.channel}"),
@@ -102,6 +106,14 @@ def render() -> dict[str, Any]:
                     },
                 )
                 op["messages"].append(msg_ref)
+                if spec.reply is not None:
+                    answer = BY_TYPE[spec.reply]
+                    op["reply"] = {
+                        "channel": {"$ref": f"#/channels/{answer.channel}"},
+                        "messages": [
+                            {"$ref": f"#/channels/{answer.channel}/messages/{answer.model.__name__}"},
+                        ],
+                    }
 
     return {
         "asyncapi": "3.0.0",

@@ -13,19 +13,29 @@ from pydantic import BaseModel
 
 from . import messages as m
 
+# Replies travel on the asker's own inbox (`_INBOX_<identity>.…`, or `_INBOX.…` anonymously), not on a
+# subject of ours: a reply spec has no address, and this is what its subject looks like.
+REPLY_SUBJECT = re.compile(r"^_INBOX(_[A-Za-z0-9_-]+)?\.[A-Za-z0-9_.-]+$")
+
 
 @dataclass(frozen=True)
 class MessageSpec:
+    """`address` None: a reply, sent to the request's reply subject. `reply`: the request is answered over
+    core NATS request/reply with a message of that type; such requests are never stored in a stream."""
+
     type: str
     model: type[BaseModel]
     channel: str
-    address: str
+    address: str | None
     summary: str
     producers: tuple[str, ...]
     consumers: tuple[str, ...]
     parameters: dict[str, str] = field(default_factory=dict)
+    reply: str | None = None
 
     def subject(self, **params: str) -> str:
+        if self.address is None:
+            raise ValueError(f"{self.type} is a reply: it goes to the request's reply subject")
         missing = set(self.parameters) - set(params)
         if missing:
             raise ValueError(f"{self.type}: missing subject parameters {sorted(missing)}")
@@ -37,6 +47,8 @@ class MessageSpec:
         return subject
 
     def subject_regex(self) -> re.Pattern[str]:
+        if self.address is None:
+            return REPLY_SUBJECT
         pattern = re.escape(self.address)
         for name in self.parameters:
             pattern = pattern.replace(re.escape("{" + name + "}"), r"[A-Za-z0-9_-]+")
@@ -81,6 +93,35 @@ ALL: tuple[MessageSpec, ...] = (
         "allocationRejected",
         "gpuaas.allocation.event.rejected",
         "A request was refused before it became an allocation.",
+        ("allocator",),
+        ("portal", "ops"),
+    ),
+    MessageSpec(
+        "allocation.release_rejected",
+        m.AllocationReleaseRejected,
+        "allocationReleaseRejected",
+        "gpuaas.allocation.event.release_rejected",
+        "A release request the allocator cannot act on (unknown, already released or releasing), answered at once.",
+        ("allocator",),
+        ("portal", "ops"),
+    ),
+    MessageSpec(
+        "allocation.query",
+        m.AllocationQuery,
+        "allocationQuery",
+        # Outside every stream on purpose: a stream would store the request and answer it with a PubAck.
+        "gpuaas.query.allocations",
+        "Read allocations (one with its timeline, or a filtered list) from the allocator; request/reply.",
+        ("portal", "ops"),
+        ("allocator",),
+        reply="allocation.query_result",
+    ),
+    MessageSpec(
+        "allocation.query_result",
+        m.AllocationQueryResult,
+        "allocationQueryResult",
+        None,
+        "The allocator's answer to allocation.query, on the request's reply subject.",
         ("allocator",),
         ("portal", "ops"),
     ),

@@ -107,6 +107,71 @@ class AllocationReleaseRequested(Payload):
     reason: str | None = Field(default=None, max_length=512)
 
 
+# --- allocation queries (portals, ops -> allocator, request/reply over core NATS) ----------------------
+
+# Stored states: `requested` never leaves the allocator's transaction, but a row may be read in it.
+QueryState = Literal[
+    "requested",
+    "accepted",
+    "placed",
+    "provisioning",
+    "active",
+    "releasing",
+    "released",
+    "unschedulable",
+    "failed",
+]
+
+
+class AllocationQuery(Payload):
+    """Read allocations from their owner: one by id (with its timeline), or the newest that match every
+    filter given. Nothing is stored or changed; the answer goes to the request's reply subject."""
+
+    allocation_id: uuid.UUID | None = None
+    tenant_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    state: QueryState | None = None
+    node_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    limit: int = Field(default=100, ge=1, le=1000)
+
+
+class AllocationSummary(Payload):
+    allocation_id: uuid.UUID
+    tenant_id: str
+    shape: Shape
+    sku: str
+    gpu_count: int = Field(ge=1, le=64)
+    region: str
+    image: str
+    state: QueryState
+    node_id: str | None = None
+    access: AccessInfo | None = None
+    failure_code: str | None = None
+    failure_reason: str | None = None
+    created_at: datetime
+    updated_at: datetime
+
+
+class TimelineEntry(Payload):
+    seq: int = Field(ge=1)
+    state: str
+    previous_state: str | None = None
+    reason_code: str | None = None
+    at: datetime
+    detail: dict[str, object] = Field(default_factory=dict)
+
+
+class AllocationQueryResult(Payload):
+    """`found` lists the matches, newest first (none is still `found` for a filtered list); `not_found`
+    answers an id the allocator never accepted; `invalid` a request that broke the contract (`reason` says
+    how). `truncated`: more matched than `limit`. The timeline is filled only for a query by id."""
+
+    status: Literal["found", "not_found", "invalid"]
+    reason: str | None = Field(default=None, max_length=2048)
+    allocations: list[AllocationSummary] = Field(default_factory=list)
+    timeline: list[TimelineEntry] = Field(default_factory=list)
+    truncated: bool = False
+
+
 # --- allocation lifecycle (allocator -> ops, portals, scheduler) --------------------------------
 
 
@@ -133,6 +198,19 @@ class AllocationRejected(Payload):
     tenant_id: str | None = None
     shape: Shape | None = None
     reason_code: str = Identifier
+    reason: str = Field(max_length=2048)
+
+
+class AllocationReleaseRejected(Payload):
+    """A release request the allocator could not act on, answered at once so the asker need not wait.
+
+    `already_releasing` is not a failure: a release is under way and `allocation.released` will follow."""
+
+    allocation_id: uuid.UUID
+    tenant_id: str | None = None
+    shape: Shape | None = None
+    state: AllocationState | None = Field(default=None, description="The allocation's state; none if unknown")
+    reason_code: Literal["unknown_allocation", "already_releasing", "already_released", "not_releasable"]
     reason: str = Field(max_length=2048)
 
 

@@ -19,6 +19,7 @@ on one's own durable only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..contract.catalog import ALL as MESSAGE_SPECS
 from ..jetstream import CONSUMERS, IDENTITY_BUCKET, ConsumerSpec, node_agent_consumer
@@ -35,6 +36,10 @@ def inbox_prefix(name: str) -> str:
     return f"_INBOX_{name}"
 
 
+# How long a request's reply subject stays open to its responder (nats-server's `resp` ttl).
+REPLY_WINDOW_NS = 30 * 1_000_000_000
+
+
 @dataclass(frozen=True)
 class Permissions:
     pub_allow: tuple[str, ...] = ()
@@ -42,13 +47,16 @@ class Permissions:
     sub_allow: tuple[str, ...] = ()
     sub_deny: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=(), compare=False)
+    # Answers to requests received: the server lets the identity publish once to each reply subject it was
+    # sent, within REPLY_WINDOW_NS, and to no other inbox.
+    replies: bool = False
 
-    def claims(self) -> dict[str, dict[str, list[str]]]:
-        """The `nats.pub` / `nats.sub` members of a user JWT or a scoped key's template.
+    def claims(self) -> dict[str, Any]:
+        """The `nats.pub` / `nats.sub` (and `nats.resp`) members of a user JWT or a scoped key's template.
 
         An empty allow list means *unrestricted* to nats-server, so a role that may publish nothing
         gets an explicit deny of everything instead."""
-        out: dict[str, dict[str, list[str]]] = {}
+        out: dict[str, Any] = {}
         for kind, allow, deny in (("pub", self.pub_allow, self.pub_deny), ("sub", self.sub_allow, self.sub_deny)):
             entry: dict[str, list[str]] = {}
             if allow:
@@ -56,6 +64,8 @@ class Permissions:
             if deny or not allow:
                 entry["deny"] = list(deny) or [">"]
             out[kind] = entry
+        if self.replies:
+            out["resp"] = {"max": 1, "ttl": REPLY_WINDOW_NS}
         return out
 
 
@@ -65,7 +75,18 @@ def _wild(address: str) -> str:
 
 
 def produced_subjects(role: str) -> tuple[str, ...]:
-    return tuple(sorted({_wild(s.address) for s in MESSAGE_SPECS if role in s.producers}))
+    """Subjects `role` publishes on; replies go to the asker's inbox and are covered by `replies`."""
+    return tuple(sorted({_wild(s.address) for s in MESSAGE_SPECS if role in s.producers and s.address is not None}))
+
+
+def requests_of(role: str) -> tuple[str, ...]:
+    """Request/reply subjects `role` may ask on."""
+    return tuple(sorted(s.address for s in MESSAGE_SPECS if s.reply and role in s.producers and s.address))
+
+
+def requests_answered_by(service: str) -> tuple[str, ...]:
+    """Request/reply subjects `service` answers: a core subscription (queue group), not a durable."""
+    return tuple(sorted(s.address for s in MESSAGE_SPECS if s.reply and service in s.consumers and s.address))
 
 
 def durables_of(service: str) -> tuple[ConsumerSpec, ...]:
@@ -104,7 +125,8 @@ def service_permissions(service: str) -> Permissions:
         pub += REVOCATION_LEDGER_RIGHTS
     for spec in durables_of(service):
         pub += consumer_rights(spec, may_create=True)
-    return Permissions(pub_allow=tuple(pub), sub_allow=(f"{inbox_prefix(service)}.>",))
+    answers = requests_answered_by(service)
+    return Permissions(pub_allow=tuple(pub), sub_allow=(*answers, f"{inbox_prefix(service)}.>"), replies=bool(answers))
 
 
 def node_template(tag: str = NODE_TAG) -> Permissions:
@@ -139,9 +161,11 @@ ROLE_PERMISSIONS: dict[str, Permissions] = {
         pub_allow=produced_subjects(PORTAL),
         sub_allow=("gpuaas.allocation.event.>", f"{inbox_prefix(PORTAL)}.>"),
     ),
-    # Reads lifecycle, reports and dead letters live; writes nothing.
+    # Reads lifecycle, reports and dead letters live, and asks read-only queries; changes nothing.
     OPS: Permissions(
+        pub_allow=requests_of(OPS),
         sub_allow=(
+            f"{inbox_prefix(OPS)}.>",
             "gpuaas.allocation.event.>",
             "gpuaas.node.*.report.>",
             "gpuaas.dlq.>",
@@ -168,14 +192,18 @@ def render_table() -> str:
     code = lambda items: "<br>".join(f"`{i}`" for i in items) or "nothing"  # noqa: E731
     rows = ["| identity | publishes | consumes (own durables) | subscribes |", "|---|---|---|---|"]
     for service in SERVICES:
+        replies = " and replies to requests it receives" if ROLE_PERMISSIONS[service].replies else ""
         rows.append(
-            f"| `{service}` | {code(produced_subjects(service))} | "
-            f"{code(c.durable for c in durables_of(service))} | `{inbox_prefix(service)}.>` |"
+            f"| `{service}` | {code(produced_subjects(service))}{replies} | "
+            f"{code(c.durable for c in durables_of(service))} | {code(ROLE_PERMISSIONS[service].sub_allow)} |"
         )
     rows.append(
         f"| `{PORTAL}` | {code(produced_subjects(PORTAL))} | nothing | {code(ROLE_PERMISSIONS[PORTAL].sub_allow)} |"
     )
-    rows.append(f"| `{OPS}` | nothing | nothing | {code(ROLE_PERMISSIONS[OPS].sub_allow)} |")
+    rows.append(
+        f"| `{OPS}` | {code(ROLE_PERMISSIONS[OPS].pub_allow)} (read-only queries) | nothing | "
+        f"{code(ROLE_PERMISSIONS[OPS].sub_allow)} |"
+    )
     rows.append(f"| `{ADMIN}` (break-glass: provisioning, tests) | everything | everything | everything |")
     rows.append(
         "| `node-<node_id>` (one per host, scoped signing key) | `gpuaas.node.<node_id>.report.>` | "

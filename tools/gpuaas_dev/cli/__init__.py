@@ -1,10 +1,13 @@
 """`gpuaas`: the developer's command line — run the embedded stack, act as a portal, watch the bus.
 
-Human-readable progress goes to stderr (rich); `--json` puts one machine-readable result on stdout.
+Results (tables, event lines, `--json` documents) go to stdout; progress and diagnostics to stderr. Exit
+codes: 0 done, 1 answered with a failure, 2 bad argument (nothing published), 3 nothing to talk to (no
+stack, bad URL, server down), 4 no answer in time — see `common`.
 
 Modules: `dev` (the dev stack), `portal` (allocate, release), `follow` (an allocation's lifecycle),
-`events` (events tail), `contract` (contract render), `maas_simulator` (maas-sim), `bus` (NATS URL,
-identity, connect, publish) and `common` (console, shared options, stack.json).
+`allocations` (list, show), `events` (events tail), `contract` (contract render), `maas_simulator`
+(maas-sim), `bus` (NATS URL, identity, connect, publish) and `common` (consoles, exit codes, shared options,
+stack.json).
 """
 
 import os
@@ -15,6 +18,7 @@ from gpuaas_node_agent.entrypoints import cli as node_agent_cli
 
 from ..identities_cli import identities_app
 from ..images_cli import images_app
+from .allocations import allocations_app
 from .contract import contract_app
 from .dev import dev_app
 from .events import events_app
@@ -23,6 +27,7 @@ from .portal import allocate, release
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="gpuaas developer tooling.")
 app.add_typer(dev_app, name="dev")
+app.add_typer(allocations_app, name="allocations")
 app.add_typer(events_app, name="events")
 app.add_typer(contract_app, name="contract")
 app.add_typer(images_app, name="images")

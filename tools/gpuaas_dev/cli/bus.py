@@ -4,10 +4,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-import typer
-
 from ..identity_cli import cli_identity
-from .common import err, pid_alive, read_stack_json
+from .common import EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, err, fail, pid_alive, read_stack_json
 
 ALLOCATION_EVENTS = "gpuaas.allocation.event.>"
 TASK_PROGRESS = "gpuaas.node.*.report.task_progress"
@@ -21,25 +19,35 @@ def resolve_nats_url(nats_url: Optional[str], run_dir: Path) -> str:
     info = read_stack_json(run_dir)
     if info and info.get("nats_url") and info.get("status") == "ready" and pid_alive(info.get("supervisor_pid")):
         return info["nats_url"]
-    err.print(
+    raise fail(
         f"[red]no NATS URL[/]: pass --nats-url, set GPUAAS_NATS_URL, or start the stack "
-        f"(`gpuaas dev up --detach --run-dir {run_dir}`)"
+        f"(`gpuaas dev up --detach --run-dir {run_dir}`)",
+        EXIT_UNREACHABLE,
     )
-    raise typer.Exit(2)
 
 
 def bus_identity(url: str, creds: Optional[Path], run_dir: Path, role: str):
     try:
-        return cli_identity(url, creds, run_dir, role)
+        identity = cli_identity(url, creds, run_dir, role)
     except FileNotFoundError as exc:
-        err.print(f"[red]{exc}[/]")
-        raise typer.Exit(2) from None
+        raise fail(f"[red]{exc}[/]", EXIT_UNREACHABLE) from None
+    bad = [s for s in identity.servers if not s.startswith(("nats://", "tls://"))]
+    if bad:
+        raise fail(f"[red]bad NATS URL {bad[0]!r}[/]: expected nats://host:port or tls://host:port", EXIT_UNREACHABLE)
+    return identity
 
 
 async def connect(identity, closed_cb=None):
     import nats
 
     extra = {"closed_cb": closed_cb} if closed_cb else {}
+    seen: list[BaseException] = []
+
+    async def error_cb(exc: Exception) -> None:
+        # nats-py's default logs every failed attempt with its traceback; the one-line message below
+        # (or the command's own) says all a user needs.
+        seen.append(exc)
+
     try:
         return await nats.connect(
             **identity.connect_kwargs(),
@@ -47,12 +55,16 @@ async def connect(identity, closed_cb=None):
             max_reconnect_attempts=2,
             reconnect_time_wait=0.5,
             name="gpuaas-cli",
+            error_cb=error_cb,
             **extra,
         )
     except Exception as exc:  # nats-py raises several unrelated types for "nobody there"
-        reason = str(exc) or type(exc).__name__
-        err.print(f"[red]cannot connect to NATS at {', '.join(identity.servers)} as {identity.name}[/]: {reason}")
-        raise typer.Exit(2) from None
+        first = seen[0] if seen else exc
+        reason = str(first) or type(first).__name__
+        raise fail(
+            f"[red]cannot connect to NATS at {', '.join(identity.servers)} as {identity.name}[/]: {reason}",
+            EXIT_UNREACHABLE,
+        ) from None
 
 
 async def publish_event(js, type_: str, payload: dict[str, Any], correlation_id: str) -> str:
@@ -62,10 +74,23 @@ async def publish_event(js, type_: str, payload: dict[str, Any], correlation_id:
     # must not be able to create or change them. A missing stream shows up as "no stream acknowledged".
     env = Envelope.wrap(type_, payload, producer="gpuaas-cli", correlation_id=correlation_id)
     subject = spec_for(type_).subject()
-    ack = await js.publish(subject, env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id})
+    import nats.errors
+    import nats.js.errors
+
+    try:
+        ack = await js.publish(subject, env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id})
+    except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
+        raise fail(
+            f"[red]{subject}: no stream takes this subject[/] (streams are provisioned by the admin identity, "
+            "e.g. `gpuaas dev up`)",
+            EXIT_FAILED,
+        ) from None
+    except nats.errors.TimeoutError:
+        raise fail(f"[red]{subject}: JetStream did not acknowledge the message in time[/]", EXIT_TIMEOUT) from None
+    except nats.errors.Error as exc:
+        raise fail(f"[red]{subject}: publish refused[/]: {exc}", EXIT_FAILED) from None
     if not ack.stream:
-        err.print(f"[red]{subject}: no stream acknowledged the message[/]")
-        raise typer.Exit(1)
+        raise fail(f"[red]{subject}: no stream acknowledged the message[/]", EXIT_FAILED)
     if ack.duplicate:
         err.print(f"[yellow]{subject}: JetStream reports a duplicate of event {env.event_id}[/]")
     return env.event_id
@@ -96,6 +121,10 @@ def describe_event(kind: str, payload: dict[str, Any]) -> str:
         c = p.get("cleanup", {})
         proof = f"{len(c.get('wipe_proofs', []))} wipe proof(s)" if c.get("wipe_proofs") else "no wipe needed"
         return f"[green]released[/]: cleanup verified={c.get('verified')}, {proof}"
+    if kind == "release_rejected":
+        color = "yellow" if p.get("reason_code") == "already_releasing" else "red"
+        state = f" (state {p['state']})" if p.get("state") else ""
+        return f"[{color}]release rejected[/]: {p.get('reason_code')}: {p.get('reason')}{state}"
     if kind in ("rejected", "unschedulable", "failed"):
         extra = f" (free GPUs {p.get('free_gpus')}, asked {p.get('requested_gpus')})" if kind == "unschedulable" else ""
         return f"[red]{kind}[/]: {p.get('reason_code')}: {p.get('reason')}{extra}"

@@ -1,4 +1,8 @@
-"""What every `gpuaas` command shares: the stderr console, the common options and the run dir's stack.json."""
+"""What every `gpuaas` command shares: the consoles, the exit codes, the common options and the run dir's
+stack.json.
+
+Human output (tables, results) goes to stdout (`out`); progress and diagnostics go to stderr (`err`), so
+`--json` output and pipes stay clean. Neither console wraps: one line stays one line at any width."""
 
 import json
 import os
@@ -10,7 +14,22 @@ from rich.console import Console
 
 DEFAULT_RUN_DIR = Path(".run/dev")
 
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+out = Console(highlight=False, soft_wrap=True)
+
+# Exit codes every command keeps to, so a script can tell an answer from a broken set-up.
+EXIT_OK = 0
+EXIT_FAILED = 1  # the operation was answered with a failure (rejected, failed, not found)
+EXIT_USAGE = 2  # a bad argument, refused before anything was published (typer's own usage errors too)
+EXIT_UNREACHABLE = 3  # no bus or API to talk to: bad or missing URL, server down, missing creds
+EXIT_TIMEOUT = 4  # nobody answered in time
+
+
+def fail(message: str, code: int) -> typer.Exit:
+    """Print one diagnostic line on stderr; `raise fail(...)` ends the command with `code`."""
+    err.print(message)
+    return typer.Exit(code)
+
 
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Where the dev stack keeps its state and logs.")]
 NatsUrlOpt = Annotated[

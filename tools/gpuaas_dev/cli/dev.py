@@ -16,7 +16,18 @@ import typer
 from rich.table import Table
 
 from ..pg_roles_cli import pg_roles as _pg_roles
-from .common import DEFAULT_RUN_DIR, JsonOpt, RunDirOpt, err, pid_alive, pid_is_ours, read_stack_json
+from .common import (
+    DEFAULT_RUN_DIR,
+    EXIT_FAILED,
+    JsonOpt,
+    RunDirOpt,
+    err,
+    fail,
+    out,
+    pid_alive,
+    pid_is_ours,
+    read_stack_json,
+)
 
 dev_app = typer.Typer(no_args_is_help=True, help="The embedded development stack.")
 
@@ -263,12 +274,14 @@ def _stop_leftovers(info: dict[str, Any]) -> None:
 
 @dev_app.command("status")
 def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -> None:
-    """Show the stack's processes and whether each answers /readyz."""
+    """The stack's processes and whether each answers /readyz: a table on stdout, or --json; exit 0 only when
+    the stack runs and every process is ready."""
     run_dir = run_dir.resolve()
     info = read_stack_json(run_dir)
     if info is None:
-        err.print(f"no stack in {run_dir}")
-        raise typer.Exit(1)
+        if as_json:
+            typer.echo(json.dumps({"running": False, "status": "absent", "run_dir": str(run_dir), "services": {}}))
+        raise fail(f"no stack in {run_dir} (`gpuaas dev up --detach --run-dir {run_dir}` starts one)", EXIT_FAILED)
     running = pid_is_ours(info.get("supervisor_pid")) and info.get("status") in ("starting", "ready")
     rows = {}
     for name, s in info.get("services", {}).items():
@@ -303,7 +316,7 @@ def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -
                 "[green]yes[/]" if r["ready"] else "[red]no[/]",
                 str(r["restarts"]),
             )
-        err.print(table)
+        out.print(table)
     raise typer.Exit(0 if running and all(r["ready"] for r in rows.values()) else 1)
 
 

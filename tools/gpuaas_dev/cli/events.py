@@ -2,14 +2,42 @@
 
 import asyncio
 import json
-from typing import Annotated
+import shutil
+import sys
+from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
+from rich.text import Text
 
 from .bus import ALLOCATION_EVENTS, bus_identity, connect, describe_event, resolve_nats_url
-from .common import DEFAULT_RUN_DIR, CredsOpt, NatsUrlOpt, RunDirOpt, err
+from .common import DEFAULT_RUN_DIR, CredsOpt, NatsUrlOpt, RunDirOpt, err, out
 
 events_app = typer.Typer(no_args_is_help=True, help="Watch the event bus.")
+
+
+def event_line(subject: str, data: Any) -> str:
+    """One event as one line of rich markup: time, type, allocation (if any), a summary."""
+    if not isinstance(data, dict):
+        data = {"raw": data}
+    payload = data.get("payload") if isinstance(data.get("payload"), dict) else {}
+    kind = str(data.get("type", subject))
+    at = str(data.get("occurred_at", ""))[11:23]  # HH:MM:SS.mmm of an ISO timestamp
+    if kind.startswith("allocation."):
+        summary = describe_event(kind.split(".", 1)[1], payload)
+        kind = kind.split(".", 1)[1]
+    else:
+        summary = escape(json.dumps(payload or data, default=str, separators=(",", ":")))
+    alloc = f" {payload['allocation_id']}" if payload.get("allocation_id") else ""
+    return f"[dim]{at}[/] [cyan]{kind}[/]{alloc} {summary}".replace("\n", " ")
+
+
+def print_line(markup: str) -> None:
+    """Print one line on stdout; on a terminal cut to its width, so an event never wraps onto a second line."""
+    text = Text.from_markup(markup)
+    if sys.stdout.isatty():
+        text.truncate(shutil.get_terminal_size((80, 24)).columns, overflow="ellipsis")
+    out.print(text)
 
 
 @events_app.command("tail")
@@ -21,7 +49,7 @@ def events_tail(
     creds: CredsOpt = None,
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
 ) -> None:
-    """Follow messages as they are published (new ones only) until Ctrl-C."""
+    """Follow messages as they are published (new ones only) until Ctrl-C: one line per event on stdout."""
     url = resolve_nats_url(nats_url, run_dir)
     identity = bus_identity(url, creds, run_dir, "ops")
 
@@ -51,20 +79,12 @@ def events_tail(
                     data = json.loads(msg.data)
                 except ValueError:
                     data = {"raw": msg.data.decode("utf-8", "replace")}
+                if not isinstance(data, dict):
+                    data = {"raw": data}
                 if as_json:
                     typer.echo(json.dumps({"subject": msg.subject, **data}, default=str), nl=True)
                     continue
-                payload = data.get("payload", {}) if isinstance(data, dict) else {}
-                kind = str(data.get("type", "?"))
-                summary = (
-                    describe_event(kind.split(".", 1)[1], payload)
-                    if kind.startswith("allocation.")
-                    else json.dumps(payload, default=str)[:200]
-                )
-                err.print(
-                    f"[dim]{data.get('occurred_at', '')}[/] [cyan]{kind}[/] "
-                    f"{payload.get('allocation_id', '')} {summary}"
-                )
+                print_line(event_line(msg.subject, data))
         finally:
             if not nc.is_closed:
                 await nc.drain()

@@ -4,29 +4,33 @@ import asyncio
 import json
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable, Optional
 
 import typer
 
 from .bus import ALLOCATION_EVENTS, TASK_PROGRESS, connect, describe_event, publish_event
-from .common import err
+from .common import EXIT_FAILED, EXIT_OK, EXIT_TIMEOUT, err
 
 
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat()
 
 
+# What an answer means to a command following one allocation: "ok" ends it with success, "fail" with a
+# failure, None keeps following.
+Decide = Callable[[str, dict[str, Any]], Optional[str]]
+
+
 async def follow(
     nc,
     allocation_id: str,
     start: Any,
-    goal: set[str],
-    fail: set[str],
+    decide: Decide,
     timeout: float,
     initial: str,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Subscribe first, then publish (`start`), then print events for one allocation until an end state.
+    """Subscribe first, then publish (`start`), then print events for one allocation until `decide` ends it.
 
     `progress` adds the agents' task phases, which only identities that read reports may see (not a portal)."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -42,6 +46,7 @@ async def follow(
     result: dict[str, Any] = {
         "allocation_id": allocation_id,
         "state": initial,
+        "outcome": None,
         "node_id": None,
         "timed_out": False,
         "timeline": [{"state": initial, "at": now_iso(), "elapsed_s": 0.0}],
@@ -78,25 +83,36 @@ async def follow(
                 continue
             if not type_.startswith("allocation."):
                 continue
-            state = type_.split(".", 1)[1]
-            result["state"] = state
+            kind = type_.split(".", 1)[1]
+            if kind == "release_rejected":
+                # An answer about the request, not a transition: the allocation keeps its state.
+                result["state"] = payload.get("state") or "unknown"
+            else:
+                result["state"] = kind
+                result["timeline"].append(
+                    {"state": kind, "at": data.get("occurred_at"), "elapsed_s": round(elapsed, 3)}
+                )
             result["node_id"] = payload.get("node_id") or result["node_id"]
-            result["timeline"].append({"state": state, "at": data.get("occurred_at"), "elapsed_s": round(elapsed, 3)})
             for key in ("reason_code", "reason", "access", "cleanup"):
                 if payload.get(key) is not None:
                     result[key] = payload[key]
-            err.print(f"[dim]+{elapsed:.2f}s[/] {describe_event(state, payload)}")
-            if state in goal or state in fail:
+            err.print(f"[dim]+{elapsed:.2f}s[/] {describe_event(kind, payload)}")
+            verdict = decide(kind, payload)
+            if verdict is not None:
+                result["outcome"] = kind
+                result["ok"] = verdict == "ok"
                 return result
     finally:
         for sub in subs:
             await sub.unsubscribe()
 
 
-def finish(result: dict[str, Any], goal: set[str], as_json: bool) -> None:
+def finish(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(result, indent=2, default=str))
-    raise typer.Exit(0 if result["state"] in goal and not result.get("timed_out") else 1)
+    if result.get("timed_out"):
+        raise typer.Exit(EXIT_TIMEOUT)
+    raise typer.Exit(EXIT_OK if result.get("ok") else EXIT_FAILED)
 
 
 def publish_and_follow(
@@ -104,15 +120,14 @@ def publish_and_follow(
     type_: str,
     request: Any,
     *,
-    wait: bool,
+    follow_answer: bool,
     timeout: float,
     initial: str,
     said: str,
-    success: set[str],
-    failure: set[str],
+    decide: Decide,
     as_json: bool,
 ) -> None:
-    """Publish a portal message; with `wait`, follow the allocation until a success or failure state."""
+    """Publish a portal message; with `follow_answer`, follow the allocation until `decide` ends it."""
     alloc = str(request.allocation_id)
 
     async def run() -> dict[str, Any]:
@@ -123,12 +138,14 @@ def publish_and_follow(
             async def publish() -> None:
                 await publish_event(js, type_, request.model_dump(mode="json"), alloc)
 
-            if not wait:
+            if not follow_answer:
                 await publish()
                 err.print(f"{said} [bold]{alloc}[/]")
                 return {
                     "allocation_id": alloc,
                     "state": initial,
+                    "outcome": None,
+                    "ok": True,
                     "node_id": None,
                     "timed_out": False,
                     "timeline": [{"state": initial, "at": now_iso(), "elapsed_s": 0.0}],
@@ -137,8 +154,7 @@ def publish_and_follow(
                 nc,
                 alloc,
                 publish,
-                success,
-                failure,
+                decide,
                 timeout,
                 initial,
                 progress=identity.name in ("ops", "admin", "anonymous"),
@@ -146,5 +162,4 @@ def publish_and_follow(
         finally:
             await nc.drain()
 
-    result = asyncio.run(run())
-    finish(result, success | {initial} if not wait else success, as_json)
+    finish(asyncio.run(run()), as_json)

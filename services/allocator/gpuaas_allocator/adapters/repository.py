@@ -46,6 +46,56 @@ class AllocationRepository:
                 out.append(row)
         return out
 
+    async def lock_awaiting_placement(self, after_s: float, limit: int) -> list[dict[str, Any]]:
+        """Allocations still waiting for a placement answer with nothing done to them for `after_s`, locked; rows
+        another replica (or a handler) holds are skipped."""
+        rows = await self.conn.fetch(
+            "SELECT allocation_id FROM allocations WHERE node_id IS NULL AND state IN ('accepted', 'releasing') "
+            "AND updated_at + make_interval(secs => $1) < now() "
+            "ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED",
+            after_s,
+            limit,
+        )
+        out = []
+        for r in rows:
+            row = await self.lock(r["allocation_id"])
+            if row is not None:
+                out.append(row)
+        return out
+
+    async def accepted_seq(self, allocation_id: uuid.UUID) -> int | None:
+        """The lifecycle sequence number of the allocation's `accepted` event."""
+        return await self.conn.fetchval(
+            "SELECT min(seq) FROM allocation_timeline WHERE allocation_id = $1 AND state = 'accepted'", allocation_id
+        )
+
+    async def keep_early_result(
+        self, allocation_id: uuid.UUID, task_id: str, node_id: str, result: Any, event_id: str
+    ) -> bool:
+        """Keep a result that arrived before the allocation knew its task; False when one is already kept."""
+        status = await self.conn.execute(
+            "INSERT INTO early_task_results (allocation_id, task_id, node_id, result, event_id) "
+            "VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
+            allocation_id,
+            task_id,
+            node_id,
+            json.dumps(result),
+            event_id,
+        )
+        return status.endswith(" 1")
+
+    async def take_early_result(self, allocation_id: uuid.UUID, task_id: str) -> dict[str, Any] | None:
+        """The kept result of this task, removed: it is applied (or judged) once."""
+        row = await self.conn.fetchrow(
+            "DELETE FROM early_task_results WHERE allocation_id = $1 AND task_id = $2 RETURNING node_id, result",
+            allocation_id,
+            task_id,
+        )
+        if row is None:
+            return None
+        result = row["result"]
+        return {"node_id": row["node_id"], "result": json.loads(result) if isinstance(result, str) else result}
+
     async def insert(self, **fields: Any) -> None:
         cols = ", ".join(fields)
         params = ", ".join(f"${i}" for i in range(1, len(fields) + 1))
@@ -109,3 +159,53 @@ def _values(fields: dict[str, Any]) -> list[Any]:
 
 async def count_images(pool: asyncpg.Pool) -> int:
     return await pool.fetchval("SELECT count(*) FROM active_images")
+
+
+# --- reads for allocation queries (no lock, no unit of work: a query changes nothing) ------------------
+
+_SUMMARY_COLUMNS = (
+    "allocation_id, tenant_id, shape, sku, gpu_count, region, image_slug AS image, state, node_id, access, "
+    "failure_code, failure_reason, created_at, updated_at"
+)
+
+
+def _decoded(row: asyncpg.Record) -> dict[str, Any]:
+    out = dict(row)
+    for key in ("access", "detail"):
+        if isinstance(out.get(key), str):
+            out[key] = json.loads(out[key])
+    return out
+
+
+async def find_allocations(
+    conn: asyncpg.Connection,
+    *,
+    allocation_id: uuid.UUID | None = None,
+    tenant_id: str | None = None,
+    state: str | None = None,
+    node_id: str | None = None,
+    limit: int = 100,
+) -> list[dict[str, Any]]:
+    """Allocations matching every filter given, newest first; at most `limit` + 1 rows, so the caller can
+    tell that more matched."""
+    rows = await conn.fetch(
+        f"SELECT {_SUMMARY_COLUMNS} FROM allocations "
+        "WHERE ($1::uuid IS NULL OR allocation_id = $1) AND ($2::text IS NULL OR tenant_id = $2) "
+        "AND ($3::text IS NULL OR state = $3) AND ($4::text IS NULL OR node_id = $4) "
+        "ORDER BY created_at DESC, allocation_id LIMIT $5",
+        allocation_id,
+        tenant_id,
+        state,
+        node_id,
+        limit + 1,
+    )
+    return [_decoded(r) for r in rows]
+
+
+async def timeline_of(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        "SELECT seq, state, previous_state, reason_code, at, detail FROM allocation_timeline "
+        "WHERE allocation_id = $1 ORDER BY seq",
+        allocation_id,
+    )
+    return [_decoded(r) for r in rows]

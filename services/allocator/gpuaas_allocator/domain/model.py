@@ -52,16 +52,31 @@ class Rejection:
     reason: str
 
 
-def validate_request(req: AllocationRequested, image: ActiveImage | None) -> Rejection | None:
-    sku = SKUS.get(req.sku)
+def allowed_gpu_counts(sku: str) -> tuple[int, ...]:
+    """The GPU counts a SKU is sold in, ascending; () for an unknown SKU."""
+    entry = SKUS.get(sku)
+    return tuple(sorted(entry[1])) if entry else ()
+
+
+def validate_offer(shape: str, sku_name: str, gpu_count: int) -> Rejection | None:
+    """Is (shape, SKU, GPU count) something we sell? The part of validation that needs no catalog, so a
+    client can refuse a bad request before it publishes anything."""
+    sku = SKUS.get(sku_name)
     if sku is None:
-        return Rejection("unknown_sku", f"SKU {req.sku!r} is not offered; known: {', '.join(sorted(SKUS))}")
-    shape, counts = sku
-    if req.shape != shape:
-        return Rejection("shape_sku_mismatch", f"SKU {req.sku} is sold as {shape}, not {req.shape}")
-    if req.gpu_count not in counts:
+        return Rejection("unknown_sku", f"SKU {sku_name!r} is not offered; known: {', '.join(sorted(SKUS))}")
+    sold_as, counts = sku
+    if shape != sold_as:
+        return Rejection("shape_sku_mismatch", f"SKU {sku_name} is sold as {sold_as}, not {shape}")
+    if gpu_count not in counts:
         allowed = ", ".join(map(str, sorted(counts)))
-        return Rejection("invalid_gpu_count", f"{req.sku} takes {allowed} GPUs, not {req.gpu_count}")
+        return Rejection("invalid_gpu_count", f"{sku_name} takes {allowed} GPUs, not {gpu_count}")
+    return None
+
+
+def validate_request(req: AllocationRequested, image: ActiveImage | None) -> Rejection | None:
+    offer = validate_offer(req.shape, req.sku, req.gpu_count)
+    if offer is not None:
+        return offer
     if req.shape == "gpu_slice" and not req.ssh_public_keys:
         return Rejection("ssh_key_required", "a slice VM has no password login: give at least one SSH public key")
     if image is None:
@@ -77,3 +92,16 @@ def request_fingerprint(req: AllocationRequested) -> str:
     """Same allocation_id with the same body is a replay; with another body it is a conflict."""
     canonical = json.dumps(req.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def release_refusal(state: str | None) -> Rejection | None:
+    """Why a release request cannot start a release, or None when it can. `state` None: no such allocation."""
+    if state is None:
+        return Rejection("unknown_allocation", "no allocation with this id was ever accepted")
+    if state == "releasing":
+        return Rejection("already_releasing", "a release is already under way; allocation.released follows")
+    if state == "released":
+        return Rejection("already_released", "the allocation is already released")
+    if "releasing" not in TRANSITIONS.get(state, frozenset()):
+        return Rejection("not_releasable", f"the allocation ended {state}: it holds nothing to release")
+    return None

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import asyncpg
 
+from gpuaas_common.bus import PermanentError, parse_message
+from gpuaas_common.contract import Envelope, spec_for
+from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.repository import AllocationRepository, count_images
 from ..service_layer.deadlines import expire_overdue_tasks
 from ..service_layer.handlers import Allocator, handlers_by_consumer
+from ..service_layer.queries import answer_query
 from ..settings import AllocatorSettings
 
 log = get_logger(__name__)
@@ -33,6 +38,11 @@ def build_register(settings: AllocatorSettings):
         rt.health.checks["images_known"] = lambda: known["count"] > 0
         rt.spawn(_poll(refresh), "image-readiness")
 
+        # Reads for portals and ops: core request/reply, one queue group over every replica.
+        assert rt.nc is not None
+        pool = rt.pool
+        await rt.nc.subscribe(spec_for("allocation.query").subject(), queue="allocator", cb=query_responder(pool))
+
         # The control plane owns node-task deadlines: a silent host fails its allocation (see deadlines.py).
         bus = rt.bus
         rt.spawn(
@@ -41,6 +51,35 @@ def build_register(settings: AllocatorSettings):
         )
 
     return register
+
+
+def query_responder(pool: asyncpg.Pool):
+    """Answer `allocation.query` on the request's reply subject; a request that breaks the contract gets an
+    `invalid` answer saying why, so the asker never waits for nothing."""
+
+    async def on_query(msg: Any) -> None:
+        if not msg.reply:
+            return  # nobody to answer: a publish, not a request
+        correlation, cause = "query", None
+        try:
+            envelope, query = parse_message(msg.subject, msg.data)
+            correlation, cause = envelope.correlation_id, envelope.event_id
+            result = await answer_query(pool, query)  # type: ignore[arg-type]
+        except PermanentError as exc:
+            result = m.AllocationQueryResult(status="invalid", reason=exc.reason[:2048])
+        except (OSError, asyncpg.PostgresError) as exc:
+            log.warning("allocation_query_failed", error=str(exc)[:300])
+            return  # the asker times out and says the allocator did not answer
+        env = Envelope.wrap(
+            "allocation.query_result",
+            result.model_dump(mode="json"),
+            producer="allocator",
+            correlation_id=correlation,
+            causation_id=cause,
+        )
+        await msg.respond(env.model_dump_json().encode())
+
+    return on_query
 
 
 async def _poll(fn) -> None:

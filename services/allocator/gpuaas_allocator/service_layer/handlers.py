@@ -15,7 +15,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.enrolment import enrolment_proof
 from gpuaas_common.logging import get_logger
 
-from ..domain.model import ActiveImage, request_fingerprint, validate_request
+from ..domain.model import ActiveImage, release_refusal, request_fingerprint, validate_request
 from ..settings import AllocatorSettings
 from .commands import start_provisioning, start_teardown
 from .deadlines import LATE_TASK_RESULT
@@ -90,13 +90,26 @@ class Allocator:
     async def on_release_requested(self, ctx: HandlerContext) -> None:
         req: m.AllocationReleaseRequested = ctx.payload
         row = await ctx.uow.repos.lock(req.allocation_id)
-        if row is None:
-            log.warning("release_of_unknown_allocation")
+        state = row["state"] if row is not None else None
+        refusal = release_refusal(state)
+        if refusal is not None:
+            # Answered on the bus, so the asker learns at once instead of waiting for a release that never comes.
+            log.info("release_rejected", state=state, reason_code=refusal.reason_code)
+            await ctx.outbox.add(
+                "allocation.release_rejected",
+                m.AllocationReleaseRejected(
+                    allocation_id=req.allocation_id,
+                    tenant_id=row["tenant_id"] if row else None,
+                    shape=row["shape"] if row else None,
+                    state=state,
+                    reason_code=refusal.reason_code,
+                    reason=refusal.reason,
+                ),
+                aggregate_id=str(req.allocation_id),
+                event_id=derived_event_id(ctx.envelope.event_id, "release_rejected"),
+            )
             return
-        state = row["state"]
-        if state in ("releasing", "released", "failed", "unschedulable"):
-            log.info("release_noop", state=state)
-            return
+        assert row is not None
         row = await transition(ctx, row, "releasing", reason=req.reason)
         # A command already in flight (placement, provisioning) finishes first; its result handler
         # then starts the teardown. Only an allocation at rest is torn down right away.

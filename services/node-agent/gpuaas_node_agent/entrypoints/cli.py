@@ -36,6 +36,19 @@ RootOpt = Annotated[Path, typer.Option("--root", help="Host root: / on a host, o
 NodeIdOpt = Annotated[Optional[str], typer.Option("--node-id", help="Default: the root's /etc/hostname.")]
 
 
+# A missing root is a usage error (2), distinct from a check that ran and failed (1).
+EXIT_NO_ROOT = 2
+
+
+def _host(root: Path) -> Host:
+    """The host at `root`, or one line on stderr and exit 2: checks against a root that is not there would
+    report every device missing, which reads like a broken host rather than a typo."""
+    if not root.is_dir():
+        typer.echo(f"no such root: {root} (give / on a host, or a fixture tree)", err=True)
+        raise typer.Exit(EXIT_NO_ROOT)
+    return Host.at(root)
+
+
 def _node_id(root: Path, node_id: Optional[str]) -> str:
     if node_id:
         return node_id
@@ -50,7 +63,8 @@ def discover_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print the topology report as JSON.")] = False,
 ) -> None:
     """GPUs, fabric devices, NVMe disks and advisory candidate slots."""
-    report = asyncio.run(discover(Host.at(root), _node_id(root, node_id)))
+    host = _host(root)
+    report = asyncio.run(discover(host, _node_id(root, node_id)))
     if as_json:
         typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
         return
@@ -82,7 +96,8 @@ def discover_cmd(
 @app.command("parity")
 def parity_cmd(root: RootOpt = Path("/"), node_id: NodeIdOpt = None) -> None:
     """One GPUAAS_SLICE_PARITY line per runbook condition and a summary; exit 1 when anything failed."""
-    report = asyncio.run(ParityChecker(Host.at(root)).run(_node_id(root, node_id)))
+    host = _host(root)
+    report = asyncio.run(ParityChecker(host).run(_node_id(root, node_id)))
     for line in format_lines(report):
         typer.echo(line)
     if report.failures:
@@ -100,7 +115,7 @@ def slice_mode_enter(
 ) -> None:
     """Write a driverctl vfio-pci override for every approved device (and drop overrides no longer approved)."""
     try:
-        done = asyncio.run(enter_slice_mode(Host.at(root), device))
+        done = asyncio.run(enter_slice_mode(_host(root), device))
     except DriverctlError as exc:
         typer.echo(f"slice-mode enter failed: {exc}", err=True)
         raise typer.Exit(1) from exc
@@ -111,7 +126,7 @@ def slice_mode_enter(
 def slice_mode_leave(root: RootOpt = Path("/")) -> None:
     """Remove every vfio-pci driverctl override: the devices return to their host drivers."""
     try:
-        done = asyncio.run(leave_slice_mode(Host.at(root)))
+        done = asyncio.run(leave_slice_mode(_host(root)))
     except DriverctlError as exc:
         typer.echo(f"slice-mode leave failed: {exc}", err=True)
         raise typer.Exit(1) from exc
