@@ -153,6 +153,15 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "free_gpus": 0,
         "requested_gpus": 1,
     },
+    "placement.force_released": {
+        "allocation_id": ALLOC,
+        "node_ids": ["slice-01"],
+        "slot_ids": ["slice-01-s0"],
+        "actor": "ops",
+        "reason": "host unreachable",
+        "forced": True,
+        "holders": ["slot slice-01-s0 is active: the allocation's VM may still hold its GPU and disk"],
+    },
     "slice.vm_provision": {**TASK, "image": IMAGE, "hostname": "vm-6f1c1a52"},
     "slice.vm_release": TASK,
     "node.task_progress": {

@@ -539,3 +539,18 @@ async def test_reconciler_sweeps_orphaned_reservations_and_reports_drift(env: En
     await env.libvirt.undefine(live.vm_name)
     drift = await env.agent.reconcile_host()
     assert ("domain_missing", live.vm_name) in {(d.kind, d.subject) for d in drift}
+
+
+@pytest.mark.parametrize("policy", ["blkdiscard", "nvme_format", "crypto_erase"])
+async def test_release_wipes_by_the_site_policy_the_slots_carry(env: Env, policy: str) -> None:
+    slots = [s.model_copy(update={"wipe_policy": policy}) for s in env.slots[:1]]
+    prov = env.provision(slots)
+    assert (await env.agent.execute("slice.vm_provision", prov)).status == "succeeded"
+    released = await env.agent.execute("slice.vm_release", env.release(prov))
+    assert released.status == "succeeded", released
+    [proof] = released.wipe_proofs
+    assert (proof.device, proof.method, proof.verified) == (slots[0].nvme_by_id, policy, True)
+    assert proof.verification and "read-back" in proof.verification
+    # The published result (validated against the contract by the spy) carries the same proof.
+    published = await env.spy.wait_type("node.task_result", task_id=released.task_id)
+    assert published["payload"]["wipe_proofs"][0]["method"] == policy

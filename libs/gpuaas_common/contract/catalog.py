@@ -147,6 +147,15 @@ ALL: tuple[MessageSpec, ...] = (
         ("allocator",),
     ),
     MessageSpec(
+        "placement.force_released",
+        m.PlacementForceReleased,
+        "placementForceReleased",
+        "gpuaas.scheduler.placement.force_released",
+        "An operator force-released an allocation's claims; its slots wait in cleanup_blocked.",
+        ("scheduler",),
+        ("allocator",),
+    ),
+    MessageSpec(
         "placement.unschedulable",
         m.PlacementUnschedulable,
         "placementUnschedulable",

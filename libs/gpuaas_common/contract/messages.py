@@ -28,6 +28,9 @@ Identifier = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-
 Sha256 = Field(pattern=r"^[0-9a-f]{64}$")
 PciAddress = Field(pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 MacAddress = Field(pattern=r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
+# A site's destructive wipe between tenants (slice-implementation-checklist: "blkdiscard, nvme format, or
+# site-specific secure erase path before any released slot can be reused").
+WipePolicy = Literal["blkdiscard", "nvme_format", "crypto_erase"]
 
 
 class Payload(BaseModel):
@@ -55,6 +58,9 @@ class SlotBinding(Payload):
     ovs_bridge: str = Field(min_length=1, max_length=64)
     numa_node: int | None = Field(default=None, ge=0)
     profile: str = Identifier
+    # The wipe the agent must use on this slot's disk, from the site's policy at placement; absent from older
+    # schedulers, when the agent uses its default (blkdiscard or, on a file stand-in, zero fill).
+    wipe_policy: WipePolicy | None = None
 
 
 class Readiness(Payload):
@@ -71,6 +77,8 @@ class WipeProof(Payload):
     verified: bool
     signatures: list[str] = Field(default_factory=list)
     detail: str | None = None
+    # What the agent checked after the wipe (signature scan, sampled blocks read back), in words for the audit.
+    verification: str | None = Field(default=None, max_length=1024)
 
 
 class CleanupReport(Payload):
@@ -266,6 +274,19 @@ class PlacementPlaced(Payload):
     fencing_epoch: int = Field(ge=1)
     slots: list[SlotBinding] = Field(default_factory=list)
     maas_system_id: str | None = None
+
+
+class PlacementForceReleased(Payload):
+    """An operator freed an allocation's claims by force: its slots are `cleanup_blocked` (a VM may still hold
+    them, the disks may hold tenant data), its node drained if it held one whole; the allocation must end."""
+
+    allocation_id: uuid.UUID
+    node_ids: list[str] = Field(default_factory=list)
+    slot_ids: list[str] = Field(default_factory=list)
+    actor: str = Field(min_length=1, max_length=128)
+    reason: str = Field(min_length=1, max_length=500)
+    forced: bool
+    holders: list[str] = Field(default_factory=list, description="Why the VM may still hold the devices")
 
 
 class PlacementUnschedulable(Payload):

@@ -23,6 +23,12 @@ from .lifecycle import fail, transition
 
 log = get_logger(__name__)
 
+FORCE_RELEASED = "force_released"
+
+
+class PlacementNotSeenYet(Exception):
+    """Transient: the bus redelivers the message later."""
+
 
 class Allocator:
     def __init__(self, settings: AllocatorSettings) -> None:
@@ -170,6 +176,32 @@ class Allocator:
             filtered=ev.filtered,
             free_gpus=ev.free_gpus,
             requested_gpus=ev.requested_gpus,
+        )
+
+    async def on_force_released(self, ctx: HandlerContext) -> None:
+        """An operator freed the claims in the scheduler: the allocation ends as failed with cleanup required
+        (its slots wait in cleanup_blocked). A task still out is given up like one past its deadline, so its
+        answer is recorded on the timeline and changes nothing."""
+        ev: m.PlacementForceReleased = ctx.payload
+        row = await ctx.uow.repos.lock(ev.allocation_id)
+        if row is None or row["state"] in ("released", "failed", "unschedulable"):
+            log.info("force_release_noop", state=row["state"] if row else None)
+            return
+        if row["state"] == "accepted":
+            # The scheduler held claims, so its placement is on the way (the same stream, behind this one only
+            # after a redelivery): retried until it has been applied, never failed from a state that forbids it.
+            raise PlacementNotSeenYet(f"allocation {ev.allocation_id} force-released before its placement arrived")
+        outstanding = (row["release_task_id"] or row["task_id"]) if row["awaiting_result"] else None
+        if outstanding is not None:
+            await ctx.uow.repos.update(ev.allocation_id, awaiting_result=False, timed_out_task_id=outstanding)
+        await fail(
+            ctx,
+            dict(row),
+            FORCE_RELEASED,
+            f"force-released by {ev.actor}: {ev.reason}",
+            row["node_id"],
+            cleanup_required=True,
+            detail={"forced": ev.forced, "holders": ev.holders, "slots": ev.slot_ids, "abandoned_task": outstanding},
         )
 
     # --- results from node agents and MAAS ----------------------------------------------------------
@@ -343,6 +375,7 @@ def handlers_by_consumer(allocator: Allocator) -> dict[str, dict[str, Any]]:
         "allocator-placement": {
             "placement.placed": allocator.on_placed,
             "placement.unschedulable": allocator.on_unschedulable,
+            "placement.force_released": allocator.on_force_released,
         },
         "allocator-task-results": {"node.task_result": allocator.on_task_result},
         "allocator-enrolments": {"node.enrolled": allocator.on_enrolled},

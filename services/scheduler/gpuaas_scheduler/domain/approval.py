@@ -82,9 +82,11 @@ STORAGE_IDENTITY_KINDS = frozenset({"nvme_wwn_by_id"})
 
 def wipe_verdict(slot: Mapping[str, Any], proofs: Iterable[Mapping[str, Any]]) -> str | None:
     """None when a verified proof, made by a method of the slot's wipe policy, covers this slot's disk with no
-    signatures left, else why not."""
+    signatures left, else why not. The policy is the slot's effective one: its site's when `wipe_policy_site`
+    names the site that set it, else the one recorded at approval."""
     device = slot.get("nvme_by_id")
     policy = slot.get("destructive_wipe_policy") or DEFAULT_WIPE_POLICY
+    whose = f"site {slot['wipe_policy_site']}'s" if slot.get("wipe_policy_site") else "the slot's"
     accepted = WIPE_POLICIES.get(policy)
     if accepted is None:
         return f"slot wipe policy {policy!r} is unknown"
@@ -94,7 +96,7 @@ def wipe_verdict(slot: Mapping[str, Any], proofs: Iterable[Mapping[str, Any]]) -
     for proof in mine:
         if proof.get("method") not in accepted:
             return (
-                f"wipe of {device} by {proof.get('method')!r} does not satisfy the slot's {policy} policy "
+                f"wipe of {device} by {proof.get('method')!r} does not satisfy {whose} {policy} policy "
                 f"(accepted: {', '.join(sorted(accepted))})"
             )
         if not proof.get("verified"):

@@ -38,6 +38,11 @@ def write(fn: Callable[..., Awaitable[dict]]) -> Callable[[Call], Awaitable[dict
     return handler
 
 
+async def _force_release(call: Call) -> dict:
+    assert call.uow is not None  # a mutation: the stack runs it in a unit of work, whose outbox tells the allocator
+    return await ops.force_release(call.conn, call.uow.events, call.params["allocation_id"], call.body)
+
+
 async def _node_slots(conn: asyncpg.Connection, node_id: str) -> dict[str, Any]:
     await ops.get_node(conn, node_id)
     return await ops.list_slots(conn, node_id=node_id)
@@ -162,9 +167,32 @@ ROUTES = [
         "POST",
         "/v1/slots/{slot_id}/repair",
         write(ops.repair),
-        "cleanup_blocked or disabled -> available, if the approval rules hold now",
+        "cleanup_blocked (with a proof of the site's wipe) or disabled -> available, if the approval rules hold now",
         out.SlotDetail,
         ops.RepairIn,
+    ),
+    _r(
+        "GET",
+        "/v1/sites/{region}/wipe-policy",
+        read(ops.get_site_wipe_policy),
+        "the destructive wipe the site requires between tenants (null: each slot's approved policy)",
+        out.SiteWipePolicyView,
+    ),
+    _r(
+        "PUT",
+        "/v1/sites/{region}/wipe-policy",
+        write(ops.set_site_wipe_policy),
+        "set the site's wipe policy: agents are told to use it, and a released slot is reused only with its proof",
+        out.SiteWipePolicyView,
+        ops.SiteWipePolicyIn,
+    ),
+    _r(
+        "POST",
+        "/v1/allocations/{allocation_id}/force-release",
+        _force_release,
+        "free an allocation's claims; refused while a VM may hold the devices unless forced; slots end cleanup_blocked",
+        out.ForceReleaseOut,
+        ops.ForceReleaseIn,
     ),
     _r("GET", "/v1/tenants/{tenant_id}/quota", read(ops.get_quota), "a tenant's GPU quota and use", out.QuotaView),
     _r(
@@ -192,7 +220,8 @@ def openapi_document() -> dict[str, Any]:
         title="gpuaas scheduler admin API",
         version="1",
         description="Inventory administration: nodes, slot candidates and approval (the runbook's completeness "
-        "rules), disable/repair, drain/undrain, host modes, tenant quotas. Every mutation needs an "
+        "rules), disable/repair, drain/undrain, host modes, tenant quotas, site wipe policies, force-release. "
+        "Every mutation needs an "
         "Idempotency-Key and is audited (admin_requests); errors share one shape.",
     )
 

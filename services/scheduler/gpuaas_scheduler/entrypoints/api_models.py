@@ -126,3 +126,29 @@ class QuotaView(BaseModel):
     tenant_id: str
     quota: QuotaRow | None
     gpus_in_use: int
+
+
+class SiteWipePolicyRow(Row):
+    region: str
+    destructive_wipe_policy: str
+    set_by: str
+    reason: str
+    updated_at: str
+
+
+class SiteWipePolicyView(BaseModel):
+    region: str
+    site_policy: SiteWipePolicyRow | None
+    # Only on a change: slots whose recorded policy it rewrote, and those of them a live claim holds.
+    slots_updated: list[str] | None = None
+    slots_in_use: list[str] | None = None
+
+
+class ForceReleaseOut(BaseModel):
+    allocation_id: str
+    forced: bool
+    holders: list[str]
+    claims_released: int
+    slots: dict[str, str]
+    untouched: dict[str, str]
+    drained_nodes: list[str]

@@ -135,17 +135,19 @@ class TaskRunner(ProvisionTask, ReleaseTask):
         proofs: list[m.WipeProof] = []
         problem = None
         try:
-            paths = [(slot.nvme_by_id, self._check_disk(slot.nvme_by_id)) for slot in task.slots]
+            paths = [(slot, self._check_disk(slot.nvme_by_id)) for slot in task.slots]
             await self._phase(task, t, "wipe", disk_touched=True)
-            for by_id, path in paths:
-                proof = await disk.wipe_and_verify(str(path))
+            for slot, path in paths:
+                # The site's policy came with the slot from placement; an older scheduler sends none.
+                proof = await disk.wipe_and_verify(str(path), slot.wipe_policy)
                 proofs.append(
                     m.WipeProof(
-                        device=by_id,
+                        device=slot.nvme_by_id,
                         method=proof.method,
                         verified=proof.verified,
                         signatures=[str(sig) for sig in proof.signatures],
                         detail=proof.detail,
+                        verification=proof.verification,
                     )
                 )
         except Refused as exc:

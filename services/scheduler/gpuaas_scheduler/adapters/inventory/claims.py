@@ -9,6 +9,7 @@ from typing import Any
 import asyncpg
 
 from ...domain.placement import NodeCandidate, Request, SlotView
+from ..wipe_policy import effective_policy_sql
 from .predicates import (
     BAREMETAL_NODE_SQL,
     FREE_SLOT_SQL,
@@ -75,7 +76,10 @@ async def claim_slots(
         "  FROM moved m, e RETURNING fencing_epoch), "
         "summary AS (UPDATE nodes SET free_slots = $5, sliced = true, max_switch_free = $6, max_numa_free = $7, "
         "  numa_free = $8 WHERE node_id = $3) "
-        "SELECT m.*, (SELECT max(fencing_epoch) FROM ins) AS epoch FROM moved m ORDER BY m.slot_id",
+        "SELECT m.*, (SELECT max(fencing_epoch) FROM ins) AS epoch, "
+        f"(SELECT {effective_policy_sql('ws')} FROM node_resource_slots ws WHERE ws.slot_id = m.slot_id) "
+        "AS wipe_policy "
+        "FROM moved m ORDER BY m.slot_id",
         ids,
         allocation_id,
         node_id,

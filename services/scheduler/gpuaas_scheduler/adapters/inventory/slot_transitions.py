@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 import asyncpg
 
 from ...domain.slots import movable_from
+from ..wipe_policy import effective_policy_sql, policy_site_sql
 
 
 async def lock_nodes(conn: asyncpg.Connection, node_ids: Iterable[str]) -> None:
@@ -20,7 +21,8 @@ async def lock_nodes(conn: asyncpg.Connection, node_ids: Iterable[str]) -> None:
 
 async def allocation_slots(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[asyncpg.Record]:
     return await conn.fetch(
-        "SELECT c.node_id, c.slot_id, c.claim_kind, s.status, s.nvme_by_id, s.destructive_wipe_policy "
+        "SELECT c.node_id, c.slot_id, c.claim_kind, s.status, s.nvme_by_id, "
+        f"{effective_policy_sql('s')} AS destructive_wipe_policy, {policy_site_sql('s')} AS wipe_policy_site "
         "FROM allocation_resource_claims c "
         "LEFT JOIN node_resource_slots s ON s.slot_id = c.slot_id "
         "WHERE c.allocation_id = $1 AND c.status <> 'released' ORDER BY c.slot_id",

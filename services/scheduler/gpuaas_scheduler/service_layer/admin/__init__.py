@@ -3,6 +3,7 @@ work), takes the node lock before touching slots, writes an audit row, and raise
 everything back) rather than leaving half of a change behind. Split by topic; the statements are in
 adapters/admin_nodes.py and adapters/admin_slots.py."""
 
+from .force_release import force_release
 from .models import (
     Acted,
     AdminError,
@@ -11,6 +12,7 @@ from .models import (
     CandidateIn,
     CandidatesIn,
     DrainIn,
+    ForceReleaseIn,
     ModeIn,
     NodeIn,
     NvmeEvidence,
@@ -18,6 +20,8 @@ from .models import (
     ReadinessIn,
     RepairIn,
     RetireIn,
+    SiteWipePolicyIn,
+    WipeProofIn,
 )
 from .modes import get_mode, set_mode
 from .nodes import drain, get_node, list_nodes, set_readiness, undrain, upsert_node
@@ -32,6 +36,7 @@ from .slots import (
     retire_slots,
     upsert_candidates,
 )
+from .wipe import get_site_wipe_policy, set_site_wipe_policy
 
 __all__ = [
     "Acted",
@@ -41,6 +46,7 @@ __all__ = [
     "CandidateIn",
     "CandidatesIn",
     "DrainIn",
+    "ForceReleaseIn",
     "ModeIn",
     "NodeIn",
     "NvmeEvidence",
@@ -48,12 +54,16 @@ __all__ = [
     "ReadinessIn",
     "RepairIn",
     "RetireIn",
+    "SiteWipePolicyIn",
+    "WipeProofIn",
     "approve",
     "disable",
     "drain",
+    "force_release",
     "get_mode",
     "get_node",
     "get_quota",
+    "get_site_wipe_policy",
     "get_slot",
     "list_candidates",
     "list_nodes",
@@ -63,6 +73,7 @@ __all__ = [
     "set_mode",
     "set_quota",
     "set_readiness",
+    "set_site_wipe_policy",
     "undrain",
     "upsert_candidates",
     "upsert_node",

@@ -10,6 +10,7 @@ from gpuaas_common.api_error import ApiError
 
 Name = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")
 Reason = Field(min_length=1, max_length=500)
+WipePolicy = Literal["blkdiscard", "nvme_format", "crypto_erase"]
 
 
 class AdminError(ApiError):
@@ -97,12 +98,36 @@ class ApproveIn(Body):
     # released slot be reused.
     storage_ownership: Literal["slice"] = "slice"
     storage_mode: Literal["slice"] = "slice"
-    destructive_wipe_policy: Literal["blkdiscard", "nvme_format", "crypto_erase"] = "blkdiscard"
+    # Absent: the site's policy when its region has one, else blkdiscard. A different one than the site's is refused.
+    destructive_wipe_policy: WipePolicy | None = None
     storage_identity_kind: Literal["nvme_wwn_by_id"] = "nvme_wwn_by_id"
+
+
+class WipeProofIn(Body):
+    """A wipe done and checked outside a release (an infra wipe, the runbook's manual path), as the agent
+    reports one: the method must satisfy the slot's policy and the verification must have passed."""
+
+    device: str = Field(min_length=1, max_length=1024)
+    method: str = Field(min_length=1, max_length=64)
+    verified: bool
+    verification: str = Field(min_length=1, max_length=1024)
+    signatures: list[str] = Field(default_factory=list, max_length=64)
+    detail: str | None = Field(default=None, max_length=2000)
 
 
 class RepairIn(Acted):
     nvme_evidence: NvmeEvidence | None = None
+    # Required to repair a cleanup_blocked slot: its disk may hold tenant data until the site's wipe is proven.
+    wipe_proof: WipeProofIn | None = None
+
+
+class SiteWipePolicyIn(Acted):
+    destructive_wipe_policy: WipePolicy
+
+
+class ForceReleaseIn(Acted):
+    # Release even though the scheduler's record says a VM may still hold the devices.
+    force: bool = False
 
 
 class QuotaIn(Acted):

@@ -14,7 +14,8 @@ from ...adapters import admin_nodes as audit_repo
 from ...adapters import admin_slots as repo
 from ...adapters import evidence as evidence_repo
 from ...adapters import inventory as inv
-from ...domain.approval import approval_problems, approved_status
+from ...adapters import wipe_policy as wipe_repo
+from ...domain.approval import DEFAULT_WIPE_POLICY, approval_problems, approved_status, wipe_verdict
 from ...domain.host_mode import BAREMETAL, RETIRED
 from ...domain.slots import APPROVAL_REPLACES, IN_USE, allowed_from
 from .. import host_modes
@@ -81,6 +82,7 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> di
     require_all(body.candidate_ids, cands, "candidate_id", "candidate_not_found", "unknown candidates")
     if not cands:
         raise AdminError(404, "candidate_not_found", f"node {node_id} has no candidates to approve")
+    policy = await _approval_wipe_policy(conn, node["region"], body.destructive_wipe_policy)
     slots = {r["slot_id"]: dict(r) for r in await repo.node_slots(conn, node_id)}
     results = []
     for cand in cands:
@@ -101,6 +103,7 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> di
             )
         c["slot_id"] = slot_id
         c.update({f: getattr(body, f) for f in repo.STORAGE_FIELDS})
+        c["destructive_wipe_policy"] = policy
         # A retired slot owns no binding any more; a re-approved one takes it back.
         problems = approval_problems(c, [s for s in slots.values() if s["status"] != RETIRED])
         status, reason = approved_status(problems)
@@ -130,6 +133,23 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> di
     if blockers:
         out["mode_blockers"] = blockers
     return out
+
+
+async def _approval_wipe_policy(conn: asyncpg.Connection, region: str, asked: str | None) -> str:
+    """The site's policy when the region has one (a different one asked for is refused), else the one asked
+    for, else blkdiscard."""
+    site = await wipe_repo.site_policy(conn, region)
+    if site is None:
+        return asked or DEFAULT_WIPE_POLICY
+    if asked is not None and asked != site["destructive_wipe_policy"]:
+        raise AdminError(
+            409,
+            "wipe_policy_conflicts_with_site",
+            f"site {region} requires {site['destructive_wipe_policy']} between tenants; change the site's policy "
+            "rather than one slot's",
+            {"site_policy": site["destructive_wipe_policy"], "asked": asked},
+        )
+    return str(site["destructive_wipe_policy"])
 
 
 async def retire_slots(conn: asyncpg.Connection, node_id: str, body: RetireIn) -> dict:
@@ -203,6 +223,19 @@ async def repair(conn: asyncpg.Connection, slot_id: str, body: RepairIn) -> dict
     problems = approval_problems({**slot, "nvme_evidence": evidence}, [dict(o) for o in others])
     if problems:
         raise AdminError(409, "repair_rejected", "the slot still fails approval rules", {"problems": problems})
+    proof = body.wipe_proof.model_dump() if body.wipe_proof else None
+    if slot["status"] == "cleanup_blocked":
+        # Tenant data may remain: reuse waits for a proof of the site's wipe, as a release would.
+        policy = dict(await wipe_repo.slot_policy(conn, slot_id) or {})
+        verdict = wipe_verdict({**slot, **policy}, [proof] if proof else [])
+        if verdict is not None:
+            raise AdminError(
+                409,
+                "wipe_proof_rejected",
+                f"slot {slot_id} is cleanup_blocked; a repair needs a verified proof of the "
+                f"{policy.get('destructive_wipe_policy')} wipe of {slot['nvme_by_id']}",
+                {"problem": verdict, "policy": policy.get("destructive_wipe_policy")},
+            )
     if body.nvme_evidence:
         await repo.set_nvme_evidence(conn, slot_id, evidence)
     await inv.move_slots(
@@ -211,7 +244,7 @@ async def repair(conn: asyncpg.Connection, slot_id: str, body: RepairIn) -> dict
         "available",
         None,
         actor=body.actor,
-        detail={"repair_reason": body.reason, "from": slot["status"]},
+        detail={"repair_reason": body.reason, "from": slot["status"], "wipe_proof": proof},
         health=("healthy", f"repaired by {body.actor}: {body.reason}"),
     )
     await audit_repo.audit(conn, body.actor, "slot.repair", slot_id, body.reason, {"from": slot["status"]})

@@ -1,0 +1,105 @@
+"""The allocator ends an allocation the scheduler force-released (placement.force_released) on real Postgres:
+failed with `force_released` and cleanup required, the task still out given up (its late answer recorded, not
+applied), and a second copy or a finished allocation changes nothing."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from gpuaas_allocator.service_layer.handlers import Allocator, PlacementNotSeenYet
+from gpuaas_allocator.settings import AllocatorSettings
+from gpuaas_common.contract import messages as m
+from gpuaas_common.contract.asyncapi import default_validator
+
+from .test_allocator_deadlines import IMAGE, _provisioning, _send, _uow, pool  # noqa: F401 (fixture)
+
+
+def _forced(alloc: uuid.UUID) -> m.PlacementForceReleased:
+    return m.PlacementForceReleased(
+        allocation_id=alloc,
+        node_ids=["n1"],
+        slot_ids=[f"n1-{alloc.hex[:6]}"],
+        actor="ops",
+        reason="host unreachable",
+        forced=True,
+        holders=[f"slot n1-{alloc.hex[:6]} is provisioning: the allocation's VM may still hold its GPU and disk"],
+    )
+
+
+async def _failed_events(pool, alloc):  # noqa: F811
+    validator = default_validator()
+    rows = await pool.fetch("SELECT subject, body FROM outbox WHERE subject = 'gpuaas.allocation.event.failed'")
+    payloads = [validator.validate(r["subject"], bytes(r["body"]))["payload"] for r in rows]
+    return [p for p in payloads if p["allocation_id"] == str(alloc)]
+
+
+async def test_a_force_released_allocation_fails_with_cleanup_and_its_task_is_given_up(pool) -> None:  # noqa: F811
+    allocator = Allocator(AllocatorSettings())
+    async with _uow(pool) as uow:
+        await uow.repos.upsert_image(IMAGE)
+        await uow.commit()
+    alloc = await _provisioning(pool, allocator)
+    await _send(pool, allocator.on_force_released, "placement.force_released", _forced(alloc))
+    row = await pool.fetchrow("SELECT * FROM allocations WHERE allocation_id = $1", alloc)
+    assert (row["state"], row["failure_code"], row["awaiting_result"], row["timed_out_task_id"]) == (
+        "failed",
+        "force_released",
+        False,
+        f"prov-{alloc}",
+    )
+    [event] = await _failed_events(pool, alloc)
+    assert (event["reason_code"], event["cleanup_required"]) == ("force_released", True)
+    assert "force-released by ops: host unreachable" in event["reason"]
+
+    # A second copy changes nothing.
+    await _send(pool, allocator.on_force_released, "placement.force_released", _forced(alloc))
+    assert len(await _failed_events(pool, alloc)) == 1
+
+    # The agent answers the provision after all: recorded on the timeline, not applied.
+    await _send(
+        pool,
+        allocator.on_task_result,
+        "node.task_result",
+        m.NodeTaskResult(
+            task_id=f"prov-{alloc}",
+            allocation_id=alloc,
+            node_id="n1",
+            task_type="slice.vm_provision",
+            status="succeeded",
+        ),
+    )
+    assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == "failed"
+    late = await pool.fetchrow(
+        "SELECT reason_code, detail FROM allocation_timeline WHERE allocation_id = $1 ORDER BY seq DESC", alloc
+    )
+    assert late["reason_code"] == "late_task_result_ignored" and json.loads(late["detail"])["status"] == "succeeded"
+
+
+async def test_before_its_placement_is_applied_the_message_is_retried_not_failed(pool) -> None:  # noqa: F811
+    allocator = Allocator(AllocatorSettings())
+    async with _uow(pool) as uow:
+        await uow.repos.upsert_image(IMAGE)
+        await uow.commit()
+    alloc = uuid.uuid4()
+    await _send(
+        pool,
+        allocator.on_requested,
+        "allocation.requested",
+        m.AllocationRequested(
+            allocation_id=alloc,
+            tenant_id="t",
+            shape="gpu_slice",
+            sku="h200-sxm-slice",
+            gpu_count=1,
+            image=IMAGE.slug,
+            ssh_public_keys=["ssh-ed25519 AAAA k@t"],
+        ),
+    )
+    with pytest.raises(PlacementNotSeenYet):
+        await _send(pool, allocator.on_force_released, "placement.force_released", _forced(alloc))
+    assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == "accepted"
+    # Unknown allocations are a no-op.
+    await _send(pool, allocator.on_force_released, "placement.force_released", _forced(uuid.uuid4()))
