@@ -32,6 +32,7 @@ class FakeAllocationRepository:
         self.timeline: list[tuple[uuid.UUID, str]] = []
         self.entries: list[dict[str, Any]] = []  # the timeline rows in full
         self.images = {i.slug: i for i in (SLICE_IMAGE, HOST_IMAGE)}
+        self.early: dict[tuple[uuid.UUID, str], dict[str, Any]] = {}
 
     async def lock(self, allocation_id: uuid.UUID) -> dict[str, Any] | None:
         row = self.allocations.get(allocation_id)
@@ -52,12 +53,28 @@ class FakeAllocationRepository:
             "access": None,
             "task_deadline_at": None,
             "timed_out_task_id": None,
+            "placement_asks": 0,
         }
         row.update(fields)
         self.allocations[fields["allocation_id"]] = row
 
     async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None:
         self.allocations[allocation_id].update(copy.deepcopy(fields))
+
+    async def accepted_seq(self, allocation_id: uuid.UUID) -> int | None:
+        mine = [state for a, state in self.timeline if a == allocation_id]
+        return mine.index("accepted") + 1 if "accepted" in mine else None
+
+    async def keep_early_result(
+        self, allocation_id: uuid.UUID, task_id: str, node_id: str, result: Any, event_id: str
+    ) -> bool:
+        if (allocation_id, task_id) in self.early:
+            return False
+        self.early[(allocation_id, task_id)] = {"node_id": node_id, "result": copy.deepcopy(result)}
+        return True
+
+    async def take_early_result(self, allocation_id: uuid.UUID, task_id: str) -> dict[str, Any] | None:
+        return self.early.pop((allocation_id, task_id), None)
 
     async def lock_overdue(self, grace_s: float, limit: int) -> list[dict[str, Any]]:
         now = datetime.now(timezone.utc)

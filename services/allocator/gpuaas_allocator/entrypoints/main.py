@@ -14,7 +14,7 @@ from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.repository import AllocationRepository, count_images
-from ..service_layer.deadlines import expire_overdue_tasks
+from ..service_layer.deadlines import sweep_deadlines
 from ..service_layer.handlers import Allocator, handlers_by_consumer
 from ..service_layer.queries import answer_query
 from ..settings import AllocatorSettings
@@ -43,10 +43,11 @@ def build_register(settings: AllocatorSettings):
         pool = rt.pool
         await rt.nc.subscribe(spec_for("allocation.query").subject(), queue="allocator", cb=query_responder(pool))
 
-        # The control plane owns node-task deadlines: a silent host fails its allocation (see deadlines.py).
+        # The control plane owns node-task deadlines (a silent host fails its allocation) and placement deadlines
+        # (a lost placement is asked for again): see deadlines.py and redrive.py.
         bus = rt.bus
         rt.spawn(
-            _every(settings.task_deadline_sweep_interval_s, lambda: expire_overdue_tasks(bus.unit_of_work, settings)),
+            _every(settings.task_deadline_sweep_interval_s, lambda: sweep_deadlines(bus.unit_of_work, settings)),
             "task-deadlines",
         )
 

@@ -14,13 +14,18 @@ from ..settings import AllocatorSettings
 from .lifecycle import transition
 
 
+def provision_task_id(allocation_id: object) -> str:
+    """One provision task per allocation, named by it: a re-sent task is the same task to the agent."""
+    return f"prov-{allocation_id}"
+
+
 async def start_provisioning(
     settings: AllocatorSettings, ctx: HandlerContext, row: dict[str, Any], ev: m.PlacementPlaced
 ) -> None:
     alloc_id = str(row["allocation_id"])
     request = row["request"]
     if row["shape"] == "gpu_slice":
-        task_id = f"prov-{alloc_id}"
+        task_id = provision_task_id(alloc_id)
         image_row = row
         deadline = utcnow() + timedelta(seconds=settings.task_deadline_s)
         task = m.SliceVmProvision(

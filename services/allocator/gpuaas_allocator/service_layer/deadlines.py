@@ -8,7 +8,8 @@ failure says `cleanup_required`: the scheduler keeps the claims and moves the sl
 cleanup_blocked, not available"). The task is remembered as `timed_out_task_id`; an answer that arrives
 later is recorded on the timeline and changes nothing (`Allocator.on_task_result`).
 
-Replicas share the work: the overdue rows are taken with `FOR UPDATE SKIP LOCKED`, in one unit of work
+Allocations that wait for a placement answer have a deadline too: past it, the placement is asked again
+(redrive.py). Replicas share the work: the overdue rows are taken with `FOR UPDATE SKIP LOCKED`, in one unit of work
 per batch, so a row is timed out once and never while a handler holds it.
 """
 
@@ -22,12 +23,19 @@ from gpuaas_common.logging import get_logger
 
 from ..settings import AllocatorSettings
 from .lifecycle import fail
+from .redrive import reask_stalled_placements
 
 log = get_logger(__name__)
 
 TASK_DEADLINE_PASSED = "task_deadline_passed"
 LATE_TASK_RESULT = "late_task_result_ignored"
 SWEEP_CONSUMER = "allocator-task-deadlines"
+
+
+async def sweep_deadlines(uow_factory: Callable[[], Any], settings: AllocatorSettings) -> None:
+    """Every deadline the allocator owns: node tasks past theirs fail; placements past theirs are asked again."""
+    await expire_overdue_tasks(uow_factory, settings)
+    await reask_stalled_placements(uow_factory, settings)
 
 
 async def expire_overdue_tasks(uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50) -> int:

@@ -17,9 +17,10 @@ from gpuaas_common.logging import get_logger
 
 from ..domain.model import ActiveImage, release_refusal, request_fingerprint, validate_request
 from ..settings import AllocatorSettings
-from .commands import start_provisioning, start_teardown
+from .commands import provision_task_id, start_provisioning, start_teardown
 from .deadlines import LATE_TASK_RESULT
 from .lifecycle import fail, transition
+from .redrive import EARLY_RESULT_MISMATCH, hold_early_result
 
 log = get_logger(__name__)
 
@@ -132,6 +133,12 @@ class Allocator:
             return
         placement = ev.model_dump(mode="json")
         update = {"node_id": ev.node_id, "maas_system_id": ev.maas_system_id, "placement": placement}
+        early = await self._take_early_result(ctx, row, ev.node_id)
+        if row["state"] == "releasing" and early is not None:
+            # Released while its record was lost, but the host did build it: tear the VM down like any other.
+            await ctx.uow.repos.update(ev.allocation_id, **update, task_id=early.task_id)
+            await start_teardown(self.settings, ctx, {**row, **update, "task_id": early.task_id})
+            return
         if row["state"] == "releasing":
             # Released before anything was built: nothing was touched, the claim can go at once.
             await ctx.uow.repos.update(ev.allocation_id, **update)
@@ -154,6 +161,33 @@ class Allocator:
             maas_system_id=ev.maas_system_id,
         )
         await start_provisioning(self.settings, ctx, row, ev)
+        if early is not None:
+            # The result came before this placement was (again) applied: the task is known now, so apply it.
+            row = await ctx.uow.repos.lock(ev.allocation_id)
+            log.warning("early_task_result_applied", task_id=early.task_id, status=early.status)
+            await self._on_provision_result(ctx, dict(row), early)
+
+    async def _take_early_result(
+        self, ctx: HandlerContext, row: dict[str, Any], node_id: str
+    ) -> m.NodeTaskResult | None:
+        """The kept result of this allocation's provision task (see redrive.py), if it came from the placed node.
+        One from another node describes a VM no claim explains any more: recorded, not applied."""
+        kept = await ctx.uow.repos.take_early_result(row["allocation_id"], provision_task_id(row["allocation_id"]))
+        if kept is None:
+            return None
+        res = m.NodeTaskResult.model_validate(kept["result"])
+        if kept["node_id"] == node_id:
+            return res
+        log.warning(EARLY_RESULT_MISMATCH, task_id=res.task_id, result_node_id=kept["node_id"], placed_node_id=node_id)
+        await ctx.uow.repos.append_timeline(
+            row["allocation_id"],
+            row["state"],
+            row["state"],
+            reason_code=EARLY_RESULT_MISMATCH,
+            detail={"task_id": res.task_id, "result_node_id": kept["node_id"], "placed_node_id": node_id},
+            cause_event_id=ctx.envelope.event_id,
+        )
+        return None
 
     async def on_unschedulable(self, ctx: HandlerContext) -> None:
         ev: m.PlacementUnschedulable = ctx.payload
@@ -209,6 +243,16 @@ class Allocator:
     async def on_task_result(self, ctx: HandlerContext) -> None:
         res: m.NodeTaskResult = ctx.payload
         row = await ctx.uow.repos.lock(res.allocation_id)
+        if (
+            row is not None
+            and row["task_id"] is None
+            and row["state"] in ("accepted", "releasing")
+            and res.task_id == provision_task_id(res.allocation_id)
+        ):
+            # The provision task this allocation would be sent, but it is not placed: the commits that placed it
+            # were lost after the task went out. Keep the result and re-ask the placement (redrive.py).
+            await hold_early_result(ctx, dict(row), res)
+            return
         # A host can only report as itself (the bus enforces the subject), but it can still claim a
         # task it was never sent or another host's allocation: both change nothing and are dead-lettered.
         if row is None or res.task_id not in {row["task_id"], row["release_task_id"]} - {None}:

@@ -12,6 +12,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
 from ..adapters import inventory as inv
+from ..adapters.inventory.held import held_placement
 from ..domain.approval import wipe_verdict
 from ..domain.slots import allowed_from
 from . import drift, evidence, host_modes
@@ -29,7 +30,19 @@ class Scheduler:
         alloc_id = str(ev.allocation_id)
         outcome = await place(ctx.conn, ev, self.policy)
         if outcome.already_placed:
-            log.info("already_placed")
+            # A repeated request: the allocator lost track of our answer and asks again. Answer with the claim
+            # held, under an id of this request's own (the first answer's id would be dropped as a duplicate).
+            again = await held_placement(ctx.conn, ev.allocation_id)
+            if again is None:
+                log.info("already_placed_and_released")
+                return
+            await ctx.outbox.add(
+                "placement.placed",
+                again,
+                aggregate_id=alloc_id,
+                event_id=derived_event_id(ctx.envelope.event_id, "placement-again"),
+            )
+            log.info("placement_repeated", node_id=again.node_id, fencing_epoch=again.fencing_epoch)
             return
         result = outcome.placed or outcome.unschedulable
         assert result is not None
