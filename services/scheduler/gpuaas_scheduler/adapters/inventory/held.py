@@ -9,6 +9,7 @@ import asyncpg
 
 from gpuaas_common.contract import messages as m
 
+from ..wipe_policy import effective_policy_sql
 from .predicates import SLOT_COLUMNS
 
 _SLOT_SELECT = ", ".join("s." + c.strip() for c in SLOT_COLUMNS.split(","))
@@ -18,7 +19,8 @@ async def held_placement(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> 
     """The held claims as the placement first announced them (same node, slots and fencing epoch); None when the
     allocation holds nothing (never placed, or its claims are released)."""
     rows = await conn.fetch(
-        f"SELECT c.node_id, c.claim_kind, c.fencing_epoch, n.maas_system_id, {_SLOT_SELECT} "
+        f"SELECT c.node_id, c.claim_kind, c.fencing_epoch, n.maas_system_id, {_SLOT_SELECT}, "
+        f"CASE WHEN s.slot_id IS NOT NULL THEN {effective_policy_sql('s')} END AS wipe_policy "
         "FROM allocation_resource_claims c JOIN nodes n ON n.node_id = c.node_id "
         "LEFT JOIN node_resource_slots s ON s.slot_id = c.slot_id "
         "WHERE c.allocation_id = $1 AND c.status = 'held' ORDER BY c.slot_id",
