@@ -15,10 +15,12 @@ from ..adapters import drift as repo
 from ..adapters import evidence as evidence_repo
 from ..adapters import inventory as inv
 from ..domain.drift import current_items, reconcile
+from ..domain.evidence_clock import as_received
 
 
 async def record_drift(conn: asyncpg.Connection, ev: m.NodeDriftReported, event_id: str) -> dict[str, int | str]:
     """{'outcome': 'applied' | 'stale' | 'unknown_node', 'opened', 'resolved', 'held'}."""
+    ev = ev.model_copy(update={"checked_at": as_received(ev.checked_at)})
     if not await repo.take_report(conn, ev.node_id, ev.checked_at):
         known = await evidence_repo.node_exists(conn, ev.node_id)
         return {"outcome": "stale" if known else "unknown_node"}

@@ -29,6 +29,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
 from ..adapters import evidence as repo
+from ..domain.evidence_clock import as_received
 
 log = get_logger(__name__)
 
@@ -41,7 +42,7 @@ async def record_parity(conn: asyncpg.Connection, ev: m.NodeParityReported) -> s
         "task_id": ev.task_id,
         "source": "node-agent",
     }
-    if await repo.update_parity(conn, ev.node_id, ev.failures, detail, ev.checked_at):
+    if await repo.update_parity(conn, ev.node_id, ev.failures, detail, as_received(ev.checked_at)):
         return "applied"
     return await _why_not_applied(conn, ev.node_id)
 
@@ -50,7 +51,7 @@ async def record_topology(conn: asyncpg.Connection, ev: m.NodeTopologyReported) 
     """Replace the node's unapproved candidates with the reported ones; 'applied', 'stale' or
     'unknown_node'. Approved candidates are the operator's record of what became a slot: kept, and a
     reported candidate for the same GPU (or id) is not stored beside them."""
-    if not await repo.update_topology(conn, ev.node_id, ev.discovered_at, ev.blockers):
+    if not await repo.update_topology(conn, ev.node_id, as_received(ev.discovered_at), ev.blockers):
         return await _why_not_applied(conn, ev.node_id)
     disks = {d.by_id: d for d in ev.nvme if d.by_id}
     rows = []
@@ -90,7 +91,7 @@ def candidate_id(node_id: str, gpu_pci_address: str) -> str:
 async def record_image_cache(conn: asyncpg.Connection, ev: m.ImageNodeCacheChanged, occurred_at: datetime) -> str:
     """'applied' or 'stale'. The payload carries no time of its own; the envelope's does."""
     applied = await repo.upsert_image_readiness(
-        conn, ev.node_id, ev.slug, ev.status, ev.digest_sha256, ev.schedulable, occurred_at
+        conn, ev.node_id, ev.slug, ev.status, ev.digest_sha256, ev.schedulable, as_received(occurred_at)
     )
     return "applied" if applied else "stale"
 
@@ -108,6 +109,6 @@ async def record_slice_preflight(conn: asyncpg.Connection, ev: m.NodeSlicePrefli
         return "duplicate"
     if node_id is None:
         return "unknown_node"
-    if await repo.update_preflight(conn, node_id, ev.status, ev.reported_at, ev.operation_id):
+    if await repo.update_preflight(conn, node_id, ev.status, as_received(ev.reported_at), ev.operation_id):
         return "applied"
     return "stale"
