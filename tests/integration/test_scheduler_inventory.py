@@ -392,7 +392,13 @@ async def test_release_without_verified_proof_blocks_and_repair_returns_it(pool,
     for _ in range(7):
         p = (await run_place(pool, accepted(1))).placed
         assert p is None or p.slots[0].slot_id != blocked
+    # Its disk may hold tenant data: the repair needs a proof of the slot's wipe policy (blkdiscard here).
     status, body = await post(api, f"/v1/slots/{blocked}/repair", {"actor": "alice", "reason": "nvme format verified"})
+    assert status == 409 and body["error"]["code"] == "wipe_proof_rejected"
+    proof = {"device": placed.slots[0].nvme_by_id, "method": "blkdiscard", "verified": True, "verification": "zeros"}
+    status, body = await post(
+        api, f"/v1/slots/{blocked}/repair", {"actor": "alice", "reason": "wiped by infra", "wipe_proof": proof}
+    )
     assert status == 200 and body["slot"]["status"] == "available"
     assert body["transitions"][0]["actor"] == "alice" and body["transitions"][0]["detail"]["repair_reason"]
     # A repair that would put a mounted disk back in service is refused and changes nothing.
