@@ -58,6 +58,8 @@ class BusSpy:
                 data = json.loads(msg.data)
             except ValueError:
                 data = {"type": "<not json>", "raw": msg.data.decode(errors="replace")}
+            if not isinstance(data, dict):
+                data = {"type": "<not an object>", "raw": msg.data.decode(errors="replace")}
         self.messages.append((msg.subject, data))
         self._changed.set()
 
@@ -71,6 +73,8 @@ class BusSpy:
             if data.get("type") != type_:
                 continue
             payload = data.get("payload", {})
+            if not isinstance(payload, dict):
+                continue
             if all(str(payload.get(k)) == str(v) for k, v in payload_match.items()):
                 out.append(data)
         return out
