@@ -63,9 +63,11 @@ class NatsIdentity:
     ca_file: str | None = None
     _name: str | None = field(default=None, repr=False)
     _warned: set[str] = field(default_factory=set, repr=False)
-    # The newest error of any connection attempt (never holds a secret): what a start-up that gives up
-    # reports as the reason.
+    # The newest error of any connection attempt, and the newest auth refusal since we were last connected
+    # (neither holds a secret): what a start-up that gives up reports. A refusal is often followed by
+    # transport errors of the closed socket, so it is kept apart.
     last_error: str | None = field(default=None, repr=False)
+    last_refusal: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_settings(cls, settings: Any) -> "NatsIdentity":
@@ -126,6 +128,7 @@ class NatsIdentity:
         text = str(exc) or type(exc).__name__
         self.last_error = text
         if is_auth_refusal(text):
+            self.last_refusal = text
             if text not in self._warned:
                 self._warned.add(text)
                 log.warning("nats_auth_refused", reason=text.removeprefix("nats: ").strip("'"), identity=self.name)
@@ -134,6 +137,7 @@ class NatsIdentity:
 
     def note_connected(self) -> None:
         self._warned.clear()
+        self.last_refusal = None
 
     async def connect(self, *, name: str, retry_forever: bool = True, **options: Any) -> NatsClient:
         """Connect, retrying a refused or unreachable first connection with back-off when asked to."""

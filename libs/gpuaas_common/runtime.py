@@ -34,7 +34,7 @@ from .health import HealthServer
 from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, ensure_consumers, provision
 from .logging import configure_logging, get_logger
 from .migrations import apply_migrations
-from .natsconn import NatsIdentity, is_auth_refusal
+from .natsconn import NatsIdentity
 from .outbox import OutboxRelay
 from .pg_roles import dsn_without_password
 from .retention import RetentionSweeper
@@ -113,6 +113,7 @@ class ServiceRuntime:
             pool=self.pool,
             retry_delays_s=self.settings.retry_delays_s,
             inbox_prefix=self.identity.inbox,
+            default_concurrency=self.settings.consumer_concurrency,
         )
         self.health.checks["nats"] = lambda: self.nc is not None and self.nc.is_connected
 
@@ -153,8 +154,9 @@ class ServiceRuntime:
                 self.identity.connect(name=f"gpuaas-{self.name}"), timeout=max(0.1, deadline - time.monotonic())
             )
         except TimeoutError:
-            last = self.identity.last_error or "no answer"
-            reason = "nats_auth_refused" if is_auth_refusal(last) else "nats_unreachable"
+            refusal = self.identity.last_refusal
+            last = refusal or self.identity.last_error or "no answer"
+            reason = "nats_auth_refused" if refusal else "nats_unreachable"
             raise StartupFailed(
                 reason,
                 f"not connected within {self.settings.startup_timeout_s:g}s: {last}",
