@@ -300,6 +300,8 @@ def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -
         "status": info.get("status") if running else "stopped",
         "nats_url": info.get("nats_url"),
         "maas_url": info.get("maas_url"),
+        "scheduler_admin_url": info.get("scheduler_admin_url"),
+        "image_admin_url": info.get("image_admin_url"),
         "services": rows,
     }
     if as_json:
@@ -317,6 +319,8 @@ def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -
                 str(r["restarts"]),
             )
         out.print(table)
+        if running:
+            _print_admin_apis(info, out)
     raise typer.Exit(0 if running and all(r["ready"] for r in rows.values()) else 1)
 
 
