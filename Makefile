@@ -9,7 +9,7 @@ GPUAAS  := $(VENV)/bin/gpuaas
 RUN_DIR ?= .run/dev
 DEMO_TIMEOUT ?= 180
 
-.PHONY: help setup run demo up down status test check bench contract
+.PHONY: help setup run demo up down status test check bench contract docs
 
 help:
 	@echo "make setup     install Debian packages, the AsyncAPI parser and the venv (idempotent)"
@@ -18,6 +18,7 @@ help:
 	@echo "make check     the static checks alone"
 	@echo "make bench     pipeline benchmark (JSON on stdout)"
 	@echo "make contract  render contracts/asyncapi.yaml from the contract models"
+	@echo "make docs      regenerate the README's configuration and CLI tables from the code"
 	@echo "make up|down|status  the detached dev stack in $(RUN_DIR)"
 
 setup:
@@ -68,3 +69,6 @@ bench: setup
 
 contract: setup
 	$(GPUAAS) contract render
+
+docs: setup
+	$(PY) -m gpuaas_dev.docs

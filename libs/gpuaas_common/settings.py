@@ -2,14 +2,35 @@
 
 Each service subclasses `ServiceSettings` with its own prefix-free fields; every variable is read
 from `GPUAAS_<FIELD>` so one `.env` or compose `environment:` block configures the whole stack.
+The comment above a field is its documentation: the README's configuration table is generated from it
+(`python -m gpuaas_dev.docs`).
 """
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+import json
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BeforeValidator, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .db import check_dsn
+
+T = TypeVar("T")
+
+
+def _list_from_env(value: Any) -> Any:
+    """A list variable as people write it: `0.2,0.5` like GPUAAS_NATS_URL, or a JSON array `[0.2,0.5]`."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("["):
+        return json.loads(text)  # a JSONDecodeError is a ValueError: a validation error naming the field
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+# A tuple setting read from one variable; pydantic-settings alone would demand JSON and fail on `0.2,0.5`.
+EnvList = Annotated[tuple[T, ...], NoDecode, BeforeValidator(_list_from_env)]
 
 
 class ServiceSettings(BaseSettings):
@@ -18,36 +39,51 @@ class ServiceSettings(BaseSettings):
 
     # One URL or a comma-separated list of every server of a cluster.
     nats_url: str = "nats://127.0.0.1:4222"
-    # This process's identity on the bus (a `.creds` file: user JWT + seed) and the CA that signed the
-    # servers' certificates; without them the process connects anonymously, which only an open dev
-    # server accepts.
+    # This process's identity on the bus (a `.creds` file: user JWT + seed); without it the process
+    # connects anonymously, which only an open dev server accepts.
     nats_creds: str | None = None
+    # The CA that signed the NATS servers' certificates (only this CA is trusted for tls:// URLs).
     nats_ca_file: str | None = None
+    # The service's own Postgres role; it migrates and uses only its own schema.
     # One server or several (`postgresql://u:p@h1:5432,h2:5432/db?target_session_attrs=read-write`, see db.check_dsn).
     database_url: SecretStr = SecretStr("postgresql://gpuaas@127.0.0.1:5432/gpuaas")
+    # /readyz, /healthz and /metrics; 0.0.0.0 in a container so probes and scrapers can reach them.
     health_host: str = "127.0.0.1"
+    # 0 picks a free port (named in the ready file).
     health_port: int = Field(default=0, ge=0, le=65535)
     # Written once the service is ready; lets a supervisor learn a port chosen by the OS.
     ready_file: str | None = None
+    # JSON log lines on stderr at this level: DEBUG, INFO, WARNING or ERROR.
     log_level: str = "INFO"
     # How long start-up waits for Postgres and NATS to answer before it exits with a reason
     # (database_unreachable, nats_unreachable, nats_auth_refused) for the supervisor to act on.
     startup_timeout_s: float = Field(default=30.0, gt=0)
+    # Names this replica; no code reads it yet.
     instance_id: str = "0"
+    # The outbox relay's wait when it has nothing to send (a Postgres NOTIFY wakes it sooner), and between
+    # tries for the relay lock that keeps one relay per schema.
     relay_poll_interval_s: float = Field(default=1.0, gt=0)
+    # Outbox rows published per transaction.
     relay_batch_size: int = Field(default=200, ge=1, le=10_000)
+    # Deliveries of one message before it goes to the dead-letter subject with its reason.
     consumer_max_deliver: int = Field(default=8, ge=2, le=100)
     # JetStream redelivers a message after this long without an ack or progress ack (see bus.py): how long a
     # crashed consumer's messages wait. A consumer may declare a longer one; none shorter.
     consumer_ack_wait_s: float = Field(default=5.0, gt=0)
+    # Messages each durable consumer handles at once, in order per aggregate (allocation, node, image):
+    # one slow allocation never holds up the others. 1 handles strictly one at a time.
+    consumer_concurrency: int = Field(default=16, ge=1, le=256)
     # How long inbox rows and stored Idempotency-Key answers are kept (retention.py says why 8 days); at
     # least JetStream's 15-minute duplicate window.
     inbox_retention_s: float = Field(default=8 * 24 * 3600.0, gt=15 * 60.0)
+    # How long stored Idempotency-Key answers of the admin APIs are kept; like the inbox rows.
     idempotency_retention_s: float = Field(default=8 * 24 * 3600.0, gt=15 * 60.0)
+    # How often expired inbox and idempotency rows are deleted.
     retention_sweep_interval_s: float = Field(default=3600.0, gt=0)
+    # Rows deleted per statement, so a sweep never holds long locks.
     retention_batch_size: int = Field(default=5000, ge=1, le=100_000)
     # Delays for nak-with-delay retries; the last one repeats.
-    retry_delays_s: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0)
+    retry_delays_s: EnvList[float] = Field(default=(0.2, 0.5, 1.0, 2.0, 5.0), min_length=1)
 
     @field_validator("nats_url")
     @classmethod

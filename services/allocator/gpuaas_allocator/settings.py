@@ -10,11 +10,14 @@ class AllocatorSettings(ServiceSettings):
     # The agent enforces the same deadline and reports `deadline_exceeded`; the control plane waits this much
     # longer for that answer before it gives up on a silent host itself.
     task_deadline_grace_s: float = Field(default=60.0, ge=0)
+    # How often overdue node tasks are looked for.
     task_deadline_sweep_interval_s: float = Field(default=10.0, gt=0)
     # An allocation waiting this long for its placement answer (accepted, or released before it was placed) asks
     # the scheduler again, and again after as long each time; the scheduler answers with the claim it holds.
     placement_reask_after_s: float = Field(default=30.0, gt=0)
+    # The MAAS site (a gateway site name) baremetal allocations are deployed at.
     maas_site: str = "default"
+    # The gateway's site profile (GPUAAS_SITE_PROFILES) baremetal hosts are deployed with.
     baremetal_profile: str = "h200-baremetal"
     # Shared with the MAAS gateway, which puts HMAC(secret, allocation:system) into user_data.
     enrolment_secret: SecretStr = SecretStr("dev-enrolment-secret")

@@ -8,18 +8,23 @@ from gpuaas_common.settings import ServiceSettings
 class ImagePipelineSettings(ServiceSettings):
     # JSON list of catalog rows to make sure exist (slug, kind, sku, digest_sha256, image_path, source_uri).
     image_seed_file: str | None = None
-    # Admin HTTP API (bearer token); port 0 picks a free one. No token configured = the API refuses everything.
+    # Admin HTTP API address; 0.0.0.0 in a container so a published port reaches it.
     admin_host: str = "127.0.0.1"
+    # 0 picks a free port (written into the ready file).
     admin_port: int = Field(default=0, ge=0, le=65535)
+    # Bearer token of the admin API; without one the API does not listen.
     admin_token: SecretStr | None = None
-    # Registry as recorded in the catalog (what nodes pull from) and, optionally, a separate endpoint used
-    # only for the upload, so multi-GB pushes stay off public ingress.
+    # Registry (host:port) as recorded in the catalog: what nodes pull from.
     registry_host: str | None = None
+    # Optionally a separate endpoint used only for the upload, so multi-GB pushes stay off public ingress.
     registry_push_host: str | None = None
+    # Repository path under the registry that image artifacts are pushed to.
     registry_namespace: str = "slice-guest-images"
     # Default tag: UTC build time.
     registry_tag: str | None = None
+    # How the registry is spoken to: HTTPS with a verified certificate, HTTPS unverified, or plain HTTP.
     registry_tls_mode: Literal["verify", "insecure", "plain-http"] = "verify"
+    # Size of each chunk of a blob upload.
     registry_chunk_mib: int = Field(default=64, ge=1, le=4096)
     # Where builds keep their work files (qcow2 copy, raw, packed artifact).
     image_build_dir: str = "/var/lib/gpuaas/image-builds"
@@ -27,6 +32,7 @@ class ImagePipelineSettings(ServiceSettings):
     image_cache_dir: str = "/var/lib/gpuaas/images"
     # Customisation plug-in: stamp (local, edits the image with qemu-io), virt-customize, none.
     image_customise: Literal["stamp", "virt-customize", "none"] = "stamp"
+    # Comma-separated packages every build installs when the request names none (virt-customize only).
     image_install_packages: str = ""
     # MAAS host images (rootfs tgz) are written here and uploaded by the MAAS gateway, which reads the file
     # by its path: the gateway must see this directory at the same path (same host or a shared volume).

@@ -1,6 +1,6 @@
 from pydantic import BaseModel, Field, SecretStr
 
-from gpuaas_common.settings import ServiceSettings
+from gpuaas_common.settings import EnvList, ServiceSettings
 
 
 class SiteProfile(BaseModel):
@@ -25,28 +25,36 @@ class MaasSite(BaseModel):
 class GatewaySettings(ServiceSettings):
     # The single-site settings: used as the site named `maas_default_site` unless `maas_sites` names it.
     maas_url: str = "http://127.0.0.1:5240/MAAS/"
+    # That site's API key, `consumer:token:secret`; empty: no single site.
     maas_api_key: SecretStr = SecretStr("")
+    # The name the single site goes by (what the allocator's GPUAAS_MAAS_SITE names).
     maas_default_site: str = "default"
     # Every other site: {"site": {"url": …, "api_key": "consumer:token:secret"}} (JSON in GPUAAS_MAAS_SITES).
     maas_sites: dict[str, MaasSite] = {}
+    # Timeout of one MAAS API call.
     maas_timeout_s: float = Field(default=10.0, gt=0)
     # How often an unknown or accepted operation is observed; real MAAS clients use 5-10 s.
     maas_poll_interval_s: float = Field(default=1.0, gt=0)
     # How long a machine may still look untouched before an unknown submit counts as not accepted.
     maas_grace_s: float = Field(default=5.0, ge=0)
+    # How long one MAAS operation (deploy, release, commission, upload) may take before it fails.
     maas_deadline_s: float = Field(default=1800.0, gt=0)
+    # MAAS calls in flight per site, unless the site sets its own max_concurrency.
     maas_max_concurrency: int = Field(default=8, ge=1)
     # Retry-After is honoured up to this many seconds, so one odd header cannot park work for hours.
     maas_retry_after_cap_s: float = Field(default=120.0, ge=0)
-    # Consecutive connection failures that open a site's circuit breaker, and how long it stays open.
+    # Consecutive connection failures that open a site's circuit breaker.
     maas_breaker_failures: int = Field(default=3, ge=1)
+    # How long an open breaker stays open before one call may try again.
     maas_breaker_cooldown_s: float = Field(default=10.0, gt=0)
     # python-libmaas uploads boot resources in 4 MiB chunks; so do we.
     maas_upload_chunk_bytes: int = Field(default=4 << 20, ge=1)
-    maas_uploaded_images: tuple[str, ...] = ()
+    # Custom images known to be uploaded to every site already (besides those the catalog records).
+    maas_uploaded_images: EnvList[str] = ()
     # Series a profile may name without an upload (also as ubuntu/<series>); any other bare name
     # must be an uploaded image, at the site or in maas_uploaded_images.
-    maas_stock_series: tuple[str, ...] = ("focal", "jammy", "noble")
+    maas_stock_series: EnvList[str] = ("focal", "jammy", "noble")
+    # Shared with the allocator: the HMAC key of the enrolment token put into a baremetal host's user_data.
     enrolment_secret: SecretStr = SecretStr("dev-enrolment-secret")
     # Bus identities for baremetal hosts: a file holding the scoped host-signing key and the system
     # account user that pushes revocations (written by `gpuaas dev up` or the deployment's init step).
@@ -57,6 +65,7 @@ class GatewaySettings(ServiceSettings):
     # The commissioning script whose GPUAAS_SLICE_* output every commission's result is judged by
     # (runbook: scripts/maas/commissioning/50-gpuaas-slice-firmware-preflight.sh).
     maas_slice_preflight_script: str = "50-gpuaas-slice-firmware-preflight"
+    # Deploy profiles by name (the allocator's GPUAAS_BAREMETAL_PROFILE picks one), JSON.
     site_profiles: dict[str, SiteProfile] = {"h200-baremetal": SiteProfile()}
 
     def sites(self) -> dict[str, MaasSite]:

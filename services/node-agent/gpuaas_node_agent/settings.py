@@ -4,20 +4,28 @@ from gpuaas_common.settings import ServiceSettings
 
 
 class AgentSettings(ServiceSettings):
+    # The id of the host this agent runs on (its inventory node id); the agent refuses to start without it.
     node_id: str | None = None
     # Root of the host's filesystem as the agent sees it: "/" on a real host, a fixture tree in tests.
     host_root: str = "/"
+    # The host's libvirt; the simulated fleet uses libvirt's test driver (test:///default).
     libvirt_uri: str = "qemu:///system"
+    # The agent's task records (SQLite), which survive restarts.
     state_dir: str = "/var/lib/gpuaas/agent"
+    # The guests' SSH port, probed before a slice is reported ready.
     ssh_port: int = Field(default=22, ge=1, le=65535)
+    # How long a new slice VM has to take a DHCP lease and answer on SSH.
     readiness_timeout_s: float = Field(default=120.0, gt=0)
+    # How long a released VM may take to shut down before it is destroyed.
     shutdown_timeout_s: float = Field(default=30.0, gt=0)
+    # Prewarmed slice images (`<dir>/<slug>.raw`).
     image_cache_dir: str = "/var/lib/gpuaas/images"
+    # dnsmasq's --dhcp-hostsdir: one reservation file per slice VM.
     dnsmasq_hostsdir: str = "/etc/gpuaas/dnsmasq-hosts"
+    # dnsmasq's lease file, read to learn a guest's address.
     dnsmasq_lease_file: str = "/var/lib/misc/dnsmasq.leases"
+    # cloud-init NoCloud seed ISOs of the slice VMs.
     seed_dir: str = "/var/lib/gpuaas/seeds"
-    # The GPU bridge's address the parity run expects (runbook: ovsbr0 10.100.0.1/24, dnsmasq and NAT on its /24).
-    gpu_bridge_cidr: str = "10.100.0.1/24"
     # The GPU bridge's address the parity run expects (runbook: ovsbr0 10.100.0.1/24, dnsmasq and NAT on its /24).
     gpu_bridge_cidr: str = "10.100.0.1/24"
     # How long JetStream waits for a task's ack or progress ack before redelivering it. A slice provision takes

@@ -13,7 +13,9 @@ class SchedulerSettings(ServiceSettings):
     tenant_gpu_quota: int | None = Field(default=None, ge=0)
     # Candidate nodes read per index page while ranking; larger pages cost more on every placement.
     candidate_page: int = Field(default=16, ge=1, le=1000)
-    # Admin HTTP API; port 0 picks a free one (written into the ready file). Disabled without a token.
+    # Admin HTTP API address; 0.0.0.0 in a container so a published port reaches it.
     admin_host: str = "127.0.0.1"
+    # 0 picks a free port (written into the ready file).
     admin_port: int = Field(default=0, ge=0, le=65535)
+    # Bearer token of the admin API; without one the API does not listen.
     admin_token: SecretStr | None = None

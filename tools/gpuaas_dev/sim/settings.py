@@ -6,6 +6,7 @@ from gpuaas_node_agent.settings import AgentSettings
 class SimFleetSettings(AgentSettings):
     """The agent's settings, applied to every host of the fleet, plus what only a simulation has."""
 
+    # The fleet to simulate (`gpuaas dev fleet` writes one): every host of it runs in this process.
     fleet_file: str
     # Each host connects with `<dir>/node-<node_id>.creds`, its own NATS user; without it, as GPUAAS_NATS_CREDS
     # (an open dev server).
@@ -14,6 +15,7 @@ class SimFleetSettings(AgentSettings):
     sim_image_dir: str | None = None
     # Where simulated baremetal hosts learn that MAAS deployed them; without it they never boot.
     maas_sim_url: str | None = None
+    # Size of each simulated NVMe disk's backing file.
     sim_disk_size_mib: int = Field(default=64, ge=1)
     # For control-plane benchmarks: hosts answer tasks at once (see instant.py).
     sim_instant_hosts: bool = False
