@@ -213,6 +213,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
                 "complete": True,
             }
         ],
+        "hugepages_1g_total": 512,
+        "hugepages_1g_free": 448,
     },
     "node.parity_reported": {
         "node_id": "slice-01",

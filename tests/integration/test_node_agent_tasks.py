@@ -512,6 +512,23 @@ async def test_discover_task_publishes_topology_and_parity(env: Env) -> None:
     assert parity["payload"]["failures"] == 0
     node_agent = next(c for c in parity["payload"]["checks"] if c["check"] == "node_agent")
     assert node_agent["detail"] == "reporting"
+    # The host's 1 GiB hugepages are capability evidence in the same report (the fixture's 512 staged pages).
+    assert (topo["payload"]["hugepages_1g_total"], topo["payload"]["hugepages_1g_free"]) == (512, 512)
+
+
+@pytest.mark.parametrize(
+    ("host", "reported"),
+    [
+        ({"hugepages_1g_total": 512, "hugepages_1g_free": 448}, (512, 448)),
+        ({"hugepages_1g_total": 0}, (0, 0)),
+        ({"hugepages_1g_total": None}, (0, 0)),
+    ],
+)
+async def test_published_topology_carries_the_hosts_hugepages(tmp_path: Path, publish, spy, host, reported) -> None:
+    async for e in _make_env(tmp_path, publish, spy, **host):
+        topology, _ = await e.agent.report_host_state(task_id=f"hp-{uuid.uuid4().hex[:8]}")
+        published = await e.spy.wait_type("node.topology_reported", task_id=topology.task_id)
+        assert (published["payload"]["hugepages_1g_total"], published["payload"]["hugepages_1g_free"]) == reported
 
 
 async def test_reconciler_sweeps_orphaned_reservations_and_reports_drift(env: Env) -> None:

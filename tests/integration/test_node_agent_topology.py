@@ -333,6 +333,31 @@ def test_cli_parity_prints_one_line_per_check_and_a_summary(tmp_path: Path) -> N
     assert res.stdout.splitlines()[-1].endswith("failures=1 warnings=1")
 
 
+@pytest.mark.parametrize(
+    ("host", "reported"),
+    [
+        ({}, (512, 512)),
+        ({"hugepages_1g_total": 512, "hugepages_1g_free": 384}, (512, 384)),
+        # A host that staged no pages, and a kernel with no 1 GiB pool at all: both have none.
+        ({"hugepages_1g_total": 0}, (0, 0)),
+        ({"hugepages_1g_total": None}, (0, 0)),
+    ],
+)
+async def test_topology_reports_1g_hugepages_from_sysfs(tmp_path: Path, host: dict, reported: tuple) -> None:
+    root = build_host_root(tmp_path / "host", xe9680l("hp-01", disk_file_bytes=1 << 20, **host))
+    pool = root / "sys/kernel/mm/hugepages/hugepages-1048576kB"
+    assert pool.is_dir() == (host.get("hugepages_1g_total", 512) is not None)
+    report = await discover(Host.at(root), "hp-01")
+    assert (report.hugepages_1g_total, report.hugepages_1g_free) == reported
+
+
+async def test_unreadable_hugepage_counts_are_reported_unknown(tmp_path: Path) -> None:
+    root = build_host_root(tmp_path / "host", xe9680l("hp-02", disk_file_bytes=1 << 20))
+    (root / "sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages").write_text("garbage\n")
+    report = await discover(Host.at(root), "hp-02")
+    assert (report.hugepages_1g_total, report.hugepages_1g_free) == (None, 512)
+
+
 def test_cli_discover_json_is_the_topology_report(tmp_path: Path) -> None:
     root = build_host_root(tmp_path / "host", xe9680l("cli-01", disk_file_bytes=1 << 20))
     res = _cli("discover", "--root", str(root), "--json")

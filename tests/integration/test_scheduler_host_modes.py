@@ -261,7 +261,14 @@ def topology(at):
                 complete=True,
             )
         )
-    return m.NodeTopologyReported(node_id=HOST, discovered_at=at, nvme=nvme, candidate_slots=cands)
+    return m.NodeTopologyReported(
+        node_id=HOST,
+        discovered_at=at,
+        nvme=nvme,
+        candidate_slots=cands,
+        hugepages_1g_total=512,
+        hugepages_1g_free=512,
+    )
 
 
 def parity(at, failures=0):
@@ -291,6 +298,8 @@ async def test_a_host_back_from_baremetal_is_converting_with_evidence_unknown(po
     row = await node_row(pool)
     assert row["parity_failures"] is None and row["parity_checked_at"] is None
     assert row["topology_reported_at"] is None and reset_at is not None
+    # Hugepage capacity is topology evidence too: the redeployed host may have booted without them.
+    assert row["hugepages_1g_total"] is None and row["hugepages_1g_free"] is None
     last = (await history(pool))[-1]
     assert (last["from_mode"], last["to_mode"], last["actor"], last["allocation_id"]) == (
         "baremetal",

@@ -12,7 +12,7 @@ from gpuaas_scheduler.adapters import admin_slots, synthetic
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.domain.placement import rank_classes, rank_nodes
 from gpuaas_scheduler.domain.slots import InvalidSlotTransition
-from gpuaas_scheduler.service_layer.evidence import record_slice_preflight
+from gpuaas_scheduler.service_layer.evidence import record_slice_preflight, record_topology
 from gpuaas_scheduler.service_layer.handlers import EndedOutOfOrder, fail_allocation, release_allocation
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place
 
@@ -70,6 +70,17 @@ def preflight_report(node_id, status, *, system_id="sys-h1", op="pf-1", reasons=
         status=status,
         reasons=list(reasons),
         reported_at=datetime.now(UTC),
+    )
+
+
+def topology_report(node_id, *, hugepages, free=None):
+    from datetime import UTC, datetime
+
+    return m.NodeTopologyReported(
+        node_id=node_id,
+        discovered_at=datetime.now(UTC),
+        hugepages_1g_total=hugepages,
+        hugepages_1g_free=hugepages if free is None else free,
     )
 
 
@@ -147,6 +158,11 @@ async def test_approval_enforces_every_rule_through_the_api(api, pool):
     assert u is not None and u.filtered.get("preflight_missing") == 1, u
     async with pool.acquire() as conn:
         await record_slice_preflight(conn, preflight_report("h1", "passed"))
+    # ... and, for the default tuned profile, the 1 GiB hugepages its agent reports (none reported yet).
+    u = (await run_place(pool, accepted())).unschedulable
+    assert u is not None and u.filtered.get("hugepages_missing") == 1, u
+    async with pool.acquire() as conn:
+        await record_topology(conn, topology_report("h1", hugepages=64))
     placed = (await run_place(pool, accepted())).placed
     assert placed and [s.slot_id for s in placed.slots] == ["h1-c0"]
 

@@ -425,6 +425,15 @@ class NodeTopologyReported(Payload):
     nvme: list[NvmeDevice] = Field(default_factory=list)
     candidate_slots: list[CandidateSlot] = Field(default_factory=list)
     blockers: list[str] = Field(default_factory=list)
+    # Host capability evidence for runtime profiles that opt into hugepages (gpuaas_common.profiles); the
+    # scheduler places those only where enough pages are configured. None: not reported (an older agent)
+    # or unreadable, which placement treats as no pages.
+    hugepages_1g_total: int | None = Field(
+        default=None, ge=0, description="1 GiB hugepages configured on the host (sysfs nr_hugepages); 0: none"
+    )
+    hugepages_1g_free: int | None = Field(
+        default=None, ge=0, description="1 GiB hugepages free when discovered (sysfs free_hugepages)"
+    )
 
 
 class ParityCheck(Payload):

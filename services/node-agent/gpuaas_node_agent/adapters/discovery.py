@@ -309,6 +309,26 @@ async def interface_addresses(host: Host) -> dict[str, list[str]]:
         return {}
 
 
+# --- hugepages -----------------------------------------------------------------------------------------
+
+HUGEPAGES_1G_DIR = "/sys/kernel/mm/hugepages/hugepages-1048576kB"
+HUGEPAGES_1G_TOTAL = f"{HUGEPAGES_1G_DIR}/nr_hugepages"
+HUGEPAGES_1G_FREE = f"{HUGEPAGES_1G_DIR}/free_hugepages"
+
+
+def hugepages_1g(fs: HostFs) -> tuple[int | None, int | None]:
+    """(total, free) 1 GiB hugepages. A kernel without a 1 GiB pool has no directory for it: (0, 0), the
+    host has none. A file that is there but unreadable gives None: unknown, which placement treats as none."""
+    if not fs.exists(HUGEPAGES_1G_DIR):
+        return 0, 0
+
+    def count(path: str) -> int | None:
+        value = _int(fs.read(path))
+        return value if value is not None and value >= 0 else None
+
+    return count(HUGEPAGES_1G_TOTAL), count(HUGEPAGES_1G_FREE)
+
+
 # --- the whole report ---------------------------------------------------------------------------------
 
 
@@ -359,6 +379,7 @@ async def discover(
     for g in gpu_list:
         if g.iommu_group is None:
             blockers.append(f"GPU {g.pci_address} is in no IOMMU group")
+    hugepages_total, hugepages_free = hugepages_1g(host.fs)
     report = m.NodeTopologyReported(
         node_id=node_id,
         task_id=task_id,
@@ -368,6 +389,8 @@ async def discover(
         nvme=disks,
         candidate_slots=slots,
         blockers=blockers,
+        hugepages_1g_total=hugepages_total,
+        hugepages_1g_free=hugepages_free,
     )
     log.info(
         "topology_discovered",
@@ -378,5 +401,7 @@ async def discover(
         nvme=len(disks),
         candidates=sum(s.complete for s in slots),
         blockers=len(blockers),
+        hugepages_1g_total=hugepages_total,
+        hugepages_1g_free=hugepages_free,
     )
     return report

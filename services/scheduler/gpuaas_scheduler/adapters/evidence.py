@@ -44,15 +44,27 @@ async def update_parity(
     )
 
 
-async def update_topology(conn: asyncpg.Connection, node_id: str, discovered_at: datetime, blockers: list[Any]) -> bool:
+async def update_topology(
+    conn: asyncpg.Connection,
+    node_id: str,
+    discovered_at: datetime,
+    blockers: list[Any],
+    hugepages_1g_total: int | None = None,
+    hugepages_1g_free: int | None = None,
+) -> bool:
+    """The hugepage counts replace the stored ones even when None: a report without them leaves the host's
+    capacity unknown, not as an older report said."""
     return (
         await conn.fetchrow(
-            "UPDATE nodes SET topology_reported_at = $2, topology_blockers = $3::jsonb, updated_at = now() "
+            "UPDATE nodes SET topology_reported_at = $2, topology_blockers = $3::jsonb, hugepages_1g_total = $4, "
+            "hugepages_1g_free = $5, updated_at = now() "
             "WHERE node_id = $1 AND (topology_reported_at IS NULL OR topology_reported_at <= $2) "
             "AND (evidence_reset_at IS NULL OR evidence_reset_at < $2) RETURNING node_id",
             node_id,
             discovered_at,
             json.dumps(blockers),
+            hugepages_1g_total,
+            hugepages_1g_free,
         )
         is not None
     )

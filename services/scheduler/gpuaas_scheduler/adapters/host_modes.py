@@ -83,11 +83,12 @@ async def save(conn: asyncpg.Connection, host: Host) -> list[ModeChange]:
 
 
 async def reset_evidence(conn: asyncpg.Connection, node_id: str, at: datetime) -> None:
-    """Parity and topology back to unknown. Candidates go too, approved ones included: they carry the
-    disk evidence of the host as it was, and rediscovery must be free to replace them."""
+    """Parity and topology (hugepage capacity included) back to unknown. Candidates go too, approved ones
+    included: they carry the disk evidence of the host as it was, and rediscovery must be free to replace them."""
     await conn.execute(
         "UPDATE nodes SET parity_failures = NULL, parity_detail = NULL, parity_checked_at = NULL, "
-        "parity_reported_at = NULL, topology_reported_at = NULL, topology_blockers = NULL, evidence_reset_at = $2 "
+        "parity_reported_at = NULL, topology_reported_at = NULL, topology_blockers = NULL, hugepages_1g_total = NULL, "
+        "hugepages_1g_free = NULL, evidence_reset_at = $2 "
         "WHERE node_id = $1",
         node_id,
         at,

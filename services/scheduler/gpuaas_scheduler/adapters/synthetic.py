@@ -7,6 +7,8 @@ import hashlib
 
 import asyncpg
 
+from gpuaas_common.profiles import hugepages_1g_needed
+
 from .inventory import TAG_BAREMETAL, TAG_SLICE, refresh_nodes
 
 # Synthetic fleets stand in for hosts whose discovery and approval already happened: their disks are
@@ -14,6 +16,7 @@ from .inventory import TAG_BAREMETAL, TAG_SLICE, refresh_nodes
 SIMULATED_CLEAN_DISK = {"mounted": False, "mounted_children": [], "signatures": [], "is_os_disk": False}
 
 _BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
+PROFILE = "h200_1g_24c_64g"
 
 
 def slot_row(node_id: str, n: int, s: int) -> dict:
@@ -30,7 +33,7 @@ def slot_row(node_id: str, n: int, s: int) -> dict:
         "mac": "52:54:%02x:%02x:%02x:%02x" % (n >> 16 & 0xFF, n >> 8 & 0xFF, n & 0xFF, s),
         "private_ip": f"10.{100 + (n >> 8)}.{n & 0xFF}.{10 + s}",
         "ovs_bridge": "ovsbr0",
-        "profile": "h200_1g_24c_64g",
+        "profile": PROFILE,
         "status": "available",
         "nvme_evidence": SIMULATED_CLEAN_DISK,
     }
@@ -48,11 +51,13 @@ async def build(
     baremetal_sku: str = "h200-sxm",
     prefix: str = "n",
 ) -> list[str]:
-    """Slice hosts `<prefix>00001…` (parity-clean, commissioning preflight passed, every slot approved)
-    and baremetal hosts `bm…`. With `convertible`, slice hosts also carry the baremetal tag."""
+    """Slice hosts `<prefix>00001…` (parity-clean, commissioning preflight passed, 1 GiB hugepages for every
+    slot's profile reported, every slot approved) and baremetal hosts `bm…`. With `convertible`, slice hosts
+    also carry the baremetal tag."""
     import json
 
     tags = [TAG_SLICE, TAG_BAREMETAL] if convertible else [TAG_SLICE]
+    hugepages = hugepages_1g_needed(PROFILE, slots_per_host)
     nodes = [
         (
             f"{prefix}{i:05d}",
@@ -67,6 +72,8 @@ async def build(
             "slice",
             0,
             "passed",
+            hugepages,
+            hugepages,
         )
         for i in range(1, slice_hosts + 1)
     ] + [
@@ -81,6 +88,8 @@ async def build(
             "baremetal",
             [TAG_BAREMETAL],
             "baremetal",
+            None,
+            None,
             None,
             None,
         )
@@ -102,6 +111,8 @@ async def build(
             "mode",
             "parity_failures",
             "preflight_status",
+            "hugepages_1g_total",
+            "hugepages_1g_free",
         ],
     )
     cols = [

@@ -104,6 +104,12 @@ class NodeFacts:
     approved_slots: int = 0
     # The last commissioning preflight's verdict (passed / failed / missing); None: never reported.
     preflight_status: str | None = None
+    # 1 GiB hugepages: configured on the host as its agent reported (None: never reported), held by its
+    # live slot claims, and needed per GPU by its slots' runtime profile (0: the profile does not opt in;
+    # see gpuaas_common.profiles).
+    hugepages_1g_total: int | None = None
+    hugepages_1g_held: int = 0
+    hugepages_1g_per_gpu: int = 0
     # Open drift the node agent reported on the node as a whole, and the slots free but for open drift on them.
     drift_open: bool = False
     drifted_free_slots: int = 0
@@ -231,6 +237,24 @@ def best_tier(node: NodeCandidate, gpus: int) -> int | None:
     return TIER_SPAN if sum(node.numa_free[:span]) >= gpus else None
 
 
+def hugepages_needed(node: NodeFacts, req: Request) -> int:
+    return node.hugepages_1g_per_gpu * req.gpus
+
+
+def hugepages_missing(node: NodeFacts, req: Request) -> bool:
+    """The host cannot back the request's hugepages even with nothing running: none reported, none
+    configured, or fewer than the request needs (runbook: hugepages are a host capability reported before
+    a profile that requires them is scheduled)."""
+    need = hugepages_needed(node, req)
+    return need > 0 and (node.hugepages_1g_total or 0) < need
+
+
+def hugepages_insufficient(node: NodeFacts, req: Request) -> bool:
+    """The host could back them, but the slices it already runs hold the pages."""
+    need = hugepages_needed(node, req)
+    return need > 0 and (node.hugepages_1g_total or 0) - node.hugepages_1g_held < need
+
+
 # A slice-capable host handed out whole is a host of the baremetal offer: one machine, two offers (slice
 # SKU -> whole-host SKU). Its mode, not its SKU, decides which one it serves at a time (domain/host_mode.py).
 WHOLE_HOST_SKU: dict[str, str] = {"h200-sxm-slice": "h200-sxm"}
@@ -277,12 +301,16 @@ def node_filter(node: NodeFacts, req: Request) -> str | None:
         return "drift_reported"
     if not node.image_ready:
         return "image_cache"
+    if hugepages_missing(node, req):
+        return "hugepages_missing"
     if node.exclusive_held:
         return "in_use"
     if node.candidate.free_slots < req.gpus:
         # Enough slots but for those with open drift: the answer ops can act on.
         drift_only = node.candidate.free_slots + node.drifted_free_slots >= req.gpus
         return "drift_reported" if drift_only else "free_slot_count"
+    if hugepages_insufficient(node, req):
+        return "hugepages_insufficient"
     if best_tier(node.candidate, req.gpus) is None:
         return "topology"
     return None
@@ -304,6 +332,7 @@ NODE_LEVEL = {
     "parity",
     "drift_reported",
     "image_cache",
+    "hugepages_missing",
     "in_use",
 }
 
@@ -376,6 +405,8 @@ _FILTER_TEXT = {
     "parity": "without parity failures=0",
     "drift_reported": "with open drift reported by the node agent",
     "image_cache": "without the image verified in cache",
+    "hugepages_missing": "without the 1 GiB hugepages their slot profile needs",
+    "hugepages_insufficient": "whose free 1 GiB hugepages are held by running slices",
     "in_use": "held by another allocation",
     "free_slot_count": "with too few free slots",
     "topology": "without a topology-safe group",
@@ -408,6 +439,11 @@ def unschedulable_summary(
         return "no_capacity", f"no GPU is free on the eligible hosts; {requested} requested{suffix}"
     if free_gpus < requested:
         return "insufficient_capacity", f"{free_gpus} GPUs free, {requested} requested{suffix}"
+    if filtered.get("hugepages_insufficient"):
+        return "hugepages_insufficient", (
+            f"{free_gpus} GPUs free but the hosts that fit {requested} lack the free 1 GiB hugepages their slot "
+            f"profile needs{suffix}"
+        )
     if filtered.get("topology"):
         return "topology", f"{free_gpus} GPUs free but no node has {requested} topology-safe slots{suffix}"
     if filtered.get("clean_node_reserve"):

@@ -170,7 +170,7 @@ async def _place_slices(
 
     async def _attempt(node_id: str, wait: bool) -> bool:
         out.attempts += 1
-        node = await inv.lock_slice_node(conn, node_id, wait=wait, image_gate=req.image_gate)
+        node = await inv.lock_slice_node(conn, node_id, wait=wait, gpus=req.gpus, image_gate=req.image_gate)
         if node is inv.LOCKED:
             out.skipped_locked += 1
             locked.append(node_id)

@@ -93,7 +93,9 @@ class HostDescription(BaseModel):
     h200_ib_done: bool = True
     tmfifo_address: str | None = "192.168.100.1/30"
     reboot_required: bool = False
-    hugepages_1g_total: int = 512
+    # 1 GiB hugepages staged for the tuned runtime profile (the prototype's 512 = 64 per GPU). 0: a host
+    # without hugepages; None: a kernel with no 1 GiB pool at all (its sysfs directory is absent).
+    hugepages_1g_total: int | None = 512
     hugepages_1g_free: int = 512
     disk_file_bytes: int = 64 * MIB
 

@@ -34,8 +34,11 @@ def write_kernel(fs: _Sysfs, desc: HostDescription, mounts: list[str]) -> None:
         _write(sysroot / "module" / module / "refcnt", "0\n")
 
     hp = sysroot / "kernel/mm/hugepages/hugepages-1048576kB"
-    _write(hp / "nr_hugepages", f"{desc.hugepages_1g_total}\n")
-    _write(hp / "free_hugepages", f"{desc.hugepages_1g_free}\n")
+    if desc.hugepages_1g_total is None:
+        shutil.rmtree(hp, ignore_errors=True)
+    else:
+        _write(hp / "nr_hugepages", f"{desc.hugepages_1g_total}\n")
+        _write(hp / "free_hugepages", f"{min(desc.hugepages_1g_free, desc.hugepages_1g_total)}\n")
     _write(sysroot / "kernel/mm/hugepages/hugepages-2048kB/free_hugepages", "0\n")
 
     proc = root / "proc"

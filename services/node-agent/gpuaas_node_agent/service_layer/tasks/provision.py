@@ -11,14 +11,15 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.digests import sha256_file
 
 from ...adapters import disk, dnsmasq, driverctl, readiness, seed_iso
+from ...adapters.discovery import HUGEPAGES_1G_FREE, hugepages_1g
 from ...adapters.parity import ParityChecker
 from ...domain.device_binding import wrong_bindings
 from ...domain.domain_xml import render_domain_xml
-from ...domain.profiles import vm_resources
+from ...domain.profiles import hugepages_1g_needed, vm_resources
 from ...domain.vm_spec import SliceVmSpec
 from .core import AgentCore, Refused, TaskFailed
 
-HUGEPAGES_1G_FREE = "/sys/kernel/mm/hugepages/hugepages-1048576kB/free_hugepages"
+__all__ = ["HUGEPAGES_1G_FREE", "ProvisionTask"]
 
 
 class ProvisionTask(AgentCore):
@@ -69,13 +70,13 @@ class ProvisionTask(AgentCore):
             if result.status != "PASS":
                 raise Refused("host_gpu_services_active", f"{result.check}: {result.detail}")
         try:
-            _, memory_mib, hugepages = vm_resources(task.slots[0].profile, len(task.slots))
+            need = hugepages_1g_needed(task.slots[0].profile, len(task.slots))
         except ValueError as exc:
             raise Refused("unknown_profile", str(exc)) from exc
-        if hugepages:
-            need = -(-memory_mib // 1024)
-            free = fs.read(HUGEPAGES_1G_FREE)
-            if free is None or not free.isdigit() or int(free) < need:
+        if need:
+            # The scheduler placed this on reported capacity; the pages free now are what counts.
+            _, free = hugepages_1g(fs)
+            if free is None or free < need:
                 raise Refused(
                     "hugepages_insufficient", f"profile needs {need} free 1 GiB hugepages, host has {free or 0}"
                 )

@@ -17,6 +17,10 @@ from .predicates import (
     UNCLAIMED_SLOT_SQL,
     candidate_from_row,
     gate_params,
+    hugepage_table,
+    hugepages_held_sql,
+    hugepages_ok_sql,
+    hugepages_per_gpu_sql,
     image_ready_sql,
 )
 
@@ -32,7 +36,7 @@ async def slice_candidates(
             rows = await conn.fetch(
                 f"SELECT {NODE_SUMMARY_COLUMNS} FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} "
                 f"AND n.free_slots > 0 AND n.sliced = $4 AND n.free_slots >= $3 AND {tier_sql} "
-                f"AND {image_ready_sql(8, 9)} "
+                f"AND {image_ready_sql(8, 9)} AND {hugepages_ok_sql(3, 10)} "
                 "AND (n.free_slots, n.node_id) > ($5, $6) ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT $7",
                 req.region,
                 req.sku,
@@ -42,6 +46,7 @@ async def slice_candidates(
                 after[1],
                 page,
                 *gate_params(req),
+                hugepage_table(),
             )
             for r in rows:
                 yield candidate_from_row(r)
@@ -93,6 +98,7 @@ async def baremetal_candidates(conn: asyncpg.Connection, req: Request) -> list[s
 async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | None = None) -> list[NodeFacts]:
     rows = await conn.fetch(
         f"SELECT n.*, {image_ready_sql(1, 2)} AS image_ready, "
+        f"{hugepages_held_sql(3)} AS hugepages_1g_held, {hugepages_per_gpu_sql(3)} AS hugepages_1g_per_gpu, "
         " (SELECT count(*) FROM allocation_resource_claims c WHERE c.node_id = n.node_id AND c.status <> 'released')"
         "   AS live_claims, "
         " EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
@@ -103,6 +109,7 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
         f"   AND {SLOT_DRIFT_SQL}) AS drifted_free_slots "
         "FROM nodes n ORDER BY n.node_id",
         *gate_params(image_gate),
+        hugepage_table(),
     )
     return [
         NodeFacts(
@@ -130,6 +137,9 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
             r["image_ready"],
             r["approved_slots"],
             r["preflight_status"],
+            r["hugepages_1g_total"],
+            r["hugepages_1g_held"],
+            r["hugepages_1g_per_gpu"],
             drift_open=r["drift_open"],
             drifted_free_slots=r["drifted_free_slots"],
         )

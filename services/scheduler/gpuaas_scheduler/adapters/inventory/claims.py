@@ -17,6 +17,8 @@ from .predicates import (
     SLOT_COLUMNS,
     TIER_SQL,
     gate_params,
+    hugepage_table,
+    hugepages_ok_sql,
     image_ready_sql,
     slot_view,
 )
@@ -25,18 +27,21 @@ LOCKED = object()
 
 
 async def lock_slice_node(
-    conn: asyncpg.Connection, node_id: str, *, wait: bool, image_gate: tuple[str, str] | None = None
+    conn: asyncpg.Connection, node_id: str, *, wait: bool, gpus: int, image_gate: tuple[str, str] | None = None
 ) -> Any:
-    """The node row under FOR UPDATE if it may still take slices (and, under an image gate, holds the
-    image verified); LOCKED when another worker holds it."""
+    """The node row under FOR UPDATE if it may still take `gpus` slices (hugepages included, and, under an
+    image gate, holds the image verified); LOCKED when another worker holds it."""
     skip = "" if wait else " SKIP LOCKED"
     row = await conn.fetchrow(
-        f"SELECT n.node_id, n.total_slots, n.numa_capacity, {SLICE_NODE_SQL} AND {image_ready_sql(2, 3)} AS ok, "
+        f"SELECT n.node_id, n.total_slots, n.numa_capacity, {SLICE_NODE_SQL} AND {image_ready_sql(2, 3)} "
+        f"AND {hugepages_ok_sql(4, 5)} AS ok, "
         "EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
         "        AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') AS exclusive "
         f"FROM nodes n WHERE n.node_id = $1 FOR UPDATE{skip}",
         node_id,
         *gate_params(image_gate),
+        gpus,
+        hugepage_table(),
     )
     if row is None:
         exists = await conn.fetchval("SELECT 1 FROM nodes WHERE node_id = $1", node_id)
@@ -104,7 +109,7 @@ async def lock_best_in_class(
     rows = await conn.fetch(
         "WITH n AS (SELECT n.node_id, n.total_slots, n.numa_capacity FROM nodes n "
         f"  WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} AND n.free_slots > 0 AND n.sliced = $4 "
-        f"  AND n.free_slots >= $3 AND {tier_sql} AND {image_ready_sql(5, 6)} "
+        f"  AND n.free_slots >= $3 AND {tier_sql} AND {image_ready_sql(5, 6)} AND {hugepages_ok_sql(3, 7)} "
         "  AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
         "                  AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') "
         "  ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT 1 FOR UPDATE OF n SKIP LOCKED), "
@@ -117,6 +122,7 @@ async def lock_best_in_class(
         req.gpus,
         sliced,
         *gate_params(req),
+        hugepage_table(),
     )
     if not rows:
         return None

@@ -1,9 +1,14 @@
 """The SQL fragments inventory queries share (which nodes may take slices or be handed out whole, which
-slots count and which are free, the image readiness gate, the rank tiers) and the row mappers."""
+slots count and which are free, the image readiness gate, the hugepage capacity, the rank tiers) and the
+row mappers."""
 
 from __future__ import annotations
 
+import json
+
 import asyncpg
+
+from gpuaas_common.profiles import hugepage_profiles
 
 from ...domain.placement import TIER_NUMA, TIER_SPAN, TIER_SWITCH, NodeCandidate, Request, SlotView
 from ..slot_sql import ELIGIBLE_SLOT_SQL
@@ -48,6 +53,42 @@ def image_ready_sql(slug: int, digest: int) -> str:
         f"(${slug}::text IS NULL OR EXISTS (SELECT 1 FROM node_image_readiness r WHERE r.node_id = n.node_id "
         f"AND r.slug = ${slug} AND r.status = 'verified' AND r.schedulable AND r.digest_sha256 = ${digest}::text))"
     )
+
+
+def _pages_per_gpu_sql(table: int, slot: str) -> str:
+    return f"COALESCE((${table}::jsonb ->> {slot}.profile)::int, 0)"
+
+
+def hugepages_per_gpu_sql(table: int) -> str:
+    """1 GiB pages per GPU the slots of node `n` need: the most any counted slot's runtime profile asks.
+    `$table` is `hugepage_table()`, the shared profile table as the database reads it."""
+    return (
+        f"(SELECT COALESCE(max({_pages_per_gpu_sql(table, 'hs')}), 0) FROM node_resource_slots hs "
+        f"WHERE hs.node_id = n.node_id AND hs.{COUNTED_SLOT_SQL})"
+    )
+
+
+def hugepages_held_sql(table: int) -> str:
+    """1 GiB pages the live slot claims on node `n` hold: the VMs placed there back their memory with them."""
+    return (
+        f"(SELECT COALESCE(sum({_pages_per_gpu_sql(table, 'hs')}), 0) FROM allocation_resource_claims hc "
+        "JOIN node_resource_slots hs ON hs.slot_id = hc.slot_id "
+        "WHERE hc.node_id = n.node_id AND hc.status <> 'released')"
+    )
+
+
+def hugepages_ok_sql(gpus: int, table: int) -> str:
+    """Node `n` can back `$gpus` GPUs of its slots' profile with 1 GiB hugepages, or the profile needs none:
+    the SQL of the domain's `hugepages_missing` and `hugepages_insufficient` filters together. The host's
+    configured pages are the capacity and the scheduler's own claims the usage, as for GPUs; the free count
+    a report carries is stale once a VM starts, and the agent re-checks the free pages at provision."""
+    per_gpu = hugepages_per_gpu_sql(table)
+    return f"({per_gpu} = 0 OR COALESCE(n.hugepages_1g_total, 0) - {hugepages_held_sql(table)} >= {per_gpu} * ${gpus})"
+
+
+def hugepage_table() -> str:
+    """The parameter the hugepage fragments read: profile -> 1 GiB pages per GPU, as JSON."""
+    return json.dumps(hugepage_profiles(), sort_keys=True)
 
 
 def gate_params(req_or_gate: Request | tuple[str, str] | None) -> tuple[str | None, str | None]:
