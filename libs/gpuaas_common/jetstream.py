@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -203,7 +204,11 @@ async def ensure_consumers(
     outcome: dict[str, str] = {}
     for spec in consumers:
         async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type(nats.js.errors.NotFoundError),
+            # Not provisioned yet, or (in a cluster) the API timed out or had no leader for a moment: both
+            # pass; a replica that gave up here would exit at start.
+            retry=retry_if_exception_type(
+                (nats.js.errors.NotFoundError, nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError)
+            ),
             wait=wait_fixed(0.5),
             stop=stop_after_delay(wait_s),
             reraise=True,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.errors
 import pytest
 
 from gpuaas_common.contract import Envelope, spec_for, utcnow
@@ -571,3 +572,20 @@ async def test_release_wipes_by_the_site_policy_the_slots_carry(env: Env, policy
     # The published result (validated against the contract by the spy) carries the same proof.
     published = await env.spy.wait_type("node.task_result", task_id=released.task_id)
     assert published["payload"]["wipe_proofs"][0]["method"] == policy
+
+
+async def test_a_progress_publish_that_times_out_does_not_fail_the_task(tmp_path: Path, publish, spy) -> None:
+    """While a stream elects a new leader a JetStream publish times out; that timeout once surfaced as the
+    task's `deadline_exceeded` (a cluster run failed a provision 20 minutes before its deadline)."""
+
+    async def flaky(type_: str, payload: Any, **kw: Any) -> Envelope:
+        if type_ == "node.task_progress":
+            raise nats.errors.TimeoutError
+        return await publish(type_, payload, **kw)
+
+    async for e in _make_env(tmp_path, flaky, spy):
+        prov = e.provision(e.slots[:1])
+        result = await e.agent.execute("slice.vm_provision", prov)
+        assert result.status == "succeeded", result
+        released = await e.agent.execute("slice.vm_release", e.release(prov))
+        assert released.status == "succeeded", released

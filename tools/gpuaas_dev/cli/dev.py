@@ -114,14 +114,32 @@ def _supervise(stack, *, announce: bool) -> int:
         err.print("stack stopped")
 
 
-def _stack_args(slice_hosts: int, slots: int, baremetal: int) -> dict[str, int]:
-    return {"slice_hosts": slice_hosts, "slots_per_host": slots, "baremetal_hosts": baremetal}
+def _stack_args(
+    slice_hosts: int, slots: int, baremetal: int, nats_cluster: int = 1, replicas: int = 1
+) -> dict[str, int]:
+    return {
+        "slice_hosts": slice_hosts,
+        "slots_per_host": slots,
+        "baremetal_hosts": baremetal,
+        "nats_cluster": nats_cluster,
+        "replicas": replicas,
+    }
 
 
 SliceHostsOpt = Annotated[int, typer.Option("--slice-hosts", min=0)]
 SlotsOpt = Annotated[int, typer.Option("--slots", min=1, max=8, help="Slots (GPUs) per slice host.")]
 BaremetalOpt = Annotated[int, typer.Option("--baremetal", min=0, help="Baremetal machines in MAAS.")]
 LogLevelOpt = Annotated[str, typer.Option("--log-level")]
+NatsClusterOpt = Annotated[
+    int,
+    typer.Option(
+        "--nats-cluster",
+        help="NATS servers: 1, or 3 (or 5) in one JetStream cluster with every stream replicated 3 times.",
+    ),
+]
+ReplicasOpt = Annotated[
+    int, typer.Option("--replicas", min=1, max=8, help="Processes of each service; they share their durables.")
+]
 UnsafeNoFsyncOpt = Annotated[
     bool,
     typer.Option(
@@ -142,8 +160,12 @@ def dev_up(
     log_level: LogLevelOpt = "INFO",
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for the stack to be ready.")] = 180.0,
     unsafe_no_fsync: UnsafeNoFsyncOpt = False,
+    nats_cluster: NatsClusterOpt = 1,
+    replicas: ReplicasOpt = 1,
 ) -> None:
     """Start NATS, Postgres, the MAAS simulator and the five services; return once all are ready."""
+    if nats_cluster not in (1, 3, 5):
+        raise typer.BadParameter("1, 3 or 5 (a JetStream cluster needs a majority)", param_hint="--nats-cluster")
     from gpuaas_dev.stack import Stack
 
     run_dir = run_dir.resolve()
@@ -156,7 +178,10 @@ def dev_up(
         raise typer.Exit(1)
     if not detach:
         stack = Stack(
-            run_dir, log_level=log_level, unsafe_no_fsync=unsafe_no_fsync, **_stack_args(slice_hosts, slots, baremetal)
+            run_dir,
+            log_level=log_level,
+            unsafe_no_fsync=unsafe_no_fsync,
+            **_stack_args(slice_hosts, slots, baremetal, nats_cluster, replicas),
         )
         raise typer.Exit(_supervise(stack, announce=True))
 
@@ -180,6 +205,10 @@ def dev_up(
         "--log-level",
         log_level,
         *(["--unsafe-no-fsync"] if unsafe_no_fsync else []),
+        "--nats-cluster",
+        str(nats_cluster),
+        "--replicas",
+        str(replicas),
     ]
     with log_path.open("ab") as log:
         child = subprocess.Popen(
@@ -221,6 +250,8 @@ def dev_supervise(
     baremetal: BaremetalOpt = 2,
     log_level: LogLevelOpt = "INFO",
     unsafe_no_fsync: UnsafeNoFsyncOpt = False,
+    nats_cluster: NatsClusterOpt = 1,
+    replicas: ReplicasOpt = 1,
 ) -> None:
     """The detached supervisor behind `dev up --detach`."""
     from gpuaas_dev.stack import Stack
@@ -229,7 +260,7 @@ def dev_supervise(
         run_dir.resolve(),
         log_level=log_level,
         unsafe_no_fsync=unsafe_no_fsync,
-        **_stack_args(slice_hosts, slots, baremetal),
+        **_stack_args(slice_hosts, slots, baremetal, nats_cluster, replicas),
     )
     raise typer.Exit(_supervise(stack, announce=False))
 
@@ -263,7 +294,7 @@ def dev_down(
 
 def _stop_leftovers(info: dict[str, Any]) -> None:
     """Last resort when the supervisor is gone: the service PIDs it recorded, if they are still gpuaas."""
-    pids = [s.get("pid") for s in info.get("services", {}).values()] + [info.get("nats_pid")]
+    pids = [s.get("pid") for s in info.get("services", {}).values()] + list(info.get("nats_pids") or [])
     for pid in pids:
         if pid_is_ours(pid):
             try:

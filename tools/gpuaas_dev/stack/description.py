@@ -47,7 +47,7 @@ def describe_stack(stack: Stack) -> dict[str, Any]:
         "nats_url": stack._nats.url if stack._nats else None,
         "nats_ca_file": str(stack._tls.ca) if stack._tls else None,
         "creds_dir": str(stack.creds_dir) if stack.auth else None,
-        "nats_pid": stack._nats.proc.pid if stack._nats and stack._nats.proc else None,
+        "nats_pids": [srv.proc.pid for srv in stack._nats.servers if srv.proc] if stack._nats else [],
         "database_url": dsn_without_password(stack._dsn) if stack._dsn else None,
         "maas_url": stack.maas_url if stack._procs.get(MAAS_SIM) and stack._procs[MAAS_SIM].port else None,
         "fleet_file": str(stack.run_dir / "fleet" / "fleet.json"),

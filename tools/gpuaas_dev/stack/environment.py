@@ -80,9 +80,11 @@ def maas_sim_proc(stack: Stack, port: int) -> _Proc:
     )
 
 
-def service_proc(stack: Stack, name: str) -> _Proc:
+def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
+    """`process` names a replica (`allocator-2`): its own ready file, log and ports, the service's settings."""
+    process = process or name
     env = base_env(stack.nats_url, stack.log_level) | database_env(name, stack._service_dsns) | _nats_env(stack, name)
-    ready_file = stack.run_dir / "ready" / f"{name}.json"
+    ready_file = stack.run_dir / "ready" / f"{process}.json"
     env["GPUAAS_READY_FILE"] = str(ready_file)
     files = stack._files
     if name == "allocator":
@@ -116,10 +118,10 @@ def service_proc(stack: Stack, name: str) -> _Proc:
     # The node agent's place in the stack is taken by the simulated fleet: every host in one process.
     command = "gpuaas-sim-fleet" if name == "node-agent" else f"gpuaas-{name}"
     return _Proc(
-        name=name,
+        name=process,
         argv=[bin_path(command)],
         env=apply_overrides(stack.env_overrides, name, env),
-        log_path=stack.logs_dir / f"{name}.log",
+        log_path=stack.logs_dir / f"{process}.log",
         ready_file=ready_file,
         ready_path="/readyz",
     )

@@ -37,7 +37,7 @@ def onboard_slice_hosts(authority: Authority, fleet: Fleet, creds_dir: Path, key
     authority.save(keys_dir)
 
 
-def provision_bus(options: dict[str, Any], node_ids: list[str]) -> None:
+def provision_bus(options: dict[str, Any], node_ids: list[str], replicas: int = 1) -> None:
     """Streams and every slice host's durable, as the admin identity (`options`): no service or host may."""
 
     async def provision_all() -> None:
@@ -47,7 +47,7 @@ def provision_bus(options: dict[str, Any], node_ids: list[str]) -> None:
 
         nc = await nats.connect(**options, connect_timeout=5, max_reconnect_attempts=3)
         try:
-            await provision(nc.jetstream(), [node_agent_consumer(n) for n in node_ids])
+            await provision(nc.jetstream(), [node_agent_consumer(n) for n in node_ids], replicas=replicas)
         finally:
             await nc.close()
 

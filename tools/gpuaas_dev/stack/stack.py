@@ -15,7 +15,7 @@ from gpuaas_common.fleet import Fleet
 from gpuaas_common.identity import Authority
 from gpuaas_common.identity.tls import TlsFiles
 from gpuaas_common.pg_roles import SERVICE_ROLES
-from gpuaas_dev.testing.servers import NatsServer, PostgresServer, RegistryServer, free_port
+from gpuaas_dev.testing.servers import NatsCluster, NatsServer, PostgresServer, RegistryServer, free_port
 
 from ..maas_sim.auth import generate_api_key
 from .approval import ApprovalFailed, approve_slice_hosts
@@ -54,6 +54,8 @@ class Stack:
         log_level: str = "INFO",
         auth: bool = True,
         unsafe_no_fsync: bool = False,
+        nats_cluster: int = 1,
+        replicas: int = 1,
     ) -> None:
         """`env_overrides` maps GPUAAS_* names to values for every service; a key that is a process
         name (e.g. "maas-gateway") maps to a dict applied to that process only.
@@ -62,7 +64,18 @@ class Stack:
         `auth=False` is an open bus, only for measuring what the identities cost.
 
         Postgres is durable (fsync, synchronous_commit on); `unsafe_no_fsync=True` is faster and may lose the
-        last commits in a crash: only for tests and benchmarks that ask for it."""
+        last commits in a crash: only for tests and benchmarks that ask for it.
+
+        `nats_cluster=3` runs three nats-servers in one JetStream cluster with every stream at R3 (clients get
+        every seed URL); `replicas=N` runs N processes of each long-running service (allocator, scheduler,
+        image pipeline, MAAS gateway) sharing their durables. The simulated fleet stays one process: hosts are
+        not replicated, each is one agent."""
+        if nats_cluster not in (1, 3, 5):
+            raise ValueError("nats_cluster must be 1, 3 or 5 (a JetStream cluster needs a majority)")
+        if replicas < 1:
+            raise ValueError("replicas must be at least 1")
+        self.nats_cluster = nats_cluster
+        self.replicas = replicas
         self.run_dir = Path(run_dir).resolve()
         self.slice_hosts = slice_hosts
         self.slots_per_host = slots_per_host
@@ -80,7 +93,7 @@ class Stack:
         self.status = "new"
         self._authority: Authority | None = None
         self._tls: TlsFiles | None = None
-        self._nats: NatsServer | None = None
+        self._nats: NatsCluster | None = None
         self._pg: PostgresServer | None = None
         self._registry: RegistryServer | None = None
         # One bearer token per admin API (scheduler, image pipeline); both in secrets.json.
@@ -287,7 +300,7 @@ class Stack:
         # Held before start() so a start that fails half-way is still stopped by stop().
         if self.auth:
             self._tls, self._authority = make_identities(self.run_dir, self.creds_dir)
-        self._nats = NatsServer(self.run_dir / "nats", auth=self._authority, tls=self._tls)
+        self._nats = NatsCluster(self.run_dir / "nats", size=self.nats_cluster, auth=self._authority, tls=self._tls)
         self._nats.start()
         self._pg = PostgresServer(self.run_dir / "pg", unsafe_no_fsync=self.unsafe_no_fsync)
         self._pg.start()
@@ -314,11 +327,12 @@ class Stack:
         self._procs[MAAS_SIM] = maas_sim_proc(self, port=0)
         spawn(self._procs[MAAS_SIM], self.run_dir)
         self._wait([MAAS_SIM], self.ready_timeout_s)
-        for name in SERVICES:
-            self._procs[name] = service_proc(self, name)
-            spawn(self._procs[name], self.run_dir)
+        for service in SERVICES:
+            for name in self.replica_names(service):
+                self._procs[name] = service_proc(self, service, name)
+                spawn(self._procs[name], self.run_dir)
         self.describe()
-        self._wait(list(SERVICES), self.ready_timeout_s)
+        self._wait([name for service in SERVICES for name in self.replica_names(service)], self.ready_timeout_s)
         # Slice hosts become slice-capable only with a passing commissioning preflight: commission them
         # through the gateway, as ops would (see stack/preflight.py).
         try:
@@ -337,7 +351,8 @@ class Stack:
 
     def stop(self) -> None:
         """SIGTERM every process this stack started (by PID), SIGKILL after `stop_timeout_s`."""
-        running = [p for name in reversed(ALL_PROCESSES) if (p := self._procs.get(name)) and p.alive()]
+        # Reverse start order: consumers go before what they consume from; replicas with their service.
+        running = [p for p in reversed(list(self._procs.values())) if p.alive()]
         for p in running:
             send_signal(p, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout_s
@@ -364,6 +379,30 @@ class Stack:
         if self.status != "new":
             self.status = "stopped"
             self.describe()
+
+    def replica_names(self, service: str) -> list[str]:
+        """Process names of a service's replicas: `allocator`, `allocator-2`, ... (the fleet is one process)."""
+        if service not in SERVICES or service == "node-agent" or self.replicas == 1:
+            return [service]
+        return [service, *(f"{service}-{i}" for i in range(2, self.replicas + 1))]
+
+    @property
+    def processes(self) -> list[str]:
+        """Every process this stack runs, replicas included, in start order."""
+        return list(self._procs)
+
+    @property
+    def nats_servers(self) -> list[NatsServer]:
+        """The NATS servers, for fault injection: `kill()` one, `start()` it again with its ports and store."""
+        if self._nats is None:
+            raise StackError("stack not started")
+        return self._nats.servers
+
+    def restart_postgres(self, mode: str = "fast") -> None:
+        """Restart Postgres (`fast` or `immediate`, which skips the shutdown checkpoint like a crash)."""
+        if self._pg is None:
+            raise StackError("stack not started")
+        self._pg.restart(mode)
 
     def kill(self, service: str, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to the service's process; for SIGKILL/SIGTERM, return once it has exited."""
@@ -443,4 +482,8 @@ class Stack:
             assert self._authority is not None
             onboard_slice_hosts(self._authority, self._fleet, self.creds_dir, self.run_dir / "keys")
         options = self.nats_options("admin")
-        provision_bus(options, [n.node_id for n in self._fleet.nodes if n.kind == "slice_host"])
+        provision_bus(
+            options,
+            [n.node_id for n in self._fleet.nodes if n.kind == "slice_host"],
+            replicas=min(self.nats_cluster, 3),
+        )

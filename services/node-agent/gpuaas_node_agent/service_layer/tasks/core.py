@@ -107,6 +107,13 @@ class AgentCore:
     ) -> None:
         self.store.set_phase(task.task_id, phase, disk_touched=disk_touched)
         log.info("task_phase", task_id=task.task_id, allocation_id=str(task.allocation_id), phase=phase, detail=detail)
+        try:
+            await self._publish_progress(task, task_type, phase, detail)
+        except Exception as exc:  # noqa: BLE001 - progress is for people watching; the result is what counts
+            # E.g. a JetStream publish timing out while the stream elects a new leader: the task goes on.
+            log.warning("task_progress_not_published", task_id=task.task_id, phase=phase, error=repr(exc))
+
+    async def _publish_progress(self, task: Any, task_type: str, phase: str, detail: str | None) -> None:
         await self.publish(
             "node.task_progress",
             m.NodeTaskProgress(

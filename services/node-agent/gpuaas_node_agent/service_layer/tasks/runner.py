@@ -68,8 +68,9 @@ class TaskRunner(ProvisionTask, ReleaseTask):
             remaining = (task.deadline - utcnow()).total_seconds()
             if remaining <= 0:
                 raise Refused("deadline_passed", f"task deadline {task.deadline.isoformat()} has passed")
+            deadline = asyncio.timeout(remaining)
             try:
-                async with asyncio.timeout(remaining):
+                async with deadline:
                     if task_type == "slice.vm_provision":
                         if resuming:
                             log.warning("task_resuming", task_id=task.task_id, allocation_id=str(task.allocation_id))
@@ -80,6 +81,10 @@ class TaskRunner(ProvisionTask, ReleaseTask):
                     else:
                         raise Refused("unsupported_task", task_type)
             except TimeoutError:
+                if not deadline.expired():
+                    # A timeout of some call inside (NATS, libvirt), not the task's deadline: not this task's
+                    # verdict. It propagates, the message is redelivered and the task resumes.
+                    raise
                 raise TaskFailed(
                     "deadline_exceeded", f"task did not finish by its deadline {task.deadline.isoformat()}"
                 ) from None
