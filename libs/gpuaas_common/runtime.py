@@ -113,6 +113,7 @@ class ServiceRuntime:
             pool=self.pool,
             retry_delays_s=self.settings.retry_delays_s,
             inbox_prefix=self.identity.inbox,
+            default_concurrency=self.settings.consumer_concurrency,
         )
         self.health.checks["nats"] = lambda: self.nc is not None and self.nc.is_connected
 
