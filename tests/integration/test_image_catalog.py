@@ -120,3 +120,57 @@ async def test_gate_needs_every_known_host_verified_with_the_catalog_digest(fres
     finally:
         await pool.close()
         await conn.close()
+
+
+async def test_seeding_asks_known_hosts_to_check_a_seeded_slice_image(fresh_db: str) -> None:
+    conn, pool = await _connect(fresh_db)
+    try:
+        async with _uow(pool) as uow:
+            for node in ("n1", "n2"):
+                enrolled = m.NodeEnrolled(node_id=node, kind="slice_host", hostname=node, agent_version="t")
+                assert await catalog.on_enrolled(uow, enrolled, f"ev-{node}") == 0  # nothing catalogued yet
+            host_seed = SeedImage(
+                slug="host-img", kind="host", sku="h200-sxm", digest_sha256="e" * 64, image_path="custom/host-img"
+            )
+            await apply_seed(uow, [_seed(), host_seed])
+            await uow.commit()
+
+        async def tasks() -> list[dict]:
+            rows = await conn.fetch("SELECT body FROM outbox ORDER BY id")
+            bodies = [json.loads(bytes(r["body"])) for r in rows]
+            return [b["payload"] for b in bodies if b["type"] == "image.cache_prewarm"]
+
+        sent = await tasks()
+        # A check, not a pull: the seeded row has no artifact, and the host image lives in MAAS.
+        assert sorted(t["node_id"] for t in sent) == ["n1", "n2"]
+        assert {(t["slug"], t["digest_sha256"], t["artifact_ref"]) for t in sent} == {(_seed().slug, SEED_DIGEST, None)}
+        assert await conn.fetchval("SELECT count(*) FROM node_image_cache") == 0  # nothing is pulling
+
+        async with _uow(pool) as uow:
+            await catalog.on_cache_reported(
+                uow,
+                m.NodeImageCacheReported(
+                    task_id=sent[0]["task_id"], node_id="n1", slug=_seed().slug, status="verified",
+                    expected_digest=SEED_DIGEST, digest_sha256=SEED_DIGEST, local_path=_seed().image_path,
+                ),
+            )  # fmt: skip
+            await catalog.on_cache_reported(
+                uow,
+                m.NodeImageCacheReported(
+                    task_id=sent[1]["task_id"], node_id="n2", slug=_seed().slug, status="absent",
+                    expected_digest=SEED_DIGEST, digest_sha256=None, local_path=_seed().image_path,
+                    reason="not in this host's cache",
+                ),
+            )  # fmt: skip
+            await uow.commit()
+        caches = {r["node_id"]: (r["status"], r["reason"]) for r in await conn.fetch("SELECT * FROM node_image_cache")}
+        assert caches == {"n1": ("verified", None), "n2": ("absent", "not in this host's cache")}
+
+        # The next start of the pipeline asks again only the host that does not hold it verified.
+        async with _uow(pool) as uow:
+            await apply_seed(uow, [_seed(), host_seed])
+            await uow.commit()
+        assert [t["node_id"] for t in (await tasks())[2:]] == ["n2"]
+    finally:
+        await pool.close()
+        await conn.close()

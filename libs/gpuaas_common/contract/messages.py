@@ -10,7 +10,7 @@ import uuid
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Shape = Literal["gpu_slice", "baremetal"]
 AllocationState = Literal[
@@ -705,28 +705,41 @@ class ImageNodeCacheChanged(Payload):
 
 
 class ImageCachePrewarm(Payload):
-    """Pull an image artifact from the registry into the node-local cache and verify it."""
+    """Make sure the node-local cache holds the image with the catalog digest: a file already there is
+    hashed, and only a missing or different one is pulled from the registry artifact and verified. An
+    image with no artifact (a seeded catalog row, placed on hosts by provisioning) is only checked; the
+    host answers verified, mismatch or absent."""
 
     task_id: str = Identifier
     node_id: str = Identifier
     slug: str = Slug
     digest_sha256: str = Sha256
     image_path: str = Field(min_length=1, max_length=1024)
-    artifact_ref: str = Field(min_length=1, max_length=2048, pattern=r"^oci://")
-    blob_digest: str = Field(pattern=r"^sha256:[0-9a-f]{64}$")
-    blob_size: int = Field(ge=0)
-    blob_media_type: str = Field(min_length=1, max_length=255)
-    virtual_size: int = Field(ge=0)
+    artifact_ref: str | None = Field(default=None, min_length=1, max_length=2048, pattern=r"^oci://")
+    blob_digest: str | None = Field(default=None, pattern=r"^sha256:[0-9a-f]{64}$")
+    blob_size: int = Field(default=0, ge=0)
+    blob_media_type: str | None = Field(default=None, min_length=1, max_length=255)
+    virtual_size: int = Field(default=0, ge=0)
     registry_tls: Literal["verify", "insecure", "plain-http"] = "verify"
+
+    @model_validator(mode="after")
+    def _artifact_whole(self) -> ImageCachePrewarm:
+        # Half an artifact cannot be pulled: name all of it or none (verify only).
+        if (self.artifact_ref is None) != (self.blob_digest is None) or (self.artifact_ref is None) != (
+            self.blob_media_type is None
+        ):
+            raise ValueError("artifact_ref, blob_digest and blob_media_type come together or not at all")
+        return self
 
 
 class NodeImageCacheReported(Payload):
-    """A node's cache state for an image: progress while pulling, then verified, mismatch or failed."""
+    """A node's cache state for an image: progress while pulling, then verified, mismatch, failed (the
+    transfer broke) or absent (not in the cache and no artifact to pull it from)."""
 
     task_id: str = Identifier
     node_id: str = Identifier
     slug: str = Slug
-    status: Literal["pulling", "verified", "mismatch", "failed"]
+    status: Literal["pulling", "verified", "mismatch", "failed", "absent"]
     expected_digest: str = Sha256
     digest_sha256: str | None = Sha256
     local_path: str = Field(min_length=1, max_length=1024)

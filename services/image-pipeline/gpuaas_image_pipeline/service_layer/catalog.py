@@ -150,16 +150,34 @@ async def set_cache(
         )
 
 
-async def send_prewarm(uow: Uow, row: Row, node_id: str, cause: str) -> bool:
-    """Ask one host to prewarm the image unless it already holds this digest verified."""
+async def send_prewarm(uow: Uow, row: Row, node_id: str, cause: str, *, recheck: bool = False) -> bool:
+    """Ask one host to prewarm the image unless it already holds this digest verified (or, with `recheck`,
+    whatever it holds: a host that just started proves its cache again).
+
+    An image without an artifact (a seeded row: provisioning puts it on the hosts) cannot be pulled; the
+    host is asked to check its cache all the same, so the catalog shows where it really is."""
     meta = _meta(row)
-    if not row["digest_sha256"] or not meta.get("artifact_ref") or not meta.get("blob_digest"):
+    if not row["digest_sha256"] or row["kind"] != "slice":
         return False
+    artifact = bool(meta.get("artifact_ref") and meta.get("blob_digest"))
     current = await uow.repos.hosts.cache(node_id, row["slug"])
-    if current and node_schedulable(row["digest_sha256"], (current["status"], current["digest_sha256"])):
+    verified = bool(current and node_schedulable(row["digest_sha256"], (current["status"], current["digest_sha256"])))
+    if verified and not recheck:
         return False
     task_id = str(
         uuid.uuid5(uuid.NAMESPACE_URL, f"gpuaas:prewarm:{row['slug']}:{row['digest_sha256']}:{node_id}:{cause}")
+    )
+    pull = (
+        dict(
+            artifact_ref=meta["artifact_ref"],
+            blob_digest=meta["blob_digest"],
+            blob_size=meta["blob_size"],
+            blob_media_type=meta["blob_media_type"],
+            virtual_size=meta["virtual_size"],
+            registry_tls=meta.get("registry_tls", "verify"),
+        )
+        if artifact
+        else {}
     )
     task = m.ImageCachePrewarm(
         task_id=task_id,
@@ -167,24 +185,21 @@ async def send_prewarm(uow: Uow, row: Row, node_id: str, cause: str) -> bool:
         slug=row["slug"],
         digest_sha256=row["digest_sha256"],
         image_path=meta["image_path"],
-        artifact_ref=meta["artifact_ref"],
-        blob_digest=meta["blob_digest"],
-        blob_size=meta["blob_size"],
-        blob_media_type=meta["blob_media_type"],
-        virtual_size=meta["virtual_size"],
-        registry_tls=meta.get("registry_tls", "verify"),
+        **pull,
     )
-    await set_cache(
-        uow,
-        node_id=node_id,
-        slug=row["slug"],
-        status="pulling",
-        digest=None,
-        expected=row["digest_sha256"],
-        local_path=meta["image_path"],
-        task_id=task_id,
-        total=meta["blob_size"],
-    )
+    if artifact and not verified:
+        # A check alone changes nothing on the host, and a verified host stays schedulable until it answers.
+        await set_cache(
+            uow,
+            node_id=node_id,
+            slug=row["slug"],
+            status="pulling",
+            digest=None,
+            expected=row["digest_sha256"],
+            local_path=meta["image_path"],
+            task_id=task_id,
+            total=meta["blob_size"],
+        )
     await uow.events.add(
         "image.cache_prewarm",
         task,
@@ -249,8 +264,10 @@ async def enable_image(uow: Uow, slug: str) -> Row:
         # A host image built here is deployable only once MAAS holds it complete.
         raise CatalogError(409, "not_uploaded", f"{slug} is {maas.get('status')} in MAAS, not uploaded")
     if row["kind"] == "host" or not _meta(row).get("artifact_ref"):
-        # Host images live in MAAS and seed-style rows have no artifact to prewarm: nothing to gate on.
+        # Host images live in MAAS and seed-style rows have no artifact to prewarm: nothing to gate on. The
+        # hosts still say whether they hold a seed-style slice image.
         await emit_activated(uow, row)
+        await prewarm_everywhere(uow, slug, cause=f"enable:{uuid.uuid4()}")
     else:
         await uow.repos.images.update(slug, status="published")
         if not await evaluate_gate(uow, slug):
@@ -286,7 +303,8 @@ async def on_enrolled(uow: Uow, ev: m.NodeEnrolled, event_id: str) -> int:
     sent = 0
     for slug in await uow.repos.images.prewarmable_slugs():
         locked = await uow.repos.images.lock(slug)
-        sent += await send_prewarm(uow, locked, ev.node_id, cause=f"enrolled:{event_id}")  # type: ignore[arg-type]
+        # Every start re-proves the cache: a file lost or changed while the agent was down shows at once.
+        sent += await send_prewarm(uow, locked, ev.node_id, cause=f"enrolled:{event_id}", recheck=True)  # type: ignore[arg-type]
     return sent
 
 
@@ -298,7 +316,11 @@ async def on_cache_reported(uow: Uow, ev: m.NodeImageCacheReported) -> None:
     status = ev.status
     if status == "pulling":
         current = await uow.repos.hosts.cache(ev.node_id, ev.slug)
-        if current and current["task_id"] == ev.task_id and current["status"] in ("verified", "mismatch", "failed"):
+        if (
+            current
+            and current["task_id"] == ev.task_id
+            and current["status"] in ("verified", "mismatch", "failed", "absent")
+        ):
             return  # progress overtaken by the task's own verdict
     if status == "verified" and ev.digest_sha256 != row["digest_sha256"]:
         status = "mismatch"  # never trust a verdict that disagrees with its own digest

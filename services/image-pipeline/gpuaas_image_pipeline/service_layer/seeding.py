@@ -1,12 +1,19 @@
-"""Apply seed data to the catalog without ever reverting what was already materialised."""
+"""Apply seed data to the catalog without ever reverting what was already materialised.
+
+A seeded slice image has no artifact: the hosts' provisioning puts it in their caches. Every known slice
+host is asked to check that it holds it (hosts enrolled later are asked on enrolment), so the catalog's
+cache view says where it really is instead of showing it absent everywhere.
+"""
 
 from __future__ import annotations
+
+import uuid
 
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 
 from ..domain.catalog import SeedImage, activation_event_key
-from .catalog import Uow
+from .catalog import Uow, prewarm_everywhere
 
 
 async def apply_seed(uow: Uow, seeds: list[SeedImage]) -> list[str]:
@@ -29,4 +36,6 @@ async def apply_seed(uow: Uow, seeds: list[SeedImage]) -> list[str]:
             event_id=derived_event_id(activation_event_key(row["slug"], row["digest_sha256"]), "activated"),
         )
         activated.append(row["slug"])
+        if row["kind"] == "slice" and not meta.get("artifact_ref"):
+            await prewarm_everywhere(uow, row["slug"], cause=f"seed:{uuid.uuid4()}")
     return activated

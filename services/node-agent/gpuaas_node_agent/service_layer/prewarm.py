@@ -1,14 +1,20 @@
-"""`image.cache_prewarm`: pull an image into this host's cache, verify it, report the outcome.
+"""`image.cache_prewarm`: make sure this host's cache holds an image with the catalog digest, report the outcome.
 
-The report is `node.image_cache_reported`: `pulling` with byte counts while the transfer runs (at most a
+A file already in the cache (pulled earlier, or placed there by the host's provisioning, as seeded images
+are) is hashed first and counts when it matches: nothing is pulled then. Otherwise the artifact is pulled
+and verified; an image without an artifact can only be checked.
+
+The report is `node.image_cache_reported`: `pulling` with byte counts while a transfer runs (at most a
 few per second), then `verified`, `mismatch` (the bytes do not hash to the catalog digest; the
-existing cache file is left untouched) or `failed` (transfer broke; nothing installed).
+existing cache file is left untouched), `failed` (transfer broke; nothing installed) or `absent` (not in
+the cache, and no artifact to pull it from).
 A verified file is remembered in the agent's state store so provisioning does not hash it again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePosixPath
@@ -17,6 +23,7 @@ from typing import Any
 from gpuaas_common.bus import HandlerContext, PermanentError
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
+from gpuaas_common.digests import sha256_file
 from gpuaas_common.logging import get_logger
 
 from ..adapters import image_cache
@@ -67,6 +74,25 @@ class ImagePrewarmer:
         if self._already_verified(dest, task.digest_sha256):
             log.info("image_cache_hit", slug=task.slug, path=task.image_path)
             return self._make(task, "verified", digest=task.digest_sha256, done=task.blob_size)
+        held = await self._hash_held(dest)
+        if held == task.digest_sha256:
+            log.info("image_cache_verified_in_place", slug=task.slug, path=task.image_path)
+            return self._make(task, "verified", digest=held, done=task.blob_size)
+        if task.artifact_ref is None or task.blob_digest is None:
+            if held is None:
+                log.warning("image_cache_absent", slug=task.slug, path=task.image_path)
+                return self._make(task, "absent", reason="not in this host's image cache, and no artifact to pull")
+            log.error("image_cache_mismatch", slug=task.slug, path=task.image_path, digest=held)
+            return self._make(
+                task,
+                "mismatch",
+                digest=held,
+                reason="the cached file does not hash to the catalog digest, and there is no artifact to pull",
+            )
+        return await self._pull(task, dest, causation_id)
+
+    async def _pull(self, task: m.ImageCachePrewarm, dest: Path, causation_id: str | None) -> m.NodeImageCacheReported:
+        assert task.artifact_ref is not None and task.blob_digest is not None
         loop = asyncio.get_running_loop()
         last = [0.0]
         pending: list[Any] = []
@@ -101,7 +127,7 @@ class ImagePrewarmer:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)
         elapsed = time.monotonic() - started
         if outcome.status == "verified":
-            st = dest.stat()
+            st = await asyncio.to_thread(os.stat, dest)
             self.store.remember_digest(str(dest), task.digest_sha256, st.st_size, st.st_mtime)
             log.info(
                 "image_cache_verified",
@@ -115,6 +141,24 @@ class ImagePrewarmer:
         return self._make(
             task, outcome.status, digest=outcome.raw_sha256, done=outcome.bytes_received, reason=outcome.reason
         )
+
+    async def _hash_held(self, dest: Path) -> str | None:
+        """The digest of the file the cache holds (None: no file). It is remembered when the file did not
+        change while it was hashed, so the next task or provision does not hash it again."""
+        try:
+            st = await asyncio.to_thread(os.stat, dest)
+        except FileNotFoundError:
+            return None
+        known = self.store.verified_digest(str(dest), st.st_size, st.st_mtime)
+        if known is not None:
+            return known
+        try:
+            digest, unchanged = await asyncio.to_thread(_hash_unchanged, dest, st.st_size, st.st_mtime)
+        except FileNotFoundError:
+            return None
+        if unchanged:
+            self.store.remember_digest(str(dest), digest, st.st_size, st.st_mtime)
+        return digest
 
     def _already_verified(self, dest: Path, digest: str) -> bool:
         try:
@@ -161,3 +205,9 @@ class ImagePrewarmer:
             if final:
                 raise
             log.warning("image_progress_not_published", error=repr(exc))
+
+
+def _hash_unchanged(path: Path, size: int, mtime: float) -> tuple[str, bool]:
+    digest = sha256_file(path)
+    after = path.stat()
+    return digest, (after.st_size, after.st_mtime) == (size, mtime)
