@@ -9,27 +9,35 @@ foreign-signed, expired and revoked clients are refused; revocation needs no res
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import asyncpg
 import nats
 import pytest
 from nats.aio.client import RawCredentials
 from structlog.testing import capture_logs
 
+from gpuaas_allocator.entrypoints.main import query_responder
+from gpuaas_common.contract import Envelope, spec_for
+from gpuaas_common.contract.asyncapi import default_validator
+from gpuaas_common.db import create_pool
 from gpuaas_common.identity import Authority, Creds
 from gpuaas_common.identity.permissions import (
     ROLE_PERMISSIONS,
     SERVICES,
     durables_of,
+    inbox_prefix,
     node_user_name,
     produced_subjects,
     render_table,
 )
 from gpuaas_common.identity.tls import TlsFiles, client_context, make_ca_and_server_cert
 from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer, provision
+from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.natsconn import NatsIdentity
 from gpuaas_dev.testing.servers import NatsServer, _http_ok
 
@@ -254,6 +262,64 @@ async def test_ops_reads_lifecycle_and_reports_and_writes_nothing(clients: dict[
     ):
         assert not await ops.can_publish(forbidden), forbidden
     assert not await ops.can_subscribe("gpuaas.node.n1.tasks"), "tasks carry tenants' keys and plans"
+
+
+# --- request/reply: allocation.query -------------------------------------------------------------------
+
+
+async def test_portal_and_ops_ask_allocation_queries_and_only_the_allocator_answers(
+    clients: dict[str, Client], fresh_db: str
+) -> None:
+    """The allocator's real responder under the allocator's identity: portal and ops get its answer on their
+    own inbox; it may answer each request once and write to no other inbox; no one else may ask or answer."""
+    subject = spec_for("allocation.query").subject()
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, "allocator", "gpuaas_allocator.migrations")
+    await conn.close()
+    pool = await create_pool(fresh_db, "allocator", min_size=1, max_size=1)
+    allocator = clients["allocator"]
+    answering = await allocator.nc.subscribe(subject, queue="allocator", cb=query_responder(pool))
+    try:
+        assert not await allocator._refused(f'subscription to "{subject}"')
+        validator = default_validator()
+        for role in ("portal", "ops"):
+            asker = clients[role]
+            query = Envelope.wrap("allocation.query", {"state": "active"}, producer=role, correlation_id=f"q-{role}")
+            asker.errors.clear()
+            reply = await asker.nc.request(subject, query.model_dump_json().encode(), timeout=10)
+            assert reply.subject.startswith(f"{inbox_prefix(role)}."), reply.subject
+            data = validator.validate(reply.subject, reply.data)
+            assert (data["type"], data["correlation_id"], data["payload"]["status"]) == (
+                "allocation.query_result",
+                f"q-{role}",
+                "found",
+            )
+            assert asker.errors == []
+
+        # One answer per request received: a second one to the same inbox is refused, and so is any other inbox.
+        await answering.unsubscribe()
+        requests = await allocator.nc.subscribe(subject, queue="allocator")
+        await allocator.nc.flush()
+        ops = clients["ops"]
+        await ops.nc.publish(subject, b"{}", reply=f"{inbox_prefix('ops')}.once")
+        received = await requests.next_msg(timeout=5)
+        await requests.unsubscribe()
+        assert received.reply == f"{inbox_prefix('ops')}.once"
+        assert await allocator.can_publish(received.reply)
+        assert not await allocator.can_publish(received.reply)
+        assert not await allocator.can_publish(f"{inbox_prefix('ops')}.never-asked")
+        assert not await allocator.can_publish(f"{inbox_prefix('portal')}.never-asked")
+        assert not await allocator.can_publish(subject), "the allocator answers queries, it does not ask"
+    finally:
+        with contextlib.suppress(nats.errors.BadSubscriptionError):
+            await answering.unsubscribe()  # already gone unless an assertion above failed
+        await pool.close()
+
+    for role in ("scheduler", "image-pipeline", "maas-gateway", "n1"):
+        assert not await clients[role].can_publish(subject), f"{role} may ask allocation queries"
+    for role in ("portal", "ops", "scheduler", "n1"):
+        # Subscribing would let it read others' queries and answer in the allocator's place.
+        assert not await clients[role].can_subscribe(subject), f"{role} may take allocation queries"
 
 
 # --- refused connections --------------------------------------------------------------------------------
