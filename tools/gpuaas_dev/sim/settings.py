@@ -11,7 +11,8 @@ class SimFleetSettings(AgentSettings):
     # Each host connects with `<dir>/node-<node_id>.creds`, its own NATS user; without it, as GPUAAS_NATS_CREDS
     # (an open dev server).
     nats_creds_dir: str | None = None
-    # Images copied into every simulated host's cache at start (until prewarm lands).
+    # Images copied into every simulated host's cache at start, as a real host's provisioning puts seeded images;
+    # each host proves its copy to the image pipeline when asked.
     sim_image_dir: str | None = None
     # Where simulated baremetal hosts learn that MAAS deployed them; without it they never boot.
     maas_sim_url: str | None = None
