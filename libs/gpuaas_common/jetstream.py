@@ -246,14 +246,28 @@ async def provision(
     consumers: tuple[ConsumerSpec, ...] | list[ConsumerSpec] = (),
     storage: StorageType = StorageType.FILE,
     replicas: int = 1,
+    *,
+    wait_s: float = 30.0,
 ) -> dict[str, str]:
     """Every stream and the given durables: what the admin identity does; services call ensure_consumers.
 
     `replicas` is 3 on a 3-node cluster (every stream, the ledger and — by inheritance — every durable
     survive one dead server), 1 on a single server."""
     outcome: dict[str, str] = {}
-    for stream in STREAMS:
-        outcome[f"stream:{stream.name}"] = await ensure_stream(js, stream, storage, replicas)
-    outcome[f"kv:{IDENTITY_BUCKET}"] = await ensure_identity_bucket(js, storage, replicas)
+    async for attempt in AsyncRetrying(
+        # A cluster whose servers all pass /healthz can still answer "JetStream not enabled for account"
+        # (503) for a moment after the first meta leader election, or time out while a stream elects its
+        # leader: a one-shot provisioning step that gave up there would keep every service from starting.
+        # Each call is idempotent, so the whole pass is simply run again.
+        retry=retry_if_exception_type((nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError)),
+        wait=wait_fixed(0.5),
+        stop=stop_after_delay(wait_s),
+        reraise=True,
+        before_sleep=lambda state: log.info("jetstream_not_ready_yet", error=str(state.outcome.exception())),
+    ):
+        with attempt:
+            for stream in STREAMS:
+                outcome[f"stream:{stream.name}"] = await ensure_stream(js, stream, storage, replicas)
+            outcome[f"kv:{IDENTITY_BUCKET}"] = await ensure_identity_bucket(js, storage, replicas)
     outcome.update(await ensure_consumers(js, consumers, wait_s=0))
     return outcome

@@ -110,3 +110,59 @@ async def test_r3_streams_lose_no_acknowledged_message_when_a_server_dies_and_th
     await eventually(caught_up, timeout=30, what="the restarted server current again")
     for nc in (admin, portal, allocator):
         await nc.close()
+
+
+async def test_provisioning_started_before_the_cluster_has_a_leader_waits_for_it(
+    tmp_path_factory: pytest.TempPathFactory, authority: Authority, tls_files: TlsFiles
+) -> None:
+    """A one-shot provisioning step (compose's bus-provision) may run while the servers still elect their
+    first meta leader: the JetStream API then answers 503 or nothing, and provision must wait, not fail."""
+    import asyncio
+    import socket
+
+    from gpuaas_dev.testing.servers import NatsServer, free_port
+
+    ports = [free_port() for _ in range(3)]
+    servers = [
+        NatsServer(
+            tmp_path_factory.mktemp(f"early{i}"),
+            auth=authority,
+            tls=tls_files,
+            server_name=f"early-n{i + 1}",
+            cluster_name="early",
+            cluster_port=ports[i],
+            routes=tuple(p for j, p in enumerate(ports) if j != i),
+        )
+        for i in range(3)
+    ]
+    try:
+        # One server of three: no quorum, so no meta leader can exist until the others run.
+        servers[0].start(wait_jetstream=False)
+
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", servers[0].port)) == 0
+
+        await eventually(listening, timeout=20, what="the first server's client port")
+        admin = await nats.connect(
+            servers=[servers[0].url],
+            user_credentials=RawCredentials(authority.issue_user("admin", ROLE_PERMISSIONS["admin"]).render()),
+            tls=client_context(tls_files.ca),
+            inbox_prefix=b"_INBOX_admin",
+            connect_timeout=5,
+        )
+        js = admin.jetstream(timeout=2)
+        task = asyncio.create_task(provision(js, [DURABLE], replicas=3))
+        await asyncio.sleep(0)  # its first request goes out to a leaderless server
+        assert not task.done()
+        for server in servers[1:]:
+            server.start(wait_jetstream=False)
+        outcome = await asyncio.wait_for(task, 60)
+        assert {f"stream:{spec.name}" for spec in STREAMS} <= set(outcome), outcome
+        for spec in STREAMS:
+            assert (await js.stream_info(spec.name)).config.num_replicas == 3, spec.name
+        assert (await js.consumer_info(DURABLE.stream, DURABLE.durable)).cluster is not None
+        await admin.close()
+    finally:
+        for server in servers:
+            server.stop()

@@ -172,6 +172,15 @@ def provision_bus(
     node_ids: Annotated[
         Optional[list[str]], typer.Option("--node-id", help="Also create this slice host's task durable (repeatable).")
     ] = None,
+    replicas: Annotated[
+        int,
+        typer.Option(
+            "--replicas",
+            min=1,
+            max=5,
+            help="Copies of every stream and of the identity ledger: 3 on a 3-node cluster, 1 on one server.",
+        ),
+    ] = 1,
 ) -> None:
     """Create or update every stream and the slice hosts' task durables, as admin (idempotent).
 
@@ -184,7 +193,7 @@ def provision_bus(
         fleet = Fleet.load(fleet_file)
         hosts += [n.node_id for n in fleet.nodes if n.kind == "slice_host" and n.node_id not in hosts]
     try:
-        outcome = asyncio.run(_provision(nats_url, creds, ca_file, hosts))
+        outcome = asyncio.run(_provision(nats_url, creds, ca_file, hosts, replicas))
     except Exception as exc:  # refused, unreachable, or a stream the server would not accept
         err.print(f"[red]provisioning failed[/]: {exc}")
         raise typer.Exit(1) from None
@@ -192,7 +201,9 @@ def provision_bus(
         err.print(f"{what}: {result}")
 
 
-async def _provision(nats_url: str, creds: Path, ca_file: Optional[Path], node_ids: list[str]) -> dict[str, str]:
+async def _provision(
+    nats_url: str, creds: Path, ca_file: Optional[Path], node_ids: list[str], replicas: int = 1
+) -> dict[str, str]:
     import nats
 
     from gpuaas_common.jetstream import node_agent_consumer, provision
@@ -203,6 +214,6 @@ async def _provision(nats_url: str, creds: Path, ca_file: Optional[Path], node_i
         **ident.connect_kwargs(), name="gpuaas-provision", connect_timeout=5, max_reconnect_attempts=3
     )
     try:
-        return await provision(nc.jetstream(), [node_agent_consumer(n) for n in node_ids])
+        return await provision(nc.jetstream(), [node_agent_consumer(n) for n in node_ids], replicas=replicas)
     finally:
         await nc.close()
