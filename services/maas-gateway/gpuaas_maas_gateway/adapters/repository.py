@@ -3,6 +3,11 @@
 They run on whatever they are given: a unit of work's connection for writes (so the state change, its
 side rows and its outbox rows commit together), or the pool for the worker's reads, which decide
 nothing on their own: every state change they lead to is a conditional write re-checked here.
+
+Replicas of the gateway share `maas_operations`; an operation is stepped only by the worker holding its
+lease (migration 005). A repository built with a `lease_owner` fences every write of a step on that
+lease: when it is no longer ours (it ran out and another worker took the operation over), the write
+changes nothing and raises LeaseLost, so a stalled worker cannot overwrite its successor's progress.
 """
 
 from __future__ import annotations
@@ -22,10 +27,47 @@ OPEN_STATES = ("pending", "submitting", "unknown", "accepted")
 # flight or whose outcome is unknown.
 MACHINE_IN_DOUBT_INDEX = "maas_operations_one_in_doubt_per_machine"
 
+# Taking a lease over a `submitting` row means its call was interrupted (the worker died or lost its
+# lease mid-call, or the step ended without recording the answer): its outcome is unknown. The SET
+# expressions see the row as it was before the update.
+_TAKE_LEASE = (
+    "lease_owner = $2, lease_until = now() + make_interval(secs => $3), "
+    "state = CASE WHEN o.state = 'submitting' THEN 'unknown' ELSE o.state END, "
+    "unknown_since = CASE WHEN o.state = 'submitting' THEN COALESCE(o.unknown_since, now()) "
+    "ELSE o.unknown_since END, "
+    "resolution = CASE WHEN o.state = 'submitting' THEN 'polled' ELSE o.resolution END, "
+    "updated_at = CASE WHEN o.state = 'submitting' THEN now() ELSE o.updated_at END"
+)
+
+
+class LeaseLost(Exception):
+    """The operation's lease is no longer this worker's: another worker has taken the operation over."""
+
+    def __init__(self, operation_id: str) -> None:
+        super().__init__(f"the lease of operation {operation_id} is no longer ours")
+        self.operation_id = operation_id
+
+
+def _changed(status: str) -> int:
+    return int(status.split()[-1])
+
 
 class OperationRepository:
-    def __init__(self, conn: Executor) -> None:
+    def __init__(self, conn: Executor, *, lease_owner: str | None = None, lease_s: float = 0.0) -> None:
         self.conn = conn
+        self.lease_owner = lease_owner
+        self.lease_s = lease_s
+
+    def _fence(self, n: int) -> str:
+        """The WHERE condition that keeps a worker's write to the operations it holds the lease of."""
+        return f" AND lease_owner = ${n}" if self.lease_owner is not None else ""
+
+    def _fence_args(self) -> tuple[str, ...]:
+        return (self.lease_owner,) if self.lease_owner is not None else ()
+
+    def _fenced(self, operation_id: str, status: str) -> None:
+        if self.lease_owner is not None and _changed(status) == 0:
+            raise LeaseLost(operation_id)
 
     async def record(
         self,
@@ -60,18 +102,55 @@ class OperationRepository:
             )
         )
 
-    async def interrupted_calls_are_unknown(self) -> None:
-        await self.conn.execute(
-            "UPDATE maas_operations SET state = 'unknown', unknown_since = COALESCE(unknown_since, now()), "
-            "resolution = 'polled', updated_at = now() WHERE state = 'submitting'"
+    async def claim_due(
+        self, owner: str, lease_s: float, limit: int, stepping: list[str] | tuple[str, ...] = ()
+    ) -> list[asyncpg.Record]:
+        """Lease up to `limit` due operations to `owner`: those whose lease is free or has expired, except
+        the ones `owner` is stepping right now (a renewal that came late must not turn its own call into
+        an unknown one). SKIP LOCKED lets replicas claim at once without waiting on each other or taking
+        the same row."""
+        return await self.conn.fetch(
+            f"UPDATE maas_operations o SET {_TAKE_LEASE} FROM ("
+            "SELECT operation_id FROM maas_operations WHERE state = ANY($1::text[]) AND next_attempt_at <= now() "
+            "AND (lease_until IS NULL OR lease_until < now()) AND operation_id <> ALL($5::text[]) "
+            "ORDER BY next_attempt_at LIMIT $4 FOR UPDATE SKIP LOCKED) due "
+            "WHERE o.operation_id = due.operation_id RETURNING o.operation_id, o.site",
+            list(OPEN_STATES),
+            owner,
+            float(lease_s),
+            limit,
+            list(stepping),
         )
 
-    async def due(self, limit: int = 500) -> list[asyncpg.Record]:
-        return await self.conn.fetch(
-            "SELECT operation_id, site FROM maas_operations WHERE state = ANY($1::text[]) "
-            "AND next_attempt_at <= now() ORDER BY next_attempt_at LIMIT $2",
+    async def claim(self, operation_id: str, owner: str, lease_s: float) -> asyncpg.Record | None:
+        """Lease one operation to `owner` (already ours, free or expired), whatever its next attempt time;
+        None when it is closed or another worker holds it."""
+        return await self.conn.fetchrow(
+            f"UPDATE maas_operations o SET {_TAKE_LEASE} WHERE o.operation_id = $1 AND o.state = ANY($4::text[]) "
+            "AND (o.lease_owner = $2 OR o.lease_until IS NULL OR o.lease_until < now()) RETURNING o.*",
+            operation_id,
+            owner,
+            float(lease_s),
             list(OPEN_STATES),
-            limit,
+        )
+
+    async def renew(self, operation_id: str, owner: str, lease_s: float) -> bool:
+        return bool(
+            await self.conn.fetchval(
+                "UPDATE maas_operations SET lease_until = now() + make_interval(secs => $3) "
+                "WHERE operation_id = $1 AND lease_owner = $2 RETURNING 1",
+                operation_id,
+                owner,
+                float(lease_s),
+            )
+        )
+
+    async def release(self, operation_id: str, owner: str) -> None:
+        await self.conn.execute(
+            "UPDATE maas_operations SET lease_owner = NULL, lease_until = NULL WHERE operation_id = $1 "
+            "AND lease_owner = $2",
+            operation_id,
+            owner,
         )
 
     async def get(self, operation_id: str) -> asyncpg.Record | None:
@@ -95,15 +174,21 @@ class OperationRepository:
         )
 
     async def start_submit(self, operation_id: str) -> str:
-        """Move a pending operation to `submitting`: 'started', 'not_pending' (another worker took it) or
-        'machine_busy' (another operation on the machine is submitting or unknown)."""
+        """Move a pending operation to `submitting`: 'started', 'not_pending' (another worker took it, or
+        our lease ran out) or 'machine_busy' (another operation on the machine is submitting or unknown)."""
         try:
             # A savepoint, so a refused update leaves the caller's transaction usable.
             async with self.conn.transaction():
+                # The call starts with a fresh lease, longer than the call's timeout: nobody takes the
+                # operation over while the call may still reach MAAS. A lease that already ran out
+                # starts nothing.
+                fence = " AND lease_owner = $2 AND lease_until > now()" if self.lease_owner is not None else ""
+                renew = ", lease_until = now() + make_interval(secs => $3)" if self.lease_owner is not None else ""
                 started = await self.conn.fetchval(
-                    "UPDATE maas_operations SET state = 'submitting', maas_calls = maas_calls + 1, "
-                    "updated_at = now() WHERE operation_id = $1 AND state = 'pending' RETURNING 1",
+                    f"UPDATE maas_operations SET state = 'submitting', maas_calls = maas_calls + 1, "
+                    f"updated_at = now(){renew} WHERE operation_id = $1 AND state = 'pending'{fence} RETURNING 1",
                     operation_id,
+                    *((self.lease_owner, float(self.lease_s)) if self.lease_owner is not None else ()),
                 )
         except asyncpg.UniqueViolationError as exc:
             if exc.constraint_name != MACHINE_IN_DOUBT_INDEX:
@@ -112,43 +197,53 @@ class OperationRepository:
         return "started" if started else "not_pending"
 
     async def start_tag_sync(self, operation_id: str) -> None:
-        await self.conn.execute(
-            "UPDATE maas_operations SET maas_calls = maas_calls + 1, state = 'submitting' WHERE operation_id = $1",
+        status = await self.conn.execute(
+            "UPDATE maas_operations SET maas_calls = maas_calls + 1, state = 'submitting' WHERE operation_id = $1"
+            + self._fence(2),
             operation_id,
+            *self._fence_args(),
         )
+        self._fenced(operation_id, status)
 
     async def update(self, operation_id: str, *, delay: float, **fields: Any) -> None:
         sets = ["updated_at = now()", f"next_attempt_at = now() + make_interval(secs => ${len(fields) + 2})"]
         sets += [f"{col} = ${i}" + ("::jsonb" if col == "progress" else "") for i, col in enumerate(fields, start=2)]
-        await self.conn.execute(
-            f"UPDATE maas_operations SET {', '.join(sets)} WHERE operation_id = $1",
+        status = await self.conn.execute(
+            f"UPDATE maas_operations SET {', '.join(sets)} WHERE operation_id = $1" + self._fence(len(fields) + 3),
             operation_id,
             *fields.values(),
             float(delay),
+            *self._fence_args(),
         )
+        self._fenced(operation_id, status)
 
     async def merge_progress(self, operation_id: str, progress: dict[str, Any]) -> None:
-        await self.conn.execute(
-            "UPDATE maas_operations SET progress = progress || $2::jsonb WHERE operation_id = $1",
+        status = await self.conn.execute(
+            "UPDATE maas_operations SET progress = progress || $2::jsonb WHERE operation_id = $1" + self._fence(3),
             operation_id,
             json.dumps(progress),
+            *self._fence_args(),
         )
+        self._fenced(operation_id, status)
 
     async def back_to_pending(self, operation_id: str, last_status: str) -> None:
         await self.conn.execute(
             "UPDATE maas_operations SET state = 'pending', unknown_since = NULL, resubmits = resubmits + 1, "
             "last_status = $2, next_attempt_at = now(), updated_at = now() "
-            "WHERE operation_id = $1 AND state = 'unknown'",
+            "WHERE operation_id = $1 AND state = 'unknown'" + self._fence(3),
             operation_id,
             last_status,
+            *self._fence_args(),
         )
 
     async def finish(
         self, operation_id: str, outcome: str, *, status: str | None, message: str | None, result: dict[str, Any]
     ) -> None:
+        """Final: the lease goes with the open state (the caller checked the lease under the row lock)."""
         await self.conn.execute(
             "UPDATE maas_operations SET state = $2, last_status = COALESCE($3, last_status), "
-            "status_message = $4, result = $5::jsonb, updated_at = now() WHERE operation_id = $1",
+            "status_message = $4, result = $5::jsonb, lease_owner = NULL, lease_until = NULL, updated_at = now() "
+            "WHERE operation_id = $1",
             operation_id,
             outcome,
             status,
@@ -254,6 +349,12 @@ class GatewayRepositories:
     host_credentials: HostCredentialRepository
 
 
-def gateway_repositories(conn: Executor) -> GatewayRepositories:
-    """The factory a UnitOfWork (and the bus) builds `uow.repos` with."""
-    return GatewayRepositories(OperationRepository(conn), SiteCatalogRepository(conn), HostCredentialRepository(conn))
+def gateway_repositories(
+    conn: Executor, *, lease_owner: str | None = None, lease_s: float = 0.0
+) -> GatewayRepositories:
+    """The factory a UnitOfWork (and the bus) builds `uow.repos` with; the worker's writes name its lease."""
+    return GatewayRepositories(
+        OperationRepository(conn, lease_owner=lease_owner, lease_s=lease_s),
+        SiteCatalogRepository(conn),
+        HostCredentialRepository(conn),
+    )

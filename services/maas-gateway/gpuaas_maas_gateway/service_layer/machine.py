@@ -1,7 +1,8 @@
 """Submit and observe for the operations that change one machine (deploy, release, commission).
 
-Before each MAAS mutation the row is committed as `submitting`: a crash during the call leaves evidence,
-and a restarted worker treats it as unknown and observes instead of calling again. Only one operation
+Before each MAAS mutation the row is committed as `submitting` (with a fresh lease, longer than the
+call's timeout): a crash during the call leaves evidence, and the worker that takes the operation over
+once that lease has run out treats it as unknown and observes instead of calling again. Only one operation
 per machine may be submitting or unknown at a time, and the database enforces it (migration 004), so two
 workers that both saw the machine free cannot both submit.
 """

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -24,7 +27,7 @@ from gpuaas_common.unit_of_work import UnitOfWork
 from ..adapters.host_credentials import HostCredentials
 from ..adapters.maas_client import MaasClient
 from ..adapters.maas_errors import MaasError, MaasNoResponse, MaasUnreachable
-from ..adapters.repository import OPEN_STATES, GatewayRepositories, gateway_repositories
+from ..adapters.repository import OPEN_STATES, GatewayRepositories, LeaseLost, gateway_repositories
 from ..domain.breaker import CircuitBreaker
 from ..settings import GatewaySettings, SiteProfile
 from .metrics import BREAKER_OPENED, BREAKER_STATE, OP_DURATION
@@ -60,16 +63,29 @@ class Site:
     client: MaasClient
     semaphore: asyncio.Semaphore
     breaker: CircuitBreaker
+    limit: int = 1
 
     def publish_state(self) -> None:
         BREAKER_STATE.labels(self.name).set(int(self.breaker.state))
 
 
-def unit_of_work_factory(pool: asyncpg.Pool) -> Callable[..., UnitOfWork[GatewayRepositories]]:
+def unit_of_work_factory(
+    pool: asyncpg.Pool, *, lease_owner: str | None = None, lease_s: float = 0.0
+) -> Callable[..., UnitOfWork[GatewayRepositories]]:
+    def repositories(conn: Any) -> GatewayRepositories:
+        return gateway_repositories(conn, lease_owner=lease_owner, lease_s=lease_s)
+
     def factory(**kwargs: Any) -> UnitOfWork[GatewayRepositories]:
-        return UnitOfWork(pool, SCHEMA, SERVICE, gateway_repositories, **kwargs)
+        return UnitOfWork(pool, SCHEMA, SERVICE, repositories, **kwargs)
 
     return factory
+
+
+def lease_seconds(settings: GatewaySettings) -> float:
+    """How long an operation's lease lasts unless renewed: longer than any one MAAS call may take (every
+    call is bounded by maas_timeout_s), so a call the holder started has timed out before anybody else
+    may take the operation over and look at the machine."""
+    return max(2.0 * settings.maas_timeout_s, 1.0)
 
 
 class Operations:
@@ -84,8 +100,14 @@ class Operations:
     ) -> None:
         self.settings = settings
         self.pool = pool
-        self.unit_of_work = unit_of_work_factory(pool)
+        # This worker's name on the leases it takes: one per worker object, so a restarted process (or a
+        # second worker in one) never mistakes a lease of its predecessor for its own.
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self.lease_s = lease_seconds(settings)
+        # Every write of a step is fenced on this worker's lease of the operation.
+        self.unit_of_work = unit_of_work_factory(pool, lease_owner=self.owner, lease_s=self.lease_s)
         # Reads outside a transaction: they only choose what to try; every write re-checks in Postgres.
+        # The worker's lease statements (claim, renew, release) go this way too: one statement each.
         self.read = gateway_repositories(pool)
         self.clock = clock
         self.host_credentials = host_credentials
@@ -95,11 +117,13 @@ class Operations:
         self.sites: dict[str, Site] = {}
         for name, client in clients.items():
             limit = configured[name].max_concurrency if name in configured else None
+            limit = limit or settings.maas_max_concurrency
             self.sites[name] = Site(
                 name,
                 client,
-                asyncio.Semaphore(limit or settings.maas_max_concurrency),
+                asyncio.Semaphore(limit),
                 CircuitBreaker(settings.maas_breaker_failures, settings.maas_breaker_cooldown_s),
+                limit,
             )
             self.sites[name].publish_state()
 
@@ -186,6 +210,8 @@ class Operations:
             current = await uow.repos.operations.lock(row["operation_id"])
             if current is None or current["state"] not in OPEN_STATES:
                 return
+            if current["lease_owner"] != uow.repos.operations.lease_owner:
+                raise LeaseLost(row["operation_id"])
             if during is not None and outcome == "succeeded":
                 await during(uow.repos)
             await uow.repos.operations.finish(
