@@ -40,6 +40,17 @@ def notify_channel(schema: str) -> str:
     return f"gpuaas_outbox_{check_schema(schema)}"
 
 
+# What a Postgres restart or failover looks like to an open connection or a new one.
+CONNECTION_LOST = (
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, cannot connect now (starting up)
+    ConnectionError,
+    OSError,
+    TimeoutError,
+)
+
+
 @dataclass
 class PendingEvent:
     envelope: Envelope
@@ -153,33 +164,45 @@ class OutboxRelay:
         self.max_backoff_s = max_backoff_s
         self._wake = asyncio.Event()
         self._stopping = False
+        self._leading = False
         self.published = 0
 
     async def _connect(self) -> asyncpg.Connection:
         return await asyncpg.connect(self.dsn, server_settings={"search_path": self.schema})
 
     async def run(self) -> None:
-        lock_conn = await self._connect()
-        work_conn = await self._connect()
+        """Relay until stopped. A lost connection (Postgres restarted or failed over) ends the leadership with
+        the advisory lock it held: the relay connects again and queues for the lock again, and never sends
+        while another replica may be leader; it does not die (which would take the service with it)."""
+        backoff = 0.05
+        while not self._stopping:
+            self._leading = False
+            try:
+                await self._lead()
+            except CONNECTION_LOST as exc:
+                log.warning("relay_db_lost", schema=self.schema, error=f"{type(exc).__name__}: {exc}"[:300])
+                backoff = 0.05 if self._leading else min(backoff * 2, self.max_backoff_s)
+                await self._wait(backoff)
+
+    async def _lead(self) -> None:
+        lock_conn: asyncpg.Connection | None = None
+        work_conn: asyncpg.Connection | None = None
         try:
+            lock_conn = await self._connect()
+            work_conn = await self._connect()
             # One relay per schema keeps per-aggregate order across replicas and restarts.
             while not self._stopping and not await lock_conn.fetchval(
                 "SELECT pg_try_advisory_lock(hashtext($1))", f"gpuaas-relay:{self.schema}"
             ):
                 await self._wait(self.poll_interval_s)
             await lock_conn.add_listener(notify_channel(self.schema), self._on_notify)
+            self._leading = True
             log.info("relay_leader", schema=self.schema)
             backoff = 0.05
             while not self._stopping:
-                try:
-                    sent, failed = await self.drain_once(work_conn)
-                except (asyncpg.PostgresConnectionError, ConnectionError, OSError) as exc:
-                    log.warning("relay_db_error", schema=self.schema, error=str(exc))
-                    await self._wait(backoff)
-                    backoff = min(backoff * 2, self.max_backoff_s)
-                    if work_conn.is_closed():
-                        work_conn = await self._connect()
-                    continue
+                if lock_conn.is_closed():
+                    raise ConnectionError("the connection holding the relay lock is closed")
+                sent, failed = await self.drain_once(work_conn)
                 if failed:
                     await self._wait(backoff)
                     backoff = min(backoff * 2, self.max_backoff_s)
@@ -188,8 +211,9 @@ class OutboxRelay:
                 else:
                     await self._wait(self.poll_interval_s)
         finally:
-            await lock_conn.close()
-            await work_conn.close()
+            for conn in (lock_conn, work_conn):
+                if conn is not None and not conn.is_closed():
+                    conn.terminate()  # closing would wait on a server that may be gone
 
     def _on_notify(self, *_: Any) -> None:
         self._wake.set()

@@ -3,19 +3,25 @@ and a pool that carries on after the server restarted."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import asyncpg
+import nats
 import pytest
 
 from gpuaas_allocator.settings import AllocatorSettings
+from gpuaas_common.contract import messages as m
 from gpuaas_common.db import create_pool
+from gpuaas_common.jetstream import provision
 from gpuaas_common.migrations import apply_migrations
+from gpuaas_common.outbox import OutboxRelay, OutboxWriter
 from gpuaas_common.pg_roles import role_dsn
 from gpuaas_common.settings import ServiceSettings
 from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
+from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.servers import PostgresServer, free_port
 from gpuaas_image_pipeline.settings import ImagePipelineSettings
 from gpuaas_maas_gateway.settings import GatewaySettings
@@ -95,6 +101,64 @@ async def test_the_service_pool_carries_on_after_a_postgres_restart(durable_pg, 
         assert await pool.fetchval("SELECT count(*) FROM effects WHERE id = $1", effect) == 1
     finally:
         await pool.close()
+
+
+async def test_a_restart_can_turn_synchronous_commit_off_and_on_again(durable_pg, probe_dsn) -> None:
+    """The chaos run's way to lose the last commits on purpose: the server comes back with synchronous_commit
+    off (and says it is no longer durable), and a later restart makes it durable again."""
+    try:
+        durable_pg.restart("fast", synchronous_commit=False)
+        assert not durable_pg.durable
+        conn = await asyncpg.connect(probe_dsn)
+        try:
+            assert await _settings(conn) == {"fsync": "on", "synchronous_commit": "off", "full_page_writes": "on"}
+        finally:
+            await conn.close()
+    finally:
+        durable_pg.restart("immediate", synchronous_commit=True)
+    assert durable_pg.durable
+    conn = await asyncpg.connect(probe_dsn)
+    try:
+        assert await _settings(conn) == {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+async def test_the_outbox_relay_carries_on_after_a_postgres_restart(durable_pg, probe_dsn, nats_server, mode) -> None:
+    """Its connections (and the advisory lock one of them held) die with the server: the relay connects again,
+    leads again and relays what is written afterwards, instead of dying and taking its service with it."""
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await provision(js)
+    spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
+    relay = OutboxRelay(probe_dsn, SCHEMA, js, poll_interval_s=0.2)
+    task = asyncio.create_task(relay.run())
+
+    async def relayed() -> str:
+        alloc = uuid.uuid4()
+        conn = await asyncpg.connect(probe_dsn, server_settings={"search_path": SCHEMA})
+        async with conn.transaction():
+            await OutboxWriter(conn, SCHEMA, "test").add(
+                "allocation.release_requested",
+                m.AllocationReleaseRequested(allocation_id=alloc),
+                aggregate_id=str(alloc),
+            )
+        await conn.close()
+        found = await spy.wait_type("allocation.release_requested", timeout=30, allocation_id=alloc)
+        return str(found["payload"]["allocation_id"])
+
+    try:
+        await relayed()
+        durable_pg.restart(mode)
+        await relayed()
+        assert not task.done()
+    finally:
+        relay.stop()
+        await asyncio.wait_for(task, 10)
+        await spy.stop()
+        await nc.drain()
+    assert spy.violations == []
 
 
 def _multi_host(dsn: str, dead_port: int) -> str:

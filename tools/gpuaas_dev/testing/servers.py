@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import secrets
 import shutil
 import socket
@@ -360,13 +361,20 @@ class PostgresServer:
         self._pgdata = pgdata
         return self
 
-    def restart(self, mode: str = "fast", timeout_s: float = 60.0) -> None:
+    def restart(self, mode: str = "fast", timeout_s: float = 60.0, *, synchronous_commit: bool | None = None) -> None:
         """Stop (`fast`: disconnect clients and shut down cleanly; `immediate`: no shutdown checkpoint, crash
-        recovery at start, like a power cut) and start again on the same port and data. System Postgres only."""
+        recovery at start, like a power cut) and start again on the same port and data. System Postgres only.
+
+        `synchronous_commit` (when given) is the setting the server comes back with: `False` acknowledges
+        commits before their WAL is flushed, so a later immediate restart loses the last ones -- how a chaos
+        run loses commits on purpose. Command-line settings outrank ALTER SYSTEM, hence a restart."""
         if self._mode != "system":
             raise RuntimeError(f"restart needs the system Postgres, not {self._mode or 'an unstarted server'}")
         if mode not in ("fast", "immediate"):
             raise ValueError("mode is fast or immediate")
+        if synchronous_commit is not None:
+            setting = "on" if synchronous_commit else "off"
+            self._options = re.sub(r"-c synchronous_commit=\w+", f"-c synchronous_commit={setting}", self._options)
         pg_ctl = [*self._runas, str(self._bindir / "pg_ctl"), "-D", str(self._pgdata)]
         subprocess.run([*pg_ctl, "-m", mode, "-w", "stop"], check=True, stdout=subprocess.DEVNULL)
         subprocess.run(
@@ -388,8 +396,8 @@ class PostgresServer:
 
     @property
     def durable(self) -> bool:
-        """Whether a commit survives a crash: true unless started with `unsafe_no_fsync`."""
-        return not self.unsafe_no_fsync
+        """Whether a commit survives a crash: fsync and synchronous_commit both on."""
+        return not self.unsafe_no_fsync and "synchronous_commit=off" not in getattr(self, "_options", "")
 
     def _initdb(self, bindir: Path, pgdata: Path) -> None:
         """Password (SCRAM) authentication on TCP, so per-service roles and their passwords mean something.
