@@ -87,6 +87,7 @@ def test_deploy_goes_to_deploying_then_deployed(status: NodeStatus) -> None:
     deploy(m, user_data=b"#cloud-config\n", agent_name="a1")
     assert (m.status, m.owner, m.power_state) == (S.DEPLOYING, "admin", "on")
     assert m.last_deploy is not None and m.last_deploy["user_data"] == b"#cloud-config\n"
+    assert m.deploys == [{"agent_name": "a1", "at": T0}]
     if status is S.READY:
         # Ready -> Allocated -> Deploying in one call.
         assert [t.to_status for t in m.history] == [S.ALLOCATED, S.DEPLOYING]
@@ -105,6 +106,7 @@ def test_deploy_refused_in_every_other_state(status: NodeStatus) -> None:
     assert err.value.status == 409
     assert err.value.body == f"Can't deploy a machine that is in the '{STATUS_LABELS[status]}' state"
     assert m.status is status
+    assert m.deploys == []  # a refused deploy is not counted as one MAAS committed
 
 
 def test_deploy_can_end_in_failed_deployment_with_message() -> None:

@@ -186,6 +186,8 @@ class Machine:
     erase_mode: str | None = None
     last_deploy: dict[str, Any] | None = None
     history: list[Transition] = field(default_factory=list)
+    # Every deploy MAAS committed (its agent_name and time): a checker counts deploys per allocation.
+    deploys: list[dict[str, Any]] = field(default_factory=list)
     # MAAS creates a new commissioning result set for every run; clients tell a finished run from
     # one that never started by comparing this id with the one seen before asking.
     current_commissioning_result_id: int = 0
@@ -298,6 +300,7 @@ class Machine:
         self.osystem = osystem
         self.distro_series = distro_series
         self.hwe_kernel = hwe_kernel
+        self.deploys.append({"agent_name": agent_name or "", "at": now})
         self.last_deploy = {
             "at": now,
             "osystem": osystem,

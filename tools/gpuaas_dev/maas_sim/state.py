@@ -110,5 +110,6 @@ class SimState:
                 for t in machine.history
             ],
             "calls": {op: c[system_id] for op, c in self.calls.items() if c.get(system_id)},
+            "deploys": [{"agent_name": d["agent_name"], "ago_seconds": now - d["at"]} for d in machine.deploys],
         }
         return data

@@ -16,8 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
+import xml.etree.ElementTree as ET  # noqa: S405 - our own libvirt's XML
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
+
+from aiohttp import web
 
 from gpuaas_common.bus import PermanentError
 from gpuaas_common.contract import derived_event_id
@@ -30,6 +34,7 @@ from gpuaas_common.logging import get_logger
 from gpuaas_common.natsconn import NatsIdentity, split_servers
 from gpuaas_common.runtime import ServiceRuntime, run_service
 from gpuaas_node_agent.adapters.host_link import HostLink
+from gpuaas_node_agent.adapters.libvirt_host import LibvirtHost
 from gpuaas_node_agent.entrypoints.host import AGENT_VERSION, open_host_bus, run_slice_host, slice_host_enrolment
 from gpuaas_node_agent.service_layer.host_paths import HostPaths
 
@@ -109,11 +114,14 @@ def build_register(settings: SimFleetSettings):
         # Ready once every slice host has its own link up; a host that cannot connect keeps the
         # process unready and says why in the log, the other hosts work on.
         rt.health.checks["hosts"] = lambda: all(link.bus is not None for link in links.values())
+        observer = await _start_observer(hosts)
+        rt.ready_info["sim_port"] = observer.addresses[0][1]
 
         async def close() -> None:
             await asyncio.gather(*(host.shut_down() for host in hosts), return_exceptions=True)
             await asyncio.gather(*(link.close() for link in links.values()), return_exceptions=True)
             await asyncio.gather(*(sim.stop() for sim in sims), return_exceptions=True)
+            await observer.cleanup()
 
         rt.on_stop.append(close)
 
@@ -131,6 +139,8 @@ class _SimulatedSliceHost:
             self.paths.host(settings.dnsmasq_hostsdir), self.paths.host(settings.dnsmasq_lease_file), ssh_port
         )
         self._agent: asyncio.Task[None] | None = None
+        # This boot's hypervisor connection: a private test hypervisor is seen by no other connection.
+        self.libvirt: LibvirtHost | None = None
 
     async def first_boot(self) -> None:
         _prepare_host_tree(self.settings, self.node, self.paths)
@@ -141,6 +151,7 @@ class _SimulatedSliceHost:
 
     async def boot(self) -> None:
         """Start the agent (it runs until `shut_down`); returns at once."""
+        self.libvirt = LibvirtHost(self.settings.libvirt_uri)
         self._agent = asyncio.create_task(
             run_slice_host(
                 self.settings,
@@ -150,6 +161,7 @@ class _SimulatedSliceHost:
                 self.ssh_port,
                 self.link,
                 bridge_cidr=fleet_bridge_cidr(self.node),
+                libvirt=self.libvirt,
             ),
             name=f"agent-{self.node.node_id}",
         )
@@ -159,6 +171,21 @@ class _SimulatedSliceHost:
         if not task.cancelled() and task.exception() is not None:
             log.error("sim_slice_agent_failed", node_id=self.node.node_id, error=repr(task.exception()))
 
+    async def observed(self) -> dict[str, Any]:
+        """What the host runs right now: its hypervisor's domains and its DHCP reservation files."""
+        if self._agent is None or self.libvirt is None:
+            return {"agent": False, "domains": [], "reservations": []}
+        domains = []
+        for d in await self.libvirt.list_domains():
+            xml = await self.libvirt.xml(d.name)
+            domains.append({"name": d.name, "uuid": d.uuid, "state": d.state.value, **_domain_devices(xml or "")})
+        hostsdir = self.paths.host(self.settings.dnsmasq_hostsdir)
+        return {
+            "agent": not self._agent.done(),
+            "domains": domains,
+            "reservations": sorted(p.name for p in hostsdir.iterdir()) if hostsdir.is_dir() else [],
+        }
+
     async def shut_down(self) -> None:
         if self._agent is not None:
             self._agent.cancel()
@@ -166,6 +193,35 @@ class _SimulatedSliceHost:
                 await self._agent
             self._agent = None
         await self.link.close()
+
+
+def _domain_devices(xml: str) -> dict[str, list[str]]:
+    """The host devices a domain holds: PCI functions passed through and the disks it was given."""
+    try:
+        root = ET.fromstring(xml)
+    except ET.ParseError:
+        return {"pci": [], "disks": []}
+    pci = []
+    for addr in root.findall("./devices/hostdev/source/address"):
+        parts = (int(addr.get(k, "0"), 16) for k in ("domain", "bus", "slot", "function"))
+        pci.append("{:04x}:{:02x}:{:02x}.{:x}".format(*parts))
+    disks = [src.get("dev") or src.get("file") or "" for src in root.findall("./devices/disk[@device='disk']/source")]
+    return {"pci": sorted(pci), "disks": sorted(disks)}
+
+
+async def _start_observer(hosts: list[_SimulatedSliceHost]) -> web.AppRunner:
+    """`GET /sim/hosts` on loopback: each simulated slice host's domains and reservations, for checkers that
+    compare what the control plane believes with what the hosts run (the port goes in the ready file)."""
+
+    async def observe(_: web.Request) -> web.Response:
+        return web.json_response({host.node.node_id: await host.observed() for host in hosts})
+
+    app = web.Application()
+    app.router.add_get("/sim/hosts", observe)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner
 
 
 async def _run_instant_host(settings: SimFleetSettings, node: FleetNode, link: HostLink) -> None:

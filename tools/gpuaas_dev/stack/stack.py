@@ -398,11 +398,23 @@ class Stack:
             raise StackError("stack not started")
         return self._nats.servers
 
-    def restart_postgres(self, mode: str = "fast") -> None:
-        """Restart Postgres (`fast` or `immediate`, which skips the shutdown checkpoint like a crash)."""
+    def restart_postgres(self, mode: str = "fast", *, synchronous_commit: bool | None = None) -> None:
+        """Restart Postgres (`fast` or `immediate`, which skips the shutdown checkpoint like a crash).
+
+        `synchronous_commit=False` brings it back acknowledging commits before they are flushed, so the next
+        immediate restart loses the last ones on purpose; `True` makes it durable again."""
         if self._pg is None:
             raise StackError("stack not started")
-        self._pg.restart(mode)
+        self._pg.restart(mode, synchronous_commit=synchronous_commit)
+
+    @property
+    def fleet_sim_url(self) -> str:
+        """The simulated fleet's observer (`GET /sim/hosts`: each slice host's libvirt domains and DHCP
+        reservations), for checkers that compare the control plane's beliefs with what the hosts run."""
+        port = self._get("node-agent").info.get("sim_port")
+        if not port:
+            raise StackError("the simulated fleet is not up")
+        return f"http://127.0.0.1:{port}"
 
     def kill(self, service: str, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to the service's process; for SIGKILL/SIGTERM, return once it has exited."""

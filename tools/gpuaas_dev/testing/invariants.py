@@ -77,7 +77,148 @@ async def double_booking(conn: asyncpg.Connection) -> list[str]:
         "WHERE tstzrange(a.created_at, coalesce(a.released_at, 'infinity')) && "
         "      tstzrange(b.created_at, coalesce(b.released_at, 'infinity'))"
     )
-    return [f"{r['slot_id'] or r['node_id']} was held by {r['first']} and {r['second']} at the same time" for r in rows]
+    out = [f"{r['slot_id'] or r['node_id']} was held by {r['first']} and {r['second']} at the same time" for r in rows]
+    # A device two slots share (a slot redefined over another's disk, GPU or fabric VF), and a whole-node claim
+    # beside a slot claim on the same node, are double bookings too although the slot ids differ.
+    rows = await conn.fetch(
+        "WITH held AS (SELECT c.claim_id, c.allocation_id, c.node_id, c.slot_id, c.claim_kind, d.kind, d.device, "
+        "  tstzrange(c.created_at, coalesce(c.released_at, 'infinity')) AS span "
+        "  FROM scheduler.allocation_resource_claims c "
+        "  LEFT JOIN scheduler.node_resource_slots s ON s.slot_id = c.slot_id "
+        "  LEFT JOIN LATERAL (VALUES ('gpu', s.gpu_pci_address), ('disk', s.nvme_by_id), "
+        "    ('fabric device', s.fabric_vf_pci_address)) d(kind, device) ON c.claim_kind = 'slot') "
+        "SELECT DISTINCT a.node_id, CASE WHEN a.claim_kind = b.claim_kind THEN a.kind ELSE 'node' END AS kind, "
+        "  CASE WHEN a.claim_kind = b.claim_kind THEN a.device END AS device, "
+        "  a.allocation_id AS first, b.allocation_id AS second FROM held a JOIN held b "
+        "ON a.claim_id < b.claim_id AND a.allocation_id <> b.allocation_id AND a.node_id = b.node_id "
+        "AND a.span && b.span "
+        "AND ((a.kind = b.kind AND a.device = b.device AND a.slot_id <> b.slot_id) "
+        "  OR (a.claim_kind = 'node_exclusive') <> (b.claim_kind = 'node_exclusive'))"
+    )
+    out += [
+        f"{' '.join(filter(None, (r['kind'], r['device'])))} on {r['node_id']} was held by {r['first']} and "
+        f"{r['second']} at the same time"
+        for r in rows
+    ]
+    return out
+
+
+async def allocations_and_claims(conn: asyncpg.Connection) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every allocation (id, shape, state, node, MAAS machine) and every held claim with its slot's devices."""
+    allocations = [
+        dict(r)
+        for r in await conn.fetch(
+            "SELECT allocation_id::text, shape, state, node_id, maas_system_id FROM allocator.allocations"
+        )
+    ]
+    claims = [
+        dict(r)
+        for r in await conn.fetch(
+            "SELECT c.allocation_id::text, c.node_id, c.slot_id, c.claim_kind, s.gpu_pci_address, "
+            "s.fabric_vf_pci_address, s.nvme_by_id FROM scheduler.allocation_resource_claims c "
+            "LEFT JOIN scheduler.node_resource_slots s USING (slot_id) WHERE c.status = 'held'"
+        )
+    ]
+    return allocations, claims
+
+
+def lifecycle_violations(requested: list[str], allocations: list[dict[str, Any]]) -> list[str]:
+    """Every requested allocation is known to the allocator (none lost) and settled: active or terminal."""
+    by_id = {a["allocation_id"]: a for a in allocations}
+    out = [f"allocation {a} was requested and the allocator has no record of it" for a in requested if a not in by_id]
+    out += [
+        f"allocation {a} is still {by_id[a]['state']}"
+        for a in requested
+        if a in by_id and by_id[a]["state"] not in (*TERMINAL, "active")
+    ]
+    return out
+
+
+def vm_name(allocation_id: str) -> str:
+    """The domain name the allocator gives a slice allocation's VM."""
+    return f"gpuaas-{allocation_id[:8]}"
+
+
+def host_violations(
+    allocations: list[dict[str, Any]], claims: list[dict[str, Any]], hosts: dict[str, dict[str, Any]]
+) -> list[str]:
+    """At a quiet moment (nothing in flight), what the slice hosts run against what the control plane believes:
+    exactly one running VM per active slice allocation, on the node it is placed on, passed exactly the GPUs
+    and fabric devices its held claims name and given their disks; no VM that no active allocation explains.
+    `hosts` is the simulated fleet's `/sim/hosts` answer."""
+    out: list[str] = []
+    active = {a["allocation_id"]: a for a in allocations if a["shape"] == "gpu_slice" and a["state"] == "active"}
+    by_name = {vm_name(a_id): a for a_id, a in active.items()}
+    seen: dict[str, list[str]] = {}
+    for node, host in hosts.items():
+        for dom in host["domains"]:
+            seen.setdefault(dom["name"], []).append(node)
+            alloc = by_name.get(dom["name"])
+            if alloc is None:
+                out.append(f"VM {dom['name']} ({dom['state']}) on {node} belongs to no active slice allocation")
+                continue
+            if alloc["node_id"] != node:
+                out.append(
+                    f"VM {dom['name']} runs on {node} but {alloc['allocation_id']} is placed on {alloc['node_id']}"
+                )
+                continue
+            if dom["state"] != "running":
+                out.append(f"VM {dom['name']} of active {alloc['allocation_id']} is {dom['state']}")
+            held = [c for c in claims if c["allocation_id"] == alloc["allocation_id"] and c["node_id"] == node]
+            want_pci = sorted(
+                (d or "").lower() for c in held for d in (c["gpu_pci_address"], c["fabric_vf_pci_address"]) if d
+            )
+            if sorted(p.lower() for p in dom.get("pci", [])) != want_pci:
+                out.append(f"VM {dom['name']} holds PCI {dom.get('pci')} but its claims name {want_pci}")
+            for c in held:
+                if c["nvme_by_id"] and not any(str(c["nvme_by_id"]) in d for d in dom.get("disks", [])):
+                    out.append(f"VM {dom['name']} lacks the disk {c['nvme_by_id']} of its claimed slot {c['slot_id']}")
+    for name, nodes in seen.items():
+        if len(nodes) > 1:
+            out.append(f"VM {name} runs on {len(nodes)} hosts: {sorted(nodes)}")
+    for name, alloc in by_name.items():
+        if name not in seen:
+            out.append(f"active slice allocation {alloc['allocation_id']} has no VM on {alloc['node_id']}")
+    return out
+
+
+def maas_violations(
+    allocations: list[dict[str, Any]], machines: list[dict[str, Any]], baremetal_system_ids: set[str]
+) -> list[str]:
+    """The MAAS simulator's machines against the allocations: no allocation deployed twice (each deploy MAAS
+    committed names its allocation as agent_name), exactly one deploy for each active baremetal allocation on
+    its machine, which is Deployed for it; no baremetal machine Deployed that no active allocation explains.
+    `machines` is the simulator's `/_sim/machines` list."""
+    out: list[str] = []
+    known = {a["allocation_id"]: a for a in allocations}
+    deploys: dict[str, list[str]] = {}
+    for machine in machines:
+        for d in machine["_sim"].get("deploys", []):
+            deploys.setdefault(d["agent_name"], []).append(machine["system_id"])
+    for alloc_id, where in deploys.items():
+        if alloc_id not in known:
+            out.append(f"MAAS deployed {where} for {alloc_id!r}, an allocation the allocator does not know")
+        elif len(where) > 1:
+            out.append(f"allocation {alloc_id} was deployed {len(where)} times: {where}")
+    active = {a["maas_system_id"]: a for a in allocations if a["shape"] == "baremetal" and a["state"] == "active"}
+    for system_id, a in active.items():
+        if deploys.get(a["allocation_id"]) != [system_id]:
+            out.append(
+                f"active baremetal {a['allocation_id']} on {system_id} has deploys {deploys.get(a['allocation_id'])}"
+            )
+    for machine in machines:
+        sid = machine["system_id"]
+        if sid not in baremetal_system_ids:
+            continue
+        if machine["status_name"] == "Deployed" and sid not in active:
+            out.append(f"machine {sid} is Deployed (for {machine['_sim'].get('agent_name')}) with no active allocation")
+        if sid in active and machine["status_name"] != "Deployed":
+            out.append(f"machine {sid} of active {active[sid]['allocation_id']} is {machine['status_name']}")
+        if sid in active and machine["_sim"].get("agent_name") != active[sid]["allocation_id"]:
+            out.append(
+                f"machine {sid} is deployed for {machine['_sim'].get('agent_name')}, not {active[sid]['allocation_id']}"
+            )
+    return out
 
 
 async def outbox_backlog(conn: asyncpg.Connection) -> dict[str, int]:

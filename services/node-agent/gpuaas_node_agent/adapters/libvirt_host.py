@@ -157,6 +157,22 @@ class LibvirtHost:
     async def state(self, name: str) -> DomainState:
         return await self._call(self._state_sync, name)
 
+    async def xml(self, name: str) -> str | None:
+        """The domain's live XML, None when there is no such domain."""
+
+        def _xml() -> str | None:
+            dom = self._lookup(name)
+            if dom is None:
+                return None
+            try:
+                return str(dom.XMLDesc(0))
+            except libvirt.libvirtError as exc:
+                if _code(exc) == libvirt.VIR_ERR_NO_DOMAIN:
+                    return None
+                raise LibvirtHostError.wrap("xml", name, exc) from exc
+
+        return await self._call(_xml)
+
     async def list_domains(self) -> list[DomainSummary]:
         def _list() -> list[DomainSummary]:
             try:

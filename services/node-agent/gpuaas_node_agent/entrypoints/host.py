@@ -44,7 +44,10 @@ async def run_slice_host(
     link: HostLink,
     *,
     bridge_cidr: str | None = None,
+    libvirt: LibvirtHost | None = None,
 ) -> None:
+    """`libvirt`: the hypervisor connection to use; the simulated fleet passes its own so that it can read
+    the domains of a private test hypervisor, which no second connection sees."""
     bus, spec = await open_host_bus(settings, node_id, link)
     paths = HostPaths(root)
     store = StateStore(paths.host(settings.state_dir) / "agent.sqlite")
@@ -52,7 +55,7 @@ async def run_slice_host(
         node_id,
         paths,
         store,
-        LibvirtHost(settings.libvirt_uri),
+        libvirt or LibvirtHost(settings.libvirt_uri),
         bus.publish,
         image_cache_dir=settings.image_cache_dir,
         hostsdir=settings.dnsmasq_hostsdir,
