@@ -1,36 +1,59 @@
-"""End-to-end latency (requested -> active) at a steady request rate, and outbox relay throughput
-next to a raw JetStream publish rate measured in the same run.
+"""Cost and latency of the control plane: a sweep of offered load on instant simulated hosts, with Postgres
+durable (fsync and synchronous_commit on), and the outbox relay's throughput next to raw JetStream.
 
-Two stacks run one after the other: one whose simulated hosts answer tasks instantly (the control
-plane alone, at --rate), and one whose simulated hosts do the real work (qemu-img clone, seed ISO,
-libvirt test driver, DHCP lease and SSH banner, zero-fill wipe and verification) at --full-rate.
+Per offered load (allocations/s) it reports requested -> active p50/p99, the share that went active, and the
+CPU milliseconds each process of the stack spent per allocation (allocate + release cycle), read from
+/proc/<pid>/stat (utime+stime of the process and every live descendant, plus what reaped children left in
+cutime+cstime: Postgres is its whole process tree, backends included) before and after the measured window.
+The window runs from the first request until every cycle has ended, every durable consumer has drained and
+every outbox is empty. Idle CPU per second (same processes, no load) is measured before each point.
 
-    .venv/bin/python bench/pipeline.py --json [--rate 50] [--duration 10]
+Baselines from the same stack, right before each point (the machine is noisy: read ratios):
+- raw JetStream: publish with PubAck -> durable pull consumer -> ack, at the point's rate (latency and
+  nats-server CPU per message);
+- raw Postgres: one durable INSERT commit after another (latency, commits/s).
 
-Not a test: it prints numbers. The machine is noisy, so compare ratios, not absolute times.
+    .venv/bin/python bench/pipeline.py --json                          # 10, 50, 100, 200 allocations/s
+    .venv/bin/python bench/pipeline.py --rates 50 --duration 20 --json
+    .venv/bin/python bench/pipeline.py --nats-cluster 3 --json         # the same sweep on a 3-server cluster
+    .venv/bin/python bench/pipeline.py --full-rate 5 --open-bus --json # plus full simulated hosts, open bus
+
+Not a test: it prints numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
+import math
+import os
 import statistics
 import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import nats
+from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
+from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import OutboxRelay, OutboxWriter
 from gpuaas_dev.stack import Stack
+from gpuaas_dev.testing.invariants import outbox_backlog
+from gpuaas_scheduler.adapters import inventory as inv
+
+CONTROL_PLANE = ("allocator", "scheduler", "image-pipeline", "maas-gateway")
+TERMINAL = ("allocation.failed", "allocation.unschedulable", "allocation.rejected")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -40,43 +63,241 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-async def e2e_latency(stack: Stack, rate: float, duration: float, gpus: int) -> dict:
-    # As the portal: publishes requests and releases, reads the lifecycle (on an open stack: anonymous).
+# --- CPU accounting from /proc ------------------------------------------------------------------------
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_table() -> dict[int, tuple[int, int, int]]:
+    """pid -> (ppid, utime+stime, cutime+cstime: what the children it reaped spent)."""
+    table: dict[int, tuple[int, int, int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                text = f.read().decode()
+        except OSError:
+            continue  # exited meanwhile: its time is in its parent's cutime once reaped
+        fields = text[text.rindex(")") + 2 :].split()
+        # fields[0] is state (field 3); ppid is field 4, utime, stime, cutime, cstime fields 14..17.
+        table[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14]))
+    return table
+
+
+def tree_ticks(table: dict[int, tuple[int, int, int]], root: int) -> int:
+    """CPU ticks of `root` and all its live descendants, including the children they reaped. A child that
+    exits during the window moves from the live sum to its parent's cutime, so deltas stay right."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table:
+            total += table[pid][1] + table[pid][2]
+            todo.extend(children.get(pid, ()))
+    return total
+
+
+def stack_pids(stack: Stack) -> dict[str, list[int]]:
+    """Root pid(s) of every process the stack runs, by the name the report uses."""
+    pids: dict[str, list[int]] = {}
+    for name in ("allocator", "scheduler", "image-pipeline", "maas-gateway", "node-agent", "maas-sim"):
+        pid = stack.pid(name)
+        if pid:
+            pids["sim-fleet" if name == "node-agent" else name] = [pid]
+    nats_obj = stack._nats  # noqa: SLF001 - the bench reads the server processes the stack started
+    servers = getattr(nats_obj, "servers", None) or [nats_obj]
+    pids["nats-server"] = [s.proc.pid for s in servers if getattr(s, "proc", None) is not None]
+    pg = stack._pg  # noqa: SLF001
+    pgdata = getattr(pg, "_pgdata", None)
+    if pgdata is not None:
+        try:
+            pids["postgres"] = [int(Path(pgdata, "postmaster.pid").read_text().split()[0])]
+        except (OSError, ValueError, IndexError):
+            pass
+    pids["bench-client"] = [os.getpid()]
+    return pids
+
+
+def cpu_snapshot(pids: dict[str, list[int]]) -> dict[str, float]:
+    table = _proc_table()
+    out = {name: sum(tree_ticks(table, p) for p in roots) * 1000.0 / CLK_TCK for name, roots in pids.items()}
+    # The bench spawned the services and NATS: its tree is the whole stack. Its own share is its process alone.
+    me = table.get(os.getpid())
+    out["bench-client"] = (me[1] if me else 0) * 1000.0 / CLK_TCK
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before[name] for name in before}
+
+
+# --- baselines ------------------------------------------------------------------------------------------
+
+
+async def raw_jetstream(stack: Stack, pids: dict[str, list[int]], rate: float, count: int) -> dict:
+    """Publish (PubAck) -> durable pull consumer -> ack, on a file stream of its own, at `rate`: one hop of
+    the pipeline with nothing of ours in it."""
+    nc = await nats.connect(**stack.nats_options("admin"))
+    js = nc.jetstream()
+    stream = f"BENCHRAW{uuid.uuid4().hex[:8].upper()}"
+    subject = f"gpuaas.benchraw.{stream.lower()}"
+    replicas = getattr(stack, "nats_cluster", None) or 1
+    await js.add_stream(
+        StreamConfig(name=stream, subjects=[subject], storage=StorageType.FILE, num_replicas=int(replicas))
+    )
+    await js.add_consumer(stream, ConsumerConfig(durable_name="raw", ack_policy=AckPolicy.EXPLICIT))
+    sub = await js.pull_subscribe_bind("raw", stream=stream)
+    sent: dict[str, float] = {}
+    lat: list[float] = []
+    body = b"x" * 600  # about an envelope's size
+
+    async def consume() -> None:
+        while len(lat) < count:
+            try:
+                msgs = await sub.fetch(1, timeout=1.0)
+            except nats.errors.TimeoutError:
+                continue
+            for msg in msgs:
+                await msg.ack()
+                lat.append((time.perf_counter() - sent[msg.headers["Nats-Msg-Id"]]) * 1000)
+
+    consumer = asyncio.create_task(consume())
+    before = cpu_snapshot(pids)
+    start = time.perf_counter()
+    for i in range(count):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        msg_id = f"raw-{i}"
+        sent[msg_id] = time.perf_counter()
+        await js.publish(subject, body, headers={"Nats-Msg-Id": msg_id})
+    await asyncio.wait_for(consumer, timeout=60)
+    cpu = cpu_delta(before, cpu_snapshot(pids))
+    await js.delete_stream(stream)
+    await nc.drain()
+    return {
+        "messages": count,
+        "p50_ms": round(pct(lat, 0.5), 2),
+        "p99_ms": round(pct(lat, 0.99), 2),
+        "nats_server_cpu_ms_per_msg": round(cpu["nats-server"] / count, 3),
+    }
+
+
+async def raw_postgres(stack: Stack, seconds: float) -> dict:
+    """Durable single-row INSERT commits, one after another: the floor under every unit of work."""
+    conn = await asyncpg.connect(stack.dsn)
+    await conn.execute("CREATE TABLE IF NOT EXISTS public.bench_commit (id bigserial, body bytea)")
+    lat: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        s = time.perf_counter()
+        await conn.execute("INSERT INTO public.bench_commit (body) VALUES ($1)", b"x" * 600)
+        lat.append((time.perf_counter() - s) * 1000)
+    await conn.execute("DROP TABLE public.bench_commit")
+    await conn.close()
+    return {
+        "commits_per_s": round(len(lat) / seconds),
+        "p50_ms": round(pct(lat, 0.5), 3),
+        "p99_ms": round(pct(lat, 0.99), 3),
+    }
+
+
+# --- the load -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cycles:
+    sent: dict[str, float] = field(default_factory=dict)
+    active: dict[str, float] = field(default_factory=dict)
+    released: set[str] = field(default_factory=set)
+    failed: dict[str, str] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    total_sent: bool = False
+
+    def check(self) -> None:
+        if self.total_sent and len(self.released) + len(self.failed) >= len(self.sent):
+            self.done.set()
+
+
+async def settle(js: Any, db: asyncpg.Connection, timeout_s: float) -> dict:
+    """Every durable drained and every outbox empty: nothing of the last load is still being worked on. One
+    CONSUMER.LIST per stream and round (not one request per durable: the fleet has hundreds), so that the
+    bench's own polling stays a small part of what it measures."""
+    streams = sorted({c.stream for c in CONSUMERS} | {node_agent_consumer("x").stream})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy: dict[str, dict[str, int]] = {}
+        for stream in streams:
+            offset = 0
+            while True:
+                infos = await js.consumers_info(stream, offset=offset or None)
+                for info in infos:
+                    pending, unacked = info.num_pending or 0, info.num_ack_pending or 0
+                    if pending or unacked:
+                        busy[info.name] = {"pending": pending, "ack_pending": unacked}
+                if len(infos) < 256:
+                    break
+                offset += len(infos)
+        backlog = {k: v for k, v in (await outbox_backlog(db)).items() if v}
+        if (not busy and not backlog) or time.monotonic() >= deadline:
+            return {"undrained": busy, "outbox": backlog}
+        await asyncio.sleep(0.25)
+
+
+async def sweep_point(
+    stack: Stack, pids: dict[str, list[int]], rate: float, duration: float, gpus: int, idle_s: float
+) -> dict:
     nc = await nats.connect(**stack.nats_options("portal"))
     js = nc.jetstream()
-    sent: dict[str, float] = {}
-    active: dict[str, float] = {}
-    failed: dict[str, str] = {}
-    done = asyncio.Event()
-    total = int(rate * duration)
+    admin = await nats.connect(**stack.nats_options("admin"))
+    admin_js = admin.jetstream()
+    db = await asyncpg.connect(stack.dsn)
+    total = max(1, int(rate * duration))
 
-    async def on_event(msg) -> None:
+    # Idle: what the stack burns with no load (heartbeats, pollers, fetch loops); charged to no allocation.
+    await settle(admin_js, db, 120)
+    before = cpu_snapshot(pids)
+    await asyncio.sleep(idle_s)
+    idle = {k: v / idle_s for k, v in cpu_delta(before, cpu_snapshot(pids)).items()}
+
+    raw_js = await raw_jetstream(stack, pids, rate, max(50, min(total, int(rate * 3))))
+    raw_pg = await raw_postgres(stack, 1.0)
+    await settle(admin_js, db, 60)
+
+    c = Cycles()
+
+    async def release(alloc: str) -> None:
+        body = m.AllocationReleaseRequested(allocation_id=uuid.UUID(alloc), reason="bench")
+        env = Envelope.wrap(
+            "allocation.release_requested", body.model_dump(mode="json"), producer="bench", correlation_id=alloc
+        )
+        await js.publish(
+            "gpuaas.allocation.release_requested", env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id}
+        )
+
+    async def on_event(msg: Any) -> None:
         data = json.loads(msg.data)
         alloc = data["payload"].get("allocation_id")
-        if alloc not in sent:
+        if alloc not in c.sent:
             return
         kind = data["type"]
-        if kind == "allocation.active":
-            active[alloc] = time.perf_counter()
-            release = m.AllocationReleaseRequested(allocation_id=uuid.UUID(alloc), reason="bench")
-            env = Envelope.wrap(
-                "allocation.release_requested", release.model_dump(mode="json"), producer="bench", correlation_id=alloc
-            )
-            await js.publish(
-                "gpuaas.allocation.release_requested",
-                env.model_dump_json().encode(),
-                headers={"Nats-Msg-Id": env.event_id},
-            )
-        elif kind in ("allocation.failed", "allocation.unschedulable", "allocation.rejected"):
-            failed[alloc] = data["payload"].get("reason_code", kind)
-        if len(active) + len(failed) >= total:
-            done.set()
+        if kind == "allocation.active" and alloc not in c.active:
+            c.active[alloc] = time.perf_counter()
+            await release(alloc)
+        elif kind == "allocation.released":
+            c.released.add(alloc)
+        elif kind in TERMINAL:
+            c.failed[alloc] = data["payload"].get("reason_code") or kind
+        c.check()
 
     await nc.subscribe("gpuaas.allocation.event.>", cb=on_event)
-    start = time.perf_counter()
+    before = cpu_snapshot(pids)
+    t0 = time.perf_counter()
     for i in range(total):
-        target = start + i / rate
-        delay = target - time.perf_counter()
+        delay = t0 + i / rate - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         alloc = str(uuid.uuid4())
@@ -90,27 +311,68 @@ async def e2e_latency(stack: Stack, rate: float, duration: float, gpus: int) -> 
             ssh_public_keys=["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBench bench@gpuaas"],
         )
         env = Envelope.wrap("allocation.requested", req.model_dump(mode="json"), producer="bench", correlation_id=alloc)
-        sent[alloc] = time.perf_counter()
+        c.sent[alloc] = time.perf_counter()
         await js.publish(
             "gpuaas.allocation.requested", env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id}
         )
-    offered_s = time.perf_counter() - start
+    offered_s = time.perf_counter() - t0
+    c.total_sent = True
+    c.check()
+    timed_out = False
     try:
-        await asyncio.wait_for(done.wait(), timeout=max(60.0, duration * 6))
-    except asyncio.TimeoutError:
-        pass
+        await asyncio.wait_for(c.done.wait(), timeout=max(120.0, duration * 10))
+    except TimeoutError:
+        timed_out = True
+    left = await settle(admin_js, db, 120)
+    window_s = time.perf_counter() - t0
+    cpu = cpu_delta(before, cpu_snapshot(pids))
     await nc.drain()
-    latencies = [(active[a] - sent[a]) * 1000 for a in active]
+    await admin.drain()
+    await db.close()
+
+    latencies = [(c.active[a] - c.sent[a]) * 1000 for a in c.active]
+    per_alloc = {k: round(v / total, 2) for k, v in cpu.items()}
+    net = {k: round(max(0.0, cpu[k] - idle[k] * window_s) / total, 2) for k in cpu}
+    control = sum(per_alloc[s] for s in CONTROL_PLANE if s in per_alloc)
+    control_net = sum(net[s] for s in CONTROL_PLANE if s in net)
+    p50, p99 = pct(latencies, 0.5), pct(latencies, 0.99)
     return {
+        "offered_per_s": rate,
         "requests": total,
-        "offered_rate_per_s": round(total / offered_s, 1),
-        "active": len(active),
-        "failed": len(failed),
-        "failure_reasons": sorted(set(failed.values())),
-        "p50_ms": round(pct(latencies, 0.50), 1),
-        "p99_ms": round(pct(latencies, 0.99), 1),
+        "achieved_offer_per_s": round(total / offered_s, 1),
+        "active": len(c.active),
+        "active_share": round(len(c.active) / total, 4),
+        "released": len(c.released),
+        "failed": len(c.failed),
+        "failure_reasons": sorted(set(c.failed.values())),
+        "timed_out": timed_out,
+        "p50_ms": round(p50, 1),
+        "p99_ms": round(p99, 1),
         "mean_ms": round(statistics.fmean(latencies), 1) if latencies else None,
+        "window_s": round(window_s, 2),
+        "cpu_ms_per_allocation": per_alloc,
+        "cpu_ms_per_allocation_net_of_idle": net,
+        "control_plane_cpu_ms_per_allocation": round(control, 2),
+        "control_plane_cpu_ms_per_allocation_net_of_idle": round(control_net, 2),
+        "cpu_cores_used": round(sum(v for k, v in cpu.items() if k != "bench-client") / 1000 / window_s, 2),
+        "idle_cpu_ms_per_s": {k: round(v, 2) for k, v in idle.items()},
+        "baseline_raw_jetstream": raw_js,
+        "baseline_raw_postgres_commit": raw_pg,
+        "p50_over_raw_jetstream_p50": _ratio(p50, raw_js["p50_ms"]),
+        "p50_over_raw_commit_p50": _ratio(p50, raw_pg["p50_ms"]),
+        "nats_cpu_over_raw_message": _ratio(per_alloc.get("nats-server"), raw_js["nats_server_cpu_ms_per_msg"]),
+        "left_after_window": left,
     }
+
+
+# --- outbox relay and the older single-rate runs --------------------------------------------------------
+
+
+async def e2e_latency(stack: Stack, rate: float, duration: float, gpus: int) -> dict:
+    """requested -> active at one rate (releases sent on active); no CPU accounting."""
+    point = await sweep_point(stack, stack_pids(stack), rate, duration, gpus, idle_s=0.5)
+    keep = ("requests", "active", "failed", "failure_reasons", "p50_ms", "p99_ms", "mean_ms")
+    return {k: point[k] for k in keep}
 
 
 async def relay_vs_raw(stack: Stack, rows: int) -> dict:
@@ -178,13 +440,58 @@ async def relay_vs_raw(stack: Stack, rows: int) -> dict:
     }
 
 
-async def _with_stack(hosts: int, instant: bool, fn, *, auth: bool = True):
-    run_dir = Path(tempfile.mkdtemp(prefix="gpuaas-bench-"))
-    overrides: dict = {"GPUAAS_LOG_LEVEL": "WARNING"}
+def fleet_for(max_rate: float, duration: float, gpus: int) -> int:
+    """Slice hosts (8 one-GPU slots each) for the largest point, every allocation on a slot of its own: a slot
+    released on an instant host does not come back within the point (see `reset_slots`)."""
+    return max(16, math.ceil(max_rate * duration * gpus * 1.1 / 8))
+
+
+async def reset_slots(stack: Stack) -> dict[str, int]:
+    """Instant hosts answer a release with wipe proofs labelled `simulated-instant`, a method no wipe policy
+    accepts, so the scheduler rightly parks every released slot in cleanup_blocked. Between points (outside
+    the measured window) the bench puts them back, as bench/scheduler.py resets capacity between rounds."""
+    conn = await asyncpg.connect(stack.dsn, server_settings={"search_path": "scheduler"})
+    try:
+        before = {
+            r["status"]: r["n"]
+            for r in await conn.fetch("SELECT status, count(*) AS n FROM node_resource_slots GROUP BY status")
+        }
+        await conn.execute(
+            "UPDATE node_resource_slots SET status = 'available', status_reason = NULL, health_state = 'healthy', "
+            "health_detail = NULL, generation = generation + 1, updated_at = now() WHERE status = 'cleanup_blocked'"
+        )
+        await inv.refresh_nodes(conn)
+    finally:
+        await conn.close()
+    return before
+
+
+def _stack(
+    run_dir: Path, hosts: int, instant: bool, *, auth: bool, nats_cluster: int, log_level: str, profile_dir: str
+) -> Stack:
+    overrides: dict = {"GPUAAS_LOG_LEVEL": log_level}
+    if profile_dir:
+        overrides["GPUAAS_PROFILE_DIR"] = profile_dir  # see gpuaas_common/profiling.py
     if instant:
         overrides["node-agent"] = {"GPUAAS_SIM_INSTANT_HOSTS": "true"}
-    stack = Stack(run_dir, slice_hosts=hosts, slots_per_host=8, baremetal_hosts=0, env_overrides=overrides, auth=auth)
-    stack.start()
+    kwargs: dict[str, Any] = {}
+    if nats_cluster > 1:
+        if "nats_cluster" not in inspect.signature(Stack).parameters:
+            raise SystemExit("this Stack has no nats_cluster option yet")
+        kwargs["nats_cluster"] = nats_cluster
+    return Stack(
+        run_dir,
+        slice_hosts=hosts,
+        slots_per_host=8,
+        baremetal_hosts=0,
+        env_overrides=overrides,
+        auth=auth,
+        **kwargs,
+    )
+
+
+async def _with_stack(stack: Stack, fn):
+    await asyncio.get_running_loop().run_in_executor(None, stack.start)
     try:
         return await fn(stack)
     finally:
@@ -194,41 +501,83 @@ async def _with_stack(hosts: int, instant: bool, fn, *, auth: bool = True):
 async def main_async(args: argparse.Namespace) -> dict:
     # Library logs go to stderr so that stdout carries only the JSON result.
     configure_logging("bench", "WARNING", stream=sys.stderr)
+    rates = [float(r) for r in args.rates.split(",")]
+    hosts = args.hosts or fleet_for(max(rates), args.duration, args.gpus)
+    started = time.perf_counter()
 
-    async def instant_run(stack: Stack) -> tuple[dict, dict]:
-        e2e = await e2e_latency(stack, args.rate, args.duration, args.gpus)
-        relay = await relay_vs_raw(stack, args.relay_rows)
-        return e2e, relay
+    def new_stack(instant: bool = True, auth: bool = True) -> Stack:
+        run_dir = Path(tempfile.mkdtemp(prefix="gpuaas-bench-"))
+        return _stack(
+            run_dir,
+            hosts,
+            instant,
+            auth=auth,
+            nats_cluster=args.nats_cluster,
+            log_level=args.service_log_level,
+            profile_dir=args.profile_dir,
+        )
 
-    e2e, relay = await _with_stack(args.hosts, True, instant_run)
-    full = await _with_stack(
-        args.hosts, False, lambda stack: e2e_latency(stack, args.full_rate, args.duration, args.gpus)
-    )
-    # The same instant-host run on an open bus (no JWTs, no TLS): what identities cost.
-    open_e2e, open_relay = await _with_stack(args.hosts, True, instant_run, auth=False)
-    return {
+    async def sweep(stack: Stack) -> tuple[list[dict], dict]:
+        pids = stack_pids(stack)
+        # Untimed warm-up: pools grow, statement caches fill, first-use imports happen before any point.
+        await sweep_point(stack, pids, 20.0, 1.0, args.gpus, 0.1)
+        await reset_slots(stack)
+        points = []
+        for rate in rates:
+            point = await sweep_point(stack, pids, rate, args.duration, args.gpus, args.idle_s)
+            point["slots_after_point"] = await reset_slots(stack)
+            print(
+                json.dumps({k: point[k] for k in ("offered_per_s", "p50_ms", "p99_ms", "active_share")}),
+                file=sys.stderr,
+            )
+            print(json.dumps(point["cpu_ms_per_allocation"]), file=sys.stderr)
+            points.append(point)
+        relay = await relay_vs_raw(stack, args.relay_rows) if args.relay_rows else {}
+        return points, relay
+
+    points, relay = await _with_stack(new_stack(), sweep)
+    result: dict[str, Any] = {
         "benchmark": "pipeline",
-        "e2e_requested_to_active_instant_hosts": e2e,
-        "e2e_requested_to_active_full_simulated_hosts": full,
+        "sweep_instant_hosts": points,
         "outbox_relay": relay,
-        "auth_overhead": {
-            "open_bus_e2e_instant_hosts": open_e2e,
-            "open_bus_outbox_relay": open_relay,
-            "p50_ratio_auth_over_open": _ratio(e2e["p50_ms"], open_e2e["p50_ms"]),
-            "p99_ratio_auth_over_open": _ratio(e2e["p99_ms"], open_e2e["p99_ms"]),
-            "relay_rate_ratio_auth_over_open": _ratio(relay["relay_per_s"], open_relay["relay_per_s"]),
-            "raw_publish_ratio_auth_over_open": _ratio(
-                relay["raw_jetstream_pipelined_per_s"], open_relay["raw_jetstream_pipelined_per_s"]
-            ),
-        },
         "config": {
-            "rate": args.rate,
-            "full_rate": args.full_rate,
+            "rates": rates,
             "duration_s": args.duration,
             "gpus": args.gpus,
-            "slice_hosts": args.hosts,
+            "slice_hosts": hosts,
+            "slots": hosts * 8,
+            "nats_servers": args.nats_cluster,
+            "postgres": "durable (fsync, synchronous_commit on)",
+            "service_log_level": args.service_log_level,
+            "cpus": os.cpu_count(),
         },
     }
+    if args.full_rate:
+        result["e2e_requested_to_active_full_simulated_hosts"] = await _with_stack(
+            new_stack(instant=False), lambda s: e2e_latency(s, args.full_rate, args.duration, args.gpus)
+        )
+    if args.open_bus:
+        # The same instant-host point on an open bus (no JWTs, no TLS): what identities cost.
+        rate = 50.0 if 50.0 in rates else rates[0]
+        auth_point = next(p for p in points if p["offered_per_s"] == rate)
+
+        async def open_run(stack: Stack) -> tuple[dict, dict]:
+            point = await sweep_point(stack, stack_pids(stack), rate, args.duration, args.gpus, args.idle_s)
+            return point, await relay_vs_raw(stack, args.relay_rows) if args.relay_rows else {}
+
+        open_point, open_relay = await _with_stack(new_stack(auth=False), open_run)
+        result["auth_overhead"] = {
+            "rate": rate,
+            "open_bus_point": open_point,
+            "open_bus_outbox_relay": open_relay,
+            "p50_ratio_auth_over_open": _ratio(auth_point["p50_ms"], open_point["p50_ms"]),
+            "control_plane_cpu_ratio_auth_over_open": _ratio(
+                auth_point["control_plane_cpu_ms_per_allocation"], open_point["control_plane_cpu_ms_per_allocation"]
+            ),
+            "relay_rate_ratio_auth_over_open": _ratio(relay.get("relay_per_s"), open_relay.get("relay_per_s")),
+        }
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    return result
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -236,26 +585,30 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rate", type=float, default=50.0)
-    parser.add_argument("--duration", type=float, default=10.0)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", default="10,50,100,200", help="offered loads, allocations/s, comma-separated")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds of offered load per point")
     parser.add_argument("--gpus", type=int, default=1)
-    parser.add_argument(
-        "--full-rate",
-        type=float,
-        default=5.0,
-        help="request rate for the run on full simulated hosts (real qemu-img, libvirt, wipe)",
-    )
-    parser.add_argument("--hosts", type=int, default=16)
-    parser.add_argument("--relay-rows", type=int, default=5000)
+    parser.add_argument("--hosts", type=int, default=0, help="slice hosts; default: sized so the top rate fits")
+    parser.add_argument("--idle-s", type=float, default=3.0, help="seconds of idle CPU measured before each point")
+    parser.add_argument("--nats-cluster", type=int, default=1, help="NATS servers (3: a cluster, streams at R3)")
+    parser.add_argument("--service-log-level", default="INFO", help="GPUAAS_LOG_LEVEL of every service")
+    parser.add_argument("--profile-dir", default="", help="cProfile every service into this directory")
+    parser.add_argument("--full-rate", type=float, default=0.0, help="also run full simulated hosts at this rate")
+    parser.add_argument("--open-bus", action="store_true", help="also run a point on an open bus (auth overhead)")
+    parser.add_argument("--relay-rows", type=int, default=5000, help="outbox relay rows (0: skip)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        for section, values in result.items():
-            print(section, values, file=sys.stdout)
+        for p in result["sweep_instant_hosts"]:
+            print(
+                f"{p['offered_per_s']:>6}/s p50 {p['p50_ms']} ms p99 {p['p99_ms']} ms active {p['active_share']:.1%} "
+                f"control plane {p['control_plane_cpu_ms_per_allocation']} ms CPU/alloc {p['cpu_ms_per_allocation']}"
+            )
+        print("outbox_relay", result["outbox_relay"])
 
 
 if __name__ == "__main__":

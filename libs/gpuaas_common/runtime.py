@@ -37,6 +37,7 @@ from .migrations import apply_migrations
 from .natsconn import NatsIdentity
 from .outbox import OutboxRelay
 from .pg_roles import dsn_without_password
+from .profiling import profiled
 from .retention import RetentionSweeper
 from .settings import ServiceSettings
 from .startup import StartupFailed, classify, redact
@@ -329,6 +330,6 @@ def run_service(
     runtime = ServiceRuntime(
         name, settings, schema=schema, migrations_package=migrations_package, connect_bus=connect_bus
     )
-    code = asyncio.run(runtime.run(register))
+    code = profiled(name, lambda: asyncio.run(runtime.run(register)))
     if code:
         sys.exit(code)
