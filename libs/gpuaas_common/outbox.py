@@ -10,6 +10,7 @@ one aggregate are published strictly in id order while different aggregates go c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -100,13 +101,19 @@ async def write_pending(conn: asyncpg.Connection, schema: str, pending: list[Pen
     """Insert the rows in the caller's transaction; a repeated event id is dropped, as the relay would."""
     if not pending:
         return
-    await conn.executemany(
-        "INSERT INTO outbox (event_id, aggregate_id, subject, body) VALUES ($1, $2, $3, $4) "
-        "ON CONFLICT (event_id) DO NOTHING",
-        [(p.envelope.event_id, p.aggregate_id, p.subject, p.envelope.model_dump_json().encode()) for p in pending],
+    # One round trip for every row and the NOTIFY (a data-modifying CTE always runs); rows get their ids in
+    # the order raised (WITH ORDINALITY), which is the order the relay keeps per aggregate. The NOTIFY is
+    # delivered at commit (Postgres folds repeats within a transaction); it only wakes the relay.
+    await conn.execute(
+        "WITH added AS (INSERT INTO outbox (event_id, aggregate_id, subject, body) "
+        "SELECT e, a, s, b FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[]) WITH ORDINALITY "
+        "AS u(e, a, s, b, n) ORDER BY n ON CONFLICT (event_id) DO NOTHING) SELECT pg_notify($5, '')",
+        [p.envelope.event_id for p in pending],
+        [p.aggregate_id for p in pending],
+        [p.subject for p in pending],
+        [p.envelope.model_dump_json().encode() for p in pending],
+        notify_channel(schema),
     )
-    # Delivered at commit (Postgres folds repeats within a transaction); it only wakes the relay.
-    await conn.execute("SELECT pg_notify($1, '')", notify_channel(schema))
 
 
 @dataclass
@@ -206,9 +213,12 @@ class OutboxRelay:
                 if failed:
                     await self._wait(backoff)
                     backoff = min(backoff * 2, self.max_backoff_s)
-                elif sent:
-                    backoff = 0.05
+                elif sent >= self.batch_size:
+                    backoff = 0.05  # a full batch: more may be waiting
                 else:
+                    backoff = 0.05
+                    # Drained: rows committed after our DELETE looked have NOTIFYed (and set the wake-up) by
+                    # now or will, so an immediate second look would only find nothing, at three round trips.
                     await self._wait(self.poll_interval_s)
         finally:
             for conn in (lock_conn, work_conn):
@@ -230,28 +240,47 @@ class OutboxRelay:
         self._wake.set()
 
     async def drain_once(self, conn: asyncpg.Connection) -> tuple[int, int]:
-        async with conn.transaction():
-            rows = await conn.fetch(
-                "SELECT id, event_id, aggregate_id, subject, body, created_at FROM outbox "
-                "ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
-                self.batch_size,
+        """Publish one batch. Its rows are deleted up front, in a transaction that commits only once every
+        publish is acknowledged: one statement where a locking SELECT and a DELETE took two round trips. Until
+        the commit the rows stay locked; a crash or a failed publish rolls the delete back."""
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            rows = sorted(
+                await conn.fetch(
+                    "DELETE FROM outbox WHERE id IN (SELECT id FROM outbox ORDER BY id LIMIT $1 FOR UPDATE SKIP "
+                    "LOCKED) RETURNING id, event_id, aggregate_id, subject, body, created_at",
+                    self.batch_size,
+                ),
+                key=lambda row: row["id"],
             )
-            if not rows:
-                return 0, 0
             groups: OrderedDict[str, list[asyncpg.Record]] = OrderedDict()
             for row in rows:
                 groups.setdefault(row["aggregate_id"], []).append(row)
             results = await asyncio.gather(*(self._publish_group(g) for g in groups.values()))
             done = [i for ok_ids, _ in results for i in ok_ids]
             errors = [(i, err) for _, failed in results for i, err in failed]
-            if done:
-                await conn.execute("DELETE FROM outbox WHERE id = ANY($1::bigint[])", done)
-            for row_id, err in errors:
-                await conn.execute(
-                    "UPDATE outbox SET attempts = attempts + 1, last_error = $2 WHERE id = $1",
-                    row_id,
-                    err[:1000],
-                )
+            if errors:
+                # Every row back, then out only what was published; the failures are counted.
+                await tx.rollback()
+                async with conn.transaction():
+                    if done:
+                        await conn.execute("DELETE FROM outbox WHERE id = ANY($1::bigint[])", done)
+                    for row_id, err in errors:
+                        await conn.execute(
+                            "UPDATE outbox SET attempts = attempts + 1, last_error = $2 WHERE id = $1",
+                            row_id,
+                            err[:1000],
+                        )
+            else:
+                await tx.commit()
+        except BaseException:
+            if conn.is_in_transaction() and not conn.is_closed():
+                with contextlib.suppress(Exception):  # the error that brought us here is the news
+                    await tx.rollback()
+            raise
+        if not rows:
+            return 0, 0
         now = time.time()
         done_ids = set(done)
         for row in rows:

@@ -28,7 +28,7 @@ from faststream.nats import NatsBroker
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from .bus import Bus
+from .bus import BROKER_OPTIONS, Bus
 from .db import create_pool
 from .health import HealthServer
 from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, ensure_consumers, provision
@@ -105,7 +105,9 @@ class ServiceRuntime:
             return
         self.nc = await self._connect_nats(deadline)
         self.js = self.nc.jetstream()
-        self.broker = NatsBroker(**self.identity.broker_kwargs(), max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        self.broker = NatsBroker(
+            **self.identity.broker_kwargs(), **BROKER_OPTIONS, max_reconnect_attempts=-1, reconnect_time_wait=0.5
+        )
         self.bus = Bus(
             self.broker,
             self.js,

@@ -111,6 +111,59 @@ async def test_relay_does_not_skip_a_slow_transaction_that_commits_after_a_newer
         await spy.stop()
 
 
+class _RefusesOnce:
+    """JetStream that fails the first publish of one aggregate's events and passes everything else on."""
+
+    def __init__(self, js, aggregate: uuid.UUID) -> None:
+        self.js, self.aggregate, self.refused = js, str(aggregate), 0
+
+    async def publish(self, subject: str, body: bytes, **kw):
+        if not self.refused and json.loads(body)["payload"]["allocation_id"] == self.aggregate:
+            self.refused += 1
+            raise nats.errors.TimeoutError
+        return await self.js.publish(subject, body, **kw)
+
+
+async def test_a_failed_publish_puts_its_rows_back_and_holds_only_its_aggregate(js, outbox_db, nats_server):
+    dsn, pool = outbox_db
+    stuck, other = uuid.uuid4(), uuid.uuid4()
+    written: dict[str, list[str]] = {str(stuck): [], str(other): []}
+    async with pool.acquire() as conn, conn.transaction():
+        writer = OutboxWriter(conn, "svc", "test")
+        for _ in range(3):
+            for agg in (stuck, other):
+                env = await writer.add("allocation.release_requested", _release_requested(agg), aggregate_id=str(agg))
+                written[str(agg)].append(env.event_id)
+    spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
+    flaky = _RefusesOnce(js, stuck)
+    relay = OutboxRelay(dsn, "svc", flaky, poll_interval_s=0.2)  # type: ignore[arg-type]
+    conn = await asyncpg.connect(dsn, server_settings={"search_path": "svc"})
+    try:
+        first = await relay.drain_once(conn)
+    finally:
+        await conn.close()
+    async with pool.acquire() as conn:
+        left = await conn.fetch("SELECT event_id, attempts, last_error FROM outbox ORDER BY id")
+    # The other aggregate went; the refused row and the later rows of its aggregate stayed, the refused one
+    # with its attempt counted.
+    assert first == (3, 1)
+    assert [r["event_id"] for r in left] == written[str(stuck)]
+    assert [r["attempts"] for r in left] == [1, 0, 0]
+    assert "TimeoutError" in left[0]["last_error"]
+    task = asyncio.create_task(relay.run())
+    try:
+        await spy.wait_for(lambda: len(spy.messages) >= 6, what="all six events")
+        await eventually(lambda: _outbox_empty(pool))
+    finally:
+        relay.stop()
+        await task
+        await spy.stop()
+    seen: dict[str, list[str]] = {}
+    for _, data in spy.messages:
+        seen.setdefault(data["payload"]["allocation_id"], []).append(data["event_id"])
+    assert seen == written
+
+
 async def test_republished_event_is_dropped_by_jetstream_dedup(js):
     env = Envelope.wrap(
         "allocation.release_requested",

@@ -97,6 +97,12 @@ class FakeAllocationRepository:
         )
         return sum(1 for a, _s in self.timeline if a == allocation_id)
 
+    async def change_state(
+        self, allocation_id: uuid.UUID, state: str, previous_state: str, *, fields: dict[str, Any], **timeline: Any
+    ) -> int:
+        await self.update(allocation_id, state=state, **fields)
+        return await self.append_timeline(allocation_id, state, previous_state, **timeline)
+
     async def get_image(self, slug: str) -> ActiveImage | None:
         return self.images.get(slug)
 

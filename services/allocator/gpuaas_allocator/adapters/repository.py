@@ -131,6 +131,34 @@ class AllocationRepository:
             cause_event_id,
         )
 
+    async def change_state(
+        self,
+        allocation_id: uuid.UUID,
+        state: str,
+        previous_state: str,
+        *,
+        fields: dict[str, Any],
+        reason_code: str | None = None,
+        detail: dict[str, Any] | None = None,
+        cause_event_id: str | None = None,
+    ) -> int:
+        """`update` and `append_timeline` in one statement (one round trip per transition, the allocator's
+        commonest write); the new timeline seq."""
+        sets = "".join(f", {col} = ${i}" for i, col in enumerate(fields, start=7))
+        return await self.conn.fetchval(
+            f"WITH changed AS (UPDATE allocations SET state = $2{sets}, updated_at = now() WHERE allocation_id = $1) "
+            "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
+            "cause_event_id) SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, $3, $4, $5, $6 FROM allocation_timeline "
+            "WHERE allocation_id = $1 RETURNING seq",
+            allocation_id,
+            state,
+            previous_state,
+            reason_code,
+            json.dumps(detail or {}),
+            cause_event_id,
+            *_values(fields),
+        )
+
     async def get_image(self, slug: str) -> ActiveImage | None:
         row = await self.conn.fetchrow(
             "SELECT slug, kind, sku, digest_sha256, image_path FROM active_images WHERE slug = $1", slug

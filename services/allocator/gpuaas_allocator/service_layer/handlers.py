@@ -299,25 +299,26 @@ class Allocator:
         )
 
     async def _on_provision_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
-        await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
-        if res.status == "succeeded":
+        if res.status == "succeeded" and row["state"] != "releasing":
             access = m.AccessInfo(
                 ip=res.readiness.actual_ip if res.readiness else None,
                 mac=res.readiness.mac if res.readiness else None,
                 ssh_ready=res.readiness.ssh_ready if res.readiness else None,
             )
-            if row["state"] == "releasing":
-                await start_teardown(self.settings, ctx, row)
-                return
+            # The common case in one statement: no longer awaiting a result, and active.
             await transition(
                 ctx,
                 row,
                 "active",
-                update={"access": access.model_dump(mode="json")},
+                update={"awaiting_result": False, "access": access.model_dump(mode="json")},
                 node_id=res.node_id,
                 access=access,
                 detail={"readiness": res.readiness.model_dump(mode="json") if res.readiness else None},
             )
+            return
+        await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
+        if res.status == "succeeded":  # built while a release waited: tear it down now
+            await start_teardown(self.settings, ctx, row)
             return
         await fail(
             ctx,
@@ -329,7 +330,6 @@ class Allocator:
         )
 
     async def _on_release_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
-        await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
         if res.status == "succeeded":
             verified = bool(res.wipe_proofs) and all(p.verified for p in res.wipe_proofs)
             cleanup = m.CleanupReport(
@@ -338,8 +338,11 @@ class Allocator:
                 wipe_proofs=res.wipe_proofs,
                 reason=None if verified else "wipe not verified",
             )
-            await transition(ctx, row, "released", node_id=res.node_id, cleanup=cleanup)
+            await transition(
+                ctx, row, "released", update={"awaiting_result": False}, node_id=res.node_id, cleanup=cleanup
+            )
             return
+        await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
         await fail(ctx, row, res.reason_code or "release_failed", res.reason, res.node_id)
 
     async def on_enrolled(self, ctx: HandlerContext) -> None:

@@ -39,11 +39,11 @@ async def transition(
     current = row["state"]
     check_transition(current, new_state)
     alloc_id = row["allocation_id"]
-    await ctx.uow.repos.update(alloc_id, state=new_state, **(update or {}))
-    seq = await ctx.uow.repos.append_timeline(
+    seq = await ctx.uow.repos.change_state(
         alloc_id,
         new_state,
         current,
+        fields=update or {},
         reason_code=reason_code,
         detail=detail,
         # The deadline sweep acts on no message: its changes have no causing event.

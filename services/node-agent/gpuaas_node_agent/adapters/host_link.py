@@ -11,7 +11,7 @@ from __future__ import annotations
 from faststream.nats import NatsBroker
 from nats.aio.client import Client as NatsClient
 
-from gpuaas_common.bus import Bus
+from gpuaas_common.bus import BROKER_OPTIONS, Bus
 from gpuaas_common.logging import get_logger
 from gpuaas_common.natsconn import NatsIdentity
 
@@ -29,7 +29,9 @@ class HostLink:
 
     async def open(self, *, retry_forever: bool = True) -> Bus:
         self.nc = await self.identity.connect(name=f"gpuaas-node-agent-{self.node_id}", retry_forever=retry_forever)
-        self.broker = NatsBroker(**self.identity.broker_kwargs(), max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+        self.broker = NatsBroker(
+            **self.identity.broker_kwargs(), **BROKER_OPTIONS, max_reconnect_attempts=-1, reconnect_time_wait=0.5
+        )
         self.bus = Bus(
             self.broker,
             self.nc.jetstream(),

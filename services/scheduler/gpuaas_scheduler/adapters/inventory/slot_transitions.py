@@ -45,6 +45,29 @@ async def lock_clean_watermark(conn: asyncpg.Connection, region: str, sku: str) 
     await conn.execute("SELECT pg_advisory_xact_lock(hashtext('gpuaas-clean:' || $1 || '/' || $2))", region, sku)
 
 
+def _move_sql(which: str) -> str:
+    """Move the slots `which` selects (a condition on $1) and log each transition, in one statement."""
+    return (
+        f"WITH old AS (SELECT slot_id, status FROM node_resource_slots WHERE {which} "
+        "  AND ($4::text[] IS NULL OR status = ANY($4::text[])) FOR UPDATE), "
+        "moved AS (UPDATE node_resource_slots s SET status = $2, status_reason = $3, generation = s.generation + 1, "
+        "  updated_at = now(), health_state = COALESCE($7, s.health_state), "
+        "  health_detail = CASE WHEN $7::text IS NULL THEN s.health_detail ELSE $8 END "
+        "  FROM old WHERE s.slot_id = old.slot_id RETURNING s.slot_id, s.node_id, old.status AS from_status), "
+        "log AS (INSERT INTO slot_transitions (slot_id, from_status, to_status, reason, actor, allocation_id, detail) "
+        "  SELECT slot_id, from_status, $2, $3, $5, $6, $9::jsonb FROM moved) "
+        "SELECT * FROM moved ORDER BY slot_id"
+    )
+
+
+_MOVE_SLOTS_SQL = _move_sql("slot_id = ANY($1::text[])")
+# The slots of an allocation's live claims ($1 is its id): one round trip for the lifecycle moves.
+_MOVE_ALLOCATION_SQL = _move_sql(
+    "slot_id IN (SELECT c.slot_id FROM allocation_resource_claims c WHERE c.allocation_id = $1 "
+    "AND c.status <> 'released' AND c.slot_id IS NOT NULL)"
+)
+
+
 async def move_slots(
     conn: asyncpg.Connection,
     slot_ids: Sequence[str],
@@ -63,15 +86,7 @@ async def move_slots(
     # Only the moves domain/slots.py allows: a slot in any other status is left where it is.
     only_from = movable_from(status, only_from)
     rows = await conn.fetch(
-        "WITH old AS (SELECT slot_id, status FROM node_resource_slots WHERE slot_id = ANY($1::text[]) "
-        "  AND ($4::text[] IS NULL OR status = ANY($4::text[])) FOR UPDATE), "
-        "moved AS (UPDATE node_resource_slots s SET status = $2, status_reason = $3, generation = s.generation + 1, "
-        "  updated_at = now(), health_state = COALESCE($7, s.health_state), "
-        "  health_detail = CASE WHEN $7::text IS NULL THEN s.health_detail ELSE $8 END "
-        "  FROM old WHERE s.slot_id = old.slot_id RETURNING s.slot_id, s.node_id, old.status AS from_status), "
-        "log AS (INSERT INTO slot_transitions (slot_id, from_status, to_status, reason, actor, allocation_id, detail) "
-        "  SELECT slot_id, from_status, $2, $3, $5, $6, $9::jsonb FROM moved) "
-        "SELECT * FROM moved ORDER BY slot_id",
+        _MOVE_SLOTS_SQL,
         list(slot_ids),
         status,
         reason,
@@ -94,10 +109,19 @@ async def set_slot_status(
     actor: str = "scheduler",
 ) -> int:
     """Move the slots held by an allocation's live claims."""
-    slots = [r["slot_id"] for r in await allocation_slots(conn, allocation_id) if r["slot_id"]]
-    return len(
-        await move_slots(conn, slots, status, reason, actor=actor, only_from=only_from, allocation_id=allocation_id)
+    rows = await conn.fetch(
+        _MOVE_ALLOCATION_SQL,
+        allocation_id,
+        status,
+        reason,
+        list(movable_from(status, only_from)),
+        actor,
+        allocation_id,
+        None,
+        None,
+        None,
     )
+    return len(rows)
 
 
 async def release_claims(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[asyncpg.Record]:
