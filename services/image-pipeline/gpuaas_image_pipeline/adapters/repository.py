@@ -234,13 +234,28 @@ class BuildRepository:
             )
         )
 
-    async def fail_all_in(self, statuses: list[str], error: str) -> int:
+    async def fail_orphaned(self, statuses: list[str], error: str) -> int:
+        """Fail the builds in `statuses` whose lease has run out (their process is gone). SKIP LOCKED: a
+        replica sweeping at the same time takes other rows, never waits on ours."""
         res = await self.conn.execute(
-            "UPDATE builds SET status = 'failed', error = $2, updated_at = now() WHERE status = ANY($1::text[])",
+            "UPDATE builds SET status = 'failed', error = $2, lease_owner = NULL, lease_until = NULL, "
+            "updated_at = now() WHERE build_id IN (SELECT build_id FROM builds WHERE status = ANY($1::text[]) "
+            "AND (lease_until IS NULL OR lease_until < now()) FOR UPDATE SKIP LOCKED)",
             statuses,
             error,
         )
         return int(res.split()[-1])
+
+    async def renew(self, build_id: str, owner: str, lease_s: float) -> bool:
+        return bool(
+            await self.conn.fetchval(
+                "UPDATE builds SET lease_until = now() + make_interval(secs => $3) "
+                "WHERE build_id = $1 AND lease_owner = $2 RETURNING 1",
+                build_id,
+                owner,
+                float(lease_s),
+            )
+        )
 
     async def insert(
         self,
@@ -251,10 +266,14 @@ class BuildRepository:
         options: dict[str, Any],
         reused_from: str | None,
         plan: dict[str, Any],
+        *,
+        lease_owner: str | None = None,
+        lease_s: float = 0.0,
     ) -> dict[str, Any]:
         row = await self.conn.fetchrow(
-            "INSERT INTO builds (build_id, slug, status, source, options, reused_from, plan) "
-            "VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING *",
+            "INSERT INTO builds (build_id, slug, status, source, options, reused_from, plan, lease_owner, "
+            "lease_until) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, "
+            "CASE WHEN $8::text IS NULL THEN NULL ELSE now() + make_interval(secs => $9) END) RETURNING *",
             build_id,
             slug,
             status,
@@ -262,14 +281,22 @@ class BuildRepository:
             json.dumps(options),
             reused_from,
             json.dumps(plan),
+            lease_owner,
+            float(lease_s),
         )
         return _row(row)  # type: ignore[return-value]
 
-    async def update(self, build_id: str, **fields: Any) -> None:
+    async def update(self, build_id: str, *, fence_owner: str | None = None, **fields: Any) -> bool:
+        """False when `fence_owner` is given and no longer holds the build's lease (nothing is changed)."""
         sets = ", ".join(f"{col} = ${i}" for i, col in enumerate(fields, start=2))
-        await self.conn.execute(
-            f"UPDATE builds SET {sets}, updated_at = now() WHERE build_id = $1", build_id, *_values(fields)
+        fence = f" AND lease_owner = ${len(fields) + 2}" if fence_owner is not None else ""
+        res = await self.conn.execute(
+            f"UPDATE builds SET {sets}, updated_at = now() WHERE build_id = $1{fence}",
+            build_id,
+            *_values(fields),
+            *((fence_owner,) if fence_owner is not None else ()),
         )
+        return int(res.split()[-1]) > 0
 
 
 class MaasRequestRepository:

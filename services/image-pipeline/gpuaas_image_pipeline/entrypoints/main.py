@@ -40,6 +40,7 @@ def build_register(settings: ImagePipelineSettings):
         interrupted = await runner.recover()
         if interrupted:
             log.warning("builds_interrupted", count=interrupted)
+        rt.spawn(runner.watch(), "build-recovery")
 
         async def on_enrolled(ctx: HandlerContext) -> None:
             sent = await catalog.on_enrolled(ctx.uow, ctx.payload, ctx.envelope.event_id)

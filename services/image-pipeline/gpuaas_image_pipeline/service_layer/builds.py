@@ -2,13 +2,18 @@
 and blob sha256 in one pass) -> OCI registry (oras) -> catalog row `published` -> prewarm on every slice
 host. Activation follows from the node reports (see catalog.evaluate_gate).
 
-A build runs as a background task of the pipeline process; each phase is recorded on the build row and
-announced as `image.build_progress`. A build interrupted by a restart is marked failed at start-up.
+A build runs as a background task of the pipeline replica that started it; each phase is recorded on the
+build row and announced as `image.build_progress`. That replica holds the build's lease (migration 005)
+and renews it while the build runs; every write of the build is fenced on it. A build whose lease has run
+out lost its process: any replica marks it failed (`recover`, at start-up and then periodically in
+`watch`), so a replica's restart fails its own interrupted builds but never a live build of another one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -34,6 +39,14 @@ log = get_logger(__name__)
 SCHEMA, SERVICE = "image_pipeline", "image-pipeline"
 RUNNING = ("queued", "customising", "converting", "packing", "pushing")
 PROGRESS_INTERVAL_S = 0.25
+# A build's lease: renewed every quarter of it while the build runs, so only a process that is gone (or
+# cut off from the database for that long) lets it run out.
+BUILD_LEASE_S = 30.0
+INTERRUPTED = "interrupted: the pipeline replica running it stopped mid-build"
+
+
+class BuildTakenOver(Exception):
+    """The build's lease ran out and another replica failed it: this run's results are not recorded."""
 
 
 def build_dict(row: Row) -> dict[str, Any]:
@@ -44,20 +57,35 @@ def build_dict(row: Row) -> dict[str, Any]:
 
 
 class BuildRunner:
-    def __init__(self, pool: asyncpg.Pool, bus: Bus | None, settings: ImagePipelineSettings) -> None:
+    def __init__(
+        self, pool: asyncpg.Pool, bus: Bus | None, settings: ImagePipelineSettings, *, lease_s: float = BUILD_LEASE_S
+    ) -> None:
         self.pool = pool
         self.bus = bus
         self.settings = settings
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+        self.lease_s = lease_s
 
     def _uow(self, correlation_id: str | None = None) -> Uow:
         return UnitOfWork(self.pool, SCHEMA, SERVICE, image_pipeline_repositories, correlation_id=correlation_id)
 
     async def recover(self) -> int:
+        """Fail the running builds whose lease has run out; how many."""
         async with self._uow() as uow:
-            count = await uow.repos.builds.fail_all_in(list(RUNNING), "interrupted: the pipeline restarted mid-build")
+            count = await uow.repos.builds.fail_orphaned(list(RUNNING), INTERRUPTED)
             await uow.commit()
         return count
+
+    async def watch(self) -> None:
+        """Take over (fail) the builds of replicas that died, for as long as this one runs."""
+        while True:
+            await asyncio.sleep(self.lease_s / 2)
+            try:
+                if count := await self.recover():
+                    log.warning("builds_interrupted", count=count)
+            except (OSError, asyncpg.PostgresError) as exc:
+                log.warning("build_recovery_failed", error=repr(exc)[:300])
 
     # --- planning ---------------------------------------------------------------------------------
 
@@ -159,6 +187,8 @@ class BuildRunner:
             req.model_dump(mode="json"),
             req.reuse_build_id,
             plan,
+            lease_owner=None if req.dry_run else self.owner,
+            lease_s=self.lease_s,
         )
         if req.dry_run:
             return build_dict(row), None
@@ -174,8 +204,25 @@ class BuildRunner:
 
     async def _status(self, build_id: str, status: str, **fields: Any) -> None:
         async with self._uow(correlation_id=build_id) as uow:
-            await uow.repos.builds.update(build_id, status=status, **fields)
+            if not await uow.repos.builds.update(build_id, fence_owner=self.owner, status=status, **fields):
+                raise BuildTakenOver(build_id)
             await uow.commit()
+
+    async def _renew(self, build_id: str, done: asyncio.Event) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(done.wait(), timeout=self.lease_s / 4)
+                return
+            except TimeoutError:
+                pass  # still building: time to renew
+            try:
+                async with self.pool.acquire() as conn:
+                    if not await image_pipeline_repositories(conn).builds.renew(build_id, self.owner, self.lease_s):
+                        log.warning("image_build_lease_lost")
+                        return
+            except (OSError, asyncpg.PostgresError) as exc:
+                # Tried again at the next beat; should the lease run out meanwhile, the fence holds.
+                log.warning("image_build_lease_renew_failed", error=repr(exc)[:300])
 
     def _progress(self, build_id: str, slug: str, phase: str):
         loop = asyncio.get_running_loop()
@@ -204,13 +251,32 @@ class BuildRunner:
     async def _run(self, build_id: str, slug: str, req: BuildRequest, plan: dict[str, Any], reuse: Row | None) -> None:
         with bound_context(build_id=build_id, slug=slug):
             started = time.monotonic()
+            done = asyncio.Event()
+            renewing = asyncio.create_task(self._renew(build_id, done))
             try:
                 await self._build_and_publish(build_id, slug, req, plan, reuse)
+            except BuildTakenOver:
+                log.warning("image_build_taken_over")
+                return
             except Exception as exc:
                 log.error("image_build_failed", error=repr(exc), exc_info=True)
-                await self._status(build_id, "failed", error=f"{type(exc).__name__}: {exc}"[:4000])
+                try:
+                    await self._status(
+                        build_id,
+                        "failed",
+                        error=f"{type(exc).__name__}: {exc}"[:4000],
+                        lease_owner=None,
+                        lease_until=None,
+                    )
+                except BuildTakenOver:
+                    return
                 self._progress(build_id, slug, "failed")(0, 0, True)
                 return
+            finally:
+                # Stopped between two renewals, never inside one. A cancelled build (the process is
+                # stopping) keeps its lease until it runs out, then a replica fails it.
+                done.set()
+                await renewing
             log.info("image_build_published", seconds=round(time.monotonic() - started, 3))
 
     async def _build_and_publish(
@@ -300,9 +366,16 @@ class BuildRunner:
         )
         artifact_ref = ArtifactRef(ref.host, ref.repository, ref.tag, pushed.manifest_digest).uri
         async with self._uow(correlation_id=build_id) as uow:
-            await uow.repos.builds.update(
-                build_id, status="published", artifact_ref=artifact_ref, manifest_digest=pushed.manifest_digest
-            )
+            if not await uow.repos.builds.update(
+                build_id,
+                fence_owner=self.owner,
+                status="published",
+                artifact_ref=artifact_ref,
+                manifest_digest=pushed.manifest_digest,
+                lease_owner=None,
+                lease_until=None,
+            ):
+                raise BuildTakenOver(build_id)
             if req.update_catalog:
                 await self._catalog(uow, slug, build_id, raw_sha256, artifact_ref, blob_sha256, blob_size, virtual_size)
             await uow.commit()
