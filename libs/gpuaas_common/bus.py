@@ -8,6 +8,24 @@ crashes a consumer and never blocks a stream.
 
 Ack waits are short (a few seconds) so a message whose consumer died is redelivered soon; a message
 still being worked on (or waiting for a free place) is kept by progress acks every third of the ack wait.
+
+Order per aggregate, and replicas. Within one process a durable's messages with one ordering key
+(`ordering_key`: allocation, task, operation, node, image) run one after the other, in delivery order.
+Replicas of a service share each durable, so two messages about one aggregate can be handled by two
+replicas at the same time, and the later one may commit first. Nothing in the bus prevents that; every
+handler keeps its aggregate consistent itself, by this rule:
+1. Serialise: a handler's first statement locks its aggregate's row (`SELECT … FOR UPDATE`; where the
+   service keeps no such row yet, a transaction-scoped advisory lock on the aggregate id), so handlers
+   of one aggregate run one at a time across replicas, as they do in one lane.
+2. Check the transition: the aggregate accepts a message only from the states it may follow. A message
+   that overtook its predecessor (the predecessor is still being handled elsewhere, or being retried)
+   raises a transient error: nothing is written, the message is nak'ed and redelivered after a delay,
+   and one whose predecessor never comes ends in the DLQ with that reason. It is never applied out of
+   order, and never acknowledged as done while its effect is missing.
+3. A message that is stale (its effect is already superseded, e.g. an older report, a repeat) is
+   recorded as such and acknowledged; that is a decision of the aggregate, not an accident of timing.
+Pollers and sweeps follow the same idea with row claims: leases or `FOR UPDATE SKIP LOCKED`, never a
+read followed by an unconditional write; the outbox relay holds a per-schema advisory lock.
 """
 
 from __future__ import annotations

@@ -1,4 +1,11 @@
-"""Scheduler handlers: place accepted allocations, follow their lifecycle, free what they held."""
+"""Scheduler handlers: place accepted allocations, follow their lifecycle, free what they held.
+
+Replicas: every lifecycle handler first takes the allocation's lock (`inv.lock_allocation`), so two
+messages about one allocation handled by two replicas at once run one after the other, as they do in one
+process's keyed lane. They may still run in either order; each one checks the slots' status and a
+message whose predecessor has not been applied yet is retried (`ArrivedEarly`, `EndedOutOfOrder`), never
+applied out of order or dropped.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +35,9 @@ class Scheduler:
     async def on_accepted(self, ctx: HandlerContext) -> None:
         ev: m.AllocationAccepted = ctx.payload
         alloc_id = str(ev.allocation_id)
+        # A placement asked again (re-drive) while another replica places the first request: without the
+        # lock both see no claim and both place.
+        await inv.lock_allocation(ctx.conn, ev.allocation_id)
         outcome = await place(ctx.conn, ev, self.policy)
         if outcome.already_placed:
             # A repeated request: the allocator lost track of our answer and asks again. Answer with the claim
@@ -104,24 +114,41 @@ class Scheduler:
         )
 
     async def on_provisioning(self, ctx: HandlerContext) -> None:
+        await inv.lock_allocation(ctx.conn, ctx.payload.allocation_id)
         await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "provisioning", only_from=("reserved",))
 
     async def on_active(self, ctx: HandlerContext) -> None:
-        await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "active", only_from=("provisioning",))
+        alloc = ctx.payload.allocation_id
+        await inv.lock_allocation(ctx.conn, alloc)
+        if await inv.set_slot_status(ctx.conn, alloc, "active", only_from=("provisioning",)):
+            return
+        # `provisioning` is published before `active`, but another replica may not have applied it yet:
+        # slots still `reserved` wait for it (a releasing that overtook both leaves them alone).
+        early = sorted(r["slot_id"] for r in await inv.allocation_slots(ctx.conn, alloc) if r["status"] == "reserved")
+        if early:
+            raise ArrivedEarly(f"allocation.active for {alloc} before its provisioning: {', '.join(early)} reserved")
 
     async def on_releasing(self, ctx: HandlerContext) -> None:
+        await inv.lock_allocation(ctx.conn, ctx.payload.allocation_id)
         await inv.set_slot_status(
             ctx.conn, ctx.payload.allocation_id, "releasing", only_from=("reserved", "provisioning", "active")
         )
 
     async def on_released(self, ctx: HandlerContext) -> None:
         ev: m.AllocationReleased = ctx.payload
+        await inv.lock_allocation(ctx.conn, ev.allocation_id)
         freed = await release_allocation(ctx.conn, ev.allocation_id, ev.cleanup)
         log.info("claims_released", count=freed, wipe_verified=ev.cleanup.verified)
 
     async def on_failed(self, ctx: HandlerContext) -> None:
         ev: m.AllocationFailed = ctx.payload
+        await inv.lock_allocation(ctx.conn, ev.allocation_id)
         await fail_allocation(ctx.conn, ev.allocation_id, ev.cleanup_required, f"{ev.reason_code}: {ev.reason}"[:500])
+
+
+class ArrivedEarly(RuntimeError):
+    """A lifecycle event whose predecessor, published before it, has not been applied yet (another replica
+    is still on it, or it is being retried). Nothing is changed and the bus redelivers it after a delay."""
 
 
 class EndedOutOfOrder(RuntimeError):

@@ -44,6 +44,7 @@ from .seeding import SEED_SOURCE, TAG_BAREMETAL, TAG_SLICE, seed_from_fleet
 from .slot_transitions import (
     allocation_slots,
     drain_node,
+    lock_allocation,
     lock_clean_watermark,
     lock_nodes,
     move_slots,
@@ -74,6 +75,7 @@ __all__ = [
     "image_gate",
     "image_ready_sql",
     "lock_best_in_class",
+    "lock_allocation",
     "lock_clean_watermark",
     "lock_nodes",
     "lock_slice_node",

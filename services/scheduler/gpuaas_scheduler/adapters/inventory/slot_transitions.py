@@ -19,6 +19,13 @@ async def lock_nodes(conn: asyncpg.Connection, node_ids: Iterable[str]) -> None:
         await conn.fetch("SELECT node_id FROM nodes WHERE node_id = ANY($1::text[]) ORDER BY node_id FOR UPDATE", ids)
 
 
+async def lock_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> None:
+    """Serialise the messages about one allocation across scheduler replicas until the transaction ends.
+    The scheduler keeps no allocation row to lock (its claims appear only once placed), so this is an
+    advisory lock on the id; taken first, before any node lock, so it never closes a cycle with them."""
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtext('gpuaas-allocation:' || $1))", str(allocation_id))
+
+
 async def allocation_slots(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[asyncpg.Record]:
     return await conn.fetch(
         "SELECT c.node_id, c.slot_id, c.claim_kind, s.status, s.nvme_by_id, "
