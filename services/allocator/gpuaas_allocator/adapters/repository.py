@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -179,6 +180,20 @@ class AllocationRepository:
 
     async def delete_image(self, slug: str) -> None:
         await self.conn.execute("DELETE FROM active_images WHERE slug = $1", slug)
+
+    async def advance_image_clock(self, slug: str, occurred_at: datetime) -> bool:
+        """Record an image event as the slug's newest and lock the slug's clock row until commit; False
+        (nothing changed) when an event as new or newer was applied already. Never later than now: one
+        event dated in the future must not freeze the slug."""
+        return bool(
+            await self.conn.fetchval(
+                "INSERT INTO image_event_clock (slug, event_at) VALUES ($1, LEAST($2::timestamptz, now())) "
+                "ON CONFLICT (slug) DO UPDATE SET event_at = EXCLUDED.event_at "
+                "WHERE image_event_clock.event_at < EXCLUDED.event_at RETURNING 1",
+                slug,
+                occurred_at,
+            )
+        )
 
 
 def _values(fields: dict[str, Any]) -> list[Any]:

@@ -407,12 +407,24 @@ class Allocator:
 
     # --- image catalog -------------------------------------------------------------------------
 
+    # One slug's activation and the deactivation after it may be handled by two replicas at once. The
+    # pipeline stamps them under its image row lock, one after the other, so their occurred_at order is
+    # theirs (its replicas' clocks agreeing to within the time between the two); the slug's clock row
+    # serialises our handlers and turns the older of the two into a stale event, acknowledged unapplied.
+
     async def on_image_activated(self, ctx: HandlerContext) -> None:
         ev: m.ImageActivated = ctx.payload
+        if not await ctx.uow.repos.advance_image_clock(ev.slug, ctx.envelope.occurred_at):
+            log.info("stale_image_event_ignored", slug=ev.slug, type=ctx.envelope.type)
+            return
         await ctx.uow.repos.upsert_image(ActiveImage(ev.slug, ev.kind, ev.sku, ev.digest_sha256, ev.image_path))
 
     async def on_image_deactivated(self, ctx: HandlerContext) -> None:
-        await ctx.uow.repos.delete_image(ctx.payload.slug)
+        slug = ctx.payload.slug
+        if not await ctx.uow.repos.advance_image_clock(slug, ctx.envelope.occurred_at):
+            log.info("stale_image_event_ignored", slug=slug, type=ctx.envelope.type)
+            return
+        await ctx.uow.repos.delete_image(slug)
 
 
 def handlers_by_consumer(allocator: Allocator) -> dict[str, dict[str, Any]]:
