@@ -34,7 +34,8 @@ def build_register(settings: AllocatorSettings):
         async def refresh() -> None:
             known["count"] = await count_images(rt.pool)  # type: ignore[arg-type]
 
-        # Ready only once the image catalog has reached us: without it every request is rejected.
+        # Ready only once the image catalog has reached us: without it every request is rejected. Each replica
+        # polls for itself; the poll only reads.
         rt.health.checks["images_known"] = lambda: known["count"] > 0
         rt.spawn(_poll(refresh), "image-readiness")
 
@@ -44,7 +45,8 @@ def build_register(settings: AllocatorSettings):
         await rt.nc.subscribe(spec_for("allocation.query").subject(), queue="allocator", cb=query_responder(pool))
 
         # The control plane owns node-task deadlines (a silent host fails its allocation) and placement deadlines
-        # (a lost placement is asked for again): see deadlines.py and redrive.py.
+        # (a lost placement is asked for again): see deadlines.py and redrive.py. Every replica sweeps; the rows
+        # are taken with FOR UPDATE SKIP LOCKED, so each overdue one is handled by exactly one of them.
         bus = rt.bus
         rt.spawn(
             _every(settings.task_deadline_sweep_interval_s, lambda: sweep_deadlines(bus.unit_of_work, settings)),

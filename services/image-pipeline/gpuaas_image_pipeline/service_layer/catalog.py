@@ -1,5 +1,10 @@
 """Catalog state changes and the activation gate. Each function works in the caller's unit of work:
-its rows through `uow.repos`, its events into `uow.events`."""
+its rows through `uow.repos`, its events into `uow.events`.
+
+Replicas: the gate is no poller. It is evaluated inside the transaction of whatever changed its inputs (a
+host's cache report, an enrolment, a publish), each of which first locks the image's row; so two replicas
+judging one image run one after the other and the second finds it active already and does nothing.
+Prewarm asks go out in those same transactions."""
 
 from __future__ import annotations
 

@@ -9,6 +9,10 @@ runs, dropped when it ends; every write of the step is fenced on it. A worker th
 to run out, and only then does another take its operations over: a `submitting` one becomes unknown and
 is resolved by reading the machine, never by calling again blindly. Nothing is done at start-up: a
 starting worker cannot tell its predecessor's interrupted calls from a live worker's, the leases can.
+
+A site's circuit breaker and concurrency limit are each replica's own: a replica judges MAAS by the calls
+it makes, and N replicas may have up to N x the site's limit in flight (size maas_max_concurrency for it).
+Tag syncs, uploads and profile image switches are operations like the others, under the same leases.
 """
 
 from __future__ import annotations
