@@ -652,3 +652,28 @@ async def test_commission_publishes_the_judged_slice_preflight(pool: asyncpg.Poo
                     assert payload["reasons"] == ["the commissioning run has no preflight script result"]
     finally:
         await runner.cleanup()
+
+
+async def test_the_poll_loop_outlives_a_database_that_goes_away(pool: asyncpg.Pool) -> None:
+    """Postgres restarting under the gateway: the claim statement fails a few times, and the poll loop waits
+    and carries on. It used to die with the first error, taking the gateway process with it."""
+    runner, port = await start_sim(1)
+    sid = system_id_for("bm-01")
+    try:
+        async with Gateway(pool, settings_for(url(port))) as gw:
+            real, failures = gw.worker.read.operations.claim_due, []
+
+            async def outage(*args: Any, **kwargs: Any) -> Any:
+                if len(failures) < 3:
+                    failures.append(1)
+                    raise asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation")
+                return await real(*args, **kwargs)
+
+            gw.worker.read.operations.claim_due = outage  # type: ignore[method-assign]
+            op = await gw.deploy(sid, "after-outage")
+            row = await gw.finished(op)
+            assert len(failures) == 3
+            assert row["state"] == "succeeded" and row["maas_calls"] == 1
+            assert gw.task is not None and not gw.task.done()
+    finally:
+        await runner.cleanup()

@@ -52,9 +52,18 @@ class OperationWorker(Operations):
         self.capacity = sum(site.limit for site in self.sites.values()) or self.settings.maas_max_concurrency
 
     async def run(self) -> None:
+        pause = min(0.2, self.settings.maas_poll_interval_s)
+        backoff = pause
         while True:
-            await self.tick()
-            await asyncio.sleep(min(0.2, self.settings.maas_poll_interval_s))
+            try:
+                await self.tick()
+                backoff = pause
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                # Postgres restarting or failing over: the claims wait in the database; a worker that died here
+                # would take the whole gateway down with it (the chaos run saw 19 such exits).
+                backoff = min(backoff * 2, 5.0)
+                log.warning("operation_poll_failed", error=repr(exc)[:300], retry_in_s=backoff)
+            await asyncio.sleep(backoff)
 
     async def tick(self) -> None:
         free = self.capacity - len(self._in_flight)
