@@ -86,3 +86,35 @@ async def test_claims_one_after_the_other_are_no_double_booking(fresh_db) -> Non
         await _claim(conn, "n1", "s1", 150, None)
         await _claim(conn, "n1", None, 0, 0)  # an empty span overlaps nothing
         assert await double_booking(conn) == []
+
+
+async def test_a_claim_taken_right_after_a_release_is_stamped_after_it(fresh_db) -> None:
+    """The scheduler's own timestamps: a placement whose transaction began before another allocation's
+    release committed used to be stamped with its transaction's start (now()), before that release, and the
+    history read as an overlap (chaos run, seed 1). The stamps are the moments of the insert and the release."""
+    from gpuaas_scheduler.adapters.inventory.slot_transitions import release_claims
+
+    async with scheduler_pool(fresh_db) as pool:
+        async with pool.acquire() as conn:
+            await _node(conn, "n1")
+            await _slot(conn, "s1", "n1", "0000:18:00.0", "nvme-a", "0000:19:00.1")
+            first = uuid.uuid4()
+            await conn.execute(
+                "INSERT INTO allocation_resource_claims (allocation_id, node_id, slot_id, claim_kind, status, "
+                "fencing_epoch) VALUES ($1, 'n1', 's1', 'slot', 'held', 1)",
+                first,
+            )
+        async with pool.acquire() as placing, pool.acquire() as releasing:
+            tx = placing.transaction()
+            await tx.start()
+            await placing.fetchval("SELECT now()")  # the placement's transaction has begun
+            async with releasing.transaction():
+                await release_claims(releasing, first)
+            await placing.execute(
+                "INSERT INTO allocation_resource_claims (allocation_id, node_id, slot_id, claim_kind, status, "
+                "fencing_epoch) VALUES ($1, 'n1', 's1', 'slot', 'held', 2)",
+                uuid.uuid4(),
+            )
+            await tx.commit()
+        async with pool.acquire() as conn:
+            assert await double_booking(conn) == []

@@ -133,7 +133,7 @@ async def set_slot_status(
 
 async def release_claims(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[asyncpg.Record]:
     return await conn.fetch(
-        "UPDATE allocation_resource_claims SET status = 'released', released_at = now() "
+        "UPDATE allocation_resource_claims SET status = 'released', released_at = clock_timestamp() "
         "WHERE allocation_id = $1 AND status <> 'released' RETURNING node_id, slot_id, claim_kind",
         allocation_id,
     )
