@@ -96,6 +96,20 @@ async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_rec
     await tx.start()
     await other.execute("SELECT 1 FROM allocations WHERE allocation_id = $1 FOR UPDATE", held)
     try:
+        # First the silent task is asked again (same task id, a new message), and waited for once more.
+        assert await expire_overdue_tasks(lambda: _uow(pool), allocator.settings) == 1
+        assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", silent) == "provisioning"
+        resent = [
+            json.loads(b)
+            for (b,) in await pool.fetch("SELECT body FROM outbox WHERE subject = 'gpuaas.node.n1.tasks' ORDER BY id")
+        ]
+        again = [e for e in resent if e["payload"]["task_id"] == f"prov-{silent}"]
+        assert len(again) == 2 and again[0]["event_id"] != again[1]["event_id"]
+        # The same task; its deadline is the one the row holds (this test moved it into the past).
+        assert {**again[0]["payload"], "deadline": None} == {**again[1]["payload"], "deadline": None}
+        await pool.execute(
+            "UPDATE allocations SET task_deadline_at = now() - interval '30 minutes' WHERE allocation_id = $1", silent
+        )
         assert await expire_overdue_tasks(lambda: _uow(pool), allocator.settings) == 1
     finally:
         await tx.rollback()
@@ -121,7 +135,7 @@ async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_rec
     )
     assert (timeline["state"], timeline["reason_code"]) == ("failed", "task_deadline_passed")
 
-    # The next pass takes the row that was held; nothing is timed out twice.
+    # The next pass takes the row that was held (asks it again); nothing is timed out twice.
     assert await expire_overdue_tasks(lambda: _uow(pool), allocator.settings) == 1
     assert await expire_overdue_tasks(lambda: _uow(pool), allocator.settings) == 0
 
@@ -160,3 +174,38 @@ async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_rec
                 status="succeeded",
             ),
         )
+
+
+async def test_an_overdue_task_asked_again_is_answered_from_the_agents_record(pool) -> None:
+    """The agent ran the task and answered, but the allocator's commit of that answer was lost (a database
+    crash without synchronous commit, chaos run seed 20261124): the re-asked task is answered again from the
+    agent's record and the allocation goes on, instead of failing with its slots blocked."""
+    allocator = Allocator(AllocatorSettings())
+    async with _uow(pool) as uow:
+        await uow.repos.upsert_image(IMAGE)
+        await uow.commit()
+    alloc = await _provisioning(pool, allocator)
+    await pool.execute(
+        "UPDATE allocations SET task_deadline_at = now() - interval '30 minutes' WHERE allocation_id = $1", alloc
+    )
+    assert await expire_overdue_tasks(lambda: _uow(pool), allocator.settings) == 1
+    await _send(
+        pool,
+        allocator.on_task_result,
+        "node.task_result",
+        m.NodeTaskResult(
+            task_id=f"prov-{alloc}",
+            allocation_id=alloc,
+            node_id="n1",
+            task_type="slice.vm_provision",
+            status="succeeded",
+            readiness=m.Readiness(
+                mac="52:54:00:00:00:01",
+                expected_ip="127.100.0.10",
+                actual_ip="127.100.0.10",
+                lease_state="bound",
+                ssh_ready=True,
+            ),
+        ),
+    )
+    assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == "active"

@@ -350,6 +350,17 @@ def _overdue(world: World, alloc: uuid.UUID, minutes: float = 30) -> None:
     world.repo.allocations[alloc]["task_deadline_at"] = datetime.now(timezone.utc) - timedelta(minutes=minutes)
 
 
+async def _asked_again_and_silent(world: World, alloc: uuid.UUID, task_type: str) -> None:
+    """The first overdue pass sends the task once more (same task id) and waits; then it is overdue again."""
+    sent = len(world.sent(task_type))
+    _overdue(world, alloc)
+    assert await world.sweep() == 1
+    assert world.state(alloc) in ("provisioning", "releasing")
+    again = world.sent(task_type)
+    assert len(again) == sent + 1 and again[-1]["task_id"] == again[0]["task_id"]
+    _overdue(world, alloc)
+
+
 def _result(alloc: uuid.UUID, task_id: str, status: str = "succeeded", **kw: Any) -> m.NodeTaskResult:
     task_type = "slice.vm_release" if task_id.startswith("rel-") else "slice.vm_provision"
     return m.NodeTaskResult(
@@ -375,7 +386,7 @@ async def test_a_silent_host_fails_the_allocation_at_the_deadline_and_keeps_the_
     assert await world.sweep() == 0, "nothing is overdue before the deadline"
     assert world.state(alloc) == "provisioning"
 
-    _overdue(world, alloc)
+    await _asked_again_and_silent(world, alloc, "slice.vm_provision")
     assert await world.sweep() == 1
     assert world.state(alloc) == "failed"
     failed = world.sent("allocation.failed")
@@ -408,7 +419,7 @@ async def test_a_silent_host_during_release_fails_it_with_cleanup_required(world
         m.AllocationReleaseRequested(allocation_id=alloc),
     )
     assert world.sent("slice.vm_release") and world.state(alloc) == "releasing"
-    _overdue(world, alloc)
+    await _asked_again_and_silent(world, alloc, "slice.vm_release")
     assert await world.sweep() == 1
     assert world.state(alloc) == "failed"
     failed = world.sent("allocation.failed")[0]
@@ -428,7 +439,7 @@ async def test_a_late_answer_after_the_deadline_is_recorded_not_applied_and_not_
 ) -> None:
     alloc = await world.request()
     await world.place(alloc)
-    _overdue(world, alloc)
+    await _asked_again_and_silent(world, alloc, "slice.vm_provision")
     await world.sweep()
     before = copy.deepcopy(world.repo.allocations[alloc])
     events = len(world.events)

@@ -10,6 +10,9 @@ class AllocatorSettings(ServiceSettings):
     # The agent enforces the same deadline and reports `deadline_exceeded`; the control plane waits this much
     # longer for that answer before it gives up on a silent host itself.
     task_deadline_grace_s: float = Field(default=60.0, ge=0)
+    # A task past its deadline (plus the grace) is sent once more, same task id, before the allocation fails:
+    # the agent answers it from its record. This is how long that answer is waited for.
+    task_reask_wait_s: float = Field(default=60.0, gt=0)
     # How often overdue node tasks are looked for.
     task_deadline_sweep_interval_s: float = Field(default=10.0, gt=0)
     # An allocation waiting this long for its placement answer (accepted, or released before it was placed) asks

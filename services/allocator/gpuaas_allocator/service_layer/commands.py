@@ -127,3 +127,29 @@ async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: 
             event_id=derived_event_id(alloc_id, "release-command"),
         )
         await ctx.uow.repos.update(row["allocation_id"], release_operation_id=operation_id, awaiting_result=True)
+
+
+def task_again(row: dict[str, Any]) -> tuple[str, m.SliceVmProvision | m.SliceVmRelease]:
+    """The slice task the allocation is waiting for, as it was sent (same id, same deadline), from the row and
+    the stored placement: asked again when its answer is overdue."""
+    alloc_id = str(row["allocation_id"])
+    placement = row["placement"] or {}
+    slots = [m.SlotBinding(**s) for s in placement["slots"]]
+    common = {
+        "allocation_id": row["allocation_id"],
+        "node_id": row["node_id"],
+        "fencing_epoch": placement["fencing_epoch"],
+        "deadline": row["task_deadline_at"],
+        "vm_name": f"gpuaas-{alloc_id[:8]}",
+        "slots": slots,
+    }
+    if row["release_task_id"]:
+        return "slice.vm_release", m.SliceVmRelease(task_id=row["release_task_id"], **common)
+    request = row["request"]
+    return "slice.vm_provision", m.SliceVmProvision(
+        task_id=row["task_id"],
+        image=m.ImageRef(slug=row["image_slug"], digest_sha256=row["image_digest"], image_path=row["image_path"]),
+        ssh_public_keys=request.get("ssh_public_keys", []),
+        hostname=request.get("hostname") or f"gpuaas-{alloc_id[:8]}",
+        **common,
+    )

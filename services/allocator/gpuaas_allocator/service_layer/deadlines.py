@@ -1,7 +1,9 @@
 """Node-task deadlines owned by the control plane.
 
 The agent enforces a task's deadline itself, but a host that vanished (power, network, a dead agent) never
-answers, and the allocation would wait forever. The sweep fails such an allocation with
+answers, and the allocation would wait forever. Past the deadline plus a grace the task is first sent once
+more (same task id: the agent answers from its record, so an answer whose commit was lost here is not lost),
+then, after `task_reask_wait_s` more of silence, the sweep fails the allocation with
 `task_deadline_passed` once the deadline plus a grace has passed. The disk may have been touched, so the
 failure says `cleanup_required`: the scheduler keeps the claims and moves the slots to `cleanup_blocked`
 (slice-implementation-checklist: "Slice slots attached to a failed provisioning attempt move to
@@ -16,12 +18,15 @@ per batch, so a row is timed out once and never while a handler holds it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from gpuaas_common.bus import HandlerContext
+from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.logging import get_logger
 
 from ..settings import AllocatorSettings
+from .commands import task_again
 from .lifecycle import fail
 from .redrive import reask_stalled_placements
 
@@ -46,14 +51,38 @@ async def expire_overdue_tasks(uow_factory: Callable[[], Any], settings: Allocat
             rows = await uow.repos.lock_overdue(settings.task_deadline_grace_s, batch)
             ctx = HandlerContext(None, None, "", SWEEP_CONSUMER, 0, uow)  # type: ignore[arg-type]
             for row in rows:
-                await expire_task(ctx, row)
+                await expire_task(ctx, row, settings)
             await uow.commit()
         total += len(rows)
         if len(rows) < batch:
             return total
 
 
-async def expire_task(ctx: HandlerContext, row: dict[str, Any]) -> None:
+async def reask_task(ctx: HandlerContext, row: dict[str, Any], settings: AllocatorSettings) -> None:
+    """Send the overdue task once more under a new message id: an agent that ran it answers from its record
+    (its answer, or our commit of it, was lost), one that never saw it refuses it as past its deadline before
+    touching the disk, and one still running it answers when done. Only silence after that fails it."""
+    type_, task = task_again(row)
+    alloc_id = str(row["allocation_id"])
+    await ctx.outbox.add(
+        type_,
+        task,
+        aggregate_id=alloc_id,
+        event_id=derived_event_id(f"{task.task_id}:{row['task_deadline_at'].isoformat()}", "task-reask"),
+        node_id=row["node_id"],
+    )
+    await ctx.uow.repos.update(
+        row["allocation_id"],
+        task_reasked_at=utcnow(),
+        task_deadline_at=utcnow() + timedelta(seconds=settings.task_reask_wait_s),
+    )
+    log.warning("task_reasked", allocation_id=alloc_id, task_id=task.task_id, node_id=row["node_id"])
+
+
+async def expire_task(ctx: HandlerContext, row: dict[str, Any], settings: AllocatorSettings | None = None) -> None:
+    if settings is not None and row.get("task_reasked_at") is None and row["shape"] == "gpu_slice":
+        await reask_task(ctx, row, settings)
+        return
     task_id = row["release_task_id"] or row["task_id"]
     deadline = row["task_deadline_at"]
     await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False, timed_out_task_id=task_id)
