@@ -28,6 +28,7 @@ import asyncpg
 from gpuaas_common.bus import HandlerContext, deliver
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
+from gpuaas_common.db import create_pool
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
@@ -46,7 +47,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def _placements(dsn: str, gpus: int, count: int, start_at: float) -> dict:
-    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1, server_settings={"search_path": "scheduler"})
+    # The services' own pool (search_path, and no reset query on release), one connection per worker.
+    pool = await create_pool(dsn, "scheduler", min_size=1, max_size=1)
     async with pool.acquire() as conn:
         scheduler = Scheduler(await with_fleet_shape(conn, PlacementPolicy()))
     image = m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img")
