@@ -50,7 +50,7 @@ from pydantic import BaseModel, ValidationError
 from .contract import BY_TYPE, Envelope, derived_event_id, spec_for
 from .contract.messages import DeadLetter
 from .jetstream import ConsumerSpec
-from .logging import bound_context, get_logger
+from .logging import BROKER_LOGGER, bound_context, get_logger
 from .unit_of_work import EventCollector, UnitOfWork, no_repositories
 
 log = get_logger(__name__)
@@ -59,9 +59,21 @@ HANDLED = Counter("gpuaas_messages_total", "Messages handled", ["consumer", "out
 
 # Every NatsBroker a Bus subscribes on is built with these. Without dependency injection FastStream no longer
 # resolves the handler's `NatsMessage` parameter through a context lookup it runs in a worker thread (a thread
-# hop per message); `_as_is` hands the handler the message itself instead. FastStream's own "Received" and
-# "Processed" lines (two per message, no ids of ours) go to DEBUG: our handlers log what happened, with ids.
-BROKER_OPTIONS: dict[str, Any] = {"apply_types": False, "log_level": logging.DEBUG}
+# hop per message); `_as_is` hands the handler the message itself instead.
+BROKER_OPTIONS: dict[str, Any] = {"apply_types": False}
+
+
+def _per_message_lines_at_debug(record: logging.LogRecord) -> bool:
+    """FastStream logs "Received" and "Processed" for every message at its one service level (INFO, which its
+    start and connection lines keep): two lines per message with no ids of ours, rendered as JSON, where our
+    handlers already log what happened with ids. They become DEBUG lines, shown only when DEBUG is on."""
+    if record.msg in ("Received", "Processed"):
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger().isEnabledFor(logging.DEBUG)
+    return True
+
+
+logging.getLogger(BROKER_LOGGER).addFilter(_per_message_lines_at_debug)
 
 
 async def _as_is(msg: NatsMessage) -> NatsMessage:
