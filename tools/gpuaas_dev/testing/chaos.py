@@ -125,7 +125,13 @@ class Portal:
             try:
                 await self.js.publish(subject, body, headers={"Nats-Msg-Id": msg_id}, timeout=5)
                 return
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError) as exc:
+            except (
+                nats.errors.TimeoutError,
+                nats.errors.NoRespondersError,
+                nats.js.errors.NoStreamResponseError,
+                nats.js.errors.APIError,
+            ) as exc:
+                # No stream answered: a NATS server is down and the stream is electing a leader.
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"publish of {type_} {alloc} kept failing: {exc!r}") from None
                 self.retries += 1

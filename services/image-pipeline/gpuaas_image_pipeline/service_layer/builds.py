@@ -50,7 +50,8 @@ class BuildTakenOver(Exception):
 
 
 def build_dict(row: Row) -> dict[str, Any]:
-    d = dict(row)
+    # The lease is how replicas share builds, not part of a build as the API describes it.
+    d = {k: v for k, v in dict(row).items() if k not in ("lease_owner", "lease_until")}
     for k in ("created_at", "updated_at"):
         d[k] = d[k].isoformat()
     return d
