@@ -17,6 +17,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.fleet import FleetNode
 
 Publish = Callable[..., Awaitable[Any]]
+SIM_HUGEPAGES_1G = 512
 
 
 class InstantSliceHost:
@@ -76,6 +77,9 @@ class InstantSliceHost:
         topology = m.NodeTopologyReported(
             node_id=self.node_id,
             discovered_at=now,
+            # The tuned host the simulated fleet models (fixture_host.xe9680l): 512 pages staged, all free.
+            hugepages_1g_total=SIM_HUGEPAGES_1G,
+            hugepages_1g_free=SIM_HUGEPAGES_1G,
             gpus=[
                 m.GpuDevice(pci_address=s.gpu_pci_address, vendor_id="10de", device_id="2335", numa_node=s.numa_node)
                 for s in node.slots
