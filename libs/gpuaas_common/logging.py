@@ -39,8 +39,20 @@ def _shared() -> list[Any]:
     ]
 
 
+class _CurrentStderr:
+    """Whatever `sys.stderr` is when a line is written, not when logging was configured: a caller that swaps
+    stderr (a test runner capturing output, then closing its capture) must not leave loggers writing to a
+    closed file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(service: str, level: str = "INFO", stream: Any = None) -> None:
-    out = stream or sys.stderr
+    out = stream or _CurrentStderr()
     handler = logging.StreamHandler(out)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -29,7 +28,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="Node agent h
 @app.callback()
 def _logs_to_stderr() -> None:
     # stdout carries the report (JSON or parity lines); structured logs must not interleave with it.
-    configure_logging("node-agent", os.environ.get("GPUAAS_LOG_LEVEL", "WARNING"), stream=sys.stderr)
+    configure_logging("node-agent", os.environ.get("GPUAAS_LOG_LEVEL", "WARNING"))
 
 
 RootOpt = Annotated[Path, typer.Option("--root", help="Host root: / on a host, or a fixture tree.")]
