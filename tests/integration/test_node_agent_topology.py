@@ -194,7 +194,8 @@ BROKEN = {
     "vfio_not_loaded": ({"vfio_modules": False}, "vfio_modules"),
     "libvirtd_inactive": ({"libvirtd_active": False}, "libvirtd"),
     "missing_ovs_bridge": ({"ovs_bridge": None}, "ovs_bridge"),
-    "bridge_wrong_address": ({"ovs_address": "10.200.0.1/24"}, "ovs_bridge"),
+    # The baseline rendered dnsmasq and NAT for the approved subnet; only the bridge's address is wrong.
+    "bridge_wrong_address": ({"ovs_address": "10.200.0.1/24", "baseline_cidr": "10.100.0.1/24"}, "ovs_bridge"),
     "no_dnsmasq_subnet": ({"dnsmasq_gpu_subnet": False}, "dnsmasq_gpu_subnet"),
     "nat_rule_missing": ({"nat_rule": False}, "nat_rule"),
     "no_ip_forwarding": ({"ip_forward": False}, "ip_forwarding"),

@@ -68,6 +68,9 @@ class HostDescription(BaseModel):
     libvirtd_active: bool = True
     ovs_bridge: str | None = "ovsbr0"
     ovs_address: str = "10.100.0.1/24"
+    # The subnet the network baseline rendered dnsmasq and the NAT rule for; None: the bridge's own. Set apart
+    # from `ovs_address` to model a bridge that lost (or never got) the baseline's address.
+    baseline_cidr: str | None = None
     dnsmasq_gpu_subnet: bool = True
     nat_rule: bool = True
     ip_forward: bool = True

@@ -92,7 +92,7 @@ def write_etc(root: Path, desc: HostDescription) -> None:
         )
     if desc.dnsmasq_gpu_subnet:
         # The runbook's range (.10-.250 of the bridge's /24, the bridge as router), on the bridge's subnet.
-        bridge = ipaddress.ip_interface(desc.ovs_address)
+        bridge = ipaddress.ip_interface(desc.baseline_cidr or desc.ovs_address)
         base = int(bridge.network.network_address)
         _write(
             etc / "dnsmasq.d/gpuaas-slice.conf",
@@ -139,7 +139,8 @@ def write_host_tools(fs: _Sysfs, desc: HostDescription) -> None:
     _write(data / "ip-route.json", json.dumps(routes))
     nat = ["-P POSTROUTING ACCEPT"]
     if desc.nat_rule:
-        nat.append(f"-A POSTROUTING -s {ipaddress.ip_interface(desc.ovs_address).network} -j MASQUERADE")
+        subnet = ipaddress.ip_interface(desc.baseline_cidr or desc.ovs_address).network
+        nat.append(f"-A POSTROUTING -s {subnet} -j MASQUERADE")
     _write(data / "iptables-nat-POSTROUTING.txt", "\n".join(nat) + "\n")
     active = ["openvswitch-switch", "rshim", *desc.slice_services]
     if desc.dnsmasq_active:
