@@ -13,9 +13,10 @@ import nats.errors
 import nats.js.errors
 import pytest
 
+from gpuaas_common.jetstream import CONSUMERS
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.testing.bus_spy import BusSpy
-from gpuaas_dev.testing.invariants import database_violations
+from gpuaas_dev.testing.invariants import database_violations, outbox_backlog, wait_consumers_drained
 from gpuaas_dev.testing.waiting import eventually
 
 from .conftest import Portal
@@ -94,8 +95,13 @@ async def test_allocations_survive_a_killed_replica_of_each_service_and_a_dead_n
         assert len(portal.spy.of_type("allocation.active", allocation_id=a)) >= 1
         nodes = {e["payload"]["node_id"] for e in portal.spy.of_type("placement.placed", allocation_id=a)}
         assert len(nodes) == 1, f"{a} placed on {nodes}"
+    # `released` is on the bus; the scheduler frees the claims when it has handled it: wait for every durable
+    # and every outbox to drain before reading the databases.
+    durables = [(c.stream, c.durable) for c in CONSUMERS]
+    assert not {d: f for d, f in (await wait_consumers_drained(portal.js, durables, 120)).items() if any(f.values())}
     conn = await asyncpg.connect(stack.dsn)
     try:
+        await eventually(lambda: _outboxes_empty(conn), timeout=60, what="outboxes drained")
         assert await database_violations(conn) == []
         states = await conn.fetch(
             "SELECT state, count(*) AS n FROM allocator.allocations WHERE allocation_id = ANY($1::uuid[]) GROUP BY 1",
@@ -105,3 +111,7 @@ async def test_allocations_survive_a_killed_replica_of_each_service_and_a_dead_n
         await conn.close()
     assert {r["state"]: r["n"] for r in states} == {"released": len(allocs)}
     assert stack.crashed() == []
+
+
+async def _outboxes_empty(conn: asyncpg.Connection) -> bool:
+    return not any((await outbox_backlog(conn)).values())
