@@ -589,3 +589,24 @@ async def test_a_progress_publish_that_times_out_does_not_fail_the_task(tmp_path
         assert result.status == "succeeded", result
         released = await e.agent.execute("slice.vm_release", e.release(prov))
         assert released.status == "succeeded", released
+
+
+async def test_a_task_asked_again_is_answered_again_under_a_new_message_id(env: Env) -> None:
+    """The control plane lost its commit of the answer and asks again: the agent answers from its record, and
+    under an id of its own — under the first answer's id JetStream would drop the answer as a duplicate and
+    the allocation would wait until its deadline (chaos run: active, commit lost, re-asked, failed)."""
+    prov = env.provision(env.slots[:1])
+    first = await env.agent.execute("slice.vm_provision", prov, causation_id="task-message-1")
+    again = await env.agent.execute("slice.vm_provision", prov, causation_id="task-message-2")
+    assert again == first
+    redelivered = await env.agent.execute("slice.vm_provision", prov, causation_id="task-message-2")
+    assert redelivered == first
+
+    def answers() -> list[dict[str, Any]] | None:
+        found = env.spy.of_type("node.task_result", task_id=prov.task_id)
+        return found if len(found) >= 3 else None
+
+    found = await env.spy.wait_for(answers, what="three answers")
+    ids = [e["event_id"] for e in found]
+    assert ids[0] != ids[1], "the answer to the second asking has a new id"
+    assert ids[1] == ids[2], "a redelivery of the same asking is answered under the same id (deduplicated)"

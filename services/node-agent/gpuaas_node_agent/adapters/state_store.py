@@ -36,6 +36,10 @@ CREATE TABLE IF NOT EXISTS leases (
     resource      TEXT PRIMARY KEY,
     allocation_id TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS task_askers (
+    task_id    TEXT PRIMARY KEY,
+    message_id TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS verified_images (
     path   TEXT PRIMARY KEY,
     digest TEXT NOT NULL,
@@ -91,6 +95,15 @@ class StateStore:
             "ON CONFLICT (task_id) DO UPDATE SET status = 'running', updated_at = excluded.updated_at",
             (task_id, task_type, allocation_id, time.time(), vm_name, json.dumps(payload) if payload else None),
         )
+
+    def first_asker(self, task_id: str, message_id: str) -> str:
+        """The id of the first message that asked for this task (recorded now if this is the first)."""
+        self._db.execute(
+            "INSERT INTO task_askers (task_id, message_id) VALUES (?, ?) ON CONFLICT (task_id) DO NOTHING",
+            (task_id, message_id),
+        )
+        row = self._db.execute("SELECT message_id FROM task_askers WHERE task_id = ?", (task_id,)).fetchone()
+        return str(row[0])
 
     def running_tasks(self) -> list[dict[str, Any]]:
         """Tasks a previous run of the agent started and never finished, oldest first, with their payloads."""

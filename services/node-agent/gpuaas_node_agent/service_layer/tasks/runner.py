@@ -35,12 +35,18 @@ class TaskRunner(ProvisionTask, ReleaseTask):
                 await stack.enter_async_context(self._slot_locks.setdefault(slot_id, asyncio.Lock()))
             await stack.enter_async_context(self._vm_locks.setdefault(task.vm_name, asyncio.Lock()))
             result = await self.run(task_type, task)
+        # The answer to the first message that asked (and to its redeliveries, and to a resume after a restart)
+        # has one id, so JetStream keeps one copy. A task asked again by a new message (the control plane lost
+        # its commit of the first answer) is answered again under a new id: under the first one JetStream would
+        # drop it and the asker would never hear it.
+        again = causation_id is not None and self.store.first_asker(task.task_id, causation_id) != causation_id
+        purpose = f"result:{causation_id}" if again else "result"
         await self.publish(
             "node.task_result",
             result,
             correlation_id=str(task.allocation_id),
             causation_id=causation_id,
-            event_id=derived_event_id(task.task_id, "result"),
+            event_id=derived_event_id(task.task_id, purpose),
             node_id=self.node_id,
         )
         return result
