@@ -209,3 +209,51 @@ async def test_an_overdue_task_asked_again_is_answered_from_the_agents_record(po
         ),
     )
     assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == "active"
+
+
+async def test_a_baremetal_allocation_whose_maas_result_never_came_sends_its_command_again(pool) -> None:
+    """The deploy result was consumed but the allocator's commit of it was lost (a database crash without
+    synchronous commit, chaos run): the result will not be delivered again, so after `maas_reask_after_s` the
+    same deploy (same operation id) is sent again and the gateway answers with its stored result."""
+    from gpuaas_allocator.service_layer.deadlines import reask_stalled_maas_commands
+
+    allocator = Allocator(AllocatorSettings(maas_reask_after_s=60))
+    host = ActiveImage("ubuntu-host", "host", "h200-sxm", "b" * 64, "/img/host.tgz")
+    async with _uow(pool) as uow:
+        await uow.repos.upsert_image(host)
+        await uow.commit()
+    alloc = uuid.uuid4()
+    await _send(
+        pool,
+        allocator.on_requested,
+        "allocation.requested",
+        m.AllocationRequested(
+            allocation_id=alloc,
+            tenant_id="t",
+            shape="baremetal",
+            sku="h200-sxm",
+            gpu_count=8,
+            image=host.slug,
+            ssh_public_keys=["ssh-ed25519 AAAA k@t"],
+        ),
+    )
+    await _send(
+        pool,
+        allocator.on_placed,
+        "placement.placed",
+        m.PlacementPlaced(
+            allocation_id=alloc, node_id="bm1", claim_mode="node_exclusive", maas_system_id="abc123", fencing_epoch=1
+        ),
+    )
+    assert await reask_stalled_maas_commands(lambda: _uow(pool), allocator.settings) == 0, "not overdue yet"
+    await pool.execute(
+        "UPDATE allocations SET updated_at = now() - interval '2 minutes' WHERE allocation_id = $1", alloc
+    )
+    assert await reask_stalled_maas_commands(lambda: _uow(pool), allocator.settings) == 1
+    sent = [
+        json.loads(b)
+        for (b,) in await pool.fetch("SELECT body FROM outbox WHERE subject = 'gpuaas.maas.command.deploy' ORDER BY id")
+    ]
+    assert len(sent) == 2 and sent[0]["event_id"] != sent[1]["event_id"]
+    assert sent[0]["payload"] == sent[1]["payload"]
+    assert await reask_stalled_maas_commands(lambda: _uow(pool), allocator.settings) == 0, "the wait restarted"

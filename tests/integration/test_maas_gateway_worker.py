@@ -677,3 +677,34 @@ async def test_the_poll_loop_outlives_a_database_that_goes_away(pool: asyncpg.Po
             assert gw.task is not None and not gw.task.done()
     finally:
         await runner.cleanup()
+
+
+async def test_a_command_asked_again_after_it_finished_gets_its_result_again_and_calls_nothing(
+    pool: asyncpg.Pool,
+) -> None:
+    """The allocator lost its commit of a deploy result (a database crash without synchronous commit) and sends
+    the deploy again: the gateway answers with the stored result under a new id and MAAS is not called again."""
+    runner, port = await start_sim(1)
+    sim = state_of(runner)
+    sid = system_id_for("bm-01")
+    try:
+        async with Gateway(pool, settings_for(url(port))) as gw:
+            op = await gw.deploy(sid, "deploy-again")
+            assert (await gw.finished(op))["state"] == "succeeded"
+            await gw.command(
+                "maas.deploy_requested",
+                operation_id=op,
+                allocation_id=(await gw.op(op))["allocation_id"],
+                site="default",
+                system_id=sid,
+                node_id=f"node-{sid}",
+                profile="h200-baremetal",
+            )
+            results = [
+                e for e in await gw.events() if e["type"] == "maas.deploy_result" and e["payload"]["operation_id"] == op
+            ]
+            assert len(results) == 2 and results[0]["event_id"] != results[1]["event_id"]
+            assert results[0]["payload"] == results[1]["payload"]
+            assert sim.call_count("deploy", sid) == 1
+    finally:
+        await runner.cleanup()

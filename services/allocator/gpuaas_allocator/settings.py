@@ -18,6 +18,9 @@ class AllocatorSettings(ServiceSettings):
     # An allocation waiting this long for its placement answer (accepted, or released before it was placed) asks
     # the scheduler again, and again after as long each time; the scheduler answers with the claim it holds.
     placement_reask_after_s: float = Field(default=30.0, gt=0)
+    # A baremetal allocation waiting this long for its MAAS result sends its command again (same operation id):
+    # the gateway answers a finished operation with its result again and ignores one still running.
+    maas_reask_after_s: float = Field(default=300.0, gt=0)
     # The MAAS site (a gateway site name) baremetal allocations are deployed at.
     maas_site: str = "default"
     # The gateway's site profile (GPUAAS_SITE_PROFILES) baremetal hosts are deployed with.

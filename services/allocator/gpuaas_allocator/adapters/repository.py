@@ -47,6 +47,24 @@ class AllocationRepository:
                 out.append(row)
         return out
 
+    async def lock_awaiting_maas(self, after_s: float, limit: int) -> list[dict[str, Any]]:
+        """Baremetal allocations waiting for a MAAS result with nothing done to them for `after_s`, locked; rows
+        another replica (or a handler) holds are skipped."""
+        rows = await self.conn.fetch(
+            "SELECT allocation_id FROM allocations WHERE shape = 'baremetal' AND awaiting_result "
+            "AND state IN ('provisioning', 'releasing') AND coalesce(release_operation_id, operation_id) IS NOT NULL "
+            "AND updated_at + make_interval(secs => $1) < now() "
+            "ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED",
+            after_s,
+            limit,
+        )
+        out = []
+        for r in rows:
+            row = await self.lock(r["allocation_id"])
+            if row is not None:
+                out.append(row)
+        return out
+
     async def lock_awaiting_placement(self, after_s: float, limit: int) -> list[dict[str, Any]]:
         """Allocations still waiting for a placement answer with nothing done to them for `after_s`, locked; rows
         another replica (or a handler) holds are skipped."""

@@ -153,3 +153,20 @@ def task_again(row: dict[str, Any]) -> tuple[str, m.SliceVmProvision | m.SliceVm
         hostname=request.get("hostname") or f"gpuaas-{alloc_id[:8]}",
         **common,
     )
+
+
+def maas_command_again(
+    settings: AllocatorSettings, row: dict[str, Any]
+) -> tuple[str, m.MaasDeployRequested | m.MaasReleaseRequested]:
+    """The MAAS command the allocation is waiting on, as it was sent (same operation id)."""
+    common = {
+        "allocation_id": row["allocation_id"],
+        "site": settings.maas_site,
+        "system_id": row["maas_system_id"],
+        "node_id": row["node_id"],
+    }
+    if row["release_operation_id"]:
+        return "maas.release_requested", m.MaasReleaseRequested(operation_id=row["release_operation_id"], **common)
+    return "maas.deploy_requested", m.MaasDeployRequested(
+        operation_id=row["operation_id"], profile=settings.baremetal_profile, **common
+    )

@@ -26,7 +26,7 @@ from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.logging import get_logger
 
 from ..settings import AllocatorSettings
-from .commands import task_again
+from .commands import maas_command_again, task_again
 from .lifecycle import fail
 from .redrive import reask_stalled_placements
 
@@ -38,9 +38,40 @@ SWEEP_CONSUMER = "allocator-task-deadlines"
 
 
 async def sweep_deadlines(uow_factory: Callable[[], Any], settings: AllocatorSettings) -> None:
-    """Every deadline the allocator owns: node tasks past theirs fail; placements past theirs are asked again."""
+    """Every deadline the allocator owns: node tasks past theirs are asked again, then fail; placements and
+    MAAS commands past theirs are asked again."""
     await expire_overdue_tasks(uow_factory, settings)
     await reask_stalled_placements(uow_factory, settings)
+    await reask_stalled_maas_commands(uow_factory, settings)
+
+
+async def reask_stalled_maas_commands(
+    uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50
+) -> int:
+    """Send again the MAAS command of every baremetal allocation that waited `maas_reask_after_s` for its result.
+    The gateway's own operation deadline ends every operation with a result; this only recovers a result whose
+    commit was lost here (it was consumed, so JetStream will not deliver it again)."""
+    total = 0
+    while True:
+        async with uow_factory() as uow:
+            rows = await uow.repos.lock_awaiting_maas(settings.maas_reask_after_s, batch)
+            ctx = HandlerContext(None, None, "", SWEEP_CONSUMER, 0, uow)  # type: ignore[arg-type]
+            for row in rows:
+                type_, cmd = maas_command_again(settings, row)
+                await ctx.outbox.add(
+                    type_,
+                    cmd,
+                    aggregate_id=str(row["allocation_id"]),
+                    event_id=derived_event_id(f"{cmd.operation_id}:{utcnow().isoformat()}", "maas-reask"),
+                )
+                await uow.repos.update(row["allocation_id"], awaiting_result=True)  # restarts the wait
+                log.warning(
+                    "maas_command_reasked", allocation_id=str(row["allocation_id"]), operation_id=cmd.operation_id
+                )
+            await uow.commit()
+        total += len(rows)
+        if len(rows) < batch:
+            return total
 
 
 async def expire_overdue_tasks(uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50) -> int:

@@ -237,18 +237,27 @@ class OperationRepository:
         )
 
     async def finish(
-        self, operation_id: str, outcome: str, *, status: str | None, message: str | None, result: dict[str, Any]
+        self,
+        operation_id: str,
+        outcome: str,
+        *,
+        status: str | None,
+        message: str | None,
+        result: dict[str, Any],
+        reason_code: str | None = None,
     ) -> None:
         """Final: the lease goes with the open state (the caller checked the lease under the row lock)."""
         await self.conn.execute(
             "UPDATE maas_operations SET state = $2, last_status = COALESCE($3, last_status), "
-            "status_message = $4, result = $5::jsonb, lease_owner = NULL, lease_until = NULL, updated_at = now() "
+            "status_message = $4, result = $5::jsonb, reason_code = $6, lease_owner = NULL, lease_until = NULL, "
+            "updated_at = now() "
             "WHERE operation_id = $1",
             operation_id,
             outcome,
             status,
             message,
             json.dumps(result),
+            reason_code,
         )
 
     async def deployed_with_profile(self, allocation_id: Any) -> str | None:

@@ -5,13 +5,16 @@ The worker (worker.py) drives every recorded operation; recording is idempotent 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 from gpuaas_common.bus import HandlerContext
+from gpuaas_common.contract import derived_event_id
 from gpuaas_common.logging import get_logger
 
 from ..settings import GatewaySettings
+from .shared import result_event
 
 log = get_logger(__name__)
 
@@ -51,3 +54,23 @@ class OperationHandlers:
             deadline_at=datetime.now(UTC) + timedelta(seconds=self.settings.maas_deadline_s),
         )
         log.info("operation_recorded" if inserted else "operation_already_known", kind=kind, site=cmd.site)
+        if not inserted:
+            await self._answer_again(ctx, cmd.operation_id)
+
+    async def _answer_again(self, ctx: HandlerContext, operation_id: str) -> None:
+        """A command for an operation that already finished is asked again (the asker lost its commit of the
+        result, e.g. a database crash without synchronous commit): send the result again, under an id of this
+        asking's own — under the first one JetStream would drop it as a duplicate. Nothing is called again."""
+        row = await ctx.uow.repos.operations.get(operation_id)
+        if row is None or row["state"] not in ("succeeded", "failed"):
+            return  # still open: the worker sends the result when it has one
+        stored = row["result"]
+        result = json.loads(stored) if isinstance(stored, str) else dict(stored or {})
+        type_, payload = result_event(
+            row, row["state"], row["last_status"], row["reason_code"], row["status_message"], result
+        )
+        aggregate = str(row["allocation_id"] or operation_id)
+        await ctx.outbox.add(
+            type_, payload, aggregate_id=aggregate, event_id=derived_event_id(ctx.envelope.event_id, "result-again")
+        )
+        log.info("operation_result_sent_again", operation_id=operation_id, outcome=row["state"])

@@ -215,7 +215,12 @@ class Operations:
             if during is not None and outcome == "succeeded":
                 await during(uow.repos)
             await uow.repos.operations.finish(
-                row["operation_id"], outcome, status=status, message=message, result=result or {}
+                row["operation_id"],
+                outcome,
+                status=status,
+                message=message,
+                result=result or {},
+                reason_code=reason_code,
             )
             type_, payload = result_event(current, outcome, status, reason_code, message, result or {})
             await uow.events.add(
