@@ -58,7 +58,7 @@ class OperationWorker(Operations):
             try:
                 await self.tick()
                 backoff = pause
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError) as exc:
                 # Postgres restarting or failing over: the claims wait in the database; a worker that died here
                 # would take the whole gateway down with it (the chaos run saw 19 such exits).
                 backoff = min(backoff * 2, 5.0)
