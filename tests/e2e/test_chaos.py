@@ -38,6 +38,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.stop()
 
 
+# Its own convergence budget (converge_s) is 300 s, the suite's per-test default: on a loaded 2-core machine the
+# run needs more than that to settle, never to pass.
+@pytest.mark.timeout(900)
 async def test_nothing_is_lost_or_held_twice_under_seeded_faults(stack: Stack) -> None:
     plan = ChaosPlan(
         seed=int(os.environ.get("GPUAAS_CHAOS_SEED", "20261124")),
