@@ -4,6 +4,7 @@ destructive runs: the disk bytes must be unchanged."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import uuid
 import xml.etree.ElementTree as ET
@@ -202,8 +203,9 @@ async def _make_env(
     try:
         yield env
     finally:
-        await sim.stop()
-        for dom in await libvirt.list_domains():
+        # Bounded: a teardown that waits forever hangs the whole suite after the per-test timeout has fired.
+        await asyncio.wait_for(sim.stop(), 30)
+        for dom in await asyncio.wait_for(libvirt.list_domains(), 30):
             if dom.name.startswith("it-"):
                 await libvirt.shutdown(dom.name, 0)
                 await libvirt.undefine(dom.name)

@@ -121,8 +121,9 @@ class SimulatedDhcpAndGuest:
         server = self._servers.pop(ip, None)
         if server is not None:
             server.close()
+            # Bounded: wait_closed() also waits for connections a client left open, which may be never.
             with contextlib.suppress(Exception):
-                await server.wait_closed()
+                await asyncio.wait_for(server.wait_closed(), 5.0)
 
     @staticmethod
     async def _greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -133,5 +134,5 @@ class SimulatedDhcpAndGuest:
             pass
         finally:
             writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(writer.wait_closed(), 5.0)
