@@ -14,6 +14,7 @@ import asyncio
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from gpuaas_common.cancellation import stop_if_cancelled
 from gpuaas_common.contract import messages as m
 from gpuaas_common.contract import utcnow
 
@@ -207,6 +208,7 @@ class HostReconciler(TaskRunner):
         """Report now, then every `interval_s`. A failed pass is logged and retried at the next tick: the
         reconciler must never take the agent down."""
         while True:
+            stop_if_cancelled()
             try:
                 await self.report_drift()
             except Exception as exc:
