@@ -8,6 +8,17 @@ import asyncpg
 
 _SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
+# What a background loop (sweeps, lease renewals, pollers) sees while Postgres restarts or fails over: a failed
+# statement, a pooled connection closed under it, or one caught mid-operation ("cannot switch to state …").
+# Such a loop logs and tries again at its next beat instead of dying with its service.
+DB_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    TimeoutError,
+)
+
 
 def check_dsn(dsn: str) -> str:
     """A Postgres URL, possibly naming several servers (`postgresql://u:p@h1:5432,h2:5432/db?target_session_attrs=

@@ -46,6 +46,8 @@ CONNECTION_LOST = (
     asyncpg.PostgresConnectionError,
     asyncpg.InterfaceError,
     asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, cannot connect now (starting up)
+    # A pooled connection caught mid-operation by the restart ("cannot switch to state …"; CI saw it kill the relay).
+    asyncpg.InternalClientError,
     ConnectionError,
     OSError,
     TimeoutError,

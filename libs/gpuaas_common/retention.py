@@ -16,7 +16,8 @@ import asyncio
 
 import asyncpg
 
-from .db import check_schema
+from .cancellation import stop_if_cancelled
+from .db import DB_UNAVAILABLE, check_schema
 from .logging import get_logger
 
 log = get_logger(__name__)
@@ -49,9 +50,10 @@ class RetentionSweeper:
 
     async def run(self) -> None:
         while True:
+            stop_if_cancelled()
             try:
                 await self.sweep()
-            except (asyncpg.PostgresError, OSError) as exc:
+            except DB_UNAVAILABLE as exc:
                 # A missed round only delays retention; the next one catches up.
                 log.warning("retention_sweep_failed", schema=self.schema, error=repr(exc))
             await asyncio.sleep(self.interval_s)

@@ -8,8 +8,10 @@ from typing import Any
 import asyncpg
 
 from gpuaas_common.bus import PermanentError, parse_message
+from gpuaas_common.cancellation import stop_if_cancelled
 from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.contract import messages as m
+from gpuaas_common.db import DB_UNAVAILABLE
 from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
@@ -70,7 +72,7 @@ def query_responder(pool: asyncpg.Pool):
             result = await answer_query(pool, query)  # type: ignore[arg-type]
         except PermanentError as exc:
             result = m.AllocationQueryResult(status="invalid", reason=exc.reason[:2048])
-        except (OSError, asyncpg.PostgresError) as exc:
+        except DB_UNAVAILABLE as exc:
             log.warning("allocation_query_failed", error=str(exc)[:300])
             return  # the asker times out and says the allocator did not answer
         env = Envelope.wrap(
@@ -87,18 +89,20 @@ def query_responder(pool: asyncpg.Pool):
 
 async def _poll(fn) -> None:
     while True:
+        stop_if_cancelled()
         try:
             await fn()
-        except (OSError, asyncpg.PostgresError):
+        except DB_UNAVAILABLE:
             pass  # readiness simply stays false while the database is away
         await asyncio.sleep(0.5)
 
 
 async def _every(interval_s: float, fn) -> None:
     while True:
+        stop_if_cancelled()
         try:
             await fn()
-        except (OSError, asyncpg.PostgresError) as exc:
+        except DB_UNAVAILABLE as exc:
             log.warning("task_deadline_sweep_failed", error=str(exc)[:300])
         await asyncio.sleep(interval_s)
 

@@ -24,7 +24,9 @@ from typing import Any
 import asyncpg
 
 from gpuaas_common.bus import Bus
+from gpuaas_common.cancellation import stop_if_cancelled
 from gpuaas_common.contract import messages as m
+from gpuaas_common.db import DB_UNAVAILABLE
 from gpuaas_common.logging import bound_context, get_logger
 from gpuaas_common.unit_of_work import UnitOfWork
 
@@ -82,10 +84,11 @@ class BuildRunner:
         """Take over (fail) the builds of replicas that died, for as long as this one runs."""
         while True:
             await asyncio.sleep(self.lease_s / 2)
+            stop_if_cancelled()
             try:
                 if count := await self.recover():
                     log.warning("builds_interrupted", count=count)
-            except (OSError, asyncpg.PostgresError) as exc:
+            except DB_UNAVAILABLE as exc:
                 log.warning("build_recovery_failed", error=repr(exc)[:300])
 
     # --- planning ---------------------------------------------------------------------------------
@@ -221,7 +224,7 @@ class BuildRunner:
                     if not await image_pipeline_repositories(conn).builds.renew(build_id, self.owner, self.lease_s):
                         log.warning("image_build_lease_lost")
                         return
-            except (OSError, asyncpg.PostgresError) as exc:
+            except DB_UNAVAILABLE as exc:
                 # Tried again at the next beat; should the lease run out meanwhile, the fence holds.
                 log.warning("image_build_lease_renew_failed", error=repr(exc)[:300])
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import asyncpg
 
+from gpuaas_common.cancellation import stop_if_cancelled
+from gpuaas_common.db import DB_UNAVAILABLE
 from gpuaas_common.logging import bound_context, get_logger
 
 from ..adapters.maas_errors import MaasError
@@ -55,10 +57,11 @@ class OperationWorker(Operations):
         pause = min(0.2, self.settings.maas_poll_interval_s)
         backoff = pause
         while True:
+            stop_if_cancelled()
             try:
                 await self.tick()
                 backoff = pause
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError) as exc:
+            except DB_UNAVAILABLE as exc:
                 # Postgres restarting or failing over: the claims wait in the database; a worker that died here
                 # would take the whole gateway down with it (the chaos run saw 19 such exits).
                 backoff = min(backoff * 2, 5.0)
@@ -112,7 +115,7 @@ class OperationWorker(Operations):
         # that fails does the same.
         try:
             await self.read.operations.release(op_id, self.owner)
-        except (OSError, asyncpg.PostgresError) as exc:
+        except DB_UNAVAILABLE as exc:
             log.warning("operation_lease_release_failed", operation_id=op_id, error=repr(exc)[:300])
 
     async def _renew(self, op_id: str, done: asyncio.Event) -> None:
@@ -128,7 +131,7 @@ class OperationWorker(Operations):
                     # started yet is never started.
                     log.warning("operation_lease_lost", operation_id=op_id)
                     return
-            except (OSError, asyncpg.PostgresError) as exc:
+            except DB_UNAVAILABLE as exc:
                 # Tried again at the next beat; should the lease run out meanwhile, the fence holds.
                 log.warning("operation_lease_renew_failed", operation_id=op_id, error=repr(exc)[:300])
 
