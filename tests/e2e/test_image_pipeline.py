@@ -72,6 +72,21 @@ async def wait_build(stack: Stack, build_id: str) -> dict[str, Any]:
     return await eventually(done, timeout=120, interval=0.2, what=f"build {build_id} published")
 
 
+async def allocator_offers(db, slug: str, digest: str | None) -> None:
+    """Wait until the allocator has applied the newest image event: seen on the bus is not yet applied by its own
+    consumer, and a request racing it is judged by the image the allocator still knew (CI lost that race on a
+    loaded machine). `digest` None: the slug is no longer offered."""
+    await eventually(
+        lambda: db.fetchval(
+            "SELECT digest_sha256 IS NOT DISTINCT FROM $2 FROM (SELECT 1) one "
+            "LEFT JOIN allocator.active_images ON slug = $1",
+            slug,
+            digest,
+        ),
+        what=f"the allocator offers {slug} at {digest}",
+    )
+
+
 async def cache_rows(db, slug: str) -> dict[str, dict[str, Any]]:
     rows = await db.fetch("SELECT * FROM image_pipeline.node_image_cache WHERE slug = $1", slug)
     return {r["node_id"]: dict(r) for r in rows}
@@ -134,6 +149,7 @@ async def test_build_publish_prewarm_activate_allocate(stack: Stack, portal, db,
     for h in known_hosts:
         assert portal.spy.of_type("node.image_cache_reported", node_id=h, slug=SLUG, status="verified")
 
+    await allocator_offers(db, SLUG, digest)
     alloc = await portal.request("gpu_slice", gpus=1, image=SLUG)
     await portal.wait_state(alloc, "active", timeout=90)
     task = portal.spy.of_type("slice.vm_provision", allocation_id=alloc)[0]["payload"]
@@ -142,7 +158,7 @@ async def test_build_publish_prewarm_activate_allocate(stack: Stack, portal, db,
     await portal.wait_state(alloc, "released", timeout=90)
 
 
-async def test_admin_api_update_enable_disable(stack: Stack, portal) -> None:
+async def test_admin_api_update_enable_disable(stack: Stack, portal, db) -> None:
     status, _ = await admin(stack, "GET", "/v1/images", token="wrong")
     assert status == 401
     status, row = await admin(
@@ -155,6 +171,9 @@ async def test_admin_api_update_enable_disable(stack: Stack, portal) -> None:
     status, row = await admin(stack, "POST", f"/v1/images/{SLUG}/disable")
     assert status == 200 and row["status"] == "disabled"
     await portal.spy.wait_type("image.deactivated", slug=SLUG)
+    # Seen on the bus is not yet applied by the allocator (its own consumer): a request racing the deactivation
+    # is accepted with the image it still knew. CI lost that race on a loaded machine.
+    await allocator_offers(db, SLUG, None)
     rejected_id = uuid.uuid4()
     await portal.request("gpu_slice", gpus=1, image=SLUG, allocation_id=rejected_id)
     rejected = await portal.spy.wait_type("allocation.rejected", allocation_id=rejected_id)
