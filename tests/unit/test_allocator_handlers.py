@@ -528,3 +528,36 @@ async def test_the_same_refused_release_redelivered_is_answered_once(world: Worl
         await deliver(world.allocator.on_release_requested, HandlerContext(env, payload, "subject", "test", 1), uow)
         ids += [e.event_id for e in uow.published]
     assert len(ids) == 1, "the inbox drops the redelivery; the derived event id would dedup a relay repeat"
+
+
+async def test_a_teardown_answered_for_an_allocation_still_active_releases_it(world: World) -> None:
+    """The commit that started the release was lost after its task went out (a database that acknowledged it,
+    then crashed): the host's answer is the only trace left, and the VM is gone, so the allocation cannot stay
+    active."""
+    alloc = await world.request()
+    await world.place(alloc)
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    assert world.state(alloc) == "active"
+    proof = m.WipeProof(device="nvme-x", method="blkdiscard", verified=True)
+    await world.send(
+        world.allocator.on_task_result, "node.task_result", _result(alloc, f"rel-{alloc}", wipe_proofs=[proof])
+    )
+    assert world.state(alloc) == "released"
+    (releasing,) = world.sent("allocation.releasing")
+    (released,) = world.sent("allocation.released")
+    assert released["cleanup"]["verified"] is True and released["seq"] == releasing["seq"] + 1
+    assert [e["reason_code"] for e in world.repo.entries if e["state"] == "releasing"] == ["release_commit_lost"]
+
+
+async def test_a_teardown_answer_from_another_host_or_a_foreign_task_still_changes_nothing(world: World) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    other = uuid.uuid4()
+    for res in (
+        _result(alloc, f"rel-{alloc}").model_copy(update={"node_id": "n2"}),
+        _result(alloc, f"rel-{other}"),
+    ):
+        with pytest.raises(PermanentError):
+            await world.send(world.allocator.on_task_result, "node.task_result", res)
+    assert world.state(alloc) == "active" and not world.sent("allocation.releasing")

@@ -19,6 +19,12 @@ def provision_task_id(allocation_id: object) -> str:
     return f"prov-{allocation_id}"
 
 
+def release_task_id(allocation_id: object) -> str:
+    """One teardown task per allocation, named by it, so its answer is recognised even when the commit that
+    started the release was lost (handlers.on_task_result)."""
+    return f"rel-{allocation_id}"
+
+
 async def start_provisioning(
     settings: AllocatorSettings, ctx: HandlerContext, row: dict[str, Any], ev: m.PlacementPlaced
 ) -> None:
@@ -90,7 +96,7 @@ async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: 
     alloc_id = str(row["allocation_id"])
     placement = row["placement"] or {}
     if row["shape"] == "gpu_slice":
-        task_id = f"rel-{alloc_id}"
+        task_id = release_task_id(alloc_id)
         deadline = utcnow() + timedelta(seconds=settings.task_deadline_s)
         task = m.SliceVmRelease(
             task_id=task_id,

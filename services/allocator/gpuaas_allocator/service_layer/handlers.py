@@ -17,7 +17,7 @@ from gpuaas_common.logging import get_logger
 
 from ..domain.model import ActiveImage, release_refusal, request_fingerprint, validate_request
 from ..settings import AllocatorSettings
-from .commands import provision_task_id, start_provisioning, start_teardown
+from .commands import provision_task_id, release_task_id, start_provisioning, start_teardown
 from .deadlines import LATE_TASK_RESULT
 from .lifecycle import fail, transition
 from .redrive import EARLY_RESULT_MISMATCH, hold_early_result
@@ -25,6 +25,7 @@ from .redrive import EARLY_RESULT_MISMATCH, hold_early_result
 log = get_logger(__name__)
 
 FORCE_RELEASED = "force_released"
+RELEASE_COMMIT_LOST = "release_commit_lost"
 
 
 class PlacementNotSeenYet(Exception):
@@ -252,6 +253,28 @@ class Allocator:
             # The provision task this allocation would be sent, but it is not placed: the commits that placed it
             # were lost after the task went out. Keep the result and re-ask the placement (redrive.py).
             await hold_early_result(ctx, dict(row), res)
+            return
+        if (
+            row is not None
+            and row["state"] == "active"
+            and row["release_task_id"] is None
+            and res.task_id == release_task_id(res.allocation_id)
+            and res.node_id == row["node_id"]
+        ):
+            # The teardown of this very allocation, answered by its own host, while the allocation is still
+            # active: the commit that started the release was lost after its task went out (a database that
+            # acknowledged commits it then lost; a chaos run found it). The VM is gone, so the allocation cannot
+            # stay active: take the release as asked and apply its answer.
+            log.warning("release_commit_lost", task_id=res.task_id, node_id=res.node_id, status=res.status)
+            row = await transition(
+                ctx,
+                dict(row),
+                "releasing",
+                reason_code=RELEASE_COMMIT_LOST,
+                update={"release_task_id": res.task_id, "awaiting_result": True},
+                reason="the host answered a teardown whose start this allocator had lost",
+            )
+            await self._on_release_result(ctx, row, res)
             return
         # A host can only report as itself (the bus enforces the subject), but it can still claim a
         # task it was never sent or another host's allocation: both change nothing and are dead-lettered.
