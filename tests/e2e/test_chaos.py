@@ -52,7 +52,10 @@ async def test_nothing_is_lost_or_held_twice_under_seeded_faults(stack: Stack) -
         converge_s=300,
     )
     report = await run_chaos(stack, plan)
-    summary = {k: report[k] for k in ("seed", "faults", "fault_errors", "first_outcome", "final_states")}
+    summary = {
+        k: report[k]
+        for k in ("seed", "faults", "fault_errors", "first_outcome", "final_states", "violating_timelines", "fault_log")
+    }
 
     assert set(report["faults"]) == set(FAULT_KINDS), summary
     assert report["fault_errors"] == [], summary

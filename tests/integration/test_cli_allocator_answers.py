@@ -29,6 +29,7 @@ from gpuaas_common.db import create_pool
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_dev.testing.bus_spy import BusSpy
+from gpuaas_dev.testing.waiting import service_ready
 
 BIN = Path(sys.executable).parent
 SLICE = ActiveImage("ubuntu-24.04-h200-slice", "slice", "h200-sxm-slice", "c" * 64, "/img/slice.raw")
@@ -59,11 +60,7 @@ async def allocator(nats_server, fresh_db, tmp_path) -> AsyncIterator[str]:
     log = (tmp_path / "allocator.log").open("wb")
     proc = await asyncio.create_subprocess_exec(str(BIN / "gpuaas-allocator"), env=env, stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():  # the service writes it once every readiness check passes
-            assert proc.returncode is None, (tmp_path / "allocator.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "allocator not ready in 60 s"
-            await asyncio.sleep(0.1)
+        await service_ready(ready, proc, tmp_path / "allocator.log")
         yield nats_server.url
     finally:
         proc.terminate()

@@ -152,9 +152,10 @@ async def test_provisioning_started_before_the_cluster_has_a_leader_waits_for_it
             connect_timeout=5,
         )
         js = admin.jetstream(timeout=2)
+        sent = admin.stats["out_msgs"]
         task = asyncio.create_task(provision(js, [DURABLE], replicas=3))
-        await asyncio.sleep(0)  # its first request goes out to a leaderless server
-        assert not task.done()
+        await eventually(lambda: admin.stats["out_msgs"] > sent, timeout=10, what="provisioning's first request")
+        assert not task.done()  # asked a server with no JetStream leader: it waits, it does not fail
         for server in servers[1:]:
             server.start(wait_jetstream=False)
         outcome = await asyncio.wait_for(task, 60)

@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -30,7 +29,7 @@ from gpuaas_dev.seed_images import IMAGE_CACHE_DIR, SLICE_SLUG, build_seed
 from gpuaas_dev.sim.fixture_host import build_host_root, xe9680l
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.servers import NatsServer
-from gpuaas_dev.testing.waiting import eventually
+from gpuaas_dev.testing.waiting import eventually, service_ready
 from gpuaas_node_agent.adapters.host_link import HostLink
 from gpuaas_node_agent.entrypoints.host import run_slice_host
 from gpuaas_node_agent.settings import AgentSettings
@@ -73,11 +72,7 @@ async def pipeline(nats, fresh_db, tmp_path: Path) -> AsyncIterator[dict[str, An
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(str(BIN / "gpuaas-image-pipeline"), env=env, stdout=log, stderr=log)
         try:
-            deadline = time.monotonic() + 60
-            while not ready.exists():  # written once every readiness check passes
-                assert proc.returncode is None, log_path.read_text()[-3000:]
-                assert time.monotonic() < deadline, "image pipeline not ready in 60 s"
-                await asyncio.sleep(0.1)
+            await service_ready(ready, proc, log_path)
             info = json.loads(ready.read_text())
             yield {
                 "admin_url": f"http://127.0.0.1:{info['admin_port']}",

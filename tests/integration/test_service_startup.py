@@ -29,7 +29,7 @@ from gpuaas_common.identity.tls import make_ca_and_server_cert
 from gpuaas_common.startup import EXIT_CODES
 from gpuaas_dev.stack.processes import bin_path
 from gpuaas_dev.testing.servers import NatsServer, free_port
-from gpuaas_dev.testing.waiting import eventually
+from gpuaas_dev.testing.waiting import service_ready
 
 SECRET_PASSWORD = "pw-that-must-never-be-logged"
 
@@ -223,8 +223,7 @@ async def test_a_running_service_logs_json_only_faststream_included(fresh_db, op
             stdin=subprocess.DEVNULL,
         )
         try:
-            await eventually(lambda: ready.exists() or proc.returncode is not None, timeout=60, what="scheduler ready")
-            assert proc.returncode is None, log_path.read_text()
+            await service_ready(ready, proc, log_path)
             health = f"http://127.0.0.1:{json.loads(ready.read_text())['health_port']}"
             status, body = _get(f"{health}/nowhere")
             assert (status, body["error"]["code"]) == (404, "not_found") and body["error"]["request_id"]

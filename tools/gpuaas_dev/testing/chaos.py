@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import signal
 import statistics
 import time
@@ -465,6 +466,26 @@ async def check(stack: Stack, conn: asyncpg.Connection, requested: list[str]) ->
     }
 
 
+_UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+async def violating_timelines(conn: asyncpg.Connection, violations: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The allocator's timeline of every allocation a violation names, to read a failed run without re-running it
+    (the faults are seeded, their timing is not)."""
+    ids = sorted({m for found in violations.values() for v in found for m in _UUID_RE.findall(v)})
+    rows = await conn.fetch(
+        "SELECT allocation_id::text AS id, seq, state, reason_code, to_char(at, 'HH24:MI:SS.MS') AS at "
+        "FROM allocator.allocation_timeline WHERE allocation_id = ANY($1::uuid[]) ORDER BY allocation_id, seq",
+        ids,
+    )
+    out: dict[str, list[str]] = {}
+    for r in rows:
+        out.setdefault(r["id"], []).append(
+            f"{r['at']} {r['seq']}:{r['state']}" + (f" ({r['reason_code']})" if r["reason_code"] else "")
+        )
+    return out
+
+
 async def _settle(stack: Stack, js: Any, dsn: str, states: States, ids: list[str], timeout_s: float) -> dict[str, Any]:
     """Wait until every allocation is active or ended, every durable drained and every outbox empty."""
     started = time.monotonic()
@@ -522,6 +543,7 @@ async def run_chaos(stack: Stack, plan: ChaosPlan) -> dict[str, Any]:
         conn = await asyncpg.connect(stack.dsn)
         try:
             report["violations_with_active"] = await check(stack, conn, ids)
+            report["violating_timelines"] = await violating_timelines(conn, report["violations_with_active"])
             active = [a for a in ids if states.state.get(a) == "active"]
             report["active_at_first_check"] = len(active)
             for alloc in active:
@@ -530,6 +552,7 @@ async def run_chaos(stack: Stack, plan: ChaosPlan) -> dict[str, Any]:
                 await states.wait(alloc, TERMINAL, plan.wait_state_s)
             report["settle_released"] = await _settle(stack, js, stack.dsn, states, ids, plan.converge_s)
             report["violations_at_end"] = await check(stack, conn, ids)
+            report["violating_timelines"] |= await violating_timelines(conn, report["violations_at_end"])
             final = Counter(states.state.get(a, "missing") for a in ids)
             report["still_active_at_end"] = [a for a in ids if states.state.get(a) == "active"]
         finally:
