@@ -1,7 +1,8 @@
-"""A migrated scheduler schema and its admin API, shared by the scheduler's integration tests."""
+"""A migrated scheduler schema, its admin API and the placement steps the scheduler's integration tests share."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -9,8 +10,11 @@ import asyncpg
 from aiohttp.test_utils import TestClient, TestServer
 from pydantic import SecretStr
 
+from gpuaas_common.contract import messages as m
 from gpuaas_common.migrations import apply_migrations
+from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.entrypoints.admin_http import build_app
+from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place
 
 ADMIN_TOKEN = "test-admin-token"
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -36,3 +40,65 @@ async def admin_client(pool: asyncpg.Pool) -> AsyncIterator[TestClient]:
         yield client
     finally:
         await client.close()
+
+
+def accepted(gpus=1, shape="gpu_slice", tenant="t1", sku="h200-sxm-slice"):
+    return m.AllocationAccepted(
+        allocation_id=uuid.uuid4(),
+        tenant_id=tenant,
+        shape=shape,
+        state="accepted",
+        seq=2,
+        sku=sku,
+        gpu_count=gpus,
+        region="default",
+        image=m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img"),
+    )
+
+
+async def run_place(pool, ev, policy=None):
+    async with pool.acquire() as conn, conn.transaction():
+        return await place(conn, ev, policy or PlacementPolicy())
+
+
+async def post(api, path, body, key=None, method="POST"):
+    headers = {**ADMIN_AUTH, "Idempotency-Key": key or uuid.uuid4().hex}
+    resp = await api.request(method, path, json=body, headers=headers)
+    return resp.status, await resp.json()
+
+
+CLEAN = {"mounted": False, "mounted_children": [], "signatures": [], "is_os_disk": False}
+
+
+def candidate(i, **change):
+    c = {
+        "candidate_id": f"h1-c{i}",
+        "gpu_pci_address": f"0000:{0x18 + i:02x}:00.0",
+        "numa_node": 0,
+        "pcie_switch": "sw0",
+        "nvme_by_id": f"/dev/disk/by-id/nvme-eui.{i:032x}",
+        "nvme_evidence": CLEAN,
+        "fabric_claim_mode": "per_slot_vf",
+        "fabric_vf_pci_address": f"0000:29:00.{i % 8}",
+        "mac": f"52:54:00:00:01:{i:02x}",
+        "private_ip": f"10.100.0.{10 + i}",
+        "ovs_bridge": "ovsbr0",
+    }
+    c.update(change)
+    return c
+
+
+async def place_and_activate(pool, gpus=2):
+    """Placed on `gpus` slots and walked through provisioning and active to releasing, as the allocator would."""
+    placed = (await run_place(pool, accepted(gpus))).placed
+    async with pool.acquire() as conn, conn.transaction():
+        for to, frm in (("provisioning", ("reserved",)), ("active", ("provisioning",)), ("releasing", ("active",))):
+            await inv.set_slot_status(conn, placed.allocation_id, to, only_from=frm)
+    return placed
+
+
+async def slot_rows(pool, ids):
+    """The slot rows named by `ids`, by slot id."""
+    async with pool.acquire() as conn:
+        rows = await conn.fetch("SELECT * FROM node_resource_slots WHERE slot_id = ANY($1::text[])", ids)
+    return {r["slot_id"]: dict(r) for r in rows}

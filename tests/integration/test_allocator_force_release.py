@@ -9,12 +9,11 @@ import uuid
 
 import pytest
 
-from gpuaas_allocator.service_layer.handlers import Allocator, PlacementNotSeenYet
-from gpuaas_allocator.settings import AllocatorSettings
+from gpuaas_allocator.service_layer.handlers import PlacementNotSeenYet
 from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.asyncapi import default_validator
 
-from .test_allocator_deadlines import IMAGE, _provisioning, _send, _uow, pool  # noqa: F401 (fixture)
+from .allocator_db import IMAGE, allocator_offering, pool, provisioning, send, uow  # noqa: F401 (fixture)
 
 
 def _forced(alloc: uuid.UUID) -> m.PlacementForceReleased:
@@ -37,12 +36,9 @@ async def _failed_events(pool, alloc):  # noqa: F811
 
 
 async def test_a_force_released_allocation_fails_with_cleanup_and_its_task_is_given_up(pool) -> None:  # noqa: F811
-    allocator = Allocator(AllocatorSettings())
-    async with _uow(pool) as uow:
-        await uow.repos.upsert_image(IMAGE)
-        await uow.commit()
-    alloc = await _provisioning(pool, allocator)
-    await _send(pool, allocator.on_force_released, "placement.force_released", _forced(alloc))
+    allocator = await allocator_offering(pool)
+    alloc = await provisioning(pool, allocator)
+    await send(pool, allocator.on_force_released, "placement.force_released", _forced(alloc))
     row = await pool.fetchrow("SELECT * FROM allocations WHERE allocation_id = $1", alloc)
     assert (row["state"], row["failure_code"], row["awaiting_result"], row["timed_out_task_id"]) == (
         "failed",
@@ -55,11 +51,11 @@ async def test_a_force_released_allocation_fails_with_cleanup_and_its_task_is_gi
     assert "force-released by ops: host unreachable" in event["reason"]
 
     # A second copy changes nothing.
-    await _send(pool, allocator.on_force_released, "placement.force_released", _forced(alloc))
+    await send(pool, allocator.on_force_released, "placement.force_released", _forced(alloc))
     assert len(await _failed_events(pool, alloc)) == 1
 
     # The agent answers the provision after all: recorded on the timeline, not applied.
-    await _send(
+    await send(
         pool,
         allocator.on_task_result,
         "node.task_result",
@@ -79,12 +75,9 @@ async def test_a_force_released_allocation_fails_with_cleanup_and_its_task_is_gi
 
 
 async def test_before_its_placement_is_applied_the_message_is_retried_not_failed(pool) -> None:  # noqa: F811
-    allocator = Allocator(AllocatorSettings())
-    async with _uow(pool) as uow:
-        await uow.repos.upsert_image(IMAGE)
-        await uow.commit()
+    allocator = await allocator_offering(pool)
     alloc = uuid.uuid4()
-    await _send(
+    await send(
         pool,
         allocator.on_requested,
         "allocation.requested",
@@ -99,7 +92,7 @@ async def test_before_its_placement_is_applied_the_message_is_retried_not_failed
         ),
     )
     with pytest.raises(PlacementNotSeenYet):
-        await _send(pool, allocator.on_force_released, "placement.force_released", _forced(alloc))
+        await send(pool, allocator.on_force_released, "placement.force_released", _forced(alloc))
     assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == "accepted"
     # Unknown allocations are a no-op.
-    await _send(pool, allocator.on_force_released, "placement.force_released", _forced(uuid.uuid4()))
+    await send(pool, allocator.on_force_released, "placement.force_released", _forced(uuid.uuid4()))

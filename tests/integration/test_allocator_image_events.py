@@ -18,7 +18,7 @@ from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_dev.testing.waiting import eventually
 
-from .test_allocator_deadlines import _uow, pool  # noqa: F401 (fixture)
+from .allocator_db import pool, uow  # noqa: F401 (fixture)
 
 T0 = datetime.now(timezone.utc) - timedelta(minutes=5)
 SLUG = "ubuntu-slice"
@@ -45,30 +45,30 @@ async def test_a_deactivation_handled_before_the_older_activation_wins(pool: asy
     deactivated = m.ImageDeactivated(slug=SLUG, reason="new digest is being prewarmed")
     # Published: activated (t0), then deactivated (t0 + 1 s). Handled the other way round.
     assert await deliver(
-        allocator.on_image_deactivated, context("image.deactivated", deactivated, T0 + timedelta(seconds=1)), _uow(pool)
+        allocator.on_image_deactivated, context("image.deactivated", deactivated, T0 + timedelta(seconds=1)), uow(pool)
     )
-    assert await deliver(allocator.on_image_activated, context("image.activated", activated("a" * 64), T0), _uow(pool))
+    assert await deliver(allocator.on_image_activated, context("image.activated", activated("a" * 64), T0), uow(pool))
     assert await active(pool) == []
 
     # A newer activation (the new digest verified everywhere) applies.
     assert await deliver(
         allocator.on_image_activated,
         context("image.activated", activated("b" * 64), T0 + timedelta(seconds=2)),
-        _uow(pool),
+        uow(pool),
     )
     assert await active(pool) == [(SLUG, "b" * 64)]
 
 
 async def test_two_replicas_on_one_slug_run_one_after_the_other(pool: asyncpg.Pool) -> None:  # noqa: F811
     one, two = Allocator(AllocatorSettings()), Allocator(AllocatorSettings())
-    first = _uow(pool)
+    first = uow(pool)
     async with first:
         ctx = context("image.activated", activated("c" * 64), T0 + timedelta(seconds=3))
         ctx.uow = first
         await one.on_image_activated(ctx)
         # While the first replica's transaction is open, the second handles an older deactivation.
         older = context("image.deactivated", m.ImageDeactivated(slug=SLUG, reason="old"), T0)
-        second = asyncio.ensure_future(deliver(two.on_image_deactivated, older, _uow(pool)))
+        second = asyncio.ensure_future(deliver(two.on_image_deactivated, older, uow(pool)))
 
         async def waiting() -> bool:
             return bool(

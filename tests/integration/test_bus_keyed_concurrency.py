@@ -11,12 +11,12 @@ from typing import Any
 import nats
 import pytest
 from faststream.nats import NatsBroker
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from gpuaas_common.bus import Bus, HandlerContext, KeyedLanes, ordering_key
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
-from gpuaas_common.jetstream import ConsumerSpec, provision
+from gpuaas_common.jetstream import provision
+from gpuaas_dev.testing.durables import durable_at_end
 from gpuaas_dev.testing.waiting import eventually
 
 SUBJECT = "gpuaas.allocation.release_requested"
@@ -69,21 +69,7 @@ async def js(nats_server) -> AsyncIterator[Any]:
 
 
 async def test_a_stuck_allocation_holds_up_only_itself_and_each_allocation_keeps_its_order(js, nats_server) -> None:
-    durable = f"keyed-{uuid.uuid4().hex[:8]}"
-    info = await js.stream_info("ALLOCATIONS")
-    await js.add_consumer(
-        "ALLOCATIONS",
-        ConsumerConfig(
-            name=durable,
-            durable_name=durable,
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=info.state.last_seq + 1,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=30,
-            max_deliver=3,
-            filter_subject=SUBJECT,
-        ),
-    )
+    spec = await durable_at_end(js, "keyed", SUBJECT)
     stuck, free = uuid.uuid4(), [uuid.uuid4() for _ in range(5)]
     unblock = asyncio.Event()
     handled: list[tuple[str, str]] = []
@@ -97,7 +83,7 @@ async def test_a_stuck_allocation_holds_up_only_itself_and_each_allocation_keeps
     broker = NatsBroker(nats_server.url)
     bus = Bus(broker, js, service="probe", schema=None, pool=None, default_concurrency=8)
     bus.subscribe(
-        ConsumerSpec(durable, "ALLOCATIONS", SUBJECT, max_deliver=3),
+        spec,
         {"allocation.release_requested": handle},
         transactional=False,
     )

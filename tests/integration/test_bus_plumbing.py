@@ -19,6 +19,7 @@ from gpuaas_common.jetstream import ConsumerSpec, ensure_consumer, provision
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import OutboxRelay, OutboxWriter
 from gpuaas_dev.testing.bus_spy import BusSpy
+from gpuaas_dev.testing.durables import durable_at_end
 from gpuaas_dev.testing.waiting import eventually
 
 
@@ -203,25 +204,9 @@ class _Probe:
 @pytest.fixture
 async def probe_bus(js, outbox_db, nats_server):
     dsn, pool = outbox_db
-    durable = f"probe-{uuid.uuid4().hex[:8]}"
-    subject = "gpuaas.allocation.release_requested"
-    # Start the probe consumer at the end of the stream so other tests' messages are not replayed.
-    info = await js.stream_info("ALLOCATIONS")
-    from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
-    await js.add_consumer(
-        "ALLOCATIONS",
-        ConsumerConfig(
-            durable_name=durable,
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=info.state.last_seq + 1,
-            ack_policy=AckPolicy.EXPLICIT,
-            max_deliver=3,
-            ack_wait=30,
-            filter_subject=subject,
-        ),
-    )
-    spec = ConsumerSpec(durable, "ALLOCATIONS", subject, max_deliver=3)
+    # Starts at the end of the stream so other tests' messages are not replayed.
+    spec = await durable_at_end(js, "probe", "gpuaas.allocation.release_requested")
+    durable = spec.durable
     broker = NatsBroker(nats_server.url)
     bus = Bus(broker, js, service="probe", schema="svc", pool=pool, retry_delays_s=(0.05,))
     probe = _Probe()

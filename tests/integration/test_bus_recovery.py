@@ -17,13 +17,13 @@ from typing import Any
 import nats
 import pytest
 from faststream.nats import NatsBroker
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from gpuaas_common.bus import Bus, HandlerContext
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import CONSUMERS, ConsumerSpec, node_agent_consumer, provision
 from gpuaas_common.settings import ServiceSettings
+from gpuaas_dev.testing.durables import durable_at_end
 from gpuaas_dev.testing.waiting import eventually
 
 SUBJECT = "gpuaas.allocation.release_requested"
@@ -41,22 +41,7 @@ async def js(nats_server) -> AsyncIterator[Any]:
 
 async def _durable_at_end(js: Any) -> ConsumerSpec:
     """A durable with a 1 s ack wait that starts after every message already in the stream."""
-    durable = f"recovery-{uuid.uuid4().hex[:8]}"
-    info = await js.stream_info("ALLOCATIONS")
-    await js.add_consumer(
-        "ALLOCATIONS",
-        ConsumerConfig(
-            name=durable,
-            durable_name=durable,
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=info.state.last_seq + 1,
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=ACK_WAIT_S,
-            max_deliver=5,
-            filter_subject=SUBJECT,
-        ),
-    )
-    return ConsumerSpec(durable, "ALLOCATIONS", SUBJECT, max_deliver=5, ack_wait_s=ACK_WAIT_S)
+    return await durable_at_end(js, "recovery", SUBJECT, ack_wait_s=ACK_WAIT_S, max_deliver=5)
 
 
 async def _publish_release(js: Any) -> tuple[uuid.UUID, str]:

@@ -14,11 +14,19 @@ from gpuaas_scheduler.domain.placement import rank_classes, rank_nodes
 from gpuaas_scheduler.domain.slots import InvalidSlotTransition
 from gpuaas_scheduler.service_layer.evidence import record_slice_preflight, record_topology
 from gpuaas_scheduler.service_layer.handlers import EndedOutOfOrder, fail_allocation, release_allocation
-from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place
+from gpuaas_scheduler.service_layer.placement import PlacementPolicy
 
-from .scheduler_db import ADMIN_AUTH, admin_client, scheduler_pool
-
-AUTH = ADMIN_AUTH
+from .scheduler_db import (
+    ADMIN_AUTH,
+    CLEAN,
+    accepted,
+    admin_client,
+    candidate,
+    place_and_activate,
+    post,
+    run_place,
+    scheduler_pool,
+)
 
 
 @pytest.fixture
@@ -31,31 +39,6 @@ async def pool(fresh_db):
 async def api(pool):
     async with admin_client(pool) as client:
         yield client
-
-
-def accepted(gpus=1, shape="gpu_slice", tenant="t1", sku="h200-sxm-slice"):
-    return m.AllocationAccepted(
-        allocation_id=uuid.uuid4(),
-        tenant_id=tenant,
-        shape=shape,
-        state="accepted",
-        seq=2,
-        sku=sku,
-        gpu_count=gpus,
-        region="default",
-        image=m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img"),
-    )
-
-
-async def run_place(pool, ev, policy=None):
-    async with pool.acquire() as conn, conn.transaction():
-        return await place(conn, ev, policy or PlacementPolicy())
-
-
-async def post(api, path, body, key=None, method="POST"):
-    headers = {**AUTH, "Idempotency-Key": key or uuid.uuid4().hex}
-    resp = await api.request(method, path, json=body, headers=headers)
-    return resp.status, await resp.json()
 
 
 def preflight_report(node_id, status, *, system_id="sys-h1", op="pf-1", reasons=()):
@@ -82,27 +65,6 @@ def topology_report(node_id, *, hugepages, free=None):
         hugepages_1g_total=hugepages,
         hugepages_1g_free=hugepages if free is None else free,
     )
-
-
-CLEAN = {"mounted": False, "mounted_children": [], "signatures": [], "is_os_disk": False}
-
-
-def candidate(i, **change):
-    c = {
-        "candidate_id": f"h1-c{i}",
-        "gpu_pci_address": f"0000:{0x18 + i:02x}:00.0",
-        "numa_node": 0,
-        "pcie_switch": "sw0",
-        "nvme_by_id": f"/dev/disk/by-id/nvme-eui.{i:032x}",
-        "nvme_evidence": CLEAN,
-        "fabric_claim_mode": "per_slot_vf",
-        "fabric_vf_pci_address": f"0000:29:00.{i % 8}",
-        "mac": f"52:54:00:00:01:{i:02x}",
-        "private_ip": f"10.100.0.{10 + i}",
-        "ovs_bridge": "ovsbr0",
-    }
-    c.update(change)
-    return c
 
 
 VIOLATIONS = [
@@ -143,12 +105,12 @@ async def test_approval_enforces_every_rule_through_the_api(api, pool):
     for i, (_, needle) in enumerate(VIOLATIONS):
         r = results[f"h1-c{i + 1}"]
         assert r["status"] == "disabled" and any(needle in p for p in r["problems"]), (needle, r)
-    resp = await api.get("/v1/nodes/h1/slots", headers=AUTH)
+    resp = await api.get("/v1/nodes/h1/slots", headers=ADMIN_AUTH)
     slots = {s["slot_id"]: s for s in (await resp.json())["slots"]}
     assert slots["h1-c0"]["status"] == "available" and slots["h1-c0"]["approved_by"] == "ops"
     assert "mounted children" in slots["h1-c7"]["status_reason"]
     # Candidates stay apart from slots, and a slice host is schedulable only with parity failures = 0.
-    resp = await api.get("/v1/nodes/h1/candidates", headers=AUTH)
+    resp = await api.get("/v1/nodes/h1/candidates", headers=ADMIN_AUTH)
     assert len((await resp.json())["candidates"]) == len(cands)
     assert (await run_place(pool, accepted())).unschedulable.reason_code == "no_eligible_node"
     status, _ = await post(api, "/v1/nodes/h1/readiness", {"actor": "agent", "parity_failures": 0}, method="PUT")
@@ -172,7 +134,7 @@ async def test_errors_are_structured_and_leave_nothing_half_written(api, pool):
         await synthetic.build(conn, slice_hosts=1)
     resp = await api.get("/v1/nodes", headers={"Authorization": "Bearer wrong"})
     assert resp.status == 401 and (await resp.json())["error"]["code"] == "unauthorized"
-    resp = await api.post("/v1/nodes/n00001/drain", json={"actor": "ops", "reason": "x"}, headers=AUTH)
+    resp = await api.post("/v1/nodes/n00001/drain", json={"actor": "ops", "reason": "x"}, headers=ADMIN_AUTH)
     assert resp.status == 400 and (await resp.json())["error"]["code"] == "idempotency_key_required"
     status, body = await post(api, "/v1/nodes/nope/drain", {"actor": "ops", "reason": "x"})
     assert status == 404 and body["error"]["code"] == "node_not_found"
@@ -348,14 +310,6 @@ async def _statuses(pool, slot_ids):
         return {r["status"] for r in rows}
 
 
-async def _place_and_activate(pool, gpus=2):
-    placed = (await run_place(pool, accepted(gpus))).placed
-    async with pool.acquire() as conn, conn.transaction():
-        for to, frm in (("provisioning", ("reserved",)), ("active", ("provisioning",)), ("releasing", ("active",))):
-            await inv.set_slot_status(conn, placed.allocation_id, to, only_from=frm)
-    return placed
-
-
 def proofs(placed, verified=True, skip=0):
     return [m.WipeProof(device=s.nvme_by_id, method="blkdiscard", verified=verified) for s in placed.slots[skip:]]
 
@@ -363,7 +317,7 @@ def proofs(placed, verified=True, skip=0):
 async def test_release_with_wipe_proof_goes_through_cleanup_to_available(pool):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=1)
-    placed = await _place_and_activate(pool)
+    placed = await place_and_activate(pool)
     ids = [s.slot_id for s in placed.slots]
     async with pool.acquire() as conn, conn.transaction():
         await release_allocation(
@@ -390,7 +344,7 @@ async def test_release_with_wipe_proof_goes_through_cleanup_to_available(pool):
 async def test_release_without_verified_proof_blocks_and_repair_returns_it(pool, api, report):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=1)
-    placed = await _place_and_activate(pool)
+    placed = await place_and_activate(pool)
     if report == "missing_one":
         report = m.CleanupReport(required=True, verified=True, wipe_proofs=proofs(placed, skip=1))
     elif report == "unverified":

@@ -12,8 +12,17 @@ from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.service_layer.handlers import fail_allocation, release_allocation
 
-from .scheduler_db import admin_client, scheduler_pool
-from .test_scheduler_inventory import AUTH, _place_and_activate, accepted, candidate, post, run_place
+from .scheduler_db import (
+    ADMIN_AUTH,
+    accepted,
+    admin_client,
+    candidate,
+    place_and_activate,
+    post,
+    run_place,
+    scheduler_pool,
+    slot_rows,
+)
 
 
 @pytest.fixture
@@ -26,12 +35,6 @@ async def pool(fresh_db):
 async def api(pool):
     async with admin_client(pool) as client:
         yield client
-
-
-async def _slots(pool, ids):
-    async with pool.acquire() as conn:
-        rows = await conn.fetch("SELECT * FROM node_resource_slots WHERE slot_id = ANY($1::text[])", ids)
-    return {r["slot_id"]: dict(r) for r in rows}
 
 
 async def test_approval_records_the_storage_metadata_of_the_runbook(api, pool):
@@ -62,7 +65,7 @@ async def test_approval_records_the_storage_metadata_of_the_runbook(api, pool):
         {"actor": "ops", "candidate_ids": ["h1-c1"], "destructive_wipe_policy": "nvme_format"},
     )
     assert status == 200
-    resp = await api.get("/v1/nodes/h1/slots", headers=AUTH)
+    resp = await api.get("/v1/nodes/h1/slots", headers=ADMIN_AUTH)
     slots = {s["slot_id"]: s for s in (await resp.json())["slots"]}
     storage = ("storage_ownership", "storage_mode", "destructive_wipe_policy", "storage_identity_kind")
     assert [slots["h1-c0"][k] for k in storage] == ["slice", "slice", "blkdiscard", "nvme_wwn_by_id"]
@@ -74,14 +77,14 @@ async def test_approval_records_the_storage_metadata_of_the_runbook(api, pool):
         {"actor": "ops", "candidate_ids": ["h1-c1"], "destructive_wipe_policy": "rm -rf"},
     )
     assert status == 422
-    assert (await _slots(pool, ["h1-c1"]))["h1-c1"]["destructive_wipe_policy"] == "nvme_format"
+    assert (await slot_rows(pool, ["h1-c1"]))["h1-c1"]["destructive_wipe_policy"] == "nvme_format"
 
 
 async def test_reuse_needs_a_proof_made_by_the_slots_own_wipe_policy(pool):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=1)
         await conn.execute("UPDATE node_resource_slots SET destructive_wipe_policy = 'nvme_format'")
-    placed = await _place_and_activate(pool)
+    placed = await place_and_activate(pool)
     ids = [s.slot_id for s in placed.slots]
     # A verified, clean blkdiscard proof is not the format this site requires: the slots stay blocked.
     discard = [m.WipeProof(device=s.nvme_by_id, method="blkdiscard", verified=True) for s in placed.slots]
@@ -89,18 +92,18 @@ async def test_reuse_needs_a_proof_made_by_the_slots_own_wipe_policy(pool):
         await release_allocation(
             conn, placed.allocation_id, m.CleanupReport(required=True, verified=True, wipe_proofs=discard)
         )
-    rows = await _slots(pool, ids)
+    rows = await slot_rows(pool, ids)
     assert {r["status"] for r in rows.values()} == {"cleanup_blocked"}
     assert all("nvme_format policy" in r["status_reason"] for r in rows.values())
     assert {r["health_state"] for r in rows.values()} == {"failed"}
 
-    placed = await _place_and_activate(pool)
+    placed = await place_and_activate(pool)
     formatted = [m.WipeProof(device=s.nvme_by_id, method="nvme_format", verified=True) for s in placed.slots]
     async with pool.acquire() as conn, conn.transaction():
         await release_allocation(
             conn, placed.allocation_id, m.CleanupReport(required=True, verified=True, wipe_proofs=formatted)
         )
-    assert {r["status"] for r in (await _slots(pool, [s.slot_id for s in placed.slots])).values()} == {"available"}
+    assert {r["status"] for r in (await slot_rows(pool, [s.slot_id for s in placed.slots])).values()} == {"available"}
 
 
 async def test_failed_cleanup_marks_slot_health_failed_not_degraded(pool):
@@ -109,13 +112,13 @@ async def test_failed_cleanup_marks_slot_health_failed_not_degraded(pool):
     touched = (await run_place(pool, accepted(2))).placed
     async with pool.acquire() as conn, conn.transaction():
         await fail_allocation(conn, touched.allocation_id, True, "task_deadline_passed: host silent")
-    rows = await _slots(pool, [s.slot_id for s in touched.slots])
+    rows = await slot_rows(pool, [s.slot_id for s in touched.slots])
     assert {(r["status"], r["health_state"]) for r in rows.values()} == {("cleanup_blocked", "failed")}
 
-    released = await _place_and_activate(pool)
+    released = await place_and_activate(pool)
     async with pool.acquire() as conn, conn.transaction():
         await release_allocation(
             conn, released.allocation_id, m.CleanupReport(required=True, verified=False, reason="wipe not verified")
         )
-    rows = await _slots(pool, [s.slot_id for s in released.slots])
+    rows = await slot_rows(pool, [s.slot_id for s in released.slots])
     assert {(r["status"], r["health_state"]) for r in rows.values()} == {("cleanup_blocked", "failed")}

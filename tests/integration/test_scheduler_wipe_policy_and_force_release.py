@@ -15,8 +15,16 @@ from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.service_layer.handlers import release_allocation
 
-from .scheduler_db import admin_client, scheduler_pool
-from .test_scheduler_inventory import _place_and_activate, accepted, candidate, post, run_place
+from .scheduler_db import (
+    accepted,
+    admin_client,
+    candidate,
+    place_and_activate,
+    post,
+    run_place,
+    scheduler_pool,
+    slot_rows,
+)
 
 
 @pytest.fixture
@@ -29,12 +37,6 @@ async def pool(fresh_db):
 async def api(pool):
     async with admin_client(pool) as client:
         yield client
-
-
-async def _slots(pool, ids):
-    async with pool.acquire() as conn:
-        rows = await conn.fetch("SELECT * FROM node_resource_slots WHERE slot_id = ANY($1::text[])", ids)
-    return {r["slot_id"]: dict(r) for r in rows}
 
 
 async def _release(pool, placed, method, *, verified=True):
@@ -71,7 +73,7 @@ async def test_the_site_policy_is_recorded_on_its_slots_and_handed_to_the_agent(
     assert body["site_policy"]["destructive_wipe_policy"] == "crypto_erase"
     assert body["slots_in_use"] == [first.slots[0].slot_id]  # placed under blkdiscard: its release will block
     assert len(body["slots_updated"]) == 8
-    rows = await _slots(pool, body["slots_updated"])
+    rows = await slot_rows(pool, body["slots_updated"])
     assert {r["destructive_wipe_policy"] for r in rows.values()} == {"crypto_erase"}
     placed = (await run_place(pool, accepted(2))).placed
     assert [s.wipe_policy for s in placed.slots] == ["crypto_erase", "crypto_erase"]
@@ -92,37 +94,37 @@ async def test_reuse_is_blocked_without_the_site_policys_proof(api, pool):
     assert (await _set_site(api, "nvme_format"))[0] == 200
 
     # Violating: a verified blkdiscard is not the format the site requires.
-    wrong = await _place_and_activate(pool)
+    wrong = await place_and_activate(pool)
     await _release(pool, wrong, "blkdiscard")
-    rows = await _slots(pool, [s.slot_id for s in wrong.slots])
+    rows = await slot_rows(pool, [s.slot_id for s in wrong.slots])
     assert {(r["status"], r["health_state"]) for r in rows.values()} == {("cleanup_blocked", "failed")}
     assert all("site default's nvme_format policy" in r["status_reason"] for r in rows.values())
 
     # Violating: the right method, not verified.
-    unverified = await _place_and_activate(pool)
+    unverified = await place_and_activate(pool)
     await _release(pool, unverified, "nvme_format", verified=False)
-    assert {r["status"] for r in (await _slots(pool, [s.slot_id for s in unverified.slots])).values()} == {
+    assert {r["status"] for r in (await slot_rows(pool, [s.slot_id for s in unverified.slots])).values()} == {
         "cleanup_blocked"
     }
 
     # Violating: no proof at all for the disks.
-    missing = await _place_and_activate(pool)
+    missing = await place_and_activate(pool)
     async with pool.acquire() as conn, conn.transaction():
         await release_allocation(conn, missing.allocation_id, m.CleanupReport(required=True, verified=True))
-    missing_rows = await _slots(pool, [s.slot_id for s in missing.slots])
+    missing_rows = await slot_rows(pool, [s.slot_id for s in missing.slots])
     assert {r["status"] for r in missing_rows.values()} == {"cleanup_blocked"}
     assert all("no wipe proof" in r["status_reason"] for r in missing_rows.values())
 
     # The site's method, verified: back to available.
-    good = await _place_and_activate(pool)
+    good = await place_and_activate(pool)
     await _release(pool, good, "nvme_format")
-    assert {r["status"] for r in (await _slots(pool, [s.slot_id for s in good.slots])).values()} == {"available"}
+    assert {r["status"] for r in (await slot_rows(pool, [s.slot_id for s in good.slots])).values()} == {"available"}
 
 
 async def test_the_site_policy_wins_over_the_policy_recorded_at_approval(api, pool):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=1)
-    placed = await _place_and_activate(pool)
+    placed = await place_and_activate(pool)
     # A site policy set by hand in the table (no slot rewrite): release still judges by the site's.
     async with pool.acquire() as conn:
         await conn.execute(
@@ -130,7 +132,7 @@ async def test_the_site_policy_wins_over_the_policy_recorded_at_approval(api, po
             "VALUES ('default', 'crypto_erase', 'ops', 'test')"
         )
     await _release(pool, placed, "blkdiscard")
-    rows = await _slots(pool, [s.slot_id for s in placed.slots])
+    rows = await slot_rows(pool, [s.slot_id for s in placed.slots])
     assert {r["status"] for r in rows.values()} == {"cleanup_blocked"}
     assert all("crypto_erase" in r["status_reason"] for r in rows.values())
 
@@ -149,7 +151,7 @@ async def test_approval_takes_the_site_policy_and_refuses_another(api, pool):
     assert (await _set_site(api, "nvme_format"))[0] == 200
     status, body = await post(api, "/v1/nodes/h1/candidates/approve", {"actor": "ops", "candidate_ids": ["h1-c0"]})
     assert status == 200, body
-    assert (await _slots(pool, ["h1-c0"]))["h1-c0"]["destructive_wipe_policy"] == "nvme_format"
+    assert (await slot_rows(pool, ["h1-c0"]))["h1-c0"]["destructive_wipe_policy"] == "nvme_format"
     # Violating: one slot asking for a weaker wipe than its site's is refused, nothing written.
     status, body = await post(
         api,
@@ -157,17 +159,17 @@ async def test_approval_takes_the_site_policy_and_refuses_another(api, pool):
         {"actor": "ops", "candidate_ids": ["h1-c1"], "destructive_wipe_policy": "blkdiscard"},
     )
     assert status == 409 and body["error"]["code"] == "wipe_policy_conflicts_with_site"
-    assert await _slots(pool, ["h1-c1"]) == {}
+    assert await slot_rows(pool, ["h1-c1"]) == {}
 
 
 async def test_repairing_a_cleanup_blocked_slot_needs_the_sites_proof(api, pool):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=1)
     assert (await _set_site(api, "crypto_erase"))[0] == 200
-    placed = await _place_and_activate(pool)
+    placed = await place_and_activate(pool)
     await _release(pool, placed, "zero_fill")
     slot = placed.slots[0]
-    assert (await _slots(pool, [slot.slot_id]))[slot.slot_id]["status"] == "cleanup_blocked"
+    assert (await slot_rows(pool, [slot.slot_id]))[slot.slot_id]["status"] == "cleanup_blocked"
     proof = {
         "device": slot.nvme_by_id,
         "method": "crypto_erase",
@@ -184,7 +186,7 @@ async def test_repairing_a_cleanup_blocked_slot_needs_the_sites_proof(api, pool)
         status, answer = await post(api, f"/v1/slots/{slot.slot_id}/repair", body)
         assert status == 409 and answer["error"]["code"] == "wipe_proof_rejected", answer
         assert problem in answer["error"]["details"]["problem"]
-        assert (await _slots(pool, [slot.slot_id]))[slot.slot_id]["status"] == "cleanup_blocked"
+        assert (await slot_rows(pool, [slot.slot_id]))[slot.slot_id]["status"] == "cleanup_blocked"
     status, answer = await post(
         api, f"/v1/slots/{slot.slot_id}/repair", {"actor": "alice", "reason": "wiped by infra", "wipe_proof": proof}
     )
@@ -205,14 +207,14 @@ async def _outbox(pool, subject):
 async def test_force_release_refuses_while_the_vm_may_hold_the_devices(api, pool):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=1)
-    placed = await _place_and_activate(pool)
+    placed = await place_and_activate(pool)
     ids = [s.slot_id for s in placed.slots]
     path = f"/v1/allocations/{placed.allocation_id}/force-release"
     status, body = await post(api, path, {"actor": "ops", "reason": "agent gone"})
     assert status == 409 and body["error"]["code"] == "vm_may_hold_devices"
     assert all("is releasing" in h for h in body["error"]["details"]["holders"])  # release never answered
     # Nothing changed: claims held, slots where they were, no event.
-    assert {r["status"] for r in (await _slots(pool, ids)).values()} == {"releasing"}
+    assert {r["status"] for r in (await slot_rows(pool, ids)).values()} == {"releasing"}
     async with pool.acquire() as conn:
         held = await conn.fetchval(
             "SELECT count(*) FROM allocation_resource_claims WHERE allocation_id = $1 AND status = 'held'",
@@ -233,14 +235,14 @@ async def test_force_release_refuses_while_the_vm_may_hold_the_devices(api, pool
 async def test_forced_release_lands_the_slots_in_cleanup_blocked_and_tells_the_allocator(api, pool):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=1)
-    placed = await _place_and_activate(pool)
+    placed = await place_and_activate(pool)
     ids = [s.slot_id for s in placed.slots]
     path = f"/v1/allocations/{placed.allocation_id}/force-release"
     key = uuid.uuid4().hex
     status, body = await post(api, path, {"actor": "ops", "reason": "host unreachable", "force": True}, key=key)
     assert status == 200, body
     assert body["slots"] == {i: "cleanup_blocked" for i in ids} and body["claims_released"] == len(ids)
-    rows = await _slots(pool, ids)
+    rows = await slot_rows(pool, ids)
     assert {(r["status"], r["health_state"]) for r in rows.values()} == {("cleanup_blocked", "failed")}
     assert all("force-released by ops" in r["status_reason"] for r in rows.values())
     # Freed claims: the slots still never place (cleanup_blocked), and nothing is available that was forced.
@@ -264,13 +266,13 @@ async def test_forced_release_lands_the_slots_in_cleanup_blocked_and_tells_the_a
 
     async with pool.acquire() as conn, conn.transaction():
         await fail_allocation(conn, placed.allocation_id, True, "force_released: host unreachable")
-    assert {r["status"] for r in (await _slots(pool, ids)).values()} == {"cleanup_blocked"}
+    assert {r["status"] for r in (await slot_rows(pool, ids)).values()} == {"cleanup_blocked"}
 
 
 async def test_a_stale_claim_is_released_without_force_and_its_slot_is_never_made_available(api, pool):
     async with pool.acquire() as conn:
         await synthetic.build(conn, slice_hosts=1)
-    placed = await _place_and_activate(pool)
+    placed = await place_and_activate(pool)
     ids = [s.slot_id for s in placed.slots]
     # The scheduler already saw the end of the VM (cleanup), but the claim was left behind.
     async with pool.acquire() as conn:
@@ -279,7 +281,7 @@ async def test_a_stale_claim_is_released_without_force_and_its_slot_is_never_mad
         api, f"/v1/allocations/{placed.allocation_id}/force-release", {"actor": "ops", "reason": "stale claim"}
     )
     assert status == 200 and body["holders"] == [] and body["forced"] is False
-    assert {r["status"] for r in (await _slots(pool, ids)).values()} == {"cleanup_blocked"}
+    assert {r["status"] for r in (await slot_rows(pool, ids)).values()} == {"cleanup_blocked"}
 
 
 async def test_force_release_of_a_whole_node_claim_drains_the_node(api, pool):

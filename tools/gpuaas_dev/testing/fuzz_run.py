@@ -22,7 +22,7 @@ from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer
 
 from ..stack import Stack
 from .bus_spy import BusSpy
-from .fuzz import Fuzzer, Hostile, Pools, consumers_for, publisher
+from .fuzz import Fuzzer, Pools, consumers_for, publisher
 from .invariants import database_violations, dead_letters, wait_consumers_drained
 
 SLICE_REQUEST = {
@@ -175,7 +175,3 @@ async def run_fuzz(
         "database_violations": violations,
         "contract_violations_seen": len(spy.violations),
     }
-
-
-def describe(items: list[Hostile]) -> dict[str, int]:
-    return dict(Counter(i.category for i in items))

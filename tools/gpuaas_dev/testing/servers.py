@@ -124,15 +124,7 @@ class NatsServer:
             "}",
         ]
         if self.tls is not None:
-            t = self.tls
-            lines += [
-                "tls {",
-                f"  cert_file: {json.dumps(str(t.cert))}",  # type: ignore[attr-defined]
-                f"  key_file: {json.dumps(str(t.key))}",  # type: ignore[attr-defined]
-                f"  ca_file: {json.dumps(str(t.ca))}",  # type: ignore[attr-defined]
-                "  timeout: 2",
-                "}",
-            ]
+            lines += self._tls_block("")
         if self.cluster_name:
             lines += [
                 "cluster {",
@@ -144,21 +136,24 @@ class NatsServer:
             ]
             if self.tls is not None:
                 # Routes are mutual TLS with the same loopback certificate (it carries client and server use).
-                t = self.tls
-                lines += [
-                    "  tls {",
-                    f"    cert_file: {json.dumps(str(t.cert))}",  # type: ignore[attr-defined]
-                    f"    key_file: {json.dumps(str(t.key))}",  # type: ignore[attr-defined]
-                    f"    ca_file: {json.dumps(str(t.ca))}",  # type: ignore[attr-defined]
-                    "    timeout: 2",
-                    "  }",
-                ]
+                lines += self._tls_block("  ")
             lines.append("}")
         if self.auth is not None:
             resolver = self.data_dir / "resolver"
             resolver.mkdir(parents=True, exist_ok=True)
             lines.append(self.auth.server_config(resolver))  # type: ignore[attr-defined]
         return "\n".join(lines) + "\n"
+
+    def _tls_block(self, indent: str) -> list[str]:
+        t = self.tls
+        return [
+            f"{indent}tls {{",
+            f"{indent}  cert_file: {json.dumps(str(t.cert))}",  # type: ignore[attr-defined]
+            f"{indent}  key_file: {json.dumps(str(t.key))}",  # type: ignore[attr-defined]
+            f"{indent}  ca_file: {json.dumps(str(t.ca))}",  # type: ignore[attr-defined]
+            f"{indent}  timeout: 2",
+            f"{indent}}}",
+        ]
 
     def start(self, timeout_s: float = 20.0, *, wait_jetstream: bool = True) -> "NatsServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)

@@ -29,15 +29,13 @@ class AllocationRepository:
                 out[key] = json.loads(out[key])
         return out
 
-    async def lock_overdue(self, grace_s: float, limit: int) -> list[dict[str, Any]]:
-        """Allocations whose node task is past its deadline plus `grace_s`, locked; rows another replica's sweep
-        (or a handler) holds are skipped, so replicas never time out the same task twice."""
+    async def _lock_due(self, where: str, order_by: str, after_s: float, limit: int) -> list[dict[str, Any]]:
+        """Rows matching `where` (with `$1` the seconds they have waited), oldest `order_by` first, locked until
+        the unit of work ends; rows another replica's sweep (or a handler) holds are skipped, so two replicas
+        never act on one allocation twice. Both clauses are this module's own constants, never input."""
         rows = await self.conn.fetch(
-            "SELECT allocation_id FROM allocations WHERE awaiting_result AND task_deadline_at IS NOT NULL "
-            "AND state IN ('provisioning', 'releasing') "
-            "AND task_deadline_at + make_interval(secs => $1) < now() "
-            "ORDER BY task_deadline_at LIMIT $2 FOR UPDATE SKIP LOCKED",
-            grace_s,
+            f"SELECT allocation_id FROM allocations WHERE {where} ORDER BY {order_by} LIMIT $2 FOR UPDATE SKIP LOCKED",
+            after_s,
             limit,
         )
         out = []
@@ -47,40 +45,35 @@ class AllocationRepository:
                 out.append(row)
         return out
 
+    async def lock_overdue(self, grace_s: float, limit: int) -> list[dict[str, Any]]:
+        """Allocations whose node task is past its deadline plus `grace_s`."""
+        return await self._lock_due(
+            "awaiting_result AND task_deadline_at IS NOT NULL AND state IN ('provisioning', 'releasing') "
+            "AND task_deadline_at + make_interval(secs => $1) < now()",
+            "task_deadline_at",
+            grace_s,
+            limit,
+        )
+
     async def lock_awaiting_maas(self, after_s: float, limit: int) -> list[dict[str, Any]]:
-        """Baremetal allocations waiting for a MAAS result with nothing done to them for `after_s`, locked; rows
-        another replica (or a handler) holds are skipped."""
-        rows = await self.conn.fetch(
-            "SELECT allocation_id FROM allocations WHERE shape = 'baremetal' AND awaiting_result "
-            "AND state IN ('provisioning', 'releasing') AND coalesce(release_operation_id, operation_id) IS NOT NULL "
-            "AND updated_at + make_interval(secs => $1) < now() "
-            "ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED",
+        """Baremetal allocations waiting for a MAAS result with nothing done to them for `after_s`."""
+        return await self._lock_due(
+            "shape = 'baremetal' AND awaiting_result AND state IN ('provisioning', 'releasing') "
+            "AND coalesce(release_operation_id, operation_id) IS NOT NULL "
+            "AND updated_at + make_interval(secs => $1) < now()",
+            "updated_at",
             after_s,
             limit,
         )
-        out = []
-        for r in rows:
-            row = await self.lock(r["allocation_id"])
-            if row is not None:
-                out.append(row)
-        return out
 
     async def lock_awaiting_placement(self, after_s: float, limit: int) -> list[dict[str, Any]]:
-        """Allocations still waiting for a placement answer with nothing done to them for `after_s`, locked; rows
-        another replica (or a handler) holds are skipped."""
-        rows = await self.conn.fetch(
-            "SELECT allocation_id FROM allocations WHERE node_id IS NULL AND state IN ('accepted', 'releasing') "
-            "AND updated_at + make_interval(secs => $1) < now() "
-            "ORDER BY updated_at LIMIT $2 FOR UPDATE SKIP LOCKED",
+        """Allocations still waiting for a placement answer with nothing done to them for `after_s`."""
+        return await self._lock_due(
+            "node_id IS NULL AND state IN ('accepted', 'releasing') AND updated_at + make_interval(secs => $1) < now()",
+            "updated_at",
             after_s,
             limit,
         )
-        out = []
-        for r in rows:
-            row = await self.lock(r["allocation_id"])
-            if row is not None:
-                out.append(row)
-        return out
 
     async def accepted_seq(self, allocation_id: uuid.UUID) -> int | None:
         """The lifecycle sequence number of the allocation's `accepted` event."""
