@@ -176,6 +176,9 @@ class States:
                     "SELECT allocation_id::text AS id, state FROM allocator.allocations "
                     "WHERE allocation_id = ANY($1::uuid[])",
                     ids,
+                    # A query caught by a Postgres crash or a paused process can wait for good on its socket; a
+                    # poller stuck on one made every client wait out wait_state_s (a 15-minute run of 40).
+                    timeout=5,
                 )
                 new = {r["id"]: r["state"] for r in rows}
                 if new != self.state:
