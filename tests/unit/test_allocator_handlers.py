@@ -561,3 +561,24 @@ async def test_a_teardown_answer_from_another_host_or_a_foreign_task_still_chang
         with pytest.raises(PermanentError):
             await world.send(world.allocator.on_task_result, "node.task_result", res)
     assert world.state(alloc) == "active" and not world.sent("allocation.releasing")
+
+
+async def test_a_release_asked_again_after_its_commits_were_lost_sends_a_teardown_jetstream_keeps(
+    world: World,
+) -> None:
+    """Releasing and released were both committed, then lost with the host's answer already consumed: the row is
+    active again and only a new release request can move it. Its teardown must be a new message (the first one's
+    id would be dropped by JetStream's duplicate window) for the same task, which the agent answers from its
+    record."""
+    alloc = await world.request()
+    await world.place(alloc)
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    before = copy.deepcopy(world.repo.allocations[alloc])
+    first = [e for e in await _release(world, alloc) if e.type == "slice.vm_release"]
+    world.repo.allocations[alloc] = before  # the database came back without the release's commits
+    again = [e for e in await _release(world, alloc) if e.type == "slice.vm_release"]
+    assert len(first) == len(again) == 1
+    assert first[0].payload["task_id"] == again[0].payload["task_id"] == f"rel-{alloc}"
+    assert first[0].event_id != again[0].event_id
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"rel-{alloc}"))
+    assert world.state(alloc) == "released"

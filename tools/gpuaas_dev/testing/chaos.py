@@ -96,6 +96,9 @@ class ChaosPlan:
         default_factory=lambda: {"kill": 4, "pause": 3, "nats": 2, "pg_fast": 1, "pg_immediate": 1, "maas": 3}
     )
     wait_state_s: float = 300.0
+    # A portal that sees no end to a release it asked for asks again after this long, while the allocator still
+    # says active: a database that lost acknowledged commits (synchronous_commit off) may have lost the release.
+    release_again_s: float = 30.0
     converge_s: float = 600.0
 
 
@@ -118,6 +121,7 @@ class Portal:
     def __init__(self, nc: NatsClient, spy: BusSpy) -> None:
         self.nc, self.js, self.spy = nc, nc.jetstream(), spy
         self.retries = 0
+        self.releases_again = 0
 
     async def publish(self, subject: str, type_: str, payload: m.Payload, alloc: str) -> None:
         env = Envelope.wrap(type_, payload.model_dump(mode="json"), producer="portal", correlation_id=alloc)
@@ -250,11 +254,24 @@ class Workload:
                 continue
             # The tenant uses it for a while: workload think time, not a wait for the system.
             await asyncio.sleep(self.holds[index])
-            await self.portal.release(alloc)
-            end = await self.states.wait(alloc, TERMINAL, self.plan.wait_state_s)
+            end = await release_until_ended(self.portal, self.states, alloc, self.plan)
             if end is None:
                 self.stuck.append(alloc)
                 self.outcomes["stuck_releasing"] += 1
+
+
+async def release_until_ended(portal: Portal, states: States, alloc: str, plan: ChaosPlan) -> str | None:
+    """Ask for the release and wait for an end, asking again as a portal does while the allocator says active."""
+    await portal.release(alloc)
+    deadline = time.monotonic() + plan.wait_state_s
+    while (left := deadline - time.monotonic()) > 0:
+        end = await states.wait(alloc, TERMINAL, min(left, plan.release_again_s))
+        if end is not None:
+            return end
+        if states.state.get(alloc) == "active":
+            portal.releases_again += 1
+            await portal.release(alloc)
+    return None
 
 
 class Supervisor:
@@ -549,10 +566,7 @@ async def run_chaos(stack: Stack, plan: ChaosPlan) -> dict[str, Any]:
             report["violating_timelines"] = await violating_timelines(conn, report["violations_with_active"])
             active = [a for a in ids if states.state.get(a) == "active"]
             report["active_at_first_check"] = len(active)
-            for alloc in active:
-                await portal.release(alloc)
-            for alloc in active:
-                await states.wait(alloc, TERMINAL, plan.wait_state_s)
+            await asyncio.gather(*(release_until_ended(portal, states, alloc, plan) for alloc in active))
             report["settle_released"] = await _settle(stack, js, stack.dsn, states, ids, plan.converge_s)
             report["violations_at_end"] = await check(stack, conn, ids)
             report["violating_timelines"] |= await violating_timelines(conn, report["violations_at_end"])
@@ -597,6 +611,7 @@ async def run_chaos(stack: Stack, plan: ChaosPlan) -> dict[str, Any]:
             "dead_letters_by_reason": dict(Counter(str(x["reason_code"]) for x in letters)),
             "dlq_problems": problems,
             "portal_publish_retries": portal.retries,
+            "portal_releases_asked_again": portal.releases_again,
             "state_poll_errors": states.poll_errors,
             "contract_violations": spy.violations[:20],
             "bus_messages_seen": len(spy.messages),

@@ -95,6 +95,10 @@ async def start_provisioning(
 async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: dict[str, Any]) -> None:
     alloc_id = str(row["allocation_id"])
     placement = row["placement"] or {}
+    # Named by the message that started the teardown: its redelivery sends the same copy (JetStream keeps one),
+    # while a release asked again after this commit was lost (the host may have torn the VM down already) is a
+    # new message the agent answers from its record, instead of a duplicate JetStream drops for two minutes.
+    asking = ctx.envelope.event_id if ctx.envelope is not None else "sweep"
     if row["shape"] == "gpu_slice":
         task_id = release_task_id(alloc_id)
         deadline = utcnow() + timedelta(seconds=settings.task_deadline_s)
@@ -111,7 +115,7 @@ async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: 
             "slice.vm_release",
             task,
             aggregate_id=alloc_id,
-            event_id=derived_event_id(alloc_id, "release-task"),
+            event_id=derived_event_id(f"{alloc_id}:{asking}", "release-task"),
             node_id=row["node_id"],
         )
         await ctx.uow.repos.update(
@@ -130,7 +134,7 @@ async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: 
             "maas.release_requested",
             cmd,
             aggregate_id=alloc_id,
-            event_id=derived_event_id(alloc_id, "release-command"),
+            event_id=derived_event_id(f"{alloc_id}:{asking}", "release-command"),
         )
         await ctx.uow.repos.update(row["allocation_id"], release_operation_id=operation_id, awaiting_result=True)
 
