@@ -13,6 +13,7 @@ from gpuaas_allocator.service_layer.handlers import Allocator
 from gpuaas_allocator.settings import AllocatorSettings
 from gpuaas_common.bus import PermanentError
 from gpuaas_common.contract import messages as m
+from gpuaas_common.enrolment import enrolment_proof
 
 from .allocator_db import allocator_offering, pool, provisioning, send, uow  # noqa: F401 (fixture)
 
@@ -191,3 +192,82 @@ async def test_a_baremetal_allocation_whose_maas_result_never_came_sends_its_com
     assert len(sent) == 2 and sent[0]["event_id"] != sent[1]["event_id"]
     assert sent[0]["payload"] == sent[1]["payload"]
     assert await reask_stalled_maas_commands(lambda: uow(pool), allocator.settings) == 0, "the wait restarted"
+
+
+async def test_a_deployed_host_that_never_enrols_fails_its_allocation_at_the_enrolment_deadline(pool) -> None:  # noqa: F811
+    """MAAS said deployed, then nothing: the host's first-boot enrolment never came (seen in a chaos run, its
+    publish timed out). The allocation does not wait for good: it fails with enrolment_timeout and cleanup
+    required; a late enrolment then changes nothing."""
+    from gpuaas_allocator.service_layer.deadlines import expire_unenrolled_hosts
+
+    allocator = Allocator(AllocatorSettings(enrolment_deadline_s=600))
+    host = ActiveImage("ubuntu-host", "host", "h200-sxm", "b" * 64, "/img/host.tgz")
+    async with uow(pool) as work:
+        await work.repos.upsert_image(host)
+        await work.commit()
+    alloc = uuid.uuid4()
+    await send(
+        pool,
+        allocator.on_requested,
+        "allocation.requested",
+        m.AllocationRequested(
+            allocation_id=alloc,
+            tenant_id="t",
+            shape="baremetal",
+            sku="h200-sxm",
+            gpu_count=8,
+            image=host.slug,
+            ssh_public_keys=["ssh-ed25519 AAAA k@t"],
+        ),
+    )
+    await send(
+        pool,
+        allocator.on_placed,
+        "placement.placed",
+        m.PlacementPlaced(
+            allocation_id=alloc, node_id="bm1", claim_mode="node_exclusive", maas_system_id="abc123", fencing_epoch=1
+        ),
+    )
+    await send(
+        pool,
+        allocator.on_maas_result,
+        "maas.deploy_result",
+        m.MaasDeployResult(
+            operation_id=f"deploy-{alloc}",
+            allocation_id=alloc,
+            system_id="abc123",
+            node_id="bm1",
+            resolution="direct",
+            attempts=1,
+            status="deployed",
+        ),
+    )
+    assert await expire_unenrolled_hosts(lambda: uow(pool), allocator.settings) == 0, "not overdue yet"
+    await pool.execute(
+        "UPDATE allocations SET updated_at = now() - interval '11 minutes' WHERE allocation_id = $1", alloc
+    )
+    assert await expire_unenrolled_hosts(lambda: uow(pool), allocator.settings) == 1
+    row = await pool.fetchrow("SELECT state, failure_code FROM allocations WHERE allocation_id = $1", alloc)
+    assert (row["state"], row["failure_code"]) == ("failed", "enrolment_timeout")
+    failed = [
+        json.loads(b)["payload"]
+        for (b,) in await pool.fetch("SELECT body FROM outbox WHERE subject = 'gpuaas.allocation.event.failed'")
+    ]
+    assert [(f["reason_code"], f["cleanup_required"]) for f in failed] == [("enrolment_timeout", True)]
+    assert await expire_unenrolled_hosts(lambda: uow(pool), allocator.settings) == 0, "failed once"
+    secret = allocator.settings.enrolment_secret.get_secret_value()
+    await send(
+        pool,
+        allocator.on_enrolled,
+        "node.enrolled",
+        m.NodeEnrolled(
+            node_id="bm1",
+            kind="baremetal",
+            hostname="bm1",
+            agent_version="test",
+            maas_system_id="abc123",
+            allocation_id=alloc,
+            enrolment_proof=enrolment_proof(secret, str(alloc), "abc123"),
+        ),
+    )
+    assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == "failed"

@@ -21,6 +21,9 @@ class AllocatorSettings(ServiceSettings):
     # A baremetal allocation waiting this long for its MAAS result sends its command again (same operation id):
     # the gateway answers a finished operation with its result again and ignores one still running.
     maas_reask_after_s: float = Field(default=300.0, gt=0)
+    # A baremetal host MAAS reports deployed has this long to enrol (its agent's first boot); then the allocation
+    # fails with `enrolment_timeout` and the node is drained for ops: the tenant's image is on it, nobody reached it.
+    enrolment_deadline_s: float = Field(default=1800.0, gt=0)
     # The MAAS site (a gateway site name) baremetal allocations are deployed at.
     maas_site: str = "default"
     # The gateway's site profile (GPUAAS_SITE_PROFILES) baremetal hosts are deployed with.

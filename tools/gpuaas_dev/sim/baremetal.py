@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import yaml
 
+from gpuaas_common.bus import PermanentError
 from gpuaas_common.logging import get_logger
 
 log = get_logger(__name__)
@@ -77,15 +78,26 @@ class SimulatedBaremetalHost:
                 if status == "Deployed" and allocation and allocation != self._enrolled_for:
                     try:
                         await self.enrol(env, parse_node_creds(last.get("user_data") or ""))
+                        log.info("sim_baremetal_enrolled", node_id=self.node_id, allocation_id=allocation)
+                    except PermanentError as exc:
+                        # A host whose enrolment is refused (revoked or expired credentials, no token) stays up
+                        # and says why; it does not take the fleet process down, nor ask again.
+                        log.warning(
+                            "sim_baremetal_enrol_refused",
+                            node_id=self.node_id,
+                            allocation_id=allocation,
+                            error=str(exc),
+                        )
                     except Exception as exc:
-                        # A host whose enrolment is refused (revoked or expired credentials) stays up
-                        # and says why; it does not take the fleet process down.
+                        # Anything else (a publish timed out while a NATS server was down: a chaos run lost an
+                        # enrolment that way) is tried again at the next poll, as a real host's agent does.
                         log.warning(
                             "sim_baremetal_enrol_failed", node_id=self.node_id, allocation_id=allocation, error=str(exc)
                         )
+                        await asyncio.sleep(self.poll_interval_s)
+                        continue
                     self._enrolled_for = allocation
                     self._away = True
-                    log.info("sim_baremetal_enrolled", node_id=self.node_id, allocation_id=allocation)
                 elif status != "Deployed":
                     if self._enrolled_for is not None and self.leave is not None:
                         await self.leave()

@@ -275,12 +275,15 @@ def _baremetal_host(
             creds_file = str(write_secret(root / "etc" / "gpuaas" / "node.creds", creds_text))
         elif settings.nats_creds_dir:
             raise PermanentError("no_credentials", "user_data carries no NATS credentials for this host")
-        link = HostLink(
-            node.node_id,
-            NatsIdentity(split_servers(settings.nats_url), creds_file, settings.nats_ca_file),
-            retry_delays_s=settings.retry_delays_s,
-        )
-        bus = await link.open(retry_forever=False)
+        identity = NatsIdentity(split_servers(settings.nats_url), creds_file, settings.nats_ca_file)
+        link = HostLink(node.node_id, identity, retry_delays_s=settings.retry_delays_s)
+        try:
+            bus = await link.open(retry_forever=False)
+        except Exception:
+            if identity.last_refusal is not None:
+                # Refused credentials (revoked, expired) do not get better by asking again.
+                raise PermanentError("nats_auth_refused", identity.last_refusal) from None
+            raise
         ev = m.NodeEnrolled(
             node_id=node.node_id,
             kind="baremetal",

@@ -61,6 +61,8 @@ CHAOS_ENV: dict[str, Any] = {
     "GPUAAS_TASK_DEADLINE_SWEEP_INTERVAL_S": 2,
     "GPUAAS_TASK_REASK_WAIT_S": 10,
     "GPUAAS_MAAS_REASK_AFTER_S": 10,
+    # a deployed host that never enrols fails its allocation after 60 s (default 30 min).
+    "GPUAAS_ENROLMENT_DEADLINE_S": 60,
     # gateway: a MAAS call times out after 3 s (default 10 s), an operation after 180 s (default 30 min), the
     # breaker cools down in 2 s (default 10 s); Retry-After capped at 2 s (default 120 s).
     "maas-gateway": {

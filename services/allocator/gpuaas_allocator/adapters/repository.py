@@ -66,6 +66,16 @@ class AllocationRepository:
             limit,
         )
 
+    async def lock_awaiting_enrolment(self, after_s: float, limit: int) -> list[dict[str, Any]]:
+        """Baremetal allocations deployed by MAAS whose host has not enrolled `after_s` after the deploy result."""
+        return await self._lock_due(
+            "shape = 'baremetal' AND state = 'provisioning' AND deployed AND NOT enrolled AND NOT awaiting_result "
+            "AND updated_at + make_interval(secs => $1) < now()",
+            "updated_at",
+            after_s,
+            limit,
+        )
+
     async def lock_awaiting_placement(self, after_s: float, limit: int) -> list[dict[str, Any]]:
         """Allocations still waiting for a placement answer with nothing done to them for `after_s`."""
         return await self._lock_due(

@@ -33,6 +33,7 @@ from .redrive import reask_stalled_placements
 log = get_logger(__name__)
 
 TASK_DEADLINE_PASSED = "task_deadline_passed"
+ENROLMENT_TIMEOUT = "enrolment_timeout"
 LATE_TASK_RESULT = "late_task_result_ignored"
 SWEEP_CONSUMER = "allocator-task-deadlines"
 
@@ -43,6 +44,34 @@ async def sweep_deadlines(uow_factory: Callable[[], Any], settings: AllocatorSet
     await expire_overdue_tasks(uow_factory, settings)
     await reask_stalled_placements(uow_factory, settings)
     await reask_stalled_maas_commands(uow_factory, settings)
+    await expire_unenrolled_hosts(uow_factory, settings)
+
+
+async def expire_unenrolled_hosts(
+    uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50
+) -> int:
+    """Fail every baremetal allocation whose deployed host never enrolled within `enrolment_deadline_s`. Nobody
+    can be asked again here: only the host enrols, and one that has not by then (no network, a broken image,
+    credentials refused) needs ops, so the scheduler drains the node (cleanup required: the image is on it)."""
+    total = 0
+    while True:
+        async with uow_factory() as uow:
+            rows = await uow.repos.lock_awaiting_enrolment(settings.enrolment_deadline_s, batch)
+            ctx = HandlerContext(None, None, "", SWEEP_CONSUMER, 0, uow)  # type: ignore[arg-type]
+            for row in rows:
+                log.warning("enrolment_timeout", allocation_id=str(row["allocation_id"]), node_id=row["node_id"])
+                await fail(
+                    ctx,
+                    row,
+                    ENROLMENT_TIMEOUT,
+                    f"MAAS deployed {row['maas_system_id']} but its host did not enrol within "
+                    f"{settings.enrolment_deadline_s:g} s",
+                    row["node_id"],
+                )
+            await uow.commit()
+        total += len(rows)
+        if len(rows) < batch:
+            return total
 
 
 async def reask_stalled_maas_commands(
