@@ -21,6 +21,7 @@ from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.unit_of_work import UnitOfWork
 
 IMAGE = ActiveImage("ubuntu-slice", "slice", "h200-sxm-slice", "a" * 64, "/img/slice.raw")
+HOST_IMAGE = ActiveImage("ubuntu-host", "host", "h200-sxm", "b" * 64, "/img/host.tgz")
 
 
 @pytest.fixture
@@ -42,18 +43,21 @@ async def send(pool: asyncpg.Pool, handler, type_: str, payload: m.Payload) -> N
     await deliver(handler, HandlerContext(env, payload, "s", "test", 1), uow(pool))
 
 
-async def allocator_offering(pool: asyncpg.Pool, *images: ActiveImage) -> Allocator:
-    """An allocator with default settings that knows `images` (IMAGE when none are named) as active."""
+async def allocator_offering(
+    pool: asyncpg.Pool, *images: ActiveImage, settings: AllocatorSettings | None = None
+) -> Allocator:
+    """An allocator (default settings unless given) that knows `images` (IMAGE when none are named) as active."""
     async with uow(pool) as work:
         for image in images or (IMAGE,):
             await work.repos.upsert_image(image)
         await work.commit()
-    return Allocator(AllocatorSettings())
+    return Allocator(settings or AllocatorSettings())
 
 
-async def provisioning(pool: asyncpg.Pool, allocator: Allocator) -> uuid.UUID:
-    """A slice allocation requested and placed on one slot of `n1`: provisioning, its task out."""
+async def requested(pool: asyncpg.Pool, allocator: Allocator, shape: str = "gpu_slice") -> uuid.UUID:
+    """A new allocation asked for: one slice GPU on IMAGE, or a whole host on HOST_IMAGE."""
     alloc = uuid.uuid4()
+    slice_ = shape == "gpu_slice"
     await send(
         pool,
         allocator.on_requested,
@@ -61,13 +65,33 @@ async def provisioning(pool: asyncpg.Pool, allocator: Allocator) -> uuid.UUID:
         m.AllocationRequested(
             allocation_id=alloc,
             tenant_id="t",
-            shape="gpu_slice",
-            sku="h200-sxm-slice",
-            gpu_count=1,
-            image=IMAGE.slug,
+            shape=shape,  # type: ignore[arg-type]
+            sku="h200-sxm-slice" if slice_ else "h200-sxm",
+            gpu_count=1 if slice_ else 8,
+            image=IMAGE.slug if slice_ else HOST_IMAGE.slug,
             ssh_public_keys=["ssh-ed25519 AAAA k@t"],
         ),
     )
+    return alloc
+
+
+async def placed_baremetal(pool: asyncpg.Pool, allocator: Allocator) -> uuid.UUID:
+    """A baremetal allocation placed on `bm1` (MAAS system `abc123`): provisioning, its deploy command out."""
+    alloc = await requested(pool, allocator, "baremetal")
+    await send(
+        pool,
+        allocator.on_placed,
+        "placement.placed",
+        m.PlacementPlaced(
+            allocation_id=alloc, node_id="bm1", claim_mode="node_exclusive", maas_system_id="abc123", fencing_epoch=1
+        ),
+    )
+    return alloc
+
+
+async def provisioning(pool: asyncpg.Pool, allocator: Allocator) -> uuid.UUID:
+    """A slice allocation requested and placed on one slot of `n1`: provisioning, its task out."""
+    alloc = await requested(pool, allocator)
     slot = m.SlotBinding(
         slot_id=f"n1-{alloc.hex[:6]}",
         gpu_pci_address="0000:18:00.0",

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import uuid
 
 import pytest
 
-from gpuaas_allocator.domain.model import ActiveImage
 from gpuaas_allocator.service_layer.deadlines import expire_overdue_tasks
-from gpuaas_allocator.service_layer.handlers import Allocator
 from gpuaas_allocator.settings import AllocatorSettings
 from gpuaas_common.bus import PermanentError
 from gpuaas_common.contract import messages as m
 from gpuaas_common.enrolment import enrolment_proof
 
-from .allocator_db import allocator_offering, pool, provisioning, send, uow  # noqa: F401 (fixture)
+from .allocator_db import HOST_IMAGE, allocator_offering, placed_baremetal, pool, provisioning, send, uow  # noqa: F401 (fixture)
 
 
 async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_recorded(pool) -> None:  # noqa: F811
@@ -152,34 +149,8 @@ async def test_a_baremetal_allocation_whose_maas_result_never_came_sends_its_com
     same deploy (same operation id) is sent again and the gateway answers with its stored result."""
     from gpuaas_allocator.service_layer.deadlines import reask_stalled_maas_commands
 
-    allocator = Allocator(AllocatorSettings(maas_reask_after_s=60))
-    host = ActiveImage("ubuntu-host", "host", "h200-sxm", "b" * 64, "/img/host.tgz")
-    async with uow(pool) as work:
-        await work.repos.upsert_image(host)
-        await work.commit()
-    alloc = uuid.uuid4()
-    await send(
-        pool,
-        allocator.on_requested,
-        "allocation.requested",
-        m.AllocationRequested(
-            allocation_id=alloc,
-            tenant_id="t",
-            shape="baremetal",
-            sku="h200-sxm",
-            gpu_count=8,
-            image=host.slug,
-            ssh_public_keys=["ssh-ed25519 AAAA k@t"],
-        ),
-    )
-    await send(
-        pool,
-        allocator.on_placed,
-        "placement.placed",
-        m.PlacementPlaced(
-            allocation_id=alloc, node_id="bm1", claim_mode="node_exclusive", maas_system_id="abc123", fencing_epoch=1
-        ),
-    )
+    allocator = await allocator_offering(pool, HOST_IMAGE, settings=AllocatorSettings(maas_reask_after_s=60))
+    alloc = await placed_baremetal(pool, allocator)
     assert await reask_stalled_maas_commands(lambda: uow(pool), allocator.settings) == 0, "not overdue yet"
     await pool.execute(
         "UPDATE allocations SET updated_at = now() - interval '2 minutes' WHERE allocation_id = $1", alloc
@@ -200,34 +171,8 @@ async def test_a_deployed_host_that_never_enrols_fails_its_allocation_at_the_enr
     required; a late enrolment then changes nothing."""
     from gpuaas_allocator.service_layer.deadlines import expire_unenrolled_hosts
 
-    allocator = Allocator(AllocatorSettings(enrolment_deadline_s=600))
-    host = ActiveImage("ubuntu-host", "host", "h200-sxm", "b" * 64, "/img/host.tgz")
-    async with uow(pool) as work:
-        await work.repos.upsert_image(host)
-        await work.commit()
-    alloc = uuid.uuid4()
-    await send(
-        pool,
-        allocator.on_requested,
-        "allocation.requested",
-        m.AllocationRequested(
-            allocation_id=alloc,
-            tenant_id="t",
-            shape="baremetal",
-            sku="h200-sxm",
-            gpu_count=8,
-            image=host.slug,
-            ssh_public_keys=["ssh-ed25519 AAAA k@t"],
-        ),
-    )
-    await send(
-        pool,
-        allocator.on_placed,
-        "placement.placed",
-        m.PlacementPlaced(
-            allocation_id=alloc, node_id="bm1", claim_mode="node_exclusive", maas_system_id="abc123", fencing_epoch=1
-        ),
-    )
+    allocator = await allocator_offering(pool, HOST_IMAGE, settings=AllocatorSettings(enrolment_deadline_s=600))
+    alloc = await placed_baremetal(pool, allocator)
     await send(
         pool,
         allocator.on_maas_result,

@@ -13,7 +13,7 @@ from gpuaas_allocator.service_layer.handlers import PlacementNotSeenYet
 from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.asyncapi import default_validator
 
-from .allocator_db import IMAGE, allocator_offering, pool, provisioning, send, uow  # noqa: F401 (fixture)
+from .allocator_db import allocator_offering, pool, provisioning, requested, send, uow  # noqa: F401 (fixture)
 
 
 def _forced(alloc: uuid.UUID) -> m.PlacementForceReleased:
@@ -76,21 +76,7 @@ async def test_a_force_released_allocation_fails_with_cleanup_and_its_task_is_gi
 
 async def test_before_its_placement_is_applied_the_message_is_retried_not_failed(pool) -> None:  # noqa: F811
     allocator = await allocator_offering(pool)
-    alloc = uuid.uuid4()
-    await send(
-        pool,
-        allocator.on_requested,
-        "allocation.requested",
-        m.AllocationRequested(
-            allocation_id=alloc,
-            tenant_id="t",
-            shape="gpu_slice",
-            sku="h200-sxm-slice",
-            gpu_count=1,
-            image=IMAGE.slug,
-            ssh_public_keys=["ssh-ed25519 AAAA k@t"],
-        ),
-    )
+    alloc = await requested(pool, allocator)
     with pytest.raises(PlacementNotSeenYet):
         await send(pool, allocator.on_force_released, "placement.force_released", _forced(alloc))
     assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == "accepted"

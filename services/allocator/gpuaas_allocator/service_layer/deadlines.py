@@ -29,6 +29,7 @@ from ..settings import AllocatorSettings
 from .commands import maas_command_again, task_again
 from .lifecycle import fail
 from .redrive import reask_stalled_placements
+from .sweeps import sweep_in_batches
 
 log = get_logger(__name__)
 
@@ -40,7 +41,7 @@ SWEEP_CONSUMER = "allocator-task-deadlines"
 
 async def sweep_deadlines(uow_factory: Callable[[], Any], settings: AllocatorSettings) -> None:
     """Every deadline the allocator owns: node tasks past theirs are asked again, then fail; placements and
-    MAAS commands past theirs are asked again."""
+    MAAS commands past theirs are asked again; deployed hosts that never enrolled fail."""
     await expire_overdue_tasks(uow_factory, settings)
     await reask_stalled_placements(uow_factory, settings)
     await reask_stalled_maas_commands(uow_factory, settings)
@@ -53,25 +54,22 @@ async def expire_unenrolled_hosts(
     """Fail every baremetal allocation whose deployed host never enrolled within `enrolment_deadline_s`. Nobody
     can be asked again here: only the host enrols, and one that has not by then (no network, a broken image,
     credentials refused) needs ops, so the scheduler drains the node (cleanup required: the image is on it)."""
-    total = 0
-    while True:
-        async with uow_factory() as uow:
-            rows = await uow.repos.lock_awaiting_enrolment(settings.enrolment_deadline_s, batch)
-            ctx = HandlerContext(None, None, "", SWEEP_CONSUMER, 0, uow)  # type: ignore[arg-type]
-            for row in rows:
-                log.warning("enrolment_timeout", allocation_id=str(row["allocation_id"]), node_id=row["node_id"])
-                await fail(
-                    ctx,
-                    row,
-                    ENROLMENT_TIMEOUT,
-                    f"MAAS deployed {row['maas_system_id']} but its host did not enrol within "
-                    f"{settings.enrolment_deadline_s:g} s",
-                    row["node_id"],
-                )
-            await uow.commit()
-        total += len(rows)
-        if len(rows) < batch:
-            return total
+
+    async def expire(ctx: HandlerContext, row: dict[str, Any]) -> None:
+        log.warning("enrolment_timeout", allocation_id=str(row["allocation_id"]), node_id=row["node_id"])
+        reason = (
+            f"MAAS deployed {row['maas_system_id']} but its host did not enrol within "
+            f"{settings.enrolment_deadline_s:g} s"
+        )
+        await fail(ctx, row, ENROLMENT_TIMEOUT, reason, row["node_id"])
+
+    return await sweep_in_batches(
+        uow_factory,
+        SWEEP_CONSUMER,
+        lambda repos, limit: repos.lock_awaiting_enrolment(settings.enrolment_deadline_s, limit),
+        expire,
+        batch=batch,
+    )
 
 
 async def reask_stalled_maas_commands(
@@ -80,42 +78,36 @@ async def reask_stalled_maas_commands(
     """Send again the MAAS command of every baremetal allocation that waited `maas_reask_after_s` for its result.
     The gateway's own operation deadline ends every operation with a result; this only recovers a result whose
     commit was lost here (it was consumed, so JetStream will not deliver it again)."""
-    total = 0
-    while True:
-        async with uow_factory() as uow:
-            rows = await uow.repos.lock_awaiting_maas(settings.maas_reask_after_s, batch)
-            ctx = HandlerContext(None, None, "", SWEEP_CONSUMER, 0, uow)  # type: ignore[arg-type]
-            for row in rows:
-                type_, cmd = maas_command_again(settings, row)
-                await ctx.outbox.add(
-                    type_,
-                    cmd,
-                    aggregate_id=str(row["allocation_id"]),
-                    event_id=derived_event_id(f"{cmd.operation_id}:{utcnow().isoformat()}", "maas-reask"),
-                )
-                await uow.repos.update(row["allocation_id"], awaiting_result=True)  # restarts the wait
-                log.warning(
-                    "maas_command_reasked", allocation_id=str(row["allocation_id"]), operation_id=cmd.operation_id
-                )
-            await uow.commit()
-        total += len(rows)
-        if len(rows) < batch:
-            return total
+
+    async def reask(ctx: HandlerContext, row: dict[str, Any]) -> None:
+        type_, cmd = maas_command_again(settings, row)
+        await ctx.outbox.add(
+            type_,
+            cmd,
+            aggregate_id=str(row["allocation_id"]),
+            event_id=derived_event_id(f"{cmd.operation_id}:{utcnow().isoformat()}", "maas-reask"),
+        )
+        await ctx.uow.repos.update(row["allocation_id"], awaiting_result=True)  # restarts the wait
+        log.warning("maas_command_reasked", allocation_id=str(row["allocation_id"]), operation_id=cmd.operation_id)
+
+    return await sweep_in_batches(
+        uow_factory,
+        SWEEP_CONSUMER,
+        lambda repos, limit: repos.lock_awaiting_maas(settings.maas_reask_after_s, limit),
+        reask,
+        batch=batch,
+    )
 
 
 async def expire_overdue_tasks(uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50) -> int:
     """Time out every overdue task, batch by batch; the number timed out."""
-    total = 0
-    while True:
-        async with uow_factory() as uow:
-            rows = await uow.repos.lock_overdue(settings.task_deadline_grace_s, batch)
-            ctx = HandlerContext(None, None, "", SWEEP_CONSUMER, 0, uow)  # type: ignore[arg-type]
-            for row in rows:
-                await expire_task(ctx, row, settings)
-            await uow.commit()
-        total += len(rows)
-        if len(rows) < batch:
-            return total
+    return await sweep_in_batches(
+        uow_factory,
+        SWEEP_CONSUMER,
+        lambda repos, limit: repos.lock_overdue(settings.task_deadline_grace_s, limit),
+        lambda ctx, row: expire_task(ctx, row, settings),
+        batch=batch,
+    )
 
 
 async def reask_task(ctx: HandlerContext, row: dict[str, Any], settings: AllocatorSettings) -> None:

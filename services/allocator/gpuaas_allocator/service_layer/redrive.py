@@ -25,6 +25,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
 from ..settings import AllocatorSettings
+from .sweeps import sweep_in_batches
 
 log = get_logger(__name__)
 
@@ -65,19 +66,14 @@ async def reask_placement(ctx: HandlerContext, row: dict[str, Any]) -> None:
 async def reask_stalled_placements(
     uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50
 ) -> int:
-    """Re-ask every placement overdue by `placement_reask_after_s`, batch by batch; how many were re-asked.
-    Rows are taken with SKIP LOCKED, so replicas share the work and a row a handler holds is left alone."""
-    total = 0
-    while True:
-        async with uow_factory() as uow:
-            rows = await uow.repos.lock_awaiting_placement(settings.placement_reask_after_s, batch)
-            ctx = HandlerContext(None, None, "", SWEEP_CONSUMER, 0, uow)  # type: ignore[arg-type]
-            for row in rows:
-                await reask_placement(ctx, row)
-            await uow.commit()
-        total += len(rows)
-        if len(rows) < batch:
-            return total
+    """Re-ask every placement overdue by `placement_reask_after_s`; how many were re-asked."""
+    return await sweep_in_batches(
+        uow_factory,
+        SWEEP_CONSUMER,
+        lambda repos, limit: repos.lock_awaiting_placement(settings.placement_reask_after_s, limit),
+        reask_placement,
+        batch=batch,
+    )
 
 
 async def hold_early_result(ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
