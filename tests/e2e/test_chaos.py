@@ -8,6 +8,7 @@ durables drained and every dead letter with a reason."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 
@@ -57,6 +58,8 @@ async def test_nothing_is_lost_or_held_twice_under_seeded_faults(stack: Stack) -
         for k in ("seed", "faults", "fault_errors", "first_outcome", "final_states", "violating_timelines", "fault_log")
     }
 
+    # In full on stdout (pytest shows it with a failure, where its assertion message is cut short).
+    print(json.dumps({**summary, "violations_at_end": report.get("violations_at_end")}, default=str))
     assert set(report["faults"]) == set(FAULT_KINDS), summary
     assert report["fault_errors"] == [], summary
     assert report["violations_with_active"] == {"lifecycle": [], "database": [], "hosts": [], "maas": []}, summary

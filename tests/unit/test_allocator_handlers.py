@@ -582,3 +582,36 @@ async def test_a_release_asked_again_after_its_commits_were_lost_sends_a_teardow
     assert first[0].event_id != again[0].event_id
     await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"rel-{alloc}"))
     assert world.state(alloc) == "released"
+
+
+async def test_a_transition_made_again_after_a_lost_commit_is_a_new_event_and_a_redelivery_is_the_same(
+    world: World,
+) -> None:
+    """`released` was committed and published, then the commit was lost (and with it, downstream, the scheduler's
+    commit of that event): the re-asked task's answer moves the allocation to `released` again under the same
+    sequence number. That event must carry a new id, or JetStream drops it as a duplicate and the scheduler
+    keeps the claims (chaos run, seed 1). The same answer delivered again keeps its id."""
+    alloc = await world.request()
+    await world.place(alloc)
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    await _release(world, alloc)
+    releasing = copy.deepcopy(world.repo.allocations[alloc])
+    timeline, entries = list(world.repo.timeline), list(world.repo.entries)
+    answer = _result(alloc, f"rel-{alloc}")
+    env = Envelope.wrap("node.task_result", answer.model_dump(mode="json"), producer="test", correlation_id="c")
+
+    async def deliver_fresh(envelope: Envelope) -> list[Envelope]:
+        # The database lost the commit of `released`: the row, its timeline entry and the inbox row.
+        world.repo.allocations[alloc] = copy.deepcopy(releasing)
+        world.repo.timeline, world.repo.entries = list(timeline), list(entries)
+        uow = FakeUnitOfWork(world.repo, "allocator", seen=set())
+        await deliver(world.allocator.on_task_result, HandlerContext(envelope, answer, "s", "test", 1), uow)
+        return [e for e in uow.published if e.type == "allocation.released"]
+
+    (first,) = await deliver_fresh(env)
+    (redelivered,) = await deliver_fresh(env)
+    again = Envelope.wrap("node.task_result", answer.model_dump(mode="json"), producer="test", correlation_id="c")
+    (reasked,) = await deliver_fresh(again)
+    assert first.payload["seq"] == redelivered.payload["seq"] == reasked.payload["seq"]
+    assert first.event_id == redelivered.event_id
+    assert reasked.event_id != first.event_id
