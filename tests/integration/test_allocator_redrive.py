@@ -232,3 +232,27 @@ async def test_a_placement_answer_that_never_came_is_asked_for_again_after_its_d
     events = await plane.relay(plane.alloc_pool)
     [(_, task)] = _of(events, "slice.vm_provision")
     assert task.fencing_epoch == placed.fencing_epoch and task.node_id == placed.node_id
+
+
+async def test_a_placement_made_again_after_the_schedulers_commit_was_lost_is_a_new_message(plane: Plane) -> None:
+    """The scheduler placed and its answer went out, then its commit was lost (claim and inbox row gone); the
+    allocator lost its side too and asks again. The scheduler places afresh: that answer must not carry the
+    first one's id, or JetStream drops it as a duplicate and the allocation waits for another re-ask."""
+    alloc, acc_env, acc = await _accepted(plane)
+    uow = UnitOfWork(plane.sched_pool, "scheduler", "scheduler", no_repositories)
+    async with uow:
+        await plane.scheduler.on_accepted(HandlerContext(acc_env, acc, "s", "scheduler-test", 1, uow))
+        [first] = [e.envelope for e in uow.events.pending if e.envelope.type == "placement.placed"]
+        # leaving without commit: the claim and the outbox row never happened
+    assert await plane.sched_pool.fetchval("SELECT count(*) FROM allocation_resource_claims") == 0
+
+    await plane.alloc_pool.execute(
+        "UPDATE allocations SET updated_at = now() - interval '31 seconds' WHERE allocation_id = $1", alloc
+    )
+    await sweep_deadlines(plane.alloc_uow, plane.settings)
+    [(ask_env, ask)] = _of(await plane.relay(plane.alloc_pool), "allocation.accepted")
+    await plane.to_scheduler(ask_env, ask)
+    [(again_env, again)] = _of(await plane.relay(plane.sched_pool), "placement.placed")
+    assert again_env.event_id != first.event_id
+    await plane.to_allocator(plane.allocator.on_placed, again_env, again)
+    assert await plane.state(alloc) == "provisioning"

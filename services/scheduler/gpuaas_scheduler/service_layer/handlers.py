@@ -57,7 +57,15 @@ class Scheduler:
         result = outcome.placed or outcome.unschedulable
         assert result is not None
         kind = "placement.placed" if outcome.placed else "placement.unschedulable"
-        await ctx.outbox.add(kind, result, aggregate_id=alloc_id, event_id=derived_event_id(alloc_id, "placement"))
+        # Named by the request it answers (a redelivery answers under the same id): a placement made again after
+        # this database lost its commit answers a re-asked request, and under one id per allocation JetStream
+        # would drop that answer as a duplicate for two minutes.
+        await ctx.outbox.add(
+            kind,
+            result,
+            aggregate_id=alloc_id,
+            event_id=derived_event_id(f"{alloc_id}:{ctx.envelope.event_id}", "placement"),
+        )
         if outcome.placed:
             p = outcome.placed
             log.info(
