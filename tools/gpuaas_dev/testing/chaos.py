@@ -98,8 +98,9 @@ class ChaosPlan:
         default_factory=lambda: {"kill": 4, "pause": 3, "nats": 2, "pg_fast": 1, "pg_immediate": 1, "maas": 3}
     )
     wait_state_s: float = 300.0
-    # A portal that sees no end to a release it asked for asks again after this long, while the allocator still
-    # says active: a database that lost acknowledged commits (synchronous_commit off) may have lost the release.
+    # A portal that sees no answer asks again after this long: a request while the allocator has no record of
+    # it, a release while it still says active. A database that lost acknowledged commits (synchronous_commit
+    # off) may have lost either after the message was consumed.
     release_again_s: float = 30.0
     converge_s: float = 600.0
 
@@ -124,6 +125,7 @@ class Portal:
         self.nc, self.js, self.spy = nc, nc.jetstream(), spy
         self.retries = 0
         self.releases_again = 0
+        self.requests_again = 0
 
     async def publish(self, subject: str, type_: str, payload: m.Payload, alloc: str) -> None:
         env = Envelope.wrap(type_, payload.model_dump(mode="json"), producer="portal", correlation_id=alloc)
@@ -245,8 +247,7 @@ class Workload:
             index = self._next
             self._next += 1
             alloc, baremetal = self.items[index]
-            await self.portal.request(alloc, "baremetal" if baremetal else "gpu_slice")
-            first = await self.states.wait(alloc, ("active", *TERMINAL), self.plan.wait_state_s)
+            first = await request_until_seen(self.portal, self.states, alloc, baremetal, self.plan)
             if first is None:
                 self.stuck.append(alloc)
                 self.outcomes["stuck_before_active"] += 1
@@ -260,6 +261,24 @@ class Workload:
             if end is None:
                 self.stuck.append(alloc)
                 self.outcomes["stuck_releasing"] += 1
+
+
+async def request_until_seen(
+    portal: Portal, states: States, alloc: str, baremetal: bool, plan: ChaosPlan
+) -> str | None:
+    """Ask for the allocation and wait until it is active or ended, asking again as a portal does while the
+    allocator has no record of it at all (its commit of the request lost with acknowledged commits)."""
+    shape = "baremetal" if baremetal else "gpu_slice"
+    await portal.request(alloc, shape)
+    deadline = time.monotonic() + plan.wait_state_s
+    while (left := deadline - time.monotonic()) > 0:
+        state = await states.wait(alloc, ("active", *TERMINAL), min(left, plan.release_again_s))
+        if state is not None:
+            return state
+        if alloc not in states.state:
+            portal.requests_again += 1
+            await portal.request(alloc, shape)
+    return None
 
 
 async def release_until_ended(portal: Portal, states: States, alloc: str, plan: ChaosPlan) -> str | None:
@@ -614,6 +633,7 @@ async def run_chaos(stack: Stack, plan: ChaosPlan) -> dict[str, Any]:
             "dlq_problems": problems,
             "portal_publish_retries": portal.retries,
             "portal_releases_asked_again": portal.releases_again,
+            "portal_requests_asked_again": portal.requests_again,
             "state_poll_errors": states.poll_errors,
             "contract_violations": spy.violations[:20],
             "bus_messages_seen": len(spy.messages),
