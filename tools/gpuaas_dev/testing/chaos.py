@@ -192,7 +192,8 @@ class States:
                 if new != self.state:
                     self.state = new
                     self.changed.set()
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+            except Exception:  # noqa: BLE001 - the observer must outlive anything a crashing database throws
+                # (InternalClientError "cannot switch to state" once killed it, and every client waited 300 s).
                 self.poll_errors += 1
                 if self._conn is not None and not self._conn.is_closed():
                     self._conn.terminate()
