@@ -60,7 +60,10 @@ HANDLED = Counter("gpuaas_messages_total", "Messages handled", ["consumer", "out
 # Every NatsBroker a Bus subscribes on is built with these. Without dependency injection FastStream no longer
 # resolves the handler's `NatsMessage` parameter through a context lookup it runs in a worker thread (a thread
 # hop per message); `_as_is` hands the handler the message itself instead.
-BROKER_OPTIONS: dict[str, Any] = {"apply_types": False}
+# JetStream API calls (the subscribers' consumer lookups at start) wait up to 15 s instead of nats-py's 5 s: on a
+# 3-server cluster still settling its leaders on a loaded machine one took longer, and a service exits at start
+# on that (nats_setup_failed; seen starting the chaos stack).
+BROKER_OPTIONS: dict[str, Any] = {"apply_types": False, "js_options": {"timeout": 15.0}}
 
 
 def _per_message_lines_at_debug(record: logging.LogRecord) -> bool:
