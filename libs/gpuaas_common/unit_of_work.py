@@ -67,7 +67,7 @@ class UnitOfWork(Generic[R]):
             # the transaction starts once more on a fresh one; a second failure is the caller's.
             await self.pool.release(self._conn)
             self._conn = None
-            self.pool.expire_connections()  # type: ignore[no-untyped-call]
+            await self.pool.expire_connections()
             self._conn = await self.pool.acquire()
             self._tx = self._conn.transaction()
             try:
