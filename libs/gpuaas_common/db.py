@@ -8,16 +8,20 @@ import asyncpg
 
 _SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
-# What a background loop (sweeps, lease renewals, pollers) sees while Postgres restarts or fails over: a failed
-# statement, a pooled connection closed under it, or one caught mid-operation ("cannot switch to state …").
-# Such a loop logs and tries again at its next beat instead of dying with its service.
-DB_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    asyncpg.PostgresError,
+# What a Postgres restart or failover looks like to an open connection or a new one, including a pooled
+# connection caught mid-operation ("cannot switch to state …"; CI saw it kill the outbox relay).
+CONNECTION_LOST: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresConnectionError,
     asyncpg.InterfaceError,
+    asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, cannot connect now (starting up)
     asyncpg.InternalClientError,
-    OSError,
+    OSError,  # ConnectionError included
     TimeoutError,
 )
+
+# What a background loop (sweeps, lease renewals, pollers) logs and tries again at its next beat instead of dying
+# with its service: a lost connection, or a statement that failed while the database was going away.
+DB_UNAVAILABLE: tuple[type[BaseException], ...] = (*CONNECTION_LOST, asyncpg.PostgresError)
 
 
 def check_dsn(dsn: str) -> str:

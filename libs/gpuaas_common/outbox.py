@@ -22,7 +22,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel
 
 from .contract import Envelope, spec_for
-from .db import check_schema
+from .db import CONNECTION_LOST, check_schema
 from .logging import get_logger
 
 log = get_logger(__name__)
@@ -39,19 +39,6 @@ RELAY_LAG = Histogram(
 
 def notify_channel(schema: str) -> str:
     return f"gpuaas_outbox_{check_schema(schema)}"
-
-
-# What a Postgres restart or failover looks like to an open connection or a new one.
-CONNECTION_LOST = (
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, cannot connect now (starting up)
-    # A pooled connection caught mid-operation by the restart ("cannot switch to state …"; CI saw it kill the relay).
-    asyncpg.InternalClientError,
-    ConnectionError,
-    OSError,
-    TimeoutError,
-)
 
 
 @dataclass

@@ -28,6 +28,17 @@ def derived_event_id(cause_id: str, purpose: str) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"gpuaas:{cause_id}:{purpose}"))
 
 
+def caused_event_id(key: str, purpose: str, cause: Envelope | None) -> str:
+    """The id of the event `purpose` about `key` that handling the message `cause` produced.
+
+    Handling the same message again (a redelivery) gives the same id, so JetStream keeps one copy; handling
+    another message (a request asked again after a database lost the commit of the first answer) gives a new
+    one, which JetStream must not drop as a duplicate of the lost work. Work no message caused (a sweep) is never
+    redone by a redelivery, so it gets a fresh id.
+    """
+    return derived_event_id(f"{key}:{cause.event_id if cause is not None else uuid.uuid4()}", purpose)
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 

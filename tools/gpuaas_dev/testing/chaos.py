@@ -22,6 +22,7 @@ import statistics
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -264,36 +265,49 @@ class Workload:
                 self.outcomes["stuck_releasing"] += 1
 
 
+async def _ask_until(
+    ask: Callable[[], Awaitable[None]],
+    states: States,
+    alloc: str,
+    wanted: tuple[str, ...],
+    unheard: Callable[[str | None], bool],
+    plan: ChaosPlan,
+) -> tuple[str | None, int]:
+    """Ask, and wait for one of `wanted`; ask again every `release_again_s` while the allocator's state says the
+    asking went unheard (its commit lost with acknowledged commits), as a portal does. The end state (None when
+    `wait_state_s` ran out) and how often it asked again."""
+    await ask()
+    again = 0
+    deadline = time.monotonic() + plan.wait_state_s
+    while (left := deadline - time.monotonic()) > 0:
+        state = await states.wait(alloc, wanted, min(left, plan.release_again_s))
+        if state is not None:
+            return state, again
+        if unheard(states.state.get(alloc)):
+            again += 1
+            await ask()
+    return None, again
+
+
 async def request_until_seen(
     portal: Portal, states: States, alloc: str, baremetal: bool, plan: ChaosPlan
 ) -> str | None:
-    """Ask for the allocation and wait until it is active or ended, asking again as a portal does while the
-    allocator has no record of it at all (its commit of the request lost with acknowledged commits)."""
+    """Active or ended, asked again while the allocator has no record of it at all."""
     shape = "baremetal" if baremetal else "gpu_slice"
-    await portal.request(alloc, shape)
-    deadline = time.monotonic() + plan.wait_state_s
-    while (left := deadline - time.monotonic()) > 0:
-        state = await states.wait(alloc, ("active", *TERMINAL), min(left, plan.release_again_s))
-        if state is not None:
-            return state
-        if alloc not in states.state:
-            portal.requests_again += 1
-            await portal.request(alloc, shape)
-    return None
+    state, again = await _ask_until(
+        lambda: portal.request(alloc, shape), states, alloc, ("active", *TERMINAL), lambda s: s is None, plan
+    )
+    portal.requests_again += again
+    return state
 
 
 async def release_until_ended(portal: Portal, states: States, alloc: str, plan: ChaosPlan) -> str | None:
-    """Ask for the release and wait for an end, asking again as a portal does while the allocator says active."""
-    await portal.release(alloc)
-    deadline = time.monotonic() + plan.wait_state_s
-    while (left := deadline - time.monotonic()) > 0:
-        end = await states.wait(alloc, TERMINAL, min(left, plan.release_again_s))
-        if end is not None:
-            return end
-        if states.state.get(alloc) == "active":
-            portal.releases_again += 1
-            await portal.release(alloc)
-    return None
+    """Ended, asked again while the allocator still says active."""
+    state, again = await _ask_until(
+        lambda: portal.release(alloc), states, alloc, TERMINAL, lambda s: s == "active", plan
+    )
+    portal.releases_again += again
+    return state
 
 
 class Supervisor:

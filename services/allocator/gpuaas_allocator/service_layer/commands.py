@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 from gpuaas_common.bus import HandlerContext
-from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import caused_event_id, derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 
 from ..settings import AllocatorSettings
@@ -95,10 +95,6 @@ async def start_provisioning(
 async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: dict[str, Any]) -> None:
     alloc_id = str(row["allocation_id"])
     placement = row["placement"] or {}
-    # Named by the message that started the teardown: its redelivery sends the same copy (JetStream keeps one),
-    # while a release asked again after this commit was lost (the host may have torn the VM down already) is a
-    # new message the agent answers from its record, instead of a duplicate JetStream drops for two minutes.
-    asking = ctx.envelope.event_id if ctx.envelope is not None else "sweep"
     if row["shape"] == "gpu_slice":
         task_id = release_task_id(alloc_id)
         deadline = utcnow() + timedelta(seconds=settings.task_deadline_s)
@@ -115,7 +111,9 @@ async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: 
             "slice.vm_release",
             task,
             aggregate_id=alloc_id,
-            event_id=derived_event_id(f"{alloc_id}:{asking}", "release-task"),
+            # A release asked again after this commit was lost is a new message the agent answers from its
+            # record (caused_event_id), not a duplicate JetStream drops.
+            event_id=caused_event_id(alloc_id, "release-task", ctx.envelope),
             node_id=row["node_id"],
         )
         await ctx.uow.repos.update(
@@ -134,7 +132,7 @@ async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: 
             "maas.release_requested",
             cmd,
             aggregate_id=alloc_id,
-            event_id=derived_event_id(f"{alloc_id}:{asking}", "release-command"),
+            event_id=caused_event_id(alloc_id, "release-command", ctx.envelope),
         )
         await ctx.uow.repos.update(row["allocation_id"], release_operation_id=operation_id, awaiting_result=True)
 

@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from gpuaas_common.bus import HandlerContext
-from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import caused_event_id, derived_event_id, utcnow
 from gpuaas_common.logging import get_logger
 
 from ..settings import AllocatorSettings
@@ -85,7 +85,7 @@ async def reask_stalled_maas_commands(
             type_,
             cmd,
             aggregate_id=str(row["allocation_id"]),
-            event_id=derived_event_id(f"{cmd.operation_id}:{utcnow().isoformat()}", "maas-reask"),
+            event_id=caused_event_id(cmd.operation_id, "maas-reask", None),  # a new message each asking
         )
         await ctx.uow.repos.update(row["allocation_id"], awaiting_result=True)  # restarts the wait
         log.warning("maas_command_reasked", allocation_id=str(row["allocation_id"]), operation_id=cmd.operation_id)

@@ -3,11 +3,10 @@ and its lifecycle event, in the handler's transaction; and the one way an alloca
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from gpuaas_common.bus import HandlerContext
-from gpuaas_common.contract import derived_event_id
+from gpuaas_common.contract import caused_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
@@ -66,14 +65,10 @@ async def transition(
         f"allocation.{new_state}",
         event,
         aggregate_id=str(alloc_id),
-        # Named by the sequence number and the message that caused it: a redelivery of that message gives the
-        # same id (JetStream keeps one copy), while a transition made again after the database lost its commit
-        # is caused by another message (an answer to a re-asked task) and gets a new id. Under the sequence
-        # number alone JetStream dropped it as a duplicate for two minutes, and a consumer that had lost its
-        # own commit of the first copy never heard of it (a chaos run: claims held for a released allocation).
-        event_id=derived_event_id(
-            str(alloc_id), f"lifecycle:{seq}:{ctx.envelope.event_id if ctx.envelope is not None else uuid.uuid4()}"
-        ),
+        # Redone after a lost commit (caused by another message) it is a new event; see caused_event_id. Under
+        # the sequence number alone JetStream dropped it, and the scheduler, which had lost its own commit of the
+        # first copy, kept the claims of a released allocation (a chaos run).
+        event_id=caused_event_id(str(alloc_id), f"lifecycle:{seq}", ctx.envelope),
     )
     log.info("allocation_transition", allocation_id=str(alloc_id), from_state=current, to_state=new_state, seq=seq)
     new_row = dict(row)

@@ -7,7 +7,6 @@ that decides whether a disk may be wiped reads exactly the same files in both.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,10 +125,7 @@ class CommandRunner:
             out, err = await asyncio.wait_for(proc.communicate(), timeout_s or self.timeout_s)
         except (asyncio.TimeoutError, asyncio.CancelledError):
             proc.kill()
-            # Bounded: after a cancelled communicate() the wait can hang for good (a cancelled reconcile pass stalled
-            # whole test runs on it); the child is killed either way.
-            with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
-                await asyncio.wait_for(proc.wait(), 5)
+            await proc.wait()
             raise
         assert proc.returncode is not None
         return CommandResult(

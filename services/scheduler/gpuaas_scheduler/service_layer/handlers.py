@@ -14,7 +14,7 @@ import uuid
 import asyncpg
 
 from gpuaas_common.bus import HandlerContext
-from gpuaas_common.contract import derived_event_id
+from gpuaas_common.contract import caused_event_id, derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
@@ -57,14 +57,9 @@ class Scheduler:
         result = outcome.placed or outcome.unschedulable
         assert result is not None
         kind = "placement.placed" if outcome.placed else "placement.unschedulable"
-        # Named by the request it answers (a redelivery answers under the same id): a placement made again after
-        # this database lost its commit answers a re-asked request, and under one id per allocation JetStream
-        # would drop that answer as a duplicate for two minutes.
+        # A placement made again after this database lost its commit answers a re-asked request: a new message.
         await ctx.outbox.add(
-            kind,
-            result,
-            aggregate_id=alloc_id,
-            event_id=derived_event_id(f"{alloc_id}:{ctx.envelope.event_id}", "placement"),
+            kind, result, aggregate_id=alloc_id, event_id=caused_event_id(alloc_id, "placement", ctx.envelope)
         )
         if outcome.placed:
             p = outcome.placed
