@@ -169,6 +169,37 @@ async def test_the_query_answer_is_a_contract_message_and_a_broken_query_is_answ
         await nc.drain()
 
 
+async def test_the_scheduler_audit_reads_a_batch_of_allocations_by_id(allocator, spy, tmp_path) -> None:
+    """The scheduler's claim audit asks with a list of ids: the ones the allocator knows come back with their
+    state, an id it never accepted is simply absent, and a question naming ids both ways is refused."""
+    from gpuaas_scheduler.adapters.allocator_client import AllocatorClient
+
+    known, never = uuid.uuid4(), uuid.uuid4()
+    res = await gpuaas(
+        allocator, tmp_path, "allocate", "--shape", "gpu_slice", "--gpus", "1", "--tenant", "audit-t1",
+        "--ssh-key", KEY, "--allocation-id", str(known),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    await spy.wait_type("allocation.accepted", allocation_id=known)
+    nc = await nats.connect(allocator)
+    try:
+        states = await AllocatorClient(nc, timeout_s=10).states([known, never])
+        assert states is not None and list(states) == [known]
+        assert (states[known].state, states[known].tenant_id) == ("accepted", "audit-t1")
+
+        both = Envelope.wrap(
+            "allocation.query",
+            {"allocation_id": str(known), "allocation_ids": [str(known)]},
+            producer="test",
+            correlation_id="q3",
+        )
+        reply = await nc.request(spec_for("allocation.query").subject(), both.model_dump_json().encode(), timeout=10)
+        data = default_validator().validate(reply.subject, reply.data)
+        assert data["payload"]["status"] == "invalid" and "not both" in data["payload"]["reason"]
+    finally:
+        await nc.drain()
+
+
 async def _publish(url: str, type_: str, payload: m.Payload) -> None:
     nc = await nats.connect(url)
     try:

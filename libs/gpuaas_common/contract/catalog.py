@@ -112,7 +112,7 @@ ALL: tuple[MessageSpec, ...] = (
         # Outside every stream on purpose: a stream would store the request and answer it with a PubAck.
         "gpuaas.query.allocations",
         "Read allocations (one with its timeline, or a filtered list) from the allocator; request/reply.",
-        ("portal", "ops"),
+        ("portal", "ops", "scheduler"),
         ("allocator",),
         reply="allocation.query_result",
     ),
@@ -123,7 +123,7 @@ ALL: tuple[MessageSpec, ...] = (
         None,
         "The allocator's answer to allocation.query, on the request's reply subject.",
         ("allocator",),
-        ("portal", "ops"),
+        ("portal", "ops", "scheduler"),
     ),
     *(
         MessageSpec(

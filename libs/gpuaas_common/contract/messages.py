@@ -139,7 +139,16 @@ class AllocationQuery(Payload):
     tenant_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
     state: QueryState | None = None
     node_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    # Any of these ids (a batch read, no timeline): the scheduler's claim audit asks about the allocations it
+    # holds claims for; an id the allocator never accepted is simply absent from `allocations`.
+    allocation_ids: list[uuid.UUID] | None = Field(default=None, min_length=1, max_length=1000)
     limit: int = Field(default=100, ge=1, le=1000)
+
+    @model_validator(mode="after")
+    def _one_way_to_name_ids(self) -> AllocationQuery:
+        if self.allocation_id is not None and self.allocation_ids is not None:
+            raise ValueError("give allocation_id or allocation_ids, not both")
+        return self
 
 
 class AllocationSummary(Payload):

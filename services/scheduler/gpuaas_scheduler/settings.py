@@ -19,3 +19,16 @@ class SchedulerSettings(ServiceSettings):
     admin_port: int = Field(default=0, ge=0, le=65535)
     # Bearer token of the admin API; without one the API does not listen.
     admin_token: SecretStr | None = None
+    # How often the claim audit runs (service_layer/claim_audit.py: claims of allocations the allocator ended or
+    # never heard of, whose news this database lost, are settled with the allocator's word).
+    claim_audit_sweep_interval_s: float = Field(default=30.0, gt=0)
+    # How long an allocation's claims go unchecked before the allocator is asked about them again.
+    claim_audit_every_s: float = Field(default=300.0, gt=0)
+    # Claims younger than this are not asked about (their placement answer may still travel), and an end the
+    # allocator made less than this ago is left to its event, which carries the wipe proof.
+    claim_audit_min_age_s: float = Field(default=60.0, ge=0)
+    # Claims of an allocation the allocator has no record of are released (slots to cleanup_blocked) once this
+    # old; a portal asking its request again brings the record back well before.
+    claim_orphan_after_s: float = Field(default=900.0, gt=0)
+    # How long the audit waits for the allocator's answer before it tries again at the next round.
+    claim_audit_answer_timeout_s: float = Field(default=5.0, gt=0)

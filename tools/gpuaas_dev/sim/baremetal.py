@@ -40,17 +40,27 @@ def parse_node_creds(user_data: str) -> str | None:
     return None
 
 
+# After enrolling, the host says so again after each of these pauses (the last one repeating): the allocator may
+# have lost its commit of the first announcement (Postgres losing acknowledged commits), and only the host can
+# tell it again. The allocator applies an enrolment it already has as a no-op.
+ANNOUNCE_AGAIN_S = (20.0, 40.0, 80.0, 160.0, 320.0, 600.0)
+
+
 class SimulatedBaremetalHost:
     def __init__(
         self,
         node_id: str,
         system_id: str,
         maas_sim_url: str,
-        enrol: Callable[[dict[str, str], str | None], Awaitable[None]],
+        enrol: Callable[[dict[str, str], str | None, int], Awaitable[None]],
         leave: Callable[[], Awaitable[None]] | None = None,
         poll_interval_s: float = 0.25,
         returned: Callable[[], Awaitable[None]] | None = None,
+        announce_again_s: tuple[float, ...] = ANNOUNCE_AGAIN_S,
     ) -> None:
+        self.announce_again_s = announce_again_s
+        self._announced = 0
+        self._announce_at = 0.0
         self.leave = leave
         # Called once the machine is Ready again after a tenant's deployment (a slice host's way back).
         self.returned = returned
@@ -75,9 +85,11 @@ class SimulatedBaremetalHost:
                 last = (data.get("_sim") or {}).get("last_deploy") or {}
                 env = parse_agent_env(last.get("user_data") or "")
                 allocation = env.get("GPUAAS_ALLOCATION_ID")
-                if status == "Deployed" and allocation and allocation != self._enrolled_for:
+                if status == "Deployed" and allocation and allocation == self._enrolled_for:
+                    await self._announce_again_if_due(env, allocation)
+                elif status == "Deployed" and allocation and allocation != self._enrolled_for:
                     try:
-                        await self.enrol(env, parse_node_creds(last.get("user_data") or ""))
+                        await self.enrol(env, parse_node_creds(last.get("user_data") or ""), 0)
                         log.info("sim_baremetal_enrolled", node_id=self.node_id, allocation_id=allocation)
                     except PermanentError as exc:
                         # A host whose enrolment is refused (revoked or expired credentials, no token) stays up
@@ -98,6 +110,8 @@ class SimulatedBaremetalHost:
                         continue
                     self._enrolled_for = allocation
                     self._away = True
+                    self._announced = 0
+                    self._announce_at = asyncio.get_running_loop().time() + self.announce_again_s[0]
                 elif status != "Deployed":
                     if self._enrolled_for is not None and self.leave is not None:
                         await self.leave()
@@ -107,3 +121,15 @@ class SimulatedBaremetalHost:
                         if self.returned is not None:
                             await self.returned()
                 await asyncio.sleep(self.poll_interval_s)
+
+    async def _announce_again_if_due(self, env: dict[str, str], allocation: str) -> None:
+        now = asyncio.get_running_loop().time()
+        if not self.announce_again_s or now < self._announce_at:
+            return
+        self._announced += 1
+        pauses = self.announce_again_s
+        self._announce_at = now + pauses[min(self._announced, len(pauses) - 1)]
+        try:
+            await self.enrol(env, None, self._announced)
+        except Exception as exc:  # the next pause brings the next try
+            log.warning("sim_baremetal_announce_failed", node_id=self.node_id, allocation_id=allocation, error=str(exc))

@@ -261,12 +261,24 @@ def _baremetal_host(
         root = root / "baremetal"  # the tenant's creds file lives apart from the slice host's tree
     link: HostLink | None = None
 
-    async def enrol(env: dict[str, str], creds_text: str | None) -> None:
+    async def enrol(env: dict[str, str], creds_text: str | None, again: int) -> None:
+        """Enrol with the deploy's credentials (`again` 0), or say so once more on the open link (`again` n, a
+        message of its own: the first one's id would be dropped as a duplicate)."""
         nonlocal link
         token = env.get("GPUAAS_ENROLMENT_TOKEN")
         allocation_id = env.get("GPUAAS_ALLOCATION_ID")
         if not token or not allocation_id:
             raise PermanentError("schema_invalid", "user_data carries no enrolment token")
+        if again:
+            if link is not None and link.bus is not None:
+                await link.bus.publish(
+                    "node.enrolled",
+                    enrolled(allocation_id, token),
+                    correlation_id=allocation_id,
+                    node_id=node.node_id,
+                    event_id=derived_event_id(allocation_id, f"enrolled:{node.node_id}:{again}"),
+                )
+            return
         if handed_over is not None:
             await handed_over()
         await leave()
@@ -284,7 +296,17 @@ def _baremetal_host(
                 # Refused credentials (revoked, expired) do not get better by asking again.
                 raise PermanentError("nats_auth_refused", identity.last_refusal) from None
             raise
-        ev = m.NodeEnrolled(
+        await bus.publish(
+            "node.enrolled",
+            enrolled(allocation_id, token),
+            correlation_id=allocation_id,
+            node_id=node.node_id,
+            event_id=derived_event_id(allocation_id, f"enrolled:{node.node_id}"),
+        )
+
+    def enrolled(allocation_id: str, token: str) -> m.NodeEnrolled:
+        assert node.maas_system_id is not None
+        return m.NodeEnrolled(
             node_id=node.node_id,
             kind="baremetal",
             hostname=node.hostname,
@@ -292,13 +314,6 @@ def _baremetal_host(
             maas_system_id=node.maas_system_id,
             allocation_id=allocation_id,
             enrolment_proof=token_proof(token),
-        )
-        await bus.publish(
-            "node.enrolled",
-            ev,
-            correlation_id=allocation_id,
-            node_id=node.node_id,
-            event_id=derived_event_id(allocation_id, f"enrolled:{node.node_id}"),
         )
 
     async def leave() -> None:

@@ -64,6 +64,13 @@ CHAOS_ENV: dict[str, Any] = {
     "GPUAAS_MAAS_REASK_AFTER_S": 10,
     # a deployed host that never enrols fails its allocation after 60 s (default 30 min).
     "GPUAAS_ENROLMENT_DEADLINE_S": 60,
+    # scheduler: the claim audit runs every 2 s (default 30 s), asks about each allocation's claims every 10 s
+    # (default 5 min) once they and the allocator's end are 20 s old (default 60 s), and frees the claims of an
+    # allocation the allocator does not know after 90 s (default 15 min).
+    "GPUAAS_CLAIM_AUDIT_SWEEP_INTERVAL_S": 2,
+    "GPUAAS_CLAIM_AUDIT_EVERY_S": 10,
+    "GPUAAS_CLAIM_AUDIT_MIN_AGE_S": 20,
+    "GPUAAS_CLAIM_ORPHAN_AFTER_S": 90,
     # gateway: a MAAS call times out after 3 s (default 10 s), an operation after 180 s (default 30 min), the
     # breaker cools down in 2 s (default 10 s); Retry-After capped at 2 s (default 120 s).
     "maas-gateway": {
@@ -605,6 +612,10 @@ async def run_chaos(stack: Stack, plan: ChaosPlan) -> dict[str, Any]:
             await asyncio.gather(*(release_until_ended(portal, states, alloc, plan) for alloc in active))
             report["settle_released"] = await _settle(stack, js, stack.dsn, states, ids, plan.converge_s)
             report["violations_at_end"] = await check(stack, conn, ids)
+            # Claims the scheduler's audit freed because their end never reached it (a lost commit).
+            report["claims_settled_by_audit"] = await conn.fetchval(
+                "SELECT count(DISTINCT allocation_id) FROM scheduler.slot_transitions WHERE actor = 'claim-audit'"
+            )
             report["violating_timelines"] |= await violating_timelines(conn, report["violations_at_end"])
             final = Counter(states.state.get(a, "missing") for a in ids)
             report["still_active_at_end"] = [a for a in ids if states.state.get(a) == "active"]

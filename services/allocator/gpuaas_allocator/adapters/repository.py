@@ -248,6 +248,7 @@ async def find_allocations(
     tenant_id: str | None = None,
     state: str | None = None,
     node_id: str | None = None,
+    allocation_ids: list[uuid.UUID] | None = None,
     limit: int = 100,
 ) -> list[dict[str, Any]]:
     """Allocations matching every filter given, newest first; at most `limit` + 1 rows, so the caller can
@@ -256,12 +257,14 @@ async def find_allocations(
         f"SELECT {_SUMMARY_COLUMNS} FROM allocations "
         "WHERE ($1::uuid IS NULL OR allocation_id = $1) AND ($2::text IS NULL OR tenant_id = $2) "
         "AND ($3::text IS NULL OR state = $3) AND ($4::text IS NULL OR node_id = $4) "
+        "AND ($6::uuid[] IS NULL OR allocation_id = ANY($6::uuid[])) "
         "ORDER BY created_at DESC, allocation_id LIMIT $5",
         allocation_id,
         tenant_id,
         state,
         node_id,
         limit + 1,
+        allocation_ids,
     )
     return [_decoded(r) for r in rows]
 

@@ -13,6 +13,7 @@ from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.contract import messages as m
 from gpuaas_common.db import DB_UNAVAILABLE
 from gpuaas_common.logging import get_logger
+from gpuaas_common.periodic import every
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.repository import AllocationRepository, count_images
@@ -51,7 +52,11 @@ def build_register(settings: AllocatorSettings):
         # are taken with FOR UPDATE SKIP LOCKED, so each overdue one is handled by exactly one of them.
         bus = rt.bus
         rt.spawn(
-            _every(settings.task_deadline_sweep_interval_s, lambda: sweep_deadlines(bus.unit_of_work, settings)),
+            every(
+                settings.task_deadline_sweep_interval_s,
+                lambda: sweep_deadlines(bus.unit_of_work, settings),
+                "task_deadline_sweep",
+            ),
             "task-deadlines",
         )
 
@@ -95,16 +100,6 @@ async def _poll(fn) -> None:
         except DB_UNAVAILABLE:
             pass  # readiness simply stays false while the database is away
         await asyncio.sleep(0.5)
-
-
-async def _every(interval_s: float, fn) -> None:
-    while True:
-        stop_if_cancelled()
-        try:
-            await fn()
-        except DB_UNAVAILABLE as exc:
-            log.warning("task_deadline_sweep_failed", error=str(exc)[:300])
-        await asyncio.sleep(interval_s)
 
 
 def main() -> None:

@@ -6,10 +6,13 @@ import asyncio
 
 from gpuaas_common.fleet import Fleet
 from gpuaas_common.logging import get_logger
+from gpuaas_common.periodic import every
 from gpuaas_common.runtime import ServiceRuntime, run_service
 from gpuaas_common.startup import StartupFailed
 
+from ..adapters.allocator_client import AllocatorClient
 from ..adapters.inventory import refresh_nodes, seed_from_fleet
+from ..service_layer.claim_audit import AuditPolicy, audit_claims
 from ..service_layer.handlers import Scheduler, evidence_handlers, handlers
 from ..service_layer.placement import PlacementPolicy, with_fleet_shape
 from ..settings import SchedulerSettings
@@ -42,6 +45,23 @@ def build_register(settings: SchedulerSettings):
         # backlog on one (e.g. a fleet-wide prewarm) never delays the others or placement.
         for durable, handler_map in evidence_handlers(scheduler).items():
             rt.bus.subscribe(rt.consumer_spec(durable), handler_map)
+        # Claims whose allocation ended (or never existed) at the allocator while this database lost the news.
+        assert rt.nc is not None
+        allocator = AllocatorClient(rt.nc, settings.claim_audit_answer_timeout_s)
+        audit_policy = AuditPolicy(
+            every_s=settings.claim_audit_every_s,
+            min_age_s=settings.claim_audit_min_age_s,
+            orphan_after_s=settings.claim_orphan_after_s,
+        )
+        bus = rt.bus
+        rt.spawn(
+            every(
+                settings.claim_audit_sweep_interval_s,
+                lambda: audit_claims(bus.unit_of_work, allocator.states, audit_policy),
+                "claim_audit",
+            ),
+            "claim-audit",
+        )
         if settings.admin_token is None:
             log.warning(
                 "admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the admin API never listens without a token"

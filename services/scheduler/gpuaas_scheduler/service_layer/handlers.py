@@ -44,7 +44,21 @@ class Scheduler:
             # held, under an id of this request's own (the first answer's id would be dropped as a duplicate).
             again = await held_placement(ctx.conn, ev.allocation_id)
             if again is None:
-                log.info("already_placed_and_released")
+                # Its claims ended (released, failed, or settled by the claim audit) while the allocator still
+                # waits for a placement: there is none to give, and silence would leave it waiting for good.
+                log.warning("already_placed_and_released")
+                await ctx.outbox.add(
+                    "placement.unschedulable",
+                    m.PlacementUnschedulable(
+                        allocation_id=ev.allocation_id,
+                        reason_code="claims_released",
+                        reason=f"allocation {alloc_id} was placed once and its claims have since been released",
+                        free_gpus=0,
+                        requested_gpus=ev.gpu_count,
+                    ),
+                    aggregate_id=alloc_id,
+                    event_id=derived_event_id(ctx.envelope.event_id, "placement-again"),
+                )
                 return
             await ctx.outbox.add(
                 "placement.placed",
