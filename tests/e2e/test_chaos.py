@@ -55,7 +55,18 @@ async def test_nothing_is_lost_or_held_twice_under_seeded_faults(stack: Stack) -
     report = await run_chaos(stack, plan)
     summary = {
         k: report[k]
-        for k in ("seed", "faults", "fault_errors", "first_outcome", "final_states", "violating_timelines", "fault_log")
+        for k in (
+            "seed",
+            "faults",
+            "fault_errors",
+            "first_outcome",
+            "final_states",
+            "repaired_with_active_s",
+            "repaired_at_end_s",
+            "claims_settled_by_audit",
+            "violating_timelines",
+            "fault_log",
+        )
     }
 
     # In full on stdout (pytest shows it with a failure, where its assertion message is cut short).
