@@ -88,6 +88,18 @@ async def gpuaas(url: str, tmp_path: Path, *argv: str) -> subprocess.CompletedPr
     )
 
 
+async def allocate(url: str, tmp_path: Path, spy: BusSpy, *, tenant: str, gpus: int) -> uuid.UUID:
+    """A slice request through the CLI, once the allocator has accepted it (no scheduler here: it stays accepted)."""
+    alloc = uuid.uuid4()
+    res = await gpuaas(
+        url, tmp_path, "allocate", "--shape", "gpu_slice", "--gpus", str(gpus), "--tenant", tenant,
+        "--ssh-key", KEY, "--allocation-id", str(alloc),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    await spy.wait_type("allocation.accepted", allocation_id=alloc)
+    return alloc
+
+
 async def test_release_answers_and_allocation_reads_across_the_bus(allocator, spy, tmp_path) -> None:
     url = allocator
 
@@ -102,13 +114,7 @@ async def test_release_answers_and_allocation_reads_across_the_bus(allocator, sp
     assert (answer["payload"]["reason_code"], answer["payload"]["state"]) == ("unknown_allocation", None)
 
     # A real allocation (no scheduler here, so it waits in `accepted`), found by list and show.
-    alloc = uuid.uuid4()
-    res = await gpuaas(
-        url, tmp_path, "allocate", "--shape", "gpu_slice", "--gpus", "2", "--tenant", "cli-t1",
-        "--ssh-key", KEY, "--allocation-id", str(alloc),
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    await spy.wait_type("allocation.accepted", allocation_id=alloc)
+    alloc = await allocate(url, tmp_path, spy, tenant="cli-t1", gpus=2)
     listed = await gpuaas(url, tmp_path, "allocations", "list", "--tenant", "cli-t1", "--json")
     assert listed.returncode == 0, listed.stderr
     rows = json.loads(listed.stdout)["allocations"]
@@ -174,13 +180,7 @@ async def test_the_scheduler_audit_reads_a_batch_of_allocations_by_id(allocator,
     state, an id it never accepted is simply absent, and a question naming ids both ways is refused."""
     from gpuaas_scheduler.adapters.allocator_client import AllocatorClient
 
-    known, never = uuid.uuid4(), uuid.uuid4()
-    res = await gpuaas(
-        allocator, tmp_path, "allocate", "--shape", "gpu_slice", "--gpus", "1", "--tenant", "audit-t1",
-        "--ssh-key", KEY, "--allocation-id", str(known),
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    await spy.wait_type("allocation.accepted", allocation_id=known)
+    known, never = await allocate(allocator, tmp_path, spy, tenant="audit-t1", gpus=1), uuid.uuid4()
     nc = await nats.connect(allocator)
     try:
         states = await AllocatorClient(nc, timeout_s=10).states([known, never])

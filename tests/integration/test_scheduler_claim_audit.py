@@ -40,14 +40,19 @@ async def pool(fresh_db):
 class Owner:
     """The allocator as the audit meets it: what it says of each allocation, and every question asked."""
 
-    def __init__(self) -> None:
+    def __init__(self, meet: asyncio.Barrier | None = None) -> None:
         self.says: dict[uuid.UUID, tuple[str, str | None, float]] = {}  # id -> (state, node, seconds since change)
         self.asked: list[uuid.UUID] = []
         self.answering = True
+        # Replicas: the first answer waits until every replica has taken a batch and asked, so their rounds
+        # overlap for certain (each holds stamped claims while the others take theirs).
+        self.meet = meet
 
     async def ask(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, m.AllocationSummary] | None:
         self.asked += ids
-        await asyncio.sleep(0)  # another replica's round may run here, as it would while the answer travels
+        if self.meet is not None:
+            meet, self.meet = self.meet, None
+            await meet.wait()
         if not self.answering:
             return None
         now = datetime.now(timezone.utc)
@@ -207,13 +212,15 @@ async def test_no_answer_settles_nothing_and_a_disagreement_on_the_node_is_only_
 
 async def test_replicas_auditing_at_once_ask_about_each_allocation_once_and_free_each_claim_once(pool) -> None:
     allocations = [await placed(pool) for _ in range(4)]
-    owners = [Owner(), Owner()]
+    meet = asyncio.Barrier(2)
+    owners = [Owner(meet), Owner(meet)]
     for owner in owners:
         owner.says = {p.allocation_id: ("released", p.node_id, 300.0) for p in allocations}
     one_claim_each = AuditPolicy(every_s=300.0, min_age_s=60.0, orphan_after_s=600.0, batch=1)
 
     rounds = await asyncio.gather(*(audit(pool, o, one_claim_each) for o in owners))
 
+    assert owners[0].asked and owners[1].asked  # both replicas audited
     asked = owners[0].asked + owners[1].asked
     assert sorted(asked) == sorted(p.allocation_id for p in allocations)  # each once, by one replica or the other
     freed = rounds[0].released + rounds[1].released

@@ -44,26 +44,23 @@ def _query(identity: Any, query: Any, timeout: float) -> Any:
     """Send one allocation.query and return the validated AllocationQueryResult."""
     import nats.errors
 
-    from gpuaas_common.contract import Envelope, spec_for
-    from gpuaas_common.contract.messages import AllocationQueryResult
+    from gpuaas_common.allocation_queries import ask_allocator
+    from gpuaas_common.contract import spec_for
 
     async def run() -> Any:
         nc = await connect(identity)
         try:
-            env = Envelope.wrap(
-                "allocation.query", query.model_dump(mode="json"), producer="gpuaas-cli", correlation_id="cli-query"
-            )
-            subject = spec_for("allocation.query").subject()
             try:
-                msg = await nc.request(subject, env.model_dump_json().encode(), timeout=timeout)
+                return await ask_allocator(
+                    nc, query, producer="gpuaas-cli", correlation_id="cli-query", timeout_s=timeout
+                )
             except nats.errors.NoRespondersError:
+                subject = spec_for("allocation.query").subject()
                 raise fail(
                     f"[red]no allocator answers on {subject}[/] (is the allocator running?)", EXIT_UNREACHABLE
                 ) from None
             except nats.errors.TimeoutError:
                 raise fail(f"[red]the allocator did not answer within {timeout:.0f}s[/]", EXIT_TIMEOUT) from None
-            data = json.loads(msg.data)
-            return AllocationQueryResult.model_validate(data["payload"])
         finally:
             await nc.drain()
 

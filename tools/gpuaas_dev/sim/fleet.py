@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gpuaas_common.bus import PermanentError
+from gpuaas_common.bus import Bus, PermanentError
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.enrolment import token_proof
@@ -264,21 +264,34 @@ def _baremetal_host(
     async def enrol(env: dict[str, str], creds_text: str | None, again: int) -> None:
         """Enrol with the deploy's credentials (`again` 0), or say so once more on the open link (`again` n, a
         message of its own: the first one's id would be dropped as a duplicate)."""
-        nonlocal link
         token = env.get("GPUAAS_ENROLMENT_TOKEN")
         allocation_id = env.get("GPUAAS_ALLOCATION_ID")
         if not token or not allocation_id:
             raise PermanentError("schema_invalid", "user_data carries no enrolment token")
-        if again:
-            if link is not None and link.bus is not None:
-                await link.bus.publish(
-                    "node.enrolled",
-                    enrolled(allocation_id, token),
-                    correlation_id=allocation_id,
-                    node_id=node.node_id,
-                    event_id=derived_event_id(allocation_id, f"enrolled:{node.node_id}:{again}"),
-                )
-            return
+        bus = (link.bus if link is not None else None) if again else await connect(creds_text)
+        if bus is None:
+            return  # the machine was taken back meanwhile: nothing to announce
+        assert node.maas_system_id is not None
+        ev = m.NodeEnrolled(
+            node_id=node.node_id,
+            kind="baremetal",
+            hostname=node.hostname,
+            agent_version=AGENT_VERSION,
+            maas_system_id=node.maas_system_id,
+            allocation_id=allocation_id,
+            enrolment_proof=token_proof(token),
+        )
+        await bus.publish(
+            "node.enrolled",
+            ev,
+            correlation_id=allocation_id,
+            node_id=node.node_id,
+            event_id=derived_event_id(allocation_id, f"enrolled:{node.node_id}" + (f":{again}" if again else "")),
+        )
+
+    async def connect(creds_text: str | None) -> Bus:
+        """A fresh link with the credentials the deploy's user_data carried."""
+        nonlocal link
         if handed_over is not None:
             await handed_over()
         await leave()
@@ -290,31 +303,12 @@ def _baremetal_host(
         identity = NatsIdentity(split_servers(settings.nats_url), creds_file, settings.nats_ca_file)
         link = HostLink(node.node_id, identity, retry_delays_s=settings.retry_delays_s)
         try:
-            bus = await link.open(retry_forever=False)
+            return await link.open(retry_forever=False)
         except Exception:
             if identity.last_refusal is not None:
                 # Refused credentials (revoked, expired) do not get better by asking again.
                 raise PermanentError("nats_auth_refused", identity.last_refusal) from None
             raise
-        await bus.publish(
-            "node.enrolled",
-            enrolled(allocation_id, token),
-            correlation_id=allocation_id,
-            node_id=node.node_id,
-            event_id=derived_event_id(allocation_id, f"enrolled:{node.node_id}"),
-        )
-
-    def enrolled(allocation_id: str, token: str) -> m.NodeEnrolled:
-        assert node.maas_system_id is not None
-        return m.NodeEnrolled(
-            node_id=node.node_id,
-            kind="baremetal",
-            hostname=node.hostname,
-            agent_version=AGENT_VERSION,
-            maas_system_id=node.maas_system_id,
-            allocation_id=allocation_id,
-            enrolment_proof=token_proof(token),
-        )
 
     async def leave() -> None:
         nonlocal link

@@ -539,10 +539,16 @@ async def check_repaired(
     """The checker's findings once background repairs had up to `within_s` to clear them, and how long that took
     (0 when there was nothing to clear)."""
     started = time.monotonic()
-    found = await check(stack, conn, requested)
-    while any(found.values()) and time.monotonic() - started < within_s:
-        await asyncio.sleep(2.0)  # the audit's rounds are seconds apart: poll at that pace
+    found: dict[str, list[str]] = {}
+
+    async def clear() -> bool:
+        nonlocal found
         found = await check(stack, conn, requested)
+        return not any(found.values())
+
+    # The audit's rounds are seconds apart: look again at that pace.
+    with contextlib.suppress(TimeoutError):
+        await eventually(clear, timeout=within_s, interval=2.0, what="repairs")
     return found, round(time.monotonic() - started, 1)
 
 

@@ -23,7 +23,7 @@ async def answer_query(pool: asyncpg.Pool, query: m.AllocationQuery) -> m.Alloca
             tenant_id=query.tenant_id,
             state=query.state,
             node_id=query.node_id,
-            allocation_ids=list(query.allocation_ids) if query.allocation_ids is not None else None,
+            allocation_ids=query.allocation_ids,
             limit=query.limit,
         )
         if query.allocation_id is not None and not rows:

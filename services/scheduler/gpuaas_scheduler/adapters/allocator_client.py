@@ -3,14 +3,12 @@ request/reply, with the scheduler's own bus identity)."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Sequence
 
 import nats.errors
-from pydantic import ValidationError
 
-from gpuaas_common.contract import Envelope, spec_for
+from gpuaas_common.allocation_queries import ask_allocator
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
@@ -32,22 +30,14 @@ class AllocatorClient:
         for start in range(0, len(ids), MAX_IDS):
             chunk = list(ids[start : start + MAX_IDS])
             query = m.AllocationQuery(allocation_ids=chunk, limit=len(chunk))
-            env = Envelope.wrap(
-                "allocation.query", query.model_dump(mode="json"), producer="scheduler", correlation_id="claim-audit"
-            )
             try:
-                msg = await self.nc.request(
-                    spec_for("allocation.query").subject(), env.model_dump_json().encode(), timeout=self.timeout_s
+                result = await ask_allocator(
+                    self.nc, query, producer="scheduler", correlation_id="claim-audit", timeout_s=self.timeout_s
                 )
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.errors.ConnectionClosedError) as exc:
                 log.warning("allocator_query_unanswered", error=type(exc).__name__)
                 return None
-            try:
-                answer = Envelope.model_validate(json.loads(msg.data))
-                if answer.type != "allocation.query_result":
-                    raise ValueError(f"answered with {answer.type}")
-                result = m.AllocationQueryResult.model_validate(answer.payload)
-            except (ValueError, ValidationError) as exc:
+            except ValueError as exc:
                 log.warning("allocator_query_bad_answer", error=str(exc)[:300])
                 return None
             if result.status != "found" or result.truncated:

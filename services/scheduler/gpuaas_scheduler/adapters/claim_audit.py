@@ -36,12 +36,3 @@ async def take_due(conn: asyncpg.Connection, *, every_s: float, min_age_s: float
         limit,
     )
     return [DueAllocation(r["allocation_id"], tuple(r["nodes"]), r["age_s"]) for r in rows]
-
-
-async def claims_age_s(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> float | None:
-    """Seconds since the allocation's oldest live claim was made; None when it holds none (any more)."""
-    return await conn.fetchval(
-        "SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM allocation_resource_claims "
-        "WHERE allocation_id = $1 AND status <> 'released'",
-        allocation_id,
-    )
