@@ -98,8 +98,9 @@ def _matches(filter_subject: str, subject: str) -> bool:
 
 
 def consumed_specs() -> list[MessageSpec]:
-    """Message types some durable of ours reads (ops and portals watch with plain subscriptions)."""
-    return [s for s in ALL if set(s.consumers) - {"ops", "portal"}]
+    """Message types some durable of ours reads (ops and portals watch with plain subscriptions; a reply goes
+    to its asker's inbox, never to a durable)."""
+    return [s for s in ALL if s.address is not None and set(s.consumers) - {"ops", "portal"}]
 
 
 def publisher(spec: MessageSpec, node: str | None) -> str | None:
