@@ -10,7 +10,11 @@ where it goes, which durables will read it and whether it must end in a dead-let
 - `wrong_node`: a host's report that names another host (the subject is the authenticated part);
 - `generated`: schema-valid payloads drawn from the contract's JSON Schemas with ids that mostly match
   nothing (results for unknown tasks, placements for unknown allocations) and timestamps far in the past
-  or future — inconsistent, but not malformed, so the receiver decides;
+  or future — inconsistent, but not malformed, so the receiver decides. A message in the allocator's own
+  name never names a live allocation: the allocator owns the allocation's lifecycle, so its `allocation.failed`
+  or `slice.vm_release` about one *is* the truth its consumers act on (they refuse what is out of order, but
+  a forged `releasing` then `released` is a legitimate release) — that is a stolen credential, not input a
+  receiver can judge;
 - `replay`: real events seen earlier on the bus, sent again shuffled: duplicates and reordering.
 
 Instances are drawn by a small JSON-Schema walker with a seeded `random.Random` rather than
@@ -118,6 +122,7 @@ class Fuzzer:
         self.rng = random.Random(seed)
         self.pools = pools
         self.specs = [s for s in consumed_specs() if self._target(s) is not None]
+        self._live_allocations = True  # set per drawn message by instance()
 
     # --- the run -------------------------------------------------------------------------------------
 
@@ -260,6 +265,7 @@ class Fuzzer:
     def instance(self, spec: MessageSpec, node: str | None = None) -> dict[str, Any] | None:
         """A schema-valid payload of `spec`, or None when 20 draws all failed pydantic's validation."""
         schema = spec.model.model_json_schema()
+        self._live_allocations = "allocator" not in spec.producers
         for _ in range(20):
             value = self._value(schema, schema.get("$defs", {}), "", node)
             if isinstance(value, dict) and _valid(spec.model, value):
@@ -307,7 +313,7 @@ class Fuzzer:
             return self._timestamp()
         if name == "node_id" and node:
             return node
-        if name == "allocation_id" and self.pools.allocations and self.rng.random() < 0.2:
+        if name == "allocation_id" and self._live_allocations and self.pools.allocations and self.rng.random() < 0.2:
             return self.rng.choice(self.pools.allocations)
         if name == "task_id" and self.pools.tasks and self.rng.random() < 0.2:
             return self.rng.choice(self.pools.tasks)
