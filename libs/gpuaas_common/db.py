@@ -55,15 +55,28 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     round trip per message handled."""
 
 
+# Schemas whose pooled connections reuse one generic plan per prepared statement. Placement's candidate query
+# over the node table costs Postgres about 0.5 ms to plan and 0.07 ms to run; left to itself Postgres keeps
+# planning it again on every execution (its custom plans look cheaper than the generic one), which made
+# planning the largest single cost of a placement: `bench/scheduler.py --nodes 5000` went from 818 to
+# 1,164 placements/s with 4 workers, from 367 to 633/s with one. The scheduler's statements name their
+# status values as literals, so its partial indexes still apply to a generic plan. Other services keep
+# Postgres's own choice until a benchmark says otherwise.
+GENERIC_PLAN_SCHEMAS = frozenset({"scheduler"})
+
+
 async def create_pool(dsn: str, schema: str, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
     check_schema(schema)
     # search_path pins every unqualified table to the owning service's schema, so one service's
     # SQL cannot reach another's tables by accident.
+    settings = {"search_path": schema, "application_name": f"gpuaas-{schema}"}
+    if schema in GENERIC_PLAN_SCHEMAS:
+        settings["plan_cache_mode"] = "force_generic_plan"
     pool = await asyncpg.create_pool(
         dsn,
         min_size=min_size,
         max_size=max_size,
-        server_settings={"search_path": schema, "application_name": f"gpuaas-{schema}"},
+        server_settings=settings,
         reset=_keep_session,
     )
     assert pool is not None

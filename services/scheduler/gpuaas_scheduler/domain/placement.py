@@ -75,7 +75,7 @@ class Request:
     region: str
     sku: str
     tenant_id: str = ""
-    # (slug, digest) when the image cache gate applies to this request (see inventory.image_gate);
+    # (slug, digest) when the image cache gate applies to this request (see `image_gate` below);
     # None: no cache evidence is required.
     image_gate: tuple[str, str] | None = None
 
@@ -453,3 +453,19 @@ def unschedulable_summary(
     return "fragmented", (
         f"{free_gpus} GPUs free but no node has {requested} free slots (largest: {largest_free}){suffix}"
     )
+
+
+def image_gate(slug: str, digest: str, reported: bool) -> tuple[str, str] | None:
+    """(slug, digest) when slice placement must require a verified cache of this image, else None.
+
+    The rule: the gate applies to an image once any `image.node_cache_changed` for its slug has
+    reached the scheduler. Images that predate the prewarm pipeline (the dev stack's seed images,
+    copied into each host's cache by the fleet) are never reported, so they stay placeable as before.
+    For a prewarmed image the rule is safe even before its reports arrive: the image pipeline
+    activates an image only once every known slice host verified the catalog digest, so an
+    allocation for it cannot be accepted while a host lacks it; the reports then keep placement
+    honest afterwards (a host that loses the cache, a mismatch, a new digest, a host added later).
+
+    `reported`: whether any report for the slug has arrived (read by `prelude`, in the request's first query).
+    """
+    return (slug, digest) if reported else None

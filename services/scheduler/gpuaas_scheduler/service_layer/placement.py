@@ -23,6 +23,7 @@ from ..domain.placement import (
     Request,
     choose,
     clean_node_allowed,
+    image_gate,
     node_filter,
     rank_classes,
     summarize,
@@ -71,12 +72,14 @@ async def place(conn: asyncpg.Connection, ev: m.AllocationAccepted, policy: Plac
     """Must run inside a transaction; writes nothing when the answer is unschedulable."""
     req = request_of(ev)
     out = Outcome()
-    already, limit = await inv.prelude(conn, ev.allocation_id, req.tenant_id)
-    if already:
+    facts = await inv.prelude(
+        conn, ev.allocation_id, req.tenant_id, ev.image.slug if req.shape != "baremetal" else None
+    )
+    if facts.already_placed:
         # A redelivery after a crash between commit and ack: the claims are the answer already given.
         out.already_placed = True
         return out
-    limit = policy.default_tenant_gpu_quota if limit is None else limit
+    limit = policy.default_tenant_gpu_quota if facts.tenant_quota is None else facts.tenant_quota
     if limit is not None:
         used = await inv.tenant_usage_locked(conn, req.tenant_id)
         if used + req.gpus > limit:
@@ -93,7 +96,7 @@ async def place(conn: asyncpg.Connection, ev: m.AllocationAccepted, policy: Plac
         await _place_baremetal(conn, ev, req, out)
     else:
         # Only slices boot from the host's image cache; a baremetal image is deployed by MAAS.
-        req = replace(req, image_gate=await inv.image_gate(conn, ev.image.slug, ev.image.digest_sha256))
+        req = replace(req, image_gate=image_gate(ev.image.slug, ev.image.digest_sha256, facts.image_reported))
         await _place_slices(conn, ev, req, policy, out)
     if out.placed is None and not out.already_placed:
         out.unschedulable = await why_not(conn, ev, req, policy)
@@ -149,20 +152,22 @@ async def _place_slices(
         )
         out.extra["tier"] = choice.tier
 
+    savepoints = iter(range(1_000_000))
+
     async def in_savepoint(fn) -> bool:
         # A node looked at but not taken must not stay locked: waiting on another node while holding
-        # it is how two workers deadlock. Rolling back to the savepoint releases its row locks.
-        savepoint = conn.transaction()
-        await savepoint.start()
+        # it is how two workers deadlock. Rolling back to the savepoint releases its row locks. One taken is
+        # left open (the transaction's commit ends it): releasing it would cost a round trip per placement.
+        name = f"placement_attempt_{next(savepoints)}"
+        undo = f"ROLLBACK TO SAVEPOINT {name}; RELEASE SAVEPOINT {name}"  # gone, so failed attempts never nest
+        await conn.execute(f"SAVEPOINT {name}")
         try:
             ok = await fn()
         except BaseException:
-            await savepoint.rollback()
+            await conn.execute(undo)
             raise
-        if ok:
-            await savepoint.commit()
-        else:
-            await savepoint.rollback()
+        if not ok:
+            await conn.execute(undo)
         return ok
 
     async def attempt(node_id: str, wait: bool) -> bool:

@@ -18,7 +18,7 @@ The package re-exports every name below, so callers keep `from ..adapters import
 """
 
 from ...domain.placement import Request
-from .candidates import baremetal_candidates, count_clean_nodes, image_gate, node_facts, slice_candidates
+from .candidates import baremetal_candidates, count_clean_nodes, node_facts, slice_candidates
 from .capacity import fleet_shape, refresh_nodes
 from .claims import (
     LOCKED,
@@ -26,6 +26,7 @@ from .claims import (
     free_slots_locked,
     lock_best_in_class,
     lock_slice_node,
+    Prelude,
     prelude,
     tenant_usage_locked,
     try_claim_baremetal,
@@ -72,7 +73,6 @@ __all__ = [
     "drain_node",
     "fleet_shape",
     "free_slots_locked",
-    "image_gate",
     "image_ready_sql",
     "lock_best_in_class",
     "lock_allocation",
@@ -81,6 +81,7 @@ __all__ = [
     "lock_slice_node",
     "move_slots",
     "node_facts",
+    "Prelude",
     "prelude",
     "refresh_nodes",
     "release_claims",

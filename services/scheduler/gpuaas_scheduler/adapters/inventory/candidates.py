@@ -64,21 +64,6 @@ async def count_clean_nodes(conn: asyncpg.Connection, req: Request) -> int:
     )
 
 
-async def image_gate(conn: asyncpg.Connection, slug: str, digest: str) -> tuple[str, str] | None:
-    """(slug, digest) when slice placement must require a verified cache of this image, else None.
-
-    The rule: the gate applies to an image once any `image.node_cache_changed` for its slug has
-    reached the scheduler. Images that predate the prewarm pipeline (the dev stack's seed images,
-    copied into each host's cache by the fleet) are never reported, so they stay placeable as before.
-    For a prewarmed image the rule is safe even before its reports arrive: the image pipeline
-    activates an image only once every known slice host verified the catalog digest, so an
-    allocation for it cannot be accepted while a host lacks it; the reports then keep placement
-    honest afterwards (a host that loses the cache, a mismatch, a new digest, a host added later).
-    """
-    reported = await conn.fetchval("SELECT EXISTS (SELECT 1 FROM node_image_readiness WHERE slug = $1)", slug)
-    return (slug, digest) if reported else None
-
-
 async def baremetal_candidates(conn: asyncpg.Connection, req: Request) -> list[str]:
     # Baremetal-only hosts first: a convertible host could go back to slices.
     rows = await conn.fetch(

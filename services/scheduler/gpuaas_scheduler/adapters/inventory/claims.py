@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -162,15 +163,26 @@ async def try_claim_baremetal(
 # --- quota -------------------------------------------------------------------------------------------
 
 
-async def prelude(conn: asyncpg.Connection, allocation_id: uuid.UUID, tenant_id: str) -> tuple[bool, int | None]:
-    """Whether the allocation already holds claims, and the tenant's own quota, in one round trip."""
+@dataclass(frozen=True)
+class Prelude:
+    already_placed: bool  # the allocation holds claims (any status): the answer was given before
+    tenant_quota: int | None  # the tenant's own GPU quota, None when it has none
+    image_reported: bool  # some host reported its cache of the image (see `domain.placement.image_gate`)
+
+
+async def prelude(
+    conn: asyncpg.Connection, allocation_id: uuid.UUID, tenant_id: str, image_slug: str | None
+) -> Prelude:
+    """What placement reads before it looks at any node, in one round trip."""
     row = await conn.fetchrow(
         "SELECT EXISTS (SELECT 1 FROM allocation_resource_claims WHERE allocation_id = $1) AS already, "
-        "(SELECT max_gpus FROM tenant_quotas WHERE tenant_id = $2) AS max_gpus",
+        "(SELECT max_gpus FROM tenant_quotas WHERE tenant_id = $2) AS max_gpus, "
+        "$3::text IS NOT NULL AND EXISTS (SELECT 1 FROM node_image_readiness WHERE slug = $3) AS reported",
         allocation_id,
         tenant_id,
+        image_slug,
     )
-    return row["already"], row["max_gpus"]
+    return Prelude(row["already"], row["max_gpus"], row["reported"])
 
 
 async def tenant_usage_locked(conn: asyncpg.Connection, tenant_id: str) -> int:
