@@ -22,11 +22,11 @@ from .candidates import baremetal_candidates, count_clean_nodes, node_facts, sli
 from .capacity import fleet_shape, refresh_nodes
 from .claims import (
     LOCKED,
+    Prelude,
     claim_slots,
     free_slots_locked,
     lock_best_in_class,
     lock_slice_node,
-    Prelude,
     prelude,
     tenant_usage_locked,
     try_claim_baremetal,
