@@ -74,8 +74,9 @@ async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_rec
     assert await expire_overdue_tasks(lambda: uow(pool), allocator.settings) == 1
     assert await expire_overdue_tasks(lambda: uow(pool), allocator.settings) == 0
 
-    # The host answers after all: recorded on the timeline, nothing applied, no event, no dead letter.
-    outbox_before = await pool.fetchval("SELECT count(*) FROM outbox")
+    # The host answers after all: recorded on the timeline, nothing applied, no lifecycle event, no dead letter;
+    # the VM it built runs for nobody and is sent its teardown.
+    outbox_before = await pool.fetchval("SELECT max(id) FROM outbox")
     await send(
         pool,
         allocator.on_task_result,
@@ -89,7 +90,10 @@ async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_rec
         ),
     )
     assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", silent) == "failed"
-    assert await pool.fetchval("SELECT count(*) FROM outbox") == outbox_before
+    sent = await pool.fetch("SELECT subject, body FROM outbox WHERE id > $1", outbox_before)
+    assert [(r["subject"], json.loads(r["body"])["payload"]["task_id"]) for r in sent] == [
+        ("gpuaas.node.n1.tasks", f"rel-{silent}")
+    ]
     late = await pool.fetchrow(
         "SELECT state, reason_code, detail FROM allocation_timeline WHERE allocation_id = $1 ORDER BY seq DESC", silent
     )

@@ -72,6 +72,10 @@ async def test_a_force_released_allocation_fails_with_cleanup_and_its_task_is_gi
         "SELECT reason_code, detail FROM allocation_timeline WHERE allocation_id = $1 ORDER BY seq DESC", alloc
     )
     assert late["reason_code"] == "late_task_result_ignored" and json.loads(late["detail"])["status"] == "succeeded"
+    # The VM it built runs on slots ops released: it is torn down.
+    teardown = await pool.fetch("SELECT body FROM outbox WHERE subject = 'gpuaas.node.n1.tasks'")
+    released = [json.loads(r["body"]) for r in teardown if json.loads(r["body"])["type"] == "slice.vm_release"]
+    assert [t["payload"]["task_id"] for t in released] == [f"rel-{alloc}"]
 
 
 async def test_before_its_placement_is_applied_the_message_is_retried_not_failed(pool) -> None:  # noqa: F811

@@ -83,7 +83,7 @@ class FakeAllocationRepository:
             for r in self.allocations.values()
             if r["awaiting_result"]
             and r["task_deadline_at"] is not None
-            and r["state"] in ("provisioning", "releasing")
+            and (r["state"] in ("provisioning", "releasing") or (r["state"] == "failed" and r["release_task_id"]))
             and r["task_deadline_at"] + timedelta(seconds=grace_s) < now
         ]
         return sorted(rows, key=lambda r: r["task_deadline_at"])[:limit]
@@ -441,25 +441,82 @@ async def test_a_late_answer_after_the_deadline_is_recorded_not_applied_and_not_
     await world.place(alloc)
     await _asked_again_and_silent(world, alloc, "slice.vm_provision")
     await world.sweep()
-    before = copy.deepcopy(world.repo.allocations[alloc])
     events = len(world.events)
 
-    # A success that arrives late does not make the allocation active: its slots already wait for cleanup.
-    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
-    assert world.repo.allocations[alloc] == before and world.state(alloc) == "failed"
-    assert len(world.events) == events, "no lifecycle event for a late answer"
+    # A failure that arrives late changes nothing: its slots already wait for cleanup.
+    await world.send(
+        world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}", status="failed")
+    )
+    assert world.state(alloc) == "failed" and len(world.events) == events
     late = world.repo.entries[-1]
     assert (late["state"], late["previous_state"], late["reason_code"]) == (
         "failed",
         "failed",
         "late_task_result_ignored",
     )
-    assert late["detail"]["task_id"] == f"prov-{alloc}" and late["detail"]["status"] == "succeeded"
+    assert late["detail"]["task_id"] == f"prov-{alloc}" and late["detail"]["status"] == "failed"
 
     # ...whereas a task the allocator never sent is still dead-lettered.
     with pytest.raises(PermanentError) as err:
         await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, "prov-forged"))
     assert err.value.reason_code == "unknown_task"
+
+
+async def test_a_vm_built_after_its_allocation_failed_is_torn_down_and_the_answer_kept(world: World) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    await _asked_again_and_silent(world, alloc, "slice.vm_provision")
+    await world.sweep()
+    lifecycle = len([e for e in world.events if e.type.startswith("allocation.")])
+
+    # The host built it after all: the allocation stays failed, the VM it runs for nobody gets the teardown.
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    assert world.state(alloc) == "failed"
+    assert world.repo.entries[-1]["reason_code"] == "late_task_result_ignored"
+    teardown = world.sent("slice.vm_release")
+    assert [(t["task_id"], t["node_id"], t["vm_name"]) for t in teardown] == [
+        (f"rel-{alloc}", "n1", f"gpuaas-{str(alloc)[:8]}")
+    ]
+    # The same late answer again (a redelivery under a new id) sends no second teardown.
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    assert len(world.sent("slice.vm_release")) == 1
+
+    proof = m.WipeProof(device="/dev/disk/by-id/nvme-x", method="blkdiscard", verified=True)
+    await world.send(
+        world.allocator.on_task_result, "node.task_result", _result(alloc, f"rel-{alloc}", wipe_proofs=[proof])
+    )
+    row = world.repo.allocations[alloc]
+    assert (row["state"], row["awaiting_result"]) == ("failed", False)
+    kept = world.repo.entries[-1]
+    assert (kept["state"], kept["reason_code"], kept["detail"]["status"]) == (
+        "failed",
+        "late_vm_torn_down",
+        "succeeded",
+    )
+    assert kept["detail"]["wipe_proofs"][0]["verified"] is True
+    assert len([e for e in world.events if e.type.startswith("allocation.")]) == lifecycle, "no lifecycle event"
+    assert await world.sweep() == 0
+
+
+async def test_an_unanswered_teardown_of_a_late_vm_is_asked_once_more_then_left_to_ops(world: World) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    await _asked_again_and_silent(world, alloc, "slice.vm_provision")
+    await world.sweep()
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+
+    # Its own re-ask, not used up by the provision's: the same task once more, then silence.
+    _overdue(world, alloc)
+    assert await world.sweep() == 1
+    assert [t["task_id"] for t in world.sent("slice.vm_release")] == [f"rel-{alloc}"] * 2
+    assert world.repo.allocations[alloc]["awaiting_result"]
+    _overdue(world, alloc)
+    assert await world.sweep() == 1
+    row = world.repo.allocations[alloc]
+    assert (row["state"], row["awaiting_result"]) == ("failed", False)
+    assert world.repo.entries[-1]["reason_code"] == "late_vm_teardown_unanswered"
+    assert len(world.sent("allocation.failed")) == 1, "failed once, never again"
+    assert await world.sweep() == 0
 
 
 async def test_an_answer_in_time_stops_the_deadline(world: World) -> None:

@@ -46,9 +46,11 @@ class AllocationRepository:
         return out
 
     async def lock_overdue(self, grace_s: float, limit: int) -> list[dict[str, Any]]:
-        """Allocations whose node task is past its deadline plus `grace_s`."""
+        """Allocations whose node task is past its deadline plus `grace_s` (in a failed allocation: the teardown
+        of a VM built late, see service_layer/late_vms.py)."""
         return await self._lock_due(
-            "awaiting_result AND task_deadline_at IS NOT NULL AND state IN ('provisioning', 'releasing') "
+            "awaiting_result AND task_deadline_at IS NOT NULL "
+            "AND (state IN ('provisioning', 'releasing') OR (state = 'failed' AND release_task_id IS NOT NULL)) "
             "AND task_deadline_at + make_interval(secs => $1) < now()",
             "task_deadline_at",
             grace_s,

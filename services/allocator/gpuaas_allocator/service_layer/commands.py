@@ -116,8 +116,13 @@ async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: 
             event_id=caused_event_id(alloc_id, "release-task", ctx.envelope),
             node_id=row["node_id"],
         )
+        # A re-ask of the provision task does not use up the teardown's own.
         await ctx.uow.repos.update(
-            row["allocation_id"], release_task_id=task_id, awaiting_result=True, task_deadline_at=deadline
+            row["allocation_id"],
+            release_task_id=task_id,
+            awaiting_result=True,
+            task_deadline_at=deadline,
+            task_reasked_at=None,
         )
     else:
         operation_id = f"release-{alloc_id}"

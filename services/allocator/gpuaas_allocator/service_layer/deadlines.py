@@ -27,6 +27,7 @@ from gpuaas_common.logging import get_logger
 
 from ..settings import AllocatorSettings
 from .commands import maas_command_again, task_again
+from .late_vms import give_up_late_vm_teardown
 from .lifecycle import fail
 from .redrive import reask_stalled_placements
 from .sweeps import sweep_in_batches
@@ -134,6 +135,10 @@ async def reask_task(ctx: HandlerContext, row: dict[str, Any], settings: Allocat
 async def expire_task(ctx: HandlerContext, row: dict[str, Any], settings: AllocatorSettings | None = None) -> None:
     if settings is not None and row.get("task_reasked_at") is None and row["shape"] == "gpu_slice":
         await reask_task(ctx, row, settings)
+        return
+    if row["state"] == "failed":
+        # The teardown of a VM built after its allocation failed (late_vms.py): nothing left to fail.
+        await give_up_late_vm_teardown(ctx, row)
         return
     task_id = row["release_task_id"] or row["task_id"]
     deadline = row["task_deadline_at"]

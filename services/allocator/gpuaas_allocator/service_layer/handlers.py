@@ -19,6 +19,7 @@ from ..domain.model import ActiveImage, release_refusal, request_fingerprint, va
 from ..settings import AllocatorSettings
 from .commands import provision_task_id, release_task_id, start_provisioning, start_teardown
 from .deadlines import LATE_TASK_RESULT
+from .late_vms import late_vm_left_running, record_late_vm_teardown
 from .lifecycle import fail, transition
 from .redrive import EARLY_RESULT_MISMATCH, hold_early_result
 
@@ -288,11 +289,18 @@ class Allocator:
             # A task we did send, but gave up on at its deadline: the allocation has already failed and its
             # slots wait for cleanup. Record the answer for ops; apply nothing; do not dead-letter it.
             await self._record_late_result(ctx, row, res)
+            if late_vm_left_running(row, res):
+                # ...except that the VM it built runs for no allocation, on slots ops may already have freed
+                # (a forced release): tear it down like any release, and keep its answer (below).
+                log.warning("late_vm_teardown_started", task_id=res.task_id, node_id=res.node_id)
+                await start_teardown(self.settings, ctx, dict(row))
             return
         if res.task_id == row["task_id"] and row["awaiting_result"] and row["release_task_id"] is None:
             await self._on_provision_result(ctx, dict(row), res)
         elif res.task_id == row["release_task_id"] and row["state"] == "releasing":
             await self._on_release_result(ctx, dict(row), res)
+        elif res.task_id == row["release_task_id"] and row["state"] == "failed" and row["awaiting_result"]:
+            await record_late_vm_teardown(ctx, dict(row), res)
         else:
             log.info("task_result_ignored", state=row["state"])
 
