@@ -1,5 +1,6 @@
 """Baremetal through the MAAS gateway, against the running stack: a failed deployment ends the
-allocation with MAAS's own status message, and the gateway's metrics and logs show what happened."""
+allocation with MAAS's own status message and releases the machine, and the gateway's metrics and logs show
+what happened."""
 
 from __future__ import annotations
 
@@ -37,13 +38,27 @@ async def test_failed_deployment_fails_the_allocation_with_the_maas_message(port
         "Failed deployment",
         CURTIN_FAILURE,
     )
-    machine = await maas_sim(stack, "GET", f"/_sim/machines/{system_id}")
-    assert machine["status_name"] == "Failed deployment"
-    assert machine["_sim"]["calls"]["deploy"] == 1
     op = await db.fetchrow(
         "SELECT state, maas_calls FROM maas_gateway.maas_operations WHERE allocation_id = $1 AND kind = 'deploy'", alloc
     )
     assert dict(op) == {"state": "failed", "maas_calls": 1}
+
+    # The failed machine may hold the tenant's image: it is released through MAAS, the allocation stays failed.
+    released = await portal.spy.wait_type("maas.release_result", allocation_id=alloc, timeout=90)
+    assert (released["payload"]["status"], released["payload"]["maas_status_name"]) == ("released", "Ready")
+    machine = await maas_sim(stack, "GET", f"/_sim/machines/{system_id}")
+    assert machine["status_name"] == "Ready"
+    assert (machine["_sim"]["calls"]["deploy"], machine["_sim"]["calls"]["release"]) == (1, 1)
+
+    async def kept() -> str | None:
+        return await db.fetchval(
+            "SELECT reason_code FROM allocator.allocation_timeline WHERE allocation_id = $1 "
+            "AND reason_code = 'machine_released_after_failure'",
+            alloc,
+        )
+
+    await eventually(kept, what="the release kept on the failed allocation's timeline")
+    assert await db.fetchval("SELECT state FROM allocator.allocations WHERE allocation_id = $1", alloc) == "failed"
 
     async def metrics() -> str:
         async with aiohttp.ClientSession() as http:

@@ -203,6 +203,12 @@ async def test_a_deployed_host_that_never_enrols_fails_its_allocation_at_the_enr
         for (b,) in await pool.fetch("SELECT body FROM outbox WHERE subject = 'gpuaas.allocation.event.failed'")
     ]
     assert [(f["reason_code"], f["cleanup_required"]) for f in failed] == [("enrolment_timeout", True)]
+    # The machine runs the tenant's image with the tenant's keys: it is released through MAAS at once.
+    releases = [
+        json.loads(b)["payload"]
+        for (b,) in await pool.fetch("SELECT body FROM outbox WHERE subject = 'gpuaas.maas.command.release'")
+    ]
+    assert [(r["operation_id"], r["system_id"]) for r in releases] == [(f"release-{alloc}", "abc123")]
     assert await expire_unenrolled_hosts(lambda: uow(pool), allocator.settings) == 0, "failed once"
     secret = allocator.settings.enrolment_secret.get_secret_value()
     await send(

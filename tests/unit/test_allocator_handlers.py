@@ -672,3 +672,68 @@ async def test_a_transition_made_again_after_a_lost_commit_is_a_new_event_and_a_
     assert first.payload["seq"] == redelivered.payload["seq"] == reasked.payload["seq"]
     assert first.event_id == redelivered.event_id
     assert reasked.event_id != first.event_id
+
+
+def _maas_result(alloc: uuid.UUID, kind: str, operation_id: str, status: str) -> tuple[str, m.Payload]:
+    model = m.MaasDeployResult if kind == "deploy" else m.MaasReleaseResult
+    return f"maas.{kind}_result", model(
+        operation_id=operation_id,
+        allocation_id=alloc,
+        system_id="abc123",
+        node_id="n1",
+        status=status,
+        resolution="polled",
+        maas_status_name={"deployed": "Deployed", "released": "Ready"}.get(status, "Failed deployment"),
+        attempts=1,
+    )
+
+
+async def test_a_machine_whose_deploy_failed_is_released_through_maas_and_the_answer_kept(world: World) -> None:
+    alloc = await world.request("baremetal")
+    await world.place(alloc, "baremetal")
+    deploy = world.sent("maas.deploy_requested")[0]["operation_id"]
+    await world.send(world.allocator.on_maas_result, *_maas_result(alloc, "deploy", deploy, "failed"))
+
+    assert world.state(alloc) == "failed" and world.sent("allocation.failed")[0]["cleanup_required"] is True
+    release = world.sent("maas.release_requested")
+    assert [(r["operation_id"], r["system_id"]) for r in release] == [(f"release-{alloc}", "abc123")]
+    lifecycle = len([e for e in world.events if e.type.startswith("allocation.")])
+
+    await world.send(world.allocator.on_maas_result, *_maas_result(alloc, "release", f"release-{alloc}", "released"))
+    row = world.repo.allocations[alloc]
+    assert (row["state"], row["awaiting_result"]) == ("failed", False)
+    kept = world.repo.entries[-1]
+    assert (kept["state"], kept["reason_code"], kept["detail"]["maas_status_name"]) == (
+        "failed",
+        "machine_released_after_failure",
+        "Ready",
+    )
+    assert len([e for e in world.events if e.type.startswith("allocation.")]) == lifecycle, "no lifecycle event"
+    assert len(world.sent("maas.release_requested")) == 1
+
+
+async def test_a_forced_release_while_maas_deploys_releases_the_machine_once(world: World) -> None:
+    alloc = await world.request("baremetal")
+    await world.place(alloc, "baremetal")
+    deploy = world.sent("maas.deploy_requested")[0]["operation_id"]
+    forced = m.PlacementForceReleased(
+        allocation_id=alloc, node_ids=["n1"], actor="ops", reason="machine stuck", forced=True
+    )
+    await world.send(world.allocator.on_force_released, "placement.force_released", forced)
+    assert world.state(alloc) == "failed"
+    assert [r["operation_id"] for r in world.sent("maas.release_requested")] == [f"release-{alloc}"]
+
+    # The deploy MAAS had under way finishes after all: recorded, the allocation stays failed, no second release.
+    await world.send(world.allocator.on_maas_result, *_maas_result(alloc, "deploy", deploy, "deployed"))
+    assert world.state(alloc) == "failed" and world.repo.entries[-1]["reason_code"] == "late_deploy_result"
+    assert len(world.sent("maas.release_requested")) == 1
+    assert world.sent("allocation.active") == []
+
+
+async def test_a_failed_slice_allocation_sends_no_machine_release(world: World) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    await world.send(
+        world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}", status="failed")
+    )
+    assert world.state(alloc) == "failed" and world.sent("maas.release_requested") == []

@@ -58,9 +58,11 @@ class AllocationRepository:
         )
 
     async def lock_awaiting_maas(self, after_s: float, limit: int) -> list[dict[str, Any]]:
-        """Baremetal allocations waiting for a MAAS result with nothing done to them for `after_s`."""
+        """Baremetal allocations waiting for a MAAS result with nothing done to them for `after_s` (in a failed
+        allocation: the release of its machine, see service_layer/failed_machines.py)."""
         return await self._lock_due(
-            "shape = 'baremetal' AND awaiting_result AND state IN ('provisioning', 'releasing') "
+            "shape = 'baremetal' AND awaiting_result "
+            "AND (state IN ('provisioning', 'releasing') OR (state = 'failed' AND release_operation_id IS NOT NULL)) "
             "AND coalesce(release_operation_id, operation_id) IS NOT NULL "
             "AND updated_at + make_interval(secs => $1) < now()",
             "updated_at",

@@ -27,6 +27,7 @@ from gpuaas_common.logging import get_logger
 
 from ..settings import AllocatorSettings
 from .commands import maas_command_again, task_again
+from .failed_machines import release_failed_machine
 from .late_vms import give_up_late_vm_teardown
 from .lifecycle import fail
 from .redrive import reask_stalled_placements
@@ -54,7 +55,8 @@ async def expire_unenrolled_hosts(
 ) -> int:
     """Fail every baremetal allocation whose deployed host never enrolled within `enrolment_deadline_s`. Nobody
     can be asked again here: only the host enrols, and one that has not by then (no network, a broken image,
-    credentials refused) needs ops, so the scheduler drains the node (cleanup required: the image is on it)."""
+    credentials refused) needs ops, so the scheduler drains the node (cleanup required: the image is on it) and
+    the machine is released through MAAS (failed_machines.py)."""
 
     async def expire(ctx: HandlerContext, row: dict[str, Any]) -> None:
         log.warning("enrolment_timeout", allocation_id=str(row["allocation_id"]), node_id=row["node_id"])
@@ -63,6 +65,7 @@ async def expire_unenrolled_hosts(
             f"{settings.enrolment_deadline_s:g} s"
         )
         await fail(ctx, row, ENROLMENT_TIMEOUT, reason, row["node_id"])
+        await release_failed_machine(settings, ctx, row)  # deployed with the tenant's keys, reached by nobody
 
     return await sweep_in_batches(
         uow_factory,

@@ -19,6 +19,7 @@ from ..domain.model import ActiveImage, release_refusal, request_fingerprint, va
 from ..settings import AllocatorSettings
 from .commands import provision_task_id, release_task_id, start_provisioning, start_teardown
 from .deadlines import LATE_TASK_RESULT
+from .failed_machines import record_after_failure, release_failed_machine
 from .late_vms import late_vm_left_running, record_late_vm_teardown
 from .lifecycle import fail, transition
 from .redrive import EARLY_RESULT_MISMATCH, hold_early_result
@@ -239,6 +240,7 @@ class Allocator:
             cleanup_required=True,
             detail={"forced": ev.forced, "holders": ev.holders, "slots": ev.slot_ids, "abandoned_task": outstanding},
         )
+        await release_failed_machine(self.settings, ctx, dict(row))
 
     # --- results from node agents and MAAS ----------------------------------------------------------
 
@@ -413,6 +415,12 @@ class Allocator:
         if row is None:
             return
         row = dict(row)
+        if row["state"] == "failed" and res.operation_id in {row["operation_id"], row["release_operation_id"]}:
+            await record_after_failure(ctx, row, res)
+            if ctx.envelope.type == "maas.deploy_result" and res.status == "deployed":
+                # Deployed after all, after the allocation failed (a forced release while MAAS deployed it).
+                await release_failed_machine(self.settings, ctx, row)
+            return
         if ctx.envelope.type == "maas.deploy_result" and res.operation_id == row["operation_id"]:
             await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
             if res.status == "deployed":
@@ -426,6 +434,8 @@ class Allocator:
             code = res.reason_code or "deploy_failed"
             reason = res.status_message or f"MAAS reports {res.maas_status_name}"
             await fail(ctx, row, code, reason, row["node_id"])
+            # Failed deployment still holds (part of) the tenant's image.
+            await release_failed_machine(self.settings, ctx, row)
         elif ctx.envelope.type == "maas.release_result" and res.operation_id == row["release_operation_id"]:
             await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
             if res.status == "released":
