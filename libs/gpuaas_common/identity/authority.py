@@ -17,9 +17,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import nats.errors
+import nats.js.errors
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from ..jetstream import IDENTITY_BUCKET
 from . import creds as creds_mod
@@ -28,6 +33,25 @@ from .jwt import Key, decode, encode
 from .permissions import NODE, NODE_TAG, Permissions, node_template, node_user_name
 
 ACCOUNT_NAME = "GPUAAS"
+
+T = TypeVar("T")
+
+
+async def _through_account_updates(call: Callable[[], Awaitable[T]]) -> T:
+    """A JetStream API call in the GPUAAS account, tried again while the account's JetStream is re-applied:
+    for a moment after an account JWT update (ours, or another revoker's) the server has no responder for the
+    account's API (`no responders`), or one that times out. Seen in the suite with 8 revokers at once."""
+    async for attempt in AsyncRetrying(
+        retry=retry_if_exception_type((nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError)),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        stop=stop_after_delay(15),
+        reraise=True,
+    ):
+        with attempt:
+            return await call()
+    raise AssertionError("unreachable: tenacity re-raises the last error")
+
+
 SYS_NAME = "SYS"
 # JetStream on, unlimited within the account: the server's own limits and the stream configs bound it.
 JETSTREAM_LIMITS = {
@@ -119,7 +143,7 @@ class Issuer:
         import nats
         from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-        kv = await js.key_value(REVOCATIONS_BUCKET)
+        kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
         nc = await nats.connect(
             servers=nats_servers,
             user_credentials=nats.aio.client.RawCredentials(self.sys_creds.render()),
@@ -132,7 +156,7 @@ class Issuer:
         try:
             for _ in range(attempts):  # 1: record, by compare-and-set
                 try:
-                    entry = await kv.get(REVOCATIONS_KEY)
+                    entry = await _through_account_updates(lambda: kv.get(REVOCATIONS_KEY))
                     revs, revision = json.loads(entry.value), entry.revision
                 except KeyNotFoundError:
                     # First use: start from what the servers hold, so nothing revoked before is dropped.
@@ -146,18 +170,18 @@ class Issuer:
                 data = json.dumps(revs, sort_keys=True).encode()
                 try:
                     if revision is None:
-                        await kv.create(REVOCATIONS_KEY, data)
+                        await _through_account_updates(lambda d=data: kv.create(REVOCATIONS_KEY, d))
                     else:
-                        await kv.update(REVOCATIONS_KEY, data, last=revision)
+                        await _through_account_updates(lambda d=data, r=revision: kv.update(REVOCATIONS_KEY, d, last=r))
                     break
                 except KeyWrongLastSequenceError:
                     continue  # another revoker wrote first: merge into theirs
             else:
                 raise AuthorityError(f"could not record {len(user_publics)} revocation(s): too much contention")
             for _ in range(attempts):  # 2: the servers get the newest revision, whoever pushes it
-                entry = await kv.get(REVOCATIONS_KEY)
+                entry = await _through_account_updates(lambda: kv.get(REVOCATIONS_KEY))
                 await self._push(nc, self._with_revocations(await self._lookup(nc), json.loads(entry.value)))
-                if (await kv.get(REVOCATIONS_KEY)).revision == entry.revision:
+                if (await _through_account_updates(lambda: kv.get(REVOCATIONS_KEY))).revision == entry.revision:
                     return len(json.loads(entry.value))
             raise AuthorityError("the revocation list kept changing while it was pushed")
         finally:
