@@ -7,6 +7,7 @@ the benchmark and the concurrency test, which need no NATS.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -152,7 +153,7 @@ async def _place_slices(
         )
         out.extra["tier"] = choice.tier
 
-    savepoints = iter(range(1_000_000))
+    savepoints = itertools.count()
 
     async def in_savepoint(fn) -> bool:
         # A node looked at but not taken must not stay locked: waiting on another node while holding
