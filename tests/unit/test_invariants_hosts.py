@@ -96,6 +96,14 @@ def test_a_second_deploy_an_unknown_deploy_and_a_machine_nobody_holds_are_report
     ]
 
 
+def test_a_failed_allocations_machine_left_in_failed_deployment_is_reported() -> None:
+    allocations = [alloc(B, "failed", "bm2", "baremetal", "sid2"), alloc(A, "failed", "bm1", "baremetal", "sid1")]
+    machines = [machine("sid2", "Failed deployment", [B], B), machine("sid1", "Ready", [A])]
+    assert maas_violations(allocations, machines, {"sid1", "sid2"}) == [
+        f"machine sid2 is left in Failed deployment (for {B})"
+    ]
+
+
 def test_an_active_baremetal_allocation_without_its_deploy_is_reported() -> None:
     allocations = [alloc(BM, "active", "bm1", "baremetal", "sid1")]
     assert maas_violations(allocations, [machine("sid1", "Deploying", [], None)], {"sid1"}) == [

@@ -187,7 +187,8 @@ def maas_violations(
 ) -> list[str]:
     """The MAAS simulator's machines against the allocations: no allocation deployed twice (each deploy MAAS
     committed names its allocation as agent_name), exactly one deploy for each active baremetal allocation on
-    its machine, which is Deployed for it; no baremetal machine Deployed that no active allocation explains.
+    its machine, which is Deployed for it; no baremetal machine Deployed that no active allocation explains, and
+    none left in Failed deployment (a failed allocation's machine is released).
     `machines` is the simulator's `/_sim/machines` list."""
     out: list[str] = []
     known = {a["allocation_id"]: a for a in allocations}
@@ -212,6 +213,9 @@ def maas_violations(
             continue
         if machine["status_name"] == "Deployed" and sid not in active:
             out.append(f"machine {sid} is Deployed (for {machine['_sim'].get('agent_name')}) with no active allocation")
+        if machine["status_name"] == "Failed deployment" and sid not in active:
+            # The allocation failed with it, and its machine is released through MAAS (allocator failed_machines).
+            out.append(f"machine {sid} is left in Failed deployment (for {machine['_sim'].get('agent_name')})")
         if sid in active and machine["status_name"] != "Deployed":
             out.append(f"machine {sid} of active {active[sid]['allocation_id']} is {machine['status_name']}")
         if sid in active and machine["_sim"].get("agent_name") != active[sid]["allocation_id"]:
