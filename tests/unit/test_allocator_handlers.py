@@ -737,3 +737,31 @@ async def test_a_failed_slice_allocation_sends_no_machine_release(world: World) 
         world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}", status="failed")
     )
     assert world.state(alloc) == "failed" and world.sent("maas.release_requested") == []
+
+
+async def test_a_release_answered_twice_is_applied_once_and_the_repeat_acknowledged(world: World) -> None:
+    alloc = await _deployed_baremetal(world)
+    enrolled = m.NodeEnrolled(
+        node_id="n1",
+        kind="baremetal",
+        hostname="bm",
+        agent_version="t",
+        maas_system_id="abc123",
+        allocation_id=alloc,
+        enrolment_proof=enrolment_proof(SECRET, str(alloc), "abc123"),
+    )
+    await world.send(world.allocator.on_enrolled, "node.enrolled", enrolled)
+    assert world.state(alloc) == "active"
+    await world.send(
+        world.allocator.on_release_requested,
+        "allocation.release_requested",
+        m.AllocationReleaseRequested(allocation_id=alloc),
+    )
+    operation = world.sent("maas.release_requested")[0]["operation_id"]
+    await world.send(world.allocator.on_maas_result, *_maas_result(alloc, "release", operation, "released"))
+    assert world.state(alloc) == "released"
+    events = len(world.events)
+
+    # The command was asked again before its first answer was applied: the gateway answers the repeat too.
+    await world.send(world.allocator.on_maas_result, *_maas_result(alloc, "release", operation, "released"))
+    assert world.state(alloc) == "released" and len(world.events) == events

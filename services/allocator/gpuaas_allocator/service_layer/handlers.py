@@ -415,6 +415,11 @@ class Allocator:
         if row is None:
             return
         row = dict(row)
+        if row["state"] == "released":
+            # A repeat: a release command asked again (its first answer's commit lost, or merely late) is answered
+            # again, under a new message id. Stale, acknowledged; before, it was retried until dead-lettered.
+            log.info("maas_result_stale", operation_id=res.operation_id, status=res.status, state=row["state"])
+            return
         if row["state"] == "failed" and res.operation_id in {row["operation_id"], row["release_operation_id"]}:
             await record_after_failure(ctx, row, res)
             if ctx.envelope.type == "maas.deploy_result" and res.status == "deployed":
