@@ -464,9 +464,10 @@ class Bus:
         correlation_id: str,
         causation_id: str | None = None,
         event_id: str | None = None,
+        timeout: float = 5.0,
         **subject_params: str,
     ) -> Envelope:
-        """Publish without an outbox (node agents, dead letters) and insist on a PubAck."""
+        """Publish without an outbox (node agents, dead letters) and insist on a PubAck within `timeout`."""
         spec = spec_for(type_)
         envelope = Envelope.wrap(
             type_,
@@ -480,7 +481,7 @@ class Bus:
             spec.subject(**subject_params),
             envelope.model_dump_json().encode(),
             headers={"Nats-Msg-Id": envelope.event_id},
-            timeout=5.0,
+            timeout=timeout,
         )
         if not ack.stream:
             raise RuntimeError(f"no PubAck stream for {type_}")

@@ -146,6 +146,7 @@ async def publish(nats_server):
         correlation_id: str,
         causation_id: str | None = None,
         event_id: str | None = None,
+        timeout: float = 5.0,
         **params: str,
     ) -> Envelope:
         env = Envelope.wrap(
@@ -157,7 +158,10 @@ async def publish(nats_server):
             event_id=event_id,
         )
         await js.publish(
-            spec_for(type_).subject(**params), env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id}
+            spec_for(type_).subject(**params),
+            env.model_dump_json().encode(),
+            headers={"Nats-Msg-Id": env.event_id},
+            timeout=timeout,
         )
         return env
 

@@ -20,6 +20,8 @@ from ..host_paths import HostPaths
 
 log = get_logger("gpuaas_node_agent.service_layer.tasks")  # one logger name for the whole task runner
 
+PROGRESS_PUBLISH_TIMEOUT_S = 1.0
+
 Publish = Callable[..., Awaitable[Any]]
 
 
@@ -126,6 +128,10 @@ class AgentCore:
             ),
             correlation_id=str(task.allocation_id),
             event_id=derived_event_id(task.task_id, f"phase:{phase}"),
+            # Progress is for people watching. While a stream elects a new leader after a NATS server died
+            # (4-9 s), a publish gets no PubAck: at the usual 5 s each phase of the task waited that long
+            # (a chaos run saw tasks held up ~15 s); at 1 s the task goes on, and only its result waits for a PubAck.
+            timeout=PROGRESS_PUBLISH_TIMEOUT_S,
             node_id=self.node_id,
         )
 
