@@ -145,6 +145,9 @@ class World:
     def state(self, alloc: uuid.UUID) -> str:
         return self.repo.allocations[alloc]["state"]
 
+    def lifecycle_events(self) -> int:
+        return sum(1 for e in self.events if e.type.startswith("allocation."))
+
     def sent(self, type_: str) -> list[dict[str, Any]]:
         return [e.payload for e in self.events if e.type == type_]
 
@@ -245,6 +248,19 @@ async def test_a_release_before_placement_frees_without_touching_a_host(world: W
     assert world.sent("slice.vm_provision") == [] and world.sent("slice.vm_release") == []
 
 
+def _enrolled(alloc: uuid.UUID, secret: str = SECRET, machine: str = "abc123") -> m.NodeEnrolled:
+    """The deployed host's enrolment, its proof minted with `secret` for `machine`."""
+    return m.NodeEnrolled(
+        node_id="n1",
+        kind="baremetal",
+        hostname="bm",
+        agent_version="t",
+        maas_system_id="abc123",
+        allocation_id=alloc,
+        enrolment_proof=enrolment_proof(secret, str(alloc), machine),
+    )
+
+
 async def _deployed_baremetal(world: World) -> uuid.UUID:
     alloc = await world.request("baremetal")
     await world.place(alloc, "baremetal")
@@ -281,19 +297,7 @@ async def test_a_baremetal_host_goes_active_only_with_the_right_enrolment_proof(
     becomes_active: bool,
 ) -> None:
     alloc = await _deployed_baremetal(world)
-    await world.send(
-        world.allocator.on_enrolled,
-        "node.enrolled",
-        m.NodeEnrolled(
-            node_id="n1",
-            kind="baremetal",
-            hostname="bm",
-            agent_version="t",
-            maas_system_id="abc123",
-            allocation_id=alloc,
-            enrolment_proof=enrolment_proof(secret, str(alloc), machine),
-        ),
-    )
+    await world.send(world.allocator.on_enrolled, "node.enrolled", _enrolled(alloc, secret, machine))
     assert (world.state(alloc) == "active") is becomes_active
     assert bool(world.sent("allocation.active")) is becomes_active
 
@@ -467,7 +471,7 @@ async def test_a_vm_built_after_its_allocation_failed_is_torn_down_and_the_answe
     await world.place(alloc)
     await _asked_again_and_silent(world, alloc, "slice.vm_provision")
     await world.sweep()
-    lifecycle = len([e for e in world.events if e.type.startswith("allocation.")])
+    lifecycle = world.lifecycle_events()
 
     # The host built it after all: the allocation stays failed, the VM it runs for nobody gets the teardown.
     await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
@@ -494,7 +498,7 @@ async def test_a_vm_built_after_its_allocation_failed_is_torn_down_and_the_answe
         "succeeded",
     )
     assert kept["detail"]["wipe_proofs"][0]["verified"] is True
-    assert len([e for e in world.events if e.type.startswith("allocation.")]) == lifecycle, "no lifecycle event"
+    assert world.lifecycle_events() == lifecycle, "no lifecycle event"
     assert await world.sweep() == 0
 
 
@@ -697,7 +701,7 @@ async def test_a_machine_whose_deploy_failed_is_released_through_maas_and_the_an
     assert world.state(alloc) == "failed" and world.sent("allocation.failed")[0]["cleanup_required"] is True
     release = world.sent("maas.release_requested")
     assert [(r["operation_id"], r["system_id"]) for r in release] == [(f"release-{alloc}", "abc123")]
-    lifecycle = len([e for e in world.events if e.type.startswith("allocation.")])
+    lifecycle = world.lifecycle_events()
 
     await world.send(world.allocator.on_maas_result, *_maas_result(alloc, "release", f"release-{alloc}", "released"))
     row = world.repo.allocations[alloc]
@@ -708,7 +712,7 @@ async def test_a_machine_whose_deploy_failed_is_released_through_maas_and_the_an
         "machine_released_after_failure",
         "Ready",
     )
-    assert len([e for e in world.events if e.type.startswith("allocation.")]) == lifecycle, "no lifecycle event"
+    assert world.lifecycle_events() == lifecycle, "no lifecycle event"
     assert len(world.sent("maas.release_requested")) == 1
 
 
@@ -741,16 +745,7 @@ async def test_a_failed_slice_allocation_sends_no_machine_release(world: World) 
 
 async def test_a_release_answered_twice_is_applied_once_and_the_repeat_acknowledged(world: World) -> None:
     alloc = await _deployed_baremetal(world)
-    enrolled = m.NodeEnrolled(
-        node_id="n1",
-        kind="baremetal",
-        hostname="bm",
-        agent_version="t",
-        maas_system_id="abc123",
-        allocation_id=alloc,
-        enrolment_proof=enrolment_proof(SECRET, str(alloc), "abc123"),
-    )
-    await world.send(world.allocator.on_enrolled, "node.enrolled", enrolled)
+    await world.send(world.allocator.on_enrolled, "node.enrolled", _enrolled(alloc))
     assert world.state(alloc) == "active"
     await world.send(
         world.allocator.on_release_requested,

@@ -37,7 +37,6 @@ log = get_logger(__name__)
 
 TASK_DEADLINE_PASSED = "task_deadline_passed"
 ENROLMENT_TIMEOUT = "enrolment_timeout"
-LATE_TASK_RESULT = "late_task_result_ignored"
 SWEEP_CONSUMER = "allocator-task-deadlines"
 
 

@@ -20,6 +20,7 @@ from gpuaas_common.logging import get_logger
 
 from ..settings import AllocatorSettings
 from .commands import start_teardown
+from .lifecycle import note
 
 log = get_logger(__name__)
 
@@ -54,22 +55,15 @@ async def record_after_failure(
         code = MACHINE_RELEASED_AFTER_FAILURE if res.status == "released" else MACHINE_RELEASE_AFTER_FAILURE_FAILED
     else:
         code = LATE_DEPLOY_RESULT
-    await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
-    await ctx.uow.repos.append_timeline(
-        row["allocation_id"],
-        row["state"],
-        row["state"],
-        reason_code=code,
-        detail={
-            "operation_id": res.operation_id,
-            "system_id": res.system_id,
-            "status": res.status,
-            "maas_status_name": res.maas_status_name,
-            "reason_code": res.reason_code,
-            "status_message": res.status_message,
-        },
-        cause_event_id=ctx.envelope.event_id,
-    )
+    detail = {
+        "operation_id": res.operation_id,
+        "system_id": res.system_id,
+        "status": res.status,
+        "maas_status_name": res.maas_status_name,
+        "reason_code": res.reason_code,
+        "status_message": res.status_message,
+    }
+    await note(ctx, row, code, detail, answered=True)
     (log.error if code == MACHINE_RELEASE_AFTER_FAILURE_FAILED else log.info)(
         code, operation_id=res.operation_id, system_id=res.system_id, status=res.status
     )

@@ -18,9 +18,8 @@ from gpuaas_common.logging import get_logger
 from ..domain.model import ActiveImage, release_refusal, request_fingerprint, validate_request
 from ..settings import AllocatorSettings
 from .commands import provision_task_id, release_task_id, start_provisioning, start_teardown
-from .deadlines import LATE_TASK_RESULT
 from .failed_machines import record_after_failure, release_failed_machine
-from .late_vms import late_vm_left_running, record_late_vm_teardown
+from .late_vms import late_vm_left_running, record_late_result, record_late_vm_teardown
 from .lifecycle import fail, transition
 from .redrive import EARLY_RESULT_MISMATCH, hold_early_result
 
@@ -290,7 +289,7 @@ class Allocator:
         if row.get("timed_out_task_id") == res.task_id:
             # A task we did send, but gave up on at its deadline: the allocation has already failed and its
             # slots wait for cleanup. Record the answer for ops; apply nothing; do not dead-letter it.
-            await self._record_late_result(ctx, row, res)
+            await record_late_result(ctx, row, res)
             if late_vm_left_running(row, res):
                 # ...except that the VM it built runs for no allocation, on slots ops may already have freed
                 # (a forced release): tear it down like any release, and keep its answer (below).
@@ -305,31 +304,6 @@ class Allocator:
             await record_late_vm_teardown(ctx, dict(row), res)
         else:
             log.info("task_result_ignored", state=row["state"])
-
-    async def _record_late_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
-        log.warning(
-            "late_task_result_ignored",
-            allocation_id=str(res.allocation_id),
-            task_id=res.task_id,
-            status=res.status,
-            result_reason_code=res.reason_code,
-        )
-        await ctx.uow.repos.append_timeline(
-            res.allocation_id,
-            row["state"],
-            row["state"],
-            reason_code=LATE_TASK_RESULT,
-            detail={
-                "task_id": res.task_id,
-                "node_id": res.node_id,
-                "status": res.status,
-                "reason_code": res.reason_code,
-                "reason": res.reason,
-                "cleanup_required": res.cleanup_required,
-                "wipe_proofs": [p.model_dump(mode="json") for p in res.wipe_proofs],
-            },
-            cause_event_id=ctx.envelope.event_id,
-        )
 
     async def _on_provision_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
         if res.status == "succeeded" and row["state"] != "releasing":

@@ -1,4 +1,4 @@
-"""A VM built after its allocation failed, and its teardown.
+"""Answers to tasks the allocator gave up on; a VM built after its allocation failed, and its teardown.
 
 A provision task given up on at its deadline (or abandoned by a forced release) can still succeed on the host:
 its answer was late, not lost. The allocation stays failed — its slots wait for cleanup, or were freed by ops —
@@ -16,8 +16,11 @@ from gpuaas_common.bus import HandlerContext
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
+from .lifecycle import note
+
 log = get_logger(__name__)
 
+LATE_TASK_RESULT = "late_task_result_ignored"
 LATE_VM_TORN_DOWN = "late_vm_torn_down"
 LATE_VM_TEARDOWN_FAILED = "late_vm_teardown_failed"
 LATE_VM_TEARDOWN_UNANSWERED = "late_vm_teardown_unanswered"
@@ -36,25 +39,29 @@ def late_vm_left_running(row: dict[str, Any], res: m.NodeTaskResult) -> bool:
     )
 
 
+def _answer(res: m.NodeTaskResult) -> dict[str, Any]:
+    """A host's task result as kept on the timeline."""
+    return {
+        "task_id": res.task_id,
+        "node_id": res.node_id,
+        "status": res.status,
+        "reason_code": res.reason_code,
+        "reason": res.reason,
+        "cleanup_required": res.cleanup_required,
+        "wipe_proofs": [p.model_dump(mode="json") for p in res.wipe_proofs],
+    }
+
+
+async def record_late_result(ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
+    """The answer to a task given up on at its deadline (or abandoned by a forced release): kept, not applied."""
+    log.warning("late_task_result_ignored", task_id=res.task_id, status=res.status, result_reason_code=res.reason_code)
+    await note(ctx, row, LATE_TASK_RESULT, _answer(res))
+
+
 async def record_late_vm_teardown(ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
     """The host's answer to the teardown of a late VM."""
     code = LATE_VM_TORN_DOWN if res.status == "succeeded" else LATE_VM_TEARDOWN_FAILED
-    await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
-    await ctx.uow.repos.append_timeline(
-        row["allocation_id"],
-        row["state"],
-        row["state"],
-        reason_code=code,
-        detail={
-            "task_id": res.task_id,
-            "node_id": res.node_id,
-            "status": res.status,
-            "reason_code": res.reason_code,
-            "reason": res.reason,
-            "wipe_proofs": [p.model_dump(mode="json") for p in res.wipe_proofs],
-        },
-        cause_event_id=ctx.envelope.event_id,
-    )
+    await note(ctx, row, code, _answer(res), answered=True)
     (log.info if res.status == "succeeded" else log.error)(
         code, task_id=res.task_id, node_id=res.node_id, status=res.status, result_reason_code=res.reason_code
     )
@@ -63,12 +70,6 @@ async def record_late_vm_teardown(ctx: HandlerContext, row: dict[str, Any], res:
 async def give_up_late_vm_teardown(ctx: HandlerContext, row: dict[str, Any]) -> None:
     """Asked twice, no answer: the host is gone or its agent is; what runs there is ops' to see (the host's
     own reconciler reports what it cannot account for once it is back)."""
-    await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
-    await ctx.uow.repos.append_timeline(
-        row["allocation_id"],
-        row["state"],
-        row["state"],
-        reason_code=LATE_VM_TEARDOWN_UNANSWERED,
-        detail={"task_id": row["release_task_id"], "node_id": row["node_id"]},
-    )
-    log.error(LATE_VM_TEARDOWN_UNANSWERED, task_id=row["release_task_id"], node_id=row["node_id"])
+    detail = {"task_id": row["release_task_id"], "node_id": row["node_id"]}
+    await note(ctx, row, LATE_VM_TEARDOWN_UNANSWERED, detail, answered=True)
+    log.error(LATE_VM_TEARDOWN_UNANSWERED, **detail)

@@ -1,5 +1,6 @@
 """Allocation state changes: the transition (checked against the table in domain/model.py), its timeline row
-and its lifecycle event, in the handler's transaction; and the one way an allocation fails."""
+and its lifecycle event, in the handler's transaction; the one way an allocation fails; and the timeline note
+that changes no state (an answer that came after the allocation ended)."""
 
 from __future__ import annotations
 
@@ -98,4 +99,22 @@ async def fail(
         reason=reason or code,
         node_id=node_id,
         cleanup_required=cleanup_required,
+    )
+
+
+async def note(
+    ctx: HandlerContext, row: dict[str, Any], reason_code: str, detail: dict[str, Any], *, answered: bool = False
+) -> None:
+    """A timeline entry that changes no state and publishes nothing, for ops: e.g. a host's answer after the
+    allocation ended. `answered`: it is the answer the allocation waited for, which it no longer does."""
+    if answered:
+        await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
+    await ctx.uow.repos.append_timeline(
+        row["allocation_id"],
+        row["state"],
+        row["state"],
+        reason_code=reason_code,
+        detail=detail,
+        # A sweep acts on no message: its notes have no causing event.
+        cause_event_id=ctx.envelope.event_id if ctx.envelope is not None else None,
     )
