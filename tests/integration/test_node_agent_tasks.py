@@ -325,6 +325,18 @@ async def test_stale_fencing_epoch_is_refused(env: Env) -> None:
     assert "epoch 5" in (result.reason or "")
 
 
+async def test_a_live_vm_is_released_after_a_refused_newer_claim_raised_the_fence(env: Env) -> None:
+    # The scheduler lost the live VM's claim (a Postgres commit lost) and placed its slot again at a newer epoch:
+    # the newer provision is refused on the lease, and the VM's own release must still tear it down.
+    live = env.provision([env.slots[0]], epoch=3)
+    assert (await env.agent.execute("slice.vm_provision", live)).status == "succeeded"
+    await _refused(env, env.provision([env.slots[0]], epoch=5), "resource_leased")
+    assert (await env.agent.execute("slice.vm_release", env.release(live))).status == "succeeded"
+    assert not await env.agent.libvirt.exists(live.vm_name)
+    # The fence holds for anyone else: an epoch older than 5 that holds no lease is refused.
+    await _refused(env, env.provision([env.slots[0]], epoch=4), "stale_epoch")
+
+
 async def test_unverified_image_is_refused(env: Env) -> None:
     await _refused(env, env.provision([env.slots[0]], digest="0" * 64), "image_unverified")
 

@@ -213,6 +213,16 @@ class StateStore:
             )
         return None
 
+    def holds_leases(self, allocation_id: str, resources: list[str]) -> bool:
+        """Whether `allocation_id` holds every one of `resources` (and so nothing newer took them)."""
+        if not resources:
+            return False
+        held = self._db.execute(
+            f"SELECT count(*) FROM leases WHERE allocation_id = ? AND resource IN ({', '.join('?' * len(resources))})",
+            (allocation_id, *resources),
+        ).fetchone()[0]
+        return held == len(set(resources))
+
     def leased_resources(self) -> dict[str, str]:
         return dict(self._db.execute("SELECT resource, allocation_id FROM leases").fetchall())
 

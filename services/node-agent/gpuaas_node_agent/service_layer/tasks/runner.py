@@ -69,7 +69,7 @@ class TaskRunner(ProvisionTask, ReleaseTask):
             slot_ids = [s.slot_id for s in task.slots]
             # Fencing first: a newer claim on the slot owns its disk, so nothing here may touch it any more.
             stale = self.store.check_and_record_epochs(slot_ids, task.fencing_epoch)
-            if stale:
+            if stale and not self._releases_its_own_leases(task_type, task):
                 raise Refused("stale_epoch", stale)
             remaining = (task.deadline - utcnow()).total_seconds()
             if remaining <= 0:
@@ -103,6 +103,15 @@ class TaskRunner(ProvisionTask, ReleaseTask):
             result = await self._settle(task, task_type, exc)
         self.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
         return result
+
+    def _releases_its_own_leases(self, task_type: str, task: Any) -> bool:
+        """A newer epoch is recorded before a provision is checked against the leases, so a provision refused
+        because a live VM holds the slot (the scheduler lost that VM's claim with a Postgres commit and placed
+        the slot again) still raised the fence. The VM's own release must not be refused for it: the slot's
+        GPUs are still leased to its allocation, so no newer claim ever touched them, and without the release
+        the VM would run for nobody (a chaos run found one)."""
+        gpus = [f"gpu:{s.gpu_pci_address}" for s in task.slots]
+        return task_type == "slice.vm_release" and self.store.holds_leases(str(task.allocation_id), gpus)
 
     async def _settle(self, task: Any, task_type: str, exc: Refused | TaskFailed) -> m.NodeTaskResult:
         """The refused or failed result, with the bookkeeping that decides `cleanup_required`."""
