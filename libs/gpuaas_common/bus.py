@@ -120,6 +120,7 @@ class HandlerContext:
 async def deliver(handler: "Handler", ctx: HandlerContext, uow: Any) -> bool:
     """Run one message's handler in its unit of work: inbox row, effects and events commit together.
     False when the consumer had already processed it (a redelivery or a republish): nothing happens."""
+    uow.expect_inbox(ctx.consumer, ctx.envelope.event_id)
     async with uow:
         if await uow.seen(ctx.consumer, ctx.envelope.event_id):
             return False

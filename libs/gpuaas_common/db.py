@@ -40,6 +40,21 @@ def check_dsn(dsn: str) -> str:
     return dsn
 
 
+def text_literal(value: str) -> str:
+    """`value` as a Postgres string constant, for the few statements sent as one simple query (several
+    statements in one round trip: asyncpg does not pipeline, and a simple query takes no parameters).
+    An E'' constant reads backslashes as escapes whatever `standard_conforming_strings` says, so doubling
+    every backslash and every quote leaves nothing in the value that could end the constant."""
+    if "\x00" in value:
+        raise ValueError("a Postgres string cannot hold a NUL character")
+    return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def bytea_literal(value: bytes) -> str:
+    """`value` as a bytea expression for a simple query: hex digits only, nothing to escape."""
+    return f"decode('{value.hex()}', 'hex')"
+
+
 def check_schema(schema: str) -> str:
     if not _SCHEMA_RE.match(schema):
         raise ValueError(f"invalid schema name {schema!r}")

@@ -1,10 +1,13 @@
 """Transactional outbox: events are rows written with the domain change, then relayed to JetStream.
 
-The relay claims rows with FOR UPDATE SKIP LOCKED (never `id > last_seen`: sequence values are
-handed out before commit, so a slow transaction would be skipped), wakes on LISTEN/NOTIFY with
-polling as the fallback, publishes with Nats-Msg-Id = event id, checks the PubAck, and keeps
-per-aggregate order: one relay per schema holds an advisory lock, and within a batch the rows of
-one aggregate are published strictly in id order while different aggregates go concurrently.
+The relay reads the committed rows in id order (never `id > last_seen`: sequence values are handed
+out before commit, so a slow transaction would be skipped), wakes on LISTEN/NOTIFY with polling as
+the fallback, publishes with Nats-Msg-Id = event id, checks the PubAck, and keeps per-aggregate
+order: one relay per schema holds an advisory lock, and within a batch the rows of one aggregate are
+published strictly in id order while different aggregates go concurrently. Published rows are
+deleted by the statement that reads the next batch: one round trip per batch. A relay that dies
+between the publish and that statement leaves rows its successor publishes again, which JetStream's
+duplicate window (Nats-Msg-Id) and every consumer's inbox drop.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel
 
 from .contract import Envelope, spec_for
-from .db import CONNECTION_LOST, check_schema
+from .db import CONNECTION_LOST, bytea_literal, check_schema, text_literal
 from .logging import get_logger
 
 log = get_logger(__name__)
@@ -86,23 +89,28 @@ class EventCollector:
         return [p.envelope for p in self.pending if p.envelope.type == type_]
 
 
-async def write_pending(conn: asyncpg.Connection, schema: str, pending: list[PendingEvent]) -> None:
-    """Insert the rows in the caller's transaction; a repeated event id is dropped, as the relay would."""
+def pending_statement(schema: str, pending: list[PendingEvent]) -> str:
+    """The rows and the NOTIFY as SQL text, so a unit of work sends them with its COMMIT in one round trip
+    (`UnitOfWork.commit`). Rows get their ids in the order raised, which is the order the relay keeps per
+    aggregate; a repeated event id is dropped, as the relay would. The NOTIFY is delivered at commit (Postgres
+    folds repeats within a transaction); it only wakes the relay. Empty when nothing is pending."""
     if not pending:
-        return
-    # One round trip for every row and the NOTIFY (a data-modifying CTE always runs); rows get their ids in
-    # the order raised (WITH ORDINALITY), which is the order the relay keeps per aggregate. The NOTIFY is
-    # delivered at commit (Postgres folds repeats within a transaction); it only wakes the relay.
-    await conn.execute(
-        "WITH added AS (INSERT INTO outbox (event_id, aggregate_id, subject, body) "
-        "SELECT e, a, s, b FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[]) WITH ORDINALITY "
-        "AS u(e, a, s, b, n) ORDER BY n ON CONFLICT (event_id) DO NOTHING) SELECT pg_notify($5, '')",
-        [p.envelope.event_id for p in pending],
-        [p.aggregate_id for p in pending],
-        [p.subject for p in pending],
-        [p.envelope.model_dump_json().encode() for p in pending],
-        notify_channel(schema),
+        return ""
+    rows = ", ".join(
+        f"({text_literal(p.envelope.event_id)}, {text_literal(p.aggregate_id)}, {text_literal(p.subject)}, "
+        f"{bytea_literal(p.envelope.model_dump_json().encode())})"
+        for p in pending
     )
+    return (
+        f"INSERT INTO outbox (event_id, aggregate_id, subject, body) VALUES {rows} ON CONFLICT (event_id) DO NOTHING; "
+        f"SELECT pg_notify({text_literal(notify_channel(schema))}, '')"
+    )
+
+
+async def write_pending(conn: asyncpg.Connection, schema: str, pending: list[PendingEvent]) -> None:
+    """Insert the rows in the caller's transaction."""
+    if pending:
+        await conn.execute(pending_statement(schema, pending))
 
 
 @dataclass
@@ -162,6 +170,7 @@ class OutboxRelay:
         self._stopping = False
         self._leading = False
         self.published = 0
+        self._published: list[int] = []  # ids published and not yet deleted
 
     async def _connect(self) -> asyncpg.Connection:
         return await asyncpg.connect(self.dsn, server_settings={"search_path": self.schema})
@@ -206,9 +215,12 @@ class OutboxRelay:
                     backoff = 0.05  # a full batch: more may be waiting
                 else:
                     backoff = 0.05
-                    # Drained: rows committed after our DELETE looked have NOTIFYed (and set the wake-up) by
-                    # now or will, so an immediate second look would only find nothing, at three round trips.
+                    # Drained: rows committed after our read looked have NOTIFYed (and set the wake-up) by now
+                    # or will, so an immediate second look would only find nothing. What was just published
+                    # is deleted by the next look, at no extra round trip.
                     await self._wait(self.poll_interval_s)
+            with contextlib.suppress(*CONNECTION_LOST):  # stopping: the next leader would only publish it again
+                await self.forget_published(work_conn)
         finally:
             for conn in (lock_conn, work_conn):
                 if conn is not None and not conn.is_closed():
@@ -229,47 +241,31 @@ class OutboxRelay:
         self._wake.set()
 
     async def drain_once(self, conn: asyncpg.Connection) -> tuple[int, int]:
-        """Publish one batch. Its rows are deleted up front, in a transaction that commits only once every
-        publish is acknowledged: one statement where a locking SELECT and a DELETE took two round trips. Until
-        the commit the rows stay locked; a crash or a failed publish rolls the delete back."""
-        tx = conn.transaction()
-        await tx.start()
-        try:
-            rows = sorted(
-                await conn.fetch(
-                    "DELETE FROM outbox WHERE id IN (SELECT id FROM outbox ORDER BY id LIMIT $1 FOR UPDATE SKIP "
-                    "LOCKED) RETURNING id, event_id, aggregate_id, subject, body, created_at",
-                    self.batch_size,
-                ),
-                key=lambda row: row["id"],
-            )
-            groups: OrderedDict[str, list[asyncpg.Record]] = OrderedDict()
-            for row in rows:
-                groups.setdefault(row["aggregate_id"], []).append(row)
-            results = await asyncio.gather(*(self._publish_group(g) for g in groups.values()))
-            done = [i for ok_ids, _ in results for i in ok_ids]
-            errors = [(i, err) for _, failed in results for i, err in failed]
-            if errors:
-                # Every row back, then out only what was published; the failures are counted.
-                await tx.rollback()
-                async with conn.transaction():
-                    if done:
-                        await conn.execute("DELETE FROM outbox WHERE id = ANY($1::bigint[])", done)
-                    for row_id, err in errors:
-                        await conn.execute(
-                            "UPDATE outbox SET attempts = attempts + 1, last_error = $2 WHERE id = $1",
-                            row_id,
-                            err[:1000],
-                        )
-            else:
-                await tx.commit()
-        except BaseException:
-            if conn.is_in_transaction() and not conn.is_closed():
-                with contextlib.suppress(Exception):  # the error that brought us here is the news
-                    await tx.rollback()
-            raise
+        """Delete what the last call published, and publish the next batch. No transaction: only the leader
+        reads or deletes (the advisory lock), and a row stays until its publish was acknowledged."""
+        published = self._published
+        # In one statement the SELECT still sees the rows its DELETE removes: hence the second condition.
+        rows = await conn.fetch(
+            "WITH gone AS (DELETE FROM outbox WHERE id = ANY($1::bigint[])) "
+            "SELECT id, event_id, aggregate_id, subject, body, created_at FROM outbox "
+            "WHERE id <> ALL($1::bigint[]) ORDER BY id LIMIT $2",
+            published,
+            self.batch_size,
+        )
+        self._published = []
         if not rows:
             return 0, 0
+        groups: OrderedDict[str, list[asyncpg.Record]] = OrderedDict()
+        for row in rows:
+            groups.setdefault(row["aggregate_id"], []).append(row)
+        results = await asyncio.gather(*(self._publish_group(g) for g in groups.values()))
+        done = [i for ok_ids, _ in results for i in ok_ids]
+        errors = [(i, err) for _, failed in results for i, err in failed]
+        self._published = done
+        for row_id, err in errors:
+            await conn.execute(
+                "UPDATE outbox SET attempts = attempts + 1, last_error = $2 WHERE id = $1", row_id, err[:1000]
+            )
         now = time.time()
         done_ids = set(done)
         for row in rows:
@@ -280,6 +276,12 @@ class OutboxRelay:
         if errors:
             RELAY_ERRORS.labels(self.schema).inc(len(errors))
         return len(done), len(errors)
+
+    async def forget_published(self, conn: asyncpg.Connection) -> None:
+        """Delete what was published and not yet deleted (stopping, or idle): nothing to publish is read."""
+        if self._published:
+            await conn.execute("DELETE FROM outbox WHERE id = ANY($1::bigint[])", self._published)
+            self._published = []
 
     async def _publish_group(self, rows: list[asyncpg.Record]) -> tuple[list[int], list[tuple[int, str]]]:
         ok: list[int] = []

@@ -10,8 +10,8 @@ the rule "domain rows, inbox row and outbox rows commit together or not at all" 
         uow.events.add("allocation.accepted", payload, aggregate_id=…)
         await uow.commit()              # leaving without commit rolls everything back
 
-Events are collected as they are raised and written to the outbox at commit, in one statement, with
-one NOTIFY to wake the relay. `FakeUnitOfWork` has the same surface in memory, so handlers are unit-
+Events are collected as they are raised and written to the outbox with the COMMIT, in one round trip,
+with one NOTIFY to wake the relay. `FakeUnitOfWork` has the same surface in memory, so handlers are unit-
 tested without servers (the style of cosmicpython's `service_layer/unit_of_work.py`).
 """
 
@@ -24,13 +24,20 @@ import asyncpg
 
 from . import inbox
 from .contract import Envelope
-from .outbox import EventCollector, write_pending
+from .db import text_literal
+from .outbox import EventCollector, pending_statement
 
 R = TypeVar("R")
 
 
 class UnitOfWork(Generic[R]):
-    """A Postgres transaction in one service's schema; `repos` is built on its connection."""
+    """A Postgres transaction in one service's schema; `repos` is built on its connection.
+
+    Its own BEGIN and COMMIT are sent as simple queries that carry the inbox claim and the outbox rows
+    (`expect_inbox`, `pending_statement`): asyncpg sends each statement as a round trip of its own, and
+    on a 2-core host the round trips -- a loopback send and a context switch each -- were the largest
+    cost of handling a message. Savepoints inside it are plain SQL (`SAVEPOINT …`); asyncpg's
+    `Connection.transaction()` refuses to nest in a transaction it did not start."""
 
     def __init__(
         self,
@@ -47,7 +54,8 @@ class UnitOfWork(Generic[R]):
         self.events = EventCollector(service, correlation_id, causation_id)
         self._repositories = repositories
         self._conn: asyncpg.Connection | None = None
-        self._tx: Any = None
+        self._inbox_key: tuple[str, str] | None = None
+        self._inbox_fresh: bool | None = None
         self.committed = False
 
     @property
@@ -56,11 +64,14 @@ class UnitOfWork(Generic[R]):
             raise RuntimeError("the unit of work is not open (use `async with`)")
         return self._conn
 
+    def expect_inbox(self, consumer: str, message_id: str) -> None:
+        """Claim this inbox row with the BEGIN (before `async with`); `seen` then answers without a query."""
+        self._inbox_key = (consumer, message_id)
+
     async def __aenter__(self) -> "UnitOfWork[R]":
         self._conn = await self.pool.acquire()
-        self._tx = self._conn.transaction()
         try:
-            await self._tx.start()
+            await self._begin()
         except (asyncpg.ConnectionDoesNotExistError, asyncpg.InterfaceError, OSError):
             # The pooled connection died while idle (Postgres restarted, a failover): the pool does not check
             # before handing it out. Nothing happened on it yet, so every pooled connection is retired and
@@ -69,31 +80,55 @@ class UnitOfWork(Generic[R]):
             self._conn = None
             await self.pool.expire_connections()
             self._conn = await self.pool.acquire()
-            self._tx = self._conn.transaction()
             try:
-                await self._tx.start()
+                await self._begin()
             except BaseException:
-                await self.pool.release(self._conn)
-                self._conn = None
+                await self._abandon()
                 raise
+        except BaseException:
+            await self._abandon()
+            raise
         self.repos = self._repositories(self._conn)
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def _begin(self) -> None:
+        if self._inbox_key is None:
+            await self.conn.execute("BEGIN")
+            return
+        consumer, message_id = self._inbox_key
+        status = await self.conn.execute(
+            f"BEGIN; INSERT INTO inbox (consumer, message_id) VALUES ({text_literal(consumer)}, "
+            f"{text_literal(message_id)}) ON CONFLICT DO NOTHING"
+        )
+        self._inbox_fresh = status == "INSERT 0 1"
+
+    async def _abandon(self) -> None:
+        """Roll back whatever is still open (nothing after a commit) and give the connection back."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
         try:
-            if not self.committed:
-                await self._tx.rollback()
+            if not conn.is_closed() and conn.is_in_transaction():
+                await conn.execute("ROLLBACK")
         finally:
-            conn, self._conn = self._conn, None
             await self.pool.release(conn)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._abandon()
 
     async def seen(self, consumer: str, message_id: str) -> bool:
         """Claim the inbox row; True when this consumer already processed the message."""
+        if self._inbox_fresh is not None and self._inbox_key == (consumer, message_id):
+            fresh, self._inbox_fresh = self._inbox_fresh, None  # asked again, the row is ours: seen
+            return not fresh
         return not await inbox.claim(self.conn, consumer, message_id)
 
     async def commit(self) -> None:
-        await write_pending(self.conn, self.schema, self.events.pending)
-        await self._tx.commit()
+        rows = pending_statement(self.schema, self.events.pending)
+        status = await self.conn.execute(f"{rows}; COMMIT" if rows else "COMMIT")
+        if status != "COMMIT":
+            # Postgres answers COMMIT of a transaction an error had already aborted with ROLLBACK, not an error.
+            raise asyncpg.InFailedSQLTransactionError(f"the transaction was rolled back at commit ({status})")
         self.committed = True
 
 
@@ -111,6 +146,9 @@ class FakeUnitOfWork(Generic[R]):
     @property
     def conn(self) -> Any:
         raise RuntimeError("a fake unit of work has no connection: go through the repositories")
+
+    def expect_inbox(self, consumer: str, message_id: str) -> None:
+        """Nothing to fold: `seen` answers from memory."""
 
     async def __aenter__(self) -> "FakeUnitOfWork[R]":
         return self

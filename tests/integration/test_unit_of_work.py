@@ -94,3 +94,54 @@ async def test_the_fake_forgets_a_rolled_back_message_like_the_real_one() -> Non
     assert await deliver(ok, _again(ctx), uow)
     assert [e.type for e in uow.published] == ["allocation.release_requested"]
     assert not await deliver(ok, _again(ctx), FakeUnitOfWork(repos=None, seen=uow.inbox))
+
+
+# Values the inbox claim and the outbox rows carry into SQL text (they travel as literals with BEGIN and COMMIT).
+HOSTILE = ["it's", "back\\slash", "\\'); DROP TABLE effects; --", "$$ $tag$", "ünï€ødé 🚀", "E'", "\\x41", "''"]
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+async def test_hostile_ids_and_bodies_arrive_as_written(pool, text) -> None:
+    ctx = _message()
+    ctx = HandlerContext(ctx.envelope.model_copy(update={"event_id": text}), ctx.payload, ctx.subject, text, 1)
+
+    async def hostile_event(ctx: HandlerContext) -> None:
+        payload = m.AllocationReleaseRequested(allocation_id=ctx.payload.allocation_id, reason=text)
+        await ctx.outbox.add("allocation.release_requested", payload, aggregate_id=text, event_id=text + "/e")
+
+    assert await deliver(hostile_event, ctx, UnitOfWork(pool, SCHEMA, "svc", no_repositories))
+    assert await pool.fetchrow("SELECT consumer, message_id FROM inbox") == (text, text)
+    row = await pool.fetchrow("SELECT event_id, aggregate_id, body FROM outbox")
+    assert (row["event_id"], row["aggregate_id"]) == (text + "/e", text)
+    assert Envelope.model_validate_json(row["body"]).payload["reason"] == text
+    assert await pool.fetchval("SELECT count(*) FROM effects") == 0  # the table is still there
+    assert not await deliver(hostile_event, _again(ctx), UnitOfWork(pool, SCHEMA, "svc", no_repositories))
+
+
+async def test_events_keep_the_order_they_were_raised(pool) -> None:
+    async def three(ctx: HandlerContext) -> None:
+        for reason in ("first", "second", "third"):
+            payload = m.AllocationReleaseRequested(allocation_id=ctx.payload.allocation_id, reason=reason)
+            await ctx.outbox.add("allocation.release_requested", payload, aggregate_id="a")
+
+    assert await deliver(three, _message(), UnitOfWork(pool, SCHEMA, "svc", no_repositories))
+    bodies = await pool.fetch("SELECT body FROM outbox ORDER BY id")
+    assert [Envelope.model_validate_json(b).payload["reason"] for (b,) in bodies] == ["first", "second", "third"]
+
+
+async def test_a_swallowed_database_error_fails_the_commit_instead_of_dropping_the_work(pool) -> None:
+    """Postgres answers COMMIT of an aborted transaction with ROLLBACK, not an error: the commit must not
+    report success (and the inbox row must not make the retry look like a duplicate)."""
+
+    async def swallows(ctx: HandlerContext) -> None:
+        try:
+            await ctx.conn.execute("INSERT INTO no_such_table VALUES (1)")
+        except asyncpg.UndefinedTableError:
+            pass
+
+    ctx = _message()
+    with pytest.raises(asyncpg.InFailedSQLTransactionError):
+        await deliver(swallows, ctx, UnitOfWork(pool, SCHEMA, "svc", no_repositories))
+    assert await _counts(pool) == (0, 0, 0)
+    assert await deliver(_effect_and_event, _again(ctx), UnitOfWork(pool, SCHEMA, "svc", no_repositories))
+    assert await _counts(pool) == (1, 1, 1)

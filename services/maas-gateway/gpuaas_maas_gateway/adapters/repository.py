@@ -176,24 +176,26 @@ class OperationRepository:
     async def start_submit(self, operation_id: str) -> str:
         """Move a pending operation to `submitting`: 'started', 'not_pending' (another worker took it, or
         our lease ran out) or 'machine_busy' (another operation on the machine is submitting or unknown)."""
+        # A savepoint, so a refused update leaves the caller's transaction usable.
+        await self.conn.execute("SAVEPOINT start_submit")
         try:
-            # A savepoint, so a refused update leaves the caller's transaction usable.
-            async with self.conn.transaction():
-                # The call starts with a fresh lease, longer than the call's timeout: nobody takes the
-                # operation over while the call may still reach MAAS. A lease that already ran out
-                # starts nothing.
-                fence = " AND lease_owner = $2 AND lease_until > now()" if self.lease_owner is not None else ""
-                renew = ", lease_until = now() + make_interval(secs => $3)" if self.lease_owner is not None else ""
-                started = await self.conn.fetchval(
-                    f"UPDATE maas_operations SET state = 'submitting', maas_calls = maas_calls + 1, "
-                    f"updated_at = now(){renew} WHERE operation_id = $1 AND state = 'pending'{fence} RETURNING 1",
-                    operation_id,
-                    *((self.lease_owner, float(self.lease_s)) if self.lease_owner is not None else ()),
-                )
+            # The call starts with a fresh lease, longer than the call's timeout: nobody takes the
+            # operation over while the call may still reach MAAS. A lease that already ran out
+            # starts nothing.
+            fence = " AND lease_owner = $2 AND lease_until > now()" if self.lease_owner is not None else ""
+            renew = ", lease_until = now() + make_interval(secs => $3)" if self.lease_owner is not None else ""
+            started = await self.conn.fetchval(
+                f"UPDATE maas_operations SET state = 'submitting', maas_calls = maas_calls + 1, "
+                f"updated_at = now(){renew} WHERE operation_id = $1 AND state = 'pending'{fence} RETURNING 1",
+                operation_id,
+                *((self.lease_owner, float(self.lease_s)) if self.lease_owner is not None else ()),
+            )
         except asyncpg.UniqueViolationError as exc:
+            await self.conn.execute("ROLLBACK TO SAVEPOINT start_submit; RELEASE SAVEPOINT start_submit")
             if exc.constraint_name != MACHINE_IN_DOUBT_INDEX:
                 raise
             return "machine_busy"
+        await self.conn.execute("RELEASE SAVEPOINT start_submit")
         return "started" if started else "not_pending"
 
     async def start_tag_sync(self, operation_id: str) -> None:
