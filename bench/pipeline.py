@@ -481,8 +481,11 @@ def _stack(
     replicas: int,
     log_level: str,
     profile_dir: str,
+    event_loop: str | None = None,
 ) -> Stack:
     overrides: dict = {"GPUAAS_LOG_LEVEL": log_level}
+    if event_loop:
+        overrides["GPUAAS_EVENT_LOOP"] = event_loop
     if profile_dir:
         overrides["GPUAAS_PROFILE_DIR"] = profile_dir  # see gpuaas_common/profiling.py
     if instant:
@@ -529,6 +532,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             replicas=args.replicas,
             log_level=args.service_log_level,
             profile_dir=args.profile_dir,
+            event_loop=args.event_loop,
         )
 
     async def sweep(stack: Stack) -> tuple[list[dict], dict]:
@@ -564,6 +568,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             "replicas": args.replicas,
             "postgres": "durable (fsync, synchronous_commit on)",
             "service_log_level": args.service_log_level,
+            "event_loop": args.event_loop or "the services' default",
             "cpus": os.cpu_count(),
         },
     }
@@ -609,6 +614,9 @@ def main() -> None:
     parser.add_argument("--nats-cluster", type=int, default=1, help="NATS servers (3: a cluster, streams at R3)")
     parser.add_argument("--replicas", type=int, default=1, help="processes of each service (their CPU is summed)")
     parser.add_argument("--service-log-level", default="INFO", help="GPUAAS_LOG_LEVEL of every service")
+    parser.add_argument(
+        "--event-loop", choices=("uvloop", "asyncio"), help="GPUAAS_EVENT_LOOP of every service (default: theirs)"
+    )
     parser.add_argument("--profile-dir", default="", help="cProfile every service into this directory")
     parser.add_argument("--full-rate", type=float, default=0.0, help="also run full simulated hosts at this rate")
     parser.add_argument("--open-bus", action="store_true", help="also run a point on an open bus (auth overhead)")

@@ -117,9 +117,12 @@ class HandlerContext:
         return self.uow.events
 
 
-async def deliver(handler: "Handler", ctx: HandlerContext, uow: Any) -> bool:
+async def deliver(handler: "Handler", ctx: HandlerContext, uow: Any, first_lock: str | None = None) -> bool:
     """Run one message's handler in its unit of work: inbox row, effects and events commit together.
-    False when the consumer had already processed it (a redelivery or a republish): nothing happens."""
+    False when the consumer had already processed it (a redelivery or a republish): nothing happens.
+    `first_lock`: the aggregate's advisory lock, taken with the BEGIN (`UnitOfWork.lock_first`)."""
+    if first_lock is not None:
+        uow.lock_first(first_lock)
     uow.expect_inbox(ctx.consumer, ctx.envelope.event_id)
     async with uow:
         if await uow.seen(ctx.consumer, ctx.envelope.event_id):
@@ -297,8 +300,12 @@ class Bus:
         *,
         transactional: bool = True,
         concurrency: int | None = None,
+        first_lock: Callable[[Any], str | None] | None = None,
     ) -> None:
-        """`concurrency` > 1 keeps up to that many messages in flight at once, in order per aggregate
+        """`first_lock(payload)` names the advisory lock every handler of this consumer takes first (the
+        aggregate's, where the service keeps no row to lock); it then travels with the BEGIN.
+
+        `concurrency` > 1 keeps up to that many messages in flight at once, in order per aggregate
         (`ordering_key`: allocation, node, image, operation): one slow allocation holds up only itself.
 
         Messages are still fetched one at a time: a pull for a batch of N lingers until N messages or
@@ -325,7 +332,7 @@ class Bus:
             async def on_message(msg: NatsMessage) -> None:
                 keep = _KeepAlive(msg.raw_message, spec.ack_wait_s)
                 try:
-                    await self.dispatch(spec, handlers, msg, transactional)
+                    await self.dispatch(spec, handlers, msg, transactional, first_lock)
                 finally:
                     keep.stop()
 
@@ -337,7 +344,7 @@ class Bus:
                 try:
                     if turn is not None:
                         await turn  # the previous message of the same aggregate has been handled
-                    await self.dispatch(spec, handlers, msg, transactional)
+                    await self.dispatch(spec, handlers, msg, transactional, first_lock)
                 finally:
                     done()
                     keep.stop()
@@ -359,7 +366,12 @@ class Bus:
         subscriber(on_message)
 
     async def dispatch(
-        self, spec: ConsumerSpec, handlers: Mapping[str, Handler], msg: NatsMessage, transactional: bool
+        self,
+        spec: ConsumerSpec,
+        handlers: Mapping[str, Handler],
+        msg: NatsMessage,
+        transactional: bool,
+        first_lock: Callable[[Any], str | None] | None = None,
     ) -> None:
         raw = msg.raw_message
         subject = raw.subject
@@ -386,7 +398,8 @@ class Bus:
         with bound_context(consumer=spec.durable, **ids):
             try:
                 if transactional:
-                    if await deliver(handler, ctx, self.unit_of_work(envelope)):
+                    lock = first_lock(payload) if first_lock is not None else None
+                    if await deliver(handler, ctx, self.unit_of_work(envelope), lock):
                         HANDLED.labels(spec.durable, "ok").inc()
                     else:
                         log.info("duplicate_ignored")

@@ -158,6 +158,7 @@ class OutboxRelay:
         poll_interval_s: float = 1.0,
         publish_timeout_s: float = 5.0,
         max_backoff_s: float = 5.0,
+        delete_grace_s: float = 0.05,
     ) -> None:
         self.dsn = dsn
         self.schema = check_schema(schema)
@@ -166,6 +167,7 @@ class OutboxRelay:
         self.poll_interval_s = poll_interval_s
         self.publish_timeout_s = publish_timeout_s
         self.max_backoff_s = max_backoff_s
+        self.delete_grace_s = delete_grace_s
         self._wake = asyncio.Event()
         self._stopping = False
         self._leading = False
@@ -217,7 +219,12 @@ class OutboxRelay:
                     backoff = 0.05
                     # Drained: rows committed after our read looked have NOTIFYed (and set the wake-up) by now
                     # or will, so an immediate second look would only find nothing. What was just published
-                    # is deleted by the next look, at no extra round trip.
+                    # is deleted by the next look, at no extra round trip, when one comes soon (under load);
+                    # otherwise on its own, so published rows never linger as a backlog.
+                    if sent:
+                        if await self._wait(self.delete_grace_s):
+                            continue
+                        await self.forget_published(work_conn)
                     await self._wait(self.poll_interval_s)
             with contextlib.suppress(*CONNECTION_LOST):  # stopping: the next leader would only publish it again
                 await self.forget_published(work_conn)
@@ -229,12 +236,15 @@ class OutboxRelay:
     def _on_notify(self, *_: Any) -> None:
         self._wake.set()
 
-    async def _wait(self, seconds: float) -> None:
+    async def _wait(self, seconds: float) -> bool:
+        """Until woken (True: a NOTIFY, or stop) or `seconds` passed (False)."""
         try:
             await asyncio.wait_for(self._wake.wait(), timeout=seconds)
+            woken = True
         except asyncio.TimeoutError:
-            pass
+            woken = False
         self._wake.clear()
+        return woken
 
     def stop(self) -> None:
         self._stopping = True

@@ -24,6 +24,7 @@ from typing import TypeVar
 
 import asyncpg
 import nats.errors
+import uvloop
 from faststream.nats import NatsBroker
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
@@ -237,7 +238,8 @@ class ServiceRuntime:
             info = {**self.ready_info, "service": self.name, "pid": os.getpid(), "health_port": self.health.port}
             tmp.write_text(json.dumps(info))
             tmp.replace(path)
-        log.info("service_ready", health_port=self.health.port, **self.ready_info)
+        loop = type(asyncio.get_running_loop())
+        log.info("service_ready", health_port=self.health.port, event_loop=loop.__module__, **self.ready_info)
 
     def consumer_spec(self, durable: str) -> ConsumerSpec:
         """A declared consumer with this deployment's retry limits applied."""
@@ -332,6 +334,7 @@ def run_service(
     runtime = ServiceRuntime(
         name, settings, schema=schema, migrations_package=migrations_package, connect_bus=connect_bus
     )
-    code = profiled(name, lambda: asyncio.run(runtime.run(register)))
+    run = uvloop.run if settings.event_loop == "uvloop" else asyncio.run
+    code = profiled(name, lambda: run(runtime.run(register)))
     if code:
         sys.exit(code)

@@ -56,6 +56,7 @@ class UnitOfWork(Generic[R]):
         self._conn: asyncpg.Connection | None = None
         self._inbox_key: tuple[str, str] | None = None
         self._inbox_fresh: bool | None = None
+        self._first_lock: str | None = None
         self.committed = False
 
     @property
@@ -67,6 +68,15 @@ class UnitOfWork(Generic[R]):
     def expect_inbox(self, consumer: str, message_id: str) -> None:
         """Claim this inbox row with the BEGIN (before `async with`); `seen` then answers without a query."""
         self._inbox_key = (consumer, message_id)
+
+    def lock_first(self, key: str) -> None:
+        """Take the transaction-scoped advisory lock `hashtext(key)` with the BEGIN, before the inbox claim
+        (before `async with`): the aggregate lock a handler would otherwise take as its first statement."""
+        self._first_lock = key
+
+    def holds_lock(self, key: str) -> bool:
+        """Whether `lock_first(key)` was taken with the BEGIN: the handler need not ask again."""
+        return self._conn is not None and self._first_lock == key
 
     async def __aenter__(self) -> "UnitOfWork[R]":
         self._conn = await self.pool.acquire()
@@ -92,15 +102,18 @@ class UnitOfWork(Generic[R]):
         return self
 
     async def _begin(self) -> None:
-        if self._inbox_key is None:
-            await self.conn.execute("BEGIN")
-            return
-        consumer, message_id = self._inbox_key
-        status = await self.conn.execute(
-            f"BEGIN; INSERT INTO inbox (consumer, message_id) VALUES ({text_literal(consumer)}, "
-            f"{text_literal(message_id)}) ON CONFLICT DO NOTHING"
-        )
-        self._inbox_fresh = status == "INSERT 0 1"
+        statements = ["BEGIN"]
+        if self._first_lock is not None:
+            statements.append(f"SELECT pg_advisory_xact_lock(hashtext({text_literal(self._first_lock)}))")
+        if self._inbox_key is not None:
+            consumer, message_id = self._inbox_key
+            statements.append(
+                f"INSERT INTO inbox (consumer, message_id) VALUES ({text_literal(consumer)}, "
+                f"{text_literal(message_id)}) ON CONFLICT DO NOTHING"
+            )
+        status = await self.conn.execute("; ".join(statements))
+        if self._inbox_key is not None:
+            self._inbox_fresh = status == "INSERT 0 1"
 
     async def _abandon(self) -> None:
         """Roll back whatever is still open (nothing after a commit) and give the connection back."""
@@ -140,6 +153,7 @@ class FakeUnitOfWork(Generic[R]):
         self.events = EventCollector(service)
         self.inbox: set[tuple[str, str]] = seen if seen is not None else set()
         self._claimed: set[tuple[str, str]] = set()
+        self._locks: set[str] = set()
         self.committed = False
         self.published: list[Envelope] = []
 
@@ -149,6 +163,12 @@ class FakeUnitOfWork(Generic[R]):
 
     def expect_inbox(self, consumer: str, message_id: str) -> None:
         """Nothing to fold: `seen` answers from memory."""
+
+    def lock_first(self, key: str) -> None:
+        self._locks.add(key)
+
+    def holds_lock(self, key: str) -> bool:
+        return key in self._locks
 
     async def __aenter__(self) -> "FakeUnitOfWork[R]":
         return self

@@ -16,7 +16,7 @@ import pytest
 from gpuaas_common.jetstream import CONSUMERS
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.testing.bus_spy import BusSpy
-from gpuaas_dev.testing.invariants import database_violations, outbox_backlog, wait_consumers_drained
+from gpuaas_dev.testing.invariants import database_violations, wait_consumers_drained, wait_outboxes_empty
 from gpuaas_dev.testing.waiting import eventually
 
 from .conftest import Portal
@@ -107,7 +107,7 @@ async def test_allocations_survive_a_killed_replica_of_each_service_and_a_dead_n
     assert not {d: f for d, f in (await wait_consumers_drained(portal.js, durables, 120)).items() if any(f.values())}
     conn = await asyncpg.connect(stack.dsn)
     try:
-        await eventually(lambda: _outboxes_empty(conn), timeout=60, what="outboxes drained")
+        assert await wait_outboxes_empty(conn, timeout_s=60)
         assert await database_violations(conn) == []
         states = await conn.fetch(
             "SELECT state, count(*) AS n FROM allocator.allocations WHERE allocation_id = ANY($1::uuid[]) GROUP BY 1",
@@ -117,7 +117,3 @@ async def test_allocations_survive_a_killed_replica_of_each_service_and_a_dead_n
         await conn.close()
     assert {r["state"]: r["n"] for r in states} == {"released": len(allocs)}
     assert stack.crashed() == []
-
-
-async def _outboxes_empty(conn: asyncpg.Connection) -> bool:
-    return not any((await outbox_backlog(conn)).values())

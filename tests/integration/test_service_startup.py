@@ -211,13 +211,22 @@ def _get(url: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-async def test_a_running_service_logs_json_only_faststream_included(fresh_db, open_nats, tmp_path: Path) -> None:
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
+async def test_a_running_service_logs_json_only_faststream_included(
+    fresh_db, open_nats, tmp_path: Path, event_loop: str
+) -> None:
+    """On either event loop (GPUAAS_EVENT_LOOP): it starts, serves, stops on SIGTERM with 0, logs JSON only."""
     ready = tmp_path / "ready.json"
     log_path = tmp_path / "scheduler.log"
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
             bin_path("gpuaas-scheduler"),
-            env=_env(GPUAAS_DATABASE_URL=fresh_db, GPUAAS_NATS_URL=open_nats.url, GPUAAS_READY_FILE=str(ready)),
+            env=_env(
+                GPUAAS_DATABASE_URL=fresh_db,
+                GPUAAS_NATS_URL=open_nats.url,
+                GPUAAS_READY_FILE=str(ready),
+                GPUAAS_EVENT_LOOP=event_loop,
+            ),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -237,4 +246,6 @@ async def test_a_running_service_logs_json_only_faststream_included(fresh_db, op
     starts = [line for line in faststream if line["event"].endswith("waiting for messages")]
     assert starts and all(line["subject"] and line["level"] == "info" for line in starts), faststream
     assert {"service_ready", "service_stopped"} <= {line["event"] for line in lines}
+    [ready_line] = [line for line in lines if line["event"] == "service_ready"]
+    assert ready_line["event_loop"].split(".")[0] == event_loop
     assert all(line["service"] == "scheduler" and line["timestamp"] for line in lines)

@@ -145,3 +145,21 @@ async def test_a_swallowed_database_error_fails_the_commit_instead_of_dropping_t
     assert await _counts(pool) == (0, 0, 0)
     assert await deliver(_effect_and_event, _again(ctx), UnitOfWork(pool, SCHEMA, "svc", no_repositories))
     assert await _counts(pool) == (1, 1, 1)
+
+
+async def test_the_first_lock_is_held_from_the_begin_until_the_commit(pool) -> None:
+    """The aggregate lock a handler names up front (`deliver(..., first_lock=)`) travels with the BEGIN: it
+    is held when the handler starts, and the same key taken the ordinary way elsewhere waits for it."""
+    key = "gpuaas-allocation:it's-mine"
+
+    async def probe(ctx: HandlerContext) -> None:
+        assert ctx.uow.holds_lock(key) and not ctx.uow.holds_lock("another")
+        async with pool.acquire() as other:
+            assert not await other.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", key)
+        await _effect_and_event(ctx)
+
+    assert await deliver(probe, _message(), UnitOfWork(pool, SCHEMA, "svc", no_repositories), first_lock=key)
+    assert await _counts(pool) == (1, 1, 1)
+    async with pool.acquire() as other:
+        assert await other.fetchval("SELECT pg_try_advisory_lock(hashtext($1))", key)
+        await other.execute("SELECT pg_advisory_unlock_all()")

@@ -47,8 +47,8 @@ from .invariants import (
     host_violations,
     lifecycle_violations,
     maas_violations,
-    outbox_backlog,
     wait_consumers_drained,
+    wait_outboxes_empty,
 )
 from .waiting import eventually
 
@@ -588,14 +588,7 @@ async def _settle(stack: Stack, js: Any, dsn: str, states: States, ids: list[str
     figures = await wait_consumers_drained(js, durables, timeout_s=max(10.0, deadline - time.monotonic()))
     conn = await asyncpg.connect(dsn)
     try:
-
-        async def outboxes_empty() -> bool:
-            return not any((await outbox_backlog(conn)).values())
-
-        with contextlib.suppress(TimeoutError):
-            await eventually(
-                outboxes_empty, timeout=max(5.0, deadline - time.monotonic()), interval=0.5, what="outboxes"
-            )
+        await wait_outboxes_empty(conn, timeout_s=max(5.0, deadline - time.monotonic()))
     finally:
         await conn.close()
     return {

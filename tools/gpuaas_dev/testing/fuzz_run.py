@@ -23,7 +23,7 @@ from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer
 from ..stack import Stack
 from .bus_spy import BusSpy
 from .fuzz import Fuzzer, Pools, consumers_for, publisher
-from .invariants import database_violations, dead_letters, wait_consumers_drained
+from .invariants import database_violations, dead_letters, wait_consumers_drained, wait_outboxes_empty
 
 SLICE_REQUEST = {
     "tenant_id": "tenant-fuzz",
@@ -155,6 +155,7 @@ async def run_fuzz(
     letters, problems = await dead_letters(js_admin, after_seq=dlq_before)
     got = Counter(letter["consumer"] for letter in letters)
     async with db.acquire() as conn:
+        await wait_outboxes_empty(conn, timeout_s=30.0)  # a backlog left after that is a violation below
         violations = await database_violations(conn)
     recovery = await recover_fleet(stack, spy, admin)
     return {

@@ -232,6 +232,20 @@ async def outbox_backlog(conn: asyncpg.Connection) -> dict[str, int]:
     }
 
 
+async def wait_outboxes_empty(conn: asyncpg.Connection, timeout_s: float) -> bool:
+    """Whether every outbox emptied within `timeout_s`. A relay deletes what it published a moment later (with
+    its next read, or on its own after a short grace), so an empty outbox is something to wait for."""
+
+    async def empty() -> bool:
+        return not any((await outbox_backlog(conn)).values())
+
+    try:
+        await eventually(empty, timeout=timeout_s, interval=0.1, what="outboxes empty")
+    except TimeoutError:
+        return False
+    return True
+
+
 async def wait_consumers_drained(
     js: JetStreamContext, consumers: list[tuple[str, str]], timeout_s: float = 120.0
 ) -> dict[str, dict[str, int]]:

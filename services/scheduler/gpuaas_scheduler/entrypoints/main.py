@@ -13,7 +13,7 @@ from gpuaas_common.startup import StartupFailed
 from ..adapters.allocator_client import AllocatorClient
 from ..adapters.inventory import refresh_nodes, seed_from_fleet
 from ..service_layer.claim_audit import AuditPolicy, audit_claims
-from ..service_layer.handlers import Scheduler, evidence_handlers, handlers
+from ..service_layer.handlers import Scheduler, allocation_first_lock, evidence_handlers, handlers
 from ..service_layer.placement import PlacementPolicy, with_fleet_shape
 from ..settings import SchedulerSettings
 from .admin_http import admin_api
@@ -40,7 +40,9 @@ def build_register(settings: SchedulerSettings):
         async with rt.pool.acquire() as conn:
             policy = await with_fleet_shape(conn, policy)
         scheduler = Scheduler(policy)
-        rt.bus.subscribe(rt.consumer_spec("scheduler-allocation-events"), handlers(scheduler))
+        rt.bus.subscribe(
+            rt.consumer_spec("scheduler-allocation-events"), handlers(scheduler), first_lock=allocation_first_lock
+        )
         # Readiness evidence: parity, advisory topology, image cache state. Each is its own durable so a
         # backlog on one (e.g. a fleet-wide prewarm) never delays the others or placement.
         for durable, handler_map in evidence_handlers(scheduler).items():

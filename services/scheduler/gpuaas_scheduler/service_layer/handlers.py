@@ -1,6 +1,7 @@
 """Scheduler handlers: place accepted allocations, follow their lifecycle, free what they held.
 
-Replicas: every lifecycle handler first takes the allocation's lock (`inv.lock_allocation`), so two
+Replicas: every lifecycle handler first takes the allocation's lock (`inv.lock_allocation`; the bus takes it
+with the BEGIN, `allocation_first_lock`), so two
 messages about one allocation handled by two replicas at once run one after the other, as they do in one
 process's keyed lane. They may still run in either order; each one checks the slots' status and a
 message whose predecessor has not been applied yet is retried (`ArrivedEarly`, `EndedOutOfOrder`), never
@@ -28,6 +29,17 @@ from .placement import PlacementPolicy, place
 log = get_logger(__name__)
 
 
+def allocation_first_lock(payload: object) -> str | None:
+    """The lock every handler of the lifecycle consumer takes first, for the bus to take with the BEGIN."""
+    allocation_id = getattr(payload, "allocation_id", None)
+    return inv.allocation_lock_key(allocation_id) if allocation_id is not None else None
+
+
+async def _lock_allocation(ctx: HandlerContext, allocation_id: uuid.UUID) -> None:
+    if not ctx.uow.holds_lock(inv.allocation_lock_key(allocation_id)):
+        await inv.lock_allocation(ctx.conn, allocation_id)
+
+
 class Scheduler:
     def __init__(self, policy: PlacementPolicy | None = None) -> None:
         self.policy = policy or PlacementPolicy()
@@ -37,7 +49,7 @@ class Scheduler:
         alloc_id = str(ev.allocation_id)
         # A placement asked again (re-drive) while another replica places the first request: without the
         # lock both see no claim and both place.
-        await inv.lock_allocation(ctx.conn, ev.allocation_id)
+        await _lock_allocation(ctx, ev.allocation_id)
         outcome = await place(ctx.conn, ev, self.policy)
         if outcome.already_placed:
             # A repeated request: the allocator lost track of our answer and asks again. Answer with the claim
@@ -131,12 +143,12 @@ class Scheduler:
         )
 
     async def on_provisioning(self, ctx: HandlerContext) -> None:
-        await inv.lock_allocation(ctx.conn, ctx.payload.allocation_id)
+        await _lock_allocation(ctx, ctx.payload.allocation_id)
         await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "provisioning", only_from=("reserved",))
 
     async def on_active(self, ctx: HandlerContext) -> None:
         alloc = ctx.payload.allocation_id
-        await inv.lock_allocation(ctx.conn, alloc)
+        await _lock_allocation(ctx, alloc)
         if await inv.set_slot_status(ctx.conn, alloc, "active", only_from=("provisioning",)):
             return
         # `provisioning` is published before `active`, but another replica may not have applied it yet:
@@ -146,20 +158,20 @@ class Scheduler:
             raise ArrivedEarly(f"allocation.active for {alloc} before its provisioning: {', '.join(early)} reserved")
 
     async def on_releasing(self, ctx: HandlerContext) -> None:
-        await inv.lock_allocation(ctx.conn, ctx.payload.allocation_id)
+        await _lock_allocation(ctx, ctx.payload.allocation_id)
         await inv.set_slot_status(
             ctx.conn, ctx.payload.allocation_id, "releasing", only_from=("reserved", "provisioning", "active")
         )
 
     async def on_released(self, ctx: HandlerContext) -> None:
         ev: m.AllocationReleased = ctx.payload
-        await inv.lock_allocation(ctx.conn, ev.allocation_id)
+        await _lock_allocation(ctx, ev.allocation_id)
         freed = await release_allocation(ctx.conn, ev.allocation_id, ev.cleanup)
         log.info("claims_released", count=freed, wipe_verified=ev.cleanup.verified)
 
     async def on_failed(self, ctx: HandlerContext) -> None:
         ev: m.AllocationFailed = ctx.payload
-        await inv.lock_allocation(ctx.conn, ev.allocation_id)
+        await _lock_allocation(ctx, ev.allocation_id)
         await fail_allocation(ctx.conn, ev.allocation_id, ev.cleanup_required, f"{ev.reason_code}: {ev.reason}"[:500])
 
 

@@ -43,6 +43,7 @@ from .predicates import (
 )
 from .seeding import SEED_SOURCE, TAG_BAREMETAL, TAG_SLICE, seed_from_fleet
 from .slot_transitions import (
+    allocation_lock_key,
     allocation_slots,
     drain_node,
     lock_allocation,
@@ -75,6 +76,7 @@ __all__ = [
     "free_slots_locked",
     "image_ready_sql",
     "lock_best_in_class",
+    "allocation_lock_key",
     "lock_allocation",
     "lock_clean_watermark",
     "lock_nodes",

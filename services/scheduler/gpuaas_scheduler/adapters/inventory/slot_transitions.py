@@ -19,11 +19,17 @@ async def lock_nodes(conn: asyncpg.Connection, node_ids: Iterable[str]) -> None:
         await conn.fetch("SELECT node_id FROM nodes WHERE node_id = ANY($1::text[]) ORDER BY node_id FOR UPDATE", ids)
 
 
+def allocation_lock_key(allocation_id: uuid.UUID | str) -> str:
+    """The advisory lock's key text (`hashtext` of it): one definition for the handlers, whose bus takes it
+    with the BEGIN (`UnitOfWork.lock_first`), and for everything else that locks an allocation."""
+    return f"gpuaas-allocation:{allocation_id}"
+
+
 async def lock_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> None:
     """Serialise the messages about one allocation across scheduler replicas until the transaction ends.
     The scheduler keeps no allocation row to lock (its claims appear only once placed), so this is an
     advisory lock on the id; taken first, before any node lock, so it never closes a cycle with them."""
-    await conn.execute("SELECT pg_advisory_xact_lock(hashtext('gpuaas-allocation:' || $1))", str(allocation_id))
+    await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", allocation_lock_key(allocation_id))
 
 
 async def allocation_slots(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[asyncpg.Record]:
