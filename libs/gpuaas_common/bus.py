@@ -34,15 +34,14 @@ import asyncio
 import base64
 import functools
 import json
-import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
-from faststream import AckPolicy
-from faststream.nats import JStream, NatsBroker, NatsMessage, PullSub
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from prometheus_client import Counter
 from pydantic import BaseModel, ValidationError
@@ -50,38 +49,23 @@ from pydantic import BaseModel, ValidationError
 from .contract import BY_TYPE, Envelope, derived_event_id, spec_for
 from .contract.messages import DeadLetter
 from .jetstream import ConsumerSpec
-from .logging import BROKER_LOGGER, bound_context, get_logger
+from .logging import bound_context, get_logger
+from .pull import PULL_EXPIRES_S, PullLoop
 from .unit_of_work import EventCollector, UnitOfWork, no_repositories
 
 log = get_logger(__name__)
 
 HANDLED = Counter("gpuaas_messages_total", "Messages handled", ["consumer", "outcome"])
 
-# Every NatsBroker a Bus subscribes on is built with these. Without dependency injection FastStream no longer
-# resolves the handler's `NatsMessage` parameter through a context lookup it runs in a worker thread (a thread
-# hop per message); `_as_is` hands the handler the message itself instead.
-# JetStream API calls (the subscribers' consumer lookups at start) wait up to 15 s instead of nats-py's 5 s: on a
-# 3-server cluster still settling its leaders on a loaded machine one took longer, and a service exits at start
-# on that (nats_setup_failed; seen starting the chaos stack).
-BROKER_OPTIONS: dict[str, Any] = {"apply_types": False, "js_options": {"timeout": 15.0}}
+# JetStream API calls at start (each durable's lookup) wait up to 15 s instead of nats-py's 5 s: on a 3-server
+# cluster still settling its leaders on a loaded machine one took longer, and a service exits at start on that
+# (nats_setup_failed; seen starting the chaos stack).
+START_API_TIMEOUT_S = 15.0
 
 
-def _per_message_lines_at_debug(record: logging.LogRecord) -> bool:
-    """FastStream logs "Received" and "Processed" for every message at its one service level (INFO, which its
-    start and connection lines keep): two lines per message with no ids of ours, rendered as JSON, where our
-    handlers already log what happened with ids. They become DEBUG lines, shown only when DEBUG is on."""
-    if record.msg in ("Received", "Processed"):
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        return logging.getLogger().isEnabledFor(logging.DEBUG)
-    return True
-
-
-logging.getLogger(BROKER_LOGGER).addFilter(_per_message_lines_at_debug)
-
-
-async def _as_is(msg: NatsMessage) -> NatsMessage:
-    """FastStream's decoder hook: no JSON decoding there, `dispatch` parses and validates the body once."""
-    return msg
+def _pull_loop_ended(task: "asyncio.Task[None]") -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("pull_loop_died", task=task.get_name(), error=repr(task.exception()))
 
 
 class PermanentError(Exception):
@@ -263,34 +247,36 @@ class _KeepAlive:
 
 
 class Bus:
-    """Wires handlers to durable consumers and publishes directly (for services without an outbox)."""
+    """Wires handlers to durable consumers and publishes directly (for services without an outbox).
+    `start()` begins pulling every subscribed durable (`pull.PullLoop`), `stop()` ends it and lets the
+    messages in hand finish."""
 
     def __init__(
         self,
-        broker: NatsBroker,
+        nc: NatsClient | None,
         js: JetStreamContext,
         *,
         service: str,
         schema: str | None,
         pool: asyncpg.Pool | None,
         retry_delays_s: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0),
-        fetch_timeout_s: float = 1.0,
-        inbox_prefix: bytes = b"_INBOX",
+        pull_expires_s: float = PULL_EXPIRES_S,
         default_concurrency: int = 1,
     ) -> None:
-        self.broker = broker
+        # Pull replies arrive on `nc`'s inbox prefix: the identity's own, the only one its permissions allow.
+        self.nc = nc
         self.js = js
         self.service = service
         self.schema = schema
         self.pool = pool
         self.retry_delays_s = retry_delays_s
-        self.fetch_timeout_s = fetch_timeout_s
-        # Fetch replies arrive on the identity's own inbox prefix, the only one its permissions allow.
-        self.inbox_prefix = inbox_prefix.rstrip(b".") + b"."
+        self.pull_expires_s = pull_expires_s
         self.consumers: list[ConsumerSpec] = []
         # What a service's unit of work builds on its connection; set by the service before it subscribes.
         self.repositories: Callable[[asyncpg.Connection], Any] = no_repositories
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._loops: list[PullLoop] = []
+        self._running: list[asyncio.Task[None]] = []
         self.default_concurrency = default_concurrency
 
     def subscribe(
@@ -306,74 +292,77 @@ class Bus:
         aggregate's, where the service keeps no row to lock); it then travels with the BEGIN.
 
         `concurrency` > 1 keeps up to that many messages in flight at once, in order per aggregate
-        (`ordering_key`: allocation, node, image, operation): one slow allocation holds up only itself.
-
-        Messages are still fetched one at a time: a pull for a batch of N lingers until N messages or
-        the fetch timeout, which would add up to the timeout to every message at low load. Each message
-        is handed to a task and acked by it after the handler; the fetch loop waits for a free place."""
+        (`ordering_key`: allocation, node, image, operation): one slow allocation holds up only itself. The
+        pull loop asks for as many messages as there are free places; each message is handed to a task and
+        acked by it after the handler."""
         if transactional and self.pool is None:
             raise ValueError("a transactional subscriber needs a database pool")
+        if self.nc is None:
+            raise ValueError("a bus without a connection only publishes")
         for type_ in handlers:
             spec_for(type_)  # fail at start-up on a typo, not at the first message
         self.consumers.append(spec)
-        subscriber = self.broker.subscriber(
-            spec.filter_subject,
-            stream=JStream(spec.stream, declare=False),
-            durable=spec.durable,
-            pull_sub=PullSub(batch_size=1, timeout=self.fetch_timeout_s),
-            ack_policy=AckPolicy.MANUAL,
-            inbox_prefix=self.inbox_prefix,
-            decoder=_as_is,
-        )
+        lanes = KeyedLanes()
 
-        concurrency = concurrency or self.default_concurrency
-        if concurrency == 1:
+        async def run(msg: Msg, keep: _KeepAlive, turn: "asyncio.Future[None] | None", done: Any) -> None:
+            try:
+                if turn is not None:
+                    await turn  # the previous message of the same aggregate has been handled
+                await self.dispatch(spec, handlers, msg, transactional, first_lock)
+            finally:
+                done()
 
-            async def on_message(msg: NatsMessage) -> None:
-                keep = _KeepAlive(msg.raw_message, spec.ack_wait_s)
-                try:
-                    await self.dispatch(spec, handlers, msg, transactional, first_lock)
-                finally:
-                    keep.stop()
+        def start(msg: Msg, free_place: Callable[[], None]) -> None:
+            # From receipt: a message waiting for its turn is in flight too.
+            keep = _KeepAlive(msg, spec.ack_wait_s)
+            turn, lane_done = lanes.enter(ordering_key(msg.subject, msg.data))
 
-        else:
-            places = asyncio.Semaphore(concurrency)
-            lanes = KeyedLanes()
+            def done() -> None:
+                lane_done()
+                keep.stop()
+                free_place()
 
-            async def run(msg: NatsMessage, keep: _KeepAlive, turn: "asyncio.Future[None] | None", done: Any) -> None:
-                try:
-                    if turn is not None:
-                        await turn  # the previous message of the same aggregate has been handled
-                    await self.dispatch(spec, handlers, msg, transactional, first_lock)
-                finally:
-                    done()
-                    keep.stop()
-                    places.release()
+            task = asyncio.create_task(run(msg, keep, turn, done))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
 
-            async def on_message(msg: NatsMessage) -> None:
-                # From receipt: a message waiting for a place is in flight too.
-                keep = _KeepAlive(msg.raw_message, spec.ack_wait_s)
-                try:
-                    await places.acquire()
-                except BaseException:
-                    keep.stop()
-                    raise
-                turn, done = lanes.enter(ordering_key(msg.raw_message.subject, msg.raw_message.data))
-                task = asyncio.create_task(run(msg, keep, turn, done))
-                self._in_flight.add(task)
-                task.add_done_callback(self._in_flight.discard)
+        places = concurrency or self.default_concurrency
+        self._loops.append(PullLoop(self.nc, spec, start, places, expires_s=self.pull_expires_s))
 
-        subscriber(on_message)
+    async def start(self, on_loop_done: "Callable[[asyncio.Task[None]], None] | None" = None) -> None:
+        """Check every durable is there (a missing one fails start-up, not the first pull), then pull.
+        `on_loop_done(task)` learns of a pull loop that ended (the runtime's takes the service down: a dead
+        loop is a consumer that silently stopped); by default it is logged."""
+        for loop in self._loops:
+            await self.js.consumer_info(loop.spec.stream, loop.spec.durable, timeout=START_API_TIMEOUT_S)
+        for loop in self._loops:
+            task = asyncio.create_task(loop.run(), name=f"pull-{loop.spec.durable}")
+            task.add_done_callback(on_loop_done or _pull_loop_ended)
+            self._running.append(task)
+            log.info("consumer_started", consumer=loop.spec.durable, places=loop.places)
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop pulling; the messages in hand get `grace_s` to finish (and be acked) before they are cancelled:
+        JetStream redelivers whatever was not acked."""
+        for task in self._running:
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+        self._running.clear()
+        if self._in_flight:
+            _, pending = await asyncio.wait(set(self._in_flight), timeout=grace_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def dispatch(
         self,
         spec: ConsumerSpec,
         handlers: Mapping[str, Handler],
-        msg: NatsMessage,
+        msg: Msg,
         transactional: bool,
         first_lock: Callable[[Any], str | None] | None = None,
     ) -> None:
-        raw = msg.raw_message
+        raw = msg
         subject = raw.subject
         md = raw.metadata
         num_delivered = md.num_delivered or 1
@@ -417,12 +406,12 @@ class Bus:
                 if num_delivered >= spec.max_deliver:
                     log.error("message_gave_up", error=repr(exc), num_delivered=num_delivered, exc_info=True)
                     await self._dead_letter(spec, raw, "max_deliver", repr(exc), num_delivered)
-                    await msg.reject()
+                    await msg.term()
                     HANDLED.labels(spec.durable, "dead_lettered").inc()
                 else:
                     delay = retry_delay(self.retry_delays_s, num_delivered)
                     log.warning("message_retry", error=repr(exc), num_delivered=num_delivered, delay_s=delay)
-                    await msg.nack(delay=delay)
+                    await msg.nak(delay=delay)
                     HANDLED.labels(spec.durable, "retried").inc()
                 return
             await msg.ack()

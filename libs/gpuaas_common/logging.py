@@ -1,7 +1,7 @@
 """structlog JSON logging with correlation ids carried in context variables.
 
 Every line a process writes is one JSON object: structlog's own events and, through the root handler,
-every stdlib logger's records (FastStream's, nats-py's, asyncio's) rendered by the same processors.
+every stdlib logger's records (nats-py's, asyncpg's, asyncio's) rendered by the same processors.
 Secrets are scrubbed by key name as a last line of defence; code should never bind them at all.
 """
 
@@ -14,13 +14,6 @@ from typing import Any
 import structlog
 
 _SECRET_KEYS = ("api_key", "apikey", "token", "password", "secret", "authorization", "database_url")
-
-# The logger every FastStream broker of ours is given (natsconn.broker_kwargs). Without one, FastStream
-# builds its own with a coloured text handler that does not propagate.
-BROKER_LOGGER = "faststream.access.nats"
-# Loggers a library configures for itself at import (handler of its own, propagate off): taken back so
-# their records reach the root handler, and only it.
-_ADOPTED = ("faststream", BROKER_LOGGER)
 
 
 def _scrub_secrets(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +52,6 @@ def configure_logging(service: str, level: str = "INFO", stream: Any = None) -> 
             foreign_pre_chain=[
                 *_shared(),
                 structlog.stdlib.add_logger_name,
-                # FastStream passes subject, stream, queue and message_id as `extra`.
                 structlog.stdlib.ExtraAdder(),
                 _scrub_secrets,
             ],
@@ -71,14 +63,6 @@ def configure_logging(service: str, level: str = "INFO", stream: Any = None) -> 
         )
     )
     logging.basicConfig(handlers=[handler], level=level, force=True)
-    # Imported first so that its import-time logger set-up cannot come after ours and undo it.
-    import faststream  # noqa: F401
-
-    for name in _ADOPTED:
-        adopted = logging.getLogger(name)
-        adopted.handlers.clear()
-        adopted.propagate = True
-        adopted.setLevel(logging.NOTSET)
     structlog.configure(
         processors=[
             *_shared(),

@@ -1,7 +1,7 @@
 """How every process of ours connects to NATS: as an identity, over TLS, with replies on its own inbox.
 
-One place builds the options for both clients a service uses (nats-py for publishing and the outbox
-relay, FastStream's broker for consumers), so they cannot drift apart. A refused credential (expired,
+One place builds the options of the one connection a service uses (publishing, the outbox relay and every
+consumer's pulls). A refused credential (expired,
 revoked, malformed, signed by someone else) is logged once as a structured warning that carries the
 server's reason and never the secret; the process keeps running and keeps retrying, because nats-py
 re-reads the creds file on every attempt and ops may replace it. A session the server ends with -ERR
@@ -25,7 +25,7 @@ from .identity import creds as creds_mod
 from .identity.jwt import JwtError
 from .identity.permissions import inbox_prefix
 from .identity.tls import client_context
-from .logging import BROKER_LOGGER, get_logger
+from .logging import get_logger
 
 log = get_logger(__name__)
 
@@ -100,25 +100,6 @@ class NatsIdentity:
         ctx = self.tls_context()
         if ctx is not None:
             kw["tls"] = ctx
-        return kw
-
-    def broker_kwargs(self) -> dict[str, Any]:
-        from faststream.nats.security import NatsCredentials, NatsSecurity
-
-        ctx = self.tls_context()
-        security: NatsSecurity | None
-        if self.creds_file:
-            security = NatsCredentials.from_file(self.creds_file, ssl_context=ctx)
-        else:
-            security = NatsSecurity(ssl_context=ctx) if ctx else None
-        # Our logger, not FastStream's coloured default: configure_logging renders its records as JSON.
-        kw: dict[str, Any] = {
-            "servers": self.servers,
-            "inbox_prefix": self.inbox,
-            "logger": logging.getLogger(BROKER_LOGGER),
-        }
-        if security is not None:
-            kw["security"] = security
         return kw
 
     # --- refusals -----------------------------------------------------------------------------------

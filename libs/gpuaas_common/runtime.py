@@ -1,7 +1,7 @@
 """The start-up and shut-down sequence every service process shares.
 
 Order matters: migrations before subscribers (handlers need their tables), provisioning before the
-broker binds (consumers must exist with our config, see jetstream.py), readiness last.
+bus starts pulling (consumers must exist with our config, see jetstream.py), readiness last.
 
 A start-up that cannot finish ends the process with one `startup_failed` JSON line and the exit code of
 its reason (startup.py): settings are read inside `run_service` for that, and Postgres and NATS are
@@ -25,11 +25,10 @@ from typing import TypeVar
 import asyncpg
 import nats.errors
 import uvloop
-from faststream.nats import NatsBroker
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from .bus import BROKER_OPTIONS, Bus
+from .bus import Bus
 from .db import create_pool
 from .health import HealthServer
 from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, ensure_consumers, provision
@@ -71,7 +70,6 @@ class ServiceRuntime:
         self.pool: asyncpg.Pool | None = None
         self.nc: NatsClient | None = None
         self.js: JetStreamContext | None = None
-        self.broker: NatsBroker | None = None
         self.bus: Bus | None = None
         self.relay: OutboxRelay | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -106,17 +104,13 @@ class ServiceRuntime:
             return
         self.nc = await self._connect_nats(deadline)
         self.js = self.nc.jetstream()
-        self.broker = NatsBroker(
-            **self.identity.broker_kwargs(), **BROKER_OPTIONS, max_reconnect_attempts=-1, reconnect_time_wait=0.5
-        )
         self.bus = Bus(
-            self.broker,
+            self.nc,
             self.js,
             service=self.name,
             schema=self.schema,
             pool=self.pool,
             retry_delays_s=self.settings.retry_delays_s,
-            inbox_prefix=self.identity.inbox,
             default_concurrency=self.settings.consumer_concurrency,
         )
         self.health.checks["nats"] = lambda: self.nc is not None and self.nc.is_connected
@@ -189,7 +183,7 @@ class ServiceRuntime:
             self.health.ready = True
             self.spawn(self._announce_ready(), "announce-ready")
             return
-        assert self.broker and self.js and self.bus
+        assert self.js and self.bus
         try:
             if self.settings.nats_creds:
                 # An identity may create only its own durables; streams are provisioned by the admin
@@ -197,7 +191,7 @@ class ServiceRuntime:
                 await ensure_consumers(self.js, self.bus.consumers)
             else:
                 await provision(self.js, self.bus.consumers)  # an open dev server: we provision everything
-            await self.broker.start()
+            await self.bus.start(on_loop_done=self._task_done)
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             raise StartupFailed(
                 "nats_setup_failed",
@@ -256,8 +250,8 @@ class ServiceRuntime:
             await hook()
         if self.relay:
             self.relay.stop()
-        if self.broker:
-            await self.broker.stop()
+        if self.bus:
+            await self.bus.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -279,8 +273,8 @@ class ServiceRuntime:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.broker:
-            await self.broker.stop()
+        if self.bus:
+            await self.bus.stop(grace_s=0.0)
         if self.nc and not self.nc.is_closed:
             await self.nc.close()
         if self.pool:

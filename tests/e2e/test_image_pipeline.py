@@ -331,7 +331,7 @@ class InProcessAgent:
 @pytest.fixture
 async def late_host(stack: Stack, portal, tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
     proxy = await CorruptingProxy(stack.registry_host).start()
-    bus = Bus(None, portal.js, service="node-agent", schema=None, pool=None)  # type: ignore[arg-type]
+    bus = Bus(None, portal.js, service="node-agent", schema=None, pool=None)
     paths = HostPaths(tmp_path / "late-host")
     store = StateStore(tmp_path / "late-agent.sqlite")
     corrupt = ImagePrewarmer(

@@ -10,7 +10,6 @@ from typing import Any
 
 import nats
 import pytest
-from faststream.nats import NatsBroker
 
 from gpuaas_common.bus import Bus, HandlerContext, KeyedLanes, ordering_key
 from gpuaas_common.contract import Envelope
@@ -80,14 +79,14 @@ async def test_a_stuck_allocation_holds_up_only_itself_and_each_allocation_keeps
             await unblock.wait()
         handled.append((str(payload.allocation_id), payload.reason))
 
-    broker = NatsBroker(nats_server.url)
-    bus = Bus(broker, js, service="probe", schema=None, pool=None, default_concurrency=8)
+    bus_nc = await nats.connect(nats_server.url)
+    bus = Bus(bus_nc, js, service="probe", schema=None, pool=None, default_concurrency=8)
     bus.subscribe(
         spec,
         {"allocation.release_requested": handle},
         transactional=False,
     )
-    await broker.start()
+    await bus.start()
     try:
         for i in range(3):
             await js.publish(SUBJECT, _body(stuck, str(i)))
@@ -103,4 +102,5 @@ async def test_a_stuck_allocation_holds_up_only_itself_and_each_allocation_keeps
             assert [r for a, r in handled if a == str(alloc)] == ["0", "1", "2"], f"order kept for {alloc}"
     finally:
         unblock.set()
-        await broker.stop()
+        await bus.stop()
+        await bus_nc.close()

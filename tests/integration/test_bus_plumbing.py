@@ -9,7 +9,6 @@ import uuid
 import asyncpg
 import nats
 import pytest
-from faststream.nats import NatsBroker
 
 from gpuaas_common import inbox
 from gpuaas_common.bus import Bus, HandlerContext, PermanentError
@@ -210,14 +209,15 @@ async def probe_bus(js, outbox_db, nats_server):
     # Starts at the end of the stream so other tests' messages are not replayed.
     spec = await durable_at_end(js, "probe", "gpuaas.allocation.release_requested")
     durable = spec.durable
-    broker = NatsBroker(nats_server.url)
-    bus = Bus(broker, js, service="probe", schema="svc", pool=pool, retry_delays_s=(0.05,))
+    bus_nc = await nats.connect(nats_server.url)
+    bus = Bus(bus_nc, js, service="probe", schema="svc", pool=pool, retry_delays_s=(0.05,))
     probe = _Probe()
     bus.subscribe(spec, {"allocation.release_requested": probe.handle})
-    await broker.start()
+    await bus.start()
     dlq = await BusSpy(nats_server.url, f"gpuaas.dlq.{durable}").start()
     yield probe, pool, dlq
-    await broker.stop()
+    await bus.stop()
+    await bus_nc.close()
     await dlq.stop()
 
 

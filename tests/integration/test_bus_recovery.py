@@ -16,7 +16,6 @@ from typing import Any
 
 import nats
 import pytest
-from faststream.nats import NatsBroker
 
 from gpuaas_common.bus import Bus, HandlerContext
 from gpuaas_common.contract import Envelope
@@ -64,8 +63,8 @@ def test_every_declared_consumer_and_the_setting_default_to_a_short_ack_wait() -
 
 async def test_a_handler_slower_than_the_ack_wait_is_not_redelivered_while_it_works(js, nats_server) -> None:
     spec = await _durable_at_end(js)
-    broker = NatsBroker(nats_server.url)
-    bus = Bus(broker, js, service="probe", schema=None, pool=None)
+    bus_nc = await nats.connect(nats_server.url)
+    bus = Bus(bus_nc, js, service="probe", schema=None, pool=None)
     deliveries: list[tuple[str, int]] = []
     finished = asyncio.Event()
 
@@ -77,7 +76,7 @@ async def test_a_handler_slower_than_the_ack_wait_is_not_redelivered_while_it_wo
         finished.set()
 
     bus.subscribe(spec, {"allocation.release_requested": slow}, transactional=False)
-    await broker.start()
+    await bus.start()
     try:
         _, event_id = await _publish_release(js)
         await asyncio.wait_for(finished.wait(), 30)
@@ -91,7 +90,8 @@ async def test_a_handler_slower_than_the_ack_wait_is_not_redelivered_while_it_wo
         assert info.num_redelivered == 0
         assert deliveries == [(event_id, 1)]
     finally:
-        await broker.stop()
+        await bus.stop()
+        await bus_nc.close()
 
 
 # A consumer process that takes the message and then works on it for good, until it is killed.
@@ -99,14 +99,12 @@ _WORKER = textwrap.dedent(
     """
     import asyncio, sys
     import nats
-    from faststream.nats import NatsBroker
     from gpuaas_common.bus import Bus
     from gpuaas_common.jetstream import ConsumerSpec
 
     async def main(url, durable, ack_wait):
         nc = await nats.connect(url)
-        broker = NatsBroker(url)
-        bus = Bus(broker, nc.jetstream(), service="probe", schema=None, pool=None)
+        bus = Bus(nc, nc.jetstream(), service="probe", schema=None, pool=None)
         spec = ConsumerSpec(durable, "ALLOCATIONS", "gpuaas.allocation.release_requested", max_deliver=5,
                             ack_wait_s=ack_wait)
 
@@ -115,7 +113,7 @@ _WORKER = textwrap.dedent(
             await asyncio.Event().wait()
 
         bus.subscribe(spec, {"allocation.release_requested": forever}, transactional=False)
-        await broker.start()
+        await bus.start()
         print("WORKER ready", flush=True)
         await asyncio.Event().wait()
 
@@ -157,15 +155,15 @@ async def test_a_message_held_by_a_killed_consumer_is_redelivered_to_another(js,
             os.kill(worker.pid, signal.SIGKILL)
         await worker.wait()
 
-    broker = NatsBroker(nats_server.url)
-    bus = Bus(broker, js, service="probe", schema=None, pool=None)
+    bus_nc = await nats.connect(nats_server.url)
+    bus = Bus(bus_nc, js, service="probe", schema=None, pool=None)
     deliveries: list[tuple[str, int]] = []
 
     async def record(ctx: HandlerContext) -> None:
         deliveries.append((ctx.envelope.event_id, ctx.num_delivered))
 
     bus.subscribe(spec, {"allocation.release_requested": record}, transactional=False)
-    await broker.start()
+    await bus.start()
     try:
         await eventually(lambda: deliveries, timeout=30, what="the redelivery")
 
@@ -176,4 +174,5 @@ async def test_a_message_held_by_a_killed_consumer_is_redelivered_to_another(js,
         await eventually(acked, timeout=10, what="the redelivered message acked")
         assert deliveries == [(event_id, 2)]
     finally:
-        await broker.stop()
+        await bus.stop()
+        await bus_nc.close()

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import nats
 import pytest
-from faststream.nats import NatsBroker
 
 from gpuaas_common.bus import Bus
 from gpuaas_common.jetstream import CONSUMER_BY_NAME, ensure_consumer
@@ -37,17 +36,18 @@ async def scheduler_side(fresh_db, nats_server, publish):  # noqa: F811  (publis
         async with pool.acquire() as conn:
             await synthetic.build(conn, slice_hosts=1, prefix=f"d{uuid.uuid4().hex[:4]}")
             node_id = await conn.fetchval("SELECT node_id FROM nodes")
-        broker = NatsBroker(nats_server.url)
+        bus_nc = await nats.connect(nats_server.url)
         nc = await nats.connect(nats_server.url)
         spec = CONSUMER_BY_NAME["scheduler-node-drift"]
         await ensure_consumer(nc.jetstream(), spec)
-        bus = Bus(broker, nc.jetstream(), service="scheduler", schema="scheduler", pool=pool, retry_delays_s=(0.05,))
+        bus = Bus(bus_nc, nc.jetstream(), service="scheduler", schema="scheduler", pool=pool, retry_delays_s=(0.05,))
         bus.subscribe(spec, evidence_handlers(Scheduler())["scheduler-node-drift"])
-        await broker.start()
+        await bus.start()
         try:
             yield node_id, pool
         finally:
-            await broker.stop()
+            await bus.stop()
+            await bus_nc.close()
             await nc.drain()
 
 

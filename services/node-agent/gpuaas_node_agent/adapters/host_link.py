@@ -8,10 +8,9 @@ durable is provisioned when ops onboard the host.
 
 from __future__ import annotations
 
-from faststream.nats import NatsBroker
 from nats.aio.client import Client as NatsClient
 
-from gpuaas_common.bus import BROKER_OPTIONS, Bus
+from gpuaas_common.bus import Bus
 from gpuaas_common.logging import get_logger
 from gpuaas_common.natsconn import NatsIdentity
 
@@ -24,36 +23,31 @@ class HostLink:
         self.identity = identity
         self.retry_delays_s = retry_delays_s
         self.nc: NatsClient | None = None
-        self.broker: NatsBroker | None = None
         self.bus: Bus | None = None
 
     async def open(self, *, retry_forever: bool = True) -> Bus:
         self.nc = await self.identity.connect(name=f"gpuaas-node-agent-{self.node_id}", retry_forever=retry_forever)
-        self.broker = NatsBroker(
-            **self.identity.broker_kwargs(), **BROKER_OPTIONS, max_reconnect_attempts=-1, reconnect_time_wait=0.5
-        )
         self.bus = Bus(
-            self.broker,
+            self.nc,
             self.nc.jetstream(),
             service="node-agent",
             schema=None,
             pool=None,
             retry_delays_s=self.retry_delays_s,
-            inbox_prefix=self.identity.inbox,
         )
         return self.bus
 
     async def start(self) -> None:
-        assert self.broker is not None
-        await self.broker.start()
+        assert self.bus is not None
+        await self.bus.start()
 
     @property
     def connected(self) -> bool:
         return self.nc is not None and self.nc.is_connected
 
     async def close(self) -> None:
-        if self.broker is not None:
-            await self.broker.stop()
+        if self.bus is not None:
+            await self.bus.stop()
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await self.nc.drain()
