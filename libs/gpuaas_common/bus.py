@@ -329,11 +329,19 @@ class Bus:
         places = concurrency or self.default_concurrency
         self._loops.append(PullLoop(self.nc, spec, start, places, expires_s=self.pull_expires_s))
 
-    async def start(self, on_loop_done: "Callable[[asyncio.Task[None]], None] | None" = None) -> None:
+    async def start(
+        self,
+        on_loop_done: "Callable[[asyncio.Task[None]], None] | None" = None,
+        *,
+        check_durables: bool = True,
+    ) -> None:
         """Check every durable is there (a missing one fails start-up, not the first pull), then pull.
+        `check_durables=False` where the caller has just created or checked them (the runtime's
+        `ensure_consumers`): on a 3-server cluster still electing the new consumers' leaders a second lookup
+        may wait longer than any timeout we would want at start, while a pull simply waits for the leader.
         `on_loop_done(task)` learns of a pull loop that ended (the runtime's takes the service down: a dead
         loop is a consumer that silently stopped); by default it is logged."""
-        for loop in self._loops:
+        for loop in self._loops if check_durables else ():
             await self.js.consumer_info(loop.spec.stream, loop.spec.durable, timeout=START_API_TIMEOUT_S)
         for loop in self._loops:
             task = asyncio.create_task(loop.run(), name=f"pull-{loop.spec.durable}")

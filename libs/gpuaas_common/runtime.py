@@ -191,7 +191,7 @@ class ServiceRuntime:
                 await ensure_consumers(self.js, self.bus.consumers)
             else:
                 await provision(self.js, self.bus.consumers)  # an open dev server: we provision everything
-            await self.bus.start(on_loop_done=self._task_done)
+            await self.bus.start(on_loop_done=self._task_done, check_durables=False)
         except (nats.errors.Error, OSError, TimeoutError) as exc:
             raise StartupFailed(
                 "nats_setup_failed",

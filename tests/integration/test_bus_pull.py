@@ -11,11 +11,13 @@ from typing import Any
 
 import nats
 import nats.errors
+import nats.js.errors
 import pytest
 
+from gpuaas_common.bus import Bus
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
-from gpuaas_common.jetstream import provision
+from gpuaas_common.jetstream import ConsumerSpec, provision
 from gpuaas_common.pull import PullLoop
 from gpuaas_dev.testing.durables import durable_at_end
 from gpuaas_dev.testing.servers import NatsServer
@@ -176,3 +178,15 @@ async def test_a_request_the_killed_server_lost_is_asked_again(tmp_path) -> None
         await consumer.close()
         await admin.close()
         server.stop()
+
+
+async def test_a_bus_started_on_a_durable_nobody_created_fails_at_start(js, nats_server) -> None:
+    consumer = await nats.connect(nats_server.url)
+    bus = Bus(consumer, js, service="probe", schema=None, pool=None)
+    bus.subscribe(ConsumerSpec("nobody-made-me", "ALLOCATIONS", SUBJECT), {}, transactional=False)
+    try:
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await bus.start()
+    finally:
+        await bus.stop()
+        await consumer.close()
