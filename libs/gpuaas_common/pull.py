@@ -31,6 +31,8 @@ log = get_logger(__name__)
 # of one request per second per idle consumer (what FastStream's loop spent too).
 PULL_EXPIRES_S = 1.0
 GRACE_S = 0.25
+# How often a loop looks whether its connection is back, while nats-py reconnects.
+RECONNECT_POLL_S = 0.1
 # After a refusal (409: consumer deleted, too many waiting requests, leader change), before asking again.
 REFUSED_BACKOFF_S = (0.05, 0.2, 1.0)
 
@@ -70,6 +72,13 @@ class PullLoop:
                 while self._busy >= self.places:
                     self._freed.clear()
                     await self._freed.wait()
+                if not self.nc.is_connected:
+                    # Reconnecting: a request now would wait in nats-py's buffer and reach the server with
+                    # every other one sent meanwhile, each asking for the same free places.
+                    if self.nc.is_closed:
+                        return
+                    await asyncio.sleep(RECONNECT_POLL_S)
+                    continue
                 want = self.places - self._busy
                 try:
                     await self.nc.publish(
