@@ -1,4 +1,4 @@
-"""Session-wide real servers: one nats-server and one Postgres on free loopback ports."""
+"""Session-wide real servers (one nats-server, one Postgres on free loopback ports) and per-test clients of them."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import asyncpg
+import nats
 import pytest
+from nats.js import JetStreamContext
 
+from gpuaas_common.jetstream import provision
 from gpuaas_dev.testing.servers import NatsServer, PostgresServer
 
 
@@ -45,3 +48,13 @@ async def fresh_db(postgres_server: PostgresServer) -> AsyncIterator[str]:
 @pytest.fixture
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+async def js(nats_server: NatsServer) -> AsyncIterator[JetStreamContext]:
+    """JetStream on the session's server, every stream provisioned, on a connection of the test's own."""
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await provision(js)
+    yield js
+    await nc.drain()

@@ -370,14 +370,13 @@ class Bus:
         transactional: bool,
         first_lock: Callable[[Any], str | None] | None = None,
     ) -> None:
-        raw = msg
-        subject = raw.subject
-        md = raw.metadata
+        subject = msg.subject
+        md = msg.metadata
         num_delivered = md.num_delivered or 1
         try:
-            envelope, payload = parse_message(subject, raw.data)
+            envelope, payload = parse_message(subject, msg.data)
         except PermanentError as exc:
-            await self._dead_letter(spec, raw, exc.reason_code, exc.reason, num_delivered)
+            await self._dead_letter(spec, msg, exc.reason_code, exc.reason, num_delivered)
             await msg.ack()
             HANDLED.labels(spec.durable, exc.reason_code).inc()
             return
@@ -406,14 +405,14 @@ class Bus:
                     HANDLED.labels(spec.durable, "ok").inc()
             except PermanentError as exc:
                 log.warning("message_rejected", reason_code=exc.reason_code, reason=exc.reason)
-                await self._dead_letter(spec, raw, exc.reason_code, exc.reason, num_delivered)
+                await self._dead_letter(spec, msg, exc.reason_code, exc.reason, num_delivered)
                 await msg.ack()
                 HANDLED.labels(spec.durable, "dead_lettered").inc()
                 return
             except Exception as exc:
                 if num_delivered >= spec.max_deliver:
                     log.error("message_gave_up", error=repr(exc), num_delivered=num_delivered, exc_info=True)
-                    await self._dead_letter(spec, raw, "max_deliver", repr(exc), num_delivered)
+                    await self._dead_letter(spec, msg, "max_deliver", repr(exc), num_delivered)
                     await msg.term()
                     HANDLED.labels(spec.durable, "dead_lettered").inc()
                 else:

@@ -106,14 +106,10 @@ class UnitOfWork(Generic[R]):
         if self._first_lock is not None:
             statements.append(f"SELECT pg_advisory_xact_lock(hashtext({text_literal(self._first_lock)}))")
         if self._inbox_key is not None:
-            consumer, message_id = self._inbox_key
-            statements.append(
-                f"INSERT INTO inbox (consumer, message_id) VALUES ({text_literal(consumer)}, "
-                f"{text_literal(message_id)}) ON CONFLICT DO NOTHING"
-            )
+            statements.append(inbox.claim_statement(*self._inbox_key))
         status = await self.conn.execute("; ".join(statements))
         if self._inbox_key is not None:
-            self._inbox_fresh = status == "INSERT 0 1"
+            self._inbox_fresh = inbox.claimed(status)
 
     async def _abandon(self) -> None:
         """Roll back whatever is still open (nothing after a commit) and give the connection back."""

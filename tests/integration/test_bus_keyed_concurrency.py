@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -14,7 +13,6 @@ import pytest
 from gpuaas_common.bus import Bus, HandlerContext, KeyedLanes, ordering_key
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
-from gpuaas_common.jetstream import provision
 from gpuaas_dev.testing.durables import durable_at_end
 from gpuaas_dev.testing.waiting import eventually
 
@@ -56,15 +54,6 @@ async def test_lanes_release_each_key_in_entry_order_and_forget_drained_keys() -
     done_a2()
     done_b()
     assert len(lanes) == 0
-
-
-@pytest.fixture
-async def js(nats_server) -> AsyncIterator[Any]:
-    nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
-    await provision(js)
-    yield js
-    await nc.drain()
 
 
 async def test_a_stuck_allocation_holds_up_only_itself_and_each_allocation_keeps_its_order(js, nats_server) -> None:

@@ -23,15 +23,6 @@ from gpuaas_dev.testing.waiting import eventually
 
 
 @pytest.fixture
-async def js(nats_server):
-    nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
-    await provision(js)
-    yield js
-    await nc.drain()
-
-
-@pytest.fixture
 async def outbox_db(fresh_db):
     conn = await asyncpg.connect(fresh_db)
     await apply_migrations(conn, "svc", None)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
@@ -30,15 +29,6 @@ def _body(reason: str) -> bytes:
     payload = m.AllocationReleaseRequested(allocation_id=uuid.uuid4(), reason=reason).model_dump(mode="json")
     env = Envelope.wrap("allocation.release_requested", payload, producer="test", correlation_id="c")
     return env.model_dump_json().encode()
-
-
-@pytest.fixture
-async def js(nats_server) -> AsyncIterator[Any]:
-    nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
-    await provision(js)
-    yield js
-    await nc.drain()
 
 
 class _Hands:

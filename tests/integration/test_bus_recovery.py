@@ -11,31 +11,20 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import nats
-import pytest
 
 from gpuaas_common.bus import Bus, HandlerContext
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
-from gpuaas_common.jetstream import CONSUMERS, ConsumerSpec, node_agent_consumer, provision
+from gpuaas_common.jetstream import CONSUMERS, ConsumerSpec, node_agent_consumer
 from gpuaas_common.settings import ServiceSettings
 from gpuaas_dev.testing.durables import durable_at_end
 from gpuaas_dev.testing.waiting import eventually
 
 SUBJECT = "gpuaas.allocation.release_requested"
 ACK_WAIT_S = 1.0
-
-
-@pytest.fixture
-async def js(nats_server) -> AsyncIterator[Any]:
-    nc = await nats.connect(nats_server.url)
-    js = nc.jetstream()
-    await provision(js)
-    yield js
-    await nc.drain()
 
 
 async def _durable_at_end(js: Any) -> ConsumerSpec:
