@@ -28,6 +28,7 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -506,12 +507,14 @@ def _stack(
     )
 
 
-async def _with_stack(stack: Stack, fn):
-    await asyncio.get_running_loop().run_in_executor(None, stack.start)
+async def _with_stack(stack: Stack, fn, keep_run_dir: bool = False):
     try:
+        await asyncio.get_running_loop().run_in_executor(None, stack.start)
         return await fn(stack)
     finally:
         stack.stop()
+        if not keep_run_dir:  # logs, databases and stream files: hundreds of MB per run
+            shutil.rmtree(stack.run_dir, ignore_errors=True)
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -553,7 +556,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         relay = await relay_vs_raw(stack, args.relay_rows) if args.relay_rows else {}
         return points, relay
 
-    points, relay = await _with_stack(new_stack(), sweep)
+    points, relay = await _with_stack(new_stack(), sweep, args.keep_run_dir)
     result: dict[str, Any] = {
         "benchmark": "pipeline",
         "sweep_instant_hosts": points,
@@ -574,7 +577,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     }
     if args.full_rate:
         result["e2e_requested_to_active_full_simulated_hosts"] = await _with_stack(
-            new_stack(instant=False), lambda s: e2e_latency(s, args.full_rate, args.duration, args.gpus)
+            new_stack(instant=False),
+            lambda s: e2e_latency(s, args.full_rate, args.duration, args.gpus),
+            args.keep_run_dir,
         )
     if args.open_bus:
         # The same instant-host point on an open bus (no JWTs, no TLS): what identities cost.
@@ -585,7 +590,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             point = await sweep_point(stack, stack_pids(stack), rate, args.duration, args.gpus, args.idle_s)
             return point, await relay_vs_raw(stack, args.relay_rows) if args.relay_rows else {}
 
-        open_point, open_relay = await _with_stack(new_stack(auth=False), open_run)
+        open_point, open_relay = await _with_stack(new_stack(auth=False), open_run, args.keep_run_dir)
         result["auth_overhead"] = {
             "rate": rate,
             "open_bus_point": open_point,
@@ -621,6 +626,7 @@ def main() -> None:
     parser.add_argument("--full-rate", type=float, default=0.0, help="also run full simulated hosts at this rate")
     parser.add_argument("--open-bus", action="store_true", help="also run a point on an open bus (auth overhead)")
     parser.add_argument("--relay-rows", type=int, default=5000, help="outbox relay rows (0: skip)")
+    parser.add_argument("--keep-run-dir", action="store_true", help="keep the stack's logs and data afterwards")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))

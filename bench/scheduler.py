@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import shutil
 import sys
 import tempfile
 import time
@@ -212,6 +213,7 @@ async def bench(sizes: list[int], count1: int, count4: int, workers_list: list[i
         await admin.close()
     finally:
         pg.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     summary: dict = {"runs": results, "fsync": True, "cpus": mp.cpu_count()}
     by = {(r["nodes"], r["gpus"], r["workers"]): r for r in results}
     lo, hi = min(sizes), max(sizes)
