@@ -120,16 +120,29 @@ async def deliver(handler: "Handler", ctx: HandlerContext, uow: Any, first_lock:
 Handler = Callable[[HandlerContext], Awaitable[None]]
 
 
+# `parse_message` without a decoded body decodes it itself.
+_NOT_DECODED: Any = object()
+
+
 def retry_delay(delays: tuple[float, ...], num_delivered: int) -> float:
     return delays[min(max(num_delivered - 1, 0), len(delays) - 1)]
 
 
-def parse_message(subject: str, body: bytes) -> tuple[Envelope, BaseModel]:
-    """Decode and validate a wire message; raises PermanentError with a reason code."""
+def decode_body(body: bytes) -> Any:
+    """The body as JSON, or the PermanentError saying why it is not. A consumer decodes each body once, at
+    receipt: its lane key and its handler's payload both read the result."""
     try:
-        data = json.loads(body)
+        return json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise PermanentError("not_json", f"body is not JSON: {exc}") from None
+        return PermanentError("not_json", f"body is not JSON: {exc}")
+
+
+def parse_message(subject: str, body: bytes, decoded: Any = _NOT_DECODED) -> tuple[Envelope, BaseModel]:
+    """Decode and validate a wire message (`decoded`: what `decode_body` made of `body` already); raises
+    PermanentError with a reason code."""
+    data = decode_body(body) if decoded is _NOT_DECODED else decoded
+    if isinstance(data, PermanentError):
+        raise data
     try:
         envelope = Envelope.model_validate(data)
     except ValidationError as exc:
@@ -178,12 +191,16 @@ ORDERING_FIELDS = ("allocation_id", "operation_id", "slug", "node_id", "task_id"
 
 
 def ordering_key(subject: str, body: bytes) -> str:
-    """The aggregate a message belongs to, read cheaply from the raw body; messages that share it are handled
-    one after the other in delivery order. Unparseable bodies share one lane: they only go to the DLQ."""
-    try:
-        payload = json.loads(body).get("payload")
-    except (ValueError, UnicodeDecodeError, AttributeError):
+    """The aggregate a message belongs to; messages that share it are handled one after the other in delivery
+    order. Unparseable bodies share one lane: they only go to the DLQ."""
+    return lane_key(subject, decode_body(body))
+
+
+def lane_key(subject: str, decoded: Any) -> str:
+    """`ordering_key` of a body `decode_body` has decoded."""
+    if not isinstance(decoded, dict):
         return "<unparseable>"
+    payload = decoded.get("payload")
     if isinstance(payload, dict):
         for name in ORDERING_FIELDS:
             value = payload.get(name)
@@ -304,25 +321,26 @@ class Bus:
         self.consumers.append(spec)
         lanes = KeyedLanes()
 
-        async def run(msg: Msg, keep: _KeepAlive, turn: "asyncio.Future[None] | None", done: Any) -> None:
+        async def run(msg: Msg, decoded: Any, keep: _KeepAlive, turn: "asyncio.Future[None] | None", done: Any) -> None:
             try:
                 if turn is not None:
                     await turn  # the previous message of the same aggregate has been handled
-                await self.dispatch(spec, handlers, msg, transactional, first_lock)
+                await self.dispatch(spec, handlers, msg, transactional, first_lock, decoded)
             finally:
                 done()
 
         def start(msg: Msg, free_place: Callable[[], None]) -> None:
             # From receipt: a message waiting for its turn is in flight too.
             keep = _KeepAlive(msg, spec.ack_wait_s)
-            turn, lane_done = lanes.enter(ordering_key(msg.subject, msg.data))
+            decoded = decode_body(msg.data)
+            turn, lane_done = lanes.enter(lane_key(msg.subject, decoded))
 
             def done() -> None:
                 lane_done()
                 keep.stop()
                 free_place()
 
-            task = asyncio.create_task(run(msg, keep, turn, done))
+            task = asyncio.create_task(run(msg, decoded, keep, turn, done))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
 
@@ -369,12 +387,13 @@ class Bus:
         msg: Msg,
         transactional: bool,
         first_lock: Callable[[Any], str | None] | None = None,
+        decoded: Any = _NOT_DECODED,
     ) -> None:
         subject = msg.subject
         md = msg.metadata
         num_delivered = md.num_delivered or 1
         try:
-            envelope, payload = parse_message(subject, msg.data)
+            envelope, payload = parse_message(subject, msg.data, decoded)
         except PermanentError as exc:
             await self._dead_letter(spec, msg, exc.reason_code, exc.reason, num_delivered)
             await msg.ack()

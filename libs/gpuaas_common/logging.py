@@ -7,6 +7,7 @@ Secrets are scrubbed by key name as a last line of defence; code should never bi
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Any
@@ -16,10 +17,16 @@ import structlog
 _SECRET_KEYS = ("api_key", "apikey", "token", "password", "secret", "authorization", "database_url")
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_secret_key(key: str) -> bool:
+    # Cached: a process logs a few dozen key names, and every line used to test each against every marker.
+    lowered = key.lower()
+    return any(s in lowered for s in _SECRET_KEYS)
+
+
 def _scrub_secrets(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
     for key in list(event_dict):
-        lowered = key.lower()
-        if any(s in lowered for s in _SECRET_KEYS):
+        if _is_secret_key(key):
             event_dict[key] = "**redacted**"
     return event_dict
 
