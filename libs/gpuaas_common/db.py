@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
+import json
+import math
 import re
+import uuid
 
 import asyncpg
 
@@ -53,6 +57,39 @@ def text_literal(value: str) -> str:
 def bytea_literal(value: bytes) -> str:
     """`value` as a bytea expression for a simple query: hex digits only, nothing to escape."""
     return f"decode('{value.hex()}', 'hex')"
+
+
+class NoLiteral(TypeError):
+    """A value `sql_literal` does not render: the caller sends its statement with parameters instead."""
+
+
+def sql_literal(value: object) -> str:
+    """`value` as a constant for a statement sent without parameters (written behind and sent with the next
+    statement or the COMMIT): NULL, a boolean, a finite number, or a string constant that Postgres converts
+    to the column's type as it would a parameter (text, uuid, json/jsonb from a dict or list, timestamptz
+    from an aware datetime). Anything else raises NoLiteral, never a guess: a naive datetime would be read
+    in the session's time zone."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "TRUE" if value else "FALSE"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise NoLiteral(f"{value!r} has no literal here")
+        return repr(value)
+    if isinstance(value, str):
+        return text_literal(value)
+    if isinstance(value, uuid.UUID):
+        return f"'{value}'"
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise NoLiteral("a naive datetime")
+        return f"'{value.isoformat()}'"
+    if isinstance(value, (dict, list)):
+        return text_literal(json.dumps(value))
+    raise NoLiteral(f"no literal for a {type(value).__name__}")
 
 
 def check_schema(schema: str) -> str:

@@ -133,8 +133,14 @@ class UnitOfWork(Generic[R]):
         return not await inbox.claim(self.conn, consumer, message_id)
 
     async def commit(self) -> None:
+        # Repositories that write behind (`deferred_sql()`) hand over what they have not sent yet.
+        behind = getattr(self.repos, "deferred_sql", None)
+        statements = list(behind()) if callable(behind) else []
         rows = pending_statement(self.schema, self.events.pending)
-        status = await self.conn.execute(f"{rows}; COMMIT" if rows else "COMMIT")
+        if rows:
+            statements.append(rows)
+        statements.append("COMMIT")
+        status = await self.conn.execute("; ".join(statements))
         if status != "COMMIT":
             # Postgres answers COMMIT of a transaction an error had already aborted with ROLLBACK, not an error.
             raise asyncpg.InFailedSQLTransactionError(f"the transaction was rolled back at commit ({status})")

@@ -9,21 +9,52 @@ from typing import Any
 
 import asyncpg
 
+from gpuaas_common.db import NoLiteral, sql_literal
+
 from ..domain.model import ActiveImage
 
 
 class AllocationRepository:
-    """Every statement the allocator's handlers run, on the unit of work's connection."""
+    """Every statement the allocator's handlers run, on the unit of work's connection.
+
+    Writes whose result nobody reads (state changes, timeline rows, column updates) are written behind: kept
+    as SQL text and sent in the round trip of the next statement, or with the unit of work's COMMIT
+    (`deferred_sql`). A handler that moves an allocation twice and commits sends one round trip instead of
+    three. Every statement that reads first sends what is behind, so a read sees every earlier write. The
+    timeline's next sequence number is known without asking because the allocation is locked (`lock` reads
+    the last one) or was created in this unit of work."""
 
     def __init__(self, conn: asyncpg.Connection) -> None:
         self.conn = conn
+        self._behind: list[str] = []
+        # Last timeline seq of each allocation this unit of work locked or created: nobody else writes it meanwhile.
+        self._last_seq: dict[uuid.UUID, int] = {}
+
+    def deferred_sql(self) -> list[str]:
+        """The statements written behind and not yet sent, handed over (the unit of work sends them with its
+        COMMIT)."""
+        out, self._behind = self._behind, []
+        return out
+
+    async def _flush(self) -> None:
+        if self._behind:
+            await self.conn.execute("; ".join(self.deferred_sql()))
 
     async def lock(self, allocation_id: uuid.UUID) -> dict[str, Any] | None:
         """The allocation, locked until the unit of work ends: messages about one allocation serialise here."""
-        row = await self.conn.fetchrow("SELECT * FROM allocations WHERE allocation_id = $1 FOR UPDATE", allocation_id)
+        await self._flush()
+        row = await self.conn.fetchrow(
+            "SELECT a.*, (SELECT COALESCE(MAX(t.seq), 0) FROM allocation_timeline t "
+            "WHERE t.allocation_id = a.allocation_id) AS last_timeline_seq_ "
+            "FROM allocations a WHERE a.allocation_id = $1 FOR UPDATE OF a",
+            allocation_id,
+        )
         if row is None:
+            # Nothing to lock; a row this unit of work inserts has no timeline yet (`insert`).
+            self._last_seq.pop(allocation_id, None)
             return None
         out = dict(row)
+        self._last_seq[allocation_id] = out.pop("last_timeline_seq_")
         for key in ("request", "placement", "access"):
             if isinstance(out.get(key), str):
                 out[key] = json.loads(out[key])
@@ -33,6 +64,7 @@ class AllocationRepository:
         """Rows matching `where` (with `$1` the seconds they have waited), oldest `order_by` first, locked until
         the unit of work ends; rows another replica's sweep (or a handler) holds are skipped, so two replicas
         never act on one allocation twice. Both clauses are this module's own constants, never input."""
+        await self._flush()
         rows = await self.conn.fetch(
             f"SELECT allocation_id FROM allocations WHERE {where} ORDER BY {order_by} LIMIT $2 FOR UPDATE SKIP LOCKED",
             after_s,
@@ -91,6 +123,7 @@ class AllocationRepository:
 
     async def accepted_seq(self, allocation_id: uuid.UUID) -> int | None:
         """The lifecycle sequence number of the allocation's `accepted` event."""
+        await self._flush()
         return await self.conn.fetchval(
             "SELECT min(seq) FROM allocation_timeline WHERE allocation_id = $1 AND state = 'accepted'", allocation_id
         )
@@ -99,6 +132,7 @@ class AllocationRepository:
         self, allocation_id: uuid.UUID, task_id: str, node_id: str, result: Any, event_id: str
     ) -> bool:
         """Keep a result that arrived before the allocation knew its task; False when one is already kept."""
+        await self._flush()
         status = await self.conn.execute(
             "INSERT INTO early_task_results (allocation_id, task_id, node_id, result, event_id) "
             "VALUES ($1, $2, $3, $4, $5) ON CONFLICT DO NOTHING",
@@ -112,6 +146,7 @@ class AllocationRepository:
 
     async def take_early_result(self, allocation_id: uuid.UUID, task_id: str) -> dict[str, Any] | None:
         """The kept result of this task, removed: it is applied (or judged) once."""
+        await self._flush()
         row = await self.conn.fetchrow(
             "DELETE FROM early_task_results WHERE allocation_id = $1 AND task_id = $2 RETURNING node_id, result",
             allocation_id,
@@ -124,10 +159,24 @@ class AllocationRepository:
 
     async def insert(self, **fields: Any) -> None:
         cols = ", ".join(fields)
-        params = ", ".join(f"${i}" for i in range(1, len(fields) + 1))
-        await self.conn.execute(f"INSERT INTO allocations ({cols}) VALUES ({params})", *_values(fields))
+        try:
+            self._behind.append(f"INSERT INTO allocations ({cols}) VALUES ({_literals(_values(fields))})")
+        except NoLiteral:
+            await self._flush()
+            params = ", ".join(f"${i}" for i in range(1, len(fields) + 1))
+            await self.conn.execute(f"INSERT INTO allocations ({cols}) VALUES ({params})", *_values(fields))
+        self._last_seq[fields["allocation_id"]] = 0
 
     async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None:
+        try:
+            sets = "".join(f"{col} = {sql_literal(v)}, " for col, v in zip(fields, _values(fields), strict=True))
+            self._behind.append(
+                f"UPDATE allocations SET {sets}updated_at = now() WHERE allocation_id = {sql_literal(allocation_id)}"
+            )
+            return
+        except NoLiteral:
+            pass
+        await self._flush()
         sets = ", ".join(f"{col} = ${i}" for i, col in enumerate(fields, start=2))
         await self.conn.execute(
             f"UPDATE allocations SET {sets}, updated_at = now() WHERE allocation_id = $1",
@@ -145,6 +194,10 @@ class AllocationRepository:
         detail: dict[str, Any] | None = None,
         cause_event_id: str | None = None,
     ) -> int:
+        seq = self._timeline_behind(allocation_id, state, previous_state, reason_code, detail, cause_event_id)
+        if seq is not None:
+            return seq
+        await self._flush()
         return await self.conn.fetchval(
             "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
             "cause_event_id) SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, $3, $4, $5, $6 FROM allocation_timeline "
@@ -168,8 +221,23 @@ class AllocationRepository:
         detail: dict[str, Any] | None = None,
         cause_event_id: str | None = None,
     ) -> int:
-        """`update` and `append_timeline` in one statement (one round trip per transition, the allocator's
-        commonest write); the new timeline seq."""
+        """`update` and `append_timeline` (written behind, or in one statement when the seq is not known);
+        the new timeline seq."""
+        if allocation_id in self._last_seq:
+            try:
+                sets = "".join(f", {col} = {sql_literal(v)}" for col, v in zip(fields, _values(fields), strict=True))
+                update = (
+                    f"UPDATE allocations SET state = {sql_literal(state)}{sets}, updated_at = now() "
+                    f"WHERE allocation_id = {sql_literal(allocation_id)}"
+                )
+            except NoLiteral:
+                update = None
+            if update is not None:
+                seq = self._timeline_behind(allocation_id, state, previous_state, reason_code, detail, cause_event_id)
+                if seq is not None:
+                    self._behind.insert(len(self._behind) - 1, update)  # the row changes before its timeline entry
+                    return seq
+        await self._flush()
         sets = "".join(f", {col} = ${i}" for i, col in enumerate(fields, start=7))
         return await self.conn.fetchval(
             f"WITH changed AS (UPDATE allocations SET state = $2{sets}, updated_at = now() WHERE allocation_id = $1) "
@@ -185,13 +253,40 @@ class AllocationRepository:
             *_values(fields),
         )
 
+    def _timeline_behind(
+        self,
+        allocation_id: uuid.UUID,
+        state: str,
+        previous_state: str | None,
+        reason_code: str | None,
+        detail: dict[str, Any] | None,
+        cause_event_id: str | None,
+    ) -> int | None:
+        """The timeline row written behind, and its seq; None when the seq is not known here."""
+        last = self._last_seq.get(allocation_id)
+        if last is None:
+            return None
+        seq = last + 1
+        values = (allocation_id, seq, state, previous_state, reason_code, json.dumps(detail or {}), cause_event_id)
+        try:
+            self._behind.append(
+                "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
+                f"cause_event_id) VALUES ({_literals(values)})"
+            )
+        except NoLiteral:
+            return None
+        self._last_seq[allocation_id] = seq
+        return seq
+
     async def get_image(self, slug: str) -> ActiveImage | None:
+        await self._flush()
         row = await self.conn.fetchrow(
             "SELECT slug, kind, sku, digest_sha256, image_path FROM active_images WHERE slug = $1", slug
         )
         return ActiveImage(**dict(row)) if row else None
 
     async def upsert_image(self, image: ActiveImage) -> None:
+        await self._flush()
         await self.conn.execute(
             "INSERT INTO active_images (slug, kind, sku, digest_sha256, image_path) VALUES ($1, $2, $3, $4, $5) "
             "ON CONFLICT (slug) DO UPDATE SET kind = EXCLUDED.kind, sku = EXCLUDED.sku, "
@@ -204,12 +299,14 @@ class AllocationRepository:
         )
 
     async def delete_image(self, slug: str) -> None:
+        await self._flush()
         await self.conn.execute("DELETE FROM active_images WHERE slug = $1", slug)
 
     async def advance_image_clock(self, slug: str, occurred_at: datetime) -> bool:
         """Record an image event as the slug's newest and lock the slug's clock row until commit; False
         (nothing changed) when an event as new or newer was applied already. Never later than now: one
         event dated in the future must not freeze the slug."""
+        await self._flush()
         return bool(
             await self.conn.fetchval(
                 "INSERT INTO image_event_clock (slug, event_at) VALUES ($1, LEAST($2::timestamptz, now())) "
@@ -223,6 +320,10 @@ class AllocationRepository:
 
 def _values(fields: dict[str, Any]) -> list[Any]:
     return [json.dumps(v) if isinstance(v, (dict, list)) else v for v in fields.values()]
+
+
+def _literals(values: Any) -> str:
+    return ", ".join(sql_literal(v) for v in values)
 
 
 async def count_images(pool: asyncpg.Pool) -> int:
