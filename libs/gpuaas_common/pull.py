@@ -59,13 +59,19 @@ class PullLoop:
         self.requests = 0
         self._busy = 0
         self._freed = asyncio.Event()
+        self.reply_prefix = ""
 
     def _done(self) -> None:
         self._busy -= 1
         self._freed.set()
 
     async def run(self) -> None:
-        sub = await self.nc.subscribe(self.nc.new_inbox())
+        # Each request has its own reply subject under one wildcard subscription: the server answers the end
+        # of a request (408 expired, 409 refused) on that request's subject, so a late answer to an earlier
+        # request is told apart from the open one's and cannot end it (the open one would stay on the server
+        # while another is sent, and both could deliver: more messages than places).
+        self.reply_prefix = self.nc.new_inbox()
+        sub = await self.nc.subscribe(f"{self.reply_prefix}.*")
         refusals = 0
         try:
             while True:
@@ -80,11 +86,12 @@ class PullLoop:
                     await asyncio.sleep(RECONNECT_POLL_S)
                     continue
                 want = self.places - self._busy
+                reply = f"{self.reply_prefix}.{self.requests + 1}"
                 try:
                     await self.nc.publish(
                         self.next_subject,
                         json.dumps({"batch": want, "expires": int(self.expires_s * 1e9)}).encode(),
-                        reply=sub.subject,
+                        reply=reply,
                     )
                 except nats.errors.ConnectionClosedError:
                     return
@@ -93,7 +100,7 @@ class PullLoop:
                     await asyncio.sleep(REFUSED_BACKOFF_S[-1])
                     continue
                 self.requests += 1
-                outcome = await self._receive(sub, want)
+                outcome = await self._receive(sub, want, reply)
                 if outcome == "refused":
                     await asyncio.sleep(REFUSED_BACKOFF_S[min(refusals, len(REFUSED_BACKOFF_S) - 1)])
                     refusals += 1
@@ -105,8 +112,9 @@ class PullLoop:
             except nats.errors.Error:
                 pass  # the connection is gone: so is the subscription
 
-    async def _receive(self, sub: Any, want: int) -> str:
-        """Start what the open request brings: 'filled', 'expired' (or lost) or 'refused'."""
+    async def _receive(self, sub: Any, want: int, reply: str) -> str:
+        """Start what the open request (answered on `reply`) brings: 'filled', 'expired' (or lost) or
+        'refused'. Messages carry their stream subject; only the server's status answers come on `reply`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.expires_s + GRACE_S
         got = 0
@@ -116,6 +124,8 @@ class PullLoop:
             except nats.errors.TimeoutError:
                 return "expired"  # quietly: the server that held the request is gone, or slow to say so
             status = JetStreamContext.is_status_msg(msg)
+            if status is not None and msg.subject != reply:
+                continue  # the late end of an earlier request, which no longer counts
             if status is None:
                 got += 1
                 self._busy += 1

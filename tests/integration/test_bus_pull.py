@@ -134,6 +134,36 @@ async def test_never_more_messages_in_hand_than_places(js, nats_server) -> None:
     assert hands.most_in_hand == 5
 
 
+async def test_a_late_answer_to_an_earlier_request_does_not_end_the_open_one(js, nats_server) -> None:
+    """The server ends a request (408 expired, 409 refused) on that request's reply subject. An end that comes
+    late, after the loop had already given that request up and asked again, must not end the request now open:
+    the loop would ask once more while the open one still stands on the server, and both could deliver."""
+    spec = await durable_at_end(js, "pull-late-end", SUBJECT)
+    hands = _Hands()
+    consumer = await nats.connect(nats_server.url)
+    # Two places: the one message leaves the request open (filling it would rightly send the next).
+    loop = PullLoop(consumer, spec, hands.start, places=2, expires_s=60.0)
+    task = await _running(loop)
+    sender = await nats.connect(nats_server.url)
+    expired = {"Status": "408", "Description": "Request Timeout"}
+    try:
+        await eventually(lambda: loop.requests == 1, timeout=10, what="the request open")
+        # A 408 on the subject of a request before this one: a leftover, ignored.
+        await sender.publish(f"{loop.reply_prefix}.0", b"", headers=expired)
+        await sender.flush()
+        await js.publish(SUBJECT, _body("after the late end"))
+        await eventually(lambda: len(hands.seen) == 1, timeout=10, what="the message started")
+        assert loop.requests == 1  # still the first request: the leftover ended nothing
+        # The same answer on the open request's subject does end it (so the leftover was read as a status).
+        await sender.publish(f"{loop.reply_prefix}.1", b"", headers=expired)
+        await sender.flush()
+        await eventually(lambda: loop.requests == 2, timeout=10, what="a new request after the real end")
+    finally:
+        await _stop(task)
+        await sender.close()
+        await consumer.close()
+
+
 async def test_a_request_the_killed_server_lost_is_asked_again(tmp_path) -> None:
     server = NatsServer(tmp_path / "nats").start()
     admin = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
