@@ -60,8 +60,8 @@ class ServiceSettings(BaseSettings):
     startup_timeout_s: float = Field(default=30.0, gt=0)
     # Names this replica; no code reads it yet.
     instance_id: str = "0"
-    # The outbox relay's wait when it has nothing to send (a Postgres NOTIFY wakes it sooner), and between
-    # tries for the relay lock that keeps one relay per schema.
+    # How often the outbox relay reads its table even though the NOTIFYs carry the rows (a safety net), and
+    # its wait between tries for the relay lock that keeps one relay per schema.
     relay_poll_interval_s: float = Field(default=1.0, gt=0)
     # Outbox rows read and published at a time.
     relay_batch_size: int = Field(default=200, ge=1, le=10_000)

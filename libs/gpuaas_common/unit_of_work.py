@@ -11,8 +11,8 @@ the rule "domain rows, inbox row and outbox rows commit together or not at all" 
         await uow.commit()              # leaving without commit rolls everything back
 
 Events are collected as they are raised and written to the outbox with the COMMIT, in one round trip,
-with one NOTIFY to wake the relay. `FakeUnitOfWork` has the same surface in memory, so handlers are unit-
-tested without servers (the style of cosmicpython's `service_layer/unit_of_work.py`).
+with one NOTIFY that carries them to the relay. `FakeUnitOfWork` has the same surface in memory, so
+handlers are unit-tested without servers (the style of cosmicpython's `service_layer/unit_of_work.py`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from gpuaas_common.contract import Envelope, derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import ConsumerSpec, ensure_consumer, provision
 from gpuaas_common.migrations import apply_migrations
-from gpuaas_common.outbox import OutboxRelay, OutboxWriter
+from gpuaas_common.outbox import EventCollector, OutboxRelay, OutboxWriter, pending_statement
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.durables import durable_at_end
 from gpuaas_dev.testing.waiting import eventually
@@ -156,6 +156,99 @@ async def test_a_failed_publish_puts_its_rows_back_and_holds_only_its_aggregate(
     for _, data in spy.messages:
         seen.setdefault(data["payload"]["allocation_id"], []).append(data["event_id"])
     assert seen == written
+
+
+async def _commit_one(pool, agg: uuid.UUID) -> str:
+    """One transaction raising one event of `agg`: its NOTIFY carries the row."""
+    async with pool.acquire() as conn, conn.transaction():
+        env = await OutboxWriter(conn, "svc", "test").add(
+            "allocation.release_requested", _release_requested(agg), aggregate_id=str(agg)
+        )
+    return env.event_id
+
+
+def _by_aggregate(spy: BusSpy) -> dict[str, list[str]]:
+    seen: dict[str, list[str]] = {}
+    for _, data in spy.messages:
+        seen.setdefault(data["payload"]["allocation_id"], []).append(data["event_id"])
+    return seen
+
+
+async def test_the_relay_publishes_what_notifications_carry_without_reading_the_table(js, outbox_db, nats_server):
+    dsn, pool = outbox_db
+    spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
+    relay = OutboxRelay(dsn, "svc", js, poll_interval_s=60.0)
+    task = asyncio.create_task(relay.run())
+    aggregates = [uuid.uuid4() for _ in range(3)]
+    written: dict[str, list[str]] = {str(a): [] for a in aggregates}
+    try:
+        await eventually(lambda: relay.reads == 1, what="the read a new leader makes")
+        for _ in range(5):
+            for agg in aggregates:
+                written[str(agg)].append(await _commit_one(pool, agg))
+        await spy.wait_for(lambda: len(spy.messages) >= 15, what="fifteen relayed events")
+        await eventually(lambda: _outbox_empty(pool), what="the published rows deleted")
+        assert relay.reads == 1  # published from the notifications alone, deleted in batches
+    finally:
+        relay.stop()
+        await task
+        await spy.stop()
+    assert _by_aggregate(spy) == written
+    assert spy.violations == []
+
+
+async def test_rows_too_big_for_a_notification_are_read_from_the_table(js, outbox_db, nats_server):
+    dsn, pool = outbox_db
+    spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
+    relay = OutboxRelay(dsn, "svc", js, poll_interval_s=60.0)
+    task = asyncio.create_task(relay.run())
+    agg = uuid.uuid4()
+    events = EventCollector("test")
+    for i in range(30):  # 30 events of ~600 bytes in one commit: more than a NOTIFY may carry
+        await events.add(
+            "allocation.release_requested",
+            m.AllocationReleaseRequested(allocation_id=agg, reason=f"{i}:" + "x" * 400),
+            aggregate_id=str(agg),
+        )
+    statement = pending_statement("svc", events.pending)
+    assert "pg_notify(E'gpuaas_outbox_svc', E'')" in statement  # nothing carried: too big
+    try:
+        await eventually(lambda: relay.reads == 1, what="the read a new leader makes")
+        async with pool.acquire() as conn:
+            await conn.execute(f"BEGIN; {statement}; COMMIT")
+        await spy.wait_for(lambda: len(spy.messages) >= 30, what="thirty relayed events")
+        assert relay.reads >= 2  # the empty notification sent the relay to the table
+    finally:
+        relay.stop()
+        await task
+        await spy.stop()
+    assert _by_aggregate(spy) == {str(agg): [p.envelope.event_id for p in events.pending]}
+
+
+async def test_a_failed_publish_of_a_notified_row_holds_its_aggregate_until_the_table_is_read(
+    js, outbox_db, nats_server
+):
+    dsn, pool = outbox_db
+    stuck, other = uuid.uuid4(), uuid.uuid4()
+    spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
+    flaky = _RefusesOnce(js, stuck)
+    relay = OutboxRelay(dsn, "svc", flaky, poll_interval_s=60.0)  # type: ignore[arg-type]
+    task = asyncio.create_task(relay.run())
+    written: dict[str, list[str]] = {str(stuck): [], str(other): []}
+    try:
+        await eventually(lambda: relay.reads == 1, what="the read a new leader makes")
+        for _ in range(3):
+            for agg in (stuck, other):
+                written[str(agg)].append(await _commit_one(pool, agg))
+        await spy.wait_for(lambda: len(spy.messages) >= 6, what="all six events")
+        await eventually(lambda: _outbox_empty(pool), what="the published rows deleted")
+        assert flaky.refused == 1
+        assert relay.reads >= 2  # after the failure the rows came from the table, in order
+    finally:
+        relay.stop()
+        await task
+        await spy.stop()
+    assert _by_aggregate(spy) == written
 
 
 async def test_republished_event_is_dropped_by_jetstream_dedup(js):
