@@ -331,12 +331,13 @@ class OutboxRelay:
         """Publish the rows the pending notifications carry, without reading the table. A notification that
         carries none stops this: the table is read next, which covers it and everything after it."""
         self._wake.clear()
-        notices, self._notices = self._notices, []
+        # At most `batch_size` notifications at a time, as a read takes at most that many rows.
+        notices, self._notices = self._notices[: self.batch_size], self._notices[self.batch_size :]
         rows: list[Notified] = []
         for n, payload in enumerate(notices):
             carried = parse_notice(payload)
             if carried is None:
-                self._notices = notices[n:]  # read the table next: it has these rows and the later ones
+                self._notices[:0] = notices[n:]  # read the table next: it has these rows and the later ones
                 self._clean = False
                 break
             rows.extend(r for r in carried if r.event_id not in self._recent)

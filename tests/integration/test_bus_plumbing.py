@@ -16,7 +16,7 @@ from gpuaas_common.contract import Envelope, derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import ConsumerSpec, ensure_consumer, provision
 from gpuaas_common.migrations import apply_migrations
-from gpuaas_common.outbox import EventCollector, OutboxRelay, OutboxWriter, pending_statement
+from gpuaas_common.outbox import EventCollector, OutboxRelay, OutboxWriter, notice_payload, pending_statement
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.durables import durable_at_end
 from gpuaas_dev.testing.waiting import eventually
@@ -195,6 +195,31 @@ async def test_the_relay_publishes_what_notifications_carry_without_reading_the_
         await spy.stop()
     assert _by_aggregate(spy) == written
     assert spy.violations == []
+
+
+async def test_the_relay_takes_at_most_a_batch_of_notifications_at_a_time(js, outbox_db, nats_server):
+    dsn, pool = outbox_db
+    relay = OutboxRelay(dsn, "svc", js, batch_size=2)
+    agg = uuid.uuid4()
+    notices, ids = [], []
+    for _ in range(5):
+        events = EventCollector("test")
+        env = await events.add("allocation.release_requested", _release_requested(agg), aggregate_id=str(agg))
+        ids.append(env.event_id)
+        notices.append(notice_payload(events.pending, [env.model_dump_json()]))
+    spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
+    conn = await asyncpg.connect(dsn, server_settings={"search_path": "svc"})
+    try:
+        relay._notices = list(notices)
+        assert await relay.relay_notices(conn) == (2, 0)
+        assert relay._notices == notices[2:]  # the rest waits for the next turn, in order
+        assert await relay.relay_notices(conn) == (2, 0)
+        assert await relay.relay_notices(conn) == (1, 0)
+        await spy.wait_for(lambda: len(spy.messages) >= 5, what="five relayed events")
+    finally:
+        await conn.close()
+        await spy.stop()
+    assert _by_aggregate(spy) == {str(agg): ids}
 
 
 async def test_rows_too_big_for_a_notification_are_read_from_the_table(js, outbox_db, nats_server):
