@@ -74,12 +74,14 @@ def sql_literal(value: object) -> str:
     if isinstance(value, bool):
         return "TRUE" if value else "FALSE"
     if isinstance(value, int):
-        return str(value)
+        return str(int(value))  # an int subclass (an enum) renders as its number, never as its name
     if isinstance(value, float):
         if not math.isfinite(value):
             raise NoLiteral(f"{value!r} has no literal here")
         return repr(value)
     if isinstance(value, str):
+        if "\x00" in value:
+            raise NoLiteral("a NUL character")  # sent as a parameter, it fails the way it always did
         return text_literal(value)
     if isinstance(value, uuid.UUID):
         return f"'{value}'"

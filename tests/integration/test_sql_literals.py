@@ -4,6 +4,7 @@ render exactly is refused."""
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import uuid
@@ -14,6 +15,11 @@ import pytest
 
 from gpuaas_common.db import NoLiteral, sql_literal
 
+
+class Slots(enum.IntEnum):
+    EIGHT = 8
+
+
 HOSTILE = "it's a \\'trap\\' $$; DROP TABLE x; -- \\x41 \u00e9\u6f22 \U0001f680"
 
 CASES = [
@@ -22,6 +28,7 @@ CASES = [
     (False, "boolean"),
     (0, "integer"),
     (-(2**40), "bigint"),
+    (Slots.EIGHT, "integer"),
     (1.5e-7, "double precision"),
     ("", "text"),
     (HOSTILE, "text"),
@@ -40,6 +47,8 @@ async def test_a_literal_arrives_as_the_parameter_would(fresh_db, value, type_) 
         await conn.set_type_codec("jsonb", encoder=lambda v: v, decoder=lambda v: v, schema="pg_catalog")
         from_literal = await conn.fetchval(f"SELECT ({sql_literal(value)})::{type_}::text")
         param = json.dumps(value) if isinstance(value, (dict, list)) else value
+        if isinstance(value, enum.IntEnum):
+            param = int(value)
         from_param = await conn.fetchval(f"SELECT ($1::{type_})::text", param)
         assert from_literal == from_param
     finally:
@@ -52,5 +61,5 @@ async def test_a_literal_arrives_as_the_parameter_would(fresh_db, value, type_) 
     ids=["nan", "inf", "naive-datetime", "bytes", "set", "timedelta", "nul"],
 )
 async def test_values_without_an_exact_literal_are_refused(value) -> None:
-    with pytest.raises((NoLiteral, ValueError)):
+    with pytest.raises(NoLiteral):
         sql_literal(value)
