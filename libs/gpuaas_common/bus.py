@@ -386,9 +386,10 @@ class Bus:
         handlers: Mapping[str, Handler],
         msg: Msg,
         transactional: bool,
-        first_lock: Callable[[Any], str | None] | None = None,
-        decoded: Any = _NOT_DECODED,
+        first_lock: Callable[[Any], str | None] | None,
+        decoded: Any,
     ) -> None:
+        """One message, whose body `decode_body` decoded at receipt."""
         subject = msg.subject
         md = msg.metadata
         num_delivered = md.num_delivered or 1

@@ -135,8 +135,8 @@ def notice_payload(pending: list[PendingEvent], bodies: list[str]) -> str:
 
 
 @dataclass
-class Notified:
-    """A row as a notification carried it."""
+class OutboxRow:
+    """An outbox row as the relay publishes it, carried by a notification or read from the table."""
 
     event_id: str
     aggregate_id: str
@@ -145,13 +145,13 @@ class Notified:
     raised_at: float
 
 
-def parse_notice(payload: str) -> list[Notified] | None:
+def parse_notice(payload: str) -> list[OutboxRow] | None:
     """The rows a notification carries; None when it carries none (or nothing this relay can read): read the
     table."""
     try:
         data = json.loads(payload)
         raised = float(data["t"])
-        rows = [Notified(str(e), str(a), str(s), str(b).encode(), raised) for e, a, s, b in data["rows"]]
+        rows = [OutboxRow(str(e), str(a), str(s), str(b).encode(), raised) for e, a, s, b in data["rows"]]
     except (ValueError, TypeError, KeyError):
         return None
     return rows or None
@@ -333,24 +333,14 @@ class OutboxRelay:
         self._wake.clear()
         # At most `batch_size` notifications at a time, as a read takes at most that many rows.
         notices, self._notices = self._notices[: self.batch_size], self._notices[self.batch_size :]
-        rows: list[Notified] = []
-        for n, payload in enumerate(notices):
+        rows: list[OutboxRow] = []
+        for payload in notices:
             carried = parse_notice(payload)
             if carried is None:
-                self._notices[:0] = notices[n:]  # read the table next: it has these rows and the later ones
-                self._clean = False
+                self._clean = False  # the table is read next: it has these rows and those of the later notices
                 break
             rows.extend(r for r in carried if r.event_id not in self._recent)
-        if not rows:
-            return 0, 0
-        groups: OrderedDict[str, list[Notified]] = OrderedDict()
-        for row in rows:
-            groups.setdefault(row.aggregate_id, []).append(row)
-        results = await self._publish_groups(list(groups.values()))
-        failed = [(eid, err) for _, bad in results for eid, err in bad]
-        await self._count_failures(conn, failed)
-        ok = {eid for good, _ in results for eid in good}
-        return self._done([r for r in rows if r.event_id in ok]), len(failed)
+        return await self._publish_rows(conn, rows)
 
     async def drain_once(self, conn: asyncpg.Connection) -> tuple[int, int]:
         """Delete what was published and not yet deleted, and publish the next batch read from the table. No
@@ -367,24 +357,26 @@ class OutboxRelay:
             self.batch_size,
         )
         self._published = []
+        return await self._publish_rows(
+            conn,
+            [
+                OutboxRow(r["event_id"], r["aggregate_id"], r["subject"], bytes(r["body"]), r["created_at"].timestamp())
+                for r in rows
+            ],
+        )
+
+    async def _publish_rows(self, conn: asyncpg.Connection, rows: list[OutboxRow]) -> tuple[int, int]:
+        """Publish `rows` (in the order given per aggregate, aggregates concurrently); (published, failed)."""
         if not rows:
             return 0, 0
-        groups: OrderedDict[str, list[Notified]] = OrderedDict()
+        groups: OrderedDict[str, list[OutboxRow]] = OrderedDict()
         for row in rows:
-            groups.setdefault(row["aggregate_id"], []).append(
-                Notified(
-                    row["event_id"],
-                    row["aggregate_id"],
-                    row["subject"],
-                    bytes(row["body"]),
-                    row["created_at"].timestamp(),
-                )
-            )
+            groups.setdefault(row.aggregate_id, []).append(row)
         results = await self._publish_groups(list(groups.values()))
-        errors = [(eid, err) for _, failed in results for eid, err in failed]
-        await self._count_failures(conn, errors)
+        failed = [(eid, err) for _, bad in results for eid, err in bad]
+        await self._count_failures(conn, failed)
         ok = {eid for good, _ in results for eid in good}
-        return self._done([r for g in groups.values() for r in g if r.event_id in ok]), len(errors)
+        return self._done([r for r in rows if r.event_id in ok]), len(failed)
 
     async def _count_failures(self, conn: asyncpg.Connection, failed: list[tuple[str, str]]) -> None:
         """The failed row keeps its place in the table, with the attempt and the error counted for ops."""
@@ -395,7 +387,7 @@ class OutboxRelay:
         if failed:
             RELAY_ERRORS.labels(self.schema).inc(len(failed))
 
-    def _done(self, rows: list[Notified]) -> int:
+    def _done(self, rows: list[OutboxRow]) -> int:
         """Record what was published: to delete, to recognise if it comes again, and for the metrics."""
         if rows and not self._published:
             self._published_since = time.monotonic()
@@ -416,12 +408,12 @@ class OutboxRelay:
             await conn.execute("DELETE FROM outbox WHERE event_id = ANY($1::text[])", self._published)
             self._published = []
 
-    async def _publish_groups(self, groups: list[list[Notified]]) -> list[tuple[list[str], list[tuple[str, str]]]]:
+    async def _publish_groups(self, groups: list[list[OutboxRow]]) -> list[tuple[list[str], list[tuple[str, str]]]]:
         if len(groups) == 1:  # the common case at low load: no task to gather
             return [await self._publish_group(groups[0])]
         return list(await asyncio.gather(*(self._publish_group(g) for g in groups)))
 
-    async def _publish_group(self, rows: list[Notified]) -> tuple[list[str], list[tuple[str, str]]]:
+    async def _publish_group(self, rows: list[OutboxRow]) -> tuple[list[str], list[tuple[str, str]]]:
         ok: list[str] = []
         for row in rows:
             try:

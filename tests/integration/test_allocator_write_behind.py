@@ -74,3 +74,18 @@ async def test_a_write_behind_that_fails_at_commit_leaves_nothing(pool) -> None:
             await work.commit()
     assert await _timeline(pool, alloc) == before
     assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == "provisioning"
+
+
+async def test_a_seq_counted_by_postgres_keeps_the_next_one_behind_in_step(pool) -> None:  # noqa: F811
+    """A change that had to go at once (a value without a literal) is counted by Postgres; the next change,
+    written behind, must follow that count, not the one the lock read."""
+    alloc = await provisioning(pool, await allocator_offering(pool))
+    before = await _timeline(pool, alloc)
+    async with uow(pool) as work:
+        row = await work.repos.lock(alloc)
+        naive = datetime(2026, 1, 2, 3, 4, 5)
+        first = await work.repos.change_state(alloc, "active", row["state"], fields={"task_deadline_at": naive})
+        second = await work.repos.change_state(alloc, "releasing", "active", fields={})
+        await work.commit()
+    assert (first, second) == (before[-1][0] + 1, before[-1][0] + 2)
+    assert [s for _, s, _ in (await _timeline(pool, alloc))[-2:]] == ["active", "releasing"]

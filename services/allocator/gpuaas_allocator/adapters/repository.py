@@ -168,14 +168,10 @@ class AllocationRepository:
         self._last_seq[fields["allocation_id"]] = 0
 
     async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None:
-        try:
-            sets = "".join(f"{col} = {sql_literal(v)}, " for col, v in zip(fields, _values(fields), strict=True))
-            self._behind.append(
-                f"UPDATE allocations SET {sets}updated_at = now() WHERE allocation_id = {sql_literal(allocation_id)}"
-            )
+        statement = _update_sql(allocation_id, fields)
+        if statement is not None:
+            self._behind.append(statement)
             return
-        except NoLiteral:
-            pass
         await self._flush()
         sets = ", ".join(f"{col} = ${i}" for i, col in enumerate(fields, start=2))
         await self.conn.execute(
@@ -194,11 +190,11 @@ class AllocationRepository:
         detail: dict[str, Any] | None = None,
         cause_event_id: str | None = None,
     ) -> int:
-        seq = self._timeline_behind(allocation_id, state, previous_state, reason_code, detail, cause_event_id)
-        if seq is not None:
-            return seq
+        row = self._timeline_row(allocation_id, state, previous_state, reason_code, detail, cause_event_id)
+        if row is not None:
+            return self._write_behind(allocation_id, row)
         await self._flush()
-        return await self.conn.fetchval(
+        seq: int = await self.conn.fetchval(
             "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
             "cause_event_id) SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, $3, $4, $5, $6 FROM allocation_timeline "
             "WHERE allocation_id = $1 RETURNING seq",
@@ -209,6 +205,7 @@ class AllocationRepository:
             json.dumps(detail or {}),
             cause_event_id,
         )
+        return self._counted(allocation_id, seq)
 
     async def change_state(
         self,
@@ -223,23 +220,13 @@ class AllocationRepository:
     ) -> int:
         """`update` and `append_timeline` (written behind, or in one statement when the seq is not known);
         the new timeline seq."""
-        if allocation_id in self._last_seq:
-            try:
-                sets = "".join(f", {col} = {sql_literal(v)}" for col, v in zip(fields, _values(fields), strict=True))
-                update = (
-                    f"UPDATE allocations SET state = {sql_literal(state)}{sets}, updated_at = now() "
-                    f"WHERE allocation_id = {sql_literal(allocation_id)}"
-                )
-            except NoLiteral:
-                update = None
-            if update is not None:
-                seq = self._timeline_behind(allocation_id, state, previous_state, reason_code, detail, cause_event_id)
-                if seq is not None:
-                    self._behind.insert(len(self._behind) - 1, update)  # the row changes before its timeline entry
-                    return seq
+        row = self._timeline_row(allocation_id, state, previous_state, reason_code, detail, cause_event_id)
+        update = _update_sql(allocation_id, {"state": state, **fields}) if row is not None else None
+        if row is not None and update is not None:
+            return self._write_behind(allocation_id, row, update)  # the row changes before its timeline entry
         await self._flush()
         sets = "".join(f", {col} = ${i}" for i, col in enumerate(fields, start=7))
-        return await self.conn.fetchval(
+        seq: int = await self.conn.fetchval(
             f"WITH changed AS (UPDATE allocations SET state = $2{sets}, updated_at = now() WHERE allocation_id = $1) "
             "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
             "cause_event_id) SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, $3, $4, $5, $6 FROM allocation_timeline "
@@ -252,8 +239,9 @@ class AllocationRepository:
             cause_event_id,
             *_values(fields),
         )
+        return self._counted(allocation_id, seq)
 
-    def _timeline_behind(
+    def _timeline_row(
         self,
         allocation_id: uuid.UUID,
         state: str,
@@ -261,20 +249,31 @@ class AllocationRepository:
         reason_code: str | None,
         detail: dict[str, Any] | None,
         cause_event_id: str | None,
-    ) -> int | None:
-        """The timeline row written behind, and its seq; None when the seq is not known here."""
+    ) -> tuple[int, str] | None:
+        """The next timeline row's seq and INSERT; None when the seq is not known here or a value has no
+        literal."""
         last = self._last_seq.get(allocation_id)
         if last is None:
             return None
-        seq = last + 1
-        values = (allocation_id, seq, state, previous_state, reason_code, json.dumps(detail or {}), cause_event_id)
+        values = (allocation_id, last + 1, state, previous_state, reason_code, json.dumps(detail or {}), cause_event_id)
         try:
-            self._behind.append(
+            return last + 1, (
                 "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
                 f"cause_event_id) VALUES ({_literals(values)})"
             )
         except NoLiteral:
             return None
+
+    def _counted(self, allocation_id: uuid.UUID, seq: int) -> int:
+        """A seq Postgres counted for an allocation whose last seq is kept here: kept up to date."""
+        if allocation_id in self._last_seq:
+            self._last_seq[allocation_id] = seq
+        return seq
+
+    def _write_behind(self, allocation_id: uuid.UUID, row: tuple[int, str], *before: str) -> int:
+        """Keep `before` and then the timeline row to send later; the row's seq."""
+        seq, insert = row
+        self._behind.extend([*before, insert])
         self._last_seq[allocation_id] = seq
         return seq
 
@@ -324,6 +323,15 @@ def _values(fields: dict[str, Any]) -> list[Any]:
 
 def _literals(values: Any) -> str:
     return ", ".join(sql_literal(v) for v in values)
+
+
+def _update_sql(allocation_id: uuid.UUID, fields: dict[str, Any]) -> str | None:
+    """`fields` of the allocation set, as one statement without parameters; None when a value has no literal."""
+    try:
+        sets = "".join(f"{col} = {sql_literal(v)}, " for col, v in zip(fields, _values(fields), strict=True))
+        return f"UPDATE allocations SET {sets}updated_at = now() WHERE allocation_id = {sql_literal(allocation_id)}"
+    except NoLiteral:
+        return None
 
 
 async def count_images(pool: asyncpg.Pool) -> int:
