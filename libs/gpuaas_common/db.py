@@ -7,6 +7,7 @@ import json
 import math
 import re
 import uuid
+from collections.abc import Callable
 
 import asyncpg
 
@@ -92,6 +93,70 @@ def sql_literal(value: object) -> str:
     if isinstance(value, (dict, list)):
         return text_literal(json.dumps(value))
     raise NoLiteral(f"no literal for a {type(value).__name__}")
+
+
+# A `$n` parameter and the cast that follows it, if any (`$4::text[]`).
+_PARAMETER = re.compile(r"\$(\d+)(::[a-z_]+(?:\[\])?)?")
+
+
+def bind_literals(sql: str, *args: object) -> str:
+    """`sql` with each `$n` replaced by `args[n-1]` as a constant (`sql_literal`), for a statement sent
+    without parameters: written behind, or several sent as one simple query. A parameter cast to an array
+    (`$4::text[]`) takes a list or tuple and becomes `ARRAY[…]` of its elements' literals. Raises NoLiteral
+    when a value has no literal; `sql` must hold no `$` outside its parameters."""
+
+    def literal(match: re.Match[str]) -> str:
+        index = int(match.group(1)) - 1
+        if not 0 <= index < len(args):
+            raise NoLiteral(f"${index + 1} has no value")
+        value, cast = args[index], match.group(2) or ""
+        if cast.endswith("[]") and value is not None:
+            if not isinstance(value, (list, tuple)):
+                raise NoLiteral(f"${index + 1} is cast to an array but is a {type(value).__name__}")
+            return f"ARRAY[{', '.join(sql_literal(v) for v in value)}]{cast}"
+        return sql_literal(value) + cast
+
+    return _PARAMETER.sub(literal, sql)
+
+
+class Batch:
+    """Statements to send in one round trip (one simple query) where asyncpg would send each on its own:
+    what a handler writes and never reads back before its transaction ends. In order; when any statement
+    has a value without a literal, every one of them goes with parameters instead, still in order."""
+
+    def __init__(self) -> None:
+        self.statements: list[tuple[str, tuple[object, ...]]] = []
+
+    def add(self, sql: str, *args: object) -> None:
+        self.statements.append((sql, args))
+
+    def __len__(self) -> int:
+        return len(self.statements)
+
+    def rendered(self) -> str | None:
+        """The statements as one simple query, or None when some value has no literal."""
+        try:
+            return "; ".join(bind_literals(sql, *args) for sql, args in self.statements)
+        except NoLiteral:
+            return None
+
+    async def send(self, conn: asyncpg.Connection) -> None:
+        """Now: in one round trip when every value has a literal."""
+        text = self.rendered() if self.statements else ""
+        if text:
+            await conn.execute(text)
+            return
+        for sql, args in self.statements:
+            await conn.execute(sql, *args)
+
+    async def send_with_commit(self, conn: asyncpg.Connection, later: "Callable[[str], None] | None") -> None:
+        """With the unit of work's COMMIT (`later`: its `defer`) when every value has a literal, else now.
+        Only for statements nothing in the transaction reads back: they reach Postgres last."""
+        text = self.rendered() if later is not None and self.statements else None
+        if text and later is not None:
+            later(text)
+            return
+        await self.send(conn)
 
 
 def check_schema(schema: str) -> str:

@@ -25,6 +25,7 @@ from gpuaas_common.contract.envelope import Envelope
 from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
 from gpuaas_dev.testing.waiting import eventually
 from gpuaas_scheduler.adapters import synthetic
+from gpuaas_scheduler.adapters.inventory import refresh_nodes
 from gpuaas_scheduler.service_layer.handlers import ArrivedEarly, Scheduler
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy
 
@@ -138,3 +139,89 @@ async def test_a_repeated_placement_on_another_replica_waits_and_answers_with_th
     assert [a["type"] for a in answers] == ["placement.placed", "placement.placed"]
     assert {a["payload"]["node_id"] for a in answers} == {claims[0]["node_id"]}
     assert [[s["slot_id"] for s in a["payload"]["slots"]] for a in answers] == [[claims[0]["slot_id"]]] * 2
+
+
+async def node_summary(pool: asyncpg.Pool, node: str) -> tuple[Any, ...]:
+    row = await pool.fetchrow(
+        "SELECT free_slots, total_slots, sliced, max_switch_free, max_numa_free, numa_free, numa_capacity "
+        "FROM nodes WHERE node_id = $1",
+        node,
+    )
+    return tuple(row)
+
+
+async def test_lifecycle_writes_sent_with_the_commit_land_with_it_and_not_without_it(pool: asyncpg.Pool) -> None:
+    """`provisioning`, `releasing` and `released` write their slot moves, claim release and capacity summary
+    with the COMMIT (UnitOfWork.defer); the result equals the summary computed from scratch, and a unit of
+    work that never commits leaves none of them."""
+    scheduler = Scheduler(PlacementPolicy())
+    alloc = uuid.uuid4()
+    await deliver(pool, scheduler.on_accepted, "allocation.accepted", accepted(alloc))
+    node = await pool.fetchval("SELECT node_id FROM allocation_resource_claims WHERE allocation_id = $1", alloc)
+    common = {"allocation_id": alloc, "tenant_id": "t1", "shape": "gpu_slice", "node_id": node}
+    provisioning = m.AllocationProvisioning(**common, state="provisioning", seq=4, task_id="task-1")
+
+    # Handled but never committed: the move written with the commit never reaches the database.
+    abandoned = uow(pool)
+    async with abandoned:
+        ctx = context("allocation.provisioning", provisioning)
+        ctx.uow = abandoned
+        await scheduler.on_provisioning(ctx)
+        assert len(abandoned._deferred) == 1
+    assert await slot_statuses(pool, alloc) == ["reserved"]
+
+    await deliver(pool, scheduler.on_provisioning, "allocation.provisioning", provisioning)
+    assert await slot_statuses(pool, alloc) == ["provisioning"]
+    await deliver(
+        pool,
+        scheduler.on_active,
+        "allocation.active",
+        m.AllocationActive(**common, state="active", seq=5, access=m.AccessInfo(ip="10.0.0.5")),
+    )
+    await deliver(
+        pool,
+        scheduler.on_releasing,
+        "allocation.releasing",
+        m.AllocationReleasing(allocation_id=alloc, tenant_id="t1", shape="gpu_slice", state="releasing", seq=6),
+    )
+    assert await slot_statuses(pool, alloc) == ["releasing"]
+    held = await node_summary(pool, node)
+    released = m.AllocationReleased(
+        **common, state="released", seq=7, cleanup=m.CleanupReport(required=True, verified=False, reason="no proof")
+    )
+    await deliver(pool, scheduler.on_released, "allocation.released", released)
+    assert await slot_statuses(pool, alloc) == []  # no live claim left
+    status = await pool.fetchval(
+        "SELECT s.status FROM allocation_resource_claims c JOIN node_resource_slots s ON s.slot_id = c.slot_id "
+        "WHERE c.allocation_id = $1",
+        alloc,
+    )
+    assert status == "cleanup_blocked"
+    moves = [
+        r["to_status"]
+        for r in await pool.fetch("SELECT to_status FROM slot_transitions WHERE allocation_id = $1 ORDER BY id", alloc)
+    ]
+    assert moves[-4:] == ["active", "releasing", "cleanup", "cleanup_blocked"]
+    assert await node_summary(pool, node) == held  # the blocked slot stays out of the free count
+
+    # Released before provisioning: the slot is free again, and the summary written with the commit says so.
+    second = uuid.uuid4()
+    await deliver(pool, scheduler.on_accepted, "allocation.accepted", accepted(second))
+    node = await pool.fetchval("SELECT node_id FROM allocation_resource_claims WHERE allocation_id = $1", second)
+    held = await node_summary(pool, node)
+    ids = {"allocation_id": second, "tenant_id": "t1", "shape": "gpu_slice"}
+    await deliver(
+        pool, scheduler.on_releasing, "allocation.releasing", m.AllocationReleasing(**ids, state="releasing", seq=3)
+    )
+    unwritten = m.CleanupReport(required=False, verified=False, reason="released before provisioning")
+    await deliver(
+        pool,
+        scheduler.on_released,
+        "allocation.released",
+        m.AllocationReleased(**ids, node_id=node, state="released", seq=4, cleanup=unwritten),
+    )
+    after = await node_summary(pool, node)
+    assert after[0] == held[0] + 1
+    async with pool.acquire() as conn:
+        await refresh_nodes(conn, [node])  # from scratch, written at once
+    assert after == await node_summary(pool, node)

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 import asyncpg
 import pytest
 
-from gpuaas_common.db import NoLiteral, sql_literal
+from gpuaas_common.db import Batch, NoLiteral, bind_literals, sql_literal
 
 
 class Slots(enum.IntEnum):
@@ -63,3 +63,77 @@ async def test_a_literal_arrives_as_the_parameter_would(fresh_db, value, type_) 
 async def test_values_without_an_exact_literal_are_refused(value) -> None:
     with pytest.raises(NoLiteral):
         sql_literal(value)
+
+
+# `bind_literals`: a statement with its parameters as constants does what the statement with parameters does.
+BOUND = [
+    ("SELECT $1::text || '/' || $2::integer::text", (HOSTILE, 7)),
+    ("SELECT array_to_string($1::text[], ',') || $2::text", (["reserved", HOSTILE, ""], "!")),
+    ("SELECT cardinality($1::text[])::text", ([],)),
+    ("SELECT coalesce(array_length($1::integer[], 1), -1)::text", (None,)),
+    ("SELECT ($1::integer[])::text", ([0, 3, -2],)),
+    ("SELECT ($2::uuid)::text || $1::boolean::text", (False, uuid.UUID("12345678-1234-5678-1234-567812345678"))),
+    ("SELECT ($1::jsonb ->> 'a')", (json.dumps({"a": HOSTILE}),)),
+    # $1 is not the start of $10.
+    (
+        "SELECT $10::text || $1::text || ($2::integer + $3::integer + $4::integer + $5::integer + $6::integer "
+        "+ $7::integer + $8::integer + $9::integer)::text",
+        ("one", 2, 3, 4, 5, 6, 7, 8, 9, "ten"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("sql", "args"), BOUND, ids=[str(i) for i in range(len(BOUND))])
+async def test_bound_literals_do_what_the_parameters_do(fresh_db, sql, args) -> None:
+    conn = await asyncpg.connect(fresh_db)
+    try:
+        assert await conn.fetchval(bind_literals(sql, *args)) == await conn.fetchval(sql, *args)
+    finally:
+        await conn.close()
+
+
+def test_bind_literals_refuses_what_it_cannot_render() -> None:
+    with pytest.raises(NoLiteral):
+        bind_literals("SELECT $1::text[]", "not a list")
+    with pytest.raises(NoLiteral):
+        bind_literals("SELECT $2::text", "only one value")
+    with pytest.raises(NoLiteral):
+        bind_literals("SELECT $1::text[]", ["nul\x00inside"])
+
+
+async def test_a_batch_goes_in_one_round_trip_or_with_parameters_in_order(fresh_db) -> None:
+    conn = await asyncpg.connect(fresh_db)
+    try:
+        await conn.execute("CREATE TABLE batch_log (n serial PRIMARY KEY, what text NOT NULL)")
+        sent: list[str] = []
+
+        class Counting:
+            """The connection, counting what goes to Postgres."""
+
+            async def execute(self, sql: str, *args: object) -> str:
+                sent.append(sql)
+                return await conn.execute(sql, *args)
+
+        rendered = Batch()
+        for what in ("first", HOSTILE, "third"):
+            rendered.add("INSERT INTO batch_log (what) VALUES ($1::text)", what)
+        await rendered.send(Counting())  # type: ignore[arg-type]
+        assert len(sent) == 1  # one round trip
+        # A value without a literal sends every statement with parameters, still in order.
+        fallback = Batch()
+        fallback.add("INSERT INTO batch_log (what) VALUES ($1::text)", "fourth")
+        fallback.add("INSERT INTO batch_log (what) VALUES ($1::text)", "fifth \N{SNOWMAN}")
+        fallback.add("SELECT $1::bytea IS NOT NULL", b"bytes")
+        await fallback.send(Counting())  # type: ignore[arg-type]
+        assert len(sent) == 4
+        # Written with a commit: handed to `later`, not sent.
+        deferred: list[str] = []
+        last = Batch()
+        last.add("INSERT INTO batch_log (what) VALUES ($1::text)", "sixth")
+        await last.send_with_commit(Counting(), deferred.append)  # type: ignore[arg-type]
+        assert len(sent) == 4 and len(deferred) == 1
+        await conn.execute(deferred[0])
+        got = [r["what"] for r in await conn.fetch("SELECT what FROM batch_log ORDER BY n")]
+        assert got == ["first", HOSTILE, "third", "fourth", "fifth \N{SNOWMAN}", "sixth"]
+    finally:
+        await conn.close()

@@ -11,12 +11,14 @@ applied out of order or dropped.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 import asyncpg
 
 from gpuaas_common.bus import HandlerContext
 from gpuaas_common.contract import caused_event_id, derived_event_id
 from gpuaas_common.contract import messages as m
+from gpuaas_common.db import Batch
 from gpuaas_common.logging import get_logger
 
 from ..adapters import inventory as inv
@@ -33,6 +35,11 @@ def allocation_first_lock(payload: object) -> str | None:
     """The lock every handler of the lifecycle consumer takes first, for the bus to take with the BEGIN."""
     allocation_id = getattr(payload, "allocation_id", None)
     return inv.allocation_lock_key(allocation_id) if allocation_id is not None else None
+
+
+def _later(ctx: HandlerContext) -> Callable[[str], None] | None:
+    """Where a handler puts writes nothing after them reads: its unit of work's COMMIT."""
+    return getattr(ctx.uow, "defer", None)
 
 
 async def _lock_allocation(ctx: HandlerContext, allocation_id: uuid.UUID) -> None:
@@ -144,7 +151,9 @@ class Scheduler:
 
     async def on_provisioning(self, ctx: HandlerContext) -> None:
         await _lock_allocation(ctx, ctx.payload.allocation_id)
-        await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "provisioning", only_from=("reserved",))
+        moves = Batch()
+        inv.set_slot_status_later(moves, ctx.payload.allocation_id, "provisioning", only_from=("reserved",))
+        await moves.send_with_commit(ctx.conn, _later(ctx))
 
     async def on_active(self, ctx: HandlerContext) -> None:
         alloc = ctx.payload.allocation_id
@@ -159,20 +168,24 @@ class Scheduler:
 
     async def on_releasing(self, ctx: HandlerContext) -> None:
         await _lock_allocation(ctx, ctx.payload.allocation_id)
-        await inv.set_slot_status(
-            ctx.conn, ctx.payload.allocation_id, "releasing", only_from=("reserved", "provisioning", "active")
+        moves = Batch()
+        inv.set_slot_status_later(
+            moves, ctx.payload.allocation_id, "releasing", only_from=("reserved", "provisioning", "active")
         )
+        await moves.send_with_commit(ctx.conn, _later(ctx))
 
     async def on_released(self, ctx: HandlerContext) -> None:
         ev: m.AllocationReleased = ctx.payload
         await _lock_allocation(ctx, ev.allocation_id)
-        freed = await release_allocation(ctx.conn, ev.allocation_id, ev.cleanup)
+        freed = await release_allocation(ctx.conn, ev.allocation_id, ev.cleanup, later=_later(ctx))
         log.info("claims_released", count=freed, wipe_verified=ev.cleanup.verified)
 
     async def on_failed(self, ctx: HandlerContext) -> None:
         ev: m.AllocationFailed = ctx.payload
         await _lock_allocation(ctx, ev.allocation_id)
-        await fail_allocation(ctx.conn, ev.allocation_id, ev.cleanup_required, f"{ev.reason_code}: {ev.reason}"[:500])
+        await fail_allocation(
+            ctx.conn, ev.allocation_id, ev.cleanup_required, f"{ev.reason_code}: {ev.reason}"[:500], later=_later(ctx)
+        )
 
 
 class ArrivedEarly(RuntimeError):
@@ -196,19 +209,30 @@ def _check_in_order(allocation_id: uuid.UUID, slots: list[asyncpg.Record], targe
         )
 
 
-async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID, cleanup: m.CleanupReport) -> int:
+async def release_allocation(
+    conn: asyncpg.Connection,
+    allocation_id: uuid.UUID,
+    cleanup: m.CleanupReport,
+    *,
+    later: Callable[[str], None] | None = None,
+) -> int:
     """releasing -> cleanup -> available only with a verified wipe proof for each slot's disk;
     otherwise cleanup_blocked with the reason. Claims are released either way: a blocked slot is kept
     out of service by its status, not by a claim nobody will release. A host released from a baremetal
-    allocation leaves baremetal mode for `converting` when it is slice-capable (see domain/host_mode.py)."""
+    allocation leaves baremetal mode for `converting` when it is slice-capable (see domain/host_mode.py).
+    The count is of the live claims it found (and ended). `later`: the unit of work's `defer`, which takes
+    the capacity summary's write to the COMMIT."""
     held = await inv.allocation_slots(conn, allocation_id)
     await inv.lock_nodes(conn, [r["node_id"] for r in held])
     slots = [r for r in held if r["slot_id"]]
     _check_in_order(allocation_id, slots, "available" if not cleanup.required else "cleanup", "released")
+    # Every move and the claims' end in one round trip: nothing here reads them back before the host-mode
+    # check and the capacity summary below.
+    writes = Batch()
     if slots and not cleanup.required:
         # Released before provisioning: the disk was never written.
-        await inv.move_slots(
-            conn,
+        inv.move_slots_later(
+            writes,
             [r["slot_id"] for r in slots],
             "available",
             None,
@@ -218,8 +242,8 @@ async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID,
         )
     elif slots:
         proofs = [p.model_dump(mode="json") for p in cleanup.wipe_proofs]
-        await inv.move_slots(
-            conn,
+        inv.move_slots_later(
+            writes,
             [r["slot_id"] for r in slots],
             "cleanup",
             "verifying wipe proof",
@@ -232,8 +256,8 @@ async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID,
                 wipe_verdict(r, proofs) if cleanup.verified else (cleanup.reason or "wipe proof missing or failed")
             )
             if problem is None:
-                await inv.move_slots(
-                    conn,
+                inv.move_slots_later(
+                    writes,
                     [r["slot_id"]],
                     "available",
                     None,
@@ -244,8 +268,8 @@ async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID,
                 )
             else:
                 # Tenant data may remain: out of service until an operator repairs it.
-                await inv.move_slots(
-                    conn,
+                inv.move_slots_later(
+                    writes,
                     [r["slot_id"]],
                     "cleanup_blocked",
                     problem[:500],
@@ -254,15 +278,21 @@ async def release_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID,
                     detail={"wipe_proofs": proofs},
                     health=("failed", problem[:500]),  # runbook: failed cleanup marks the slot failed
                 )
-    freed = await inv.release_claims(conn, allocation_id)
+    inv.release_claims_later(writes, allocation_id)
+    await writes.send(conn)
     for node_id in sorted({r["node_id"] for r in held if r["claim_kind"] == "node_exclusive"}):
         await host_modes.return_from_baremetal(conn, node_id, allocation_id)
-    await inv.refresh_nodes(conn, [r["node_id"] for r in held])
-    return len(freed)
+    await inv.refresh_nodes(conn, [r["node_id"] for r in held], later=later)
+    return len(held)
 
 
 async def fail_allocation(
-    conn: asyncpg.Connection, allocation_id: uuid.UUID, cleanup_required: bool, reason: str
+    conn: asyncpg.Connection,
+    allocation_id: uuid.UUID,
+    cleanup_required: bool,
+    reason: str,
+    *,
+    later: Callable[[str], None] | None = None,
 ) -> None:
     held = await inv.allocation_slots(conn, allocation_id)
     await inv.lock_nodes(conn, [r["node_id"] for r in held])
@@ -273,10 +303,11 @@ async def fail_allocation(
         "cleanup_blocked" if cleanup_required else "available",
         "failed",
     )
+    writes = Batch()
     if cleanup_required:
         # The attempt touched the disk (clone, boot): never straight back to available.
-        await inv.move_slots(
-            conn,
+        inv.move_slots_later(
+            writes,
             slot_ids,
             "cleanup_blocked",
             reason,
@@ -288,8 +319,8 @@ async def fail_allocation(
             if r["claim_kind"] == "node_exclusive":
                 await inv.drain_node(conn, r["node_id"], f"cleanup required after {reason}"[:500], actor="scheduler")
     else:
-        await inv.move_slots(
-            conn,
+        inv.move_slots_later(
+            writes,
             slot_ids,
             "available",
             None,
@@ -297,8 +328,9 @@ async def fail_allocation(
             allocation_id=allocation_id,
             detail={"failed_without_disk_writes": reason},
         )
-    await inv.release_claims(conn, allocation_id)
-    await inv.refresh_nodes(conn, [r["node_id"] for r in held])
+    inv.release_claims_later(writes, allocation_id)
+    await writes.send(conn)
+    await inv.refresh_nodes(conn, [r["node_id"] for r in held], later=later)
 
 
 # Evidence consumers, one durable per filter subject (see gpuaas_common.jetstream.CONSUMERS).

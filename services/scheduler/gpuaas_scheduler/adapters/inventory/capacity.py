@@ -2,56 +2,76 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import asyncpg
+
+from gpuaas_common.db import Batch
 
 from ...domain.placement import SlotView, summarize
 from .predicates import COUNTED_SLOT_SQL, FREE_SLOT_SQL, slot_view
 
+_UPDATE_SUMMARY_SQL = (
+    "UPDATE nodes SET free_slots = $2::integer, total_slots = $3::integer, sliced = $4::boolean, "
+    "max_switch_free = $5::integer, max_numa_free = $6::integer, numa_free = $7::integer[], "
+    "numa_capacity = $8::integer WHERE node_id = $1::text"
+)
 
-async def refresh_nodes(conn: asyncpg.Connection, node_ids: Iterable[str] | None = None) -> None:
-    """Recompute the capacity summary of some nodes (all when None) from their slots and claims."""
+
+async def refresh_nodes(
+    conn: asyncpg.Connection, node_ids: Iterable[str] | None = None, *, later: Callable[[str], None] | None = None
+) -> None:
+    """Recompute the capacity summary of some nodes (all when None) from their slots and claims. `later`
+    (a unit of work's `defer`): the summary rows are written with its COMMIT, for a caller that reads
+    nothing after this."""
     ids = sorted(set(node_ids)) if node_ids is not None else None
-    nodes = await conn.fetch(
-        "SELECT n.node_id, "
+    # One round trip: each node's counts (computed once per node, hence MATERIALIZED) with its free slots,
+    # one row per free slot and a row of NULLs for a node without any.
+    rows = await conn.fetch(
+        "WITH n AS MATERIALIZED (SELECT n.node_id, "
         f" (SELECT count(*) FROM node_resource_slots t WHERE t.node_id = n.node_id AND t.{COUNTED_SLOT_SQL}) AS total,"
         " (SELECT count(*) FROM allocation_resource_claims c WHERE c.node_id = n.node_id AND c.status <> 'released')"
         "   AS live_claims,"
         " (SELECT COALESCE(max(k), 0) FROM (SELECT count(*) AS k FROM node_resource_slots t WHERE t.node_id = n.node_id"
         f"   AND t.{COUNTED_SLOT_SQL} AND t.numa_node IS NOT NULL GROUP BY t.numa_node) q) AS numa_capacity "
-        "FROM nodes n WHERE ($1::text[] IS NULL OR n.node_id = ANY($1::text[])) ORDER BY n.node_id",
+        "FROM nodes n WHERE ($1::text[] IS NULL OR n.node_id = ANY($1::text[]))) "
+        "SELECT n.node_id, n.total, n.live_claims, n.numa_capacity, "
+        "  f.slot_id, f.numa_node, f.pcie_switch, f.fabric_vf_pci_address "
+        "FROM n LEFT JOIN LATERAL (SELECT s.slot_id, s.numa_node, s.pcie_switch, s.fabric_vf_pci_address "
+        f"  FROM node_resource_slots s WHERE s.node_id = n.node_id AND {FREE_SLOT_SQL}) f ON true "
+        "ORDER BY n.node_id",
         ids,
     )
-    free = await conn.fetch(
-        f"SELECT s.node_id, s.slot_id, s.numa_node, s.pcie_switch, s.fabric_vf_pci_address "
-        f"FROM node_resource_slots s WHERE ($1::text[] IS NULL OR s.node_id = ANY($1::text[])) AND {FREE_SLOT_SQL}",
-        ids,
-    )
+    nodes: dict[str, asyncpg.Record] = {}
     by_node: dict[str, list[SlotView]] = {}
-    for r in free:
-        by_node.setdefault(r["node_id"], []).append(slot_view(r))
+    for r in rows:
+        nodes.setdefault(r["node_id"], r)
+        if r["slot_id"] is not None:
+            by_node.setdefault(r["node_id"], []).append(slot_view(r))
     summaries = [
         summarize(n["node_id"], by_node.get(n["node_id"], []), n["total"], n["live_claims"], n["numa_capacity"])
-        for n in nodes
+        for n in nodes.values()
     ]
-    await conn.executemany(
-        "UPDATE nodes SET free_slots = $2, total_slots = $3, sliced = $4, max_switch_free = $5, max_numa_free = $6, "
-        "numa_free = $7, numa_capacity = $8 WHERE node_id = $1",
-        [
-            (
-                c.node_id,
-                c.free_slots,
-                c.total_slots,
-                c.sliced,
-                c.max_switch_free,
-                c.max_numa_free,
-                list(c.numa_free),
-                c.numa_capacity,
-            )
-            for c in summaries
-        ],
-    )
+    rows = [
+        (
+            c.node_id,
+            c.free_slots,
+            c.total_slots,
+            c.sliced,
+            c.max_switch_free,
+            c.max_numa_free,
+            list(c.numa_free),
+            c.numa_capacity,
+        )
+        for c in summaries
+    ]
+    if later is not None:
+        batch = Batch()
+        for row in rows:
+            batch.add(_UPDATE_SUMMARY_SQL, *row)
+        await batch.send_with_commit(conn, later)
+        return
+    await conn.executemany(_UPDATE_SUMMARY_SQL, rows)
 
 
 async def fleet_shape(conn: asyncpg.Connection) -> tuple[int | None, int | None, int | None]:
