@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import nats.errors
 from nats.aio.client import Client as NatsClient
@@ -59,6 +59,7 @@ class PullLoop:
         self.requests = 0
         self._busy = 0
         self._freed = asyncio.Event()
+        self._open: _Request | None = None
         self.reply_prefix = ""
 
     def _done(self) -> None:
@@ -70,8 +71,12 @@ class PullLoop:
         # of a request (408 expired, 409 refused) on that request's subject, so a late answer to an earlier
         # request is told apart from the open one's and cannot end it (the open one would stay on the server
         # while another is sent, and both could deliver: more messages than places).
+        # A callback subscription, not `next_msg`: nats-py's next_msg makes a task, a wait_for (another task
+        # on Python 3.11) and a uuid4 for every message; the callback is one call on the subscription's task,
+        # and a request's expiry is one timer per request.
         self.reply_prefix = self.nc.new_inbox()
-        sub = await self.nc.subscribe(f"{self.reply_prefix}.*")
+        sub = await self.nc.subscribe(f"{self.reply_prefix}.*", cb=self._on_message)
+        loop = asyncio.get_running_loop()
         refusals = 0
         try:
             while True:
@@ -86,21 +91,29 @@ class PullLoop:
                     await asyncio.sleep(RECONNECT_POLL_S)
                     continue
                 want = self.places - self._busy
-                reply = f"{self.reply_prefix}.{self.requests + 1}"
+                request = _Request(f"{self.reply_prefix}.{self.requests + 1}", want, loop.create_future())
+                self._open = request
                 try:
                     await self.nc.publish(
                         self.next_subject,
                         json.dumps({"batch": want, "expires": int(self.expires_s * 1e9)}).encode(),
-                        reply=reply,
+                        reply=request.reply,
                     )
                 except nats.errors.ConnectionClosedError:
                     return
                 except nats.errors.Error as exc:  # reconnecting with a full buffer: try again shortly
+                    self._open = None
                     log.warning("pull_request_failed", consumer=self.spec.durable, error=repr(exc))
                     await asyncio.sleep(REFUSED_BACKOFF_S[-1])
                     continue
                 self.requests += 1
-                outcome = await self._receive(sub, want, reply)
+                # Quietly expired: the server that held the request is gone, or slow to say so.
+                timer = loop.call_later(self.expires_s + GRACE_S, request.end, "expired")
+                try:
+                    outcome = await request.ended
+                finally:
+                    timer.cancel()
+                    self._open = None
                 if outcome == "refused":
                     await asyncio.sleep(REFUSED_BACKOFF_S[min(refusals, len(REFUSED_BACKOFF_S) - 1)])
                     refusals += 1
@@ -112,31 +125,42 @@ class PullLoop:
             except nats.errors.Error:
                 pass  # the connection is gone: so is the subscription
 
-    async def _receive(self, sub: Any, want: int, reply: str) -> str:
-        """Start what the open request (answered on `reply`) brings: 'filled', 'expired' (or lost) or
-        'refused'. Messages carry their stream subject; only the server's status answers come on `reply`."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.expires_s + GRACE_S
-        got = 0
-        while got < want:
-            try:
-                msg = await sub.next_msg(timeout=max(deadline - loop.time(), 0.001))
-            except nats.errors.TimeoutError:
-                return "expired"  # quietly: the server that held the request is gone, or slow to say so
-            status = JetStreamContext.is_status_msg(msg)
-            if status is not None and msg.subject != reply:
-                continue  # the late end of an earlier request, which no longer counts
-            if status is None:
-                got += 1
-                self._busy += 1
-                self._start(msg, self._done)
-            elif status == "100":
-                continue  # an idle heartbeat
-            elif status in ("404", "408"):
-                return "expired"
-            else:
-                # 409 and the rest: consumer deleted, leader changed, too many waiting requests.
-                description = (msg.headers or {}).get("Description", "")
-                log.info("pull_refused", consumer=self.spec.durable, status=status, description=description)
-                return "refused"
-        return "filled"
+    async def _on_message(self, msg: Msg) -> None:
+        """What the server sends on the reply subjects: stream messages (they carry their stream subject) and
+        the status answers that end a request (on that request's own subject)."""
+        status = JetStreamContext.is_status_msg(msg)
+        request = self._open
+        if status is None:
+            # Counted against the open request; one that came after its request ended is still a message to
+            # handle (and acknowledge), never dropped.
+            self._busy += 1
+            self._start(msg, self._done)
+            if request is not None:
+                request.got += 1
+                if request.got >= request.want:
+                    request.end("filled")
+            return
+        if request is None or msg.subject != request.reply or status == "100":
+            return  # the late end of an earlier request, which no longer counts, or an idle heartbeat
+        if status in ("404", "408"):
+            request.end("expired")
+            return
+        # 409 and the rest: consumer deleted, leader changed, too many waiting requests.
+        description = (msg.headers or {}).get("Description", "")
+        log.info("pull_refused", consumer=self.spec.durable, status=status, description=description)
+        request.end("refused")
+
+
+@dataclass
+class _Request:
+    """One open pull request: answered on `reply`, for `want` messages; `ended` resolves to 'filled',
+    'expired' (or lost) or 'refused'."""
+
+    reply: str
+    want: int
+    ended: "asyncio.Future[str]"
+    got: int = 0
+
+    def end(self, outcome: str) -> None:
+        if not self.ended.done():
+            self.ended.set_result(outcome)
