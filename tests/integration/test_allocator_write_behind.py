@@ -89,3 +89,32 @@ async def test_a_seq_counted_by_postgres_keeps_the_next_one_behind_in_step(pool)
         await work.commit()
     assert (first, second) == (before[-1][0] + 1, before[-1][0] + 2)
     assert [s for _, s, _ in (await _timeline(pool, alloc))[-2:]] == ["active", "releasing"]
+
+
+async def test_the_lock_says_whether_an_early_result_is_kept(pool) -> None:  # noqa: F811
+    """Only a holder of the allocation's lock keeps an early result, so the lock's answer holds for the unit of
+    work: with none kept, taking one sends no statement; with one kept, it is taken once."""
+    alloc = await requested(pool, await allocator_offering(pool))
+    task = f"prov-{alloc}"
+    async with uow(pool) as work:
+        await work.repos.lock(alloc)
+        sent: list[str] = []
+        work.conn.add_query_logger(lambda record: sent.append(record.query))
+        assert await work.repos.take_early_result(alloc, task) is None
+        assert sent == []
+    await pool.execute(
+        "INSERT INTO early_task_results (allocation_id, task_id, node_id, result, event_id) "
+        "VALUES ($1, $2, 'n1', '{}', 'e1')",
+        alloc,
+        task,
+    )
+    async with uow(pool) as work:
+        await work.repos.lock(alloc)
+        assert await work.repos.take_early_result(alloc, task) == {"node_id": "n1", "result": {}}
+        assert await work.repos.take_early_result(alloc, task) is None
+        await work.commit()
+    async with uow(pool) as work:
+        await work.repos.lock(alloc)  # none kept now
+        assert await work.repos.keep_early_result(alloc, task, "n2", {"status": "x"}, "e2")
+        assert await work.repos.take_early_result(alloc, task) == {"node_id": "n2", "result": {"status": "x"}}
+    assert await pool.fetchval("SELECT count(*) FROM early_task_results WHERE allocation_id = $1", alloc) == 0
