@@ -1,10 +1,10 @@
 """The chaos suite's short form (bench/chaos.py runs the long one with the same code): mixed slice and
 baremetal allocations on a 3-node NATS cluster with two replicas of every service while a seeded injector
-kills -9 replicas, kills a NATS server, pauses processes, restarts Postgres fast, immediate and once
-immediately with synchronous_commit off, and makes the MAAS simulator time out, fail and drop answers after
-commit. The independent checker then finds every allocation settled, none lost, nothing held twice in the
-history, one VM per active slice with its claimed devices, one deploy per baremetal allocation, outboxes and
-durables drained and every dead letter with a reason."""
+kills -9 replicas, kills a NATS server, stops one as a rolling upgrade does, pauses processes, restarts
+Postgres fast, immediate and once immediately with synchronous_commit off, and makes the MAAS simulator time
+out, fail and drop answers after commit. The independent checker then finds every allocation settled, none
+lost, nothing held twice in the history, one VM per active slice with its claimed devices, one deploy per
+baremetal allocation, outboxes and durables drained and every dead letter with a reason."""
 
 from __future__ import annotations
 

@@ -84,7 +84,10 @@ CHAOS_ENV: dict[str, Any] = {
 CHAOS_MAAS_TIMERS = {"deploying": 1.0, "releasing": 0.5, "disk_erasing": 0.5}
 
 REPLICATED = ("allocator", "scheduler", "image-pipeline", "maas-gateway")
-FAULT_KINDS = ("kill", "pause", "nats", "pg_fast", "pg_immediate", "pg_async_immediate", "maas")
+# `nats` crashes a server (SIGKILL): its Raft groups elect new leaders only after nats-server's election timeout
+# (4-9 s, constants in server/raft.go). `nats_stop` stops one the way a rolling upgrade does (SIGTERM: the server
+# steps down every Raft leader it holds before it exits) and starts it again.
+FAULT_KINDS = ("kill", "pause", "nats", "nats_stop", "pg_fast", "pg_immediate", "pg_async_immediate", "maas")
 TRANSIENT = ("requested", "accepted", "placed", "provisioning", "releasing")
 SSH_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDev tenant@example"
 
@@ -103,7 +106,15 @@ class ChaosPlan:
     fault_gap_s: tuple[float, float] = (1.0, 4.0)
     # Each kind of fault once first (in a seeded order), then drawn by weight.
     weights: dict[str, float] = field(
-        default_factory=lambda: {"kill": 4, "pause": 3, "nats": 2, "pg_fast": 1, "pg_immediate": 1, "maas": 3}
+        default_factory=lambda: {
+            "kill": 4,
+            "pause": 3,
+            "nats": 2,
+            "nats_stop": 1,
+            "pg_fast": 1,
+            "pg_immediate": 1,
+            "maas": 3,
+        }
     )
     wait_state_s: float = 300.0
     # A portal that sees no answer asks again after this long: a request while the allocator has no record of
@@ -405,11 +416,14 @@ class Injector:
                 await asyncio.sleep(paused)
             finally:
                 stack.kill(target, signal.SIGCONT)
-        elif kind == "nats":
+        elif kind in ("nats", "nats_stop"):
             server = rng.choice(stack.nats_servers)
             down = rng.uniform(2.0, 6.0)
             rec = self._record(kind, server.server_name or "nats", down_s=round(down, 2))
-            server.kill()
+            if kind == "nats":
+                server.kill()
+            else:
+                await asyncio.to_thread(server.stop)
             await asyncio.sleep(down)
             await asyncio.to_thread(server.start, 60.0)
         elif kind in ("pg_fast", "pg_immediate"):
