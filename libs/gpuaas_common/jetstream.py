@@ -7,6 +7,7 @@ stream and consumer is created *or updated* here.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import nats.errors
@@ -67,6 +68,26 @@ STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec("DLQ", ("gpuaas.dlq.>",), max_age_s=30 * DAY, description="Dead letters with reasons"),
 )
 STREAM_BY_NAME = {s.name: s for s in STREAMS}
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` is one token, a trailing `>` one or more."""
+    want, have = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(have) > i
+        if i >= len(have) or (token != "*" and token != have[i]):
+            return False
+    return len(have) == len(want)
+
+
+@functools.lru_cache(maxsize=8192)
+def stream_of(subject: str) -> str:
+    """The stream that captures `subject` ('' when none does): the relay's unit of publishing order."""
+    for spec in STREAMS:
+        if any(subject_matches(p, subject) for p in spec.subjects):
+            return spec.name
+    return ""
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,14 @@ The table stays the truth. The relay reads it (in id order, never `id > last_see
 handed out before commit, so a slow transaction would be skipped) when it becomes leader, every poll
 interval, when a notification carries no rows (too big, or an older writer), and after any failed publish
 until a read finds the table drained. Per-aggregate order: one relay per schema holds an advisory lock; the
-rows of one aggregate are published strictly one after the other, in commit order from notifications and in
-id order from the table, and a failed publish holds back the later rows of its aggregate (they wait in the
-table for the next read). A row published by both paths (committed while a read looked) is published once:
-the relay remembers the event ids it published recently, and JetStream's duplicate window (Nats-Msg-Id) and
-every consumer's inbox drop anything a dying relay left to its successor.
+rows of one aggregate bound for one stream are published strictly one after the other, in commit order from
+notifications and in id order from the table, and a failed publish holds back the later rows of its aggregate
+on that stream (they wait in the table for the next read). Rows of one aggregate bound for different streams
+(an allocation's lifecycle event and its node task) go out side by side: each durable consumer reads one
+stream, so none can see their relative order (a plain subscription to both, an ops watcher's, may), and the
+publishes share one write and one wake-up. A row published by both paths (committed while a read looked) is
+published once: the relay remembers the event ids it published recently, and JetStream's duplicate window
+(Nats-Msg-Id) and every consumer's inbox drop anything a dying relay left to its successor.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pydantic import BaseModel
 
 from .contract import Envelope, spec_for
 from .db import CONNECTION_LOST, bytea_literal, check_schema, text_literal
+from .jetstream import stream_of
 from .logging import get_logger
 
 log = get_logger(__name__)
@@ -254,7 +258,7 @@ class OutboxRelay:
         try:
             lock_conn = await self._connect()
             work_conn = await self._connect()
-            # One relay per schema keeps per-aggregate order across replicas and restarts.
+            # One relay per schema keeps per-aggregate order (per stream) across replicas and restarts.
             while not self._stopping and not await lock_conn.fetchval(
                 "SELECT pg_try_advisory_lock(hashtext($1))", f"gpuaas-relay:{self.schema}"
             ):
@@ -366,12 +370,12 @@ class OutboxRelay:
         )
 
     async def _publish_rows(self, conn: asyncpg.Connection, rows: list[OutboxRow]) -> tuple[int, int]:
-        """Publish `rows` (in the order given per aggregate, aggregates concurrently); (published, failed)."""
+        """Publish `rows` (in the order given per aggregate and stream, those concurrently); (published, failed)."""
         if not rows:
             return 0, 0
-        groups: OrderedDict[str, list[OutboxRow]] = OrderedDict()
+        groups: OrderedDict[tuple[str, str], list[OutboxRow]] = OrderedDict()
         for row in rows:
-            groups.setdefault(row.aggregate_id, []).append(row)
+            groups.setdefault((row.aggregate_id, stream_of(row.subject)), []).append(row)
         results = await self._publish_groups(list(groups.values()))
         failed = [(eid, err) for _, bad in results for eid, err in bad]
         await self._count_failures(conn, failed)

@@ -158,6 +158,66 @@ async def test_a_failed_publish_puts_its_rows_back_and_holds_only_its_aggregate(
     assert seen == written
 
 
+class _RefusesOnceOn:
+    """JetStream that fails the first publish on one subject and passes everything else on."""
+
+    def __init__(self, js, subject: str) -> None:
+        self.js, self.subject, self.refused = js, subject, 0
+
+    async def publish(self, subject: str, body: bytes, **kw):
+        if not self.refused and subject == self.subject:
+            self.refused += 1
+            raise nats.errors.TimeoutError
+        return await self.js.publish(subject, body, **kw)
+
+
+async def test_an_aggregates_rows_keep_their_order_per_stream_and_a_failure_holds_only_its_stream(
+    js, outbox_db, nats_server
+):
+    """An allocation's rows bound for two streams go out side by side; each stream still gets them in commit
+    order, and a failed publish holds back only the later rows on its own stream."""
+    dsn, pool = outbox_db
+    agg = uuid.uuid4()
+    unschedulable = m.PlacementUnschedulable(
+        allocation_id=agg, reason_code="no_capacity", reason="test", free_gpus=0, requested_gpus=1
+    )
+    written: dict[str, list[str]] = {"ALLOCATIONS": [], "SCHEDULER": []}
+    async with pool.acquire() as conn, conn.transaction():
+        writer = OutboxWriter(conn, "svc", "test")
+        for _ in range(2):
+            env = await writer.add("allocation.release_requested", _release_requested(agg), aggregate_id=str(agg))
+            written["ALLOCATIONS"].append(env.event_id)
+            env = await writer.add("placement.unschedulable", unschedulable, aggregate_id=str(agg))
+            written["SCHEDULER"].append(env.event_id)
+    spy = await BusSpy(nats_server.url, "gpuaas.>").start()
+    ours = {*written["ALLOCATIONS"], *written["SCHEDULER"]}
+    flaky = _RefusesOnceOn(js, "gpuaas.allocation.release_requested")
+    relay = OutboxRelay(dsn, "svc", flaky, poll_interval_s=0.2)  # type: ignore[arg-type]
+    conn = await asyncpg.connect(dsn, server_settings={"search_path": "svc"})
+    try:
+        first = await relay.drain_once(conn)
+        await relay.forget_published(conn)
+        left = [r["event_id"] for r in await conn.fetch("SELECT event_id FROM svc.outbox ORDER BY id")]
+    finally:
+        await conn.close()
+    # The other stream's rows went; on the refused stream the refused row and the one after it stayed.
+    assert first == (2, 1)
+    assert left == written["ALLOCATIONS"]
+    task = asyncio.create_task(relay.run())
+    try:
+        await spy.wait_for(lambda: len([d for _, d in spy.messages if d["event_id"] in ours]) >= 4, what="all four")
+        await eventually(lambda: _outbox_empty(pool))
+    finally:
+        relay.stop()
+        await task
+        await spy.stop()
+    seen: dict[str, list[str]] = {"ALLOCATIONS": [], "SCHEDULER": []}
+    for subject, data in spy.messages:
+        if data["event_id"] in ours:
+            seen["SCHEDULER" if subject.startswith("gpuaas.scheduler.") else "ALLOCATIONS"].append(data["event_id"])
+    assert seen == written
+
+
 async def _commit_one(pool, agg: uuid.UUID) -> str:
     """One transaction raising one event of `agg`: its NOTIFY carries the row."""
     async with pool.acquire() as conn, conn.transaction():

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ValidationError
 
 from gpuaas_common.contract.catalog import ALL, MessageSpec
 from gpuaas_common.contract.envelope import SCHEMA_VERSION
-from gpuaas_common.jetstream import CONSUMERS, ConsumerSpec, node_agent_consumer
+from gpuaas_common.jetstream import CONSUMERS, ConsumerSpec, node_agent_consumer, subject_matches
 
 MUST_DEAD_LETTER = frozenset(
     {"garbage", "not_object", "envelope_invalid", "wrong_subject", "payload_invalid", "oversize", "wrong_node"}
@@ -88,17 +88,7 @@ class Pools:
 def consumers_for(subject: str, slice_nodes: Iterable[str]) -> tuple[str, ...]:
     """Durables whose filter takes `subject` (node agents' per-host durables included)."""
     specs: list[ConsumerSpec] = [*CONSUMERS, *(node_agent_consumer(n) for n in slice_nodes)]
-    return tuple(sorted(c.durable for c in specs if _matches(c.filter_subject, subject)))
-
-
-def _matches(filter_subject: str, subject: str) -> bool:
-    f, s = filter_subject.split("."), subject.split(".")
-    for i, tok in enumerate(f):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(f) == len(s)
+    return tuple(sorted(c.durable for c in specs if subject_matches(c.filter_subject, subject)))
 
 
 def consumed_specs() -> list[MessageSpec]:
