@@ -25,6 +25,7 @@ from nats.js.api import (
 )
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
+from .contract.catalog import SCHEDULER_FOLLOWS, spec_for
 from .logging import get_logger
 
 log = get_logger(__name__)
@@ -92,6 +93,10 @@ def stream_of(subject: str) -> str:
 
 @dataclass(frozen=True)
 class ConsumerSpec:
+    """A durable pull consumer. One filter subject (`filter_subject`), or several (`filter_subjects`, with
+    `filter_subject` empty): the subjects of only the messages its handlers act on, so the server never
+    delivers the rest."""
+
     durable: str
     stream: str
     filter_subject: str
@@ -99,6 +104,18 @@ class ConsumerSpec:
     ack_wait_s: float = ACK_WAIT_S
     max_ack_pending: int = 1000
     description: str = ""
+    filter_subjects: tuple[str, ...] = ()
+
+    @property
+    def filters(self) -> tuple[str, ...]:
+        return self.filter_subjects or (self.filter_subject,)
+
+    @property
+    def admin_provisioned(self) -> bool:
+        """Created by the admin identity (`provision`), never by its service: the create subject can name one
+        filter (`$JS.API.CONSUMER.CREATE.<stream>.<durable>.<filter>`), so a right to create a durable with
+        several would be a right to point it at any subject of its stream. The service only binds to it."""
+        return bool(self.filter_subjects)
 
     def config(self) -> ConsumerConfig:
         # `name` as well as `durable_name`: nats-py then creates it on
@@ -112,14 +129,17 @@ class ConsumerSpec:
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self.ack_wait_s,
             max_deliver=self.max_deliver,
-            filter_subject=self.filter_subject,
+            filter_subject=self.filter_subject or None,
+            filter_subjects=list(self.filter_subjects) or None,
             max_ack_pending=self.max_ack_pending,
         )
 
 
-def consumer(durable: str, stream: str, filter_subject: str, **kw: object) -> ConsumerSpec:
+def consumer(durable: str, stream: str, filter_subject: str | tuple[str, ...], **kw: object) -> ConsumerSpec:
     if stream not in STREAM_BY_NAME:
         raise ValueError(f"unknown stream {stream}")
+    if isinstance(filter_subject, tuple):
+        return ConsumerSpec(durable=durable, stream=stream, filter_subject="", filter_subjects=filter_subject, **kw)  # type: ignore[arg-type]
     return ConsumerSpec(durable=durable, stream=stream, filter_subject=filter_subject, **kw)  # type: ignore[arg-type]
 
 
@@ -132,7 +152,12 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     consumer("allocator-enrolments", "NODE_REPORTS", "gpuaas.node.*.report.enrolled"),
     consumer("allocator-maas-results", "MAAS", "gpuaas.maas.result.>"),
     consumer("allocator-images", "IMAGES", "gpuaas.image.event.>"),
-    consumer("scheduler-allocation-events", "ALLOCATIONS", "gpuaas.allocation.event.>"),
+    # The lifecycle events the scheduler acts on; `placed`, `unschedulable` and the rejections are not delivered.
+    consumer(
+        "scheduler-allocation-events",
+        "ALLOCATIONS",
+        tuple(spec_for(f"allocation.{state}").subject() for state in SCHEDULER_FOLLOWS),
+    ),
     consumer("maas-gateway-commands", "MAAS", "gpuaas.maas.command.>"),
     consumer("image-pipeline-enrolments", "NODE_REPORTS", "gpuaas.node.*.report.enrolled"),
     consumer("image-pipeline-cache-reports", "NODE_REPORTS", "gpuaas.node.*.report.image_cache"),
@@ -172,7 +197,8 @@ def _consumer_differs(have: ConsumerConfig, want: ConsumerConfig) -> bool:
     return (
         have.max_deliver != want.max_deliver
         or have.ack_wait != want.ack_wait
-        or have.filter_subject != want.filter_subject
+        or (have.filter_subject or None) != (want.filter_subject or None)
+        or sorted(have.filter_subjects or []) != sorted(want.filter_subjects or [])
         or have.max_ack_pending != want.max_ack_pending
         or have.ack_policy != want.ack_policy
     )
@@ -199,14 +225,32 @@ async def ensure_stream(
     return "unchanged"
 
 
-async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec) -> str:
+class DurableNotAsProvisioned(Exception):
+    """A durable only the admin identity creates (`ConsumerSpec.admin_provisioned`) exists with another config
+    than this code's: provisioning has not been run for this version."""
+
+
+async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec, *, create: bool = True) -> str:
+    """Create or update the durable; `create=False` (a service binding to a durable the admin provisions) only
+    checks it is there as declared: NotFoundError while it is not, DurableNotAsProvisioned when it differs."""
     want = spec.config()
     try:
         info = await js.consumer_info(spec.stream, spec.durable)
     except nats.js.errors.NotFoundError:
+        if not create:
+            raise
         await js.add_consumer(spec.stream, want)
         log.info("consumer_created", consumer=spec.durable, stream=spec.stream)
         return "created"
+    if not create:
+        if _consumer_differs(info.config, want):
+            raise DurableNotAsProvisioned(
+                f"{spec.durable} on {spec.stream} filters {info.config.filter_subjects or info.config.filter_subject}"
+                f" (max_deliver {info.config.max_deliver}, ack_wait {info.config.ack_wait}), not {list(spec.filters)}"
+                f" (max_deliver {spec.max_deliver}, ack_wait {spec.ack_wait_s}): run the admin's provisioning"
+                " (`gpuaas identities provision`) for this version"
+            )
+        return "bound"
     if _consumer_differs(info.config, want):
         # add_consumer on an existing durable is the JetStream "create or update" call.
         await js.add_consumer(spec.stream, want)
@@ -221,7 +265,8 @@ async def ensure_consumers(
     *,
     wait_s: float = 60.0,
 ) -> dict[str, str]:
-    """Create or update one's own durables, waiting for their streams to be provisioned by someone else."""
+    """Create or update one's own durables, waiting for their streams to be provisioned by someone else; bind to
+    those the admin provisions (`admin_provisioned`), waiting for them the same way."""
     outcome: dict[str, str] = {}
     for spec in consumers:
         async for attempt in AsyncRetrying(
@@ -238,7 +283,7 @@ async def ensure_consumers(
             ),
         ):
             with attempt:
-                outcome[f"consumer:{spec.durable}"] = await ensure_consumer(js, spec)
+                outcome[f"consumer:{spec.durable}"] = await ensure_consumer(js, spec, create=not spec.admin_provisioned)
     return outcome
 
 
@@ -270,7 +315,8 @@ async def provision(
     *,
     wait_s: float = 30.0,
 ) -> dict[str, str]:
-    """Every stream and the given durables: what the admin identity does; services call ensure_consumers.
+    """Every stream, every durable only the admin creates (`ConsumerSpec.admin_provisioned`) and the given
+    durables: what the admin identity does; services call ensure_consumers.
 
     `replicas` is 3 on a 3-node cluster (every stream, the ledger and — by inheritance — every durable
     survive one dead server), 1 on a single server."""
@@ -290,5 +336,8 @@ async def provision(
             for stream in STREAMS:
                 outcome[f"stream:{stream.name}"] = await ensure_stream(js, stream, storage, replicas)
             outcome[f"kv:{IDENTITY_BUCKET}"] = await ensure_identity_bucket(js, storage, replicas)
-    outcome.update(await ensure_consumers(js, consumers, wait_s=0))
+    durables = {c.durable: c for c in CONSUMERS if c.admin_provisioned}
+    durables.update((c.durable, c) for c in consumers)
+    for spec in durables.values():
+        outcome[f"consumer:{spec.durable}"] = await ensure_consumer(js, spec)
     return outcome

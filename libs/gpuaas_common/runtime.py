@@ -31,7 +31,7 @@ from nats.js import JetStreamContext
 from .bus import Bus
 from .db import create_pool
 from .health import HealthServer
-from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, ensure_consumers, provision
+from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, DurableNotAsProvisioned, ensure_consumers, provision
 from .logging import configure_logging, get_logger
 from .migrations import apply_migrations
 from .natsconn import NatsIdentity
@@ -192,7 +192,7 @@ class ServiceRuntime:
             else:
                 await provision(self.js, self.bus.consumers)  # an open dev server: we provision everything
             await self.bus.start(on_loop_done=self._task_done, check_durables=False)
-        except (nats.errors.Error, OSError, TimeoutError) as exc:
+        except (nats.errors.Error, OSError, TimeoutError, DurableNotAsProvisioned) as exc:
             raise StartupFailed(
                 "nats_setup_failed",
                 f"consumers or streams: {type(exc).__name__}: {exc}"[:500],
@@ -236,8 +236,11 @@ class ServiceRuntime:
         log.info("service_ready", health_port=self.health.port, event_loop=loop.__module__, **self.ready_info)
 
     def consumer_spec(self, durable: str) -> ConsumerSpec:
-        """A declared consumer with this deployment's retry limits applied."""
+        """A declared consumer with this deployment's retry limits applied (not to a durable the admin
+        provisions: it has the declared limits, and the service binds to it as it is)."""
         spec = CONSUMER_BY_NAME[durable]
+        if spec.admin_provisioned:
+            return spec
         return replace(
             spec,
             max_deliver=self.settings.consumer_max_deliver,

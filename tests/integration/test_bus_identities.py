@@ -13,6 +13,7 @@ import contextlib
 import socket
 import ssl
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import asyncpg
@@ -37,7 +38,13 @@ from gpuaas_common.identity.permissions import (
     requests_of,
 )
 from gpuaas_common.identity.tls import TlsFiles, client_context, make_ca_and_server_cert
-from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer, provision
+from gpuaas_common.jetstream import (
+    CONSUMERS,
+    DurableNotAsProvisioned,
+    ensure_consumer,
+    node_agent_consumer,
+    provision,
+)
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.natsconn import NatsIdentity
 from gpuaas_dev.testing.servers import NatsServer, _http_ok
@@ -166,6 +173,28 @@ async def test_service_reads_only_its_own_durables(clients: dict[str, Client], s
     assert not await c.can_publish("$JS.API.STREAM.CREATE.EVIL")
     assert not await c.can_publish(f"$JS.API.STREAM.DELETE.{foreign.stream}")
     assert not await c.can_subscribe("_INBOX.>"), "a shared inbox would let it read others' replies"
+
+
+async def test_a_durable_with_several_filters_is_bound_never_created_by_its_service(
+    clients: dict[str, Client],
+) -> None:
+    """The scheduler's lifecycle durable filters on the events it acts on; the admin provisioned it, the
+    scheduler binds to it and receives only those, and may neither create nor widen it."""
+    spec = next(c for c in durables_of("scheduler") if c.admin_provisioned)
+    c = clients["scheduler"]
+    js = c.nc.jetstream()
+    assert await ensure_consumer(js, spec, create=False) == "bound"
+    info = await js.consumer_info(spec.stream, spec.durable)
+    assert sorted(info.config.filter_subjects or []) == sorted(spec.filters)
+    assert "gpuaas.allocation.event.placed" not in spec.filters
+    # Creating or updating it (any filter, the create subject names none) is refused; so is the subject form
+    # that names a single filter, for a wider one.
+    assert not await c.can_publish(f"$JS.API.CONSUMER.CREATE.{spec.stream}.{spec.durable}")
+    assert not await c.can_publish(f"$JS.API.CONSUMER.CREATE.{spec.stream}.{spec.durable}.gpuaas.allocation.>")
+    # Declared otherwise than provisioned (an older provisioning, say): the service refuses to bind.
+    narrower = replace(spec, filter_subjects=spec.filter_subjects[:-1])
+    with pytest.raises(DurableNotAsProvisioned, match="run the admin's provisioning"):
+        await ensure_consumer(js, narrower, create=False)
 
 
 # --- node agents ----------------------------------------------------------------------------------------

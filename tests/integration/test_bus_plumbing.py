@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from dataclasses import replace
 
 import asyncpg
 import nats
@@ -14,7 +15,7 @@ from gpuaas_common import inbox
 from gpuaas_common.bus import Bus, HandlerContext, PermanentError
 from gpuaas_common.contract import Envelope, derived_event_id
 from gpuaas_common.contract import messages as m
-from gpuaas_common.jetstream import ConsumerSpec, ensure_consumer, provision
+from gpuaas_common.jetstream import CONSUMER_BY_NAME, ConsumerSpec, ensure_consumer, provision
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import EventCollector, OutboxRelay, OutboxWriter, notice_payload, pending_statement
 from gpuaas_dev.testing.bus_spy import BusSpy
@@ -46,6 +47,21 @@ async def test_provision_is_idempotent_and_updates_a_changed_consumer(js):
     assert info.config.max_deliver == 5
     again = await provision(js)
     assert set(again.values()) == {"unchanged"}
+
+
+async def test_provision_moves_a_single_filter_durable_to_its_several_filters(js):
+    """An older deployment's durable on one wildcard filter is updated in place to the filters declared now
+    (what the admin's provisioning does at an upgrade); it keeps its name and place in the stream."""
+    spec = CONSUMER_BY_NAME["scheduler-allocation-events"]
+    old = ConsumerSpec(spec.durable + "-upgrade", spec.stream, "gpuaas.allocation.event.>")
+    assert await ensure_consumer(js, old) == "created"
+    now = replace(spec, durable=old.durable)
+    assert await ensure_consumer(js, now) == "updated"
+    info = await js.consumer_info(spec.stream, old.durable)
+    assert sorted(info.config.filter_subjects or []) == sorted(spec.filters) and not info.config.filter_subject
+    assert await ensure_consumer(js, now) == "unchanged"
+    assert await ensure_consumer(js, now, create=False) == "bound"
+    await js.delete_consumer(spec.stream, old.durable)
 
 
 async def test_relay_publishes_everything_in_per_aggregate_order_with_msg_id(js, outbox_db, nats_server):

@@ -68,6 +68,10 @@ _LIFECYCLE = {
     "failed": (m.AllocationFailed, "The allocation failed; says whether cleanup is required."),
 }
 
+# The lifecycle events the scheduler acts on: its durable filters on exactly these (gpuaas_common.jetstream), so
+# the server never delivers it the others.
+SCHEDULER_FOLLOWS = ("accepted", "provisioning", "active", "releasing", "released", "failed")
+
 ALL: tuple[MessageSpec, ...] = (
     MessageSpec(
         "allocation.requested",
@@ -133,7 +137,7 @@ ALL: tuple[MessageSpec, ...] = (
             f"gpuaas.allocation.event.{name}",
             summary,
             ("allocator",),
-            ("scheduler", "portal", "ops"),
+            ("scheduler", "portal", "ops") if name in SCHEDULER_FOLLOWS else ("portal", "ops"),
         )
         for name, (model, summary) in _LIFECYCLE.items()
     ),

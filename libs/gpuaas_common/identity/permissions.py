@@ -10,7 +10,8 @@ JetStream API subjects used (checked against nats-server 2.15, see shared refere
 - ack/nak/term/progress: pub `$JS.ACK.<stream>.<durable>.>`;
 - bind: pub `$JS.API.CONSUMER.INFO.<stream>.<durable>`;
 - create/update a durable: pub `$JS.API.CONSUMER.CREATE.<stream>.<durable>.<filter>` — the filter is part
-  of the subject, so a service cannot point its durable at another stream subject;
+  of the subject, so a service cannot point its durable at another stream subject; a durable with several
+  filters has no such subject, so the admin identity creates it and its service may only bind to it;
 - publish to a stream: pub on the subject, sub on the inbox prefix for the PubAck.
 Delivery of stream messages ignores subscribe permissions; isolation comes from MSG.NEXT being allowed
 on one's own durable only.
@@ -101,7 +102,7 @@ def consumer_rights(spec: ConsumerSpec, *, may_create: bool) -> tuple[str, ...]:
         f"$JS.API.CONSUMER.INFO.{s}.{d}",
         f"gpuaas.dlq.{d}",
     ]
-    if may_create:
+    if may_create and not spec.admin_provisioned:
         rights.append(f"$JS.API.CONSUMER.CREATE.{s}.{d}.{spec.filter_subject}")
     return tuple(rights)
 
@@ -185,17 +186,22 @@ def role_permissions(role: str) -> Permissions:
         raise ValueError(f"unknown role {role!r}; known: {', '.join(sorted(ROLE_PERMISSIONS))}") from None
 
 
+def _durable_cell(spec: ConsumerSpec) -> str:
+    return f"{spec.durable} (bind only)" if spec.admin_provisioned else spec.durable
+
+
 def render_table() -> str:
     """The README's identity table (markdown). A durable in the third column means: fetch, ack, read its
     info and create it with its fixed filter (`$JS.API.CONSUMER.{MSG.NEXT,INFO,CREATE}`, `$JS.ACK`), and
-    dead-letter to `gpuaas.dlq.<durable>`; nothing else of JetStream's API."""
+    dead-letter to `gpuaas.dlq.<durable>`; nothing else of JetStream's API. One marked "bind only" has several
+    filters: the admin identity creates it, and its service has every right but CREATE."""
     code = lambda items: "<br>".join(f"`{i}`" for i in items) or "nothing"  # noqa: E731
     rows = ["| identity | publishes | consumes (own durables) | subscribes |", "|---|---|---|---|"]
     for service in SERVICES:
         replies = " and replies to requests it receives" if ROLE_PERMISSIONS[service].replies else ""
         rows.append(
             f"| `{service}` | {code(produced_subjects(service))}{replies} | "
-            f"{code(c.durable for c in durables_of(service))} | {code(ROLE_PERMISSIONS[service].sub_allow)} |"
+            f"{code(_durable_cell(c) for c in durables_of(service))} | {code(ROLE_PERMISSIONS[service].sub_allow)} |"
         )
     rows.append(
         f"| `{PORTAL}` | {code(produced_subjects(PORTAL))} | nothing | {code(ROLE_PERMISSIONS[PORTAL].sub_allow)} |"

@@ -88,7 +88,7 @@ class Pools:
 def consumers_for(subject: str, slice_nodes: Iterable[str]) -> tuple[str, ...]:
     """Durables whose filter takes `subject` (node agents' per-host durables included)."""
     specs: list[ConsumerSpec] = [*CONSUMERS, *(node_agent_consumer(n) for n in slice_nodes)]
-    return tuple(sorted(c.durable for c in specs if subject_matches(c.filter_subject, subject)))
+    return tuple(sorted(c.durable for c in specs if any(subject_matches(f, subject) for f in c.filters)))
 
 
 def consumed_specs() -> list[MessageSpec]:
