@@ -134,7 +134,7 @@ class UnitOfWork(Generic[R]):
         return not await inbox.claim(self.conn, consumer, message_id)
 
     def defer(self, statement: str) -> None:
-        """Send `statement` (parameterless SQL, see `db.Batch`) with the COMMIT instead of now: for a write
+        """Send `statement` (parameterless SQL, see `db.bind_literals`) with the COMMIT instead of now: for a write
         that nothing in this unit of work reads back. It fails the commit, and rolls everything back, if it
         fails."""
         self._deferred.append(statement)

@@ -150,76 +150,34 @@ async def node_summary(pool: asyncpg.Pool, node: str) -> tuple[Any, ...]:
     return tuple(row)
 
 
-async def test_lifecycle_writes_sent_with_the_commit_land_with_it_and_not_without_it(pool: asyncpg.Pool) -> None:
-    """`provisioning`, `releasing` and `released` write their slot moves, claim release and capacity summary
-    with the COMMIT (UnitOfWork.defer); the result equals the summary computed from scratch, and a unit of
-    work that never commits leaves none of them."""
+async def test_a_releases_capacity_summary_goes_with_the_commit_and_not_without_it(pool: asyncpg.Pool) -> None:
+    """`released` writes the node's capacity summary with the COMMIT (UnitOfWork.defer): it equals the summary
+    computed from scratch, and a unit of work that never commits leaves the summary (and everything else) as
+    it was."""
     scheduler = Scheduler(PlacementPolicy())
     alloc = uuid.uuid4()
     await deliver(pool, scheduler.on_accepted, "allocation.accepted", accepted(alloc))
     node = await pool.fetchval("SELECT node_id FROM allocation_resource_claims WHERE allocation_id = $1", alloc)
-    common = {"allocation_id": alloc, "tenant_id": "t1", "shape": "gpu_slice", "node_id": node}
-    provisioning = m.AllocationProvisioning(**common, state="provisioning", seq=4, task_id="task-1")
-
-    # Handled but never committed: the move written with the commit never reaches the database.
-    abandoned = uow(pool)
-    async with abandoned:
-        ctx = context("allocation.provisioning", provisioning)
-        ctx.uow = abandoned
-        await scheduler.on_provisioning(ctx)
-        assert len(abandoned._deferred) == 1
-    assert await slot_statuses(pool, alloc) == ["reserved"]
-
-    await deliver(pool, scheduler.on_provisioning, "allocation.provisioning", provisioning)
-    assert await slot_statuses(pool, alloc) == ["provisioning"]
-    await deliver(
-        pool,
-        scheduler.on_active,
-        "allocation.active",
-        m.AllocationActive(**common, state="active", seq=5, access=m.AccessInfo(ip="10.0.0.5")),
-    )
-    await deliver(
-        pool,
-        scheduler.on_releasing,
-        "allocation.releasing",
-        m.AllocationReleasing(allocation_id=alloc, tenant_id="t1", shape="gpu_slice", state="releasing", seq=6),
-    )
-    assert await slot_statuses(pool, alloc) == ["releasing"]
     held = await node_summary(pool, node)
-    released = m.AllocationReleased(
-        **common, state="released", seq=7, cleanup=m.CleanupReport(required=True, verified=False, reason="no proof")
-    )
-    await deliver(pool, scheduler.on_released, "allocation.released", released)
-    assert await slot_statuses(pool, alloc) == []  # no live claim left
-    status = await pool.fetchval(
-        "SELECT s.status FROM allocation_resource_claims c JOIN node_resource_slots s ON s.slot_id = c.slot_id "
-        "WHERE c.allocation_id = $1",
-        alloc,
-    )
-    assert status == "cleanup_blocked"
-    moves = [
-        r["to_status"]
-        for r in await pool.fetch("SELECT to_status FROM slot_transitions WHERE allocation_id = $1 ORDER BY id", alloc)
-    ]
-    assert moves[-4:] == ["active", "releasing", "cleanup", "cleanup_blocked"]
-    assert await node_summary(pool, node) == held  # the blocked slot stays out of the free count
-
-    # Released before provisioning: the slot is free again, and the summary written with the commit says so.
-    second = uuid.uuid4()
-    await deliver(pool, scheduler.on_accepted, "allocation.accepted", accepted(second))
-    node = await pool.fetchval("SELECT node_id FROM allocation_resource_claims WHERE allocation_id = $1", second)
-    held = await node_summary(pool, node)
-    ids = {"allocation_id": second, "tenant_id": "t1", "shape": "gpu_slice"}
+    ids = {"allocation_id": alloc, "tenant_id": "t1", "shape": "gpu_slice"}
     await deliver(
         pool, scheduler.on_releasing, "allocation.releasing", m.AllocationReleasing(**ids, state="releasing", seq=3)
     )
+    # Released before provisioning: the slot is free again.
     unwritten = m.CleanupReport(required=False, verified=False, reason="released before provisioning")
-    await deliver(
-        pool,
-        scheduler.on_released,
-        "allocation.released",
-        m.AllocationReleased(**ids, node_id=node, state="released", seq=4, cleanup=unwritten),
-    )
+    released = m.AllocationReleased(**ids, node_id=node, state="released", seq=4, cleanup=unwritten)
+
+    abandoned = uow(pool)
+    async with abandoned:
+        ctx = context("allocation.released", released)
+        ctx.uow = abandoned
+        await scheduler.on_released(ctx)
+        assert len(abandoned._deferred) == 1  # the summary, not yet sent
+    assert await node_summary(pool, node) == held
+    assert await slot_statuses(pool, alloc) == ["releasing"]
+
+    await deliver(pool, scheduler.on_released, "allocation.released", released)
+    assert await slot_statuses(pool, alloc) == []  # no live claim left
     after = await node_summary(pool, node)
     assert after[0] == held[0] + 1
     async with pool.acquire() as conn:

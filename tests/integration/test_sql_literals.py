@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 import asyncpg
 import pytest
 
-from gpuaas_common.db import Batch, NoLiteral, bind_literals, sql_literal
+from gpuaas_common.db import NoLiteral, bind_literals, sql_literal
 
 
 class Slots(enum.IntEnum):
@@ -99,41 +99,3 @@ def test_bind_literals_refuses_what_it_cannot_render() -> None:
         bind_literals("SELECT $2::text", "only one value")
     with pytest.raises(NoLiteral):
         bind_literals("SELECT $1::text[]", ["nul\x00inside"])
-
-
-async def test_a_batch_goes_in_one_round_trip_or_with_parameters_in_order(fresh_db) -> None:
-    conn = await asyncpg.connect(fresh_db)
-    try:
-        await conn.execute("CREATE TABLE batch_log (n serial PRIMARY KEY, what text NOT NULL)")
-        sent: list[str] = []
-
-        class Counting:
-            """The connection, counting what goes to Postgres."""
-
-            async def execute(self, sql: str, *args: object) -> str:
-                sent.append(sql)
-                return await conn.execute(sql, *args)
-
-        rendered = Batch()
-        for what in ("first", HOSTILE, "third"):
-            rendered.add("INSERT INTO batch_log (what) VALUES ($1::text)", what)
-        await rendered.send(Counting())  # type: ignore[arg-type]
-        assert len(sent) == 1  # one round trip
-        # A value without a literal sends every statement with parameters, still in order.
-        fallback = Batch()
-        fallback.add("INSERT INTO batch_log (what) VALUES ($1::text)", "fourth")
-        fallback.add("INSERT INTO batch_log (what) VALUES ($1::text)", "fifth \N{SNOWMAN}")
-        fallback.add("SELECT $1::bytea IS NOT NULL", b"bytes")
-        await fallback.send(Counting())  # type: ignore[arg-type]
-        assert len(sent) == 4
-        # Written with a commit: handed to `later`, not sent.
-        deferred: list[str] = []
-        last = Batch()
-        last.add("INSERT INTO batch_log (what) VALUES ($1::text)", "sixth")
-        await last.send_with_commit(Counting(), deferred.append)  # type: ignore[arg-type]
-        assert len(sent) == 4 and len(deferred) == 1
-        await conn.execute(deferred[0])
-        got = [r["what"] for r in await conn.fetch("SELECT what FROM batch_log ORDER BY n")]
-        assert got == ["first", HOSTILE, "third", "fourth", "fifth \N{SNOWMAN}", "sixth"]
-    finally:
-        await conn.close()

@@ -18,7 +18,6 @@ import asyncpg
 from gpuaas_common.bus import HandlerContext
 from gpuaas_common.contract import caused_event_id, derived_event_id
 from gpuaas_common.contract import messages as m
-from gpuaas_common.db import Batch
 from gpuaas_common.logging import get_logger
 
 from ..adapters import inventory as inv
@@ -38,7 +37,7 @@ def allocation_first_lock(payload: object) -> str | None:
 
 
 def _later(ctx: HandlerContext) -> Callable[[str], None] | None:
-    """Where a handler puts writes nothing after them reads: its unit of work's COMMIT."""
+    """Where a handler's last writes go when nothing after them reads: its unit of work's COMMIT."""
     return getattr(ctx.uow, "defer", None)
 
 
@@ -151,9 +150,7 @@ class Scheduler:
 
     async def on_provisioning(self, ctx: HandlerContext) -> None:
         await _lock_allocation(ctx, ctx.payload.allocation_id)
-        moves = Batch()
-        inv.set_slot_status_later(moves, ctx.payload.allocation_id, "provisioning", only_from=("reserved",))
-        await moves.send_with_commit(ctx.conn, _later(ctx))
+        await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "provisioning", only_from=("reserved",))
 
     async def on_active(self, ctx: HandlerContext) -> None:
         alloc = ctx.payload.allocation_id
@@ -168,11 +165,9 @@ class Scheduler:
 
     async def on_releasing(self, ctx: HandlerContext) -> None:
         await _lock_allocation(ctx, ctx.payload.allocation_id)
-        moves = Batch()
-        inv.set_slot_status_later(
-            moves, ctx.payload.allocation_id, "releasing", only_from=("reserved", "provisioning", "active")
+        await inv.set_slot_status(
+            ctx.conn, ctx.payload.allocation_id, "releasing", only_from=("reserved", "provisioning", "active")
         )
-        await moves.send_with_commit(ctx.conn, _later(ctx))
 
     async def on_released(self, ctx: HandlerContext) -> None:
         ev: m.AllocationReleased = ctx.payload
@@ -220,19 +215,15 @@ async def release_allocation(
     otherwise cleanup_blocked with the reason. Claims are released either way: a blocked slot is kept
     out of service by its status, not by a claim nobody will release. A host released from a baremetal
     allocation leaves baremetal mode for `converting` when it is slice-capable (see domain/host_mode.py).
-    The count is of the live claims it found (and ended). `later`: the unit of work's `defer`, which takes
-    the capacity summary's write to the COMMIT."""
+    `later`: the unit of work's `defer`, which takes the capacity summary's write to the COMMIT."""
     held = await inv.allocation_slots(conn, allocation_id)
     await inv.lock_nodes(conn, [r["node_id"] for r in held])
     slots = [r for r in held if r["slot_id"]]
     _check_in_order(allocation_id, slots, "available" if not cleanup.required else "cleanup", "released")
-    # Every move and the claims' end in one round trip: nothing here reads them back before the host-mode
-    # check and the capacity summary below.
-    writes = Batch()
     if slots and not cleanup.required:
         # Released before provisioning: the disk was never written.
-        inv.move_slots_later(
-            writes,
+        await inv.move_slots(
+            conn,
             [r["slot_id"] for r in slots],
             "available",
             None,
@@ -242,8 +233,8 @@ async def release_allocation(
         )
     elif slots:
         proofs = [p.model_dump(mode="json") for p in cleanup.wipe_proofs]
-        inv.move_slots_later(
-            writes,
+        await inv.move_slots(
+            conn,
             [r["slot_id"] for r in slots],
             "cleanup",
             "verifying wipe proof",
@@ -256,8 +247,8 @@ async def release_allocation(
                 wipe_verdict(r, proofs) if cleanup.verified else (cleanup.reason or "wipe proof missing or failed")
             )
             if problem is None:
-                inv.move_slots_later(
-                    writes,
+                await inv.move_slots(
+                    conn,
                     [r["slot_id"]],
                     "available",
                     None,
@@ -268,8 +259,8 @@ async def release_allocation(
                 )
             else:
                 # Tenant data may remain: out of service until an operator repairs it.
-                inv.move_slots_later(
-                    writes,
+                await inv.move_slots(
+                    conn,
                     [r["slot_id"]],
                     "cleanup_blocked",
                     problem[:500],
@@ -278,12 +269,11 @@ async def release_allocation(
                     detail={"wipe_proofs": proofs},
                     health=("failed", problem[:500]),  # runbook: failed cleanup marks the slot failed
                 )
-    inv.release_claims_later(writes, allocation_id)
-    await writes.send(conn)
+    freed = await inv.release_claims(conn, allocation_id)
     for node_id in sorted({r["node_id"] for r in held if r["claim_kind"] == "node_exclusive"}):
         await host_modes.return_from_baremetal(conn, node_id, allocation_id)
     await inv.refresh_nodes(conn, [r["node_id"] for r in held], later=later)
-    return len(held)
+    return len(freed)
 
 
 async def fail_allocation(
@@ -303,11 +293,10 @@ async def fail_allocation(
         "cleanup_blocked" if cleanup_required else "available",
         "failed",
     )
-    writes = Batch()
     if cleanup_required:
         # The attempt touched the disk (clone, boot): never straight back to available.
-        inv.move_slots_later(
-            writes,
+        await inv.move_slots(
+            conn,
             slot_ids,
             "cleanup_blocked",
             reason,
@@ -319,8 +308,8 @@ async def fail_allocation(
             if r["claim_kind"] == "node_exclusive":
                 await inv.drain_node(conn, r["node_id"], f"cleanup required after {reason}"[:500], actor="scheduler")
     else:
-        inv.move_slots_later(
-            writes,
+        await inv.move_slots(
+            conn,
             slot_ids,
             "available",
             None,
@@ -328,8 +317,7 @@ async def fail_allocation(
             allocation_id=allocation_id,
             detail={"failed_without_disk_writes": reason},
         )
-    inv.release_claims_later(writes, allocation_id)
-    await writes.send(conn)
+    await inv.release_claims(conn, allocation_id)
     await inv.refresh_nodes(conn, [r["node_id"] for r in held], later=later)
 
 

@@ -50,11 +50,8 @@ from .slot_transitions import (
     lock_clean_watermark,
     lock_nodes,
     move_slots,
-    move_slots_later,
     release_claims,
-    release_claims_later,
     set_slot_status,
-    set_slot_status_later,
 )
 
 __all__ = [
@@ -85,16 +82,13 @@ __all__ = [
     "lock_nodes",
     "lock_slice_node",
     "move_slots",
-    "move_slots_later",
     "node_facts",
     "Prelude",
     "prelude",
     "refresh_nodes",
     "release_claims",
-    "release_claims_later",
     "seed_from_fleet",
     "set_slot_status",
-    "set_slot_status_later",
     "slice_candidates",
     "tenant_usage_locked",
     "try_claim_baremetal",

@@ -8,8 +8,6 @@ from collections.abc import Iterable, Sequence
 
 import asyncpg
 
-from gpuaas_common.db import Batch
-
 from ...domain.slots import movable_from
 from ..wipe_policy import effective_policy_sql, policy_site_sql
 
@@ -65,13 +63,12 @@ def _move_sql(which: str) -> str:
     return (
         f"WITH old AS (SELECT slot_id, status FROM node_resource_slots WHERE {which} "
         "  AND ($4::text[] IS NULL OR status = ANY($4::text[])) FOR UPDATE), "
-        "moved AS (UPDATE node_resource_slots s SET status = $2::text, status_reason = $3::text, "
-        "  generation = s.generation + 1, "
+        "moved AS (UPDATE node_resource_slots s SET status = $2, status_reason = $3, generation = s.generation + 1, "
         "  updated_at = now(), health_state = COALESCE($7, s.health_state), "
-        "  health_detail = CASE WHEN $7::text IS NULL THEN s.health_detail ELSE $8::text END "
+        "  health_detail = CASE WHEN $7::text IS NULL THEN s.health_detail ELSE $8 END "
         "  FROM old WHERE s.slot_id = old.slot_id RETURNING s.slot_id, s.node_id, old.status AS from_status), "
         "log AS (INSERT INTO slot_transitions (slot_id, from_status, to_status, reason, actor, allocation_id, detail) "
-        "  SELECT slot_id, from_status, $2::text, $3::text, $5::text, $6::uuid, $9::jsonb FROM moved) "
+        "  SELECT slot_id, from_status, $2, $3, $5, $6, $9::jsonb FROM moved) "
         "SELECT * FROM moved ORDER BY slot_id"
     )
 
@@ -79,7 +76,7 @@ def _move_sql(which: str) -> str:
 _MOVE_SLOTS_SQL = _move_sql("slot_id = ANY($1::text[])")
 # The slots of an allocation's live claims ($1 is its id): one round trip for the lifecycle moves.
 _MOVE_ALLOCATION_SQL = _move_sql(
-    "slot_id IN (SELECT c.slot_id FROM allocation_resource_claims c WHERE c.allocation_id = $1::uuid "
+    "slot_id IN (SELECT c.slot_id FROM allocation_resource_claims c WHERE c.allocation_id = $1 "
     "AND c.status <> 'released' AND c.slot_id IS NOT NULL)"
 )
 
@@ -99,50 +96,21 @@ async def move_slots(
     """Move slots and log each transition (who, why, evidence) in the same statement."""
     if not slot_ids:
         return []
-    args = _move_slots_args(slot_ids, status, reason, actor, only_from, allocation_id, detail, health)
-    return await conn.fetch(*args)
-
-
-def move_slots_later(
-    batch: Batch,
-    slot_ids: Sequence[str],
-    status: str,
-    reason: str | None,
-    *,
-    actor: str,
-    only_from: Sequence[str] | None = None,
-    allocation_id: uuid.UUID | None = None,
-    detail: dict | None = None,
-    health: tuple[str, str | None] | None = None,
-) -> None:
-    """`move_slots` added to `batch`, for a caller that does not read the moved rows."""
-    if slot_ids:
-        batch.add(*_move_slots_args(slot_ids, status, reason, actor, only_from, allocation_id, detail, health))
-
-
-def _move_slots_args(
-    slot_ids: Sequence[str],
-    status: str,
-    reason: str | None,
-    actor: str,
-    only_from: Sequence[str] | None,
-    allocation_id: uuid.UUID | None,
-    detail: dict | None,
-    health: tuple[str, str | None] | None,
-) -> tuple[object, ...]:
     # Only the moves domain/slots.py allows: a slot in any other status is left where it is.
-    return (
+    only_from = movable_from(status, only_from)
+    rows = await conn.fetch(
         _MOVE_SLOTS_SQL,
         list(slot_ids),
         status,
         reason,
-        list(movable_from(status, only_from)),
+        list(only_from),
         actor,
         allocation_id,
         health[0] if health else None,
         health[1] if health else None,
         json.dumps(detail) if detail is not None else None,
     )
+    return rows
 
 
 async def set_slot_status(
@@ -154,25 +122,7 @@ async def set_slot_status(
     actor: str = "scheduler",
 ) -> int:
     """Move the slots held by an allocation's live claims."""
-    return len(await conn.fetch(*_set_slot_status_args(allocation_id, status, reason, only_from, actor)))
-
-
-def set_slot_status_later(
-    batch: Batch,
-    allocation_id: uuid.UUID,
-    status: str,
-    reason: str | None = None,
-    only_from: tuple[str, ...] | None = None,
-    actor: str = "scheduler",
-) -> None:
-    """`set_slot_status` added to `batch`, for a caller that does not need the count."""
-    batch.add(*_set_slot_status_args(allocation_id, status, reason, only_from, actor))
-
-
-def _set_slot_status_args(
-    allocation_id: uuid.UUID, status: str, reason: str | None, only_from: tuple[str, ...] | None, actor: str
-) -> tuple[object, ...]:
-    return (
+    rows = await conn.fetch(
         _MOVE_ALLOCATION_SQL,
         allocation_id,
         status,
@@ -184,19 +134,12 @@ def _set_slot_status_args(
         None,
         None,
     )
-
-
-_RELEASE_CLAIMS_SQL = (
-    "UPDATE allocation_resource_claims SET status = 'released', released_at = clock_timestamp() "
-    "WHERE allocation_id = $1::uuid AND status <> 'released' RETURNING node_id, slot_id, claim_kind"
-)
+    return len(rows)
 
 
 async def release_claims(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[asyncpg.Record]:
-    return await conn.fetch(_RELEASE_CLAIMS_SQL, allocation_id)
-
-
-def release_claims_later(batch: Batch, allocation_id: uuid.UUID) -> None:
-    """`release_claims` added to `batch`, for a caller that knows the live claims already (it holds the
-    allocation's lock)."""
-    batch.add(_RELEASE_CLAIMS_SQL, allocation_id)
+    return await conn.fetch(
+        "UPDATE allocation_resource_claims SET status = 'released', released_at = clock_timestamp() "
+        "WHERE allocation_id = $1 AND status <> 'released' RETURNING node_id, slot_id, claim_kind",
+        allocation_id,
+    )
