@@ -302,6 +302,7 @@ class InProcessAgent:
         self.prewarmer = prewarmer
         self.node_id = node_id
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     async def start(self) -> "InProcessAgent":
         sub = await self.js.pull_subscribe(
@@ -311,7 +312,9 @@ class InProcessAgent:
         return self
 
     async def _loop(self, sub) -> None:
-        while True:
+        # The flag as well as the cancel: Python 3.11's wait_for (inside nats-py's fetch) can lose a cancel that
+        # lands as its timeout fires, and this loop would then fetch on for good (a CI run hung here).
+        while not self._stopping:
             try:
                 msgs = await sub.fetch(4, timeout=0.5)
             except asyncio.TimeoutError:
@@ -323,6 +326,7 @@ class InProcessAgent:
                 await msg.ack()
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
