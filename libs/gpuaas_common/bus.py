@@ -50,6 +50,7 @@ from .contract import BY_TYPE, Envelope, derived_event_id, spec_for
 from .contract.messages import DeadLetter
 from .jetstream import ConsumerSpec
 from .logging import bound_context, get_logger
+from .outbox import PUBACK_TIMEOUT_S
 from .pull import PULL_EXPIRES_S, PullLoop
 from .unit_of_work import EventCollector, UnitOfWork, no_repositories
 
@@ -494,7 +495,7 @@ class Bus:
         correlation_id: str,
         causation_id: str | None = None,
         event_id: str | None = None,
-        timeout: float = 5.0,
+        timeout: float = PUBACK_TIMEOUT_S,
         **subject_params: str,
     ) -> Envelope:
         """Publish without an outbox (node agents, dead letters) and insist on a PubAck within `timeout`."""
