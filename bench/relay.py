@@ -38,16 +38,12 @@ from gpuaas_common.jetstream import StreamSpec, ensure_stream
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import EventCollector, OutboxRelay, notify_channel, pending_statement
+from gpuaas_dev.testing.cpu import process_cpu_s
 from gpuaas_dev.testing.servers import NatsServer, PostgresServer
 from gpuaas_dev.testing.waiting import eventually
 
 SCHEMA = "bench_relay"
 STREAM = StreamSpec("BENCHRELAY", ("gpuaas.allocation.>",), description="bench")
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _relay_process(dsn: str, url: str) -> None:
@@ -101,10 +97,10 @@ async def _point(dsn: str, url: str, rate: float, per_commit: int, seconds: floa
         # The relay is leading once a first row goes through it.
         await _commits(conn, 20.0, 1, 0.5, carry)
         await eventually(drained, timeout=60, interval=0.05, what="the warm-up relayed")
-        cpu0, t0 = _cpu_s(relay.pid), time.monotonic()
+        cpu0, t0 = process_cpu_s(relay.pid), time.monotonic()
         events = await _commits(conn, rate, per_commit, seconds, carry)
         await eventually(drained, timeout=120, interval=0.01, what="every event relayed")
-        cpu = _cpu_s(relay.pid) - cpu0
+        cpu = process_cpu_s(relay.pid) - cpu0
         return {
             "wake": "notified" if carry else "read",
             "commits_per_s": rate,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 import uuid
 from collections.abc import Awaitable, Callable
@@ -25,26 +24,20 @@ import asyncpg
 
 from gpuaas_common.db import bind_literals
 from gpuaas_common.migrations import apply_migrations
+from gpuaas_dev.testing.cpu import process_cpu_s
 from gpuaas_dev.testing.servers import PostgresServer
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.adapters.inventory import capacity, slot_transitions
-
-TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-def _backend_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime, stime
 
 
 async def _per_call_us(conn: asyncpg.Connection, call: Callable[[], Awaitable[Any]], count: int) -> float:
     for _ in range(50):  # warm: plans cached, pages in memory
         await call()
     pid = await conn.fetchval("SELECT pg_backend_pid()")
-    before = _backend_cpu_s(pid)
+    before = process_cpu_s(pid)
     for _ in range(count):
         await call()
-    return round((_backend_cpu_s(pid) - before) * 1e6 / count, 1)
+    return round((process_cpu_s(pid) - before) * 1e6 / count, 1)
 
 
 async def main(count: int) -> dict[str, Any]:

@@ -48,9 +48,8 @@ from pydantic import BaseModel, ValidationError
 
 from .contract import BY_TYPE, Envelope, derived_event_id, spec_for
 from .contract.messages import DeadLetter
-from .jetstream import ConsumerSpec
+from .jetstream import PUBACK_TIMEOUT_S, ConsumerSpec
 from .logging import bound_context, get_logger
-from .outbox import PUBACK_TIMEOUT_S
 from .pull import PULL_EXPIRES_S, PullLoop
 from .unit_of_work import EventCollector, UnitOfWork, no_repositories
 

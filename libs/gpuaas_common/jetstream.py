@@ -36,6 +36,11 @@ DUPLICATE_WINDOW_S = 15 * 60.0
 # How long a delivered message may go without an ack or a progress ack before JetStream redelivers it: the
 # time a dead consumer holds its messages. Short, because the bus sends progress acks while it works.
 ACK_WAIT_S = 5.0
+# How long a publish waits for its PubAck. A PubAck takes milliseconds (p99 0.12 s on a loaded 3-server
+# cluster); one that does not come was lost with the server that took the publish (a crash: nats-py fails no
+# pending request when its connection drops) or waits for a Raft election. Waiting 5 s held the pipeline up to
+# 5 s past an election; the message is sent again under its Nats-Msg-Id, so a late PubAck costs nothing.
+PUBACK_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)

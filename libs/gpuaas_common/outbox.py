@@ -36,7 +36,7 @@ from pydantic import BaseModel
 
 from .contract import Envelope, spec_for
 from .db import CONNECTION_LOST, bytea_literal, check_schema, text_literal
-from .jetstream import stream_of
+from .jetstream import PUBACK_TIMEOUT_S, stream_of
 from .logging import get_logger
 
 log = get_logger(__name__)
@@ -49,13 +49,6 @@ RELAY_LAG = Histogram(
     ["schema"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
-
-
-# How long a publish waits for its PubAck. A PubAck takes milliseconds (p99 0.12 s on a loaded 3-server
-# cluster); one that does not come was lost with the server that took the publish (a crash: nats-py fails no
-# pending request when its connection drops) or waits for a Raft election. Waiting 5 s held the pipeline up to
-# 5 s past an election; the message is sent again under its Nats-Msg-Id, so a late PubAck costs nothing.
-PUBACK_TIMEOUT_S = 2.0
 
 
 def notify_channel(schema: str) -> str:

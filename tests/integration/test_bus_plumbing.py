@@ -119,13 +119,19 @@ async def test_relay_does_not_skip_a_slow_transaction_that_commits_after_a_newer
 
 
 class _RefusesOnce:
-    """JetStream that fails the first publish of one aggregate's events and passes everything else on."""
+    """JetStream that fails the first publish of one aggregate's events (`aggregate`), or the first on one
+    subject (`subject`), and passes everything else on."""
 
-    def __init__(self, js, aggregate: uuid.UUID) -> None:
-        self.js, self.aggregate, self.refused = js, str(aggregate), 0
+    def __init__(self, js, aggregate: uuid.UUID | None = None, *, subject: str | None = None) -> None:
+        self.js, self.aggregate, self.subject, self.refused = js, str(aggregate), subject, 0
+
+    def _refuses(self, subject: str, body: bytes) -> bool:
+        if self.subject is not None:
+            return subject == self.subject
+        return json.loads(body)["payload"]["allocation_id"] == self.aggregate
 
     async def publish(self, subject: str, body: bytes, **kw):
-        if not self.refused and json.loads(body)["payload"]["allocation_id"] == self.aggregate:
+        if not self.refused and self._refuses(subject, body):
             self.refused += 1
             raise nats.errors.TimeoutError
         return await self.js.publish(subject, body, **kw)
@@ -174,19 +180,6 @@ async def test_a_failed_publish_puts_its_rows_back_and_holds_only_its_aggregate(
     assert seen == written
 
 
-class _RefusesOnceOn:
-    """JetStream that fails the first publish on one subject and passes everything else on."""
-
-    def __init__(self, js, subject: str) -> None:
-        self.js, self.subject, self.refused = js, subject, 0
-
-    async def publish(self, subject: str, body: bytes, **kw):
-        if not self.refused and subject == self.subject:
-            self.refused += 1
-            raise nats.errors.TimeoutError
-        return await self.js.publish(subject, body, **kw)
-
-
 async def test_an_aggregates_rows_keep_their_order_per_stream_and_a_failure_holds_only_its_stream(
     js, outbox_db, nats_server
 ):
@@ -207,7 +200,7 @@ async def test_an_aggregates_rows_keep_their_order_per_stream_and_a_failure_hold
             written["SCHEDULER"].append(env.event_id)
     spy = await BusSpy(nats_server.url, "gpuaas.>").start()
     ours = {*written["ALLOCATIONS"], *written["SCHEDULER"]}
-    flaky = _RefusesOnceOn(js, "gpuaas.allocation.release_requested")
+    flaky = _RefusesOnce(js, subject="gpuaas.allocation.release_requested")
     relay = OutboxRelay(dsn, "svc", flaky, poll_interval_s=0.2)  # type: ignore[arg-type]
     conn = await asyncpg.connect(dsn, server_settings={"search_path": "svc"})
     try:

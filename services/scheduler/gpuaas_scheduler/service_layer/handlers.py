@@ -36,11 +36,6 @@ def allocation_first_lock(payload: object) -> str | None:
     return inv.allocation_lock_key(allocation_id) if allocation_id is not None else None
 
 
-def _later(ctx: HandlerContext) -> Callable[[str], None] | None:
-    """Where a handler's last writes go when nothing after them reads: its unit of work's COMMIT."""
-    return getattr(ctx.uow, "defer", None)
-
-
 async def _lock_allocation(ctx: HandlerContext, allocation_id: uuid.UUID) -> None:
     if not ctx.uow.holds_lock(inv.allocation_lock_key(allocation_id)):
         await inv.lock_allocation(ctx.conn, allocation_id)
@@ -172,14 +167,14 @@ class Scheduler:
     async def on_released(self, ctx: HandlerContext) -> None:
         ev: m.AllocationReleased = ctx.payload
         await _lock_allocation(ctx, ev.allocation_id)
-        freed = await release_allocation(ctx.conn, ev.allocation_id, ev.cleanup, later=_later(ctx))
+        freed = await release_allocation(ctx.conn, ev.allocation_id, ev.cleanup, later=ctx.uow.defer)
         log.info("claims_released", count=freed, wipe_verified=ev.cleanup.verified)
 
     async def on_failed(self, ctx: HandlerContext) -> None:
         ev: m.AllocationFailed = ctx.payload
         await _lock_allocation(ctx, ev.allocation_id)
         await fail_allocation(
-            ctx.conn, ev.allocation_id, ev.cleanup_required, f"{ev.reason_code}: {ev.reason}"[:500], later=_later(ctx)
+            ctx.conn, ev.allocation_id, ev.cleanup_required, f"{ev.reason_code}: {ev.reason}"[:500], later=ctx.uow.defer
         )
 
 

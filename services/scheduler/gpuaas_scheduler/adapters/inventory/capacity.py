@@ -52,7 +52,7 @@ async def refresh_nodes(
         summarize(n["node_id"], by_node.get(n["node_id"], []), n["total"], n["live_claims"], n["numa_capacity"])
         for n in nodes.values()
     ]
-    rows = [
+    updates = [
         (
             c.node_id,
             c.free_slots,
@@ -65,15 +65,15 @@ async def refresh_nodes(
         )
         for c in summaries
     ]
-    if later is not None and rows:
+    if later is not None and updates:
         # A plain UPDATE by primary key: as a constant statement it costs Postgres next to nothing to plan
         # (a statement that does, like the slot moves, stays prepared and is sent at once).
         try:
-            later("; ".join(bind_literals(_UPDATE_SUMMARY_SQL, *row) for row in rows))
+            later("; ".join(bind_literals(_UPDATE_SUMMARY_SQL, *u) for u in updates))
             return
         except NoLiteral:
             pass
-    await conn.executemany(_UPDATE_SUMMARY_SQL, rows)
+    await conn.executemany(_UPDATE_SUMMARY_SQL, updates)
 
 
 async def fleet_shape(conn: asyncpg.Connection) -> tuple[int | None, int | None, int | None]:
