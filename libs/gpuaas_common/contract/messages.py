@@ -50,7 +50,8 @@ class SlotBinding(Payload):
     """One approved slot bundle as the scheduler hands it to the node that will use it."""
 
     slot_id: str = Identifier
-    gpu_pci_address: str = PciAddress
+    # None only on a lab host, which has no GPU to pass through and says so rather than naming a pretend one.
+    gpu_pci_address: str | None = PciAddress
     nvme_by_id: str = Field(min_length=1, max_length=1024)
     fabric_vf_pci_address: str | None = PciAddress
     mac: str = MacAddress
@@ -69,6 +70,13 @@ class Readiness(Payload):
     actual_ip: str | None = None
     lease_state: Literal["bound", "absent", "mismatch"]
     ssh_ready: bool
+    # What a tenant needs to log in and to trust the first connection: the guest's user and SSH port, and the
+    # fingerprint of the host key the seed planted, which the agent's own login matched (OpenSSH's SHA256:…).
+    ssh_user: str | None = Field(default=None, max_length=32)
+    ssh_port: int | None = Field(default=None, ge=1, le=65535)
+    host_key_fingerprint: str | None = Field(default=None, pattern=r"^SHA256:[A-Za-z0-9+/]{43}$")
+    # Seconds each provisioning phase took on the host (clone, seed, define, boot, lease, cloud_init, ssh).
+    phase_seconds: dict[str, float] = Field(default_factory=dict)
 
 
 class WipeProof(Payload):
@@ -93,6 +101,9 @@ class AccessInfo(Payload):
     mac: str | None = None
     ssh_ready: bool | None = None
     maas_system_id: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    user: str | None = Field(default=None, max_length=32)
+    host_key_fingerprint: str | None = Field(default=None, pattern=r"^SHA256:[A-Za-z0-9+/]{43}$")
 
 
 # --- portal input ------------------------------------------------------------------------------

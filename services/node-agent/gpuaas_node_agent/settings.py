@@ -1,3 +1,5 @@
+from typing import Literal
+
 from pydantic import Field
 
 from gpuaas_common.settings import ServiceSettings
@@ -10,6 +12,16 @@ class AgentSettings(ServiceSettings):
     host_root: str = "/"
     # The host's libvirt; the simulated fleet uses libvirt's test driver (test:///default).
     libvirt_uri: str = "qemu:///system"
+    # libvirt domain type of slice VMs. `kvm` on GPU hosts; `qemu` (TCG, emulated: slow, no passthrough) where
+    # KVM cannot run guests, as in the lab; `auto` probes the host and logs which it chose and why.
+    domain_type: Literal["kvm", "qemu", "auto"] = "kvm"
+    # What the slot's `ovs_bridge` is: an Open vSwitch bridge (production) or a Linux bridge (the lab).
+    bridge_kind: Literal["openvswitch", "linux"] = "openvswitch"
+    # Readiness is a real SSH login by the agent's own key against the host key the seed planted, with
+    # cloud-init done. Off only for the simulated fleet, whose guests are an SSH banner and no machine.
+    readiness_login: bool = True
+    # The user cloud-init creates in the guest for the tenant's keys (and the agent's readiness key).
+    guest_user: str = Field(default="gpuaas", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
     # The agent's task records (SQLite), which survive restarts.
     state_dir: str = "/var/lib/gpuaas/agent"
     # The guests' SSH port, probed before a slice is reported ready.

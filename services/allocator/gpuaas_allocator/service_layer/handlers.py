@@ -307,10 +307,14 @@ class Allocator:
 
     async def _on_provision_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
         if res.status == "succeeded" and row["state"] != "releasing":
+            ready = res.readiness
             access = m.AccessInfo(
-                ip=res.readiness.actual_ip if res.readiness else None,
-                mac=res.readiness.mac if res.readiness else None,
-                ssh_ready=res.readiness.ssh_ready if res.readiness else None,
+                ip=ready.actual_ip if ready else None,
+                mac=ready.mac if ready else None,
+                ssh_ready=ready.ssh_ready if ready else None,
+                port=ready.ssh_port if ready else None,
+                user=ready.ssh_user if ready else None,
+                host_key_fingerprint=ready.host_key_fingerprint if ready else None,
             )
             # The common case in one statement: no longer awaiting a result, and active.
             await transition(

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from gpuaas_common.logging import get_logger
 
 from .dnsmasq import find_lease
+from .guest_ssh import LoginOutcome
 
 log = get_logger(__name__)
 
@@ -27,6 +29,14 @@ class Readiness(BaseModel):
     actual_ip: str | None
     lease_state: LeaseState
     ssh_ready: bool
+    host_key_mismatch: bool = False
+    detail: str | None = None
+    # Seconds from the start of the wait to the lease (`lease`), then to sshd's banner (`ssh`), then to a login
+    # that found cloud-init done (`cloud_init`); only the steps that happened.
+    phase_seconds: dict[str, float] = Field(default_factory=dict)
+
+
+Login = Callable[[str], Awaitable[LoginOutcome]]
 
 
 async def probe_ssh_banner(ip: str, port: int, timeout_s: float) -> bool:
@@ -65,16 +75,26 @@ async def wait_ready(
     *,
     poll_interval_s: float = 0.25,
     connect_timeout_s: float = 2.0,
+    login: Login | None = None,
 ) -> Readiness:
-    """Wait up to `deadline_s` seconds for the lease of `mac` to show `expected_ip` and for SSH to answer there.
-    Always returns within the deadline (plus one connect timeout at most) with the last observation; the caller
-    decides what a not-ready result means."""
+    """Wait up to `deadline_s` seconds for the lease of `mac` to show `expected_ip`, for SSH to answer there and,
+    with `login`, for a login that proves the host key and finds cloud-init done. Always returns within the
+    deadline (plus one connect or login timeout at most) with the last observation; the caller decides what a
+    not-ready result means. A host key that is not the planted one ends the wait at once: it will not change."""
     mac = mac.strip().lower()
-    deadline = time.monotonic() + deadline_s
+    start = time.monotonic()
+    deadline = start + deadline_s
     lease_state: LeaseState = "absent"
     actual_ip: str | None = None
     ssh_ready = False
+    mismatch = False
+    detail: str | None = None
+    seconds: dict[str, float] = {}
     last_logged: tuple[LeaseState, str | None] | None = None
+
+    def mark(step: str) -> None:
+        if step not in seconds:
+            seconds[step] = round(time.monotonic() - start - sum(seconds.values()), 3)
 
     while True:
         lease = await asyncio.to_thread(find_lease, lease_file, mac)
@@ -90,16 +110,36 @@ async def wait_ready(
 
         remaining = deadline - time.monotonic()
         if lease_state == "bound":
-            ssh_ready = await probe_ssh_banner(expected_ip, ssh_port, min(connect_timeout_s, max(remaining, 0.0)))
-            if ssh_ready:
-                break
+            mark("lease")
+            banner = await probe_ssh_banner(expected_ip, ssh_port, min(connect_timeout_s, max(remaining, 0.0)))
+            if banner:
+                mark("ssh")
+                if login is None:
+                    ssh_ready = True
+                    break
+                outcome = await login(expected_ip)
+                detail = outcome.detail or None
+                if outcome.ok:
+                    mark("cloud_init")
+                    ssh_ready = True
+                    break
+                if outcome.host_key_mismatch:
+                    mismatch = True
+                    break
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        await asyncio.sleep(min(poll_interval_s, remaining))
+        await asyncio.sleep(min(poll_interval_s if not detail else 1.0, remaining))
 
     result = Readiness(
-        mac=mac, expected_ip=expected_ip, actual_ip=actual_ip, lease_state=lease_state, ssh_ready=ssh_ready
+        mac=mac,
+        expected_ip=expected_ip,
+        actual_ip=actual_ip,
+        lease_state=lease_state,
+        ssh_ready=ssh_ready,
+        host_key_mismatch=mismatch,
+        detail=detail,
+        phase_seconds=seconds,
     )
     (log.info if ssh_ready else log.warning)("readiness_result", **result.model_dump())
     return result

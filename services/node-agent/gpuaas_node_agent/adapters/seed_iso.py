@@ -41,7 +41,12 @@ def _check_key(key: str) -> str:
 
 
 def render_user_data(
-    *, hostname: str, ssh_authorized_keys: list[str], username: str | None = None, relay_public_key: str | None = None
+    *,
+    hostname: str,
+    ssh_authorized_keys: list[str],
+    username: str | None = None,
+    relay_public_key: str | None = None,
+    host_key: tuple[str, str] | None = None,
 ) -> str:
     """`#cloud-config` user-data. Without `username` the keys go to the image's default user; with it, a
     passwordless-sudo user of that name is created. The node-local terminal relay key, when given, is
@@ -56,6 +61,15 @@ def render_user_data(
     if not keys:
         raise SeedIsoError("at least one SSH public key is required: the VM has no password login")
     doc: dict[str, Any] = {"hostname": hostname, "preserve_hostname": False, "ssh_pwauth": False}
+    if host_key is not None:
+        # (private, public) ed25519: the guest serves exactly this key, so the first login can be verified
+        # against what the seed planted instead of trusting whatever key sshd made at first boot.
+        private, public = host_key
+        if not private.startswith("-----BEGIN OPENSSH PRIVATE KEY-----") or not public.startswith("ssh-ed25519 "):
+            raise SeedIsoError("host key must be an ed25519 OpenSSH key pair")
+        doc["ssh_deletekeys"] = True
+        doc["ssh_genkeytypes"] = []
+        doc["ssh_keys"] = {"ed25519_private": private, "ed25519_public": public}
     if username is None:
         doc["users"] = ["default"]
         doc["ssh_authorized_keys"] = keys
@@ -97,7 +111,7 @@ def build_seed_iso_bytes(files: dict[str, str]) -> bytes:
         iso.close()
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
+def _write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -105,8 +119,9 @@ def _write_atomically(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        # QEMU runs as its own user on real hosts and must be able to read the seed.
-        os.chmod(tmp, 0o644)
+        # QEMU runs as its own user on real hosts and must be able to read the seed; a seed holding the guest's
+        # private host key stays 0600 (libvirt's dynamic ownership hands it to QEMU's user while the VM runs).
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -122,6 +137,7 @@ async def write_seed_iso(
     username: str | None = None,
     relay_public_key: str | None = None,
     network_config: dict[str, Any] | str | None = None,
+    host_key: tuple[str, str] | None = None,
 ) -> Path:
     """Render and write the seed ISO atomically (a reader never sees a half-written image); returns its path.
     `network_config` is a network-config v2 document (dict) or its YAML text."""
@@ -131,6 +147,7 @@ async def write_seed_iso(
             ssh_authorized_keys=ssh_authorized_keys,
             username=username,
             relay_public_key=relay_public_key,
+            host_key=host_key,
         ),
         "meta-data": render_meta_data(instance_id=instance_id, hostname=hostname),
     }
@@ -141,7 +158,7 @@ async def write_seed_iso(
     target = Path(path)
 
     def _build_and_write() -> None:
-        _write_atomically(target, build_seed_iso_bytes(files))
+        _write_atomically(target, build_seed_iso_bytes(files), 0o600 if host_key else 0o644)
 
     await asyncio.to_thread(_build_and_write)
     log.info(

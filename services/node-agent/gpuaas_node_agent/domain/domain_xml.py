@@ -44,7 +44,7 @@ def _cputune(root: ET.Element, spec: SliceVmSpec) -> None:
 
 
 def render_domain_xml(spec: SliceVmSpec) -> str:
-    root = ET.Element("domain", type="kvm")
+    root = ET.Element("domain", type=spec.domain_type)
     _sub(root, "name", spec.vm_name)
     _sub(root, "uuid", spec.uuid)
     _sub(root, "memory", str(spec.memory_mib), unit="MiB")
@@ -74,7 +74,11 @@ def render_domain_xml(spec: SliceVmSpec) -> str:
     features = _sub(root, "features")
     _sub(features, "acpi")
     _sub(features, "apic")
-    _sub(root, "cpu", mode="host-passthrough", check="none", migratable="off")
+    if spec.domain_type == "kvm":
+        _sub(root, "cpu", mode="host-passthrough", check="none", migratable="off")
+    else:
+        # TCG cannot pass the host CPU through; `maximum` is every feature QEMU can emulate.
+        _sub(root, "cpu", mode="maximum", check="none", migratable="off")
     _sub(root, "clock", offset="utc")
     _sub(root, "on_poweroff", "destroy")
     _sub(root, "on_reboot", "restart")
@@ -103,7 +107,8 @@ def render_domain_xml(spec: SliceVmSpec) -> str:
     nic = _sub(devices, "interface", type="bridge")
     _sub(nic, "mac", address=spec.mac)
     _sub(nic, "source", bridge=spec.bridge)
-    _sub(nic, "virtualport", type="openvswitch")
+    if spec.bridge_kind == "openvswitch":
+        _sub(nic, "virtualport", type="openvswitch")
     _sub(nic, "model", type="virtio")
 
     for address in [*spec.gpus, *spec.fabric_vfs]:

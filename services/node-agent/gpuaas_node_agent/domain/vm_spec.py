@@ -6,7 +6,7 @@ import re
 import uuid as uuid_mod
 from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Debian/Ubuntu OVMF build with 4 MiB flash; Secure Boot stays off (guest NVIDIA driver install hangs on MOK).
 DEFAULT_LOADER_PATH = "/usr/share/OVMF/OVMF_CODE_4M.fd"
@@ -97,6 +97,9 @@ class SliceVmSpec(BaseModel):
     seed_iso_path: str
     mac: str
     bridge: str = "ovsbr0"
+    bridge_kind: Literal["openvswitch", "linux"] = "openvswitch"
+    # kvm on GPU hosts; qemu (TCG) where KVM cannot run guests (the lab). Passthrough needs kvm.
+    domain_type: Literal["kvm", "qemu"] = "kvm"
     loader_path: str = DEFAULT_LOADER_PATH
     nvram_template_path: str = DEFAULT_NVRAM_TEMPLATE_PATH
     # None lets libvirt place the per-domain VARS copy in its own nvram directory.
@@ -171,6 +174,12 @@ class SliceVmSpec(BaseModel):
         if not _BRIDGE.match(v):
             raise ValueError(f"invalid bridge name {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _passthrough_needs_kvm(self) -> SliceVmSpec:
+        if self.domain_type != "kvm" and (self.gpus or self.fabric_vfs):
+            raise ValueError("PCI passthrough (GPUs, fabric VFs) needs domain type kvm, not an emulated guest")
+        return self
 
     def disk_type(self, path: str) -> Literal["block", "file"]:
         if self.disk_source_type is not None:

@@ -11,8 +11,12 @@ from pathlib import Path
 from gpuaas_common.bus import Bus
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import ConsumerSpec, node_agent_consumer, provision
+from gpuaas_common.logging import get_logger
 
+from ..adapters.guest_ssh import agent_login_key
+from ..adapters.host import HostFs
 from ..adapters.host_link import HostLink
+from ..adapters.hypervisor import choose_domain_type
 from ..adapters.libvirt_host import LibvirtHost
 from ..adapters.state_store import StateStore
 from ..service_layer.host_paths import HostPaths
@@ -21,6 +25,7 @@ from ..service_layer.tasks import SliceHostAgent
 from ..settings import AgentSettings
 
 AGENT_VERSION = "0.1.0"
+log = get_logger(__name__)
 
 
 async def open_host_bus(settings: AgentSettings, node_id: str, link: HostLink) -> tuple[Bus, ConsumerSpec]:
@@ -51,6 +56,9 @@ async def run_slice_host(
     bus, spec = await open_host_bus(settings, node_id, link)
     paths = HostPaths(root)
     store = StateStore(paths.host(settings.state_dir) / "agent.sqlite")
+    domain_type, why = choose_domain_type(settings.domain_type, HostFs(root))
+    log.info("domain_type_chosen", node_id=node_id, domain_type=domain_type, setting=settings.domain_type, reason=why)
+    readiness_key = await agent_login_key(paths.host(settings.state_dir)) if settings.readiness_login else None
     agent = SliceHostAgent(
         node_id,
         paths,
@@ -65,6 +73,10 @@ async def run_slice_host(
         readiness_timeout_s=settings.readiness_timeout_s,
         shutdown_timeout_s=settings.shutdown_timeout_s,
         bridge_cidr=bridge_cidr or settings.gpu_bridge_cidr,
+        domain_type=domain_type,
+        bridge_kind=settings.bridge_kind,
+        guest_user=settings.guest_user,
+        readiness_key=readiness_key,
     )
     handlers = {
         "slice.vm_provision": agent.on_task,

@@ -57,8 +57,18 @@ class AgentCore:
         shutdown_timeout_s: float,
         relay_public_key: str | None = None,
         bridge_cidr: str = "10.100.0.1/24",
+        domain_type: str = "kvm",
+        bridge_kind: str = "openvswitch",
+        guest_user: str = "gpuaas",
+        readiness_key: tuple[Path, str] | None = None,
     ) -> None:
         self.node_id = node_id
+        self.domain_type = domain_type
+        self.bridge_kind = bridge_kind
+        self.guest_user = guest_user
+        # The agent's login key (path, public line): with it readiness is a real login against the host key the
+        # seed planted; without it (the simulated fleet, whose guests are not machines) an SSH banner only.
+        self.readiness_key = readiness_key
         self.bridge_cidr = bridge_cidr
         self.paths = paths
         self.store = store

@@ -1,17 +1,23 @@
 """slice.vm_provision: preflight the host, verify the cached image and the disks, take the leases, then seed,
-clone, define, reserve DHCP and wait for the VM to be reachable."""
+clone, reserve DHCP, define and wait for the VM to be reachable: its lease, then a login that matches the host
+key the seed planted, with cloud-init done. Each phase's time goes on the result and into a histogram."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
+from typing import Any
+
+from prometheus_client import Histogram
 
 from gpuaas_common.contract import messages as m
 from gpuaas_common.digests import sha256_file
 
-from ...adapters import disk, dnsmasq, driverctl, readiness, seed_iso
+from ...adapters import disk, dnsmasq, driverctl, guest_ssh, readiness, seed_iso
 from ...adapters.discovery import HUGEPAGES_1G_FREE, hugepages_1g
+from ...adapters.libvirt_host import DomainState
 from ...adapters.parity import ParityChecker
 from ...domain.device_binding import wrong_bindings
 from ...domain.domain_xml import render_domain_xml
@@ -19,7 +25,39 @@ from ...domain.profiles import hugepages_1g_needed, vm_resources
 from ...domain.vm_spec import SliceVmSpec
 from .core import AgentCore, Refused, TaskFailed
 
-__all__ = ["HUGEPAGES_1G_FREE", "ProvisionTask"]
+__all__ = ["HUGEPAGES_1G_FREE", "PHASE_SECONDS", "ProvisionTask", "slot_lease"]
+
+PHASE_SECONDS = Histogram(
+    "gpuaas_slice_provision_phase_seconds",
+    "Seconds each phase of a slice provision took on its host",
+    ["phase"],
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 30, 60, 90, 120, 180, 300, 600),
+)
+# Phases after which a running domain is the one this task made: a resumed task waits for it, never makes a second.
+_DOMAIN_MADE = ("define", "dhcp_reservation", "wait_ready", "boot", "lease", "ssh", "cloud_init")
+
+
+def slot_lease(slot: m.SlotBinding) -> str:
+    """The lease that says which allocation a slot's hardware belongs to: its GPU, or on a lab host (no GPU)
+    its disk."""
+    return f"gpu:{slot.gpu_pci_address}" if slot.gpu_pci_address else f"nvme:{slot.nvme_by_id}"
+
+
+class _Clock:
+    """Seconds per phase, in the order they ran."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._phase: str | None = None
+        self._since = time.monotonic()
+
+    def enter(self, phase: str | None) -> None:
+        now = time.monotonic()
+        if self._phase is not None:
+            spent = round(now - self._since, 3)
+            self.seconds[self._phase] = self.seconds.get(self._phase, 0.0) + spent
+            PHASE_SECONDS.labels(self._phase).observe(spent)
+        self._phase, self._since = phase, now
 
 
 class ProvisionTask(AgentCore):
@@ -44,7 +82,13 @@ class ProvisionTask(AgentCore):
     async def _preflight_host(self, task: m.SliceVmProvision) -> None:
         fs = self.host.fs
         parity = ParityChecker(self.host)
-        for check in (parity.kvm, parity.iommu_groups, parity.vfio_modules):
+        passthrough = any(s.gpu_pci_address or s.fabric_vf_pci_address for s in task.slots)
+        if passthrough and self.domain_type != "kvm":
+            raise Refused("passthrough_needs_kvm", f"slots pass PCI devices through; domain type is {self.domain_type}")
+        checks = [parity.kvm] if self.domain_type == "kvm" else []
+        # IOMMU and VFIO matter only to devices passed through; a lab slot has none and says so.
+        checks += [parity.iommu_groups, parity.vfio_modules] if passthrough else []
+        for check in checks:
             result = await check()
             if result.status != "PASS":
                 raise Refused("host_not_ready", f"{result.check}: {result.detail}")
@@ -65,7 +109,7 @@ class ProvisionTask(AgentCore):
         wrong = wrong_bindings(bound)
         if wrong:
             raise Refused("device_not_vfio", "; ".join(wrong))
-        for check in (parity.nvidia_persistenced, parity.nvidia_fabricmanager):
+        for check in (parity.nvidia_persistenced, parity.nvidia_fabricmanager) if passthrough else ():
             result = await check()
             if result.status != "PASS":
                 raise Refused("host_gpu_services_active", f"{result.check}: {result.detail}")
@@ -93,18 +137,52 @@ class ProvisionTask(AgentCore):
         if not res.ok:
             raise Refused("domain_xml_invalid", (res.stderr or res.stdout)[:1000])
 
-    async def _provision(self, task: m.SliceVmProvision) -> m.NodeTaskResult:
+    async def _can_resume_domain(self, task: m.SliceVmProvision, record: dict[str, Any] | None) -> bool:
+        """A provision interrupted after it defined its domain resumes that domain when it still runs: the agent
+        restarted, the guest did not. Anything else is torn down and made again."""
+        if not record or record.get("phase") not in _DOMAIN_MADE:
+            return False
+        state = await self.libvirt.state(task.vm_name)
+        return state in (DomainState.RUNNING, DomainState.BLOCKED) and self._host_key_path(task).exists()
+
+    def _host_key_path(self, task: m.SliceVmProvision) -> Path:
+        return self.seed_dir / f"{task.vm_name}.hostkey"
+
+    async def _host_key(self, task: m.SliceVmProvision) -> guest_ssh.HostKey:
+        """The guest's host key, made once per VM and kept (0600, beside its seed) so that a resumed task checks
+        the key the running guest got; removed with the seed at release."""
+        path = self._host_key_path(task)
+        if path.exists():
+            private, public = path.read_text().split("\n-----PUBLIC-----\n")
+            return guest_ssh.HostKey(private, public.strip())
+        key = await guest_ssh.new_host_key(f"{task.hostname}-host")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.touch(mode=0o600)
+        tmp.write_text(f"{key.private_openssh}\n-----PUBLIC-----\n{key.public_line}\n")
+        tmp.replace(path)
+        return key
+
+    async def _provision(self, task: m.SliceVmProvision, *, resume: bool = False) -> m.NodeTaskResult:
         t = "slice.vm_provision"
-        await self._phase(task, t, "preflight")
+        clock = _Clock()
+
+        async def phase(name: str, **kw: Any) -> None:
+            clock.enter(name)
+            await self._phase(task, t, name, **kw)
+
+        await phase("preflight")
         await self._preflight_host(task)
         disks = [self._check_disk(s.nvme_by_id) for s in task.slots]
         image_path = await self._verify_image(task.image)
-        resources = [f"gpu:{s.gpu_pci_address}" for s in task.slots] + [f"nvme:{s.nvme_by_id}" for s in task.slots]
+        resources = [f"gpu:{s.gpu_pci_address}" for s in task.slots if s.gpu_pci_address]
+        resources += [f"nvme:{s.nvme_by_id}" for s in task.slots]
         resources += [f"vf:{s.fabric_vf_pci_address}" for s in task.slots if s.fabric_vf_pci_address]
         conflict = self.store.take_leases(resources, str(task.allocation_id))
         if conflict:
             raise Refused("resource_leased", conflict)
-        if await self.libvirt.exists(task.vm_name):
+        resumed = resume and await self._can_resume_domain(task, self.store.task(task.task_id))
+        if not resumed and await self.libvirt.exists(task.vm_name):
             raise Refused("domain_exists", f"a domain named {task.vm_name} is already defined")
         primary = task.slots[0]
         try:
@@ -116,50 +194,91 @@ class ProvisionTask(AgentCore):
                 memory_mib=memory_mib,
                 hugepages=hugepages,
                 numa_node=primary.numa_node,
-                gpus=[s.gpu_pci_address for s in task.slots],
+                gpus=[s.gpu_pci_address for s in task.slots if s.gpu_pci_address],
                 fabric_vfs=[s.fabric_vf_pci_address for s in task.slots if s.fabric_vf_pci_address],
                 nvme_by_id=[str(d) for d in disks],
                 seed_iso_path=str(self.seed_dir / f"{task.vm_name}.iso"),
                 mac=primary.mac,
                 bridge=primary.ovs_bridge,
+                bridge_kind=self.bridge_kind,
+                domain_type=self.domain_type,
             )
         except ValueError as exc:
             raise Refused("invalid_vm_spec", str(exc)[:1000]) from exc
         xml = render_domain_xml(spec)
         await self._validate_xml(xml)
+        login_key = self.readiness_key
         try:
-            # The seed is rendered before the disk is touched: bad input must fail with nothing to clean.
-            await self._phase(task, t, "seed")
-            seed_path = self.seed_dir / f"{task.vm_name}.iso"
-            keys = list(task.ssh_public_keys) + ([self.relay_public_key] if self.relay_public_key else [])
-            try:
-                await seed_iso.write_seed_iso(
-                    seed_path, instance_id=str(task.allocation_id), hostname=task.hostname, ssh_authorized_keys=keys
-                )
-            except seed_iso.SeedIsoError as exc:
-                raise Refused("invalid_seed", str(exc)) from exc
-            await self._phase(task, t, "clone_image", disk_touched=True)
-            await disk.clone_image(str(image_path), "raw", str(disks[0]))
-            await self._phase(task, t, "define")
-            await self.libvirt.define_and_start(xml)
-            await self._phase(task, t, "dhcp_reservation")
-            dnsmasq.write_reservation(self.hostsdir, task.vm_name, primary.mac, primary.private_ip, task.hostname)
-            await self._phase(task, t, "wait_ready")
+            host_key = await self._host_key(task) if login_key else None
+            if resumed:
+                await phase("wait_ready", detail="resumed: the domain this task defined is still running")
+            else:
+                # The seed is rendered before the disk is touched: bad input must fail with nothing to clean.
+                await phase("seed")
+                seed_path = self.seed_dir / f"{task.vm_name}.iso"
+                keys = list(task.ssh_public_keys) + ([self.relay_public_key] if self.relay_public_key else [])
+                keys += [login_key[1]] if login_key else []
+                try:
+                    await seed_iso.write_seed_iso(
+                        seed_path,
+                        instance_id=str(task.allocation_id),
+                        hostname=task.hostname,
+                        ssh_authorized_keys=keys,
+                        username=self.guest_user if login_key else None,
+                        host_key=(host_key.private_openssh, host_key.public_line) if host_key else None,
+                    )
+                except seed_iso.SeedIsoError as exc:
+                    raise Refused("invalid_seed", str(exc)) from exc
+                await phase("clone_image", disk_touched=True)
+                await disk.clone_image(str(image_path), "raw", str(disks[0]))
+                # Reserved before the guest exists, so its first DHCP request already finds its address.
+                await phase("dhcp_reservation")
+                dnsmasq.write_reservation(self.hostsdir, task.vm_name, primary.mac, primary.private_ip, task.hostname)
+                await phase("define")
+                await self.libvirt.define_and_start(xml)
+                await phase("wait_ready")
             ready = await readiness.wait_ready(
-                self.lease_file, primary.mac, primary.private_ip, self.ssh_port, self.readiness_timeout_s
+                self.lease_file,
+                primary.mac,
+                primary.private_ip,
+                self.ssh_port,
+                self.readiness_timeout_s,
+                login=(
+                    (lambda ip: guest_ssh.login(ip, self.ssh_port, self.guest_user, login_key[0], host_key.public_line))
+                    if login_key and host_key
+                    else None
+                ),
             )
         except Refused:
             raise
         except Exception as exc:
             raise TaskFailed("provision_error", f"{type(exc).__name__}: {exc}") from exc
-        if not (ready.ssh_ready and ready.lease_state == "bound"):
-            raise TaskFailed("not_ready", f"lease {ready.lease_state}, ssh_ready={ready.ssh_ready}")
+        clock.enter(None)
+        if ready.host_key_mismatch:
+            raise TaskFailed(
+                "host_key_mismatch", ready.detail or "the guest's host key is not the one its seed planted"
+            )
+        if ready.lease_state != "bound":
+            raise TaskFailed(
+                "lease_timeout",
+                f"no DHCP lease of {primary.private_ip} for {primary.mac} within {self.readiness_timeout_s:.0f}s "
+                f"(lease {ready.lease_state})",
+            )
+        if not ready.ssh_ready:
+            raise TaskFailed("not_ready", f"lease bound, ssh not ready: {ready.detail or 'no answer'}")
+        seconds = {**clock.seconds, **ready.phase_seconds}
+        for name, spent in ready.phase_seconds.items():
+            PHASE_SECONDS.labels(name).observe(spent)
         readiness_ev = m.Readiness(
             mac=ready.mac,
             expected_ip=ready.expected_ip,
             actual_ip=ready.actual_ip,
             lease_state=ready.lease_state,
             ssh_ready=ready.ssh_ready,
+            ssh_user=self.guest_user if login_key else None,
+            ssh_port=self.ssh_port,
+            host_key_fingerprint=host_key.fingerprint if host_key else None,
+            phase_seconds=seconds,
         )
-        await self._phase(task, t, "ready")
+        await self._phase(task, t, "ready", detail=" ".join(f"{k}={v:.1f}s" for k, v in seconds.items()))
         return self._result(task, t, "succeeded", readiness_=readiness_ev)

@@ -14,7 +14,7 @@ from gpuaas_common.contract import messages as m
 from ...adapters import disk, dnsmasq
 from ...adapters.libvirt_host import LibvirtHostError
 from .core import Refused, TaskFailed, log
-from .provision import ProvisionTask
+from .provision import ProvisionTask, slot_lease
 from .release import ReleaseTask
 
 SLICE_TASKS = ("slice.vm_provision", "slice.vm_release")
@@ -78,10 +78,10 @@ class TaskRunner(ProvisionTask, ReleaseTask):
             try:
                 async with deadline:
                     if task_type == "slice.vm_provision":
-                        if resuming:
+                        if resuming and not await self._can_resume_domain(task, record):
                             log.warning("task_resuming", task_id=task.task_id, allocation_id=str(task.allocation_id))
                             await self._teardown_domain(task)
-                        result = await self._provision(task)
+                        result = await self._provision(task, resume=resuming)
                     elif task_type == "slice.vm_release":
                         result = await self._release(task)
                     else:
@@ -110,8 +110,8 @@ class TaskRunner(ProvisionTask, ReleaseTask):
         the slot again) still raised the fence. The VM's own release must not be refused for it: the slot's
         GPUs are still leased to its allocation, so no newer claim ever touched them, and without the release
         the VM would run for nobody (a chaos run found one)."""
-        gpus = [f"gpu:{s.gpu_pci_address}" for s in task.slots]
-        return task_type == "slice.vm_release" and self.store.holds_leases(str(task.allocation_id), gpus)
+        held = [slot_lease(s) for s in task.slots]
+        return task_type == "slice.vm_release" and self.store.holds_leases(str(task.allocation_id), held)
 
     async def _settle(self, task: Any, task_type: str, exc: Refused | TaskFailed) -> m.NodeTaskResult:
         """The refused or failed result, with the bookkeeping that decides `cleanup_required`."""

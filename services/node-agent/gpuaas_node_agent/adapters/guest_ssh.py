@@ -1,0 +1,151 @@
+"""SSH facts of a slice guest: the host key the seed plants, the agent's own login key, and the login that
+proves the guest is ready.
+
+A guest is ready when the agent has logged in with its key, the guest presented exactly the host key its
+seed planted (OpenSSH refuses any other: StrictHostKeyChecking against a known_hosts of that one key), and
+cloud-init has finished. An SSH banner alone shows only that sshd started, possibly with a key of its own
+making. OpenSSH's client does the protocol; we only read its exit status and words.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuaas_common.logging import get_logger
+
+log = get_logger(__name__)
+
+# What cloud-init writes when its last stage is done: the tenant's users and keys are in place.
+BOOT_FINISHED = "/var/lib/cloud/instance/boot-finished"
+_MISMATCH_WORDS = ("Host key verification failed", "REMOTE HOST IDENTIFICATION HAS CHANGED")
+
+
+class GuestSshError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class HostKey:
+    private_openssh: str  # goes into the seed only, never into a log or an event
+    public_line: str  # "ssh-ed25519 AAAA… comment"
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.public_line)
+
+
+def fingerprint(public_line: str) -> str:
+    """OpenSSH's SHA256 fingerprint (`ssh-keygen -lf`): unpadded base64 of the sha256 of the key blob."""
+    try:
+        blob = base64.b64decode(public_line.split()[1], validate=True)
+    except (IndexError, ValueError) as exc:
+        raise GuestSshError(f"not an OpenSSH public key: {public_line[:40]!r}") from exc
+    return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
+
+
+async def _run(*argv: str, timeout_s: float = 30.0) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "LC_ALL": "C"},
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except (TimeoutError, asyncio.CancelledError):
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+async def new_host_key(comment: str) -> HostKey:
+    """A fresh ed25519 host key for one guest, made in a private temporary directory that is removed."""
+    with tempfile.TemporaryDirectory(prefix="gpuaas-hostkey-") as tmp:
+        path = Path(tmp) / "key"
+        rc, _, err = await _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path))
+        if rc != 0:
+            raise GuestSshError(f"ssh-keygen failed: {err.strip()[:300]}")
+        return HostKey(path.read_text(), path.with_suffix(".pub").read_text().strip())
+
+
+async def agent_login_key(state_dir: Path) -> tuple[Path, str]:
+    """The agent's own login key (made once, 0600 in its state dir) and its public line, which every seed
+    authorises so that the readiness check can log in."""
+    key = state_dir / "readiness_ed25519"
+    tmp = state_dir / f".readiness-{os.getpid()}"
+
+    def _prepare() -> bool:
+        if key.exists():
+            return False
+        state_dir.mkdir(parents=True, exist_ok=True)
+        for p in (tmp, tmp.with_suffix(".pub")):
+            p.unlink(missing_ok=True)
+        return True
+
+    if await asyncio.to_thread(_prepare):
+        rc, _, err = await _run(
+            "ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpuaas-node-agent-readiness", "-f", str(tmp)
+        )
+        if rc != 0:
+            raise GuestSshError(f"ssh-keygen failed: {err.strip()[:300]}")
+        tmp.with_suffix(".pub").replace(key.with_suffix(".pub"))
+        tmp.replace(key)
+    return key, key.with_suffix(".pub").read_text().strip()
+
+
+@dataclass(frozen=True)
+class LoginOutcome:
+    ok: bool
+    host_key_mismatch: bool = False
+    detail: str = ""
+
+
+async def login(
+    ip: str, port: int, user: str, key: Path, host_public_line: str, *, timeout_s: float = 15.0
+) -> LoginOutcome:
+    """Log in once and check that cloud-init finished. `ok` only when the guest showed the planted host key,
+    accepted the agent's key and has BOOT_FINISHED."""
+    with tempfile.TemporaryDirectory(prefix="gpuaas-ssh-") as tmp:
+        known_hosts = Path(tmp) / "known_hosts"
+        host = ip if port == 22 else f"[{ip}]:{port}"
+        kind, blob = host_public_line.split()[:2]
+        known_hosts.write_text(f"{host} {kind} {blob}\n")
+        argv = [
+            "ssh",
+            "-F", "/dev/null",
+            "-o", "BatchMode=yes",
+            "-o", "StrictHostKeyChecking=yes",
+            "-o", f"UserKnownHostsFile={known_hosts}",
+            "-o", "GlobalKnownHostsFile=/dev/null",
+            "-o", f"HostKeyAlgorithms={kind}",
+            "-o", "IdentitiesOnly=yes",
+            "-o", "ConnectTimeout=5",
+            "-o", "LogLevel=ERROR",
+            "-i", str(key),
+            "-p", str(port),
+            f"{user}@{ip}",
+            "test", "-e", BOOT_FINISHED,
+        ]  # fmt: skip
+        try:
+            rc, _, err = await _run(*argv, timeout_s=timeout_s)
+        except TimeoutError:
+            return LoginOutcome(False, detail="ssh timed out")
+    if rc == 0:
+        return LoginOutcome(True)
+    err = err.strip()
+    if any(w in err for w in _MISMATCH_WORDS):
+        return LoginOutcome(
+            False, host_key_mismatch=True, detail="the guest's host key is not the one its seed planted"
+        )
+    if rc == 1:
+        return LoginOutcome(False, detail="logged in; cloud-init has not finished")
+    return LoginOutcome(False, detail=err.splitlines()[-1][:300] if err else f"ssh exited {rc}")
