@@ -30,10 +30,14 @@ class ImagePipelineSettings(ServiceSettings):
     image_build_dir: str = "/var/lib/gpuaas/image-builds"
     # Node-local slice image cache: the catalog's image_path is <dir>/<slug>.raw.
     image_cache_dir: str = "/var/lib/gpuaas/images"
-    # Customisation plug-in: stamp (local, edits the image with qemu-io), virt-customize, none.
-    image_customise: Literal["stamp", "virt-customize", "none"] = "stamp"
-    # Comma-separated packages every build installs when the request names none (virt-customize only).
-    image_install_packages: str = ""
+    # Customisation plug-in: chroot (installs packages into the image's root with the guest's apt; nbd or loop
+    # devices, virt-customize as the fallback), virt-customize, none; stamp is a dev option that only writes
+    # a build stamp into the disk (no root, no real image needed) and stays the default for the dev stack.
+    image_customise: Literal["chroot", "stamp", "virt-customize", "none"] = "stamp"
+    # Comma-separated packages a build installs when the request names none (chroot and virt-customize).
+    image_install_packages: str = "cloud-init,openssh-server,qemu-guest-agent"
+    # Base images fetched from a URL (BuildRequest.base_url), kept by digest.
+    image_base_cache_dir: str = "/var/lib/gpuaas/base-images"
     # MAAS host images (rootfs tgz) are written here and uploaded by the MAAS gateway, which reads the file
     # by its path: the gateway must see this directory at the same path (same host or a shared volume).
     host_image_dir: str = "/var/lib/gpuaas/maas-host-images"

@@ -79,8 +79,9 @@ class NoCustomiser:
 
 
 class StampCustomiser:
-    """The local plug-in: edits the real qcow2 through qemu's block layer (qemu-io), writing a JSON build
-    stamp (build id, slug, package list) into the disk, so every build yields a distinct, traceable raw."""
+    """Dev only: edits the qcow2 through qemu's block layer (qemu-io), writing a JSON build stamp (build id,
+    slug, package list) into the disk, so every build yields a distinct, traceable raw; it installs nothing
+    and needs neither root nor a real image. Real images are customised by `chroot` (customise_chroot)."""
 
     name = "stamp"
 
@@ -100,9 +101,9 @@ class StampCustomiser:
 class VirtCustomizeCustomiser:
     """Production plug-in (libguestfs): installs the guest GPU/RDMA package list into the qcow2.
 
-    The runbook's preferred production path, NBD plus a host-network chroot (qemu-nbd --connect, mount,
-    chroot apt-get install, umount, disconnect), needs root and the nbd kernel module on the build host;
-    it plugs in here the same way, as another Customiser. Neither runs in CI (no libguestfs appliance)."""
+    The runbook's preferred production path is the chroot customiser (customise_chroot), which falls back to
+    this one on a build host that has neither loop devices nor nbd. It does not run in CI (no libguestfs
+    appliance)."""
 
     name = "virt-customize"
 
@@ -129,3 +130,7 @@ async def convert_to_qcow2(src: Path, src_format: str, dst: Path) -> None:
     if src_format not in {"raw", "qcow2", "vmdk", "vdi", "vhdx", "vpc"}:
         raise ImageToolError(f"unsupported source format {src_format!r}")
     await _run("qemu-img", "convert", "-f", src_format, "-O", "qcow2", str(src), str(dst))
+
+
+# Last: the chroot plug-in builds on this module and enters itself in CUSTOMISERS when imported.
+from . import customise_chroot  # noqa: E402, F401

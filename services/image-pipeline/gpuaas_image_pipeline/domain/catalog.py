@@ -109,6 +109,7 @@ PROTECTED_METADATA = (
     "build_id",
     "registry_tls",
     "maas",
+    "installed_packages",
 )
 
 
@@ -116,8 +117,14 @@ class BuildRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     source: str | None = Field(default=None, max_length=4096)
+    # A vendor image fetched over HTTP(S) and trusted once it matches its entry in the published checksum
+    # list (SHA256SUMS format), in place of a local source.
+    base_url: str | None = Field(default=None, max_length=4096, pattern=r"^https?://[^\s]+$")
+    checksums_url: str | None = Field(default=None, max_length=4096, pattern=r"^https?://[^\s]+$")
+    # Virtual size the build's copy of the source is grown to (the guest grows its root into it).
+    resize_gib: int | None = Field(default=None, ge=1, le=4096)
     reuse_build_id: str | None = None
-    customise: str | None = Field(default=None, pattern=r"^(stamp|virt-customize|none)$")
+    customise: str | None = Field(default=None, pattern=r"^(chroot|stamp|virt-customize|none)$")
     packages: list[str] = Field(default_factory=list, max_length=512)
     tag: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
     namespace: str | None = Field(default=None, pattern=r"^[a-z0-9][a-z0-9._/-]*$", max_length=255)
@@ -128,8 +135,12 @@ class BuildRequest(BaseModel):
     driver_strategy: str = Field(default="preinstalled", pattern=r"^(preinstalled|cloud_init)$")
 
     def check(self) -> None:
-        if bool(self.source) == bool(self.reuse_build_id):
-            raise ValueError("give exactly one of source (build) or reuse_build_id (republish an artifact)")
+        if sum(map(bool, (self.source, self.base_url, self.reuse_build_id))) != 1:
+            raise ValueError("give exactly one of source or base_url (build) or reuse_build_id (republish an artifact)")
+        if bool(self.base_url) != bool(self.checksums_url):
+            raise ValueError("base_url and checksums_url go together")
+        if self.resize_gib and self.reuse_build_id:
+            raise ValueError("resize_gib applies to a build, not to a republished artifact")
 
 
 _MAAS_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"

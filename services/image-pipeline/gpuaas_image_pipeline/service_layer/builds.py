@@ -30,7 +30,7 @@ from gpuaas_common.db import DB_UNAVAILABLE
 from gpuaas_common.logging import bound_context, get_logger
 from gpuaas_common.unit_of_work import UnitOfWork
 
-from ..adapters import qemu, registry, sparse
+from ..adapters import base_image, customise_chroot, qemu, registry, sparse
 from ..adapters.repository import image_pipeline_repositories
 from ..domain.catalog import ArtifactRef, BuildRequest, ImageCreate, default_tag
 from ..settings import ImagePipelineSettings
@@ -104,12 +104,24 @@ class BuildRunner:
         packages = req.packages or [p for p in s.image_install_packages.split(",") if p]
         steps: list[str] = []
         if reuse is None:
-            steps += [f"qemu-img convert -O qcow2 {req.source} {workdir / 'work.qcow2'}"]
+            source = req.source
+            if req.base_url:
+                source = f"{s.image_base_cache_dir.rstrip('/')}/sha256-<digest>"
+                steps += [
+                    f"fetch {req.base_url} unless {s.image_base_cache_dir} holds it; its sha256 must match "
+                    f"its entry in {req.checksums_url}"
+                ]
+            steps += [f"qemu-img convert -O qcow2 {source} {workdir / 'work.qcow2'}"]
+            if req.resize_gib:
+                steps += [f"qemu-img resize -f qcow2 {workdir / 'work.qcow2'} {req.resize_gib}G"]
             steps += customiser.plan(workdir / "work.qcow2", packages)
-            steps += [
-                f"qemu-img convert -p -f qcow2 -O raw -S 4k {workdir / 'work.qcow2'} {workdir / 'image.raw'}",
-                f"pack sparse extents + sha256 -> {workdir / 'image.gpsparse'} ({sparse.MEDIA_TYPE})",
-            ]
+            steps += [f"qemu-img convert -p -f qcow2 -O raw -S 4k {workdir / 'work.qcow2'} {workdir / 'image.raw'}"]
+            if getattr(customiser, "installs_packages", False) and packages:
+                steps += [
+                    f"read var/lib/dpkg/status back from {workdir / 'image.raw'} (mounted read-only): "
+                    f"{', '.join(packages)} installed, versions recorded"
+                ]
+            steps += [f"pack sparse extents + sha256 -> {workdir / 'image.gpsparse'} ({sparse.MEDIA_TYPE})"]
         else:
             steps += [
                 f"reuse artifact of build {reuse['build_id']}: {reuse['artifact_path']} "
@@ -135,6 +147,7 @@ class BuildRunner:
             "tls_mode": s.registry_tls_mode,
             "customise": customiser.name,
             "packages": packages,
+            **({"base_url": req.base_url, "checksums_url": req.checksums_url} if req.base_url else {}),
             "reuse_build_id": reuse["build_id"] if reuse is not None else None,
             "update_catalog": req.update_catalog,
             "workdir": str(workdir),
@@ -187,7 +200,7 @@ class BuildRunner:
             build_id,
             slug,
             "planned" if req.dry_run else "queued",
-            req.source,
+            req.source or req.base_url,
             req.model_dump(mode="json"),
             req.reuse_build_id,
             plan,
@@ -289,14 +302,32 @@ class BuildRunner:
         s = self.settings
         workdir = Path(plan["workdir"])
         await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
+        installed: dict[str, str] | None = None
         if reuse is None:
-            assert req.source
             work = workdir / "work.qcow2"
-            info = await qemu.image_info(Path(req.source))
-            await self._status(build_id, "customising")
+            if req.base_url:
+                assert req.checksums_url
+                await self._status(build_id, "customising")
+                fetched = await base_image.fetch_base_image(
+                    req.base_url,
+                    req.checksums_url,
+                    Path(s.image_base_cache_dir),
+                    progress=self._progress(build_id, slug, "fetch"),
+                )
+                self._progress(build_id, slug, "fetch")(1, 1, True)
+                log.info("image_base_fetched", sha256=fetched.sha256, downloaded=fetched.downloaded)
+                source = fetched.path
+                info = await qemu.image_info(source)
+            else:
+                assert req.source
+                source = Path(req.source)
+                info = await qemu.image_info(source)
+                await self._status(build_id, "customising")
             self._progress(build_id, slug, "customise")(0, 1, True)
             # A private qcow2 copy: the source stays pristine and the customiser may write freely.
-            await qemu.convert_to_qcow2(Path(req.source), info.get("format", "qcow2"), work)
+            await qemu.convert_to_qcow2(source, info.get("format", "qcow2"), work)
+            if req.resize_gib:
+                await base_image.resize(work, "qcow2", req.resize_gib)
             customiser = qemu.CUSTOMISERS[plan["customise"]]
             await customiser.customise(
                 work, plan["packages"], {"build_id": build_id, "slug": slug, "built_at": plan["tag"]}
@@ -306,6 +337,13 @@ class BuildRunner:
             raw = workdir / "image.raw"
             await qemu.convert_to_raw(work, "qcow2", raw, self._progress(build_id, slug, "convert"))
             work.unlink()
+            if getattr(customiser, "installs_packages", False) and plan["packages"]:
+                # What the artifact holds, not what apt said: a package the install did not leave configured
+                # fails the build here rather than on a customer's guest.
+                self._progress(build_id, slug, "verify")(0, 1, True)
+                installed = await customise_chroot.installed_versions(raw, plan["packages"], workdir)
+                self._progress(build_id, slug, "verify")(1, 1, True)
+                log.info("image_packages_verified", packages=installed)
             await self._status(build_id, "packing", raw_path=str(raw))
             artifact = workdir / "image.gpsparse"
             packed = await asyncio.to_thread(sparse.pack, raw, artifact, self._progress(build_id, slug, "pack"))
@@ -381,7 +419,9 @@ class BuildRunner:
             ):
                 raise BuildTakenOver(build_id)
             if req.update_catalog:
-                await self._catalog(uow, slug, build_id, raw_sha256, artifact_ref, blob_sha256, blob_size, virtual_size)
+                await self._catalog(
+                    uow, slug, build_id, raw_sha256, artifact_ref, blob_sha256, blob_size, virtual_size, installed
+                )
             await uow.commit()
         self._progress(build_id, slug, "published")(1, 1, True)
 
@@ -395,6 +435,7 @@ class BuildRunner:
         blob_sha256: str,
         blob_size: int,
         virtual_size: int,
+        installed: dict[str, str] | None = None,
     ) -> None:
         row = await uow.repos.images.lock(slug)
         if row is None:
@@ -409,6 +450,8 @@ class BuildRunner:
             build_id=build_id,
             registry_tls=self.settings.registry_tls_mode,
         )
+        if installed is not None:
+            meta["installed_packages"] = installed
         meta.setdefault("image_path", f"{self.settings.image_cache_dir.rstrip('/')}/{slug}.raw")
         same = row["digest_sha256"] == raw_sha256
         # Same content republished keeps its status (an active image stays active); a new digest has to be

@@ -1,0 +1,119 @@
+"""The chroot customiser on a real image: the lab's Debian 12 base (built once per recipe into the user's
+cache), packages installed from the archive with the guest's apt, the result read back from the disk.
+
+Needs root, loop devices and the Debian archive, as the image pipeline's build hosts do; on a machine
+without them these tests fail, they do not skip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gpuaas_dev.lab.base_image import ensure_base_image
+from gpuaas_image_pipeline.adapters import customise_chroot, qemu
+from gpuaas_image_pipeline.adapters.customise_chroot import CustomiseError, installed_versions
+
+
+def _attached() -> tuple[str, str]:
+    """Loop devices and mounts of the whole machine, as text to compare before and after."""
+    loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=True).stdout
+    return "\n".join(sorted(loops.splitlines())), Path("/proc/mounts").read_text()
+
+
+def _names(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def _digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+async def _work_copy(tmp_path: Path) -> Path:
+    base = await ensure_base_image()
+    work = tmp_path / "work.qcow2"
+    await qemu.convert_to_qcow2(base.path, "qcow2", work)
+    return work
+
+
+@pytest.mark.timeout(1200)
+async def test_openssh_server_and_the_readiness_unit_land_in_the_image(tmp_path: Path) -> None:
+    work = await _work_copy(tmp_path)
+    before = _attached()
+    stamp = {"build_id": "b-chroot-1", "slug": "lab-slice", "built_at": "20261126T000000Z"}
+
+    assert customise_chroot.pick_method() in ("nbd", "loop")
+    await qemu.CUSTOMISERS["chroot"].customise(work, ["openssh-server"], stamp)
+
+    assert _attached() == before
+    assert _names(tmp_path) == ["work.qcow2"]
+    raw = tmp_path / "image.raw"
+    await qemu.convert_to_raw(work, "qcow2", raw)
+    versions = await installed_versions(raw, ["openssh-server"], tmp_path)
+    assert versions["openssh-server"].startswith("1:9.2")
+    assert _attached() == before
+
+    # The rest of what the customiser leaves, read from the image the same way the build reads it.
+    part = customise_chroot.find_root(raw)
+    mnt = tmp_path / "look"
+    async with (
+        customise_chroot.loop_device(raw, part, read_only=True) as dev,
+        customise_chroot.mounted(dev, mnt, "-o", "ro,noload"),
+    ):
+        unit = (mnt / "etc/systemd/system/gpuaas-guest-ready.service").read_text()
+        wants = mnt / "etc/systemd/system/multi-user.target.wants/gpuaas-guest-ready.service"
+        assert wants.is_symlink() and str(wants.readlink()) == "/etc/systemd/system/gpuaas-guest-ready.service"
+        written = json.loads((mnt / "etc/gpuaas-image-build.json").read_text())
+        assert not (mnt / "usr/sbin/policy-rc.d").exists()
+        assert not list((mnt / "var/cache/apt/archives").glob("*.deb"))
+        assert not (mnt / "etc/resolv.conf.gpuaas-build").exists()
+        assert (mnt / "lib/systemd/system/ssh.service").is_file()
+    assert "WantedBy=multi-user.target" in unit and "cloud-init status --wait" in unit
+    assert "/run/gpuaas-guest-ready" in unit
+    assert written == {**stamp, "packages": ["openssh-server"]}
+    assert _attached() == before
+
+
+@pytest.mark.timeout(900)
+async def test_a_package_not_in_the_archive_fails_the_build_and_leaves_nothing_attached(tmp_path: Path) -> None:
+    work = await _work_copy(tmp_path)
+    untouched = _digest(work)
+    before = _attached()
+
+    with pytest.raises(CustomiseError) as err:
+        await qemu.CUSTOMISERS["chroot"].customise(work, ["gpuaas-no-such-package-x1"], {"build_id": "b-chroot-2"})
+
+    assert str(err.value) == "package_not_in_archive: gpuaas-no-such-package-x1"
+    assert _attached() == before
+    # The build's copy is left as it was; the failed attempt's raw copy and mount point are gone.
+    assert _digest(work) == untouched
+    assert _names(tmp_path) == ["work.qcow2"]
+
+
+async def test_a_package_name_that_is_an_option_is_refused_before_anything_is_opened(tmp_path: Path) -> None:
+    before = _attached()
+    with pytest.raises(CustomiseError, match=r"^invalid_package_name: --allow-unauthenticated$"):
+        await qemu.CUSTOMISERS["chroot"].customise(tmp_path / "absent.qcow2", ["--allow-unauthenticated"], {})
+    assert _attached() == before
+
+
+@pytest.mark.timeout(600)
+async def test_read_back_refuses_an_image_without_the_package(tmp_path: Path) -> None:
+    base = await ensure_base_image()
+    raw = tmp_path / "base.raw"
+    await qemu.convert_to_raw(base.path, "qcow2", raw)
+    before = _attached()
+
+    with pytest.raises(CustomiseError) as err:
+        await installed_versions(raw, ["udev", "openssh-server"], tmp_path)
+
+    assert str(err.value) == "package_missing_after_build: openssh-server (absent)"
+    assert _attached() == before
+    assert _names(tmp_path) == ["base.raw"]
+    root = customise_chroot.find_root(raw)
+    assert (root.index, root.start) == (2, 65 << 20)
