@@ -7,16 +7,26 @@ without them these tests fail, they do not skip.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import subprocess
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import asyncpg
 import pytest
+import pytest_asyncio
 
-from gpuaas_dev.lab.base_image import ensure_base_image
+from gpuaas_common.db import create_pool
+from gpuaas_common.migrations import apply_migrations
+from gpuaas_dev.lab.base_image import ensure_base_image, serve_directory
+from gpuaas_dev.testing.servers import RegistryServer
 from gpuaas_image_pipeline.adapters import customise_chroot, qemu
 from gpuaas_image_pipeline.adapters.customise_chroot import CustomiseError, installed_versions
+from gpuaas_image_pipeline.domain.catalog import BuildRequest
+from gpuaas_image_pipeline.service_layer.builds import BuildRunner
+from gpuaas_image_pipeline.settings import ImagePipelineSettings
 
 
 def _attached() -> tuple[str, str]:
@@ -117,3 +127,83 @@ async def test_read_back_refuses_an_image_without_the_package(tmp_path: Path) ->
     assert _names(tmp_path) == ["base.raw"]
     root = customise_chroot.find_root(raw)
     assert (root.index, root.start) == (2, 65 << 20)
+
+
+# --- the whole build: base fetched over loopback, customised in a chroot, verified, published ----------
+
+
+@pytest_asyncio.fixture
+async def pool(fresh_db: str) -> AsyncIterator[asyncpg.Pool]:
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, "image_pipeline", "gpuaas_image_pipeline.migrations")
+    await conn.close()
+    p = await create_pool(fresh_db, "image_pipeline", min_size=1, max_size=5)
+    yield p
+    await p.close()
+
+
+@pytest.fixture
+def lab_site() -> Iterator[tuple[str, str]]:
+    """The lab base image's cache entry served as a vendor publishes an image: the file and SHA256SUMS."""
+    base = asyncio.run(ensure_base_image())
+    url, stop = serve_directory(base.path.parent)
+    yield url + base.path.name, url + "SHA256SUMS"
+    stop()
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Iterator[RegistryServer]:
+    server = RegistryServer(tmp_path / "registry").start()
+    yield server
+    server.stop()
+
+
+async def _build(runner: BuildRunner, slug: str, req: BuildRequest) -> asyncpg.Record:
+    build = await runner.start(slug, req)
+    # The build's own task: awaited, not polled.
+    await runner.tasks[build["build_id"]]
+    return await runner.pool.fetchrow("SELECT * FROM builds WHERE build_id = $1", build["build_id"])
+
+
+@pytest.mark.timeout(1500)
+async def test_a_build_from_a_published_base_installs_verifies_and_publishes(
+    pool: asyncpg.Pool, lab_site: tuple[str, str], registry: RegistryServer, tmp_path: Path
+) -> None:
+    base_url, sums_url = lab_site
+    settings = ImagePipelineSettings(
+        registry_host=registry.host,
+        registry_tls_mode="plain-http",
+        image_build_dir=str(tmp_path / "builds"),
+        image_base_cache_dir=str(tmp_path / "bases"),
+        image_cache_dir=str(tmp_path / "cache"),
+    )
+    runner = BuildRunner(pool, None, settings)
+    req = BuildRequest(
+        base_url=base_url, checksums_url=sums_url, resize_gib=4, customise="chroot", packages=["openssh-server"]
+    )
+    before = _attached()
+
+    planned = await runner.start("lab-slice", req.model_copy(update={"dry_run": True}))
+    steps = "\n".join(planned["plan"]["steps"])
+    assert f"fetch {base_url} unless" in steps and sums_url in steps and "resize" in steps
+    assert "apt-get install -y --no-install-recommends openssh-server" in steps
+    assert "read var/lib/dpkg/status back" in steps
+
+    row = await _build(runner, "lab-slice", req)
+    assert row["status"] == "published", row["error"]
+    assert row["source"] == base_url and row["virtual_size"] == 4 << 30
+    image = await pool.fetchrow("SELECT * FROM os_images WHERE slug = 'lab-slice'")
+    meta = json.loads(image["metadata"]) if isinstance(image["metadata"], str) else image["metadata"]
+    assert meta["installed_packages"]["openssh-server"].startswith("1:9.2")
+    assert image["digest_sha256"] == row["raw_sha256"] and image["status"] == "published"
+    assert _attached() == before
+
+    # A package the archive does not have fails the build with its reason; nothing stays attached, and
+    # the base fetched for the first build is reused, not fetched again.
+    bad = await _build(
+        runner, "lab-slice", req.model_copy(update={"packages": ["openssh-server", "gpuaas-no-such-package-x1"]})
+    )
+    assert bad["status"] == "failed"
+    assert bad["error"] == "CustomiseError: package_not_in_archive: gpuaas-no-such-package-x1"
+    assert _attached() == before
+    assert len(_names(tmp_path / "bases")) == 1
