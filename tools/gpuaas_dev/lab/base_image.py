@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Bumped whenever the way the image is made changes, so a cached image of the old recipe is not reused.
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 SUITE = "bookworm"
 IMAGE_NAME = "debian-12-lab-base.qcow2"
 ROOT_LABEL = "gpuaas-root"
@@ -205,6 +205,9 @@ def _build(work: Path, image: Path, log: Callable[[str], None]) -> None:
         # Kernel and initrd links in /boot, where the GRUB config names them, kept current by every kernel
         # package the customiser may later install.
         '--setup-hook=mkdir -p "$1/etc" && printf "link_in_boot = yes\\n" > "$1/etc/kernel-img.conf"',
+        # Debian's locale-gen ignores the locale cloud-init names and builds only what locale.gen lists, so
+        # without this cloud-init's locale module fails and the whole run reports an error.
+        '--customize-hook=echo "en_US.UTF-8 UTF-8" > "$1/etc/locale.gen" && chroot "$1" locale-gen',
         '--customize-hook=rm -f "$1"/var/cache/apt/archives/*.deb',
         SUITE,
         rootfs,
@@ -252,7 +255,8 @@ def _configure_rootfs(rootfs: Path) -> None:
     etc = rootfs / "etc"
     (etc / "fstab").write_text(
         f"LABEL={ROOT_LABEL} / ext4 errors=remount-ro 0 1\n"
-        f"LABEL={ESP_LABEL} /boot/efi vfat umask=0077,nofail,x-systemd.device-timeout=10s 0 2\n"
+        # No fsck pass for the ESP: the image has no fsck.vfat (dosfstools), and a failing check holds the mount.
+        f"LABEL={ESP_LABEL} /boot/efi vfat umask=0077,nofail,x-systemd.device-timeout=10s 0 0\n"
     )
     (rootfs / "boot" / "efi").mkdir(parents=True, exist_ok=True)
     (etc / "hostname").write_text("debian\n")

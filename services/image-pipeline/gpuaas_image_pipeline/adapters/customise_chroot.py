@@ -58,6 +58,7 @@ After=network.target
 
 [Service]
 Type=simple
+RemainAfterExit=yes
 ExecStart=/bin/sh -c 'if command -v cloud-init >/dev/null; then cloud-init status --wait > {READY_FILE}.tmp 2>&1; \
 else echo "status: no cloud-init" > {READY_FILE}.tmp; fi; mv {READY_FILE}.tmp {READY_FILE}'
 
