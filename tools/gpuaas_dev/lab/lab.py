@@ -163,7 +163,7 @@ class Lab:
         assert self.state is not None
         return ["ip", "netns", "exec", self.state.netns, *argv]
 
-    def _spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> int:
+    def spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> int:
         assert self.state is not None
         logs = self.root / "logs"
         logs.mkdir(exist_ok=True)
@@ -179,6 +179,14 @@ class Lab:
         self.state.pids[name] = proc.pid
         self._save()
         return proc.pid
+
+    def stop(self, name: str) -> None:
+        """Stop one process the lab started (by the pid it recorded)."""
+        assert self.state is not None
+        pid = self.state.pids.pop(name, None)
+        if pid is not None:
+            _stop_pid(pid, timeout_s=30.0)
+            self._save()
 
     # --- up ----------------------------------------------------------------------------------------
 
@@ -223,7 +231,7 @@ class Lab:
         self.state.hostsdir, self.state.lease_file = str(hostsdir), str(lease_file)
         gateway = BRIDGE_CIDR.split("/")[0]
         network = gateway.rsplit(".", 1)[0] + ".0"
-        pid = self._spawn(
+        pid = self.spawn(
             "dnsmasq",
             self.ns(
                 "dnsmasq",
@@ -253,9 +261,9 @@ class Lab:
         self.state.libvirt_sock_dir = str(sock_dir)
         # libvirtd finds virtlogd at its fixed system socket; without it every domain start fails.
         if not Path("/run/libvirt/virtlogd-sock").exists():
-            pid = self._spawn("virtlogd", self.ns("virtlogd", "--pid-file", str(self.root / "virtlogd.pid")))
+            pid = self.spawn("virtlogd", self.ns("virtlogd", "--pid-file", str(self.root / "virtlogd.pid")))
             _wait_for(lambda: Path("/run/libvirt/virtlogd-sock").exists(), DAEMON_START_S, "virtlogd", pid)
-        pid = self._spawn(
+        pid = self.spawn(
             "libvirtd", self.ns("libvirtd", "--config", str(conf), "--pid-file", str(self.root / "libvirtd.pid"))
         )
         _wait_for(lambda: (sock_dir / "libvirt-sock").exists(), DAEMON_START_S, "libvirtd", pid)
@@ -268,11 +276,9 @@ class Lab:
         assert self.state is not None
         sock = self.root / f"fwd-{name}.sock"
         sock.unlink(missing_ok=True)
-        outer = self._spawn(
-            f"fwd-{name}-outer", ["socat", f"UNIX-LISTEN:{sock},fork,mode=600", f"TCP:127.0.0.1:{port}"]
-        )
+        outer = self.spawn(f"fwd-{name}-outer", ["socat", f"UNIX-LISTEN:{sock},fork,mode=600", f"TCP:127.0.0.1:{port}"])
         _wait_for(sock.exists, DAEMON_START_S, f"forwarder {name} (root side)", outer)
-        self._spawn(
+        self.spawn(
             f"fwd-{name}-inner",
             self.ns("socat", f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr", f"UNIX-CONNECT:{sock}"),
         )

@@ -98,10 +98,13 @@ def render_domain_xml(spec: SliceVmSpec) -> str:
         if index == 0:
             _sub(disk, "boot", order="1")
 
+    # The seed CD sits on virtio-scsi, not SATA: cloud kernels (Debian's cloud flavour among them) carry
+    # virtio_scsi and sr_mod but no AHCI driver, and a guest that cannot see its seed never gets its keys.
+    _sub(devices, "controller", type="scsi", index="0", model="virtio-scsi")
     seed = _sub(devices, "disk", type="file", device="cdrom")
     _sub(seed, "driver", name="qemu", type="raw")
     _sub(seed, "source", file=spec.seed_iso_path)
-    _sub(seed, "target", dev="sda", bus="sata")
+    _sub(seed, "target", dev="sda", bus="scsi")
     _sub(seed, "readonly")
 
     nic = _sub(devices, "interface", type="bridge")
@@ -115,6 +118,9 @@ def render_domain_xml(spec: SliceVmSpec) -> str:
         _hostdev(devices, address)
 
     serial = _sub(devices, "serial", type="pty")
+    if spec.console_log_path:
+        # The console stays interactive (pty) and is also kept: a guest that never comes up says why there.
+        _sub(serial, "log", file=spec.console_log_path, append="off")
     _sub(serial, "target", port="0")
     console = _sub(devices, "console", type="pty")
     _sub(console, "target", type="serial", port="0")

@@ -104,6 +104,8 @@ class SliceVmSpec(BaseModel):
     nvram_template_path: str = DEFAULT_NVRAM_TEMPLATE_PATH
     # None lets libvirt place the per-domain VARS copy in its own nvram directory.
     nvram_path: str | None = None
+    # Where the serial console's output is kept (the VM's boot and cloud-init messages); None keeps none.
+    console_log_path: str | None = None
 
     @field_validator("vm_name")
     @classmethod
@@ -156,7 +158,7 @@ class SliceVmSpec(BaseModel):
             raise ValueError("at most 26 disks (vda..vdz)")
         return v
 
-    @field_validator("seed_iso_path", "loader_path", "nvram_template_path", "nvram_path")
+    @field_validator("seed_iso_path", "loader_path", "nvram_template_path", "nvram_path", "console_log_path")
     @classmethod
     def _abs_path(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith("/"):

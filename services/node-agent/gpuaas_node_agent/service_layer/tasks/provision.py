@@ -202,6 +202,7 @@ class ProvisionTask(AgentCore):
                 bridge=primary.ovs_bridge,
                 bridge_kind=self.bridge_kind,
                 domain_type=self.domain_type,
+                console_log_path=str(self.seed_dir / f"{task.vm_name}.console.log"),
             )
         except ValueError as exc:
             raise Refused("invalid_vm_spec", str(exc)[:1000]) from exc

@@ -22,6 +22,7 @@ class ReleaseTask(AgentCore):
             seed = self.seed_dir / f"{task.vm_name}.iso"
             seed.unlink(missing_ok=True)
             (self.seed_dir / f"{task.vm_name}.hostkey").unlink(missing_ok=True)
+            (self.seed_dir / f"{task.vm_name}.console.log").unlink(missing_ok=True)
             # Every disk is re-checked before the first one is wiped: host state may have changed since provision.
             paths = [(slot, self._check_disk(slot.nvme_by_id)) for slot in task.slots]
             await self._phase(task, t, "wipe", disk_touched=True)
