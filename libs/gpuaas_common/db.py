@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import decimal
 import json
 import math
 import re
@@ -65,20 +66,27 @@ class NoLiteral(TypeError):
 
 def sql_literal(value: object) -> str:
     """`value` as a constant for a statement sent without parameters (written behind and sent with the next
-    statement or the COMMIT): NULL, a boolean, a finite number, or a string constant that Postgres converts
-    to the column's type as it would a parameter (text, uuid, json/jsonb from a dict or list, timestamptz
-    from an aware datetime). Anything else raises NoLiteral, never a guess: a naive datetime would be read
-    in the session's time zone."""
+    statement or the COMMIT): NULL, a boolean, a finite number (int, float, Decimal), or a string constant
+    that Postgres converts to the column's type as it would a parameter (text, uuid, json/jsonb from a dict
+    or list, timestamptz from an aware datetime). Anything else raises NoLiteral, never a guess: a naive
+    datetime would be read in the session's time zone."""
     if value is None:
         return "NULL"
     if isinstance(value, bool):
         return "TRUE" if value else "FALSE"
     if isinstance(value, int):
-        return str(int(value))  # an int subclass (an enum) renders as its number, never as its name
+        return _number(str(int(value)))  # an int subclass (an enum) renders as its number, never as its name
     if isinstance(value, float):
         if not math.isfinite(value):
             raise NoLiteral(f"{value!r} has no literal here")
-        return repr(value)
+        if value == 0 and math.copysign(1.0, value) < 0:
+            # A numeric constant has no negative zero; a float8 one keeps the sign a parameter would.
+            return "'-0.0'::float8"
+        return _number(repr(value))
+    if isinstance(value, decimal.Decimal):
+        if not value.is_finite():
+            raise NoLiteral(f"{value!r} has no literal here")
+        return _number(str(value))
     if isinstance(value, str):
         if "\x00" in value:
             raise NoLiteral("a NUL character")  # sent as a parameter, it fails the way it always did
@@ -88,10 +96,21 @@ def sql_literal(value: object) -> str:
     if isinstance(value, datetime.datetime):
         if value.tzinfo is None or value.utcoffset() is None:
             raise NoLiteral("a naive datetime")
-        return f"'{value.isoformat()}'"
+        try:
+            # In UTC: Postgres reads no fraction of a second in an offset, which Python allows.
+            utc = value.astimezone(datetime.timezone.utc)
+        except OverflowError:
+            raise NoLiteral("a datetime whose UTC time Python cannot hold") from None  # nor can asyncpg
+        return f"'{utc.isoformat()}'"
     if isinstance(value, (dict, list)):
         return text_literal(json.dumps(value))
     raise NoLiteral(f"no literal for a {type(value).__name__}")
+
+
+def _number(text: str) -> str:
+    # Bare, a negative number after a minus (`a -$1` with -3) would read `a --3`: the rest of the line a comment.
+    # In parentheses it is one operand wherever it lands, before a cast too (`-3::text` negates a text).
+    return f"({text})" if text.startswith("-") else text
 
 
 # A `$n` parameter and the cast that follows it, if any (`$4::text[]`).

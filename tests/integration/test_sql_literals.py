@@ -4,6 +4,7 @@ render exactly is refused."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import math
@@ -12,8 +13,11 @@ from datetime import datetime, timedelta, timezone
 
 import asyncpg
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpuaas_common.db import NoLiteral, bind_literals, sql_literal
+from gpuaas_dev.testing.servers import PostgresServer
 
 
 class Slots(enum.IntEnum):
@@ -74,6 +78,8 @@ BOUND = [
     ("SELECT ($1::integer[])::text", ([0, 3, -2],)),
     ("SELECT ($2::uuid)::text || $1::boolean::text", (False, uuid.UUID("12345678-1234-5678-1234-567812345678"))),
     ("SELECT ($1::jsonb ->> 'a')", (json.dumps({"a": HOSTILE}),)),
+    # Bare, -1 after the minus would start a comment that swallows the rest of the line.
+    ("SELECT (1 -$1::integer)::text || $2::text", (-1, "\n; DROP TABLE x; --")),
     # $1 is not the start of $10.
     (
         "SELECT $10::text || $1::text || ($2::integer + $3::integer + $4::integer + $5::integer + $6::integer "
@@ -99,3 +105,82 @@ def test_bind_literals_refuses_what_it_cannot_render() -> None:
         bind_literals("SELECT $2::text", "only one value")
     with pytest.raises(NoLiteral):
         bind_literals("SELECT $1::text[]", ["nul\x00inside"])
+
+
+# Every type `sql_literal` renders, each drawn with the Postgres type a parameter of it is bound as. Decimals stay
+# within what Postgres's numeric holds (beyond it asyncpg encodes some as 0 instead of refusing them).
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=10,
+)
+_TYPED = st.one_of(
+    st.tuples(st.none(), st.just("text")),
+    st.tuples(st.booleans(), st.just("boolean")),
+    st.tuples(st.integers() | st.sampled_from(Slots), st.just("numeric")),
+    st.tuples(st.floats(allow_nan=False, allow_infinity=False), st.just("double precision")),
+    st.tuples(
+        st.decimals(allow_nan=False, allow_infinity=False).filter(
+            lambda d: d.as_tuple().exponent >= -16383 and d.adjusted() < 131000  # type: ignore[operator]
+        ),
+        st.just("numeric"),
+    ),
+    st.tuples(st.text(st.characters(exclude_characters="\x00")), st.just("text")),
+    st.tuples(st.uuids(), st.just("uuid")),
+    st.tuples(
+        st.datetimes(
+            timezones=st.builds(
+                timezone, st.timedeltas(min_value=timedelta(hours=-23, minutes=-59), max_value=timedelta(hours=23))
+            )
+        ),
+        st.just("timestamptz"),
+    ),
+    st.tuples(st.lists(_JSON, max_size=4) | st.dictionaries(st.text(max_size=8), _JSON, max_size=4), st.just("jsonb")),
+)
+_NUMERIC = {"numeric", "double precision"}
+# What a value neither form can carry meets: Postgres refusing it, or asyncpg before it is sent (a lone surrogate).
+_REFUSED = (asyncpg.PostgresError, asyncpg.InterfaceError, UnicodeEncodeError)
+
+
+async def _outcome(conn: asyncpg.Connection, sql: str, *args: object) -> tuple[str, object]:
+    try:
+        return "value", await conn.fetchval(sql, *args)
+    except _REFUSED:
+        return "refused", None
+
+
+async def _compare(conn: asyncpg.Connection, value: object, type_: str) -> None:
+    try:
+        literal = sql_literal(value)
+    except NoLiteral:
+        return  # refusing is always allowed: the caller binds a parameter instead
+    param = json.dumps(value) if isinstance(value, (dict, list)) else value
+    if isinstance(value, enum.IntEnum):
+        param = int(value)
+    forms = [
+        # Bare before a cast, as `bind_literals` places it (`$2::integer::text`): a cast binds tighter than a sign.
+        (f"SELECT {literal}::{type_}::text", f"SELECT $1::{type_}::text"),
+        (f"SELECT ({literal})::{type_}::text", f"SELECT ($1::{type_})::text"),
+    ]
+    if type_ in _NUMERIC:
+        # After a minus, as in a template `a -$1`.
+        forms.append((f"SELECT (1::{type_} -{literal})::text", f"SELECT (1::{type_} - $1::{type_})::text"))
+    for with_literal, with_param in forms:
+        expected = await _outcome(conn, with_param, param)
+        assert await _outcome(conn, with_literal) == expected, (value, with_literal)
+
+
+def test_every_literal_reads_back_as_its_parameter(postgres_server: PostgresServer) -> None:
+    loop = asyncio.new_event_loop()
+    conn = loop.run_until_complete(asyncpg.connect(postgres_server.dsn))
+    try:
+
+        @settings(max_examples=400, deadline=None)
+        @given(_TYPED)
+        def check(typed: tuple[object, str]) -> None:
+            loop.run_until_complete(_compare(conn, *typed))
+
+        check()
+    finally:
+        loop.run_until_complete(conn.close())
+        loop.close()
