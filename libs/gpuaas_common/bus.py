@@ -132,9 +132,47 @@ def decode_body(body: bytes) -> Any:
     """The body as JSON, or the PermanentError saying why it is not. A consumer decodes each body once, at
     receipt: its lane key and its handler's payload both read the result."""
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         return PermanentError("not_json", f"body is not JSON: {exc}")
+    # Valid JSON can still carry a NUL or a lone surrogate: Postgres stores neither (a text cannot hold NUL,
+    # UTF-8 has no surrogates), so every attempt to record it would fail the same way until max_deliver. A NUL
+    # can only come escaped (json.loads refuses raw control characters), a surrogate escaped or as the UTF-8
+    # shape of one (json.loads decodes bytes with surrogatepass); a body holding neither shape, the common
+    # one, costs two substring searches (0.2 us on a 0.5 kB body; the regex alone took 3.7 us) and no walk.
+    if (
+        (b"\\u" in body or b"\xed" in body)
+        and _UNSTORABLE_SHAPE.search(body)
+        and (where := _unstorable(data, "")) is not None
+    ):
+        return PermanentError("schema_invalid", f"{where} holds a NUL or a lone surrogate, which Postgres cannot store")
+    return data
+
+
+# `\u0000`, `\uD800`-`\uDFFF`, or the bytes ED A0-BF of an encoded surrogate. Escaped backslashes and paired
+# surrogates match too: the walk settles them.
+_UNSTORABLE_SHAPE = re.compile(rb"\\u(?:0000|[dD][89abcdefABCDEF])|\xed[\xa0-\xbf]")
+
+
+def _unstorable(value: Any, where: str) -> str | None:
+    """The path of the first string (or key) in `value` that Postgres cannot store, or None."""
+    if isinstance(value, str):
+        return (where or "<root>") if _UNSTORABLE_CHAR.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _unstorable(key, f"{where}.<key>") or _unstorable(item, f"{where}.{key}")
+            if found is not None:
+                return found.lstrip(".")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _unstorable(item, f"{where}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+# A pair of escaped surrogates decodes to one character outside the BMP; only unpaired ones remain here.
+_UNSTORABLE_CHAR = re.compile("[\x00\ud800-\udfff]")
 
 
 def parse_message(subject: str, body: bytes, decoded: Any = _NOT_DECODED) -> tuple[Envelope, BaseModel]:

@@ -433,6 +433,36 @@ async def test_poison_messages_are_dead_lettered_and_the_consumer_keeps_going(pr
     assert dlq.violations == []
 
 
+@pytest.mark.parametrize(
+    "poison",
+    [
+        lambda body: body.replace(b'"event_id":"', b'"event_id":"nul\\u0000', 1),
+        lambda body: body.replace(b'"event_id":"', b'"event_id":"lone\\udc00', 1),
+        lambda body: body.replace(b'"event_id":"', b'"event_id":"raw\xed\xa0\x80', 1),
+        lambda body: body.replace(b'"reason":"', b'"reason":"\\ud800', 1),
+    ],
+    ids=["escaped-nul", "escaped-surrogate", "encoded-surrogate", "in-the-payload"],
+)
+async def test_a_string_postgres_cannot_store_is_dead_lettered_at_once(probe_bus, js, poison):
+    # The event id reaches the inbox claim, where it would fail the same way on every delivery.
+    probe, pool, dlq = probe_bus
+    alloc = uuid.uuid4()
+    _, body = _event(alloc)
+    poisoned = poison(body)
+    assert poisoned != body
+    await _publish(js, poisoned)
+    letter = await dlq.wait_type("dead_letter", timeout=10)
+    assert letter["payload"]["reason_code"] == "schema_invalid"
+    assert "Postgres cannot store" in letter["payload"]["reason"]
+    assert letter["payload"]["num_delivered"] == 1
+    assert str(alloc) not in probe.attempts
+    good = uuid.uuid4()
+    await _publish(js, _event(good)[1])
+    await asyncio.wait_for(probe.done.wait(), 10)
+    assert probe.effects == [str(good)]
+    assert len(dlq.messages) == 1 and dlq.violations == []
+
+
 async def test_transient_failures_are_retried_and_take_effect_once(probe_bus, js):
     probe, pool, dlq = probe_bus
     alloc = uuid.uuid4()
