@@ -30,7 +30,7 @@ from pathlib import Path
 
 from gpuaas_common.logging import get_logger
 
-from .qemu import CUSTOMISERS, ImageToolError, VirtCustomizeCustomiser, convert_to_raw, image_info
+from .qemu import CUSTOMISERS, ImageToolError, VirtCustomizeCustomiser, convert_to_raw, image_info, tool_env
 
 log = get_logger(__name__)
 
@@ -85,7 +85,7 @@ async def _exec(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env=env,
+        env=tool_env() if env is None else env,
     )
     out, err = await proc.communicate()
     return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -21,12 +22,27 @@ _PCT = re.compile(rb"\((\d+(?:\.\d+)?)/100%\)")
 STAMP_OFFSET = 1 << 20
 
 
+# What the image tools read from the environment: where to find programs and libraries' data, the locale,
+# scratch space, libguestfs's own settings (virt-customize) and a proxy for its --network installs. Nothing
+# else passes: the service's environment holds the database URL, the admin token and the path to its NATS
+# creds, and a tool (or a package script it runs) has no business with them.
+_TOOL_ENV = ("PATH", "LANG", "LC_ALL", "HOME", "TMPDIR", "http_proxy", "https_proxy", "no_proxy")
+_TOOL_ENV_PREFIXES = ("LIBGUESTFS_",)
+
+
+def tool_env() -> dict[str, str]:
+    """The environment every image tool runs with: the service's, cut to the allow-list above."""
+    return {k: v for k, v in os.environ.items() if k in _TOOL_ENV or k.startswith(_TOOL_ENV_PREFIXES)}
+
+
 class ImageToolError(RuntimeError):
     pass
 
 
 async def _run(*argv: str, on_output: Callable[[bytes], None] | None = None) -> bytes:
-    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=tool_env()
+    )
     assert proc.stdout and proc.stderr
     out = bytearray()
     while chunk := await proc.stdout.read(4096):
