@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from gpuaas_allocator.service_layer.commands import provision_task_id, release_task_id
 from gpuaas_allocator.service_layer.deadlines import expire_overdue_tasks
 from gpuaas_allocator.settings import AllocatorSettings
 from gpuaas_common.bus import PermanentError
@@ -38,7 +39,7 @@ async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_rec
             json.loads(b)
             for (b,) in await pool.fetch("SELECT body FROM outbox WHERE subject = 'gpuaas.node.n1.tasks' ORDER BY id")
         ]
-        again = [e for e in resent if e["payload"]["task_id"] == f"prov-{silent}"]
+        again = [e for e in resent if e["payload"]["task_id"] == provision_task_id(allocator.settings, silent)]
         assert len(again) == 2 and again[0]["event_id"] != again[1]["event_id"]
         # The same task; its deadline is the one the row holds (this test moved it into the past).
         assert {**again[0]["payload"], "deadline": None} == {**again[1]["payload"], "deadline": None}
@@ -56,7 +57,7 @@ async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_rec
     assert (row["failure_code"], row["awaiting_result"], row["timed_out_task_id"]) == (
         "task_deadline_passed",
         False,
-        f"prov-{silent}",
+        provision_task_id(allocator.settings, silent),
     )
     failed = [
         json.loads(b)["payload"]
@@ -82,7 +83,7 @@ async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_rec
         allocator.on_task_result,
         "node.task_result",
         m.NodeTaskResult(
-            task_id=f"prov-{silent}",
+            task_id=provision_task_id(allocator.settings, silent),
             allocation_id=silent,
             node_id="n1",
             task_type="slice.vm_provision",
@@ -92,7 +93,7 @@ async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_rec
     assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", silent) == "failed"
     sent = await pool.fetch("SELECT subject, body FROM outbox WHERE id > $1", outbox_before)
     assert [(r["subject"], json.loads(r["body"])["payload"]["task_id"]) for r in sent] == [
-        ("gpuaas.node.n1.tasks", f"rel-{silent}")
+        ("gpuaas.node.n1.tasks", release_task_id(allocator.settings, silent))
     ]
     late = await pool.fetchrow(
         "SELECT state, reason_code, detail FROM allocation_timeline WHERE allocation_id = $1 ORDER BY seq DESC", silent
@@ -130,7 +131,7 @@ async def test_an_overdue_task_asked_again_is_answered_from_the_agents_record(po
         allocator.on_task_result,
         "node.task_result",
         m.NodeTaskResult(
-            task_id=f"prov-{alloc}",
+            task_id=provision_task_id(allocator.settings, alloc),
             allocation_id=alloc,
             node_id="n1",
             task_type="slice.vm_provision",

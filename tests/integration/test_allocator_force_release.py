@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from gpuaas_allocator.service_layer.commands import provision_task_id, release_task_id
 from gpuaas_allocator.service_layer.handlers import PlacementNotSeenYet
 from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.asyncapi import default_validator
@@ -44,7 +45,7 @@ async def test_a_force_released_allocation_fails_with_cleanup_and_its_task_is_gi
         "failed",
         "force_released",
         False,
-        f"prov-{alloc}",
+        provision_task_id(allocator.settings, alloc),
     )
     [event] = await _failed_events(pool, alloc)
     assert (event["reason_code"], event["cleanup_required"]) == ("force_released", True)
@@ -60,7 +61,7 @@ async def test_a_force_released_allocation_fails_with_cleanup_and_its_task_is_gi
         allocator.on_task_result,
         "node.task_result",
         m.NodeTaskResult(
-            task_id=f"prov-{alloc}",
+            task_id=provision_task_id(allocator.settings, alloc),
             allocation_id=alloc,
             node_id="n1",
             task_type="slice.vm_provision",
@@ -75,7 +76,7 @@ async def test_a_force_released_allocation_fails_with_cleanup_and_its_task_is_gi
     # The VM it built runs on slots ops released: it is torn down.
     teardown = await pool.fetch("SELECT body FROM outbox WHERE subject = 'gpuaas.node.n1.tasks'")
     released = [json.loads(r["body"]) for r in teardown if json.loads(r["body"])["type"] == "slice.vm_release"]
-    assert [t["payload"]["task_id"] for t in released] == [f"rel-{alloc}"]
+    assert [t["payload"]["task_id"] for t in released] == [release_task_id(allocator.settings, alloc)]
 
 
 async def test_before_its_placement_is_applied_the_message_is_retried_not_failed(pool) -> None:  # noqa: F811

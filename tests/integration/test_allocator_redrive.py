@@ -138,7 +138,7 @@ async def test_a_result_for_a_task_whose_placement_commit_was_lost_is_re_driven_
             if e.envelope.type == "slice.vm_provision"
         ]
         # leaving without commit: the rows of `placed` and `provisioning` never happened
-    assert task.task_id == provision_task_id(alloc)
+    assert task.task_id == provision_task_id(AllocatorSettings(), alloc)
     assert await plane.state(alloc) == "accepted"
 
     # The agent built the VM and answers. The allocator has no record of the task: it keeps the result and re-asks.

@@ -10,11 +10,12 @@ from typing import Any
 import pytest
 
 from gpuaas_allocator.domain.model import ActiveImage
+from gpuaas_allocator.service_layer.commands import provision_task_id, release_task_id
 from gpuaas_allocator.service_layer.deadlines import expire_overdue_tasks
 from gpuaas_allocator.service_layer.handlers import Allocator
 from gpuaas_allocator.settings import AllocatorSettings
 from gpuaas_common.bus import HandlerContext, PermanentError, deliver
-from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import Envelope, derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.enrolment import enrolment_proof
 from gpuaas_common.unit_of_work import FakeUnitOfWork
@@ -22,6 +23,14 @@ from gpuaas_common.unit_of_work import FakeUnitOfWork
 SLICE_IMAGE = ActiveImage("ubuntu-slice", "slice", "h200-sxm-slice", "a" * 64, "/img/slice.raw")
 HOST_IMAGE = ActiveImage("ubuntu-host", "host", "h200-sxm", "b" * 64, "custom/ubuntu-host")
 SECRET = "unit-test-enrolment-secret"
+
+
+def _prov(alloc: uuid.UUID) -> str:
+    return provision_task_id(AllocatorSettings(enrolment_secret=SECRET), alloc)
+
+
+def _rel(alloc: uuid.UUID) -> str:
+    return release_task_id(AllocatorSettings(enrolment_secret=SECRET), alloc)
 
 
 class FakeAllocationRepository:
@@ -400,8 +409,8 @@ async def test_a_silent_host_fails_the_allocation_at_the_deadline_and_keeps_the_
     assert failed[0]["cleanup_required"] is True and failed[0]["node_id"] == "n1"
     entry = [e for e in world.repo.entries if e["allocation_id"] == alloc][-1]
     assert (entry["state"], entry["reason_code"]) == ("failed", "task_deadline_passed")
-    assert entry["detail"]["task_id"] == f"prov-{alloc}"
-    assert world.repo.allocations[alloc]["timed_out_task_id"] == f"prov-{alloc}"
+    assert entry["detail"]["task_id"] == _prov(alloc)
+    assert world.repo.allocations[alloc]["timed_out_task_id"] == _prov(alloc)
     assert await world.sweep() == 0, "a task is timed out once"
     assert len(world.sent("allocation.failed")) == 1
 
@@ -416,7 +425,7 @@ async def test_the_deadline_sweep_waits_out_the_grace_the_agent_has_to_answer_it
 async def test_a_silent_host_during_release_fails_it_with_cleanup_required(world: World) -> None:
     alloc = await world.request()
     await world.place(alloc)
-    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc)))
     await world.send(
         world.allocator.on_release_requested,
         "allocation.release_requested",
@@ -428,7 +437,7 @@ async def test_a_silent_host_during_release_fails_it_with_cleanup_required(world
     assert world.state(alloc) == "failed"
     failed = world.sent("allocation.failed")[0]
     assert (failed["reason_code"], failed["cleanup_required"]) == ("task_deadline_passed", True)
-    assert world.repo.allocations[alloc]["timed_out_task_id"] == f"rel-{alloc}"
+    assert world.repo.allocations[alloc]["timed_out_task_id"] == _rel(alloc)
 
 
 async def test_a_baremetal_deploy_is_not_timed_out_by_the_node_task_sweep(world: World) -> None:
@@ -448,9 +457,7 @@ async def test_a_late_answer_after_the_deadline_is_recorded_not_applied_and_not_
     events = len(world.events)
 
     # A failure that arrives late changes nothing: its slots already wait for cleanup.
-    await world.send(
-        world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}", status="failed")
-    )
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc), status="failed"))
     assert world.state(alloc) == "failed" and len(world.events) == events
     late = world.repo.entries[-1]
     assert (late["state"], late["previous_state"], late["reason_code"]) == (
@@ -458,7 +465,7 @@ async def test_a_late_answer_after_the_deadline_is_recorded_not_applied_and_not_
         "failed",
         "late_task_result_ignored",
     )
-    assert late["detail"]["task_id"] == f"prov-{alloc}" and late["detail"]["status"] == "failed"
+    assert late["detail"]["task_id"] == _prov(alloc) and late["detail"]["status"] == "failed"
 
     # ...whereas a task the allocator never sent is still dead-lettered.
     with pytest.raises(PermanentError) as err:
@@ -474,20 +481,20 @@ async def test_a_vm_built_after_its_allocation_failed_is_torn_down_and_the_answe
     lifecycle = world.lifecycle_events()
 
     # The host built it after all: the allocation stays failed, the VM it runs for nobody gets the teardown.
-    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc)))
     assert world.state(alloc) == "failed"
     assert world.repo.entries[-1]["reason_code"] == "late_task_result_ignored"
     teardown = world.sent("slice.vm_release")
     assert [(t["task_id"], t["node_id"], t["vm_name"]) for t in teardown] == [
-        (f"rel-{alloc}", "n1", f"gpuaas-{str(alloc)[:8]}")
+        (_rel(alloc), "n1", f"gpuaas-{str(alloc)[:8]}")
     ]
     # The same late answer again (a redelivery under a new id) sends no second teardown.
-    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc)))
     assert len(world.sent("slice.vm_release")) == 1
 
     proof = m.WipeProof(device="/dev/disk/by-id/nvme-x", method="blkdiscard", verified=True)
     await world.send(
-        world.allocator.on_task_result, "node.task_result", _result(alloc, f"rel-{alloc}", wipe_proofs=[proof])
+        world.allocator.on_task_result, "node.task_result", _result(alloc, _rel(alloc), wipe_proofs=[proof])
     )
     row = world.repo.allocations[alloc]
     assert (row["state"], row["awaiting_result"]) == ("failed", False)
@@ -507,12 +514,12 @@ async def test_an_unanswered_teardown_of_a_late_vm_is_asked_once_more_then_left_
     await world.place(alloc)
     await _asked_again_and_silent(world, alloc, "slice.vm_provision")
     await world.sweep()
-    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc)))
 
     # Its own re-ask, not used up by the provision's: the same task once more, then silence.
     _overdue(world, alloc)
     assert await world.sweep() == 1
-    assert [t["task_id"] for t in world.sent("slice.vm_release")] == [f"rel-{alloc}"] * 2
+    assert [t["task_id"] for t in world.sent("slice.vm_release")] == [_rel(alloc)] * 2
     assert world.repo.allocations[alloc]["awaiting_result"]
     _overdue(world, alloc)
     assert await world.sweep() == 1
@@ -526,7 +533,7 @@ async def test_an_unanswered_teardown_of_a_late_vm_is_asked_once_more_then_left_
 async def test_an_answer_in_time_stops_the_deadline(world: World) -> None:
     alloc = await world.request()
     await world.place(alloc)
-    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc)))
     _overdue(world, alloc)
     assert await world.sweep() == 0 and world.state(alloc) == "active"
 
@@ -597,11 +604,11 @@ async def test_a_teardown_answered_for_an_allocation_still_active_releases_it(wo
     active."""
     alloc = await world.request()
     await world.place(alloc)
-    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc)))
     assert world.state(alloc) == "active"
     proof = m.WipeProof(device="nvme-x", method="blkdiscard", verified=True)
     await world.send(
-        world.allocator.on_task_result, "node.task_result", _result(alloc, f"rel-{alloc}", wipe_proofs=[proof])
+        world.allocator.on_task_result, "node.task_result", _result(alloc, _rel(alloc), wipe_proofs=[proof])
     )
     assert world.state(alloc) == "released"
     (releasing,) = world.sent("allocation.releasing")
@@ -613,11 +620,11 @@ async def test_a_teardown_answered_for_an_allocation_still_active_releases_it(wo
 async def test_a_teardown_answer_from_another_host_or_a_foreign_task_still_changes_nothing(world: World) -> None:
     alloc = await world.request()
     await world.place(alloc)
-    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc)))
     other = uuid.uuid4()
     for res in (
-        _result(alloc, f"rel-{alloc}").model_copy(update={"node_id": "n2"}),
-        _result(alloc, f"rel-{other}"),
+        _result(alloc, _rel(alloc)).model_copy(update={"node_id": "n2"}),
+        _result(alloc, _rel(other)),
     ):
         with pytest.raises(PermanentError):
             await world.send(world.allocator.on_task_result, "node.task_result", res)
@@ -633,15 +640,15 @@ async def test_a_release_asked_again_after_its_commits_were_lost_sends_a_teardow
     record."""
     alloc = await world.request()
     await world.place(alloc)
-    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc)))
     before = copy.deepcopy(world.repo.allocations[alloc])
     first = [e for e in await _release(world, alloc) if e.type == "slice.vm_release"]
     world.repo.allocations[alloc] = before  # the database came back without the release's commits
     again = [e for e in await _release(world, alloc) if e.type == "slice.vm_release"]
     assert len(first) == len(again) == 1
-    assert first[0].payload["task_id"] == again[0].payload["task_id"] == f"rel-{alloc}"
+    assert first[0].payload["task_id"] == again[0].payload["task_id"] == _rel(alloc)
     assert first[0].event_id != again[0].event_id
-    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"rel-{alloc}"))
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _rel(alloc)))
     assert world.state(alloc) == "released"
 
 
@@ -654,11 +661,11 @@ async def test_a_transition_made_again_after_a_lost_commit_is_a_new_event_and_a_
     keeps the claims (chaos run, seed 1). The same answer delivered again keeps its id."""
     alloc = await world.request()
     await world.place(alloc)
-    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}"))
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc)))
     await _release(world, alloc)
     releasing = copy.deepcopy(world.repo.allocations[alloc])
     timeline, entries = list(world.repo.timeline), list(world.repo.entries)
-    answer = _result(alloc, f"rel-{alloc}")
+    answer = _result(alloc, _rel(alloc))
     env = Envelope.wrap("node.task_result", answer.model_dump(mode="json"), producer="test", correlation_id="c")
 
     async def deliver_fresh(envelope: Envelope) -> list[Envelope]:
@@ -737,9 +744,7 @@ async def test_a_forced_release_while_maas_deploys_releases_the_machine_once(wor
 async def test_a_failed_slice_allocation_sends_no_machine_release(world: World) -> None:
     alloc = await world.request()
     await world.place(alloc)
-    await world.send(
-        world.allocator.on_task_result, "node.task_result", _result(alloc, f"prov-{alloc}", status="failed")
-    )
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc), status="failed"))
     assert world.state(alloc) == "failed" and world.sent("maas.release_requested") == []
 
 
@@ -760,3 +765,29 @@ async def test_a_release_answered_twice_is_applied_once_and_the_repeat_acknowled
     # The command was asked again before its first answer was applied: the gateway answers the repeat too.
     await world.send(world.allocator.on_maas_result, *_maas_result(alloc, "release", operation, "released"))
     assert world.state(alloc) == "released" and len(world.events) == events
+
+
+async def test_a_host_that_knows_an_allocation_id_can_neither_answer_its_task_nor_take_its_message_id(
+    world: World,
+) -> None:
+    alloc = await world.request()  # accepted, placement not applied yet: the early-result path is open
+    asks_before = len(world.sent("allocation.accepted"))
+    # All another host can build from the allocation id is the id's public part.
+    guessed = f"prov-{alloc}"
+    forged = _result(alloc, guessed).model_copy(update={"node_id": "n2"})
+    with pytest.raises(PermanentError) as err:
+        await world.send(world.allocator.on_task_result, "node.task_result", forged)
+    assert err.value.reason_code == "unknown_task"
+    assert world.repo.early == {} and len(world.sent("allocation.accepted")) == asks_before  # no re-ask either
+
+    # The host the task goes to learns its id from the task, and its answer is the one that counts.
+    await world.place(alloc)
+    (task,) = world.sent("slice.vm_provision")
+    assert task["task_id"] == _prov(alloc) != guessed
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, task["task_id"]))
+    assert world.state(alloc) == "active"
+    # The agent names its answer's Nats-Msg-Id after the task id: another secret, another id, so the id the
+    # answer will carry cannot be taken first by a host that was not sent the task.
+    other = provision_task_id(AllocatorSettings(enrolment_secret="another-secret"), alloc)
+    assert other != task["task_id"]
+    assert derived_event_id(task["task_id"], "result") != derived_event_id(guessed, "result")

@@ -3,6 +3,8 @@ node agent, or a deploy/release to the MAAS gateway."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from datetime import timedelta
 from typing import Any
 
@@ -14,15 +16,23 @@ from ..settings import AllocatorSettings
 from .lifecycle import transition
 
 
-def provision_task_id(allocation_id: object) -> str:
+def provision_task_id(settings: AllocatorSettings, allocation_id: object) -> str:
     """One provision task per allocation, named by it: a re-sent task is the same task to the agent."""
-    return f"prov-{allocation_id}"
+    return f"prov-{allocation_id}-{_task_tag(settings, 'prov', allocation_id)}"
 
 
-def release_task_id(allocation_id: object) -> str:
+def release_task_id(settings: AllocatorSettings, allocation_id: object) -> str:
     """One teardown task per allocation, named by it, so its answer is recognised even when the commit that
     started the release was lost (handlers.on_task_result)."""
-    return f"rel-{allocation_id}"
+    return f"rel-{allocation_id}-{_task_tag(settings, 'rel', allocation_id)}"
+
+
+def _task_tag(settings: AllocatorSettings, kind: str, allocation_id: object) -> str:
+    # Keyed with the allocator's secret: only the host a task is sent to learns its id, so no other host can
+    # answer it (an early result is recognised by this id alone), nor take its answer's Nats-Msg-Id, which the
+    # agent derives from the task id, before it (JetStream drops a repeated id across the whole stream).
+    key = settings.enrolment_secret.get_secret_value().encode()
+    return hmac.new(key, f"task-id:{kind}:{allocation_id}".encode(), hashlib.sha256).hexdigest()[:24]
 
 
 async def start_provisioning(
@@ -31,7 +41,7 @@ async def start_provisioning(
     alloc_id = str(row["allocation_id"])
     request = row["request"]
     if row["shape"] == "gpu_slice":
-        task_id = provision_task_id(alloc_id)
+        task_id = provision_task_id(settings, alloc_id)
         image_row = row
         deadline = utcnow() + timedelta(seconds=settings.task_deadline_s)
         task = m.SliceVmProvision(
@@ -96,7 +106,7 @@ async def start_teardown(settings: AllocatorSettings, ctx: HandlerContext, row: 
     alloc_id = str(row["allocation_id"])
     placement = row["placement"] or {}
     if row["shape"] == "gpu_slice":
-        task_id = release_task_id(alloc_id)
+        task_id = release_task_id(settings, alloc_id)
         deadline = utcnow() + timedelta(seconds=settings.task_deadline_s)
         task = m.SliceVmRelease(
             task_id=task_id,

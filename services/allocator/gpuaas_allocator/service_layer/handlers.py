@@ -174,7 +174,8 @@ class Allocator:
     ) -> m.NodeTaskResult | None:
         """The kept result of this allocation's provision task (see redrive.py), if it came from the placed node.
         One from another node describes a VM no claim explains any more: recorded, not applied."""
-        kept = await ctx.uow.repos.take_early_result(row["allocation_id"], provision_task_id(row["allocation_id"]))
+        task_id = provision_task_id(self.settings, row["allocation_id"])
+        kept = await ctx.uow.repos.take_early_result(row["allocation_id"], task_id)
         if kept is None:
             return None
         res = m.NodeTaskResult.model_validate(kept["result"])
@@ -250,7 +251,7 @@ class Allocator:
             row is not None
             and row["task_id"] is None
             and row["state"] in ("accepted", "releasing")
-            and res.task_id == provision_task_id(res.allocation_id)
+            and res.task_id == provision_task_id(self.settings, res.allocation_id)
         ):
             # The provision task this allocation would be sent, but it is not placed: the commits that placed it
             # were lost after the task went out. Keep the result and re-ask the placement (redrive.py).
@@ -260,7 +261,7 @@ class Allocator:
             row is not None
             and row["state"] == "active"
             and row["release_task_id"] is None
-            and res.task_id == release_task_id(res.allocation_id)
+            and res.task_id == release_task_id(self.settings, res.allocation_id)
             and res.node_id == row["node_id"]
         ):
             # The teardown of this very allocation, answered by its own host, while the allocation is still
