@@ -14,8 +14,8 @@ from pathlib import Path
 
 from .lab import Lab
 
-# Agent-owned directories, at their runbook paths under the lab's host prefix: on a host they are
-# /var/lib/gpuaas/…; in the lab they live under the run dir so that `dev down` removes them with it.
+# Agent-owned directories, at their runbook paths under the lab's host prefix (LabState.host_dir): on a host
+# they are /var/lib/gpuaas/…; `dev down` removes the lab's prefix with everything in it.
 IMAGE_CACHE = "var/lib/gpuaas/slice-images"
 STATE = "var/lib/gpuaas/agent"
 SEEDS = "var/lib/gpuaas/seeds"
@@ -33,7 +33,8 @@ class LabAgentConfig:
 
 
 def host_prefix(lab: Lab) -> Path:
-    return lab.root / "host"
+    assert lab.state is not None
+    return Path(lab.state.host_dir)
 
 
 def image_cache_dir(lab: Lab) -> Path:

@@ -13,9 +13,12 @@ crash) removes exactly that: domains with their NVRAM, daemons by PID, loop devi
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import time
 import uuid
@@ -34,6 +37,8 @@ BRIDGE_CIDR = "10.100.0.1/24"
 SLOT_IP_BASE = 10  # slot N gets 10.100.0.(10 + N)
 SLOT_DISK_GIB = 4
 DAEMON_START_S = 30.0
+CAPS_PROBE_S = 300.0
+HOST_DIRS = "/var/lib/gpuaas-lab"
 
 
 @dataclass
@@ -56,6 +61,10 @@ class LabState:
     libvirt_sock_dir: str = ""
     hostsdir: str = ""
     lease_file: str = ""
+    # The agent's own directories (image cache, state, seeds) at their runbook paths under this prefix. Not
+    # under the run dir: QEMU runs as libvirt's unprivileged user and must reach the seed, and a run dir may
+    # sit under a private (0700) parent such as a test's temporary directory.
+    host_dir: str = ""
     pids: dict[str, int] = field(default_factory=dict)
     slots: list[LabSlot] = field(default_factory=list)
     forwards: dict[str, int] = field(default_factory=dict)  # name -> loopback port forwarded into the namespace
@@ -195,7 +204,7 @@ class Lab:
         preflight.check()
         self.root.mkdir(parents=True, exist_ok=True)
         netns = f"gpuaas-lab-{uuid.uuid4().hex[:8]}"
-        self.state = LabState(netns=netns, root=str(self.root))
+        self.state = LabState(netns=netns, root=str(self.root), host_dir=f"{HOST_DIRS}/{netns}")
         self._save()
         try:
             self._make_namespace()
@@ -214,6 +223,8 @@ class Lab:
 
     def _make_namespace(self) -> None:
         assert self.state is not None
+        Path(self.state.host_dir).mkdir(mode=0o755, parents=True)
+        os.chmod(HOST_DIRS, 0o755)
         _run("ip", "netns", "add", self.state.netns)
         _run(*self.ns("ip", "link", "set", "lo", "up"))
         _run(*self.ns("ip", "link", "add", BRIDGE, "type", "bridge"))
@@ -224,9 +235,12 @@ class Lab:
         """dnsmasq on the bridge, reservations only (`static`): a guest the agent reserved nothing for gets no
         address, as on a host. The agent writes the reservations and reads the leases, as in production."""
         assert self.state is not None
-        hostsdir = self.root / "dnsmasq-hosts"
-        hostsdir.mkdir(exist_ok=True)
-        lease_file = self.root / "dnsmasq.leases"
+        # At the runbook's paths under the host prefix: dnsmasq drops root for an unprivileged user and then
+        # reads the reservations through that user's eyes, so they must not sit under a private (0700) run dir.
+        hostsdir = Path(self.state.host_dir) / "etc/gpuaas/dnsmasq-hosts"
+        hostsdir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        lease_file = Path(self.state.host_dir) / "var/lib/misc/dnsmasq.leases"
+        lease_file.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         lease_file.touch()
         self.state.hostsdir, self.state.lease_file = str(hostsdir), str(lease_file)
         gateway = BRIDGE_CIDR.split("/")[0]
@@ -247,13 +261,33 @@ class Lab:
                 f"--dhcp-leasefile={lease_file}",
                 "--dhcp-authoritative",
                 "--log-dhcp",
+                "--log-facility=-",  # to the lab's log file (stderr), not a syslog this machine may not run
                 f"--pid-file={self.root / 'dnsmasq.pid'}",
             ),
         )
         _wait_for(lambda: (self.root / "dnsmasq.pid").exists(), DAEMON_START_S, "dnsmasq", pid)
 
+    @staticmethod
+    def _kvm_device_as_udev_leaves_it() -> None:
+        """/dev/kvm as Debian's udev rule leaves it (group kvm, 0660). Without udev it stays root-only; libvirt
+        then finds KVM unusable for QEMU's user while its probe, run as root, found it usable, judges its
+        capability cache outdated at every look-up and probes QEMU again: 48 s on every define here."""
+        kvm = Path("/dev/kvm")
+        if not kvm.exists():
+            return
+        try:
+            gid = grp.getgrnam("kvm").gr_gid
+        except KeyError:
+            return
+        st = kvm.stat()
+        if st.st_gid != gid or stat.S_IMODE(st.st_mode) != 0o660:
+            os.chown(kvm, -1, gid)
+            os.chmod(kvm, 0o660)
+            log.info("kvm_device_permissions_set", path=str(kvm), group="kvm", mode="0660", reason="no udev here")
+
     def _start_libvirt(self) -> None:
         assert self.state is not None
+        self._kvm_device_as_udev_leaves_it()
         sock_dir = self.root / "libvirt"
         sock_dir.mkdir(mode=0o700, exist_ok=True)
         conf = self.root / "libvirtd.conf"
@@ -267,8 +301,10 @@ class Lab:
             "libvirtd", self.ns("libvirtd", "--config", str(conf), "--pid-file", str(self.root / "libvirtd.pid"))
         )
         _wait_for(lambda: (sock_dir / "libvirt-sock").exists(), DAEMON_START_S, "libvirtd", pid)
-        _wait_for(lambda: _run("virsh", "-c", self.state.libvirt_uri, "version", check=False).returncode == 0,
-                  DAEMON_START_S, "libvirtd answering", pid)  # fmt: skip
+        # A new libvirtd probes every QEMU binary before it defines anything (tens of seconds under load here):
+        # waited for now, so the cost shows as the lab's start and not inside a slice's define phase.
+        probe = ("virsh", "-c", self.state.libvirt_uri, "domcapabilities", "--virttype", "qemu", "--machine", "q35")
+        _wait_for(lambda: _run(*probe, check=False).returncode == 0, CAPS_PROBE_S, "libvirtd's QEMU probe", pid)
 
     def forward(self, name: str, port: int) -> None:
         """127.0.0.1:`port` inside the namespace reaches 127.0.0.1:`port` of the root namespace, through a
@@ -353,6 +389,8 @@ class Lab:
         if st.hostsdir:
             for f in Path(st.hostsdir).glob("*"):
                 f.unlink()
+        if st.host_dir and Path(st.host_dir).is_dir():
+            shutil.rmtree(st.host_dir, ignore_errors=True)
         if _run("ip", "netns", "del", st.netns, check=False).returncode != 0:
             if st.netns in _run("ip", "netns", "list", check=False).stdout:
                 problems.append(f"namespace {st.netns} could not be removed")

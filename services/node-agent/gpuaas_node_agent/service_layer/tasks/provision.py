@@ -181,7 +181,8 @@ class ProvisionTask(AgentCore):
         conflict = self.store.take_leases(resources, str(task.allocation_id))
         if conflict:
             raise Refused("resource_leased", conflict)
-        resumed = resume and await self._can_resume_domain(task, self.store.task(task.task_id))
+        # `resume`: the runner found this task's own domain still running from before a restart.
+        resumed = resume and await self.libvirt.state(task.vm_name) in (DomainState.RUNNING, DomainState.BLOCKED)
         if not resumed and await self.libvirt.exists(task.vm_name):
             raise Refused("domain_exists", f"a domain named {task.vm_name} is already defined")
         primary = task.slots[0]

@@ -78,10 +78,17 @@ class TaskRunner(ProvisionTask, ReleaseTask):
             try:
                 async with deadline:
                     if task_type == "slice.vm_provision":
-                        if resuming and not await self._can_resume_domain(task, record):
-                            log.warning("task_resuming", task_id=task.task_id, allocation_id=str(task.allocation_id))
-                            await self._teardown_domain(task)
-                        result = await self._provision(task, resume=resuming)
+                        domain_kept = resuming and await self._can_resume_domain(task, record)
+                        if resuming:
+                            log.warning(
+                                "task_resuming",
+                                task_id=task.task_id,
+                                allocation_id=str(task.allocation_id),
+                                domain_kept=domain_kept,
+                            )
+                            if not domain_kept:
+                                await self._teardown_domain(task)
+                        result = await self._provision(task, resume=domain_kept)
                     elif task_type == "slice.vm_release":
                         result = await self._release(task)
                     else:

@@ -1,0 +1,290 @@
+"""A slice on a real VM, in the lab: QEMU/TCG under the lab's own libvirtd inside a network namespace, the
+production `gpuaas-node-agent` process inside it, tasks and results over a real nats-server (forwarded into
+the namespace through a unix socket), the image built by the pipeline's own steps from Debian packages.
+
+One guest boots per run (about two to four minutes under TCG on two cores): the agent is killed while the
+guest boots and the restarted agent resumes the same domain; the guest gets its reserved address from the
+lab's dnsmasq, the agent's login matches the host key the seed planted, the tenant logs in with their own key
+and sees the slot's disk at its size; the release stops it, undefines it with its NVRAM, drops the
+reservation and wipes the loop device with proof. A guest with no operating system then shows the failure
+paths without a second boot: no lease (`lease_timeout`, everything cleaned) and a guest deaf to ACPI (stopped
+hard, and the release says so). Every message on `gpuaas.>` is checked against the contract.
+
+These tests run wherever the lab's pieces are installed (`scripts/setup.sh` installs them) and the process may
+make a network namespace; where that holds they fail, never skip, when the lab does not work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from gpuaas_common.contract.envelope import Envelope, utcnow
+from gpuaas_common.jetstream import provision
+from gpuaas_dev.lab import preflight
+from gpuaas_dev.lab.agent import LabAgentConfig, host_prefix, image_cache_dir, start_agent, stop_agent
+from gpuaas_dev.lab.lab import Lab, LabState
+from gpuaas_dev.lab.slice_image import ensure_slice_image, prewarm
+from gpuaas_dev.testing.bus_spy import BusSpy
+from gpuaas_dev.testing.servers import NatsServer
+
+pytestmark = pytest.mark.skipif(
+    not preflight.installed() or os.geteuid() != 0,
+    reason="the lab needs its Debian packages (scripts/setup.sh) and root for network namespaces",
+)
+
+NODE = "lab-host-1"
+PROFILE = "h200_1g_1c_1g"  # one emulated vCPU and 1 GiB: what TCG on this machine can carry
+BOOT_S = 600.0
+
+
+def _run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory):
+    server = NatsServer(tmp_path_factory.mktemp("lab-nats")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def lab(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory):
+    made = Lab(tmp_path_factory.mktemp("lab"), slots=1)
+    made.up(forwards={"nats": nats_server.port})
+    try:
+        yield made
+    finally:
+        problems = made.down()
+        assert problems == []
+
+
+@pytest.fixture(scope="module")
+async def bus(nats_server: NatsServer) -> AsyncIterator[Any]:
+    nc = await nats.connect(nats_server.url)
+    await provision(nc.jetstream())
+    spy = await BusSpy(nats_server.url).start()
+    yield nc, spy
+    await spy.stop()
+    await nc.drain()
+    assert spy.violations == []
+
+
+@pytest.fixture(scope="module")
+async def image(lab: Lab):
+    built = await ensure_slice_image()
+    path = await prewarm(built, image_cache_dir(lab))
+    return {"slug": built.slug, "digest_sha256": built.sha256, "image_path": str(path), "packages": built.packages}
+
+
+def _binding(st: LabState) -> dict[str, Any]:
+    slot = st.slots[0]
+    return {
+        "slot_id": "lab-slot-0",
+        "gpu_pci_address": None,  # the lab has no GPU and says so
+        "nvme_by_id": slot.by_id,
+        "fabric_vf_pci_address": None,
+        "mac": slot.mac,
+        "private_ip": slot.private_ip,
+        "ovs_bridge": st.bridge,
+        "numa_node": None,
+        "profile": PROFILE,
+        "wipe_policy": "blkdiscard",
+    }
+
+
+async def _send(nc: Any, task_type: str, task: dict[str, Any]) -> None:
+    env = Envelope.wrap(task_type, task, producer="allocator", correlation_id=task["allocation_id"])
+    await nc.jetstream().publish(
+        f"gpuaas.node.{NODE}.tasks", env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id}
+    )
+
+
+async def _result(spy: BusSpy, task_id: str, timeout: float) -> dict[str, Any]:
+    env = await spy.wait_type("node.task_result", task_id=task_id, timeout=timeout)
+    return env["payload"]
+
+
+def _provision_task(st: LabState, image: dict[str, Any], keys: list[str], epoch: int) -> dict[str, Any]:
+    alloc = str(uuid.uuid4())
+    return {
+        "task_id": f"prov-{alloc[:8]}",
+        "allocation_id": alloc,
+        "node_id": NODE,
+        "fencing_epoch": epoch,
+        "deadline": (utcnow() + timedelta(minutes=20)).isoformat(),
+        "vm_name": f"slice-{alloc[:8]}",
+        "slots": [_binding(st)],
+        "image": {k: image[k] for k in ("slug", "digest_sha256", "image_path")},
+        "ssh_public_keys": keys,
+        "hostname": f"slice-{alloc[:8]}",
+    }
+
+
+def _release_task(prov: dict[str, Any]) -> dict[str, Any]:
+    task = {k: prov[k] for k in ("allocation_id", "node_id", "fencing_epoch", "vm_name", "slots")}
+    return {**task, "task_id": f"rel-{prov['allocation_id'][:8]}", "deadline": prov["deadline"]}
+
+
+def _virsh(st: LabState, *args: str) -> subprocess.CompletedProcess[str]:
+    return _run(["virsh", "-c", st.libvirt_uri, *args])
+
+
+def _domains(st: LabState) -> list[str]:
+    return [n for n in _virsh(st, "list", "--all", "--name").stdout.split() if n]
+
+
+def _leases(st: LabState) -> str:
+    return Path(st.lease_file).read_text()
+
+
+def _zeros_sampled(device: str, size: int, samples: int = 16) -> bool:
+    with open(device, "rb") as f:
+        for i in range(samples):
+            f.seek((size // samples) * i)
+            if f.read(65536).strip(b"\0"):
+                return False
+    return True
+
+
+async def _agent(lab: Lab, nats_server: NatsServer, spy: BusSpy, *, wait: bool = True, **env: str) -> None:
+    enrolled = len(spy.of_type("node.enrolled"))
+    start_agent(lab, LabAgentConfig(node_id=NODE, nats_url=nats_server.url, extra_env=env))
+    if not wait:
+        return
+
+    await spy.wait_for(lambda: len(spy.of_type("node.enrolled")) > enrolled, 120, "the lab agent's enrolment")
+
+
+@pytest.mark.timeout(900)
+async def test_a_slice_on_a_real_vm_to_ssh_and_back(lab: Lab, nats_server: NatsServer, bus, image, tmp_path: Path):
+    nc, spy = bus
+    st = lab.state
+    assert st is not None
+    # The image was built from the archive and its package database read back from the artifact.
+    assert set(image["packages"]) == {"cloud-init", "openssh-server", "qemu-guest-agent"}
+    tenant = tmp_path / "tenant"
+    assert _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tenant)]).returncode == 0
+    await _agent(lab, nats_server, spy)
+    prov = _provision_task(st, image, [tenant.with_suffix(".pub").read_text().strip()], epoch=1)
+    await _send(nc, "slice.vm_provision", prov)
+
+    # Killed while the guest boots: the restarted agent must resume the domain it made, not make a second.
+    await spy.wait_type("node.task_progress", task_id=prov["task_id"], timeout=300, phase="wait_ready")
+    uuid_before = _virsh(st, "domuuid", prov["vm_name"]).stdout.strip()
+    stop_agent(lab, NODE)
+    assert _domains(st) == [prov["vm_name"]]
+    # It enrols only once the task it resumes has its result (recovery comes before new evidence).
+    await _agent(lab, nats_server, spy, wait=False)
+
+    result = await _result(spy, prov["task_id"], BOOT_S)
+    assert result["status"] == "succeeded", json.dumps(result)
+    assert _domains(st) == [prov["vm_name"]]
+    assert _virsh(st, "domuuid", prov["vm_name"]).stdout.strip() == uuid_before
+    resumed = spy.of_type("node.task_progress", task_id=prov["task_id"], phase="wait_ready")
+    assert any("resumed" in (e["payload"]["detail"] or "") for e in resumed)
+    ready = result["readiness"]
+    slot = st.slots[0]
+    assert ready["lease_state"] == "bound" and ready["actual_ip"] == slot.private_ip and ready["ssh_ready"]
+    assert slot.mac in _leases(st)  # the lab's dnsmasq handed out the reservation
+    assert ready["host_key_fingerprint"].startswith("SHA256:")
+    assert {"lease", "ssh", "cloud_init"} <= set(ready["phase_seconds"])
+
+    # The tenant logs in with their own key, trusting exactly the host key the result names.
+    known = tmp_path / "known_hosts"
+    scan = _run(lab.ns("ssh-keyscan", "-t", "ed25519", ready["actual_ip"]))
+    known.write_text(scan.stdout)
+    fp = _run(["ssh-keygen", "-lf", str(known)]).stdout.split()[1]
+    assert fp == ready["host_key_fingerprint"]
+    ssh = _run(
+        lab.ns(
+            "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+            "-o", f"UserKnownHostsFile={known}", "-i", str(tenant),
+            f"{ready['ssh_user']}@{ready['actual_ip']}", "lsblk -bdno SIZE /dev/vda; cloud-init status",
+        ),
+        timeout=120,
+    )  # fmt: skip
+    assert ssh.returncode == 0, ssh.stderr
+    assert int(ssh.stdout.split()[0]) == slot.size_bytes  # the slot's disk, at the size the slot declares
+
+    # Release: graceful stop, undefine with NVRAM, reservation gone, the block device wiped with proof.
+    rel = _release_task(prov)
+    await _send(nc, "slice.vm_release", rel)
+    released = await _result(spy, rel["task_id"], 300)
+    assert released["status"] == "succeeded", released
+    assert _domains(st) == []
+    assert not (Path(st.hostsdir) / prov["vm_name"]).exists()
+    (proof,) = released["wipe_proofs"]
+    assert proof["verified"] and proof["method"].startswith("blkdiscard") and proof["signatures"] == []
+    assert _zeros_sampled(slot.loop_device, slot.size_bytes)
+    assert not list((host_prefix(lab) / "var/lib/gpuaas/seeds").glob(f"{prov['vm_name']}*"))
+    stopped = spy.of_type("node.task_progress", task_id=rel["task_id"], phase="undefine")
+    assert stopped and stopped[0]["payload"]["detail"] == "stop path: graceful"
+
+
+@pytest.mark.timeout(600)
+async def test_a_guest_that_never_boots_fails_with_lease_timeout_and_leaves_nothing(
+    lab: Lab, nats_server: NatsServer, bus, tmp_path: Path
+):
+    """A guest with no operating system: OVMF finds nothing to boot, so no DHCP request ever comes (the
+    provision fails with lease_timeout and cleans up), and nothing answers ACPI (a release stops it hard)."""
+    nc, spy = bus
+    st = lab.state
+    assert st is not None
+    blank = image_cache_dir(lab) / "blank.raw"
+    with blank.open("wb") as f:
+        f.truncate(64 << 20)
+    digest = _run(["sha256sum", str(blank)]).stdout.split()[0]
+    image = {"slug": "blank", "digest_sha256": digest, "image_path": str(blank)}
+    stop_agent(lab, NODE)
+    await _agent(lab, nats_server, spy, GPUAAS_READINESS_TIMEOUT_S="45", GPUAAS_SHUTDOWN_TIMEOUT_S="10")
+    key = tmp_path / "k"
+    _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)])
+    prov = _provision_task(st, image, [key.with_suffix(".pub").read_text().strip()], epoch=2)
+    await _send(nc, "slice.vm_provision", prov)
+    result = await _result(spy, prov["task_id"], 300)
+    assert result["status"] == "failed" and result["reason_code"] == "lease_timeout", result
+    assert result["cleanup_required"]  # the image was written to the disk: only a wipe frees the slot
+    assert _domains(st) == []
+    assert not (Path(st.hostsdir) / prov["vm_name"]).exists()
+
+    # The same deaf guest, defined by hand and left running, is stopped hard by a release.
+    rel = _release_task({**prov, "fencing_epoch": 2})
+    started = await _start_deaf_guest(lab, st, prov)
+    assert started
+    await _send(nc, "slice.vm_release", rel)
+    released = await _result(spy, rel["task_id"], 300)
+    assert released["status"] == "succeeded", released
+    stopped = spy.of_type("node.task_progress", task_id=rel["task_id"], phase="undefine")
+    assert stopped and stopped[0]["payload"]["detail"] == "stop path: forced"
+    assert _domains(st) == []
+
+
+async def _start_deaf_guest(lab: Lab, st: LabState, prov: dict[str, Any]) -> bool:
+    """Define and start a domain like the agent's (same name, disk, bridge, firmware) with no OS on its disk."""
+    slot = st.slots[0]
+    xml = f"""<domain type='qemu'>
+  <name>{prov["vm_name"]}</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
+  <os><type arch='x86_64' machine='q35'>hvm</type>
+    <loader readonly='yes' type='pflash'>{preflight.OVMF_CODE}</loader>
+    <nvram template='{preflight.OVMF_VARS}'/></os>
+  <features><acpi/><apic/></features>
+  <devices>
+    <disk type='block' device='disk'><driver name='qemu' type='raw'/><source dev='{slot.by_id}'/>
+      <target dev='vda' bus='virtio'/></disk>
+    <interface type='bridge'><mac address='{slot.mac}'/><source bridge='{st.bridge}'/><model type='virtio'/></interface>
+  </devices>
+</domain>"""
+    path = Path(lab.root) / "deaf.xml"
+    path.write_text(xml)
+    return _virsh(st, "define", str(path)).returncode == 0 and _virsh(st, "start", prov["vm_name"]).returncode == 0
