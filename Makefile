@@ -9,7 +9,7 @@ GPUAAS  := $(VENV)/bin/gpuaas
 RUN_DIR ?= .run/dev
 DEMO_TIMEOUT ?= 180
 
-.PHONY: help setup run demo up down status test check bench contract docs
+.PHONY: help setup run demo up down status test check bench contract docs lab
 
 help:
 	@echo "make setup     install Debian packages, the AsyncAPI parser and the venv (idempotent)"
@@ -20,6 +20,7 @@ help:
 	@echo "make contract  render contracts/asyncapi.yaml from the contract models"
 	@echo "make docs      regenerate the README's configuration and CLI tables from the code"
 	@echo "make up|down|status  the detached dev stack in $(RUN_DIR)"
+	@echo "make lab       a real slice host on this machine: one slice VM to SSH and back (QEMU/TCG, root)"
 
 setup:
 	@scripts/setup.sh
@@ -41,6 +42,10 @@ demo:
 	echo "$$out"; bm=$$(id_of <<<"$$out"); \
 	$(GPUAAS) release "$$bm" --wait --json --timeout $(DEMO_TIMEOUT) --run-dir $(RUN_DIR); \
 	echo "== demo passed"
+
+# The lab: namespace, libvirtd, dnsmasq, one loop-device slot, the production agent; one real VM and back.
+lab: setup
+	@$(GPUAAS) lab run --run-dir .run/lab
 
 up: setup
 	@$(GPUAAS) dev up --detach --run-dir $(RUN_DIR)

@@ -14,6 +14,11 @@ APT_PACKAGES=(
   docker-registry                          # the OCI registry the dev stack pushes images to
   postgresql                               # initdb / pg_ctl for the dev stack's and the tests' clusters
   libxml2-utils e2fsprogs util-linux       # xmllint; mkfs.ext4; wipefs and blkid (wipe proofs)
+  # The lab (real slice hosts on this machine, tests/e2e/test_lab_slice.py, `make lab`): QEMU/TCG guests under a
+  # libvirt daemon of the lab's own inside a network namespace, DHCP from dnsmasq, UEFI firmware, the Debian
+  # base image built from packages with a GRUB EFI loader, unix-socket forwarders, SSH to the guests.
+  qemu-system-x86 libvirt-daemon-system libvirt-clients dnsmasq-base ovmf
+  iproute2 socat openssh-client mmdebstrap grub-efi-amd64-bin dosfstools mtools
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -27,7 +32,16 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Nothing installed here may start as a system service (libvirtd, dnsmasq, postgresql, the registry): the
+  # stack and the lab start their own, on loopback and inside their namespace. A policy-rc.d that refuses
+  # every start does that on a sysv or systemd host alike; one the machine already has is left as it is.
+  policy=/usr/sbin/policy-rc.d; made_policy=""
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$policy" >/dev/null && $SUDO chmod 755 "$policy" && made_policy=1
+  fi
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+    || { [ -n "$made_policy" ] && $SUDO rm -f "$policy"; exit 1; }
+  [ -n "$made_policy" ] && $SUDO rm -f "$policy"
 fi
 
 # The official AsyncAPI parser runs under node; it is installed locally to tools/asyncapi-check.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -36,6 +37,8 @@ from gpuaas_dev.lab.lab import Lab, LabState
 from gpuaas_dev.lab.slice_image import ensure_slice_image, prewarm
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.servers import NatsServer
+from gpuaas_node_agent.domain.domain_xml import render_domain_xml
+from gpuaas_node_agent.domain.vm_spec import SliceVmSpec
 
 pytestmark = pytest.mark.skipif(
     not preflight.installed() or os.geteuid() != 0,
@@ -217,6 +220,22 @@ async def test_a_slice_on_a_real_vm_to_ssh_and_back(lab: Lab, nats_server: NatsS
     assert ssh.returncode == 0, ssh.stderr
     assert int(ssh.stdout.split()[0]) == slot.size_bytes  # the slot's disk, at the size the slot declares
 
+    # The agent's own login, made with a host key other than the one the seed planted, is refused by the
+    # real guest's sshd as a mismatch (the check readiness relies on), from inside the namespace.
+    other = tmp_path / "other_host"
+    assert _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)]).returncode == 0
+    agent_key = host_prefix(lab) / "var/lib/gpuaas/agent/readiness_ed25519"
+    probe = (
+        "import asyncio, sys; from pathlib import Path; from gpuaas_node_agent.adapters import guest_ssh; "
+        "o = asyncio.run(guest_ssh.login(sys.argv[1], 22, sys.argv[2], Path(sys.argv[3]), sys.argv[4])); "
+        "print(o.ok, o.host_key_mismatch)"
+    )
+    args = [ready["actual_ip"], ready["ssh_user"], str(agent_key)]
+    wrong = _run(lab.ns(sys.executable, "-c", probe, *args, other.with_suffix(".pub").read_text().strip()))
+    assert wrong.stdout.split() == ["False", "True"], wrong.stderr
+    right = _run(lab.ns(sys.executable, "-c", probe, *args, scan.stdout.split(None, 1)[1].strip()))
+    assert right.stdout.split() == ["True", "False"], right.stderr
+
     # Release: graceful stop, undefine with NVRAM, reservation gone, the block device wiped with proof.
     rel = _release_task(prov)
     await _send(nc, "slice.vm_release", rel)
@@ -288,3 +307,37 @@ async def _start_deaf_guest(lab: Lab, st: LabState, prov: dict[str, Any]) -> boo
     path = Path(lab.root) / "deaf.xml"
     path.write_text(xml)
     return _virsh(st, "define", str(path)).returncode == 0 and _virsh(st, "start", prov["vm_name"]).returncode == 0
+
+
+async def test_the_production_xml_with_gpu_and_vf_hostdevs_validates_and_defines(lab: Lab) -> None:
+    """What a GPU host gets (kvm, host CPU, hugepages, two GPUs and a fabric VF passed through, OVS): valid for
+    libvirt's schema and accepted by a real QEMU driver's define. Never started: the lab has no such devices."""
+    st = lab.state
+    assert st is not None
+    spec = SliceVmSpec(
+        vm_name=f"prod-xml-{uuid.uuid4().hex[:8]}",
+        uuid=str(uuid.uuid4()),
+        vcpus=48,
+        memory_mib=128 * 1024,
+        hugepages=True,
+        numa_node=0,
+        cpuset="0-23,96-119",
+        gpus=["0000:18:00.0", "0000:3b:00.0"],
+        fabric_vfs=["0000:29:00.2"],
+        nvme_by_id=["/dev/disk/by-id/nvme-eui.0025388b91c2a1f1"],
+        seed_iso_path="/var/lib/gpuaas/seeds/vm.iso",
+        mac="52:54:00:ab:cd:01",
+        bridge="ovsbr0",
+    )
+    xml = Path(lab.root) / "prod.xml"
+    xml.write_text(render_domain_xml(spec))
+    valid = _run(["virt-xml-validate", str(xml), "domain"])
+    assert valid.returncode == 0, valid.stderr
+    defined = _virsh(st, "define", str(xml))
+    assert defined.returncode == 0, defined.stderr
+    try:
+        dumped = _virsh(st, "dumpxml", spec.vm_name).stdout
+        assert dumped.count("<hostdev ") == 3 and "type='kvm'" in dumped
+    finally:
+        assert _virsh(st, "undefine", "--nvram", spec.vm_name).returncode == 0
+    assert spec.vm_name not in _domains(st)

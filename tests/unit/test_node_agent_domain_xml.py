@@ -237,3 +237,47 @@ def test_libvirt_test_driver_accepts_the_xml(tuned: bool) -> None:
             dom.undefine()
     finally:
         conn.close()
+
+
+# --- the lab's shape: an emulated guest on a Linux bridge, nothing passed through ---------------------
+
+
+def test_a_lab_guest_is_emulated_on_a_linux_bridge_with_no_hostdev_and_a_kept_console() -> None:
+    spec = _spec(
+        gpus=[],
+        fabric_vfs=[],
+        hugepages=False,
+        numa_node=None,
+        cpuset=None,
+        domain_type="qemu",
+        bridge_kind="linux",
+        bridge="gpubr0",
+        console_log_path="/var/lib/gpuaas/seeds/vm.console.log",
+    )
+    dom = _parse(spec)
+    assert dom.get("type") == "qemu"
+    assert dom.find("cpu").get("mode") == "maximum"  # TCG cannot pass a host CPU through
+    assert dom.findall("devices/hostdev") == []
+    nic = dom.find("devices/interface")
+    assert nic.find("source").get("bridge") == "gpubr0" and nic.find("virtualport") is None
+    assert dom.find("devices/serial/log").get("file") == "/var/lib/gpuaas/seeds/vm.console.log"
+
+
+def test_production_xml_keeps_kvm_host_cpu_ovs_and_no_console_log_unless_asked() -> None:
+    dom = _parse(_spec())
+    assert dom.get("type") == "kvm" and dom.find("cpu").get("mode") == "host-passthrough"
+    assert dom.find("devices/interface/virtualport").get("type") == "openvswitch"
+    assert dom.find("devices/serial/log") is None
+    assert len(dom.findall("devices/hostdev")) == 3
+
+
+def test_the_seed_cd_sits_on_virtio_scsi_which_cloud_kernels_can_see() -> None:
+    dom = _parse(_spec())
+    cd = next(d for d in dom.findall("devices/disk") if d.get("device") == "cdrom")
+    assert cd.find("target").get("bus") == "scsi"
+    assert dom.find("devices/controller[@type='scsi']").get("model") == "virtio-scsi"
+
+
+def test_passthrough_on_an_emulated_guest_is_refused() -> None:
+    with pytest.raises(ValidationError, match="needs domain type kvm"):
+        _spec(domain_type="qemu")

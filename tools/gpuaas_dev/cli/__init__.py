@@ -22,6 +22,7 @@ from .allocations import allocations_app
 from .contract import contract_app
 from .dev import dev_app
 from .events import events_app
+from .lab import lab_app
 from .maas_simulator import maas_sim
 from .portal import allocate, release
 
@@ -32,6 +33,7 @@ app.add_typer(events_app, name="events")
 app.add_typer(contract_app, name="contract")
 app.add_typer(images_app, name="images")
 app.add_typer(identities_app, name="identities")
+app.add_typer(lab_app, name="lab")
 app.add_typer(node_agent_cli.app, name="node-agent", help="Node agent host checks: discover, parity.")
 app.command()(allocate)
 app.command()(release)

@@ -127,6 +127,14 @@ def _stack_args(
 
 
 SliceHostsOpt = Annotated[int, typer.Option("--slice-hosts", min=0)]
+LabOpt = Annotated[
+    bool,
+    typer.Option(
+        "--lab",
+        help="Also a real slice host: the production agent with a QEMU/TCG hypervisor in a network namespace "
+        "(stack.json: lab.netns); needs root and the lab's packages (scripts/setup.sh).",
+    ),
+]
 SlotsOpt = Annotated[int, typer.Option("--slots", min=1, max=8, help="Slots (GPUs) per slice host.")]
 BaremetalOpt = Annotated[int, typer.Option("--baremetal", min=0, help="Baremetal machines in MAAS.")]
 LogLevelOpt = Annotated[str, typer.Option("--log-level")]
@@ -162,8 +170,12 @@ def dev_up(
     unsafe_no_fsync: UnsafeNoFsyncOpt = False,
     nats_cluster: NatsClusterOpt = 1,
     replicas: ReplicasOpt = 1,
+    lab: LabOpt = False,
 ) -> None:
-    """Start NATS, Postgres, the MAAS simulator and the five services; return once all are ready."""
+    """Start NATS, Postgres, the MAAS simulator and the five services; return once all are ready.
+
+    Example: gpuaas dev up --detach --lab   (a real slice host too: QEMU/TCG in a namespace; needs root)
+    """
     if nats_cluster not in (1, 3, 5):
         raise typer.BadParameter("1, 3 or 5 (a JetStream cluster needs a majority)", param_hint="--nats-cluster")
     from gpuaas_dev.stack import Stack
@@ -181,6 +193,7 @@ def dev_up(
             run_dir,
             log_level=log_level,
             unsafe_no_fsync=unsafe_no_fsync,
+            lab=lab,
             **_stack_args(slice_hosts, slots, baremetal, nats_cluster, replicas),
         )
         raise typer.Exit(_supervise(stack, announce=True))
@@ -209,6 +222,7 @@ def dev_up(
         str(nats_cluster),
         "--replicas",
         str(replicas),
+        *(["--lab"] if lab else []),
     ]
     with log_path.open("ab") as log:
         child = subprocess.Popen(
@@ -252,6 +266,7 @@ def dev_supervise(
     unsafe_no_fsync: UnsafeNoFsyncOpt = False,
     nats_cluster: NatsClusterOpt = 1,
     replicas: ReplicasOpt = 1,
+    lab: LabOpt = False,
 ) -> None:
     """The detached supervisor behind `dev up --detach`."""
     from gpuaas_dev.stack import Stack
@@ -260,6 +275,7 @@ def dev_supervise(
         run_dir.resolve(),
         log_level=log_level,
         unsafe_no_fsync=unsafe_no_fsync,
+        lab=lab,
         **_stack_args(slice_hosts, slots, baremetal, nats_cluster, replicas),
     )
     raise typer.Exit(_supervise(stack, announce=False))
@@ -279,6 +295,7 @@ def dev_down(
     pid = info.get("supervisor_pid")
     if not pid_is_ours(pid):
         _stop_leftovers(info)
+        _down_leftover_lab(run_dir)
         err.print(f"no stack running in {run_dir}")
         return
     os.kill(pid, signal.SIGTERM)
@@ -289,7 +306,18 @@ def dev_down(
         err.print(f"[yellow]supervisor {pid} did not stop within {timeout:.0f}s; killing it and its services[/]")
         os.kill(pid, signal.SIGKILL)
         _stop_leftovers(info)
+    _down_leftover_lab(run_dir)
     err.print(f"stack in {run_dir} stopped")
+
+
+def _down_leftover_lab(run_dir: Path) -> None:
+    """A lab whose supervisor did not take it down (killed): its lab.json says what to remove."""
+    from gpuaas_dev.lab.lab import Lab
+
+    lab = Lab.load(run_dir / "lab")
+    if lab is not None:
+        for problem in lab.down():
+            err.print(f"[yellow]lab: left behind: {problem}[/]")
 
 
 def _stop_leftovers(info: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpuaas_common.pg_roles import dsn_without_password
 
+from .lab_host import describe_lab
 from .processes import MAAS_SIM
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ def describe_stack(stack: Stack) -> dict[str, Any]:
             f"{prefix}_admin_url": f"http://127.0.0.1:{port}" if (port := stack.admin_port(service)) else None
             for service, prefix in ADMIN_APIS.items()
         },
+        "lab": describe_lab(stack._lab),
         "fleet": {
             "slice_hosts": stack.slice_hosts,
             "slots_per_host": stack.slots_per_host,

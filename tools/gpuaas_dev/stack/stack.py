@@ -56,6 +56,7 @@ class Stack:
         unsafe_no_fsync: bool = False,
         nats_cluster: int = 1,
         replicas: int = 1,
+        lab: bool = False,
     ) -> None:
         """`env_overrides` maps GPUAAS_* names to values for every service; a key that is a process
         name (e.g. "maas-gateway") maps to a dict applied to that process only.
@@ -76,6 +77,9 @@ class Stack:
             raise ValueError("replicas must be at least 1")
         self.nats_cluster = nats_cluster
         self.replicas = replicas
+        # `lab`: a real slice host beside the simulated fleet (stack/lab_host.py): QEMU/TCG in a namespace.
+        self.lab = lab
+        self._lab: Any = None
         self.run_dir = Path(run_dir).resolve()
         self.slice_hosts = slice_hosts
         self.slots_per_host = slots_per_host
@@ -348,9 +352,20 @@ class Stack:
             run_coro(lambda: approve_slice_hosts(url, token, fleet, self.ready_timeout_s))
         except (TimeoutError, ApprovalFailed) as exc:
             raise StackError(f"{exc}\n--- node-agent log ---\n{self.log_tail('node-agent')}") from None
+        if self.lab:
+            from ..lab.preflight import LabUnavailable
+            from .lab_host import start_lab_host
+
+            try:
+                self._lab = start_lab_host(self)
+            except LabUnavailable as exc:
+                raise StackError(f"--lab: {exc}") from None
 
     def stop(self) -> None:
         """SIGTERM every process this stack started (by PID), SIGKILL after `stop_timeout_s`."""
+        if self._lab is not None:
+            self._lab.down()  # first: its agent talks to the NATS server stopped below
+            self._lab = None
         # Reverse start order: consumers go before what they consume from; replicas with their service.
         running = [p for p in reversed(list(self._procs.values())) if p.alive()]
         for p in running:
@@ -476,6 +491,9 @@ class Stack:
     def _reset_run_dir(self) -> None:
         # Every start is a fresh world: NATS state left from an earlier run would not match a new database.
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        from .lab_host import clean_leftover_lab
+
+        clean_leftover_lab(self)  # a crashed run's namespace, daemons and loop devices
         for sub in ("nats", "pg", "hosts", "fleet", "ready", "registry", "image-builds", "keys", "creds", "tls"):
             shutil.rmtree(self.run_dir / sub, ignore_errors=True)
         (self.run_dir / "ready").mkdir()
