@@ -22,19 +22,18 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import nats
 import pytest
 
-from gpuaas_common.contract.envelope import Envelope, utcnow
 from gpuaas_common.jetstream import provision
 from gpuaas_dev.lab import preflight
 from gpuaas_dev.lab.agent import LabAgentConfig, host_prefix, image_cache_dir, start_agent, stop_agent
 from gpuaas_dev.lab.lab import Lab, LabState
 from gpuaas_dev.lab.slice_image import ensure_slice_image, prewarm
+from gpuaas_dev.lab.tasks import provision_task, release_task, send
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.servers import NatsServer
 from gpuaas_node_agent.domain.domain_xml import render_domain_xml
@@ -46,7 +45,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 NODE = "lab-host-1"
-PROFILE = "h200_1g_1c_1g"  # one emulated vCPU and 1 GiB: what TCG on this machine can carry
 BOOT_S = 600.0
 
 
@@ -90,53 +88,9 @@ async def image(lab: Lab):
     return {"slug": built.slug, "digest_sha256": built.sha256, "image_path": str(path), "packages": built.packages}
 
 
-def _binding(st: LabState) -> dict[str, Any]:
-    slot = st.slots[0]
-    return {
-        "slot_id": "lab-slot-0",
-        "gpu_pci_address": None,  # the lab has no GPU and says so
-        "nvme_by_id": slot.by_id,
-        "fabric_vf_pci_address": None,
-        "mac": slot.mac,
-        "private_ip": slot.private_ip,
-        "ovs_bridge": st.bridge,
-        "numa_node": None,
-        "profile": PROFILE,
-        "wipe_policy": "blkdiscard",
-    }
-
-
-async def _send(nc: Any, task_type: str, task: dict[str, Any]) -> None:
-    env = Envelope.wrap(task_type, task, producer="allocator", correlation_id=task["allocation_id"])
-    await nc.jetstream().publish(
-        f"gpuaas.node.{NODE}.tasks", env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id}
-    )
-
-
 async def _result(spy: BusSpy, task_id: str, timeout: float) -> dict[str, Any]:
     env = await spy.wait_type("node.task_result", task_id=task_id, timeout=timeout)
     return env["payload"]
-
-
-def _provision_task(st: LabState, image: dict[str, Any], keys: list[str], epoch: int) -> dict[str, Any]:
-    alloc = str(uuid.uuid4())
-    return {
-        "task_id": f"prov-{alloc[:8]}",
-        "allocation_id": alloc,
-        "node_id": NODE,
-        "fencing_epoch": epoch,
-        "deadline": (utcnow() + timedelta(minutes=20)).isoformat(),
-        "vm_name": f"slice-{alloc[:8]}",
-        "slots": [_binding(st)],
-        "image": {k: image[k] for k in ("slug", "digest_sha256", "image_path")},
-        "ssh_public_keys": keys,
-        "hostname": f"slice-{alloc[:8]}",
-    }
-
-
-def _release_task(prov: dict[str, Any]) -> dict[str, Any]:
-    task = {k: prov[k] for k in ("allocation_id", "node_id", "fencing_epoch", "vm_name", "slots")}
-    return {**task, "task_id": f"rel-{prov['allocation_id'][:8]}", "deadline": prov["deadline"]}
 
 
 def _virsh(st: LabState, *args: str) -> subprocess.CompletedProcess[str]:
@@ -179,8 +133,8 @@ async def test_a_slice_on_a_real_vm_to_ssh_and_back(lab: Lab, nats_server: NatsS
     tenant = tmp_path / "tenant"
     assert _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tenant)]).returncode == 0
     await _agent(lab, nats_server, spy)
-    prov = _provision_task(st, image, [tenant.with_suffix(".pub").read_text().strip()], epoch=1)
-    await _send(nc, "slice.vm_provision", prov)
+    prov = provision_task(st, NODE, image, [tenant.with_suffix(".pub").read_text().strip()], epoch=1)
+    await send(nc, "slice.vm_provision", prov)
 
     # Killed while the guest boots: the restarted agent must resume the domain it made, not make a second.
     await spy.wait_type("node.task_progress", task_id=prov["task_id"], timeout=300, phase="wait_ready")
@@ -237,8 +191,8 @@ async def test_a_slice_on_a_real_vm_to_ssh_and_back(lab: Lab, nats_server: NatsS
     assert right.stdout.split() == ["True", "False"], right.stderr
 
     # Release: graceful stop, undefine with NVRAM, reservation gone, the block device wiped with proof.
-    rel = _release_task(prov)
-    await _send(nc, "slice.vm_release", rel)
+    rel = release_task(prov)
+    await send(nc, "slice.vm_release", rel)
     released = await _result(spy, rel["task_id"], 300)
     assert released["status"] == "succeeded", released
     assert _domains(st) == []
@@ -269,8 +223,8 @@ async def test_a_guest_that_never_boots_fails_with_lease_timeout_and_leaves_noth
     await _agent(lab, nats_server, spy, GPUAAS_READINESS_TIMEOUT_S="45", GPUAAS_SHUTDOWN_TIMEOUT_S="10")
     key = tmp_path / "k"
     _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)])
-    prov = _provision_task(st, image, [key.with_suffix(".pub").read_text().strip()], epoch=2)
-    await _send(nc, "slice.vm_provision", prov)
+    prov = provision_task(st, NODE, image, [key.with_suffix(".pub").read_text().strip()], epoch=2)
+    await send(nc, "slice.vm_provision", prov)
     result = await _result(spy, prov["task_id"], 300)
     assert result["status"] == "failed" and result["reason_code"] == "lease_timeout", result
     assert result["cleanup_required"]  # the image was written to the disk: only a wipe frees the slot
@@ -278,10 +232,10 @@ async def test_a_guest_that_never_boots_fails_with_lease_timeout_and_leaves_noth
     assert not (Path(st.hostsdir) / prov["vm_name"]).exists()
 
     # The same deaf guest, defined by hand and left running, is stopped hard by a release.
-    rel = _release_task({**prov, "fencing_epoch": 2})
+    rel = release_task({**prov, "fencing_epoch": 2})
     started = await _start_deaf_guest(lab, st, prov)
     assert started
-    await _send(nc, "slice.vm_release", rel)
+    await send(nc, "slice.vm_release", rel)
     released = await _result(spy, rel["task_id"], 300)
     assert released["status"] == "succeeded", released
     stopped = spy.of_type("node.task_progress", task_id=rel["task_id"], phase="undefine")

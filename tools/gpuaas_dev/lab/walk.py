@@ -14,31 +14,25 @@ import asyncio
 import json
 import subprocess
 import time
-import uuid
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import nats
 
-from gpuaas_common.contract.envelope import Envelope, utcnow
 from gpuaas_common.jetstream import provision
 
 from ..testing.servers import NatsServer
 from .agent import LabAgentConfig, image_cache_dir, start_agent
 from .lab import Lab
 from .slice_image import ensure_slice_image, prewarm
+from .tasks import provision_task, release_task, send
 
 NODE = "lab-host-1"
-PROFILE = "h200_1g_1c_1g"
 
 
-async def _task(nc: Any, results: asyncio.Queue, node: str, task_type: str, task: dict[str, Any], timeout: float):
-    env = Envelope.wrap(task_type, task, producer="allocator", correlation_id=task["allocation_id"])
-    await nc.jetstream().publish(
-        f"gpuaas.node.{node}.tasks", env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id}
-    )
+async def _task(nc: Any, results: asyncio.Queue, task_type: str, task: dict[str, Any], timeout: float):
+    await send(nc, task_type, task)
     while True:
         payload = await asyncio.wait_for(results.get(), timeout)
         if payload["task_id"] == task["task_id"]:
@@ -89,36 +83,12 @@ async def walk(run_dir: Path, say: Callable[[str], None] = print) -> bool:
             await asyncio.to_thread(old.unlink, missing_ok=True)
         keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)]
         await asyncio.to_thread(subprocess.run, keygen, check=True)
-        alloc = str(uuid.uuid4())
-        binding = {
-            "slot_id": "lab-slot-0",
-            "gpu_pci_address": None,
-            "nvme_by_id": slot.by_id,
-            "fabric_vf_pci_address": None,
-            "mac": slot.mac,
-            "private_ip": slot.private_ip,
-            "ovs_bridge": st.bridge,
-            "numa_node": None,
-            "profile": PROFILE,
-            "wipe_policy": "blkdiscard",
-        }
-        base = {
-            "allocation_id": alloc,
-            "node_id": NODE,
-            "fencing_epoch": 1,
-            "deadline": (utcnow() + timedelta(minutes=20)).isoformat(),
-            "vm_name": f"slice-{alloc[:8]}",
-            "slots": [binding],
-        }
-        prov = {
-            **base,
-            "task_id": f"prov-{alloc[:8]}",
-            "image": {"slug": image.slug, "digest_sha256": image.sha256, "image_path": str(cached)},
-            "ssh_public_keys": [key.with_suffix(".pub").read_text().strip()],
-            "hostname": f"slice-{alloc[:8]}",
-        }
+        keys = [key.with_suffix(".pub").read_text().strip()]
+        image_ref = {"slug": image.slug, "digest_sha256": image.sha256, "image_path": str(cached)}
+        prov = provision_task(st, NODE, image_ref, keys)
+        alloc = prov["allocation_id"]
         line(f"slice.vm_provision {prov['vm_name']} (allocation {alloc})")
-        res = await _task(nc, results, NODE, "slice.vm_provision", prov, 900)
+        res = await _task(nc, results, "slice.vm_provision", prov, 900)
         if res["status"] != "succeeded":
             line(f"provision {res['status']}: {res['reason_code']}: {res['reason']}")
             return False
@@ -136,9 +106,9 @@ async def walk(run_dir: Path, say: Callable[[str], None] = print) -> bool:
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         line(f"tenant login (exit {login.returncode}): {login.stdout.strip()!r}")
-        rel = {**base, "task_id": f"rel-{alloc[:8]}"}
+        rel = release_task(prov)
         line("slice.vm_release")
-        res = await _task(nc, results, NODE, "slice.vm_release", rel, 600)
+        res = await _task(nc, results, "slice.vm_release", rel, 600)
         for proof in res["wipe_proofs"]:
             line(f"wipe proof: {proof['method']} verified={proof['verified']}: {proof['verification']}")
         await nc.drain()
