@@ -43,12 +43,42 @@ ACK_WAIT_S = 5.0
 PUBACK_TIMEOUT_S = 2.0
 
 
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+UNLIMITED = -1
+
+# Stream bounds. JetStream reserves each stream's `max_bytes` out of the server's store (by default 75 % of the
+# disk free when it starts) and refuses a stream that does not fit, so a full stream never takes another's
+# space: a flood held inside NODE_REPORTS cannot make NODE_TASKS or ALLOCATIONS refuse a write. Together they
+# reserve 3.25 GiB per server, so a server needs about 4.5 GiB of free disk.
+#
+# discard=new where a message must never vanish unread: a full stream refuses the publish, loudly (the outbox
+# relay retries it, the portal's request fails). Sized far above normal traffic: a week of 10k allocations is
+# about 100k lifecycle events and 40k tasks of 1-4 KiB, 100-200 MiB.
+#
+# discard=old, bounded per subject, where a newer message supersedes the older ones or where the subject is
+# one sender's own: NODE_REPORTS (hosts may publish only their own report subjects, listed one by one in the
+# host permissions) and DLQ. A host flooding its subjects then pushes out only its own older messages.
+#
+# NODE_REPORTS: 256 per subject. A host's task results in flight are at most its task durable's 16 unacked
+# tasks; topology, parity, drift and image-cache reports each replace the one before. One host can so hold at
+# most 7 subjects x 256 x 64 KiB (identity.permissions.HOST_MAX_PAYLOAD) = 112 MiB; 1 GiB holds that beside a
+# hundred hosts' normal reports (7 x 256 x ~3 KiB each, 525 MiB). Past that the oldest go first, the ones
+# consumers have long acknowledged.
+REPORTS_PER_SUBJECT = 256
+# DLQ: 1000 dead letters per durable await ops; a host's own DLQ subject then holds at most 64 MiB of its flood.
+DEAD_LETTERS_PER_SUBJECT = 1000
+
+
 @dataclass(frozen=True)
 class StreamSpec:
     name: str
     subjects: tuple[str, ...]
     max_age_s: float = 7 * DAY
     description: str = ""
+    max_bytes: int = UNLIMITED
+    max_msgs_per_subject: int = UNLIMITED
+    discard: DiscardPolicy = DiscardPolicy.NEW
 
     def config(self, storage: StorageType, replicas: int = 1) -> StreamConfig:
         return StreamConfig(
@@ -57,21 +87,43 @@ class StreamSpec:
             description=self.description,
             retention=RetentionPolicy.LIMITS,
             storage=storage,
-            discard=DiscardPolicy.OLD,
+            discard=self.discard,
             max_age=self.max_age_s,
+            max_bytes=self.max_bytes,
+            max_msgs_per_subject=self.max_msgs_per_subject,
             duplicate_window=DUPLICATE_WINDOW_S,
             num_replicas=replicas,
         )
 
 
 STREAMS: tuple[StreamSpec, ...] = (
-    StreamSpec("ALLOCATIONS", ("gpuaas.allocation.>",), description="Portal input and allocation lifecycle"),
-    StreamSpec("SCHEDULER", ("gpuaas.scheduler.>",), description="Placement results"),
-    StreamSpec("NODE_TASKS", ("gpuaas.node.*.tasks",), description="Per-host task queues"),
-    StreamSpec("NODE_REPORTS", ("gpuaas.node.*.report.>",), description="Task progress, results, enrolment"),
-    StreamSpec("MAAS", ("gpuaas.maas.>",), description="MAAS commands and results"),
-    StreamSpec("IMAGES", ("gpuaas.image.>",), description="Image catalog events"),
-    StreamSpec("DLQ", ("gpuaas.dlq.>",), max_age_s=30 * DAY, description="Dead letters with reasons"),
+    StreamSpec(
+        "ALLOCATIONS",
+        ("gpuaas.allocation.>",),
+        description="Portal input and allocation lifecycle",
+        max_bytes=512 * MIB,
+    ),
+    StreamSpec("SCHEDULER", ("gpuaas.scheduler.>",), description="Placement results", max_bytes=256 * MIB),
+    StreamSpec("NODE_TASKS", ("gpuaas.node.*.tasks",), description="Per-host task queues", max_bytes=512 * MIB),
+    StreamSpec(
+        "NODE_REPORTS",
+        ("gpuaas.node.*.report.>",),
+        description="Task progress, results, enrolment",
+        max_bytes=1 * GIB,
+        max_msgs_per_subject=REPORTS_PER_SUBJECT,
+        discard=DiscardPolicy.OLD,
+    ),
+    StreamSpec("MAAS", ("gpuaas.maas.>",), description="MAAS commands and results", max_bytes=256 * MIB),
+    StreamSpec("IMAGES", ("gpuaas.image.>",), description="Image catalog events", max_bytes=256 * MIB),
+    StreamSpec(
+        "DLQ",
+        ("gpuaas.dlq.>",),
+        max_age_s=30 * DAY,
+        description="Dead letters with reasons",
+        max_bytes=512 * MIB,
+        max_msgs_per_subject=DEAD_LETTERS_PER_SUBJECT,
+        discard=DiscardPolicy.OLD,
+    ),
 )
 STREAM_BY_NAME = {s.name: s for s in STREAMS}
 
@@ -192,6 +244,9 @@ def _stream_differs(have: StreamConfig, want: StreamConfig) -> bool:
     return (
         sorted(have.subjects or []) != sorted(want.subjects or [])
         or have.max_age != want.max_age
+        or (have.max_bytes or UNLIMITED) != (want.max_bytes or UNLIMITED)
+        or (have.max_msgs_per_subject or UNLIMITED) != (want.max_msgs_per_subject or UNLIMITED)
+        or (have.discard or DiscardPolicy.OLD) != (want.discard or DiscardPolicy.OLD)
         or have.duplicate_window != want.duplicate_window
         or have.description != want.description
         or (have.num_replicas or 1) != (want.num_replicas or 1)

@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import socket
 import ssl
-from collections.abc import AsyncIterator, Iterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,9 +29,12 @@ from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.db import create_pool
 from gpuaas_common.identity import Authority, Creds
 from gpuaas_common.identity.permissions import (
+    HOST_MAX_PAYLOAD,
+    HOST_MAX_SUBS,
     ROLE_PERMISSIONS,
     SERVICES,
     durables_of,
+    host_report_subjects,
     inbox_prefix,
     node_user_name,
     produced_subjects,
@@ -40,6 +44,8 @@ from gpuaas_common.identity.permissions import (
 from gpuaas_common.identity.tls import TlsFiles, client_context, make_ca_and_server_cert
 from gpuaas_common.jetstream import (
     CONSUMERS,
+    REPORTS_PER_SUBJECT,
+    STREAM_BY_NAME,
     DurableNotAsProvisioned,
     ensure_consumer,
     node_agent_consumer,
@@ -480,3 +486,113 @@ def test_every_node_user_is_named_for_its_host(authority: Authority) -> None:
     assert creds.name == node_user_name("slice-07")
     assert "node:slice-07" in creds.claims["nats"]["tags"]
     assert "pub" not in creds.claims["nats"], "a scoped key's user must carry no permissions of its own"
+
+
+# --- floods (W4) ----------------------------------------------------------------------------------------
+
+
+async def test_a_host_over_its_limits_is_refused_by_the_server(
+    clients: dict[str, Client], server: NatsServer, tls_files: TlsFiles, authority: Authority
+) -> None:
+    """A report suffix no node agent produces, a report over the host payload limit and one subscription past
+    the host limit: each refused by the server itself, whatever the host's client does. The last two are
+    protocol errors, on which nats-py (like the server, for the payload) ends the connection."""
+    creds = authority.issue_host("greedy")
+    host = await connect(server, tls_files, creds)
+    assert not await host.can_publish("gpuaas.node.greedy.report.bogus_suffix")
+    assert await host.can_publish("gpuaas.node.greedy.report.parity")
+    await host.nc.close()
+
+    async def closed_after(excess: Callable[[nats.NATS], Awaitable[object]]) -> nats.NATS:
+        closed = asyncio.Event()
+
+        async def on_closed() -> None:
+            closed.set()
+
+        c = await connect(server, tls_files, creds, closed_cb=on_closed)
+        await excess(c.nc)
+        await asyncio.wait_for(closed.wait(), timeout=5)
+        return c.nc
+
+    async def subscribe_past_the_limit(nc: nats.NATS) -> None:
+        for i in range(HOST_MAX_SUBS + 1):
+            await nc.subscribe(f"{inbox_prefix(creds.name)}.s{i}")
+
+    nc = await closed_after(subscribe_past_the_limit)
+    assert "maximum subscriptions exceeded" in str(nc.last_error).lower(), nc.last_error
+
+    subject = "gpuaas.node.greedy.report.topology"
+
+    async def publish_past_the_limit(nc: nats.NATS) -> None:
+        assert nc.max_payload > HOST_MAX_PAYLOAD, "the client must send it for the server to judge it"
+        await nc.publish(subject, b"x" * (HOST_MAX_PAYLOAD + 1))
+
+    # The server closes the connection right after its -ERR, which the client may not read: its log says why.
+    await closed_after(publish_past_the_limit)
+    assert server.log_path is not None
+    assert f"maximum payload exceeded: {HOST_MAX_PAYLOAD + 1} vs {HOST_MAX_PAYLOAD}" in server.log_path.read_text()
+    state = await clients["admin"].nc.jetstream().stream_info("NODE_REPORTS", subjects_filter=subject)
+    assert not (state.state.subjects or {}), "the oversized report was stored"
+
+
+async def test_a_flooding_host_fills_only_its_own_share_while_tasks_and_lifecycle_flow(
+    clients: dict[str, Client], server: NatsServer, tls_files: TlsFiles, authority: Authority
+) -> None:
+    """One host publishes far more reports than an agent ever would, on every subject it may use; the stream
+    keeps only the newest REPORTS_PER_SUBJECT of each, and while the flood goes on another host's task and an
+    allocation event are stored (PubAck) and fetched."""
+    admin_js = clients["admin"].nc.jetstream()
+    await ensure_consumer(admin_js, node_agent_consumer("quiet"))
+    flooder = await connect(server, tls_files, authority.issue_host("flood"))
+    quiet = await connect(server, tls_files, authority.issue_host("quiet"))
+    reports = host_report_subjects("flood")
+    rounds = REPORTS_PER_SUBJECT + 64
+    before = (await admin_js.stream_info("NODE_REPORTS")).state.bytes
+    past_the_bound = asyncio.Event()
+
+    async def flood() -> None:
+        js = flooder.nc.jetstream()
+        for r in range(rounds):
+            body = f'{{"round": {r}}}'.encode().ljust(1024)
+            await asyncio.gather(*(js.publish(s, body, timeout=5) for s in reports))
+            if r == REPORTS_PER_SUBJECT:
+                past_the_bound.set()
+
+    async def others_flow() -> None:
+        await past_the_bound.wait()
+        marker = uuid.uuid4().hex.encode()
+        allocator = clients["allocator"].nc.jetstream()
+        task = await allocator.publish("gpuaas.node.quiet.tasks", b"task-" + marker, timeout=5)
+        event = await allocator.publish("gpuaas.allocation.event.active", b"event-" + marker, timeout=5)
+        assert (task.stream, event.stream) == ("NODE_TASKS", "ALLOCATIONS")
+        sub = await quiet.nc.jetstream().pull_subscribe_bind(
+            "node-agent-quiet", stream="NODE_TASKS", inbox_prefix=b"_INBOX_node-quiet."
+        )
+        msg = (await sub.fetch(1, timeout=5))[0]
+        assert msg.data == b"task-" + marker
+        await msg.ack_sync()
+        # The scheduler's lifecycle durable may still hold other tests' events: read until this one.
+        spec = next(c for c in durables_of("scheduler") if c.admin_provisioned)
+        lifecycle = (
+            await clients["scheduler"]
+            .nc.jetstream()
+            .pull_subscribe_bind(spec.durable, stream=spec.stream, inbox_prefix=b"_INBOX_scheduler.")
+        )
+        seen: list[bytes] = []
+        while b"event-" + marker not in seen and len(seen) < 1000:
+            for m in await lifecycle.fetch(100, timeout=5):
+                seen.append(m.data)
+                await m.ack()
+        assert b"event-" + marker in seen
+
+    await asyncio.wait_for(asyncio.gather(flood(), others_flow()), timeout=60)
+
+    info = await admin_js.stream_info("NODE_REPORTS", subjects_filter="gpuaas.node.flood.report.>")
+    assert info.state.subjects == {s: REPORTS_PER_SUBJECT for s in reports}
+    assert info.config.max_bytes == STREAM_BY_NAME["NODE_REPORTS"].max_bytes > 0
+    newest = await admin_js.get_last_msg("NODE_REPORTS", reports[0])
+    assert newest.data.startswith(f'{{"round": {rounds - 1}}}'.encode())
+    share = len(reports) * REPORTS_PER_SUBJECT * HOST_MAX_PAYLOAD
+    assert info.state.bytes - before <= share
+    await flooder.nc.close()
+    await quiet.nc.close()

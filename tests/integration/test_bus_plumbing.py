@@ -10,12 +10,20 @@ from dataclasses import replace
 import asyncpg
 import nats
 import pytest
+from nats.js.api import DiscardPolicy, StorageType
 
 from gpuaas_common import inbox
 from gpuaas_common.bus import Bus, HandlerContext, PermanentError
 from gpuaas_common.contract import Envelope, derived_event_id
 from gpuaas_common.contract import messages as m
-from gpuaas_common.jetstream import CONSUMER_BY_NAME, ConsumerSpec, ensure_consumer, provision
+from gpuaas_common.jetstream import (
+    CONSUMER_BY_NAME,
+    REPORTS_PER_SUBJECT,
+    STREAM_BY_NAME,
+    ConsumerSpec,
+    ensure_consumer,
+    provision,
+)
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import EventCollector, OutboxRelay, OutboxWriter, notice_payload, pending_statement
 from gpuaas_dev.testing.bus_spy import BusSpy
@@ -47,6 +55,26 @@ async def test_provision_is_idempotent_and_updates_a_changed_consumer(js):
     assert info.config.max_deliver == 5
     again = await provision(js)
     assert set(again.values()) == {"unchanged"}
+
+
+async def test_provision_bounds_a_stream_provisioned_before_it_had_bounds(js):
+    """An older deployment's streams had only an age limit: provisioning gives each its byte bound, per-subject
+    bound and discard policy in place, so NODE_REPORTS keeps a host's flood to its own subjects and NODE_TASKS
+    refuses rather than drops."""
+    for spec in (STREAM_BY_NAME["NODE_REPORTS"], STREAM_BY_NAME["NODE_TASKS"]):
+        old = replace(spec.config(StorageType.FILE), max_bytes=-1, max_msgs_per_subject=-1, discard=DiscardPolicy.OLD)
+        await js.update_stream(old)
+    outcome = await provision(js)
+    assert outcome["stream:NODE_REPORTS"] == outcome["stream:NODE_TASKS"] == "updated"
+    reports = (await js.stream_info("NODE_REPORTS")).config
+    assert (reports.max_bytes, reports.max_msgs_per_subject, reports.discard) == (
+        STREAM_BY_NAME["NODE_REPORTS"].max_bytes,
+        REPORTS_PER_SUBJECT,
+        DiscardPolicy.OLD,
+    )
+    tasks = (await js.stream_info("NODE_TASKS")).config
+    assert tasks.discard == DiscardPolicy.NEW and 0 < (tasks.max_bytes or 0) == STREAM_BY_NAME["NODE_TASKS"].max_bytes
+    assert set((await provision(js)).values()) == {"unchanged"}
 
 
 async def test_provision_moves_a_single_filter_durable_to_its_several_filters(js):

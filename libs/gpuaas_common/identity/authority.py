@@ -88,7 +88,6 @@ def _user_claims(account_public: str, *, permissions: Permissions | None, tags: 
     nats: dict[str, Any] = {"type": "user", "issuer_account": account_public, "tags": tags}
     if permissions is not None:
         nats.update(permissions.claims())
-        nats.update({"subs": -1, "data": -1, "payload": -1})
     return nats
 
 
@@ -284,8 +283,7 @@ class Authority:
         )
 
     def account_jwt(self, revocations: dict[str, int] | None = None) -> str:
-        template = node_template().claims()
-        template.update({"subs": -1, "data": -1, "payload": -1})
+        template = node_template().claims()  # with the host limits: a scoped key's user carries none itself
         return encode(
             self.operator_signing,
             self.account.public,

@@ -19,7 +19,7 @@ on one's own durable only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..contract.catalog import ALL as MESSAGE_SPECS
@@ -40,6 +40,30 @@ def inbox_prefix(name: str) -> str:
 # How long a request's reply subject stays open to its responder (nats-server's `resp` ttl).
 REPLY_WINDOW_NS = 30 * 1_000_000_000
 
+KIB = 1024
+UNLIMITED = -1
+# Per-connection limits nats-server 2.15 enforces from a user JWT (or a scoped key's template): `payload`
+# (a bigger PUB gets "Maximum Payload Violation" and the connection is closed) and `subs`. It reads no `data`
+# limit for users (server/client.go applyAccountLimits reads Payload and Subs only), so none is written: the
+# bytes a host can leave behind are bounded by the streams instead (jetstream.StreamSpec).
+#
+# The largest report a host sends legitimately is its topology: 10.0 KiB as an envelope for the fixture
+# XE9680L (8 GPUs, 12 fabric functions, 9 NVMe disks, 7 candidate slots); parity is 2.8 KiB, task results and
+# drift lists of a broken host a few KiB. 64 KiB leaves 6x for bigger hosts, headers included (the server
+# counts them).
+HOST_MAX_PAYLOAD = 64 * KIB
+# An agent's connection for one host holds a few subscriptions (its task pull, its reply inbox).
+HOST_MAX_SUBS = 64
+# The portal's largest message is an allocation request with its 16 SSH keys (a 16384-bit RSA key is 2.8 KB).
+PORTAL_MAX_PAYLOAD = 128 * KIB
+# Ops only ask read-only queries of a few hundred bytes.
+OPS_MAX_PAYLOAD = 16 * KIB
+# A service opens one subscription per durable, one per request subject it answers and one reply inbox (about
+# ten); portal and ops a handful. Two orders of magnitude above that, and still a bound on server memory.
+CLIENT_MAX_SUBS = 1024
+# Services keep the server's own limit (1 MiB): they relay tasks and MAAS commands whose size their own
+# producers, not a tenant, decide.
+
 
 @dataclass(frozen=True)
 class Permissions:
@@ -51,6 +75,8 @@ class Permissions:
     # Answers to requests received: the server lets the identity publish once to each reply subject it was
     # sent, within REPLY_WINDOW_NS, and to no other inbox.
     replies: bool = False
+    max_payload: int = UNLIMITED
+    max_subs: int = UNLIMITED
 
     def claims(self) -> dict[str, Any]:
         """The `nats.pub` / `nats.sub` (and `nats.resp`) members of a user JWT or a scoped key's template.
@@ -67,6 +93,7 @@ class Permissions:
             out[kind] = entry
         if self.replies:
             out["resp"] = {"max": 1, "ttl": REPLY_WINDOW_NS}
+        out.update({"subs": self.max_subs, "data": UNLIMITED, "payload": self.max_payload})
         return out
 
 
@@ -78,6 +105,17 @@ def _wild(address: str) -> str:
 def produced_subjects(role: str) -> tuple[str, ...]:
     """Subjects `role` publishes on; replies go to the asker's inbox and are covered by `replies`."""
     return tuple(sorted({_wild(s.address) for s in MESSAGE_SPECS if role in s.producers and s.address is not None}))
+
+
+def host_report_subjects(node: str) -> tuple[str, ...]:
+    """Each report subject a node agent produces, for one host (`node` may be the template's tag function).
+    Listed one by one rather than `report.>`: a host then owns a fixed number of subjects, so a per-subject
+    bound on its stream bounds all it can store."""
+    addresses = sorted({s.address for s in MESSAGE_SPECS if NODE in s.producers and s.address is not None})
+    stray = [a for a in addresses if not a.startswith("gpuaas.node.{node_id}.report.")]
+    if stray:
+        raise ValueError(f"node-agent messages outside its report subjects: {stray}")
+    return tuple(a.replace("{node_id}", node) for a in addresses)
 
 
 def requests_of(role: str) -> tuple[str, ...]:
@@ -127,7 +165,12 @@ def service_permissions(service: str) -> Permissions:
     for spec in durables_of(service):
         pub += consumer_rights(spec, may_create=True)
     answers = requests_answered_by(service)
-    return Permissions(pub_allow=tuple(pub), sub_allow=(*answers, f"{inbox_prefix(service)}.>"), replies=bool(answers))
+    return Permissions(
+        pub_allow=tuple(pub),
+        sub_allow=(*answers, f"{inbox_prefix(service)}.>"),
+        replies=bool(answers),
+        max_subs=CLIENT_MAX_SUBS,
+    )
 
 
 def node_template(tag: str = NODE_TAG) -> Permissions:
@@ -137,11 +180,10 @@ def node_template(tag: str = NODE_TAG) -> Permissions:
     node = "{{tag(" + tag + ")}}"
     spec = node_agent_consumer(node)
     return Permissions(
-        pub_allow=(
-            *consumer_rights(spec, may_create=False),
-            f"gpuaas.node.{node}.report.>",
-        ),
+        pub_allow=(*consumer_rights(spec, may_create=False), *host_report_subjects(node)),
         sub_allow=(f"{inbox_prefix('{{name()}}')}.>",),
+        max_payload=HOST_MAX_PAYLOAD,
+        max_subs=HOST_MAX_SUBS,
     )
 
 
@@ -149,7 +191,7 @@ def node_permissions(node_id: str) -> Permissions:
     """What the template expands to for one host (used for documentation and tests)."""
     t = node_template()
     fill = lambda x: x.replace("{{tag(node)}}", node_id).replace("{{name()}}", node_user_name(node_id))  # noqa: E731
-    return Permissions(pub_allow=tuple(map(fill, t.pub_allow)), sub_allow=tuple(map(fill, t.sub_allow)))
+    return replace(t, pub_allow=tuple(map(fill, t.pub_allow)), sub_allow=tuple(map(fill, t.sub_allow)))
 
 
 def node_user_name(node_id: str) -> str:
@@ -161,6 +203,8 @@ ROLE_PERMISSIONS: dict[str, Permissions] = {
     PORTAL: Permissions(
         pub_allow=produced_subjects(PORTAL),
         sub_allow=("gpuaas.allocation.event.>", f"{inbox_prefix(PORTAL)}.>"),
+        max_payload=PORTAL_MAX_PAYLOAD,
+        max_subs=CLIENT_MAX_SUBS,
     ),
     # Reads lifecycle, reports and dead letters live, and asks read-only queries; changes nothing.
     OPS: Permissions(
@@ -173,10 +217,22 @@ ROLE_PERMISSIONS: dict[str, Permissions] = {
             "gpuaas.image.event.>",
             "gpuaas.scheduler.>",
         ),
+        max_payload=OPS_MAX_PAYLOAD,
+        max_subs=CLIENT_MAX_SUBS,
     ),
     # Break-glass: provisions streams and per-host consumers, issues ops commands. Never used by a service.
     ADMIN: Permissions(pub_allow=(">",), sub_allow=(">",)),
 }
+
+
+# nats-server's own payload limit, which holds where an identity has none of its own.
+SERVER_MAX_PAYLOAD = 1024 * KIB
+
+
+def max_payload_of(identity: str) -> int:
+    """The largest message (headers included) the server takes from `identity`: a role or `node-<id>`."""
+    perms = node_template() if identity.startswith("node-") else role_permissions(identity)
+    return SERVER_MAX_PAYLOAD if perms.max_payload == UNLIMITED else min(perms.max_payload, SERVER_MAX_PAYLOAD)
 
 
 def role_permissions(role: str) -> Permissions:
@@ -212,7 +268,9 @@ def render_table() -> str:
     )
     rows.append(f"| `{ADMIN}` (break-glass: provisioning, tests) | everything | everything | everything |")
     rows.append(
-        "| `node-<node_id>` (one per host, scoped signing key) | `gpuaas.node.<node_id>.report.>` | "
+        "| `node-<node_id>` (one per host, scoped signing key; "
+        f"payload ≤ {HOST_MAX_PAYLOAD // KIB} KiB, ≤ {HOST_MAX_SUBS} subscriptions) | "
+        f"{code(host_report_subjects('<node_id>'))}<br>`gpuaas.dlq.node-agent-<node_id>` | "
         "`node-agent-<node_id>` (no create) | `_INBOX_node-<node_id>.>` |"
     )
     return "\n".join(rows) + "\n"
