@@ -1,13 +1,18 @@
-"""The deploy user-data: the site's bootstrap merged with the node agent's files, read back as a host would."""
+"""The deploy user-data: the site's bootstrap merged with the node agent's files, read back as a host would
+(cloud-init's write_files as the simulated machine applies them, then the production agent's reader)."""
 
 from __future__ import annotations
+
+import uuid
+from pathlib import Path
 
 import pytest
 import yaml
 
 from gpuaas_common.enrolment import enrolment_proof, enrolment_token, token_proof
-from gpuaas_dev.sim.baremetal import parse_agent_env, parse_node_creds
+from gpuaas_dev.sim.baremetal import write_cloud_init_files
 from gpuaas_maas_gateway.service_layer.cloud_init import BootstrapNotCloudConfig, render_user_data
+from gpuaas_node_agent.adapters.node_env import creds_file, read_node_env
 
 CREDS = (
     "-----BEGIN NATS USER JWT-----\n"
@@ -17,23 +22,25 @@ CREDS = (
     "-----BEGIN USER NKEY SEED-----\nSUAEXAMPLESEED\n------END USER NKEY SEED------\n\n"
     "*************************************************************\n"
 )
+ALLOC = "6f1c2a8e-0d7b-4c39-9a51-3e2f4b6d8c10"
+TOKEN = enrolment_token("secret", ALLOC, "sys1")
 ENV = {
     "GPUAAS_NODE_ID": "bm-01",
-    "GPUAAS_ALLOCATION_ID": "a-1",
+    "GPUAAS_ALLOCATION_ID": ALLOC,
     "GPUAAS_MAAS_SYSTEM_ID": "sys1",
-    "GPUAAS_ENROLMENT_TOKEN": "tok",
+    "GPUAAS_ENROLMENT_TOKEN": TOKEN,
 }
 
 
 def render(bootstrap: str, creds: str | None = CREDS) -> str:
-    return render_user_data(bootstrap, "tok", "a-1", "bm-01", "sys1", creds)
+    return render_user_data(bootstrap, TOKEN, ALLOC, "bm-01", "sys1", creds)
 
 
 def files(user_data: str) -> dict[str, dict[str, str]]:
     return {f["path"]: f for f in yaml.safe_load(user_data)["write_files"]}
 
 
-def test_a_bootstrap_with_its_own_write_files_keeps_the_agent_files_and_its_own() -> None:
+def test_a_bootstrap_with_its_own_write_files_keeps_the_agent_files_and_its_own(tmp_path: Path) -> None:
     bootstrap = (
         "#cloud-config\npackages: [ipmitool]\nwrite_files:\n  - path: /etc/site/motd\n    content: hello\n"
         "runcmd:\n  - [systemctl, restart, site-agent]\n"
@@ -54,9 +61,14 @@ def test_a_bootstrap_with_its_own_write_files_keeps_the_agent_files_and_its_own(
         **ENV,
         "GPUAAS_NATS_CREDS": "/etc/gpuaas/node.creds",
     }
-    # What the (simulated) host reads back.
-    assert parse_agent_env(user_data) == {**ENV, "GPUAAS_NATS_CREDS": "/etc/gpuaas/node.creds"}
-    assert parse_node_creds(user_data) == CREDS
+    # What the host's agent reads back once cloud-init wrote the files.
+    write_cloud_init_files(user_data, tmp_path)
+    identity = read_node_env(tmp_path)
+    assert (identity.node_id, identity.allocation_id, identity.maas_system_id) == ("bm-01", uuid.UUID(ALLOC), "sys1")
+    assert identity.token == TOKEN and identity.creds_path == "/etc/gpuaas/node.creds"
+    assert Path(creds_file(tmp_path, identity) or "").read_text() == CREDS
+    assert (tmp_path / "etc/gpuaas/node.creds").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "etc/site/motd").read_text() == "hello"
 
 
 def test_the_creds_file_is_written_as_before() -> None:
@@ -66,11 +78,12 @@ def test_the_creds_file_is_written_as_before() -> None:
     assert files(render("", creds=CREDS + "\n\n"))["/etc/gpuaas/node.creds"]["content"] == CREDS
 
 
-def test_without_creds_there_is_no_creds_file_and_no_creds_line() -> None:
+def test_without_creds_there_is_no_creds_file_and_no_creds_line(tmp_path: Path) -> None:
     user_data = render("runcmd: [site-bootstrap]", creds=None)
     assert list(files(user_data)) == ["/etc/gpuaas/node-agent.env"]
-    assert parse_agent_env(user_data) == ENV
-    assert parse_node_creds(user_data) is None
+    write_cloud_init_files(user_data, tmp_path)
+    identity = read_node_env(tmp_path)
+    assert identity.creds_path is None and creds_file(tmp_path, identity) is None
     assert yaml.safe_load(user_data)["runcmd"] == ["site-bootstrap"]
 
 

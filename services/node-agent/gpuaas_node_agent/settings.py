@@ -1,13 +1,23 @@
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from gpuaas_common.settings import ServiceSettings
+from gpuaas_common.settings import EnvList, ServiceSettings
 
 
 class AgentSettings(ServiceSettings):
     # The id of the host this agent runs on (its inventory node id); the agent refuses to start without it.
     node_id: str | None = None
+    # `slice_host`, `baremetal`, or `auto`: baremetal where the deploy's cloud-init wrote
+    # /etc/gpuaas/node-agent.env (under GPUAAS_HOST_ROOT), slice host otherwise. A baremetal agent takes its
+    # node id, allocation, enrolment token and creds from that file; a setting that contradicts it is refused.
+    role: Literal["auto", "slice_host", "baremetal"] = "auto"
+    # A baremetal host announces its enrolment again after each of these pauses (the last one repeating): no
+    # answer from the allocator reaches it, and an allocator that lost its commit can only learn it again so.
+    enrolment_announce_again_s: EnvList[float] = (20.0, 40.0, 80.0, 160.0, 320.0, 600.0)
+    # How long after start a baremetal host keeps announcing (the allocator's enrolment deadline, 30 min by
+    # default, has passed by then: the allocation is active or failed).
+    enrolment_announce_for_s: float = Field(default=1800.0, gt=0)
     # Root of the host's filesystem as the agent sees it: "/" on a real host, a fixture tree in tests.
     host_root: str = "/"
     # The host's libvirt; the simulated fleet uses libvirt's test driver (test:///default).
@@ -48,3 +58,10 @@ class AgentSettings(ServiceSettings):
     # Seconds between reconciler passes (host against the task records, drift reported to the scheduler);
     # one pass also runs at start.
     reconcile_interval_s: float = Field(default=300.0, gt=0)
+
+    @field_validator("enrolment_announce_again_s")
+    @classmethod
+    def _pauses_positive(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if any(p <= 0 for p in value):
+            raise ValueError("every pause must be more than 0 s")
+        return value

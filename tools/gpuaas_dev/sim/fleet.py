@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import shutil
 import xml.etree.ElementTree as ET  # noqa: S405 - our own libvirt's XML
 from collections.abc import Awaitable, Callable
@@ -23,22 +24,19 @@ from typing import Any
 
 from aiohttp import web
 
-from gpuaas_common.bus import Bus, PermanentError
-from gpuaas_common.contract import derived_event_id
-from gpuaas_common.contract import messages as m
-from gpuaas_common.enrolment import token_proof
 from gpuaas_common.fleet import Fleet, FleetNode
-from gpuaas_common.identity.creds import write_secret
 from gpuaas_common.identity.permissions import node_user_name
 from gpuaas_common.logging import get_logger
 from gpuaas_common.natsconn import NatsIdentity, split_servers
 from gpuaas_common.runtime import ServiceRuntime, run_service
+from gpuaas_common.startup import StartupFailed
 from gpuaas_node_agent.adapters.host_link import HostLink
 from gpuaas_node_agent.adapters.libvirt_host import LibvirtHost
-from gpuaas_node_agent.entrypoints.host import AGENT_VERSION, open_host_bus, run_slice_host, slice_host_enrolment
+from gpuaas_node_agent.entrypoints.baremetal import baremetal_identity, baremetal_link, run_baremetal_host
+from gpuaas_node_agent.entrypoints.host import open_host_bus, run_slice_host, slice_host_enrolment
 from gpuaas_node_agent.service_layer.host_paths import HostPaths
 
-from .baremetal import SimulatedBaremetalHost
+from .baremetal import SimulatedBaremetalHost, UserDataRefused, fresh_root, write_cloud_init_files
 from .dhcp_guest import SimulatedDhcpAndGuest
 from .fixture_host import build_host_root, describe_fleet_node, fleet_bridge_cidr
 from .instant import InstantSliceHost
@@ -251,72 +249,54 @@ def _baremetal_host(
     handed_over: Callable[[], Awaitable[None]] | None = None,
     returned: Callable[[], Awaitable[None]] | None = None,
 ) -> SimulatedBaremetalHost:
-    """A simulated baremetal host connects only with the credentials its deploy user-data carried, as a
-    real host would, and drops them when MAAS takes the machine back. For a slice host deployed to a
-    tenant, `handed_over` stops its slice agent first and `returned` starts it again once MAAS has the
-    machine back."""
+    """A simulated baremetal machine runs the production agent's baremetal role on a root holding only what
+    its deploy's cloud-init wrote, so it connects with nothing but the credentials its user-data carried.
+    For a slice host deployed to a tenant, `handed_over` stops its slice agent first and `returned` starts it
+    again once MAAS has the machine back."""
     assert node.maas_system_id is not None
     root = Path(node.host_root) if node.host_root else Path(settings.state_dir) / "baremetal" / node.node_id
     if node.kind == "slice_host":
-        root = root / "baremetal"  # the tenant's creds file lives apart from the slice host's tree
-    link: HostLink | None = None
+        root = root / "baremetal"  # the tenant's OS lives apart from the slice host's tree
+    # Nothing of the fleet's own identity reaches the tenant's machine.
+    host_settings = settings.model_copy(
+        update={"host_root": str(root), "role": "baremetal", "node_id": None, "nats_creds": None}
+    )
+    running: dict[str, Any] = {}
 
-    async def enrol(env: dict[str, str], creds_text: str | None, again: int) -> None:
-        """Enrol with the deploy's credentials (`again` 0), or say so once more on the open link (`again` n, a
-        message of its own: the first one's id would be dropped as a duplicate)."""
-        token = env.get("GPUAAS_ENROLMENT_TOKEN")
-        allocation_id = env.get("GPUAAS_ALLOCATION_ID")
-        if not token or not allocation_id:
-            raise PermanentError("schema_invalid", "user_data carries no enrolment token")
-        bus = (link.bus if link is not None else None) if again else await connect(creds_text)
-        if bus is None:
-            return  # the machine was taken back meanwhile: nothing to announce
-        assert node.maas_system_id is not None
-        ev = m.NodeEnrolled(
-            node_id=node.node_id,
-            kind="baremetal",
-            hostname=node.hostname,
-            agent_version=AGENT_VERSION,
-            maas_system_id=node.maas_system_id,
-            allocation_id=allocation_id,
-            enrolment_proof=token_proof(token),
-        )
-        await bus.publish(
-            "node.enrolled",
-            ev,
-            correlation_id=allocation_id,
-            node_id=node.node_id,
-            event_id=derived_event_id(allocation_id, f"enrolled:{node.node_id}" + (f":{again}" if again else "")),
-        )
-
-    async def connect(creds_text: str | None) -> Bus:
-        """A fresh link with the credentials the deploy's user_data carried."""
-        nonlocal link
+    async def boot(user_data: str) -> None:
         if handed_over is not None:
             await handed_over()
-        await leave()
-        creds_file = None
-        if creds_text:
-            creds_file = str(write_secret(root / "etc" / "gpuaas" / "node.creds", creds_text))
-        elif settings.nats_creds_dir:
-            raise PermanentError("no_credentials", "user_data carries no NATS credentials for this host")
-        identity = NatsIdentity(split_servers(settings.nats_url), creds_file, settings.nats_ca_file)
-        link = HostLink(node.node_id, identity, retry_delays_s=settings.retry_delays_s)
+        fresh_root(root)
         try:
-            return await link.open(retry_forever=False)
-        except Exception:
-            if identity.last_refusal is not None:
-                # Refused credentials (revoked, expired) do not get better by asking again.
-                raise PermanentError("nats_auth_refused", identity.last_refusal) from None
-            raise
+            write_cloud_init_files(user_data, root)
+            identity = baremetal_identity(host_settings)
+        except (UserDataRefused, StartupFailed) as exc:
+            # A machine whose user-data gives its agent nothing to enrol with stays up, enrolled nowhere, as a
+            # real one would; the allocation fails at its enrolment deadline.
+            log.warning("sim_baremetal_agent_refused", node_id=node.node_id, error=str(exc))
+            return
+        link = baremetal_link(host_settings, identity)
+        task = asyncio.create_task(
+            run_baremetal_host(host_settings, identity, node.hostname, link), name=f"sim-bm-agent-{node.node_id}"
+        )
+        task.add_done_callback(functools.partial(_baremetal_agent_ended, node.node_id))
+        running.update(link=link, task=task)
 
     async def leave() -> None:
-        nonlocal link
+        task, link = running.pop("task", None), running.pop("link", None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         if link is not None:
             await link.close()
-            link = None
 
-    return SimulatedBaremetalHost(node.node_id, node.maas_system_id, maas_sim_url, enrol, leave, returned=returned)
+    return SimulatedBaremetalHost(node.node_id, node.maas_system_id, maas_sim_url, boot, leave, returned=returned)
+
+
+def _baremetal_agent_ended(node_id: str, task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("sim_baremetal_agent_failed", node_id=node_id, error=repr(task.exception()))
 
 
 def main() -> None:

@@ -1,5 +1,7 @@
-"""`gpuaas-node-agent`: the agent of the one host it runs on, connected as that host's own NATS user
-(`GPUAAS_NODE_ID`, `GPUAAS_NATS_CREDS`). The simulated dev fleet is `gpuaas-sim-fleet` (gpuaas_dev.sim)."""
+"""`gpuaas-node-agent`: the agent of the one host it runs on, connected as that host's own NATS user: a slice
+host's (`GPUAAS_NODE_ID`, `GPUAAS_NATS_CREDS`), or on a baremetal host the allocation-bound one its deploy's
+cloud-init wrote (`GPUAAS_ROLE`, entrypoints/baremetal.py). The simulated dev fleet is `gpuaas-sim-fleet`
+(gpuaas_dev.sim)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,25 @@ from gpuaas_common.startup import StartupFailed
 
 from ..adapters.host_link import HostLink
 from ..settings import AgentSettings
+from .baremetal import baremetal_identity, baremetal_link, host_role, run_baremetal_host
 from .host import run_slice_host
 
 
+def build_baremetal_register(settings: AgentSettings):
+    identity = baremetal_identity(settings)
+
+    async def register(rt: ServiceRuntime) -> None:
+        link = baremetal_link(settings, identity)
+        rt.spawn(run_baremetal_host(settings, identity, os.uname().nodename, link), f"baremetal-{identity.node_id}")
+        rt.health.checks["host"] = lambda: link.bus is not None
+        rt.on_stop.append(link.close)
+
+    return register
+
+
 def build_register(settings: AgentSettings):
+    if host_role(settings) == "baremetal":
+        return build_baremetal_register(settings)
     node_id = settings.node_id
     if not node_id:
         raise StartupFailed(
