@@ -63,6 +63,8 @@ class Agent:
             GPUAAS_READINESS_TIMEOUT_S="600",
             GPUAAS_TASK_ACK_WAIT_S="2",
             GPUAAS_SSH_PORT=str(self.ssh_port),
+            # The guest here is a simulated SSH banner, not a machine to log in to (the lab's are).
+            GPUAAS_READINESS_LOGIN="false",
             GPUAAS_LOG_LEVEL="INFO",
         )
         self.log = tmp_path / "agent.log"
