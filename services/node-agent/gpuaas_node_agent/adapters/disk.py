@@ -66,8 +66,9 @@ class _Run(BaseModel):
     stderr: str
 
 
-async def _run(*argv: str, timeout_s: float | None = None) -> _Run:
-    """Run a tool without a shell. Raises FileNotFoundError when the tool is not installed."""
+async def run_tool(*argv: str, timeout_s: float | None = None) -> _Run:
+    """Run a host tool without a shell (also the guest SSH checks' runner). Raises FileNotFoundError when the
+    tool is not installed."""
     # LC_ALL=C: error classification matches the tools' English messages.
     proc = await asyncio.create_subprocess_exec(
         *argv,
@@ -139,7 +140,7 @@ async def clone_image(
     argv += [str(src_p), str(dst_p)]
     log.info("disk_clone_started", src=str(src_p), src_format=src_format, dst=str(dst_p), kind=kind)
     try:
-        res = await _run(*argv, timeout_s=timeout_s)
+        res = await run_tool(*argv, timeout_s=timeout_s)
     except FileNotFoundError:
         raise DiskError("tool_missing", "qemu-img is not installed") from None
     except asyncio.TimeoutError:
@@ -175,7 +176,7 @@ def _zero_fill(path: Path) -> None:
 
 async def _discard_zeroes(dev: Path) -> bool:
     try:
-        res = await _run("lsblk", "-n", "-d", "-o", "DISC-ZERO", str(dev))
+        res = await run_tool("lsblk", "-n", "-d", "-o", "DISC-ZERO", str(dev))
     except FileNotFoundError:
         return False
     return res.rc == 0 and res.stdout.strip() == "1"
@@ -247,7 +248,7 @@ async def _nvme_format(dev: Path, policy: WipePolicy) -> str:
     """`nvme format` of the namespace: secure erase setting 1 (user data erase) or 2 (cryptographic erase)."""
     ses = "1" if policy == "nvme_format" else "2"
     try:
-        res = await _run("nvme", "format", str(dev), f"--ses={ses}", "--force", timeout_s=_FORMAT_TIMEOUT_S)
+        res = await run_tool("nvme", "format", str(dev), f"--ses={ses}", "--force", timeout_s=_FORMAT_TIMEOUT_S)
     except FileNotFoundError:
         raise DiskError("tool_missing", "nvme-cli is not installed") from None
     except asyncio.TimeoutError:
@@ -261,7 +262,7 @@ async def _nvme_format(dev: Path, policy: WipePolicy) -> str:
         )
     # What is read back next must come from the device, not from blocks the kernel cached before the format.
     try:
-        await _run("blockdev", "--flushbufs", str(dev))
+        await run_tool("blockdev", "--flushbufs", str(dev))
     except FileNotFoundError:
         pass
     return str(policy)
@@ -269,7 +270,7 @@ async def _nvme_format(dev: Path, policy: WipePolicy) -> str:
 
 async def _wipe_block(dev: Path) -> str:
     try:
-        discard = await _run("blkdiscard", "-f", str(dev))
+        discard = await run_tool("blkdiscard", "-f", str(dev))
     except FileNotFoundError:
         raise DiskError("tool_missing", "blkdiscard is not installed") from None
     if discard.rc == 0 and await _discard_zeroes(dev):
@@ -277,7 +278,7 @@ async def _wipe_block(dev: Path) -> str:
     if discard.rc != 0:
         log.warning("disk_discard_failed", device=str(dev), rc=discard.rc, stderr=discard.stderr)
     # Discarded blocks need not read back as zeros; -z writes zeros (offloaded where the device can).
-    zero = await _run("blkdiscard", "-f", "-z", str(dev))
+    zero = await run_tool("blkdiscard", "-f", "-z", str(dev))
     if zero.rc != 0:
         raise DiskError(
             "wipe_failed", f"blkdiscard -z {dev} failed (rc {zero.rc}): {zero.stderr}", rc=zero.rc, stderr=zero.stderr
@@ -289,7 +290,7 @@ async def _wipe_block(dev: Path) -> str:
 
 
 async def _wipefs_signatures(path: Path) -> list[DiskSignature]:
-    res = await _run("wipefs", "--json", str(path))
+    res = await run_tool("wipefs", "--json", str(path))
     if res.rc != 0:
         raise DiskError("verify_failed", f"wipefs rc {res.rc}: {res.stderr}", rc=res.rc, stderr=res.stderr)
     if not res.stdout.strip():
@@ -307,7 +308,7 @@ async def _wipefs_signatures(path: Path) -> list[DiskSignature]:
 
 
 async def _blkid_signatures(path: Path) -> list[DiskSignature]:
-    res = await _run("blkid", "-p", "-o", "export", str(path))
+    res = await run_tool("blkid", "-p", "-o", "export", str(path))
     if res.rc == 2:
         return []
     if res.rc != 0:
@@ -459,7 +460,7 @@ async def wipe_and_verify(dst: str | os.PathLike[str], policy: WipePolicy | None
 
 async def _block_size(dev: Path) -> int:
     try:
-        res = await _run("blockdev", "--getsize64", str(dev))
+        res = await run_tool("blockdev", "--getsize64", str(dev))
     except FileNotFoundError:
         raise DiskError("tool_missing", "blockdev is not installed") from None
     if res.rc != 0 or not res.stdout.strip().isdigit():

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from gpuaas_common.logging import get_logger
 
+from .disk import run_tool
+
 log = get_logger(__name__)
 
 # What cloud-init writes when its last stage is done: the tenant's users and keys are in place.
@@ -50,21 +52,8 @@ def fingerprint(public_line: str) -> str:
 
 
 async def _run(*argv: str, timeout_s: float = 30.0) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "LC_ALL": "C"},
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except (TimeoutError, asyncio.CancelledError):
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+    res = await run_tool(*argv, timeout_s=timeout_s)
+    return res.rc, res.stdout, res.stderr
 
 
 async def new_host_key(comment: str) -> HostKey:
