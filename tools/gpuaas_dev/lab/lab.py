@@ -385,10 +385,7 @@ class Lab:
                 if back.strip() == slot.disk_file:
                     problems.append(f"{slot.loop_device}: {res.stderr.strip()[:200]}")
             Path(slot.disk_file).unlink(missing_ok=True)
-        Path(st.lease_file).unlink(missing_ok=True) if st.lease_file else None
-        if st.hostsdir:
-            for f in Path(st.hostsdir).glob("*"):
-                f.unlink()
+        # The reservations, leases, seeds, host keys and image cache all live under the host prefix.
         if st.host_dir and Path(st.host_dir).is_dir():
             shutil.rmtree(st.host_dir, ignore_errors=True)
         if _run("ip", "netns", "del", st.netns, check=False).returncode != 0:
