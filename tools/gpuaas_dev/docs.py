@@ -10,13 +10,11 @@ is written by hand. tests/contract/test_docs.py fails on drift.
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
 import json
 import re
 import sys
-import textwrap
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -26,6 +24,9 @@ from typing import Any
 
 from pydantic import BaseModel, SecretStr
 from pydantic.fields import FieldInfo
+
+# Re-exported: the README table and the service binaries' --help read the same comments.
+from gpuaas_common.service_args import field_comments  # noqa: F401
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -75,28 +76,6 @@ LIST_FORMAT = (
 
 
 # --- settings ------------------------------------------------------------------------------------------------
-
-
-def field_comments(cls: type) -> dict[str, str]:
-    """The comment lines right above each field of `cls`'s own body, joined: the code's own account of it."""
-    try:
-        source = textwrap.dedent(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    lines = source.splitlines()
-    (node,) = ast.parse(source).body
-    assert isinstance(node, ast.ClassDef)
-    out: dict[str, str] = {}
-    for stmt in node.body:
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            comment: list[str] = []
-            i = stmt.lineno - 2
-            while i >= 0 and lines[i].strip().startswith("#"):
-                comment.insert(0, lines[i].strip().lstrip("#").strip())
-                i -= 1
-            if comment:
-                out[stmt.target.id] = " ".join(comment)
-    return out
 
 
 def _own_fields(cls: type[BaseModel]) -> list[str]:

@@ -11,9 +11,11 @@ stack.json).
 """
 
 import os
+from typing import Annotated
 
 import typer
 
+from gpuaas_common.service_args import package_version
 from gpuaas_node_agent.entrypoints import cli as node_agent_cli
 
 from ..identities_cli import identities_app
@@ -38,6 +40,22 @@ app.add_typer(node_agent_cli.app, name="node-agent", help="Node agent host check
 app.command()(allocate)
 app.command()(release)
 app.command("maas-sim")(maas_sim)
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"gpuaas {package_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _top(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    """gpuaas developer tooling."""
 
 
 def main() -> None:

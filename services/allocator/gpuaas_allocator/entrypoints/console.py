@@ -1,0 +1,22 @@
+"""`gpuaas-allocator`'s command line.
+
+Kept apart from main.py, whose imports (the bus, Postgres, the event loop) take most of a second: `--help` and
+`--version` are answered with only the settings imported, and main.py is loaded only to run."""
+
+from __future__ import annotations
+
+from gpuaas_common.service_args import service_command_line
+
+from ..settings import AllocatorSettings
+
+SUMMARY = (
+    "The allocation process manager: validates requests, holds the "
+    "allocation state machine, sends node tasks and MAAS commands."
+)
+
+
+def main() -> None:
+    service_command_line("gpuaas-allocator", SUMMARY, AllocatorSettings)
+    from .main import main as run
+
+    run()
