@@ -94,6 +94,9 @@ async def ensure_slice_image(cache_dir: Path | None = None) -> SliceImage:
         shutil.rmtree(work, ignore_errors=True)
         raise
     log.info("lab_slice_image_built", sha256=digest, packages=versions, seconds=timings)
+    await asyncio.to_thread(
+        lambda: prune_stale(cache, base_entry=base.path.parent.name, base_sha256=base.sha256, slice_key=key)
+    )
     meta = json.loads(done.read_text())
     return SliceImage(SLUG, entry / f"{SLUG}.raw", meta["sha256"], meta["packages"], True, timings)
 
@@ -113,3 +116,24 @@ async def prewarm(image: SliceImage, cache_dir: Path) -> Path:
         raise RuntimeError(f"prewarmed copy hashes to {got}, the image is {image.sha256}")
     part.replace(target)
     return target
+
+
+def prune_stale(cache: Path, *, base_entry: str, base_sha256: str, slice_key: str) -> list[Path]:
+    """After a build, the images of older recipes are of no use to anyone: each is hundreds of MB, and a machine
+    that runs `make test` for months would otherwise keep every one. Entries being written (dot-names) stay."""
+    stale: list[Path] = []
+    for entry in cache.iterdir() if cache.is_dir() else ():
+        if entry.is_dir() and len(entry.name) == 24 and entry.name != base_entry and not entry.name.startswith("."):
+            stale.append(entry)  # a base recipe directory (base_image.recipe_hash names them)
+    for entry in (cache / "slice").iterdir() if (cache / "slice").is_dir() else ():
+        if entry.name != slice_key and not entry.name.startswith("."):
+            stale.append(entry)
+    for entry in (cache / "fetched").iterdir() if (cache / "fetched").is_dir() else ():
+        if entry.name.startswith("sha256-") and base_sha256 not in entry.name and not entry.name.endswith(".part"):
+            stale.append(entry)
+    for entry in stale:
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    return stale
