@@ -11,6 +11,8 @@ import nats
 import pytest
 from nats.js import JetStreamContext
 
+from gpuaas_common.identity import Authority
+from gpuaas_common.identity.tls import TlsFiles, make_ca_and_server_cert
 from gpuaas_common.jetstream import provision
 from gpuaas_dev.testing.servers import NatsServer, PostgresServer
 
@@ -58,3 +60,14 @@ async def js(nats_server: NatsServer) -> AsyncIterator[JetStreamContext]:
     await provision(js)
     yield js
     await nc.drain()
+
+
+# A trust chain and a TLS CA of their own for each module that runs an operator-mode nats-server.
+@pytest.fixture(scope="module")
+def authority() -> Authority:
+    return Authority.create()
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_ca_and_server_cert(tmp_path_factory.mktemp("tls"))

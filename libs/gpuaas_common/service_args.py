@@ -14,6 +14,7 @@ import inspect
 import sys
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 
 from pydantic_settings import BaseSettings
@@ -118,3 +119,11 @@ def service_command_line(
     parser.add_argument("-h", "--help", action=_Help, nargs=0, help="show this help and exit")
     parser.add_argument("--version", action="version", version=f"{prog} {package_version()}")
     parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+
+
+def service_main(prog: str, summary: str, settings_cls: type[BaseSettings], run: str) -> None:
+    """A service binary's console entry point: answer the command line, then import `run` ("module:function",
+    the service's heavy main) only when the service is really to run."""
+    service_command_line(prog, summary, settings_cls)
+    module, _, function = run.partition(":")
+    getattr(import_module(module), function)()

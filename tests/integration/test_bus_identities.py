@@ -87,16 +87,6 @@ class Client:
 
 
 @pytest.fixture(scope="module")
-def authority() -> Authority:
-    return Authority.create()
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    return make_ca_and_server_cert(tmp_path_factory.mktemp("tls"))
-
-
-@pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, authority: Authority, tls_files: TlsFiles) -> Iterator[NatsServer]:
     srv = NatsServer(tmp_path_factory.mktemp("nats-auth"), auth=authority, tls=tls_files).start()
     yield srv

@@ -16,22 +16,12 @@ from nats.aio.client import RawCredentials
 
 from gpuaas_common.identity import Authority, Creds
 from gpuaas_common.identity.permissions import ROLE_PERMISSIONS
-from gpuaas_common.identity.tls import TlsFiles, client_context, make_ca_and_server_cert
+from gpuaas_common.identity.tls import TlsFiles, client_context
 from gpuaas_common.jetstream import CONSUMER_BY_NAME, STREAMS, provision
 from gpuaas_dev.testing.servers import NatsCluster
 from gpuaas_dev.testing.waiting import eventually
 
 DURABLE = CONSUMER_BY_NAME["allocator-requested"]
-
-
-@pytest.fixture(scope="module")
-def authority() -> Authority:
-    return Authority.create()
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    return make_ca_and_server_cert(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture()

@@ -23,7 +23,7 @@ from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.enrolment import enrolment_token, token_proof
 from gpuaas_common.identity import Authority
 from gpuaas_common.identity.permissions import ROLE_PERMISSIONS
-from gpuaas_common.identity.tls import TlsFiles, client_context, make_ca_and_server_cert
+from gpuaas_common.identity.tls import TlsFiles, client_context
 from gpuaas_common.jetstream import provision
 from gpuaas_common.startup import EXIT_CODES
 from gpuaas_dev.sim.baremetal import write_cloud_init_files
@@ -35,16 +35,6 @@ from gpuaas_maas_gateway.service_layer.cloud_init import render_user_data
 NODE = "bm-int-1"
 SYSTEM = "sys-int-1"
 SECRET = "integration-enrolment-secret"
-
-
-@pytest.fixture(scope="module")
-def authority() -> Authority:
-    return Authority.create()
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    return make_ca_and_server_cert(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from gpuaas_node_agent.adapters.hypervisor import choose_domain_type, probe_doma
 
 
 async def test_fingerprint_is_what_ssh_keygen_prints(tmp_path: Path) -> None:
-    key = await guest_ssh.new_host_key("t")
+    key = guest_ssh.new_host_key()
     pub = tmp_path / "k.pub"
     pub.write_text(key.public_line + "\n")
     printed = (
@@ -32,7 +32,7 @@ def test_a_key_that_is_not_openssh_is_refused() -> None:
 
 
 async def test_the_seed_plants_the_host_key_and_no_other() -> None:
-    key = await guest_ssh.new_host_key("t")
+    key = guest_ssh.new_host_key()
     doc = yaml.safe_load(
         seed_iso.render_user_data(
             hostname="vm1",

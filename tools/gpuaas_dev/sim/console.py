@@ -1,9 +1,8 @@
-"""`gpuaas-sim-fleet`'s command line. Kept apart from fleet.py, whose imports (the agent, libvirt, aiohttp) take
-about a second: `--help` and `--version` are answered with only the settings imported."""
+"""`gpuaas-sim-fleet`'s command line (gpuaas_common.service_args): the heavy main is imported only to run."""
 
 from __future__ import annotations
 
-from gpuaas_common.service_args import service_command_line
+from gpuaas_common.service_args import service_main
 
 from .settings import SimFleetSettings
 
@@ -14,7 +13,4 @@ SUMMARY = (
 
 
 def main() -> None:
-    service_command_line("gpuaas-sim-fleet", SUMMARY, SimFleetSettings)
-    from .fleet import main as run
-
-    run()
+    service_main("gpuaas-sim-fleet", SUMMARY, SimFleetSettings, "gpuaas_dev.sim.fleet:main")

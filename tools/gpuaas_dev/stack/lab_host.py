@@ -8,6 +8,7 @@ takes tasks on its own subject; its slots carry no GPU, which the scheduler does
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 LAB_NODE = "lab-host-1"
 
 
-def lab_dir(stack: Stack) -> Any:
+def lab_dir(stack: Stack) -> Path:
     return stack.run_dir / "lab"
 
 

@@ -1,11 +1,8 @@
-"""`gpuaas-allocator`'s command line.
-
-Kept apart from main.py, whose imports (the bus, Postgres, the event loop) take most of a second: `--help` and
-`--version` are answered with only the settings imported, and main.py is loaded only to run."""
+"""`gpuaas-allocator`'s command line (gpuaas_common.service_args): the heavy main is imported only to run."""
 
 from __future__ import annotations
 
-from gpuaas_common.service_args import service_command_line
+from gpuaas_common.service_args import service_main
 
 from ..settings import AllocatorSettings
 
@@ -16,7 +13,4 @@ SUMMARY = (
 
 
 def main() -> None:
-    service_command_line("gpuaas-allocator", SUMMARY, AllocatorSettings)
-    from .main import main as run
-
-    run()
+    service_main("gpuaas-allocator", SUMMARY, AllocatorSettings, "gpuaas_allocator.entrypoints.main:main")

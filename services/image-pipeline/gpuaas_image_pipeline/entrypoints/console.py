@@ -1,11 +1,8 @@
-"""`gpuaas-image-pipeline`'s command line.
-
-Kept apart from main.py, whose imports (the bus, Postgres, the event loop) take most of a second: `--help` and
-`--version` are answered with only the settings imported, and main.py is loaded only to run."""
+"""`gpuaas-image-pipeline`'s command line (gpuaas_common.service_args): the heavy main is imported only to run."""
 
 from __future__ import annotations
 
-from gpuaas_common.service_args import service_command_line
+from gpuaas_common.service_args import service_main
 
 from ..settings import ImagePipelineSettings
 
@@ -15,7 +12,4 @@ SUMMARY = (
 
 
 def main() -> None:
-    service_command_line("gpuaas-image-pipeline", SUMMARY, ImagePipelineSettings)
-    from .main import main as run
-
-    run()
+    service_main("gpuaas-image-pipeline", SUMMARY, ImagePipelineSettings, "gpuaas_image_pipeline.entrypoints.main:main")

@@ -1,11 +1,8 @@
-"""`gpuaas-maas-gateway`'s command line.
-
-Kept apart from main.py, whose imports (the bus, Postgres, the event loop) take most of a second: `--help` and
-`--version` are answered with only the settings imported, and main.py is loaded only to run."""
+"""`gpuaas-maas-gateway`'s command line (gpuaas_common.service_args): the heavy main is imported only to run."""
 
 from __future__ import annotations
 
-from gpuaas_common.service_args import service_command_line
+from gpuaas_common.service_args import service_main
 
 from ..settings import GatewaySettings
 
@@ -13,7 +10,4 @@ SUMMARY = "MAAS operations (allocate, deploy, release) resolved by observation."
 
 
 def main() -> None:
-    service_command_line("gpuaas-maas-gateway", SUMMARY, GatewaySettings)
-    from .main import main as run
-
-    run()
+    service_main("gpuaas-maas-gateway", SUMMARY, GatewaySettings, "gpuaas_maas_gateway.entrypoints.main:main")

@@ -17,6 +17,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from gpuaas_common.logging import get_logger
 
 from .disk import run_tool
@@ -35,11 +38,29 @@ class GuestSshError(RuntimeError):
 @dataclass(frozen=True)
 class HostKey:
     private_openssh: str  # goes into the seed only, never into a log or an event
-    public_line: str  # "ssh-ed25519 AAAA… comment"
+    public_line: str  # "ssh-ed25519 AAAA…"
 
     @property
     def fingerprint(self) -> str:
         return fingerprint(self.public_line)
+
+    @classmethod
+    def from_private(cls, private_openssh: str) -> HostKey:
+        """The key pair from its private half alone (the public key is part of an OpenSSH private key)."""
+        try:
+            key = serialization.load_ssh_private_key(private_openssh.encode(), password=None)
+        except (ValueError, TypeError) as exc:
+            raise GuestSshError("not an unencrypted OpenSSH private key") from exc
+        public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        return cls(private_openssh, public.decode())
+
+
+def new_host_key() -> HostKey:
+    """A fresh ed25519 key pair in OpenSSH's formats, made in memory."""
+    private = Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+    return HostKey.from_private(private.decode())
 
 
 def fingerprint(public_line: str) -> str:
@@ -51,44 +72,26 @@ def fingerprint(public_line: str) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(blob).digest()).decode().rstrip("=")
 
 
-async def _run(*argv: str, timeout_s: float = 30.0) -> tuple[int, str, str]:
-    res = await run_tool(*argv, timeout_s=timeout_s)
-    return res.rc, res.stdout, res.stderr
-
-
-async def new_host_key(comment: str) -> HostKey:
-    """A fresh ed25519 host key for one guest, made in a private temporary directory that is removed."""
-    with tempfile.TemporaryDirectory(prefix="gpuaas-hostkey-") as tmp:
-        path = Path(tmp) / "key"
-        rc, _, err = await _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path))
-        if rc != 0:
-            raise GuestSshError(f"ssh-keygen failed: {err.strip()[:300]}")
-        return HostKey(path.read_text(), path.with_suffix(".pub").read_text().strip())
-
-
 async def agent_login_key(state_dir: Path) -> tuple[Path, str]:
     """The agent's own login key (made once, 0600 in its state dir) and its public line, which every seed
     authorises so that the readiness check can log in."""
     key = state_dir / "readiness_ed25519"
-    tmp = state_dir / f".readiness-{os.getpid()}"
 
-    def _prepare() -> bool:
+    def _load_or_make() -> str:
         if key.exists():
-            return False
+            return HostKey.from_private(key.read_text()).public_line
+        made = new_host_key()
         state_dir.mkdir(parents=True, exist_ok=True)
-        for p in (tmp, tmp.with_suffix(".pub")):
-            p.unlink(missing_ok=True)
-        return True
-
-    if await asyncio.to_thread(_prepare):
-        rc, _, err = await _run(
-            "ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpuaas-node-agent-readiness", "-f", str(tmp)
-        )
-        if rc != 0:
-            raise GuestSshError(f"ssh-keygen failed: {err.strip()[:300]}")
-        tmp.with_suffix(".pub").replace(key.with_suffix(".pub"))
+        tmp = state_dir / f".readiness-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        # 0600 from the first byte: ssh refuses a private key others can read, and so should we.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(made.private_openssh)
         tmp.replace(key)
-    return key, key.with_suffix(".pub").read_text().strip()
+        return made.public_line
+
+    return key, await asyncio.to_thread(_load_or_make)
 
 
 @dataclass(frozen=True)
@@ -125,9 +128,10 @@ async def login(
             "test", "-e", BOOT_FINISHED,
         ]  # fmt: skip
         try:
-            rc, _, err = await _run(*argv, timeout_s=timeout_s)
+            res = await run_tool(*argv, timeout_s=timeout_s)
         except TimeoutError:
             return LoginOutcome(False, detail="ssh timed out")
+        rc, err = res.rc, res.stderr
     if rc == 0:
         return LoginOutcome(True)
     err = err.strip()

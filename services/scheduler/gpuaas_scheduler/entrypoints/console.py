@@ -1,11 +1,8 @@
-"""`gpuaas-scheduler`'s command line.
-
-Kept apart from main.py, whose imports (the bus, Postgres, the event loop) take most of a second: `--help` and
-`--version` are answered with only the settings imported, and main.py is loaded only to run."""
+"""`gpuaas-scheduler`'s command line (gpuaas_common.service_args): the heavy main is imported only to run."""
 
 from __future__ import annotations
 
-from gpuaas_common.service_args import service_command_line
+from gpuaas_common.service_args import service_main
 
 from ..settings import SchedulerSettings
 
@@ -13,7 +10,4 @@ SUMMARY = "Inventory, placement and claims, and the scheduler's admin HTTP API."
 
 
 def main() -> None:
-    service_command_line("gpuaas-scheduler", SUMMARY, SchedulerSettings)
-    from .main import main as run
-
-    run()
+    service_main("gpuaas-scheduler", SUMMARY, SchedulerSettings, "gpuaas_scheduler.entrypoints.main:main")

@@ -149,19 +149,23 @@ class ProvisionTask(AgentCore):
         return self.seed_dir / f"{task.vm_name}.hostkey"
 
     async def _host_key(self, task: m.SliceVmProvision) -> guest_ssh.HostKey:
-        """The guest's host key, made once per VM and kept (0600, beside its seed) so that a resumed task checks
-        the key the running guest got; removed with the seed at release."""
+        """The guest's host key, made once per VM and kept (its private half, 0600, beside the seed) so that a
+        resumed task checks the key the running guest got; removed with the seed at release."""
         path = self._host_key_path(task)
-        if path.exists():
-            private, public = path.read_text().split("\n-----PUBLIC-----\n")
-            return guest_ssh.HostKey(private, public.strip())
-        key = await guest_ssh.new_host_key(f"{task.hostname}-host")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.touch(mode=0o600)
-        tmp.write_text(f"{key.private_openssh}\n-----PUBLIC-----\n{key.public_line}\n")
-        tmp.replace(path)
-        return key
+
+        def _load_or_make() -> guest_ssh.HostKey:
+            if path.exists():
+                return guest_ssh.HostKey.from_private(path.read_text())
+            key = guest_ssh.new_host_key()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.unlink(missing_ok=True)
+            tmp.touch(mode=0o600)
+            tmp.write_text(key.private_openssh)
+            tmp.replace(path)
+            return key
+
+        return await asyncio.to_thread(_load_or_make)
 
     async def _provision(self, task: m.SliceVmProvision, *, resume: bool = False) -> m.NodeTaskResult:
         t = "slice.vm_provision"
