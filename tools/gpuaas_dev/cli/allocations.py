@@ -1,7 +1,8 @@
-"""`gpuaas allocations list|show`: read allocations from the allocator, which owns them.
+"""`gpuaas allocations list|show|wait`: read allocations from the allocator, which owns them.
 
 Asked over the bus (`allocation.query`, request/reply) as the ops identity: reading needs no database
-credentials and no admin token, and the ops identity still cannot change anything.
+credentials and no admin token, and the ops identity still cannot change anything. An allocation prints as one
+JSON shape everywhere: the query's summary, with its `timeline` where one allocation is shown (show, wait).
 """
 
 from __future__ import annotations
@@ -10,29 +11,36 @@ import asyncio
 import json
 import shutil
 import sys
+import time
 import uuid
 from typing import Annotated, Any, Optional
 
 import typer
 
-from .bus import bus_identity, connect, resolve_nats_url
+from .bus import ALLOCATION_EVENTS, bus_identity, connect, describe_event, resolve_nats_url
 from .common import (
     DEFAULT_RUN_DIR,
     EXIT_FAILED,
+    EXIT_OK,
     EXIT_TIMEOUT,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
     CredsOpt,
-    JsonOpt,
     NatsUrlOpt,
     RunDirOpt,
+    bad_id,
+    err,
     fail,
+    not_found,
+    timed_out,
 )
+from .output import Column, IntervalOpt, OutputOpt, WatchOpt, age, age_of, choices, render, watch
 
 allocations_app = typer.Typer(
     no_args_is_help=True, help="Read allocations from the allocator (as the ops identity; changes nothing)."
 )
 
+LegacyJsonOpt = Annotated[bool, typer.Option("--json", help="The same as -o json.")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for the allocator's answer.")]
 STATES = ("accepted", "placed", "provisioning", "active", "releasing", "released", "unschedulable", "failed")
 SHORT_SHAPE = {"gpu_slice": "slice", "baremetal": "bm"}
@@ -60,7 +68,7 @@ def _query(identity: Any, query: Any, timeout: float) -> Any:
                     f"[red]no allocator answers on {subject}[/] (is the allocator running?)", EXIT_UNREACHABLE
                 ) from None
             except nats.errors.TimeoutError:
-                raise fail(f"[red]the allocator did not answer within {timeout:.0f}s[/]", EXIT_TIMEOUT) from None
+                raise timed_out("the allocator", timeout) from None
         finally:
             await nc.drain()
 
@@ -93,6 +101,69 @@ def table_lines(allocations: list[Any]) -> list[str]:
     return lines
 
 
+WIDE: list[Column] = [
+    "allocation_id",
+    "tenant_id",
+    ("SHAPE", lambda a: f"{a['gpu_count']} {SHORT_SHAPE.get(a['shape'], a['shape'])}"),
+    "state",
+    "node_id",
+    age_of("created_at"),
+    "image",
+    "region",
+    ("UPDATED", lambda a: age(a.get("updated_at"))),
+]
+
+
+def _format(output: Any, as_json: bool) -> str:
+    return "json" if as_json else getattr(output, "value", output)
+
+
+def _list_doc(result: Any) -> dict[str, Any]:
+    return {"allocations": [a.model_dump(mode="json") for a in result.allocations], "truncated": result.truncated}
+
+
+def _show_doc(result: Any) -> dict[str, Any]:
+    return {
+        **result.allocations[0].model_dump(mode="json"),
+        "timeline": [t.model_dump(mode="json") for t in result.timeline],
+    }
+
+
+def show_text(doc: dict[str, Any], output: str, compact: bool = False) -> str:
+    """One allocation as `allocations show` prints it, from its JSON shape."""
+    if output in ("json", "yaml"):
+        return render(doc, output, compact=compact)
+    access = {k: v for k, v in (doc.get("access") or {}).items() if v is not None}
+    fields = [
+        ("allocation", doc["allocation_id"]),
+        ("tenant", doc["tenant_id"]),
+        ("shape", f"{doc['shape']}, {doc['gpu_count']} GPU, SKU {doc['sku']}, region {doc['region']}"),
+        ("image", doc["image"]),
+        ("state", doc["state"]),
+        ("node", doc.get("node_id")),
+        ("access", ", ".join(f"{k} {v}" for k, v in access.items()) or None),
+        ("failure", f"{doc['failure_code']}: {doc.get('failure_reason')}" if doc.get("failure_code") else None),
+        ("created", f"{doc['created_at'][:19]} ({age(doc['created_at'])} ago)"),
+        ("updated", f"{doc['updated_at'][:19]} ({age(doc['updated_at'])} ago)"),
+    ]
+    lines = [f"{name:<11}{value}" for name, value in fields if value is not None]
+    lines.append("timeline")
+    width = shutil.get_terminal_size((80, 24)).columns
+    for t in doc.get("timeline", []):
+        why = f" ({t['reason_code']})" if t.get("reason_code") else ""
+        at = t["at"][:19].replace("T", " ")
+        line = f"  {t['seq']:>2} {at} {t.get('previous_state') or '-'} -> {t['state']}{why}"
+        lines.append(line if len(line) <= width or not sys.stdout.isatty() else line[: width - 1] + "…")
+    return "\n".join(lines)
+
+
+def _parse_id(allocation_id: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(allocation_id)
+    except ValueError:
+        raise bad_id("allocation", allocation_id) from None
+
+
 @allocations_app.command("list")
 def allocations_list(
     tenant: Annotated[Optional[str], typer.Option("--tenant", help="Only this tenant's allocations.")] = None,
@@ -101,13 +172,18 @@ def allocations_list(
     ] = None,
     node: Annotated[Optional[str], typer.Option("--node", help="Only allocations placed on this node.")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, max=1000, help="At most this many, newest first.")] = 100,
-    as_json: JsonOpt = False,
+    output: OutputOpt = "table",
+    watching: WatchOpt = False,
+    interval: IntervalOpt = 2.0,
+    as_json: LegacyJsonOpt = False,
     timeout: TimeoutOpt = 10.0,
     nats_url: NatsUrlOpt = None,
     creds: CredsOpt = None,
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
 ) -> None:
-    """Allocations, newest first, filtered by tenant, state and node (all given filters must match)."""
+    """Allocations, newest first, filtered by tenant, state and node (all given filters must match).
+
+    Example: gpuaas allocations list --state active -o wide --watch"""
     from pydantic import ValidationError
 
     from gpuaas_common.contract.messages import AllocationQuery
@@ -119,20 +195,23 @@ def allocations_list(
     except ValidationError as exc:
         bad = "; ".join(f"--{str(e['loc'][0]).split('_')[0]}: {e['msg']}" for e in exc.errors())
         raise fail(f"[red]invalid filter[/]: {bad}", EXIT_USAGE) from None
-    result = _ask(query, timeout, nats_url, creds, run_dir)
-    if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "allocations": [a.model_dump(mode="json") for a in result.allocations],
-                    "truncated": result.truncated,
-                },
-                indent=2,
-            )
-        )
+    fmt = _format(output, as_json)
+
+    def show(result: Any, compact: bool) -> str:
+        if fmt == "table":
+            # Fixed widths that fit 80 columns with full ids; -o wide has AGE and the rest.
+            return "\n".join(table_lines(result.allocations))
+        doc = _list_doc(result)
+        return render(doc, fmt, rows=doc["allocations"], columns=WIDE, compact=compact)
+
+    def fetch() -> Any:
+        return _ask(query, timeout, nats_url, creds, run_dir)
+
+    if watching:
+        watch(fetch, show, interval, key=lambda result: _list_doc(result))
         return
-    for line in table_lines(result.allocations):
-        typer.echo(line)
+    result = fetch()
+    typer.echo(show(result, False))
     if result.truncated:
         print(f"(more than {limit} match; narrow the filters or raise --limit)", file=sys.stderr)
     elif not result.allocations:
@@ -142,50 +221,124 @@ def allocations_list(
 @allocations_app.command("show")
 def allocations_show(
     allocation_id: Annotated[str, typer.Argument(help="The allocation's UUID.")],
-    as_json: JsonOpt = False,
+    output: OutputOpt = "table",
+    watching: WatchOpt = False,
+    interval: IntervalOpt = 2.0,
+    as_json: LegacyJsonOpt = False,
     timeout: TimeoutOpt = 10.0,
     nats_url: NatsUrlOpt = None,
     creds: CredsOpt = None,
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
 ) -> None:
-    """One allocation: its request, where it runs, how to reach it, and its timeline (exit 1 if unknown)."""
+    """One allocation: its request, where it runs, how to reach it, and its timeline (exit 1 if unknown).
+
+    Example: gpuaas allocations show "$ID" -o yaml"""
     from gpuaas_common.contract.messages import AllocationQuery
 
-    try:
-        alloc = uuid.UUID(allocation_id)
-    except ValueError:
-        raise fail(f"[red]invalid allocation id {allocation_id!r}[/]: not a UUID", EXIT_USAGE) from None
-    result = _ask(AllocationQuery(allocation_id=alloc, limit=1), timeout, nats_url, creds, run_dir)
-    if result.status == "not_found":
-        raise fail(f"[red]no allocation {alloc}[/]", EXIT_FAILED)
-    a = result.allocations[0]
-    if as_json:
-        typer.echo(
-            json.dumps(
-                {**a.model_dump(mode="json"), "timeline": [t.model_dump(mode="json") for t in result.timeline]},
-                indent=2,
-            )
-        )
+    alloc = _parse_id(allocation_id)
+    fmt = _format(output, as_json)
+
+    def fetch() -> dict[str, Any]:
+        result = _ask(AllocationQuery(allocation_id=alloc, limit=1), timeout, nats_url, creds, run_dir)
+        if result.status == "not_found":
+            raise not_found("allocation", alloc)
+        return _show_doc(result)
+
+    if watching:
+        watch(fetch, lambda doc, compact: show_text(doc, fmt, compact), interval)
         return
-    access = a.access.model_dump(exclude_none=True) if a.access else {}
-    fields = [
-        ("allocation", a.allocation_id),
-        ("tenant", a.tenant_id),
-        ("shape", f"{a.shape}, {a.gpu_count} GPU, SKU {a.sku}, region {a.region}"),
-        ("image", a.image),
-        ("state", a.state),
-        ("node", a.node_id),
-        ("access", ", ".join(f"{k} {v}" for k, v in access.items()) or None),
-        ("failure", f"{a.failure_code}: {a.failure_reason}" if a.failure_code else None),
-        ("created", a.created_at.isoformat(timespec="seconds")),
-        ("updated", a.updated_at.isoformat(timespec="seconds")),
-    ]
-    for name, value in fields:
-        if value is not None:
-            typer.echo(f"{name:<11}{value}")
-    typer.echo("timeline")
-    width = shutil.get_terminal_size((80, 24)).columns
-    for t in result.timeline:
-        why = f" ({t.reason_code})" if t.reason_code else ""
-        line = f"  {t.seq:>2} {t.at.strftime('%Y-%m-%d %H:%M:%S')} {t.previous_state or '-'} -> {t.state}{why}"
-        typer.echo(line if len(line) <= width or not sys.stdout.isatty() else line[: width - 1] + "…")
+    typer.echo(show_text(fetch(), fmt))
+
+
+Target = choices("Target", ("active", "released"))
+# What ends a wait, per target: the states that answer it, and those that mean it will never come.
+WAIT_OK = {"active": {"active"}, "released": {"released"}}
+WAIT_FAIL = {
+    "active": {"rejected", "unschedulable", "failed", "releasing", "released"},
+    "released": {"rejected", "unschedulable", "failed"},
+}
+
+
+@allocations_app.command("wait")
+def allocations_wait(
+    allocation_id: Annotated[str, typer.Argument(help="The allocation's UUID.")],
+    for_state: Annotated[
+        Target,  # type: ignore[valid-type]
+        typer.Option("--for", help="active (default; a failure or a release ends it with 1) or released."),
+    ] = "active",
+    output: OutputOpt = "table",
+    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait (exit 4 after).")] = 180.0,
+    nats_url: NatsUrlOpt = None,
+    creds: CredsOpt = None,
+    run_dir: RunDirOpt = DEFAULT_RUN_DIR,
+) -> None:
+    """Follow an allocation (again, e.g. after `allocate --wait` timed out) until it is active or released: exit 0,
+    1 if it failed or ended otherwise, 4 on --timeout. Prints it as `allocations show` does.
+
+    Example: gpuaas allocations wait "$ID" --for released --timeout 600 -o json"""
+    from gpuaas_common.contract.messages import AllocationQuery
+
+    alloc = _parse_id(allocation_id)
+    target = getattr(for_state, "value", for_state)
+    fmt = getattr(output, "value", output)
+    url = resolve_nats_url(nats_url, run_dir)
+    identity = bus_identity(url, creds, run_dir, "ops")
+    query = AllocationQuery(allocation_id=alloc, limit=1)
+
+    async def run() -> tuple[str, dict[str, Any]]:
+        import nats.errors
+
+        from gpuaas_common.allocation_queries import ask_allocator
+
+        nc = await connect(identity)
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def on_msg(msg: Any) -> None:
+            await queue.put(msg)
+
+        async def ask() -> Any:
+            try:
+                result = await ask_allocator(nc, query, producer="gpuaas-cli", correlation_id="cli-wait", timeout_s=10)
+            except nats.errors.NoRespondersError:
+                raise fail("[red]no allocator answers allocation queries[/] (is the allocator running?)",
+                           EXIT_UNREACHABLE) from None  # fmt: skip
+            except nats.errors.TimeoutError:
+                raise timed_out("the allocator", 10) from None
+            if result.status == "not_found":
+                raise not_found("allocation", alloc)
+            return result
+
+        try:
+            # Subscribed before asking: a transition between the answer and the subscription is not lost.
+            await nc.subscribe(ALLOCATION_EVENTS, cb=on_msg)
+            await nc.flush()
+            t0 = time.monotonic()
+            state = (await ask()).allocations[0].state
+            err.print(f"[dim]+0.00s[/] {state} [bold]{alloc}[/]")
+            while state not in WAIT_OK[target] | WAIT_FAIL[target]:
+                remaining = t0 + timeout - time.monotonic()
+                if remaining <= 0:
+                    return "timeout", {"state": state}
+                try:
+                    msg = await asyncio.wait_for(queue.get(), remaining)
+                    data = json.loads(msg.data)
+                    payload, kind = data["payload"], data["type"].split(".", 1)[1]
+                except asyncio.TimeoutError:
+                    continue
+                except (ValueError, KeyError, TypeError, IndexError):
+                    continue
+                if str(payload.get("allocation_id")) != str(alloc) or kind == "release_rejected":
+                    continue
+                err.print(f"[dim]+{time.monotonic() - t0:.2f}s[/] {describe_event(kind, payload)}")
+                state = kind
+            return ("ok" if state in WAIT_OK[target] else "fail"), _show_doc(await ask())
+        finally:
+            await nc.drain()
+
+    verdict, doc = asyncio.run(run())
+    if verdict == "timeout":
+        raise fail(f"[red]timed out after {timeout:g}s[/] in state {doc['state']}", EXIT_TIMEOUT)
+    typer.echo(show_text(doc, fmt))
+    if verdict != "ok":
+        err.print(f"[red]allocation {alloc} is {doc['state']}[/]: it will not become {target}")
+    raise typer.Exit(EXIT_OK if verdict == "ok" else EXIT_FAILED)

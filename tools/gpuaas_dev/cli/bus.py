@@ -5,7 +5,18 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..identity_cli import cli_identity
-from .common import EXIT_FAILED, EXIT_TIMEOUT, EXIT_UNREACHABLE, err, fail, pid_alive, read_stack_json
+from .common import (
+    EXIT_FAILED,
+    EXIT_TIMEOUT,
+    EXIT_UNREACHABLE,
+    err,
+    fail,
+    no_stack,
+    pid_alive,
+    read_stack_json,
+    refused,
+    unreachable,
+)
 
 ALLOCATION_EVENTS = "gpuaas.allocation.event.>"
 TASK_PROGRESS = "gpuaas.node.*.report.task_progress"
@@ -19,11 +30,7 @@ def resolve_nats_url(nats_url: Optional[str], run_dir: Path) -> str:
     info = read_stack_json(run_dir)
     if info and info.get("nats_url") and info.get("status") == "ready" and pid_alive(info.get("supervisor_pid")):
         return info["nats_url"]
-    raise fail(
-        f"[red]no NATS URL[/]: pass --nats-url, set GPUAAS_NATS_URL, or start the stack "
-        f"(`gpuaas dev up --detach --run-dir {run_dir}`)",
-        EXIT_UNREACHABLE,
-    )
+    raise no_stack("NATS URL", run_dir, "pass --nats-url or set $GPUAAS_NATS_URL")
 
 
 def bus_identity(url: str, creds: Optional[Path], run_dir: Path, role: str):
@@ -61,10 +68,10 @@ async def connect(identity, closed_cb=None):
     except Exception as exc:  # nats-py raises several unrelated types for "nobody there"
         first = seen[0] if seen else exc
         reason = str(first) or type(first).__name__
-        raise fail(
-            f"[red]cannot connect to NATS at {', '.join(identity.servers)} as {identity.name}[/]: {reason}",
-            EXIT_UNREACHABLE,
-        ) from None
+        where = ", ".join(identity.servers)
+        if "authorization" in reason.lower() or "authentication" in reason.lower():
+            raise refused(f"NATS at {where}", f"{identity.name}: {reason}") from None
+        raise unreachable("NATS", f"{where} as {identity.name}", reason) from None
 
 
 async def publish_event(js, type_: str, payload: dict[str, Any], correlation_id: str) -> str:

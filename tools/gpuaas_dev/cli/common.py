@@ -31,6 +31,40 @@ def fail(message: str, code: int) -> typer.Exit:
     return typer.Exit(code)
 
 
+# One wording per kind of error, whichever command meets it (tests/unit/test_cli_errors.py runs every command
+# with each kind of bad input and holds them to these lines and codes).
+
+
+def bad_id(kind: str, value: str) -> typer.Exit:
+    return fail(f"[red]invalid {kind} id {value!r}[/]: not a UUID", EXIT_USAGE)
+
+
+def not_found(kind: str, name: object) -> typer.Exit:
+    return fail(f"[red]no {kind} {name}[/]", EXIT_FAILED)
+
+
+def no_stack(what: str, run_dir: Path, how: str) -> typer.Exit:
+    """Nothing to talk to: no running stack in the selected run dir and nothing given instead."""
+    return fail(
+        f"[red]no {what}[/]: no stack runs in {run_dir}; {how}, or start one (`gpuaas dev up --detach`, "
+        "which makes it the current context)",
+        EXIT_UNREACHABLE,
+    )
+
+
+def unreachable(what: str, where: str, reason: str) -> typer.Exit:
+    return fail(f"[red]cannot connect to {what} at {where}[/]: {reason}", EXIT_UNREACHABLE)
+
+
+def refused(what: str, reason: str) -> typer.Exit:
+    """The server is there but does not accept who we are: wrong token or credentials."""
+    return fail(f"[red]refused by {what}[/]: {reason} (check the token or credentials)", EXIT_UNREACHABLE)
+
+
+def timed_out(what: str, seconds: float, hint: str = "") -> typer.Exit:
+    return fail(f"[red]{what} did not answer within {seconds:g}s[/]{hint}", EXIT_TIMEOUT)
+
+
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Where the dev stack keeps its state and logs.")]
 NatsUrlOpt = Annotated[
     Optional[str],

@@ -66,6 +66,18 @@ def _print_admin_apis(info: dict[str, Any], console: Any) -> None:
     console.print(f"secrets   {info.get('secrets_file')}")
 
 
+def _record_context(run_dir: Path) -> None:
+    from .context import record
+
+    try:
+        name = record(run_dir)
+    except OSError as exc:
+        # The stack runs either way; only finding it from elsewhere needs the context.
+        err.print(f"[yellow]could not record the context[/]: {exc}")
+        return
+    err.print(f"context   {name} (current; `gpuaas context show`)")
+
+
 def _supervise(stack, *, announce: bool) -> int:
     """Start the stack, keep it running (restarting crashed services with back-off), stop it on a signal."""
     from gpuaas_dev.stack import StackError
@@ -80,6 +92,7 @@ def _supervise(stack, *, announce: bool) -> int:
             return 1
         if announce:
             _print_summary(stack.describe())
+            _record_context(stack.run_dir)
             err.print("[green]ready[/] — Ctrl-C stops the stack")
         else:
             err.print(f"{time.strftime('%H:%M:%S')} stack ready")
@@ -240,6 +253,7 @@ def dev_up(
         info = read_stack_json(run_dir)
         if info and info.get("status") == "ready" and info.get("supervisor_pid") == child.pid:
             _print_summary(info)
+            _record_context(run_dir)
             err.print(f"[green]ready[/] — `gpuaas dev down --run-dir {run_dir}` stops it")
             return
         if time.monotonic() > deadline:

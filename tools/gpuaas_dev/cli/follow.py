@@ -107,9 +107,12 @@ async def follow(
             await sub.unsubscribe()
 
 
-def finish(result: dict[str, Any], as_json: bool) -> None:
+def finish(result: dict[str, Any], as_json: bool, print_id: bool = False) -> None:
     if as_json:
         typer.echo(json.dumps(result, indent=2, default=str))
+    elif print_id:
+        # The id alone on stdout, so `ID=$(gpuaas allocate …)` works; the story went to stderr.
+        typer.echo(result["allocation_id"])
     if result.get("timed_out"):
         raise typer.Exit(EXIT_TIMEOUT)
     raise typer.Exit(EXIT_OK if result.get("ok") else EXIT_FAILED)
@@ -126,6 +129,7 @@ def publish_and_follow(
     said: str,
     decide: Decide,
     as_json: bool,
+    print_id: bool = False,
 ) -> None:
     """Publish a portal message; with `follow_answer`, follow the allocation until `decide` ends it."""
     alloc = str(request.allocation_id)
@@ -162,4 +166,4 @@ def publish_and_follow(
         finally:
             await nc.drain()
 
-    finish(asyncio.run(run()), as_json)
+    finish(asyncio.run(run()), as_json, print_id)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from .bus import bus_identity, resolve_nats_url
-from .common import DEFAULT_RUN_DIR, EXIT_USAGE, CredsOpt, JsonOpt, NatsUrlOpt, RunDirOpt, fail
+from .common import DEFAULT_RUN_DIR, EXIT_USAGE, CredsOpt, JsonOpt, NatsUrlOpt, RunDirOpt, bad_id, fail
 from .follow import publish_and_follow
 
 DEFAULTS = {
@@ -89,9 +89,10 @@ def allocate(
     creds: CredsOpt = None,
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
 ) -> None:
-    """Publish allocation.requested; with --wait follow it to active (exit 0) or a failure (exit 1).
+    """Publish allocation.requested; with --wait follow it to active (exit 0) or a failure (exit 1). Prints the
+    allocation's id on stdout (--json: the outcome); bad arguments are refused (exit 2) before anything is published.
 
-    Bad arguments are refused (exit 2) before anything is published."""
+    Example: ID=$(gpuaas allocate --shape gpu_slice --gpus 2 --wait) && gpuaas allocations show "$ID" -o yaml"""
     from pydantic import ValidationError
 
     from gpuaas_common.contract.messages import AllocationRequested
@@ -101,8 +102,12 @@ def allocate(
     count = _check_offer(shape, gpus)
     d = DEFAULTS[shape]
     try:
+        alloc = uuid.UUID(allocation_id) if allocation_id else uuid.uuid4()
+    except ValueError:
+        raise bad_id("allocation", allocation_id or "") from None
+    try:
         request = AllocationRequested(
-            allocation_id=uuid.UUID(allocation_id) if allocation_id else uuid.uuid4(),
+            allocation_id=alloc,
             tenant_id=tenant,
             shape=shape,
             sku=d["sku"],
@@ -126,6 +131,7 @@ def allocate(
         said="requested",
         decide=lambda kind, _p: "ok" if kind == "active" else "fail" if kind in failure else None,
         as_json=as_json,
+        print_id=True,
     )
 
 
@@ -142,13 +148,19 @@ def release(
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
 ) -> None:
     """Publish allocation.release_requested and wait for the allocator's answer: releasing (exit 0) or
-    release_rejected (exit 1: unknown, already released, ended); with --wait follow it to released."""
+    release_rejected (exit 1: unknown, already released, ended); with --wait follow it to released.
+
+    Example: gpuaas release "$ID" --reason done --wait"""
     from gpuaas_common.contract.messages import AllocationReleaseRequested
 
     try:
-        request = AllocationReleaseRequested(allocation_id=uuid.UUID(allocation_id), reason=reason)
+        alloc = uuid.UUID(allocation_id)
+    except ValueError:
+        raise bad_id("allocation", allocation_id) from None
+    try:
+        request = AllocationReleaseRequested(allocation_id=alloc, reason=reason)
     except ValueError as exc:
-        raise fail(f"[red]invalid allocation id {allocation_id!r}[/]: {_one_line(exc)}", EXIT_USAGE) from None
+        raise fail(f"[red]invalid request[/]: {_one_line(exc)}", EXIT_USAGE) from None
     url = resolve_nats_url(nats_url, run_dir)
 
     def decide(kind: str, payload: dict) -> Optional[str]:
