@@ -284,6 +284,7 @@ def allocations_wait(
     url = resolve_nats_url(nats_url, run_dir)
     identity = bus_identity(url, creds, run_dir, "ops")
     query = AllocationQuery(allocation_id=alloc, limit=1)
+    ask_s = min(10.0, timeout)
 
     async def run() -> tuple[str, dict[str, Any]]:
         import nats.errors
@@ -298,12 +299,14 @@ def allocations_wait(
 
         async def ask() -> Any:
             try:
-                result = await ask_allocator(nc, query, producer="gpuaas-cli", correlation_id="cli-wait", timeout_s=10)
+                result = await ask_allocator(
+                    nc, query, producer="gpuaas-cli", correlation_id="cli-wait", timeout_s=ask_s
+                )
             except nats.errors.NoRespondersError:
                 raise fail("[red]no allocator answers allocation queries[/] (is the allocator running?)",
                            EXIT_UNREACHABLE) from None  # fmt: skip
             except nats.errors.TimeoutError:
-                raise timed_out("the allocator", 10) from None
+                raise timed_out("the allocator", ask_s) from None
             if result.status == "not_found":
                 raise not_found("allocation", alloc)
             return result

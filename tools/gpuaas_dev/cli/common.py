@@ -46,7 +46,7 @@ def not_found(kind: str, name: object) -> typer.Exit:
 def no_stack(what: str, run_dir: Path, how: str) -> typer.Exit:
     """Nothing to talk to: no running stack in the selected run dir and nothing given instead."""
     return fail(
-        f"[red]no {what}[/]: no stack runs in {run_dir}; {how}, or start one (`gpuaas dev up --detach`, "
+        f"[red]no {what}[/]: no stack runs in {run_dir.absolute()}; {how}, or start one (`gpuaas dev up --detach`, "
         "which makes it the current context)",
         EXIT_UNREACHABLE,
     )

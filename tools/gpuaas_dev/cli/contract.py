@@ -15,7 +15,9 @@ def contract_render(
         bool, typer.Option("--check", help="Exit 1 if the committed file differs; write nothing.")
     ] = False,
 ) -> None:
-    """Render contracts/asyncapi.yaml from the contract models."""
+    """Render contracts/asyncapi.yaml from the contract models.
+
+    Example: gpuaas contract render --check"""
     from gpuaas_common.contract.asyncapi import CONTRACT_PATH, render_yaml
 
     if not (CONTRACT_PATH.parents[1] / "pyproject.toml").exists():

@@ -139,7 +139,7 @@ def _stack_args(
     }
 
 
-SliceHostsOpt = Annotated[int, typer.Option("--slice-hosts", min=0)]
+SliceHostsOpt = Annotated[int, typer.Option("--slice-hosts", min=0, help="Simulated slice hosts.")]
 LabOpt = Annotated[
     bool,
     typer.Option(
@@ -150,7 +150,7 @@ LabOpt = Annotated[
 ]
 SlotsOpt = Annotated[int, typer.Option("--slots", min=1, max=8, help="Slots (GPUs) per slice host.")]
 BaremetalOpt = Annotated[int, typer.Option("--baremetal", min=0, help="Baremetal machines in MAAS.")]
-LogLevelOpt = Annotated[str, typer.Option("--log-level")]
+LogLevelOpt = Annotated[str, typer.Option("--log-level", help="The services' log level (DEBUG, INFO, …).")]
 NatsClusterOpt = Annotated[
     int,
     typer.Option(
@@ -300,7 +300,9 @@ def dev_down(
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for a clean stop.")] = 60.0,
 ) -> None:
-    """Stop the stack started by `dev up` in this run dir (SIGTERM to its supervisor)."""
+    """Stop the stack started by `dev up` in this run dir (SIGTERM to its supervisor).
+
+    Example: gpuaas --context cli-helper dev down"""
     run_dir = run_dir.resolve()
     info = read_stack_json(run_dir)
     if info is None:
@@ -348,7 +350,9 @@ def _stop_leftovers(info: dict[str, Any]) -> None:
 @dev_app.command("status")
 def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -> None:
     """The stack's processes and whether each answers /readyz: a table on stdout, or --json; exit 0 only when
-    the stack runs and every process is ready."""
+    the stack runs and every process is ready.
+
+    Example: gpuaas dev status --json"""
     run_dir = run_dir.resolve()
     info = read_stack_json(run_dir)
     if info is None:
@@ -405,7 +409,9 @@ def dev_fleet(
     baremetal: BaremetalOpt = 2,
     ssh_port: Annotated[int, typer.Option("--ssh-port", help="Port the simulated guests answer SSH on.")] = 2222,
 ) -> None:
-    """Write a simulated fleet, its MAAS machine list and the seed images (used by docker-compose)."""
+    """Write a simulated fleet, its MAAS machine list and the seed images (used by docker-compose).
+
+    Example: gpuaas dev fleet --out-dir fleet --slice-hosts 2 --baremetal 1"""
     from gpuaas_dev.stack import prepare_fleet_dir
 
     files = prepare_fleet_dir(
@@ -417,7 +423,9 @@ def dev_fleet(
 
 @dev_app.command("maas-key")
 def dev_maas_key() -> None:
-    """Print a fresh MAAS-shaped API key (for GPUAAS_MAAS_API_KEY in docker-compose)."""
+    """Print a fresh MAAS-shaped API key (for GPUAAS_MAAS_API_KEY in docker-compose).
+
+    Example: export GPUAAS_MAAS_API_KEY=$(gpuaas dev maas-key)"""
     from gpuaas_dev.maas_sim import generate_api_key
 
     typer.echo(str(generate_api_key()))

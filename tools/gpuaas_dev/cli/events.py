@@ -49,7 +49,9 @@ def events_tail(
     creds: CredsOpt = None,
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
 ) -> None:
-    """Follow messages as they are published (new ones only) until Ctrl-C: one line per event on stdout."""
+    """Follow messages as they are published (new ones only) until Ctrl-C: one line per event on stdout.
+
+    Example: gpuaas events tail --subject 'gpuaas.dlq.>' --json"""
     url = resolve_nats_url(nats_url, run_dir)
     identity = bus_identity(url, creds, run_dir, "ops")
 

@@ -23,26 +23,38 @@ def maas_sim(
         ),
     ],
     port: Annotated[int, typer.Option("--port", help="0 picks a free port.")] = 5240,
-    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     machines: Annotated[Optional[int], typer.Option("--machines", help="Machine count (hostnames bm-01…).")] = None,
     machines_file: Annotated[
         Optional[Path],
         typer.Option("--machines-file", exists=True, dir_okay=False, help="JSON list of {system_id, hostname, tags}."),
     ] = None,
-    deploy_seconds: Annotated[Optional[float], typer.Option("--deploy-seconds")] = None,
-    release_seconds: Annotated[Optional[float], typer.Option("--release-seconds")] = None,
-    erase_seconds: Annotated[Optional[float], typer.Option("--erase-seconds")] = None,
-    commission_seconds: Annotated[Optional[float], typer.Option("--commission-seconds")] = None,
-    testing_seconds: Annotated[Optional[float], typer.Option("--testing-seconds")] = None,
+    deploy_seconds: Annotated[Optional[float], typer.Option("--deploy-seconds", help="Seconds a deploy takes.")] = None,
+    release_seconds: Annotated[
+        Optional[float], typer.Option("--release-seconds", help="Seconds a release takes.")
+    ] = None,
+    erase_seconds: Annotated[
+        Optional[float], typer.Option("--erase-seconds", help="Seconds a disk erase takes.")
+    ] = None,
+    commission_seconds: Annotated[
+        Optional[float], typer.Option("--commission-seconds", help="Seconds commissioning takes.")
+    ] = None,
+    testing_seconds: Annotated[
+        Optional[float], typer.Option("--testing-seconds", help="Seconds hardware testing takes.")
+    ] = None,
     custom_image: Annotated[
         Optional[list[str]], typer.Option("--custom-image", help="Uploaded custom image name (repeatable).")
     ] = None,
-    seed: Annotated[int, typer.Option("--seed")] = 0,
+    seed: Annotated[
+        int, typer.Option("--seed", help="Seed of the random draws of injected faults, so a flaky run can be replayed.")
+    ] = 0,
     ready_file: Annotated[
         Optional[Path], typer.Option("--ready-file", help="Written as JSON {service, pid, port} once serving.")
     ] = None,
 ) -> None:
-    """Serve the MAAS 2.0 API simulator until SIGTERM/Ctrl-C."""
+    """Serve the MAAS 2.0 API simulator until SIGTERM/Ctrl-C.
+
+    Example: gpuaas maas-sim --api-key "$(gpuaas dev maas-key)" --port 0 --machines 2 --ready-file sim.json"""
     from gpuaas_dev.maas_sim import SimConfig
     from gpuaas_dev.maas_sim import server as sim_server
 

@@ -1,0 +1,282 @@
+"""Every `gpuaas` command that talks to something, run with each class of bad input that applies to it (an id that
+is not a UUID, an unknown id, no stack, a refused token, no answer in time): each class ends with its one exit
+code and its one wording, on one line of stderr, with nothing on stdout.
+
+The admin commands talk to stand-ins of the scheduler admin API that answer in its error shape (404, 401) or
+never answer; the bus commands to the session's nats-server, with a stand-in allocator that says "not found" or
+stays silent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+from typer.testing import CliRunner
+
+from gpuaas_common.contract import Envelope, spec_for
+from gpuaas_common.contract import messages as m
+from gpuaas_dev.cli import app
+
+BAD = "not-a-uuid"
+ALLOC = str(uuid.uuid4())
+
+# argv of every admin command, with NAME where it names a node or slot (kind in the second item).
+ADMIN = [
+    (["nodes", "list"], None),
+    (["nodes", "show", "NAME"], "node"),
+    (["nodes", "drain", "NAME", "--reason", "r"], "node"),
+    (["nodes", "undrain", "NAME", "--reason", "r"], "node"),
+    (["nodes", "mode", "NAME"], "node"),
+    (["nodes", "mode", "NAME", "drained", "--reason", "r"], "node"),
+    (["slots", "list"], None),
+    (["slots", "show", "NAME"], "slot"),
+    (["slots", "approve", "NAME"], "node"),
+    (["slots", "repair", "NAME", "--reason", "r"], "slot"),
+    (["slots", "disable", "NAME", "--reason", "r"], "slot"),
+    (["quota", "get", "t1"], None),
+    (["quota", "set", "t1", "4", "--reason", "r"], None),
+    (["wipe-policy", "get"], None),
+    (["wipe-policy", "set", "nvme_format", "--reason", "r"], None),
+    (["allocations", "force-release", ALLOC, "--reason", "r"], None),
+]
+BUS = [
+    ["allocate", "--shape", "gpu_slice"],
+    ["release", ALLOC],
+    ["allocations", "list"],
+    ["allocations", "show", ALLOC],
+    ["allocations", "wait", ALLOC],
+    ["events", "tail"],
+]
+ID_TAKERS = [
+    ["release", BAD],
+    ["allocations", "show", BAD],
+    ["allocations", "wait", BAD],
+    ["allocations", "force-release", BAD, "--reason", "r"],
+    ["allocate", "--shape", "gpu_slice", "--allocation-id", BAD],
+]
+
+
+def _argv(argv: list[str], name: str = "nope") -> list[str]:
+    return [name if a == "NAME" else a for a in argv]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No stack anywhere: no context, no run dir, no URL or token in the environment."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.chdir(tmp_path)
+    for var in (
+        "GPUAAS_CONTEXT",
+        "GPUAAS_RUN_DIR",
+        "GPUAAS_NATS_URL",
+        "GPUAAS_NATS_CREDS",
+        "GPUAAS_NATS_CA_FILE",
+        "GPUAAS_SCHEDULER_ADMIN_URL",
+        "GPUAAS_SCHEDULER_ADMIN_TOKEN",
+    ):
+        monkeypatch.delenv(var, raising=False)
+
+
+def gpuaas(*argv: str) -> Any:
+    return CliRunner().invoke(app, list(argv))
+
+
+def one_line(res: Any) -> str:
+    assert res.stdout == "", res.stdout
+    assert "Traceback" not in res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
+# --- a stand-in admin API ----------------------------------------------------------------------------------------
+
+
+class _Api(BaseHTTPRequestHandler):
+    status = 404
+    seen: list[dict[str, Any]] = []
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        self.seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body})
+        if self.status == 200:
+            payload: dict[str, Any] = {"tenant_id": "t1", "quota": {"tenant_id": "t1", "max_gpus": 4}, "gpus_in_use": 0}
+        else:
+            code = {404: "not_found", 401: "unauthorized"}[self.status]
+            payload = {"error": {"code": code, "message": "m", "details": {}, "request_id": "r"}}
+        data = json.dumps(payload).encode()
+        self.send_response(self.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = do_PUT = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _serve(status: int) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    handler = type(f"Api{status}", (_Api,), {"status": status, "seen": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler.seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def api_404() -> Iterator[tuple[str, list]]:
+    yield from _serve(404)
+
+
+@pytest.fixture(scope="module")
+def api_401() -> Iterator[tuple[str, list]]:
+    yield from _serve(401)
+
+
+@pytest.fixture(scope="module")
+def api_200() -> Iterator[tuple[str, list]]:
+    yield from _serve(200)
+
+
+@pytest.fixture(scope="module")
+def api_silent() -> Iterator[str]:
+    """Takes connections into its backlog and never reads them: a request gets no answer."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+# --- the classes -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", ID_TAKERS, ids=lambda a: " ".join(a[:2]))
+def test_an_id_that_is_not_a_uuid_is_a_usage_error_worded_once(argv: list[str]) -> None:
+    res = gpuaas(*argv)
+    assert res.exit_code == 2
+    assert one_line(res) == f"invalid allocation id {BAD!r}: not a UUID"
+
+
+@pytest.mark.parametrize("argv", BUS, ids=" ".join)
+def test_a_bus_command_without_a_stack_says_so(argv: list[str], tmp_path: Path) -> None:
+    res = gpuaas(*argv)
+    assert res.exit_code == 3
+    line = one_line(res)
+    assert line.startswith(f"no NATS URL: no stack runs in {tmp_path / '.run' / 'dev'}; "), line
+    assert "gpuaas dev up --detach" in line
+
+
+@pytest.mark.parametrize("argv", [a for a, _ in ADMIN], ids=" ".join)
+def test_an_admin_command_without_a_stack_says_so(argv: list[str], tmp_path: Path) -> None:
+    res = gpuaas(*_argv(argv))
+    assert res.exit_code == 3
+    line = one_line(res)
+    assert line.startswith(f"no scheduler admin API: no stack runs in {tmp_path / '.run' / 'dev'}; "), line
+
+
+@pytest.mark.parametrize("argv, kind", [(a, k) for a, k in ADMIN if k], ids=lambda a: " ".join(a) if a else "")
+def test_an_unknown_node_or_slot_is_a_failure_worded_once(argv: list[str], kind: str, api_404) -> None:
+    url, _ = api_404
+    res = gpuaas(*_argv(argv, "ghost-1"), "--admin-url", url, "--token", "t")
+    assert res.exit_code == 1
+    assert one_line(res) == f"no {kind} ghost-1"
+
+
+@pytest.mark.parametrize("argv", [a for a, _ in ADMIN], ids=" ".join)
+def test_a_refused_token_is_worded_once_and_exits_3(argv: list[str], api_401) -> None:
+    url, _ = api_401
+    res = gpuaas(*_argv(argv), "--admin-url", url, "--token", "wrong")
+    assert res.exit_code == 3
+    assert one_line(res) == "refused by the scheduler admin API: HTTP 401 unauthorized (check the token or credentials)"
+
+
+@pytest.mark.parametrize("argv", [a for a, _ in ADMIN], ids=" ".join)
+def test_an_admin_api_that_does_not_answer_times_out_with_4(argv: list[str], api_silent: str) -> None:
+    res = gpuaas(*_argv(argv), "--admin-url", api_silent, "--token", "t", "--timeout", "0.3")
+    assert res.exit_code == 4
+    line = one_line(res)
+    assert line.startswith("the scheduler admin API did not answer within 0.3s"), line
+    read = argv[1] in ("list", "show", "get") or argv[:3] == ["nodes", "mode", "NAME"] and len(argv) == 3
+    # A change that may or may not have been made says how to retry it safely.
+    assert ("retry with --idempotency-key" in line) is not read
+
+
+def test_a_change_carries_the_token_a_fresh_idempotency_key_and_the_actor(api_200) -> None:
+    url, seen = api_200
+    seen.clear()
+    for _ in range(2):
+        res = gpuaas("quota", "set", "t1", "4", "--reason", "more", "--admin-url", url, "--token", "tok", "-o", "json")
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["quota"]["max_gpus"] == 4
+    again = gpuaas("quota", "set", "t1", "4", "--reason", "more", "--admin-url", url, "--token", "tok",
+                   "--idempotency-key", "k-1", "--actor", "ops.alice")  # fmt: skip
+    assert again.exit_code == 0, again.output
+    assert [s["path"] for s in seen] == ["/v1/tenants/t1/quota"] * 3
+    assert {s["headers"]["Authorization"] for s in seen} == {"Bearer tok"}
+    keys = [s["headers"]["Idempotency-Key"] for s in seen]
+    assert len(set(keys[:2])) == 2 and keys[2] == "k-1"
+    assert seen[2]["body"] == {"actor": "ops.alice", "reason": "more", "max_gpus": 4}
+    assert seen[0]["body"]["actor"], "the login name when --actor is not given"
+
+
+# --- the bus classes ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def allocator_stub(nats_server) -> AsyncIterator[dict[str, str]]:
+    """Answers allocation.query with not_found, or not at all while `mode["answer"]` is "silent"."""
+    mode = {"answer": "not_found"}
+    nc = await nats.connect(nats_server.url)
+
+    async def on_query(msg: Any) -> None:
+        if mode["answer"] == "silent":
+            return
+        query = Envelope.model_validate(json.loads(msg.data))
+        result = m.AllocationQueryResult(status="not_found")
+        answer = Envelope.wrap(
+            "allocation.query_result",
+            result.model_dump(mode="json"),
+            producer="allocator",
+            correlation_id=query.correlation_id,
+        )
+        await msg.respond(answer.model_dump_json().encode())
+
+    await nc.subscribe(spec_for("allocation.query").subject(), cb=on_query)
+    await nc.flush()
+    mode["url"] = nats_server.url
+    yield mode
+    await nc.drain()
+
+
+async def test_an_unknown_allocation_is_a_failure_worded_once(allocator_stub) -> None:
+    for argv in (["allocations", "show", ALLOC], ["allocations", "wait", ALLOC]):
+        res = await asyncio.to_thread(gpuaas, *argv, "--nats-url", allocator_stub["url"])
+        assert res.exit_code == 1, res.output
+        assert one_line(res) == f"no allocation {ALLOC}"
+
+
+async def test_an_allocator_that_does_not_answer_times_out_with_4(allocator_stub) -> None:
+    allocator_stub["answer"] = "silent"
+    for argv in (["allocations", "list"], ["allocations", "show", ALLOC], ["allocations", "wait", ALLOC]):
+        res = await asyncio.to_thread(gpuaas, *argv, "--nats-url", allocator_stub["url"], "--timeout", "0.3")
+        assert res.exit_code == 4, res.output
+        assert one_line(res) == "the allocator did not answer within 0.3s"
