@@ -1,0 +1,220 @@
+"""What the bus does with one message once its turn has come: parse it, run its handler (in a unit of work
+for a transactional consumer), then ack it, nak it for a retry, or dead-letter it with the reason.
+
+Part of the bus (`gpuaas_common.bus` re-exports the public names; `Bus.dispatch` runs `dispatch`).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import asyncpg
+from nats.aio.msg import Msg
+from prometheus_client import Counter
+from pydantic import BaseModel
+
+from .bus_parsing import PermanentError, parse_message
+from .contract import Envelope, derived_event_id
+from .contract.messages import DeadLetter
+from .jetstream import ConsumerSpec
+from .logging import bound_context, get_logger
+from .outbox import EventCollector
+from .unit_of_work import UnitOfWork
+
+# The bus's logger name, so its lines read as they did before the bus was split into modules.
+log = get_logger("gpuaas_common.bus")
+
+HANDLED = Counter("gpuaas_messages_total", "Messages handled", ["consumer", "outcome"])
+
+
+@dataclass
+class HandlerContext:
+    """One message as a handler sees it; `uow` is the unit of work it runs in (transactional consumers)."""
+
+    envelope: Envelope
+    payload: Any
+    subject: str
+    consumer: str
+    num_delivered: int
+    uow: Any = None  # UnitOfWork | FakeUnitOfWork
+
+    @property
+    def conn(self) -> asyncpg.Connection:
+        if self.uow is None:
+            raise RuntimeError(f"{self.consumer} is not transactional: it has no database connection")
+        return self.uow.conn
+
+    @property
+    def outbox(self) -> EventCollector:
+        if self.uow is None:
+            raise RuntimeError(f"{self.consumer} is not transactional: it has no outbox")
+        return self.uow.events
+
+
+async def deliver(handler: "Handler", ctx: HandlerContext, uow: Any, first_lock: str | None = None) -> bool:
+    """Run one message's handler in its unit of work: inbox row, effects and events commit together.
+    False when the consumer had already processed it (a redelivery or a republish): nothing happens.
+    `first_lock`: the aggregate's advisory lock, taken with the BEGIN (`UnitOfWork.lock_first`)."""
+    if first_lock is not None:
+        uow.lock_first(first_lock)
+    uow.expect_inbox(ctx.consumer, ctx.envelope.event_id)
+    async with uow:
+        if await uow.seen(ctx.consumer, ctx.envelope.event_id):
+            return False
+        ctx.uow = uow
+        await handler(ctx)
+        await uow.commit()
+    return True
+
+
+Handler = Callable[[HandlerContext], Awaitable[None]]
+FirstLock = Callable[[Any], str | None]
+
+
+def retry_delay(delays: tuple[float, ...], num_delivered: int) -> float:
+    return delays[min(max(num_delivered - 1, 0), len(delays) - 1)]
+
+
+class DispatchingBus(Protocol):
+    """The bus as dispatch uses it. Read at each message, not copied: a service sets its repositories on the
+    bus after building it."""
+
+    retry_delays_s: tuple[float, ...]
+
+    def unit_of_work(self, envelope: Envelope | None = None) -> UnitOfWork[Any]: ...
+
+    async def publish(
+        self,
+        type_: str,
+        payload: BaseModel,
+        *,
+        correlation_id: str,
+        causation_id: str | None = None,
+        event_id: str | None = None,
+        timeout: float = ...,
+        **subject_params: str,
+    ) -> Envelope: ...
+
+
+async def dispatch(
+    bus: DispatchingBus,
+    spec: ConsumerSpec,
+    handlers: Mapping[str, Handler],
+    msg: Msg,
+    transactional: bool,
+    first_lock: FirstLock | None,
+    decoded: Any,
+) -> None:
+    """One message, whose body `decode_body` decoded at receipt."""
+    num_delivered = msg.metadata.num_delivered or 1
+    try:
+        envelope, payload = parse_message(msg.subject, msg.data, decoded)
+    except PermanentError as exc:
+        await dead_letter(bus, spec, msg, exc.reason_code, exc.reason, num_delivered)
+        await msg.ack()
+        HANDLED.labels(spec.durable, exc.reason_code).inc()
+        return
+    handler = handlers.get(envelope.type)
+    if handler is None:
+        await msg.ack()
+        HANDLED.labels(spec.durable, "ignored").inc()
+        return
+    ctx = HandlerContext(envelope, payload, msg.subject, spec.durable, num_delivered)
+    with bound_context(consumer=spec.durable, **_log_ids(envelope, payload)):
+        try:
+            await _handle(bus, handler, ctx, transactional, first_lock)
+        except PermanentError as exc:
+            await _reject(bus, spec, msg, exc, num_delivered)
+            return
+        except Exception as exc:
+            await _retry_or_give_up(bus, spec, msg, exc, num_delivered)
+            return
+        await msg.ack()
+
+
+def _log_ids(envelope: Envelope, payload: Any) -> dict[str, Any]:
+    """What every log line about this message carries: its ids and the aggregates it names."""
+    ids = {"event_id": envelope.event_id, "event_type": envelope.type, "correlation_id": envelope.correlation_id}
+    for key in ("allocation_id", "task_id", "operation_id", "node_id"):
+        value = getattr(payload, key, None)
+        if value is not None:
+            ids[key] = str(value)
+    return ids
+
+
+async def _handle(
+    bus: DispatchingBus, handler: Handler, ctx: HandlerContext, transactional: bool, first_lock: FirstLock | None
+) -> None:
+    if not transactional:
+        await handler(ctx)
+        HANDLED.labels(ctx.consumer, "ok").inc()
+        return
+    lock = first_lock(ctx.payload) if first_lock is not None else None
+    if await deliver(handler, ctx, bus.unit_of_work(ctx.envelope), lock):
+        HANDLED.labels(ctx.consumer, "ok").inc()
+    else:
+        log.info("duplicate_ignored")
+        HANDLED.labels(ctx.consumer, "duplicate").inc()
+
+
+async def _reject(bus: DispatchingBus, spec: ConsumerSpec, msg: Msg, exc: PermanentError, num_delivered: int) -> None:
+    """The handler said the message can never succeed."""
+    log.warning("message_rejected", reason_code=exc.reason_code, reason=exc.reason)
+    await dead_letter(bus, spec, msg, exc.reason_code, exc.reason, num_delivered)
+    await msg.ack()
+    HANDLED.labels(spec.durable, "dead_lettered").inc()
+
+
+async def _retry_or_give_up(
+    bus: DispatchingBus, spec: ConsumerSpec, msg: Msg, exc: Exception, num_delivered: int
+) -> None:
+    """A transient failure: nak with a growing delay, or dead-letter once `max_deliver` is spent. Called while
+    `exc` is being handled, so the log line's `exc_info` finds its traceback."""
+    if num_delivered >= spec.max_deliver:
+        log.error("message_gave_up", error=repr(exc), num_delivered=num_delivered, exc_info=True)
+        await dead_letter(bus, spec, msg, "max_deliver", repr(exc), num_delivered)
+        await msg.term()
+        HANDLED.labels(spec.durable, "dead_lettered").inc()
+    else:
+        delay = retry_delay(bus.retry_delays_s, num_delivered)
+        log.warning("message_retry", error=repr(exc), num_delivered=num_delivered, delay_s=delay)
+        await msg.nak(delay=delay)
+        HANDLED.labels(spec.durable, "retried").inc()
+
+
+async def dead_letter(
+    bus: DispatchingBus, spec: ConsumerSpec, raw: Any, reason_code: str, reason: str, num: int
+) -> None:
+    """Publish `raw` to the DLQ with the reason. Its event id comes from the message's place in the stream:
+    dead-lettering the same message again within JetStream's duplicate window publishes nothing new."""
+    md = raw.metadata
+    stream_seq = md.sequence.stream if md and md.sequence else None
+    try:
+        body_text: str | None = raw.data.decode("utf-8")
+        body_b64 = None
+    except UnicodeDecodeError:
+        body_text, body_b64 = None, base64.b64encode(raw.data).decode()
+    letter = DeadLetter(
+        consumer=spec.durable,
+        stream=spec.stream,
+        subject=raw.subject,
+        stream_seq=stream_seq,
+        num_delivered=num,
+        reason_code=reason_code,  # type: ignore[arg-type]
+        reason=reason[:8000],
+        headers={k: str(v) for k, v in (raw.headers or {}).items()},
+        body_text=body_text[:100_000] if body_text is not None else None,
+        body_base64=body_b64,
+    )
+    cause = f"{spec.stream}:{stream_seq}" if stream_seq is not None else raw.subject
+    await bus.publish(
+        "dead_letter",
+        letter,
+        correlation_id=cause,
+        event_id=derived_event_id(cause, f"dlq:{spec.durable}"),
+        consumer=spec.durable,
+    )
+    log.warning("dead_lettered", reason_code=reason_code, reason=reason[:500], stream_seq=stream_seq)
