@@ -16,6 +16,17 @@ from gpuaas_common.identity.tls import TlsFiles, make_ca_and_server_cert
 from gpuaas_common.jetstream import provision
 from gpuaas_dev.testing.servers import NatsServer, PostgresServer
 
+# The allocator and the MAAS gateway have no default enrolment secret (their settings refuse to start without
+# one): every test process gets one, as `gpuaas dev up` and compose give one to every service.
+TEST_ENROLMENT_SECRET = "test-enrolment-secret-of-the-suite"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def enrolment_secret() -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPUAAS_ENROLMENT_SECRET", TEST_ENROLMENT_SECRET)
+        yield TEST_ENROLMENT_SECRET
+
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:

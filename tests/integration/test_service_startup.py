@@ -36,7 +36,9 @@ SECRET_PASSWORD = "pw-that-must-never-be-logged"
 
 def _env(**settings: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_")}
-    return {**env, "PYTHONUNBUFFERED": "1", "GPUAAS_HEALTH_PORT": "0", **settings}
+    # The allocator and the gateway need an enrolment secret (they have no default); the others ignore it.
+    secret = {"GPUAAS_ENROLMENT_SECRET": "startup-test-enrolment-secret"}
+    return {**env, "PYTHONUNBUFFERED": "1", "GPUAAS_HEALTH_PORT": "0", **secret, **settings}
 
 
 def _json_lines(text: str) -> list[dict]:

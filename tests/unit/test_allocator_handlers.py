@@ -788,6 +788,6 @@ async def test_a_host_that_knows_an_allocation_id_can_neither_answer_its_task_no
     assert world.state(alloc) == "active"
     # The agent names its answer's Nats-Msg-Id after the task id: another secret, another id, so the id the
     # answer will carry cannot be taken first by a host that was not sent the task.
-    other = provision_task_id(AllocatorSettings(enrolment_secret="another-secret"), alloc)
+    other = provision_task_id(AllocatorSettings(enrolment_secret="another-enrolment-secret"), alloc)
     assert other != task["task_id"]
     assert derived_event_id(task["task_id"], "result") != derived_event_id(guessed, "result")

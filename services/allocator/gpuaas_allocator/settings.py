@@ -1,6 +1,9 @@
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 
 from gpuaas_common.settings import ServiceSettings
+
+# An HMAC key anyone could guess would let any host enrol as any allocation's machine.
+MIN_ENROLMENT_SECRET = 16
 
 
 class AllocatorSettings(ServiceSettings):
@@ -28,5 +31,13 @@ class AllocatorSettings(ServiceSettings):
     maas_site: str = "default"
     # The gateway's site profile (GPUAAS_SITE_PROFILES) baremetal hosts are deployed with.
     baremetal_profile: str = "h200-baremetal"
-    # Shared with the MAAS gateway, which puts HMAC(secret, allocation:system) into user_data.
-    enrolment_secret: SecretStr = SecretStr("dev-enrolment-secret")
+    # Shared with the MAAS gateway, which puts HMAC(secret, allocation:system) into user_data. No default: 16
+    # characters or more, the gateway's value (`gpuaas dev up` and `scripts/compose-env.sh` make a random one).
+    enrolment_secret: SecretStr
+
+    @field_validator("enrolment_secret")
+    @classmethod
+    def _enrolment_secret_long_enough(cls, v: SecretStr) -> SecretStr:
+        if len(v.get_secret_value()) < MIN_ENROLMENT_SECRET:
+            raise ValueError(f"must be at least {MIN_ENROLMENT_SECRET} characters, the same as the MAAS gateway's")
+        return v

