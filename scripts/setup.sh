@@ -18,7 +18,7 @@ APT_PACKAGES=(
   # libvirt daemon of the lab's own inside a network namespace, DHCP from dnsmasq, UEFI firmware, the Debian
   # base image built from packages with a GRUB EFI loader, unix-socket forwarders, SSH to the guests.
   qemu-system-x86 libvirt-daemon-system libvirt-clients dnsmasq-base ovmf
-  iproute2 socat openssh-client mmdebstrap grub-efi-amd64-bin dosfstools mtools
+  iproute2 iptables socat openssh-client mmdebstrap grub-efi-amd64-bin dosfstools mtools
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -45,6 +45,9 @@ class FleetNode(BaseModel):
     maas_system_id: str | None = None
     host_root: str | None = None
     slots: list[FleetSlot] = Field(default_factory=list)
+    # False for a real host in the fleet (the dev stack's lab host): its own agent runs, the simulated fleet
+    # starts none for it, and its slots come from its discovery alone.
+    simulated: bool = True
 
 
 class Fleet(BaseModel):

@@ -68,6 +68,11 @@ def _list_fields() -> list[tuple[type[BaseModel], str, typing.Any]]:
 
 
 SAMPLES = {float: ["0.2", "0.5", "1"], str: ["focal", "noble"], int: ["1", "2"]}
+# List fields whose items have a shape of their own.
+FIELD_SAMPLES = {
+    "emulated_slot_disks": ["/dev/disk/by-id/nvme-lab-slot0", "/dev/disk/by-id/nvme-lab-slot1"],
+    "host_path_map": ["/var/lib/gpuaas/images=/srv/lab/images", "/var/lib/gpuaas/seeds=/srv/lab/seeds"],
+}
 REQUIRED = {"GPUAAS_FLEET_FILE": "fleet.json"}
 
 
@@ -79,7 +84,7 @@ def test_list_settings_take_comma_separated_values_or_json_from_the_environment(
     for key, value in REQUIRED.items():
         monkeypatch.setenv(key, value)
     for cls, name, item in fields:
-        raw = SAMPLES[item]
+        raw = FIELD_SAMPLES.get(name, SAMPLES[item])
         text = {
             "comma": ",".join(raw),
             "comma-spaced": " , ".join(raw),

@@ -21,6 +21,15 @@ GOOD = {
     "fabric_claim_mode": "per_slot_vf",
     "fabric_vf_pci_address": "0000:19:00.2",
     "nvme_evidence": {"is_os_disk": False, "mounted": False, "mounted_children": [], "signatures": []},
+    "emulated": False,
+}
+# A lab host's slot: the disk, MAC and IP of the bundle, no GPU and no fabric VF.
+GOOD_EMULATED = {
+    **GOOD,
+    "emulated": True,
+    "gpu_pci_address": None,
+    "fabric_claim_mode": "none",
+    "fabric_vf_pci_address": None,
 }
 # One slot per rule that breaks exactly that rule (and a few more ways to break the disk rules).
 VIOLATIONS = {
@@ -30,6 +39,8 @@ VIOLATIONS = {
     "private_ip": [{"private_ip": ""}],
     "fabric_claim_mode": [{"fabric_claim_mode": "shared"}, {"fabric_claim_mode": None}],
     "fabric_vf_pci_address": [{"fabric_vf_pci_address": ""}],
+    # An emulated slot that names a GPU or VF would pass the GPU rules without being one.
+    "emulated_passes_nothing": [{"emulated": True}, {"emulated": True, "gpu_pci_address": None}],
     "nvme_evidence": [{"nvme_evidence": None}],
     "not_os_disk": [
         {"nvme_evidence": {**GOOD["nvme_evidence"], "is_os_disk": True}},
@@ -44,7 +55,9 @@ VIOLATIONS = {
     "available": [{"status": "disabled"}, {"status": "cleanup_blocked"}],
     "healthy": [{"health_state": "degraded"}, {"health_state": "failed"}],
 }
-CASES = [("good", GOOD)] + [(rule, {**GOOD, **change}) for rule, changes in VIOLATIONS.items() for change in changes]
+CASES = [("good", GOOD), ("good", GOOD_EMULATED)] + [
+    (rule, {**GOOD, **change}) for rule, changes in VIOLATIONS.items() for change in changes
+]
 
 
 def test_every_rule_has_a_violating_case():
@@ -60,7 +73,8 @@ async def conn(fresh_db):
 
 async def _sql_verdict(conn, slot: dict, predicate: str) -> bool:
     cols = list(GOOD)
-    values = ", ".join(f"${i}::{'jsonb' if c == 'nvme_evidence' else 'text'}" for i, c in enumerate(cols, 1))
+    types = {"nvme_evidence": "jsonb", "emulated": "boolean"}
+    values = ", ".join(f"${i}::{types.get(c, 'text')}" for i, c in enumerate(cols, 1))
     args = [json.dumps(slot[c]) if c == "nvme_evidence" and slot[c] is not None else slot[c] for c in cols]
     return await conn.fetchval(f"SELECT {predicate} FROM (VALUES ({values})) AS s({', '.join(cols)})", *args)
 

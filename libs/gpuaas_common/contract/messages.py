@@ -281,7 +281,11 @@ class AllocationFailed(AllocationEvent):
     reason_code: str = Identifier
     reason: str = Field(max_length=2048)
     node_id: str | None = None
+    # True unless the attempt provably never wrote a slot's disk: the slots then return to service only on wipe
+    # proofs the scheduler accepts under the site's policy (these, or a repair's), else wait in cleanup_blocked.
     cleanup_required: bool
+    # Wipes the host made before giving up (a provision a restart interrupted), passed on unjudged.
+    wipe_proofs: list[WipeProof] = Field(default_factory=list)
 
 
 # --- scheduler -> allocator ----------------------------------------------------------------------
@@ -363,7 +367,11 @@ class NodeTaskResult(Payload):
     reason: str | None = None
     readiness: Readiness | None = None
     wipe_proofs: list[WipeProof] = Field(default_factory=list)
+    # The agent's own account: a wipe it owes could not be done or verified, so ops must act.
     cleanup_required: bool = False
+    # False only when the agent's durable record of the task shows no step that writes a slot's disk was ever
+    # entered, by this run or one before a restart; absent counts as touched.
+    disk_touched: bool = True
 
 
 class NodeEnrolled(Payload):
@@ -407,7 +415,11 @@ class FabricDevice(PciFunction):
 
 
 class NvmeDevice(Payload):
-    kernel_name: str = Field(pattern=r"^nvme\d+n\d+$", description="Advisory: not stable across reboots")
+    kernel_name: str = Field(
+        pattern=r"^(nvme\d+n\d+|loop\d+)$",
+        description="Advisory: not stable across reboots. A loop device stands for a namespace on an emulated-slot "
+        "host (the lab)",
+    )
     by_id: str | None = Field(default=None, description="Stable /dev/disk/by-id/nvme-eui.* or nvme-uuid.* path")
     size_bytes: int = Field(ge=0)
     numa_node: int | None = None
@@ -422,11 +434,17 @@ class NvmeDevice(Payload):
 
 class CandidateSlot(Payload):
     index: int = Field(ge=0)
-    gpu_pci_address: str = PciAddress
+    # None only on an emulated slot: a lab slot stands for a GPU it does not pretend to have.
+    gpu_pci_address: str | None = Field(default=None, pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+    emulated: bool = Field(
+        default=False,
+        description="A slot with a disk, MAC and IP but no GPU or fabric VF (a lab host under QEMU/TCG); the "
+        "scheduler approves it only where its settings allow emulated slots",
+    )
     numa_node: int | None = None
     pcie_switch: str | None = None
     nvme_by_id: str | None = None
-    fabric_claim_mode: Literal["per_slot_vf"] = "per_slot_vf"
+    fabric_claim_mode: Literal["per_slot_vf", "none"] = "per_slot_vf"
     fabric_vf_pci_address: str | None = Field(default=None, pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
     mac: str = MacAddress
     private_ip: str
@@ -467,6 +485,10 @@ class NodeParityReported(Payload):
     node_id: str = Identifier
     task_id: str | None = None
     checked_at: datetime
+    # `emulated`: the host serves emulated slots only (no GPU, fabric or host GPU services to check); the
+    # hardware checks are reported as WARN, not applicable, and the scheduler counts such a report as passing
+    # only where its settings allow emulated slots.
+    profile: Literal["slice_host", "emulated"] = "slice_host"
     checks: list[ParityCheck]
     failures: int = Field(ge=0)
     warnings: int = Field(ge=0)

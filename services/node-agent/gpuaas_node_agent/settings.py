@@ -1,3 +1,4 @@
+from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -50,6 +51,16 @@ class AgentSettings(ServiceSettings):
     seed_dir: str = "/var/lib/gpuaas/seeds"
     # The GPU bridge's address the parity run expects (runbook: ovsbr0 10.100.0.1/24, dnsmasq and NAT on its /24).
     gpu_bridge_cidr: str = "10.100.0.1/24"
+    # The GPU bridge's name (runbook: ovsbr0; the lab's Linux bridge is gpubr0): discovery and parity read it.
+    gpu_bridge: str = Field(default="ovsbr0", pattern=r"^[A-Za-z0-9_.-]{1,15}$")
+    # Emulated slots: block devices (by-id paths) this host offers as slots with no GPU and no fabric VF. Only
+    # a lab host under QEMU/TCG has them; discovery reports them as `emulated` candidates, parity runs its
+    # emulated profile (hardware checks not applicable), and the scheduler approves them only where its own
+    # setting allows. Empty on every GPU host.
+    emulated_slot_disks: EnvList[str] = ()
+    # Agent-owned host directories kept elsewhere, `HOST_DIR=AGENT_DIR` (the lab keeps /var/lib/gpuaas/... under
+    # its prefix); tasks and the catalog keep speaking the runbook paths.
+    host_path_map: EnvList[str] = ()
     # How long JetStream waits for a task's ack or progress ack before redelivering it. A slice provision takes
     # minutes, but the bus sends progress acks while it runs: this only bounds how long a dead agent holds it.
     task_ack_wait_s: float = Field(default=5.0, gt=0)
@@ -59,9 +70,34 @@ class AgentSettings(ServiceSettings):
     # one pass also runs at start.
     reconcile_interval_s: float = Field(default=300.0, gt=0)
 
+    @field_validator("emulated_slot_disks")
+    @classmethod
+    def _by_id_paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [v for v in value if not v.startswith("/dev/disk/by-id/") or ".." in v]
+        if bad:
+            raise ValueError(f"emulated slot disks must be /dev/disk/by-id/ paths: {', '.join(bad)}")
+        return value
+
+    @field_validator("host_path_map")
+    @classmethod
+    def _path_map(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        parse_path_map(value)
+        return value
+
     @field_validator("enrolment_announce_again_s")
     @classmethod
     def _pauses_positive(cls, value: tuple[float, ...]) -> tuple[float, ...]:
         if any(p <= 0 for p in value):
             raise ValueError("every pause must be more than 0 s")
         return value
+
+
+def parse_path_map(entries: tuple[str, ...] | list[str]) -> tuple[tuple[str, Path], ...]:
+    """`HOST_DIR=AGENT_DIR` entries, both absolute; a malformed one is a configuration error."""
+    out = []
+    for entry in entries:
+        host_dir, sep, agent_dir = entry.partition("=")
+        if not sep or not host_dir.startswith("/") or not agent_dir.startswith("/") or ".." in entry.split("/"):
+            raise ValueError(f"host path map entry {entry!r} is not HOST_DIR=AGENT_DIR with two absolute paths")
+        out.append((str(PurePosixPath(host_dir)), Path(agent_dir)))
+    return tuple(out)

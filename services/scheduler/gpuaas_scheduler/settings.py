@@ -13,6 +13,9 @@ class SchedulerSettings(ServiceSettings):
     tenant_gpu_quota: int | None = Field(default=None, ge=0)
     # Candidate nodes read per index page while ranking; larger pages cost more on every placement.
     candidate_page: int = Field(default=16, ge=1, le=1000)
+    # Emulated slots (a lab host's disks standing for GPUs it does not have, under QEMU/TCG): approval makes them
+    # available, and an emulated parity report counts as passing, only when this is set. Never on a GPU fleet.
+    allow_emulated_slots: bool = False
     # Admin HTTP API address; 0.0.0.0 in a container so a published port reaches it.
     admin_host: str = "127.0.0.1"
     # 0 picks a free port (written into the ready file).

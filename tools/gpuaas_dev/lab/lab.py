@@ -14,6 +14,7 @@ crash) removes exactly that: domains with their NVRAM, daemons by PID, loop devi
 from __future__ import annotations
 
 import grp
+import ipaddress
 import json
 import os
 import shutil
@@ -230,6 +231,11 @@ class Lab:
         _run(*self.ns("ip", "link", "add", BRIDGE, "type", "bridge"))
         _run(*self.ns("ip", "addr", "add", BRIDGE_CIDR, "dev", BRIDGE))
         _run(*self.ns("ip", "link", "set", BRIDGE, "up"))
+        # The runbook's network baseline, inside the namespace only: forwarding and NAT for the slice subnet. The
+        # namespace has no uplink, so nothing is forwarded anywhere; the agent's parity checks them as on a host.
+        _run(*self.ns("sysctl", "-q", "-w", "net.ipv4.ip_forward=1"))
+        net = ipaddress.ip_interface(BRIDGE_CIDR).network
+        _run(*self.ns("iptables", "-t", "nat", "-A", "POSTROUTING", "-s", str(net), "-j", "MASQUERADE"))
 
     def _start_dhcp(self) -> None:
         """dnsmasq on the bridge, reservations only (`static`): a guest the agent reserved nothing for gets no

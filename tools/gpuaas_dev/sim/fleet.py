@@ -90,6 +90,8 @@ def build_register(settings: SimFleetSettings):
         sims: list[SimulatedDhcpAndGuest] = []
         hosts: list[_SimulatedSliceHost] = []
         for node in fleet.nodes:
+            if not node.simulated:
+                continue  # a real host (the lab's): its own agent runs
             if node.kind == "baremetal":
                 if settings.maas_sim_url and node.maas_system_id:
                     rt.spawn(_baremetal_host(settings, node, settings.maas_sim_url).run(), f"sim-bm-{node.node_id}")

@@ -27,9 +27,12 @@ class ApprovalFailed(Exception):
     pass
 
 
-async def approve_slice_hosts(admin_url: str, token: str, fleet: Fleet, timeout_s: float) -> dict[str, list[str]]:
+async def approve_slice_hosts(
+    admin_url: str, token: str, fleet: Fleet, timeout_s: float, profiles: dict[str, str] | None = None
+) -> dict[str, list[str]]:
     """Wait for every slice host's topology and parity report, then approve its complete discovered
-    candidates. Returns node -> approved slot ids."""
+    candidates (with the runtime profile `profiles` names for the host, else each candidate's own). Returns
+    node -> approved slot ids. A lab host's emulated candidates are complete without a fabric VF."""
     hosts = [n.node_id for n in fleet.nodes if n.kind == "slice_host"]
     headers = {"Authorization": f"Bearer {token}"}
     approved: dict[str, list[str]] = {}
@@ -47,7 +50,7 @@ async def approve_slice_hosts(admin_url: str, token: str, fleet: Fleet, timeout_
                 if c["source"] == "node-agent"
                 and c["approved_slot_id"] is None
                 and c["nvme_by_id"]
-                and c["fabric_vf_pci_address"]
+                and (c["fabric_vf_pci_address"] or c.get("emulated"))
                 and c["nvme_evidence"] is not None
             ]
             if not complete:
@@ -56,7 +59,12 @@ async def approve_slice_hosts(admin_url: str, token: str, fleet: Fleet, timeout_
                 http,
                 "POST",
                 f"/v1/nodes/{node_id}/candidates/approve",
-                {"actor": DEV_ACTOR, "reason": DEV_REASON, "candidate_ids": complete},
+                {
+                    "actor": DEV_ACTOR,
+                    "reason": DEV_REASON,
+                    "candidate_ids": complete,
+                    **({"profile": profiles[node_id]} if profiles and node_id in profiles else {}),
+                },
             )
             refused = [r for r in answer["results"] if r["status"] != "available"]
             if refused:

@@ -93,6 +93,9 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
         env["GPUAAS_INVENTORY_FILE"] = str(files["fleet"])
         # Port 0: the API binds its own and names it in the ready file (stack.json's scheduler_admin_url).
         env.update(GPUAAS_ADMIN_PORT="0", GPUAAS_ADMIN_TOKEN=stack.admin_token(name))
+        if stack.lab:
+            # The lab host's slots are emulated (no GPU under TCG): this scheduler, and only a lab's, allows them.
+            env["GPUAAS_ALLOW_EMULATED_SLOTS"] = "true"
     elif name == "image-pipeline":
         env["GPUAAS_IMAGE_SEED_FILE"] = str(files["seed"])
         assert stack._registry is not None

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpuaas_common.fleet import Fleet, generate_fleet
+from gpuaas_common.fleet import Fleet, FleetNode, generate_fleet
 
 from ..seed_images import build_seed
 
@@ -35,6 +35,7 @@ def prepare_fleet_dir(
     baremetal_hosts: int = 2,
     ssh_port: int = 2222,
     hosts_root: Path | None = None,
+    real_hosts: list[FleetNode] | None = None,
 ) -> dict[str, Path]:
     """Write what the stack's processes read at start: fleet, MAAS machine list, seed images.
 
@@ -49,6 +50,8 @@ def prepare_fleet_dir(
         subnet=FLEET_SUBNET,
         ssh_port=ssh_port,
     )
+    # Real hosts (the lab's) join the fleet as MAAS machines and scheduler nodes; their own agents run.
+    fleet.nodes.extend(real_hosts or [])
     fleet_file = out_dir / "fleet.json"
     fleet.dump(fleet_file)
     machines_file = out_dir / "maas-machines.json"

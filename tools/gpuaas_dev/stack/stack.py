@@ -80,6 +80,7 @@ class Stack:
         # `lab`: a real slice host beside the simulated fleet (stack/lab_host.py): QEMU/TCG in a namespace.
         self.lab = lab
         self._lab: Any = None
+        self._lab_image: dict[str, Any] | None = None
         self.run_dir = Path(run_dir).resolve()
         self.slice_hosts = slice_hosts
         self.slots_per_host = slots_per_host
@@ -290,6 +291,9 @@ class Stack:
         return self
 
     def _start(self) -> None:
+        from ..lab.tasks import LAB_PROFILE
+        from .lab_host import LAB_IMAGE_TIMEOUT_S, LAB_NODE, lab_fleet_node, publish_lab_image, start_lab_host
+
         self._reset_run_dir()
         self._maas_api_key = str(generate_api_key())
         self._enrolment_secret = secrets.token_hex(32)
@@ -321,6 +325,7 @@ class Stack:
             baremetal_hosts=self.baremetal_hosts,
             ssh_port=free_port(),
             hosts_root=self.run_dir / "hosts",
+            real_hosts=[lab_fleet_node()] if self.lab else None,
         )
         self._fleet = Fleet.load(files["fleet"])
         self._files = files
@@ -337,6 +342,14 @@ class Stack:
                 spawn(self._procs[name], self.run_dir)
         self.describe()
         self._wait([name for service in SERVICES for name in self.replica_names(service)], self.ready_timeout_s)
+        if self.lab:
+            # The lab host onboards with the fleet: up before commissioning and approval, which wait for it.
+            from ..lab.preflight import LabUnavailable
+
+            try:
+                self._lab = start_lab_host(self)
+            except LabUnavailable as exc:
+                raise StackError(f"--lab: {exc}") from None
         # Slice hosts become slice-capable only with a passing commissioning preflight: commission them
         # through the gateway, as ops would (see stack/preflight.py).
         try:
@@ -349,17 +362,18 @@ class Stack:
         # the candidates were approved through the scheduler's admin API, here as `gpuaas-dev`.
         try:
             url, token = self.scheduler_admin_url, self.scheduler_admin_token
-            run_coro(lambda: approve_slice_hosts(url, token, fleet, self.ready_timeout_s))
+            profiles = {LAB_NODE: LAB_PROFILE} if self.lab else None
+            run_coro(lambda: approve_slice_hosts(url, token, fleet, self.ready_timeout_s, profiles))
         except (TimeoutError, ApprovalFailed) as exc:
             raise StackError(f"{exc}\n--- node-agent log ---\n{self.log_tail('node-agent')}") from None
         if self.lab:
-            from ..lab.preflight import LabUnavailable
-            from .lab_host import start_lab_host
-
+            url, token = self.image_admin_url, self.image_admin_token
             try:
-                self._lab = start_lab_host(self)
-            except LabUnavailable as exc:
-                raise StackError(f"--lab: {exc}") from None
+                self._lab_image = run_coro(lambda: publish_lab_image(url, token, LAB_IMAGE_TIMEOUT_S))
+            except (TimeoutError, RuntimeError) as exc:
+                raise StackError(
+                    f"--lab: {exc}\n--- image-pipeline log ---\n{self.log_tail('image-pipeline')}"
+                ) from None
 
     def stop(self) -> None:
         """SIGTERM every process this stack started (by PID), SIGKILL after `stop_timeout_s`."""

@@ -15,7 +15,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.contract import utcnow
 from gpuaas_common.logging import get_logger
 
-from ..domain.topology import DiskRef, GpuRef, VfRef, pair_candidates
+from ..domain.topology import DiskRef, GpuRef, VfRef, emulated_candidates, pair_candidates
 from .host import Host, HostFs
 
 log = get_logger(__name__)
@@ -289,6 +289,44 @@ async def nvme_disks(host: Host, *, leased_by_id: Iterable[str] = ()) -> list[m.
     return sorted(out, key=lambda d: (d.by_id or "~", d.kernel_name))
 
 
+async def emulated_slot_disks(
+    host: Host, by_ids: Iterable[str], *, leased_by_id: Iterable[str] = ()
+) -> list[m.NvmeDevice]:
+    """The disks a site declared as emulated slots (the lab's loop devices behind by-id links), with the same
+    evidence an NVMe namespace gets: mounted, held, OS disk, signatures. A declared link that resolves to no
+    block device has no entry here; `discover` names it as a blocker."""
+    fs = host.fs
+    leased = set(leased_by_id)
+    mounts = mount_table(fs)
+    out = []
+    for by_id in sorted(set(by_ids)):
+        name = fs.realpath(by_id).rsplit("/", 1)[-1]
+        use = block_use(fs, name, mounts)
+        if not use.exists:
+            continue
+        sigs = await signatures(host, name)
+        reason = use.refusal()
+        excluded = reason[0].removeprefix("disk_") if reason else None
+        if excluded is None and sigs and by_id not in leased:
+            excluded = "signatures_present"
+        size = _int(fs.read(f"/sys/class/block/{name}/size")) or 0
+        out.append(
+            m.NvmeDevice(
+                kernel_name=name,
+                by_id=by_id,
+                size_bytes=size * 512,
+                mounted=bool(use.mountpoints),
+                mountpoints=use.mountpoints,
+                mounted_children=sorted(use.child_mounts),
+                is_os_disk=use.is_os_disk,
+                signatures=sigs,
+                candidate=excluded is None,
+                excluded_reason=excluded,
+            )
+        )
+    return out
+
+
 # --- network -----------------------------------------------------------------------------------------
 
 
@@ -339,11 +377,13 @@ async def discover(
     task_id: str | None = None,
     ovs_bridge: str = "ovsbr0",
     leased_by_id: Iterable[str] = (),
+    emulated_disks: Iterable[str] = (),
 ) -> m.NodeTopologyReported:
     devices = pci_devices(host.fs)
     gpu_list = gpus(devices)
     fabric_list = fabric(host.fs, devices)
     disks = await nvme_disks(host, leased_by_id=leased_by_id)
+    emulated = await emulated_slot_disks(host, emulated_disks, leased_by_id=leased_by_id)
     blockers: list[str] = []
     bridge_cidrs = (await interface_addresses(host)).get(ovs_bridge, [])
     if not bridge_cidrs:
@@ -356,15 +396,29 @@ async def discover(
         ovs_bridge=ovs_bridge,
         bridge_cidr=bridge_cidrs[0] if bridge_cidrs else "10.100.0.1/24",
     )
+    candidates += emulated_candidates(
+        node_id,
+        [d.by_id for d in emulated if d.candidate and d.by_id],
+        first_index=len(candidates),
+        ovs_bridge=ovs_bridge,
+        bridge_cidr=bridge_cidrs[0] if bridge_cidrs else "10.100.0.1/24",
+    )
+    for by_id in sorted(set(emulated_disks) - {d.by_id for d in emulated}):
+        blockers.append(f"emulated slot disk {by_id} is not a block device on this host")
+    for d in emulated:
+        if not d.candidate:
+            blockers.append(f"emulated slot disk {d.by_id} is not free: {d.excluded_reason}")
     slots = []
     for c in candidates:
         slots.append(
             m.CandidateSlot(
                 index=c.index,
-                gpu_pci_address=c.gpu.pci_address,
-                numa_node=c.gpu.numa_node,
-                pcie_switch=c.gpu.pcie_switch,
+                gpu_pci_address=c.gpu.pci_address if c.gpu else None,
+                emulated=c.emulated,
+                numa_node=c.gpu.numa_node if c.gpu else None,
+                pcie_switch=c.gpu.pcie_switch if c.gpu else None,
                 nvme_by_id=c.nvme_by_id,
+                fabric_claim_mode="none" if c.emulated else "per_slot_vf",
                 fabric_vf_pci_address=c.fabric_vf,
                 mac=c.mac,
                 private_ip=c.private_ip,
@@ -374,7 +428,7 @@ async def discover(
                 missing=c.missing,
             )
         )
-        if c.missing:
+        if c.missing and c.gpu:
             blockers.append(f"GPU {c.gpu.pci_address} has no free {' or '.join(c.missing)}")
     for g in gpu_list:
         if g.iommu_group is None:
@@ -386,7 +440,7 @@ async def discover(
         discovered_at=utcnow(),
         gpus=gpu_list,
         fabric=fabric_list,
-        nvme=disks,
+        nvme=disks + emulated,
         candidate_slots=slots,
         blockers=blockers,
         hugepages_1g_total=hugepages_total,

@@ -39,6 +39,28 @@ REBOOT_REQUIRED = "/var/run/reboot-required"
 FABRICMANAGER_CFG = "/usr/share/nvidia/nvswitch/fabricmanager.cfg"
 TMFIFO = "tmfifo_net0"
 TMFIFO_CIDR = "192.168.100.1/30"
+# The checks with nothing to look at on an emulated-slot host: IOMMU, VFIO and GPU bindings, the fabric and
+# IPoIB, the host GPU services, the BlueField link, and the systemd units of the slice baseline (the lab makes
+# its bridge, dnsmasq and libvirtd itself; the bridge address, NAT, forwarding and libvirt are still checked).
+NOT_APPLICABLE_EMULATED = frozenset(
+    {
+        "iommu_groups",
+        "vfio_modules",
+        "dnsmasq_gpu_subnet",
+        "ipoib_netplan",
+        "fabric_route",
+        "network_baseline_service",
+        "vfio_binding",
+        "nvidia_persistenced",
+        "nvidia_fabricmanager",
+        "fabric_vfs_service",
+        "vfio_devices_service",
+        "ovs_bridge_service",
+        "dnsmasq_service",
+        "host_baseline",
+        "tmfifo_net0",
+    }
+)
 
 
 def _ok(check: str, detail: str) -> m.ParityCheck:
@@ -58,8 +80,14 @@ class ParityChecker:
         bridge_cidr: str = "10.100.0.1/24",
         agent_running: bool = False,
         topology: m.NodeTopologyReported | None = None,
+        emulated: bool = False,
+        libvirt_alive: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self.host = host
+        # The emulated profile (a lab host whose slots carry no GPU and no fabric VF): every check of hardware
+        # or of the host GPU services has nothing to look at and says so as a WARN; the rest run unchanged.
+        self.emulated = emulated
+        self.libvirt_alive = libvirt_alive
         # The agent's own topology report when it runs the checks; None when only local checks run (the CLI).
         self.topology = topology
         self.bridge = bridge
@@ -101,6 +129,11 @@ class ParityChecker:
         )
 
     async def libvirtd(self) -> m.ParityCheck:
+        if self.emulated and self.libvirt_alive is not None:
+            # The lab's libvirtd is the lab's own process, no unit: its connection answering is the evidence.
+            if await self.libvirt_alive():
+                return _ok("libvirtd", "the agent's libvirt connection answers")
+            return _fail("libvirtd", "the agent's libvirt connection is refused", "start the host's libvirtd")
         for unit in ("libvirtd", "virtqemud"):
             if await self._unit_active(unit):
                 return _ok("libvirtd", f"{unit} active")
@@ -347,6 +380,25 @@ class ParityChecker:
         return _ok("api_topology", f"completed with no blockers, {len(self.topology.candidate_slots)} candidates")
 
     def checks(self) -> list[Callable[[], Awaitable[m.ParityCheck]]]:
+        every = self._all_checks()
+        if not self.emulated:
+            return every
+        return [self._not_applicable(c.__name__) if c.__name__ in NOT_APPLICABLE_EMULATED else c for c in every]
+
+    @staticmethod
+    def _not_applicable(check: str) -> Callable[[], Awaitable[m.ParityCheck]]:
+        async def warn() -> m.ParityCheck:
+            return m.ParityCheck(
+                check=check,
+                status="WARN",
+                detail="not applicable on an emulated-slot host: no GPU, fabric or host GPU service to check",
+                remediation="a GPU host runs this check; emulated slots are for labs only",
+            )
+
+        warn.__name__ = check
+        return warn
+
+    def _all_checks(self) -> list[Callable[[], Awaitable[m.ParityCheck]]]:
         return [
             self.kvm,
             self.iommu_groups,
@@ -392,7 +444,13 @@ class ParityChecker:
             failed=[r.check for r in results if r.status == "FAIL"],
         )
         return m.NodeParityReported(
-            node_id=node_id, task_id=task_id, checked_at=utcnow(), checks=results, failures=failures, warnings=warnings
+            node_id=node_id,
+            task_id=task_id,
+            checked_at=utcnow(),
+            checks=results,
+            failures=failures,
+            warnings=warnings,
+            profile="emulated" if self.emulated else "slice_host",
         )
 
 

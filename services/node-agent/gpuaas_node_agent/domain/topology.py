@@ -36,17 +36,23 @@ class VfRef:
 @dataclass(frozen=True)
 class Candidate:
     index: int
-    gpu: GpuRef
+    gpu: GpuRef | None  # None on an emulated slot
     nvme_by_id: str | None
     fabric_vf: str | None
     mac: str
     private_ip: str
     ovs_bridge: str
     ovs_port: str
+    emulated: bool = False
 
     @property
     def missing(self) -> list[str]:
-        return [name for name, value in (("nvme", self.nvme_by_id), ("fabric_vf", self.fabric_vf)) if not value]
+        wanted = (
+            (("nvme", self.nvme_by_id),)
+            if self.emulated
+            else (("nvme", self.nvme_by_id), ("fabric_vf", self.fabric_vf))
+        )
+        return [name for name, value in wanted if not value]
 
 
 def suggested_mac(node_id: str, gpu_pci_address: str) -> str:
@@ -75,6 +81,13 @@ def _take(pool: list[T], numa: int | None) -> T | None:
     return pool.pop(0) if pool else None
 
 
+def _host_addresses(bridge_cidr: str, first_host: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    iface = ipaddress.ip_interface(bridge_cidr)
+    return [
+        h for h in iface.network.hosts() if h != iface.ip and int(h) - int(iface.network.network_address) >= first_host
+    ]
+
+
 def pair_candidates(
     node_id: str,
     gpus: Sequence[GpuRef],
@@ -85,10 +98,7 @@ def pair_candidates(
     bridge_cidr: str = "10.100.0.1/24",
     first_host: int = 10,
 ) -> list[Candidate]:
-    iface = ipaddress.ip_interface(bridge_cidr)
-    hosts = [
-        h for h in iface.network.hosts() if h != iface.ip and int(h) - int(iface.network.network_address) >= first_host
-    ]
+    hosts = _host_addresses(bridge_cidr, first_host)
     disk_pool = sorted(disks, key=lambda d: (_numa_key(d.numa_node), d.by_id))
     vf_pool = sorted(vfs, key=lambda v: (_numa_key(v.numa_node), v.pci_address))
     out: list[Candidate] = []
@@ -110,6 +120,38 @@ def pair_candidates(
                 private_ip=str(hosts[index]) if index < len(hosts) else "",
                 ovs_bridge=ovs_bridge,
                 ovs_port=f"gpuaas-s{index}",
+            )
+        )
+    return out
+
+
+def emulated_candidates(
+    node_id: str,
+    disks: Sequence[str],
+    *,
+    first_index: int = 0,
+    ovs_bridge: str = "ovsbr0",
+    bridge_cidr: str = "10.100.0.1/24",
+    first_host: int = 10,
+) -> list[Candidate]:
+    """Slots of an emulated-slot host (the lab): one per disk the site declared, with a MAC and IP of its own
+    and neither a GPU nor a fabric VF, so the domain the agent defines passes nothing through rather than
+    something pretended. Keyed on the disk's by-id path, as GPU slots are on the GPU's address."""
+    hosts = _host_addresses(bridge_cidr, first_host)
+    out = []
+    for offset, by_id in enumerate(sorted(disks)):
+        index = first_index + offset
+        out.append(
+            Candidate(
+                index=index,
+                gpu=None,
+                nvme_by_id=by_id,
+                fabric_vf=None,
+                mac=suggested_mac(node_id, by_id),
+                private_ip=str(hosts[index]) if index < len(hosts) else "",
+                ovs_bridge=ovs_bridge,
+                ovs_port=f"gpuaas-s{index}",
+                emulated=True,
             )
         )
     return out

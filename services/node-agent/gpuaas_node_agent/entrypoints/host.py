@@ -22,7 +22,7 @@ from ..adapters.state_store import StateStore
 from ..service_layer.host_paths import HostPaths
 from ..service_layer.prewarm import ImagePrewarmer
 from ..service_layer.tasks import SliceHostAgent
-from ..settings import AgentSettings
+from ..settings import AgentSettings, parse_path_map
 
 AGENT_VERSION = "0.1.0"
 log = get_logger(__name__)
@@ -54,7 +54,7 @@ async def run_slice_host(
     """`libvirt`: the hypervisor connection to use; the simulated fleet passes its own so that it can read
     the domains of a private test hypervisor, which no second connection sees."""
     bus, spec = await open_host_bus(settings, node_id, link)
-    paths = HostPaths(root)
+    paths = HostPaths(root, parse_path_map(settings.host_path_map))
     store = StateStore(paths.host(settings.state_dir) / "agent.sqlite")
     domain_type, why = choose_domain_type(settings.domain_type, HostFs(root))
     log.info("domain_type_chosen", node_id=node_id, domain_type=domain_type, setting=settings.domain_type, reason=why)
@@ -78,6 +78,10 @@ async def run_slice_host(
         guest_user=settings.guest_user,
         readiness_key=readiness_key,
     )
+    agent.gpu_bridge = settings.gpu_bridge
+    agent.emulated_slot_disks = tuple(settings.emulated_slot_disks)
+    if agent.emulated_slot_disks:
+        log.info("emulated_slots", node_id=node_id, disks=list(agent.emulated_slot_disks))
     handlers = {
         "slice.vm_provision": agent.on_task,
         "slice.vm_release": agent.on_task,

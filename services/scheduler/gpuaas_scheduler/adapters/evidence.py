@@ -23,6 +23,7 @@ CANDIDATE_FIELDS = (
     "private_ip",
     "ovs_bridge",
     "ovs_port",
+    "emulated",
 )
 
 

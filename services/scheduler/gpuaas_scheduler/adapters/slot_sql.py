@@ -14,13 +14,20 @@ def _text(col: str) -> str:
     return f"COALESCE(s.{col}, '') <> ''"
 
 
+def _gpu_part(predicate: str) -> str:
+    return f"s.emulated OR {predicate}"
+
+
 RULE_SQL: dict[str, str] = {
-    "gpu_pci_address": _text("gpu_pci_address"),
+    "gpu_pci_address": _gpu_part(_text("gpu_pci_address")),
     "nvme_by_id": "COALESCE(s.nvme_by_id, '') LIKE '%/by-id/%'",
     "mac": _text("mac"),
     "private_ip": _text("private_ip"),
-    "fabric_claim_mode": "s.fabric_claim_mode IS NOT DISTINCT FROM 'per_slot_vf'",
-    "fabric_vf_pci_address": _text("fabric_vf_pci_address"),
+    "fabric_claim_mode": _gpu_part("s.fabric_claim_mode IS NOT DISTINCT FROM 'per_slot_vf'"),
+    "fabric_vf_pci_address": _gpu_part(_text("fabric_vf_pci_address")),
+    "emulated_passes_nothing": (
+        f"NOT s.emulated OR NOT ({_text('gpu_pci_address')} OR {_text('fabric_vf_pci_address')})"
+    ),
     "nvme_evidence": "s.nvme_evidence IS NOT NULL",
     "not_os_disk": "NOT COALESCE((s.nvme_evidence->>'is_os_disk')::boolean, true)",
     "not_mounted": "NOT COALESCE((s.nvme_evidence->>'mounted')::boolean, true)",

@@ -46,19 +46,34 @@ def _disk_says(key: str, default: Any) -> Callable[[Slot], Any]:
     return lambda s: None if _evidence(s) is None else _evidence(s).get(key, default)  # type: ignore[union-attr]
 
 
+def _emulated(s: Slot) -> bool:
+    return s.get("emulated") is True
+
+
+def _gpu_part(rule: Callable[[Slot], bool]) -> Callable[[Slot], bool]:
+    """A GPU or fabric binding rule: an emulated slot has neither, by definition, and passes it."""
+    return lambda s: _emulated(s) or rule(s)
+
+
 # The runtime-critical bundle (slice-node-bootstrap: GPU, raw disk by stable id, management MAC/IP,
-# one fabric VF of its own).
+# one fabric VF of its own). An emulated slot (a lab host's disk standing for a GPU it does not pretend to
+# have) is the bundle without GPU and VF, and must carry neither.
 BINDING_RULES: tuple[SlotRule, ...] = (
-    SlotRule("gpu_pci_address", "missing GPU PCI address", _present("gpu_pci_address")),
+    SlotRule("gpu_pci_address", "missing GPU PCI address", _gpu_part(_present("gpu_pci_address"))),
     SlotRule("nvme_by_id", "missing raw NVMe by-id identity", lambda s: "/by-id/" in (s.get("nvme_by_id") or "")),
     SlotRule("mac", "missing management MAC", _present("mac")),
     SlotRule("private_ip", "missing private IP", _present("private_ip")),
     SlotRule(
         "fabric_claim_mode",
         "fabric claim mode is not per_slot_vf",
-        lambda s: s.get("fabric_claim_mode") == "per_slot_vf",
+        _gpu_part(lambda s: s.get("fabric_claim_mode") == "per_slot_vf"),
     ),
-    SlotRule("fabric_vf_pci_address", "missing fabric VF PCI address", _present("fabric_vf_pci_address")),
+    SlotRule("fabric_vf_pci_address", "missing fabric VF PCI address", _gpu_part(_present("fabric_vf_pci_address"))),
+    SlotRule(
+        "emulated_passes_nothing",
+        "an emulated slot names a GPU or fabric VF",
+        lambda s: not _emulated(s) or not (s.get("gpu_pci_address") or s.get("fabric_vf_pci_address")),
+    ),
 )
 
 # The raw disk is provably free: discovery saw it, and it is not the OS disk, not mounted, has no

@@ -7,6 +7,8 @@ error shape, Idempotency-Key and an audit row per mutation, all in one unit of w
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -22,6 +24,7 @@ from ..service_layer.admin import drift as drift_ops
 from . import api_models as out
 
 SCHEMA = "scheduler"
+APPROVE_PATH = "/v1/nodes/{node_id}/candidates/approve"
 
 
 def read(fn: Callable[..., Awaitable[dict]], *, query: tuple[str, ...] = ()) -> Callable[[Call], Awaitable[dict]]:
@@ -147,7 +150,7 @@ ROUTES = [
     ),
     _r(
         "POST",
-        "/v1/nodes/{node_id}/candidates/approve",
+        APPROVE_PATH,
         write(ops.approve),
         "turn candidates into slots (available only when every approval rule holds)",
         out.ApprovalOut,
@@ -206,12 +209,17 @@ ROUTES = [
 ]
 
 
-def admin_api(pool: asyncpg.Pool, token: SecretStr | None) -> AdminApi:
-    return AdminApi(service="scheduler", schema=SCHEMA, pool=pool, tokens={"admin": token}, routes=ROUTES)
+def admin_api(pool: asyncpg.Pool, token: SecretStr | None, *, allow_emulated_slots: bool = False) -> AdminApi:
+    """`allow_emulated_slots`: the scheduler's setting, which only approval reads (a lab's emulated slots)."""
+    routes = ROUTES
+    if allow_emulated_slots:
+        approve = write(functools.partial(ops.approve, allow_emulated=True))
+        routes = [dataclasses.replace(r, handler=approve) if r.path == APPROVE_PATH else r for r in ROUTES]
+    return AdminApi(service="scheduler", schema=SCHEMA, pool=pool, tokens={"admin": token}, routes=routes)
 
 
-def build_app(pool: asyncpg.Pool, token: SecretStr | None):
-    return admin_api(pool, token).app()
+def build_app(pool: asyncpg.Pool, token: SecretStr | None, *, allow_emulated_slots: bool = False):
+    return admin_api(pool, token, allow_emulated_slots=allow_emulated_slots).app()
 
 
 def openapi_document() -> dict[str, Any]:

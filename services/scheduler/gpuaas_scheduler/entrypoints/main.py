@@ -36,6 +36,7 @@ def build_register(settings: SchedulerSettings):
             clean_node_watermark=settings.clean_node_watermark,
             default_tenant_gpu_quota=settings.tenant_gpu_quota,
             candidate_page=settings.candidate_page,
+            allow_emulated_slots=settings.allow_emulated_slots,
         )
         async with rt.pool.acquire() as conn:
             policy = await with_fleet_shape(conn, policy)
@@ -69,7 +70,7 @@ def build_register(settings: SchedulerSettings):
                 "admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the admin API never listens without a token"
             )
             return
-        api = admin_api(rt.pool, settings.admin_token)
+        api = admin_api(rt.pool, settings.admin_token, allow_emulated_slots=settings.allow_emulated_slots)
         rt.ready_info["admin_port"] = await api.start(settings.admin_host, settings.admin_port)
 
         async def keep() -> None:

@@ -36,15 +36,22 @@ from ..domain.evidence_clock import as_received
 log = get_logger(__name__)
 
 
-async def record_parity(conn: asyncpg.Connection, ev: m.NodeParityReported) -> str:
-    """'applied', 'stale' or 'unknown_node'."""
+async def record_parity(conn: asyncpg.Connection, ev: m.NodeParityReported, *, allow_emulated: bool = False) -> str:
+    """'applied', 'stale' or 'unknown_node'. A report of the emulated profile (a lab host: its hardware checks
+    were not applicable) counts as passing only where emulated slots are allowed; elsewhere it is recorded
+    with one failure more, naming why, so the host never takes slices on the strength of checks it skipped."""
+    failures = ev.failures
     detail = {
         "checks": [c.model_dump(mode="json") for c in ev.checks],
         "warnings": ev.warnings,
         "task_id": ev.task_id,
         "source": "node-agent",
+        "profile": ev.profile,
     }
-    if await repo.update_parity(conn, ev.node_id, ev.failures, detail, as_received(ev.checked_at)):
+    if ev.profile == "emulated" and not allow_emulated:
+        failures += 1
+        detail["refused"] = "emulated parity profile: this scheduler does not allow emulated slots"
+    if await repo.update_parity(conn, ev.node_id, failures, detail, as_received(ev.checked_at)):
         return "applied"
     return await _why_not_applied(conn, ev.node_id)
 
@@ -76,7 +83,7 @@ async def record_topology(conn: asyncpg.Connection, ev: m.NodeTopologyReported) 
         )
         rows.append(
             (
-                candidate_id(ev.node_id, c.gpu_pci_address),
+                candidate_id(ev.node_id, c.gpu_pci_address or c.nvme_by_id or f"slot{c.index}"),
                 ev.node_id,
                 *(getattr(c, f) for f in repo.CANDIDATE_FIELDS),
                 evidence,
@@ -88,8 +95,9 @@ async def record_topology(conn: asyncpg.Connection, ev: m.NodeTopologyReported) 
 
 def candidate_id(node_id: str, gpu_pci_address: str) -> str:
     # Keyed by the GPU, the one stable identity in a report (its index may shift between discoveries),
-    # so re-discovery replaces a candidate in place and approval keeps a stable slot id.
-    return f"{node_id}-{gpu_pci_address}"
+    # so re-discovery replaces a candidate in place and approval keeps a stable slot id. An emulated slot has
+    # no GPU: its disk's by-id path is its stable identity.
+    return f"{node_id}-{gpu_pci_address.removeprefix('/dev/disk/by-id/')}"
 
 
 async def record_image_cache(conn: asyncpg.Connection, ev: m.ImageNodeCacheChanged, occurred_at: datetime) -> str:

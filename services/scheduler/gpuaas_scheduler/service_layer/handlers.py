@@ -107,7 +107,7 @@ class Scheduler:
 
     async def on_parity(self, ctx: HandlerContext) -> None:
         ev: m.NodeParityReported = ctx.payload
-        outcome = await evidence.record_parity(ctx.conn, ev)
+        outcome = await evidence.record_parity(ctx.conn, ev, allow_emulated=self.policy.allow_emulated_slots)
         log.info("parity_recorded", node_id=ev.node_id, failures=ev.failures, warnings=ev.warnings, outcome=outcome)
 
     async def on_topology(self, ctx: HandlerContext) -> None:

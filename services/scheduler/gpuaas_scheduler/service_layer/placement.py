@@ -43,6 +43,8 @@ class PlacementPolicy:
     max_switch_slots: int | None = None
     max_numa_slots: int | None = None
     min_numa_slots: int | None = None
+    # The scheduler's `allow_emulated_slots`: whether a lab host's emulated parity report counts as passing.
+    allow_emulated_slots: bool = False
 
     def classes(self, gpus: int) -> list[tuple[bool, int]]:
         return rank_classes(gpus, self.max_switch_slots, self.max_numa_slots, self.min_numa_slots)

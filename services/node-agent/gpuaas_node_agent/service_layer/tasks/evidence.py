@@ -15,6 +15,11 @@ from .core import AgentCore, log
 
 
 class HostEvidence(AgentCore):
+    # What discovery and parity look at besides the host itself: the GPU bridge by name, and the disks the site
+    # declared as emulated slots (a lab host; none on a GPU host). Set from the settings after construction.
+    gpu_bridge: str = "ovsbr0"
+    emulated_slot_disks: tuple[str, ...] = ()
+
     # --- topology and parity -----------------------------------------------------------------------
 
     async def report_host_state(
@@ -22,9 +27,22 @@ class HostEvidence(AgentCore):
     ) -> tuple[m.NodeTopologyReported, m.NodeParityReported]:
         """Discover topology and run the parity checks; publish both as readiness evidence."""
         leased = [r.removeprefix("nvme:") for r in self.store.leased_resources() if r.startswith("nvme:")]
-        topology = await discover(self.host, self.node_id, task_id=task_id, leased_by_id=leased)
+        topology = await discover(
+            self.host,
+            self.node_id,
+            task_id=task_id,
+            ovs_bridge=self.gpu_bridge,
+            leased_by_id=leased,
+            emulated_disks=self.emulated_slot_disks,
+        )
         parity = await ParityChecker(
-            self.host, bridge_cidr=self.bridge_cidr, agent_running=True, topology=topology
+            self.host,
+            bridge=self.gpu_bridge,
+            bridge_cidr=self.bridge_cidr,
+            agent_running=True,
+            topology=topology,
+            emulated=bool(self.emulated_slot_disks),
+            libvirt_alive=self.libvirt_alive,
         ).run(self.node_id, task_id=task_id)
         for type_, payload in (("node.topology_reported", topology), ("node.parity_reported", parity)):
             await self.publish(
@@ -35,6 +53,15 @@ class HostEvidence(AgentCore):
                 node_id=self.node_id,
             )
         return topology, parity
+
+    async def libvirt_alive(self) -> bool:
+        """The hypervisor answers on the agent's own connection: behaviour, where a unit name says only how it
+        was started (the lab's libvirtd is no systemd unit)."""
+        try:
+            await self.libvirt.list_domains()
+        except Exception:  # any refusal of the connection is the answer
+            return False
+        return True
 
     async def on_discover(self, ctx: HandlerContext) -> None:
         task: m.SliceTopologyDiscover = ctx.payload

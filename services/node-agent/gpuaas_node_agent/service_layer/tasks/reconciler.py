@@ -152,6 +152,10 @@ class HostReconciler(TaskRunner):
             b = rec["binding"]
             for dev in filter(None, (b.get("gpu_pci_address"), b.get("fabric_vf_pci_address"))):
                 wanted.setdefault(dev, []).append(slot_id)
+        if not wanted and self.host.run.which("driverctl") is None:
+            # Nothing passed through (an emulated-slot host, or one with no slot handed to it yet) and no tool
+            # that could have written an override: there is no binding to drift.
+            return []
         try:
             overrides = await driverctl.list_overrides(self.host)
         except driverctl.DriverctlError as exc:

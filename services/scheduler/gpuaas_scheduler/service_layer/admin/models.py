@@ -80,6 +80,8 @@ class CandidateIn(Body):
     ovs_bridge: str | None = Field(default=None, max_length=64)
     ovs_port: str | None = Field(default=None, max_length=64)
     profile: str = Field(default="h200_1g_24c_64g", pattern=r"^[a-z0-9_]+$", max_length=64)
+    # Emulated candidates come only from discovery on a host configured with emulated slot disks (a lab).
+    emulated: Literal[False] = False
 
 
 class CandidatesIn(Body):
@@ -101,6 +103,9 @@ class ApproveIn(Body):
     # Absent: the site's policy when its region has one, else blkdiscard. A different one than the site's is refused.
     destructive_wipe_policy: WipePolicy | None = None
     storage_identity_kind: Literal["nvme_wwn_by_id"] = "nvme_wwn_by_id"
+    # The runtime profile of every slot approved (absent: each candidate's own). A lab's emulated slots take a
+    # small shape (TCG carries a vCPU or two), a GPU host's the tuned profile.
+    profile: str | None = Field(default=None, pattern=r"^h200_\d+g_\d+c_\d+g$", max_length=64)
 
 
 class WipeProofIn(Body):

@@ -65,10 +65,17 @@ async def upsert_candidates(conn: asyncpg.Connection, node_id: str, body: Candid
     return await list_candidates(conn, node_id)
 
 
-async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> dict:
+EMULATED_REFUSED = (
+    "emulated slot (no GPU, no fabric VF): this scheduler does not allow emulated slots "
+    "(GPUAAS_ALLOW_EMULATED_SLOTS, labs only)"
+)
+
+
+async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn, *, allow_emulated: bool = False) -> dict:
     """Turn candidates into slots: `available` when every rule holds, else `disabled` with the reasons.
     On a converting host this is the re-approval that, with rediscovery and a passing parity run,
-    returns it to slice mode."""
+    returns it to slice mode. An emulated candidate (a lab host's) becomes available only where the
+    scheduler allows emulated slots (`allow_emulated`, its setting)."""
     node = await lock_node(conn, node_id)
     if node["mode"] in (BAREMETAL, RETIRED):
         raise AdminError(
@@ -104,8 +111,12 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn) -> di
         c["slot_id"] = slot_id
         c.update({f: getattr(body, f) for f in repo.STORAGE_FIELDS})
         c["destructive_wipe_policy"] = policy
+        if body.profile is not None:
+            c["profile"] = body.profile
         # A retired slot owns no binding any more; a re-approved one takes it back.
         problems = approval_problems(c, [s for s in slots.values() if s["status"] != RETIRED])
+        if c.get("emulated") and not allow_emulated:
+            problems.append(EMULATED_REFUSED)
         status, reason = approved_status(problems)
         await repo.save_approval(
             conn,
