@@ -15,7 +15,7 @@ RUN_DIR = typer.Option(Path(".run/lab"), "--run-dir", help="Where the lab keeps 
 
 @lab_app.command("run")
 def run(run_dir: Path = RUN_DIR) -> None:
-    """Bring the lab up, run one slice to SSH and back through the production agent, and take it down.
+    """Bring the dev stack up with the lab host, allocate one slice onto a real VM, log in, release, stop.
 
     Example: gpuaas lab run --run-dir .run/lab
     """

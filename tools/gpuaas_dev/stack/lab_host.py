@@ -22,7 +22,7 @@ from gpuaas_common.fleet import FleetNode, system_id_for
 from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.permissions import node_user_name
 
-from ..lab.agent import LabAgentConfig, image_cache_dir, start_agent
+from ..lab.agent import LabAgentConfig, image_cache_dir, start_agent, stop_agent
 from ..lab.lab import Lab
 from .identities import provision_bus
 
@@ -75,27 +75,36 @@ def start_lab_host(stack: Stack) -> Lab:
             stack.authority.save(stack.run_dir / "keys")
             creds = str(path)
         provision_bus(stack.nats_options("admin"), [LAB_NODE], replicas=stack.nats_cluster)
-        assert lab.state is not None
-        start_agent(
-            lab,
-            LabAgentConfig(
-                node_id=LAB_NODE,
-                nats_url=stack.nats_url.split(",")[0],
-                nats_creds=creds,
-                nats_ca_file=str(stack.ca_file) if stack.ca_file else None,
-                extra_env={
-                    "GPUAAS_GPU_BRIDGE": lab.state.bridge,
-                    "GPUAAS_EMULATED_SLOT_DISKS": ",".join(slot.by_id for slot in lab.state.slots),
-                    # Tasks and the catalog name the runbook cache path; the lab keeps it under its prefix.
-                    "GPUAAS_IMAGE_CACHE_DIR": CATALOG_CACHE_DIR,
-                    "GPUAAS_HOST_PATH_MAP": f"{CATALOG_CACHE_DIR}={image_cache_dir(lab)}",
-                },
-            ),
-        )
+        start_agent(lab, lab_agent_config(stack, lab, creds))
     except BaseException:
         lab.down()
         raise
     return lab
+
+
+def lab_agent_config(stack: Stack, lab: Lab, creds: str | None) -> LabAgentConfig:
+    assert lab.state is not None
+    return LabAgentConfig(
+        node_id=LAB_NODE,
+        nats_url=stack.nats_url.split(",")[0],
+        nats_creds=creds,
+        nats_ca_file=str(stack.ca_file) if stack.ca_file else None,
+        extra_env={
+            "GPUAAS_GPU_BRIDGE": lab.state.bridge,
+            "GPUAAS_EMULATED_SLOT_DISKS": ",".join(slot.by_id for slot in lab.state.slots),
+            # Tasks and the catalog name the runbook cache path; the lab keeps it under its prefix.
+            "GPUAAS_IMAGE_CACHE_DIR": CATALOG_CACHE_DIR,
+            "GPUAAS_HOST_PATH_MAP": f"{CATALOG_CACHE_DIR}={image_cache_dir(lab)}",
+        },
+    )
+
+
+def restart_lab_agent(stack: Stack, lab: Lab) -> int:
+    """Stop the lab host's agent (SIGTERM, as a host's service manager would) and start it again with the same
+    settings and identity: what an agent upgrade or a crash-restart does to a host mid-task. Returns the pid."""
+    stop_agent(lab, LAB_NODE)
+    creds = stack.creds_dir / f"{node_user_name(LAB_NODE)}.creds" if stack.auth else None
+    return start_agent(lab, lab_agent_config(stack, lab, str(creds) if creds else None))
 
 
 def describe_lab(lab: Lab | None, image: dict[str, Any] | None = None) -> dict[str, Any] | None:

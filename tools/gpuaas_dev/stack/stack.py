@@ -248,6 +248,16 @@ class Stack:
         return self.admin_token("scheduler")
 
     @property
+    def lab_host(self) -> Any:
+        """The lab (`gpuaas_dev.lab.lab.Lab`) of a stack started with `lab=True`, else None."""
+        return self._lab
+
+    @property
+    def lab_image(self) -> dict[str, Any] | None:
+        """The lab's slice image as the catalog made it active (slug, digest_sha256, ...), else None."""
+        return self._lab_image
+
+    @property
     def fleet(self) -> Fleet:
         if self._fleet is None:
             raise StackError("stack not started")
