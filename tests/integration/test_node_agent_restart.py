@@ -265,11 +265,14 @@ async def test_provision_that_cannot_resume_is_wiped_by_the_agent_with_proof(tmp
         agent.start()
         result = await spy.wait_type("node.task_result", task_id=task.task_id, timeout=60)
         payload = result["payload"]
-        assert (payload["status"], payload["reason_code"], payload["cleanup_required"]) == (
+        # Wiped by the agent, and said to be touched: the proof goes to the scheduler to be judged against the
+        # site's policy; the slot is not freed on the agent's word (before, the result read as never touched).
+        assert (payload["status"], payload["reason_code"], payload["disk_touched"]) == (
             "failed",
             "image_not_cached",
-            False,
+            True,
         )
+        assert payload["cleanup_required"] is False  # the wipe the agent owed is done and verified
         assert [(p["device"], p["verified"]) for p in payload["wipe_proofs"]] == [(agent.by_id, True)]
         assert agent.disk.read_bytes() == bytes(agent.disk.stat().st_size)
         stored = await _exactly_one_stored_result(js, agent, spy, task.task_id, delivered=2)

@@ -275,7 +275,8 @@ async def _refused(env: Env, task: m.SliceVmProvision, code: str) -> m.NodeTaskR
     sums = {k: _fill(p) for k, p in disks.items()}
     result = await env.agent.execute("slice.vm_provision", task)
     assert (result.status, result.reason_code) == ("refused", code), result
-    assert not result.cleanup_required
+    # Said outright, from the task's record: the one case in which the slots may return without a wipe.
+    assert (result.cleanup_required, result.disk_touched) == (False, False)
     assert {k: _digest(p) for k, p in disks.items()} == sums, "a refused task touched a disk"
     assert not await env.libvirt.exists(task.vm_name)
     phases = [e["payload"]["phase"] for e in env.spy.of_type("node.task_progress", task_id=task.task_id)]
@@ -373,6 +374,7 @@ async def test_deadline_bounds_the_runtime_and_cleans_up_the_domain(tmp_path: Pa
         task = e.provision([e.slots[0]], deadline_s=3)
         result = await e.agent.execute("slice.vm_provision", task)
         assert (result.status, result.reason_code, result.cleanup_required) == ("failed", "deadline_exceeded", True)
+        assert result.disk_touched
         assert not await e.libvirt.exists(task.vm_name)
         assert not (e.root / "etc/gpuaas/dnsmasq-hosts" / task.vm_name).exists()
         # The disk was touched: its leases stay until a release has wiped it.
@@ -473,7 +475,10 @@ async def test_recovery_wipes_with_proof_a_provision_that_cannot_resume(env: Env
     _interrupted(env, task)
     results = await env.agent.recover()
     [r] = results
-    assert (r.status, r.reason_code, r.cleanup_required) == ("failed", "deadline_passed", False)
+    # The agent wiped the disk, yet the result says it was touched: the slot returns only if the scheduler finds
+    # the proof to satisfy the site's policy, never on the agent's word (before, it said untouched: no cleanup).
+    assert (r.status, r.reason_code, r.disk_touched) == ("failed", "deadline_passed", True)
+    assert not r.cleanup_required  # nothing left for ops: the wipe it owed is done and proven
     assert [(p.device, p.verified) for p in r.wipe_proofs] == [(task.slots[0].nvme_by_id, True)]
     assert disk.read_bytes() == bytes(disk.stat().st_size)
     assert not any(a == str(task.allocation_id) for a in env.agent.store.leased_resources().values())
@@ -498,7 +503,7 @@ async def test_recovery_reports_cleanup_when_the_wipe_cannot_be_done(env: Env) -
     mounts = env.root / "proc/mounts"
     mounts.write_text(mounts.read_text() + f"/dev/{disk.name} /mnt/oops ext4 rw 0 0\n")
     [r] = await env.agent.recover()
-    assert (r.status, r.reason_code, r.cleanup_required) == ("failed", "deadline_passed", True)
+    assert (r.status, r.reason_code, r.cleanup_required, r.disk_touched) == ("failed", "deadline_passed", True, True)
     assert "wipe not verified" in (r.reason or "")
 
 

@@ -440,6 +440,61 @@ async def test_a_silent_host_during_release_fails_it_with_cleanup_required(world
     assert world.repo.allocations[alloc]["timed_out_task_id"] == _rel(alloc)
 
 
+async def test_a_provision_a_restart_interrupted_passes_its_wipe_proofs_on_for_the_scheduler_to_judge(
+    world: World,
+) -> None:
+    """Before, the agent's `cleanup_required=False` (it had wiped the disk itself) went out as "the disk was
+    never touched", and the scheduler made the slots available without seeing the proof."""
+    alloc = await world.request()
+    await world.place(alloc)
+    proof = m.WipeProof(device="nvme-x", method="zero_fill", verified=True, verification="sampled zeros")
+    interrupted = _result(
+        alloc, _prov(alloc), "failed", reason_code="image_not_cached", disk_touched=True, wipe_proofs=[proof]
+    )
+    await world.send(world.allocator.on_task_result, "node.task_result", interrupted)
+    [failed] = world.sent("allocation.failed")
+    assert failed["cleanup_required"] is True
+    # Passed on as the host made it: judging it is the scheduler's, which knows the site's policy.
+    assert failed["wipe_proofs"] == [proof.model_dump(mode="json")]
+
+
+@pytest.mark.parametrize(
+    ("said", "cleanup_required"),
+    [({"disk_touched": False}, False), ({"disk_touched": True}, True), ({}, True)],
+    ids=["untouched", "touched", "not said"],
+)
+async def test_only_a_provision_that_says_it_never_wrote_the_disk_fails_without_cleanup(
+    world: World, said: dict[str, bool], cleanup_required: bool
+) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    await world.send(
+        world.allocator.on_task_result,
+        "node.task_result",
+        _result(alloc, _prov(alloc), "refused", reason_code="ovs_bridge_missing", **said),
+    )
+    assert [f["cleanup_required"] for f in world.sent("allocation.failed")] == [cleanup_required]
+
+
+async def test_a_failed_release_passes_its_wipe_proofs_on(world: World) -> None:
+    alloc = await world.request()
+    await world.place(alloc)
+    await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc)))
+    await world.send(
+        world.allocator.on_release_requested,
+        "allocation.release_requested",
+        m.AllocationReleaseRequested(allocation_id=alloc),
+    )
+    proof = m.WipeProof(device="nvme-x", method="blkdiscard", verified=False, detail="signatures remain")
+    await world.send(
+        world.allocator.on_task_result,
+        "node.task_result",
+        _result(alloc, _rel(alloc), "failed", reason_code="wipe_unverified", wipe_proofs=[proof]),
+    )
+    [failed] = world.sent("allocation.failed")
+    assert (failed["cleanup_required"], failed["wipe_proofs"]) == (True, [proof.model_dump(mode="json")])
+
+
 async def test_a_baremetal_deploy_is_not_timed_out_by_the_node_task_sweep(world: World) -> None:
     alloc = await world.request("baremetal")
     await world.place(alloc, "baremetal")

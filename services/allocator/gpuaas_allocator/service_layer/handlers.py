@@ -338,11 +338,13 @@ class Allocator:
             res.reason_code or "provisioning_failed",
             res.reason,
             res.node_id,
-            cleanup_required=res.cleanup_required,
+            cleanup_required=res.disk_touched,
+            wipe_proofs=list(res.wipe_proofs),
         )
 
     async def _on_release_result(self, ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
         if res.status == "succeeded":
+            # `verified` summarises the host's own account for the portal; the scheduler judges each disk's proof.
             verified = bool(res.wipe_proofs) and all(p.verified for p in res.wipe_proofs)
             cleanup = m.CleanupReport(
                 required=True,
@@ -355,7 +357,9 @@ class Allocator:
             )
             return
         await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False)
-        await fail(ctx, row, res.reason_code or "release_failed", res.reason, res.node_id)
+        await fail(
+            ctx, row, res.reason_code or "release_failed", res.reason, res.node_id, wipe_proofs=list(res.wipe_proofs)
+        )
 
     async def on_enrolled(self, ctx: HandlerContext) -> None:
         ev: m.NodeEnrolled = ctx.payload

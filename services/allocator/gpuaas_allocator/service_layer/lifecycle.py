@@ -86,9 +86,11 @@ async def fail(
     node_id: str | None,
     *,
     cleanup_required: bool = True,
+    wipe_proofs: list[m.WipeProof] | None = None,
     detail: dict[str, Any] | None = None,
 ) -> None:
-    """The allocation failed; unless told the disk was never touched, it needs cleanup."""
+    """The allocation failed; unless told the disk was never touched, it needs cleanup. Wipe proofs the host
+    made are passed on for the scheduler, which owns the slots, to judge against the site's policy."""
     await transition(
         ctx,
         row,
@@ -99,6 +101,7 @@ async def fail(
         reason=reason or code,
         node_id=node_id,
         cleanup_required=cleanup_required,
+        wipe_proofs=wipe_proofs or [],
     )
 
 

@@ -11,7 +11,7 @@ applied out of order or dropped.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import asyncpg
 
@@ -174,7 +174,12 @@ class Scheduler:
         ev: m.AllocationFailed = ctx.payload
         await _lock_allocation(ctx, ev.allocation_id)
         await fail_allocation(
-            ctx.conn, ev.allocation_id, ev.cleanup_required, f"{ev.reason_code}: {ev.reason}"[:500], later=ctx.uow.defer
+            ctx.conn,
+            ev.allocation_id,
+            ev.cleanup_required,
+            f"{ev.reason_code}: {ev.reason}"[:500],
+            wipe_proofs=ev.wipe_proofs,
+            later=ctx.uow.defer,
         )
 
 
@@ -206,8 +211,9 @@ async def release_allocation(
     *,
     later: Callable[[str], None] | None = None,
 ) -> int:
-    """releasing -> cleanup -> available only with a verified wipe proof for each slot's disk;
-    otherwise cleanup_blocked with the reason. Claims are released either way: a blocked slot is kept
+    """releasing -> cleanup -> available only with a wipe proof for the slot's disk that this scheduler finds
+    to satisfy the site's policy (the allocator's `verified` is the host's account, not a verdict); otherwise
+    cleanup_blocked with the reason. Claims are released either way: a blocked slot is kept
     out of service by its status, not by a claim nobody will release. A host released from a baremetal
     allocation leaves baremetal mode for `converting` when it is slice-capable (see domain/host_mode.py).
     `later`: the unit of work's `defer`, which takes the capacity summary's write to the COMMIT."""
@@ -216,15 +222,11 @@ async def release_allocation(
     slots = [r for r in held if r["slot_id"]]
     _check_in_order(allocation_id, slots, "available" if not cleanup.required else "cleanup", "released")
     if slots and not cleanup.required:
-        # Released before provisioning: the disk was never written.
-        await inv.move_slots(
-            conn,
-            [r["slot_id"] for r in slots],
-            "available",
-            None,
-            actor="scheduler",
-            allocation_id=allocation_id,
-            detail={"cleanup": "not required", "reason": cleanup.reason},
+        # Released before provisioning, the allocator says: no task ever went to the host. This log of the
+        # claim is the scheduler's own evidence of that, and a slot it shows provisioned waits for a wipe.
+        sent = await inv.slots_reached(conn, allocation_id, [r["slot_id"] for r in slots], ("provisioning",))
+        await _return_untouched(
+            conn, allocation_id, slots, sent, {"cleanup": "not required", "reason": cleanup.reason}, "provisioning"
         )
     elif slots:
         proofs = [p.model_dump(mode="json") for p in cleanup.wipe_proofs]
@@ -238,9 +240,7 @@ async def release_allocation(
             detail={"wipe_proofs": proofs},
         )
         for r in slots:
-            problem = (
-                wipe_verdict(r, proofs) if cleanup.verified else (cleanup.reason or "wipe proof missing or failed")
-            )
+            problem = wipe_verdict(r, proofs)
             if problem is None:
                 await inv.move_slots(
                     conn,
@@ -248,22 +248,14 @@ async def release_allocation(
                     "available",
                     None,
                     actor="scheduler",
+                    only_from=("cleanup",),
                     allocation_id=allocation_id,
                     detail={"wipe_verified": r["nvme_by_id"]},
                     health=("healthy", f"wipe verified for {r['nvme_by_id']}"),
                 )
             else:
                 # Tenant data may remain: out of service until an operator repairs it.
-                await inv.move_slots(
-                    conn,
-                    [r["slot_id"]],
-                    "cleanup_blocked",
-                    problem[:500],
-                    actor="scheduler",
-                    allocation_id=allocation_id,
-                    detail={"wipe_proofs": proofs},
-                    health=("failed", problem[:500]),  # runbook: failed cleanup marks the slot failed
-                )
+                await _block(conn, allocation_id, [r["slot_id"]], problem, {"wipe_proofs": proofs})
     freed = await inv.release_claims(conn, allocation_id)
     for node_id in sorted({r["node_id"] for r in held if r["claim_kind"] == "node_exclusive"}):
         await host_modes.return_from_baremetal(conn, node_id, allocation_id)
@@ -277,43 +269,94 @@ async def fail_allocation(
     cleanup_required: bool,
     reason: str,
     *,
+    wipe_proofs: Sequence[m.WipeProof] = (),
     later: Callable[[str], None] | None = None,
 ) -> None:
+    """A failed attempt's slots: back to available when it provably never wrote them, or when the host's wipe
+    proofs (a provision a restart interrupted) satisfy the site's policy for every one of them; otherwise
+    cleanup_blocked, and a node held whole is drained."""
     held = await inv.allocation_slots(conn, allocation_id)
     await inv.lock_nodes(conn, [r["node_id"] for r in held])
-    slot_ids = [r["slot_id"] for r in held if r["slot_id"]]
-    _check_in_order(
-        allocation_id,
-        [r for r in held if r["slot_id"]],
-        "cleanup_blocked" if cleanup_required else "available",
-        "failed",
-    )
-    if cleanup_required:
-        # The attempt touched the disk (clone, boot): never straight back to available.
+    slots = [r for r in held if r["slot_id"]]
+    slot_ids = [r["slot_id"] for r in slots]
+    _check_in_order(allocation_id, slots, "cleanup_blocked" if cleanup_required else "available", "failed")
+    proofs = [p.model_dump(mode="json") for p in wipe_proofs]
+    if not cleanup_required:
+        # The host's word that no disk write began (its task record, written before the clone). A slot this
+        # scheduler saw active held a running tenant VM, which no such word can undo.
+        ran = await inv.slots_reached(conn, allocation_id, slot_ids, ("active",))
+        await _return_untouched(conn, allocation_id, slots, ran, {"failed_without_disk_writes": reason}, "active")
+    elif slots and proofs:
+        problems = {r["slot_id"]: wipe_verdict(r, proofs) for r in slots}
         await inv.move_slots(
             conn,
             slot_ids,
-            "cleanup_blocked",
-            reason,
+            "cleanup",
+            "verifying wipe proof",
             actor="scheduler",
             allocation_id=allocation_id,
-            health=("failed", reason),
+            detail={"failed": reason, "wipe_proofs": proofs},
         )
+        if not any(problems.values()):
+            for r in slots:
+                await inv.move_slots(
+                    conn,
+                    [r["slot_id"]],
+                    "available",
+                    None,
+                    actor="scheduler",
+                    only_from=("cleanup",),
+                    allocation_id=allocation_id,
+                    detail={"failed": reason, "wipe_verified": r["nvme_by_id"]},
+                    health=("healthy", f"wipe verified for {r['nvme_by_id']}"),
+                )
+        else:
+            # All or none: the host keeps its leases on every disk of the task until all are proven wiped, so a
+            # slot freed alone would be refused by it at the next provision.
+            for slot_id, problem in problems.items():
+                why = problem or "another disk of the failed attempt is not proven wiped"
+                await _block(conn, allocation_id, [slot_id], f"{reason}; {why}", {"wipe_proofs": proofs})
+    else:
+        # The attempt touched the disk (clone, boot) and nobody proved a wipe: never straight back to available.
+        await _block(conn, allocation_id, slot_ids, reason, None)
+    if cleanup_required:
         for r in held:
             if r["claim_kind"] == "node_exclusive":
                 await inv.drain_node(conn, r["node_id"], f"cleanup required after {reason}"[:500], actor="scheduler")
-    else:
-        await inv.move_slots(
-            conn,
-            slot_ids,
-            "available",
-            None,
-            actor="scheduler",
-            allocation_id=allocation_id,
-            detail={"failed_without_disk_writes": reason},
-        )
     await inv.release_claims(conn, allocation_id)
     await inv.refresh_nodes(conn, [r["node_id"] for r in held], later=later)
+
+
+async def _return_untouched(
+    conn: asyncpg.Connection,
+    allocation_id: uuid.UUID,
+    slots: list[asyncpg.Record],
+    contradicted: set[str],
+    detail: dict,
+    reached: str,
+) -> None:
+    """Slots reported never written: back to available, unless the claim's log shows them `reached`."""
+    clean = [r["slot_id"] for r in slots if r["slot_id"] not in contradicted]
+    await inv.move_slots(conn, clean, "available", None, actor="scheduler", allocation_id=allocation_id, detail=detail)
+    for slot_id in sorted(contradicted):
+        problem = f"reported never written, but the slot was {reached} under allocation {allocation_id}"
+        await _block(conn, allocation_id, [slot_id], problem, detail)
+
+
+async def _block(
+    conn: asyncpg.Connection, allocation_id: uuid.UUID, slot_ids: list[str], problem: str, detail: dict | None
+) -> None:
+    # Runbook: a failed cleanup marks the slot failed.
+    await inv.move_slots(
+        conn,
+        slot_ids,
+        "cleanup_blocked",
+        problem[:500],
+        actor="scheduler",
+        allocation_id=allocation_id,
+        detail=detail,
+        health=("failed", problem[:500]),
+    )
 
 
 # Evidence consumers, one durable per filter subject (see gpuaas_common.jetstream.CONSUMERS).

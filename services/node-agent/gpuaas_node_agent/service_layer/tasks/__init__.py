@@ -1,8 +1,8 @@
 """Node tasks: one task message in, host work done in phases, one result out.
 
 Idempotent per task id through the local state store; a stale fencing epoch or a resource leased to
-another allocation is refused before anything destructive runs; any failure after the disk was
-touched is reported with `cleanup_required` so the scheduler never hands the slot out unwiped.
+another allocation is refused before anything destructive runs; every result says `disk_touched`, false
+only when the task's record shows no disk write ever began, so the scheduler never hands a slot out unwiped.
 Every task runs within its deadline, and a task a killed agent left half-done is resumed on restart under
 the same claim and fencing epoch; a provision that cannot resume after it wrote the disk is wiped and
 verified by the agent, with the proof in its result — exactly one result either way.

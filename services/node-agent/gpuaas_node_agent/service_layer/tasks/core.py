@@ -101,6 +101,10 @@ class AgentCore:
         readiness_: m.Readiness | None = None,
         proofs: list[m.WipeProof] | None = None,
     ) -> m.NodeTaskResult:
+        # A release follows a VM that had its disks, so only a provision can say it never wrote one, and only
+        # from the record `_phase` writes before the first write.
+        record = self.store.task(task.task_id)
+        touched = task_type != "slice.vm_provision" or bool(record and record["disk_touched"])
         return m.NodeTaskResult(
             task_id=task.task_id,
             allocation_id=task.allocation_id,
@@ -112,6 +116,7 @@ class AgentCore:
             readiness=readiness_,
             wipe_proofs=proofs or [],
             cleanup_required=cleanup_required,
+            disk_touched=touched,
         )
 
     async def _phase(

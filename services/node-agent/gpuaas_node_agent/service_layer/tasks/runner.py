@@ -154,8 +154,9 @@ class TaskRunner(ProvisionTask, ReleaseTask):
 
     async def _wipe_interrupted(self, task: Any, code: str, reason: str) -> m.NodeTaskResult:
         """A provision a restart interrupted after the disk was written, that cannot be resumed: tear the VM down,
-        wipe and verify every disk of the task here and report the proofs, so the slots go back to service.
-        Only a wipe that cannot be done or verified leaves `cleanup_required` for ops."""
+        wipe and verify every disk of the task here and report the proofs with `disk_touched`: the slots go back
+        to service only if the scheduler finds them to satisfy the site's policy. A wipe that cannot be done or
+        verified also says `cleanup_required`, and the leases stay."""
         t = "slice.vm_provision"
         await self._teardown_domain(task)
         (self.seed_dir / f"{task.vm_name}.iso").unlink(missing_ok=True)

@@ -52,6 +52,7 @@ from .slot_transitions import (
     move_slots,
     release_claims,
     set_slot_status,
+    slots_reached,
 )
 
 __all__ = [
@@ -90,6 +91,7 @@ __all__ = [
     "seed_from_fleet",
     "set_slot_status",
     "slice_candidates",
+    "slots_reached",
     "tenant_usage_locked",
     "try_claim_baremetal",
 ]

@@ -137,6 +137,22 @@ async def set_slot_status(
     return len(rows)
 
 
+async def slots_reached(
+    conn: asyncpg.Connection, allocation_id: uuid.UUID, slot_ids: Sequence[str], statuses: Sequence[str]
+) -> set[str]:
+    """Which of these slots the transition log shows in one of `statuses` under this allocation."""
+    if not slot_ids:
+        return set()
+    rows = await conn.fetch(
+        "SELECT DISTINCT slot_id FROM slot_transitions "
+        "WHERE slot_id = ANY($1::text[]) AND allocation_id = $2 AND to_status = ANY($3::text[])",
+        list(slot_ids),
+        allocation_id,
+        list(statuses),
+    )
+    return {r["slot_id"] for r in rows}
+
+
 async def release_claims(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[asyncpg.Record]:
     return await conn.fetch(
         "UPDATE allocation_resource_claims SET status = 'released', released_at = clock_timestamp() "
