@@ -167,7 +167,31 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
 GENERIC_PLAN_SCHEMAS = frozenset({"scheduler"})
 
 
-async def create_pool(dsn: str, schema: str, min_size: int = 2, max_size: int = 10) -> asyncpg.Pool:
+class BackendPids:
+    """The server process ids of a pool's open connections: the backends whose commits the service's outbox
+    relay may take rows from (`OutboxRelay(writers=...)`). A pid leaves the set when its connection closes, so a
+    backend that a later session gets the same pid for is not mistaken for ours."""
+
+    def __init__(self) -> None:
+        self._pids: set[int] = set()
+
+    def __contains__(self, pid: object) -> bool:
+        return pid in self._pids
+
+    def __len__(self) -> int:
+        return len(self._pids)
+
+    async def register(self, conn: asyncpg.Connection) -> None:
+        """A pool's `init`: called once for each connection the pool opens."""
+        pid = conn.get_server_pid()
+        self._pids.add(pid)
+        conn.add_termination_listener(lambda _conn: self._pids.discard(pid))
+
+
+async def create_pool(
+    dsn: str, schema: str, min_size: int = 2, max_size: int = 10, *, writers: BackendPids | None = None
+) -> asyncpg.Pool:
+    """`writers` learns the backend pid of every connection the pool opens (see BackendPids)."""
     check_schema(schema)
     # search_path pins every unqualified table to the owning service's schema, so one service's
     # SQL cannot reach another's tables by accident.
@@ -180,6 +204,7 @@ async def create_pool(dsn: str, schema: str, min_size: int = 2, max_size: int = 
         max_size=max_size,
         server_settings=settings,
         reset=_keep_session,
+        init=writers.register if writers is not None else None,
     )
     assert pool is not None
     return pool

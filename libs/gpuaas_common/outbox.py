@@ -17,6 +17,12 @@ stream, so none can see their relative order (a plain subscription to both, an o
 publishes share one write and one wake-up. A row published by both paths (committed while a read looked) is
 published once: the relay remembers the event ids it published recently, and JetStream's duplicate window
 (Nats-Msg-Id) and every consumer's inbox drop anything a dying relay left to its successor.
+
+Only the service's own backends may tell the relay what to publish. Postgres checks no privilege on NOTIFY, so
+each service has a database of its own (pg_roles), where no other service's role can connect; and, as a second
+wall, the relay takes rows only from a notification whose sender is a connection of its own service's pool
+(`writers`). Any other notification (another replica's pool, a superuser, a forgery) only wakes it to read the
+table, which only the service's role can write: nothing it names is published from the payload itself.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel
 
 from .contract import Envelope, spec_for
-from .db import CONNECTION_LOST, bytea_literal, check_schema, text_literal
+from .db import CONNECTION_LOST, BackendPids, bytea_literal, check_schema, text_literal
 from .jetstream import PUBACK_TIMEOUT_S, stream_of
 from .logging import get_logger
 
@@ -214,7 +220,10 @@ class OutboxRelay:
         max_backoff_s: float = 5.0,
         delete_grace_s: float = 0.05,
         recent_ids: int = 10_000,
+        writers: BackendPids | None = None,
     ) -> None:
+        """`writers`: the backends whose notifications may carry rows (the service's pool, `create_pool(writers=
+        ...)`); None trusts no notification's rows, and every notification is a wake-up to read the table."""
         self.dsn = dsn
         self.schema = check_schema(schema)
         self.js = js
@@ -234,6 +243,9 @@ class OutboxRelay:
         self._clean = False  # the table was read and drained since leading began, and nothing failed since
         self._recent: OrderedDict[str, None] = OrderedDict()  # event ids published lately, oldest first
         self._recent_max = recent_ids
+        self.writers = writers
+        self.foreign_notices = 0  # notifications from a backend not in `writers`: read the table instead
+        self._foreign_senders: set[int] = set()  # logged once each
 
     async def _connect(self) -> asyncpg.Connection:
         return await asyncpg.connect(self.dsn, server_settings={"search_path": self.schema})
@@ -310,7 +322,18 @@ class OutboxRelay:
                 if conn is not None and not conn.is_closed():
                     conn.terminate()  # closing would wait on a server that may be gone
 
-    def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+    def _on_notify(self, _conn: Any, pid: int, _channel: str, payload: str) -> None:
+        if self.writers is None or pid not in self.writers:
+            # What it carries is not ours to publish; an empty notice sends the relay to the table, in order
+            # with the others (another replica's commit is there; a forgery is not).
+            self.foreign_notices += 1
+            if payload and pid not in self._foreign_senders and self.writers is not None:
+                # Another replica's commits come this way too: named once per sender, not as an alarm.
+                if len(self._foreign_senders) >= 4096:
+                    self._foreign_senders.clear()
+                self._foreign_senders.add(pid)
+                log.info("relay_notice_not_from_own_pool", schema=self.schema, sender_pid=pid)
+            payload = ""
         self._notices.append(payload)
         self._wake.set()
 

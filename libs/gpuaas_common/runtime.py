@@ -29,7 +29,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from .bus import Bus
-from .db import create_pool
+from .db import BackendPids, create_pool
 from .health import HealthServer
 from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, DurableNotAsProvisioned, ensure_consumers, provision
 from .logging import configure_logging, get_logger
@@ -68,6 +68,8 @@ class ServiceRuntime:
         self.migrations_package = migrations_package
         self.health = HealthServer(name, settings.health_host, settings.health_port)
         self.pool: asyncpg.Pool | None = None
+        # The pool's backends: the only senders whose NOTIFYs the outbox relay takes rows from.
+        self.writers = BackendPids()
         self.nc: NatsClient | None = None
         self.js: JetStreamContext | None = None
         self.bus: Bus | None = None
@@ -123,7 +125,7 @@ class ServiceRuntime:
         while True:
             try:
                 return await asyncio.wait_for(
-                    create_pool(self.dsn, schema), timeout=max(0.1, deadline - time.monotonic())
+                    create_pool(self.dsn, schema, writers=self.writers), timeout=max(0.1, deadline - time.monotonic())
                 )
             except asyncpg.InvalidAuthorizationSpecificationError as exc:  # wrong role or password
                 raise StartupFailed("database_auth_refused", redact(str(exc), password), **where) from None
@@ -205,6 +207,7 @@ class ServiceRuntime:
                 self.js,
                 batch_size=self.settings.relay_batch_size,
                 poll_interval_s=self.settings.relay_poll_interval_s,
+                writers=self.writers,
             )
             self.spawn(self.relay.run(), "outbox-relay")
             assert self.pool is not None

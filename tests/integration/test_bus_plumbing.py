@@ -24,6 +24,7 @@ from gpuaas_common.jetstream import (
     ensure_consumer,
     provision,
 )
+from gpuaas_common.db import BackendPids
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import EventCollector, OutboxRelay, OutboxWriter, notice_payload, pending_statement
 from gpuaas_dev.testing.bus_spy import BusSpy
@@ -32,11 +33,17 @@ from gpuaas_dev.testing.waiting import eventually
 
 
 @pytest.fixture
-async def outbox_db(fresh_db):
+def writers() -> BackendPids:
+    """The pool's backends, as the runtime hands them to its relay: the senders whose NOTIFYs carry rows."""
+    return BackendPids()
+
+
+@pytest.fixture
+async def outbox_db(fresh_db, writers):
     conn = await asyncpg.connect(fresh_db)
     await apply_migrations(conn, "svc", None)
     await conn.close()
-    pool = await asyncpg.create_pool(fresh_db, server_settings={"search_path": "svc"})
+    pool = await asyncpg.create_pool(fresh_db, server_settings={"search_path": "svc"}, init=writers.register)
     yield fresh_db, pool
     await pool.close()
 
@@ -271,10 +278,12 @@ def _by_aggregate(spy: BusSpy) -> dict[str, list[str]]:
     return seen
 
 
-async def test_the_relay_publishes_what_notifications_carry_without_reading_the_table(js, outbox_db, nats_server):
+async def test_the_relay_publishes_what_notifications_carry_without_reading_the_table(
+    js, outbox_db, writers, nats_server
+):
     dsn, pool = outbox_db
     spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
-    relay = OutboxRelay(dsn, "svc", js, poll_interval_s=60.0)
+    relay = OutboxRelay(dsn, "svc", js, poll_interval_s=60.0, writers=writers)
     task = asyncio.create_task(relay.run())
     aggregates = [uuid.uuid4() for _ in range(3)]
     written: dict[str, list[str]] = {str(a): [] for a in aggregates}
@@ -292,6 +301,38 @@ async def test_the_relay_publishes_what_notifications_carry_without_reading_the_
         await spy.stop()
     assert _by_aggregate(spy) == written
     assert spy.violations == []
+
+
+async def test_the_relay_publishes_nothing_a_notification_from_outside_its_pool_carries(
+    js, outbox_db, writers, nats_server
+):
+    """A backend that is not a connection of the service's pool (here the superuser, in the service's own
+    database) NOTIFYs the relay's channel with a row no commit wrote: the relay publishes no part of it, and only
+    reads the table, where a genuine commit of the pool made meanwhile is found and published."""
+    dsn, pool = outbox_db
+    victim, genuine = uuid.uuid4(), uuid.uuid4()
+    forged = EventCollector("allocator")
+    env = await forged.add("allocation.release_requested", _release_requested(victim), aggregate_id=str(victim))
+    payload = notice_payload(forged.pending, [env.model_dump_json()])
+    spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
+    relay = OutboxRelay(dsn, "svc", js, poll_interval_s=60.0, writers=writers)
+    task = asyncio.create_task(relay.run())
+    outsider = await asyncpg.connect(dsn)
+    try:
+        await eventually(lambda: relay.reads == 1, what="the read a new leader makes")
+        assert outsider.get_server_pid() not in writers and len(writers) > 0
+        await outsider.execute("SELECT pg_notify($1, $2)", "gpuaas_outbox_svc", payload)
+        await eventually(lambda: relay.foreign_notices == 1, what="the forged notification received")
+        await eventually(lambda: relay.reads == 2, what="the table read it caused instead")
+        ours = await _commit_one(pool, genuine)
+        await spy.wait_for(lambda: any(d["event_id"] == ours for _, d in spy.messages), what="the genuine event")
+        assert relay.reads == 2  # the pool's own notification is taken as it comes
+    finally:
+        await outsider.close()
+        relay.stop()
+        await task
+        await spy.stop()
+    assert _by_aggregate(spy) == {str(genuine): [ours]}
 
 
 async def test_the_relay_takes_at_most_a_batch_of_notifications_at_a_time(js, outbox_db, nats_server):
@@ -319,10 +360,10 @@ async def test_the_relay_takes_at_most_a_batch_of_notifications_at_a_time(js, ou
     assert _by_aggregate(spy) == {str(agg): ids}
 
 
-async def test_rows_too_big_for_a_notification_are_read_from_the_table(js, outbox_db, nats_server):
+async def test_rows_too_big_for_a_notification_are_read_from_the_table(js, outbox_db, writers, nats_server):
     dsn, pool = outbox_db
     spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
-    relay = OutboxRelay(dsn, "svc", js, poll_interval_s=60.0)
+    relay = OutboxRelay(dsn, "svc", js, poll_interval_s=60.0, writers=writers)
     task = asyncio.create_task(relay.run())
     agg = uuid.uuid4()
     events = EventCollector("test")
@@ -348,13 +389,13 @@ async def test_rows_too_big_for_a_notification_are_read_from_the_table(js, outbo
 
 
 async def test_a_failed_publish_of_a_notified_row_holds_its_aggregate_until_the_table_is_read(
-    js, outbox_db, nats_server
+    js, outbox_db, writers, nats_server
 ):
     dsn, pool = outbox_db
     stuck, other = uuid.uuid4(), uuid.uuid4()
     spy = await BusSpy(nats_server.url, "gpuaas.allocation.release_requested").start()
     flaky = _RefusesOnce(js, stuck)
-    relay = OutboxRelay(dsn, "svc", flaky, poll_interval_s=60.0)  # type: ignore[arg-type]
+    relay = OutboxRelay(dsn, "svc", flaky, poll_interval_s=60.0, writers=writers)  # type: ignore[arg-type]
     task = asyncio.create_task(relay.run())
     written: dict[str, list[str]] = {str(stuck): [], str(other): []}
     try:
