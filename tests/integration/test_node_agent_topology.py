@@ -169,6 +169,7 @@ async def test_healthy_host_passes_every_parity_check(tmp_path: Path) -> None:
         "dnsmasq_service",
         "host_baseline",
         "tmfifo_net0",
+        "bf3_peer",
         "reboot_required",
         "api_topology",
     ]
@@ -221,8 +222,6 @@ BROKEN = {
     ),
     "dnsmasq_inactive": ({"dnsmasq_active": False}, "dnsmasq_service"),
     "no_h200_ib_done": ({"h200_ib_done": False}, "host_baseline"),
-    "no_tmfifo_net0": ({"tmfifo_address": None}, "tmfifo_net0"),
-    "tmfifo_wrong_address": ({"tmfifo_address": "192.168.200.1/30"}, "tmfifo_net0"),
     "reboot_pending": ({"reboot_required": True}, "reboot_required"),
 }
 
@@ -246,7 +245,6 @@ REMEDIATION = {
     "ovs_bridge_service": "gpuaas-slice-ovs-bridge",
     "dnsmasq_service": "ExecStartPost=",
     "host_baseline": "site-bootstrap/h200-ib/bootstrap.sh",
-    "tmfifo_net0": "network baseline service",
     "reboot_required": "GPUAAS_SLICE_REBOOT_IF_REQUIRED=1",
 }
 
@@ -258,6 +256,50 @@ async def test_new_checks_carry_the_runbook_remediation(tmp_path: Path, variant:
     report = await ParityChecker(Host.at(root)).run("xe9680l-01")
     failed = next(c for c in report.checks if c.check == check)
     assert REMEDIATION[check] in (failed.remediation or "")
+
+
+# The BlueField management link (runbook: "optional tmfifo_net0 management evidence"; "BF3 RShim peer 192.168.100.2
+# ping succeeds"): variant -> the checks it breaks. The fixture's peer answers only on the runbook's /30.
+BF3_MANAGEMENT = {
+    "no_tmfifo_net0": ({"tmfifo_address": None}, ["tmfifo_net0", "bf3_peer"]),
+    "tmfifo_wrong_address": ({"tmfifo_address": "192.168.200.1/30"}, ["tmfifo_net0", "bf3_peer"]),
+    "bf3_peer_silent": ({"bf3_peer_reachable": False}, ["bf3_peer"]),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BF3_MANAGEMENT))
+async def test_bf3_management_link_is_warn_evidence_by_default(tmp_path: Path, variant: str) -> None:
+    overrides, checks = BF3_MANAGEMENT[variant]
+    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20, **overrides))
+    report = await ParityChecker(Host.at(root)).run("xe9680l-01")
+    assert report.failures == 0
+    warned = [c for c in report.checks if c.status == "WARN" and c.check != "api_topology"]
+    assert [c.check for c in warned] == checks
+    assert all("optional management evidence" in c.detail and c.remediation for c in warned)
+
+
+@pytest.mark.parametrize("variant", sorted(BF3_MANAGEMENT))
+async def test_a_site_that_requires_the_bf3_management_link_fails_on_it(tmp_path: Path, variant: str) -> None:
+    overrides, checks = BF3_MANAGEMENT[variant]
+    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20, **overrides))
+    report = await ParityChecker(Host.at(root), require_bf3_management=True).run("xe9680l-01")
+    assert [c.check for c in report.checks if c.status == "FAIL"] == checks
+    assert report.failures == len(checks)
+    if "tmfifo_net0" in checks:
+        tmfifo = next(c for c in report.checks if c.check == "tmfifo_net0")
+        assert "network baseline service" in (tmfifo.remediation or "")
+
+
+async def test_the_bf3_peer_is_probed_not_assumed_from_the_address(tmp_path: Path) -> None:
+    # tmfifo_net0 has the runbook's address, yet the peer is silent: only the probe can tell.
+    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20, bf3_peer_reachable=False))
+    checks = {c.check: c for c in (await ParityChecker(Host.at(root)).run("xe9680l-01")).checks}
+    assert checks["tmfifo_net0"].status == "PASS"
+    assert checks["bf3_peer"].status == "WARN" and "192.168.100.2" in checks["bf3_peer"].detail
+    # On an emulated-slot host the link does not exist: not applicable, whatever the site requires.
+    emulated = await ParityChecker(Host.at(root), emulated=True, require_bf3_management=True).run("xe9680l-01")
+    peer = next(c for c in emulated.checks if c.check == "bf3_peer")
+    assert peer.status == "WARN" and "not applicable" in peer.detail
 
 
 async def test_fabricmanager_in_shared_nvswitch_mode_passes(tmp_path: Path) -> None:
@@ -320,7 +362,7 @@ def test_cli_parity_prints_one_line_per_check_and_a_summary(tmp_path: Path) -> N
     res = _cli("parity", "--root", str(healthy))
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert len(lines) == 24 and all(line.startswith("GPUAAS_SLICE_PARITY ") for line in lines)
+    assert len(lines) == 25 and all(line.startswith("GPUAAS_SLICE_PARITY ") for line in lines)
     assert "status=PASS check=kvm detail=" in lines[0]
     # Only local checks ran: api_topology warns, as the runbook's checker does without an API token.
     assert lines[-2].startswith("GPUAAS_SLICE_PARITY status=WARN check=api_topology detail=only\\ local")

@@ -53,6 +53,9 @@ class AgentSettings(ServiceSettings):
     gpu_bridge_cidr: str = "10.100.0.1/24"
     # The GPU bridge's name (runbook: ovsbr0; the lab's Linux bridge is gpubr0): discovery and parity read it.
     gpu_bridge: str = Field(default="ovsbr0", pattern=r"^[A-Za-z0-9_.-]{1,15}$")
+    # The runbook counts tmfifo_net0 and the BlueField-3 peer as optional management evidence: parity reports
+    # them as WARN. A site whose operations depend on the BF3 management link makes them FAIL instead.
+    parity_require_bf3_management: bool = False
     # Emulated slots: block devices (by-id paths) this host offers as slots with no GPU and no fabric VF. Only
     # a lab host under QEMU/TCG has them; discovery reports them as `emulated` candidates, parity runs its
     # emulated profile (hardware checks not applicable), and the scheduler approves them only where its own

@@ -39,6 +39,11 @@ REBOOT_REQUIRED = "/var/run/reboot-required"
 FABRICMANAGER_CFG = "/usr/share/nvidia/nvswitch/fabricmanager.cfg"
 TMFIFO = "tmfifo_net0"
 TMFIFO_CIDR = "192.168.100.1/30"
+# The BlueField-3's end of the RShim link (runbook: "BF3 peer 192.168.100.2 responds to ping").
+BF3_PEER = "192.168.100.2"
+# Optional management evidence (runbook: "optional tmfifo_net0 management evidence"): a WARN, unless a site makes
+# its BlueField management link required (`require_bf3_management`), when it is a FAIL like any other check.
+BF3_MANAGEMENT_CHECKS = frozenset({"tmfifo_net0", "bf3_peer"})
 # The checks with nothing to look at on an emulated-slot host: IOMMU, VFIO and GPU bindings, the fabric and
 # IPoIB, the host GPU services, the BlueField link, and the systemd units of the slice baseline (the lab makes
 # its bridge, dnsmasq and libvirtd itself; the bridge address, NAT, forwarding and libvirt are still checked).
@@ -59,6 +64,7 @@ NOT_APPLICABLE_EMULATED = frozenset(
         "dnsmasq_service",
         "host_baseline",
         "tmfifo_net0",
+        "bf3_peer",
     }
 )
 
@@ -82,8 +88,10 @@ class ParityChecker:
         topology: m.NodeTopologyReported | None = None,
         emulated: bool = False,
         libvirt_alive: Callable[[], Awaitable[bool]] | None = None,
+        require_bf3_management: bool = False,
     ) -> None:
         self.host = host
+        self.require_bf3_management = require_bf3_management
         # The emulated profile (a lab host whose slots carry no GPU and no fabric VF): every check of hardware
         # or of the host GPU services has nothing to look at and says so as a WARN; the rest run unchanged.
         self.emulated = emulated
@@ -335,21 +343,42 @@ class ParityChecker:
             "baseline) before the slice bootstrap",
         )
 
+    def _bf3_problem(self, check: str, detail: str, remediation: str) -> m.ParityCheck:
+        if self.require_bf3_management:
+            return _fail(check, detail, remediation)
+        return m.ParityCheck(
+            check=check,
+            status="WARN",
+            detail=f"{detail} (optional management evidence on this site)",
+            remediation=remediation,
+        )
+
     async def tmfifo_net0(self) -> m.ParityCheck:
         have = (await self.addresses()).get(TMFIFO)
         if have is None:
-            return _fail(
+            return self._bf3_problem(
                 "tmfifo_net0",
                 f"{TMFIFO} missing",
                 "check rshim is active; the network baseline service repairs the tmfifo_net0 address after reboot",
             )
         if TMFIFO_CIDR not in have:
-            return _fail(
+            return self._bf3_problem(
                 "tmfifo_net0",
                 f"{TMFIFO} has {','.join(have) or 'no address'}, expected {TMFIFO_CIDR}",
                 f"ip addr add {TMFIFO_CIDR} dev {TMFIFO} (network baseline service)",
             )
         return _ok("tmfifo_net0", f"{TMFIFO} {TMFIFO_CIDR}")
+
+    async def bf3_peer(self) -> m.ParityCheck:
+        # Probed, not assumed from the address: the runbook's remediation was verified by the peer answering.
+        res = await self.host.run.run("ping", "-c", "1", "-W", "2", BF3_PEER)
+        if res.ok:
+            return _ok("bf3_peer", f"BF3 peer {BF3_PEER} answers ping")
+        return self._bf3_problem(
+            "bf3_peer",
+            f"BF3 peer {BF3_PEER} does not answer ping (exit {res.rc})",
+            "check rshim and the tmfifo_net0 address (network baseline service); the BF3 must be up",
+        )
 
     async def reboot_required(self) -> m.ParityCheck:
         if self.host.fs.exists(REBOOT_REQUIRED):
@@ -421,6 +450,7 @@ class ParityChecker:
             self.dnsmasq_service,
             self.host_baseline,
             self.tmfifo_net0,
+            self.bf3_peer,
             self.reboot_required,
             self.api_topology,
         ]

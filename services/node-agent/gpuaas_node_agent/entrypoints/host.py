@@ -80,6 +80,7 @@ async def run_slice_host(
     )
     agent.gpu_bridge = settings.gpu_bridge
     agent.emulated_slot_disks = tuple(settings.emulated_slot_disks)
+    agent.require_bf3_management = settings.parity_require_bf3_management
     if agent.emulated_slot_disks:
         log.info("emulated_slots", node_id=node_id, disks=list(agent.emulated_slot_disks))
     handlers = {

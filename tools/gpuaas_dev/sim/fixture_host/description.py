@@ -95,6 +95,8 @@ class HostDescription(BaseModel):
     dnsmasq_active: bool = True
     h200_ib_done: bool = True
     tmfifo_address: str | None = "192.168.100.1/30"
+    # The BlueField-3's end of the RShim link answers ping (it cannot without the host's tmfifo_net0 address).
+    bf3_peer_reachable: bool = True
     reboot_required: bool = False
     # 1 GiB hugepages staged for the tuned runtime profile (the prototype's 512 = 64 per GPU). 0: a host
     # without hugepages; None: a kernel with no 1 GiB pool at all (its sysfs directory is absent).

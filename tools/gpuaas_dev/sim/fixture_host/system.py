@@ -176,6 +176,14 @@ def write_host_tools(fs: _Sysfs, desc: HostDescription) -> None:
         'if grep -qx "$unit" "$DATA/active-units.txt"; then echo active; exit 0; fi\n'
         "echo inactive; exit 3\n",
     )
+    peers = ["192.168.100.2"] if desc.bf3_peer_reachable and desc.tmfifo_address == "192.168.100.1/30" else []
+    _write(data / "ping-answers.txt", "".join(f"{p}\n" for p in peers))
+    _script(
+        root / "usr/bin/ping",
+        'for peer; do :; done\n'
+        'if grep -qx "$peer" "$DATA/ping-answers.txt"; then echo "1 packets transmitted, 1 received"; exit 0; fi\n'
+        'echo "1 packets transmitted, 0 received"; exit 1\n',
+    )
     _write(data / "pci-default-drivers.txt", "".join(f"{bdf} {drv}\n" for bdf, drv in _vfio_devices(desc)))
     # driverctl keeps one file per override under /etc/driverctl.d and (re)binds the device at once; here
     # binding is relinking the sysfs `driver` symlink, so the agent's checks read the result for real.

@@ -19,6 +19,7 @@ class HostEvidence(AgentCore):
     # declared as emulated slots (a lab host; none on a GPU host). Set from the settings after construction.
     gpu_bridge: str = "ovsbr0"
     emulated_slot_disks: tuple[str, ...] = ()
+    require_bf3_management: bool = False
 
     # --- topology and parity -----------------------------------------------------------------------
 
@@ -43,6 +44,7 @@ class HostEvidence(AgentCore):
             topology=topology,
             emulated=bool(self.emulated_slot_disks),
             libvirt_alive=self.libvirt_alive,
+            require_bf3_management=self.require_bf3_management,
         ).run(self.node_id, task_id=task_id)
         for type_, payload in (("node.topology_reported", topology), ("node.parity_reported", parity)):
             await self.publish(
