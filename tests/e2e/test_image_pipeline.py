@@ -247,7 +247,7 @@ async def test_cli_build_wait_and_status(stack: Stack, known_hosts, tmp_path: Pa
     res = await asyncio.to_thread(
         subprocess.run, [gpuaas, "images", "list", "--json", *common], capture_output=True, text=True, timeout=60
     )
-    assert "cli-image" in {i["slug"] for i in json.loads(res.stdout)}
+    assert "cli-image" in {i["slug"] for i in json.loads(res.stdout)["images"]}
 
 
 class CorruptingProxy:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import uuid
@@ -48,6 +49,12 @@ ADMIN = [
     (["wipe-policy", "set", "nvme_format", "--reason", "r"], None),
     (["allocations", "force-release", ALLOC, "--reason", "r"], None),
 ]
+# The image pipeline's admin API: (argv, whether it changes something).
+IMAGES = [
+    (["images", "list"], False),
+    (["images", "status", "NAME"], False),
+    (["images", "build", "--slug", "NAME"], True),
+]
 BUS = [
     ["allocate", "--shape", "gpu_slice"],
     ["release", ALLOC],
@@ -82,6 +89,9 @@ def clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "GPUAAS_NATS_CA_FILE",
         "GPUAAS_SCHEDULER_ADMIN_URL",
         "GPUAAS_SCHEDULER_ADMIN_TOKEN",
+        "GPUAAS_IMAGE_ADMIN_URL",
+        "GPUAAS_IMAGE_ADMIN_TOKEN",
+        "GPUAAS_ADMIN_TOKEN",
     ):
         monkeypatch.delenv(var, raising=False)
 
@@ -111,6 +121,7 @@ class _Api(BaseHTTPRequestHandler):
         self.seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body})
         if self.status == 200:
             payload: dict[str, Any] = {"tenant_id": "t1", "quota": {"tenant_id": "t1", "max_gpus": 4}, "gpus_in_use": 0}
+            payload["images"] = []
         else:
             code = {404: "not_found", 401: "unauthorized"}[self.status]
             payload = {"error": {"code": code, "message": "m", "details": {}, "request_id": "r"}}
@@ -280,3 +291,128 @@ async def test_an_allocator_that_does_not_answer_times_out_with_4(allocator_stub
         res = await asyncio.to_thread(gpuaas, *argv, "--nats-url", allocator_stub["url"], "--timeout", "0.3")
         assert res.exit_code == 4, res.output
         assert one_line(res) == "the allocator did not answer within 0.3s"
+
+
+# --- the image pipeline's admin API ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [a for a, _ in IMAGES], ids=" ".join)
+def test_an_images_command_without_a_stack_says_so(argv: list[str], tmp_path: Path) -> None:
+    res = gpuaas(*_argv(argv))
+    assert res.exit_code == 3
+    line = one_line(res)
+    assert line.startswith(f"no image admin API: no stack runs in {tmp_path / '.run' / 'dev'}; "), line
+    assert "$GPUAAS_IMAGE_ADMIN_TOKEN" in line
+
+
+@pytest.mark.parametrize("argv", [a for a, _ in IMAGES if "NAME" in a], ids=" ".join)
+def test_an_unknown_image_is_a_failure_worded_once(argv: list[str], api_404) -> None:
+    url, _ = api_404
+    res = gpuaas(*_argv(argv, "ghost-1"), "--admin-url", url, "--token", "t")
+    assert res.exit_code == 1
+    assert one_line(res) == "no image ghost-1"
+
+
+@pytest.mark.parametrize("argv", [a for a, _ in IMAGES], ids=" ".join)
+def test_a_refused_image_token_is_worded_once_and_exits_3(argv: list[str], api_401) -> None:
+    url, _ = api_401
+    res = gpuaas(*_argv(argv), "--admin-url", url, "--token", "wrong")
+    assert res.exit_code == 3
+    assert one_line(res) == (
+        "refused by the image pipeline admin API: HTTP 401 unauthorized (check the token or credentials)"
+    )
+
+
+@pytest.mark.parametrize("argv, changes", IMAGES, ids=lambda a: " ".join(a) if isinstance(a, list) else "")
+def test_an_image_api_that_does_not_answer_times_out_with_4(argv: list[str], changes: bool, api_silent: str) -> None:
+    res = gpuaas(*_argv(argv), "--admin-url", api_silent, "--token", "t", "--timeout", "0.3")
+    assert res.exit_code == 4
+    line = one_line(res)
+    assert line.startswith("the image pipeline admin API did not answer within 0.3s"), line
+    assert ("retry with --idempotency-key" in line) is changes
+
+
+def test_the_image_token_comes_from_its_own_variable_then_the_services_then_the_stack(
+    api_200, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """compose's .env names it GPUAAS_IMAGE_ADMIN_TOKEN; GPUAAS_ADMIN_TOKEN is what the service itself reads."""
+    url, seen = api_200
+    run_dir = tmp_path / "stack"
+    run_dir.mkdir()
+    (run_dir / "secrets.json").write_text(json.dumps({"image_admin_token": "from-secrets"}))
+    stack = {"status": "ready", "supervisor_pid": os.getpid(), "image_admin_url": url,
+             "secrets_file": str(run_dir / "secrets.json")}  # fmt: skip
+    (run_dir / "stack.json").write_text(json.dumps(stack))
+    monkeypatch.setenv("GPUAAS_RUN_DIR", str(run_dir))
+    monkeypatch.setenv("GPUAAS_IMAGE_ADMIN_TOKEN", "from-image-var")
+    monkeypatch.setenv("GPUAAS_ADMIN_TOKEN", "from-admin-var")
+    used = []
+    for unset in (None, "GPUAAS_IMAGE_ADMIN_TOKEN", "GPUAAS_ADMIN_TOKEN"):
+        if unset:
+            monkeypatch.delenv(unset)
+        seen.clear()
+        res = gpuaas("images", "list", "-o", "json")
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["images"] == []
+        used.append(seen[0]["headers"]["Authorization"])
+    assert used == ["Bearer from-image-var", "Bearer from-admin-var", "Bearer from-secrets"]
+    monkeypatch.setenv("GPUAAS_IMAGE_ADMIN_TOKEN", "")  # compose-env.sh leaves a blank when none was made
+    seen.clear()
+    assert gpuaas("images", "list").exit_code == 0
+    assert seen[0]["headers"]["Authorization"] == "Bearer from-secrets"
+
+
+# --- identities ---------------------------------------------------------------------------------------------------
+
+
+def _keys(tmp_path: Path) -> Path:
+    res = gpuaas("identities", "init", "--out", str(tmp_path / "trust"))
+    assert res.exit_code == 0, res.output
+    return tmp_path / "trust" / "keys"
+
+
+def test_identities_without_keys_is_a_usage_error_worded_once(tmp_path: Path) -> None:
+    missing = tmp_path / "no-keys"
+    for argv in (
+        ["identities", "onboard-host", "slice-01", "--out", str(tmp_path / "h.creds"), "--keys-dir", str(missing)],
+        ["identities", "decommission-host", "slice-01", "--nats-url", "nats://127.0.0.1:1", "--keys-dir", str(missing)],
+    ):
+        res = gpuaas(*argv)
+        assert res.exit_code == 2, res.output
+        assert one_line(res).startswith(f"cannot read keys in {missing}: "), res.stderr
+    assert not (tmp_path / "h.creds").exists()
+
+
+def test_decommissioning_a_host_never_onboarded_is_a_failure_worded_once(tmp_path: Path) -> None:
+    keys = _keys(tmp_path)
+    res = gpuaas(
+        "identities", "decommission-host", "ghost-1", "--nats-url", "nats://127.0.0.1:1", "--keys-dir", str(keys)
+    )
+    assert res.exit_code == 1
+    assert one_line(res) == f"no host ghost-1: no user was issued to it from {keys}"
+
+
+def test_identities_against_no_bus_exit_3_and_write_nothing(tmp_path: Path) -> None:
+    keys = _keys(tmp_path)
+    before = (keys / "issued-hosts.json").read_bytes() if (keys / "issued-hosts.json").exists() else None
+    port = _closed_port()
+    out = tmp_path / "slice-01.creds"
+    onboard = gpuaas("identities", "onboard-host", "slice-01", "--out", str(out), "--keys-dir", str(keys),
+                     "--nats-url", f"nats://127.0.0.1:{port}")  # fmt: skip
+    assert onboard.exit_code == 3, onboard.output
+    assert one_line(onboard).startswith(f"cannot connect to NATS at nats://127.0.0.1:{port}"), onboard.stderr
+    assert not out.exists(), "no creds for a host whose durable could not be made"
+    after = (keys / "issued-hosts.json").read_bytes() if (keys / "issued-hosts.json").exists() else None
+    assert after == before
+    admin = tmp_path / "trust" / "creds" / "admin.creds"
+    provision = gpuaas("identities", "provision", "--nats-url", f"nats://127.0.0.1:{port}", "--creds", str(admin))
+    assert provision.exit_code == 3, provision.output
+    assert one_line(provision).startswith(f"cannot connect to NATS at nats://127.0.0.1:{port}")
+
+
+def _closed_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port

@@ -20,13 +20,13 @@ import typer
 from gpuaas_common.service_args import package_version
 from gpuaas_node_agent.entrypoints import cli as node_agent_cli
 
-from ..identities_cli import identities_app
-from ..images_cli import images_app
 from .allocations import allocations_app
 from .context import UnknownContext, context_app, run_dir_defaults, select, unknown_context
 from .contract import contract_app
 from .dev import dev_app
 from .events import events_app
+from .identities import identities_app
+from .images import images_app
 from .inventory import api_app, force_release, nodes_app, quota_app, slots_app, wipe_policy_app
 from .lab import lab_app
 from .maas_simulator import maas_sim

@@ -70,6 +70,7 @@ class Endpoint:
     url: str
     token: str
     timeout: float
+    what: str = WHAT  # how errors name the API
 
 
 def endpoint(admin_url: Optional[str], token: Optional[str], run_dir: Path, timeout: float) -> Endpoint:
@@ -143,17 +144,17 @@ def call(
     except urllib.error.HTTPError as exc:
         status, answer = exc.code, _error_body(exc)
     except (TimeoutError, socket.timeout):
-        raise timed_out(WHAT, ep.timeout, retry) from None
+        raise timed_out(ep.what, ep.timeout, retry) from None
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, (TimeoutError, socket.timeout)):
-            raise timed_out(WHAT, ep.timeout, retry) from None
-        raise unreachable(WHAT, ep.url, str(exc.reason)) from None
+            raise timed_out(ep.what, ep.timeout, retry) from None
+        raise unreachable(ep.what, ep.url, str(exc.reason)) from None
     except (ConnectionError, OSError) as exc:
-        raise unreachable(WHAT, ep.url, str(exc) or type(exc).__name__) from None
+        raise unreachable(ep.what, ep.url, str(exc) or type(exc).__name__) from None
     code, message = answer.get("code", f"http_{status}"), answer.get("message", "")
     detail = _details(answer.get("details"))
     if status in (401, 403):
-        raise refused(WHAT, f"HTTP {status} {code}")
+        raise refused(ep.what, f"HTTP {status} {code}")
     if status == 404 and missing:
         raise not_found(*missing)
     if status in (400, 422):

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
 
 from gpuaas_common.identity import Authority
 from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.permissions import ROLE_PERMISSIONS, node_user_name, render_table
 from gpuaas_common.identity.tls import make_ca_and_server_cert
 
-err = Console(stderr=True, highlight=False)
+from .common import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, err, fail
+
 identities_app = typer.Typer(no_args_is_help=True, help="Bus identities: keys, creds, host onboarding.")
 
 KeysOpt = Annotated[Path, typer.Option("--keys-dir", help="Directory of the deployment's keys (0700).")]
@@ -29,7 +29,9 @@ KeysOpt = Annotated[Path, typer.Option("--keys-dir", help="Directory of the depl
 
 @identities_app.command("table")
 def table() -> None:
-    """Print who may publish and subscribe what (the README's table, rendered from the code)."""
+    """Print who may publish and subscribe what (the README's table, rendered from the code).
+
+    Example: gpuaas identities table > identities.md"""
     print(render_table(), end="")
 
 
@@ -41,7 +43,9 @@ def init(
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing trust chain.")] = False,
 ) -> None:
-    """Create operator, accounts, signing keys, one creds file per role, a CA and a server certificate."""
+    """Create operator, accounts, signing keys, one creds file per role, a CA and a server certificate.
+
+    Example: gpuaas identities init --out deploy/identities --hostname nats.example.internal"""
     keys = out / "keys"
     if (keys / "operator.nk").exists() and not force:
         err.print(f"[yellow]{keys} already holds a trust chain; keeping it[/] (--force replaces it)")
@@ -65,18 +69,32 @@ def onboard_host(
     admin_creds: Annotated[
         Optional[Path], typer.Option("--admin-creds", help="Admin creds to create the durable.")
     ] = None,
-    nats_url: Annotated[Optional[str], typer.Option("--nats-url")] = None,
-    ca_file: Annotated[Optional[Path], typer.Option("--ca-file")] = None,
-    ttl_days: Annotated[float, typer.Option("--ttl-days")] = 365.0,
+    nats_url: Annotated[
+        Optional[str], typer.Option("--nats-url", help="Also create the host's task durable on this bus.")
+    ] = None,
+    ca_file: Annotated[Optional[Path], typer.Option("--ca-file", help="CA of the bus's TLS certificate.")] = None,
+    ttl_days: Annotated[float, typer.Option("--ttl-days", help="Days until the host's user expires.")] = 365.0,
 ) -> None:
-    """Issue the host's own NATS user and, with --nats-url, create its task durable."""
+    """Issue the host's own NATS user and, with --nats-url, create its task durable (the bus is reached first:
+    an unreachable bus leaves no creds file and no issued user behind).
+
+    Example: gpuaas identities onboard-host slice-05 --out slice-05.creds --nats-url tls://nats:4222"""
     auth = _load(keys_dir)
+    if nats_url:
+        ident = _identity(nats_url, admin_creds, ca_file)
+        asyncio.run(_onboard_on_bus(auth, node_id, out, keys_dir, ident, ttl_days))
+    else:
+        _issue_host(auth, node_id, out, keys_dir, ttl_days)
+
+
+def _issue_host(auth: Authority, node_id: str, out: Path, keys_dir: Path, ttl_days: float) -> None:
     creds = auth.issue_host(node_id, ttl_s=ttl_days * 86400)
-    creds_files.write(out, creds)
+    try:
+        creds_files.write(out, creds)
+    except OSError as exc:
+        raise fail(f"[red]cannot write {out}[/]: {exc.strerror or exc}", EXIT_USAGE) from None
     auth.save(keys_dir)
     err.print(f"{node_user_name(node_id)}: creds in {out} (0600), user {creds.claims['sub']}")
-    if nats_url:
-        asyncio.run(_create_durable(nats_url, node_id, admin_creds, ca_file))
 
 
 @identities_app.command("decommission-host")
@@ -84,41 +102,37 @@ def decommission_host(
     node_id: Annotated[str, typer.Argument(help="Scheduler node id of the host.")],
     nats_url: Annotated[str, typer.Option("--nats-url", help="Any server of the cluster.")],
     keys_dir: KeysOpt = Path(".run/dev/keys"),
-    ca_file: Annotated[Optional[Path], typer.Option("--ca-file")] = None,
+    ca_file: Annotated[Optional[Path], typer.Option("--ca-file", help="CA of the bus's TLS certificate.")] = None,
     admin_creds: Annotated[
         Optional[Path],
         typer.Option("--admin-creds", help="Creds allowed on the revocation ledger (default: ../creds/admin.creds)."),
     ] = None,
 ) -> None:
-    """Revoke every user issued to the host; its connections close at once."""
+    """Revoke every user issued to the host; its connections close at once (exit 1 if none was issued).
+
+    Example: gpuaas identities decommission-host slice-05 --nats-url tls://nats:4222 --ca-file tls/ca.pem"""
     from gpuaas_common.identity.tls import client_context
     from gpuaas_common.natsconn import split_servers
 
     auth = _load(keys_dir)
     users = auth.issued_hosts.get(node_id) or []
     if not users:
-        err.print(f"[red]no users were issued to {node_id} from {keys_dir}[/]")
-        raise typer.Exit(2)
+        raise fail(f"[red]no host {node_id}[/]: no user was issued to it from {keys_dir}", EXIT_FAILED)
     tls = client_context(ca_file) if ca_file else None
     admin = admin_creds or keys_dir.parent / "creds" / "admin.creds"
 
+    ident = _identity(nats_url, admin, ca_file)
+
     async def revoke() -> int:
-        import nats
-
-        from gpuaas_common.natsconn import NatsIdentity
-
-        ident = NatsIdentity(split_servers(nats_url), str(admin), str(ca_file) if ca_file else None)
-        nc = await nats.connect(**ident.connect_kwargs(), connect_timeout=5, max_reconnect_attempts=2)
+        nc = await _connect(ident)
         try:
             return await auth.issuer().revoke(split_servers(nats_url), users, js=nc.jetstream(), tls=tls)
+        except Exception as exc:  # refused by the ledger or the system account: nothing was revoked
+            raise fail(f"[red]revocation failed[/]: {_one_line(exc)}", EXIT_FAILED) from None
         finally:
             await nc.close()
 
-    try:
-        asyncio.run(revoke())
-    except Exception as exc:
-        err.print(f"[red]revocation failed[/]: {exc}")
-        raise typer.Exit(1) from None
+    asyncio.run(revoke())
     err.print(f"{node_id}: {len(users)} user(s) revoked")
 
 
@@ -126,22 +140,53 @@ def _load(keys_dir: Path) -> Authority:
     try:
         return Authority.load(keys_dir)
     except (OSError, ValueError) as exc:
-        err.print(f"[red]cannot read keys in {keys_dir}[/]: {exc}")
-        raise typer.Exit(2) from None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _one_line(exc)
+        raise fail(f"[red]cannot read keys in {keys_dir}[/]: {reason}", EXIT_USAGE) from None
 
 
-async def _create_durable(nats_url: str, node_id: str, admin_creds: Optional[Path], ca_file: Optional[Path]) -> None:
-    import nats
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
-    from gpuaas_common.jetstream import ensure_consumer, node_agent_consumer
+
+def _identity(nats_url: str, creds: Optional[Path], ca_file: Optional[Path]) -> Any:
     from gpuaas_common.natsconn import NatsIdentity, split_servers
 
-    ident = NatsIdentity(
-        split_servers(nats_url), str(admin_creds) if admin_creds else None, str(ca_file) if ca_file else None
-    )
-    nc = await nats.connect(**ident.connect_kwargs(), connect_timeout=5, max_reconnect_attempts=2)
+    if creds is not None and not creds.is_file():
+        raise fail(f"[red]no such creds file: {creds}[/]", EXIT_UNREACHABLE)
+    ident = NatsIdentity(split_servers(nats_url), str(creds) if creds else None, str(ca_file) if ca_file else None)
+    bad = [s for s in ident.servers if not s.startswith(("nats://", "tls://"))]
+    if bad:
+        raise fail(f"[red]bad NATS URL {bad[0]!r}[/]: expected nats://host:port or tls://host:port", EXIT_UNREACHABLE)
+    return ident
+
+
+async def _connect(ident: Any) -> Any:
+    """A bus that is not there or refuses the creds ends the command with one line and exit 3."""
+    from .bus import connect
+
+    return await connect(ident)
+
+
+async def _onboard_on_bus(
+    auth: Authority,
+    node_id: str,
+    out: Path,
+    keys_dir: Path,
+    ident: Any,
+    ttl_days: float,
+) -> None:
+    from gpuaas_common.jetstream import ensure_consumer, node_agent_consumer
+
+    nc = await _connect(ident)
     try:
-        outcome = await ensure_consumer(nc.jetstream(), node_agent_consumer(node_id))
+        _issue_host(auth, node_id, out, keys_dir, ttl_days)
+        try:
+            outcome = await ensure_consumer(nc.jetstream(), node_agent_consumer(node_id))
+        except Exception as exc:  # refused or no NODE_TASKS stream: the creds stand, the durable does not
+            raise fail(
+                f"[red]durable node-agent-{node_id} not created[/]: {_one_line(exc)} (run onboard-host again as admin)",
+                EXIT_FAILED,
+            ) from None
         err.print(f"durable node-agent-{node_id}: {outcome}")
     finally:
         await nc.close()
@@ -159,7 +204,9 @@ def provision_bus(
             help="Admin creds: only admin may create streams and hosts' durables.",
         ),
     ],
-    ca_file: Annotated[Optional[Path], typer.Option("--ca-file", exists=True, dir_okay=False)] = None,
+    ca_file: Annotated[
+        Optional[Path], typer.Option("--ca-file", exists=True, dir_okay=False, help="CA of the bus's TLS certificate.")
+    ] = None,
     fleet_file: Annotated[
         Optional[Path],
         typer.Option(
@@ -185,6 +232,8 @@ def provision_bus(
     """Create or update every stream and the slice hosts' task durables, as admin (idempotent).
 
     Services create only their own durables, hosts none: this is the step before either starts.
+
+    Example: gpuaas identities provision --nats-url tls://nats:4222 --creds creds/admin.creds --replicas 3
     """
     from gpuaas_common.fleet import Fleet
 
@@ -192,28 +241,18 @@ def provision_bus(
     if fleet_file is not None:
         fleet = Fleet.load(fleet_file)
         hosts += [n.node_id for n in fleet.nodes if n.kind == "slice_host" and n.node_id not in hosts]
-    try:
-        outcome = asyncio.run(_provision(nats_url, creds, ca_file, hosts, replicas))
-    except Exception as exc:  # refused, unreachable, or a stream the server would not accept
-        err.print(f"[red]provisioning failed[/]: {exc}")
-        raise typer.Exit(1) from None
+    outcome = asyncio.run(_provision(_identity(nats_url, creds, ca_file), hosts, replicas))
     for what, result in outcome.items():
         err.print(f"{what}: {result}")
 
 
-async def _provision(
-    nats_url: str, creds: Path, ca_file: Optional[Path], node_ids: list[str], replicas: int = 1
-) -> dict[str, str]:
-    import nats
-
+async def _provision(ident: Any, node_ids: list[str], replicas: int = 1) -> dict[str, str]:
     from gpuaas_common.jetstream import node_agent_consumer, provision
-    from gpuaas_common.natsconn import NatsIdentity, split_servers
 
-    ident = NatsIdentity(split_servers(nats_url), str(creds), str(ca_file) if ca_file else None)
-    nc = await nats.connect(
-        **ident.connect_kwargs(), name="gpuaas-provision", connect_timeout=5, max_reconnect_attempts=3
-    )
+    nc = await _connect(ident)
     try:
         return await provision(nc.jetstream(), [node_agent_consumer(n) for n in node_ids], replicas=replicas)
+    except Exception as exc:  # a stream the server would not accept, or creds that may not provision
+        raise fail(f"[red]provisioning failed[/]: {_one_line(exc)}", EXIT_FAILED) from None
     finally:
         await nc.close()

@@ -7,138 +7,151 @@ import asyncio
 import json
 import os
 import time
-import uuid
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
-import aiohttp
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
-from rich.table import Table
 
-from .identity_cli import cli_identity
+from ..identity_cli import cli_identity
+from .admin_api import Endpoint, call, quote, read_stack_json_file
+from .common import (
+    DEFAULT_RUN_DIR,
+    EXIT_FAILED,
+    EXIT_TIMEOUT,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    CredsOpt,
+    RunDirOpt,
+    err,
+    fail,
+    no_stack,
+    pid_alive,
+    read_stack_json,
+)
+from .output import Column, OutputOpt, emit
 
-err = Console(stderr=True, highlight=False)
 images_app = typer.Typer(no_args_is_help=True, help="Slice images: build, publish, prewarm, status.")
 
-RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Where the dev stack keeps its state.")]
+WHAT = "the image pipeline admin API"
 AdminUrlOpt = Annotated[
-    Optional[str], typer.Option("--admin-url", help="Default: $GPUAAS_IMAGE_ADMIN_URL, else stack.json.")
+    Optional[str],
+    typer.Option(
+        "--admin-url",
+        envvar="GPUAAS_IMAGE_ADMIN_URL",
+        help="The image pipeline admin API. Default: the selected stack's (`gpuaas context show`).",
+    ),
 ]
-TokenOpt = Annotated[Optional[str], typer.Option("--token", help="Default: $GPUAAS_ADMIN_TOKEN, else secrets.json.")]
+# compose's .env names the image pipeline's token GPUAAS_IMAGE_ADMIN_TOKEN (and hands it to the service as
+# GPUAAS_ADMIN_TOKEN): the specific name wins, the service's own name is the fallback.
+TokenOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--token",
+        envvar=["GPUAAS_IMAGE_ADMIN_TOKEN", "GPUAAS_ADMIN_TOKEN"],
+        show_envvar=False,
+        help="Its bearer token. Default: $GPUAAS_IMAGE_ADMIN_TOKEN, else $GPUAAS_ADMIN_TOKEN, else the selected "
+        "stack's secrets.json.",
+    ),
+]
+ApiTimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for the API's answer.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
-DEFAULT_RUN_DIR = Path(".run/dev")
 PHASES = ("customise", "convert", "pack", "push")
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _endpoint(admin_url: Optional[str], token: Optional[str], run_dir: Path) -> tuple[str, str]:
-    url = admin_url or os.environ.get("GPUAAS_IMAGE_ADMIN_URL") or _read(run_dir / "stack.json").get("image_admin_url")
-    tok = token or os.environ.get("GPUAAS_ADMIN_TOKEN") or _read(run_dir / "secrets.json").get("image_admin_token")
-    if not url or not tok:
-        err.print("[red]no image admin API[/]: pass --admin-url and --token, or start the stack (`gpuaas dev up`)")
-        raise typer.Exit(2)
-    return url.rstrip("/"), tok
-
-
-async def _call(url: str, token: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    headers = {"Authorization": f"Bearer {token}"}
-    if method != "GET":
-        # One key per command: the API would replay it if this same request were sent again.
-        headers["Idempotency-Key"] = uuid.uuid4().hex
-    async with aiohttp.ClientSession(headers=headers) as http:
-        try:
-            async with http.request(method, f"{url}{path}", json=body) as resp:
-                return resp.status, await resp.json()
-        except aiohttp.ClientError as exc:
-            err.print(f"[red]cannot reach the image admin API at {url}[/]: {exc}")
-            raise typer.Exit(2) from None
-
-
-def _fail(status: int, body: Any) -> None:
-    error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict):
-        err.print(
-            f"[red]HTTP {status}[/]: {error.get('code')}: {error.get('message')} (request {error.get('request_id')})"
+def _endpoint(admin_url: Optional[str], token: Optional[str], run_dir: Path, timeout: float) -> Endpoint:
+    info = read_stack_json(run_dir) or {}
+    running = info.get("status") == "ready" and pid_alive(info.get("supervisor_pid"))
+    url = admin_url or (info.get("image_admin_url") if running else None)
+    if not token and running:
+        secrets = read_stack_json_file(Path(info.get("secrets_file") or run_dir / "secrets.json")) or {}
+        token = secrets.get("image_admin_token")
+    if not url or not token:
+        raise no_stack(
+            "image admin API",
+            run_dir,
+            "pass --admin-url and --token (or $GPUAAS_IMAGE_ADMIN_URL and $GPUAAS_IMAGE_ADMIN_TOKEN)",
         )
-    else:
-        err.print(f"[red]HTTP {status}[/]: {body}")
-    raise typer.Exit(1)
+    if not url.startswith(("http://", "https://")):
+        raise fail(f"[red]bad admin URL {url!r}[/]: expected http://host:port", EXIT_USAGE)
+    return Endpoint(url.rstrip("/"), token, timeout, WHAT)
+
+
+IMAGE_COLUMNS: list[Column] = [
+    "slug",
+    "kind",
+    "status",
+    ("SKU", lambda i: i.get("compatible_sku")),
+    ("DRIVER", lambda i: i.get("driver_strategy")),
+    ("DIGEST", lambda i: (i.get("digest_sha256") or "")[:16]),
+]
+IMAGE_WIDE: list[Column] = [
+    ("SOURCE", lambda i: i.get("source_uri")),
+    ("DIGEST-SHA256", lambda i: i.get("digest_sha256")),
+]
+CACHE_COLUMNS: list[Column] = [
+    "node_id",
+    ("CACHE", lambda n: n.get("status")),
+    "schedulable",
+    ("DIGEST", lambda n: (n.get("digest_sha256") or "")[:16]),
+    "verified_at",
+    "reason",
+]
+# The --json of earlier releases: the same document as -o json, kept for scripts that pass it.
+LegacyJsonOpt = Annotated[bool, typer.Option("--json", hidden=True, help="The same as -o json.")]
+
+
+def _format(output: Any, as_json: bool) -> Any:
+    return "json" if as_json else output
 
 
 @images_app.command("list")
 def images_list(
+    output: OutputOpt = "table",
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
     admin_url: AdminUrlOpt = None,
     token: TokenOpt = None,
-    as_json: JsonOpt = False,
+    timeout: ApiTimeoutOpt = 30.0,
+    as_json: LegacyJsonOpt = False,
 ) -> None:
-    """The catalog."""
-    url, tok = _endpoint(admin_url, token, run_dir)
-    status, body = asyncio.run(_call(url, tok, "GET", "/v1/images"))
-    if status != 200:
-        _fail(status, body)
-    if as_json:
-        print(json.dumps(body["images"], indent=2))
-        return
-    table = Table("slug", "kind", "status", "sku", "driver", "digest", "source")
-    for i in body["images"]:
-        table.add_row(
-            i["slug"],
-            i["kind"],
-            i["status"],
-            i["compatible_sku"],
-            i["driver_strategy"],
-            (i["digest_sha256"] or "")[:16],
-            i["source_uri"] or "",
-        )
-    Console().print(table)
+    """The catalog: every image with its status, SKU, driver strategy and digest.
+
+    Example: gpuaas images list -o wide"""
+    doc = call(_endpoint(admin_url, token, run_dir, timeout), "GET", "/v1/images")
+    emit(doc, _format(output, as_json), rows=doc["images"], columns=IMAGE_COLUMNS, wide=IMAGE_WIDE)
 
 
 @images_app.command("status")
 def images_status(
-    slug: str,
+    slug: Annotated[str, typer.Argument(help="The image's catalog slug.")],
+    output: OutputOpt = "table",
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
     admin_url: AdminUrlOpt = None,
     token: TokenOpt = None,
-    as_json: JsonOpt = False,
+    timeout: ApiTimeoutOpt = 30.0,
+    as_json: LegacyJsonOpt = False,
 ) -> None:
-    """A catalog row and the cache state of every slice host."""
-    url, tok = _endpoint(admin_url, token, run_dir)
-    status, body = asyncio.run(_call(url, tok, "GET", f"/v1/images/{slug}"))
-    if status != 200:
-        _fail(status, body)
-    if as_json:
-        print(json.dumps(body, indent=2))
+    """A catalog row and the cache state of every slice host (exit 1 if unknown).
+
+    Example: gpuaas images status debian-12-lab -o yaml"""
+    ep = _endpoint(admin_url, token, run_dir, timeout)
+    doc = call(ep, "GET", f"/v1/images/{quote(slug)}", missing=("image", slug))
+    output = _format(output, as_json)
+    if getattr(output, "value", output) in ("json", "yaml"):
+        emit(doc, output)
         return
-    out = Console()
-    out.print(
-        f"[bold]{body['slug']}[/] {body['status']}  digest {body['digest_sha256']}\n  {body['source_uri']}\n"
-        f"  image_path {body['metadata'].get('image_path')}"
-    )
-    table = Table("node", "cache", "schedulable", "digest", "verified_at", "reason")
-    for n in body["nodes"]:
-        table.add_row(
-            n["node_id"],
-            n["status"],
-            "yes" if n["schedulable"] else "no",
-            (n["digest_sha256"] or "")[:16],
-            n["verified_at"] or "",
-            n["reason"] or "",
-        )
-    out.print(table)
+    emit(doc, output, fields=["slug", "status", "digest_sha256", "source_uri", ("image path", _image_path)])
+    typer.echo("")
+    emit(doc, output, rows=doc["nodes"], columns=CACHE_COLUMNS)
+
+
+def _image_path(doc: dict[str, Any]) -> Any:
+    return (doc.get("metadata") or {}).get("image_path")
 
 
 @images_app.command("build")
 def images_build(
-    slug: Annotated[str, typer.Option("--slug")],
+    slug: Annotated[str, typer.Option("--slug", help="The catalog slug to build (it must exist).")],
     source: Annotated[Optional[Path], typer.Option("--source", help="Source qcow2 (or raw) image.")] = None,
     reuse_build: Annotated[
         Optional[str], typer.Option("--reuse-build", help="Republish this build's artifact.")
@@ -149,15 +162,25 @@ def images_build(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan only.")] = False,
     no_catalog: Annotated[bool, typer.Option("--no-catalog", help="Publish without touching the catalog.")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Follow until active on every slice host.")] = False,
-    timeout: Annotated[float, typer.Option("--timeout")] = 600.0,
-    nats_url: Annotated[Optional[str], typer.Option("--nats-url")] = None,
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", min=0.1, help="Seconds to wait for each answer, and with --wait for the build."),
+    ] = 600.0,
+    nats_url: Annotated[
+        Optional[str],
+        typer.Option("--nats-url", help="Where --wait reads progress. Default: $GPUAAS_NATS_URL, else the stack's."),
+    ] = None,
+    creds: CredsOpt = None,
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
     admin_url: AdminUrlOpt = None,
     token: TokenOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Build (or republish), push to the registry, catalog, prewarm every slice host."""
-    url, tok = _endpoint(admin_url, token, run_dir)
+    """Build (or republish), push to the registry, catalog, prewarm every slice host. With --wait, progress bars
+    fed by the bus (read as ops, or as --creds).
+
+    Example: gpuaas images build --slug debian-12-lab --package htop --wait"""
+    ep = _endpoint(admin_url, token, run_dir, timeout)
     body = {
         "source": str(source.resolve()) if source else None,
         "reuse_build_id": reuse_build,
@@ -167,24 +190,35 @@ def images_build(
         "dry_run": dry_run,
         "update_catalog": not no_catalog,
     }
-    nats = nats_url or os.environ.get("GPUAAS_NATS_URL") or _read(run_dir / "stack.json").get("nats_url")
-    identity = cli_identity(nats, None, run_dir, "ops") if nats else None
-    result = asyncio.run(_build(url, tok, slug, body, wait and not dry_run, timeout, identity, as_json))
+    identity = None
+    if wait and not dry_run:
+        info = read_stack_json(run_dir) or {}
+        nats = nats_url or os.environ.get("GPUAAS_NATS_URL") or info.get("nats_url")
+        try:
+            identity = cli_identity(nats, creds, run_dir, "ops") if nats else None
+        except FileNotFoundError as exc:
+            raise fail(f"[red]{exc}[/]", EXIT_UNREACHABLE) from None
+    result = asyncio.run(_build(ep, slug, body, wait and not dry_run, timeout, identity, as_json))
     if as_json:
         print(json.dumps(result, indent=2))
-    raise typer.Exit(0 if result.get("ok", True) else 1)
+    raise typer.Exit(EXIT_TIMEOUT if result.get("timed_out") else 0 if result.get("ok", True) else EXIT_FAILED)
+
+
+async def _api(ep: Endpoint, method: str, path: str, **kw: Any) -> Any:
+    # urllib blocks: on a thread, so the bus's progress keeps arriving meanwhile.
+    return await asyncio.to_thread(call, ep, method, path, **kw)
 
 
 async def _build(
-    url: str, tok: str, slug: str, body: dict, wait: bool, timeout: float, identity: Any, as_json: bool
+    ep: Endpoint, slug: str, body: dict, wait: bool, timeout: float, identity: Any, as_json: bool
 ) -> dict[str, Any]:
     nc = None
     events: asyncio.Queue = asyncio.Queue()
     if wait and identity is not None:
-        import nats
+        from .bus import connect
 
         # As ops: reads image events, writes nothing.
-        nc = await nats.connect(**identity.connect_kwargs(), connect_timeout=3, max_reconnect_attempts=2)
+        nc = await connect(identity)
 
         async def on_msg(msg: Any) -> None:
             try:
@@ -196,9 +230,7 @@ async def _build(
         await nc.subscribe("gpuaas.image.event.>", cb=on_msg)
         await nc.subscribe("gpuaas.node.*.report.image_cache", cb=on_msg)
     try:
-        status, build = await _call(url, tok, "POST", f"/v1/images/{slug}/builds", body)
-        if status not in (200, 202):
-            _fail(status, build)
+        build = await _api(ep, "POST", f"/v1/images/{quote(slug)}/builds", body=body, missing=("image", slug))
         if body["dry_run"]:
             for step in build["plan"]["steps"]:
                 err.print(f"  [cyan]plan[/] {step}")
@@ -206,14 +238,47 @@ async def _build(
         err.print(f"build {build['build_id']} of {slug} started -> {build['plan']['artifact_ref']}")
         if not wait:
             return {"build": build}
-        return await _follow(url, tok, slug, build["build_id"], events, timeout, as_json)
+        return await _follow(ep, slug, build["build_id"], events, timeout, as_json)
     finally:
         if nc is not None:
             await nc.drain()
 
 
+def _progress_event(progress: Progress, bar: Any, ev: dict[str, Any], slug: str, build_id: str) -> None:
+    p, t = ev.get("payload", {}), ev.get("type")
+    if t == "image.build_progress" and p.get("build_id") == build_id and p["phase"] in PHASES:
+        progress.update(bar(p["phase"], p["bytes_total"]), completed=p["bytes_done"], total=max(p["bytes_total"], 1))
+    elif t == "node.image_cache_reported" and p.get("slug") == slug:
+        key = f"pull {p['node_id']}"
+        done = p["bytes_total"] if p["status"] == "verified" else p["bytes_done"]
+        progress.update(bar(key, p["bytes_total"]), completed=done, description=f"{key} [{p['status']}]")
+
+
+async def _settled(ep: Endpoint, slug: str, build_id: str) -> Optional[dict[str, Any]]:
+    """The build's outcome once there is one: failed, active with its digest, or a cache that refused it."""
+    build = await _api(ep, "GET", f"/v1/builds/{quote(build_id)}", missing=("build", build_id))
+    if build["status"] == "failed":
+        err.print(f"[red]build failed[/]: {build['error']}")
+        return {"ok": False, "build": build}
+    if build["status"] != "published":
+        return None
+    image = await _api(ep, "GET", f"/v1/images/{quote(slug)}", missing=("image", slug))
+    if image["status"] == "active" and image["digest_sha256"] == build["raw_sha256"]:
+        err.print(f"[green]{slug} active[/] with digest {image['digest_sha256']}")
+        return {"ok": True, "build": build, "image": image}
+    bad = [
+        n["node_id"]
+        for n in image["nodes"]
+        if n["status"] in ("mismatch", "failed") and n["expected_digest"] == build["raw_sha256"]
+    ]
+    if bad:
+        err.print(f"[red]{slug} not active[/]: cache not verified on {', '.join(bad)}")
+        return {"ok": False, "build": build, "image": image}
+    return None
+
+
 async def _follow(
-    url: str, tok: str, slug: str, build_id: str, events: asyncio.Queue, timeout: float, as_json: bool
+    ep: Endpoint, slug: str, build_id: str, events: asyncio.Queue, timeout: float, as_json: bool
 ) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     columns = (
@@ -238,32 +303,11 @@ async def _follow(
             except asyncio.TimeoutError:
                 ev = None
             if ev:
-                p, t = ev.get("payload", {}), ev.get("type")
-                if t == "image.build_progress" and p.get("build_id") == build_id and p["phase"] in PHASES:
-                    progress.update(
-                        bar(p["phase"], p["bytes_total"]), completed=p["bytes_done"], total=max(p["bytes_total"], 1)
-                    )
-                elif t == "node.image_cache_reported" and p.get("slug") == slug:
-                    key = f"pull {p['node_id']}"
-                    done = p["bytes_total"] if p["status"] == "verified" else p["bytes_done"]
-                    progress.update(bar(key, p["bytes_total"]), completed=done, description=f"{key} [{p['status']}]")
+                _progress_event(progress, bar, ev, slug, build_id)
             if time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + 1.0
-                _, build = await _call(url, tok, "GET", f"/v1/builds/{build_id}")
-                if build["status"] == "failed":
-                    err.print(f"[red]build failed[/]: {build['error']}")
-                    return {"ok": False, "build": build}
-                if build["status"] == "published":
-                    _, image = await _call(url, tok, "GET", f"/v1/images/{slug}")
-                    if image["status"] == "active" and image["digest_sha256"] == build["raw_sha256"]:
-                        err.print(f"[green]{slug} active[/] with digest {image['digest_sha256']}")
-                        return {"ok": True, "build": build, "image": image}
-                    if any(
-                        n["status"] in ("mismatch", "failed") and n["expected_digest"] == build["raw_sha256"]
-                        for n in image["nodes"]
-                    ):
-                        bad = [n["node_id"] for n in image["nodes"] if n["status"] in ("mismatch", "failed")]
-                        err.print(f"[red]{slug} not active[/]: cache not verified on {', '.join(bad)}")
-                        return {"ok": False, "build": build, "image": image}
-    err.print("[red]timed out[/]")
-    return {"ok": False, "build_id": build_id}
+                outcome = await _settled(ep, slug, build_id)
+                if outcome is not None:
+                    return outcome
+    err.print(f"[red]build {build_id} of {slug} not active within {timeout:g}s[/]")
+    return {"ok": False, "timed_out": True, "build_id": build_id}
