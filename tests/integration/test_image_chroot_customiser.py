@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
 import asyncpg
 import pytest
 import pytest_asyncio
@@ -158,6 +159,18 @@ def registry(tmp_path: Path) -> Iterator[RegistryServer]:
     server.stop()
 
 
+async def _tags(registry: RegistryServer, slug: str) -> list[str]:
+    """Tags of every repository whose name ends with the slug (the namespace is the pipeline's setting)."""
+    async with aiohttp.ClientSession(base_url=f"http://{registry.host}") as http:
+        async with http.get("/v2/_catalog") as resp:
+            repos = [r for r in (await resp.json())["repositories"] or [] if r.rsplit("/", 1)[-1] == slug]
+        tags: list[str] = []
+        for repo in repos:
+            async with http.get(f"/v2/{repo}/tags/list") as resp:
+                tags += (await resp.json()).get("tags") or []
+    return sorted(tags)
+
+
 async def _build(runner: BuildRunner, slug: str, req: BuildRequest) -> asyncpg.Record:
     build = await runner.start(slug, req)
     # The build's own task: awaited, not polled.
@@ -207,3 +220,27 @@ async def test_a_build_from_a_published_base_installs_verifies_and_publishes(
     assert bad["error"] == "CustomiseError: package_not_in_archive: gpuaas-no-such-package-x1"
     assert _attached() == before
     assert len(_names(tmp_path / "bases")) == 1
+    # Nothing half-written: the catalog row is the first build's, and the registry holds only its tag.
+    after = await pool.fetchrow("SELECT * FROM os_images WHERE slug = 'lab-slice'")
+    assert (after["digest_sha256"], after["source_uri"]) == (image["digest_sha256"], image["source_uri"])
+    assert await _tags(registry, "lab-slice") == [row["artifact_ref"].split("@")[0].rsplit(":", 1)[1]]
+
+    # A base whose checksum does not match its published list: refused before anything is built, and a slug the
+    # catalog did not know stays unknown, with no repository in the registry.
+    wrong = tmp_path / "wrong-site"
+    wrong.mkdir()
+    (wrong / "base.qcow2").symlink_to((await ensure_base_image()).path)
+    (wrong / "SHA256SUMS").write_text(f"{'0' * 64}  base.qcow2\n")
+    url, stop = serve_directory(wrong)
+    try:
+        refused = await _build(
+            runner,
+            "lab-slice-unlisted",
+            BuildRequest(base_url=url + "base.qcow2", checksums_url=url + "SHA256SUMS", customise="chroot"),
+        )
+    finally:
+        stop()
+    assert refused["status"] == "failed" and "sha256" in (refused["error"] or "").lower(), refused["error"]
+    assert await pool.fetchrow("SELECT 1 FROM os_images WHERE slug = 'lab-slice-unlisted'") is None
+    assert await _tags(registry, "lab-slice-unlisted") == []
+    assert _attached() == before

@@ -63,6 +63,13 @@ def _either(values: Sequence[object]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
 
 
+def _lab_image(shape: str, run_dir: Path) -> Optional[str]:
+    """On a stack started with --lab, slices go to the lab host's image (the only one it verified)."""
+    stack = read_stack_json(run_dir) if shape == "gpu_slice" else None
+    lab = (stack or {}).get("lab") or {}
+    return (lab.get("image") or {}).get("slug")
+
+
 def allocate(
     shape: Annotated[
         str, typer.Option("--shape", help="gpu_slice (a VM with whole GPUs) or baremetal (a whole host).")
@@ -71,7 +78,10 @@ def allocate(
         Optional[int],
         typer.Option("--gpus", help="GPU count: 1, 2, 4 or 8 for gpu_slice (default 1); 8 for baremetal (default)."),
     ] = None,
-    image: Annotated[Optional[str], typer.Option("--image", help="Image slug (default per shape).")] = None,
+    image: Annotated[
+        Optional[str],
+        typer.Option("--image", help="Image slug (default per shape; a lab stack's slices: its lab image)."),
+    ] = None,
     tenant: Annotated[str, typer.Option("--tenant", help="Tenant the allocation is billed to.")] = "dev",
     region: Annotated[str, typer.Option("--region", help="Region to place the allocation in.")] = "default",
     ssh_key: Annotated[
@@ -112,7 +122,7 @@ def allocate(
             shape=shape,
             sku=d["sku"],
             gpu_count=count,
-            image=image or d["image"],
+            image=image or _lab_image(shape, run_dir) or d["image"],
             region=region,
             ssh_public_keys=_ssh_keys(ssh_key),
             hostname=hostname,

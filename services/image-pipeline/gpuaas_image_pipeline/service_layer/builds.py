@@ -177,14 +177,10 @@ class BuildRunner:
         if not self.settings.registry_host and not req.dry_run:
             raise CatalogError(409, "no_registry", "GPUAAS_REGISTRY_HOST is not configured")
         build_id = str(uuid.uuid4())
+        # A slug the catalog does not know gets its row when the build publishes (_catalog), not now: a build
+        # that fails must leave no half-written image behind.
         row = await uow.repos.images.lock(slug)
-        if row is None:
-            row = await catalog.create_image(
-                uow,
-                ImageCreate(slug=slug, compatible_sku=req.compatible_sku, driver_strategy=req.driver_strategy),
-                self.settings.image_cache_dir,
-            )
-        if row["kind"] != "slice":
+        if row is not None and row["kind"] != "slice":
             raise CatalogError(409, "not_a_slice_image", f"{slug} is a {row['kind']} image")
         reuse = None
         if req.reuse_build_id:
@@ -420,7 +416,7 @@ class BuildRunner:
                 raise BuildTakenOver(build_id)
             if req.update_catalog:
                 await self._catalog(
-                    uow, slug, build_id, raw_sha256, artifact_ref, blob_sha256, blob_size, virtual_size, installed
+                    uow, slug, build_id, raw_sha256, artifact_ref, blob_sha256, blob_size, virtual_size, installed, req
                 )
             await uow.commit()
         self._progress(build_id, slug, "published")(1, 1, True)
@@ -435,11 +431,19 @@ class BuildRunner:
         blob_sha256: str,
         blob_size: int,
         virtual_size: int,
-        installed: dict[str, str] | None = None,
+        installed: dict[str, str] | None,
+        req: BuildRequest,
     ) -> None:
         row = await uow.repos.images.lock(slug)
         if row is None:
-            raise CatalogError(404, "not_found", f"{slug} was deleted during its build")
+            # The first build of this slug published: the image exists from now on, with the request's defaults.
+            await catalog.create_image(
+                uow,
+                ImageCreate(slug=slug, compatible_sku=req.compatible_sku, driver_strategy=req.driver_strategy),
+                self.settings.image_cache_dir,
+            )
+            row = await uow.repos.images.lock(slug)
+            assert row is not None
         meta = catalog._meta(row)
         meta.update(
             artifact_ref=artifact_ref,
