@@ -8,7 +8,17 @@ from typing import Annotated, Optional
 import typer
 
 from .bus import bus_identity, resolve_nats_url
-from .common import DEFAULT_RUN_DIR, EXIT_USAGE, CredsOpt, JsonOpt, NatsUrlOpt, RunDirOpt, bad_id, fail
+from .common import (
+    DEFAULT_RUN_DIR,
+    EXIT_USAGE,
+    CredsOpt,
+    JsonOpt,
+    NatsUrlOpt,
+    RunDirOpt,
+    bad_id,
+    fail,
+    read_stack_json,
+)
 from .follow import publish_and_follow
 
 DEFAULTS = {
