@@ -36,7 +36,7 @@ SLOT = {
 IMAGE = {
     "slug": "ubuntu-24.04-h200-slice",
     "digest_sha256": DIGEST,
-    "image_path": "/var/lib/gpuaas/images/ubuntu-24.04-h200-slice.raw",
+    "image_path": "/var/lib/gpuaas/slice-images/ubuntu-24.04-h200-slice.raw",
 }
 EVENT = {"allocation_id": ALLOC, "tenant_id": "tenant-a", "shape": "gpu_slice", "seq": 2}
 WIPE = {"device": SLOT["nvme_by_id"], "method": "blkdiscard+zero-verify", "verified": True}
@@ -361,7 +361,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "build_id": "b-1",
         "digest_sha256": "a" * 64,
         "source_uri": "oci://registry.internal:5000/slice-guest-images/ubuntu-24.04-h200-cuda:t1",
-        "image_path": "/var/lib/gpuaas/images/ubuntu-24.04-h200-cuda.raw",
+        "image_path": "/var/lib/gpuaas/slice-images/ubuntu-24.04-h200-cuda.raw",
     },
     "image.build_progress": {
         "build_id": "b-1",
@@ -382,7 +382,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "node_id": "slice-01",
         "slug": "ubuntu-24.04-h200-cuda",
         "digest_sha256": "a" * 64,
-        "image_path": "/var/lib/gpuaas/images/ubuntu-24.04-h200-cuda.raw",
+        "image_path": "/var/lib/gpuaas/slice-images/ubuntu-24.04-h200-cuda.raw",
         "artifact_ref": "oci://registry.internal:5000/slice-guest-images/ubuntu-24.04-h200-cuda:t1",
         "blob_digest": "sha256:" + "b" * 64,
         "blob_size": 100,
@@ -397,7 +397,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "status": "mismatch",
         "expected_digest": "a" * 64,
         "digest_sha256": "c" * 64,
-        "local_path": "/var/lib/gpuaas/images/ubuntu-24.04-h200-cuda.raw",
+        "local_path": "/var/lib/gpuaas/slice-images/ubuntu-24.04-h200-cuda.raw",
         "bytes_done": 100,
         "bytes_total": 100,
         "reason": "image digest differs",

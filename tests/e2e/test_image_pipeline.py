@@ -343,7 +343,7 @@ async def late_host(stack: Stack, portal, tmp_path: Path) -> AsyncIterator[dict[
         paths,
         store,
         bus.publish,
-        image_cache_dir="/var/lib/gpuaas/images",
+        image_cache_dir="/var/lib/gpuaas/slice-images",
         registry_endpoint=f"127.0.0.1:{proxy.port}",
     )
     agent = await InProcessAgent(portal.js, corrupt, LATE).start()
@@ -368,7 +368,7 @@ async def test_corrupted_pull_reports_mismatch_and_blocks_activation(
     )
     assert changed["payload"]["schedulable"] is False
     assert late_host["proxy"].corrupted >= 1
-    assert not late_host["paths"].host(f"/var/lib/gpuaas/images/{SLUG}.raw").exists()
+    assert not late_host["paths"].host(f"/var/lib/gpuaas/slice-images/{SLUG}.raw").exists()
     _, image = await admin(stack, "GET", f"/v1/images/{SLUG}")
     assert image["status"] == "active"  # a joining host does not take the image away from the others
     assert {n["node_id"]: n["schedulable"] for n in image["nodes"]}[LATE] is False
@@ -398,13 +398,13 @@ async def test_corrupted_pull_reports_mismatch_and_blocks_activation(
     # Once the host pulls clean bytes (straight from the registry), the gate opens.
     await late_host["agent"].stop()
     clean = ImagePrewarmer(
-        LATE, late_host["paths"], late_host["store"], bus.publish, image_cache_dir="/var/lib/gpuaas/images"
+        LATE, late_host["paths"], late_host["store"], bus.publish, image_cache_dir="/var/lib/gpuaas/slice-images"
     )
     agent = await InProcessAgent(portal.js, clean, LATE).start()
     try:
         status, _ = await admin(stack, "POST", f"/v1/images/{NEXT}/prewarm")
         assert status == 202
         await portal.spy.wait_type("image.activated", timeout=60, slug=NEXT)
-        assert sha256(late_host["paths"].host(f"/var/lib/gpuaas/images/{NEXT}.raw")) == build["raw_sha256"]
+        assert sha256(late_host["paths"].host(f"/var/lib/gpuaas/slice-images/{NEXT}.raw")) == build["raw_sha256"]
     finally:
         await agent.stop()

@@ -98,3 +98,75 @@ async def test_one_key_sent_twice_at_once_acts_once(api, pool):
     async with pool.acquire() as conn:
         assert await conn.fetchval("SELECT count(*) FROM admin_audit WHERE action = 'node.drain'") == 1
         assert await conn.fetchval("SELECT count(*) FROM admin_requests WHERE replayed") == 1
+
+
+async def test_the_api_serves_its_own_document_and_a_page_of_it_without_a_token(api):
+    import json
+    from html import escape as html_escape
+
+    import yaml
+
+    from gpuaas_scheduler.entrypoints.admin_http import openapi_document
+
+    expected = json.loads(json.dumps(openapi_document()))
+    as_json = await api.get("/openapi.json")
+    assert as_json.status == 200 and as_json.content_type == "application/json"
+    assert await as_json.json() == expected
+    as_yaml = await api.get("/openapi.yaml")
+    assert as_yaml.status == 200 and yaml.safe_load(await as_yaml.text()) == expected
+
+    page = await api.get("/docs")
+    assert page.status == 200 and page.content_type == "text/html"
+    html = await page.text()
+    for path, ops in expected["paths"].items():
+        for method, op in ops.items():
+            row = next(
+                line for line in html.splitlines() if f"<code>{path}</code>" in line and f">{method.upper()}<" in line
+            )
+            assert html_escape(op["summary"]) in row, row
+            ok = op["responses"][next(s for s in op["responses"] if s.startswith("2"))]
+            assert ok["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1] in row
+            if "requestBody" in op:
+                assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1] in row
+    # Served on networks with no way out: nothing on the page is fetched from anywhere else, and no script runs.
+    assert (
+        "<script" not in html
+        and "http://" not in html
+        and "https://" not in html
+        and "//" not in html.replace("<!doctype html>", "")
+    )
+
+    # The description is public; what the service holds is not.
+    assert (await api.get("/v1/nodes")).status == 401
+    assert (await api.post("/docs")).status == 401
+
+
+async def test_api_docs_prints_urls_the_running_api_answers(pool, tmp_path):
+    import json
+
+    import aiohttp
+    from pydantic import SecretStr
+    from typer.testing import CliRunner
+
+    from gpuaas_dev.cli import app
+    from gpuaas_scheduler.entrypoints.admin_http import admin_api
+
+    server = admin_api(pool, SecretStr("a-token-the-docs-do-not-need"))
+    port = await server.start("127.0.0.1", 0)
+    try:
+        (tmp_path / "stack.json").write_text(json.dumps({"scheduler_admin_url": f"http://127.0.0.1:{port}"}))
+        res = await asyncio.to_thread(
+            CliRunner().invoke, app, ["api", "docs", "-o", "json", "--run-dir", str(tmp_path)]
+        )
+        assert res.exit_code == 0, res.output
+        rows = {r["api"]: r for r in json.loads(res.stdout)["apis"]}
+        scheduler = rows["scheduler"]
+        assert scheduler["docs_url"] == f"http://127.0.0.1:{port}/docs"
+        assert rows["image-pipeline"]["docs_url"] is None, "no image pipeline in this stack.json"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(scheduler["docs_url"]) as page:
+                assert page.status == 200 and "/v1/nodes/{node_id}/drain" in await page.text()
+            async with http.get(scheduler["openapi_url"]) as doc:
+                assert doc.status == 200 and (await doc.json())["info"]["title"] == "gpuaas scheduler admin API"
+    finally:
+        await server.stop()

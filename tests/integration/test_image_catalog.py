@@ -37,7 +37,7 @@ def _seed(**kw) -> SeedImage:
         kind="slice",
         sku="h200-sxm-slice",
         digest_sha256=SEED_DIGEST,
-        image_path="/var/lib/gpuaas/images/ubuntu-24.04-h200-cuda.raw",
+        image_path="/var/lib/gpuaas/slice-images/ubuntu-24.04-h200-cuda.raw",
         **kw,
     )
 
@@ -69,7 +69,7 @@ async def test_gate_needs_every_known_host_verified_with_the_catalog_digest(fres
     conn, pool = await _connect(fresh_db)
     slug = "img"
     meta = {
-        "image_path": f"/var/lib/gpuaas/images/{slug}.raw",
+        "image_path": f"/var/lib/gpuaas/slice-images/{slug}.raw",
         "artifact_ref": "oci://r/ns/img:t@sha256:" + "1" * 64,
         "blob_digest": "sha256:" + "2" * 64,
         "blob_size": 10,

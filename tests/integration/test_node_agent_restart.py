@@ -32,7 +32,7 @@ from gpuaas_node_agent.adapters.discovery import stable_ids
 from gpuaas_node_agent.adapters.host import HostFs
 
 IMAGE = b"GPUAAS-KILL-TEST-IMAGE" * 200
-IMAGE_PATH = "/var/lib/gpuaas/images/slice.raw"
+IMAGE_PATH = "/var/lib/gpuaas/slice-images/slice.raw"
 
 
 def _start(env: dict[str, str], log: Path) -> subprocess.Popen:

@@ -34,7 +34,7 @@ from gpuaas_node_agent.service_layer.tasks import SliceHostAgent
 MIB = 1 << 20
 MARKER = b"TENANT-DATA-MUST-SURVIVE-A-REFUSAL" * 64
 IMAGE_PATTERN = b"GPUAAS-SLICE-IMAGE" * 100
-IMAGE_PATH = "/var/lib/gpuaas/images/slice.raw"
+IMAGE_PATH = "/var/lib/gpuaas/slice-images/slice.raw"
 
 
 class Env:
@@ -193,7 +193,7 @@ async def _make_env(
         store,
         libvirt,
         publish,
-        image_cache_dir="/var/lib/gpuaas/images",
+        image_cache_dir="/var/lib/gpuaas/slice-images",
         hostsdir="/etc/gpuaas/dnsmasq-hosts",
         lease_file="/var/lib/misc/dnsmasq.leases",
         seed_dir="/var/lib/gpuaas/seeds",

@@ -32,7 +32,7 @@ def _image(status: str = "published") -> dict[str, Any]:
         "created_at": now,
         "updated_at": now,
         "metadata": {
-            "image_path": f"/var/lib/gpuaas/images/{SLUG}.raw",
+            "image_path": f"/var/lib/gpuaas/slice-images/{SLUG}.raw",
             "artifact_ref": "oci://r/ns/ubuntu-slice:t",
             "blob_digest": "sha256:" + "2" * 64,
             "blob_size": 10,

@@ -17,7 +17,7 @@ from gpuaas_common.digests import sha256_file
 
 SLICE_SLUG = "ubuntu-24.04-h200-slice"
 HOST_SLUG = "ubuntu-24.04-h200-host"
-IMAGE_CACHE_DIR = "/var/lib/gpuaas/images"
+IMAGE_CACHE_DIR = "/var/lib/gpuaas/slice-images"
 SLICE_MARKER = b"GPUAAS-SEED-SLICE-IMAGE\x00"
 
 

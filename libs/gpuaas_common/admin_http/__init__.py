@@ -11,13 +11,16 @@ everything around them, identically for every service:
   audit row and any events commit in one `UnitOfWork`; the same key with the same request replays the
   stored answer, with another request is a 409 `idempotency_conflict`;
 - an `admin_requests` row per authenticated mutation (who, what, when, request id), refusals included;
-- the OpenAPI document rendered from the same routes and models, so it cannot drift from the code.
+- the OpenAPI document rendered from the same routes and models, so it cannot drift from the code, and
+  served by the API itself without a token (`GET /openapi.json`, `/openapi.yaml`, and `/docs`: a page listing
+  each route with its method, path, summary and schema names; see `api.PUBLIC_PATHS` for why they are public).
 
 Tables `admin_idempotency` and `admin_requests` live in the service's own schema (its migrations).
 
 Modules: `routes` (Route, Call, Reply), `headers` (header rules, body limit, request keys), `errors` (the
 error shape, status texts), `bodies` (JSON bodies in and out), `api` (AdminApi: auth, request ids,
-endpoints, mutations), `idempotency` and `audit` (their tables), `openapi_document` (openapi, render_yaml).
+endpoints, mutations), `idempotency` and `audit` (their tables), `openapi_document` (openapi, render_yaml),
+`docs_page` (the `/docs` page).
 """
 
 from ..api_error import ApiError

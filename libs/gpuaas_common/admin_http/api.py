@@ -19,12 +19,26 @@ from ..logging import bound_context, get_logger
 from ..unit_of_work import UnitOfWork, no_repositories
 from .audit import audit, audit_refusal
 from .bodies import jsonable, parse_body, unstorable
+from .docs_page import render_docs_page
 from .errors import error_response
 from .headers import ACTOR_RE, KEY_RE, MAX_BODY, PRINCIPAL, REQUEST_ID, REQUEST_ID_RE
 from .idempotency import lock_key, store_answer, stored_answer
+from .openapi_document import openapi, render_yaml
 from .routes import Call, Reply, Route
 
 log = get_logger(__name__)
+
+# The API's description, served without a token: it says what the routes take and answer, never what the service
+# holds, and it is the same document the repository publishes (openapi.yaml); a browser following a link to the
+# docs page cannot send a bearer token. Everything else still wants one.
+PUBLIC_PATHS = frozenset({"/openapi.json", "/openapi.yaml", "/docs"})
+
+
+def _static(body: bytes, content_type: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def handler(_request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type=content_type, charset="utf-8")
+
+    return handler
 
 
 class AdminApi:
@@ -39,7 +53,10 @@ class AdminApi:
         tokens: Mapping[str, SecretStr | None],
         routes: Sequence[Route],
         repositories: Callable[[asyncpg.Connection], Any] = no_repositories,
+        document: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """`document`: the service's OpenAPI document (its title and description over these routes); by default
+        one rendered from the routes alone."""
         usable = {actor: t for actor, t in tokens.items() if t is not None and t.get_secret_value()}
         if not usable:
             raise ValueError(
@@ -52,6 +69,7 @@ class AdminApi:
         self._tokens = [(actor, t.get_secret_value().encode()) for actor, t in usable.items()]
         self.routes = list(routes)
         self._repositories = repositories
+        self._document = document
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -61,7 +79,21 @@ class AdminApi:
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY)
         for route in self.routes:
             app.router.add_route(route.method, route.path, self._endpoint(route))
+        doc = self.document()
+        as_json = json.dumps(doc, indent=2).encode()
+        as_yaml, page = render_yaml(doc).encode(), render_docs_page(doc).encode()
+        for path, body, kind in (
+            ("/openapi.json", as_json, "application/json"),
+            ("/openapi.yaml", as_yaml, "application/yaml"),
+            ("/docs", page, "text/html"),
+        ):
+            app.router.add_get(path, _static(body, kind))
         return app
+
+    def document(self) -> dict[str, Any]:
+        if self._document is not None:
+            return self._document()
+        return openapi(self.routes, title=f"gpuaas {self.service} admin API", version="1", description="")
 
     async def start(self, host: str, port: int) -> int:
         self._runner = web.AppRunner(self.app(), access_log=None)
@@ -92,7 +124,7 @@ class AdminApi:
         request_id = given if REQUEST_ID_RE.match(given) else uuid.uuid4().hex
         request[REQUEST_ID] = request_id
         principal = self._principal(request)
-        if principal is None:
+        if principal is None and not (request.path in PUBLIC_PATHS and request.method in ("GET", "HEAD")):
             return error_response(
                 401,
                 "unauthorized",

@@ -29,7 +29,7 @@ class ImagePipelineSettings(ServiceSettings):
     # Where builds keep their work files (qcow2 copy, raw, packed artifact).
     image_build_dir: str = "/var/lib/gpuaas/image-builds"
     # Node-local slice image cache: the catalog's image_path is <dir>/<slug>.raw.
-    image_cache_dir: str = "/var/lib/gpuaas/images"
+    image_cache_dir: str = "/var/lib/gpuaas/slice-images"
     # Customisation plug-in: chroot (installs packages into the image's root with the guest's apt; nbd or loop
     # devices, virt-customize as the fallback), virt-customize, none; stamp is a dev option that only writes
     # a build stamp into the disk (no root, no real image needed) and stays the default for the dev stack.

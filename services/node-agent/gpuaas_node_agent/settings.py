@@ -42,7 +42,7 @@ class AgentSettings(ServiceSettings):
     # How long a released VM may take to shut down before it is destroyed.
     shutdown_timeout_s: float = Field(default=30.0, gt=0)
     # Prewarmed slice images (`<dir>/<slug>.raw`).
-    image_cache_dir: str = "/var/lib/gpuaas/images"
+    image_cache_dir: str = "/var/lib/gpuaas/slice-images"
     # dnsmasq's --dhcp-hostsdir: one reservation file per slice VM.
     dnsmasq_hostsdir: str = "/etc/gpuaas/dnsmasq-hosts"
     # dnsmasq's lease file, read to learn a guest's address.

@@ -579,23 +579,28 @@ def _openapi_file(package: str) -> Optional[str]:
 
 @api_app.command("docs")
 def api_docs(output: OutputOpt = "table", run_dir: RunDirOpt = DEFAULT_RUN_DIR) -> None:
-    """Where each admin API of the selected stack listens and where its OpenAPI document is. The APIs do not serve
-    the document themselves: it is the file in the source tree, rendered from their routes.
+    """Where each admin API of the selected stack serves its docs: a page listing every route (DOCS-URL, open it in a
+    browser) and the OpenAPI document itself (OPENAPI-URL, .json or .yaml; both need no token). -o wide adds the
+    document's file in the source tree, which a test keeps equal to the served one.
 
     Example: gpuaas api docs -o json"""
     info = read_stack_json(run_dir) or {}
-    rows = [
-        {
-            "api": name,
-            "url": info.get(f"{prefix}_admin_url"),
-            "openapi_url": None,
-            "openapi_file": _openapi_file(package),
-        }
-        for name, prefix, package in (
-            ("scheduler", "scheduler", "gpuaas_scheduler"),
-            ("image-pipeline", "image", "gpuaas_image_pipeline"),
+    rows = []
+    for name, prefix, package in (
+        ("scheduler", "scheduler", "gpuaas_scheduler"),
+        ("image-pipeline", "image", "gpuaas_image_pipeline"),
+    ):
+        url = info.get(f"{prefix}_admin_url")
+        base = url.rstrip("/") if url else None
+        rows.append(
+            {
+                "api": name,
+                "url": url,
+                "docs_url": f"{base}/docs" if base else None,
+                "openapi_url": f"{base}/openapi.json" if base else None,
+                "openapi_file": _openapi_file(package),
+            }
         )
-    ]
-    emit({"apis": rows}, output, rows=rows, columns=["api", "url", "openapi_file"], wide=["openapi_url"])
-    if output in ("table", "wide"):
-        err.print("the admin APIs serve no OpenAPI document; the files above are what they implement")
+    emit({"apis": rows}, output, rows=rows, columns=["api", "docs_url"], wide=["openapi_url", "openapi_file"])
+    if not any(r["url"] for r in rows) and output in ("table", "wide"):
+        err.print(f"no stack runs in {run_dir.absolute()}: no URLs (`gpuaas dev up --detach` starts one)")

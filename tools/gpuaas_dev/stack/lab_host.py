@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 LAB_NODE = "lab-host-1"
 # The catalog's cache directory (the pipeline's image_cache_dir): the lab host keeps it under its prefix.
-CATALOG_CACHE_DIR = "/var/lib/gpuaas/images"
+CATALOG_CACHE_DIR = "/var/lib/gpuaas/slice-images"
 LAB_SKU = "h200-sxm-slice"
 # Pack, push, catalog, pull into the host's cache and verify a ~2 GiB sparse image on two busy cores.
 LAB_IMAGE_TIMEOUT_S = 600.0

@@ -64,6 +64,7 @@ class AdminApi:
             tokens={"admin": self.settings.admin_token},
             routes=self.routes(),
             repositories=image_pipeline_repositories,
+            document=openapi_document,
         )
 
     def app(self):

@@ -215,7 +215,14 @@ def admin_api(pool: asyncpg.Pool, token: SecretStr | None, *, allow_emulated_slo
     if allow_emulated_slots:
         approve = write(functools.partial(ops.approve, allow_emulated=True))
         routes = [dataclasses.replace(r, handler=approve) if r.path == APPROVE_PATH else r for r in ROUTES]
-    return AdminApi(service="scheduler", schema=SCHEMA, pool=pool, tokens={"admin": token}, routes=routes)
+    return AdminApi(
+        service="scheduler",
+        schema=SCHEMA,
+        pool=pool,
+        tokens={"admin": token},
+        routes=routes,
+        document=openapi_document,
+    )
 
 
 def build_app(pool: asyncpg.Pool, token: SecretStr | None, *, allow_emulated_slots: bool = False):
