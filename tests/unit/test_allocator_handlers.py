@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from gpuaas_allocator.adapters.repository import AllocationStore
 from gpuaas_allocator.domain.model import ActiveImage
 from gpuaas_allocator.service_layer.commands import provision_task_id, release_task_id
 from gpuaas_allocator.service_layer.deadlines import expire_overdue_tasks
@@ -33,7 +34,7 @@ def _rel(alloc: uuid.UUID) -> str:
     return release_task_id(AllocatorSettings(enrolment_secret=SECRET), alloc)
 
 
-class FakeAllocationRepository:
+class FakeAllocationRepository(AllocationStore):
     """Same surface as adapters.repository.AllocationRepository, in dicts."""
 
     def __init__(self) -> None:
@@ -46,6 +47,9 @@ class FakeAllocationRepository:
     async def lock(self, allocation_id: uuid.UUID) -> dict[str, Any] | None:
         row = self.allocations.get(allocation_id)
         return copy.deepcopy(row) if row else None
+
+    def last_seq(self, allocation_id: uuid.UUID) -> int:
+        return sum(1 for a, _s in self.timeline if a == allocation_id)
 
     async def insert(self, **fields: Any) -> None:
         row = {

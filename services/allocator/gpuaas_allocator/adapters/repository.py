@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from datetime import datetime
@@ -9,12 +10,75 @@ from typing import Any
 
 import asyncpg
 
+from gpuaas_common.contract import Envelope
 from gpuaas_common.db import NoLiteral, sql_literal
 
+from ..domain.allocation import Allocation
+from ..domain.commands import Policy
 from ..domain.model import ActiveImage
 
 
-class AllocationRepository:
+class AllocationStore(abc.ABC):
+    """The `Allocation` aggregate over a repository's row statements: the Postgres repository below and the
+    handler tests' in-memory one share it, so both load and save an allocation the same way."""
+
+    @abc.abstractmethod
+    async def lock(self, allocation_id: uuid.UUID) -> dict[str, Any] | None: ...
+
+    @abc.abstractmethod
+    def last_seq(self, allocation_id: uuid.UUID) -> int:
+        """The timeline's last seq of an allocation this unit of work locked or created."""
+
+    @abc.abstractmethod
+    async def insert(self, **fields: Any) -> None: ...
+
+    @abc.abstractmethod
+    async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None: ...
+
+    @abc.abstractmethod
+    async def append_timeline(
+        self,
+        allocation_id: uuid.UUID,
+        state: str,
+        previous_state: str | None,
+        *,
+        reason_code: str | None = None,
+        detail: dict[str, Any] | None = None,
+        cause_event_id: str | None = None,
+    ) -> int: ...
+
+    async def get(self, allocation_id: uuid.UUID, policy: Policy, cause: Envelope | None = None) -> Allocation | None:
+        """The allocation, locked until the unit of work ends; `cause`: the message being handled."""
+        row = await self.lock(allocation_id)
+        return None if row is None else self.aggregate(row, policy, cause)
+
+    def aggregate(self, row: dict[str, Any], policy: Policy, cause: Envelope | None = None) -> Allocation:
+        """A row this unit of work locked, as the aggregate."""
+        return Allocation.from_row(row, last_seq=self.last_seq(row["allocation_id"]), policy=policy, cause=cause)
+
+    async def save(self, alloc: Allocation) -> None:
+        """Write what the allocation recorded: its columns in one statement, then its timeline rows. Its
+        messages are the service layer's to hand to the outbox."""
+        if alloc.is_new:
+            await self.insert(**alloc.changes)
+        elif alloc.changes:
+            await self.update(alloc.allocation_id, **alloc.changes)
+        for entry in alloc.timeline:
+            seq = await self.append_timeline(
+                alloc.allocation_id,
+                entry.state,
+                entry.previous_state,
+                reason_code=entry.reason_code,
+                detail=entry.detail,
+                cause_event_id=entry.cause_event_id,
+            )
+            if seq != entry.seq:
+                # The lifecycle events already carry the aggregate's count: another one would misnumber them.
+                raise RuntimeError(f"{alloc.allocation_id}: timeline seq {seq} written, {entry.seq} counted")
+        alloc.is_new, alloc.changes, alloc.timeline = False, {}, []
+
+
+class AllocationRepository(AllocationStore):
     """Every statement the allocator's handlers run, on the unit of work's connection.
 
     Writes whose result nobody reads (state changes, timeline rows, column updates) are written behind: kept
@@ -66,6 +130,10 @@ class AllocationRepository:
                 out[key] = json.loads(out[key])
         return out
 
+    def last_seq(self, allocation_id: uuid.UUID) -> int:
+        """The timeline's last seq of an allocation this unit of work locked or created."""
+        return self._last_seq[allocation_id]
+
     async def _lock_due(self, where: str, order_by: str, after_s: float, limit: int) -> list[dict[str, Any]]:
         """Rows matching `where` (with `$1` the seconds they have waited), oldest `order_by` first, locked until
         the unit of work ends; rows another replica's sweep (or a handler) holds are skipped, so two replicas
@@ -85,7 +153,7 @@ class AllocationRepository:
 
     async def lock_overdue(self, grace_s: float, limit: int) -> list[dict[str, Any]]:
         """Allocations whose node task is past its deadline plus `grace_s` (in a failed allocation: the teardown
-        of a VM built late, see service_layer/late_vms.py)."""
+        of a VM built late, see domain/allocation.py, late answers)."""
         return await self._lock_due(
             "awaiting_result AND task_deadline_at IS NOT NULL "
             "AND (state IN ('provisioning', 'releasing') OR (state = 'failed' AND release_task_id IS NOT NULL)) "
@@ -97,7 +165,7 @@ class AllocationRepository:
 
     async def lock_awaiting_maas(self, after_s: float, limit: int) -> list[dict[str, Any]]:
         """Baremetal allocations waiting for a MAAS result with nothing done to them for `after_s` (in a failed
-        allocation: the release of its machine, see service_layer/failed_machines.py)."""
+        allocation: the release of its machine, see domain/allocation.py, failed machines)."""
         return await self._lock_due(
             "shape = 'baremetal' AND awaiting_result "
             "AND (state IN ('provisioning', 'releasing') OR (state = 'failed' AND release_operation_id IS NOT NULL)) "

@@ -18,26 +18,15 @@ per batch, so a row is timed out once and never while a handler holds it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
-from gpuaas_common.bus import HandlerContext
-from gpuaas_common.contract import caused_event_id, derived_event_id, utcnow
-from gpuaas_common.logging import get_logger
-
+from ..domain.allocation import ENROLMENT_TIMEOUT, TASK_DEADLINE_PASSED, Allocation
 from ..settings import AllocatorSettings
-from .commands import maas_command_again, task_again
-from .failed_machines import release_failed_machine
-from .late_vms import give_up_late_vm_teardown
-from .lifecycle import fail
+from .commands import policy_of
 from .redrive import reask_stalled_placements
 from .sweeps import sweep_in_batches
 
-log = get_logger(__name__)
-
-TASK_DEADLINE_PASSED = "task_deadline_passed"
-ENROLMENT_TIMEOUT = "enrolment_timeout"
-SWEEP_CONSUMER = "allocator-task-deadlines"
+__all__ = ["ENROLMENT_TIMEOUT", "TASK_DEADLINE_PASSED", "sweep_deadlines"]
 
 
 async def sweep_deadlines(uow_factory: Callable[[], Any], settings: AllocatorSettings) -> None:
@@ -55,20 +44,14 @@ async def expire_unenrolled_hosts(
     """Fail every baremetal allocation whose deployed host never enrolled within `enrolment_deadline_s`. Nobody
     can be asked again here: only the host enrols, and one that has not by then (no network, a broken image,
     credentials refused) needs ops, so the scheduler drains the node (cleanup required: the image is on it) and
-    the machine is released through MAAS (failed_machines.py)."""
+    the machine is released through MAAS."""
 
-    async def expire(ctx: HandlerContext, row: dict[str, Any]) -> None:
-        log.warning("enrolment_timeout", allocation_id=str(row["allocation_id"]), node_id=row["node_id"])
-        reason = (
-            f"MAAS deployed {row['maas_system_id']} but its host did not enrol within "
-            f"{settings.enrolment_deadline_s:g} s"
-        )
-        await fail(ctx, row, ENROLMENT_TIMEOUT, reason, row["node_id"])
-        await release_failed_machine(settings, ctx, row)  # deployed with the tenant's keys, reached by nobody
+    async def expire(uow: Any, alloc: Allocation) -> None:
+        alloc.expire_enrolment(settings.enrolment_deadline_s)
 
     return await sweep_in_batches(
         uow_factory,
-        SWEEP_CONSUMER,
+        policy_of(settings),
         lambda repos, limit: repos.lock_awaiting_enrolment(settings.enrolment_deadline_s, limit),
         expire,
         batch=batch,
@@ -82,20 +65,12 @@ async def reask_stalled_maas_commands(
     The gateway's own operation deadline ends every operation with a result; this only recovers a result whose
     commit was lost here (it was consumed, so JetStream will not deliver it again)."""
 
-    async def reask(ctx: HandlerContext, row: dict[str, Any]) -> None:
-        type_, cmd = maas_command_again(settings, row)
-        await ctx.outbox.add(
-            type_,
-            cmd,
-            aggregate_id=str(row["allocation_id"]),
-            event_id=caused_event_id(cmd.operation_id, "maas-reask", None),  # a new message each asking
-        )
-        await ctx.uow.repos.update(row["allocation_id"], awaiting_result=True)  # restarts the wait
-        log.warning("maas_command_reasked", allocation_id=str(row["allocation_id"]), operation_id=cmd.operation_id)
+    async def reask(uow: Any, alloc: Allocation) -> None:
+        alloc.reask_maas_command()
 
     return await sweep_in_batches(
         uow_factory,
-        SWEEP_CONSUMER,
+        policy_of(settings),
         lambda repos, limit: repos.lock_awaiting_maas(settings.maas_reask_after_s, limit),
         reask,
         batch=batch,
@@ -103,62 +78,15 @@ async def reask_stalled_maas_commands(
 
 
 async def expire_overdue_tasks(uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50) -> int:
-    """Time out every overdue task, batch by batch; the number timed out."""
+    """Ask every overdue task once more, or time it out, batch by batch; how many were acted on."""
+
+    async def expire(uow: Any, alloc: Allocation) -> None:
+        alloc.expire_task()
+
     return await sweep_in_batches(
         uow_factory,
-        SWEEP_CONSUMER,
+        policy_of(settings),
         lambda repos, limit: repos.lock_overdue(settings.task_deadline_grace_s, limit),
-        lambda ctx, row: expire_task(ctx, row, settings),
+        expire,
         batch=batch,
-    )
-
-
-async def reask_task(ctx: HandlerContext, row: dict[str, Any], settings: AllocatorSettings) -> None:
-    """Send the overdue task once more under a new message id: an agent that ran it answers from its record
-    (its answer, or our commit of it, was lost), one that never saw it refuses it as past its deadline before
-    touching the disk, and one still running it answers when done. Only silence after that fails it."""
-    type_, task = task_again(row)
-    alloc_id = str(row["allocation_id"])
-    await ctx.outbox.add(
-        type_,
-        task,
-        aggregate_id=alloc_id,
-        event_id=derived_event_id(f"{task.task_id}:{row['task_deadline_at'].isoformat()}", "task-reask"),
-        node_id=row["node_id"],
-    )
-    await ctx.uow.repos.update(
-        row["allocation_id"],
-        task_reasked_at=utcnow(),
-        task_deadline_at=utcnow() + timedelta(seconds=settings.task_reask_wait_s),
-    )
-    log.warning("task_reasked", allocation_id=alloc_id, task_id=task.task_id, node_id=row["node_id"])
-
-
-async def expire_task(ctx: HandlerContext, row: dict[str, Any], settings: AllocatorSettings | None = None) -> None:
-    if settings is not None and row.get("task_reasked_at") is None and row["shape"] == "gpu_slice":
-        await reask_task(ctx, row, settings)
-        return
-    if row["state"] == "failed":
-        # The teardown of a VM built after its allocation failed (late_vms.py): nothing left to fail.
-        await give_up_late_vm_teardown(ctx, row)
-        return
-    task_id = row["release_task_id"] or row["task_id"]
-    deadline = row["task_deadline_at"]
-    await ctx.uow.repos.update(row["allocation_id"], awaiting_result=False, timed_out_task_id=task_id)
-    log.warning(
-        "task_deadline_passed",
-        allocation_id=str(row["allocation_id"]),
-        task_id=task_id,
-        node_id=row["node_id"],
-        deadline=str(deadline),
-    )
-    await fail(
-        ctx,
-        row,
-        TASK_DEADLINE_PASSED,
-        f"node {row['node_id']} did not answer task {task_id} by its deadline {deadline}; "
-        "the disk may have been touched",
-        row["node_id"],
-        cleanup_required=True,
-        detail={"task_id": task_id, "deadline": deadline.isoformat() if deadline else None},
     )

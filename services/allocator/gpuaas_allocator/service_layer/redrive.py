@@ -19,79 +19,46 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gpuaas_common.bus import HandlerContext
-from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
+from ..domain.allocation import EARLY_RESULT_MISMATCH, EARLY_TASK_RESULT, PLACEMENT_REASKED, Allocation
 from ..settings import AllocatorSettings
+from .commands import policy_of, save
 from .sweeps import sweep_in_batches
 
+__all__ = ["EARLY_RESULT_MISMATCH", "EARLY_TASK_RESULT", "PLACEMENT_REASKED", "hold_early_result"]
+
 log = get_logger(__name__)
-
-PLACEMENT_REASKED = "placement_reasked"
-EARLY_TASK_RESULT = "task_result_early"
-EARLY_RESULT_MISMATCH = "early_task_result_mismatch"
-SWEEP_CONSUMER = "allocator-placement-deadlines"
-
-
-async def reask_placement(ctx: HandlerContext, row: dict[str, Any]) -> None:
-    """Publish the allocation's placement request again (its `allocation.accepted` event, same seq)."""
-    alloc = row["allocation_id"]
-    asks = (row.get("placement_asks") or 0) + 1
-    seq = await ctx.uow.repos.accepted_seq(alloc)
-    request = m.AllocationAccepted(
-        allocation_id=alloc,
-        tenant_id=row["tenant_id"],
-        shape=row["shape"],
-        state="accepted",
-        previous_state="requested",
-        seq=seq or 1,
-        sku=row["sku"],
-        gpu_count=row["gpu_count"],
-        region=row["region"],
-        image=m.ImageRef(slug=row["image_slug"], digest_sha256=row["image_digest"], image_path=row["image_path"]),
-    )
-    await ctx.outbox.add(
-        "allocation.accepted",
-        request,
-        aggregate_id=str(alloc),
-        event_id=derived_event_id(str(alloc), f"placement-ask:{asks}"),
-    )
-    # Also restarts the wait: the next ask comes no sooner than another `placement_reask_after_s`.
-    await ctx.uow.repos.update(alloc, placement_asks=asks)
-    log.warning(PLACEMENT_REASKED, allocation_id=str(alloc), state=row["state"], asks=asks)
 
 
 async def reask_stalled_placements(
     uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50
 ) -> int:
     """Re-ask every placement overdue by `placement_reask_after_s`; how many were re-asked."""
+
+    async def reask(uow: Any, alloc: Allocation) -> None:
+        alloc.reask_placement(await uow.repos.accepted_seq(alloc.allocation_id))
+
     return await sweep_in_batches(
         uow_factory,
-        SWEEP_CONSUMER,
+        policy_of(settings),
         lambda repos, limit: repos.lock_awaiting_placement(settings.placement_reask_after_s, limit),
-        reask_placement,
+        reask,
         batch=batch,
     )
 
 
-async def hold_early_result(ctx: HandlerContext, row: dict[str, Any], res: m.NodeTaskResult) -> None:
-    """Keep a result for a provision task the allocation does not know yet, and re-ask its placement now."""
-    kept = await ctx.uow.repos.keep_early_result(
-        res.allocation_id, res.task_id, res.node_id, res.model_dump(mode="json"), ctx.envelope.event_id
+async def hold_early_result(uow: Any, alloc: Allocation, res: m.NodeTaskResult, event_id: str) -> None:
+    """Keep a result for a provision task the allocation does not know yet, and re-ask its placement now.
+    `event_id`: the result's message."""
+    kept = await uow.repos.keep_early_result(
+        res.allocation_id, res.task_id, res.node_id, res.model_dump(mode="json"), event_id
     )
     log.warning(
-        EARLY_TASK_RESULT, task_id=res.task_id, node_id=res.node_id, status=res.status, state=row["state"], kept=kept
+        EARLY_TASK_RESULT, task_id=res.task_id, node_id=res.node_id, status=res.status, state=alloc.state, kept=kept
     )
     if not kept:
         return  # a copy of a result already kept: its re-ask is out
-    await ctx.uow.repos.append_timeline(
-        res.allocation_id,
-        row["state"],
-        row["state"],
-        reason_code=EARLY_TASK_RESULT,
-        detail={"task_id": res.task_id, "node_id": res.node_id, "status": res.status, "reason_code": res.reason_code},
-        cause_event_id=ctx.envelope.event_id,
-    )
-    await reask_placement(ctx, row)
+    alloc.hold_early_result(res, await uow.repos.accepted_seq(alloc.allocation_id))
+    await save(uow, alloc)
