@@ -45,6 +45,7 @@ SERVICE_ROLES: Mapping[str, ServiceRole] = MappingProxyType(
         "scheduler": ServiceRole("gpuaas_scheduler", "scheduler"),
         "image-pipeline": ServiceRole("gpuaas_image_pipeline", "image_pipeline"),
         "maas-gateway": ServiceRole("gpuaas_maas_gateway", "maas_gateway"),
+        "ops-view": ServiceRole("gpuaas_ops_view", "ops_view"),
     }
 )
 
