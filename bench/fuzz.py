@@ -18,7 +18,6 @@ import tempfile
 import time
 import uuid
 
-import asyncpg
 import nats
 
 from gpuaas_common.logging import configure_logging
@@ -52,7 +51,7 @@ async def main(count: int, seed: int) -> int:
         try:
             spy = await BusSpy(stack.nats_url, connect=stack.nats_options("admin")).start()
             admin = await nats.connect(**stack.nats_options("admin"))
-            db = await asyncpg.create_pool(stack.dsn, min_size=1, max_size=2)
+            db = await stack.open_databases()
             baseline_s = await serves_an_allocation(stack, spy)
             report = await run_fuzz(stack, spy, admin, db, count=count, seed=seed, drain_timeout_s=600)
             report["allocation_after_s"] = round(await serves_an_allocation(stack, spy), 3)

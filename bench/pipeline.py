@@ -49,6 +49,7 @@ from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import OutboxRelay, OutboxWriter
 from gpuaas_dev.stack import Stack
+from gpuaas_dev.testing.databases import ServiceDatabases
 from gpuaas_dev.testing.invariants import outbox_backlog
 from gpuaas_scheduler.adapters import inventory as inv
 
@@ -194,7 +195,7 @@ async def raw_jetstream(
 
 async def raw_postgres(stack: Stack, seconds: float) -> dict:
     """Durable single-row INSERT commits, one after another: the floor under every unit of work."""
-    conn = await asyncpg.connect(stack.dsn)
+    conn = await asyncpg.connect(stack.admin_dsn)
     await conn.execute("CREATE TABLE IF NOT EXISTS public.bench_commit (id bigserial, body bytea)")
     lat: list[float] = []
     end = time.perf_counter() + seconds
@@ -228,7 +229,7 @@ class Cycles:
             self.done.set()
 
 
-async def settle(js: Any, db: asyncpg.Connection, timeout_s: float) -> dict:
+async def settle(js: Any, db: ServiceDatabases, timeout_s: float) -> dict:
     """Every durable drained and every outbox empty: nothing of the last load is still being worked on. One
     CONSUMER.LIST per stream and round (not one request per durable: the fleet has hundreds), so that the
     bench's own polling stays a small part of what it measures."""
@@ -260,7 +261,7 @@ async def sweep_point(
     js = nc.jetstream()
     admin = await nats.connect(**stack.nats_options("admin"))
     admin_js = admin.jetstream()
-    db = await asyncpg.connect(stack.dsn)
+    db = await stack.open_databases()
     total = max(1, int(rate * duration))
 
     # Idle: what the stack burns with no load (heartbeats, pollers, fetch loops); charged to no allocation.
@@ -412,7 +413,8 @@ async def relay_vs_raw(stack: Stack, rows: int) -> dict:
         await js.publish("gpuaas.dlq.bench-raw", payloads[i], headers={"Nats-Msg-Id": f"seq-{uuid.uuid4()}"})
     seq_s = time.perf_counter() - t0
 
-    conn = await asyncpg.connect(stack.dsn)
+    # In the maintenance database: no service's relay listens or locks there.
+    conn = await asyncpg.connect(stack.admin_dsn)
     await conn.execute("DROP SCHEMA IF EXISTS bench_relay CASCADE")
     await apply_migrations(conn, "bench_relay", None)
     await conn.execute("SET search_path TO bench_relay")
@@ -425,7 +427,7 @@ async def relay_vs_raw(stack: Stack, rows: int) -> dict:
                 m.AllocationReleaseRequested(allocation_id=uuid.uuid4(), reason="bench"),
                 aggregate_id=f"agg-{i % 500}",
             )
-    relay = OutboxRelay(stack.dsn, "bench_relay", js, batch_size=500, poll_interval_s=0.05)
+    relay = OutboxRelay(stack.admin_dsn, "bench_relay", js, batch_size=500, poll_interval_s=0.05)
     t0 = time.perf_counter()
     task = asyncio.create_task(relay.run())
     while relay.published < rows:  # noqa: ASYNC110 - the relay exposes a counter, not an event; a bench probe
@@ -456,7 +458,7 @@ async def reset_slots(stack: Stack) -> dict[str, int]:
     """Instant hosts answer a release with wipe proofs labelled `simulated-instant`, a method no wipe policy
     accepts, so the scheduler rightly parks every released slot in cleanup_blocked. Between points (outside
     the measured window) the bench puts them back, as bench/scheduler.py resets capacity between rounds."""
-    conn = await asyncpg.connect(stack.dsn, server_settings={"search_path": "scheduler"})
+    conn = await asyncpg.connect(stack.dsn_for("scheduler"), server_settings={"search_path": "scheduler"})
     try:
         before = {
             r["status"]: r["n"]

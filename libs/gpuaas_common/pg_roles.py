@@ -1,12 +1,19 @@
-"""One Postgres login role per Postgres-backed service: it owns that service's schema and nothing else.
+"""One Postgres database and one login role per Postgres-backed service: the role owns that service's schema
+in that database and may connect to no other database.
 
 Each service connects as its own role, so a bug or a compromised process in one service cannot read or
 change another's tables: the role owns its schema (its migrations run as it) and holds no privilege on
-any other service's schema, on the database beyond CONNECT and TEMPORARY, or in `public`. Only this module needs the
-admin (superuser) DSN.
+the database beyond CONNECT and TEMPORARY, or in `public`. Only this module needs the admin (superuser) DSN.
+
+Why a database each and not a schema each in one database: Postgres checks no privilege on NOTIFY, LISTEN or
+advisory locks, and all three are scoped to a database. In a shared database any service's role could NOTIFY
+another service's outbox relay a row to publish under that service's bus identity, LISTEN to every service's
+events, or take another relay's advisory lock. Only CONNECT, which Postgres does check, separates them: a role
+that cannot connect to the allocator's database cannot reach its channels or its locks. The schema keeps its
+name inside the service's database, so `search_path`, migrations and schema-qualified SQL stay as they were.
 
     dsns = await ensure_service_roles(admin_dsn, "gpuaas", {"allocator": pw1, "scheduler": pw2, ...})
-    dsns["allocator"]   # postgresql://gpuaas_allocator:<pw1>@<admin host:port>/gpuaas
+    dsns["allocator"]   # postgresql://gpuaas_allocator:<pw1>@<admin host:port>/gpuaas_allocator
 
 Passwords reach the server only as SCRAM-SHA-256 verifiers computed here, so the plaintext never shows
 up in a server log or `pg_stat_statements`.
@@ -50,43 +57,56 @@ SERVICE_ROLES: Mapping[str, ServiceRole] = MappingProxyType(
 )
 
 _ROLE_ATTRIBUTES = "LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOINHERIT NOREPLICATION NOBYPASSRLS"
-# Roles are cluster-wide; advisory locks are per database, but every caller of one deployment names the
-# same database, which is what the lock has to serialise (two init steps racing on CREATE ROLE).
+# Roles and databases are cluster-wide and advisory locks per database: the lock is taken in the admin DSN's
+# database, which every init step of one deployment names (two of them racing on CREATE ROLE or DATABASE).
 _LOCK_KEY = "gpuaas-pg-roles"
 _SCRAM_ITERATIONS = 4096
 _PRINTABLE_ASCII = re.compile(r"^[\x21-\x7e]+$")
 
 
-async def ensure_service_roles(admin_dsn: str, database: str, passwords: Mapping[str, str]) -> dict[str, str]:
-    """Create or update the role and schema of every service in `passwords`; return each service's DSN.
+def service_database(prefix: str, service: str) -> str:
+    """The database of `service` in a deployment whose databases start with `prefix` (`gpuaas_allocator`)."""
+    return f"{prefix}_{SERVICE_ROLES[service].schema}"
 
-    Idempotent: a second call only sets the (possibly new) passwords and re-asserts ownership and
-    revocations. An existing schema, and the tables, views and sequences in it, change owner to the role
-    (the services define no functions or types), so a database that predates the roles is adopted.
+
+async def ensure_service_roles(admin_dsn: str, prefix: str, passwords: Mapping[str, str]) -> dict[str, str]:
+    """Create or update the database, role and schema of every service in `passwords`; return each service's DSN.
+
+    Each service gets the database `service_database(prefix, service)`. Idempotent: a second call only sets the
+    (possibly new) passwords and re-asserts ownership and revocations. An existing schema, and the tables,
+    views and sequences in it, change owner to the role (the services define no functions or types), so a
+    database that predates the roles is adopted.
     """
     unknown = set(passwords) - set(SERVICE_ROLES)
     if unknown:
         raise ValueError(f"no Postgres role is defined for {sorted(unknown)}; known: {sorted(SERVICE_ROLES)}")
     for service, password in passwords.items():
         _check_password(service, password)
-    conn = await asyncpg.connect(_with_database(admin_dsn, database))
+    admin = await asyncpg.connect(admin_dsn)
     try:
-        async with conn.transaction():
-            await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", _LOCK_KEY)
-            await _lock_down_database(conn, database)
-            for service, password in passwords.items():
-                spec = SERVICE_ROLES[service]
-                await _ensure_role(conn, spec.role, password)
-                # TEMPORARY: session-private tables that no other role can see; migrations use them to
-                # backfill (scheduler 004).
-                await _run_formatted(conn, "GRANT CONNECT, TEMPORARY ON DATABASE %I TO %I", database, spec.role)
-                await _ensure_schema(conn, spec)
-            await _close_foreign_schemas(conn)
+        await admin.execute("SELECT pg_advisory_lock(hashtext($1))", _LOCK_KEY)
+        for service, password in passwords.items():
+            spec = SERVICE_ROLES[service]
+            async with admin.transaction():
+                await _ensure_role(admin, spec.role, password)
+            database = service_database(prefix, service)
+            # CREATE DATABASE cannot run in a transaction; the lock keeps a racing init step out.
+            if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", database):
+                await _run_formatted(admin, "CREATE DATABASE %I", database)
+                log.info("pg_database_created", database=database)
+            conn = await asyncpg.connect(with_database(admin_dsn, database))
+            try:
+                async with conn.transaction():
+                    await _lock_down_database(conn, database, spec.role)
+                    await _ensure_schema(conn, spec)
+                    await _close_foreign_schemas(conn)
+            finally:
+                await conn.close()
     finally:
-        await conn.close()
-    log.info("pg_roles_ensured", database=database, services=sorted(passwords))
+        await admin.close()  # ends the session, and with it the lock
+    log.info("pg_roles_ensured", prefix=prefix, services=sorted(passwords))
     return {
-        service: role_dsn(admin_dsn, database, SERVICE_ROLES[service].role, password)
+        service: role_dsn(admin_dsn, service_database(prefix, service), SERVICE_ROLES[service].role, password)
         for service, password in passwords.items()
     }
 
@@ -131,7 +151,8 @@ def _check_password(service: str, password: str) -> None:
         raise ValueError(f"the Postgres password for {service} must be printable ASCII without spaces")
 
 
-def _with_database(dsn: str, database: str) -> str:
+def with_database(dsn: str, database: str) -> str:
+    """`dsn` with its database replaced (hosts, user and query kept)."""
     return urllib.parse.urlunsplit(urllib.parse.urlsplit(dsn)._replace(path=f"/{database}"))
 
 
@@ -142,10 +163,20 @@ async def _run_formatted(conn: asyncpg.Connection, template: str, *args: str) ->
     await conn.execute(statement)
 
 
-async def _lock_down_database(conn: asyncpg.Connection, database: str) -> None:
-    # PUBLIC gets CONNECT and TEMPORARY on a new database by default; only the service roles get them
-    # back, by name. Before Postgres 15 PUBLIC could also create in schema public.
+async def _lock_down_database(conn: asyncpg.Connection, database: str, role: str) -> None:
+    # PUBLIC gets CONNECT and TEMPORARY on a new database by default; only the owning service's role gets them
+    # back, by name, and a grant made by hand to another service's role is taken back: connecting is the one
+    # check that keeps a role away from this database's NOTIFY channels and advisory locks.
+    # TEMPORARY: session-private tables that no other role can see; migrations use them to backfill
+    # (scheduler 004). Before Postgres 15 PUBLIC could also create in schema public.
     await _run_formatted(conn, "REVOKE ALL ON DATABASE %I FROM PUBLIC", database)
+    for other in await conn.fetch(
+        "SELECT rolname FROM pg_roles WHERE rolname = ANY($1::text[]) AND rolname <> $2",
+        [s.role for s in SERVICE_ROLES.values()],
+        role,
+    ):
+        await _run_formatted(conn, "REVOKE ALL ON DATABASE %I FROM %I", database, other["rolname"])
+    await _run_formatted(conn, "GRANT CONNECT, TEMPORARY ON DATABASE %I TO %I", database, role)
     if await conn.fetchval("SELECT 1 FROM pg_namespace WHERE nspname = 'public'"):
         await conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
 

@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import tomllib
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -637,7 +638,7 @@ def test_services_wait_for_healthy_dependencies(compose):
 
 
 def test_each_database_service_connects_as_its_own_role_made_by_the_init_step(compose):
-    from gpuaas_common.pg_roles import SERVICE_ROLES
+    from gpuaas_common.pg_roles import SERVICE_ROLES, service_database
 
     services = _gpuaas_services(compose)
     init = [name for name, svc in services.items() if _command(svc)[1:3] == ["dev", "pg-roles"]]
@@ -655,12 +656,46 @@ def test_each_database_service_connects_as_its_own_role_made_by_the_init_step(co
         var = f"GPUAAS_PG_{service.upper().replace('-', '_')}_PASSWORD"
         # `:-`, not `:?`: `docker compose down` must work without the secrets; the init step refuses empties.
         assert dsn.startswith(f"postgresql://{SERVICE_ROLES[service].role}:${{{var}:-}}@postgres:"), (name, dsn)
+        # Its own database: no other role may connect there, so none reaches its NOTIFY channels or locks.
+        assert urllib.parse.urlsplit(dsn).path == f"/{service_database('gpuaas', service)}", (name, dsn)
         assert init_env.get(var) == f"${{{var}:-}}", f"the init step does not set {var} for {name}'s role"
         assert svc["depends_on"][init[0]]["condition"] == "service_completed_successfully", name
         seen[_primary(compose, name)] = SERVICE_ROLES[service].role
     assert set(seen.values()) == {s.role for s in SERVICE_ROLES.values()}, "a role-owning service is missing"
     assert len(set(seen.values())) == len(seen), "two services share a role"
     assert all(":?" not in str(v) for v in init_env.values())
+
+
+def test_postgres_speaks_tls_only_and_every_client_verifies_it(compose):
+    """The server turns TLS on with the certificate the pg-tls step makes for `postgres`, its hba takes TCP logins
+    over TLS only, and every DSN (services and the roles step) verifies the server against that CA."""
+    pg = compose["services"]["postgres"]
+    command = " ".join(pg["command"])
+    for setting in (
+        "ssl=on",
+        "ssl_cert_file=/pg-tls/server.pem",
+        "ssl_key_file=/pg-tls/server-key.pem",
+        "hba_file=/pg-tls/pg_hba.conf",
+    ):
+        assert setting in command, setting
+    assert "pg-tls:/pg-tls:ro" in pg["volumes"]
+    assert pg["depends_on"]["pg-tls"]["condition"] == "service_completed_successfully"
+    script = _script(compose["services"]["pg-tls"]) or ""
+    assert "'hostssl all all all scram-sha-256' 'hostnossl all all all reject'" in script
+    assert 'hostnames=("postgres",)' in script, "the name every DSN dials"
+    assert "rm -f /pg-tls/ca-key.pem" in script, "the CA's key is not kept"
+    dsns = {
+        name: env["GPUAAS_DATABASE_URL" if "GPUAAS_DATABASE_URL" in env else "GPUAAS_PG_ADMIN_DSN"]
+        for name, svc in compose["services"].items()
+        if (env := svc.get("environment") or {}).keys() & {"GPUAAS_DATABASE_URL", "GPUAAS_PG_ADMIN_DSN"}
+    }
+    assert "pg-roles" in dsns and len(dsns) > 4
+    for name, dsn in dsns.items():
+        parts = urllib.parse.urlsplit(dsn)
+        query = urllib.parse.parse_qs(parts.query)
+        assert parts.hostname == "postgres", (name, dsn)
+        assert query == {"sslmode": ["verify-full"], "sslrootcert": ["/pg-tls/ca.pem"]}, (name, dsn)
+        assert "pg-tls:/pg-tls:ro" in compose["services"][name]["volumes"], name
 
 
 # --- what a Docker user runs: Docker Compose itself, the secrets, the ports, the image -------------------------

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
-import asyncpg
 import nats
 import pytest
 
@@ -17,6 +16,7 @@ from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.testing.bus_spy import BusSpy
+from gpuaas_dev.testing.databases import ServiceDatabases
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +109,11 @@ async def portal(stack: Stack) -> AsyncIterator[Portal]:
 
 
 @pytest.fixture(scope="module")
-async def db(stack: Stack) -> AsyncIterator[asyncpg.Pool]:
-    pool = await asyncpg.create_pool(stack.dsn, min_size=1, max_size=4)
-    yield pool
-    await pool.close()
+async def db(stack: Stack) -> AsyncIterator[ServiceDatabases]:
+    # Each statement runs on the database of the service whose schema it names (`scheduler.nodes`).
+    dbs = await stack.open_databases()
+    yield dbs
+    await dbs.close()
 
 
 async def maas_sim(stack: Stack, method: str, path: str, body: Any = None) -> Any:

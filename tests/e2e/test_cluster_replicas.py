@@ -7,7 +7,6 @@ import asyncio
 import signal
 from collections.abc import AsyncIterator, Iterator
 
-import asyncpg
 import nats
 import nats.errors
 import nats.js.errors
@@ -105,7 +104,7 @@ async def test_allocations_survive_a_killed_replica_of_each_service_and_a_dead_n
     # and every outbox to drain before reading the databases.
     durables = [(c.stream, c.durable) for c in CONSUMERS]
     assert not {d: f for d, f in (await wait_consumers_drained(portal.js, durables, 120)).items() if any(f.values())}
-    conn = await asyncpg.connect(stack.dsn)
+    conn = await stack.open_databases()
     try:
         assert await wait_outboxes_empty(conn, timeout_s=60)
         assert await database_violations(conn) == []

@@ -16,6 +16,7 @@ from gpuaas_common import inbox
 from gpuaas_common.bus import Bus, HandlerContext, PermanentError
 from gpuaas_common.contract import Envelope, derived_event_id
 from gpuaas_common.contract import messages as m
+from gpuaas_common.db import BackendPids
 from gpuaas_common.jetstream import (
     CONSUMER_BY_NAME,
     REPORTS_PER_SUBJECT,
@@ -24,7 +25,6 @@ from gpuaas_common.jetstream import (
     ensure_consumer,
     provision,
 )
-from gpuaas_common.db import BackendPids
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import EventCollector, OutboxRelay, OutboxWriter, notice_payload, pending_statement
 from gpuaas_dev.testing.bus_spy import BusSpy

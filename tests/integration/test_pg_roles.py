@@ -1,7 +1,8 @@
-"""Per-service Postgres roles against a real cluster with password authentication.
+"""Per-service Postgres databases and roles against a real cluster with password authentication.
 
-Each Postgres-backed service's role owns its schema, runs its migrations, and can neither read, write nor
-create anything in another service's schema; passwords are enforced and can be rotated.
+Each Postgres-backed service's role owns its schema in its own database, runs its migrations, and can neither
+connect to another service's database nor read, write or create anything there; passwords are enforced and can
+be rotated.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from gpuaas_common.db import create_pool
 from gpuaas_common.migrations import apply_migrations
-from gpuaas_common.pg_roles import SERVICE_ROLES, ensure_service_roles
+from gpuaas_common.pg_roles import SERVICE_ROLES, ensure_service_roles, service_database, with_database
 
 SERVICES = sorted(SERVICE_ROLES)
 
@@ -52,6 +53,16 @@ def _with_password(dsn: str, password: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:{password}@{host}"))
 
 
+def _roles() -> dict[str, str]:
+    return {service: spec.role for service, spec in SERVICE_ROLES.items()}
+
+
+def _password_of(dsns: dict[str, str], role: str) -> str:
+    return next(
+        urllib.parse.urlsplit(d).password or "" for d in dsns.values() if urllib.parse.urlsplit(d).username == role
+    )
+
+
 def _passwords() -> dict[str, str]:
     return {service: secrets.token_hex(16) for service in SERVICES}
 
@@ -63,8 +74,27 @@ def no_ambient_password(monkeypatch, tmp_path):
     monkeypatch.setenv("PGPASSFILE", str(tmp_path / "no-such-pgpass"))
 
 
+def _service_db(fresh_db: str, service: str) -> str:
+    """The superuser's DSN on `service`'s database of the deployment named after `fresh_db`."""
+    return with_database(fresh_db, service_database(_database(fresh_db), service))
+
+
 @pytest.fixture
-async def role_dsns(postgres_server, fresh_db) -> AsyncIterator[dict[str, str]]:
+async def service_dbs(postgres_server, fresh_db) -> AsyncIterator[None]:
+    """The service databases of the deployment named after `fresh_db`, dropped with it."""
+    yield
+    admin = await asyncpg.connect(postgres_server.dsn)
+    try:
+        for service in SERVICES:
+            await admin.execute(
+                f'DROP DATABASE IF EXISTS "{service_database(_database(fresh_db), service)}" WITH (FORCE)'
+            )
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def role_dsns(postgres_server, fresh_db, service_dbs) -> AsyncIterator[dict[str, str]]:
     yield await ensure_service_roles(postgres_server.dsn, _database(fresh_db), _passwords())
 
 
@@ -146,13 +176,15 @@ async def test_other_roles_of_the_cluster_cannot_even_connect(postgres_server, f
         "DROP ROLE IF EXISTS gpuaas_test_outsider",
         "CREATE ROLE gpuaas_test_outsider LOGIN PASSWORD 'outsider-password'",
     )
-    parts = urllib.parse.urlsplit(fresh_db)
-    outsider = urllib.parse.urlunsplit(
-        parts._replace(netloc=f"gpuaas_test_outsider:outsider-password@{parts.hostname}:{parts.port}")
-    )
     try:
-        with pytest.raises(asyncpg.InsufficientPrivilegeError):
-            await asyncpg.connect(outsider)
+        for service in SERVICES:
+            # Neither a stranger nor another service's role: only the owner's role connects to a service database.
+            parts = urllib.parse.urlsplit(_service_db(fresh_db, service))
+            for role in ["gpuaas_test_outsider", *(r for s, r in _roles().items() if s != service)]:
+                password = "outsider-password" if role == "gpuaas_test_outsider" else _password_of(role_dsns, role)
+                dsn = urllib.parse.urlunsplit(parts._replace(netloc=f"{role}:{password}@{parts.hostname}:{parts.port}"))
+                with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                    await asyncpg.connect(dsn)
     finally:
         admin = await asyncpg.connect(postgres_server.dsn)
         await admin.execute("DROP ROLE gpuaas_test_outsider")
@@ -177,7 +209,13 @@ async def test_no_role_can_read_write_or_create_in_another_services_schema(migra
             ):
                 try:
                     await conns[a].execute(statement)
-                except asyncpg.InsufficientPrivilegeError:
+                # In its own database a role finds no other service's schema (it lives in that service's database,
+                # where the role may not connect); one created there by hand would still be closed to it.
+                except (
+                    asyncpg.InsufficientPrivilegeError,
+                    asyncpg.UndefinedTableError,
+                    asyncpg.InvalidSchemaNameError,
+                ):
                     continue
                 allowed.append(f"{a} may: {statement}")
         assert allowed == []
@@ -203,7 +241,9 @@ async def test_every_services_migrations_run_as_its_role(role_dsns):
             await pool.close()
 
 
-async def test_ensuring_again_is_harmless_and_rotates_passwords(postgres_server, fresh_db, no_ambient_password):
+async def test_ensuring_again_is_harmless_and_rotates_passwords(
+    postgres_server, fresh_db, service_dbs, no_ambient_password
+):
     # Roles without password checks isolate nothing: on the pgserver fallback (which trusts every
     # connection) this fails on purpose; `make setup` installs the system Postgres that enforces them.
     assert postgres_server.enforces_passwords, "this Postgres trusts every connection: roles mean nothing here"
@@ -244,9 +284,10 @@ async def test_wrong_or_missing_password_is_refused(postgres_server, role_dsns, 
             await asyncpg.connect(without)
 
 
-async def test_a_schema_that_predates_the_roles_is_adopted(postgres_server, fresh_db):
+async def test_a_schema_that_predates_the_roles_is_adopted(postgres_server, fresh_db, service_dbs):
+    await _as_superuser(fresh_db, f'CREATE DATABASE "{service_database(_database(fresh_db), "scheduler")}"')
     await _as_superuser(
-        fresh_db,
+        _service_db(fresh_db, "scheduler"),
         "CREATE SCHEMA scheduler",
         "CREATE TABLE scheduler.legacy (id serial PRIMARY KEY, note text)",
         "CREATE VIEW scheduler.legacy_notes AS SELECT note FROM scheduler.legacy",
@@ -263,20 +304,20 @@ async def test_a_schema_that_predates_the_roles_is_adopted(postgres_server, fres
 
 
 async def test_hand_granted_rights_across_services_are_taken_back(postgres_server, fresh_db, role_dsns):
+    scheduler_db = service_database(_database(fresh_db), "scheduler")
     await _as_superuser(
-        fresh_db,
+        _service_db(fresh_db, "scheduler"),
+        f'GRANT CONNECT ON DATABASE "{scheduler_db}" TO gpuaas_allocator',
         "GRANT USAGE, CREATE ON SCHEMA scheduler TO gpuaas_allocator",
-        "GRANT USAGE ON SCHEMA maas_gateway TO PUBLIC",
         "GRANT gpuaas_image_pipeline TO gpuaas_allocator",
     )
     await ensure_service_roles(postgres_server.dsn, _database(fresh_db), _passwords())
     dsns = await ensure_service_roles(postgres_server.dsn, _database(fresh_db), {"allocator": "p" * 24})
+    parts = urllib.parse.urlsplit(dsns["allocator"])
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        await asyncpg.connect(urllib.parse.urlunsplit(parts._replace(path=f"/{scheduler_db}")))
     conn = await asyncpg.connect(dsns["allocator"])
     try:
-        with pytest.raises(asyncpg.InsufficientPrivilegeError):
-            await conn.execute("CREATE TABLE scheduler.intruder (x int)")
-        with pytest.raises(asyncpg.InsufficientPrivilegeError):
-            await conn.execute("CREATE TABLE maas_gateway.intruder (x int)")
         with pytest.raises(asyncpg.InsufficientPrivilegeError):
             await conn.execute("SET ROLE gpuaas_image_pipeline")
     finally:
@@ -298,7 +339,7 @@ async def test_bad_input_is_refused_before_touching_the_cluster(passwords, why):
         await ensure_service_roles("postgresql://nobody:x@127.0.0.1:1/none", "none", passwords)
 
 
-def test_the_compose_init_command_creates_the_roles_and_refuses_weak_passwords(postgres_server, fresh_db):
+def test_the_compose_init_command_creates_the_roles_and_refuses_weak_passwords(postgres_server, fresh_db, service_dbs):
     from typer.testing import CliRunner
 
     from gpuaas_common.pg_roles import role_dsn
@@ -318,7 +359,8 @@ def test_the_compose_init_command_creates_the_roles_and_refuses_weak_passwords(p
     password = env["GPUAAS_PG_MAAS_GATEWAY_PASSWORD"]
 
     async def owner() -> str:
-        conn = await asyncpg.connect(role_dsn(postgres_server.dsn, database, "gpuaas_maas_gateway", password))
+        where = service_database(database, "maas-gateway")
+        conn = await asyncpg.connect(role_dsn(postgres_server.dsn, where, "gpuaas_maas_gateway", password))
         try:
             return await conn.fetchval(
                 "SELECT pg_get_userbyid(nspowner) FROM pg_namespace WHERE nspname = 'maas_gateway'"

@@ -171,6 +171,16 @@ UnsafeNoFsyncOpt = Annotated[
 ]
 
 
+PgTlsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--pg-tls",
+        help="Postgres over TLS only (a CA of the stack's own, stack.json: postgres_ca_file); every DSN "
+        "verifies the server (sslmode=verify-full).",
+    ),
+]
+
+
 @dev_app.command("up")
 def dev_up(
     detach: Annotated[bool, typer.Option("--detach", help="Leave a supervisor running in the background.")] = False,
@@ -184,6 +194,7 @@ def dev_up(
     nats_cluster: NatsClusterOpt = 1,
     replicas: ReplicasOpt = 1,
     lab: LabOpt = False,
+    pg_tls: PgTlsOpt = False,
 ) -> None:
     """Start NATS, Postgres, the MAAS simulator and the five services; return once all are ready.
 
@@ -207,6 +218,7 @@ def dev_up(
             log_level=log_level,
             unsafe_no_fsync=unsafe_no_fsync,
             lab=lab,
+            pg_tls=pg_tls,
             **_stack_args(slice_hosts, slots, baremetal, nats_cluster, replicas),
         )
         raise typer.Exit(_supervise(stack, announce=True))
@@ -236,6 +248,7 @@ def dev_up(
         "--replicas",
         str(replicas),
         *(["--lab"] if lab else []),
+        *(["--pg-tls"] if pg_tls else []),
     ]
     with log_path.open("ab") as log:
         child = subprocess.Popen(
@@ -281,6 +294,7 @@ def dev_supervise(
     nats_cluster: NatsClusterOpt = 1,
     replicas: ReplicasOpt = 1,
     lab: LabOpt = False,
+    pg_tls: PgTlsOpt = False,
 ) -> None:
     """The detached supervisor behind `dev up --detach`."""
     from gpuaas_dev.stack import Stack
@@ -290,6 +304,7 @@ def dev_supervise(
         log_level=log_level,
         unsafe_no_fsync=unsafe_no_fsync,
         lab=lab,
+        pg_tls=pg_tls,
         **_stack_args(slice_hosts, slots, baremetal, nats_cluster, replicas),
     )
     raise typer.Exit(_supervise(stack, announce=False))

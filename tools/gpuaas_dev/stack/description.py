@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpuaas_common.pg_roles import dsn_without_password
+from gpuaas_common.pg_roles import dsn_without_password, service_database
 
+from .database import DATABASE
 from .lab_host import describe_lab
 from .processes import MAAS_SIM
 
@@ -49,7 +50,10 @@ def describe_stack(stack: Stack) -> dict[str, Any]:
         "nats_ca_file": str(stack._tls.ca) if stack._tls else None,
         "creds_dir": str(stack.creds_dir) if stack.auth else None,
         "nats_pids": [srv.proc.pid for srv in stack._nats.servers if srv.proc] if stack._nats else [],
-        "database_url": dsn_without_password(stack._dsn) if stack._dsn else None,
+        # The superuser's, on the maintenance database; each service's tables are in its own database.
+        "database_url": dsn_without_password(stack._admin_dsn) if stack._admin_dsn else None,
+        "service_databases": {s: service_database(DATABASE, s) for s in stack._service_dsns},
+        "postgres_ca_file": str(stack.run_dir / "pg-tls" / "ca.pem") if stack.pg_tls else None,
         "maas_url": stack.maas_url if stack._procs.get(MAAS_SIM) and stack._procs[MAAS_SIM].port else None,
         "fleet_file": str(stack.run_dir / "fleet" / "fleet.json"),
         "registry_url": stack._registry.url if stack._registry else None,

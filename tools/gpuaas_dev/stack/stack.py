@@ -13,14 +13,15 @@ from typing import Any
 
 from gpuaas_common.fleet import Fleet
 from gpuaas_common.identity import Authority
-from gpuaas_common.identity.tls import TlsFiles
+from gpuaas_common.identity.tls import TlsFiles, make_ca_and_server_cert
 from gpuaas_common.pg_roles import SERVICE_ROLES
+from gpuaas_dev.testing.databases import ServiceDatabases
 from gpuaas_dev.testing.servers import NatsCluster, NatsServer, PostgresServer, RegistryServer, free_port
 
 from ..maas_sim.auth import generate_api_key
 from .approval import ApprovalFailed, approve_slice_hosts
 from .coroutines import run_coro
-from .database import create_database, create_service_roles
+from .database import create_service_roles, service_admin_dsns
 from .description import ADMIN_APIS, describe_stack, record_database_secrets, write_secrets
 from .environment import TIMER_FLAGS, maas_sim_argv, maas_sim_proc, service_proc
 from .fleet import prepare_fleet_dir
@@ -57,6 +58,7 @@ class Stack:
         nats_cluster: int = 1,
         replicas: int = 1,
         lab: bool = False,
+        pg_tls: bool = False,
     ) -> None:
         """`env_overrides` maps GPUAAS_* names to values for every service; a key that is a process
         name (e.g. "maas-gateway") maps to a dict applied to that process only.
@@ -70,7 +72,10 @@ class Stack:
         `nats_cluster=3` runs three nats-servers in one JetStream cluster with every stream at R3 (clients get
         every seed URL); `replicas=N` runs N processes of each long-running service (allocator, scheduler,
         image pipeline, MAAS gateway) sharing their durables. The simulated fleet stays one process: hosts are
-        not replicated, each is one agent."""
+        not replicated, each is one agent.
+
+        `pg_tls` runs Postgres with TLS from a CA of its own (`<run-dir>/pg-tls/ca.pem`), refuses plaintext TCP
+        logins, and gives every client DSN `sslmode=verify-full` with that CA."""
         if nats_cluster not in (1, 3, 5):
             raise ValueError("nats_cluster must be 1, 3 or 5 (a JetStream cluster needs a majority)")
         if replicas < 1:
@@ -95,6 +100,7 @@ class Stack:
         self.log_level = log_level
         self.auth = auth
         self.unsafe_no_fsync = unsafe_no_fsync
+        self.pg_tls = pg_tls
         self.status = "new"
         self._authority: Authority | None = None
         self._tls: TlsFiles | None = None
@@ -103,7 +109,7 @@ class Stack:
         self._registry: RegistryServer | None = None
         # One bearer token per admin API (scheduler, image pipeline); both in secrets.json.
         self._admin_tokens: dict[str, str] = {}
-        self._dsn: str | None = None
+        self._admin_dsn: str | None = None  # the superuser's, on the cluster's maintenance database
         self._service_dsns: dict[str, str] = {}  # service -> its own role's DSN, password inside
         self._fleet: Fleet | None = None
         self._maas_api_key: str | None = None
@@ -161,16 +167,26 @@ class Stack:
         return self._authority
 
     @property
-    def dsn(self) -> str:
-        if self._dsn is None:
+    def admin_dsn(self) -> str:
+        """The superuser's DSN on the cluster's maintenance database (no service's tables are there)."""
+        if self._admin_dsn is None:
             raise StackError("stack not started")
-        return self._dsn
+        return self._admin_dsn
+
+    def dsn_for(self, service: str) -> str:
+        """The superuser's DSN on `service`'s own database, where its schema of the same name lives: for tests
+        and benchmarks that inspect that service's tables (`scheduler.nodes` on the scheduler's)."""
+        if service not in SERVICE_ROLES:
+            raise StackError(f"{service!r} has no database; those that do: {', '.join(SERVICE_ROLES)}")
+        return service_admin_dsns(self.admin_dsn)[service]
+
+    async def open_databases(self) -> ServiceDatabases:
+        """Superuser pools on every service's database, each statement sent where the schema it names lives."""
+        return await ServiceDatabases.open(service_admin_dsns(self.admin_dsn))
 
     def service_dsn(self, service: str) -> str:
-        """The DSN `service` runs with: its own role, which owns its schema and may touch nothing else.
-
-        `dsn` is the superuser's, for tests and benchmarks that inspect every schema.
-        """
+        """The DSN `service` runs with: its own role, which owns its schema in its own database and may connect
+        to no other."""
         if service not in SERVICE_ROLES:
             raise StackError(f"{service!r} has no database role; those that do: {', '.join(SERVICE_ROLES)}")
         if service not in self._service_dsns:
@@ -320,11 +336,12 @@ class Stack:
             self._tls, self._authority = make_identities(self.run_dir, self.creds_dir)
         self._nats = NatsCluster(self.run_dir / "nats", size=self.nats_cluster, auth=self._authority, tls=self._tls)
         self._nats.start()
-        self._pg = PostgresServer(self.run_dir / "pg", unsafe_no_fsync=self.unsafe_no_fsync)
+        pg_tls = make_ca_and_server_cert(self.run_dir / "pg-tls") if self.pg_tls else None
+        self._pg = PostgresServer(self.run_dir / "pg", unsafe_no_fsync=self.unsafe_no_fsync, tls=pg_tls)
         self._pg.start()
-        self._dsn = create_database(self._pg.dsn)
+        self._admin_dsn = self._pg.dsn
         self._service_dsns = create_service_roles(self._pg.dsn)
-        record_database_secrets(self.run_dir / "secrets.json", self._dsn, self._service_dsns)
+        record_database_secrets(self.run_dir / "secrets.json", self._admin_dsn, self._service_dsns)
         self._registry = RegistryServer(self.run_dir / "registry")
         self._registry.start()
 
@@ -365,7 +382,7 @@ class Stack:
         try:
             # On a thread of its own, like every async step here: the caller may be inside a running loop.
             options, fleet = self.nats_options("admin"), self._fleet
-            run_coro(lambda: commission_slice_hosts(options, self.dsn, fleet, self.ready_timeout_s))
+            run_coro(lambda: commission_slice_hosts(options, self.dsn_for("scheduler"), fleet, self.ready_timeout_s))
         except TimeoutError as exc:
             raise StackError(f"{exc}\n--- maas-gateway log ---\n{self.log_tail('maas-gateway')}") from None
         # Seeding fabricates no evidence: slots exist only once the agents reported topology and parity and

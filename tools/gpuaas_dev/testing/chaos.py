@@ -39,6 +39,7 @@ from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer
 
 from ..stack import Stack
 from .bus_spy import BusSpy
+from .databases import ServiceDatabases
 from .invariants import (
     TERMINAL,
     allocations_and_claims,
@@ -534,7 +535,7 @@ def _percentiles(values: list[float]) -> dict[str, float | int | None]:
     }
 
 
-async def check(stack: Stack, conn: asyncpg.Connection, requested: list[str]) -> dict[str, list[str]]:
+async def check(stack: Stack, conn: ServiceDatabases, requested: list[str]) -> dict[str, list[str]]:
     """The independent checker at a quiet moment: databases, simulated hosts and MAAS simulator."""
     allocations, claims = await allocations_and_claims(conn)
     bare = {n.maas_system_id for n in stack.fleet.nodes if n.kind == "baremetal" and n.maas_system_id}
@@ -548,7 +549,7 @@ async def check(stack: Stack, conn: asyncpg.Connection, requested: list[str]) ->
 
 
 async def check_repaired(
-    stack: Stack, conn: asyncpg.Connection, requested: list[str], within_s: float
+    stack: Stack, conn: ServiceDatabases, requested: list[str], within_s: float
 ) -> tuple[dict[str, list[str]], float]:
     """The checker's findings once background repairs had up to `within_s` to clear them, and how long that took
     (0 when there was nothing to clear)."""
@@ -569,7 +570,7 @@ async def check_repaired(
 _UUID_RE = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-async def violating_timelines(conn: asyncpg.Connection, violations: dict[str, list[str]]) -> dict[str, list[str]]:
+async def violating_timelines(conn: ServiceDatabases, violations: dict[str, list[str]]) -> dict[str, list[str]]:
     """The allocator's timeline of every allocation a violation names, to read a failed run without re-running it
     (the faults are seeded, their timing is not)."""
     ids = sorted({m for found in violations.values() for v in found for m in _UUID_RE.findall(v)})
@@ -586,7 +587,7 @@ async def violating_timelines(conn: asyncpg.Connection, violations: dict[str, li
     return out
 
 
-async def _settle(stack: Stack, js: Any, dsn: str, states: States, ids: list[str], timeout_s: float) -> dict[str, Any]:
+async def _settle(stack: Stack, js: Any, states: States, ids: list[str], timeout_s: float) -> dict[str, Any]:
     """Wait until every allocation is active or ended, every durable drained and every outbox empty."""
     started = time.monotonic()
     deadline = started + timeout_s
@@ -600,11 +601,8 @@ async def _settle(stack: Stack, js: Any, dsn: str, states: States, ids: list[str
         (c.stream, c.durable) for c in (node_agent_consumer(n) for n in nodes)
     ]
     figures = await wait_consumers_drained(js, durables, timeout_s=max(10.0, deadline - time.monotonic()))
-    conn = await asyncpg.connect(dsn)
-    try:
-        await wait_outboxes_empty(conn, timeout_s=max(5.0, deadline - time.monotonic()))
-    finally:
-        await conn.close()
+    async with await stack.open_databases() as dbs:
+        await wait_outboxes_empty(dbs, timeout_s=max(5.0, deadline - time.monotonic()))
     return {
         "settle_s": round(time.monotonic() - started, 2),
         "undrained_consumers": {d: f for d, f in figures.items() if any(f.values())},
@@ -618,7 +616,7 @@ async def run_chaos(stack: Stack, plan: ChaosPlan) -> dict[str, Any]:
     admin_nc = await nats.connect(**stack.nats_options("admin"), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
     js = admin_nc.jetstream()
     dlq_before = (await js.stream_info("DLQ")).state.last_seq
-    states = States(stack.dsn)
+    states = States(stack.dsn_for("allocator"))
     portal = Portal(portal_nc, spy)
     workload = Workload(plan, portal, states, rng)
     supervisor = Supervisor(stack)
@@ -632,8 +630,8 @@ async def run_chaos(stack: Stack, plan: ChaosPlan) -> dict[str, Any]:
         report["workload_s"] = round(time.monotonic() - started, 1)
         await heal(stack)
         ids = workload.ids
-        report["settle_with_active"] = await _settle(stack, js, stack.dsn, states, ids, plan.converge_s)
-        conn = await asyncpg.connect(stack.dsn)
+        report["settle_with_active"] = await _settle(stack, js, states, ids, plan.converge_s)
+        conn = await stack.open_databases()
         try:
             report["violations_with_active"], report["repaired_with_active_s"] = await check_repaired(
                 stack, conn, ids, plan.repair_s
@@ -642,7 +640,7 @@ async def run_chaos(stack: Stack, plan: ChaosPlan) -> dict[str, Any]:
             active = [a for a in ids if states.state.get(a) == "active"]
             report["active_at_first_check"] = len(active)
             await asyncio.gather(*(release_until_ended(portal, states, alloc, plan) for alloc in active))
-            report["settle_released"] = await _settle(stack, js, stack.dsn, states, ids, plan.converge_s)
+            report["settle_released"] = await _settle(stack, js, states, ids, plan.converge_s)
             report["violations_at_end"], report["repaired_at_end_s"] = await check_repaired(
                 stack, conn, ids, plan.repair_s
             )
@@ -656,7 +654,7 @@ async def run_chaos(stack: Stack, plan: ChaosPlan) -> dict[str, Any]:
         finally:
             await conn.close()
         letters, problems = await dead_letters(js, after_seq=dlq_before)
-        await recovery_times(stack.dsn, injector.records, ids)
+        await recovery_times(stack.dsn_for("allocator"), injector.records, ids)
     finally:
         poller.cancel()
         supervising.cancel()

@@ -11,7 +11,6 @@ from datetime import timedelta
 from typing import Any
 
 import aiohttp
-import asyncpg
 import nats
 from nats.aio.client import Client as NatsClient
 
@@ -22,6 +21,7 @@ from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer
 
 from ..stack import Stack
 from .bus_spy import BusSpy
+from .databases import ServiceDatabases
 from .fuzz import Fuzzer, Pools, consumers_for, publisher
 from .invariants import database_violations, dead_letters, wait_consumers_drained, wait_outboxes_empty
 
@@ -112,7 +112,7 @@ async def run_fuzz(
     stack: Stack,
     spy: BusSpy,
     admin: NatsClient,
-    db: asyncpg.Pool,
+    db: ServiceDatabases,
     *,
     count: int,
     seed: int,
@@ -154,9 +154,8 @@ async def run_fuzz(
     drained_s = time.monotonic() - started
     letters, problems = await dead_letters(js_admin, after_seq=dlq_before)
     got = Counter(letter["consumer"] for letter in letters)
-    async with db.acquire() as conn:
-        await wait_outboxes_empty(conn, timeout_s=30.0)  # a backlog left after that is a violation below
-        violations = await database_violations(conn)
+    await wait_outboxes_empty(db, timeout_s=30.0)  # a backlog left after that is a violation below
+    violations = await database_violations(db)
     recovery = await recover_fleet(stack, spy, admin)
     return {
         "recovery": recovery,

@@ -17,14 +17,16 @@ from nats.js.errors import NotFoundError
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract.messages import DeadLetter
 
+from .databases import ServiceDatabases
 from .waiting import eventually
 
 TERMINAL = ("released", "failed", "rejected", "unschedulable")
 LIVE_SLOT_STATUSES = ("reserved", "provisioning", "active", "releasing")
 
 
-async def database_violations(conn: asyncpg.Connection) -> list[str]:
-    """Rows that contradict each other across the allocator's and the scheduler's schemas (superuser DSN)."""
+async def database_violations(conn: ServiceDatabases) -> list[str]:
+    """Rows that contradict each other across the allocator's and the scheduler's databases (superuser). Each
+    lives in its own database, so what compares the two is joined here."""
     out: list[str] = []
     for row in await conn.fetch(
         "SELECT a.allocation_id, a.state, t.state AS last FROM allocator.allocations a "
@@ -32,20 +34,24 @@ async def database_violations(conn: asyncpg.Connection) -> list[str]:
         "ORDER BY seq DESC LIMIT 1) t ON true WHERE t.state IS DISTINCT FROM a.state"
     ):
         out.append(f"allocation {row['allocation_id']} is {row['state']} but its timeline ends {row['last']}")
-    for row in await conn.fetch(
-        "SELECT a.allocation_id, a.shape, a.node_id FROM allocator.allocations a WHERE a.state = 'active' "
-        "AND NOT EXISTS (SELECT 1 FROM scheduler.allocation_resource_claims c WHERE c.allocation_id = a.allocation_id "
-        "AND c.status = 'held' AND c.node_id = a.node_id)"
-    ):
-        out.append(f"active allocation {row['allocation_id']} holds no claim on its node {row['node_id']}")
-    for row in await conn.fetch(
-        "SELECT c.allocation_id, a.state, count(*) AS n FROM scheduler.allocation_resource_claims c "
-        "LEFT JOIN allocator.allocations a USING (allocation_id) WHERE c.status <> 'released' "
-        "AND (a.allocation_id IS NULL OR a.state = ANY($1::text[])) GROUP BY 1, 2",
-        [t for t in TERMINAL if t != "failed"],
-    ):
-        what = "an allocation the allocator does not know" if row["state"] is None else f"a {row['state']} allocation"
-        out.append(f"{row['n']} live claim(s) held for {what}: {row['allocation_id']}")
+    states = {
+        r["allocation_id"]: (r["state"], r["node_id"])
+        for r in await conn.fetch("SELECT allocation_id, state, node_id FROM allocator.allocations")
+    }
+    claims = await conn.fetch(
+        "SELECT allocation_id, node_id, status FROM scheduler.allocation_resource_claims WHERE status <> 'released'"
+    )
+    held = {(c["allocation_id"], c["node_id"]) for c in claims if c["status"] == "held"}
+    for alloc, (state, node) in states.items():
+        if state == "active" and (alloc, node) not in held:
+            out.append(f"active allocation {alloc} holds no claim on its node {node}")
+    ended = {t for t in TERMINAL if t != "failed"}
+    live = Counter(c["allocation_id"] for c in claims)
+    for alloc, n in live.items():
+        state = states.get(alloc, (None, None))[0]
+        if state is None or state in ended:
+            what = "an allocation the allocator does not know" if state is None else f"a {state} allocation"
+            out.append(f"{n} live claim(s) held for {what}: {alloc}")
     for row in await conn.fetch(
         "SELECT s.slot_id, s.status FROM scheduler.node_resource_slots s WHERE s.status = ANY($1::text[]) "
         "AND NOT EXISTS (SELECT 1 FROM scheduler.allocation_resource_claims c WHERE c.slot_id = s.slot_id "
@@ -65,7 +71,7 @@ async def database_violations(conn: asyncpg.Connection) -> list[str]:
     return out
 
 
-async def double_booking(conn: asyncpg.Connection) -> list[str]:
+async def double_booking(conn: asyncpg.Connection | ServiceDatabases) -> list[str]:
     """The history, not only the end state: no two claims on one slot (or two whole-node claims on one node)
     whose lifetimes overlap."""
     rows = await conn.fetch(
@@ -103,7 +109,7 @@ async def double_booking(conn: asyncpg.Connection) -> list[str]:
     return out
 
 
-async def allocations_and_claims(conn: asyncpg.Connection) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+async def allocations_and_claims(conn: ServiceDatabases) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every allocation (id, shape, state, node, MAAS machine) and every held claim with its slot's devices."""
     allocations = [
         dict(r)
@@ -225,14 +231,18 @@ def maas_violations(
     return out
 
 
-async def outbox_backlog(conn: asyncpg.Connection) -> dict[str, int]:
-    schemas = await conn.fetch("SELECT table_schema FROM information_schema.tables WHERE table_name = 'outbox'")
-    return {
-        r["table_schema"]: await conn.fetchval(f'SELECT count(*) FROM "{r["table_schema"]}".outbox') for r in schemas
-    }
+async def outbox_backlog(dbs: ServiceDatabases) -> dict[str, int]:
+    """Rows left in each outbox, by schema, over every service's database."""
+    backlog: dict[str, int] = {}
+    for pool in dbs.pools.values():
+        async with pool.acquire() as conn:
+            for r in await conn.fetch("SELECT table_schema FROM information_schema.tables WHERE table_name = 'outbox'"):
+                schema = r["table_schema"]
+                backlog[schema] = await conn.fetchval(f'SELECT count(*) FROM "{schema}".outbox')
+    return backlog
 
 
-async def wait_outboxes_empty(conn: asyncpg.Connection, timeout_s: float) -> bool:
+async def wait_outboxes_empty(conn: ServiceDatabases, timeout_s: float) -> bool:
     """Whether every outbox emptied within `timeout_s`. A relay deletes what it published a moment later (with
     its next read, or on its own after a short grace), so an empty outbox is something to wait for."""
 

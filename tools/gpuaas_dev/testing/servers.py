@@ -18,9 +18,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from gpuaas_common.identity.tls import TlsFiles
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -267,6 +270,9 @@ class PostgresServer:
     data_dir: Path
     port: int = 0
     unsafe_no_fsync: bool = False
+    # TLS on TCP (system Postgres only): the server presents `tls.cert`, refuses plaintext TCP logins, and `dsn`
+    # asks for `sslmode=verify-full` against `tls.ca`.
+    tls: TlsFiles | None = None
     user: str = "postgres"
     password: str = field(default="", repr=False)
     _mode: str = ""
@@ -292,10 +298,15 @@ class PostgresServer:
             # The pgserver wheel runs its cluster with trust auth and no password: a fallback for machines
             # without system Postgres, where role passwords are therefore not enforced.
             return self._pgserver.get_uri()  # type: ignore[attr-defined]
-        return f"postgresql://{self.user}:{self.password}@127.0.0.1:{self.port}/postgres"
+        dsn = f"postgresql://{self.user}:{self.password}@127.0.0.1:{self.port}/postgres"
+        if self.tls is not None:
+            dsn += f"?sslmode=verify-full&sslrootcert={urllib.parse.quote(str(self.tls.ca))}"
+        return dsn
 
     def start(self, timeout_s: float = 60.0) -> "PostgresServer":
-        if docker_available():
+        if self.tls is not None and _pg_bindir() is None:
+            raise RuntimeError("Postgres TLS needs the system Postgres (initdb/pg_ctl on PATH)")
+        if self.tls is None and docker_available():
             from testcontainers.postgres import PostgresContainer  # type: ignore[import-untyped]
 
             self._container = PostgresContainer("postgres:16-alpine").start()
@@ -325,13 +336,14 @@ class PostgresServer:
             # earlier run cannot be reused.
             raise RuntimeError(f"{pgdata} already holds a cluster; give PostgresServer an empty data_dir")
         self._initdb(bindir, pgdata)
+        tls_options = self._install_tls(pgdata) if self.tls is not None else ""
         sync = "off" if self.unsafe_no_fsync else "on"
         self._options = (
             # Sockets only for the account running the cluster: local connections are trusted (see _initdb).
             f"-c listen_addresses=127.0.0.1 -c port={self.port} -c unix_socket_directories={self.data_dir} "
             "-c unix_socket_permissions=0700 "
             f"-c fsync={sync} -c synchronous_commit={sync} -c full_page_writes={sync} "
-            "-c max_connections=300 -c shared_buffers=128MB"
+            "-c max_connections=300 -c shared_buffers=128MB" + tls_options
         )
         subprocess.run(
             [
@@ -393,6 +405,25 @@ class PostgresServer:
     def durable(self) -> bool:
         """Whether a commit survives a crash: fsync and synchronous_commit both on."""
         return not self.unsafe_no_fsync and "synchronous_commit=off" not in getattr(self, "_options", "")
+
+    def _install_tls(self, pgdata: Path) -> str:
+        """The certificate and key in the data directory (Postgres wants its key 0600 and its own), every TCP
+        login over TLS only (`hostssl`, and `hostnossl ... reject` so a plaintext client is told why); the
+        server options that switch TLS on."""
+        assert self.tls is not None
+        cert, key = pgdata / "server.crt", pgdata / "server.key"
+        shutil.copyfile(self.tls.cert, cert)
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.tls.key.read_text())
+        hba = pgdata / "pg_hba.conf"
+        lines = [re.sub(r"^host(\s)", r"hostssl\1", line) for line in hba.read_text().splitlines()]
+        hba.write_text("\n".join([*lines, "hostnossl all all all reject", ""]))
+        if self._runas:
+            account = pwd.getpwnam("postgres")
+            for path in (cert, key, hba):
+                os.chown(path, account.pw_uid, account.pw_gid)
+        return f" -c ssl=on -c ssl_cert_file={cert} -c ssl_key_file={key} -c ssl_min_protocol_version=TLSv1.2"
 
     def _initdb(self, bindir: Path, pgdata: Path) -> None:
         """Password (SCRAM) authentication on TCP, so per-service roles and their passwords mean something.
