@@ -42,6 +42,34 @@ async def admin_client(pool: asyncpg.Pool) -> AsyncIterator[TestClient]:
         await client.close()
 
 
+async def report_ready(pool: asyncpg.Pool, node_id: str, *, parity_failures: int = 0, preflight: str = "passed"):
+    """The host's readiness evidence as its agent (a parity run) and MAAS commissioning (the slice preflight)
+    report it, through the scheduler's own handlers: the evidence slot approval gates on."""
+    from datetime import UTC, datetime
+
+    from gpuaas_scheduler.service_layer.evidence import record_parity, record_slice_preflight
+
+    now = datetime.now(UTC)
+    async with pool.acquire() as conn, conn.transaction():
+        check = m.ParityCheck(check="kvm", status="FAIL" if parity_failures else "PASS", detail="/dev/kvm")
+        await record_parity(
+            conn,
+            m.NodeParityReported(node_id=node_id, checked_at=now, checks=[check], failures=parity_failures, warnings=0),
+        )
+        await record_slice_preflight(
+            conn,
+            m.NodeSlicePreflightReported(
+                operation_id=f"pf-{uuid.uuid4().hex[:8]}",
+                site="default",
+                system_id=f"sys-{node_id}",
+                node_id=node_id,
+                script_name="50-gpuaas-slice-firmware-preflight",
+                status=preflight,
+                reported_at=now,
+            ),
+        )
+
+
 def accepted(gpus=1, shape="gpu_slice", tenant="t1", sku="h200-sxm-slice"):
     return m.AllocationAccepted(
         allocation_id=uuid.uuid4(),

@@ -391,7 +391,12 @@ async def test_a_converting_host_takes_no_slice_while_a_step_is_missing(pool, ap
             f"/v1/nodes/{HOST}/candidates/approve",
             {"actor": "alice", "candidate_ids": ids} if ids else {"actor": "alice"},
         )
-        assert status == 200 and body["mode"] == "converting" and body["mode_blockers"]
+        if missing in ("parity", "failing_parity"):
+            # The approval gate itself refuses: no passing parity run for the host's current evidence.
+            assert status == 409 and body["error"]["code"] == "readiness_gate", body
+            assert "parity" in body["error"]["details"]["gates"]
+        else:
+            assert status == 200 and body["mode"] == "converting" and body["mode_blockers"]
 
     assert (await node_row(pool))["mode"] == "converting"
     await assert_no_slice_lands(pool)

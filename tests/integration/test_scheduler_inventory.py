@@ -24,6 +24,7 @@ from .scheduler_db import (
     candidate,
     place_and_activate,
     post,
+    report_ready,
     run_place,
     scheduler_pool,
 )
@@ -98,6 +99,13 @@ async def test_approval_enforces_every_rule_through_the_api(api, pool):
     cands = [candidate(0)] + [candidate(i + 1, **change) for i, (change, _) in enumerate(VIOLATIONS)]
     status, body = await post(api, "/v1/nodes/h1/candidates", {"actor": "ops", "candidates": cands}, method="PUT")
     assert status == 200 and len(body["candidates"]) == len(cands)
+    # No parity run and no commissioning preflight yet: the approval gate refuses, naming both, and writes nothing.
+    status, body = await post(api, "/v1/nodes/h1/candidates/approve", {"actor": "ops", "reason": "first light"})
+    assert status == 409 and body["error"]["code"] == "readiness_gate"
+    assert set(body["error"]["details"]["gates"]) == {"parity", "preflight"}
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM node_resource_slots WHERE node_id = 'h1'") == 0
+    await report_ready(pool, "h1")
     status, body = await post(api, "/v1/nodes/h1/candidates/approve", {"actor": "ops", "reason": "first light"})
     assert status == 200
     results = {r["candidate_id"]: r for r in body["results"]}
@@ -109,17 +117,9 @@ async def test_approval_enforces_every_rule_through_the_api(api, pool):
     slots = {s["slot_id"]: s for s in (await resp.json())["slots"]}
     assert slots["h1-c0"]["status"] == "available" and slots["h1-c0"]["approved_by"] == "ops"
     assert "mounted children" in slots["h1-c7"]["status_reason"]
-    # Candidates stay apart from slots, and a slice host is schedulable only with parity failures = 0.
+    # Candidates stay apart from slots.
     resp = await api.get("/v1/nodes/h1/candidates", headers=ADMIN_AUTH)
     assert len((await resp.json())["candidates"]) == len(cands)
-    assert (await run_place(pool, accepted())).unschedulable.reason_code == "no_eligible_node"
-    status, _ = await post(api, "/v1/nodes/h1/readiness", {"actor": "agent", "parity_failures": 0}, method="PUT")
-    assert status == 200
-    # ... and with a passing commissioning preflight (none reported yet: missing).
-    u = (await run_place(pool, accepted())).unschedulable
-    assert u is not None and u.filtered.get("preflight_missing") == 1, u
-    async with pool.acquire() as conn:
-        await record_slice_preflight(conn, preflight_report("h1", "passed"))
     # ... and, for the default tuned profile, the 1 GiB hugepages its agent reports (none reported yet).
     u = (await run_place(pool, accepted())).unschedulable
     assert u is not None and u.filtered.get("hugepages_missing") == 1, u

@@ -47,13 +47,13 @@ async def run_place(pool):
         return await place(conn, slice_request(), PlacementPolicy())
 
 
-async def approve(api, actor: str, candidate_ids: list[str]) -> dict[str, Any]:
+async def approve(api, actor: str, candidate_ids: list[str], status: int = 200) -> dict[str, Any]:
     resp = await api.post(
         f"/v1/nodes/{HOST}/candidates/approve",
         json={"actor": actor, "reason": "test", "candidate_ids": candidate_ids},
         headers={**ADMIN_AUTH, "Idempotency-Key": uuid.uuid4().hex},
     )
-    assert resp.status == 200, await resp.text()
+    assert resp.status == status, await resp.text()
     return await resp.json()
 
 
@@ -74,10 +74,9 @@ async def test_seeded_slots_are_candidates_until_discovery_parity_and_approval(p
     assert (await run_place(pool)).placed is None
 
     async with admin_client(pool) as api:
-        # A seeded bundle carries no disk evidence: approving it yields a disabled slot, never capacity.
-        seeded = await approve(api, "ops", [cands[0]["candidate_id"]])
-        assert seeded["results"][0]["status"] == "disabled"
-        assert "no NVMe evidence from topology discovery" in seeded["results"][0]["problems"]
+        # Before the host's agent ran parity, nothing is approved at all, not even a seeded bundle.
+        refused = await approve(api, "ops", [cands[0]["candidate_id"]], status=409)
+        assert refused["error"]["code"] == "readiness_gate" and set(refused["error"]["details"]["gates"]) == {"parity"}
         assert (await run_place(pool)).placed is None
 
         # The agent reports (an instant simulated host stands in for it), then ops approve.
@@ -110,11 +109,10 @@ async def test_seeded_slots_are_candidates_until_discovery_parity_and_approval(p
         audit = await conn.fetchval(
             "SELECT count(*) FROM admin_audit WHERE actor = 'gpuaas-dev' AND action = 'candidates.approve'"
         )
-    # The GPU whose seeded bundle ops approved keeps that (disabled, evidence-less) slot until ops act on it;
-    # the discovered one is available, and names its approver.
+    # Every slot is a discovered one (the seeded bundles were never approvable) and names its approver.
     assert [tuple(s) for s in slots] == [
-        (f"{HOST}-0000:2a:00.0", "reserved", "gpuaas-dev", True),  # the placement above took it
-        (f"{HOST}-s0", "disabled", "ops", False),
+        (f"{HOST}-0000:18:00.0", "reserved", "gpuaas-dev", True),  # the placement above took it
+        (f"{HOST}-0000:2a:00.0", "available", "gpuaas-dev", True),
     ]
     assert audit == 1
 

@@ -19,6 +19,7 @@ from .scheduler_db import (
     candidate,
     place_and_activate,
     post,
+    report_ready,
     run_place,
     scheduler_pool,
     slot_rows,
@@ -55,6 +56,7 @@ async def test_approval_records_the_storage_metadata_of_the_runbook(api, pool):
         api, "/v1/nodes/h1/candidates", {"actor": "ops", "candidates": [candidate(0), candidate(1)]}, method="PUT"
     )
     assert status == 200
+    await report_ready(pool, "h1")
     status, body = await post(
         api, "/v1/nodes/h1/candidates/approve", {"actor": "ops", "candidate_ids": ["h1-c0"], "reason": "site default"}
     )

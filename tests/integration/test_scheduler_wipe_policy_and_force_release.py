@@ -21,6 +21,7 @@ from .scheduler_db import (
     candidate,
     place_and_activate,
     post,
+    report_ready,
     run_place,
     scheduler_pool,
     slot_rows,
@@ -148,6 +149,7 @@ async def test_approval_takes_the_site_policy_and_refuses_another(api, pool):
         api, "/v1/nodes/h1/candidates", {"actor": "ops", "candidates": [candidate(0), candidate(1)]}, method="PUT"
     )
     assert status == 200
+    await report_ready(pool, "h1")
     assert (await _set_site(api, "nvme_format"))[0] == 200
     status, body = await post(api, "/v1/nodes/h1/candidates/approve", {"actor": "ops", "candidate_ids": ["h1-c0"]})
     assert status == 200, body

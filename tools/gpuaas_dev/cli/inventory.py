@@ -109,6 +109,16 @@ def _node_detail_text(doc: dict[str, Any], output: str, compact: bool) -> str:
                 f"  {h.get('at')} {h.get('from_mode') or '-'} -> {h.get('to_mode')} by {h.get('actor')}: "
                 f"{h.get('reason')}"
             )
+    waivers = doc.get("waivers") or []
+    if waivers:
+        # Approval went, or may go, past a failing gate on these: who, why and until when stay in view.
+        lines.append("approval gate waivers")
+        for w in waivers:
+            state = "active" if w.get("active") else "expired"
+            lines.append(
+                f"  #{w.get('waiver_id')} {w.get('gate')} {state} until {w.get('expires_at')} by {w.get('actor')}: "
+                f"{w.get('reason')}"
+            )
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -13,7 +14,8 @@ import asyncpg
 NODE_VIEW = (
     "node_id, kind, hostname, region, pool, sku, maas_system_id, maas_tags, accepts_slices, accepts_baremetal, mode, "
     "mode_changed_at, mode_changed_by, mode_reason, evidence_reset_at, topology_reported_at, "
-    "schedulable, parity_failures, parity_checked_at, parity_detail, draining, drain_reason, drained_by, drained_at, "
+    "schedulable, parity_failures, parity_checked_at, parity_reported_at, parity_detail, preflight_status, "
+    "preflight_reported_at, draining, drain_reason, drained_by, drained_at, "
     "maintenance, maintenance_reason, gpu_count, free_slots, total_slots, sliced, numa_free, updated_at"
 )
 
@@ -102,15 +104,26 @@ async def upsert_node(
     )
 
 
-async def set_readiness(
-    conn: asyncpg.Connection, node_id: str, parity_failures: int, detail: dict[str, Any] | None
-) -> None:
-    await conn.execute(
-        "UPDATE nodes SET parity_failures = $2, parity_detail = $3::jsonb, parity_checked_at = now(), "
-        "updated_at = now() WHERE node_id = $1",
+async def insert_waiver(
+    conn: asyncpg.Connection, node_id: str, gate: str, actor: str, reason: str, expires_at: datetime
+) -> asyncpg.Record:
+    return await conn.fetchrow(
+        "INSERT INTO node_waivers (node_id, gate, actor, reason, expires_at) VALUES ($1, $2, $3, $4, $5) "
+        "RETURNING waiver_id, node_id, gate, actor, reason, expires_at, created_at",
         node_id,
-        parity_failures,
-        _json(detail),
+        gate,
+        actor,
+        reason,
+        expires_at,
+    )
+
+
+async def waivers(conn: asyncpg.Connection, node_id: str) -> list[asyncpg.Record]:
+    """Every waiver of the node, newest first, with whether it is in force now (by the database's clock)."""
+    return await conn.fetch(
+        "SELECT waiver_id, node_id, gate, actor, reason, expires_at, created_at, expires_at > now() AS active "
+        "FROM node_waivers WHERE node_id = $1 ORDER BY waiver_id DESC",
+        node_id,
     )
 
 

@@ -76,12 +76,13 @@ ROUTES = [
     ),
     _r("GET", "/v1/nodes/{node_id}", read(ops.get_node), "a node, its live claims and mode history", out.NodeDetail),
     _r(
-        "PUT",
-        "/v1/nodes/{node_id}/readiness",
-        write(ops.set_readiness),
-        "record a parity run's result",
+        "POST",
+        "/v1/nodes/{node_id}/waivers",
+        write(ops.add_waiver),
+        "waive one slot approval gate (parity or preflight) for a while: who, why, until when; the evidence stays",
         out.NodeDetail,
-        ops.ReadinessIn,
+        ops.WaiverIn,
+        errors=(422,),
     ),
     _r(
         "POST",

@@ -25,6 +25,7 @@ class NodeView(Row):
     draining: bool
     maintenance: bool
     parity_failures: int | None
+    preflight_status: str | None = None
     gpu_count: int
     free_slots: int
     total_slots: int
@@ -35,10 +36,24 @@ class NodeList(BaseModel):
     nodes: list[NodeView]
 
 
+class WaiverView(Row):
+    waiver_id: int
+    node_id: str
+    gate: str
+    actor: str
+    reason: str
+    expires_at: str
+    created_at: str
+    # In force now: an expired waiver stays listed, as the record of what was approved under it.
+    active: bool
+
+
 class NodeDetail(BaseModel):
     node: NodeView
     live_claims: list[dict[str, Any]]
     mode_history: list[dict[str, Any]]
+    # Waivers of the slot approval gate, newest first.
+    waivers: list[WaiverView] = []
 
 
 class DriftItem(Row):
@@ -115,6 +130,8 @@ class ApprovalOut(BaseModel):
     results: list[ApprovalResult]
     mode: str
     mode_blockers: list[str] | None = None
+    # The waivers the approval went through a failing gate on (absent when the evidence passed).
+    waived: list[WaiverView] | None = None
 
 
 class QuotaRow(Row):

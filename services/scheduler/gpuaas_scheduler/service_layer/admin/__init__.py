@@ -17,14 +17,14 @@ from .models import (
     NodeIn,
     NvmeEvidence,
     QuotaIn,
-    ReadinessIn,
     RepairIn,
     RetireIn,
     SiteWipePolicyIn,
+    WaiverIn,
     WipeProofIn,
 )
 from .modes import get_mode, set_mode
-from .nodes import drain, get_node, list_nodes, set_readiness, undrain, upsert_node
+from .nodes import add_waiver, drain, get_node, list_nodes, undrain, upsert_node
 from .quotas import get_quota, set_quota
 from .slots import (
     approve,
@@ -51,11 +51,12 @@ __all__ = [
     "NodeIn",
     "NvmeEvidence",
     "QuotaIn",
-    "ReadinessIn",
     "RepairIn",
     "RetireIn",
     "SiteWipePolicyIn",
+    "WaiverIn",
     "WipeProofIn",
+    "add_waiver",
     "approve",
     "disable",
     "drain",
@@ -72,7 +73,6 @@ __all__ = [
     "retire_slots",
     "set_mode",
     "set_quota",
-    "set_readiness",
     "set_site_wipe_policy",
     "undrain",
     "upsert_candidates",

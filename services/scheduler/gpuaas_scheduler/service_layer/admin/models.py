@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,11 +49,14 @@ class RetireIn(Acted):
     slot_ids: list[str] | None = Field(default=None, max_length=64)
 
 
-class ReadinessIn(Body):
+class WaiverIn(Body):
+    """A waiver of one approval gate. Reason and expiry are optional here only so that a request lacking
+    them is refused with every reason at once (domain/readiness_gate.py), not with a bare schema error."""
+
     actor: str = Name
-    # Bounded like every integer here: the columns are int4 and a larger number is a client error, not a 500.
-    parity_failures: int = Field(ge=0, le=1_000_000)
-    detail: dict[str, Any] | None = None
+    gate: Literal["parity", "preflight"]
+    reason: str | None = Field(default=None, max_length=500)
+    expires_at: datetime | None = None
 
 
 class DrainIn(Acted):

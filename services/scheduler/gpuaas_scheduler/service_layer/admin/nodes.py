@@ -1,4 +1,7 @@
-"""Nodes: registration (its first mode only), readiness, drain and undrain."""
+"""Nodes: registration (its first mode only), approval-gate waivers, drain and undrain.
+
+There is no way to write a node's parity or preflight by hand: they are the host's evidence, from its agent and
+from MAAS commissioning. An operator who must approve slots past a failing gate records a waiver instead."""
 
 from __future__ import annotations
 
@@ -7,8 +10,9 @@ import asyncpg
 from ...adapters import admin_nodes as repo
 from ...adapters import host_modes as mode_repo
 from ...adapters import inventory as inv
+from ...domain.readiness_gate import waiver_problems
 from .common import jsonable, lock_node
-from .models import Acted, AdminError, DrainIn, NodeIn, ReadinessIn
+from .models import Acted, AdminError, DrainIn, NodeIn, WaiverIn
 
 
 async def list_nodes(conn: asyncpg.Connection, region: str | None = None, sku: str | None = None) -> dict:
@@ -21,10 +25,12 @@ async def get_node(conn: asyncpg.Connection, node_id: str) -> dict:
         raise AdminError(404, "node_not_found", f"no node {node_id!r}")
     claims = await repo.live_claims(conn, node_id)
     history = await mode_repo.history(conn, node_id)
+    waivers = await repo.waivers(conn, node_id)
     return {
         "node": jsonable(row),
         "live_claims": [jsonable(c) for c in claims],
         "mode_history": [jsonable(h) for h in history],
+        "waivers": [jsonable(w) for w in waivers],
     }
 
 
@@ -61,10 +67,22 @@ async def upsert_node(conn: asyncpg.Connection, body: NodeIn) -> dict:
     return await get_node(conn, body.node_id)
 
 
-async def set_readiness(conn: asyncpg.Connection, node_id: str, body: ReadinessIn) -> dict:
+async def add_waiver(conn: asyncpg.Connection, node_id: str, body: WaiverIn) -> dict:
     await lock_node(conn, node_id)
-    await repo.set_readiness(conn, node_id, body.parity_failures, body.detail)
-    await repo.audit(conn, body.actor, "node.readiness", node_id, None, {"parity_failures": body.parity_failures})
+    now = await conn.fetchval("SELECT now()")
+    problems = waiver_problems(body.gate, body.reason, body.expires_at, now)
+    if problems:
+        raise AdminError(422, "waiver_refused", "; ".join(problems), {"problems": problems})
+    assert body.reason is not None and body.expires_at is not None
+    row = await repo.insert_waiver(conn, node_id, body.gate, body.actor, body.reason.strip(), body.expires_at)
+    await repo.audit(
+        conn,
+        body.actor,
+        "node.waiver",
+        node_id,
+        body.reason,
+        {"waiver_id": row["waiver_id"], "gate": body.gate, "expires_at": body.expires_at.isoformat()},
+    )
     return await get_node(conn, node_id)
 
 

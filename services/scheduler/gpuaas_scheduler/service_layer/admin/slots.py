@@ -17,6 +17,7 @@ from ...adapters import inventory as inv
 from ...adapters import wipe_policy as wipe_repo
 from ...domain.approval import DEFAULT_WIPE_POLICY, approval_problems, approved_status, wipe_verdict
 from ...domain.host_mode import BAREMETAL, RETIRED
+from ...domain.readiness_gate import approval_gate
 from ...domain.slots import APPROVAL_REPLACES, IN_USE, allowed_from
 from .. import host_modes
 from .common import jsonable, lock_node, require_all
@@ -89,6 +90,16 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn, *, al
     require_all(body.candidate_ids, cands, "candidate_id", "candidate_not_found", "unknown candidates")
     if not cands:
         raise AdminError(404, "candidate_not_found", f"node {node_id} has no candidates to approve")
+    waivers = [w for w in await audit_repo.waivers(conn, node_id) if w["active"]]
+    gate = approval_gate(node, {w["gate"] for w in waivers})
+    if gate.problems:
+        raise AdminError(
+            409,
+            "readiness_gate",
+            f"node {node_id} is not ready for slot approval: " + "; ".join(gate.problems.values()),
+            {"gates": gate.problems},
+        )
+    waived = [jsonable(w) for w in waivers if w["gate"] in gate.waived]
     policy = await _approval_wipe_policy(conn, node["region"], body.destructive_wipe_policy)
     slots = {r["slot_id"]: dict(r) for r in await repo.node_slots(conn, node_id)}
     results = []
@@ -132,7 +143,14 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn, *, al
         )
         slots[slot_id] = {**c, "status": status}
         results.append({"candidate_id": c["candidate_id"], "slot_id": slot_id, "status": status, "problems": problems})
-    await audit_repo.audit(conn, body.actor, "candidates.approve", node_id, body.reason, {"results": results})
+    await audit_repo.audit(
+        conn,
+        body.actor,
+        "candidates.approve",
+        node_id,
+        body.reason,
+        {"results": results, **({"waivers": waived} if waived else {})},
+    )
     await inv.refresh_nodes(conn, [node_id])
     mode, blockers = await host_modes.promote_if_ready(
         conn,
@@ -141,6 +159,8 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn, *, al
         reason=body.reason or "slots re-approved after rediscovery and a passing parity run",
     )
     out: dict[str, Any] = {"results": results, "mode": mode}
+    if waived:
+        out["waived"] = waived
     if blockers:
         out["mode_blockers"] = blockers
     return out
