@@ -32,9 +32,9 @@ def gpuaas(*argv: str) -> Any:
 
 
 def status_run_dir(*argv: str) -> str:
-    """The run dir `dev status` looked in (it answers 1: no stack there)."""
+    """The run dir `dev status` looked in (it answers 3, the table's "nothing to talk to": no stack there)."""
     res = gpuaas(*argv)
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 3, res.output
     return json.loads(res.stdout)["run_dir"]
 
 

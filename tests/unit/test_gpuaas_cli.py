@@ -84,8 +84,9 @@ def test_node_agent_checks_against_a_missing_root_say_so(run, command, tmp_path)
 
 
 def test_dev_status_without_a_stack(run, tmp_path) -> None:
+    # 3, not 1: the exit-code table's "nothing to talk to", as every other command says of a missing stack.
     as_json = run("dev", "status", "--json")
-    assert as_json.exit_code == 1
+    assert as_json.exit_code == 3
     assert json.loads(as_json.stdout) == {
         "running": False,
         "status": "absent",
@@ -93,7 +94,7 @@ def test_dev_status_without_a_stack(run, tmp_path) -> None:
         "services": {},
     }
     human = run("dev", "status")
-    assert human.exit_code == 1 and human.stdout == "" and "no stack in" in human.stderr
+    assert human.exit_code == 3 and human.stdout == "" and "no stack in" in human.stderr
 
 
 @pytest.mark.parametrize("url", ["nats://127.0.0.1:{port}", "bogus:::x"])

@@ -4,12 +4,13 @@ Results (tables, event lines, `--json` documents) go to stdout; progress and dia
 codes: 0 done, 1 answered with a failure, 2 bad argument (nothing published), 3 nothing to talk to (no
 stack, bad URL, server down), 4 no answer in time — see `common`.
 
-Modules: `dev` (the dev stack), `context` (which stack a command talks to), `portal` (allocate, release),
-`follow` (an allocation's lifecycle), `allocations` (list, show, wait), `inventory` (nodes, slots, quota,
-wipe-policy, force-release, api docs over the scheduler's admin API, through `admin_api`), `events` (events
-tail), `contract` (contract render), `maas_simulator` (maas-sim), `bus` (NATS URL, identity, connect,
-publish), `output` (-o, AGE, --watch) and `common` (consoles, exit codes and their wording, shared options,
-stack.json).
+Modules: `dev` (the dev stack), `progress` (dev up's readiness lines), `logs` (dev logs), `context` (which
+stack a command talks to), `portal` (allocate, release), `follow` (an allocation's lifecycle), `allocations`
+(list, show, wait), `inventory` (nodes, slots, quota, wipe-policy, force-release, api docs over the scheduler's
+admin API, through `admin_api`), `images` (the image pipeline's admin API), `identities` (keys, creds, hosts),
+`dlq` (dead letters), `events` (events tail), `contract` (contract render), `maas_simulator` (maas-sim), `bus`
+(NATS URL, identity, connect, publish), `output` (-o, AGE, --watch) and `common` (consoles, exit codes and their
+wording, shared options, stack.json).
 """
 
 import os
@@ -20,6 +21,7 @@ import typer
 from gpuaas_common.service_args import package_version
 from gpuaas_node_agent.entrypoints import cli as node_agent_cli
 
+from ..identity_cli import set_insecure_dev_flag
 from .allocations import allocations_app
 from .context import UnknownContext, context_app, run_dir_defaults, select, unknown_context
 from .contract import contract_app
@@ -29,6 +31,7 @@ from .identities import identities_app
 from .images import images_app
 from .inventory import api_app, force_release, nodes_app, quota_app, slots_app, wipe_policy_app
 from .lab import lab_app
+from .logs import dev_logs
 from .maas_simulator import maas_sim
 from .output import choices
 from .portal import allocate, release
@@ -41,6 +44,7 @@ app = typer.Typer(
     help="gpuaas developer tooling.",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+dev_app.command("logs")(dev_logs)
 app.add_typer(dev_app, name="dev")
 app.add_typer(context_app, name="context")
 allocations_app.command("force-release")(force_release)
@@ -98,8 +102,17 @@ def _top(
             "$GPUAAS_RUN_DIR, else the current context.",
         ),
     ] = None,
+    insecure_dev: Annotated[
+        bool,
+        typer.Option(
+            "--insecure-dev",
+            help="Allow a plaintext nats:// bus or tls:// without a CA: an open dev bus only. Also "
+            "$GPUAAS_NATS_INSECURE_DEV=true.",
+        ),
+    ] = False,
 ) -> None:
     """gpuaas developer tooling."""
+    set_insecure_dev_flag(insecure_dev)
     try:
         selection = select(context)
         started = select(context, use_current=False)

@@ -19,6 +19,7 @@ from ..pg_roles_cli import pg_roles as _pg_roles
 from .common import (
     DEFAULT_RUN_DIR,
     EXIT_FAILED,
+    EXIT_UNREACHABLE,
     JsonOpt,
     RunDirOpt,
     err,
@@ -28,6 +29,7 @@ from .common import (
     pid_is_ours,
     read_stack_json,
 )
+from .progress import StartProgress, watch_in_background
 
 dev_app = typer.Typer(no_args_is_help=True, help="The embedded development stack.")
 
@@ -221,6 +223,7 @@ def dev_up(
             pg_tls=pg_tls,
             **_stack_args(slice_hosts, slots, baremetal, nats_cluster, replicas),
         )
+        watch_in_background(run_dir, os.getpid(), err.print)
         raise typer.Exit(_supervise(stack, announce=True))
 
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -257,12 +260,15 @@ def dev_up(
     err.print(f"supervisor pid {child.pid}; waiting for the stack (log: {log_path})")
     from gpuaas_dev.stack import tail
 
+    progress = StartProgress(run_dir, child.pid)
     deadline = time.monotonic() + timeout
     while True:
         code = child.poll()
         if code is not None:
             err.print(f"[red]the supervisor exited with code {code}[/]; last lines of {log_path}:\n{tail(log_path)}")
             raise typer.Exit(1)
+        for line in progress.poll():
+            err.print(line)
         info = read_stack_json(run_dir)
         if info and info.get("status") == "ready" and info.get("supervisor_pid") == child.pid:
             _print_summary(info)
@@ -364,8 +370,8 @@ def _stop_leftovers(info: dict[str, Any]) -> None:
 
 @dev_app.command("status")
 def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -> None:
-    """The stack's processes and whether each answers /readyz: a table on stdout, or --json; exit 0 only when
-    the stack runs and every process is ready.
+    """The stack's processes and whether each answers /readyz: a table on stdout, or --json. Exit 0 when the stack
+    runs and every process is ready, 1 when one is not, 3 when no stack runs there.
 
     Example: gpuaas dev status --json"""
     run_dir = run_dir.resolve()
@@ -373,7 +379,7 @@ def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -
     if info is None:
         if as_json:
             typer.echo(json.dumps({"running": False, "status": "absent", "run_dir": str(run_dir), "services": {}}))
-        raise fail(f"no stack in {run_dir} (`gpuaas dev up --detach --run-dir {run_dir}` starts one)", EXIT_FAILED)
+        raise fail(f"no stack in {run_dir} (`gpuaas dev up --detach --run-dir {run_dir}` starts one)", EXIT_UNREACHABLE)
     running = pid_is_ours(info.get("supervisor_pid")) and info.get("status") in ("starting", "ready")
     rows = {}
     for name, s in info.get("services", {}).items():
@@ -413,7 +419,9 @@ def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -
         out.print(table)
         if running:
             _print_admin_apis(info, out)
-    raise typer.Exit(0 if running and all(r["ready"] for r in rows.values()) else 1)
+    # The table's codes: nothing to talk to is 3 (a stopped stack too); a stack that runs with a process not ready
+    # is an answer, and a failing one.
+    raise typer.Exit(EXIT_UNREACHABLE if not running else 0 if all(r["ready"] for r in rows.values()) else EXIT_FAILED)
 
 
 @dev_app.command("fleet")
