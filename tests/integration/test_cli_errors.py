@@ -62,6 +62,8 @@ BUS = [
     ["allocations", "show", ALLOC],
     ["allocations", "wait", ALLOC],
     ["events", "tail"],
+    ["dlq", "list"],
+    ["dlq", "show", "1"],
 ]
 ID_TAKERS = [
     ["release", BAD],

@@ -26,6 +26,7 @@ from .allocations import allocations_app
 from .context import UnknownContext, context_app, run_dir_defaults, select, unknown_context
 from .contract import contract_app
 from .dev import dev_app
+from .dlq import dlq_app
 from .events import events_app
 from .identities import identities_app
 from .images import images_app
@@ -54,6 +55,7 @@ app.add_typer(slots_app, name="slots")
 app.add_typer(quota_app, name="quota")
 app.add_typer(wipe_policy_app, name="wipe-policy")
 app.add_typer(api_app, name="api")
+app.add_typer(dlq_app, name="dlq")
 app.add_typer(events_app, name="events")
 app.add_typer(contract_app, name="contract")
 app.add_typer(images_app, name="images")
