@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .profiles import DEFAULT_PROFILE
+
 # H200 SXM slots on an XE9680L-like host: 8 GPUs behind 4 PCIe switches on 2 NUMA nodes.
 _GPU_BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
 
@@ -30,7 +32,7 @@ class FleetSlot(BaseModel):
     mac: str
     private_ip: str
     ovs_bridge: str = "ovsbr0"
-    profile: str = "h200_1g_24c_64g"
+    profile: str = DEFAULT_PROFILE
 
 
 class FleetNode(BaseModel):

@@ -6,7 +6,11 @@ keeps the two from disagreeing about which profile needs what.
 
 Hugepages are never implied by a size: a runtime profile opts in explicitly, as the runbook's tuned
 h200_1g_24c_64g profile does (the prototype staged 512 × 1 GiB pages for it, 64 per GPU); any other
-shape runs without them until benchmark evidence makes it a tuned profile too. Pure.
+shape runs without them until benchmark evidence makes it a tuned profile too. The default is the plain
+profile of the tested shape (1 GPU = 24 vCPU / 64 GiB, no hugepages): the runbook has 1 GiB pages as
+something infra "can explicitly request", so the tuned profile is opted into per host pool (the profile its
+slots are approved with), never assumed. `<shape>_plain` names a shape without tuning even where a tuned
+profile of that shape exists. Pure.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_PROFILE = re.compile(r"^h200_(\d+)g_(\d+)c_(\d+)g$")
+_PROFILE = re.compile(r"^h200_(\d+)g_(\d+)c_(\d+)g(_plain)?$")
+PLAIN_SUFFIX = "_plain"
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,10 @@ class RuntimeProfile:
 
 # Runtime profiles with explicit settings beyond their shape. Only these opt into hugepages.
 TUNED_PROFILES = {"h200_1g_24c_64g": RuntimeProfile("h200_1g_24c_64g", 1, 24, 64, hugepages=True)}
+DEFAULT_PROFILE = "h200_1g_24c_64g" + PLAIN_SUFFIX
+
+if DEFAULT_PROFILE in TUNED_PROFILES:
+    raise RuntimeError("the default profile must be plain: hugepages are opt-in")
 
 # A VM of k GPUs then needs exactly k × hugepages_1g_per_gpu pages, the sum the scheduler reserves.
 for _p in TUNED_PROFILES.values():
@@ -48,7 +57,7 @@ def runtime_profile(profile: str) -> RuntimeProfile:
     match = _PROFILE.match(profile)
     if not match:
         raise ValueError(f"unknown slot profile {profile!r}")
-    gpus, cores, mem_gib = (int(g) for g in match.groups())
+    gpus, cores, mem_gib = (int(g) for g in match.groups()[:3])
     if gpus < 1:
         raise ValueError(f"slot profile {profile!r} has no GPU")
     return RuntimeProfile(profile, gpus, cores, mem_gib)

@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 from gpuaas_common.contract import messages as m
+from gpuaas_common.profiles import DEFAULT_PROFILE
 from gpuaas_scheduler.adapters import admin_slots, synthetic
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.domain.placement import rank_classes, rank_nodes
@@ -120,13 +121,39 @@ async def test_approval_enforces_every_rule_through_the_api(api, pool):
     # Candidates stay apart from slots.
     resp = await api.get("/v1/nodes/h1/candidates", headers=ADMIN_AUTH)
     assert len((await resp.json())["candidates"]) == len(cands)
-    # ... and, for the default tuned profile, the 1 GiB hugepages its agent reports (none reported yet).
+    # The default profile is plain: a host that never reported 1 GiB hugepages serves it.
+    assert slots["h1-c0"]["profile"] == DEFAULT_PROFILE
+    placed = (await run_place(pool, accepted())).placed
+    assert placed and [s.slot_id for s in placed.slots] == ["h1-c0"] and placed.slots[0].profile == DEFAULT_PROFILE
+
+
+async def test_the_tuned_profile_is_opt_in_per_host_pool_and_why_not_names_it(api, pool):
+    for node_id in ("plain", "tuned"):
+        body = {"actor": "ops", "node_id": node_id, "kind": "slice_host", "hostname": node_id}
+        body |= {"sku": "h200-sxm-slice", "maas_tags": [inv.TAG_SLICE]}
+        assert (await post(api, "/v1/nodes", body))[0] == 200
+        async with pool.acquire() as conn:
+            # Neither host staged 1 GiB pages.
+            await record_topology(conn, topology_report(node_id, hugepages=0))
+        cand = candidate(0, candidate_id=f"{node_id}-c0")
+        assert (
+            await post(api, f"/v1/nodes/{node_id}/candidates", {"actor": "ops", "candidates": [cand]}, method="PUT")
+        )[0] == 200
+        await report_ready(pool, node_id)
+    # One pool opts into the runbook's tuned profile at approval; the other keeps the default.
+    approve = {"actor": "ops", "reason": "pool opts into hugepages", "profile": "h200_1g_24c_64g"}
+    assert (await post(api, "/v1/nodes/tuned/candidates/approve", approve))[0] == 200
+    assert (await post(api, "/v1/nodes/plain/candidates/approve", {"actor": "ops", "reason": "default"}))[0] == 200
+    placed = (await run_place(pool, accepted())).placed
+    assert placed and placed.node_id == "plain" and placed.slots[0].profile == DEFAULT_PROFILE
+    # The plain host is full; only the tuned pool is left, and it has no pages: why-not says which profile asked.
     u = (await run_place(pool, accepted())).unschedulable
     assert u is not None and u.filtered.get("hugepages_missing") == 1, u
+    assert "1 GiB hugepages asked by profile h200_1g_24c_64g (64 per GPU)" in u.reason
     async with pool.acquire() as conn:
-        await record_topology(conn, topology_report("h1", hugepages=64))
+        await record_topology(conn, topology_report("tuned", hugepages=64))
     placed = (await run_place(pool, accepted())).placed
-    assert placed and [s.slot_id for s in placed.slots] == ["h1-c0"]
+    assert placed and placed.node_id == "tuned" and placed.slots[0].profile == "h200_1g_24c_64g"
 
 
 async def test_errors_are_structured_and_leave_nothing_half_written(api, pool):

@@ -21,3 +21,13 @@ def test_other_shapes_do_not_get_hugepages_for_their_size(profile: str) -> None:
 def test_unknown_profile_is_refused() -> None:
     with pytest.raises(ValueError):
         vm_resources("a100_1g", 1)
+
+
+def test_the_default_profile_is_the_tested_shape_without_hugepages() -> None:
+    from gpuaas_common.profiles import DEFAULT_PROFILE, hugepages_1g_needed, runtime_profile
+
+    plain, tuned = runtime_profile(DEFAULT_PROFILE), runtime_profile("h200_1g_24c_64g")
+    assert (plain.gpus, plain.cores, plain.memory_gib, plain.hugepages) == (1, 24, 64, False)
+    assert (tuned.gpus, tuned.cores, tuned.memory_gib, tuned.hugepages) == (1, 24, 64, True)
+    assert hugepages_1g_needed(DEFAULT_PROFILE, 8) == 0 and hugepages_1g_needed("h200_1g_24c_64g", 2) == 128
+    assert not runtime_profile("h200_2g_48c_128g_plain").hugepages

@@ -113,6 +113,20 @@ class NodeFacts:
     # Open drift the node agent reported on the node as a whole, and the slots free but for open drift on them.
     drift_open: bool = False
     drifted_free_slots: int = 0
+    # The runtime profiles of its slots that opt into hugepages (empty: none does), named by why-not answers.
+    hugepage_profiles: tuple[str, ...] = ()
+
+
+HUGEPAGE_FILTERS = ("hugepages_missing", "hugepages_insufficient")
+
+
+def hugepage_note(nodes: Iterable[NodeFacts], per_gpu: dict[str, int]) -> str:
+    """Which runtime profiles asked the hugepages the `HUGEPAGE_FILTERS` nodes lack: an operator can then give
+    the hosts pages or approve their slots with a plain profile. Empty when no profile asked."""
+    names = sorted({p for n in nodes for p in n.hugepage_profiles})
+    if not names:
+        return ""
+    return "; 1 GiB hugepages asked by " + ", ".join(f"profile {p} ({per_gpu.get(p, 0)} per GPU)" for p in names)
 
 
 # --- slots ----------------------------------------------------------------------------------------

@@ -15,15 +15,18 @@ import asyncpg
 
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
+from gpuaas_common.profiles import hugepage_profiles
 
 from ..adapters import inventory as inv
 from ..domain.placement import (
     BAREMETAL_GPUS,
+    HUGEPAGE_FILTERS,
     NODE_LEVEL,
     Choice,
     Request,
     choose,
     clean_node_allowed,
+    hugepage_note,
     image_gate,
     node_filter,
     rank_classes,
@@ -250,8 +253,11 @@ async def why_not(
     facts = await inv.node_facts(conn, req.image_gate)
     filtered: Counter[str] = Counter()
     free = eligible = largest = 0
+    short_of_pages = []
     for node in facts:
         reason = node_filter(node, req)
+        if reason in HUGEPAGE_FILTERS:
+            short_of_pages.append(node)
         # A baremetal host in use is capacity taken, not an ineligible host.
         if reason is not None and reason in NODE_LEVEL and not (req.shape == "baremetal" and reason == "in_use"):
             filtered[reason] += 1
@@ -270,6 +276,7 @@ async def why_not(
         else:
             filtered["in_use"] += 1
     code, text = unschedulable_summary(filtered, free, req.gpus, req.shape, eligible, largest)
+    text += hugepage_note(short_of_pages, hugepage_profiles())
     return m.PlacementUnschedulable(
         allocation_id=ev.allocation_id,
         reason_code=code,

@@ -17,6 +17,7 @@ from .predicates import (
     UNCLAIMED_SLOT_SQL,
     candidate_from_row,
     gate_params,
+    hugepage_profiles_sql,
     hugepage_table,
     hugepages_held_sql,
     hugepages_ok_sql,
@@ -84,6 +85,7 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
     rows = await conn.fetch(
         f"SELECT n.*, {image_ready_sql(1, 2)} AS image_ready, "
         f"{hugepages_held_sql(3)} AS hugepages_1g_held, {hugepages_per_gpu_sql(3)} AS hugepages_1g_per_gpu, "
+        f"{hugepage_profiles_sql(3)} AS hugepage_profiles, "
         " (SELECT count(*) FROM allocation_resource_claims c WHERE c.node_id = n.node_id AND c.status <> 'released')"
         "   AS live_claims, "
         " EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
@@ -127,6 +129,7 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
             r["hugepages_1g_per_gpu"],
             drift_open=r["drift_open"],
             drifted_free_slots=r["drifted_free_slots"],
+            hugepage_profiles=tuple((r["hugepage_profiles"] or "").split(",")) if r["hugepage_profiles"] else (),
         )
         for r in rows
     ]

@@ -68,6 +68,15 @@ def hugepages_per_gpu_sql(table: int) -> str:
     )
 
 
+def hugepage_profiles_sql(table: int) -> str:
+    """The runtime profiles of node `n`'s counted slots that ask for 1 GiB pages (comma-joined; NULL: none), so
+    a why-not answer can say which profile needs them."""
+    return (
+        f"(SELECT string_agg(DISTINCT hs.profile, ',' ORDER BY hs.profile) FROM node_resource_slots hs "
+        f"WHERE hs.node_id = n.node_id AND hs.{COUNTED_SLOT_SQL} AND {_pages_per_gpu_sql(table, 'hs')} > 0)"
+    )
+
+
 def hugepages_held_sql(table: int) -> str:
     """1 GiB pages the live slot claims on node `n` hold: the VMs placed there back their memory with them."""
     return (

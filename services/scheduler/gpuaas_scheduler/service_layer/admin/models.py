@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpuaas_common.api_error import ApiError
+from gpuaas_common.profiles import DEFAULT_PROFILE
 
 Name = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")
 Reason = Field(min_length=1, max_length=500)
@@ -83,7 +84,7 @@ class CandidateIn(Body):
     private_ip: str | None = Field(default=None, max_length=45)
     ovs_bridge: str | None = Field(default=None, max_length=64)
     ovs_port: str | None = Field(default=None, max_length=64)
-    profile: str = Field(default="h200_1g_24c_64g", pattern=r"^[a-z0-9_]+$", max_length=64)
+    profile: str = Field(default=DEFAULT_PROFILE, pattern=r"^[a-z0-9_]+$", max_length=64)
     # Emulated candidates come only from discovery on a host configured with emulated slot disks (a lab).
     emulated: Literal[False] = False
 
@@ -108,8 +109,8 @@ class ApproveIn(Body):
     destructive_wipe_policy: WipePolicy | None = None
     storage_identity_kind: Literal["nvme_wwn_by_id"] = "nvme_wwn_by_id"
     # The runtime profile of every slot approved (absent: each candidate's own). A lab's emulated slots take a
-    # small shape (TCG carries a vCPU or two), a GPU host's the tuned profile.
-    profile: str | None = Field(default=None, pattern=r"^h200_\d+g_\d+c_\d+g$", max_length=64)
+    # small shape (TCG carries a vCPU or two); a host pool opts into the tuned, hugepage-backed profile here.
+    profile: str | None = Field(default=None, pattern=r"^h200_\d+g_\d+c_\d+g(_plain)?$", max_length=64)
 
 
 class WipeProofIn(Body):
