@@ -63,7 +63,8 @@ class GateVerdict:
 
 def approval_gate(node: Node, waived_gates: Iterable[str] = ()) -> GateVerdict:
     waivers = set(waived_gates)
-    problems, waived = {}, {}
+    problems: dict[str, str] = {}
+    waived: dict[str, str] = {}
     for gate in APPROVAL_GATES:
         problem = gate.problem(node)
         if problem is None:
