@@ -28,6 +28,15 @@ def enrolment_secret() -> Iterator[str]:
         yield TEST_ENROLMENT_SECRET
 
 
+@pytest.fixture(scope="session", autouse=True)
+def nats_insecure_dev() -> Iterator[None]:
+    """The session's nats-server is an open plaintext dev bus, so every test process (and a service it starts)
+    says so by name; a test of the TLS-only refusal takes the variable away."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPUAAS_NATS_INSECURE_DEV", "true")
+        yield
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     server = NatsServer(tmp_path_factory.mktemp("nats")).start()

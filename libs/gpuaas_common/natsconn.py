@@ -24,7 +24,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 from .identity import creds as creds_mod
 from .identity.jwt import JwtError
 from .identity.permissions import inbox_prefix
-from .identity.tls import client_context
+from .identity.tls import client_context, client_tls_options
 from .logging import get_logger
 
 log = get_logger(__name__)
@@ -56,11 +56,33 @@ class CredentialError(RuntimeError):
     """Our own creds file cannot be used (missing, unreadable, malformed); the reason never holds the seed."""
 
 
+class InsecureTransport(RuntimeError):
+    """A plaintext or unpinned bus connection asked for without the explicit insecure-dev setting."""
+
+
+INSECURE_HINT = "GPUAAS_NATS_INSECURE_DEV=true (--insecure-dev) allows it on a dev bus only"
+
+
+def transport_refusal(servers: list[str], ca_file: str | None, insecure_dev: bool) -> str | None:
+    """Why these options may not be used, or None. A nats:// URL would let anyone on the path strip TLS
+    (nats-py upgrades only when the server's first line asks for it) and relay our signed nonce; a tls://
+    URL without our CA would trust any public CA. Neither names the URL: it may carry a password."""
+    if insecure_dev:
+        return None
+    if not servers or any(not s.startswith("tls://") for s in servers):
+        return f"a nats:// URL is plaintext: every NATS URL must be tls://; {INSECURE_HINT}"
+    if not ca_file:
+        return f"tls:// needs GPUAAS_NATS_CA_FILE, the one CA trusted for the NATS servers; {INSECURE_HINT}"
+    return None
+
+
 @dataclass
 class NatsIdentity:
     servers: list[str]
     creds_file: str | None = None
     ca_file: str | None = None
+    # Plaintext or unpinned TLS allowed: only an open dev bus says so, by name.
+    insecure_dev: bool = False
     _name: str | None = field(default=None, repr=False)
     _warned: set[str] = field(default_factory=set, repr=False)
     # The newest error of any connection attempt, and the newest auth refusal since we were last connected
@@ -71,7 +93,12 @@ class NatsIdentity:
 
     @classmethod
     def from_settings(cls, settings: Any) -> "NatsIdentity":
-        return cls(split_servers(settings.nats_url), settings.nats_creds, settings.nats_ca_file)
+        return cls(
+            split_servers(settings.nats_url),
+            settings.nats_creds,
+            settings.nats_ca_file,
+            insecure_dev=settings.nats_insecure_dev,
+        )
 
     @property
     def name(self) -> str:
@@ -94,19 +121,30 @@ class NatsIdentity:
         return client_context(self.ca_file) if self.ca_file else None
 
     def connect_kwargs(self) -> dict[str, Any]:
+        """Raises InsecureTransport rather than hand out options that could talk in plaintext."""
+        refusal = transport_refusal(self.servers, self.ca_file, self.insecure_dev)
+        if refusal is not None:
+            raise InsecureTransport(refusal)
         kw: dict[str, Any] = {"servers": self.servers, "inbox_prefix": self.inbox}
         if self.creds_file:
             kw["user_credentials"] = str(Path(self.creds_file))
-        ctx = self.tls_context()
-        if ctx is not None:
-            kw["tls"] = ctx
+        if self.ca_file:
+            kw.update(client_tls_options(self.ca_file))
         return kw
 
     # --- refusals -----------------------------------------------------------------------------------
 
+    def describe(self, exc: BaseException) -> str:
+        """One line for an error of ours; a TLS failure says so, since it may be a relay stripping TLS."""
+        if isinstance(exc, ssl.SSLError):
+            return f"TLS handshake failed ({exc.reason or exc}): the server did not speak TLS with our CA"
+        if isinstance(exc, TimeoutError) and self.ca_file and not str(exc):
+            return "no TLS handshake or no INFO within the connect timeout"
+        return str(exc) or type(exc).__name__
+
     def note_error(self, exc: BaseException) -> None:
         """error_cb: an auth refusal is logged once per distinct reason; the rest at debug level."""
-        text = str(exc) or type(exc).__name__
+        text = self.describe(exc)
         self.last_error = text
         if is_auth_refusal(text):
             self.last_refusal = text

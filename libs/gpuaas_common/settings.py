@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BeforeValidator, Field, SecretStr, field_validator
+from pydantic import BeforeValidator, Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from .db import check_dsn
+from .natsconn import split_servers, transport_refusal
 
 T = TypeVar("T")
 
@@ -37,13 +38,18 @@ class ServiceSettings(BaseSettings):
     # Errors never echo a value: the database URL carries a password.
     model_config = SettingsConfigDict(env_prefix="GPUAAS_", extra="ignore", frozen=True, hide_input_in_errors=True)
 
-    # One URL or a comma-separated list of every server of a cluster.
+    # Allows a nats:// URL (plaintext) or a tls:// one without GPUAAS_NATS_CA_FILE; only for an open dev bus
+    # (the test suite, and the stack a benchmark starts without auth, set it). Off, both are refused at start.
+    nats_insecure_dev: bool = False
+    # One URL or a comma-separated list of every server of a cluster: tls:// (the client speaks TLS before
+    # the server says a word); nats:// only with GPUAAS_NATS_INSECURE_DEV.
     nats_url: str = "nats://127.0.0.1:4222"
     # This process's identity on the bus (a `.creds` file: user JWT + seed); without it the process
     # connects anonymously, which only an open dev server accepts.
     nats_creds: str | None = None
-    # The CA that signed the NATS servers' certificates (only this CA is trusted for tls:// URLs).
-    nats_ca_file: str | None = None
+    # The CA that signed the NATS servers' certificates (only this CA is trusted for tls:// URLs); required
+    # unless GPUAAS_NATS_INSECURE_DEV.
+    nats_ca_file: str | None = Field(default=None, validate_default=True)
     # The service's own Postgres role; it migrates and uses only its own schema.
     # One server or several (`postgresql://u:p@h1:5432,h2:5432/db?target_session_attrs=read-write`, see db.check_dsn).
     database_url: SecretStr = SecretStr("postgresql://gpuaas@127.0.0.1:5432/gpuaas")
@@ -90,11 +96,21 @@ class ServiceSettings(BaseSettings):
 
     @field_validator("nats_url")
     @classmethod
-    def _nats_scheme(cls, v: str) -> str:
+    def _nats_scheme(cls, v: str, info: ValidationInfo) -> str:
         urls = [u.strip() for u in v.split(",") if u.strip()]
         if not urls or not all(u.startswith(("nats://", "tls://")) for u in urls):
             raise ValueError("nats_url must be one or more comma-separated nats:// or tls:// URLs")
+        if not info.data.get("nats_insecure_dev") and not all(u.startswith("tls://") for u in urls):
+            raise ValueError(transport_refusal(urls, None, False))
         return ",".join(urls)
+
+    @field_validator("nats_ca_file")
+    @classmethod
+    def _nats_ca_pinned(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # A bad URL was already reported on its own line; this one is about the CA only.
+        if "nats_url" in info.data and not v and not info.data.get("nats_insecure_dev"):
+            raise ValueError(transport_refusal(split_servers(info.data["nats_url"]), None, False))
+        return v
 
     @field_validator("database_url")
     @classmethod

@@ -60,7 +60,7 @@ def settings_errors(exc: ValidationError, prefix: str = "GPUAAS_") -> list[dict[
 def classify(exc: BaseException) -> StartupFailed:
     """What is known of an exception that escaped start-up without being classified where it happened."""
     from .migrations import MigrationError  # the migrations module needs asyncpg; not every caller does
-    from .natsconn import CredentialError
+    from .natsconn import CredentialError, InsecureTransport
 
     if isinstance(exc, StartupFailed):
         return exc
@@ -82,6 +82,8 @@ def classify(exc: BaseException) -> StartupFailed:
         )
     if isinstance(exc, CredentialError):
         return StartupFailed("invalid_settings", str(exc), setting="GPUAAS_NATS_CREDS")
+    if isinstance(exc, InsecureTransport):
+        return StartupFailed("invalid_settings", str(exc), setting="GPUAAS_NATS_URL")
     if isinstance(exc, MigrationError):
         return StartupFailed("migration_failed", str(exc), schema=exc.schema, migration=exc.version)
     if isinstance(exc, OSError) and exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):

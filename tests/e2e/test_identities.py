@@ -15,7 +15,7 @@ from nats.aio.client import RawCredentials
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.identity import creds as creds_files
-from gpuaas_common.identity.tls import client_context
+from gpuaas_common.identity.tls import client_tls_options
 
 from .conftest import maas_sim
 
@@ -33,7 +33,7 @@ async def _host_connect(stack, creds_text: str, closed: asyncio.Event | None = N
     return await nats.connect(
         stack.nats_url,
         user_credentials=RawCredentials(creds_text),
-        tls=client_context(stack.ca_file),
+        **client_tls_options(stack.ca_file),
         inbox_prefix=f"_INBOX_{name}".encode(),
         allow_reconnect=False,
         connect_timeout=5,

@@ -22,7 +22,7 @@ SHORT = "guessable-123"  # 13 characters
 
 def _start(script: str, secret: str | None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_")}
-    env |= {"PYTHONUNBUFFERED": "1", "GPUAAS_HEALTH_PORT": "0"}
+    env |= {"PYTHONUNBUFFERED": "1", "GPUAAS_HEALTH_PORT": "0", "GPUAAS_NATS_INSECURE_DEV": "true"}
     if secret is not None:
         env["GPUAAS_ENROLMENT_SECRET"] = secret
     return subprocess.run(

@@ -16,7 +16,7 @@ from nats.aio.client import RawCredentials
 
 from gpuaas_common.identity import Authority, Creds
 from gpuaas_common.identity.permissions import ROLE_PERMISSIONS
-from gpuaas_common.identity.tls import TlsFiles, client_context
+from gpuaas_common.identity.tls import TlsFiles, client_tls_options
 from gpuaas_common.jetstream import CONSUMER_BY_NAME, STREAMS, provision
 from gpuaas_dev.testing.servers import NatsCluster
 from gpuaas_dev.testing.waiting import eventually
@@ -37,7 +37,7 @@ async def connect(cluster: NatsCluster, tls_files: TlsFiles, creds: Creds) -> na
     return await nats.connect(
         servers=cluster.url.split(","),
         user_credentials=RawCredentials(creds.render()),
-        tls=client_context(tls_files.ca),
+        **client_tls_options(tls_files.ca),
         inbox_prefix=f"_INBOX_{creds.name}".encode(),
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.2,
@@ -154,7 +154,7 @@ async def test_provisioning_started_before_the_cluster_has_a_leader_waits_for_it
         admin = await nats.connect(
             servers=[servers[0].url],
             user_credentials=RawCredentials(authority.issue_user("admin", ROLE_PERMISSIONS["admin"]).render()),
-            tls=client_context(tls_files.ca),
+            **client_tls_options(tls_files.ca),
             inbox_prefix=b"_INBOX_admin",
             connect_timeout=5,
         )

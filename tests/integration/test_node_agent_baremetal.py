@@ -23,7 +23,7 @@ from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.enrolment import enrolment_token, token_proof
 from gpuaas_common.identity import Authority
 from gpuaas_common.identity.permissions import ROLE_PERMISSIONS
-from gpuaas_common.identity.tls import TlsFiles, client_context
+from gpuaas_common.identity.tls import TlsFiles, client_tls_options
 from gpuaas_common.jetstream import provision
 from gpuaas_common.startup import EXIT_CODES
 from gpuaas_dev.sim.baremetal import write_cloud_init_files
@@ -51,7 +51,7 @@ async def admin(server: NatsServer, tls_files: TlsFiles, authority: Authority) -
     nc = await nats.connect(
         server.url,
         user_credentials=RawCredentials(creds.render()),
-        tls=client_context(tls_files.ca),
+        **client_tls_options(tls_files.ca),
         inbox_prefix=f"_INBOX_{creds.name}".encode(),
     )
     yield nc
@@ -143,7 +143,7 @@ async def test_the_agent_enrols_a_deployed_host_and_repeats_until_its_deadline(
 def fails(root: Path, **settings: str) -> dict:
     done = subprocess.run(
         [bin_path("gpuaas-node-agent")],
-        env=agent_env(root, GPUAAS_NATS_URL="nats://127.0.0.1:1", **settings),
+        env=agent_env(root, GPUAAS_NATS_URL="nats://127.0.0.1:1", GPUAAS_NATS_INSECURE_DEV="true", **settings),
         capture_output=True,
         text=True,
         timeout=60,

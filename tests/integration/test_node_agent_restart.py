@@ -55,6 +55,7 @@ class Agent:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_")}
         self.env.update(
             GPUAAS_NATS_URL=nats_url,
+            GPUAAS_NATS_INSECURE_DEV="true",
             GPUAAS_NODE_ID=self.node_id,
             GPUAAS_HOST_ROOT=str(self.root),
             GPUAAS_LIBVIRT_URI="test:///default",

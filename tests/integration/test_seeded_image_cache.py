@@ -59,6 +59,7 @@ async def pipeline(nats, fresh_db, tmp_path: Path) -> AsyncIterator[dict[str, An
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_")},
         "GPUAAS_NATS_URL": nats.url,
+        "GPUAAS_NATS_INSECURE_DEV": "true",
         "GPUAAS_DATABASE_URL": fresh_db,
         "GPUAAS_READY_FILE": str(ready),
         "GPUAAS_HEALTH_PORT": "0",

@@ -29,6 +29,7 @@ def _run(script: str, arg: str, tmp_path: Path) -> tuple[subprocess.CompletedPro
     env |= {
         "GPUAAS_DATABASE_URL": f"postgresql://gpuaas:pw@127.0.0.1:{dead}/gpuaas",
         "GPUAAS_NATS_URL": f"nats://127.0.0.1:{dead}",
+        "GPUAAS_NATS_INSECURE_DEV": "true",
         "GPUAAS_READY_FILE": str(tmp_path / "ready.json"),
         "GPUAAS_FLEET_FILE": str(tmp_path / "fleet.json"),
         "GPUAAS_NODE_ID": "node-cli-test",

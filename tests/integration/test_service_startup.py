@@ -38,7 +38,9 @@ def _env(**settings: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_")}
     # The allocator and the gateway need an enrolment secret (they have no default); the others ignore it.
     secret = {"GPUAAS_ENROLMENT_SECRET": "startup-test-enrolment-secret"}
-    return {**env, "PYTHONUNBUFFERED": "1", "GPUAAS_HEALTH_PORT": "0", **secret, **settings}
+    # The module's open server is plaintext; the TLS-only refusal tests set the variable to false.
+    insecure = {"GPUAAS_NATS_INSECURE_DEV": "true"}
+    return {**env, "PYTHONUNBUFFERED": "1", "GPUAAS_HEALTH_PORT": "0", **secret, **insecure, **settings}
 
 
 def _json_lines(text: str) -> list[dict]:
@@ -109,6 +111,21 @@ def test_a_list_setting_that_cannot_be_decoded() -> None:
 def test_a_missing_required_setting_of_the_node_agent(tmp_path: Path) -> None:
     line = _fails("gpuaas-node-agent", "invalid_settings", GPUAAS_HOST_ROOT=str(tmp_path))
     assert line["setting"] == "GPUAAS_NODE_ID"
+
+
+@pytest.mark.parametrize("command", ["gpuaas-allocator", "gpuaas-maas-gateway", "gpuaas-node-agent"])
+def test_a_plaintext_bus_is_refused_unless_named_insecure(command: str, tmp_path: Path) -> None:
+    """nats:// (or tls:// without the CA) would let a relay strip TLS: refused before anything is dialled."""
+    line = _fails(
+        command,
+        "invalid_settings",
+        GPUAAS_NATS_INSECURE_DEV="false",
+        GPUAAS_NATS_URL="nats://127.0.0.1:4222",
+        GPUAAS_NODE_ID="n1",
+        GPUAAS_HOST_ROOT=str(tmp_path),
+    )
+    assert [e["setting"] for e in line["errors"]] == ["GPUAAS_NATS_URL"]
+    assert "GPUAAS_NATS_INSECURE_DEV" in line["detail"]
 
 
 def test_a_file_named_by_a_setting_that_is_not_there(fresh_db, open_nats, tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ def test_dev_status_without_a_stack(run, tmp_path) -> None:
 @pytest.mark.parametrize("url", ["nats://127.0.0.1:{port}", "bogus:::x"])
 def test_an_unreachable_or_malformed_nats_url_is_one_line_and_exit_3(url, tmp_path) -> None:
     # A real process: nats-py's tracebacks went through logging straight to the process's stderr.
-    argv = [GPUAAS, "allocate", "--shape", "gpu_slice", "--run-dir", str(tmp_path)]
+    argv = [GPUAAS, "--insecure-dev", "allocate", "--shape", "gpu_slice", "--run-dir", str(tmp_path)]
     argv += ["--nats-url", url.format(port=free_port())]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert res.returncode == 3, res.stderr

@@ -146,7 +146,8 @@ class Issuer:
         nc = await nats.connect(
             servers=nats_servers,
             user_credentials=nats.aio.client.RawCredentials(self.sys_creds.render()),
-            tls=tls,
+            # TLS first, as every client of ours: the servers accept nothing else.
+            **({"tls": tls, "tls_handshake_first": True} if tls is not None else {}),
             connect_timeout=5,
             max_reconnect_attempts=3,
             name="gpuaas-authority",

@@ -12,6 +12,7 @@ import ipaddress
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -104,3 +105,9 @@ def client_context(ca_file: str | Path) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca_file))
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
+
+
+def client_tls_options(ca_file: str | Path) -> dict[str, Any]:
+    """nats.connect() options for our servers: our CA only, and TLS before the server's first line. The servers
+    run `handshake_first`, and no first line a relay forges (one without `tls_required`) can keep us in plaintext."""
+    return {"tls": client_context(ca_file), "tls_handshake_first": True}

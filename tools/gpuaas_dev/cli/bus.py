@@ -4,11 +4,14 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from gpuaas_common.natsconn import split_servers
+
 from ..identity_cli import cli_identity
 from .common import (
     EXIT_FAILED,
     EXIT_TIMEOUT,
     EXIT_UNREACHABLE,
+    EXIT_USAGE,
     err,
     fail,
     no_stack,
@@ -34,14 +37,17 @@ def resolve_nats_url(nats_url: Optional[str], run_dir: Path) -> str:
 
 
 def bus_identity(url: str, creds: Optional[Path], run_dir: Path, role: str):
-    try:
-        identity = cli_identity(url, creds, run_dir, role)
-    except FileNotFoundError as exc:
-        raise fail(f"[red]{exc}[/]", EXIT_UNREACHABLE) from None
-    bad = [s for s in identity.servers if not s.startswith(("nats://", "tls://"))]
+    from gpuaas_common.natsconn import InsecureTransport
+
+    bad = [s for s in split_servers(url) if not s.startswith(("nats://", "tls://"))]
     if bad:
         raise fail(f"[red]bad NATS URL {bad[0]!r}[/]: expected nats://host:port or tls://host:port", EXIT_UNREACHABLE)
-    return identity
+    try:
+        return cli_identity(url, creds, run_dir, role)
+    except FileNotFoundError as exc:
+        raise fail(f"[red]{exc}[/]", EXIT_UNREACHABLE) from None
+    except InsecureTransport as exc:
+        raise fail(f"[red]refused to connect[/]: {exc}", EXIT_USAGE) from None
 
 
 async def connect(identity, closed_cb=None):

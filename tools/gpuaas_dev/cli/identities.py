@@ -149,15 +149,25 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _identity(nats_url: str, creds: Optional[Path], ca_file: Optional[Path]) -> Any:
-    from gpuaas_common.natsconn import NatsIdentity, split_servers
+    from gpuaas_common.natsconn import InsecureTransport, NatsIdentity, split_servers
+
+    from ..identity_cli import checked_identity, insecure_dev
 
     if creds is not None and not creds.is_file():
         raise fail(f"[red]no such creds file: {creds}[/]", EXIT_UNREACHABLE)
-    ident = NatsIdentity(split_servers(nats_url), str(creds) if creds else None, str(ca_file) if ca_file else None)
+    ident = NatsIdentity(
+        split_servers(nats_url),
+        str(creds) if creds else None,
+        str(ca_file) if ca_file else None,
+        insecure_dev=insecure_dev(),
+    )
     bad = [s for s in ident.servers if not s.startswith(("nats://", "tls://"))]
     if bad:
         raise fail(f"[red]bad NATS URL {bad[0]!r}[/]: expected nats://host:port or tls://host:port", EXIT_UNREACHABLE)
-    return ident
+    try:
+        return checked_identity(ident)
+    except InsecureTransport as exc:
+        raise fail(f"[red]refused to connect[/]: {exc}", EXIT_USAGE) from None
 
 
 async def _connect(ident: Any) -> Any:

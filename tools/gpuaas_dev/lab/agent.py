@@ -76,6 +76,8 @@ def start_agent(lab: Lab, cfg: LabAgentConfig) -> int:
     """Start the agent in the namespace; its pid is recorded in lab.json so `down` stops it."""
     binary = Path(sys.executable).parent / "gpuaas-node-agent"
     base = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_")}
+    if "GPUAAS_NATS_INSECURE_DEV" in os.environ:  # a plaintext test bus, named so by whoever runs the lab
+        base["GPUAAS_NATS_INSECURE_DEV"] = os.environ["GPUAAS_NATS_INSECURE_DEV"]
     # `env -i` inside `ip netns exec`: the agent gets exactly these variables, no leftover of the caller's.
     argv = lab.ns("env", "-i", *[f"{k}={v}" for k, v in {**base, **agent_env(lab, cfg)}.items()], str(binary))
     return lab.spawn(f"agent-{cfg.node_id}", argv)

@@ -46,12 +46,15 @@ log = get_logger(__name__)
 
 
 def _host_identity(settings: SimFleetSettings, node_id: str) -> NatsIdentity:
-    servers = split_servers(settings.nats_url)
+    servers, insecure = split_servers(settings.nats_url), settings.nats_insecure_dev
     if settings.nats_creds_dir:
         return NatsIdentity(
-            servers, str(Path(settings.nats_creds_dir) / f"{node_user_name(node_id)}.creds"), settings.nats_ca_file
+            servers,
+            str(Path(settings.nats_creds_dir) / f"{node_user_name(node_id)}.creds"),
+            settings.nats_ca_file,
+            insecure_dev=insecure,
         )
-    return NatsIdentity(servers, settings.nats_creds, settings.nats_ca_file)
+    return NatsIdentity(servers, settings.nats_creds, settings.nats_ca_file, insecure_dev=insecure)
 
 
 SHARED_TEST_HYPERVISOR = "test:///default"

@@ -132,6 +132,7 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
 
 def _nats_env(stack: Stack, name: str) -> dict[str, str]:
     if not stack.auth:
-        return {}
+        # An open bus without TLS: the services must be told by name that plaintext is meant.
+        return {"GPUAAS_NATS_INSECURE_DEV": "true"}
     assert stack._tls is not None
     return nats_env(name, stack._tls, stack.creds_dir, stack.run_dir / "keys")

@@ -156,7 +156,10 @@ class Stack:
 
         creds = self.creds_path(identity)
         ident = NatsIdentity(
-            split_servers(self.nats_url), str(creds) if creds else None, str(self.ca_file) if self.ca_file else None
+            split_servers(self.nats_url),
+            str(creds) if creds else None,
+            str(self.ca_file) if self.ca_file else None,
+            insecure_dev=not self.auth,  # a stack without auth is the open plaintext dev bus
         )
         return ident.connect_kwargs()
 

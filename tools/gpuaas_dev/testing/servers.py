@@ -127,7 +127,7 @@ class NatsServer:
             "}",
         ]
         if self.tls is not None:
-            lines += self._tls_block("")
+            lines += self._tls_block("", handshake_first=True)
         if self.cluster_name:
             lines += [
                 "cluster {",
@@ -147,7 +147,7 @@ class NatsServer:
             lines.append(self.auth.server_config(resolver))  # type: ignore[attr-defined]
         return "\n".join(lines) + "\n"
 
-    def _tls_block(self, indent: str) -> list[str]:
+    def _tls_block(self, indent: str, handshake_first: bool = False) -> list[str]:
         t = self.tls
         return [
             f"{indent}tls {{",
@@ -155,6 +155,8 @@ class NatsServer:
             f"{indent}  key_file: {json.dumps(str(t.key))}",  # type: ignore[attr-defined]
             f"{indent}  ca_file: {json.dumps(str(t.ca))}",  # type: ignore[attr-defined]
             f"{indent}  timeout: 2",
+            # Clients: TLS before INFO, with no plaintext fallback, so no first line can be forged to skip TLS.
+            *([f"{indent}  handshake_first: true"] if handshake_first else []),
             f"{indent}}}",
         ]
 

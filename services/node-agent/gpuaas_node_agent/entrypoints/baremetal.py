@@ -49,7 +49,9 @@ def baremetal_link(settings: AgentSettings, identity: BaremetalIdentity) -> Host
     """Connects as the allocation's host user when the deploy carried creds; otherwise as GPUAAS_NATS_CREDS
     names (an open dev server only: an operator-mode server refuses a baremetal host any other identity)."""
     creds = creds_file(Path(settings.host_root), identity) or settings.nats_creds
-    nats = NatsIdentity(split_servers(settings.nats_url), creds, settings.nats_ca_file)
+    nats = NatsIdentity(
+        split_servers(settings.nats_url), creds, settings.nats_ca_file, insecure_dev=settings.nats_insecure_dev
+    )
     return HostLink(identity.node_id, nats, retry_delays_s=settings.retry_delays_s)
 
 
