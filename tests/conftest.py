@@ -34,6 +34,8 @@ def nats_insecure_dev() -> Iterator[None]:
     says so by name; a test of the TLS-only refusal takes the variable away."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GPUAAS_NATS_INSECURE_DEV", "true")
+        # Likewise the MAAS simulators the tests start serve plain HTTP; test_maas_tls.py serves HTTPS.
+        mp.setenv("GPUAAS_MAAS_INSECURE_HTTP", "true")
         yield
 
 

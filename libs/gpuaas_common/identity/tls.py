@@ -74,6 +74,22 @@ def make_ca_and_server_cert(
         )
         .sign(ca_key, hashes.SHA256())
     )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = TlsFiles(ca=out_dir / "ca.pem", cert=out_dir / "server.pem", key=out_dir / "server-key.pem")
+    files.ca.write_text(ca.public_bytes(serialization.Encoding.PEM).decode())
+    write_secret(out_dir / "ca-key.pem", _pem_key(ca_key))
+    _write_server_cert(ca, ca_key, files, hostnames, ips)
+    return files
+
+
+def _write_server_cert(
+    ca: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    files: TlsFiles,
+    hostnames: tuple[str, ...],
+    ips: tuple[str, ...],
+) -> None:
+    now = dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=5)
     key = ec.generate_private_key(ec.SECP256R1())
     sans: list[x509.GeneralName] = [x509.DNSName(h) for h in hostnames]
     sans += [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
@@ -91,13 +107,33 @@ def make_ca_and_server_cert(
         )
         .sign(ca_key, hashes.SHA256())
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = TlsFiles(ca=out_dir / "ca.pem", cert=out_dir / "server.pem", key=out_dir / "server-key.pem")
-    files.ca.write_text(ca.public_bytes(serialization.Encoding.PEM).decode())
     files.cert.write_text(cert.public_bytes(serialization.Encoding.PEM).decode())
     write_secret(files.key, _pem_key(key))
-    write_secret(out_dir / "ca-key.pem", _pem_key(ca_key))
+
+
+def issue_server_cert(
+    ca_dir: Path,
+    name: str,
+    hostnames: tuple[str, ...] = ("localhost",),
+    ips: tuple[str, ...] = ("127.0.0.1",),
+) -> TlsFiles:
+    """Another listener's certificate from the CA `make_ca_and_server_cert` wrote in `ca_dir` (the MAAS
+    simulator's, say): `<name>.pem` and `<name>-key.pem` (0600) beside it, so one CA file pins every service."""
+    ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((ca_dir / "ca-key.pem").read_bytes(), password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{ca_dir / 'ca-key.pem'} is not an EC key")
+    files = TlsFiles(ca=ca_dir / "ca.pem", cert=ca_dir / f"{name}.pem", key=ca_dir / f"{name}-key.pem")
+    _write_server_cert(ca, ca_key, files, hostnames, ips)
     return files
+
+
+def server_context(files: TlsFiles) -> ssl.SSLContext:
+    """An HTTPS listener presenting `files.cert` (TLS 1.2 or newer)."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(str(files.cert), str(files.key))
+    return ctx
 
 
 def client_context(ca_file: str | Path) -> ssl.SSLContext:

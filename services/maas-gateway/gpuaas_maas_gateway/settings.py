@@ -1,4 +1,6 @@
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from typing import Any
+
+from pydantic import BaseModel, Field, SecretStr, ValidationInfo, field_validator
 
 from gpuaas_common.settings import EnvList, ServiceSettings
 
@@ -25,6 +27,16 @@ class MaasSite(BaseModel):
     max_concurrency: int | None = Field(default=None, ge=1)
 
 
+def _site_urls(data: dict[str, Any]) -> dict[str, str]:
+    """Every site's URL among the fields validated so far, as `sites()` will name them."""
+    urls = {name: site.url for name, site in (data.get("maas_sites") or {}).items()}
+    key = data.get("maas_api_key")
+    default = data.get("maas_default_site", "default")
+    if key is not None and key.get_secret_value() and default not in urls and "maas_url" in data:
+        urls[default] = data["maas_url"]
+    return urls
+
+
 class GatewaySettings(ServiceSettings):
     # The single-site settings: used as the site named `maas_default_site` unless `maas_sites` names it.
     maas_url: str = "http://127.0.0.1:5240/MAAS/"
@@ -34,6 +46,12 @@ class GatewaySettings(ServiceSettings):
     maas_default_site: str = "default"
     # Every other site: {"site": {"url": …, "api_key": "consumer:token:secret"}} (JSON in GPUAAS_MAAS_SITES).
     maas_sites: dict[str, MaasSite] = {}
+    # The CA that signed every MAAS site's HTTPS certificate: only it is trusted (pinned), never the system store.
+    # Required for https:// sites.
+    maas_ca_file: str | None = Field(default=None, validate_default=True)
+    # Allows http:// MAAS sites. The API key (OAuth PLAINTEXT) and every deploy's user-data, with the host's NATS
+    # creds and enrolment token, then travel in clear: a local simulator only; logged as a warning at start.
+    maas_insecure_http: bool = Field(default=False, validate_default=True)
     # Timeout of one MAAS API call.
     maas_timeout_s: float = Field(default=10.0, gt=0)
     # How often an unknown or accepted operation is observed; real MAAS clients use 5-10 s.
@@ -71,6 +89,27 @@ class GatewaySettings(ServiceSettings):
     maas_slice_preflight_script: str = "50-gpuaas-slice-firmware-preflight"
     # Deploy profiles by name (the allocator's GPUAAS_BAREMETAL_PROFILE picks one), JSON.
     site_profiles: dict[str, SiteProfile] = {"h200-baremetal": SiteProfile()}
+
+    @field_validator("maas_ca_file")
+    @classmethod
+    def _https_is_pinned(cls, v: str | None, info: ValidationInfo) -> str | None:
+        https = [name for name, url in _site_urls(info.data).items() if url.lower().startswith("https://")]
+        if https and not v:
+            raise ValueError(f"MAAS site {https[0]!r} is https:// and needs the CA its certificate is pinned to")
+        return v
+
+    @field_validator("maas_insecure_http")
+    @classmethod
+    def _no_plain_http(cls, v: bool, info: ValidationInfo) -> bool:
+        for name, url in _site_urls(info.data).items():
+            if not url.lower().startswith(("https://", "http://")):
+                raise ValueError(f"MAAS site {name!r}: the URL must be https:// (or http:// with this setting)")
+            if url.lower().startswith("http://") and not v:
+                raise ValueError(
+                    f"MAAS site {name!r} is plain http://, which carries the MAAS key and hosts' creds in clear: use "
+                    "https:// with GPUAAS_MAAS_CA_FILE, or set GPUAAS_MAAS_INSECURE_HTTP=true for a local simulator"
+                )
+        return v
 
     @field_validator("enrolment_secret")
     @classmethod

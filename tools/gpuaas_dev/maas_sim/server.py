@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import structlog
 from aiohttp import web
@@ -14,18 +15,27 @@ from .state import SimState
 log = structlog.get_logger("gpuaas_dev.maas_sim")
 
 
-async def start(config: SimConfig, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
-    """Serve on host:port (0 picks a free port); returns the runner (call `cleanup()`) and the port."""
+async def start(
+    config: SimConfig, host: str = "127.0.0.1", port: int = 0, ssl_context: ssl.SSLContext | None = None
+) -> tuple[web.AppRunner, int]:
+    """Serve on host:port (0 picks a free port), HTTPS with `ssl_context`; returns the runner (call `cleanup()`)
+    and the port."""
     app = create_app(config)
     # A short shutdown timeout: handlers held open by a lost-response fault are released on
     # shutdown anyway, and nothing else is long-running.
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     server = site._server  # aiohttp exposes the bound socket only here
     actual_port = server.sockets[0].getsockname()[1] if server is not None else port
-    log.info("maas_sim_started", host=host, port=actual_port, machines=len(app[STATE_KEY].machines))
+    log.info(
+        "maas_sim_started",
+        host=host,
+        port=actual_port,
+        tls=ssl_context is not None,
+        machines=len(app[STATE_KEY].machines),
+    )
     return runner, actual_port
 
 

@@ -111,6 +111,8 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
         )
     elif name == "maas-gateway":
         env["GPUAAS_MAAS_URL"] = stack.maas_url
+        # The stack's simulator serves plain HTTP on loopback; the gateway warns about it at start.
+        env["GPUAAS_MAAS_INSECURE_HTTP"] = "true"
         env["GPUAAS_MAAS_API_KEY"] = stack.maas_api_key
         env["GPUAAS_ENROLMENT_SECRET"] = stack.enrolment_secret
     elif name == "node-agent":

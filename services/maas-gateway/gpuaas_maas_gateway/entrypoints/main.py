@@ -20,9 +20,23 @@ log = get_logger(__name__)
 def build_clients(settings: GatewaySettings) -> dict[str, MaasClient]:
     """One client per site, each holding its own key; the keys are read here and nowhere else."""
     return {
-        name: MaasClient(site.url, site.api_key.get_secret_value(), timeout=settings.maas_timeout_s)
+        name: MaasClient(
+            site.url, site.api_key.get_secret_value(), timeout=settings.maas_timeout_s, ca_file=settings.maas_ca_file
+        )
         for name, site in settings.sites().items()
     }
+
+
+def warn_plain_http(settings: GatewaySettings) -> list[str]:
+    """The sites spoken to over plain HTTP (allowed only by GPUAAS_MAAS_INSECURE_HTTP), said once at start."""
+    plain = sorted(name for name, site in settings.sites().items() if site.url.lower().startswith("http://"))
+    if plain:
+        log.warning(
+            "maas_plain_http",
+            sites=plain,
+            why="GPUAAS_MAAS_INSECURE_HTTP: the MAAS key and the deploys' user-data (host creds, tokens) in clear",
+        )
+    return plain
 
 
 def build_register(settings: GatewaySettings):
@@ -33,6 +47,7 @@ def build_register(settings: GatewaySettings):
         rt.bus.subscribe(rt.consumer_spec("maas-gateway-commands"), handlers.handlers())
         clients = build_clients(settings)
         log.info("maas_sites", sites=sorted(clients))
+        warn_plain_http(settings)
         host_credentials = None
         if settings.nats_authority_file:
             host_credentials = HostCredentials(

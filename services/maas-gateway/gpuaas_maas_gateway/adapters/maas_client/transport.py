@@ -12,6 +12,8 @@ from urllib.parse import urlencode
 import aiohttp
 import structlog
 
+from gpuaas_common.identity.tls import client_context
+
 from ..maas_errors import MaasNoResponse, MaasUnreachable, error_for_status
 from .auth import _Credentials
 from .wire import _pairs, _retry_after, api_root
@@ -27,8 +29,11 @@ class MaasTransport:
         *,
         timeout: float = 30.0,
         session: aiohttp.ClientSession | None = None,
+        ca_file: str | None = None,
     ) -> None:
         self._root = api_root(url)
+        # https:// trusts this CA only (pinned); without it, the system store.
+        self._ca_file = ca_file
         self._credentials = _Credentials(api_key)
         self._timeout = timeout
         self._session = session
@@ -53,7 +58,8 @@ class MaasTransport:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            tls = client_context(self._ca_file) if self._ca_file else True
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=tls))
         return self._session
 
     # ---- transport -----------------------------------------------------------------------------
@@ -103,6 +109,19 @@ class MaasTransport:
                 status = response.status
                 content_type = response.content_type
                 retry_after = response.headers.get("Retry-After")
+        except aiohttp.ClientSSLError as error:
+            # The handshake failed, so nothing of the request (its key, its body) left us: a server whose certificate
+            # our pinned CA did not sign is never spoken to.
+            reason = getattr(error, "certificate_error", None) or getattr(error, "os_error", None) or error
+            self._log.error("maas_tls_refused", **ctx, error=str(reason)[:300])
+            raise MaasUnreachable(
+                None,
+                f"TLS refused: MAAS's certificate is not trusted by GPUAAS_MAAS_CA_FILE ({str(reason)[:200]})",
+                None,
+                operation=operation,
+                system_id=system_id,
+                outcome_unknown=False,
+            ) from None
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as error:
             # The TCP connection was never made, so the request cannot have reached MAAS.
             self._log.warning("maas_unreachable", **ctx, error=type(error).__name__)
