@@ -20,6 +20,7 @@ fails, never skips, when the lab does not work.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -44,6 +45,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 BOOT_S = 600.0
+GATEWAY_PORT = 8765
 
 
 def _run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -53,7 +55,15 @@ def _run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Overrides the e2e stack: the lab host and no simulated slice host (the conftest's portal follows it)."""
-    s = Stack(tmp_path_factory.mktemp("labstack"), slice_hosts=0, baremetal_hosts=0, lab=True, unsafe_no_fsync=True)
+    # Two slots: two guests at once show that slices cannot reach each other.
+    s = Stack(
+        tmp_path_factory.mktemp("labstack"),
+        slice_hosts=0,
+        baremetal_hosts=0,
+        lab=True,
+        lab_slots=2,
+        unsafe_no_fsync=True,
+    )
     s.start()
     lab: Lab = s.lab_host
     assert lab.state is not None
@@ -73,6 +83,21 @@ def _virsh(st: LabState, *args: str) -> subprocess.CompletedProcess[str]:
 
 def _domains(st: LabState) -> list[str]:
     return [n for n in _virsh(st, "list", "--all", "--name").stdout.split() if n]
+
+
+def _listen(lab: Lab, address: str) -> subprocess.Popen[bytes]:
+    """A TCP listener on the host's side of the lab's bridge, inside the namespace: what a guest's gateway answers."""
+    argv = lab.ns(sys.executable, "-m", "http.server", "--bind", address, str(GATEWAY_PORT))
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(10)
+
+
+def _listening(lab: Lab, address: str) -> bool:
+    return f"{address}:{GATEWAY_PORT}" in _run(lab.ns("ss", "-ltnH")).stdout
 
 
 def _read(path: str) -> str:
@@ -100,13 +125,14 @@ async def _scheduler(stack: Stack, path: str) -> Any:
             return await resp.json()
 
 
-@pytest.mark.timeout(1200)
-async def test_a_slice_allocated_through_the_stack_runs_on_a_real_vm_and_comes_back(stack: Stack, portal, db, tmp_path):
+@pytest.mark.timeout(1500)
+async def test_slices_allocated_through_the_stack_run_on_real_vms_isolated_and_come_back(
+    stack: Stack, portal, db, tmp_path
+):
     lab: Lab = stack.lab_host
     st = lab.state
     assert st is not None and stack.lab_image is not None
-    slot = st.slots[0]
-    # Onboarded as a GPU host is: commissioned, parity of the emulated profile passed, the slot approved.
+    # Onboarded as a GPU host is: commissioned, parity of the emulated profile passed, the slots approved.
     node = (await _scheduler(stack, f"/v1/nodes/{LAB_NODE}"))["node"]
     assert node["parity_failures"] == 0 and node["mode"] == "slice"
     evidence = await db.fetchrow(
@@ -114,87 +140,123 @@ async def test_a_slice_allocated_through_the_stack_runs_on_a_real_vm_and_comes_b
     )
     assert evidence["preflight_status"] == "passed"
     assert json.loads(evidence["parity_detail"])["profile"] == "emulated"
-    (approved,) = (await _scheduler(stack, f"/v1/nodes/{LAB_NODE}/slots"))["slots"]
-    assert approved["emulated"] and approved["gpu_pci_address"] is None and approved["status"] == "available"
-    assert approved["nvme_by_id"] == slot.by_id
+    approved = {s["nvme_by_id"]: s for s in (await _scheduler(stack, f"/v1/nodes/{LAB_NODE}/slots"))["slots"]}
+    assert set(approved) == {slot.by_id for slot in st.slots}
+    assert all(s["emulated"] and s["gpu_pci_address"] is None and s["status"] == "available" for s in approved.values())
 
     tenant = tmp_path / "tenant"
     assert _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tenant)]).returncode == 0
-    alloc = await portal.request(
-        "gpu_slice",
-        1,
-        sku=LAB_SKU,
-        image=stack.lab_image["slug"],
-        ssh_public_keys=[tenant.with_suffix(".pub").read_text().strip()],
-    )
+    key = tenant.with_suffix(".pub").read_text().strip()
+    allocs = [
+        await portal.request("gpu_slice", 1, sku=LAB_SKU, image=stack.lab_image["slug"], ssh_public_keys=[key])
+        for _ in st.slots
+    ]
     spy = portal.spy
-    placed = await portal.wait_state(alloc, "placed", timeout=60)
-    assert placed["payload"]["node_id"] == LAB_NODE
+    for alloc in allocs:
+        placed = await portal.wait_state(alloc, "placed", timeout=60)
+        assert placed["payload"]["node_id"] == LAB_NODE
 
-    # Restarted while the guest boots: the new agent resumes the domain it made, never a second one.
-    booting = await spy.wait_type("node.task_progress", timeout=300, allocation_id=alloc, phase="wait_ready")
-    (vm_name,) = _domains(st)
-    uuid_before = _virsh(st, "domuuid", vm_name).stdout.strip()
+    # Restarted while the guests boot: the new agent resumes the domains it made, never a second one.
+    booting = [
+        await spy.wait_type("node.task_progress", timeout=300, allocation_id=a, phase="wait_ready") for a in allocs
+    ]
+    uuids = {vm: _virsh(st, "domuuid", vm).stdout.strip() for vm in _domains(st)}
+    assert len(uuids) == len(allocs)
     restart_lab_agent(stack, lab)
 
-    active = await portal.wait_state(alloc, "active", timeout=BOOT_S)
-    assert _domains(st) == [vm_name]
-    assert _virsh(st, "domuuid", vm_name).stdout.strip() == uuid_before
-    task_id = booting["payload"]["task_id"]
-    resumed = spy.of_type("node.task_progress", task_id=task_id, phase="wait_ready")
-    assert any("resumed" in (e["payload"]["detail"] or "") for e in resumed)
-    access = active["payload"]["access"]
-    assert access["ip"] == approved["private_ip"] and access["port"] == 22 and access["ssh_ready"]
-    assert approved["mac"] in _read(st.lease_file)  # the lab's dnsmasq handed out the reservation
+    actives = [await portal.wait_state(a, "active", timeout=BOOT_S) for a in allocs]
+    assert {vm: _virsh(st, "domuuid", vm).stdout.strip() for vm in _domains(st)} == uuids
+    for progress in booting:
+        resumed = spy.of_type("node.task_progress", task_id=progress["payload"]["task_id"], phase="wait_ready")
+        assert any("resumed" in (e["payload"]["detail"] or "") for e in resumed)
+    accesses = [a["payload"]["access"] for a in actives]
+    leases = _read(st.lease_file)
+    by_ip = {s["private_ip"]: s for s in approved.values()}
+    for access in accesses:
+        assert access["ip"] in by_ip and access["port"] == 22 and access["ssh_ready"]
+        assert by_ip[access["ip"]]["mac"] in leases  # the lab's dnsmasq handed out each reservation
+    task_id = booting[0]["payload"]["task_id"]
     result = spy.of_type("node.task_result", task_id=task_id)[-1]["payload"]
     assert {"lease", "ssh", "cloud_init"} <= set(result["readiness"]["phase_seconds"])
 
+    # Each guest's port on the lab's bridge is isolated in the kernel.
+    for vm in uuids:
+        (tap,) = [line.split()[0] for line in _virsh(st, "domiflist", vm).stdout.splitlines()[2:] if line.strip()]
+        assert "isolated on" in _run(lab.ns("bridge", "-d", "link", "show", "dev", tap)).stdout
+
     # The allocation's access is enough to log in as the tenant, trusting exactly the host key it names.
     known = tmp_path / "known_hosts"
-    scan = _run(lab.ns("ssh-keyscan", "-t", "ed25519", access["ip"]))
-    known.write_text(scan.stdout)
-    assert _run(["ssh-keygen", "-lf", str(known)]).stdout.split()[1] == access["host_key_fingerprint"]
-    ssh = _run(
-        lab.ns(
-            "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
-            "-o", f"UserKnownHostsFile={known}", "-i", str(tenant), "-p", str(access["port"]),
-            f"{access['user']}@{access['ip']}", "lsblk -bdno SIZE /dev/vda; cloud-init status",
-        ),
-        timeout=120,
-    )  # fmt: skip
+    scans = [_run(lab.ns("ssh-keyscan", "-t", "ed25519", a["ip"])).stdout for a in accesses]
+    known.write_text("".join(scans))
+    prints = {line.split()[2]: line.split()[1] for line in _run(["ssh-keygen", "-lf", str(known)]).stdout.splitlines()}
+    assert all(prints[a["ip"]] == a["host_key_fingerprint"] for a in accesses)
+
+    def tenant_ssh(access: dict[str, Any], command: str) -> subprocess.CompletedProcess[str]:
+        return _run(
+            lab.ns(
+                "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                "-o", f"UserKnownHostsFile={known}", "-i", str(tenant), "-p", str(access["port"]),
+                f"{access['user']}@{access['ip']}", command,
+            ),
+            timeout=120,
+        )  # fmt: skip
+
+    first = accesses[0]
+    ssh = tenant_ssh(first, "lsblk -bdno SIZE /dev/vda; cloud-init status")
     assert ssh.returncode == 0, ssh.stderr
-    assert int(ssh.stdout.split()[0]) == slot.size_bytes  # the slot's disk, at the size the slot declares
+    slot_size = {slot.by_id: slot.size_bytes for slot in st.slots}[by_ip[first["ip"]]["nvme_by_id"]]
+    assert int(ssh.stdout.split()[0]) == slot_size  # the slot's disk, at the size the slot declares
+
+    # Slices never reach each other; each reaches its gateway (a listener on the host's side of the bridge).
+    gateway = str(ipaddress.ip_interface(st.bridge_cidr).ip)
+    listener = _listen(lab, gateway)
+    try:
+        await eventually(lambda: _listening(lab, gateway), 30, 0.1, "the gateway listener")
+        for here, there in ((accesses[0], accesses[1]), (accesses[1], accesses[0])):
+            probe = tenant_ssh(
+                here,
+                f"for t in {there['ip']}:22 {gateway}:{GATEWAY_PORT}; do "
+                'if timeout 5 bash -c "exec 3<>/dev/tcp/${t%:*}/${t#*:}" 2>/dev/null; '
+                'then echo "$t open"; else echo "$t closed"; fi; done',
+            )
+            assert probe.returncode == 0, probe.stderr
+            assert probe.stdout.split("\n")[:2] == [f"{there['ip']}:22 closed", f"{gateway}:{GATEWAY_PORT} open"]
+    finally:
+        _stop(listener)
 
     # The real sshd refuses the agent's login made against any host key but the one the seed planted.
     other = tmp_path / "other_host"
     assert _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)]).returncode == 0
     agent_key = host_prefix(lab) / "var/lib/gpuaas/agent/readiness_ed25519"
-    probe = (
+    probe_login = (
         "import asyncio, sys; from pathlib import Path; from gpuaas_node_agent.adapters import guest_ssh; "
         "o = asyncio.run(guest_ssh.login(sys.argv[1], 22, sys.argv[2], Path(sys.argv[3]), sys.argv[4])); "
         "print(o.ok, o.host_key_mismatch)"
     )
-    args = [access["ip"], access["user"], str(agent_key)]
-    wrong = _run(lab.ns(sys.executable, "-c", probe, *args, other.with_suffix(".pub").read_text().strip()))
+    args = [first["ip"], first["user"], str(agent_key)]
+    wrong = _run(lab.ns(sys.executable, "-c", probe_login, *args, other.with_suffix(".pub").read_text().strip()))
     assert wrong.stdout.split() == ["False", "True"], wrong.stderr
-    right = _run(lab.ns(sys.executable, "-c", probe, *args, scan.stdout.split(None, 1)[1].strip()))
+    right = _run(lab.ns(sys.executable, "-c", probe_login, *args, scans[0].split(None, 1)[1].strip()))
     assert right.stdout.split() == ["True", "False"], right.stderr
 
     # Release: graceful stop, undefine with NVRAM, reservation gone, the block device wiped with proof, and the
     # slot back in service on that proof.
-    await portal.release(alloc)
-    released = await portal.wait_state(alloc, "released", timeout=300)
-    cleanup = released["payload"]["cleanup"]
-    assert cleanup["verified"], json.dumps(cleanup)
-    (proof,) = cleanup["wipe_proofs"]
-    assert proof["device"] == slot.by_id and proof["verified"] and proof["signatures"] == []
+    for alloc in allocs:
+        await portal.release(alloc)
+    for alloc in allocs:
+        released = await portal.wait_state(alloc, "released", timeout=300)
+        cleanup = released["payload"]["cleanup"]
+        assert cleanup["verified"], json.dumps(cleanup)
+        (proof,) = cleanup["wipe_proofs"]
+        assert proof["device"] in approved and proof["verified"] and proof["signatures"] == []
+        stopped = spy.of_type("node.task_progress", allocation_id=alloc, phase="undefine")
+        assert stopped and stopped[0]["payload"]["detail"] == "stop path: graceful"
     assert _domains(st) == []
-    assert _files(st.hostsdir) == []  # the DHCP reservation went with the VM
-    assert _zeros_sampled(slot.loop_device, slot.size_bytes)
-    stopped = spy.of_type("node.task_progress", allocation_id=alloc, phase="undefine")
-    assert stopped and stopped[0]["payload"]["detail"] == "stop path: graceful"
+    assert _files(st.hostsdir) == []  # the DHCP reservations went with the VMs
+    assert all(_zeros_sampled(slot.loop_device, slot.size_bytes) for slot in st.slots)
 
-    async def slot_available() -> bool:
-        return (await _scheduler(stack, f"/v1/slots/{approved['slot_id']}"))["slot"]["status"] == "available"
+    async def slots_available() -> bool:
+        slots = (await _scheduler(stack, f"/v1/nodes/{LAB_NODE}/slots"))["slots"]
+        return all(s["status"] == "available" for s in slots)
 
-    await eventually(slot_available, 60, 0.2, "the wiped slot back in service")
+    await eventually(slots_available, 60, 0.2, "the wiped slots back in service")

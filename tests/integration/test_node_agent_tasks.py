@@ -28,6 +28,7 @@ from gpuaas_node_agent.adapters.discovery import stable_ids
 from gpuaas_node_agent.adapters.host import HostFs
 from gpuaas_node_agent.adapters.libvirt_host import LibvirtHost
 from gpuaas_node_agent.adapters.state_store import StateStore
+from gpuaas_node_agent.domain.domain_xml import tap_name
 from gpuaas_node_agent.service_layer.host_paths import HostPaths
 from gpuaas_node_agent.service_layer.tasks import SliceHostAgent
 
@@ -242,7 +243,18 @@ async def test_provision_then_release_clones_boots_and_wipes_with_proof(env: Env
     await env.spy.wait_type("node.task_result", task_id=prov.task_id)
     phases = [e["payload"]["phase"] for e in env.spy.of_type("node.task_progress", task_id=prov.task_id)]
     # The reservation comes before the domain exists, so the guest's first DHCP request finds its address.
-    assert phases == ["preflight", "seed", "clone_image", "dhcp_reservation", "define", "wait_ready", "ready"]
+    assert phases == [
+        "preflight",
+        "seed",
+        "clone_image",
+        "dhcp_reservation",
+        "define",
+        "isolate",
+        "wait_ready",
+        "ready",
+    ]
+    # The slice's OVS port is protected: slices on the host never reach each other.
+    assert (env.root / "var/lib/gpuaas-fixture/ovs-protected.txt").read_text().split() == [tap_name(prov.vm_name)]
 
     rel = env.release(prov)
     released = await env.agent.execute("slice.vm_release", rel)

@@ -9,7 +9,7 @@ import libvirt
 import pytest
 from pydantic import ValidationError
 
-from gpuaas_node_agent.domain.domain_xml import render_domain_xml
+from gpuaas_node_agent.domain.domain_xml import render_domain_xml, tap_name
 from gpuaas_node_agent.domain.vm_spec import PciAddress, PciAddressError, SliceVmSpec, parse_cpuset, parse_pci_address
 
 DISK = "/dev/disk/by-id/nvme-eui.0025388b91c2a1f1"
@@ -177,7 +177,8 @@ def test_seed_cdrom_is_readonly() -> None:
 
 
 def test_ovs_interface_with_slot_mac() -> None:
-    root = _parse(_spec())
+    spec = _spec()
+    root = _parse(spec)
     nics = root.findall("devices/interface")
     assert len(nics) == 1
     nic = nics[0]
@@ -186,6 +187,20 @@ def test_ovs_interface_with_slot_mac() -> None:
     assert nic.find("source").get("bridge") == "ovsbr0"
     assert nic.find("virtualport").get("type") == "openvswitch"
     assert nic.find("model").get("type") == "virtio"
+    # The port the agent marks protected once the tap exists: named, stable, within 15 characters.
+    assert nic.find("target").get("dev") == tap_name(spec.vm_name) and len(tap_name(spec.vm_name)) <= 15
+    assert nic.find("port") is None  # libvirt isolates Linux bridge ports only
+
+
+def test_a_linux_bridge_port_is_isolated_so_slices_never_reach_each_other() -> None:
+    nic = _parse(_spec(bridge_kind="linux", bridge="gpubr0")).find("devices/interface")
+    assert nic.find("port").get("isolated") == "yes"
+    assert nic.find("virtualport") is None
+
+
+def test_tap_names_differ_per_vm_and_avoid_libvirts_prefix() -> None:
+    names = {tap_name(f"slice-{i}") for i in range(1000)}
+    assert len(names) == 1000 and not any(n.startswith(("vnet", "macvtap")) for n in names)
 
 
 def test_hugepages_numa_and_pinning_when_asked() -> None:

@@ -64,7 +64,7 @@ def start_lab_host(stack: Stack) -> Lab:
     nats_port = urlsplit(stack.nats_url.split(",")[0]).port
     registry_port = int(stack.registry_host.rsplit(":", 1)[1])
     assert nats_port is not None
-    lab = Lab(lab_dir(stack), slots=1)
+    lab = Lab(lab_dir(stack), slots=stack.lab_slots)
     lab.up(forwards={"nats": nats_port, "registry": registry_port})
     try:
         creds = None

@@ -58,6 +58,7 @@ class Stack:
         nats_cluster: int = 1,
         replicas: int = 1,
         lab: bool = False,
+        lab_slots: int = 1,
         pg_tls: bool = False,
     ) -> None:
         """`env_overrides` maps GPUAAS_* names to values for every service; a key that is a process
@@ -84,6 +85,7 @@ class Stack:
         self.replicas = replicas
         # `lab`: a real slice host beside the simulated fleet (stack/lab_host.py): QEMU/TCG in a namespace.
         self.lab = lab
+        self.lab_slots = lab_slots
         self._lab: Any = None
         self._lab_image: dict[str, Any] | None = None
         self.run_dir = Path(run_dir).resolve()

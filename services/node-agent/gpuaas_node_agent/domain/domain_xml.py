@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import xml.etree.ElementTree as ET
 
 from .vm_spec import SliceVmSpec, parse_cpuset, parse_pci_address
@@ -107,11 +108,17 @@ def render_domain_xml(spec: SliceVmSpec) -> str:
     _sub(seed, "target", dev="sda", bus="scsi")
     _sub(seed, "readonly")
 
+    # Slices never reach each other on the slice network (checklist: tenant isolation), only the host's side of
+    # the bridge (gateway, DHCP, metadata). A Linux bridge does it per port (`isolated`, applied by libvirt); an
+    # OVS port is marked `protected` by the agent once the tap exists, under the name given here.
     nic = _sub(devices, "interface", type="bridge")
     _sub(nic, "mac", address=spec.mac)
     _sub(nic, "source", bridge=spec.bridge)
     if spec.bridge_kind == "openvswitch":
         _sub(nic, "virtualport", type="openvswitch")
+        _sub(nic, "target", dev=tap_name(spec.vm_name))
+    else:
+        _sub(nic, "port", isolated="yes")
     _sub(nic, "model", type="virtio")
 
     for address in [*spec.gpus, *spec.fabric_vfs]:
@@ -129,3 +136,9 @@ def render_domain_xml(spec: SliceVmSpec) -> str:
 
     ET.indent(root, space="  ")
     return ET.tostring(root, encoding="unicode")
+
+
+def tap_name(vm_name: str) -> str:
+    """The slice NIC's tap (and OVS port) name: stable per VM, within the kernel's 15 characters, and outside
+    libvirt's own `vnet` prefix, so the agent can find the port again after a restart."""
+    return "gs" + hashlib.sha256(vm_name.encode()).hexdigest()[:12]

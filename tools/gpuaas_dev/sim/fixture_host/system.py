@@ -176,11 +176,19 @@ def write_host_tools(fs: _Sysfs, desc: HostDescription) -> None:
         'if grep -qx "$unit" "$DATA/active-units.txt"; then echo active; exit 0; fi\n'
         "echo inactive; exit 3\n",
     )
+    # ovs-vsctl keeps what it was told in OVSDB; here one line per protected port, for tests to read back.
+    _script(
+        root / "usr/bin/ovs-vsctl",
+        '[ "${1#--timeout=}" != "$1" ] && shift\n'
+        'if [ "$1 $2" = "set Port" ] && [ "$4" = "protected=true" ]; then\n'
+        '  echo "$3" >> "$DATA/ovs-protected.txt"; exit 0\nfi\n'
+        'echo "fixture ovs-vsctl: unsupported: $*" >&2; exit 1\n',
+    )
     peers = ["192.168.100.2"] if desc.bf3_peer_reachable and desc.tmfifo_address == "192.168.100.1/30" else []
     _write(data / "ping-answers.txt", "".join(f"{p}\n" for p in peers))
     _script(
         root / "usr/bin/ping",
-        'for peer; do :; done\n'
+        "for peer; do :; done\n"
         'if grep -qx "$peer" "$DATA/ping-answers.txt"; then echo "1 packets transmitted, 1 received"; exit 0; fi\n'
         'echo "1 packets transmitted, 0 received"; exit 1\n',
     )

@@ -15,12 +15,12 @@ from prometheus_client import Histogram
 from gpuaas_common.contract import messages as m
 from gpuaas_common.digests import sha256_file
 
-from ...adapters import disk, dnsmasq, driverctl, guest_ssh, readiness, seed_iso
+from ...adapters import disk, dnsmasq, driverctl, guest_ssh, ovs, readiness, seed_iso
 from ...adapters.discovery import HUGEPAGES_1G_FREE, hugepages_1g
 from ...adapters.libvirt_host import DomainState
 from ...adapters.parity import ParityChecker
 from ...domain.device_binding import wrong_bindings
-from ...domain.domain_xml import render_domain_xml
+from ...domain.domain_xml import render_domain_xml, tap_name
 from ...domain.profiles import hugepages_1g_needed, vm_resources
 from ...domain.vm_spec import SliceVmSpec
 from .core import AgentCore, Refused, TaskFailed
@@ -242,6 +242,13 @@ class ProvisionTask(AgentCore):
                 dnsmasq.write_reservation(self.hostsdir, task.vm_name, primary.mac, primary.private_ip, task.hostname)
                 await phase("define")
                 await self.libvirt.define_and_start(xml)
+                if self.bridge_kind == "openvswitch":
+                    # Before the guest can send its first frame past DHCP: slices never reach each other.
+                    await phase("isolate")
+                    try:
+                        await ovs.protect_port(self.host, tap_name(task.vm_name))
+                    except ovs.OvsError as exc:
+                        raise TaskFailed("isolation_failed", str(exc)) from exc
                 await phase("wait_ready")
             ready = await readiness.wait_ready(
                 self.lease_file,
@@ -255,7 +262,7 @@ class ProvisionTask(AgentCore):
                     else None
                 ),
             )
-        except Refused:
+        except (Refused, TaskFailed):
             raise
         except Exception as exc:
             raise TaskFailed("provision_error", f"{type(exc).__name__}: {exc}") from exc
