@@ -34,10 +34,12 @@ import pytest
 
 from gpuaas_dev.lab import preflight
 from gpuaas_dev.lab.agent import host_prefix
-from gpuaas_dev.lab.lab import Lab, LabState
+from gpuaas_dev.lab.lab import Lab
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.stack.lab_host import LAB_NODE, LAB_SKU, restart_lab_agent
 from gpuaas_dev.testing.waiting import eventually
+
+from .lab_checks import domains, run, virsh, zeros_sampled
 
 pytestmark = pytest.mark.skipif(
     not preflight.installed() or os.geteuid() != 0,
@@ -46,10 +48,6 @@ pytestmark = pytest.mark.skipif(
 
 BOOT_S = 600.0
 GATEWAY_PORT = 8765
-
-
-def _run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +75,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     assert not Path(host_dir).exists()
 
 
-def _virsh(st: LabState, *args: str) -> subprocess.CompletedProcess[str]:
-    return _run(["virsh", "-c", st.libvirt_uri, *args])
-
-
-def _domains(st: LabState) -> list[str]:
-    return [n for n in _virsh(st, "list", "--all", "--name").stdout.split() if n]
-
-
 def _listen(lab: Lab, address: str) -> subprocess.Popen[bytes]:
     """A TCP listener on the host's side of the lab's bridge, inside the namespace: what a guest's gateway answers."""
     argv = lab.ns(sys.executable, "-m", "http.server", "--bind", address, str(GATEWAY_PORT))
@@ -97,7 +87,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _listening(lab: Lab, address: str) -> bool:
-    return f"{address}:{GATEWAY_PORT}" in _run(lab.ns("ss", "-ltnH")).stdout
+    return f"{address}:{GATEWAY_PORT}" in run(lab.ns("ss", "-ltnH")).stdout
 
 
 def _read(path: str) -> str:
@@ -106,15 +96,6 @@ def _read(path: str) -> str:
 
 def _files(directory: str) -> list[str]:
     return sorted(p.name for p in Path(directory).iterdir())
-
-
-def _zeros_sampled(device: str, size: int, samples: int = 16) -> bool:
-    with open(device, "rb") as f:
-        for i in range(samples):
-            f.seek((size // samples) * i)
-            if f.read(65536).strip(b"\0"):
-                return False
-    return True
 
 
 async def _scheduler(stack: Stack, path: str) -> Any:
@@ -145,7 +126,7 @@ async def test_slices_allocated_through_the_stack_run_on_real_vms_isolated_and_c
     assert all(s["emulated"] and s["gpu_pci_address"] is None and s["status"] == "available" for s in approved.values())
 
     tenant = tmp_path / "tenant"
-    assert _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tenant)]).returncode == 0
+    assert run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tenant)]).returncode == 0
     key = tenant.with_suffix(".pub").read_text().strip()
     allocs = [
         await portal.request("gpu_slice", 1, sku=LAB_SKU, image=stack.lab_image["slug"], ssh_public_keys=[key])
@@ -160,12 +141,12 @@ async def test_slices_allocated_through_the_stack_run_on_real_vms_isolated_and_c
     booting = [
         await spy.wait_type("node.task_progress", timeout=300, allocation_id=a, phase="wait_ready") for a in allocs
     ]
-    uuids = {vm: _virsh(st, "domuuid", vm).stdout.strip() for vm in _domains(st)}
+    uuids = {vm: virsh(st, "domuuid", vm).stdout.strip() for vm in domains(st)}
     assert len(uuids) == len(allocs)
     restart_lab_agent(stack, lab)
 
     actives = [await portal.wait_state(a, "active", timeout=BOOT_S) for a in allocs]
-    assert {vm: _virsh(st, "domuuid", vm).stdout.strip() for vm in _domains(st)} == uuids
+    assert {vm: virsh(st, "domuuid", vm).stdout.strip() for vm in domains(st)} == uuids
     for progress in booting:
         resumed = spy.of_type("node.task_progress", task_id=progress["payload"]["task_id"], phase="wait_ready")
         assert any("resumed" in (e["payload"]["detail"] or "") for e in resumed)
@@ -181,18 +162,18 @@ async def test_slices_allocated_through_the_stack_run_on_real_vms_isolated_and_c
 
     # Each guest's port on the lab's bridge is isolated in the kernel.
     for vm in uuids:
-        (tap,) = [line.split()[0] for line in _virsh(st, "domiflist", vm).stdout.splitlines()[2:] if line.strip()]
-        assert "isolated on" in _run(lab.ns("bridge", "-d", "link", "show", "dev", tap)).stdout
+        (tap,) = [line.split()[0] for line in virsh(st, "domiflist", vm).stdout.splitlines()[2:] if line.strip()]
+        assert "isolated on" in run(lab.ns("bridge", "-d", "link", "show", "dev", tap)).stdout
 
     # The allocation's access is enough to log in as the tenant, trusting exactly the host key it names.
     known = tmp_path / "known_hosts"
-    scans = [_run(lab.ns("ssh-keyscan", "-t", "ed25519", a["ip"])).stdout for a in accesses]
+    scans = [run(lab.ns("ssh-keyscan", "-t", "ed25519", a["ip"])).stdout for a in accesses]
     known.write_text("".join(scans))
-    prints = {line.split()[2]: line.split()[1] for line in _run(["ssh-keygen", "-lf", str(known)]).stdout.splitlines()}
+    prints = {line.split()[2]: line.split()[1] for line in run(["ssh-keygen", "-lf", str(known)]).stdout.splitlines()}
     assert all(prints[a["ip"]] == a["host_key_fingerprint"] for a in accesses)
 
     def tenant_ssh(access: dict[str, Any], command: str) -> subprocess.CompletedProcess[str]:
-        return _run(
+        return run(
             lab.ns(
                 "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
                 "-o", f"UserKnownHostsFile={known}", "-i", str(tenant), "-p", str(access["port"]),
@@ -226,7 +207,7 @@ async def test_slices_allocated_through_the_stack_run_on_real_vms_isolated_and_c
 
     # The real sshd refuses the agent's login made against any host key but the one the seed planted.
     other = tmp_path / "other_host"
-    assert _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)]).returncode == 0
+    assert run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)]).returncode == 0
     agent_key = host_prefix(lab) / "var/lib/gpuaas/agent/readiness_ed25519"
     probe_login = (
         "import asyncio, sys; from pathlib import Path; from gpuaas_node_agent.adapters import guest_ssh; "
@@ -234,9 +215,9 @@ async def test_slices_allocated_through_the_stack_run_on_real_vms_isolated_and_c
         "print(o.ok, o.host_key_mismatch)"
     )
     args = [first["ip"], first["user"], str(agent_key)]
-    wrong = _run(lab.ns(sys.executable, "-c", probe_login, *args, other.with_suffix(".pub").read_text().strip()))
+    wrong = run(lab.ns(sys.executable, "-c", probe_login, *args, other.with_suffix(".pub").read_text().strip()))
     assert wrong.stdout.split() == ["False", "True"], wrong.stderr
-    right = _run(lab.ns(sys.executable, "-c", probe_login, *args, scans[0].split(None, 1)[1].strip()))
+    right = run(lab.ns(sys.executable, "-c", probe_login, *args, scans[0].split(None, 1)[1].strip()))
     assert right.stdout.split() == ["True", "False"], right.stderr
 
     # Release: graceful stop, undefine with NVRAM, reservation gone, the block device wiped with proof, and the
@@ -251,9 +232,9 @@ async def test_slices_allocated_through_the_stack_run_on_real_vms_isolated_and_c
         assert proof["device"] in approved and proof["verified"] and proof["signatures"] == []
         stopped = spy.of_type("node.task_progress", allocation_id=alloc, phase="undefine")
         assert stopped and stopped[0]["payload"]["detail"] == "stop path: graceful"
-    assert _domains(st) == []
+    assert domains(st) == []
     assert _files(st.hostsdir) == []  # the DHCP reservations went with the VMs
-    assert all(_zeros_sampled(slot.loop_device, slot.size_bytes) for slot in st.slots)
+    assert all(zeros_sampled(slot.loop_device, slot.size_bytes) for slot in st.slots)
 
     async def slots_available() -> bool:
         slots = (await _scheduler(stack, f"/v1/nodes/{LAB_NODE}/slots"))["slots"]

@@ -15,7 +15,6 @@ make a network namespace; where that holds they fail, never skip, when the lab d
 from __future__ import annotations
 
 import os
-import subprocess
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -37,6 +36,8 @@ from gpuaas_node_agent.domain.vm_spec import SliceVmSpec
 # Not a skip left to rot: a machine without the lab's packages (a developer who never ran scripts/setup.sh) or
 # without root cannot make a namespace or a loop device at all. setup.sh installs the packages and CI runs as
 # root, so there it always runs; and where both hold, a lab that does not work fails these tests, never skips.
+from .lab_checks import domains, run, virsh
+
 pytestmark = pytest.mark.skipif(
     not preflight.installed() or os.geteuid() != 0,
     reason="the lab needs its Debian packages (scripts/setup.sh) and root for network namespaces",
@@ -44,10 +45,6 @@ pytestmark = pytest.mark.skipif(
 
 NODE = "lab-host-1"
 BOOT_S = 600.0
-
-
-def _run(argv: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -84,27 +81,6 @@ async def _result(spy: BusSpy, task_id: str, timeout: float) -> dict[str, Any]:
     return env["payload"]
 
 
-def _virsh(st: LabState, *args: str) -> subprocess.CompletedProcess[str]:
-    return _run(["virsh", "-c", st.libvirt_uri, *args])
-
-
-def _domains(st: LabState) -> list[str]:
-    return [n for n in _virsh(st, "list", "--all", "--name").stdout.split() if n]
-
-
-def _leases(st: LabState) -> str:
-    return Path(st.lease_file).read_text()
-
-
-def _zeros_sampled(device: str, size: int, samples: int = 16) -> bool:
-    with open(device, "rb") as f:
-        for i in range(samples):
-            f.seek((size // samples) * i)
-            if f.read(65536).strip(b"\0"):
-                return False
-    return True
-
-
 async def _agent(lab: Lab, nats_server: NatsServer, spy: BusSpy, *, wait: bool = True, **env: str) -> None:
     enrolled = len(spy.of_type("node.enrolled"))
     start_agent(lab, LabAgentConfig(node_id=NODE, nats_url=nats_server.url, extra_env=env))
@@ -126,18 +102,18 @@ async def test_a_guest_that_never_boots_fails_with_lease_timeout_and_leaves_noth
     blank = image_cache_dir(lab) / "blank.raw"
     with blank.open("wb") as f:
         f.truncate(64 << 20)
-    digest = _run(["sha256sum", str(blank)]).stdout.split()[0]
+    digest = run(["sha256sum", str(blank)]).stdout.split()[0]
     image = {"slug": "blank", "digest_sha256": digest, "image_path": str(blank)}
     stop_agent(lab, NODE)
     await _agent(lab, nats_server, spy, GPUAAS_READINESS_TIMEOUT_S="45", GPUAAS_SHUTDOWN_TIMEOUT_S="10")
     key = tmp_path / "k"
-    _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)])
+    run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)])
     prov = provision_task(st, NODE, image, [key.with_suffix(".pub").read_text().strip()], epoch=2)
     await send(nc, "slice.vm_provision", prov)
     result = await _result(spy, prov["task_id"], 300)
     assert result["status"] == "failed" and result["reason_code"] == "lease_timeout", result
     assert result["cleanup_required"]  # the image was written to the disk: only a wipe frees the slot
-    assert _domains(st) == []
+    assert domains(st) == []
     assert not (Path(st.hostsdir) / prov["vm_name"]).exists()
 
     # The same deaf guest, defined by hand and left running, is stopped hard by a release.
@@ -149,7 +125,7 @@ async def test_a_guest_that_never_boots_fails_with_lease_timeout_and_leaves_noth
     assert released["status"] == "succeeded", released
     stopped = spy.of_type("node.task_progress", task_id=rel["task_id"], phase="undefine")
     assert stopped and stopped[0]["payload"]["detail"] == "stop path: forced"
-    assert _domains(st) == []
+    assert domains(st) == []
 
 
 async def _start_deaf_guest(lab: Lab, st: LabState, prov: dict[str, Any]) -> bool:
@@ -169,7 +145,7 @@ async def _start_deaf_guest(lab: Lab, st: LabState, prov: dict[str, Any]) -> boo
 </domain>"""
     path = Path(lab.root) / "deaf.xml"
     path.write_text(xml)
-    return _virsh(st, "define", str(path)).returncode == 0 and _virsh(st, "start", prov["vm_name"]).returncode == 0
+    return virsh(st, "define", str(path)).returncode == 0 and virsh(st, "start", prov["vm_name"]).returncode == 0
 
 
 async def test_the_production_xml_with_gpu_and_vf_hostdevs_validates_and_defines(lab: Lab) -> None:
@@ -194,13 +170,13 @@ async def test_the_production_xml_with_gpu_and_vf_hostdevs_validates_and_defines
     )
     xml = Path(lab.root) / "prod.xml"
     xml.write_text(render_domain_xml(spec))
-    valid = _run(["virt-xml-validate", str(xml), "domain"])
+    valid = run(["virt-xml-validate", str(xml), "domain"])
     assert valid.returncode == 0, valid.stderr
-    defined = _virsh(st, "define", str(xml))
+    defined = virsh(st, "define", str(xml))
     assert defined.returncode == 0, defined.stderr
     try:
-        dumped = _virsh(st, "dumpxml", spec.vm_name).stdout
+        dumped = virsh(st, "dumpxml", spec.vm_name).stdout
         assert dumped.count("<hostdev ") == 3 and "type='kvm'" in dumped
     finally:
-        assert _virsh(st, "undefine", "--nvram", spec.vm_name).returncode == 0
-    assert spec.vm_name not in _domains(st)
+        assert virsh(st, "undefine", "--nvram", spec.vm_name).returncode == 0
+    assert spec.vm_name not in domains(st)

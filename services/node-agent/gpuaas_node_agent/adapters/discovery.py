@@ -261,31 +261,8 @@ async def nvme_disks(host: Host, *, leased_by_id: Iterable[str] = ()) -> list[m.
         head = fs.realpath(f"/sys/block/{name}")
         if fs.read(f"{head}/hidden") == "1":
             continue
-        use = block_use(fs, name, mounts)
-        by_id = ids.get(name)
-        sigs = await signatures(host, name)
-        reason = use.refusal()
-        excluded = reason[0].removeprefix("disk_") if reason else None
-        if excluded is None and by_id is None:
-            excluded = "no_stable_id"
-        if excluded is None and sigs and by_id not in leased:
-            excluded = "signatures_present"
-        size = _int(fs.read(f"{head}/size")) or 0
-        out.append(
-            m.NvmeDevice(
-                kernel_name=name,
-                by_id=by_id,
-                size_bytes=size * 512,
-                numa_node=_numa(fs.read(f"/sys/class/nvme/nvme{match.group(1)}/device/numa_node")),
-                mounted=bool(use.mountpoints),
-                mountpoints=use.mountpoints,
-                mounted_children=sorted(use.child_mounts),
-                is_os_disk=use.is_os_disk,
-                signatures=sigs,
-                candidate=excluded is None,
-                excluded_reason=excluded,
-            )
-        )
+        numa = _numa(fs.read(f"/sys/class/nvme/nvme{match.group(1)}/device/numa_node"))
+        out.append(await _disk_evidence(host, name, ids.get(name), mounts, leased, numa=numa))
     return sorted(out, key=lambda d: (d.by_id or "~", d.kernel_name))
 
 
@@ -301,30 +278,46 @@ async def emulated_slot_disks(
     out = []
     for by_id in sorted(set(by_ids)):
         name = fs.realpath(by_id).rsplit("/", 1)[-1]
-        use = block_use(fs, name, mounts)
-        if not use.exists:
-            continue
-        sigs = await signatures(host, name)
-        reason = use.refusal()
-        excluded = reason[0].removeprefix("disk_") if reason else None
-        if excluded is None and sigs and by_id not in leased:
-            excluded = "signatures_present"
-        size = _int(fs.read(f"/sys/class/block/{name}/size")) or 0
-        out.append(
-            m.NvmeDevice(
-                kernel_name=name,
-                by_id=by_id,
-                size_bytes=size * 512,
-                mounted=bool(use.mountpoints),
-                mountpoints=use.mountpoints,
-                mounted_children=sorted(use.child_mounts),
-                is_os_disk=use.is_os_disk,
-                signatures=sigs,
-                candidate=excluded is None,
-                excluded_reason=excluded,
-            )
-        )
+        if block_use(fs, name, mounts).exists:
+            out.append(await _disk_evidence(host, name, by_id, mounts, leased))
     return out
+
+
+async def _disk_evidence(
+    host: Host,
+    name: str,
+    by_id: str | None,
+    mounts: dict[str, list[str]],
+    leased: set[str],
+    *,
+    numa: int | None = None,
+) -> m.NvmeDevice:
+    """What discovery says of one whole disk: how it is used, its signatures, and why it cannot be a slot's
+    (a signature on a disk this agent leased is its tenant's data, not a reason to exclude it)."""
+    use = block_use(host.fs, name, mounts)
+    sigs = await signatures(host, name)
+    reason = use.refusal()
+    excluded = reason[0].removeprefix("disk_") if reason else None
+    if excluded is None and by_id is None:
+        excluded = "no_stable_id"
+    if excluded is None and sigs and by_id not in leased:
+        excluded = "signatures_present"
+    fs = host.fs
+    head = fs.realpath(f"/sys/block/{name}") if fs.exists(f"/sys/block/{name}") else f"/sys/class/block/{name}"
+    size = _int(fs.read(f"{head}/size")) or 0
+    return m.NvmeDevice(
+        kernel_name=name,
+        by_id=by_id,
+        size_bytes=size * 512,
+        numa_node=numa,
+        mounted=bool(use.mountpoints),
+        mountpoints=use.mountpoints,
+        mounted_children=sorted(use.child_mounts),
+        is_os_disk=use.is_os_disk,
+        signatures=sigs,
+        candidate=excluded is None,
+        excluded_reason=excluded,
+    )
 
 
 # --- network -----------------------------------------------------------------------------------------
