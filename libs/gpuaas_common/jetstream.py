@@ -228,6 +228,21 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
 )
 CONSUMER_BY_NAME = {c.durable: c for c in CONSUMERS}
 
+# Streams the ops read models (services/ops-view) follow. Not durables: a read model keeps its own position in
+# each stream, committed with the rows it built, and on every start creates the consumer afresh from there
+# (an empty schema starts at the first message retained, which is how it rebuilds). The consumer is named, so
+# the identity may create, read and delete that name only, with this filter only (identity/permissions.py).
+# Portal input (allocation.requested, which carries tenants' keys) is left out: lifecycle events only.
+FOLLOWERS: tuple[ConsumerSpec, ...] = (
+    consumer("ops-view-allocations", "ALLOCATIONS", "gpuaas.allocation.event.>"),
+    consumer("ops-view-scheduler", "SCHEDULER", "gpuaas.scheduler.>"),
+    consumer("ops-view-node-tasks", "NODE_TASKS", "gpuaas.node.*.tasks"),
+    consumer("ops-view-node-reports", "NODE_REPORTS", "gpuaas.node.*.report.>"),
+    consumer("ops-view-images", "IMAGES", "gpuaas.image.event.>"),
+    consumer("ops-view-maas", "MAAS", "gpuaas.maas.>"),
+    consumer("ops-view-dlq", "DLQ", "gpuaas.dlq.>"),
+)
+
 
 def node_agent_consumer(node_id: str, max_deliver: int = 8, ack_wait_s: float = ACK_WAIT_S) -> ConsumerSpec:
     return consumer(

@@ -14,12 +14,14 @@ import yaml
 
 from gpuaas_common.admin_http import render_yaml
 from gpuaas_image_pipeline.entrypoints.admin_http import openapi_document as image_document
+from gpuaas_ops_view.entrypoints.admin_http import openapi_document as ops_view_document
 from gpuaas_scheduler.entrypoints.admin_http import openapi_document as scheduler_document
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS: dict[str, tuple[Path, Callable[[], dict[str, Any]], str]] = {
     "scheduler": (ROOT / "services/scheduler/openapi.yaml", scheduler_document, "gpuaas_scheduler"),
     "image-pipeline": (ROOT / "services/image-pipeline/openapi.yaml", image_document, "gpuaas_image_pipeline"),
+    "ops-view": (ROOT / "services/ops-view/openapi.yaml", ops_view_document, "gpuaas_ops_view"),
 }
 
 

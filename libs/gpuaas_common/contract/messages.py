@@ -801,7 +801,8 @@ class DeadLetter(Payload):
     num_delivered: int | None = None
     # subject_mismatch: a payload names another node than the subject it came on; unknown_task: a
     # result for a task its receiver never sent; node_mismatch: a result from another host than the
-    # one the task went to.
+    # one the task went to; unplaceable: a valid event a read model cannot fit into what it holds (a timeline
+    # position already taken by another state).
     reason_code: Literal[
         "not_json",
         "schema_invalid",
@@ -811,6 +812,7 @@ class DeadLetter(Payload):
         "subject_mismatch",
         "unknown_task",
         "node_mismatch",
+        "unplaceable",
     ]
     reason: str = Field(max_length=8192)
     headers: dict[str, str] = Field(default_factory=dict)

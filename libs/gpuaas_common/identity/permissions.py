@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..contract.catalog import ALL as MESSAGE_SPECS
-from ..jetstream import CONSUMERS, IDENTITY_BUCKET, ConsumerSpec, node_agent_consumer
+from ..jetstream import CONSUMERS, FOLLOWERS, IDENTITY_BUCKET, ConsumerSpec, node_agent_consumer
 
-SERVICES: tuple[str, ...] = ("allocator", "scheduler", "image-pipeline", "maas-gateway")
+SERVICES: tuple[str, ...] = ("allocator", "scheduler", "image-pipeline", "maas-gateway", "ops-view")
 # Roles that are people or upstream systems rather than our services.
 PORTAL, OPS, ADMIN, NODE = "portal", "ops", "admin", "node-agent"
 # Tag that carries a host's node id in its user JWT; the scoped signing key's template reads it.
@@ -132,6 +132,25 @@ def durables_of(service: str) -> tuple[ConsumerSpec, ...]:
     return tuple(c for c in CONSUMERS if c.durable.startswith(f"{service}-"))
 
 
+def followers_of(service: str) -> tuple[ConsumerSpec, ...]:
+    return tuple(c for c in FOLLOWERS if c.durable.startswith(f"{service}-"))
+
+
+def follower_rights(spec: ConsumerSpec) -> tuple[str, ...]:
+    """A read model's consumer (`jetstream.FOLLOWERS`): made afresh from its own position at every start, so it
+    may delete and create its one name with its one filter, and read the stream's info for its lag. It pulls
+    with no acks: its position is in its own database."""
+    s, d = spec.stream, spec.durable
+    return (
+        f"$JS.API.CONSUMER.CREATE.{s}.{d}.{spec.filter_subject}",
+        f"$JS.API.CONSUMER.DELETE.{s}.{d}",
+        f"$JS.API.CONSUMER.MSG.NEXT.{s}.{d}",
+        f"$JS.API.CONSUMER.INFO.{s}.{d}",
+        f"$JS.API.STREAM.INFO.{s}",
+        f"gpuaas.dlq.{d}",
+    )
+
+
 def consumer_rights(spec: ConsumerSpec, *, may_create: bool) -> tuple[str, ...]:
     s, d = spec.stream, spec.durable
     rights = [
@@ -164,6 +183,8 @@ def service_permissions(service: str) -> Permissions:
         pub += REVOCATION_LEDGER_RIGHTS
     for spec in durables_of(service):
         pub += consumer_rights(spec, may_create=True)
+    for spec in followers_of(service):
+        pub += follower_rights(spec)
     answers = requests_answered_by(service)
     return Permissions(
         pub_allow=tuple(pub),
@@ -246,6 +267,10 @@ def _durable_cell(spec: ConsumerSpec) -> str:
     return f"{spec.durable} (bind only)" if spec.admin_provisioned else spec.durable
 
 
+def _follower_cell(spec: ConsumerSpec) -> str:
+    return f"{spec.durable} (follows {spec.filter_subject} from its own position)"
+
+
 def render_table() -> str:
     """The README's identity table (markdown). A durable in the third column means: fetch, ack, read its
     info and create it with its fixed filter (`$JS.API.CONSUMER.{MSG.NEXT,INFO,CREATE}`, `$JS.ACK`), and
@@ -257,7 +282,8 @@ def render_table() -> str:
         replies = " and replies to requests it receives" if ROLE_PERMISSIONS[service].replies else ""
         rows.append(
             f"| `{service}` | {code(produced_subjects(service))}{replies} | "
-            f"{code(_durable_cell(c) for c in durables_of(service))} | {code(ROLE_PERMISSIONS[service].sub_allow)} |"
+            f"{code([*map(_durable_cell, durables_of(service)), *map(_follower_cell, followers_of(service))])}"
+            f" | {code(ROLE_PERMISSIONS[service].sub_allow)} |"
         )
     rows.append(
         f"| `{PORTAL}` | {code(produced_subjects(PORTAL))} | nothing | {code(ROLE_PERMISSIONS[PORTAL].sub_allow)} |"

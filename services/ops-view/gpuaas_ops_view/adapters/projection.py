@@ -1,0 +1,301 @@
+"""Every statement that writes the read models. Writes are merges (upserts with LEAST/GREATEST/COALESCE), so a
+row is the same whichever stream was read first."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+
+def _j(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, default=str)
+
+
+class Projection:
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    # --- positions --------------------------------------------------------------------------------------
+
+    async def positions(self) -> dict[str, int]:
+        return {
+            r["stream"]: r["last_seq"] for r in await self.conn.fetch("SELECT stream, last_seq FROM stream_positions")
+        }
+
+    async def advance(self, stream: str, seq: int, at: datetime) -> None:
+        await self.conn.execute(
+            "INSERT INTO stream_positions (stream, last_seq, at) VALUES ($1, $2, $3) "
+            "ON CONFLICT (stream) DO UPDATE SET last_seq = GREATEST(stream_positions.last_seq, $2), at = $3",
+            stream,
+            seq,
+            at,
+        )
+
+    # --- allocations ------------------------------------------------------------------------------------
+
+    async def timeline_states(self, allocation_id: uuid.UUID) -> dict[int, str]:
+        rows = await self.conn.fetch(
+            "SELECT seq, state FROM allocation_timeline WHERE allocation_id = $1 FOR UPDATE", allocation_id
+        )
+        return {r["seq"]: r["state"] for r in rows}
+
+    async def add_transition(
+        self,
+        allocation_id: uuid.UUID,
+        seq: int,
+        state: str,
+        previous: str | None,
+        event_id: str,
+        at: datetime,
+        detail: dict,
+    ) -> None:
+        await self.conn.execute(
+            "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, event_id, at, detail) "
+            "VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb) ON CONFLICT DO NOTHING",
+            allocation_id,
+            seq,
+            state,
+            previous,
+            event_id,
+            at,
+            _j(detail),
+        )
+
+    async def upsert_allocation(self, row: dict[str, Any], *, newest: bool) -> None:
+        """`newest`: this event is the allocation's latest transition, so its state and reason replace the row's;
+        an older one (read after a newer) only fills what is still unknown."""
+        cols = (
+            "allocation_id",
+            "tenant_id",
+            "shape",
+            "state",
+            "seq",
+            "sku",
+            "gpu_count",
+            "region",
+            "image",
+            "node_id",
+            "claim_mode",
+            "reason_code",
+            "reason",
+            "access",
+            "why_not",
+            "created_at",
+            "updated_at",
+        )
+        values = [row.get(c) for c in cols]
+        values[cols.index("access")] = _j(row.get("access"))
+        values[cols.index("why_not")] = _j(row.get("why_not"))
+        latest = "state = EXCLUDED.state, seq = EXCLUDED.seq, updated_at = EXCLUDED.updated_at," if newest else ""
+        replace = (
+            "reason_code = EXCLUDED.reason_code, reason = EXCLUDED.reason,"
+            if newest
+            else "reason_code = COALESCE(a.reason_code, EXCLUDED.reason_code), "
+            "reason = COALESCE(a.reason, EXCLUDED.reason),"
+        )
+        fill = ", ".join(
+            f"{c} = COALESCE(a.{c}, EXCLUDED.{c})"
+            for c in ("sku", "gpu_count", "region", "image", "node_id", "claim_mode", "access", "why_not")
+        )
+        await self.conn.execute(
+            f"INSERT INTO allocations AS a ({', '.join(cols)}) VALUES "
+            f"($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14::jsonb, $15::jsonb, $16, $17) "
+            f"ON CONFLICT (allocation_id) DO UPDATE SET {latest} {replace} {fill}, "
+            "tenant_id = CASE WHEN a.tenant_id = '' THEN EXCLUDED.tenant_id ELSE a.tenant_id END, "
+            "created_at = LEAST(a.created_at, EXCLUDED.created_at)",
+            *values,
+        )
+
+    async def place_claims(
+        self, allocation_id: uuid.UUID, node_id: str, mode: str, slots: list[dict[str, Any]], at: datetime
+    ) -> None:
+        slot_ids = [s["slot_id"] for s in slots] or [""]
+        await self.conn.executemany(
+            "INSERT INTO claims (allocation_id, node_id, slot_id, claim_mode, placed_at) VALUES ($1, $2, $3, $4, $5) "
+            "ON CONFLICT DO NOTHING",
+            [(allocation_id, node_id, slot_id, mode, at) for slot_id in slot_ids],
+        )
+        await self.conn.executemany(
+            "INSERT INTO slots (node_id, slot_id, profile, gpu_pci, nvme_by_id, private_ip, first_seen) "
+            "VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (node_id, slot_id) DO UPDATE SET "
+            "first_seen = LEAST(slots.first_seen, EXCLUDED.first_seen)",
+            [
+                (
+                    node_id,
+                    s["slot_id"],
+                    s.get("profile"),
+                    s.get("gpu_pci_address"),
+                    s.get("nvme_by_id"),
+                    s.get("private_ip"),
+                    at,
+                )
+                for s in slots
+            ],
+        )
+
+    async def end_claims(self, allocation_id: uuid.UUID, outcome: str, at: datetime) -> None:
+        await self.conn.execute(
+            "UPDATE claims SET released_at = $2, outcome = $3 WHERE allocation_id = $1 AND released_at IS NULL",
+            allocation_id,
+            at,
+            outcome,
+        )
+
+    async def forced_release(self, allocation_id: uuid.UUID, p: dict[str, Any], at: datetime) -> None:
+        await self.conn.execute(
+            "INSERT INTO forced_releases (allocation_id, actor, reason, node_ids, slot_ids, at) "
+            "VALUES ($1, $2, $3, $4::jsonb, $5::jsonb, $6) ON CONFLICT DO NOTHING",
+            allocation_id,
+            p["actor"],
+            p["reason"],
+            _j(p.get("node_ids", [])),
+            _j(p.get("slot_ids", [])),
+            at,
+        )
+
+    # --- node tasks ---------------------------------------------------------------------------------------
+
+    async def task_status(self, task_id: str) -> str | None:
+        return await self.conn.fetchval("SELECT status FROM node_tasks WHERE task_id = $1 FOR UPDATE", task_id)
+
+    async def upsert_task(self, row: dict[str, Any]) -> None:
+        await self.conn.execute(
+            "INSERT INTO node_tasks AS t (task_id, allocation_id, node_id, task_type, sent_at, deadline, status, "
+            "reason_code, reason, finished_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) "
+            "ON CONFLICT (task_id) DO UPDATE SET allocation_id = COALESCE(t.allocation_id, EXCLUDED.allocation_id), "
+            "task_type = COALESCE(t.task_type, EXCLUDED.task_type), sent_at = COALESCE(t.sent_at, EXCLUDED.sent_at), "
+            "deadline = COALESCE(t.deadline, EXCLUDED.deadline), status = EXCLUDED.status, "
+            "reason_code = COALESCE(t.reason_code, EXCLUDED.reason_code), "
+            "reason = COALESCE(t.reason, EXCLUDED.reason), "
+            "finished_at = COALESCE(t.finished_at, EXCLUDED.finished_at), "
+            "updated_at = GREATEST(t.updated_at, EXCLUDED.updated_at)",
+            row["task_id"],
+            row.get("allocation_id"),
+            row["node_id"],
+            row.get("task_type"),
+            row.get("sent_at"),
+            row.get("deadline"),
+            row["status"],
+            row.get("reason_code"),
+            row.get("reason"),
+            row.get("finished_at"),
+            row["updated_at"],
+        )
+
+    async def add_phase(self, task_id: str, stream_seq: int, phase: str, detail: str | None, at: datetime) -> None:
+        await self.conn.execute(
+            "INSERT INTO node_task_phases (task_id, stream_seq, phase, detail, at) VALUES ($1, $2, $3, $4, $5) "
+            "ON CONFLICT DO NOTHING",
+            task_id,
+            stream_seq,
+            phase,
+            detail,
+            at,
+        )
+
+    # --- fleet --------------------------------------------------------------------------------------------
+
+    async def host_evidence(self, node_id: str, at: datetime, **fields: Any) -> None:
+        """Set `fields` of a host (JSON ones encoded), creating it if this is the first word about it."""
+        names = list(fields)
+        values = [_j(v) if isinstance(v, (list, dict)) else v for v in fields.values()]
+        casts = ["::jsonb" if isinstance(v, (list, dict)) else "" for v in fields.values()]
+        placeholders = ", ".join(f"${i + 3}{cast}" for i, cast in enumerate(casts))
+        sets = ", ".join(f"{n} = EXCLUDED.{n}" for n in names)
+        await self.conn.execute(
+            f"INSERT INTO hosts (node_id, updated_at, {', '.join(names)}) VALUES ($1, $2, {placeholders}) "
+            f"ON CONFLICT (node_id) DO UPDATE SET {sets}, updated_at = GREATEST(hosts.updated_at, EXCLUDED.updated_at)",
+            node_id,
+            at,
+            *values,
+        )
+
+    # --- images -------------------------------------------------------------------------------------------
+
+    async def image(self, slug: str, status: str | None, at: datetime, **fields: Any) -> None:
+        names = list(fields)
+        placeholders = ", ".join(f"${i + 4}" for i in range(len(names)))
+        sets = "".join(f", {n} = COALESCE(EXCLUDED.{n}, images.{n})" for n in names)
+        await self.conn.execute(
+            f"INSERT INTO images (slug, status, updated_at{''.join(', ' + n for n in names)}) "
+            f"VALUES ($1, COALESCE($2, 'building'), $3{', ' + placeholders if names else ''}) "
+            f"ON CONFLICT (slug) DO UPDATE SET status = COALESCE($2, images.status), updated_at = $3{sets}",
+            slug,
+            status,
+            at,
+            *fields.values(),
+        )
+
+    async def image_cache(self, p: dict[str, Any], at: datetime) -> None:
+        await self.conn.execute(
+            "INSERT INTO image_caches (slug, node_id, status, digest_sha256, schedulable, updated_at) "
+            "VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (slug, node_id) DO UPDATE SET status = EXCLUDED.status, "
+            "digest_sha256 = EXCLUDED.digest_sha256, schedulable = EXCLUDED.schedulable, "
+            "updated_at = EXCLUDED.updated_at",
+            p["slug"],
+            p["node_id"],
+            p["status"],
+            p.get("digest_sha256"),
+            p["schedulable"],
+            at,
+        )
+
+    # --- MAAS ---------------------------------------------------------------------------------------------
+
+    async def maas_status(self, operation_id: str) -> str | None:
+        return await self.conn.fetchval(
+            "SELECT status FROM maas_operations WHERE operation_id = $1 FOR UPDATE", operation_id
+        )
+
+    async def upsert_maas(self, row: dict[str, Any]) -> None:
+        cols = (
+            "operation_id",
+            "op",
+            "allocation_id",
+            "node_id",
+            "system_id",
+            "status",
+            "resolution",
+            "reason_code",
+            "status_message",
+            "attempts",
+            "requested_at",
+            "resolved_at",
+            "updated_at",
+        )
+        fill = ", ".join(
+            f"{c} = COALESCE(m.{c}, EXCLUDED.{c})"
+            for c in cols[2:]
+            if c not in ("status", "updated_at", "operation_id")
+        )
+        await self.conn.execute(
+            f"INSERT INTO maas_operations AS m ({', '.join(cols)}) VALUES "
+            f"({', '.join(f'${i + 1}' for i in range(len(cols)))}) ON CONFLICT (operation_id) DO UPDATE SET "
+            f"status = EXCLUDED.status, {fill}, updated_at = GREATEST(m.updated_at, EXCLUDED.updated_at)",
+            *[row.get(c) for c in cols],
+        )
+
+    # --- dead letters ---------------------------------------------------------------------------------------
+
+    async def dead_letter(self, dlq_seq: int, subject: str, p: dict[str, Any], at: datetime) -> None:
+        body = p.get("body_text")
+        await self.conn.execute(
+            "INSERT INTO dead_letters (dlq_seq, subject, consumer, stream, origin_subject, origin_seq, reason_code, "
+            "reason, num_delivered, body_text, at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) "
+            "ON CONFLICT DO NOTHING",
+            dlq_seq,
+            subject,
+            p["consumer"],
+            p["stream"],
+            p["subject"],
+            p.get("stream_seq"),
+            p["reason_code"],
+            p["reason"],
+            p.get("num_delivered"),
+            body[:16_384] if body is not None else None,
+            at,
+        )

@@ -1,0 +1,195 @@
+"""Every statement that reads the read models for the ops API."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from ..domain.filters import AllocationFilter, Page
+
+
+def _row(record: asyncpg.Record) -> dict[str, Any]:
+    out = dict(record)
+    for key, value in out.items():
+        if isinstance(value, str) and key in _JSON_COLUMNS:
+            out[key] = json.loads(value)
+    return out
+
+
+_JSON_COLUMNS = frozenset(
+    {"access", "why_not", "detail", "parity_failing", "topology_blockers", "drift", "node_ids", "slot_ids"}
+)
+
+
+class _Where:
+    def __init__(self) -> None:
+        self.terms: list[str] = []
+        self.args: list[Any] = []
+
+    def add(self, term: str, *values: Any) -> None:
+        names = []
+        for value in values:
+            self.args.append(value)
+            names.append(f"${len(self.args)}")
+        self.terms.append(term.format(*names))
+
+    def sql(self) -> str:
+        return f"WHERE {' AND '.join(self.terms)}" if self.terms else ""
+
+
+def _keyset(where: _Where, page: Page, time_col: str, id_col: str, id_type: str) -> None:
+    if page.after is not None:
+        at, row_id = page.after
+        where.add(f"({time_col}, {id_col}) < ({{}}::timestamptz, {{}}::{id_type})", datetime.fromisoformat(at), row_id)
+
+
+def _time_range(where: _Where, col: str, since: datetime | None, until: datetime | None) -> None:
+    if since is not None:
+        where.add(f"{col} >= {{}}", since)
+    if until is not None:
+        where.add(f"{col} < {{}}", until)
+
+
+async def list_allocations(conn: asyncpg.Connection, f: AllocationFilter) -> list[dict[str, Any]]:
+    where = _Where()
+    if f.tenant:
+        where.add("tenant_id = {}", f.tenant)
+    if f.state:
+        where.add("state = {}", f.state)
+    if f.node:
+        where.add("node_id = {}", f.node)
+    _time_range(where, "created_at", f.since, f.until)
+    _keyset(where, f.page, "created_at", "allocation_id", "uuid")
+    rows = await conn.fetch(
+        f"SELECT * FROM allocations {where.sql()} ORDER BY created_at DESC, allocation_id DESC "
+        f"LIMIT {f.page.limit + 1}",
+        *where.args,
+    )
+    return [_row(r) for r in rows]
+
+
+async def allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> dict[str, Any] | None:
+    row = await conn.fetchrow("SELECT * FROM allocations WHERE allocation_id = $1", allocation_id)
+    return None if row is None else _row(row)
+
+
+async def timeline(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        "SELECT seq, state, previous_state, event_id, at, detail FROM allocation_timeline WHERE allocation_id = $1 "
+        "ORDER BY seq",
+        allocation_id,
+    )
+    return [_row(r) for r in rows]
+
+
+async def claims(conn: asyncpg.Connection, *, allocation_id: uuid.UUID | None = None, node_id: str | None = None):
+    where = _Where()
+    if allocation_id is not None:
+        where.add("c.allocation_id = {}", allocation_id)
+    if node_id is not None:
+        where.add("c.node_id = {}", node_id)
+    rows = await conn.fetch(
+        "SELECT c.allocation_id, c.node_id, c.slot_id, c.claim_mode, c.placed_at, c.released_at, c.outcome, "
+        "f.actor AS forced_by, f.reason AS forced_reason FROM claims c "
+        f"LEFT JOIN forced_releases f USING (allocation_id) {where.sql()} ORDER BY c.placed_at, c.slot_id",
+        *where.args,
+    )
+    return [_row(r) for r in rows]
+
+
+async def tasks(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        "SELECT t.*, COALESCE((SELECT jsonb_agg(jsonb_build_object('phase', p.phase, 'detail', p.detail, 'at', p.at) "
+        "ORDER BY p.stream_seq) FROM node_task_phases p WHERE p.task_id = t.task_id), '[]') AS phases "
+        "FROM node_tasks t WHERE t.allocation_id = $1 ORDER BY COALESCE(t.sent_at, t.updated_at), t.task_id",
+        allocation_id,
+    )
+    out = []
+    for r in rows:
+        row = _row(r)
+        row["phases"] = json.loads(row["phases"]) if isinstance(row["phases"], str) else row["phases"]
+        out.append(row)
+    return out
+
+
+async def list_hosts(conn: asyncpg.Connection, node: str | None, kind: str | None, page: Page) -> list[dict]:
+    where = _Where()
+    if node:
+        where.add("node_id = {}", node)
+    if kind:
+        where.add("kind = {}", kind)
+    if page.after is not None:
+        where.add("node_id > {}", page.after[1])
+    rows = await conn.fetch(f"SELECT * FROM hosts {where.sql()} ORDER BY node_id LIMIT {page.limit + 1}", *where.args)
+    return [_row(r) for r in rows]
+
+
+async def host(conn: asyncpg.Connection, node_id: str) -> dict[str, Any] | None:
+    row = await conn.fetchrow("SELECT * FROM hosts WHERE node_id = $1", node_id)
+    return None if row is None else _row(row)
+
+
+async def slots(conn: asyncpg.Connection, node_id: str) -> list[dict[str, Any]]:
+    return [_row(r) for r in await conn.fetch("SELECT * FROM slots WHERE node_id = $1 ORDER BY slot_id", node_id)]
+
+
+async def list_images(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        "SELECT i.*, COALESCE((SELECT jsonb_object_agg(c.status, c.n) FROM (SELECT status, count(*) AS n "
+        "FROM image_caches WHERE slug = i.slug GROUP BY status) c), '{}') AS caches FROM images i ORDER BY slug"
+    )
+    return [
+        {**_row(r), "caches": json.loads(r["caches"]) if isinstance(r["caches"], str) else r["caches"]} for r in rows
+    ]
+
+
+async def image(conn: asyncpg.Connection, slug: str) -> dict[str, Any] | None:
+    row = await conn.fetchrow("SELECT * FROM images WHERE slug = $1", slug)
+    return None if row is None else _row(row)
+
+
+async def image_caches(conn: asyncpg.Connection, slug: str) -> list[dict[str, Any]]:
+    rows = await conn.fetch("SELECT * FROM image_caches WHERE slug = $1 ORDER BY node_id", slug)
+    return [_row(r) for r in rows]
+
+
+async def list_maas(conn: asyncpg.Connection, status: str | None, node: str | None, since, until, page: Page):
+    where = _Where()
+    if status == "in_flight":
+        where.add("status = 'requested'")
+    elif status:
+        where.add("status = {}", status)
+    if node:
+        where.add("node_id = {}", node)
+    _time_range(where, "updated_at", since, until)
+    _keyset(where, page, "updated_at", "operation_id", "text")
+    rows = await conn.fetch(
+        f"SELECT * FROM maas_operations {where.sql()} ORDER BY updated_at DESC, operation_id DESC "
+        f"LIMIT {page.limit + 1}",
+        *where.args,
+    )
+    return [_row(r) for r in rows]
+
+
+async def list_dead_letters(conn: asyncpg.Connection, consumer, reason_code, since, until, page: Page):
+    where = _Where()
+    if consumer:
+        where.add("consumer = {}", consumer)
+    if reason_code:
+        where.add("reason_code = {}", reason_code)
+    _time_range(where, "at", since, until)
+    if page.after is not None:
+        where.add("dlq_seq < {}", int(page.after[1]))
+    rows = await conn.fetch(
+        f"SELECT * FROM dead_letters {where.sql()} ORDER BY dlq_seq DESC LIMIT {page.limit + 1}", *where.args
+    )
+    return [_row(r) for r in rows]
+
+
+async def positions(conn: asyncpg.Connection) -> dict[str, dict[str, Any]]:
+    rows = await conn.fetch("SELECT stream, last_seq, at FROM stream_positions")
+    return {r["stream"]: {"last_seq": r["last_seq"], "at": r["at"]} for r in rows}

@@ -1,0 +1,88 @@
+"""The rules of the read models: how an event changes what they say. Pure: no database, no bus.
+
+Each stream is followed on its own, so events of one allocation or host arrive in stream order within a stream
+but in any order across streams. Every rule here is therefore a merge that gives the same row whatever order
+the streams were read in (a rebuild reads them one after another, the live follower side by side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+Placement = Literal["newer", "older", "repeat", "conflict"]
+
+
+def place_transition(known: dict[int, str], seq: int, state: str) -> Placement:
+    """Where a lifecycle event goes in an allocation's timeline (`known`: seq -> state already there). The
+    allocator numbers every transition, so one seq carrying two states is a broken history."""
+    if seq in known:
+        return "repeat" if known[seq] == state else "conflict"
+    return "newer" if not known or seq > max(known) else "older"
+
+
+def claim_outcome(state: str, payload: dict[str, Any]) -> str | None:
+    """What an allocation's end left on its slots or node: `wiped` (verified cleanup), `cleanup_blocked` (ops must
+    look: a failure that touched tenant data, a release without proof), `released` (nothing was touched); None
+    while it holds them."""
+    if state == "released":
+        cleanup = payload.get("cleanup") or {}
+        if not cleanup.get("required"):
+            return "released"
+        return "wiped" if cleanup.get("verified") else "cleanup_blocked"
+    if state == "failed":
+        return "cleanup_blocked" if payload.get("cleanup_required") else "released"
+    if state == "unschedulable":
+        return "released"
+    return None
+
+
+def slot_status(claims: list[dict[str, Any]]) -> str:
+    """A slot as the bus last described it: `held` by a live claim, `cleanup_blocked` when its last claim ended
+    without a wipe proof, else `available`. The scheduler is the judge; this is what its events said."""
+    live = [c for c in claims if c.get("released_at") is None]
+    if live:
+        return "held"
+    ended = sorted(claims, key=lambda c: c["released_at"])
+    if ended and ended[-1].get("outcome") == "cleanup_blocked":
+        return "cleanup_blocked"
+    return "available"
+
+
+TASK_FINAL = ("succeeded", "failed", "refused")
+
+
+def task_status(current: str | None, incoming: str) -> str:
+    """A task's status: a final result wins over progress and over the task being sent, whichever came first."""
+    if current in TASK_FINAL:
+        return current
+    if incoming in TASK_FINAL or current is None:
+        return incoming
+    return "running" if incoming != "queued" else current
+
+
+def failing_checks(checks: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [
+        {"check": c["check"], "status": c["status"], "detail": c["detail"]} for c in checks if c["status"] != "PASS"
+    ]
+
+
+@dataclass(frozen=True)
+class EvidenceAge:
+    parity_s: float | None
+    topology_s: float | None
+    drift_s: float | None
+
+
+def evidence_age(
+    now: datetime, parity: datetime | None, topology: datetime | None, drift: datetime | None
+) -> EvidenceAge:
+    age = lambda at: None if at is None else max((now - at) / timedelta(seconds=1), 0.0)  # noqa: E731
+    return EvidenceAge(age(parity), age(topology), age(drift))
+
+
+def maas_status(current: str | None, incoming: str) -> str:
+    """An operation's status: its result wins over the command, whichever of the two was read first."""
+    if current is not None and current != "requested":
+        return current
+    return incoming

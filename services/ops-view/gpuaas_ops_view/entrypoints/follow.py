@@ -1,0 +1,202 @@
+"""Following one stream into the read models, from the position the models last committed.
+
+Not a durable: the position lives in the models' own database, committed in the transaction that wrote the
+rows, so the models and their position never disagree. At every start (and after anything irregular: a gap in
+the consumer's sequence, a lost connection, a failed commit) the consumer is made afresh from that position,
+with no acks; an empty schema starts at the first message the stream retains, which is how the models rebuild.
+Messages are applied in stream order, in batches of what has arrived, one transaction a batch; each message in a
+savepoint, so one that cannot be placed is dead-lettered with its reason and the rest of the batch commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import asyncpg
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from prometheus_client import Counter, Gauge, Histogram
+
+from gpuaas_common.bus import Bus, PermanentError
+from gpuaas_common.bus_dispatch import dead_letter
+from gpuaas_common.jetstream import ConsumerSpec
+from gpuaas_common.logging import get_logger
+from gpuaas_common.pull import PullLoop
+
+from ..adapters.projection import Projection
+from ..service_layer.projection import Message, apply
+
+log = get_logger(__name__)
+
+LAG = Histogram(
+    "gpuaas_ops_view_lag_seconds",
+    "From a message's arrival in its stream to the commit of the read-model rows it made",
+    ["stream"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 30.0, 300.0),
+)
+APPLIED = Counter("gpuaas_ops_view_messages_total", "Stream messages applied to the read models", ["stream", "outcome"])
+POSITION = Gauge("gpuaas_ops_view_position", "Last stream sequence the read models committed", ["stream"])
+
+# A consumer nobody pulls from goes away by itself this long after (a follower that died without deleting it).
+INACTIVE_S = 30.0
+# Between attempts after a failure, growing to the last.
+BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+# A handler bug or a value the models' columns cannot hold is that message's problem, not the stream's.
+_UNPLACEABLE_DB = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
+
+
+class _Irregular(Exception):
+    """Start again from the committed position."""
+
+
+class StreamFollower:
+    def __init__(
+        self,
+        nc: NatsClient,
+        js: JetStreamContext,
+        pool: asyncpg.Pool,
+        spec: ConsumerSpec,
+        *,
+        name: str,
+        dead_letters: Bus,
+        batch: int,
+    ) -> None:
+        self.nc, self.js, self.pool = nc, js, pool
+        self.stream = spec.stream
+        self.filter = spec.filter_subject
+        # The DLQ subject is gpuaas.dlq.<name>: the one the identity may publish on.
+        self.spec = ConsumerSpec(durable=name, stream=spec.stream, filter_subject=spec.filter_subject)
+        self.dead_letters = dead_letters
+        self.batch = batch
+        self.position = 0
+        self._consumer_seq = 0
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            try:
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except (_Irregular, nats.errors.Error, asyncpg.PostgresError, OSError, TimeoutError) as exc:
+                delay = BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
+                failures += 1
+                log.warning(
+                    "follow_restarting", stream=self.stream, position=self.position, error=repr(exc), delay_s=delay
+                )
+                await asyncio.sleep(delay)  # back-off before the next attempt, not a wait for something
+
+    async def _follow(self) -> None:
+        async with self.pool.acquire() as conn:
+            self.position = (await Projection(conn).positions()).get(self.stream, 0)
+        await self._recreate_consumer()
+        queue: asyncio.Queue[tuple[Msg, Any]] = asyncio.Queue()
+        pull = PullLoop(self.nc, self.spec, lambda msg, done: queue.put_nowait((msg, done)), self.batch)
+        puller = asyncio.create_task(pull.run(), name=f"pull-{self.spec.durable}")
+        log.info("follow_started", stream=self.stream, position=self.position)
+        try:
+            while True:
+                got = asyncio.create_task(queue.get())
+                await asyncio.wait({got, puller}, return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():
+                    got.cancel()
+                    raise _Irregular(
+                        f"pull loop ended: {puller.exception() if not puller.cancelled() else 'cancelled'}"
+                    )
+                batch = [got.result()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                try:
+                    await self._apply([m for m, _ in batch])
+                finally:
+                    for _, done in batch:
+                        done()
+        finally:
+            puller.cancel()
+            await asyncio.gather(puller, return_exceptions=True)
+
+    async def _recreate_consumer(self) -> None:
+        name = self.spec.durable
+        try:
+            await self.js.delete_consumer(self.stream, name)
+        except nats.js.errors.NotFoundError:
+            pass
+        start = (
+            {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": self.position + 1}
+            if self.position
+            else {"deliver_policy": DeliverPolicy.ALL}
+        )
+        await self.js.add_consumer(
+            self.stream,
+            ConsumerConfig(
+                name=name,
+                ack_policy=AckPolicy.NONE,
+                filter_subject=self.filter,
+                inactive_threshold=INACTIVE_S,
+                **start,
+            ),
+        )
+        self._consumer_seq = 0
+
+    async def _apply(self, msgs: list[Msg]) -> None:
+        letters: list[tuple[Msg, PermanentError]] = []
+        async with self.pool.acquire() as conn, conn.transaction():
+            repo = Projection(conn)
+            last = None
+            for msg in msgs:
+                md = msg.metadata
+                if md.sequence.consumer != self._consumer_seq + 1:
+                    # A pull answer lost on the way (a reconnect): what was read stays uncommitted, and the
+                    # consumer is made again from the position.
+                    raise _Irregular(f"consumer sequence {md.sequence.consumer} after {self._consumer_seq}")
+                self._consumer_seq = md.sequence.consumer
+                failure = await self._apply_one(conn, repo, msg)
+                if failure is not None:
+                    letters.append((msg, failure))
+                last = md
+            assert last is not None
+            await repo.advance(self.stream, last.sequence.stream, last.timestamp)
+            # Before the commit: a crash after it would lose them. Published again after a crash before it,
+            # under the same derived event id, JetStream drops the copy.
+            for msg, failure in letters:
+                await self._dead_letter(msg, failure)
+        self.position = last.sequence.stream
+        POSITION.labels(self.stream).set(self.position)
+        now = time.time()
+        for msg in msgs:
+            LAG.labels(self.stream).observe(max(now - msg.metadata.timestamp.timestamp(), 0.0))
+        APPLIED.labels(self.stream, "applied").inc(len(msgs) - len(letters))
+        APPLIED.labels(self.stream, "dead_lettered").inc(len(letters))
+
+    async def _apply_one(self, conn: asyncpg.Connection, repo: Projection, msg: Msg) -> PermanentError | None:
+        message = Message(self.stream, msg.metadata.sequence.stream, msg.subject, msg.data)
+        try:
+            async with conn.transaction():  # a savepoint: what a failed message wrote goes, the batch stays
+                await apply(repo, message)
+        except PermanentError as exc:
+            return exc
+        except (*_UNPLACEABLE_DB, KeyError, TypeError, ValueError) as exc:
+            return PermanentError("handler_error", f"{type(exc).__name__}: {exc}")
+        return None
+
+    async def _dead_letter(self, msg: Msg, failure: PermanentError) -> None:
+        if self.stream == "DLQ":
+            # A dead letter about a dead letter would be read again here: logged, never sent round.
+            log.error(
+                "dead_letter_unreadable", subject=msg.subject, reason_code=failure.reason_code, reason=failure.reason
+            )
+            return
+        log.warning(
+            "message_unplaceable",
+            stream=self.stream,
+            subject=msg.subject,
+            reason_code=failure.reason_code,
+            reason=failure.reason[:500],
+        )
+        await dead_letter(self.dead_letters, self.spec, msg, failure.reason_code, failure.reason, 1)

@@ -1,0 +1,76 @@
+"""`gpuaas-ops-view`: read models that follow the streams, and the ops API over them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+
+from gpuaas_common.bus import Bus
+from gpuaas_common.jetstream import FOLLOWERS
+from gpuaas_common.logging import get_logger
+from gpuaas_common.runtime import ServiceRuntime, run_service
+
+from ..settings import OpsViewSettings
+from .admin_http import ops_api
+from .follow import StreamFollower
+
+log = get_logger(__name__)
+
+
+def build_register(settings: OpsViewSettings):
+    async def register(rt: ServiceRuntime) -> None:
+        assert rt.nc is not None and rt.js is not None and rt.pool is not None
+        # Dead letters go out directly (no outbox): the follower publishes them before its commit.
+        letters = Bus(rt.nc, rt.js, service="ops-view", schema=None, pool=None)
+        followers = [
+            StreamFollower(
+                rt.nc,
+                rt.js,
+                rt.pool,
+                spec,
+                name=spec.durable.replace("ops-view", settings.follower_prefix, 1),
+                dead_letters=letters,
+                batch=settings.follow_batch,
+            )
+            for spec in FOLLOWERS
+        ]
+        for follower in followers:
+            rt.spawn(follower.run(), f"follow-{follower.stream}")
+        js = rt.js
+
+        async def consumer_state() -> dict[str, tuple[int, int] | None]:
+            state: dict[str, tuple[int, int] | None] = {}
+            for follower in followers:
+                try:
+                    info = await js.consumer_info(follower.stream, follower.spec.durable, timeout=2.0)
+                    state[follower.stream] = (info.num_pending or 0, info.delivered.stream_seq or 0)
+                except (nats.errors.Error, TimeoutError):
+                    state[follower.stream] = None
+            return state
+
+        if settings.admin_token is None:
+            log.warning("ops_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the ops API never listens without one")
+            return
+        api = ops_api(rt.pool, settings.admin_token, consumer_state)
+        rt.ready_info["admin_port"] = await api.start(settings.admin_host, settings.admin_port)
+
+        async def keep() -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await api.stop()
+
+        rt.spawn(keep(), "ops-api")
+
+    return register
+
+
+def main() -> None:
+    run_service(
+        "ops-view", OpsViewSettings, build_register, schema="ops_view", migrations_package="gpuaas_ops_view.migrations"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""One stream message in, the read models' rows out: the handler of each message type, run in the follower's
+transaction (`entrypoints/follow.py`). A message that breaks the contract, or that the models cannot fit into
+what they hold, raises PermanentError: the follower dead-letters it with the reason and goes on."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from gpuaas_common.bus import PermanentError, parse_message
+from gpuaas_common.contract import Envelope
+
+from ..adapters.projection import Projection
+from ..domain.models import claim_outcome, failing_checks, maas_status, place_transition, task_status
+
+
+@dataclass(frozen=True)
+class Message:
+    """A stream message as the follower read it."""
+
+    stream: str
+    seq: int
+    subject: str
+    data: bytes
+
+
+@dataclass
+class Event:
+    envelope: Envelope
+    payload: dict[str, Any]
+    message: Message
+
+    @property
+    def at(self) -> datetime:
+        return self.envelope.occurred_at
+
+
+Handler = Callable[[Projection, Event], Awaitable[None]]
+
+
+async def apply(repo: Projection, message: Message) -> None:
+    """Apply one message; PermanentError when it cannot be placed (nothing written for it)."""
+    envelope, payload = parse_message(message.subject, message.data)
+    handler = HANDLERS.get(envelope.type)
+    if handler is not None:
+        await handler(repo, Event(envelope, payload.model_dump(mode="python"), message))
+
+
+# --- allocations ---------------------------------------------------------------------------------------
+
+
+async def on_lifecycle(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    known = await repo.timeline_states(p["allocation_id"])
+    placement = place_transition(known, p["seq"], p["state"])
+    if placement == "repeat":
+        return
+    if placement == "conflict":
+        raise PermanentError(
+            "unplaceable",
+            f"allocation {p['allocation_id']} already has {known[p['seq']]!r} at seq {p['seq']}, not {p['state']!r}",
+        )
+    detail = {k: v for k, v in p.items() if k in _TIMELINE_DETAIL}
+    await repo.add_transition(
+        p["allocation_id"], p["seq"], p["state"], p.get("previous_state"), ev.envelope.event_id, ev.at, detail
+    )
+    await repo.upsert_allocation(_allocation_row(p, ev.at), newest=placement == "newer")
+    if p["state"] == "placed":
+        await repo.place_claims(p["allocation_id"], p["node_id"], p["claim_mode"], p.get("slots", []), ev.at)
+    outcome = claim_outcome(p["state"], p)
+    if outcome is not None:
+        await repo.end_claims(p["allocation_id"], outcome, ev.at)
+
+
+# What of each lifecycle event the timeline keeps (the rest is on the allocation's row).
+_TIMELINE_DETAIL = (
+    "node_id",
+    "claim_mode",
+    "task_id",
+    "operation_id",
+    "reason_code",
+    "reason",
+    "filtered",
+    "free_gpus",
+    "requested_gpus",
+    "cleanup",
+    "cleanup_required",
+    "wipe_proofs",
+    "maas_system_id",
+)
+
+
+def _allocation_row(p: dict[str, Any], at: datetime) -> dict[str, Any]:
+    image = p.get("image")
+    row = {
+        "allocation_id": p["allocation_id"],
+        "tenant_id": p.get("tenant_id") or "",
+        "shape": p.get("shape") or "",
+        "state": p["state"],
+        "seq": p["seq"],
+        "sku": p.get("sku"),
+        "gpu_count": p.get("gpu_count"),
+        "region": p.get("region"),
+        "image": image["slug"] if isinstance(image, dict) else image,
+        "node_id": p.get("node_id"),
+        "claim_mode": p.get("claim_mode"),
+        "reason_code": p.get("reason_code"),
+        "reason": p.get("reason"),
+        "access": p.get("access"),
+        "created_at": at,
+        "updated_at": at,
+    }
+    if p["state"] == "unschedulable":
+        row["why_not"] = {k: p[k] for k in ("filtered", "free_gpus", "requested_gpus")}
+    return row
+
+
+async def on_rejected(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    row = {**_allocation_row({**p, "state": "rejected", "seq": 0}, ev.at)}
+    await repo.upsert_allocation(row, newest=False)
+
+
+async def on_force_released(repo: Projection, ev: Event) -> None:
+    await repo.forced_release(ev.payload["allocation_id"], ev.payload, ev.at)
+
+
+# --- node tasks ----------------------------------------------------------------------------------------
+
+
+async def on_task_sent(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    current = await repo.task_status(p["task_id"])
+    await repo.upsert_task(
+        {
+            "task_id": p["task_id"],
+            "allocation_id": p.get("allocation_id"),
+            "node_id": p["node_id"],
+            "task_type": ev.envelope.type,
+            "sent_at": ev.at,
+            "deadline": p.get("deadline"),
+            "status": task_status(current, "queued"),
+            "updated_at": ev.at,
+        }
+    )
+
+
+async def on_task_progress(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    current = await repo.task_status(p["task_id"])
+    await repo.upsert_task(
+        {
+            "task_id": p["task_id"],
+            "allocation_id": p["allocation_id"],
+            "node_id": p["node_id"],
+            "task_type": p["task_type"],
+            "status": task_status(current, "running"),
+            "updated_at": ev.at,
+        }
+    )
+    await repo.add_phase(p["task_id"], ev.message.seq, p["phase"], p.get("detail"), ev.at)
+
+
+async def on_task_result(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    current = await repo.task_status(p["task_id"])
+    await repo.upsert_task(
+        {
+            "task_id": p["task_id"],
+            "allocation_id": p["allocation_id"],
+            "node_id": p["node_id"],
+            "task_type": p["task_type"],
+            "status": task_status(current, p["status"]),
+            "reason_code": p.get("reason_code"),
+            "reason": p.get("reason"),
+            "finished_at": ev.at,
+            "updated_at": ev.at,
+        }
+    )
+
+
+# --- fleet ---------------------------------------------------------------------------------------------
+
+
+async def on_enrolled(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    await repo.host_evidence(
+        p["node_id"],
+        ev.at,
+        kind=p["kind"],
+        hostname=p["hostname"],
+        agent_version=p["agent_version"],
+        maas_system_id=p.get("maas_system_id"),
+        enrolled_at=ev.at,
+    )
+
+
+async def on_parity(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    await repo.host_evidence(
+        p["node_id"],
+        ev.at,
+        parity_profile=p["profile"],
+        parity_failures=p["failures"],
+        parity_warnings=p["warnings"],
+        parity_failing=failing_checks(p["checks"]),
+        parity_checked_at=p["checked_at"],
+    )
+
+
+async def on_topology(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    await repo.host_evidence(
+        p["node_id"],
+        ev.at,
+        topology_gpus=len(p["gpus"]),
+        topology_candidates=len(p["candidate_slots"]),
+        topology_blockers=p["blockers"],
+        topology_at=p["discovered_at"],
+    )
+
+
+async def on_drift(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    drift = [{k: d[k] for k in ("kind", "subject", "detail", "slot_ids", "swept")} for d in p["drift"]]
+    await repo.host_evidence(p["node_id"], ev.at, drift=drift, drift_checked_at=p["checked_at"])
+
+
+# --- images --------------------------------------------------------------------------------------------
+
+
+async def on_image_published(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    await repo.image(p["slug"], "published", ev.at, digest_sha256=p["digest_sha256"], build_id=p["build_id"])
+
+
+async def on_image_activated(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    await repo.image(p["slug"], "active", ev.at, digest_sha256=p["digest_sha256"], kind=p["kind"], sku=p["sku"])
+
+
+async def on_image_deactivated(repo: Projection, ev: Event) -> None:
+    await repo.image(ev.payload["slug"], "disabled", ev.at, reason=ev.payload["reason"])
+
+
+async def on_image_build(repo: Projection, ev: Event) -> None:
+    await repo.image(ev.payload["slug"], None, ev.at, build_id=ev.payload["build_id"])
+
+
+async def on_image_cache(repo: Projection, ev: Event) -> None:
+    await repo.image_cache(ev.payload, ev.at)
+
+
+# --- MAAS ----------------------------------------------------------------------------------------------
+
+
+def _op(subject: str) -> str:
+    return subject.rsplit(".", 1)[-1]
+
+
+async def on_maas_command(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    current = await repo.maas_status(p["operation_id"])
+    await repo.upsert_maas(
+        {
+            "operation_id": p["operation_id"],
+            "op": _op(ev.message.subject),
+            "allocation_id": p.get("allocation_id"),
+            "node_id": p.get("node_id"),
+            "system_id": p.get("system_id"),
+            "status": maas_status(current, "requested"),
+            "requested_at": ev.at,
+            "updated_at": ev.at,
+        }
+    )
+
+
+async def on_maas_result(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    current = await repo.maas_status(p["operation_id"])
+    await repo.upsert_maas(
+        {
+            "operation_id": p["operation_id"],
+            "op": _op(ev.message.subject),
+            "allocation_id": p.get("allocation_id"),
+            "node_id": p.get("node_id"),
+            "system_id": p.get("system_id"),
+            "status": maas_status(current, p["status"]),
+            "resolution": p.get("resolution"),
+            "reason_code": p.get("reason_code"),
+            "status_message": p.get("status_message"),
+            "attempts": p.get("attempts"),
+            "resolved_at": ev.at,
+            "updated_at": ev.at,
+        }
+    )
+
+
+# --- dead letters --------------------------------------------------------------------------------------
+
+
+async def on_dead_letter(repo: Projection, ev: Event) -> None:
+    await repo.dead_letter(ev.message.seq, ev.message.subject, ev.payload, ev.at)
+
+
+_LIFECYCLE = ("accepted", "placed", "unschedulable", "provisioning", "active", "releasing", "released", "failed")
+HANDLERS: dict[str, Handler] = {
+    **{f"allocation.{state}": on_lifecycle for state in _LIFECYCLE},
+    "allocation.rejected": on_rejected,
+    "placement.force_released": on_force_released,
+    "slice.vm_provision": on_task_sent,
+    "slice.vm_release": on_task_sent,
+    "slice.topology_discover": on_task_sent,
+    "image.cache_prewarm": on_task_sent,
+    "node.task_progress": on_task_progress,
+    "node.task_result": on_task_result,
+    "node.enrolled": on_enrolled,
+    "node.parity_reported": on_parity,
+    "node.topology_reported": on_topology,
+    "node.drift_reported": on_drift,
+    "image.published": on_image_published,
+    "image.activated": on_image_activated,
+    "image.deactivated": on_image_deactivated,
+    "image.build_progress": on_image_build,
+    "image.node_cache_changed": on_image_cache,
+    "maas.deploy_requested": on_maas_command,
+    "maas.release_requested": on_maas_command,
+    "maas.commission_requested": on_maas_command,
+    "maas.deploy_result": on_maas_result,
+    "maas.release_result": on_maas_result,
+    "maas.commission_result": on_maas_result,
+    "dead_letter": on_dead_letter,
+}

@@ -1,0 +1,162 @@
+"""The ops API's reads: one request in, the read models' answer out (filters parsed by domain/filters.py)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import asyncpg
+
+from gpuaas_common.api_error import ApiError
+
+from ..adapters import queries as q
+from ..domain import filters as f
+from ..domain.models import evidence_age, slot_status
+
+
+def _bad(exc: f.FilterError) -> ApiError:
+    return ApiError(400, "invalid_filter", f"{exc.field} {exc.message}", {"field": exc.field})
+
+
+def _paged(rows: list[dict[str, Any]], page: f.Page, key: Any) -> dict[str, Any]:
+    more = len(rows) > page.limit
+    items = rows[: page.limit]
+    return {"items": items, "next_cursor": f.encode_cursor(*key(items[-1])) if more and items else None}
+
+
+async def list_allocations(conn: asyncpg.Connection, query: dict[str, str | None]) -> dict[str, Any]:
+    try:
+        flt = f.allocation_filter(query)
+        if flt.page.after is not None:
+            f.timestamp("cursor", flt.page.after[0])
+            f.allocation_id("cursor", flt.page.after[1])
+    except f.FilterError as exc:
+        raise _bad(exc) from None
+    rows = await q.list_allocations(conn, flt)
+    return _paged(rows, flt.page, lambda r: (r["created_at"].isoformat(), str(r["allocation_id"])))
+
+
+async def get_allocation(conn: asyncpg.Connection, allocation_id: str) -> dict[str, Any]:
+    try:
+        key = f.allocation_id("allocation_id", allocation_id)
+    except f.FilterError as exc:
+        raise _bad(exc) from None
+    row = await q.allocation(conn, key)
+    if row is None:
+        raise ApiError(404, "not_found", f"no allocation {allocation_id} in the read model")
+    return {
+        **row,
+        "timeline": await q.timeline(conn, key),
+        "claims": await q.claims(conn, allocation_id=key),
+        "tasks": await q.tasks(conn, key),
+    }
+
+
+def _host_view(row: dict[str, Any], now: datetime) -> dict[str, Any]:
+    age = evidence_age(now, row.get("parity_checked_at"), row.get("topology_at"), row.get("drift_checked_at"))
+    return {
+        **row,
+        "drift_open": len(row.get("drift") or []),
+        "evidence_age_s": {"parity": age.parity_s, "topology": age.topology_s, "drift": age.drift_s},
+    }
+
+
+async def list_hosts(conn: asyncpg.Connection, query: dict[str, str | None]) -> dict[str, Any]:
+    try:
+        node = f.identifier("node", query.get("node"))
+        kind = f.one_of("kind", query.get("kind"), ("slice_host", "baremetal"))
+        page = f.page(query.get("limit"), query.get("cursor"))
+    except f.FilterError as exc:
+        raise _bad(exc) from None
+    now = datetime.now(timezone.utc)
+    rows = [_host_view(r, now) for r in await q.list_hosts(conn, node, kind, page)]
+    return _paged(rows, page, lambda r: ("", r["node_id"]))
+
+
+async def get_host(conn: asyncpg.Connection, node_id: str) -> dict[str, Any]:
+    try:
+        f.identifier("node_id", node_id)
+    except f.FilterError as exc:
+        raise _bad(exc) from None
+    row = await q.host(conn, node_id)
+    claims = await q.claims(conn, node_id=node_id)
+    if row is None and not claims:
+        raise ApiError(404, "not_found", f"no host {node_id} in the read model")
+    view = _host_view(row or {"node_id": node_id}, datetime.now(timezone.utc))
+    drifted: dict[str, list[str]] = {}
+    for d in view.get("drift") or []:
+        for slot_id in d.get("slot_ids", []):
+            drifted.setdefault(slot_id, []).append(d["kind"])
+    slots = []
+    for slot in await q.slots(conn, node_id):
+        mine = [c for c in claims if c["slot_id"] == slot["slot_id"]]
+        forced_live = any(c["forced_by"] and c["released_at"] is None for c in mine)
+        holder = next((c["allocation_id"] for c in mine if c["released_at"] is None), None)
+        status = "cleanup_blocked" if forced_live else slot_status(mine)
+        slots.append({**slot, "status": status, "held_by": holder, "drift": drifted.get(slot["slot_id"], [])})
+    return {**view, "slots": slots, "claims": [c for c in claims if c["released_at"] is None]}
+
+
+async def list_images(conn: asyncpg.Connection) -> dict[str, Any]:
+    return {"items": await q.list_images(conn), "next_cursor": None}
+
+
+async def get_image(conn: asyncpg.Connection, slug: str) -> dict[str, Any]:
+    if not f.SLUG.match(slug):
+        raise _bad(f.FilterError("slug", "must be an image slug: a-z, 0-9 and ._-"))
+    row = await q.image(conn, slug)
+    if row is None:
+        raise ApiError(404, "not_found", f"no image {slug} in the read model")
+    return {**row, "caches": await q.image_caches(conn, slug)}
+
+
+async def list_maas(conn: asyncpg.Connection, query: dict[str, str | None]) -> dict[str, Any]:
+    try:
+        status = f.one_of(
+            "status", query.get("status"), ("in_flight", "requested", "deployed", "released", "succeeded", "failed")
+        )
+        node = f.identifier("node", query.get("node"))
+        since, until = f.time_range(query.get("since"), query.get("until"))
+        page = f.page(query.get("limit"), query.get("cursor"))
+        if page.after is not None:
+            f.timestamp("cursor", page.after[0])
+    except f.FilterError as exc:
+        raise _bad(exc) from None
+    rows = await q.list_maas(conn, status, node, since, until, page)
+    return _paged(rows, page, lambda r: (r["updated_at"].isoformat(), r["operation_id"]))
+
+
+async def list_dead_letters(conn: asyncpg.Connection, query: dict[str, str | None]) -> dict[str, Any]:
+    try:
+        consumer = f.identifier("consumer", query.get("consumer"))
+        reason_code = f.identifier("reason_code", query.get("reason_code"))
+        since, until = f.time_range(query.get("since"), query.get("until"))
+        page = f.page(query.get("limit"), query.get("cursor"))
+        if page.after is not None and not page.after[1].isdigit():
+            raise f.FilterError("cursor", "is not a cursor this API returned")
+    except f.FilterError as exc:
+        raise _bad(exc) from None
+    rows = await q.list_dead_letters(conn, consumer, reason_code, since, until, page)
+    return _paged(rows, page, lambda r: ("", str(r["dlq_seq"])))
+
+
+async def streams(conn: asyncpg.Connection, consumers: dict[str, tuple[int, int] | None]) -> dict[str, Any]:
+    """Each followed stream: the sequence the models committed, and what its consumer says (messages still to
+    deliver, the last sequence delivered; None when the consumer could not be asked). Caught up: nothing pending
+    and everything delivered committed."""
+    have = await q.positions(conn)
+    items = []
+    for stream, seen in sorted(consumers.items()):
+        position = have.get(stream, {"last_seq": 0})["last_seq"]
+        pending, delivered = seen if seen is not None else (None, None)
+        caught_up = None if seen is None else pending == 0 and position >= delivered
+        items.append(
+            {
+                "stream": stream,
+                "position": position,
+                "pending": pending,
+                "delivered_seq": delivered,
+                "caught_up": caught_up,
+            }
+        )
+    return {"items": items, "next_cursor": None}

@@ -1,0 +1,17 @@
+from pydantic import Field, SecretStr
+
+from gpuaas_common.settings import ServiceSettings
+
+
+class OpsViewSettings(ServiceSettings):
+    # Ops API address; 0.0.0.0 in a container so a published port reaches it.
+    admin_host: str = "127.0.0.1"
+    # 0 picks a free port (written into the ready file).
+    admin_port: int = Field(default=0, ge=0, le=65535)
+    # Bearer token of the ops API (held by ops); without one the API does not listen.
+    admin_token: SecretStr | None = None
+    # Names this follower's stream consumers (`<prefix>-allocations`, ...) and its dead-letter subjects: the
+    # ops-view identity may use only the default's; another name is for a second follower under admin creds.
+    follower_prefix: str = Field(default="ops-view", pattern=r"^[A-Za-z0-9_-]{1,40}$")
+    # Messages pulled and applied per transaction at most; each stream is followed by its own loop.
+    follow_batch: int = Field(default=256, ge=1, le=4096)
