@@ -62,7 +62,7 @@ def _print_summary(info: dict[str, Any]) -> None:
 
 def _print_admin_apis(info: dict[str, Any], console: Any) -> None:
     # Their tokens are in secrets.json (0600), never printed; the README shows how to read one.
-    for prefix in ("scheduler", "image"):
+    for prefix in ("scheduler", "image", "ops"):
         url = info.get(f"{prefix}_admin_url")
         console.print(f"{prefix + ' admin API':<20} {url}  (token: {prefix}_admin_token in secrets.json)")
     console.print(f"secrets   {info.get('secrets_file')}")

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 # The services with an admin API -> the prefix of their keys: `<prefix>_admin_url` in stack.json,
 # `<prefix>_admin_token` in secrets.json.
-ADMIN_APIS: dict[str, str] = {"scheduler": "scheduler", "image-pipeline": "image"}
+ADMIN_APIS: dict[str, str] = {"scheduler": "scheduler", "image-pipeline": "image", "ops-view": "ops"}
 
 
 def describe_stack(stack: Stack) -> dict[str, Any]:

@@ -115,6 +115,8 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
         env["GPUAAS_MAAS_INSECURE_HTTP"] = "true"
         env["GPUAAS_MAAS_API_KEY"] = stack.maas_api_key
         env["GPUAAS_ENROLMENT_SECRET"] = stack.enrolment_secret
+    elif name == "ops-view":
+        env.update(GPUAAS_ADMIN_PORT="0", GPUAAS_ADMIN_TOKEN=stack.admin_token(name))
     elif name == "node-agent":
         env["GPUAAS_FLEET_FILE"] = str(files["fleet"])
         env["GPUAAS_MAAS_SIM_URL"] = stack.maas_base_url

@@ -16,7 +16,7 @@ from typing import Any
 
 MAAS_SIM = "maas-sim"
 # Start order; stop runs in reverse so consumers go before what they consume from.
-SERVICES: tuple[str, ...] = ("image-pipeline", "allocator", "scheduler", "maas-gateway", "node-agent")
+SERVICES: tuple[str, ...] = ("image-pipeline", "allocator", "scheduler", "maas-gateway", "node-agent", "ops-view")
 ALL_PROCESSES: tuple[str, ...] = (MAAS_SIM, *SERVICES)
 
 

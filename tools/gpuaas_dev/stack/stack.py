@@ -443,7 +443,8 @@ class Stack:
 
     def replica_names(self, service: str) -> list[str]:
         """Process names of a service's replicas: `allocator`, `allocator-2`, ... (the fleet is one process)."""
-        if service not in SERVICES or service == "node-agent" or self.replicas == 1:
+        # One ops-view: its stream consumers have fixed names, and a second follower would take them over.
+        if service not in SERVICES or service in ("node-agent", "ops-view") or self.replicas == 1:
             return [service]
         return [service, *(f"{service}-{i}" for i in range(2, self.replicas + 1))]
 
