@@ -77,6 +77,10 @@ MACHINE_RELEASE_AFTER_FAILURE_FAILED = "machine_release_after_failure_failed"
 LATE_DEPLOY_RESULT = "late_deploy_result"
 
 
+# A guard and the action it admits: the first rule whose guard holds handles a node task's result.
+ResultRule = tuple[Callable[[m.NodeTaskResult], bool], Callable[[m.NodeTaskResult], None]]
+
+
 class PlacementNotSeenYet(Exception):
     """Transient: the bus redelivers the message later."""
 
@@ -123,6 +127,7 @@ class Allocation:
     image_slug: str = ""
     image_digest: str = ""
     image_path: str = ""
+    image_driver_strategy: str = "preinstalled"
     request_hash: str = ""
     request: dict[str, Any] = field(default_factory=dict)
     node_id: str | None = None
@@ -183,6 +188,7 @@ class Allocation:
             image_slug=image.slug,
             image_digest=image.digest_sha256,
             image_path=image.image_path,
+            image_driver_strategy=image.driver_strategy,
             request_hash=fingerprint,
             request=req.model_dump(mode="json"),
             state="requested",
@@ -429,9 +435,7 @@ class Allocation:
                 return
         log.info("task_result_ignored", state=self.state)
 
-    def _result_rules(
-        self,
-    ) -> tuple[tuple[Callable[[m.NodeTaskResult], bool], Callable[[m.NodeTaskResult], None]], ...]:
+    def _result_rules(self) -> tuple[ResultRule, ...]:
         """First match wins."""
         return (
             (self.gave_up_on, self._record_late_answer),
@@ -836,7 +840,12 @@ class Allocation:
         return str(derived_event_id(self.cause.event_id, purpose))
 
     def _image(self) -> m.ImageRef:
-        return m.ImageRef(slug=self.image_slug, digest_sha256=self.image_digest, image_path=self.image_path)
+        return m.ImageRef(
+            slug=self.image_slug,
+            digest_sha256=self.image_digest,
+            image_path=self.image_path,
+            driver_strategy=self.image_driver_strategy,
+        )
 
     @property
     def _policy(self) -> Policy:
