@@ -20,6 +20,7 @@ ALLOCATION_STATES = (
     "released",
     "unschedulable",
     "failed",
+    "rejected",
 )
 DEFAULT_LIMIT, MAX_LIMIT = 50, 500
 
