@@ -21,6 +21,7 @@ import asyncpg
 import nats
 import pytest
 from nats.aio.client import RawCredentials
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from structlog.testing import capture_logs
 
 from gpuaas_allocator.entrypoints.main import query_responder
@@ -44,6 +45,7 @@ from gpuaas_common.identity.permissions import (
 from gpuaas_common.identity.tls import TlsFiles, client_context, client_tls_options, make_ca_and_server_cert
 from gpuaas_common.jetstream import (
     CONSUMERS,
+    FOLLOWERS,
     REPORTS_PER_SUBJECT,
     STREAM_BY_NAME,
     DurableNotAsProvisioned,
@@ -593,3 +595,42 @@ async def test_a_flooding_host_fills_only_its_own_share_while_tasks_and_lifecycl
     assert info.state.bytes - before <= share
     await flooder.nc.close()
     await quiet.nc.close()
+
+
+# --- ops read models ------------------------------------------------------------------------------------
+
+
+async def test_ops_view_follows_each_stream_with_its_own_named_consumer_only(clients: dict[str, Client]) -> None:
+    """The read models make their consumer afresh from their own position: create it (its name, its filter),
+    pull from it and delete it; nothing of anyone else's, no other name, no wider filter, no stream admin."""
+    c = clients["ops-view"]
+    js = c.nc.jetstream()
+    c.errors.clear()
+    spec = next(f for f in FOLLOWERS if f.stream == "ALLOCATIONS")
+    config = ConsumerConfig(
+        name=spec.durable,
+        ack_policy=AckPolicy.NONE,
+        deliver_policy=DeliverPolicy.ALL,
+        filter_subject=spec.filter_subject,
+        inactive_threshold=10.0,
+    )
+    with contextlib.suppress(nats.js.errors.NotFoundError):
+        await js.delete_consumer(spec.stream, spec.durable)
+    await js.add_consumer(spec.stream, config)
+    info = await js.consumer_info(spec.stream, spec.durable)
+    assert info.config.filter_subject == spec.filter_subject
+    sub = await js.pull_subscribe_bind(spec.durable, stream=spec.stream, inbox_prefix=b"_INBOX_ops-view.")
+    with contextlib.suppress(nats.errors.TimeoutError):
+        await sub.fetch(1, timeout=0.3)
+    await js.stream_info(spec.stream)
+    assert await js.delete_consumer(spec.stream, spec.durable)
+    assert not c.errors, c.errors
+    s, d = spec.stream, spec.durable
+    assert not await c.can_publish(f"$JS.API.CONSUMER.CREATE.{s}.{d}.gpuaas.allocation.>")  # portal input too
+    assert not await c.can_publish(f"$JS.API.CONSUMER.CREATE.{s}.{d}")  # any filter
+    assert not await c.can_publish(f"$JS.API.CONSUMER.CREATE.{s}.other.{spec.filter_subject}")
+    assert not await c.can_publish(f"$JS.API.CONSUMER.MSG.NEXT.{s}.allocator-requested")
+    assert not await c.can_publish(f"$JS.API.CONSUMER.DELETE.{s}.allocator-requested")
+    assert not await c.can_publish(f"$JS.API.STREAM.DELETE.{s}")
+    assert not await c.can_publish("gpuaas.allocation.event.active")
+    assert await c.can_publish(f"gpuaas.dlq.{d}")
