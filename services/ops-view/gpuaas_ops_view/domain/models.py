@@ -77,7 +77,9 @@ class EvidenceAge:
 def evidence_age(
     now: datetime, parity: datetime | None, topology: datetime | None, drift: datetime | None
 ) -> EvidenceAge:
-    age = lambda at: None if at is None else max((now - at) / timedelta(seconds=1), 0.0)  # noqa: E731
+    def age(at: datetime | None) -> float | None:
+        return None if at is None else max((now - at) / timedelta(seconds=1), 0.0)
+
     return EvidenceAge(age(parity), age(topology), age(drift))
 
 
