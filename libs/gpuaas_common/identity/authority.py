@@ -15,6 +15,7 @@ credentials and revokes them needs (the MAAS gateway, for baremetal hosts).
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +31,7 @@ from ..jetstream import IDENTITY_BUCKET
 from . import creds as creds_mod
 from .creds import Creds
 from .jwt import Key, decode, encode
-from .permissions import NODE, NODE_TAG, Permissions, node_template, node_user_name
+from .permissions import ADMIN, NODE, NODE_TAG, Permissions, node_template, node_user_name
 
 ACCOUNT_NAME = "GPUAAS"
 
@@ -75,9 +76,72 @@ ACCOUNT_LIMITS = {
     "leaf": -1,
 }
 DEFAULT_USER_TTL_S = 365 * 24 * 3600.0
+# The ledger forgets a revocation this old (see Issuer.revoke), so no user may live longer.
+MAX_USER_TTL_S = DEFAULT_USER_TTL_S
+# Admin is break-glass and one-shot steps (provisioning, onboarding, an ops command): a leaked file is worth a
+# working day at most, and whoever needs admin again mints it again from the keys.
+ADMIN_USER_TTL_S = 12 * 3600.0
 # The revocation ledger: a JetStream KV entry in the GPUAAS account, written by compare-and-set.
 REVOCATIONS_BUCKET = IDENTITY_BUCKET
 REVOCATIONS_KEY = "revocations"
+# Slice hosts' users, per host (`host_users_key`): written by whoever onboards a host (as admin), read by
+# whoever must end the host's slice identity (the gateway, before the host is deployed for a tenant).
+HOST_USERS_PREFIX = "hosts."
+
+
+def host_users_key(node_id: str) -> str:
+    # KV keys take fewer characters than node ids do (no ':'); the encoding is reversible and stable.
+    return HOST_USERS_PREFIX + base64.urlsafe_b64encode(node_id.encode()).decode().rstrip("=")
+
+
+async def host_users(js: Any, node_id: str) -> list[str]:
+    """Every slice-host user recorded for `node_id` (empty when none was)."""
+    from nats.js.errors import KeyNotFoundError
+
+    kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
+    try:
+        entry = await _through_account_updates(lambda: kv.get(host_users_key(node_id)))
+    except KeyNotFoundError:
+        return []
+    return list(json.loads(entry.value or b"[]"))
+
+
+async def record_host_users(js: Any, node_id: str, user_publics: list[str], *, attempts: int = 20) -> list[str]:
+    """Add slice-host users of `node_id` to its entry, by compare-and-set (two onboardings lose nothing).
+    Returns the entry as written."""
+    from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+    kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
+    key = host_users_key(node_id)
+    for _ in range(attempts):
+        try:
+            entry = await _through_account_updates(lambda: kv.get(key))
+            users, revision = list(json.loads(entry.value or b"[]")), entry.revision
+        except KeyNotFoundError:
+            users, revision = [], None
+        users += [u for u in user_publics if u not in users]
+        data = json.dumps(users).encode()
+        try:
+            if revision is None:
+                await _through_account_updates(lambda d=data: kv.create(key, d))
+            else:
+                await _through_account_updates(lambda d=data, r=revision: kv.update(key, d, last=r))
+            return users
+        except KeyWrongLastSequenceError:
+            continue
+    raise AuthorityError(f"could not record the users of host {node_id}: too much contention")
+
+
+async def revoked_users(js: Any) -> dict[str, int]:
+    """The revocation ledger as recorded (user public key → revoked at, unix seconds)."""
+    from nats.js.errors import KeyNotFoundError
+
+    kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
+    try:
+        entry = await _through_account_updates(lambda: kv.get(REVOCATIONS_KEY))
+    except KeyNotFoundError:
+        return {}
+    return dict(json.loads(entry.value or b"{}"))
 
 
 class AuthorityError(RuntimeError):
@@ -118,6 +182,15 @@ class Issuer:
 
     def issue_node(self, node_id: str, *, ttl_s: float, allocation_id: str | None = None) -> Creds:
         return _node_creds(self.node_signing, self.account_public, node_id, ttl_s=ttl_s, allocation_id=allocation_id)
+
+    async def end_slice_identity(self, nats_servers: list[str], node_id: str, *, js: Any, tls: Any = None) -> int:
+        """Revoke every slice-host user recorded for the host that is not revoked yet: before a tenant gets root
+        on the disk that holds its creds file. Returns how many were revoked now (0: nothing left to do, and
+        nothing pushed)."""
+        live = [u for u in await host_users(js, node_id) if u not in await revoked_users(js)]
+        if live:
+            await self.revoke(nats_servers, live, js=js, tls=tls)
+        return len(live)
 
     # --- revocation ---------------------------------------------------------------------------------
 
@@ -245,6 +318,10 @@ class Authority:
     account_signing: Key
     node_signing: Key
     issued_hosts: dict[str, list[str]] = field(default_factory=dict)
+    # The `iat` of every JWT the servers preload, fixed when the keys are made: a server (re)started with the
+    # config rendered again keeps the account JWT a revocation pushed (always later), since the resolver
+    # replaces a stored JWT only with a newer one. A fresh `iat` at each render would bring revoked users back.
+    issued_at: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
     def create(cls) -> "Authority":
@@ -269,6 +346,7 @@ class Authority:
                 "signing_keys": [self.operator_signing.public],
                 "system_account": self.sys_account.public,
             },
+            issued_at=self.issued_at,
         )
 
     def sys_account_jwt(self) -> str:
@@ -281,6 +359,7 @@ class Authority:
                 "limits": {**ACCOUNT_LIMITS},
                 "signing_keys": [],
             },
+            issued_at=self.issued_at,
         )
 
     def account_jwt(self, revocations: dict[str, int] | None = None) -> str:
@@ -304,6 +383,7 @@ class Authority:
                 ],
                 "revocations": revocations or {},
             },
+            issued_at=self.issued_at,
         )
 
     def server_config(self, resolver_dir: Path) -> str:
@@ -327,7 +407,9 @@ class Authority:
 
     # --- users --------------------------------------------------------------------------------------
 
-    def issue_user(self, name: str, permissions: Permissions, *, ttl_s: float = DEFAULT_USER_TTL_S) -> Creds:
+    def issue_user(self, name: str, permissions: Permissions, *, ttl_s: float | None = None) -> Creds:
+        if ttl_s is None:
+            ttl_s = ADMIN_USER_TTL_S if name == ADMIN else DEFAULT_USER_TTL_S
         user = Key.generate("user")
         jwt = encode(
             self.account_signing,
@@ -353,7 +435,11 @@ class Authority:
         return Issuer(self.account.public, self.operator_signing, self.node_signing, self.issue_sys_user())
 
     def issue_host(self, node_id: str, *, ttl_s: float = DEFAULT_USER_TTL_S) -> Creds:
-        """A slice host's credentials at onboarding; the key is remembered so decommissioning revokes it."""
+        """A slice host's credentials at onboarding; the key is remembered so decommissioning revokes it.
+        Record it on the bus too (`record_host_users`), so the host's slice identity can be ended by the
+        gateway before the host is handed to a tenant."""
+        if ttl_s > MAX_USER_TTL_S:
+            raise ValueError(f"a host user may live {MAX_USER_TTL_S / 86400:.0f} days at most (the ledger's memory)")
         c = _node_creds(self.node_signing, self.account.public, node_id, ttl_s=ttl_s)
         self.issued_hosts.setdefault(node_id, []).append(str(c.claims["sub"]))
         return c
@@ -368,13 +454,17 @@ class Authority:
         for name in self._FILES:
             creds_mod.write_secret(keys_dir / f"{name}.nk", getattr(self, name).seed.decode() + "\n")
         creds_mod.write_secret(keys_dir / "issued-hosts.json", json.dumps(self.issued_hosts, indent=2))
+        creds_mod.write_secret(keys_dir / "issued-at", f"{self.issued_at}\n")
 
     @classmethod
     def load(cls, keys_dir: Path) -> "Authority":
         keys = [Key.from_seed((keys_dir / f"{name}.nk").read_text().strip()) for name in cls._FILES]
         issued_path = keys_dir / "issued-hosts.json"
         issued = json.loads(issued_path.read_text()) if issued_path.exists() else {}
-        return cls(*keys, issued_hosts=issued)
+        at_path = keys_dir / "issued-at"
+        # Keys saved before the file existed: the account key's own age is as fixed as the keys are.
+        issued_at = int(at_path.read_text()) if at_path.exists() else int((keys_dir / "account.nk").stat().st_mtime)
+        return cls(*keys, issued_hosts=issued, issued_at=issued_at)
 
     def __repr__(self) -> str:
         return f"Authority(operator={self.operator.public!r}, account={self.account.public!r})"

@@ -17,7 +17,8 @@ import typer
 
 from gpuaas_common.identity import Authority
 from gpuaas_common.identity import creds as creds_files
-from gpuaas_common.identity.permissions import ROLE_PERMISSIONS, node_user_name, render_table
+from gpuaas_common.identity.authority import MAX_USER_TTL_S
+from gpuaas_common.identity.permissions import ADMIN, ROLE_PERMISSIONS, node_user_name, render_table
 from gpuaas_common.identity.tls import make_ca_and_server_cert
 
 from .common import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, err, fail
@@ -48,7 +49,11 @@ def init(
     Example: gpuaas identities init --out deploy/identities --hostname nats.example.internal"""
     keys = out / "keys"
     if (keys / "operator.nk").exists() and not force:
-        err.print(f"[yellow]{keys} already holds a trust chain; keeping it[/] (--force replaces it)")
+        # Admin lives hours: each run of the deployment's init (compose runs it before provisioning) mints
+        # the one-shot steps that follow a fresh one from the kept keys.
+        kept = _load(keys)
+        creds_files.write(out / "creds" / f"{ADMIN}.creds", kept.issue_user(ADMIN, ROLE_PERMISSIONS[ADMIN]))
+        err.print(f"[yellow]{keys} already holds a trust chain; keeping it[/] (--force replaces it); fresh admin creds")
         raise typer.Exit(0)
     auth = Authority.create()
     auth.save(keys)
@@ -73,7 +78,15 @@ def onboard_host(
         Optional[str], typer.Option("--nats-url", help="Also create the host's task durable on this bus.")
     ] = None,
     ca_file: Annotated[Optional[Path], typer.Option("--ca-file", help="CA of the bus's TLS certificate.")] = None,
-    ttl_days: Annotated[float, typer.Option("--ttl-days", help="Days until the host's user expires.")] = 365.0,
+    ttl_days: Annotated[
+        float,
+        typer.Option(
+            "--ttl-days",
+            min=0.01,
+            max=MAX_USER_TTL_S / 86400,
+            help="Days until the host's user expires (at most as long as the revocation ledger remembers).",
+        ),
+    ] = 365.0,
 ) -> None:
     """Issue the host's own NATS user and, with --nats-url, create its task durable (the bus is reached first:
     an unreachable bus leaves no creds file and no issued user behind).
@@ -85,6 +98,10 @@ def onboard_host(
         asyncio.run(_onboard_on_bus(auth, node_id, out, keys_dir, ident, ttl_days))
     else:
         _issue_host(auth, node_id, out, keys_dir, ttl_days)
+        err.print(
+            f"[yellow]{node_user_name(node_id)} is not recorded on the bus[/]: without --nats-url the gateway cannot "
+            "revoke it before the host is deployed for a tenant; run onboard-host with --nats-url"
+        )
 
 
 def _issue_host(auth: Authority, node_id: str, out: Path, keys_dir: Path, ttl_days: float) -> None:
@@ -185,12 +202,16 @@ async def _onboard_on_bus(
     ident: Any,
     ttl_days: float,
 ) -> None:
+    from gpuaas_common.identity.authority import record_host_users
     from gpuaas_common.jetstream import ensure_consumer, node_agent_consumer
 
     nc = await _connect(ident)
     try:
         _issue_host(auth, node_id, out, keys_dir, ttl_days)
         try:
+            # Recorded before the durable: a host whose user the gateway cannot find could be deployed for a
+            # tenant with its slice identity still alive.
+            await record_host_users(nc.jetstream(), node_id, auth.issued_hosts[node_id])
             outcome = await ensure_consumer(nc.jetstream(), node_agent_consumer(node_id))
         except Exception as exc:  # refused or no NODE_TASKS stream: the creds stand, the durable does not
             raise fail(

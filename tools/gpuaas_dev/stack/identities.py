@@ -37,17 +37,24 @@ def onboard_slice_hosts(authority: Authority, fleet: Fleet, creds_dir: Path, key
     authority.save(keys_dir)
 
 
-def provision_bus(options: dict[str, Any], node_ids: list[str], replicas: int = 1) -> None:
-    """Streams and every slice host's durable, as the admin identity (`options`): no service or host may."""
+def provision_bus(
+    options: dict[str, Any], node_ids: list[str], replicas: int = 1, host_users: dict[str, list[str]] | None = None
+) -> None:
+    """Streams and every slice host's durable, as the admin identity (`options`): no service or host may; and
+    the slice hosts' users (`host_users`, node id → public keys), so the gateway can end them."""
 
     async def provision_all() -> None:
         import nats
 
+        from gpuaas_common.identity.authority import record_host_users
         from gpuaas_common.jetstream import node_agent_consumer, provision
 
         nc = await nats.connect(**options, connect_timeout=5, max_reconnect_attempts=3)
         try:
-            await provision(nc.jetstream(), [node_agent_consumer(n) for n in node_ids], replicas=replicas)
+            js = nc.jetstream()
+            await provision(js, [node_agent_consumer(n) for n in node_ids], replicas=replicas)
+            for node_id, users in (host_users or {}).items():
+                await record_host_users(js, node_id, users)
         finally:
             await nc.close()
 

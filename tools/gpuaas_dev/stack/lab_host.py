@@ -74,7 +74,12 @@ def start_lab_host(stack: Stack) -> Lab:
             creds_files.write(path, stack.authority.issue_host(LAB_NODE))
             stack.authority.save(stack.run_dir / "keys")
             creds = str(path)
-        provision_bus(stack.nats_options("admin"), [LAB_NODE], replicas=stack.nats_cluster)
+        provision_bus(
+            stack.nats_options("admin"),
+            [LAB_NODE],
+            replicas=stack.nats_cluster,
+            host_users={LAB_NODE: stack.authority.issued_hosts.get(LAB_NODE, [])} if stack.auth else None,
+        )
         start_agent(lab, lab_agent_config(stack, lab, creds))
     except BaseException:
         lab.down()

@@ -559,8 +559,10 @@ class Stack:
             assert self._authority is not None
             onboard_slice_hosts(self._authority, self._fleet, self.creds_dir, self.run_dir / "keys")
         options = self.nats_options("admin")
+        slice_hosts = [n.node_id for n in self._fleet.nodes if n.kind == "slice_host"]
         provision_bus(
             options,
-            [n.node_id for n in self._fleet.nodes if n.kind == "slice_host"],
+            slice_hosts,
             replicas=min(self.nats_cluster, 3),
+            host_users={n: self._authority.issued_hosts.get(n, []) for n in slice_hosts} if self._authority else None,
         )

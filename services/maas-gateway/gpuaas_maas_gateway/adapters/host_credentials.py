@@ -1,4 +1,5 @@
-"""Credentials of baremetal hosts: minted for a deploy's user-data, revoked when the allocation ends.
+"""Credentials of baremetal hosts: minted for a deploy's user-data, revoked when the allocation ends; and the
+end of a slice host's identity when the host is deployed for a tenant.
 
 A baremetal host is the tenant's own root machine, so its NATS user is bound to one allocation
 (`allocation:<id>` tag), expires on its own, and is revoked at once when the allocation is released or
@@ -49,6 +50,15 @@ class HostCredentials:
             await uow.commit()
         log.info("host_credentials_issued", node_id=node_id, allocation_id=allocation_id, user=creds.claims["sub"])
         return creds.render()
+
+    async def end_slice_identity(self, node_id: str) -> int:
+        """Revoke the host's slice-host users (recorded on the bus at onboarding) before it is deployed for a
+        tenant, who gets root on the disk that holds their creds file. Idempotent: once they are revoked
+        nothing more is pushed."""
+        revoked = await self.issuer.end_slice_identity(self.servers, node_id, js=self.js, tls=self.tls)
+        if revoked:
+            log.info("slice_host_credentials_revoked", node_id=node_id, users=revoked)
+        return revoked
 
     async def revoke_allocation(self, allocation_id: str) -> int:
         """Revoke every live key of the allocation; idempotent, so a retried release is harmless."""

@@ -15,8 +15,12 @@ from .machine import machine_step
 from .shared import Operations, Site, Unresolvable
 
 
-async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[[], Awaitable[Any]]:
+async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[[], Awaitable[Any]] | None:
     _, profile = await ops.profile(row["site"], row["profile"])
+    # A host that served slices keeps its agent's creds file on a disk the tenant will own: MAAS erase leaves
+    # most blocks in place, so those users must be dead before the machine is the tenant's.
+    if not await ops.end_slice_identity(row):
+        return None
     token = enrolment_token(
         ops.settings.enrolment_secret.get_secret_value(), str(row["allocation_id"]), row["system_id"]
     )

@@ -169,6 +169,17 @@ class Operations:
     async def uploaded(self, site: str) -> frozenset[str]:
         return frozenset(self.settings.maas_uploaded_images) | await self.read.catalog.uploaded_images(site)
 
+    async def end_slice_identity(self, row: asyncpg.Record) -> bool:
+        """False while the host's slice-host users could not be revoked: the deploy waits, it does not skip this."""
+        if self.host_credentials is None:
+            return True
+        try:
+            await self.host_credentials.end_slice_identity(row["node_id"])
+            return True
+        except Exception as exc:  # noqa: BLE001 - the bus is down or refused: retried at the next poll
+            log.warning("slice_host_revoke_failed", node_id=row["node_id"], error=str(exc)[:300])
+            return False
+
     async def revoke_host_credentials(self, row: asyncpg.Record) -> bool:
         if self.host_credentials is None or row["allocation_id"] is None:
             return True

@@ -1,0 +1,272 @@
+"""Credentials follow the host's life (issue 24, point 5), against a real nats-server in operator mode with TLS.
+
+- A revocation survives a server restart with its config rendered again, as the dev stack and chaos runs do:
+  the preloaded account JWT must never replace the one that carries the ledger.
+- A slice host's users end before the gateway deploys the host for a baremetal tenant (who gets root on the disk
+  that holds their creds file), and the deploy waits while they cannot be ended.
+- Admin lives hours; the other roles and hosts no longer than the ledger remembers a revocation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import asyncpg
+import nats
+import pytest
+import pytest_asyncio
+from nats.aio.client import RawCredentials
+from pydantic import SecretStr
+
+from gpuaas_common.bus import HandlerContext, deliver
+from gpuaas_common.contract import Envelope, spec_for
+from gpuaas_common.db import create_pool
+from gpuaas_common.identity import Authority, Creds, Issuer
+from gpuaas_common.identity.authority import (
+    ADMIN_USER_TTL_S,
+    MAX_USER_TTL_S,
+    host_users,
+    record_host_users,
+    revoked_users,
+)
+from gpuaas_common.identity.permissions import ADMIN, ROLE_PERMISSIONS
+from gpuaas_common.identity.tls import TlsFiles, client_context, client_tls_options
+from gpuaas_common.jetstream import provision
+from gpuaas_common.migrations import apply_migrations
+from gpuaas_common.unit_of_work import UnitOfWork
+from gpuaas_dev.maas_sim import SimConfig, start, state_of, system_id_for
+from gpuaas_dev.testing.servers import NatsServer
+from gpuaas_maas_gateway.adapters.host_credentials import HostCredentials
+from gpuaas_maas_gateway.adapters.repository import gateway_repositories
+from gpuaas_maas_gateway.entrypoints.main import build_clients
+from gpuaas_maas_gateway.service_layer.commands import OperationHandlers
+from gpuaas_maas_gateway.service_layer.shared import unit_of_work_factory
+from gpuaas_maas_gateway.service_layer.worker import OperationWorker
+from gpuaas_maas_gateway.settings import GatewaySettings, SiteProfile
+
+KEY = "Gw7sQ2mZp9LxVb3Nq4:Gt8wR1nYc6HjDf2Gs5:Gs3vB9mQ7pL2kJ8hG4fD1sA6zX0cV5bN"
+NODE = "bm:01"  # a ':' as node ids may have and KV keys may not
+MACHINE = "bm-01"  # the simulator's one machine
+
+
+@pytest.fixture
+def server(tmp_path: Path, authority: Authority, tls_files: TlsFiles) -> Iterator[NatsServer]:
+    srv = NatsServer(tmp_path / "nats", auth=authority, tls=tls_files).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def authority() -> Authority:  # one per test: revocations of one test must not meet another's
+    return Authority.create()
+
+
+def _wait_for_the_clock(second: int) -> None:
+    """What these tests wait for is the wall clock itself (JWT iat has one-second resolution)."""
+    while time.time() < second:
+        time.sleep(0.05)
+
+
+async def connect(server: NatsServer, tls_files: TlsFiles, creds: Creds, **kw: object) -> nats.NATS:
+    return await nats.connect(
+        server.url,
+        user_credentials=RawCredentials(creds.render()),
+        **client_tls_options(tls_files.ca),
+        inbox_prefix=f"_INBOX_{creds.name}".encode(),
+        allow_reconnect=False,
+        connect_timeout=5,
+        **kw,
+    )
+
+
+@pytest_asyncio.fixture
+async def admin(server: NatsServer, tls_files: TlsFiles, authority: Authority) -> AsyncIterator[nats.NATS]:
+    nc = await connect(server, tls_files, authority.issue_user(ADMIN, ROLE_PERMISSIONS[ADMIN]))
+    await provision(nc.jetstream())
+    yield nc
+    await nc.close()
+
+
+async def test_a_revocation_survives_a_server_restart(
+    server: NatsServer, tls_files: TlsFiles, authority: Authority, admin: nats.NATS
+) -> None:
+    revoked, kept = authority.issue_host("r1"), authority.issue_host("r2")
+    await authority.issuer().revoke(
+        [server.url], [str(revoked.claims["sub"])], js=admin.jetstream(), tls=client_context(tls_files.ca)
+    )
+    await admin.close()
+    server.stop()
+    # The pushed JWT's iat is at most a second past the revocation: from two seconds on, a preload rendered
+    # with the time of the render would be the newer one and replace it.
+    _wait_for_the_clock(int(time.time()) + 2)
+    server.start()  # the config, preload included, is rendered again
+
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await connect(server, tls_files, revoked)
+    other = await connect(server, tls_files, kept)
+    await other.close()
+
+
+def test_the_preloaded_account_jwt_is_the_same_at_every_render(authority: Authority, tmp_path: Path) -> None:
+    first = authority.server_config(tmp_path)
+    _wait_for_the_clock(int(time.time()) + 1)
+    assert authority.server_config(tmp_path) == first
+    authority.save(tmp_path / "keys")
+    assert Authority.load(tmp_path / "keys").server_config(tmp_path) == first
+
+
+# --- a slice host deployed for a tenant ------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def pool(fresh_db: str) -> AsyncIterator[asyncpg.Pool]:
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, "maas_gateway", "gpuaas_maas_gateway.migrations")
+    await conn.close()
+    p = await create_pool(fresh_db, "maas_gateway", min_size=2, max_size=10)
+    yield p
+    await p.close()
+
+
+@pytest_asyncio.fixture
+async def sim() -> AsyncIterator[tuple[object, int]]:
+    runner, port = await start(SimConfig(machines=1, api_key=KEY, seed=7), "127.0.0.1", 0)
+    yield state_of(runner), port
+    await runner.cleanup()
+
+
+def gateway_settings(port: int) -> GatewaySettings:
+    return GatewaySettings(
+        maas_url=f"http://127.0.0.1:{port}/MAAS/",
+        maas_insecure_http=True,
+        maas_api_key=SecretStr(KEY),
+        maas_timeout_s=2.0,
+        maas_poll_interval_s=0.05,
+        maas_grace_s=5.0,
+        maas_deadline_s=60.0,
+        enrolment_secret=SecretStr("a-test-enrolment-secret-of-32-chars"),
+        site_profiles={"h200-baremetal": SiteProfile(distro_series="noble")},
+    )
+
+
+async def record_deploy(pool: asyncpg.Pool, settings: GatewaySettings, op_id: str) -> None:
+    type_ = "maas.deploy_requested"
+    model = spec_for(type_).model(
+        operation_id=op_id,
+        allocation_id=uuid.uuid4(),
+        site="default",
+        system_id=system_id_for(MACHINE),
+        node_id=NODE,
+        profile="h200-baremetal",
+    )
+    env = Envelope.wrap(type_, model.model_dump(mode="json"), producer="allocator", correlation_id=op_id)
+    ctx = HandlerContext(env, model, spec_for(type_).address, "maas-gateway-commands", 1)
+    assert await deliver(
+        OperationHandlers(settings).on_command,
+        ctx,
+        UnitOfWork(pool, "maas_gateway", "maas-gateway", gateway_repositories),
+    )
+
+
+@pytest_asyncio.fixture
+async def gateway_js(server: NatsServer, tls_files: TlsFiles, authority: Authority) -> AsyncIterator[object]:
+    """The gateway's own identity, so the test also shows its rights reach the host entries."""
+    nc = await connect(server, tls_files, authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"]))
+    yield nc.jetstream()
+    await nc.close()
+
+
+async def run_deploy(
+    pool: asyncpg.Pool, port: int, issuer: Issuer, server: NatsServer, tls_files: TlsFiles, js: object
+) -> asyncpg.Record:
+    settings = gateway_settings(port)
+    creds = HostCredentials(
+        issuer, unit_of_work_factory(pool), [server.url], js=js, tls=client_context(tls_files.ca), ttl_s=3600
+    )
+    worker = OperationWorker(settings, pool, build_clients(settings), host_credentials=creds)
+    try:
+        await record_deploy(pool, settings, "deploy-1")
+        await worker.step("deploy-1")
+    finally:
+        for site in worker.sites.values():
+            await site.client.close()
+    return await pool.fetchrow("SELECT state, maas_calls FROM maas_operations WHERE operation_id = 'deploy-1'")
+
+
+async def test_a_slice_host_is_revoked_before_it_is_deployed_for_a_tenant(
+    pool: asyncpg.Pool,
+    sim: tuple[object, int],
+    server: NatsServer,
+    tls_files: TlsFiles,
+    authority: Authority,
+    admin: nats.NATS,
+    gateway_js: object,
+) -> None:
+    state, port = sim
+    slice_creds = authority.issue_host(NODE)
+    await record_host_users(admin.jetstream(), NODE, authority.issued_hosts[NODE])  # as onboarding does
+    neighbour = authority.issue_host("slice-02")
+    await record_host_users(admin.jetstream(), "slice-02", authority.issued_hosts["slice-02"])
+    closed = asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    host = await connect(server, tls_files, slice_creds, closed_cb=on_closed)
+
+    row = await run_deploy(pool, port, authority.issuer(), server, tls_files, gateway_js)
+
+    assert (row["state"], row["maas_calls"]) == ("accepted", 1)
+    assert state.call_count("deploy", system_id_for(MACHINE)) == 1  # type: ignore[attr-defined]
+    await asyncio.wait_for(closed.wait(), timeout=5)  # its live connection ended with the revocation
+    assert host.is_closed
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await connect(server, tls_files, slice_creds)
+    other = await connect(server, tls_files, neighbour)  # no other host's identity ended
+    await other.close()
+    # Ended once: a second deploy of the host pushes nothing (its users are in the ledger already).
+    assert str(slice_creds.claims["sub"]) in await revoked_users(gateway_js)
+    assert await authority.issuer().end_slice_identity([server.url], NODE, js=gateway_js) == 0
+
+
+async def test_the_deploy_waits_while_the_slice_identity_cannot_be_ended(
+    pool: asyncpg.Pool,
+    sim: tuple[object, int],
+    server: NatsServer,
+    tls_files: TlsFiles,
+    authority: Authority,
+    admin: nats.NATS,
+    gateway_js: object,
+) -> None:
+    state, port = sim
+    slice_creds = authority.issue_host(NODE)
+    await record_host_users(admin.jetstream(), NODE, authority.issued_hosts[NODE])
+    good = authority.issuer()
+    # A system user of another deployment: the servers refuse it, so no revocation can be pushed.
+    refused = Issuer(good.account_public, good.operator_signing, good.node_signing, Authority.create().issue_sys_user())
+
+    row = await run_deploy(pool, port, refused, server, tls_files, gateway_js)
+
+    assert (row["state"], row["maas_calls"]) == ("pending", 0)
+    assert state.call_count("deploy", system_id_for(MACHINE)) == 0  # type: ignore[attr-defined]
+    host = await connect(server, tls_files, slice_creds)  # still the slice host's, and nothing was deployed
+    await host.close()
+
+
+async def test_host_users_are_recorded_by_compare_and_set(admin: nats.NATS) -> None:
+    js = admin.jetstream()
+    await asyncio.gather(*(record_host_users(js, NODE, [f"U{i}"]) for i in range(6)))
+    assert sorted(await host_users(js, NODE)) == [f"U{i}" for i in range(6)]
+    assert await host_users(js, "never-onboarded") == []
+
+
+def test_admin_lives_hours_and_no_user_outlives_the_ledger(authority: Authority) -> None:
+    admin = authority.issue_user(ADMIN, ROLE_PERMISSIONS[ADMIN])
+    lifetime = int(admin.claims["exp"]) - int(admin.claims["iat"])
+    assert lifetime <= ADMIN_USER_TTL_S <= 24 * 3600
+    with pytest.raises(ValueError, match="at most"):
+        authority.issue_host("long", ttl_s=MAX_USER_TTL_S + 86400)
