@@ -187,6 +187,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     },
     "node.enrolled": {"node_id": "slice-01", "kind": "slice_host", "hostname": "slice-01", "agent_version": "0.1.0"},
     "slice.topology_discover": {"task_id": "task-2", "node_id": "slice-01", "deadline": "2030-01-01T00:00:00+00:00"},
+    "slice.parity_check": {"task_id": "task-3", "node_id": "slice-01", "deadline": "2030-01-01T00:00:00+00:00"},
     "node.topology_reported": {
         "node_id": "slice-01",
         "discovered_at": "2030-01-01T00:00:00+00:00",

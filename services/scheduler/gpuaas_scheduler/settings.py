@@ -1,6 +1,6 @@
 from pydantic import Field, SecretStr
 
-from gpuaas_common.settings import ServiceSettings
+from gpuaas_common.settings import EnvList, ServiceSettings
 
 
 class SchedulerSettings(ServiceSettings):
@@ -35,3 +35,19 @@ class SchedulerSettings(ServiceSettings):
     claim_orphan_after_s: float = Field(default=900.0, gt=0)
     # How long the audit waits for the allocator's answer before it tries again at the next round.
     claim_audit_answer_timeout_s: float = Field(default=5.0, gt=0)
+    # Parity of every slice host (slice, drained or converting mode) at least this often: the scheduler asks its
+    # agent (slice.parity_check) when neither a report nor an ask is that recent. 0: only after a mode change and
+    # on demand (POST /v1/nodes/{node_id}/parity).
+    parity_interval_s: float = Field(default=3600.0, ge=0)
+    # How often the scheduler looks for hosts owed a parity run (after a mode change, or by parity_interval_s) and
+    # closes asks of hosts that did not answer by their deadline.
+    steering_sweep_interval_s: float = Field(default=15.0, gt=0)
+    # How long a rediscovery or parity task may wait for its host's report before the ask is closed expired.
+    node_task_deadline_s: float = Field(default=600.0, gt=0)
+    # How long a commissioning asked through the admin API may take before its ask is closed expired.
+    commission_deadline_s: float = Field(default=3600.0, gt=0)
+    # The MAAS site (gateway) an operator's commissioning (POST /v1/nodes/{node_id}/commission) is sent to.
+    maas_site: str = Field(default="default", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    # The commissioning scripts that run: the slice firmware preflight, which the site has uploaded to MAAS; the
+    # gateway judges the run by GPUAAS_MAAS_SLICE_PREFLIGHT_SCRIPT's output.
+    commission_scripts: EnvList[str] = Field(default=("50-gpuaas-slice-firmware-preflight",), min_length=1)

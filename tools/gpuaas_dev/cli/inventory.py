@@ -26,7 +26,10 @@ from .admin_api import (
 from .common import DEFAULT_RUN_DIR, EXIT_FAILED, EXIT_USAGE, RunDirOpt, bad_id, err, fail, read_stack_json
 from .output import Column, IntervalOpt, OutputOpt, WatchOpt, age, age_of, choices, emit, render, watch
 
-nodes_app = typer.Typer(no_args_is_help=True, help="Nodes: list, show, drain, undrain, host mode (admin API).")
+nodes_app = typer.Typer(
+    no_args_is_help=True,
+    help="Nodes: list, show, drain, undrain, host mode, rediscover, parity, commission (admin API).",
+)
 slots_app = typer.Typer(no_args_is_help=True, help="Slots: list, show, approve, repair, disable (admin API).")
 quota_app = typer.Typer(no_args_is_help=True, help="Tenant GPU quotas (admin API).")
 wipe_policy_app = typer.Typer(no_args_is_help=True, help="A site's destructive wipe policy (admin API).")
@@ -108,6 +111,15 @@ def _node_detail_text(doc: dict[str, Any], output: str, compact: bool) -> str:
             lines.append(
                 f"  {h.get('at')} {h.get('from_mode') or '-'} -> {h.get('to_mode')} by {h.get('actor')}: "
                 f"{h.get('reason')}"
+            )
+    asks = doc.get("actions") or []
+    if asks:
+        # What was asked of the host (rediscovery, parity, commissioning) and what its report found.
+        lines.append("asks")
+        for a in asks:
+            lines.append(
+                f"  {a.get('requested_at')} {a.get('kind')} {a.get('status')} by {a.get('actor')}: {a.get('reason')}"
+                + (f" -> {a.get('outcome')}" if a.get("outcome") else "")
             )
     waivers = doc.get("waivers") or []
     if waivers:
@@ -214,6 +226,76 @@ def nodes_undrain(
     doc = call(ep, "POST", f"/v1/nodes/{quote(node_id)}/undrain", body=body, key=idempotency_key,
                missing=("node", node_id))  # fmt: skip
     typer.echo(_node_detail_text(doc, output, False))
+
+
+def _ask(kind: str, node_id: str, reason: str, output: str, actor, idempotency_key, admin_url, token, timeout,
+         run_dir) -> None:  # fmt: skip
+    ep = _ep(admin_url, token, run_dir, timeout)
+    body = {"actor": actor_name(actor), "reason": reason}
+    doc = call(ep, "POST", f"/v1/nodes/{quote(node_id)}/{kind}", body=body, key=idempotency_key,
+               missing=("node", node_id))  # fmt: skip
+    if output in ("json", "yaml"):
+        typer.echo(render(doc, output))
+        return
+    a = doc["action"]
+    typer.echo(f"{a['kind']} {a['action_id']} asked of {node_id}, answer due by {a['deadline']}")
+    typer.echo(f"follow it: gpuaas nodes show {node_id}")
+
+
+@nodes_app.command("rediscover")
+def nodes_rediscover(
+    node_id: NodeArg,
+    reason: ReasonOpt,
+    output: OutputOpt = "table",
+    actor: ActorOpt = None,
+    idempotency_key: IdempotencyOpt = None,
+    admin_url: AdminUrlOpt = None,
+    token: TokenOpt = None,
+    timeout: ApiTimeoutOpt = 10.0,
+    run_dir: RunDirOpt = DEFAULT_RUN_DIR,
+) -> None:
+    """Ask the host's agent to rediscover its topology (and run parity); the reports close the ask on the node's
+    history (exit 1 if refused: unknown node, no slice agent in its mode, one already open).
+
+    Example: gpuaas nodes rediscover slice-01 --reason "back from baremetal" """
+    _ask("rediscover", node_id, reason, output, actor, idempotency_key, admin_url, token, timeout, run_dir)
+
+
+@nodes_app.command("parity")
+def nodes_parity(
+    node_id: NodeArg,
+    reason: ReasonOpt,
+    output: OutputOpt = "table",
+    actor: ActorOpt = None,
+    idempotency_key: IdempotencyOpt = None,
+    admin_url: AdminUrlOpt = None,
+    token: TokenOpt = None,
+    timeout: ApiTimeoutOpt = 10.0,
+    run_dir: RunDirOpt = DEFAULT_RUN_DIR,
+) -> None:
+    """Ask the host's agent for a parity run now; its report closes the ask on the node's history.
+
+    Example: gpuaas nodes parity slice-01 --reason "after a BIOS update" """
+    _ask("parity", node_id, reason, output, actor, idempotency_key, admin_url, token, timeout, run_dir)
+
+
+@nodes_app.command("commission")
+def nodes_commission(
+    node_id: NodeArg,
+    reason: ReasonOpt,
+    output: OutputOpt = "table",
+    actor: ActorOpt = None,
+    idempotency_key: IdempotencyOpt = None,
+    admin_url: AdminUrlOpt = None,
+    token: TokenOpt = None,
+    timeout: ApiTimeoutOpt = 10.0,
+    run_dir: RunDirOpt = DEFAULT_RUN_DIR,
+) -> None:
+    """Commission the machine through MAAS with the slice preflight; the preflight report closes the ask (the host
+    must have a MAAS machine, no live claims and take no placements: drain it first).
+
+    Example: gpuaas nodes commission slice-01 --reason "firmware changed" """
+    _ask("commission", node_id, reason, output, actor, idempotency_key, admin_url, token, timeout, run_dir)
 
 
 def _mode_text(doc: dict[str, Any], output: str, compact: bool) -> str:

@@ -87,6 +87,7 @@ async def run_slice_host(
         "slice.vm_provision": agent.on_task,
         "slice.vm_release": agent.on_task,
         "slice.topology_discover": agent.on_discover,
+        "slice.parity_check": agent.on_parity_check,
     }
     handlers["image.cache_prewarm"] = ImagePrewarmer(
         node_id, paths, store, bus.publish, image_cache_dir=settings.image_cache_dir

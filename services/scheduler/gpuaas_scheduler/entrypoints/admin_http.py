@@ -21,6 +21,7 @@ from gpuaas_common.admin_http import AdminApi, Call, Route, openapi, render_yaml
 
 from ..service_layer import admin as ops
 from ..service_layer.admin import drift as drift_ops
+from ..service_layer.steering import SteeringPolicy
 from . import api_models as out
 
 SCHEMA = "scheduler"
@@ -49,6 +50,33 @@ async def _force_release(call: Call) -> dict:
 async def _node_slots(conn: asyncpg.Connection, node_id: str) -> dict[str, Any]:
     await ops.get_node(conn, node_id)
     return await ops.list_slots(conn, node_id=node_id)
+
+
+def steer(kind: str, policy: SteeringPolicy) -> Callable[[Call], Awaitable[dict]]:
+    async def handler(call: Call) -> dict:
+        assert call.uow is not None  # a mutation: its task goes out through the unit of work's outbox
+        return await ops.steer(call.conn, call.uow.events, policy, call.params["node_id"], kind, call.body)
+
+    return handler
+
+
+STEER_PATHS = {
+    "rediscover": "/v1/nodes/{node_id}/rediscover",
+    "parity": "/v1/nodes/{node_id}/parity",
+    "commission": "/v1/nodes/{node_id}/commission",
+}
+STEER_SUMMARIES = {
+    "rediscover": "ask the host's agent to rediscover its topology (and run parity); the reports close the ask",
+    "parity": "ask the host's agent for a parity run now; its report closes the ask",
+    "commission": "commission the machine through MAAS with the slice preflight; the preflight report closes the ask",
+}
+
+
+def steer_routes(policy: SteeringPolicy) -> list[Route]:
+    return [
+        Route("POST", path, steer(kind, policy), STEER_SUMMARIES[kind], out.SteerOut, ops.Acted, errors=(409,))
+        for kind, path in STEER_PATHS.items()
+    ]
 
 
 def _r(
@@ -84,6 +112,7 @@ ROUTES = [
         ops.WaiverIn,
         errors=(422,),
     ),
+    *steer_routes(SteeringPolicy()),
     _r(
         "POST",
         "/v1/nodes/{node_id}/drain",
@@ -210,12 +239,22 @@ ROUTES = [
 ]
 
 
-def admin_api(pool: asyncpg.Pool, token: SecretStr | None, *, allow_emulated_slots: bool = False) -> AdminApi:
-    """`allow_emulated_slots`: the scheduler's setting, which only approval reads (a lab's emulated slots)."""
+def admin_api(
+    pool: asyncpg.Pool,
+    token: SecretStr | None,
+    *,
+    allow_emulated_slots: bool = False,
+    steering: SteeringPolicy | None = None,
+) -> AdminApi:
+    """`allow_emulated_slots`: the scheduler's setting, which only approval reads (a lab's emulated slots).
+    `steering`: the deadlines and MAAS site the asks of a host are sent with."""
     routes = ROUTES
     if allow_emulated_slots:
         approve = write(functools.partial(ops.approve, allow_emulated=True))
-        routes = [dataclasses.replace(r, handler=approve) if r.path == APPROVE_PATH else r for r in ROUTES]
+        routes = [dataclasses.replace(r, handler=approve) if r.path == APPROVE_PATH else r for r in routes]
+    if steering is not None:
+        mine = {r.path: r for r in steer_routes(steering)}
+        routes = [mine.get(r.path, r) if r.method == "POST" else r for r in routes]
     return AdminApi(
         service="scheduler",
         schema=SCHEMA,
@@ -226,8 +265,14 @@ def admin_api(pool: asyncpg.Pool, token: SecretStr | None, *, allow_emulated_slo
     )
 
 
-def build_app(pool: asyncpg.Pool, token: SecretStr | None, *, allow_emulated_slots: bool = False):
-    return admin_api(pool, token, allow_emulated_slots=allow_emulated_slots).app()
+def build_app(
+    pool: asyncpg.Pool,
+    token: SecretStr | None,
+    *,
+    allow_emulated_slots: bool = False,
+    steering: SteeringPolicy | None = None,
+):
+    return admin_api(pool, token, allow_emulated_slots=allow_emulated_slots, steering=steering).app()
 
 
 def openapi_document() -> dict[str, Any]:
@@ -236,7 +281,8 @@ def openapi_document() -> dict[str, Any]:
         title="gpuaas scheduler admin API",
         version="1",
         description="Inventory administration: nodes, slot candidates and approval (the runbook's completeness "
-        "rules), disable/repair, drain/undrain, host modes, tenant quotas, site wipe policies, force-release. "
+        "rules), disable/repair, drain/undrain, host modes, rediscovery, parity and commissioning on demand, "
+        "tenant quotas, site wipe policies, force-release. "
         "Every mutation needs an "
         "Idempotency-Key and is audited (admin_requests); errors share one shape.",
     )

@@ -48,12 +48,35 @@ class WaiverView(Row):
     active: bool
 
 
+class ActionView(Row):
+    action_id: str
+    node_id: str
+    kind: str
+    actor: str
+    reason: str
+    # requested, then succeeded | failed | expired once the host's report (or the deadline) settles it.
+    status: str
+    outcome: str | None
+    # The reports' parts as they came in: topology, parity, preflight.
+    result: dict[str, Any]
+    requested_at: str
+    deadline: str
+    finished_at: str | None
+
+
 class NodeDetail(BaseModel):
     node: NodeView
     live_claims: list[dict[str, Any]]
     mode_history: list[dict[str, Any]]
     # Waivers of the slot approval gate, newest first.
     waivers: list[WaiverView] = []
+    # Rediscoveries, parity runs and commissionings asked of the node, newest first, with what each found.
+    actions: list[ActionView] = []
+
+
+class SteerOut(NodeDetail):
+    # The ask just recorded.
+    action: ActionView
 
 
 class DriftItem(Row):

@@ -15,6 +15,7 @@ from ..adapters.inventory import refresh_nodes, seed_from_fleet
 from ..service_layer.claim_audit import AuditPolicy, audit_claims
 from ..service_layer.handlers import Scheduler, allocation_first_lock, evidence_handlers, handlers
 from ..service_layer.placement import PlacementPolicy, with_fleet_shape
+from ..service_layer.steering import SteeringPolicy, sweep
 from ..settings import SchedulerSettings
 from .admin_http import admin_api
 
@@ -65,12 +66,19 @@ def build_register(settings: SchedulerSettings):
             ),
             "claim-audit",
         )
+        steering = steering_policy(settings)
+        rt.spawn(
+            every(settings.steering_sweep_interval_s, lambda: sweep(bus.unit_of_work, steering), "steering"),
+            "steering",
+        )
         if settings.admin_token is None:
             log.warning(
                 "admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the admin API never listens without a token"
             )
             return
-        api = admin_api(rt.pool, settings.admin_token, allow_emulated_slots=settings.allow_emulated_slots)
+        api = admin_api(
+            rt.pool, settings.admin_token, allow_emulated_slots=settings.allow_emulated_slots, steering=steering
+        )
         rt.ready_info["admin_port"] = await api.start(settings.admin_host, settings.admin_port)
 
         async def keep() -> None:
@@ -82,6 +90,16 @@ def build_register(settings: SchedulerSettings):
         rt.spawn(keep(), "admin-api")
 
     return register
+
+
+def steering_policy(settings: SchedulerSettings) -> SteeringPolicy:
+    return SteeringPolicy(
+        task_deadline_s=settings.node_task_deadline_s,
+        commission_deadline_s=settings.commission_deadline_s,
+        maas_site=settings.maas_site,
+        commission_scripts=tuple(settings.commission_scripts),
+        parity_interval_s=settings.parity_interval_s or None,
+    )
 
 
 def _inventory(path: str) -> Fleet:

@@ -24,7 +24,7 @@ from ..adapters import inventory as inv
 from ..adapters.inventory.held import held_placement
 from ..domain.approval import wipe_verdict
 from ..domain.slots import allowed_from
-from . import drift, evidence, host_modes
+from . import drift, evidence, host_modes, steering
 from .placement import PlacementPolicy, place
 
 log = get_logger(__name__)
@@ -108,12 +108,23 @@ class Scheduler:
     async def on_parity(self, ctx: HandlerContext) -> None:
         ev: m.NodeParityReported = ctx.payload
         outcome = await evidence.record_parity(ctx.conn, ev, allow_emulated=self.policy.allow_emulated_slots)
-        log.info("parity_recorded", node_id=ev.node_id, failures=ev.failures, warnings=ev.warnings, outcome=outcome)
+        asked = await steering.parity_answered(ctx.conn, ev, outcome)
+        log.info(
+            "parity_recorded",
+            node_id=ev.node_id,
+            failures=ev.failures,
+            warnings=ev.warnings,
+            outcome=outcome,
+            ask=asked,
+        )
 
     async def on_topology(self, ctx: HandlerContext) -> None:
         ev: m.NodeTopologyReported = ctx.payload
         outcome = await evidence.record_topology(ctx.conn, ev)
-        log.info("topology_recorded", node_id=ev.node_id, candidates=len(ev.candidate_slots), outcome=outcome)
+        asked = await steering.topology_answered(ctx.conn, ev, outcome)
+        log.info(
+            "topology_recorded", node_id=ev.node_id, candidates=len(ev.candidate_slots), outcome=outcome, ask=asked
+        )
 
     async def on_drift(self, ctx: HandlerContext) -> None:
         ev: m.NodeDriftReported = ctx.payload
@@ -123,6 +134,7 @@ class Scheduler:
     async def on_slice_preflight(self, ctx: HandlerContext) -> None:
         ev: m.NodeSlicePreflightReported = ctx.payload
         outcome = await evidence.record_slice_preflight(ctx.conn, ev)
+        await steering.preflight_answered(ctx.conn, ev)
         log.info(
             "slice_preflight_recorded",
             system_id=ev.system_id,

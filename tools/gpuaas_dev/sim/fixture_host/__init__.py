@@ -19,7 +19,6 @@ from pathlib import Path
 
 from .description import (
     GPU_BUSES,
-    GPU_MODULES,
     MIB,
     Gpu,
     HostDescription,
@@ -65,7 +64,6 @@ def build_host_root(root: str | os.PathLike[str], desc: HostDescription) -> Path
 __all__ = [
     "FIXTURE_DATA",
     "GPU_BUSES",
-    "GPU_MODULES",
     "MIB",
     "Gpu",
     "HostDescription",

@@ -1,5 +1,5 @@
 """Readiness evidence: topology discovery and the parity checks, published on request
-(slice.topology_discover) and at start-up."""
+(slice.topology_discover: both; slice.parity_check: parity alone) and at start-up."""
 
 from __future__ import annotations
 
@@ -27,6 +27,28 @@ class HostEvidence(AgentCore):
         self, *, task_id: str | None = None
     ) -> tuple[m.NodeTopologyReported, m.NodeParityReported]:
         """Discover topology and run the parity checks; publish both as readiness evidence."""
+        topology, parity = await self.host_state(task_id)
+        for type_, payload in (("node.topology_reported", topology), ("node.parity_reported", parity)):
+            await self._report(type_, payload, task_id)
+        return topology, parity
+
+    async def report_parity(self, *, task_id: str | None = None) -> m.NodeParityReported:
+        """The parity checks alone: an operator's or the scheduler's periodic ask must not replace the candidates
+        ops are approving from (a topology report would)."""
+        _, parity = await self.host_state(task_id)
+        await self._report("node.parity_reported", parity, task_id)
+        return parity
+
+    async def _report(self, type_: str, payload: m.Payload, task_id: str | None) -> None:
+        await self.publish(
+            type_,
+            payload,
+            correlation_id=task_id or self.node_id,
+            event_id=derived_event_id(task_id, type_) if task_id else None,
+            node_id=self.node_id,
+        )
+
+    async def host_state(self, task_id: str | None) -> tuple[m.NodeTopologyReported, m.NodeParityReported]:
         leased = [r.removeprefix("nvme:") for r in self.store.leased_resources() if r.startswith("nvme:")]
         topology = await discover(
             self.host,
@@ -46,14 +68,6 @@ class HostEvidence(AgentCore):
             libvirt_alive=self.libvirt_alive,
             require_bf3_management=self.require_bf3_management,
         ).run(self.node_id, task_id=task_id)
-        for type_, payload in (("node.topology_reported", topology), ("node.parity_reported", parity)):
-            await self.publish(
-                type_,
-                payload,
-                correlation_id=task_id or self.node_id,
-                event_id=derived_event_id(task_id, type_) if task_id else None,
-                node_id=self.node_id,
-            )
         return topology, parity
 
     async def libvirt_alive(self) -> bool:
@@ -65,12 +79,17 @@ class HostEvidence(AgentCore):
             return False
         return True
 
-    async def on_discover(self, ctx: HandlerContext) -> None:
-        task: m.SliceTopologyDiscover = ctx.payload
+    def _evidence_task_due(self, task: m.SliceTopologyDiscover | m.SliceParityCheck) -> bool:
         if task.node_id != self.node_id:
             raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {self.node_id}")
         if task.deadline <= utcnow():
             log.warning("task_refused", task_id=task.task_id, reason_code="deadline_passed")
+            return False
+        return True
+
+    async def on_discover(self, ctx: HandlerContext) -> None:
+        task: m.SliceTopologyDiscover = ctx.payload
+        if not self._evidence_task_due(task):
             return
         # Read-only and cheap: a redelivery simply discovers again; the event ids derive from the task id,
         # so JetStream drops the repeat within its duplicate window.
@@ -80,3 +99,13 @@ class HostEvidence(AgentCore):
         self.store.finish_task(
             task.task_id, "succeeded", {"candidates": len(topology.candidate_slots), "parity_failures": parity.failures}
         )
+
+    async def on_parity_check(self, ctx: HandlerContext) -> None:
+        task: m.SliceParityCheck = ctx.payload
+        if not self._evidence_task_due(task):
+            return
+        # Read-only like discovery: a redelivery checks again and its report's event id is the same.
+        self.store.start_task(task.task_id, "slice.parity_check", "")
+        async with asyncio.timeout((task.deadline - utcnow()).total_seconds()):
+            parity = await self.report_parity(task_id=task.task_id)
+        self.store.finish_task(task.task_id, "succeeded", {"parity_failures": parity.failures})

@@ -36,6 +36,7 @@ from .slots import (
     retire_slots,
     upsert_candidates,
 )
+from .steer import steer
 from .wipe import get_site_wipe_policy, set_site_wipe_policy
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "set_mode",
     "set_quota",
     "set_site_wipe_policy",
+    "steer",
     "undrain",
     "upsert_candidates",
     "upsert_node",

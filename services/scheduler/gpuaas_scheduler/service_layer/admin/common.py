@@ -25,6 +25,15 @@ def jsonable(row: Mapping[str, Any]) -> dict:
     return out
 
 
+def action_view(row: Mapping[str, Any]) -> dict:
+    """An ask of a node (node_actions) as JSON: its result is the reports' parts."""
+    d = dict(row)
+    result = d.pop("result", None)
+    out = jsonable(d)
+    out["result"] = json.loads(result) if isinstance(result, str) else (result or {})
+    return out
+
+
 async def lock_node(conn: asyncpg.Connection, node_id: str) -> asyncpg.Record:
     row = await nodes_repo.lock_node(conn, node_id)
     if row is None:

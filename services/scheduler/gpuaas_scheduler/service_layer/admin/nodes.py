@@ -10,8 +10,9 @@ import asyncpg
 from ...adapters import admin_nodes as repo
 from ...adapters import host_modes as mode_repo
 from ...adapters import inventory as inv
+from ...adapters import node_actions as actions_repo
 from ...domain.readiness_gate import waiver_problems
-from .common import jsonable, lock_node
+from .common import action_view, jsonable, lock_node
 from .models import Acted, AdminError, DrainIn, NodeIn, WaiverIn
 
 
@@ -26,11 +27,13 @@ async def get_node(conn: asyncpg.Connection, node_id: str) -> dict:
     claims = await repo.live_claims(conn, node_id)
     history = await mode_repo.history(conn, node_id)
     waivers = await repo.waivers(conn, node_id)
+    asks = await actions_repo.history(conn, node_id)
     return {
         "node": jsonable(row),
         "live_claims": [jsonable(c) for c in claims],
         "mode_history": [jsonable(h) for h in history],
         "waivers": [jsonable(w) for w in waivers],
+        "actions": [action_view(a) for a in asks],
     }
 
 
