@@ -433,3 +433,36 @@ def test_format_lines_escapes_blanks() -> None:
         "GPUAAS_SLICE_PARITY status=FAIL check=ipoib_netplan detail=command\\ exited\\ with\\ 1 "
         "remediation=render\\ /etc/netplan/60-ipoib.yaml"
     )
+
+
+async def test_module_ids_and_fabric_manager_come_from_the_hosts_own_tools(tmp_path: Path) -> None:
+    """Issue 29, point 1: each GPU's module ID from `nvidia-smi -q`, on every GPU and candidate; the GPUs behind
+    one PCIe switch form a valid NVLink pair; Fabric Manager's mode, version and unit state."""
+    desc = xe9680l("mod-01", disk_file_bytes=1 << 20, fabricmanager_mode=1, fabricmanager_active=True)
+    report = await discover(Host.at(build_host_root(tmp_path / "host", desc)), "mod-01")
+    assert [g.module_id for g in report.gpus] == [1, 3, 2, 4, 5, 7, 6, 8]
+    by_switch: dict[str | None, set[int | None]] = {}
+    for g in report.gpus:
+        by_switch.setdefault(g.pcie_switch, set()).add(g.module_id)
+    assert sorted(map(sorted, by_switch.values())) == [[1, 3], [2, 4], [5, 7], [6, 8]]
+    assert {c.gpu_pci_address: c.module_id for c in report.candidate_slots} == {
+        g.pci_address: g.module_id
+        for g in report.gpus
+        if g.pci_address in {c.gpu_pci_address for c in report.candidate_slots}
+    }
+    fm = report.fabric_manager
+    assert fm is not None and (fm.mode, fm.version, fm.active) == ("shared_nvswitch", "550.127.05", True)
+    assert not [b for b in report.blockers if "module" in b]
+
+
+async def test_a_doubled_module_id_is_a_blocker_and_no_driver_tools_is_no_map(tmp_path: Path) -> None:
+    desc = xe9680l("mod-02", disk_file_bytes=1 << 20)
+    desc.gpus[1] = desc.gpus[1].model_copy(update={"module_id": 1})
+    report = await discover(Host.at(build_host_root(tmp_path / "a", desc)), "mod-02")
+    assert "module ID 1 is claimed by 2 GPUs: 0000:18:00.0, 0000:2a:00.0" in report.blockers
+    bare = xe9680l("mod-03", disk_file_bytes=1 << 20, nvidia_smi=False, fabricmanager_version=None)
+    report = await discover(Host.at(build_host_root(tmp_path / "b", bare)), "mod-03")
+    assert {g.module_id for g in report.gpus} == {None} and not [b for b in report.blockers if "module" in b]
+    # The config file alone (the default bare-metal mode, the unit stopped) still says what Fabric Manager is.
+    assert report.fabric_manager is not None and report.fabric_manager.mode == "baremetal"
+    assert (report.fabric_manager.version, report.fabric_manager.active) == (None, False)

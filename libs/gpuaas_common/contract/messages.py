@@ -28,6 +28,11 @@ Identifier = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-
 Sha256 = Field(pattern=r"^[0-9a-f]{64}$")
 PciAddress = Field(pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 MacAddress = Field(pattern=r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
+# A GPU's module ID on an 8-GPU HGX board (nvidia-smi -q "Module Id"), the numbering NVLink partitions use.
+ModuleId = Field(default=None, ge=1, le=8)
+# A Fabric Manager partition id of the HGX H200 default table (0-14); None: no partition (an older scheduler, a
+# host whose slots carry no module IDs, an emulated slot).
+NvlinkPartition = Field(default=None, ge=0, le=14)
 # A site's destructive wipe between tenants (slice-implementation-checklist: "blkdiscard, nvme format, or
 # site-specific secure erase path before any released slot can be reused").
 WipePolicy = Literal["blkdiscard", "nvme_format", "crypto_erase"]
@@ -62,6 +67,8 @@ class SlotBinding(Payload):
     # The wipe the agent must use on this slot's disk, from the site's policy at placement; absent from older
     # schedulers, when the agent uses its default (blkdiscard or, on a file stand-in, zero fill).
     wipe_policy: WipePolicy | None = None
+    # The GPU's module ID on the HGX board; None on a slot approved from older evidence or an emulated one.
+    module_id: int | None = ModuleId
 
 
 class Readiness(Payload):
@@ -298,6 +305,8 @@ class PlacementPlaced(Payload):
     fencing_epoch: int = Field(ge=1)
     slots: list[SlotBinding] = Field(default_factory=list)
     maas_system_id: str | None = None
+    # The Fabric Manager partition the slots form, which the node agent activates before the VM starts.
+    nvlink_partition: int | None = NvlinkPartition
 
 
 class PlacementForceReleased(Payload):
@@ -333,6 +342,8 @@ class SliceVmProvision(Payload):
     deadline: datetime
     vm_name: str = Identifier
     slots: list[SlotBinding] = Field(min_length=1, max_length=8)
+    # Activated after the slots' GPUs are reset and before the VM starts; None: no partition to activate.
+    nvlink_partition: int | None = NvlinkPartition
     image: ImageRef
     ssh_public_keys: list[str] = Field(default_factory=list, max_length=16)
     hostname: str = Field(min_length=1, max_length=63)
@@ -346,6 +357,8 @@ class SliceVmRelease(Payload):
     deadline: datetime
     vm_name: str = Identifier
     slots: list[SlotBinding] = Field(min_length=1, max_length=8)
+    # Deactivated after the VM is shut down, then the GPUs reset.
+    nvlink_partition: int | None = NvlinkPartition
 
 
 class NodeTaskProgress(Payload):
@@ -410,7 +423,19 @@ class PciFunction(Payload):
 
 
 class GpuDevice(PciFunction):
-    pass
+    module_id: int | None = ModuleId
+
+
+class FabricManagerInfo(Payload):
+    """The host's NVIDIA Fabric Manager as discovery found it. A slice host runs it in shared-NVSwitch mode
+    (FABRIC_MODE=1), where it activates the NVLink partition of each multi-GPU VM; its version must equal the
+    guest image's driver version."""
+
+    mode: Literal["baremetal", "shared_nvswitch", "vgpu", "unknown"] = Field(
+        description="FABRIC_MODE of fabricmanager.cfg: 0 baremetal, 1 shared_nvswitch, 2 vgpu; unknown: unreadable"
+    )
+    version: str | None = Field(default=None, max_length=64, description="nv-fabricmanager --version; None: absent")
+    active: bool = Field(description="nvidia-fabricmanager.service is active")
 
 
 class FabricDevice(PciFunction):
@@ -452,6 +477,7 @@ class CandidateSlot(Payload):
     )
     numa_node: int | None = None
     pcie_switch: str | None = None
+    module_id: int | None = ModuleId
     nvme_by_id: str | None = None
     fabric_claim_mode: Literal["per_slot_vf", "none"] = "per_slot_vf"
     fabric_vf_pci_address: str | None = Field(default=None, pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
@@ -481,6 +507,8 @@ class NodeTopologyReported(Payload):
     hugepages_1g_free: int | None = Field(
         default=None, ge=0, description="1 GiB hugepages free when discovered (sysfs free_hugepages)"
     )
+    # None: not reported (an older agent).
+    fabric_manager: FabricManagerInfo | None = None
 
 
 class ParityCheck(Payload):

@@ -95,6 +95,8 @@ def _task_common(src: TaskSource) -> dict[str, Any]:
         "deadline": src.deadline,
         "vm_name": vm_name(src.allocation_id),
         "slots": [m.SlotBinding(**s) for s in src.placement["slots"]],
+        # Absent from a placement stored before partitions: the host then activates none.
+        "nvlink_partition": src.placement.get("nvlink_partition"),
     }
 
 

@@ -15,6 +15,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.contract import utcnow
 from gpuaas_common.logging import get_logger
 
+from ..domain.gpu_modules import fabric_mode, fabric_version, mapping_problems, parse_module_ids
 from ..domain.topology import DiskRef, GpuRef, VfRef, emulated_candidates, pair_candidates
 from .host import Host, HostFs
 
@@ -135,6 +136,41 @@ def fabric(fs: HostFs, devices: dict[str, PciInfo]) -> list[m.FabricDevice]:
             )
         )
     return out
+
+
+# --- NVLink module IDs and Fabric Manager -------------------------------------------------------------
+
+FABRICMANAGER_CFG = "/usr/share/nvidia/nvswitch/fabricmanager.cfg"
+FABRICMANAGER_UNIT = "nvidia-fabricmanager"
+
+
+async def module_ids(host: Host) -> tuple[dict[str, int], list[str]]:
+    """PCI address -> module ID from `nvidia-smi -q`, and the problems met. No nvidia-smi (a lab host, a host
+    image without the driver tools) is no map at all, not a problem: such a host is placed without partitions."""
+    if host.run.which("nvidia-smi") is None:
+        return {}, []
+    res = await host.run.run("nvidia-smi", "-q")
+    if not res.ok:
+        return {}, [f"nvidia-smi -q failed (rc {res.rc}): {res.stderr[:200]}"]
+    return parse_module_ids(res.stdout)
+
+
+async def fabric_manager(host: Host) -> m.FabricManagerInfo | None:
+    """None on a host without Fabric Manager installed (neither its config nor its binary)."""
+    binary = host.run.which("nv-fabricmanager")
+    cfg = host.fs.read_raw(FABRICMANAGER_CFG)
+    if binary is None and cfg is None:
+        return None
+    version = None
+    if binary is not None:
+        res = await host.run.run("nv-fabricmanager", "--version")
+        version = fabric_version(res.stdout + "\n" + res.stderr) if res.ok else None
+    unit = await host.run.run("systemctl", "is-active", FABRICMANAGER_UNIT)
+    return m.FabricManagerInfo(
+        mode=fabric_mode(cfg),  # type: ignore[arg-type]
+        version=version,
+        active=unit.ok and unit.stdout.strip() == "active",
+    )
 
 
 # --- block devices -----------------------------------------------------------------------------------
@@ -373,11 +409,15 @@ async def discover(
     emulated_disks: Iterable[str] = (),
 ) -> m.NodeTopologyReported:
     devices = pci_devices(host.fs)
-    gpu_list = gpus(devices)
+    modules, module_problems = await module_ids(host)
+    gpu_list = [g.model_copy(update={"module_id": modules.get(g.pci_address)}) for g in gpus(devices)]
     fabric_list = fabric(host.fs, devices)
     disks = await nvme_disks(host, leased_by_id=leased_by_id)
     emulated = await emulated_slot_disks(host, emulated_disks, leased_by_id=leased_by_id)
-    blockers: list[str] = []
+    blockers: list[str] = list(module_problems)
+    blockers += mapping_problems(
+        [g.pci_address for g in gpu_list], {g.pci_address: g.module_id for g in gpu_list if g.module_id}
+    )
     bridge_cidrs = (await interface_addresses(host)).get(ovs_bridge, [])
     if not bridge_cidrs:
         blockers.append(f"OVS bridge {ovs_bridge} has no IPv4 address; suggested IPs assume 10.100.0.1/24")
@@ -410,6 +450,7 @@ async def discover(
                 emulated=c.emulated,
                 numa_node=c.gpu.numa_node if c.gpu else None,
                 pcie_switch=c.gpu.pcie_switch if c.gpu else None,
+                module_id=modules.get(c.gpu.pci_address) if c.gpu else None,
                 nvme_by_id=c.nvme_by_id,
                 fabric_claim_mode="none" if c.emulated else "per_slot_vf",
                 fabric_vf_pci_address=c.fabric_vf,
@@ -438,6 +479,7 @@ async def discover(
         blockers=blockers,
         hugepages_1g_total=hugepages_total,
         hugepages_1g_free=hugepages_free,
+        fabric_manager=await fabric_manager(host),
     )
     log.info(
         "topology_discovered",
@@ -448,6 +490,8 @@ async def discover(
         nvme=len(disks),
         candidates=sum(s.complete for s in slots),
         blockers=len(blockers),
+        module_ids=len(modules),
+        fabric_manager_mode=report.fabric_manager.mode if report.fabric_manager else None,
         hugepages_1g_total=hugepages_total,
         hugepages_1g_free=hugepages_free,
     )

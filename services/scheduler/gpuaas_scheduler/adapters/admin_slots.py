@@ -20,7 +20,7 @@ SLOT_VIEW = (
     "slot_id, node_id, gpu_pci_address, numa_node, pcie_switch, nvme_by_id, nvme_evidence, fabric_claim_mode, "
     "fabric_vf_pci_address, mac, private_ip, ovs_bridge, ovs_port, profile, status, status_reason, health_state, "
     "health_detail, generation, candidate_id, approved_by, approved_at, updated_at, storage_ownership, storage_mode, "
-    "destructive_wipe_policy, storage_identity_kind, emulated"
+    "destructive_wipe_policy, storage_identity_kind, emulated, module_id"
 )
 # Storage metadata recorded at approval (migrations/007_slot_storage.sql says what each means).
 STORAGE_FIELDS = ("storage_ownership", "storage_mode", "destructive_wipe_policy", "storage_identity_kind")
@@ -156,9 +156,9 @@ async def save_approval(
         "INSERT INTO node_resource_slots (slot_id, node_id, gpu_pci_address, numa_node, pcie_switch, nvme_by_id, "
         "nvme_evidence, fabric_claim_mode, fabric_vf_pci_address, mac, private_ip, ovs_bridge, ovs_port, profile, "
         "status, status_reason, candidate_id, approved_by, approved_at, health_state, health_detail, "
-        "storage_ownership, storage_mode, destructive_wipe_policy, storage_identity_kind, emulated) "
+        "storage_ownership, storage_mode, destructive_wipe_policy, storage_identity_kind, emulated, module_id) "
         "VALUES ($1, $2, $3, $4, $5, $6, $7::jsonb, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, now(), "
-        "'healthy', NULL, $20, $21, $22, $23, $24) "
+        "'healthy', NULL, $20, $21, $22, $23, $24, $25) "
         "ON CONFLICT (slot_id) DO UPDATE SET gpu_pci_address = EXCLUDED.gpu_pci_address, "
         "numa_node = EXCLUDED.numa_node, pcie_switch = EXCLUDED.pcie_switch, nvme_by_id = EXCLUDED.nvme_by_id, "
         "nvme_evidence = EXCLUDED.nvme_evidence, "
@@ -170,6 +170,7 @@ async def save_approval(
         "storage_ownership = EXCLUDED.storage_ownership, storage_mode = EXCLUDED.storage_mode, "
         "destructive_wipe_policy = EXCLUDED.destructive_wipe_policy, "
         "storage_identity_kind = EXCLUDED.storage_identity_kind, emulated = EXCLUDED.emulated, "
+        "module_id = EXCLUDED.module_id, "
         "updated_at = now() "
         # The replace rule again, on the row as it is: nothing approval may not replace is overwritten.
         "WHERE node_resource_slots.status = ANY($19::text[]) RETURNING slot_id",
@@ -197,6 +198,7 @@ async def save_approval(
         c.get("destructive_wipe_policy", "blkdiscard"),
         c.get("storage_identity_kind", "nvme_wwn_by_id"),
         bool(c.get("emulated")),
+        c.get("module_id"),
     )
     if written is None:
         current = await conn.fetchval("SELECT status FROM node_resource_slots WHERE slot_id = $1", slot_id)

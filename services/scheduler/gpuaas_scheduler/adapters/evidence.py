@@ -24,6 +24,7 @@ CANDIDATE_FIELDS = (
     "ovs_bridge",
     "ovs_port",
     "emulated",
+    "module_id",
 )
 
 
@@ -52,13 +53,15 @@ async def update_topology(
     blockers: list[Any],
     hugepages_1g_total: int | None = None,
     hugepages_1g_free: int | None = None,
+    fabric_manager: tuple[str | None, str | None, bool | None] = (None, None, None),
 ) -> bool:
-    """The hugepage counts replace the stored ones even when None: a report without them leaves the host's
-    capacity unknown, not as an older report said."""
+    """The hugepage counts and the Fabric Manager (mode, version, active) replace the stored ones even when
+    None: a report without them leaves the host's capacity unknown, not as an older report said."""
     return (
         await conn.fetchrow(
             "UPDATE nodes SET topology_reported_at = $2, topology_blockers = $3::jsonb, hugepages_1g_total = $4, "
-            "hugepages_1g_free = $5, updated_at = now() "
+            "hugepages_1g_free = $5, fabric_manager_mode = $6, fabric_manager_version = $7, "
+            "fabric_manager_active = $8, updated_at = now() "
             "WHERE node_id = $1 AND (topology_reported_at IS NULL OR topology_reported_at <= $2) "
             "AND (evidence_reset_at IS NULL OR evidence_reset_at < $2) RETURNING node_id",
             node_id,
@@ -66,6 +69,7 @@ async def update_topology(
             json.dumps(blockers),
             hugepages_1g_total,
             hugepages_1g_free,
+            *fabric_manager,
         )
         is not None
     )

@@ -51,11 +51,51 @@ def duplicate_problems(candidate: Mapping[str, Any], others: Iterable[Mapping[st
     return problems
 
 
-def approval_problems(candidate: Mapping[str, Any], others: Iterable[Mapping[str, Any]] = ()) -> list[str]:
+def _gpu_slot(slot: Mapping[str, Any]) -> bool:
+    return bool(slot.get("gpu_pci_address")) and not slot.get("emulated")
+
+
+def module_problems(candidate: Mapping[str, Any], others: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The host's GPU -> module ID map must be consistent: every GPU slot of the node carries a module ID or
+    none does, and no module ID is carried twice. `others`: the node's other GPU slots as they will be after
+    this approval (the rest of the batch, and the unretired slots it does not replace).
+
+    A host whose GPUs carry none (older evidence, a board without module IDs) is approved as before and placed
+    by the PCIe-switch and NUMA rules; one that carries some is placed on NVLink partitions, which a missing
+    or doubled module ID would make wrong."""
+    if not _gpu_slot(candidate):
+        return []
+    gpus = [o for o in others if _gpu_slot(o) and o.get("gpu_pci_address") != candidate.get("gpu_pci_address")]
+    mine = candidate.get("module_id")
+    if mine is None:
+        mapped = sorted(str(o["gpu_pci_address"]) for o in gpus if o.get("module_id") is not None)
+        if mapped:
+            return [f"GPU has no module ID while {len(mapped)} other GPUs of the node have one: rediscover the host"]
+        return []
+    problems = []
+    if not 1 <= int(mine) <= 8:
+        problems.append(f"module ID {mine} is not one of 1-8")
+    unmapped = sorted(str(o["gpu_pci_address"]) for o in gpus if o.get("module_id") is None)
+    if unmapped:
+        problems.append(f"GPUs of the node without a module ID: {', '.join(unmapped)}: rediscover the host")
+    twins = sorted(str(o["gpu_pci_address"]) for o in gpus if o.get("module_id") == mine)
+    if twins:
+        problems.append(f"module ID {mine} also reported for GPU {', '.join(twins)}")
+    return problems
+
+
+def approval_problems(
+    candidate: Mapping[str, Any],
+    others: Iterable[Mapping[str, Any]] = (),
+    gpu_peers: Iterable[Mapping[str, Any]] | None = None,
+) -> list[str]:
+    """`gpu_peers`: the node's GPU slots after this approval, for the module ID rule (default: `others`)."""
+    others = list(others)
     return (
         binding_problems(candidate)
         + disk_problems(candidate.get("nvme_evidence"))
         + duplicate_problems(candidate, others)
+        + module_problems(candidate, others if gpu_peers is None else gpu_peers)
     )
 
 

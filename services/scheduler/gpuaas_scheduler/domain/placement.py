@@ -18,6 +18,15 @@ it on one socket.
 
 The adapter enumerates nodes in exactly this order from an index (see `rank_classes`), so Postgres
 never sorts the fleet and the ranking stays testable here.
+
+**NVLink partitions.** On a host whose free slots carry GPU module IDs (discovery mapped them, approval
+checked the map: domain/approval.py), a slice takes exactly one Fabric Manager partition
+(domain/nvlink_partitions.py): 1, 2, 4 or 8 GPUs, all free and healthy, chosen in buddy order inside the host.
+Its capacity summary is then written in partition terms so the same tiers and index still rank it: the
+largest free partition of at most 2 GPUs stands for its PCIe-switch group, of at most 4 for its NUMA node,
+and each half's largest free partition for that node's free slots (a half is its NUMA node). A host whose
+slots carry no module IDs (emulated lab slots, slots approved from older evidence) keeps the PCIe-switch and
+NUMA rules.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
+
+from . import nvlink_partitions as nvl
 
 TIER_SWITCH, TIER_NUMA, TIER_SPAN = 0, 1, 2
 TIER_NAMES = {TIER_SWITCH: "one PCIe switch", TIER_NUMA: "one NUMA node", TIER_SPAN: "minimal NUMA span"}
@@ -39,12 +50,15 @@ class SlotView:
     numa_node: int | None
     pcie_switch: str | None
     fabric_device: str | None = None
+    module_id: int | None = None
 
 
 @dataclass(frozen=True)
 class Choice:
     slots: tuple[SlotView, ...]
     tier: int
+    # The Fabric Manager partition the slots form; None on a host placed without partitions.
+    partition: int | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +129,18 @@ class NodeFacts:
     drifted_free_slots: int = 0
     # The runtime profiles of its slots that opt into hugepages (empty: none does), named by why-not answers.
     hugepage_profiles: tuple[str, ...] = ()
+    # (module ID, state) of each unretired GPU slot with a module ID: `free`, `held` (a tenant's, or on its way
+    # back from one) or `sick` (unhealthy, disabled, drifted, awaiting a verified wipe). Empty: the host is
+    # not placed on NVLink partitions.
+    module_states: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def partitioned(self) -> bool:
+        return bool(self.module_states)
+
+    def gpu_states(self) -> nvl.Host:
+        """The host as the partition rules see it, keeping tenant and health apart for the why-not answer."""
+        return {mid: nvl.GpuState(free=state == "free", healthy=state != "sick") for mid, state in self.module_states}
 
 
 HUGEPAGE_FILTERS = ("hugepages_missing", "hugepages_insufficient")
@@ -164,11 +190,46 @@ def _switch_key(slot: SlotView) -> tuple[object, object]:
     return (slot.numa_node, slot.pcie_switch) if slot.pcie_switch is not None else ("solo", slot.slot_id)
 
 
+def partitioned(slots: Iterable[SlotView]) -> bool:
+    """Whether slots are placed on NVLink partitions: any of them carries a module ID."""
+    return any(s.module_id is not None for s in slots)
+
+
+def _by_module(free: Sequence[SlotView]) -> dict[int, SlotView]:
+    """Free slots by module ID. A module ID two free slots claim (approval refuses that) is trusted for
+    neither: placing on it could hand one GPU of a partition twice."""
+    counts = Counter(s.module_id for s in free if s.module_id is not None)
+    return {s.module_id: s for s in free if s.module_id is not None and counts[s.module_id] == 1}
+
+
+HALF = 4
+
+
+def partition_tier(size: int) -> int:
+    return TIER_SWITCH if size <= 2 else TIER_NUMA if size <= 4 else TIER_SPAN
+
+
+def choose_partition(slots: Iterable[SlotView], gpus: int) -> Choice | None:
+    """The free slots of the host's best partition of `gpus` GPUs in buddy order, or None: a size no partition
+    has, or no partition of that size whose GPUs are all free (a degraded, excluded, drifted or claimed GPU
+    is not among the free slots, so every partition holding it is out)."""
+    modules = _by_module(dedupe_fabric(slots))
+    best = nvl.best_partition({mid: nvl.GpuState() for mid in modules}, gpus)
+    if best is None:
+        return None
+    chosen = tuple(sorted((modules[mid] for mid in best.modules), key=lambda s: s.slot_id))
+    return Choice(chosen, partition_tier(best.size), best.partition_id)
+
+
 def choose(slots: Iterable[SlotView], gpus: int, numa_capacity: int | None = None) -> Choice | None:
-    """The topology-safe group for `gpus` on one node, best fit bottom-up, or None.
+    """The topology-safe group for `gpus` on one node, best fit bottom-up, or None; on a partitioned host
+    (see `partitioned`) its best NVLink partition.
 
     Best fit at each level of the hierarchy keeps whole PCIe-switch pairs and whole NUMA nodes free
     for the larger requests that need them."""
+    slots = list(slots)
+    if partitioned(slots):
+        return choose_partition(slots, gpus)
     free = dedupe_fabric(slots)
     if len(free) < gpus or gpus < 1:
         return None
@@ -227,10 +288,34 @@ def summarize(
 ) -> NodeCandidate:
     """The capacity summary the adapter stores on the node row, from its eligible free slots."""
     usable = dedupe_fabric(free)
+    if partitioned(usable):
+        return _partition_summary(node_id, usable, total_slots, live_claims, numa_capacity)
     switch = [len(g) for k, g in _groups(usable, _switch_key).items() if k[0] != "solo" and k[0] is not None]
     numa = sorted((len(g) for k, g in _groups(usable, lambda s: s.numa_node).items() if k is not None), reverse=True)
     return NodeCandidate(
         node_id, len(usable), total_slots, live_claims, max(switch, default=0), tuple(numa), numa_capacity
+    )
+
+
+def _largest(partitions: Iterable[nvl.Partition], at_most: int) -> int:
+    return max((p.size for p in partitions if p.size <= at_most), default=0)
+
+
+def _partition_summary(
+    node_id: str, usable: Sequence[SlotView], total_slots: int, live_claims: int, numa_capacity: int
+) -> NodeCandidate:
+    """The summary of a partitioned host in the terms the tiers read (see the module docstring): a 2-GPU
+    request finds it at the switch tier only with a free pair, a 4-GPU one at the NUMA tier only with a free
+    half, an 8-GPU one only with every GPU free."""
+    modules = _by_module(usable)
+    avail = nvl.available_partitions({mid: nvl.GpuState() for mid in modules})
+    halves = sorted(
+        (_largest((p for p in avail if p.modules <= half.modules), 4) for half in nvl.PARTITIONS if half.size == 4),
+        reverse=True,
+    )
+    # A half is the host's NUMA-sized group whatever its slots' NUMA nodes say, so an 8-GPU slice spans two.
+    return NodeCandidate(
+        node_id, len(modules), total_slots, live_claims, _largest(avail, 2), tuple(h for h in halves if h), HALF
     )
 
 
@@ -325,6 +410,8 @@ def node_filter(node: NodeFacts, req: Request) -> str | None:
         return "drift_reported" if drift_only else "free_slot_count"
     if hugepages_insufficient(node, req):
         return "hugepages_insufficient"
+    if node.partitioned and (req.gpus not in nvl.SIZES or not nvl.feasible_partitions(node.gpu_states(), req.gpus)):
+        return "nvlink_partition"
     if best_tier(node.candidate, req.gpus) is None:
         return "topology"
     return None
@@ -424,6 +511,7 @@ _FILTER_TEXT = {
     "in_use": "held by another allocation",
     "free_slot_count": "with too few free slots",
     "topology": "without a topology-safe group",
+    "nvlink_partition": "without a free NVLink partition of that size",
     "clean_node_reserve": "reserved clean for baremetal",
 }
 
@@ -460,6 +548,8 @@ def unschedulable_summary(
         )
     if filtered.get("topology"):
         return "topology", f"{free_gpus} GPUs free but no node has {requested} topology-safe slots{suffix}"
+    if filtered.get("nvlink_partition"):
+        return "no_partition", f"{free_gpus} GPUs free but no host has a free {requested}-GPU NVLink partition{suffix}"
     if filtered.get("clean_node_reserve"):
         return "clean_node_reserve", (
             f"{free_gpus} GPUs free but the hosts that fit {requested} are clean hosts kept for baremetal{suffix}"
@@ -467,6 +557,17 @@ def unschedulable_summary(
     return "fragmented", (
         f"{free_gpus} GPUs free but no node has {requested} free slots (largest: {largest_free}){suffix}"
     )
+
+
+def partition_summary(nodes: Iterable[NodeFacts], requested: int, detail: Counter[str]) -> tuple[str, str] | None:
+    """The why-not answer in partition terms (domain/nvlink_partitions.py's `why_not`) when every eligible host
+    with a free GPU is placed on partitions and their partitions are what is missing; else None."""
+    hosts = {n.node_id: n.gpu_states() for n in nodes}
+    answer = nvl.why_not(hosts, requested) if hosts else None
+    if answer is None or answer[0] not in ("no_partition", "unsupported_size"):
+        return None
+    text = _filtered_text(detail)
+    return answer[0], answer[1] + (f" (nodes: {text})" if text else "")
 
 
 def image_gate(slug: str, digest: str, reported: bool) -> tuple[str, str] | None:

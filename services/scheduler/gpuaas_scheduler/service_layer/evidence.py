@@ -5,7 +5,8 @@
 - `node.topology_reported` -> `candidate_slots`: advisory only. Nothing here ever creates or changes
   a slot; an operator approves candidates through the admin API. Its 1 GiB hugepage counts go on the
   node: capability evidence the `hugepages_missing` / `hugepages_insufficient` filters gate on for
-  slots whose runtime profile opts into hugepages.
+  slots whose runtime profile opts into hugepages; so does its Fabric Manager (mode, version). Each candidate
+  carries its GPU's module ID, which approval checks (domain/approval.py, `module_problems`).
 - `node.slice_preflight_reported` (MAAS gateway, after a commissioning run) -> a `node_slice_preflight`
   row (the evidence, kept) and the node's `preflight_status`, which SLICE_NODE_SQL and the
   `preflight_failed` / `preflight_missing` filters gate on. The machine is mapped to its node by
@@ -60,8 +61,15 @@ async def record_topology(conn: asyncpg.Connection, ev: m.NodeTopologyReported) 
     """Replace the node's unapproved candidates with the reported ones; 'applied', 'stale' or
     'unknown_node'. Approved candidates are the operator's record of what became a slot: kept, and a
     reported candidate for the same GPU (or id) is not stored beside them."""
+    fm = ev.fabric_manager
     if not await repo.update_topology(
-        conn, ev.node_id, as_received(ev.discovered_at), ev.blockers, ev.hugepages_1g_total, ev.hugepages_1g_free
+        conn,
+        ev.node_id,
+        as_received(ev.discovered_at),
+        ev.blockers,
+        ev.hugepages_1g_total,
+        ev.hugepages_1g_free,
+        (fm.mode, fm.version, fm.active) if fm else (None, None, None),
     ):
         return await _why_not_applied(conn, ev.node_id)
     disks = {d.by_id: d for d in ev.nvme if d.by_id}

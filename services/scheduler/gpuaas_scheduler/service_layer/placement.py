@@ -29,6 +29,7 @@ from ..domain.placement import (
     hugepage_note,
     image_gate,
     node_filter,
+    partition_summary,
     rank_classes,
     summarize,
     unschedulable_summary,
@@ -155,8 +156,11 @@ async def _place_slices(
             claim_mode="slots",
             fencing_epoch=epoch,
             slots=[m.SlotBinding(**{k: r[k] for k in r.keys() if k != "epoch"}) for r in rows],
+            nvlink_partition=choice.partition,
         )
         out.extra["tier"] = choice.tier
+        if choice.partition is not None:
+            out.extra["nvlink_partition"] = choice.partition
 
     savepoints = itertools.count()
 
@@ -254,6 +258,8 @@ async def why_not(
     filtered: Counter[str] = Counter()
     free = eligible = largest = 0
     short_of_pages = []
+    partitioned: list = []
+    unpartitioned_free = 0
     for node in facts:
         reason = node_filter(node, req)
         if reason in HUGEPAGE_FILTERS:
@@ -269,6 +275,10 @@ async def why_not(
             continue
         free += node.candidate.free_slots
         largest = max(largest, node.candidate.free_slots)
+        if node.partitioned:
+            partitioned.append(node)
+        else:
+            unpartitioned_free += node.candidate.free_slots
         if reason is not None:
             filtered[reason] += 1
         elif not node.candidate.sliced and policy.clean_node_watermark:
@@ -276,6 +286,9 @@ async def why_not(
         else:
             filtered["in_use"] += 1
     code, text = unschedulable_summary(filtered, free, req.gpus, req.shape, eligible, largest)
+    if code in ("no_partition", "topology", "fragmented") and partitioned and not unpartitioned_free:
+        # Every free GPU is on a partitioned host: say which partitions are missing and what holds them.
+        code, text = partition_summary(partitioned, req.gpus, filtered) or (code, text)
     text += hugepage_note(short_of_pages, hugepage_profiles())
     return m.PlacementUnschedulable(
         allocation_id=ev.allocation_id,

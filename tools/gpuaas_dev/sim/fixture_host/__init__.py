@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .description import (
     GPU_BUSES,
+    GPU_MODULES,
     MIB,
     Gpu,
     HostDescription,
@@ -64,6 +65,7 @@ def build_host_root(root: str | os.PathLike[str], desc: HostDescription) -> Path
 __all__ = [
     "FIXTURE_DATA",
     "GPU_BUSES",
+    "GPU_MODULES",
     "MIB",
     "Gpu",
     "HostDescription",

@@ -11,6 +11,9 @@ from pydantic import BaseModel, Field
 from gpuaas_common.fleet import FleetNode
 
 GPU_BUSES = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")
+# Module IDs in bus order, as the one real system of the partitions reference numbers its board: the two GPUs
+# behind a PCIe switch are a valid NVLink pair ({1,3}, {2,4}, {5,7}, {6,8}), each NUMA node holds a half.
+GPU_MODULES = (1, 3, 2, 4, 5, 7, 6, 8)
 MIB = 1 << 20
 
 
@@ -41,6 +44,8 @@ class Gpu(BaseModel):
     switch: int
     device_id: str = "2335"
     driver: str = "vfio-pci"
+    # What `nvidia-smi -q` prints as its Module Id; None prints N/A (a board without module IDs).
+    module_id: int | None = None
 
 
 class Nic(BaseModel):
@@ -86,6 +91,10 @@ class HostDescription(BaseModel):
     nvidia_persistenced_active: bool = False
     fabricmanager_active: bool = False
     fabricmanager_mode: int = 0  # FABRIC_MODE in fabricmanager.cfg: 0 bare metal (holds the GPUs), 1 shared NVSwitch
+    # What `nv-fabricmanager --version` prints; None: no Fabric Manager binary on the host.
+    fabricmanager_version: str | None = "550.127.05"
+    # Whether the host has `nvidia-smi` (the driver's tools): without it discovery reports no module IDs.
+    nvidia_smi: bool = True
     # The rest of the runbook's slice baseline.
     slice_services: tuple[str, ...] = (
         "gpuaas-slice-fabric-vfs",
@@ -121,7 +130,7 @@ def xe9680l(
     the BOSS OS disk and data NVMe disks. With `mounted_share` the last data disk carries a mounted child
     partition, as the lab host's /share disks did."""
     gpus = [
-        Gpu(pci_address=f"0000:{bus}:00.0", numa_node=0 if i < 4 else 1, switch=i // 2)
+        Gpu(pci_address=f"0000:{bus}:00.0", numa_node=0 if i < 4 else 1, switch=i // 2, module_id=GPU_MODULES[i])
         for i, bus in enumerate(GPU_BUSES)
     ]
     nics = [

@@ -104,6 +104,44 @@ def write_etc(root: Path, desc: HostDescription) -> None:
     _write(etc / "hostname", desc.hostname + "\n")
 
 
+def _nvidia_smi_q(desc: HostDescription) -> str:
+    """`nvidia-smi -q` as the H200 fixture prints it (tests/fixtures/gpu_hosts), cut to what discovery reads."""
+    lines = ["", "==============NVSMI LOG==============", "", f"Driver Version : {desc.fabricmanager_version}", ""]
+    lines.append(f"Attached GPUs                                          : {len(desc.gpus)}")
+    for gpu in desc.gpus:
+        domain, rest = gpu.pci_address.split(":", 1)
+        lines += [
+            f"GPU 0000{domain.upper()}:{rest.upper()}",
+            "    Product Name                                       : NVIDIA H200",
+            "    Platform Info",
+            "        Chassis Serial Number                          : N/A",
+            f"        Module Id                                      : {gpu.module_id or 'N/A'}",
+            "        GPU Fabric GUID                                : N/A",
+            "",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _write_nvidia_tools(root: Path, data: Path, desc: HostDescription) -> None:
+    for tool in ("usr/bin/nvidia-smi", "usr/bin/nv-fabricmanager"):
+        if (root / tool).exists():
+            (root / tool).unlink()
+    if desc.nvidia_smi:
+        _write(data / "nvidia-smi-q.txt", _nvidia_smi_q(desc))
+        _script(
+            root / "usr/bin/nvidia-smi",
+            'if [ "$*" = "-q" ]; then cat "$DATA/nvidia-smi-q.txt"; exit 0; fi\n'
+            'echo "fixture nvidia-smi: unsupported: $*" >&2; exit 2\n',
+        )
+    if desc.fabricmanager_version:
+        _script(
+            root / "usr/bin/nv-fabricmanager",
+            'if [ "$1" = "--version" ]; then echo "Fabric Manager version is : '
+            + desc.fabricmanager_version
+            + '"; exit 0; fi\necho "fixture nv-fabricmanager: unsupported: $*" >&2; exit 2\n',
+        )
+
+
 def write_host_tools(fs: _Sysfs, desc: HostDescription) -> None:
     root = fs.root
     sysroot = fs.sys
@@ -214,6 +252,7 @@ def write_host_tools(fs: _Sysfs, desc: HostDescription) -> None:
         '    bind "$2" "$(grep "^$2 " "$DATA/pci-default-drivers.txt" | cut -d" " -f2)";;\n'
         '  *) echo "fixture driverctl: unsupported: $*" >&2; exit 1;;\nesac\n',
     )
+    _write_nvidia_tools(root, data, desc)
     # Signature probes are the real tools: they read the disk stand-ins like they read a device.
     for tool in ("wipefs", "blkid"):
         real = shutil.which(tool)

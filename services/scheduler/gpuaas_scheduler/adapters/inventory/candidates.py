@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
@@ -10,6 +11,7 @@ import asyncpg
 from ...domain.placement import NodeCandidate, NodeFacts, Request, node_skus
 from .predicates import (
     BAREMETAL_NODE_SQL,
+    MODULE_STATES_SQL,
     NODE_SUMMARY_COLUMNS,
     SLICE_NODE_SQL,
     SLOT_DRIFT_SQL,
@@ -93,7 +95,8 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
         " (SELECT count(*) FROM node_resource_slots s WHERE s.node_id = n.node_id AND s.status <> 'retired')"
         "   AS approved_slots, "
         f" (SELECT count(*) FROM node_resource_slots s WHERE s.node_id = n.node_id AND {UNCLAIMED_SLOT_SQL} "
-        f"   AND {SLOT_DRIFT_SQL}) AS drifted_free_slots "
+        f"   AND {SLOT_DRIFT_SQL}) AS drifted_free_slots, "
+        f" {MODULE_STATES_SQL} AS module_states "
         "FROM nodes n ORDER BY n.node_id",
         *gate_params(image_gate),
         hugepage_table(),
@@ -130,6 +133,7 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
             drift_open=r["drift_open"],
             drifted_free_slots=r["drifted_free_slots"],
             hugepage_profiles=tuple((r["hugepage_profiles"] or "").split(",")) if r["hugepage_profiles"] else (),
+            module_states=tuple((int(mid), str(state)) for mid, state in json.loads(r["module_states"] or "[]")),
         )
         for r in rows
     ]

@@ -36,8 +36,8 @@ async def refresh_nodes(
         f"   AND t.{COUNTED_SLOT_SQL} AND t.numa_node IS NOT NULL GROUP BY t.numa_node) q) AS numa_capacity "
         "FROM nodes n WHERE ($1::text[] IS NULL OR n.node_id = ANY($1::text[]))) "
         "SELECT n.node_id, n.total, n.live_claims, n.numa_capacity, "
-        "  f.slot_id, f.numa_node, f.pcie_switch, f.fabric_vf_pci_address "
-        "FROM n LEFT JOIN LATERAL (SELECT s.slot_id, s.numa_node, s.pcie_switch, s.fabric_vf_pci_address "
+        "  f.slot_id, f.numa_node, f.pcie_switch, f.fabric_vf_pci_address, f.module_id "
+        "FROM n LEFT JOIN LATERAL (SELECT s.slot_id, s.numa_node, s.pcie_switch, s.fabric_vf_pci_address, s.module_id "
         f"  FROM node_resource_slots s WHERE s.node_id = n.node_id AND {FREE_SLOT_SQL}) f ON true "
         "ORDER BY n.node_id",
         ids,
@@ -77,10 +77,14 @@ async def refresh_nodes(
 
 
 async def fleet_shape(conn: asyncpg.Connection) -> tuple[int | None, int | None, int | None]:
-    """The largest number of approved slots behind one PCIe switch and on one NUMA node, fleet-wide."""
+    """The largest number of approved slots behind one PCIe switch and on one NUMA node, fleet-wide. A host
+    placed on NVLink partitions counts its pairs as switch groups (domain/placement.py), whatever its PCIe
+    layout."""
     row = await conn.fetchrow(
         f"SELECT (SELECT max(k) FROM (SELECT count(*) AS k FROM node_resource_slots WHERE {COUNTED_SLOT_SQL} "
-        "  AND pcie_switch IS NOT NULL AND numa_node IS NOT NULL GROUP BY node_id, numa_node, pcie_switch) a) AS sw, "
+        "  AND pcie_switch IS NOT NULL AND numa_node IS NOT NULL GROUP BY node_id, numa_node, pcie_switch "
+        f"  UNION ALL SELECT 2 WHERE EXISTS (SELECT 1 FROM node_resource_slots WHERE {COUNTED_SLOT_SQL} "
+        "  AND module_id IS NOT NULL)) a) AS sw, "
         "(SELECT max(numa_capacity) FROM nodes WHERE total_slots > 0) AS max_numa, "
         "(SELECT min(numa_capacity) FROM nodes WHERE total_slots > 0) AS min_numa"
     )

@@ -16,6 +16,7 @@ from .predicates import (
     FREE_SLOT_SQL,
     SLICE_NODE_SQL,
     SLOT_COLUMNS,
+    SLOT_VIEW_COLUMNS,
     TIER_SQL,
     gate_params,
     hugepage_table,
@@ -25,6 +26,8 @@ from .predicates import (
 )
 
 LOCKED = object()
+_FREE_COLUMNS = ", ".join("s." + c.strip() for c in SLOT_VIEW_COLUMNS.split(","))
+_FREE_COLUMNS_F = ", ".join("f." + c.strip() for c in SLOT_VIEW_COLUMNS.split(","))
 
 
 async def lock_slice_node(
@@ -54,7 +57,7 @@ async def lock_slice_node(
 
 async def free_slots_locked(conn: asyncpg.Connection, node_id: str) -> list[SlotView]:
     rows = await conn.fetch(
-        f"SELECT s.slot_id, s.numa_node, s.pcie_switch, s.fabric_vf_pci_address FROM node_resource_slots s "
+        f"SELECT {_FREE_COLUMNS} FROM node_resource_slots s "
         f"WHERE s.node_id = $1 AND {FREE_SLOT_SQL} ORDER BY s.slot_id FOR UPDATE OF s SKIP LOCKED",
         node_id,
     )
@@ -114,9 +117,9 @@ async def lock_best_in_class(
         "  AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
         "                  AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') "
         "  ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT 1 FOR UPDATE OF n SKIP LOCKED), "
-        "free AS (SELECT s.slot_id, s.numa_node, s.pcie_switch, s.fabric_vf_pci_address FROM node_resource_slots s "
+        f"free AS (SELECT {_FREE_COLUMNS} FROM node_resource_slots s "
         f"  WHERE s.node_id = (SELECT node_id FROM n) AND {FREE_SLOT_SQL} FOR UPDATE OF s SKIP LOCKED) "
-        "SELECT n.*, f.slot_id, f.numa_node, f.pcie_switch, f.fabric_vf_pci_address FROM n LEFT JOIN free f ON true "
+        f"SELECT n.*, {_FREE_COLUMNS_F} FROM n LEFT JOIN free f ON true "
         "ORDER BY f.slot_id",
         req.region,
         req.sku,

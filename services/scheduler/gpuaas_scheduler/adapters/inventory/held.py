@@ -9,6 +9,7 @@ import asyncpg
 
 from gpuaas_common.contract import messages as m
 
+from ...domain.nvlink_partitions import partition_for
 from ..wipe_policy import effective_policy_sql
 from .predicates import SLOT_COLUMNS
 
@@ -38,10 +39,14 @@ async def held_placement(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> 
             maas_system_id=first["maas_system_id"],
         )
     fields = m.SlotBinding.model_fields
+    # The partition is not stored: the claimed slots' module IDs name it, as they did when it was chosen.
+    modules = [r["module_id"] for r in rows]
+    partition = partition_for(modules) if all(mid is not None for mid in modules) else None
     return m.PlacementPlaced(
         allocation_id=allocation_id,
         node_id=first["node_id"],
         claim_mode="slots",
         fencing_epoch=first["fencing_epoch"],
         slots=[m.SlotBinding(**{k: r[k] for k in r.keys() if k in fields}) for r in rows],
+        nvlink_partition=partition.partition_id if partition else None,
     )

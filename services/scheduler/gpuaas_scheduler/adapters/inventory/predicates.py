@@ -14,8 +14,11 @@ from ...domain.placement import TIER_NUMA, TIER_SPAN, TIER_SWITCH, NodeCandidate
 from ..slot_sql import ELIGIBLE_SLOT_SQL
 
 SLOT_COLUMNS = (
-    "slot_id, gpu_pci_address, nvme_by_id, fabric_vf_pci_address, mac, private_ip, ovs_bridge, numa_node, profile"
+    "slot_id, gpu_pci_address, nvme_by_id, fabric_vf_pci_address, mac, private_ip, ovs_bridge, numa_node, profile, "
+    "module_id"
 )
+# What placement reads of a free slot (`slot_view`).
+SLOT_VIEW_COLUMNS = "slot_id, numa_node, pcie_switch, fabric_vf_pci_address, module_id"
 
 # A node may take slices now: intent, mode, readiness evidence (a passing commissioning preflight and
 # parity), no drain or maintenance, and no open node-wide drift.
@@ -44,6 +47,17 @@ UNCLAIMED_SLOT_SQL = (
 SLOT_DRIFT_SQL = "EXISTS (SELECT 1 FROM node_drift d WHERE d.slot_id = s.slot_id AND d.status = 'open')"
 # A slot is free to claim: unclaimed and no open drift on it.
 FREE_SLOT_SQL = f"{UNCLAIMED_SLOT_SQL} AND NOT {SLOT_DRIFT_SQL}"
+# Node `n`'s GPU slots with a module ID as JSON [[module, state], ...] (NULL: none), `domain.placement.NodeFacts`'s
+# `module_states`: free to claim, held by a tenant (a live claim, or a status on the way to or back from one),
+# or sick (anything else keeping it from placement: unhealthy, disabled, drifted, awaiting a verified wipe).
+MODULE_STATES_SQL = (
+    "(SELECT json_agg(json_build_array(s.module_id, CASE "
+    f"WHEN {FREE_SLOT_SQL} THEN 'free' "
+    "WHEN s.status IN ('reserved', 'provisioning', 'active', 'releasing', 'cleanup') OR EXISTS (SELECT 1 FROM "
+    "allocation_resource_claims mc WHERE mc.slot_id = s.slot_id AND mc.status <> 'released') THEN 'held' "
+    "ELSE 'sick' END) ORDER BY s.module_id)::text FROM node_resource_slots s "
+    "WHERE s.node_id = n.node_id AND s.module_id IS NOT NULL AND s.status <> 'retired')"
+)
 
 
 def image_ready_sql(slug: int, digest: int) -> str:
@@ -109,7 +123,7 @@ NODE_SUMMARY_COLUMNS = "node_id, free_slots, total_slots, sliced, max_switch_fre
 
 
 def slot_view(r: asyncpg.Record) -> SlotView:
-    return SlotView(r["slot_id"], r["numa_node"], r["pcie_switch"], r["fabric_vf_pci_address"])
+    return SlotView(r["slot_id"], r["numa_node"], r["pcie_switch"], r["fabric_vf_pci_address"], r["module_id"])
 
 
 def candidate_from_row(r: asyncpg.Record) -> NodeCandidate:

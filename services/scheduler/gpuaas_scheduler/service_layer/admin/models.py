@@ -76,6 +76,8 @@ class CandidateIn(Body):
     gpu_pci_address: str | None = Field(default=None, pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
     numa_node: int | None = Field(default=None, ge=0, le=1024)
     pcie_switch: str | None = Field(default=None, max_length=128)
+    # The GPU's module ID on the HGX board (nvidia-smi -q), which NVLink partitions are made of.
+    module_id: int | None = Field(default=None, ge=1, le=8)
     nvme_by_id: str | None = Field(default=None, max_length=1024)
     nvme_evidence: NvmeEvidence | None = None
     fabric_claim_mode: Literal["per_slot_vf", "shared"] | None = None

@@ -102,6 +102,11 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn, *, al
     waived = [jsonable(w) for w in waivers if w["gate"] in gate.waived]
     policy = await _approval_wipe_policy(conn, node["region"], body.destructive_wipe_policy)
     slots = {r["slot_id"]: dict(r) for r in await repo.node_slots(conn, node_id)}
+    # The node's GPUs as they will be after this approval, which the module ID rule judges as a whole.
+    batch_gpus = {c["gpu_pci_address"] for c in cands if c["gpu_pci_address"]}
+    gpu_peers = [dict(c) for c in cands] + [
+        s for s in slots.values() if s["status"] != RETIRED and s["gpu_pci_address"] not in batch_gpus
+    ]
     results = []
     for cand in cands:
         c = dict(cand)
@@ -125,7 +130,7 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn, *, al
         if body.profile is not None:
             c["profile"] = body.profile
         # A retired slot owns no binding any more; a re-approved one takes it back.
-        problems = approval_problems(c, [s for s in slots.values() if s["status"] != RETIRED])
+        problems = approval_problems(c, [s for s in slots.values() if s["status"] != RETIRED], gpu_peers)
         if c.get("emulated") and not allow_emulated:
             problems.append(EMULATED_REFUSED)
         status, reason = approved_status(problems)
