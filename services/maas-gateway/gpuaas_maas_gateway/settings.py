@@ -1,4 +1,4 @@
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, ValidationInfo, field_validator
 
@@ -16,6 +16,9 @@ class SiteProfile(BaseModel):
     erase_on_release: bool = True
     quick_erase: bool = True
     bootstrap_user_data: str = ""
+    # MAAS storage layout set before each deploy (`flat` for a tgz host image: MAAS owns the partitions and the
+    # ESP, maas-host-image-pipeline); None leaves the machine's layout as MAAS has it.
+    storage_layout: Literal["flat", "lvm", "bcache", "blank"] | None = "flat"
     # Tags that mark a machine as belonging to this profile in MAAS (synced by sync_tags).
     tags: tuple[str, ...] = ()
 

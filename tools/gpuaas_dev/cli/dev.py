@@ -220,6 +220,7 @@ def dev_up(
             log_level=log_level,
             unsafe_no_fsync=unsafe_no_fsync,
             lab=lab,
+            lab_baremetal=lab,
             pg_tls=pg_tls,
             **_stack_args(slice_hosts, slots, baremetal, nats_cluster, replicas),
         )
@@ -310,6 +311,7 @@ def dev_supervise(
         log_level=log_level,
         unsafe_no_fsync=unsafe_no_fsync,
         lab=lab,
+        lab_baremetal=lab,
         pg_tls=pg_tls,
         **_stack_args(slice_hosts, slots, baremetal, nats_cluster, replicas),
     )

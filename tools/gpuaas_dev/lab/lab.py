@@ -312,9 +312,10 @@ class Lab:
         probe = ("virsh", "-c", self.state.libvirt_uri, "domcapabilities", "--virttype", "qemu", "--machine", "q35")
         _wait_for(lambda: _run(*probe, check=False).returncode == 0, CAPS_PROBE_S, "libvirtd's QEMU probe", pid)
 
-    def forward(self, name: str, port: int) -> None:
-        """127.0.0.1:`port` inside the namespace reaches 127.0.0.1:`port` of the root namespace, through a
-        unix socket: no route, no veth, no address of the root namespace is ever reachable from inside."""
+    def forward(self, name: str, port: int, bind: str = "127.0.0.1") -> None:
+        """`bind`:`port` inside the namespace (loopback, or the bridge's address for the guests) reaches
+        127.0.0.1:`port` of the root namespace, through a unix socket: no route, no veth, no address of the root
+        namespace is ever reachable from inside."""
         assert self.state is not None
         sock = self.root / f"fwd-{name}.sock"
         sock.unlink(missing_ok=True)
@@ -322,7 +323,7 @@ class Lab:
         _wait_for(sock.exists, DAEMON_START_S, f"forwarder {name} (root side)", outer)
         self.spawn(
             f"fwd-{name}-inner",
-            self.ns("socat", f"TCP-LISTEN:{port},bind=127.0.0.1,fork,reuseaddr", f"UNIX-CONNECT:{sock}"),
+            self.ns("socat", f"TCP-LISTEN:{port},bind={bind},fork,reuseaddr", f"UNIX-CONNECT:{sock}"),
         )
         self.state.forwards[name] = port
         self._save()

@@ -96,7 +96,30 @@ def add_routes(app: web.Application, state_key: web.AppKey[SimState]) -> None:
         machine.preflight_exit_status = int(exit_status) if exit_status is not None else None
         return web.json_response({"system_id": system_id, "fail": machine.preflight_failures})
 
+    async def power(request: web.Request) -> web.Response:
+        """Make a machine a VM behind the `virsh` power driver (virsh_power.py): {"power_parameters": {…},
+        "ip_address": the address MAAS assigned it}. What an operator enters in MAAS for a virsh machine, plus
+        the static address; the stack's lab uses it."""
+        from .virsh_power import VirshParams
+
+        state = state_of(request)
+        system_id = request.match_info["system_id"]
+        if system_id not in state.machines:
+            return web.json_response({"error": f"no machine {system_id}"}, status=404)
+        try:
+            body: Any = await request.json()
+            params = VirshParams.from_dict(dict(body["power_parameters"]))
+            ip = body.get("ip_address")
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            return web.json_response({"error": str(error)}, status=400)
+        machine = state.machines[system_id]
+        if machine.owner is not None:
+            return web.json_response({"error": f"{system_id} is in use ({machine.status.label})"}, status=409)
+        machine.virsh, machine.power_type, machine.static_ip = params, "virsh", ip
+        return web.json_response(state.machine_debug(system_id))
+
     app.router.add_post("/_sim/machines/{system_id}/preflight", preflight)
+    app.router.add_put("/_sim/machines/{system_id}/power", power)
     app.router.add_get("/_sim/healthz", healthz)
     app.router.add_get("/_sim/calls", calls)
     app.router.add_delete("/_sim/calls", reset_calls)

@@ -197,6 +197,12 @@ class Machine:
     preflight_failures: dict[str, str] = field(default_factory=dict)
     preflight_output: str | None = None
     preflight_exit_status: int | None = None
+    # The `virsh` power driver's parameters (virsh_power.VirshParams); None: the timer-driven simulation.
+    virsh: Any = None
+    # The address MAAS assigned the machine (a static link); None: a loopback address of its own.
+    static_ip: str | None = None
+    # `set_storage_layout`'s last layout: curtin lays the disk out by it at the next deploy.
+    storage_layout: str = "lvm"
 
     # ---- derived facts -------------------------------------------------------------------------
 
@@ -206,6 +212,8 @@ class Machine:
 
     @property
     def ip_address(self) -> str:
+        if self.static_ip:
+            return self.static_ip
         # Loopback addresses keep any accidental traffic from a simulated host on this machine.
         return f"127.0.{10 + self.index // 250}.{1 + self.index % 250}"
 
@@ -263,6 +271,24 @@ class Machine:
                 self._clear_ownership()
             self._move(deadline, ok_status, "timer")
 
+    def phase_token(self) -> int:
+        """Names the phase now running: a power driver's outcome applies only to the phase it was started for."""
+        return len(self.history)
+
+    def finish_phase(self, now: float, token: int, failure: str | None = None) -> bool:
+        """Ends an untimed phase (a power driver's deploy, release or erase) where its outcome leads."""
+        phase = self.status
+        if token != len(self.history) or phase not in _PHASE_OUTCOME or self.phase_deadline is not None:
+            return False  # released or aborted meanwhile: the driver's outcome no longer applies
+        ok_status, failed_status = _PHASE_OUTCOME[phase]
+        if failure is not None:
+            self._move(now, failed_status, "power", failure)
+            return True
+        if ok_status is NodeStatus.READY:
+            self._clear_ownership()
+        self._move(now, ok_status, "power")
+        return True
+
     def _clear_ownership(self) -> None:
         self.owner = None
         self.agent_name = ""
@@ -308,8 +334,11 @@ class Machine:
             "hwe_kernel": hwe_kernel,
             "user_data": user_data,
             "comment": comment,
+            "storage_layout": self.storage_layout,
         }
         self._start_phase(now, timers, NodeStatus.DEPLOYING, "deploy")
+        if self.virsh is not None:
+            self.phase_deadline = None  # the power driver ends it
 
     def release(
         self,
@@ -333,6 +362,8 @@ class Machine:
             self._start_phase(now, timers, NodeStatus.DISK_ERASING, "release")
         else:
             self._start_phase(now, timers, NodeStatus.RELEASING, "release")
+        if self.virsh is not None:
+            self.phase_deadline = None
 
     def commission(self, now: float, timers: Timers, scripts: tuple[str, ...] = ()) -> None:
         if self.status not in _COMMISSIONABLE:

@@ -135,6 +135,17 @@ class BootResourceStore:
             raise NotFound("No BootResource matches the given query.")
         return resource
 
+    def content(self, name: str) -> bytes | None:
+        """The newest complete set's file of the uploaded resource `name`: what curtin would write out."""
+        for resource in sorted(self.resources.values(), key=lambda r: r.id, reverse=True):
+            if resource.name != name:
+                continue
+            for rset in reversed(list(resource.sets.values())):
+                files = list(rset.files.values())
+                if files and all(f.complete for f in files):
+                    return bytes(files[0].data)
+        return None
+
     def complete_names(self) -> set[str]:
         return {r.name for r in self.resources.values() if r.complete}
 

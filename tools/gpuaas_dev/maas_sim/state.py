@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -42,6 +43,8 @@ class SimState:
         self.responses: defaultdict[str, Counter[int]] = defaultdict(Counter)
         # Set when the server shuts down, so responses held back by a fault are let go promptly.
         self.shutting_down = asyncio.Event()
+        # Power drivers' steps in flight (power.py), held so none is collected before it ends.
+        self.power_tasks: set[asyncio.Task[None]] = set()
 
     def now(self) -> float:
         return self.config.clock()
@@ -94,11 +97,14 @@ class SimState:
             last = dict(machine.last_deploy)
             raw = last.pop("user_data")
             last["user_data"] = raw.decode("utf-8", errors="replace") if raw is not None else None
+            last["user_data_b64"] = base64.b64encode(raw).decode() if raw is not None else None
             last["at_ago_seconds"] = now - last.pop("at")
         data["_sim"] = {
             "agent_name": machine.agent_name,
             "owner": machine.owner,
             "erase_mode": machine.erase_mode,
+            "power_driver": "virsh" if machine.virsh is not None else None,
+            "storage_layout": machine.storage_layout,
             "mac_address": machine.mac_address,
             "pending_failures": {s.label: m for s, m in machine.pending_failures.items()},
             "phase_seconds_left": (

@@ -61,7 +61,7 @@ def describe_stack(stack: Stack) -> dict[str, Any]:
             f"{prefix}_admin_url": f"http://127.0.0.1:{port}" if (port := stack.admin_port(service)) else None
             for service, prefix in ADMIN_APIS.items()
         },
-        "lab": describe_lab(stack._lab, stack._lab_image),
+        "lab": describe_lab(stack._lab, stack._lab_image, stack),
         "fleet": {
             "slice_hosts": stack.slice_hosts,
             "slots_per_host": stack.slots_per_host,

@@ -115,6 +115,11 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
         env["GPUAAS_MAAS_INSECURE_HTTP"] = "true"
         env["GPUAAS_MAAS_API_KEY"] = stack.maas_api_key
         env["GPUAAS_ENROLMENT_SECRET"] = stack.enrolment_secret
+        if stack.lab_baremetal:
+            from ..lab.host_image import SLUG
+            from .lab_machine import gateway_profiles
+
+            env["GPUAAS_SITE_PROFILES"] = gateway_profiles(stack, SLUG)
     elif name == "ops-view":
         env.update(GPUAAS_ADMIN_PORT="0", GPUAAS_ADMIN_TOKEN=stack.admin_token(name))
     elif name == "node-agent":

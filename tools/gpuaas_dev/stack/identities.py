@@ -16,9 +16,10 @@ from gpuaas_common.identity.tls import TlsFiles, make_ca_and_server_cert
 from .coroutines import run_coro
 
 
-def make_identities(run_dir: Path, creds_dir: Path) -> tuple[TlsFiles, Authority]:
-    """A fresh operator, accounts and CA for every start; one creds file per identity (0600)."""
-    tls = make_ca_and_server_cert(run_dir / "tls")
+def make_identities(run_dir: Path, creds_dir: Path, extra_ips: tuple[str, ...] = ()) -> tuple[TlsFiles, Authority]:
+    """A fresh operator, accounts and CA for every start; one creds file per identity (0600). `extra_ips`: other
+    addresses clients reach the servers at (the lab's bridge), named in the server certificate."""
+    tls = make_ca_and_server_cert(run_dir / "tls", ips=("127.0.0.1", *extra_ips))
     auth = Authority.create()
     for role, perms in ROLE_PERMISSIONS.items():
         creds_files.write(creds_dir / f"{role}.creds", auth.issue_user(role, perms))

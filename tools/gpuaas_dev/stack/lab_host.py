@@ -112,11 +112,21 @@ def restart_lab_agent(stack: Stack, lab: Lab) -> int:
     return start_agent(lab, lab_agent_config(stack, lab, str(creds) if creds else None))
 
 
-def describe_lab(lab: Lab | None, image: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def describe_lab(
+    lab: Lab | None, image: dict[str, Any] | None = None, stack: Stack | None = None
+) -> dict[str, Any] | None:
     if lab is None or lab.state is None:
         return None
     st = lab.state
+    machine = None
+    if stack is not None and stack.lab_baremetal:
+        from .lab_machine import describe_machine
+
+        machine = describe_machine(lab)
+        if machine is not None and stack._lab_host_image is not None:
+            machine["host_image"] = stack._lab_host_image.get("slug")
     return {
+        "baremetal_machine": machine,
         "netns": st.netns,
         "libvirt_uri": st.libvirt_uri,
         "node_id": LAB_NODE,

@@ -59,6 +59,7 @@ class Stack:
         replicas: int = 1,
         lab: bool = False,
         lab_slots: int = 1,
+        lab_baremetal: bool = False,
         pg_tls: bool = False,
     ) -> None:
         """`env_overrides` maps GPUAAS_* names to values for every service; a key that is a process
@@ -86,6 +87,12 @@ class Stack:
         # `lab`: a real slice host beside the simulated fleet (stack/lab_host.py): QEMU/TCG in a namespace.
         self.lab = lab
         self.lab_slots = lab_slots
+        # `lab_baremetal`: also a MAAS machine that is a VM in the lab (stack/lab_machine.py), deployed with the
+        # lab's host image, which the pipeline builds and the gateway uploads at start.
+        if lab_baremetal and not lab:
+            raise ValueError("lab_baremetal needs lab=True")
+        self.lab_baremetal = lab_baremetal
+        self._lab_host_image: dict[str, Any] | None = None
         self._lab: Any = None
         self._lab_image: dict[str, Any] | None = None
         self.run_dir = Path(run_dir).resolve()
@@ -134,6 +141,14 @@ class Stack:
         if self._nats is None:
             raise StackError("stack not started")
         return self._nats.url
+
+    @property
+    def nats_port(self) -> int:
+        from urllib.parse import urlsplit
+
+        port = urlsplit(self.nats_url.split(",")[0]).port
+        assert port is not None
+        return port
 
     @property
     def creds_dir(self) -> Path:
@@ -324,6 +339,7 @@ class Stack:
     def _start(self) -> None:
         from ..lab.tasks import LAB_PROFILE
         from .lab_host import LAB_IMAGE_TIMEOUT_S, LAB_NODE, lab_fleet_node, publish_lab_image, start_lab_host
+        from .lab_machine import HOST_IMAGE_TIMEOUT_S, attach_machine, lab_machine_node, publish_host_image
 
         self._reset_run_dir()
         self._maas_api_key = str(generate_api_key())
@@ -338,7 +354,11 @@ class Stack:
 
         # Held before start() so a start that fails half-way is still stopped by stop().
         if self.auth:
-            self._tls, self._authority = make_identities(self.run_dir, self.creds_dir)
+            from .lab_machine import GUEST_GATEWAY
+
+            # The lab's machines reach the bus at the bridge's address (the lab forwards it): the certificate names it.
+            extra_ips = (GUEST_GATEWAY,) if self.lab_baremetal else ()
+            self._tls, self._authority = make_identities(self.run_dir, self.creds_dir, extra_ips)
         self._nats = NatsCluster(self.run_dir / "nats", size=self.nats_cluster, auth=self._authority, tls=self._tls)
         self._nats.start()
         pg_tls = make_ca_and_server_cert(self.run_dir / "pg-tls") if self.pg_tls else None
@@ -357,7 +377,7 @@ class Stack:
             baremetal_hosts=self.baremetal_hosts,
             ssh_port=free_port(),
             hosts_root=self.run_dir / "hosts",
-            real_hosts=[lab_fleet_node()] if self.lab else None,
+            real_hosts=([lab_fleet_node()] if self.lab else []) + ([lab_machine_node()] if self.lab_baremetal else []),
         )
         self._fleet = Fleet.load(files["fleet"])
         self._files = files
@@ -382,6 +402,8 @@ class Stack:
                 self._lab = start_lab_host(self)
             except LabUnavailable as exc:
                 raise StackError(f"--lab: {exc}") from None
+            if self.lab_baremetal:
+                attach_machine(self, self._lab)
         # Slice hosts become slice-capable only with a passing commissioning preflight: commission them
         # through the gateway, as ops would (see stack/preflight.py).
         try:
@@ -406,6 +428,11 @@ class Stack:
                 raise StackError(
                     f"--lab: {exc}\n--- image-pipeline log ---\n{self.log_tail('image-pipeline')}"
                 ) from None
+        if self.lab_baremetal:
+            try:
+                self._lab_host_image = run_coro(lambda: publish_host_image(url, token, HOST_IMAGE_TIMEOUT_S))
+            except (TimeoutError, RuntimeError) as exc:
+                raise StackError(f"--lab: {exc}\n--- maas-gateway log ---\n{self.log_tail('maas-gateway')}") from None
 
     def stop(self) -> None:
         """SIGTERM every process this stack started (by PID), SIGKILL after `stop_timeout_s`."""

@@ -34,14 +34,22 @@ async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[
     except BootstrapNotCloudConfig as exc:
         raise Unresolvable("invalid_bootstrap", f"site profile {row['profile']!r}: {exc}") from None
     series = normalise_distro_series(profile.distro_series, await ops.uploaded(row["site"]))
-    return lambda: site.client.deploy(
-        row["system_id"],
-        series,
-        user_data=user_data,
-        hwe_kernel=profile.hwe_kernel,
-        agent_name=str(row["allocation_id"]),
-        comment=f"gpuaas allocation {row['allocation_id']}",
-    )
+
+    async def submit() -> Any:
+        if profile.storage_layout is not None:
+            # Before the deploy, every time: a layout set again is no change, and a machine back from another
+            # tenant may have been given another one.
+            await site.client.set_storage_layout(row["system_id"], profile.storage_layout)
+        return await site.client.deploy(
+            row["system_id"],
+            series,
+            user_data=user_data,
+            hwe_kernel=profile.hwe_kernel,
+            agent_name=str(row["allocation_id"]),
+            comment=f"gpuaas allocation {row['allocation_id']}",
+        )
+
+    return submit
 
 
 step = machine_step(prepare)

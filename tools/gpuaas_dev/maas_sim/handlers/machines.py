@@ -8,6 +8,7 @@ from typing import Any
 
 from ..errors import BadRequest, NoMachineAvailable
 from ..machines import Machine, NodeStatus
+from ..power import after_deploy, after_release
 from ..script_results import (
     BUILTIN_COMMISSIONING,
     HARDWARE_TYPES,
@@ -158,6 +159,7 @@ def deploy(call: Call) -> Any:
         agent_name=params.get("agent_name"),
         comment=params.get("comment"),
     )
+    after_deploy(state, machine)
     return machine.to_json(API_ROOT)
 
 
@@ -171,6 +173,28 @@ def release(call: Call) -> Any:
         secure_erase=params.flag("secure_erase"),
         comment=params.get("comment"),
     )
+    after_release(call.state, machine)
+    return machine.to_json(API_ROOT)
+
+
+# MAAS 3.x's layouts; `flat` is the one the host-image runbook deploys its tgz with.
+STORAGE_LAYOUTS = ("flat", "lvm", "bcache", "vmfs6", "vmfs7", "custom", "blank")
+
+
+def set_storage_layout(call: Call) -> Any:
+    machine, params = call.machine, call.params
+    layout = (params.get("storage_layout") or "").strip()
+    if layout not in STORAGE_LAYOUTS:
+        choices = ", ".join(f"'{name}'" for name in STORAGE_LAYOUTS)
+        raise BadRequest(
+            {
+                "storage_layout": [f"Select a valid choice. {layout} is not one of the available choices."],
+                "__all__": [f"Layouts: {choices}"],
+            }
+        )
+    if machine.status not in (NodeStatus.READY, NodeStatus.ALLOCATED):
+        raise BadRequest({"__all__": ["Cannot change the storage layout on a machine that is not Ready or Allocated."]})
+    machine.storage_layout = layout
     return machine.to_json(API_ROOT)
 
 

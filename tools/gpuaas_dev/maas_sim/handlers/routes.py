@@ -21,6 +21,7 @@ from .machines import (
     read_machine,
     read_result,
     release,
+    set_storage_layout,
 )
 from .routing import Call, Operation, Route
 from .scripts import create_script, list_scripts, read_script
@@ -73,6 +74,14 @@ ROUTES: tuple[Route, ...] = (
             Operation("release", "POST", "release", release, True, "Release a machine."),
             Operation("commission", "POST", "commission", commission, True, "Commission a machine."),
             Operation("abort", "POST", "abort", abort, True, "Abort the machine's current action."),
+            Operation(
+                "set_storage_layout",
+                "POST",
+                "set_storage_layout",
+                set_storage_layout,
+                True,
+                "Change the storage layout of a Ready or Allocated machine.",
+            ),
         ),
         doc="Manage an individual machine.",
     ),

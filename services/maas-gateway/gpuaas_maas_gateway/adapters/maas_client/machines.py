@@ -90,6 +90,20 @@ class MachineCalls(MaasTransport):
         )
         return Machine.from_json(data)
 
+    async def set_storage_layout(self, system_id: str, storage_layout: str, *, timeout: float | None = None) -> Machine:
+        """Ready or Allocated machines only; setting the layout they already have changes nothing."""
+        data = await self._call(
+            "POST",
+            f"machines/{system_id}/",
+            op="set_storage_layout",
+            operation="set_storage_layout",
+            form={"storage_layout": storage_layout},
+            system_id=system_id,
+            mutation=True,
+            timeout=timeout,
+        )
+        return Machine.from_json(data)
+
     async def release(
         self,
         system_id: str,

@@ -1,0 +1,159 @@
+"""A baremetal allocation on the lab: the MAAS simulator's machine is a real VM behind its `virsh` power driver.
+
+The dev stack runs with the lab and its baremetal machine (and no simulated baremetal host, so the scheduler can
+only place on it). At start the image pipeline archived the lab's curated host image (Debian 12 from packages,
+the node agent installed from this checkout's wheel with its systemd unit enabled) and the MAAS gateway uploaded
+it as `custom/<slug>`, which the site profile deploys with `storage_layout=flat`. The test is a portal: it asks
+for a baremetal host and follows the lifecycle, every message checked against the contract.
+
+What happens in between is the product's and MAAS's, not the test's: the gateway allocates and deploys with
+user-data; the simulator installs the uploaded tgz on the machine's disk as curtin would, hands the user-data over
+as a NoCloud seed of exactly the bytes the gateway sent, and powers the VM on; cloud-init writes the agent's files;
+the production agent (started by systemd in the guest) enrols over the lab's forwarded NATS with its
+allocation-bound credentials, and the allocation goes `active`. The release revokes the host's credentials (a
+publish with them is refused), releases the machine with erase, and the VM is off with its disk wiped.
+
+One guest boots (three to six minutes under TCG on two cores). It runs wherever the lab's pieces are installed
+and the process is root, and there it fails, never skips, when the lab does not work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pycdlib
+import pytest
+import yaml
+from nats.aio.client import RawCredentials
+
+from gpuaas_common.identity import creds as creds_files
+from gpuaas_common.identity.tls import client_tls_options
+from gpuaas_dev.lab import preflight
+from gpuaas_dev.lab.host_image import SLUG
+from gpuaas_dev.stack import Stack
+from gpuaas_dev.stack.lab_machine import LAB_MACHINE, LAB_MACHINE_IP
+
+from .conftest import maas_sim
+
+pytestmark = pytest.mark.skipif(
+    not preflight.installed() or os.geteuid() != 0,
+    reason="the lab needs its Debian packages (scripts/setup.sh) and root for network namespaces",
+)
+
+BOOT_S = 900.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(
+        tmp_path_factory.mktemp("labbm"),
+        slice_hosts=0,
+        baremetal_hosts=0,
+        lab=True,
+        lab_baremetal=True,
+        unsafe_no_fsync=True,
+    )
+    s.start()
+    yield s
+    netns = s.lab_host.state.netns
+    s.stop()
+    assert not Path(f"/run/netns/{netns}").exists()
+
+
+def _virsh(stack: Stack, *args: str) -> str:
+    uri = stack.lab_host.state.libvirt_uri
+    return subprocess.run(["virsh", "-c", uri, *args], capture_output=True, text=True).stdout.strip()
+
+
+def _seed_user_data(iso_path: Path) -> bytes:
+    iso = pycdlib.PyCdlib()
+    iso.open(str(iso_path))
+    try:
+        out = io.BytesIO()
+        iso.get_file_from_iso_fp(out, rr_path="/user-data")
+        return out.getvalue()
+    finally:
+        iso.close()
+
+
+async def _publish_as_host(stack: Stack, creds_text: str, node_id: str) -> None:
+    name = creds_files.parse(creds_text).name
+    nc = await nats.connect(
+        stack.nats_url,
+        user_credentials=RawCredentials(creds_text),
+        **client_tls_options(stack.ca_file),
+        inbox_prefix=f"_INBOX_{name}".encode(),
+        allow_reconnect=False,
+        connect_timeout=5,
+    )
+    try:
+        await nc.jetstream().publish(f"gpuaas.node.{node_id}.report.heartbeat", b"{}", timeout=5)
+    finally:
+        await nc.close()
+
+
+async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_enrols(portal, stack, db) -> None:
+    t0 = time.monotonic()
+    alloc = await portal.request("baremetal", gpus=8)
+    placed = await portal.wait_state(alloc, "placed", timeout=60)
+    assert placed["payload"]["node_id"] == LAB_MACHINE
+    system_id = placed["payload"]["maas_system_id"]
+    active = await portal.wait_state(alloc, "active", timeout=BOOT_S)
+    active_s = time.monotonic() - t0
+    assert active["payload"]["access"]["maas_system_id"] == system_id
+
+    machine = await maas_sim(stack, "GET", f"/_sim/machines/{system_id}")
+    assert (machine["power_type"], machine["status_name"], machine["ip_addresses"]) == (
+        "virsh",
+        "Deployed",
+        [LAB_MACHINE_IP],
+    )
+    deploy = machine["_sim"]["last_deploy"]
+    assert (deploy["osystem"], deploy["distro_series"], deploy["storage_layout"]) == ("custom", SLUG, "flat")
+    # The machine got exactly what the gateway sent, through the seed.
+    sent = base64.b64decode(deploy["user_data_b64"])
+    work = Path(stack.lab_host.state.host_dir) / "maas" / LAB_MACHINE
+    assert _seed_user_data(work / "seed.iso") == sent
+    assert _virsh(stack, "domstate", f"maas-{LAB_MACHINE}") == "running"
+    # The enrolment came from the agent in the VM (the simulated fleet runs no host for this node).
+    enrolled = portal.spy.of_type("node.enrolled", allocation_id=alloc) or [
+        e for e in portal.spy.of_type("node.enrolled") if e["payload"].get("node_id") == LAB_MACHINE
+    ]
+    assert enrolled and enrolled[0]["payload"]["kind"] == "baremetal"
+    assert enrolled[0]["payload"]["maas_system_id"] == system_id
+
+    user_data = yaml.safe_load(sent)
+    creds_text = next(f["content"] for f in user_data["write_files"] if f["path"] == "/etc/gpuaas/node.creds")
+    await _publish_as_host(stack, creds_text, LAB_MACHINE)  # valid while the allocation is active
+
+    t1 = time.monotonic()
+    await portal.release(alloc)
+    await portal.wait_state(alloc, "released", timeout=300)
+    released_s = time.monotonic() - t1
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await _publish_as_host(stack, creds_text, LAB_MACHINE)
+    machine = await maas_sim(stack, "GET", f"/_sim/machines/{system_id}")
+    assert machine["status_name"] == "Ready"
+    assert [h["to"] for h in machine["_sim"]["history"]][-2:] == ["Disk erasing", "Ready"]
+    assert _virsh(stack, "domstate", f"maas-{LAB_MACHINE}") == "shut off"
+    disk = work / "disk.img"
+    with disk.open("rb") as f:
+        assert f.read(4 << 20).count(0) == 4 << 20  # GPT and root superblock gone
+    probe = await asyncio.to_thread(subprocess.run, ["blkid", "-p", str(disk)], capture_output=True)
+    assert probe.returncode == 2  # no signature left anywhere blkid looks
+
+    rows = await db.fetch(
+        "SELECT state, reason_code, at FROM allocator.allocation_timeline WHERE allocation_id = $1 ORDER BY at", alloc
+    )
+    start = rows[0]["at"]
+    print(f"\nbaremetal walk on the lab: active after {active_s:.1f} s, released after {released_s:.1f} s")
+    for row in rows:
+        print(f"  +{(row['at'] - start).total_seconds():7.1f}s  {row['state']:<14} {row['reason_code'] or ''}")
