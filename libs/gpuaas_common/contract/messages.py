@@ -539,6 +539,8 @@ DriftKind = Literal[
     "device_binding",
     "disk_unusable",
     "disk_dirty",
+    # Fabric Manager and the agent disagree on an NVLink partition (active with no VM, or a VM without it).
+    "nvlink_partition",
 ]
 
 

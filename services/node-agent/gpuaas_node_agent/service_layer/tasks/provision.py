@@ -23,6 +23,7 @@ from ...domain.device_binding import wrong_bindings
 from ...domain.domain_xml import render_domain_xml, tap_name
 from ...domain.profiles import hugepages_1g_needed, vm_resources
 from ...domain.vm_spec import SliceVmSpec
+from . import nvlink
 from .core import AgentCore, Refused, TaskFailed
 
 __all__ = ["HUGEPAGES_1G_FREE", "PHASE_SECONDS", "ProvisionTask", "slot_lease"]
@@ -213,6 +214,8 @@ class ProvisionTask(AgentCore):
             raise Refused("invalid_vm_spec", str(exc)[:1000]) from exc
         xml = render_domain_xml(spec)
         await self._validate_xml(xml)
+        # After every other refusal and before the disk is touched: FM_ST_IN_USE refuses with nothing written.
+        await nvlink.activate(self, task)
         login_key = self.readiness_key
         try:
             host_key = await self._host_key(task) if login_key else None

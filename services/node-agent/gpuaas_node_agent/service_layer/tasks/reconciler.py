@@ -20,6 +20,7 @@ from gpuaas_common.contract import utcnow
 
 from ...adapters import disk, dnsmasq, driverctl
 from ...domain.device_binding import binding_problems
+from . import nvlink
 from .core import Refused, log
 from .runner import TaskRunner
 
@@ -114,6 +115,8 @@ class HostReconciler(TaskRunner):
                 )
         drift += await self._binding_drift(slots)
         drift += await self._disk_drift(slots)
+        live_vms = {vm for vm, record in latest.items() if _live(record) or self.vm_busy(vm)}
+        drift += [Drift("nvlink_partition", subject, detail) for subject, detail in await nvlink.drift(self, live_vms)]
         for d in drift:
             log.warning("node_drift_detected", node_id=self.node_id, **asdict(d))
         return drift
@@ -210,7 +213,15 @@ class HostReconciler(TaskRunner):
 
     async def reconcile_periodically(self, interval_s: float) -> None:
         """Report now, then every `interval_s`. A failed pass is logged and retried at the next tick: the
-        reconciler must never take the agent down."""
+        reconciler must never take the agent down. Beside it, a Fabric Manager restart is watched for much more
+        often: the active list is due within 60 seconds, whatever the reconcile interval."""
+        watcher = asyncio.create_task(nvlink.watch_restarts(self))
+        try:
+            await self._reconcile_loop(interval_s)
+        finally:
+            watcher.cancel()
+
+    async def _reconcile_loop(self, interval_s: float) -> None:
         while True:
             stop_if_cancelled()
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from gpuaas_common.contract import messages as m
 
 from ...adapters import disk, dnsmasq
+from . import nvlink
 from .core import AgentCore, Refused, TaskFailed, log
 
 
@@ -18,6 +19,8 @@ class ReleaseTask(AgentCore):
                 stopped = await self.libvirt.shutdown(task.vm_name, self.shutdown_timeout_s)
                 await self._phase(task, t, "undefine", detail=f"stop path: {stopped.value}")
                 await self.libvirt.undefine(task.vm_name)
+            # Never under a running VM: only once it is shut down (or was never there).
+            await nvlink.deactivate(self, task)
             dnsmasq.remove_reservation(self.hostsdir, task.vm_name)
             seed = self.seed_dir / f"{task.vm_name}.iso"
             seed.unlink(missing_ok=True)

@@ -13,6 +13,7 @@ from gpuaas_common.contract import messages as m
 
 from ...adapters import disk, dnsmasq
 from ...adapters.libvirt_host import LibvirtHostError
+from . import nvlink
 from .core import Refused, TaskFailed, log
 from .provision import ProvisionTask, slot_lease
 from .release import ReleaseTask
@@ -131,6 +132,7 @@ class TaskRunner(ProvisionTask, ReleaseTask):
                 reason=exc.reason,
             )
             if task_type == "slice.vm_provision":
+                await nvlink.deactivate_quietly(self, task)
                 self.store.drop_leases(str(task.allocation_id))
             # A release that refused to wipe a disk leaves tenant data on it: the slot still needs cleanup.
             unwiped = task_type == "slice.vm_release" and exc.code.startswith("disk_")
@@ -215,5 +217,6 @@ class TaskRunner(ProvisionTask, ReleaseTask):
                     domain=task.vm_name,
                 )
             dnsmasq.remove_reservation(self.hostsdir, task.vm_name)
+            await nvlink.deactivate_quietly(self, task)
         except (LibvirtHostError, OSError) as exc:
             log.error("libvirt_domain_teardown_failed", task_id=task.task_id, domain=task.vm_name, error=str(exc))
