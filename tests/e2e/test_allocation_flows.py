@@ -39,6 +39,25 @@ async def test_slice_allocation_goes_active_and_is_released_with_wipe_proof(port
     assert access["ssh_ready"] is True and access["ip"] == slots[0]["private_ip"]
     task = portal.spy.of_type("slice.vm_provision", allocation_id=alloc)[0]["payload"]
     assert task["image"]["slug"] == "ubuntu-24.04-h200-slice" and len(task["image"]["digest_sha256"]) == 64
+    # The catalog's driver strategy, as the allocator learnt it from image.activated, reaches the host...
+    announced = await db.fetchval(
+        "SELECT driver_strategy FROM allocator.active_images WHERE slug = $1", task["image"]["slug"]
+    )
+    assert task["image"]["driver_strategy"] == announced == "preinstalled"
+    # ...whose simulated guest reported both GPUs its domain was given, with a working driver.
+    (result,) = [
+        e["payload"]
+        for e in portal.spy.of_type("node.task_result", allocation_id=alloc)
+        if e["payload"]["task_type"] == "slice.vm_provision"
+    ]
+    assert result["readiness"]["guest_gpus"] == {
+        "expected": 2,
+        "pci": 2,
+        "driver": 2,
+        "driver_state": "loaded",
+        "driver_version": "580.159.04",
+        "driver_strategy": "preinstalled",
+    }
 
     async def slot_statuses() -> set[str]:
         rows = await db.fetch(

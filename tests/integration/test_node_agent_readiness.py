@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import structlog
 
-from gpuaas_dev.sim.dhcp_guest import SimulatedDhcpAndGuest
+from gpuaas_dev.sim.dhcp_guest import GuestFault, SimulatedDhcpAndGuest
 from gpuaas_dev.testing.waiting import eventually
 from gpuaas_node_agent.adapters import dnsmasq
 from gpuaas_node_agent.adapters.readiness import probe_ssh_banner, wait_ready
+from gpuaas_node_agent.domain.guest_gpus import parse_report
 
 
 def _free_port() -> int:
@@ -58,6 +59,8 @@ async def test_reservation_leads_to_bound_lease_and_ssh(sim: SimulatedDhcpAndGue
         "ssh_ready": True,
         "host_key_mismatch": False,
         "detail": None,
+        "gpu_report": None,
+        "gpu_report_missing": False,
     }
     # Without a login, readiness ends at the banner: the lease and the SSH answer are the steps timed.
     assert set(ready.phase_seconds) == {"lease", "ssh"}
@@ -156,3 +159,32 @@ async def test_banner_probe_rejects_a_non_ssh_server(ssh_port: int) -> None:
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_the_simulated_guest_answers_the_login_with_the_gpus_its_domain_was_given(
+    tmp_path: Path, ssh_port: int
+) -> None:
+    given = {"gpuaas-slice-g": ["0000:18:00.0", "0000:2a:00.0"]}
+
+    async def gpus_of(vm_name: str) -> list[str]:
+        return given.get(vm_name, [])
+
+    async with SimulatedDhcpAndGuest(
+        tmp_path / "hosts.d", tmp_path / "dnsmasq.leases", ssh_port, poll_interval_s=0.05, gpus_of=gpus_of
+    ) as sim:
+        ip, mac = _loopback_ip(), "52:54:00:aa:00:07"
+        dnsmasq.write_reservation(sim.hostsdir, "gpuaas-slice-g", mac, ip, "slice-g")
+        ready = await wait_ready(str(sim.lease_file), mac, ip, ssh_port, deadline_s=10, login=sim.login)
+        assert ready.ssh_ready and set(ready.phase_seconds) == {"lease", "ssh", "cloud_init"}
+        report = parse_report(ready.gpu_report or "")
+        assert [g.address for g in report.pci_gpus] == ["0000:00:06.0", "0000:00:07.0"]
+        assert (report.driver.state, len(report.nvidia_smi_gpus or [])) == ("loaded", 2)
+
+        # A guest that never writes its report: readiness waits for it to its deadline and says so.
+        ip2, mac2 = _loopback_ip(), "52:54:00:aa:00:08"
+        sim.faults["gpuaas-slice-h"] = GuestFault(no_report=True)
+        dnsmasq.write_reservation(sim.hostsdir, "gpuaas-slice-h", mac2, ip2, "slice-h")
+        started = time.monotonic()
+        silent = await wait_ready(str(sim.lease_file), mac2, ip2, ssh_port, deadline_s=1.0, login=sim.login)
+        assert time.monotonic() - started < 2.5
+        assert (silent.ssh_ready, silent.gpu_report, silent.gpu_report_missing) == (False, None, True)

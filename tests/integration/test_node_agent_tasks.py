@@ -20,7 +20,7 @@ import pytest
 from gpuaas_common.contract import Envelope, spec_for, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import provision
-from gpuaas_dev.sim.dhcp_guest import SimulatedDhcpAndGuest
+from gpuaas_dev.sim.dhcp_guest import GuestFault, SimulatedDhcpAndGuest, passed_through_gpus
 from gpuaas_dev.sim.fixture_host import build_host_root, xe9680l
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.servers import free_port
@@ -48,9 +48,10 @@ class Env:
         digest: str,
         ssh_port: int,
         libvirt: LibvirtHost,
+        guests: SimulatedDhcpAndGuest,
     ) -> None:
         self.root, self.node_id, self.agent, self.spy, self.digest = root, node_id, agent, spy, digest
-        self.ssh_port, self.libvirt = ssh_port, libvirt
+        self.ssh_port, self.libvirt, self.guests = ssh_port, libvirt, guests
         self.slots = self._slots()
 
     def _slots(self) -> list[m.SlotBinding]:
@@ -181,12 +182,16 @@ async def _make_env(
     digest = hashlib.sha256(image.read_bytes()).hexdigest()
     paths = HostPaths(root)
     port = free_port()
+    libvirt = LibvirtHost("test:///default", poll_interval_s=0.02)
     sim = SimulatedDhcpAndGuest(
-        paths.host("/etc/gpuaas/dnsmasq-hosts"), paths.host("/var/lib/misc/dnsmasq.leases"), port, poll_interval_s=0.02
+        paths.host("/etc/gpuaas/dnsmasq-hosts"),
+        paths.host("/var/lib/misc/dnsmasq.leases"),
+        port,
+        poll_interval_s=0.02,
+        gpus_of=passed_through_gpus(libvirt, root),
     )
     if dhcp:
         await sim.start()
-    libvirt = LibvirtHost("test:///default", poll_interval_s=0.02)
     store = StateStore(root / "var/lib/gpuaas/agent/agent.sqlite")
     agent = SliceHostAgent(
         node_id,
@@ -202,9 +207,10 @@ async def _make_env(
         readiness_timeout_s=30,
         shutdown_timeout_s=shutdown_timeout_s,
         relay_public_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHJlbGF5 relay@node",
+        guest_login=sim.login,
     )
     paths.host("/var/lib/gpuaas/seeds").mkdir(parents=True, exist_ok=True)
-    env = Env(root, node_id, agent, spy, digest, port, libvirt)
+    env = Env(root, node_id, agent, spy, digest, port, libvirt, sim)
     try:
         yield env
     finally:
@@ -234,6 +240,10 @@ async def test_provision_then_release_clones_boots_and_wipes_with_proof(env: Env
     result = await env.agent.execute("slice.vm_provision", prov)
     assert result.status == "succeeded", result
     assert result.readiness and result.readiness.ssh_ready and result.readiness.actual_ip == prov.slots[0].private_ip
+    # The guest reported both GPUs its domain was given, with the driver a preinstalled image has.
+    assert result.readiness.guest_gpus == m.GuestGpus(
+        expected=2, pci=2, driver=2, driver_state="loaded", driver_version="580.159.04", driver_strategy="preinstalled"
+    )
     assert disks[0].read_bytes()[: len(IMAGE_PATTERN)] == IMAGE_PATTERN
     assert await env.libvirt.exists(prov.vm_name)
     xml = ET.fromstring(env.libvirt._connection().lookupByName(prov.vm_name).XMLDesc())
@@ -265,6 +275,61 @@ async def test_provision_then_release_clones_boots_and_wipes_with_proof(env: Env
     assert not await env.libvirt.exists(prov.vm_name)
     assert not (env.root / "etc/gpuaas/dnsmasq-hosts" / prov.vm_name).exists()
     assert env.agent.store.leased_resources() == {}
+
+
+async def _failed_after_boot(env: Env, task: m.SliceVmProvision, code: str) -> m.NodeTaskResult:
+    """A provision that failed its readiness: the ordinary failure cleanup, as for any failure after the clone."""
+    result = await env.agent.execute("slice.vm_provision", task)
+    assert (result.status, result.reason_code) == ("failed", code), result
+    assert (result.cleanup_required, result.disk_touched) == (True, True)
+    assert result.readiness is None
+    assert not await env.libvirt.exists(task.vm_name)
+    assert not (env.root / "etc/gpuaas/dnsmasq-hosts" / task.vm_name).exists()
+    # The disks hold the clone: their leases stay until a release has wiped them.
+    leased = env.agent.store.leased_resources()
+    assert all(f"nvme:{s.nvme_by_id}" in leased for s in task.slots)
+    return result
+
+
+async def test_a_guest_missing_a_gpu_fails_readiness_and_is_cleaned_up(env: Env) -> None:
+    prov = env.provision(env.slots[:2])
+    env.guests.faults[prov.vm_name] = GuestFault(missing_gpus=1)
+    result = await _failed_after_boot(env, prov, "guest_gpu_mismatch")
+    assert result.reason == "the slot group passes 2 GPU(s) through; the guest sees 1 on its PCI bus (0000:00:06.0)"
+    await env.spy.wait_type("node.task_result", task_id=prov.task_id)
+    assert "ready" not in [e["payload"]["phase"] for e in env.spy.of_type("node.task_progress", task_id=prov.task_id)]
+    # The ordinary release wipes the disks and frees the leases.
+    released = await env.agent.execute("slice.vm_release", env.release(prov))
+    assert released.status == "succeeded" and all(p.verified for p in released.wipe_proofs)
+    assert env.agent.store.leased_resources() == {}
+
+
+async def test_the_driver_strategy_decides_whether_a_guest_without_a_driver_is_ready(env: Env) -> None:
+    preinstalled = env.provision(env.slots[:1])
+    env.guests.faults[preinstalled.vm_name] = GuestFault(driver="absent")
+    result = await _failed_after_boot(env, preinstalled, "guest_gpu_driver_missing")
+    assert result.reason == "the image's driver is preinstalled, but in the guest nvidia-smi is absent: " + (
+        "nvidia-smi is not installed"
+    )
+    assert (await env.agent.execute("slice.vm_release", env.release(preinstalled))).status == "succeeded"
+
+    # The same guest from an image whose driver cloud-init installs: its GPU is there, so it is ready.
+    later = env.provision(env.slots[:1])
+    later = later.model_copy(update={"image": later.image.model_copy(update={"driver_strategy": "cloud_init"})})
+    env.guests.faults[later.vm_name] = GuestFault(driver="absent")
+    ok = await env.agent.execute("slice.vm_provision", later)
+    assert ok.status == "succeeded", ok
+    assert ok.readiness and ok.readiness.guest_gpus == m.GuestGpus(
+        expected=1, pci=1, driver=None, driver_state="absent", driver_strategy="cloud_init"
+    )
+
+
+async def test_a_guest_that_never_reports_its_gpus_is_not_ready(env: Env) -> None:
+    env.agent.readiness_timeout_s = 1.5
+    prov = env.provision(env.slots[:1])
+    env.guests.faults[prov.vm_name] = GuestFault(no_report=True)
+    result = await _failed_after_boot(env, prov, "guest_report_missing")
+    assert "the guest did not report its GPUs within 2s" in (result.reason or "")
 
 
 async def test_duplicated_task_is_answered_from_its_record_not_run_again(env: Env) -> None:

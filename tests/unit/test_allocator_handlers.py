@@ -42,6 +42,7 @@ class FakeAllocationRepository(AllocationStore):
         self.timeline: list[tuple[uuid.UUID, str]] = []
         self.entries: list[dict[str, Any]] = []  # the timeline rows in full
         self.images = {i.slug: i for i in (SLICE_IMAGE, HOST_IMAGE)}
+        self.image_clock: dict[str, datetime] = {}
         self.early: dict[tuple[uuid.UUID, str], dict[str, Any]] = {}
 
     async def lock(self, allocation_id: uuid.UUID) -> dict[str, Any] | None:
@@ -121,6 +122,12 @@ class FakeAllocationRepository(AllocationStore):
 
     async def upsert_image(self, image: ActiveImage) -> None:
         self.images[image.slug] = image
+
+    async def advance_image_clock(self, slug: str, occurred_at: datetime) -> bool:
+        if self.image_clock.get(slug, occurred_at - timedelta(seconds=1)) >= occurred_at:
+            return False
+        self.image_clock[slug] = occurred_at
+        return True
 
     async def delete_image(self, slug: str) -> None:
         self.images.pop(slug, None)
@@ -393,6 +400,33 @@ async def test_the_provision_task_carries_the_deadline_the_allocator_keeps(world
     kept = world.repo.allocations[alloc]["task_deadline_at"]
     assert kept is not None and kept.isoformat().replace("+00:00", "Z")[:19] == task["deadline"][:19]
     assert timedelta(minutes=19) < kept - before <= timedelta(minutes=20, seconds=1)
+
+
+@pytest.mark.parametrize("strategy", ["cloud_init", "preinstalled"])
+async def test_the_provision_task_carries_the_driver_strategy_the_pipeline_announced(
+    world: World, strategy: str
+) -> None:
+    await world.send(
+        world.allocator.on_image_activated,
+        "image.activated",
+        m.ImageActivated(
+            slug=SLICE_IMAGE.slug,
+            kind="slice",
+            sku="h200-sxm-slice",
+            digest_sha256="c" * 64,
+            image_path="/img/slice-2.raw",
+            driver_strategy=strategy,
+        ),
+    )
+    alloc = await world.request()
+    await world.place(alloc)
+    (task,) = world.sent("slice.vm_provision")
+    assert task["image"] == {
+        "slug": SLICE_IMAGE.slug,
+        "digest_sha256": "c" * 64,
+        "image_path": "/img/slice-2.raw",
+        "driver_strategy": strategy,
+    }
 
 
 async def test_a_silent_host_fails_the_allocation_at_the_deadline_and_keeps_the_slots_for_cleanup(

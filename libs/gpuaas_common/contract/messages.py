@@ -36,6 +36,9 @@ NvlinkPartition = Field(default=None, ge=0, le=14)
 # A site's destructive wipe between tenants (slice-implementation-checklist: "blkdiscard, nvme format, or
 # site-specific secure erase path before any released slot can be reused").
 WipePolicy = Literal["blkdiscard", "nvme_format", "crypto_erase"]
+# How an image's guest gets its NVIDIA driver (slice-image-pipeline): baked into the image, or installed by
+# cloud-init at first boot. The catalog's default is preinstalled, and so is an older producer's silence.
+DriverStrategy = Literal["preinstalled", "cloud_init"]
 
 
 class Payload(BaseModel):
@@ -49,6 +52,8 @@ class ImageRef(Payload):
     slug: str = Slug
     digest_sha256: str = Sha256
     image_path: str = Field(min_length=1, max_length=1024)
+    # The agent's guest GPU check asks a working driver of a preinstalled image, only the GPUs of a cloud_init one.
+    driver_strategy: DriverStrategy = "preinstalled"
 
 
 class SlotBinding(Payload):
@@ -71,6 +76,18 @@ class SlotBinding(Payload):
     module_id: int | None = ModuleId
 
 
+class GuestGpus(Payload):
+    """What the guest's readiness unit saw, against what the slot group passed through (the agent's check)."""
+
+    expected: int = Field(ge=0, le=8)
+    # GPUs on the guest's PCI bus (NVIDIA 3D controllers), and those nvidia-smi listed when the driver answered.
+    pci: int = Field(ge=0)
+    driver: int | None = Field(default=None, ge=0)
+    driver_state: Literal["loaded", "absent", "failed"]
+    driver_version: str | None = Field(default=None, max_length=64)
+    driver_strategy: DriverStrategy
+
+
 class Readiness(Payload):
     mac: str = MacAddress
     expected_ip: str
@@ -84,6 +101,8 @@ class Readiness(Payload):
     host_key_fingerprint: str | None = Field(default=None, pattern=r"^SHA256:[A-Za-z0-9+/]{43}$")
     # Seconds each provisioning phase took on the host (clone, seed, define, boot, lease, cloud_init, ssh).
     phase_seconds: dict[str, float] = Field(default_factory=dict)
+    # Absent from older agents, which did not ask the guest.
+    guest_gpus: GuestGpus | None = None
 
 
 class WipeProof(Payload):
@@ -746,6 +765,7 @@ class ImageActivated(Payload):
     digest_sha256: str = Sha256
     image_path: str
     source_uri: str | None = None
+    driver_strategy: DriverStrategy = "preinstalled"
 
 
 class ImageDeactivated(Payload):

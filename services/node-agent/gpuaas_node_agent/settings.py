@@ -29,7 +29,8 @@ class AgentSettings(ServiceSettings):
     # What the slot's `ovs_bridge` is: an Open vSwitch bridge (production) or a Linux bridge (the lab).
     bridge_kind: Literal["openvswitch", "linux"] = "openvswitch"
     # Readiness is a real SSH login by the agent's own key against the host key the seed planted, with
-    # cloud-init done. Off only for the simulated fleet, whose guests are an SSH banner and no machine.
+    # cloud-init done, that reads the guest's GPU report for the GPU check. Off only for the simulated fleet,
+    # whose guests are an SSH banner and no machine (the fleet's own simulator answers the login instead).
     readiness_login: bool = True
     # The user cloud-init creates in the guest for the tenant's keys (and the agent's readiness key).
     guest_user: str = Field(default="gpuaas", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")

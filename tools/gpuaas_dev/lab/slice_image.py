@@ -24,13 +24,18 @@ from gpuaas_common.digests import sha256_file
 from gpuaas_common.logging import get_logger
 from gpuaas_image_pipeline.adapters import qemu
 from gpuaas_image_pipeline.adapters.base_image import fetch_base_image
-from gpuaas_image_pipeline.adapters.customise_chroot import ChrootCustomiser, installed_versions
+from gpuaas_image_pipeline.adapters.customise_chroot import (
+    READY_UNIT_TEXT,
+    ChrootCustomiser,
+    gpu_report_source,
+    installed_versions,
+)
 
 from .base_image import default_cache_dir, ensure_base_image, serve_directory
 
 log = get_logger(__name__)
 
-SLICE_IMAGE_VERSION = "1"
+SLICE_IMAGE_VERSION = "2"
 SLUG = "debian-12-lab-slice"
 PACKAGES = ("cloud-init", "openssh-server", "qemu-guest-agent")
 
@@ -51,8 +56,13 @@ async def ensure_slice_image(cache_dir: Path | None = None) -> SliceImage:
     t = time.monotonic()
     base = await ensure_base_image(cache)
     timings["base"] = round(time.monotonic() - t, 2)
+    # The guest files the customiser installs are part of the input: a changed readiness unit or GPU report means
+    # a new image, never a cached one without it.
+    guest = hashlib.sha256((READY_UNIT_TEXT + gpu_report_source()).encode()).hexdigest()
     key = hashlib.sha256(
-        json.dumps({"base": base.sha256, "packages": sorted(PACKAGES), "v": SLICE_IMAGE_VERSION}).encode()
+        json.dumps(
+            {"base": base.sha256, "packages": sorted(PACKAGES), "v": SLICE_IMAGE_VERSION, "guest": guest}
+        ).encode()
     ).hexdigest()[:24]
     entry = cache / "slice" / key
     done = entry / "image.json"

@@ -1,7 +1,8 @@
 """`gpuaas-sim-fleet`: every host of a fleet file in one process, each as its own NATS user.
 
 Slice hosts run the production agent wiring (gpuaas_node_agent.entrypoints.host) on a generated host tree
-with simulated DHCP and guests, or answer at once (`GPUAAS_SIM_INSTANT_HOSTS`, benchmarks only). Baremetal
+with simulated DHCP and guests (which answer the agent's readiness login with the GPUs their domain was given),
+or answer at once (`GPUAAS_SIM_INSTANT_HOSTS`, benchmarks only). Baremetal
 hosts boot when the MAAS simulator says Deployed and connect only with the creds their user-data carried.
 
 A slice host that is a MAAS machine can be deployed to a baremetal tenant too (once ops converted it): MAAS
@@ -37,7 +38,7 @@ from gpuaas_node_agent.entrypoints.host import open_host_bus, run_slice_host, sl
 from gpuaas_node_agent.service_layer.host_paths import HostPaths
 
 from .baremetal import SimulatedBaremetalHost, UserDataRefused, fresh_root, write_cloud_init_files
-from .dhcp_guest import SimulatedDhcpAndGuest
+from .dhcp_guest import SimulatedDhcpAndGuest, passed_through_gpus
 from .fixture_host import build_host_root, describe_fleet_node, fleet_bridge_cidr
 from .instant import InstantSliceHost
 from .settings import SimFleetSettings
@@ -139,7 +140,10 @@ class _SimulatedSliceHost:
         self.settings, self.node, self.ssh_port, self.link = settings, node, ssh_port, link
         self.paths = HostPaths(Path(node.host_root or settings.host_root))
         self.dhcp = SimulatedDhcpAndGuest(
-            self.paths.host(settings.dnsmasq_hostsdir), self.paths.host(settings.dnsmasq_lease_file), ssh_port
+            self.paths.host(settings.dnsmasq_hostsdir),
+            self.paths.host(settings.dnsmasq_lease_file),
+            ssh_port,
+            gpus_of=self._guest_gpus,
         )
         self._agent: asyncio.Task[None] | None = None
         # This boot's hypervisor connection: a private test hypervisor is seen by no other connection.
@@ -165,10 +169,17 @@ class _SimulatedSliceHost:
                 self.link,
                 bridge_cidr=fleet_bridge_cidr(self.node),
                 libvirt=self.libvirt,
+                guest_login=self.dhcp.login,
             ),
             name=f"agent-{self.node.node_id}",
         )
         self._agent.add_done_callback(self._agent_ended)
+
+    async def _guest_gpus(self, vm_name: str) -> list[str]:
+        """A guest sees the GPUs its domain on this boot's hypervisor was given."""
+        if self.libvirt is None:
+            return []
+        return await passed_through_gpus(self.libvirt, self.paths.root)(vm_name)
 
     def _agent_ended(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:

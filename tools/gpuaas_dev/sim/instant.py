@@ -16,6 +16,8 @@ from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.fleet import FleetNode
 
+from .dhcp_guest import SIM_DRIVER_VERSION
+
 Publish = Callable[..., Awaitable[Any]]
 SIM_HUGEPAGES_1G = 512
 
@@ -36,6 +38,7 @@ class InstantSliceHost:
         )
         if ctx.envelope.type == "slice.vm_provision":
             primary = task.slots[0]
+            gpus = sum(1 for s in task.slots if s.gpu_pci_address)
             result = m.NodeTaskResult(
                 **common,
                 readiness=m.Readiness(
@@ -44,6 +47,15 @@ class InstantSliceHost:
                     actual_ip=primary.private_ip,
                     lease_state="bound",
                     ssh_ready=True,
+                    # Its guests see every GPU they were given, as a passing agent's check records it.
+                    guest_gpus=m.GuestGpus(
+                        expected=gpus,
+                        pci=gpus,
+                        driver=gpus,
+                        driver_state="loaded",
+                        driver_version=SIM_DRIVER_VERSION,
+                        driver_strategy=task.image.driver_strategy,
+                    ),
                 ),
             )
         else:

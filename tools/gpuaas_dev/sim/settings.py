@@ -20,8 +20,9 @@ class SimFleetSettings(AgentSettings):
     sim_disk_size_mib: int = Field(default=64, ge=1)
     # For control-plane benchmarks: hosts answer tasks at once (see instant.py).
     sim_instant_hosts: bool = False
-    # A simulated guest is an SSH banner on a loopback address, not a machine one could log in to: readiness
-    # stops at the banner here (the lab's real guests get the login).
+    # A simulated guest is an SSH banner on a loopback address, not a machine one could log in to: the agent's
+    # readiness login goes to the simulator instead, which answers with the guest's GPU report (dhcp_guest.py);
+    # the lab's real guests get the real login.
     readiness_login: bool = False
     # Simulated hosts run libvirt's test driver, whose domains have whatever type the XML names.
     domain_type: str = "kvm"

@@ -44,6 +44,7 @@ class ActiveImage:
     sku: str
     digest_sha256: str
     image_path: str
+    driver_strategy: str = "preinstalled"
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,9 @@ class Allocator:
         if not await ctx.uow.repos.advance_image_clock(ev.slug, ctx.envelope.occurred_at):
             log.info("stale_image_event_ignored", slug=ev.slug, type=ctx.envelope.type)
             return
-        await ctx.uow.repos.upsert_image(ActiveImage(ev.slug, ev.kind, ev.sku, ev.digest_sha256, ev.image_path))
+        await ctx.uow.repos.upsert_image(
+            ActiveImage(ev.slug, ev.kind, ev.sku, ev.digest_sha256, ev.image_path, ev.driver_strategy)
+        )
 
     async def on_image_deactivated(self, ctx: HandlerContext) -> None:
         slug = ctx.payload.slug

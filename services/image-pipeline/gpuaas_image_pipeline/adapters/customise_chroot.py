@@ -30,6 +30,7 @@ from pathlib import Path
 
 from gpuaas_common.logging import get_logger
 
+from ..guest import gpu_report
 from .qemu import CUSTOMISERS, ImageToolError, VirtCustomizeCustomiser, convert_to_raw, image_info, tool_env
 
 log = get_logger(__name__)
@@ -48,23 +49,34 @@ _CHROOT_ENV = {
     "LC_ALL": "C.UTF-8",
     "HOME": "/root",
 }
+# The guest side of the agent's GPU check: this script, run by the unit below, writes what the guest sees of its
+# GPUs to GUEST_GPU_FILE (in /run, so a report never outlives the boot that wrote it), which the agent's login reads.
+GPU_REPORT_SCRIPT = "usr/lib/gpuaas/guest-gpu-report"
+GUEST_GPU_FILE = "/run/gpuaas/guest-gpus.json"
 # Type=simple, not oneshot: cloud-final is ordered after multi-user.target, so a unit that multi-user.target
 # waits for must not wait for cloud-init itself. Readiness is "cloud-init has finished", whatever an unrelated
-# module reported; the status line it ended with is the file's content.
+# module reported; the status line it ended with is the file's content. The GPUs are looked at after cloud-init,
+# which installs the driver of a cloud_init image, and before the ready file, so a guest marked ready has reported.
 READY_UNIT_TEXT = f"""\
 [Unit]
-Description=gpuaas: mark the guest ready once cloud-init has finished
+Description=gpuaas: mark the guest ready once cloud-init has finished, with the GPUs it sees
 After=network.target
 
 [Service]
 Type=simple
 RemainAfterExit=yes
 ExecStart=/bin/sh -c 'if command -v cloud-init >/dev/null; then cloud-init status --wait > {READY_FILE}.tmp 2>&1; \
-else echo "status: no cloud-init" > {READY_FILE}.tmp; fi; mv {READY_FILE}.tmp {READY_FILE}'
+else echo "status: no cloud-init" > {READY_FILE}.tmp; fi; \
+/usr/bin/python3 /{GPU_REPORT_SCRIPT} --out {GUEST_GPU_FILE}; mv {READY_FILE}.tmp {READY_FILE}'
 
 [Install]
 WantedBy=multi-user.target
 """
+
+
+def gpu_report_source() -> str:
+    """The guest's GPU report script, as the image gets it."""
+    return Path(gpu_report.__file__).read_text()
 
 
 class CustomiseError(ImageToolError):
@@ -307,6 +319,10 @@ async def install(root: Path, packages: list[str]) -> None:
 
 
 def write_readiness_unit(root: Path) -> None:
+    script = root / GPU_REPORT_SCRIPT
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(gpu_report_source())
+    script.chmod(0o755)
     unit = root / "etc/systemd/system" / READY_UNIT
     unit.parent.mkdir(parents=True, exist_ok=True)
     unit.write_text(READY_UNIT_TEXT)
@@ -429,7 +445,7 @@ class ChrootCustomiser:
             *opened,
             "mount the root; bind /dev, /dev/pts, /sys; proc; host resolv.conf; policy-rc.d",
             f"chroot apt-get update && apt-get install -y --no-install-recommends {pkgs}",
-            f"install {READY_UNIT} (multi-user.target.wants), write /{STAMP_PATH}, apt clean",
+            f"install {READY_UNIT} (multi-user.target.wants) and /{GPU_REPORT_SCRIPT}, write /{STAMP_PATH}, apt clean",
             "unmount, detach" + (f", qemu-img convert -O qcow2 back to {image}" if method == "loop" else ""),
         ]
 

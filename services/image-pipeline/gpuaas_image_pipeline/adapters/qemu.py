@@ -123,10 +123,26 @@ class VirtCustomizeCustomiser:
 
     name = "virt-customize"
 
+    @staticmethod
+    def _guest_files() -> list[str]:
+        """The readiness unit and the GPU report script the chroot customiser installs, the same files."""
+        from .customise_chroot import GPU_REPORT_SCRIPT, READY_UNIT, READY_UNIT_TEXT, gpu_report_source
+
+        script, unit = f"/{GPU_REPORT_SCRIPT}", f"/etc/systemd/system/{READY_UNIT}"
+        return [
+            "--mkdir", str(Path(script).parent),
+            "--write", f"{script}:{gpu_report_source()}",
+            "--chmod", f"0755:{script}",
+            "--write", f"{unit}:{READY_UNIT_TEXT}",
+            "--link", f"{unit}:/etc/systemd/system/multi-user.target.wants/{READY_UNIT}",
+        ]  # fmt: skip
+
     def plan(self, image: Path, packages: list[str]) -> list[str]:
         argv = ["virt-customize", "-a", str(image), "--network"]
         if packages:
             argv += ["--install", ",".join(packages)]
+        files = self._guest_files()
+        argv += [f"{opt} {arg.split(':', 1)[0]}" for opt, arg in zip(files[::2], files[1::2], strict=True)]
         return [" ".join(argv)]
 
     async def customise(self, image: Path, packages: list[str], stamp: dict) -> None:
@@ -135,6 +151,7 @@ class VirtCustomizeCustomiser:
         argv = ["virt-customize", "-a", str(image), "--network"]
         if packages:
             argv += ["--install", ",".join(packages)]
+        argv += self._guest_files()
         argv += ["--write", f"/etc/gpuaas-image-build.json:{json.dumps(stamp, sort_keys=True)}"]
         await _run(*argv)
 

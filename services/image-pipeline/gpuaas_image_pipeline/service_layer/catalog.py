@@ -86,6 +86,7 @@ async def emit_activated(uow: Uow, row: Row) -> None:
             digest_sha256=row["digest_sha256"],
             image_path=meta["image_path"],
             source_uri=row["source_uri"],
+            driver_strategy=row["driver_strategy"],
         ),
         aggregate_id=f"image:{row['slug']}",
         event_id=derived_event_id(activation_event_id_key(row["slug"], row["digest_sha256"], seq), "activated"),

@@ -31,6 +31,7 @@ async def apply_seed(uow: Uow, seeds: list[SeedImage]) -> list[str]:
                 digest_sha256=row["digest_sha256"],
                 image_path=meta["image_path"],
                 source_uri=row["source_uri"],
+                driver_strategy=row["driver_strategy"],
             ),
             aggregate_id=f"image:{row['slug']}",
             event_id=derived_event_id(activation_event_key(row["slug"], row["digest_sha256"]), "activated"),

@@ -2,8 +2,9 @@
 proves the guest is ready.
 
 A guest is ready when the agent has logged in with its key, the guest presented exactly the host key its
-seed planted (OpenSSH refuses any other: StrictHostKeyChecking against a known_hosts of that one key), and
-cloud-init has finished. An SSH banner alone shows only that sshd started, possibly with a key of its own
+seed planted (OpenSSH refuses any other: StrictHostKeyChecking against a known_hosts of that one key),
+cloud-init has finished, and the image's readiness unit has reported the GPUs the guest sees; the same login
+reads that report. An SSH banner alone shows only that sshd started, possibly with a key of its own
 making. OpenSSH's client does the protocol; we only read its exit status and words.
 """
 
@@ -22,12 +23,20 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gpuaas_common.logging import get_logger
 
+from ..domain.guest_gpus import GUEST_GPU_FILE, REPORT_MAX_BYTES
 from .disk import run_tool
 
 log = get_logger(__name__)
 
 # What cloud-init writes when its last stage is done: the tenant's users and keys are in place.
 BOOT_FINISHED = "/var/lib/cloud/instance/boot-finished"
+# Run by the guest user's shell. Exit codes of our own, above what `test` and `head` use: 10 cloud-init has not
+# finished, 11 the readiness unit has not written the GPU report yet.
+_NOT_FINISHED, _NO_REPORT = 10, 11
+READINESS_COMMAND = (
+    f"test -e {BOOT_FINISHED} || exit {_NOT_FINISHED}; test -s {GUEST_GPU_FILE} || exit {_NO_REPORT}; "
+    f"head -c {REPORT_MAX_BYTES + 1} {GUEST_GPU_FILE}"
+)
 _MISMATCH_WORDS = ("Host key verification failed", "REMOTE HOST IDENTIFICATION HAS CHANGED")
 
 
@@ -99,13 +108,17 @@ class LoginOutcome:
     ok: bool
     host_key_mismatch: bool = False
     detail: str = ""
+    # With `ok`: the guest's GPU report as it wrote it (guest_gpus.parse_report reads it).
+    gpu_report: str | None = None
+    # Logged in and cloud-init done, but the guest has not reported its GPUs (yet).
+    report_missing: bool = False
 
 
 async def login(
     ip: str, port: int, user: str, key: Path, host_public_line: str, *, timeout_s: float = 15.0
 ) -> LoginOutcome:
-    """Log in once and check that cloud-init finished. `ok` only when the guest showed the planted host key,
-    accepted the agent's key and has BOOT_FINISHED."""
+    """Log in once, check that cloud-init finished and read the guest's GPU report. `ok` only when the guest
+    showed the planted host key, accepted the agent's key, has BOOT_FINISHED and a report."""
     with tempfile.TemporaryDirectory(prefix="gpuaas-ssh-") as tmp:
         known_hosts = Path(tmp) / "known_hosts"
         host = ip if port == 22 else f"[{ip}]:{port}"
@@ -125,20 +138,24 @@ async def login(
             "-i", str(key),
             "-p", str(port),
             f"{user}@{ip}",
-            "test", "-e", BOOT_FINISHED,
+            READINESS_COMMAND,
         ]  # fmt: skip
         try:
             res = await run_tool(*argv, timeout_s=timeout_s)
         except TimeoutError:
             return LoginOutcome(False, detail="ssh timed out")
-        rc, err = res.rc, res.stderr
+        rc, out, err = res.rc, res.stdout, res.stderr
     if rc == 0:
-        return LoginOutcome(True)
+        return LoginOutcome(True, gpu_report=out)
     err = err.strip()
     if any(w in err for w in _MISMATCH_WORDS):
         return LoginOutcome(
             False, host_key_mismatch=True, detail="the guest's host key is not the one its seed planted"
         )
-    if rc == 1:
+    if rc == _NOT_FINISHED:
         return LoginOutcome(False, detail="logged in; cloud-init has not finished")
+    if rc == _NO_REPORT:
+        return LoginOutcome(
+            False, report_missing=True, detail=f"logged in, cloud-init done; the guest has not written {GUEST_GPU_FILE}"
+        )
     return LoginOutcome(False, detail=err.splitlines()[-1][:300] if err else f"ssh exited {rc}")

@@ -31,6 +31,9 @@ class Readiness(BaseModel):
     ssh_ready: bool
     host_key_mismatch: bool = False
     detail: str | None = None
+    # What the login read of the guest's GPUs (its report as written), and whether the last login found none.
+    gpu_report: str | None = None
+    gpu_report_missing: bool = False
     # Seconds from the start of the wait to the lease (`lease`), then to sshd's banner (`ssh`), then to a login
     # that found cloud-init done (`cloud_init`); only the steps that happened.
     phase_seconds: dict[str, float] = Field(default_factory=dict)
@@ -78,17 +81,17 @@ async def wait_ready(
     login: Login | None = None,
 ) -> Readiness:
     """Wait up to `deadline_s` seconds for the lease of `mac` to show `expected_ip`, for SSH to answer there and,
-    with `login`, for a login that proves the host key and finds cloud-init done. Always returns within the
-    deadline (plus one connect or login timeout at most) with the last observation; the caller decides what a
-    not-ready result means. A host key that is not the planted one ends the wait at once: it will not change."""
+    with `login`, for a login that proves the host key, finds cloud-init done and reads the guest's GPU report.
+    Always returns within the deadline (plus one connect or login timeout at most) with the last observation; the
+    caller decides what a not-ready result means. A host key that is not the planted one ends the wait at once: it
+    will not change."""
     mac = mac.strip().lower()
     start = time.monotonic()
     deadline = start + deadline_s
     lease_state: LeaseState = "absent"
     actual_ip: str | None = None
     ssh_ready = False
-    mismatch = False
-    detail: str | None = None
+    outcome: LoginOutcome | None = None  # the last login's
     seconds: dict[str, float] = {}
     last_logged: tuple[LeaseState, str | None] | None = None
 
@@ -118,18 +121,16 @@ async def wait_ready(
                     ssh_ready = True
                     break
                 outcome = await login(expected_ip)
-                detail = outcome.detail or None
                 if outcome.ok:
                     mark("cloud_init")
                     ssh_ready = True
                     break
                 if outcome.host_key_mismatch:
-                    mismatch = True
                     break
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        await asyncio.sleep(min(poll_interval_s if not detail else 1.0, remaining))
+        await asyncio.sleep(min(poll_interval_s if not (outcome and outcome.detail) else 1.0, remaining))
 
     result = Readiness(
         mac=mac,
@@ -137,9 +138,11 @@ async def wait_ready(
         actual_ip=actual_ip,
         lease_state=lease_state,
         ssh_ready=ssh_ready,
-        host_key_mismatch=mismatch,
-        detail=detail,
+        host_key_mismatch=bool(outcome and outcome.host_key_mismatch),
+        detail=(outcome.detail or None) if outcome else None,
+        gpu_report=outcome.gpu_report if outcome and outcome.ok else None,
+        gpu_report_missing=bool(outcome and outcome.report_missing),
         phase_seconds=seconds,
     )
-    (log.info if ssh_ready else log.warning)("readiness_result", **result.model_dump())
+    (log.info if ssh_ready else log.warning)("readiness_result", **result.model_dump(exclude={"gpu_report"}))
     return result

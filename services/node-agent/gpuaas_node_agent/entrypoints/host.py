@@ -22,6 +22,7 @@ from ..adapters.state_store import StateStore
 from ..service_layer.host_paths import HostPaths
 from ..service_layer.prewarm import ImagePrewarmer
 from ..service_layer.tasks import SliceHostAgent
+from ..service_layer.tasks.core import GuestLogin
 from ..settings import AgentSettings, parse_path_map
 
 AGENT_VERSION = "0.1.0"
@@ -50,9 +51,11 @@ async def run_slice_host(
     *,
     bridge_cidr: str | None = None,
     libvirt: LibvirtHost | None = None,
+    guest_login: GuestLogin | None = None,
 ) -> None:
     """`libvirt`: the hypervisor connection to use; the simulated fleet passes its own so that it can read
-    the domains of a private test hypervisor, which no second connection sees."""
+    the domains of a private test hypervisor, which no second connection sees. `guest_login`: the simulated
+    fleet's guests, which are no machines to log in to, answer the readiness login themselves."""
     bus, spec = await open_host_bus(settings, node_id, link)
     paths = HostPaths(root, parse_path_map(settings.host_path_map))
     store = StateStore(paths.host(settings.state_dir) / "agent.sqlite")
@@ -77,6 +80,7 @@ async def run_slice_host(
         bridge_kind=settings.bridge_kind,
         guest_user=settings.guest_user,
         readiness_key=readiness_key,
+        guest_login=guest_login,
     )
     agent.gpu_bridge = settings.gpu_bridge
     agent.emulated_slot_disks = tuple(settings.emulated_slot_disks)

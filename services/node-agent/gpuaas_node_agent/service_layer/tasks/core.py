@@ -13,6 +13,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
 from ...adapters.discovery import block_use
+from ...adapters.guest_ssh import LoginOutcome
 from ...adapters.host import Host
 from ...adapters.libvirt_host import LibvirtHost
 from ...adapters.state_store import StateStore
@@ -23,6 +24,7 @@ log = get_logger("gpuaas_node_agent.service_layer.tasks")  # one logger name for
 PROGRESS_PUBLISH_TIMEOUT_S = 1.0
 
 Publish = Callable[..., Awaitable[Any]]
+GuestLogin = Callable[[str], Awaitable[LoginOutcome]]
 
 
 class Refused(Exception):
@@ -61,6 +63,7 @@ class AgentCore:
         bridge_kind: str = "openvswitch",
         guest_user: str = "gpuaas",
         readiness_key: tuple[Path, str] | None = None,
+        guest_login: GuestLogin | None = None,
     ) -> None:
         self.node_id = node_id
         self.domain_type = domain_type
@@ -69,6 +72,10 @@ class AgentCore:
         # The agent's login key (path, public line): with it readiness is a real login against the host key the
         # seed planted; without it (the simulated fleet, whose guests are not machines) an SSH banner only.
         self.readiness_key = readiness_key
+        # The simulated fleet's stand-in for that login: its guests answer with the GPU report a real one writes.
+        # With neither, readiness is the banner and the guest's GPUs go unchecked (an agent whose guests are
+        # simulated by another process, which only tests run).
+        self.guest_login = guest_login
         self.bridge_cidr = bridge_cidr
         self.paths = paths
         self.store = store

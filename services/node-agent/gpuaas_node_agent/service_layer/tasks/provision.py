@@ -1,6 +1,7 @@
 """slice.vm_provision: preflight the host, verify the cached image and the disks, take the leases, then seed,
 clone, reserve DHCP, define and wait for the VM to be reachable: its lease, then a login that matches the host
-key the seed planted, with cloud-init done. Each phase's time goes on the result and into a histogram."""
+key the seed planted, with cloud-init done, that reads what the guest sees of its GPUs; the guest must see the
+GPUs its slot group passed through. Each phase's time goes on the result and into a histogram."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from ...adapters.libvirt_host import DomainState
 from ...adapters.parity import ParityChecker
 from ...domain.device_binding import wrong_bindings
 from ...domain.domain_xml import render_domain_xml, tap_name
+from ...domain.guest_gpus import ReportInvalid, judge, parse_report
 from ...domain.profiles import hugepages_1g_needed, vm_resources
 from ...domain.vm_spec import SliceVmSpec
 from . import nvlink
-from .core import AgentCore, Refused, TaskFailed
+from .core import AgentCore, Refused, TaskFailed, log
 
 __all__ = ["HUGEPAGES_1G_FREE", "PHASE_SECONDS", "ProvisionTask", "slot_lease"]
 
@@ -168,6 +170,47 @@ class ProvisionTask(AgentCore):
 
         return await asyncio.to_thread(_load_or_make)
 
+    def _check_reachable(self, primary: m.SlotBinding, ready: readiness.Readiness) -> None:
+        if ready.host_key_mismatch:
+            raise TaskFailed(
+                "host_key_mismatch", ready.detail or "the guest's host key is not the one its seed planted"
+            )
+        if ready.lease_state != "bound":
+            raise TaskFailed(
+                "lease_timeout",
+                f"no DHCP lease of {primary.private_ip} for {primary.mac} within {self.readiness_timeout_s:.0f}s "
+                f"(lease {ready.lease_state})",
+            )
+        if ready.gpu_report_missing:
+            raise TaskFailed(
+                "guest_report_missing",
+                f"the guest did not report its GPUs within {self.readiness_timeout_s:.0f}s: {ready.detail}",
+            )
+        if not ready.ssh_ready:
+            raise TaskFailed("not_ready", f"lease bound, ssh not ready: {ready.detail or 'no answer'}")
+
+    def _check_guest_gpus(self, task: m.SliceVmProvision, ready: readiness.Readiness) -> m.GuestGpus:
+        """The guest must see every GPU its slot group passed through (the lab's slots pass none: its guests must
+        see none), with a working driver where the image has it preinstalled. Only an agent told its guests are
+        no machines (readiness_login off, without the simulator's login) has nobody to ask."""
+        if ready.gpu_report is None:
+            raise TaskFailed("guest_report_missing", "the guest's login returned no GPU report")
+        try:
+            report = parse_report(ready.gpu_report)
+        except ReportInvalid as exc:
+            raise TaskFailed("guest_report_invalid", str(exc)) from exc
+        verdict = judge(report, sum(1 for s in task.slots if s.gpu_pci_address), task.image.driver_strategy)
+        log.info(
+            "guest_gpus_checked",
+            task_id=task.task_id,
+            allocation_id=str(task.allocation_id),
+            verdict=verdict.code or "ok",
+            **verdict.evidence.model_dump(),
+        )
+        if verdict.code:
+            raise TaskFailed(verdict.code, verdict.reason or verdict.code)
+        return verdict.evidence
+
     async def _provision(self, task: m.SliceVmProvision, *, resume: bool = False) -> m.NodeTaskResult:
         t = "slice.vm_provision"
         clock = _Clock()
@@ -253,35 +296,26 @@ class ProvisionTask(AgentCore):
                     except ovs.OvsError as exc:
                         raise TaskFailed("isolation_failed", str(exc)) from exc
                 await phase("wait_ready")
+            login = self.guest_login
+            if login_key and host_key:
+                login = lambda ip: guest_ssh.login(  # noqa: E731
+                    ip, self.ssh_port, self.guest_user, login_key[0], host_key.public_line
+                )
             ready = await readiness.wait_ready(
                 self.lease_file,
                 primary.mac,
                 primary.private_ip,
                 self.ssh_port,
                 self.readiness_timeout_s,
-                login=(
-                    (lambda ip: guest_ssh.login(ip, self.ssh_port, self.guest_user, login_key[0], host_key.public_line))
-                    if login_key and host_key
-                    else None
-                ),
+                login=login,
             )
         except (Refused, TaskFailed):
             raise
         except Exception as exc:
             raise TaskFailed("provision_error", f"{type(exc).__name__}: {exc}") from exc
         clock.enter(None)
-        if ready.host_key_mismatch:
-            raise TaskFailed(
-                "host_key_mismatch", ready.detail or "the guest's host key is not the one its seed planted"
-            )
-        if ready.lease_state != "bound":
-            raise TaskFailed(
-                "lease_timeout",
-                f"no DHCP lease of {primary.private_ip} for {primary.mac} within {self.readiness_timeout_s:.0f}s "
-                f"(lease {ready.lease_state})",
-            )
-        if not ready.ssh_ready:
-            raise TaskFailed("not_ready", f"lease bound, ssh not ready: {ready.detail or 'no answer'}")
+        self._check_reachable(primary, ready)
+        guest_gpus = self._check_guest_gpus(task, ready) if login is not None else None
         seconds = {**clock.seconds, **ready.phase_seconds}
         for name, spent in ready.phase_seconds.items():
             PHASE_SECONDS.labels(name).observe(spent)
@@ -295,6 +329,7 @@ class ProvisionTask(AgentCore):
             ssh_port=self.ssh_port,
             host_key_fingerprint=host_key.fingerprint if host_key else None,
             phase_seconds=seconds,
+            guest_gpus=guest_gpus,
         )
         await self._phase(task, t, "ready", detail=" ".join(f"{k}={v:.1f}s" for k, v in seconds.items()))
         return self._result(task, t, "succeeded", readiness_=readiness_ev)
