@@ -100,6 +100,8 @@ async def _publish_as_host(stack: Stack, creds_text: str, node_id: str) -> None:
         await nc.close()
 
 
+# The stack's start builds the host image when its recipe or the agent changed (about 2 minutes) and uploads it.
+@pytest.mark.timeout(1800)
 async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_enrols(portal, stack, db) -> None:
     t0 = time.monotonic()
     alloc = await portal.request("baremetal", gpus=8)
