@@ -435,7 +435,7 @@ async def test_passed_deadline_is_refused(env: Env) -> None:
         # managed='no' domains: a device off vfio-pci or held by a host GPU service refuses the task.
         ({"nvidia_bound_gpus": 1}, "device_not_vfio"),
         ({"nvidia_persistenced_active": True}, "host_gpu_services_active"),
-        ({"fabricmanager_active": True}, "host_gpu_services_active"),
+        ({"fabricmanager_mode": 0}, "host_gpu_services_active"),
     ],
 )
 async def test_host_preflight_refuses_before_the_disk(tmp_path: Path, publish, spy, host, code) -> None:

@@ -207,7 +207,9 @@ BROKEN = {
     "gpu_on_nvidia_driver": ({"nvidia_bound_gpus": 1}, "vfio_binding"),
     "no_driverctl_overrides": ({"driverctl_overrides": False}, "vfio_binding"),
     "persistenced_active": ({"nvidia_persistenced_active": True}, "nvidia_persistenced"),
-    "fabricmanager_bare_metal_mode": ({"fabricmanager_active": True}, "nvidia_fabricmanager"),
+    "fabricmanager_bare_metal_mode": ({"fabricmanager_mode": 0}, "nvidia_fabricmanager"),
+    "fabricmanager_vgpu_mode": ({"fabricmanager_mode": 2}, "nvidia_fabricmanager"),
+    "fabricmanager_inactive": ({"fabricmanager_active": False}, "nvidia_fabricmanager"),
     "no_fabric_vfs_service": (
         {"slice_services": ("gpuaas-slice-vfio-devices", "gpuaas-slice-ovs-bridge")},
         "fabric_vfs_service",
@@ -307,6 +309,15 @@ async def test_fabricmanager_in_shared_nvswitch_mode_passes(tmp_path: Path) -> N
     report = await ParityChecker(Host.at(build_host_root(tmp_path / "host", desc))).run("xe9680l-01")
     fm = next(c for c in report.checks if c.check == "nvidia_fabricmanager")
     assert fm.status == "PASS" and "FABRIC_MODE=1" in fm.detail
+
+
+async def test_a_host_without_fabric_manager_has_no_partitions_to_check(tmp_path: Path) -> None:
+    root = build_host_root(tmp_path / "host", xe9680l(disk_file_bytes=1 << 20, fabricmanager_active=False))
+    (root / "usr/share/nvidia/nvswitch/fabricmanager.cfg").unlink()
+    (root / "usr/bin/nv-fabricmanager").unlink()
+    report = await ParityChecker(Host.at(root)).run("xe9680l-01")
+    fm = next(c for c in report.checks if c.check == "nvidia_fabricmanager")
+    assert fm.status == "PASS" and "not installed" in fm.detail
 
 
 # --- device binding: driverctl overrides from the approved topology ------------------------------------
@@ -460,7 +471,14 @@ async def test_a_doubled_module_id_is_a_blocker_and_no_driver_tools_is_no_map(tm
     desc.gpus[1] = desc.gpus[1].model_copy(update={"module_id": 1})
     report = await discover(Host.at(build_host_root(tmp_path / "a", desc)), "mod-02")
     assert "module ID 1 is claimed by 2 GPUs: 0000:18:00.0, 0000:2a:00.0" in report.blockers
-    bare = xe9680l("mod-03", disk_file_bytes=1 << 20, nvidia_smi=False, fabricmanager_version=None)
+    bare = xe9680l(
+        "mod-03",
+        disk_file_bytes=1 << 20,
+        nvidia_smi=False,
+        fabricmanager_version=None,
+        fabricmanager_mode=0,
+        fabricmanager_active=False,
+    )
     report = await discover(Host.at(build_host_root(tmp_path / "b", bare)), "mod-03")
     assert {g.module_id for g in report.gpus} == {None} and not [b for b in report.blockers if "module" in b]
     # The config file alone (the default bare-metal mode, the unit stopped) still says what Fabric Manager is.

@@ -17,6 +17,7 @@ from gpuaas_common.contract import utcnow
 from gpuaas_common.logging import get_logger
 
 from ..domain.device_binding import VFIO_DRIVER, wrong_bindings
+from ..domain.gpu_modules import fabric_mode
 from . import driverctl
 from .discovery import interface_addresses
 from .host import Host
@@ -294,19 +295,35 @@ class ParityChecker:
         return _ok("nvidia_persistenced", "inactive")
 
     async def nvidia_fabricmanager(self) -> m.ParityCheck:
-        if not await self._unit_active("nvidia-fabricmanager"):
-            return _ok("nvidia_fabricmanager", "inactive")
-        mode = "0"
-        for line in (self.host.fs.read(FABRICMANAGER_CFG) or "").splitlines():
-            if line.strip().startswith("FABRIC_MODE="):
-                mode = line.split("=", 1)[1].strip() or "0"
-        if mode == "0":
+        """Shared-NVSwitch mode (issue 29): Fabric Manager runs on the host in FABRIC_MODE=1, keeps the NVSwitches
+        and activates each multi-GPU VM's NVLink partition, while the GPUs stay on vfio-pci (`vfio_binding`).
+        Bare-metal mode holds the NVSwitch and NVLink devices and blocks passthrough; vGPU mode is another
+        model. A host without Fabric Manager installed has no NVSwitch partitions to activate: nothing to check."""
+        cfg = self.host.fs.read_raw(FABRICMANAGER_CFG)
+        installed = cfg is not None or self.host.run.which("nv-fabricmanager") is not None
+        active = await self._unit_active("nvidia-fabricmanager")
+        if not installed and not active:
+            return _ok("nvidia_fabricmanager", "not installed: no NVSwitch partitions on this host")
+        mode = fabric_mode(cfg)
+        to_shared = (
+            "set FABRIC_MODE=1 (shared NVSwitch) in fabricmanager.cfg and systemctl restart "
+            "nvidia-fabricmanager.service on slice-mode hosts"
+        )
+        if active and mode == "baremetal":
             return _fail(
                 "nvidia_fabricmanager",
                 "nvidia-fabricmanager active in bare-metal mode (FABRIC_MODE=0 holds NVSwitch and NVLink devices)",
-                "systemctl disable --now nvidia-fabricmanager.service on slice-mode hosts",
+                to_shared,
             )
-        return _ok("nvidia_fabricmanager", f"active with FABRIC_MODE={mode}, not bare-metal mode")
+        if mode != "shared_nvswitch":
+            return _fail("nvidia_fabricmanager", f"Fabric Manager in {mode} mode, not shared NVSwitch", to_shared)
+        if not active:
+            return _fail(
+                "nvidia_fabricmanager",
+                "nvidia-fabricmanager inactive: no NVLink partition can be activated for a multi-GPU slice",
+                "systemctl enable --now nvidia-fabricmanager.service (FABRIC_MODE=1)",
+            )
+        return _ok("nvidia_fabricmanager", "active in shared NVSwitch mode (FABRIC_MODE=1)")
 
     # --- the rest of the slice baseline -------------------------------------------------------------------
 

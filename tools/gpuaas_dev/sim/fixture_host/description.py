@@ -89,8 +89,9 @@ class HostDescription(BaseModel):
     driverctl_overrides: bool = True
     nvidia_bound_gpus: int = 0
     nvidia_persistenced_active: bool = False
-    fabricmanager_active: bool = False
-    fabricmanager_mode: int = 0  # FABRIC_MODE in fabricmanager.cfg: 0 bare metal (holds the GPUs), 1 shared NVSwitch
+    # A slice host runs Fabric Manager in shared-NVSwitch mode (issue 29): it activates NVLink partitions.
+    fabricmanager_active: bool = True
+    fabricmanager_mode: int = 1  # FABRIC_MODE in fabricmanager.cfg: 0 bare metal (holds the GPUs), 1 shared NVSwitch
     # What `nv-fabricmanager --version` prints; None: no Fabric Manager binary on the host.
     fabricmanager_version: str | None = "550.127.05"
     # Whether the host has `nvidia-smi` (the driver's tools): without it discovery reports no module IDs.
