@@ -166,8 +166,15 @@ async def test_concurrent_placements_never_get_overlapping_partitions(api, pool)
     for node, parts in taken.items():
         flat = [mid for p in parts for mid in p]
         assert len(flat) == len(set(flat)), f"{node}: overlapping partitions {parts}"
-    assert sum(len(p) for parts in taken.values() for p in parts) <= 16
-    assert sum(out.placed is not None for out in outcomes) >= 7
+    # Nothing is released, so free partitions only shrink: every refusal must still hold at the end.
+    free = {
+        node: {mid: nvl.GpuState() for mid in range(1, 9) if all(mid not in p for p in parts)}
+        for node, parts in taken.items()
+    }
+    refused = [g for g, out in zip(sizes, outcomes, strict=True) if out.placed is None]
+    for gpus in refused:
+        assert not any(nvl.feasible_partitions(f, gpus) for f in free.values()), f"{gpus}-GPU refused yet fits"
+    assert len(refused) < len(sizes)
     async with pool.acquire() as conn:
         assert await double_booking(conn) == []
 
@@ -213,3 +220,32 @@ async def test_discovered_module_ids_and_fabric_manager_reach_the_candidates_and
         node = await conn.fetchrow("SELECT fabric_manager_mode, fabric_manager_version FROM nodes WHERE node_id='h1'")
     assert {r["gpu_pci_address"][5:7]: r["module_id"] for r in cands} == REAL_BOARD
     assert tuple(node) == ("shared_nvswitch", "550.127.05")
+
+
+def with_driver(ev: m.AllocationAccepted, version: str) -> m.AllocationAccepted:
+    return ev.model_copy(update={"image": ev.image.model_copy(update={"driver_version": version})})
+
+
+async def set_fabric_manager(pool, node_id: str, version: str | None) -> None:
+    async with pool.acquire() as conn:
+        await conn.execute("UPDATE nodes SET fabric_manager_version = $2 WHERE node_id = $1", node_id, version)
+
+
+async def test_a_slice_goes_only_where_fabric_manager_matches_the_guest_driver(api, pool) -> None:
+    """Issue 29, point 4: the catalog's guest driver version against each partitioned host's Fabric Manager."""
+    await host(api, pool, "h1")
+    await host(api, pool, "h2")
+    await set_fabric_manager(pool, "h1", "550.127.05")
+    await set_fabric_manager(pool, "h2", None)  # never reported
+    pol = await policy(pool)
+    out = await run_place(pool, with_driver(accepted(2), "580.159.04"), pol)
+    assert out.placed is None and out.unschedulable.reason_code == "no_eligible_node"
+    assert out.unschedulable.filtered == {"fabric_manager_version": 2}
+    assert out.unschedulable.reason.endswith(
+        "the image's driver is 580.159.04, their Fabric Manager: 550.127.05 (1), not reported (1)"
+    ), out.unschedulable.reason
+    # An image that names no driver version is not gated.
+    assert (await run_place(pool, accepted(1), pol)).placed is not None
+    await set_fabric_manager(pool, "h2", "580.159.04")
+    placed = (await run_place(pool, with_driver(accepted(2), "580.159.04"), pol)).placed
+    assert placed is not None and placed.node_id == "h2"

@@ -402,9 +402,11 @@ async def test_the_provision_task_carries_the_deadline_the_allocator_keeps(world
     assert timedelta(minutes=19) < kept - before <= timedelta(minutes=20, seconds=1)
 
 
-@pytest.mark.parametrize("strategy", ["cloud_init", "preinstalled"])
+@pytest.mark.parametrize(
+    "strategy, version", [("cloud_init", None), ("preinstalled", None), ("preinstalled", "580.159.04")]
+)
 async def test_the_provision_task_carries_the_driver_strategy_the_pipeline_announced(
-    world: World, strategy: str
+    world: World, strategy: str, version: str | None
 ) -> None:
     await world.send(
         world.allocator.on_image_activated,
@@ -416,9 +418,13 @@ async def test_the_provision_task_carries_the_driver_strategy_the_pipeline_annou
             digest_sha256="c" * 64,
             image_path="/img/slice-2.raw",
             driver_strategy=strategy,
+            driver_version=version,
         ),
     )
     alloc = await world.request()
+    # Placement learns the guest's driver version with the request (the Fabric Manager version gate, issue 29).
+    (accepted,) = [e for e in world.sent("allocation.accepted") if e["allocation_id"] == str(alloc)]
+    assert accepted["image"]["driver_version"] == version
     await world.place(alloc)
     (task,) = world.sent("slice.vm_provision")
     assert task["image"] == {
@@ -426,6 +432,7 @@ async def test_the_provision_task_carries_the_driver_strategy_the_pipeline_annou
         "digest_sha256": "c" * 64,
         "image_path": "/img/slice-2.raw",
         "driver_strategy": strategy,
+        "driver_version": version,
     }
 
 

@@ -7,10 +7,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+import pytest
+from pydantic import ValidationError
+
 from gpuaas_common.bus import HandlerContext, deliver
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.unit_of_work import FakeUnitOfWork
+from gpuaas_image_pipeline.domain.catalog import ImageCreate, ImageUpdate
 from gpuaas_image_pipeline.service_layer import catalog
 
 SLUG = "ubuntu-slice"
@@ -203,3 +207,42 @@ async def test_a_report_about_another_digest_changes_nothing() -> None:
     await world.report("n1", "verified", OTHER, expected=OTHER)
     assert world.repos.hosts.caches == caches
     assert world.status == "published" and world.sent("image.activated") == []
+
+
+async def test_the_activation_announces_the_guest_driver_version_the_catalog_records() -> None:
+    """Issue 29, point 4: placement matches it against each partitioned host's Fabric Manager."""
+    image = _image()
+    image["metadata"]["driver_version"] = "580.159.04"
+    world = World(image)
+    await world.enrol("n1")
+    await world.report("n1", "verified", DIGEST)
+    [activated] = world.sent("image.activated")
+    assert activated["driver_version"] == "580.159.04"
+    world = World(_image())  # an image the catalog knows no driver of: no gate
+    await world.enrol("n1")
+    await world.report("n1", "verified", DIGEST)
+    assert world.sent("image.activated")[0]["driver_version"] is None
+
+
+class _Created:
+    def __init__(self) -> None:
+        self.meta: dict[str, Any] | None = None
+
+    async def create(self, slug: str, kind: str, strategy: str, sku: str, meta: dict[str, Any]) -> dict[str, Any]:
+        self.meta = meta
+        return {"slug": slug}
+
+
+async def test_the_driver_version_is_set_only_through_its_validated_field() -> None:
+    created = _Created()
+    uow = FakeUnitOfWork(FakeRepositories(created), "image-pipeline")  # type: ignore[arg-type]
+    await catalog.create_image(uow, ImageCreate(slug="s", driver_version="580.159.04"), "/cache")
+    assert created.meta == {"image_path": "/cache/s.raw", "driver_version": "580.159.04"}
+    for bad in ("580", "r580", "580.159.04-open"):
+        with pytest.raises(ValidationError):
+            ImageCreate(slug="s", driver_version=bad)
+        with pytest.raises(ValidationError):
+            ImageUpdate(driver_version=bad)
+    with pytest.raises(catalog.CatalogError) as refused:
+        await catalog.create_image(uow, ImageCreate(slug="t", metadata={"driver_version": "anything"}), "/cache")
+    assert (refused.value.status, refused.value.code) == (422, "protected_metadata")

@@ -21,6 +21,7 @@ from gpuaas_scheduler.domain.placement import (
     SlotView,
     best_tier,
     choose,
+    fabric_manager_mismatch,
     node_filter,
     partition_summary,
     summarize,
@@ -207,3 +208,28 @@ def test_approval_requires_a_consistent_module_map(candidate, peers, problems) -
     assert len(found) == len(problems)
     for got, want in zip(found, problems, strict=True):
         assert got.startswith(want)
+
+
+@pytest.mark.parametrize(
+    "driver, fabric_manager, partitioned, bucket",
+    [
+        ("580.159.04", "580.159.04", True, None),
+        ("580.159.04", "550.127.05", True, "fabric_manager_version"),
+        ("580.159.04", None, True, "fabric_manager_version"),
+        # An image that names no driver is not gated; a host without partitions activates none.
+        (None, "550.127.05", True, None),
+        ("580.159.04", "550.127.05", False, None),
+    ],
+)
+def test_the_fabric_manager_version_must_equal_the_guest_driver(driver, fabric_manager, partitioned, bucket) -> None:
+    facts = _facts({m: "free" for m in range(1, 9)})
+    facts = NodeFacts(
+        **{
+            **facts.__dict__,
+            "fabric_manager_version": fabric_manager,
+            "module_states": facts.module_states if partitioned else (),
+        }
+    )
+    req = Request("gpu_slice", 2, "default", "h200-sxm-slice", driver_version=driver)
+    assert fabric_manager_mismatch(facts, req) is (bucket is not None)
+    assert node_filter(facts, req) == bucket

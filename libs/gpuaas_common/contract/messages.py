@@ -28,6 +28,8 @@ Identifier = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-
 Sha256 = Field(pattern=r"^[0-9a-f]{64}$")
 PciAddress = Field(pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 MacAddress = Field(pattern=r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
+# An NVIDIA driver version as nvidia-smi and nv-fabricmanager print it (580.159.04).
+DriverVersion = Field(default=None, pattern=r"^[0-9]+(\.[0-9]+){1,3}$", max_length=32)
 # A GPU's module ID on an 8-GPU HGX board (nvidia-smi -q "Module Id"), the numbering NVLink partitions use.
 ModuleId = Field(default=None, ge=1, le=8)
 # A Fabric Manager partition id of the HGX H200 default table (0-14); None: no partition (an older scheduler, a
@@ -54,6 +56,9 @@ class ImageRef(Payload):
     image_path: str = Field(min_length=1, max_length=1024)
     # The agent's guest GPU check asks a working driver of a preinstalled image, only the GPUs of a cloud_init one.
     driver_strategy: DriverStrategy = "preinstalled"
+    # The NVIDIA driver inside the guest, from the image catalog: a host placing NVLink partitions serves the image
+    # only when its Fabric Manager has exactly this version. None: the catalog names none, no gate.
+    driver_version: str | None = DriverVersion
 
 
 class SlotBinding(Payload):
@@ -766,6 +771,7 @@ class ImageActivated(Payload):
     image_path: str
     source_uri: str | None = None
     driver_strategy: DriverStrategy = "preinstalled"
+    driver_version: str | None = DriverVersion
 
 
 class ImageDeactivated(Payload):

@@ -358,7 +358,8 @@ class AllocationRepository(AllocationStore):
     async def get_image(self, slug: str) -> ActiveImage | None:
         await self._flush()
         row = await self.conn.fetchrow(
-            "SELECT slug, kind, sku, digest_sha256, image_path, driver_strategy FROM active_images WHERE slug = $1",
+            "SELECT slug, kind, sku, digest_sha256, image_path, driver_strategy, driver_version FROM active_images "
+            "WHERE slug = $1",
             slug,
         )
         return ActiveImage(**dict(row)) if row else None
@@ -366,17 +367,18 @@ class AllocationRepository(AllocationStore):
     async def upsert_image(self, image: ActiveImage) -> None:
         await self._flush()
         await self.conn.execute(
-            "INSERT INTO active_images (slug, kind, sku, digest_sha256, image_path, driver_strategy) "
-            "VALUES ($1, $2, $3, $4, $5, $6) "
+            "INSERT INTO active_images (slug, kind, sku, digest_sha256, image_path, driver_strategy, driver_version) "
+            "VALUES ($1, $2, $3, $4, $5, $6, $7) "
             "ON CONFLICT (slug) DO UPDATE SET kind = EXCLUDED.kind, sku = EXCLUDED.sku, "
             "digest_sha256 = EXCLUDED.digest_sha256, image_path = EXCLUDED.image_path, "
-            "driver_strategy = EXCLUDED.driver_strategy, updated_at = now()",
+            "driver_strategy = EXCLUDED.driver_strategy, driver_version = EXCLUDED.driver_version, updated_at = now()",
             image.slug,
             image.kind,
             image.sku,
             image.digest_sha256,
             image.image_path,
             image.driver_strategy,
+            image.driver_version,
         )
 
     async def delete_image(self, slug: str) -> None:

@@ -128,6 +128,7 @@ class Allocation:
     image_digest: str = ""
     image_path: str = ""
     image_driver_strategy: str = "preinstalled"
+    image_driver_version: str | None = None
     request_hash: str = ""
     request: dict[str, Any] = field(default_factory=dict)
     node_id: str | None = None
@@ -189,6 +190,7 @@ class Allocation:
             image_digest=image.digest_sha256,
             image_path=image.image_path,
             image_driver_strategy=image.driver_strategy,
+            image_driver_version=image.driver_version,
             request_hash=fingerprint,
             request=req.model_dump(mode="json"),
             state="requested",
@@ -845,6 +847,7 @@ class Allocation:
             digest_sha256=self.image_digest,
             image_path=self.image_path,
             driver_strategy=self.image_driver_strategy,
+            driver_version=self.image_driver_version,
         )
 
     @property

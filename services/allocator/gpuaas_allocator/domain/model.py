@@ -45,6 +45,7 @@ class ActiveImage:
     digest_sha256: str
     image_path: str
     driver_strategy: str = "preinstalled"
+    driver_version: str | None = None
 
 
 @dataclass(frozen=True)

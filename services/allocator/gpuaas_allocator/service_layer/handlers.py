@@ -177,7 +177,9 @@ class Allocator:
             log.info("stale_image_event_ignored", slug=ev.slug, type=ctx.envelope.type)
             return
         await ctx.uow.repos.upsert_image(
-            ActiveImage(ev.slug, ev.kind, ev.sku, ev.digest_sha256, ev.image_path, ev.driver_strategy)
+            ActiveImage(
+                ev.slug, ev.kind, ev.sku, ev.digest_sha256, ev.image_path, ev.driver_strategy, ev.driver_version
+            )
         )
 
     async def on_image_deactivated(self, ctx: HandlerContext) -> None:

@@ -78,6 +78,9 @@ _REF_RE = re.compile(
 )
 
 
+DRIVER_VERSION = r"^[0-9]+(\.[0-9]+){1,3}$"
+
+
 class ImageCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -85,6 +88,9 @@ class ImageCreate(BaseModel):
     kind: str = Field(default="slice", pattern=r"^(slice|host)$")
     compatible_sku: str = Field(default="h200-sxm-slice", min_length=1, max_length=64)
     driver_strategy: str = Field(default="preinstalled", pattern=r"^(preinstalled|cloud_init)$")
+    # The NVIDIA driver inside the guest: hosts placing NVLink partitions serve the image only with a Fabric
+    # Manager of exactly this version. Kept in the metadata; None: unknown, no gate.
+    driver_version: str | None = Field(default=None, pattern=DRIVER_VERSION, max_length=32)
     image_path: str | None = Field(default=None, max_length=1024)
     metadata: dict[str, Any] = Field(default_factory=dict)
 
@@ -96,6 +102,7 @@ class ImageUpdate(BaseModel):
 
     compatible_sku: str | None = Field(default=None, min_length=1, max_length=64)
     driver_strategy: str | None = Field(default=None, pattern=r"^(preinstalled|cloud_init)$")
+    driver_version: str | None = Field(default=None, pattern=DRIVER_VERSION, max_length=32)
     metadata: dict[str, Any] | None = None
 
 

@@ -87,6 +87,7 @@ async def emit_activated(uow: Uow, row: Row) -> None:
             image_path=meta["image_path"],
             source_uri=row["source_uri"],
             driver_strategy=row["driver_strategy"],
+            driver_version=meta.get("driver_version"),
         ),
         aggregate_id=f"image:{row['slug']}",
         event_id=derived_event_id(activation_event_id_key(row["slug"], row["digest_sha256"], seq), "activated"),
@@ -228,13 +229,21 @@ async def prewarm_everywhere(uow: Uow, slug: str, cause: str) -> int:
 # --- admin operations ---------------------------------------------------------------------------
 
 
+def _no_free_driver_version(metadata: dict[str, Any]) -> None:
+    # The version gates placement (issue 29): only its validated field may set it.
+    if "driver_version" in metadata:
+        raise CatalogError(422, "protected_metadata", "driver_version is a field of its own, not free metadata")
+
+
 async def create_image(uow: Uow, req: ImageCreate, cache_dir: str) -> Row:
     image_path = req.image_path or (
         f"{cache_dir.rstrip('/')}/{req.slug}.raw" if req.kind == "slice" else f"custom/{req.slug}"
     )
-    row = await uow.repos.images.create(
-        req.slug, req.kind, req.driver_strategy, req.compatible_sku, {**req.metadata, "image_path": image_path}
-    )
+    _no_free_driver_version(req.metadata)
+    meta = {**req.metadata, "image_path": image_path}
+    if req.driver_version is not None:
+        meta["driver_version"] = req.driver_version
+    row = await uow.repos.images.create(req.slug, req.kind, req.driver_strategy, req.compatible_sku, meta)
     if row is None:
         raise CatalogError(409, "exists", f"image {req.slug} already exists")
     return row
@@ -246,10 +255,13 @@ async def update_image(uow: Uow, slug: str, req: ImageUpdate) -> Row:
         raise CatalogError(404, "not_found", f"no image {slug}")
     meta = _meta(row)
     if req.metadata:
+        _no_free_driver_version(req.metadata)
         bad = sorted(set(req.metadata) & set(PROTECTED_METADATA))
         if bad:
             raise CatalogError(422, "protected_metadata", f"{', '.join(bad)} come from builds, not from updates")
         meta.update(req.metadata)
+    if req.driver_version is not None:
+        meta["driver_version"] = req.driver_version
     row = await uow.repos.images.amend(slug, req.compatible_sku, req.driver_strategy, meta)
     if row["status"] == "active":
         await emit_activated(uow, row)  # consumers learn the new SKU / strategy

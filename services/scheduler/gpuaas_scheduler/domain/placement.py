@@ -92,6 +92,8 @@ class Request:
     # (slug, digest) when the image cache gate applies to this request (see `image_gate` below);
     # None: no cache evidence is required.
     image_gate: tuple[str, str] | None = None
+    # The NVIDIA driver inside the guest image (the catalog's); None: the image names none, no version gate.
+    driver_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,8 @@ class NodeFacts:
     # back from one) or `sick` (unhealthy, disabled, drifted, awaiting a verified wipe). Empty: the host is
     # not placed on NVLink partitions.
     module_states: tuple[tuple[int, str], ...] = ()
+    # What the host's Fabric Manager reported at its last discovery; None: not reported.
+    fabric_manager_version: str | None = None
 
     @property
     def partitioned(self) -> bool:
@@ -336,6 +340,13 @@ def best_tier(node: NodeCandidate, gpus: int) -> int | None:
     return TIER_SPAN if sum(node.numa_free[:span]) >= gpus else None
 
 
+def fabric_manager_mismatch(node: NodeFacts, req: Request) -> bool:
+    """The guest's driver would not talk to the host's Fabric Manager: a host placed on NVLink partitions
+    serves an image that names its driver version only when its Fabric Manager has exactly that version
+    (the partitions reference: the versions must match exactly). A host without partitions activates none."""
+    return req.driver_version is not None and node.partitioned and node.fabric_manager_version != req.driver_version
+
+
 def hugepages_needed(node: NodeFacts, req: Request) -> int:
     return node.hugepages_1g_per_gpu * req.gpus
 
@@ -400,6 +411,8 @@ def node_filter(node: NodeFacts, req: Request) -> str | None:
         return "drift_reported"
     if not node.image_ready:
         return "image_cache"
+    if fabric_manager_mismatch(node, req):
+        return "fabric_manager_version"
     if hugepages_missing(node, req):
         return "hugepages_missing"
     if node.exclusive_held:
@@ -433,6 +446,7 @@ NODE_LEVEL = {
     "parity",
     "drift_reported",
     "image_cache",
+    "fabric_manager_version",
     "hugepages_missing",
     "in_use",
 }
@@ -506,6 +520,7 @@ _FILTER_TEXT = {
     "parity": "without parity failures=0",
     "drift_reported": "with open drift reported by the node agent",
     "image_cache": "without the image verified in cache",
+    "fabric_manager_version": "whose Fabric Manager version is not the image's driver version",
     "hugepages_missing": "without the 1 GiB hugepages their slot profile needs",
     "hugepages_insufficient": "whose free 1 GiB hugepages are held by running slices",
     "in_use": "held by another allocation",
@@ -557,6 +572,15 @@ def unschedulable_summary(
     return "fragmented", (
         f"{free_gpus} GPUs free but no node has {requested} free slots (largest: {largest_free}){suffix}"
     )
+
+
+def fabric_manager_note(nodes: Iterable[NodeFacts], driver_version: str | None) -> str:
+    """Which Fabric Manager versions the `fabric_manager_version` nodes run, against the image's driver."""
+    found = Counter(n.fabric_manager_version or "not reported" for n in nodes)
+    if not found or driver_version is None:
+        return ""
+    hosts = ", ".join(f"{v} ({k})" for v, k in sorted(found.items()))
+    return f"; the image's driver is {driver_version}, their Fabric Manager: {hosts}"
 
 
 def partition_summary(nodes: Iterable[NodeFacts], requested: int, detail: Counter[str]) -> tuple[str, str] | None:

@@ -26,6 +26,7 @@ from ..domain.placement import (
     Request,
     choose,
     clean_node_allowed,
+    fabric_manager_note,
     hugepage_note,
     image_gate,
     node_filter,
@@ -72,7 +73,9 @@ async def with_fleet_shape(conn: asyncpg.Connection, policy: PlacementPolicy) ->
 
 def request_of(ev: m.AllocationAccepted) -> Request:
     gpus = BAREMETAL_GPUS if ev.shape == "baremetal" else ev.gpu_count
-    return Request(ev.shape, gpus, ev.region, ev.sku, ev.tenant_id)
+    # A baremetal image is deployed by MAAS with its own driver: no Fabric Manager of ours to match.
+    driver = ev.image.driver_version if ev.shape != "baremetal" else None
+    return Request(ev.shape, gpus, ev.region, ev.sku, ev.tenant_id, driver_version=driver)
 
 
 async def place(conn: asyncpg.Connection, ev: m.AllocationAccepted, policy: PlacementPolicy) -> Outcome:
@@ -185,7 +188,9 @@ async def _place_slices(
 
     async def _attempt(node_id: str, wait: bool) -> bool:
         out.attempts += 1
-        node = await inv.lock_slice_node(conn, node_id, wait=wait, gpus=req.gpus, image_gate=req.image_gate)
+        node = await inv.lock_slice_node(
+            conn, node_id, wait=wait, gpus=req.gpus, image_gate=req.image_gate, driver_version=req.driver_version
+        )
         if node is inv.LOCKED:
             out.skipped_locked += 1
             locked.append(node_id)
@@ -258,12 +263,15 @@ async def why_not(
     filtered: Counter[str] = Counter()
     free = eligible = largest = 0
     short_of_pages = []
+    other_fabric_manager = []
     partitioned: list = []
     unpartitioned_free = 0
     for node in facts:
         reason = node_filter(node, req)
         if reason in HUGEPAGE_FILTERS:
             short_of_pages.append(node)
+        if reason == "fabric_manager_version":
+            other_fabric_manager.append(node)
         # A baremetal host in use is capacity taken, not an ineligible host.
         if reason is not None and reason in NODE_LEVEL and not (req.shape == "baremetal" and reason == "in_use"):
             filtered[reason] += 1
@@ -290,6 +298,7 @@ async def why_not(
         # Every free GPU is on a partitioned host: say which partitions are missing and what holds them.
         code, text = partition_summary(partitioned, req.gpus, filtered) or (code, text)
     text += hugepage_note(short_of_pages, hugepage_profiles())
+    text += fabric_manager_note(other_fabric_manager, req.driver_version)
     return m.PlacementUnschedulable(
         allocation_id=ev.allocation_id,
         reason_code=code,

@@ -18,6 +18,7 @@ from .predicates import (
     TIER_SQL,
     UNCLAIMED_SLOT_SQL,
     candidate_from_row,
+    fabric_manager_ok_sql,
     gate_params,
     hugepage_profiles_sql,
     hugepage_table,
@@ -39,7 +40,7 @@ async def slice_candidates(
             rows = await conn.fetch(
                 f"SELECT {NODE_SUMMARY_COLUMNS} FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} "
                 f"AND n.free_slots > 0 AND n.sliced = $4 AND n.free_slots >= $3 AND {tier_sql} "
-                f"AND {image_ready_sql(8, 9)} AND {hugepages_ok_sql(3, 10)} "
+                f"AND {image_ready_sql(8, 9)} AND {hugepages_ok_sql(3, 10)} AND {fabric_manager_ok_sql(11)} "
                 "AND (n.free_slots, n.node_id) > ($5, $6) ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT $7",
                 req.region,
                 req.sku,
@@ -50,6 +51,7 @@ async def slice_candidates(
                 page,
                 *gate_params(req),
                 hugepage_table(),
+                req.driver_version,
             )
             for r in rows:
                 yield candidate_from_row(r)
@@ -134,6 +136,7 @@ async def node_facts(conn: asyncpg.Connection, image_gate: tuple[str, str] | Non
             drifted_free_slots=r["drifted_free_slots"],
             hugepage_profiles=tuple((r["hugepage_profiles"] or "").split(",")) if r["hugepage_profiles"] else (),
             module_states=tuple((int(mid), str(state)) for mid, state in json.loads(r["module_states"] or "[]")),
+            fabric_manager_version=r["fabric_manager_version"],
         )
         for r in rows
     ]

@@ -18,6 +18,7 @@ from .predicates import (
     SLOT_COLUMNS,
     SLOT_VIEW_COLUMNS,
     TIER_SQL,
+    fabric_manager_ok_sql,
     gate_params,
     hugepage_table,
     hugepages_ok_sql,
@@ -31,14 +32,20 @@ _FREE_COLUMNS_F = ", ".join("f." + c.strip() for c in SLOT_VIEW_COLUMNS.split(",
 
 
 async def lock_slice_node(
-    conn: asyncpg.Connection, node_id: str, *, wait: bool, gpus: int, image_gate: tuple[str, str] | None = None
+    conn: asyncpg.Connection,
+    node_id: str,
+    *,
+    wait: bool,
+    gpus: int,
+    image_gate: tuple[str, str] | None = None,
+    driver_version: str | None = None,
 ) -> Any:
     """The node row under FOR UPDATE if it may still take `gpus` slices (hugepages included, and, under an
     image gate, holds the image verified); LOCKED when another worker holds it."""
     skip = "" if wait else " SKIP LOCKED"
     row = await conn.fetchrow(
         f"SELECT n.node_id, n.total_slots, n.numa_capacity, {SLICE_NODE_SQL} AND {image_ready_sql(2, 3)} "
-        f"AND {hugepages_ok_sql(4, 5)} AS ok, "
+        f"AND {hugepages_ok_sql(4, 5)} AND {fabric_manager_ok_sql(6)} AS ok, "
         "EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
         "        AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') AS exclusive "
         f"FROM nodes n WHERE n.node_id = $1 FOR UPDATE{skip}",
@@ -46,6 +53,7 @@ async def lock_slice_node(
         *gate_params(image_gate),
         gpus,
         hugepage_table(),
+        driver_version,
     )
     if row is None:
         exists = await conn.fetchval("SELECT 1 FROM nodes WHERE node_id = $1", node_id)
@@ -114,6 +122,7 @@ async def lock_best_in_class(
         "WITH n AS (SELECT n.node_id, n.total_slots, n.numa_capacity FROM nodes n "
         f"  WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} AND n.free_slots > 0 AND n.sliced = $4 "
         f"  AND n.free_slots >= $3 AND {tier_sql} AND {image_ready_sql(5, 6)} AND {hugepages_ok_sql(3, 7)} "
+        f"  AND {fabric_manager_ok_sql(8)} "
         "  AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
         "                  AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') "
         "  ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT 1 FOR UPDATE OF n SKIP LOCKED), "
@@ -127,6 +136,7 @@ async def lock_best_in_class(
         sliced,
         *gate_params(req),
         hugepage_table(),
+        req.driver_version,
     )
     if not rows:
         return None

@@ -69,6 +69,15 @@ def image_ready_sql(slug: int, digest: int) -> str:
     )
 
 
+def fabric_manager_ok_sql(version: int) -> str:
+    """The SQL of the domain's `fabric_manager_mismatch`, negated: no driver version asked (`$version` NULL), node
+    `n` places no NVLink partitions (no unretired slot with a module ID), or its Fabric Manager has that version."""
+    return (
+        f"(${version}::text IS NULL OR n.fabric_manager_version = ${version}::text OR NOT EXISTS (SELECT 1 FROM "
+        "node_resource_slots fs WHERE fs.node_id = n.node_id AND fs.module_id IS NOT NULL AND fs.status <> 'retired'))"
+    )
+
+
 def _pages_per_gpu_sql(table: int, slot: str) -> str:
     return f"COALESCE((${table}::jsonb ->> {slot}.profile)::int, 0)"
 
