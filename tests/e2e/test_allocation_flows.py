@@ -44,6 +44,10 @@ async def test_slice_allocation_goes_active_and_is_released_with_wipe_proof(port
         "SELECT driver_strategy FROM allocator.active_images WHERE slug = $1", task["image"]["slug"]
     )
     assert task["image"]["driver_strategy"] == announced == "preinstalled"
+    # The two GPUs are one NVLink partition of the simulated board, a pair (issue 29): the module IDs discovery
+    # read from the host's nvidia-smi went through approval and placement to the task that activates it.
+    pairs = {3: {1, 3}, 4: {2, 4}, 5: {5, 7}, 6: {6, 8}}
+    assert {s["module_id"] for s in task["slots"]} == pairs[task["nvlink_partition"]]
     # ...whose simulated guest reported both GPUs its domain was given, with a working driver.
     (result,) = [
         e["payload"]
@@ -71,6 +75,9 @@ async def test_slice_allocation_goes_active_and_is_released_with_wipe_proof(port
 
     await portal.release(alloc)
     released = await portal.wait_state(alloc, "released")
+    # The release deactivates that partition once the VM is shut down.
+    (release_task,) = [e["payload"] for e in portal.spy.of_type("slice.vm_release", allocation_id=alloc)]
+    assert release_task["nvlink_partition"] == task["nvlink_partition"]
     cleanup = released["payload"]["cleanup"]
     assert cleanup["required"] and cleanup["verified"]
     assert sorted(p["device"] for p in cleanup["wipe_proofs"]) == sorted(s["nvme_by_id"] for s in slots)
