@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import hashlib
 
-from gpuaas_node_agent.adapters.fabric_manager import NOT_READY, NOT_RUNNING, FabricManagerError, SimulatedFabricManager
+import pytest
+
+from gpuaas_node_agent.adapters.fabric_manager import (
+    IN_USE,
+    NOT_READY,
+    NOT_RUNNING,
+    FabricManagerError,
+    FmpmFabricManager,
+    SimulatedFabricManager,
+    fabric_manager_for,
+)
+from gpuaas_node_agent.adapters.host import Host
 from gpuaas_node_agent.service_layer.tasks import nvlink
 
 from .test_node_agent_tasks import Env, _fill, env, publish, spy  # noqa: F401 (fixtures)
@@ -123,3 +134,47 @@ async def test_reconciliation_reports_a_partition_no_vm_holds(env: Env) -> None:
     assert ("partition:4", f"VM {prov.vm_name} runs without its NVLink partition 4 active") in [
         (d.subject, d.detail) for d in drift
     ]
+
+
+LISTING = """{
+   "version" : 1,
+   "numPartitions" : 3,
+   "partitionInfo" : [
+      { "partitionId" : 1, "isActive" : 0, "numGpus" : 4, "gpuInfo" : [] },
+      { "partitionId" : 4, "isActive" : 1, "numGpus" : 2, "gpuInfo" : [] },
+      { "partitionId" : 9, "isActive" : 1, "numGpus" : 1, "gpuInfo" : [] }
+   ]
+}"""
+
+
+async def test_the_real_adapter_reads_fmpm_and_tells_in_use_from_other_refusals(tmp_path) -> None:
+    """fmpm prints its listing as JSON and exits with Fabric Manager's fmReturn_t (256 + the negative code)."""
+    tool = tmp_path / "usr/bin/fmpm"
+    tool.parent.mkdir(parents=True)
+    (tmp_path / "fmpm-list.json").write_text(LISTING)
+    tool.write_text(
+        "#!/bin/sh\n"
+        'D="$(dirname "$0")/../.."\n'
+        'case "$1" in\n'
+        '  -l) cat "$D/fmpm-list.json";;\n'
+        '  -a) [ "$2" = "3" ] && { echo "Failed to activate partition. fmReturn: -7"; exit 249; }; echo done;;\n'
+        '  -d) echo "Failed to deactivate partition. fmReturn: -8"; exit 248;;\n'
+        '  --set-activated-list) echo "$2" > "$D/activated.txt";;\n'
+        "esac\n"
+    )
+    tool.chmod(0o755)
+    host = Host.at(tmp_path)
+    fm = fabric_manager_for(host, tmp_path / "state")
+    assert isinstance(fm, FmpmFabricManager)
+    assert await fm.active() == [4, 9]
+    await fm.activate(5)
+    with pytest.raises(FabricManagerError) as in_use:
+        await fm.activate(3)
+    assert in_use.value.code == IN_USE
+    with pytest.raises(FabricManagerError) as not_ready:
+        await fm.deactivate(4)
+    assert not_ready.value.code == NOT_READY
+    await fm.set_activated([9, 4])
+    assert (tmp_path / "activated.txt").read_text().strip() == "4,9"
+    # A host tree without fmpm gets the simulator, never a silent stand-in on a real host.
+    assert isinstance(fabric_manager_for(Host.at(tmp_path / "other"), tmp_path / "state"), SimulatedFabricManager)

@@ -27,6 +27,9 @@ NOT_READY = "FM_ST_NOT_CONFIGURED"  # activation asked inside the restart window
 NOT_RUNNING = "FM_ST_NOT_RUNNING"
 BAD_PARTITION = "FM_ST_BADPARAM"
 RESTART_WINDOW_S = 60.0
+# fmReturn_t values of NVIDIA's nv_fm_types.h for the codes the agent tells apart.
+_FM_CODES = {BAD_PARTITION: -1, IN_USE: -7, NOT_READY: -8}
+_FM_RETURN = {n: c for c, n in _FM_CODES.items()}
 
 
 class FabricManagerError(Exception):
@@ -168,7 +171,10 @@ class FmpmFabricManager:
         res = await self.host.run.run("fmpm", *args)
         text = f"{res.stdout}\n{res.stderr}"
         if not res.ok:
-            code = next((c for c in (IN_USE, NOT_READY, NOT_RUNNING, BAD_PARTITION) if c in text), "fmpm_failed")
+            # fmpm exits with Fabric Manager's fmReturn_t (negative, so 256 + code) and prints "fmReturn: <code>".
+            code = _FM_RETURN.get(res.rc - 256) or next(
+                (c for c, n in _FM_CODES.items() if c in text or f"fmReturn: {n}" in text), "fmpm_failed"
+            )
             raise FabricManagerError(code, f"fmpm {' '.join(args)} (rc {res.rc}): {text.strip()[:500]}")
         return res.stdout
 
@@ -179,7 +185,8 @@ class FmpmFabricManager:
         await self._fmpm("-d", str(partition_id))
 
     async def active(self) -> list[int]:
-        """`fmpm -l` prints the supported partitions as JSON with `partitionId` and `isActive` per partition."""
+        """`fmpm -l` prints the supported partitions as JSON: `partitionInfo`, each with `partitionId` and
+        `isActive` (0 or 1)."""
         out = await self._fmpm("-l")
         try:
             listing = json.loads(out[out.index("{") :])
@@ -189,8 +196,7 @@ class FmpmFabricManager:
         return sorted(int(p["partitionId"]) for p in parts if p.get("isActive"))
 
     async def set_activated(self, partition_ids: Iterable[int]) -> None:
-        # fmSetActivatedFabricPartitions through the sample tool; the reference names only -l/-a/-d, so this
-        # flag is the one thing here to verify against the fmpm build on the first real host.
+        # fmSetActivatedFabricPartitions: comma-separated, no spaces; needs FABRIC_MODE_RESTART=1 on the host.
         await self._fmpm("--set-activated-list", ",".join(str(p) for p in sorted(set(partition_ids))))
 
     async def generation(self) -> str | None:
