@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -16,10 +17,22 @@ FULL_LIFECYCLE = ["requested", "accepted", "placed", "provisioning", "active", "
 
 
 async def _timeline(db, alloc: uuid.UUID) -> list[str]:
+    """The states it moved through (notes, such as provisioning phases, stay in their state)."""
     rows = await db.fetch(
-        "SELECT state FROM allocator.allocation_timeline WHERE allocation_id = $1 ORDER BY seq", alloc
+        "SELECT state FROM allocator.allocation_timeline WHERE allocation_id = $1 "
+        "AND previous_state IS DISTINCT FROM state ORDER BY seq",
+        alloc,
     )
     return [r["state"] for r in rows]
+
+
+async def _notes(db, alloc: uuid.UUID, reason_code: str) -> list[dict]:
+    rows = await db.fetch(
+        "SELECT detail FROM allocator.allocation_timeline WHERE allocation_id = $1 AND reason_code = $2 ORDER BY seq",
+        alloc,
+        reason_code,
+    )
+    return [json.loads(r["detail"]) if isinstance(r["detail"], str) else r["detail"] for r in rows]
 
 
 async def _live_claims(db, alloc: uuid.UUID) -> int:
@@ -82,6 +95,13 @@ async def test_slice_allocation_goes_active_and_is_released_with_wipe_proof(port
     assert cleanup["required"] and cleanup["verified"]
     assert sorted(p["device"] for p in cleanup["wipe_proofs"]) == sorted(s["nvme_by_id"] for s in slots)
     assert await _timeline(db, alloc) == FULL_LIFECYCLE
+    # Where the time went, on the timeline for ops: each provisioning phase with its seconds, and how the VM
+    # stopped at release.
+    phases = {n["phase"]: n["seconds"] for n in await _notes(db, alloc, "provision_phase")}
+    assert {"seed", "clone_image", "dhcp_reservation", "define", "wait_ready"} <= set(phases)
+    assert all(seconds >= 0 for seconds in phases.values())
+    (stopped,) = await _notes(db, alloc, "vm_stopped")
+    assert stopped["stop_path"] in ("graceful", "already_off")
 
     async def freed() -> bool:
         return await slot_statuses() == {"available"} and await _live_claims(db, alloc) == 0

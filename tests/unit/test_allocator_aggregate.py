@@ -100,3 +100,55 @@ def test_a_transition_the_table_forbids_is_refused() -> None:
     alloc = _accepted()
     with pytest.raises(InvalidTransition):
         alloc.fail("x", None, None)  # accepted -> failed is not in the table
+
+
+def _provisioned(alloc: Allocation, phases: dict[str, float]) -> None:
+    alloc.place(_placed(alloc))
+    readiness = m.Readiness(
+        mac="52:54:00:00:00:01",
+        expected_ip="127.100.0.10",
+        actual_ip="127.100.0.10",
+        lease_state="bound",
+        ssh_ready=True,
+        phase_seconds=phases,
+    )
+    alloc.take_task_result(
+        m.NodeTaskResult(
+            task_id=alloc.task_id,
+            allocation_id=alloc.allocation_id,
+            node_id="n1",
+            task_type="slice.vm_provision",
+            status="succeeded",
+            readiness=readiness,
+        )
+    )
+
+
+def test_each_provisioning_phase_goes_on_the_timeline_with_its_seconds_before_active() -> None:
+    alloc = _accepted()
+    phases = {"seed": 0.02, "clone_image": 1.0, "define": 0.5, "wait_ready": 90.0, "lease": 37.2, "ssh": 10.2}
+    _provisioned(alloc, phases)
+    rows = [(e.state, e.reason_code, e.detail) for e in alloc.timeline]
+    recorded = [(r[2]["phase"], r[2]["seconds"]) for r in rows if r[1] == "provision_phase"]
+    assert recorded == list(phases.items())
+    assert rows[-1][0] == "active" and all(r[0] == "provisioning" for r in rows if r[1] == "provision_phase")
+
+
+@pytest.mark.parametrize("stop_path, code", [("graceful", "vm_stopped"), ("forced", "vm_stopped_hard")])
+def test_a_release_says_on_the_timeline_how_the_vm_stopped(stop_path: str, code: str) -> None:
+    alloc = _accepted()
+    _provisioned(alloc, {})
+    alloc.release(m.AllocationReleaseRequested(allocation_id=alloc.allocation_id, reason="done"))
+    alloc.take_task_result(
+        m.NodeTaskResult(
+            task_id=alloc.release_task_id,
+            allocation_id=alloc.allocation_id,
+            node_id="n1",
+            task_type="slice.vm_release",
+            status="succeeded",
+            stop_path=stop_path,
+        )
+    )
+    noted = [e for e in alloc.timeline if e.reason_code == code]
+    assert len(noted) == 1 and noted[0].detail["stop_path"] == stop_path
+    assert alloc.timeline[-1].state == "released"

@@ -409,6 +409,9 @@ class NodeTaskResult(Payload):
     # False only when the agent's durable record of the task shows no step that writes a slot's disk was ever
     # entered, by this run or one before a restart; absent counts as touched.
     disk_touched: bool = True
+    # A release's account of how the VM stopped: `graceful` (ACPI within the timeout), `forced` (the timeout
+    # passed and the agent pulled the plug), `already_off`, or `absent` (no domain). None on a provision.
+    stop_path: Literal["graceful", "forced", "already_off", "absent"] | None = None
 
 
 class NodeEnrolled(Payload):

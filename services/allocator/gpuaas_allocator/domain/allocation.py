@@ -75,6 +75,9 @@ LATE_VM_TEARDOWN_UNANSWERED = "late_vm_teardown_unanswered"
 MACHINE_RELEASED_AFTER_FAILURE = "machine_released_after_failure"
 MACHINE_RELEASE_AFTER_FAILURE_FAILED = "machine_release_after_failure_failed"
 LATE_DEPLOY_RESULT = "late_deploy_result"
+PROVISION_PHASE = "provision_phase"
+VM_STOPPED = "vm_stopped"
+STOPPED_HARD = "vm_stopped_hard"
 
 
 # A guard and the action it admits: the first rule whose guard holds handles a node task's result.
@@ -458,6 +461,7 @@ class Allocation:
 
     def _apply_provision_result(self, res: m.NodeTaskResult) -> None:
         if res.status == "succeeded" and self.state != "releasing":
+            self._record_phases(res)
             access = _access_of(res.readiness)
             # The common case in one statement: no longer awaiting a result, and active.
             self._transition(
@@ -480,7 +484,17 @@ class Allocation:
             wipe_proofs=list(res.wipe_proofs),
         )
 
+    def _record_phases(self, res: m.NodeTaskResult) -> None:
+        """The host's provisioning phases, each with its seconds, on the timeline before `active`: ops read where
+        the time went (clone, seed, define, boot, lease, cloud-init, SSH) without the host's logs."""
+        for phase, seconds in (res.readiness.phase_seconds if res.readiness else {}).items():
+            self._record(self.state, self.state, PROVISION_PHASE, {"phase": phase, "seconds": round(seconds, 3)})
+
     def _apply_release_result(self, res: m.NodeTaskResult) -> None:
+        if res.stop_path is not None:
+            # A guest that ignored ACPI was stopped hard: the timeline says so, in its own reason code.
+            code = STOPPED_HARD if res.stop_path == "forced" else VM_STOPPED
+            self._record(self.state, self.state, code, {"stop_path": res.stop_path, "task_id": res.task_id})
         if res.status == "succeeded":
             # `verified` summarises the host's own account for the portal; the scheduler judges each disk's proof.
             verified = bool(res.wipe_proofs) and all(p.verified for p in res.wipe_proofs)

@@ -107,6 +107,7 @@ class AgentCore:
         cleanup_required: bool = False,
         readiness_: m.Readiness | None = None,
         proofs: list[m.WipeProof] | None = None,
+        stop_path: str | None = None,
     ) -> m.NodeTaskResult:
         # A release follows a VM that had its disks, so only a provision can say it never wrote one, and only
         # from the record `_phase` writes before the first write.
@@ -124,6 +125,7 @@ class AgentCore:
             wipe_proofs=proofs or [],
             cleanup_required=cleanup_required,
             disk_touched=touched,
+            stop_path=stop_path,  # type: ignore[arg-type]  # ShutdownPath's values, checked by the contract
         )
 
     async def _phase(

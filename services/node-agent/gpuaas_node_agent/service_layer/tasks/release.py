@@ -14,9 +14,11 @@ class ReleaseTask(AgentCore):
     async def _release(self, task: m.SliceVmRelease) -> m.NodeTaskResult:
         t = "slice.vm_release"
         await self._phase(task, t, "stop")
+        stop_path = "absent"
         try:
             if await self.libvirt.exists(task.vm_name):
                 stopped = await self.libvirt.shutdown(task.vm_name, self.shutdown_timeout_s)
+                stop_path = stopped.value
                 await self._phase(task, t, "undefine", detail=f"stop path: {stopped.value}")
                 await self.libvirt.undefine(task.vm_name)
             # Never under a running VM: only once it is shut down (or was never there).
@@ -53,8 +55,15 @@ class ReleaseTask(AgentCore):
             reason = "; ".join(f"{p.device}: {p.detail or 'not verified'}" for p in unverified)
             log.error("wipe_not_verified", task_id=task.task_id, allocation_id=str(task.allocation_id), reason=reason)
             return self._result(
-                task, t, "failed", code="wipe_unverified", reason=reason[:2000], cleanup_required=True, proofs=proofs
+                task,
+                t,
+                "failed",
+                code="wipe_unverified",
+                reason=reason[:2000],
+                cleanup_required=True,
+                proofs=proofs,
+                stop_path=stop_path,
             )
         self.store.drop_leases(str(task.allocation_id))
         await self._phase(task, t, "released")
-        return self._result(task, t, "succeeded", proofs=proofs)
+        return self._result(task, t, "succeeded", proofs=proofs, stop_path=stop_path)
