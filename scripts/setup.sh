@@ -59,7 +59,7 @@ APT_PACKAGES=(
   # The lab (real slice hosts on this machine, tests/e2e/test_lab_slice.py, `make lab`): QEMU/TCG guests under a
   # libvirt daemon of the lab's own inside a network namespace, DHCP from dnsmasq, UEFI firmware, the Debian
   # base image built from packages with a GRUB EFI loader, unix-socket forwarders, SSH to the guests.
-  qemu-system-x86 libvirt-daemon-system libvirt-clients dnsmasq-base ovmf
+  qemu-system-x86 libvirt-daemon-system libvirt-clients dnsmasq-base dnsmasq-utils ovmf
   iproute2 iptables socat openssh-client mmdebstrap grub-efi-amd64-bin dosfstools mtools
 )
 # The system services those packages bring that nothing here uses: the stack starts its own Postgres and

@@ -233,7 +233,21 @@ async def test_slices_allocated_through_the_stack_run_on_real_vms_isolated_and_c
         stopped = spy.of_type("node.task_progress", allocation_id=alloc, phase="undefine")
         assert stopped and stopped[0]["payload"]["detail"] == "stop path: graceful"
     assert domains(st) == []
+    # The timeline says where the time went and how each VM stopped, readable without the host's logs.
+    for alloc in allocs:
+        notes = await db.fetch(
+            "SELECT reason_code, detail FROM allocator.allocation_timeline WHERE allocation_id = $1 "
+            "AND reason_code IN ('provision_phase', 'vm_stopped') ORDER BY seq",
+            alloc,
+        )
+        rows = [
+            (n["reason_code"], json.loads(n["detail"]) if isinstance(n["detail"], str) else n["detail"]) for n in notes
+        ]
+        phases = {d["phase"] for code, d in rows if code == "provision_phase"}
+        assert {"clone_image", "define", "lease", "cloud_init", "ssh"} <= phases
+        assert [d["stop_path"] for code, d in rows if code == "vm_stopped"] == ["graceful"]
     assert _files(st.hostsdir) == []  # the DHCP reservations went with the VMs
+    assert not any(s["mac"] in _read(st.lease_file) for s in approved.values())  # and their leases
     assert all(zeros_sampled(slot.loop_device, slot.size_bytes) for slot in st.slots)
 
     async def slots_available() -> bool:

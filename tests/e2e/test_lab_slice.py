@@ -125,6 +125,7 @@ async def test_a_guest_that_never_boots_fails_with_lease_timeout_and_leaves_noth
     assert released["status"] == "succeeded", released
     stopped = spy.of_type("node.task_progress", task_id=rel["task_id"], phase="undefine")
     assert stopped and stopped[0]["payload"]["detail"] == "stop path: forced"
+    assert released["stop_path"] == "forced"  # what the allocation's timeline records (vm_stopped_hard)
     assert domains(st) == []
 
 

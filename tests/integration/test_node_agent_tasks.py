@@ -266,9 +266,13 @@ async def test_provision_then_release_clones_boots_and_wipes_with_proof(env: Env
     # The slice's OVS port is protected: slices on the host never reach each other.
     assert (env.root / "var/lib/gpuaas-fixture/ovs-protected.txt").read_text().split() == [tap_name(prov.vm_name)]
 
+    leases = env.root / "var/lib/misc/dnsmasq.leases"
+    assert prov.slots[0].mac in leases.read_text()
     rel = env.release(prov)
     released = await env.agent.execute("slice.vm_release", rel)
     assert released.status == "succeeded", released
+    assert released.stop_path == "graceful"
+    assert prov.slots[0].mac not in leases.read_text()  # dnsmasq was told to forget the lease (dhcp_release)
     assert [p.device for p in released.wipe_proofs] == [s.nvme_by_id for s in prov.slots]
     assert all(p.verified and p.signatures == [] for p in released.wipe_proofs)
     assert all(d.read_bytes() == bytes(d.stat().st_size) for d in disks)

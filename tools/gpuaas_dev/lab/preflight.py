@@ -45,6 +45,7 @@ REQUIREMENTS = (
     Requirement(str(OVMF_VARS), "ovmf"),
     Requirement("ip", "iproute2"),
     Requirement("socat", "socat"),
+    Requirement("dhcp_release", "dnsmasq-utils"),
     Requirement("iptables", "iptables"),
     Requirement("losetup", "mount"),
     Requirement("blkdiscard", "util-linux"),

@@ -18,6 +18,8 @@ from pydantic import BaseModel
 
 from gpuaas_common.logging import get_logger
 
+from .host import Host
+
 log = get_logger(__name__)
 
 _MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
@@ -104,6 +106,21 @@ def remove_reservation(hostsdir: str | os.PathLike[str], name: str) -> bool:
     except FileNotFoundError:
         return False
     log.info("dhcp_reservation_removed", name=name)
+    return True
+
+
+async def release_lease(host: Host, interface: str, ip: str, mac: str) -> bool:
+    """Make dnsmasq forget a released VM's lease (dnsmasq-utils' `dhcp_release` sends the DHCPRELEASE the guest
+    never sent), so a released slot leaves no lease behind. Run where dnsmasq runs (the agent's network
+    namespace). False when the host has no `dhcp_release` or it fails: the lease then only expires."""
+    if host.run.which("dhcp_release") is None:
+        log.warning("dhcp_release_missing", interface=interface, ip=ip, mac=mac)
+        return False
+    res = await host.run.run("dhcp_release", interface, _ipv4(ip), _mac(mac))
+    if not res.ok:
+        log.warning("dhcp_release_failed", interface=interface, ip=ip, mac=mac, rc=res.rc, stderr=res.stderr[:300])
+        return False
+    log.info("dhcp_lease_released", interface=interface, ip=ip, mac=mac)
     return True
 
 

@@ -214,6 +214,14 @@ def write_host_tools(fs: _Sysfs, desc: HostDescription) -> None:
         'if grep -qx "$unit" "$DATA/active-units.txt"; then echo active; exit 0; fi\n'
         "echo inactive; exit 3\n",
     )
+    # dhcp_release makes dnsmasq drop the lease: here the line goes from the lease file the agent reads.
+    _script(
+        sbin / "dhcp_release",
+        'ROOT="$(cd "$(dirname "$0")/../.." && pwd -P)"\nL="$ROOT/var/lib/misc/dnsmasq.leases"\n'
+        '[ $# -eq 3 ] || { echo "fixture dhcp_release: usage: IFACE ADDR MAC" >&2; exit 1; }\n'
+        '[ -f "$L" ] || exit 0\n'
+        'awk -v mac="$3" \'$2 != mac\' "$L" > "$L.tmp" && mv "$L.tmp" "$L"\n',
+    )
     # ovs-vsctl keeps what it was told in OVSDB; here one line per protected port, for tests to read back.
     _script(
         root / "usr/bin/ovs-vsctl",
