@@ -192,23 +192,7 @@ async def dead_letter(
     dead-lettering the same message again within JetStream's duplicate window publishes nothing new."""
     md = raw.metadata
     stream_seq = md.sequence.stream if md and md.sequence else None
-    try:
-        body_text: str | None = raw.data.decode("utf-8")
-        body_b64 = None
-    except UnicodeDecodeError:
-        body_text, body_b64 = None, base64.b64encode(raw.data).decode()
-    letter = DeadLetter(
-        consumer=spec.durable,
-        stream=spec.stream,
-        subject=raw.subject,
-        stream_seq=stream_seq,
-        num_delivered=num,
-        reason_code=reason_code,  # type: ignore[arg-type]
-        reason=reason[:8000],
-        headers={k: str(v) for k, v in (raw.headers or {}).items()},
-        body_text=body_text[:100_000] if body_text is not None else None,
-        body_base64=body_b64,
-    )
+    letter = _fitting_letter(spec, raw, reason_code, reason, num, stream_seq)
     cause = f"{spec.stream}:{stream_seq}" if stream_seq is not None else raw.subject
     await bus.publish(
         "dead_letter",
@@ -218,3 +202,39 @@ async def dead_letter(
         consumer=spec.durable,
     )
     log.warning("dead_lettered", reason_code=reason_code, reason=reason[:500], stream_seq=stream_seq)
+
+
+# A dead letter must fit what its publisher may send: a host's user may publish 64 KiB (the flood limits), and a
+# letter over it makes the server drop the host's connection, not just the letter. The body is kept whole when
+# it fits, else cut until the whole envelope does (JSON escaping can make text several times longer).
+LETTER_BUDGET = 48 * 1024
+BODY_CAP = 100_000
+
+
+def _fitting_letter(
+    spec: ConsumerSpec, raw: Any, reason_code: str, reason: str, num: int, stream_seq: int | None
+) -> DeadLetter:
+    cap = BODY_CAP
+    while True:
+        data = raw.data[:cap]
+        try:
+            body_text: str | None = data.decode("utf-8")
+            body_b64 = None
+        except UnicodeDecodeError:
+            body_text, body_b64 = None, base64.b64encode(data).decode()
+        cut = len(raw.data) > cap
+        letter = DeadLetter(
+            consumer=spec.durable,
+            stream=spec.stream,
+            subject=raw.subject,
+            stream_seq=stream_seq,
+            num_delivered=num,
+            reason_code=reason_code,  # type: ignore[arg-type]
+            reason=(reason[:8000] + (f" (body cut to its first {cap} of {len(raw.data)} bytes)" if cut else "")),
+            headers={k: str(v)[:1000] for k, v in list((raw.headers or {}).items())[:32]},
+            body_text=body_text,
+            body_base64=body_b64,
+        )
+        if cap == 0 or len(letter.model_dump_json()) <= LETTER_BUDGET:
+            return letter
+        cap //= 4
