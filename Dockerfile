@@ -1,5 +1,5 @@
 # The control plane's images, built with BuildKit (cache and bind mounts):
-#   docker build -t gpuaas .                   # the production image (the last stage, `runtime`): the five services
+#   docker build -t gpuaas .                   # the production image (the last stage, `runtime`): the six services
 #   docker build --target dev -t gpuaas:dev .  # what docker-compose.yml runs: the same plus the `gpuaas` CLI, the
 #                                              # MAAS simulator and the simulated fleet (the `tools/` packages)
 # Wheels are built in a stage with the compilers; the images install them and keep only the shared libraries and
@@ -61,7 +61,7 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
 ARG VERSION=0.1.0
 ARG REVISION=unknown
 LABEL org.opencontainers.image.title="gpuaas" \
-      org.opencontainers.image.description="Control plane of an H200 GPU cloud: allocator, scheduler, image pipeline, MAAS gateway, node agent" \
+      org.opencontainers.image.description="Control plane of an H200 GPU cloud: allocator, scheduler, image pipeline, MAAS gateway, node agent, ops view" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
@@ -78,7 +78,7 @@ LABEL org.opencontainers.image.title="gpuaas-dev" \
 USER gpuaas
 CMD ["gpuaas", "--help"]
 
-# The production image: the five services and the shared library, no simulator, no dev tool, no `gpuaas` CLI.
+# The production image: the six services and the shared library, no simulator, no dev tool, no `gpuaas` CLI.
 FROM base AS runtime
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     --mount=type=bind,from=build,source=/usr/local/lib/gpuaas-build,target=/usr/local/lib/gpuaas-build \
@@ -86,4 +86,4 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
  && python /usr/local/lib/gpuaas-build/packaging.py check-runtime gpuaas gpuaas_dev
 USER gpuaas
 # No default service: a deployment names the one each container runs.
-CMD ["python", "-c", "print('gpuaas: run one of gpuaas-allocator, gpuaas-scheduler, gpuaas-image-pipeline, gpuaas-maas-gateway, gpuaas-node-agent (--help lists its GPUAAS_* settings)')"]
+CMD ["python", "-c", "print('gpuaas: run one of gpuaas-allocator, gpuaas-scheduler, gpuaas-image-pipeline, gpuaas-maas-gateway, gpuaas-node-agent, gpuaas-ops-view (--help lists its GPUAAS_* settings)')"]

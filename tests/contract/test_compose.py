@@ -26,6 +26,7 @@ SETTINGS_BY_SCRIPT = {
     "gpuaas-scheduler": "gpuaas_scheduler.settings.SchedulerSettings",
     "gpuaas-image-pipeline": "gpuaas_image_pipeline.settings.ImagePipelineSettings",
     "gpuaas-maas-gateway": "gpuaas_maas_gateway.settings.GatewaySettings",
+    "gpuaas-ops-view": "gpuaas_ops_view.settings.OpsViewSettings",
     # Compose runs the simulated fleet where a real deployment runs gpuaas-node-agent on each host.
     "gpuaas-sim-fleet": "gpuaas_dev.sim.settings.SimFleetSettings",
 }
@@ -701,7 +702,7 @@ def test_postgres_speaks_tls_only_and_every_client_verifies_it(compose):
 # --- what a Docker user runs: Docker Compose itself, the secrets, the ports, the image -------------------------
 
 # The compose services the host reaches, on its loopback only; nothing else is published.
-PUBLISHED = {"nats-1": 4222, "maas-sim": 5240, "scheduler": 8081, "image-pipeline": 8082}
+PUBLISHED = {"nats-1": 4222, "maas-sim": 5240, "scheduler": 8081, "image-pipeline": 8082, "ops-view": 8083}
 # Which services each secret of .env may reach: the one that owns it and the step that sets it up.
 SECRET_HOLDERS = {
     "GPUAAS_PG_ADMIN_PASSWORD": {"postgres", "pg-roles"},
@@ -709,10 +710,12 @@ SECRET_HOLDERS = {
     "GPUAAS_PG_SCHEDULER_PASSWORD": {"pg-roles", "scheduler"},
     "GPUAAS_PG_IMAGE_PIPELINE_PASSWORD": {"pg-roles", "image-pipeline"},
     "GPUAAS_PG_MAAS_GATEWAY_PASSWORD": {"pg-roles", "maas-gateway"},
+    "GPUAAS_PG_OPS_VIEW_PASSWORD": {"pg-roles", "ops-view"},
     "GPUAAS_MAAS_API_KEY": {"maas-sim", "maas-gateway"},
     "GPUAAS_ENROLMENT_SECRET": {"allocator", "maas-gateway"},
     "GPUAAS_SCHEDULER_ADMIN_TOKEN": {"scheduler"},
     "GPUAAS_IMAGE_ADMIN_TOKEN": {"image-pipeline"},
+    "GPUAAS_OPS_ADMIN_TOKEN": {"ops-view"},
 }
 
 
@@ -893,14 +896,15 @@ def test_published_ports_are_on_the_hosts_loopback_and_reach_a_listener(resolved
     assert re.search(rf"^listen:\s*0\.0\.0\.0:{PUBLISHED['nats-1']}$", conf, re.M)
     sim = _command(compose["services"]["maas-sim"])
     assert _option(sim, "--host") == ["0.0.0.0"] and _option(sim, "--port") == [str(PUBLISHED["maas-sim"])]
-    for name in ("scheduler", "image-pipeline"):
+    for name in ("scheduler", "image-pipeline", "ops-view"):
         env = _env(compose["services"][name])
         assert env["GPUAAS_ADMIN_HOST"] == "0.0.0.0", name
         assert env["GPUAAS_ADMIN_PORT"] == str(PUBLISHED[name]), name
 
 
 # The long-running services, each run as two containers at least (issue 13: a replica may die and nothing
-# stops); the simulated fleet stands for the hosts and stays one process.
+# stops); the simulated fleet stands for the hosts and stays one process, and so does ops-view (its stream
+# consumers have fixed names: a second follower would take them over).
 REPLICATED = {"gpuaas-allocator", "gpuaas-scheduler", "gpuaas-image-pipeline", "gpuaas-maas-gateway"}
 
 
@@ -916,6 +920,7 @@ def test_every_long_running_service_runs_two_replicas_and_the_fleet_one(resolved
         containers[command[0]] = containers.get(command[0], 0) + replicas
     assert {s: n for s, n in containers.items() if s in REPLICATED and n < 2} == {}, containers
     assert containers["gpuaas-sim-fleet"] == 1, "one simulated fleet: two would run every host twice"
+    assert containers["gpuaas-ops-view"] == 1, "one ops-view: a second would take over its named consumers"
     # A `-replica` service is its service minus the published ports: same image, command, identity, settings.
     for name, svc in resolved["services"].items():
         primary = _primary(resolved, name)
@@ -968,6 +973,7 @@ def _dev_stack_envs(tmp: Path) -> dict[str, dict[str, str]]:
 
     from gpuaas_common.pg_roles import SERVICE_ROLES
     from gpuaas_dev.stack import ALL_PROCESSES, MAAS_SIM, Stack
+    from gpuaas_dev.stack.description import ADMIN_APIS
     from gpuaas_dev.stack.environment import maas_sim_proc, service_proc
 
     stack = Stack(tmp)
@@ -977,7 +983,7 @@ def _dev_stack_envs(tmp: Path) -> dict[str, dict[str, str]]:
     stack._files = {k: tmp / k for k in ("fleet", "seed", "images", "machines")}
     stack._service_dsns = {s: f"postgresql://{s}:x@127.0.0.1:5432/gpuaas" for s in SERVICE_ROLES}
     stack._maas_api_key, stack._enrolment_secret = "a:b:c", "enrolment"
-    stack._admin_tokens = {"scheduler": "token", "image-pipeline": "token"}
+    stack._admin_tokens = dict.fromkeys(ADMIN_APIS, "token")
     sim = maas_sim_proc(stack, 5240)
     sim.port = 5240
     stack._procs[MAAS_SIM] = sim

@@ -45,6 +45,7 @@ def pg_roles(
     scheduler: Annotated[str, _password_opt("scheduler")] = "",
     image_pipeline: Annotated[str, _password_opt("image-pipeline")] = "",
     maas_gateway: Annotated[str, _password_opt("maas-gateway")] = "",
+    ops_view: Annotated[str, _password_opt("ops-view")] = "",
 ) -> None:
     """Create or update one login role per service that owns its schema and nothing else (idempotent)."""
     import asyncpg
@@ -56,6 +57,7 @@ def pg_roles(
         "scheduler": scheduler,
         "image-pipeline": image_pipeline,
         "maas-gateway": maas_gateway,
+        "ops-view": ops_view,
     }
     weak = [service for service, password in passwords.items() if not _SAFE_PASSWORD.match(password)]
     if weak:
