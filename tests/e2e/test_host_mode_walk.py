@@ -159,6 +159,10 @@ async def test_one_host_walks_from_slices_to_baremetal_and_back(stack, portal, d
         assert reported is None or datetime.fromisoformat(reported) > reset, back
     await assert_no_slice_lands(portal, "converting")
 
+    # The gateway ended the host's slice identity before its baremetal tenant got root on the disk that held it:
+    # ops onboard the host again, and its agent connects with the new user.
+    stack.onboard_host(HOST)
+
     # rediscovery: ops ask the host's agent (running again on the re-bootstrapped host) for its topology;
     # ops commands go out as the break-glass admin identity (the `ops` one only reads).
     task_id = f"rediscover-{uuid.uuid4().hex[:8]}"

@@ -13,6 +13,8 @@ from typing import Any
 
 from gpuaas_common.fleet import Fleet
 from gpuaas_common.identity import Authority
+from gpuaas_common.identity import creds as creds_files
+from gpuaas_common.identity.permissions import node_user_name
 from gpuaas_common.identity.tls import TlsFiles, make_ca_and_server_cert
 from gpuaas_common.pg_roles import SERVICE_ROLES
 from gpuaas_dev.testing.databases import ServiceDatabases
@@ -578,6 +580,24 @@ class Stack:
 
     def _wait(self, names: list[str], timeout_s: float) -> None:
         wait_until_ready({name: self._get(name) for name in names}, timeout_s)
+
+    def onboard_host(self, node_id: str) -> None:
+        """What ops do when a slice host comes back from a baremetal tenant, whose deploy ended its slice
+        identity: a new user for it in the creds file its agent reads at every connect, recorded on the bus so
+        the gateway can end it again."""
+        if not self.auth:
+            return
+        assert self._authority is not None
+        path = self.creds_dir / f"{node_user_name(node_id)}.creds"
+        before = set(self._authority.issued_hosts.get(node_id, []))
+        creds = self._authority.issue_host(node_id)
+        path.unlink(missing_ok=True)
+        creds_files.write(path, creds)
+        self._authority.save(self.run_dir / "keys")
+        fresh = [u for u in self._authority.issued_hosts.get(node_id, []) if u not in before]
+        provision_bus(
+            self.nats_options("admin"), [node_id], replicas=min(self.nats_cluster, 3), host_users={node_id: fresh}
+        )
 
     def _provision_bus(self) -> None:
         """Streams and every slice host's durable, as the admin identity: no service or host may."""
