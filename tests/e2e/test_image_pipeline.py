@@ -153,7 +153,14 @@ async def test_build_publish_prewarm_activate_allocate(stack: Stack, portal, db,
     alloc = await portal.request("gpu_slice", gpus=1, image=SLUG)
     await portal.wait_state(alloc, "active", timeout=90)
     task = portal.spy.of_type("slice.vm_provision", allocation_id=alloc)[0]["payload"]
-    assert task["image"] == {"slug": SLUG, "digest_sha256": digest, "image_path": image_path}
+    assert task["image"] == {
+        "slug": SLUG,
+        "digest_sha256": digest,
+        "image_path": image_path,
+        # What the guest's GPU check and the Fabric Manager version gate read: the catalog's defaults here.
+        "driver_strategy": "preinstalled",
+        "driver_version": None,
+    }
     await portal.release(alloc)
     await portal.wait_state(alloc, "released", timeout=90)
 
