@@ -109,14 +109,20 @@ def remove_reservation(hostsdir: str | os.PathLike[str], name: str) -> bool:
     return True
 
 
-async def release_lease(host: Host, interface: str, ip: str, mac: str) -> bool:
+async def release_lease(host: Host, interface: str, ip: str, mac: str, lease_file: str | os.PathLike[str]) -> bool:
     """Make dnsmasq forget a released VM's lease (dnsmasq-utils' `dhcp_release` sends the DHCPRELEASE the guest
     never sent), so a released slot leaves no lease behind. Run where dnsmasq runs (the agent's network
-    namespace). False when the host has no `dhcp_release` or it fails: the lease then only expires."""
+    namespace). The lease's client id goes with it: dnsmasq matches a lease taken with one only by it (a guest's
+    networkd sends one), and answers "unknown lease" otherwise. False when there is no lease, no `dhcp_release`,
+    or it fails: a lease left then only expires."""
+    lease = find_lease(lease_file, mac)
+    if lease is None:
+        return False
     if host.run.which("dhcp_release") is None:
         log.warning("dhcp_release_missing", interface=interface, ip=ip, mac=mac)
         return False
-    res = await host.run.run("dhcp_release", interface, _ipv4(ip), _mac(mac))
+    argv = ["dhcp_release", interface, _ipv4(ip), _mac(mac)] + ([lease.client_id] if lease.client_id else [])
+    res = await host.run.run(*argv)
     if not res.ok:
         log.warning("dhcp_release_failed", interface=interface, ip=ip, mac=mac, rc=res.rc, stderr=res.stderr[:300])
         return False

@@ -218,7 +218,7 @@ def write_host_tools(fs: _Sysfs, desc: HostDescription) -> None:
     _script(
         sbin / "dhcp_release",
         'ROOT="$(cd "$(dirname "$0")/../.." && pwd -P)"\nL="$ROOT/var/lib/misc/dnsmasq.leases"\n'
-        '[ $# -eq 3 ] || { echo "fixture dhcp_release: usage: IFACE ADDR MAC" >&2; exit 1; }\n'
+        '[ $# -ge 3 ] || { echo "fixture dhcp_release: usage: IFACE ADDR MAC [CLIENT_ID]" >&2; exit 1; }\n'
         '[ -f "$L" ] || exit 0\n'
         'awk -v mac="$3" \'$2 != mac\' "$L" > "$L.tmp" && mv "$L.tmp" "$L"\n',
     )

@@ -26,7 +26,9 @@ class ReleaseTask(AgentCore):
             dnsmasq.remove_reservation(self.hostsdir, task.vm_name)
             if task.slots:
                 primary = task.slots[0]
-                await dnsmasq.release_lease(self.host, primary.ovs_bridge, primary.private_ip, primary.mac)
+                await dnsmasq.release_lease(
+                    self.host, primary.ovs_bridge, primary.private_ip, primary.mac, self.lease_file
+                )
             seed = self.seed_dir / f"{task.vm_name}.iso"
             seed.unlink(missing_ok=True)
             (self.seed_dir / f"{task.vm_name}.hostkey").unlink(missing_ok=True)
