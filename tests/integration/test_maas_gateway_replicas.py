@@ -89,6 +89,8 @@ async def test_two_workers_make_each_maas_call_once(pool: asyncpg.Pool, tmp_path
     assert {r["state"] for r in rows} == {"succeeded"}, [(r["operation_id"], r["state"], r["last_error"]) for r in rows]
     assert mutations(sim) == {
         "deploy": {sid: 1 for sid in sids},
+        # The site profile's storage layout (flat) is set before each deploy, once too.
+        "set_storage_layout": {sid: 1 for sid in sids},
         "commission": {sid: 1 for sid in commissioned},
         "scripts.create": {"": 1},
         "tags.create": {"": 2},
