@@ -110,7 +110,9 @@ class Host:
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self.link = HostLink(self.node_id, NatsIdentity([self.settings.nats_url], None, None), retry_delays_s=(0.05,))
+        # The test's bus is a plaintext loopback server, named as such.
+        identity = NatsIdentity([self.settings.nats_url], None, None, insecure_dev=True)
+        self.link = HostLink(self.node_id, identity, retry_delays_s=(0.05,))
         self.task = asyncio.create_task(
             run_slice_host(self.settings, self.node_id, f"{self.node_id}.test", self.root, 22, self.link)
         )
