@@ -10,6 +10,17 @@ from typing import Any
 
 import asyncpg
 
+from ..domain.models import TASK_FINAL
+
+# domain.models.task_status again, in the statement that writes the row: the task's messages and its reports
+# are followed on different streams at once, and a row both see for the first time is written by both; the
+# merge must hold between the two writes, not only between a read and a write.
+_FINAL = ", ".join(f"'{s}'" for s in TASK_FINAL)
+_MERGED_STATUS = (
+    f"CASE WHEN t.status IN ({_FINAL}) THEN t.status WHEN EXCLUDED.status IN ({_FINAL}) THEN EXCLUDED.status "
+    "WHEN EXCLUDED.status <> 'queued' THEN 'running' ELSE t.status END"
+)
+
 
 def _j(value: Any) -> str | None:
     return None if value is None else json.dumps(value, default=str)
@@ -168,7 +179,7 @@ class Projection:
             "reason_code, reason, finished_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) "
             "ON CONFLICT (task_id) DO UPDATE SET allocation_id = COALESCE(t.allocation_id, EXCLUDED.allocation_id), "
             "task_type = COALESCE(t.task_type, EXCLUDED.task_type), sent_at = COALESCE(t.sent_at, EXCLUDED.sent_at), "
-            "deadline = COALESCE(t.deadline, EXCLUDED.deadline), status = EXCLUDED.status, "
+            f"deadline = COALESCE(t.deadline, EXCLUDED.deadline), status = {_MERGED_STATUS}, "
             "reason_code = COALESCE(t.reason_code, EXCLUDED.reason_code), "
             "reason = COALESCE(t.reason, EXCLUDED.reason), "
             "finished_at = COALESCE(t.finished_at, EXCLUDED.finished_at), "
