@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,19 +31,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gpuaas_dev.lab import preflight
 from gpuaas_dev.lab.agent import host_prefix
 from gpuaas_dev.lab.lab import Lab
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.stack.lab_host import LAB_NODE, LAB_SKU, restart_lab_agent
 from gpuaas_dev.testing.waiting import eventually
 
-from .lab_checks import domains, run, virsh, zeros_sampled
+from .lab_checks import domains, lab_only, run, virsh, zeros_sampled
 
-pytestmark = pytest.mark.skipif(
-    not preflight.installed() or os.geteuid() != 0,
-    reason="the lab needs its Debian packages (scripts/setup.sh) and root for network namespaces",
-)
+pytestmark = lab_only  # why this is no skip left to rot: lab_checks.lab_only
 
 BOOT_S = 600.0
 GATEWAY_PORT = 8765

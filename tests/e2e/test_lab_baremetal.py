@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -36,18 +35,15 @@ from nats.aio.client import RawCredentials
 
 from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.tls import client_tls_options
-from gpuaas_dev.lab import preflight
 from gpuaas_dev.lab.host_image import SLUG
 from gpuaas_dev.maas_sim.virsh_power import QUICK_ERASE_BYTES
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.stack.lab_machine import LAB_MACHINE, LAB_MACHINE_IP
 
 from .conftest import maas_sim
+from .lab_checks import lab_only
 
-pytestmark = pytest.mark.skipif(
-    not preflight.installed() or os.geteuid() != 0,
-    reason="the lab needs its Debian packages (scripts/setup.sh) and root for network namespaces",
-)
+pytestmark = lab_only  # why this is no skip left to rot: lab_checks.lab_only
 
 BOOT_S = 900.0
 

@@ -14,7 +14,6 @@ make a network namespace; where that holds they fail, never skip, when the lab d
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,15 +32,9 @@ from gpuaas_dev.testing.servers import NatsServer
 from gpuaas_node_agent.domain.domain_xml import render_domain_xml
 from gpuaas_node_agent.domain.vm_spec import SliceVmSpec
 
-# Not a skip left to rot: a machine without the lab's packages (a developer who never ran scripts/setup.sh) or
-# without root cannot make a namespace or a loop device at all. setup.sh installs the packages and CI runs as
-# root, so there it always runs; and where both hold, a lab that does not work fails these tests, never skips.
-from .lab_checks import domains, run, virsh
+from .lab_checks import domains, lab_only, run, virsh
 
-pytestmark = pytest.mark.skipif(
-    not preflight.installed() or os.geteuid() != 0,
-    reason="the lab needs its Debian packages (scripts/setup.sh) and root for network namespaces",
-)
+pytestmark = lab_only  # why this is no skip left to rot: lab_checks.lab_only
 
 NODE = "lab-host-1"
 BOOT_S = 600.0

@@ -24,6 +24,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.db import create_pool
 from gpuaas_common.jetstream import FOLLOWERS
 from gpuaas_common.migrations import apply_migrations
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_ops_view.entrypoints.admin_http import ops_api
 from gpuaas_ops_view.entrypoints.follow import StreamFollower
 
@@ -142,14 +143,13 @@ async def get(http: aiohttp.ClientSession, url: str, **query: str) -> tuple[int,
 async def caught_up(http: aiohttp.ClientSession, view: View, timeout: float = 20.0) -> None:
     """Until every followed stream has nothing pending and everything delivered committed (polled: the models
     publish no event of their own to wait on)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def all_caught_up() -> bool:
         status, body = await get(http, f"{view.url}/v1/streams")
         assert status == 200, body
-        if all(item["caught_up"] for item in body["items"]):
-            return
-        assert time.monotonic() < deadline, body
-        await asyncio.sleep(0.05)
+        return all(item["caught_up"] for item in body["items"])
+
+    await eventually(all_caught_up, timeout, what="every stream caught up")
 
 
 def _slot(node: str, i: int) -> m.SlotBinding:
@@ -500,13 +500,12 @@ async def test_an_unplaceable_event_is_dead_lettered_and_the_stream_still_follow
     assert [t["state"] for t in a["timeline"]] == ["accepted", "placed", "provisioning"]
 
     consumer = view.followers[0].spec.durable
-    deadline = time.monotonic() + 20
-    while True:
-        _, letters = await get(http, f"{view.url}/v1/dead-letters", consumer=consumer)
-        if len(letters["items"]) >= 2:
-            break
-        assert time.monotonic() < deadline, letters
-        await asyncio.sleep(0.05)
+
+    async def two_letters() -> dict | None:
+        _, found = await get(http, f"{view.url}/v1/dead-letters", consumer=consumer)
+        return found if len(found["items"]) >= 2 else None
+
+    letters = await eventually(two_letters, 20, what="both bad events dead-lettered")
     reasons = {(d["reason_code"], d["origin_subject"]) for d in letters["items"]}
     assert reasons == {
         ("unplaceable", "gpuaas.allocation.event.failed"),

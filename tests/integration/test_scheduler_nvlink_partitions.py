@@ -145,15 +145,20 @@ async def test_concurrent_placements_never_get_overlapping_partitions(api, pool)
     await host(api, pool, "h2")
     pol = await policy(pool)
     sizes = [1, 2, 4, 2, 1, 1, 2, 4, 8, 2, 1]
-    gate = asyncio.Event()
+    gate, all_open = asyncio.Event(), asyncio.Event()
+    opened = 0
 
     async def one(gpus: int):
+        nonlocal opened
         async with pool.acquire() as conn, conn.transaction():
+            opened += 1
+            if opened == len(sizes):
+                all_open.set()
             await gate.wait()  # every transaction open before any places
             return await place(conn, accepted(gpus), pol)
 
     tasks = [asyncio.create_task(one(g)) for g in sizes]
-    await asyncio.sleep(0)
+    await all_open.wait()
     gate.set()
     outcomes = await asyncio.gather(*tasks)
     taken: dict[str, list[frozenset[int]]] = {"h1": [], "h2": []}
