@@ -7,6 +7,7 @@ here, independently of both services."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import tarfile
 import uuid
 from pathlib import Path
@@ -186,3 +187,32 @@ async def test_host_upload_refuses_bad_input_and_slice_images(stack: Stack, tmp_
         stack, "PATCH", "/v1/images/ubuntu-24.04-h200-host", {"metadata": {"maas": {"boot_resource_id": 1}}}
     )
     assert (status, body["error"]["code"]) == (422, "protected_metadata"), body
+
+
+async def test_a_built_host_image_is_uploaded_later_without_its_tree(stack: Stack, portal, tmp_path: Path) -> None:
+    """build_only, then upload_only of that tgz through the real gateway to MAAS, with the tree gone meanwhile."""
+    slug = "gpuaas-h200-host-reuse"
+    rootfs = make_rootfs(tmp_path / "rootfs")
+    status, built = await admin(
+        stack, "POST", f"/v1/images/{slug}/host-upload", {"mode": "build_only", "rootfs": str(rootfs)}
+    )
+    assert (status, built["upload_sent"], built["image"]["status"]) == (200, False, "disabled"), built
+    _, requests = await admin(stack, "GET", f"/v1/images/{slug}/maas-requests")
+    assert requests["requests"] == []  # nothing asked of MAAS
+    shutil.rmtree(rootfs)
+
+    status, sent = await admin(stack, "POST", f"/v1/images/{slug}/host-upload", {"mode": "upload_only"})
+    assert (status, sent["upload_sent"], sent["sha256"]) == (202, True, built["sha256"]), sent
+    result = await wait_result(portal, "maas.image_upload_result", sent["operation_id"])
+    assert (result["status"], result["sha256"], result["size"]) == ("succeeded", built["sha256"], built["size"]), result
+
+    async def uploaded() -> dict[str, Any] | None:
+        _, image = await admin(stack, "GET", f"/v1/images/{slug}")
+        return image if image["metadata"]["maas"]["status"] == "uploaded" else None
+
+    image = await eventually(uploaded, timeout=30, what="catalog records the reused tgz's upload")
+    assert (image["status"], image["digest_sha256"]) == ("published", built["sha256"])
+    async with MaasClient(stack.maas_url, stack.maas_api_key, timeout=10.0) as maas:
+        resource = await maas.read_boot_resource(image["metadata"]["maas"]["boot_resource_id"])
+    files = [f for s in resource["sets"].values() for f in s["files"].values()]
+    assert [(f["sha256"], f["size"], f["complete"]) for f in files] == [(built["sha256"], built["size"], True)]

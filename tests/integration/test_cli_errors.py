@@ -57,6 +57,7 @@ IMAGES = [
     (["images", "list"], False),
     (["images", "status", "NAME"], False),
     (["images", "build", "--slug", "NAME"], True),
+    (["images", "host-upload", "NAME", "--mode", "upload-only"], True),
 ]
 BUS = [
     ["allocate", "--shape", "gpu_slice"],

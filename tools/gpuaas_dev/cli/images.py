@@ -14,7 +14,7 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
 from ..identity_cli import cli_identity
-from .admin_api import Endpoint, call, quote, read_stack_json_file
+from .admin_api import Endpoint, IdempotencyOpt, call, quote, read_stack_json_file
 from .common import (
     DEFAULT_RUN_DIR,
     EXIT_FAILED,
@@ -29,9 +29,9 @@ from .common import (
     pid_alive,
     read_stack_json,
 )
-from .output import Column, OutputOpt, emit
+from .output import Column, OutputOpt, choices, emit
 
-images_app = typer.Typer(no_args_is_help=True, help="Slice images: build, publish, prewarm, status.")
+images_app = typer.Typer(no_args_is_help=True, help="Slice images: build, publish, prewarm, status; MAAS host images.")
 
 WHAT = "the image pipeline admin API"
 AdminUrlOpt = Annotated[
@@ -202,6 +202,96 @@ def images_build(
     if as_json:
         print(json.dumps(result, indent=2))
     raise typer.Exit(EXIT_TIMEOUT if result.get("timed_out") else 0 if result.get("ok", True) else EXIT_FAILED)
+
+
+HostMode = choices("HostMode", ("build-and-upload", "build-only", "upload-only", "dry-run"))
+HOST_UPLOAD_FIELDS: list[Column] = [
+    "mode",
+    ("slug", lambda d: (d.get("image") or {}).get("slug")),
+    ("status", lambda d: (d.get("image") or {}).get("status")),
+    "sha256",
+    "size",
+    ("tgz", lambda d: d.get("source_path")),
+    "upload_sent",
+    "operation_id",
+]
+
+
+@images_app.command("host-upload")
+def images_host_upload(
+    slug: Annotated[str, typer.Argument(help="The host image's catalog slug; MAAS names it custom/SLUG.")],
+    rootfs: Annotated[
+        Optional[Path], typer.Option("--rootfs", help="The prepared root tree to archive (not with upload-only).")
+    ] = None,
+    mode: Annotated[
+        HostMode,  # type: ignore[valid-type]
+        typer.Option(
+            "--mode",
+            help="build-and-upload: archive, catalog, upload; build-only: archive and catalog, no upload; "
+            "upload-only: upload a tgz built before (checked against its sha256, no tree read); dry-run: check "
+            "and say what would be done, write nothing.",
+        ),
+    ] = "build-and-upload",  # type: ignore[assignment]
+    sha256: Annotated[
+        Optional[str], typer.Option("--sha256", help="upload-only: the built tgz to send (default: the newest).")
+    ] = None,
+    site_bootstrap: Annotated[
+        Optional[Path], typer.Option("--site-bootstrap", help="A site bootstrap script to put in the image.")
+    ] = None,
+    site: Annotated[Optional[str], typer.Option("--site", help="MAAS site (default: the pipeline's).")] = None,
+    title: Annotated[Optional[str], typer.Option("--title", help="The boot resource's title in MAAS.")] = None,
+    base_image: Annotated[
+        Optional[str], typer.Option("--base-image", help="MAAS base image, e.g. ubuntu/noble.")
+    ] = None,
+    output: OutputOpt = "table",
+    idempotency_key: IdempotencyOpt = None,
+    run_dir: RunDirOpt = DEFAULT_RUN_DIR,
+    admin_url: AdminUrlOpt = None,
+    token: TokenOpt = None,
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=0.1, help="Seconds to wait for the answer (a build archives the tree).")
+    ] = 600.0,
+) -> None:
+    """Build a MAAS host image (a rootfs tgz with the curtin marker) and have the MAAS gateway upload it, or one of
+    the two, or a dry run; follow the upload with `gpuaas images status SLUG -o yaml` (metadata.maas).
+
+    Example: gpuaas images host-upload gpuaas-h200-host-ubuntu2404 --rootfs ./rootfs --mode build-only"""
+    ep = _endpoint(admin_url, token, run_dir, timeout)
+    given = {
+        "mode": getattr(mode, "value", mode).replace("-", "_"),
+        "rootfs": str(rootfs.resolve()) if rootfs else None,
+        "site_bootstrap": str(site_bootstrap.resolve()) if site_bootstrap else None,
+        "sha256": sha256,
+        "site": site,
+        "title": title,
+        "base_image": base_image,
+    }
+    body = {k: v for k, v in given.items() if v is not None}
+    doc = call(ep, "POST", f"/v1/images/{quote(slug)}/host-upload", body=body, key=idempotency_key,
+               missing=("image", slug))  # fmt: skip
+    if getattr(output, "value", output) in ("json", "yaml"):
+        emit(doc, output)
+        return
+    if doc.get("plan"):
+        plan = doc["plan"]
+        emit(
+            doc,
+            output,
+            fields=[
+                "mode",
+                ("slug", lambda d: slug),
+                ("creates image", lambda d: d["plan"]["creates_image"]),
+                ("entries", lambda d: d["plan"]["tree"]["entries"]),
+                ("files", lambda d: d["plan"]["tree"]["files"]),
+                ("tar bytes", lambda d: d["plan"]["tree"]["tar_bytes_estimate"]),
+                ("tgz", lambda d: f"{d['plan']['tgz_dir']}/{d['plan']['tgz_name']}"),
+                ("target", lambda d: f"{d['plan']['upload']['site']}/{d['plan']['upload']['name']}"),
+            ],
+        )
+        for step in plan["steps"]:
+            typer.echo(f"  would: {step}")
+        return
+    emit(doc, output, fields=HOST_UPLOAD_FIELDS)
 
 
 async def _api(ep: Endpoint, method: str, path: str, **kw: Any) -> Any:

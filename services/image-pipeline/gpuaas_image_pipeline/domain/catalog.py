@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class SeedImage(BaseModel):
@@ -116,6 +116,7 @@ PROTECTED_METADATA = (
     "build_id",
     "registry_tls",
     "maas",
+    "host_builds",
     "installed_packages",
 )
 
@@ -153,14 +154,28 @@ class BuildRequest(BaseModel):
 _MAAS_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
 
 
+# What a host-upload does (the runbook's pipeline switches, as one field):
+# build_and_upload  archive the tree, catalog the tgz, send the upload (the default; the pipeline's plain run)
+# build_only        archive and catalog the tgz, send nothing (GPUAAS_MAAS_HOST_IMAGE_UPLOAD=0)
+# upload_only       send a tgz built before, checked against its recorded sha256 (GPUAAS_MAAS_HOST_IMAGE_SKIP_BUILD=1)
+# dry_run           check the request and the tree as a build would and say what it would do; write nothing
+HOST_UPLOAD_MODES = ("build_and_upload", "build_only", "upload_only", "dry_run")
+HostUploadMode = Literal["build_and_upload", "build_only", "upload_only", "dry_run"]
+SHA256_HEX = r"^[0-9a-f]{64}$"
+
+
 class HostUploadRequest(BaseModel):
     """Build a host rootfs tgz from a prepared root tree and have the MAAS gateway upload it as
-    boot resource custom/<slug>."""
+    boot resource custom/<slug>; or only build it, only upload one built before, or plan it (`mode`)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    rootfs: str = Field(min_length=1, max_length=4096)
+    mode: HostUploadMode = "build_and_upload"
+    # The tree to archive: every mode but upload_only, which reads no tree.
+    rootfs: str | None = Field(default=None, min_length=1, max_length=4096)
     site_bootstrap: str | None = Field(default=None, max_length=4096)
+    # upload_only: the built tgz to send, by its sha256; default: the one built last.
+    sha256: str | None = Field(default=None, pattern=SHA256_HEX)
     site: str | None = Field(default=None, max_length=128, pattern=_MAAS_ID)
     title: str = Field(default="", max_length=256)
     architecture: str = Field(default="amd64/generic", pattern=r"^[a-z0-9]+/[a-z0-9.-]+$")
@@ -168,6 +183,28 @@ class HostUploadRequest(BaseModel):
     # Defaults for a slug that does not exist yet.
     compatible_sku: str = Field(default="h200-sxm", min_length=1, max_length=64)
     driver_strategy: str = Field(default="preinstalled", pattern=r"^(preinstalled|cloud_init)$")
+
+    @model_validator(mode="after")
+    def _fits_mode(self) -> "HostUploadRequest":
+        if self.mode == "upload_only":
+            if self.rootfs is not None or self.site_bootstrap is not None:
+                raise ValueError(
+                    "upload_only sends a tgz built before and reads no tree: leave out rootfs and site_bootstrap"
+                )
+        else:
+            if self.rootfs is None:
+                raise ValueError(f"{self.mode} archives a root tree: rootfs is required")
+            if self.sha256 is not None:
+                raise ValueError("sha256 names a built tgz to reuse: upload_only only")
+        return self
+
+    @property
+    def builds(self) -> bool:
+        return self.mode in ("build_and_upload", "build_only")
+
+    @property
+    def uploads(self) -> bool:
+        return self.mode in ("build_and_upload", "upload_only")
 
 
 class ProfileImageRequest(BaseModel):
@@ -185,3 +222,34 @@ def host_tgz_name(slug: str, sha256: str) -> str:
     """Content-addressed file name: a rebuild never rewrites a file an in-flight upload is still reading,
     and the same content lands on the same name."""
     return f"{slug}-{sha256[:16]}.tar.gz"
+
+
+# --- built host tgz files ---------------------------------------------------------------------------
+
+# How many built tgz files an image's catalog row remembers (newest first); older files stay on disk but can
+# no longer be named for upload_only.
+HOST_BUILDS_KEPT = 10
+
+
+def record_host_build(builds: list[dict[str, Any]], entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """The image's built tgz files with `entry` first. The same content built again keeps what was done with
+    it (an upload already asked for stays asked for) and moves to the front."""
+    before = next((b for b in builds if b.get("sha256") == entry["sha256"]), None)
+    merged = {**entry, **({"status": before["status"], "operation_id": before.get("operation_id")} if before else {})}
+    rest = [b for b in builds if b.get("sha256") != entry["sha256"]]
+    return [merged, *rest][:HOST_BUILDS_KEPT]
+
+
+def mark_host_build_uploading(builds: list[dict[str, Any]], sha256: str, operation_id: str) -> list[dict[str, Any]]:
+    """The upload of one built tgz was asked for (its outcome is the image's `maas` record)."""
+    return [
+        {**b, "status": "upload_requested", "operation_id": operation_id} if b.get("sha256") == sha256 else b
+        for b in builds
+    ]
+
+
+def pick_host_build(builds: list[dict[str, Any]], sha256: str | None) -> dict[str, Any] | None:
+    """The built tgz upload_only sends: the one with this sha256, else the newest."""
+    if sha256 is None:
+        return builds[0] if builds else None
+    return next((b for b in builds if b.get("sha256") == sha256), None)

@@ -21,7 +21,16 @@ from gpuaas_common import admin_http
 from gpuaas_common.admin_http import Call, Reply, Route, openapi, render_yaml
 from gpuaas_common.logging import get_logger
 
-from ..adapters.host_image import HostImage, build_rootfs_tgz
+from ..adapters.host_image import (
+    SITE_BOOTSTRAP,
+    HostImage,
+    HostTreeError,
+    TreePlan,
+    build_rootfs_tgz,
+    check_out_dir,
+    plan_rootfs,
+    verify_built_tgz,
+)
 from ..adapters.repository import ImagePipelineRepositories, image_pipeline_repositories
 from ..domain.catalog import (
     BuildRequest,
@@ -138,8 +147,10 @@ class AdminApi:
                 "POST",
                 "/v1/images/{slug}/host-upload",
                 self.host_upload,
-                "archive a root tree as a MAAS host image and ask the gateway to upload it (202; 200 when "
-                "the same content is already there)",
+                "archive a root tree as a MAAS host image and ask the gateway to upload it (mode "
+                "build_and_upload: 202; 200 when the same content is already there), only build and catalog it "
+                "(build_only: 200), send a tgz built before (upload_only: 202/200; 409 when none is built or its "
+                "file is gone or changed) or check it all and say what would be done (dry_run: 200, writes nothing)",
                 out.HostUpload,
                 HostUploadRequest,
                 statuses=(202, 200),
@@ -247,21 +258,75 @@ class AdminApi:
 
     # --- MAAS host images ---------------------------------------------------------------------------
 
-    def _build_host_tgz(self, slug: str, req: HostUploadRequest) -> HostImage:
-        rootfs = Path(req.rootfs)
-        if not rootfs.is_dir():
-            raise CatalogError(422, "rootfs_missing", f"root tree {req.rootfs} is not a directory")
+    def _tree_plan(self, req: HostUploadRequest) -> tuple[TreePlan, int]:
+        """The build's checks of the request's tree and of where it writes, without writing: what a dry run
+        answers and a build passes first. Returns the plan and the free bytes there; a refusal is a 4xx with
+        its reason code."""
+        assert req.rootfs is not None  # the request model requires it for every mode that reads a tree
         bootstrap = Path(req.site_bootstrap) if req.site_bootstrap else None
-        if bootstrap is not None and not bootstrap.is_file():
-            raise CatalogError(422, "site_bootstrap_missing", f"{req.site_bootstrap} is not a file")
+        out_dir = Path(self.settings.host_image_dir)
+        try:
+            plan = plan_rootfs(Path(req.rootfs), out_dir, bootstrap)
+            free = check_out_dir(out_dir)
+        except HostTreeError as exc:
+            status = 409 if exc.code == "host_image_dir_unwritable" else 422
+            raise CatalogError(status, exc.code, exc.message) from None
+        return plan, free
+
+    def _build_host_tgz(self, slug: str, req: HostUploadRequest) -> HostImage:
+        assert req.rootfs is not None
+        self._tree_plan(req)
+        bootstrap = Path(req.site_bootstrap) if req.site_bootstrap else None
         out_dir = Path(self.settings.host_image_dir)
         # A private temporary name, then the content-addressed one: concurrent builds never share a file
         # and an upload still reading an older tgz keeps its bytes.
         tmp = out_dir / f".{slug}.{uuid.uuid4().hex}.tgz"
-        built = build_rootfs_tgz(rootfs, tmp, bootstrap)
-        final = out_dir / host_tgz_name(slug, built.sha256)
-        os.replace(tmp, final)
+        try:
+            built = build_rootfs_tgz(Path(req.rootfs), tmp, bootstrap)
+            final = out_dir / host_tgz_name(slug, built.sha256)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return HostImage(final, built.sha256, built.size)
+
+    def _dry_run_plan(self, slug: str, req: HostUploadRequest, site: str, row: Any) -> dict[str, Any]:
+        """What build_and_upload would do with this request, from the same checks; nothing is written."""
+        plan, free = self._tree_plan(req)
+        out_dir = Path(self.settings.host_image_dir)
+        name = host_tgz_name(slug, "<sha256[:16]>")  # named by its content, known once archived
+        target = {
+            "site": site,
+            "name": f"custom/{slug}",
+            "title": req.title,
+            "architecture": req.architecture,
+            "base_image": req.base_image,
+            "filetype": "tgz",
+        }
+        steps = [
+            f"archive {plan.entries} entries of {req.rootfs} ({plan.files} files, {plan.file_bytes} B; "
+            f"tar about {plan.tar_bytes} B before gzip)",
+        ]
+        if plan.adds_curtin_marker:
+            steps.append("add the curtin marker directory /curtin")
+        if plan.adds_site_bootstrap:
+            steps.append(f"add {req.site_bootstrap} as /{SITE_BOOTSTRAP} (0755)")
+        steps += [
+            f"write {out_dir / name} (named by its sha256)",
+            f"{'create host image ' + slug + ' (disabled) and ' if row is None else ''}"
+            f"record the tgz under {slug}'s host_builds",
+            f"ask the MAAS gateway to upload it to site {site} as custom/{slug} (unless that site already holds "
+            "the same bytes)",
+        ]
+        return {
+            "tree": plan.as_dict(),
+            "tgz_dir": str(out_dir),
+            "tgz_name": name,
+            "free_bytes": free,
+            "creates_image": row is None,
+            "upload": target,
+            "steps": steps,
+        }
 
     async def host_upload(self, call: Call) -> Reply:
         slug = call.params["slug"]
@@ -269,28 +334,79 @@ class AdminApi:
             raise CatalogError(422, "invalid", f"{slug!r} is not a valid image slug")
         req: HostUploadRequest = call.body
         site = req.site or self.settings.maas_site
+        repos = self._repos(call)
         # Refuse early what the catalog would refuse anyway, before writing a tgz nobody uploads.
-        kind = await self._repos(call).images.kind(slug)
+        kind = await repos.images.kind(slug)
         if kind not in (None, "host"):
             raise CatalogError(409, "not_a_host_image", f"{slug} is a {kind} image")
-        # Built inside the open unit of work: the stored answer of a retried request must name this file.
-        built = await asyncio.to_thread(self._build_host_tgz, slug, req)
-        row, op_id, sent = await host_images.request_upload(
-            call.uow, slug, req, built, site, self.settings.image_cache_dir
-        )  # type: ignore[arg-type]
+        answer: dict[str, Any] = {
+            "mode": req.mode,
+            "operation_id": None,
+            "upload_sent": False,
+            "sha256": None,
+            "size": None,
+            "source_path": None,
+            "plan": None,
+        }
+        if req.mode == "dry_run":
+            # Reads only: no file, no catalog row, no outbox row (the admin stack still audits the request).
+            row = await repos.images.get(slug)
+            answer["plan"] = await asyncio.to_thread(self._dry_run_plan, slug, req, site, row)
+            answer["image"] = image_dict(row) if row is not None else None
+            log.info("host_image_dry_run", slug=slug, entries=answer["plan"]["tree"]["entries"])
+            return Reply(answer, 200)
+        uow = call.uow
+        assert uow is not None
+        if req.mode == "upload_only":
+            built = await host_images.built_tgz(uow, slug, req)  # type: ignore[arg-type]
+            # Re-read, not trusted: the file must still hold the bytes catalogued before MAAS is asked for them.
+            why = await asyncio.to_thread(verify_built_tgz, built.path, built.sha256, built.size)
+            if why is not None:
+                raise CatalogError(
+                    409,
+                    why,
+                    f"the built tgz {built.path} of {slug} cannot be sent: "
+                    + {
+                        "built_tgz_missing": "the file is gone",
+                        "built_tgz_changed": "its bytes no longer match the recorded sha256 and size",
+                        "built_tgz_unreadable": "it cannot be read",
+                    }[why]
+                    + "; build it again",
+                    {"sha256": built.sha256, "size": built.size, "source_path": str(built.path)},
+                )
+            row = None
+        else:
+            # Built inside the open unit of work: the stored answer of a retried request must name this file.
+            built = await asyncio.to_thread(self._build_host_tgz, slug, req)
+            row = await host_images.record_build(uow, slug, req, built, self.settings.image_cache_dir)  # type: ignore[arg-type]
+        op_id, sent = None, False
+        if req.uploads:
+            row, op_id, sent = await host_images.request_upload(
+                uow,  # type: ignore[arg-type]
+                slug,
+                req,
+                built,
+                site,
+                self.settings.image_cache_dir,
+            )
         log.info(
-            "host_image_built", slug=slug, sha256=built.sha256, size=built.size, operation_id=op_id, upload_sent=sent
+            "host_image_built" if req.builds else "host_image_reused",
+            slug=slug,
+            mode=req.mode,
+            sha256=built.sha256,
+            size=built.size,
+            operation_id=op_id,
+            upload_sent=sent,
         )
-        return Reply(
-            {
-                "image": image_dict(row),
-                "operation_id": op_id,
-                "upload_sent": sent,
-                "sha256": built.sha256,
-                "size": built.size,
-            },
-            202 if sent else 200,
+        answer.update(
+            image=image_dict(row),  # type: ignore[arg-type]
+            operation_id=op_id,
+            upload_sent=sent,
+            sha256=built.sha256,
+            size=built.size,
+            source_path=str(built.path),
         )
+        return Reply(answer, 202 if sent else 200)
 
     async def maas_profile(self, call: Call) -> dict:
         slug = call.params["slug"]

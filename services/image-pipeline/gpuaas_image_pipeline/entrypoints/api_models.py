@@ -75,9 +75,46 @@ class MaasRequestList(BaseModel):
     requests: list[MaasRequestView]
 
 
+class HostTreePlan(BaseModel):
+    rootfs: str
+    entries: int
+    files: int
+    file_bytes: int
+    tar_bytes_estimate: int
+    adds_curtin_marker: bool
+    adds_site_bootstrap: bool
+    skipped: list[str]
+
+
+class HostUploadTarget(BaseModel):
+    site: str
+    name: str
+    title: str
+    architecture: str
+    base_image: str
+    filetype: str
+
+
+class HostUploadPlan(BaseModel):
+    """A dry run's answer: what build_and_upload would archive, write and ask of MAAS."""
+
+    tree: HostTreePlan
+    tgz_dir: str
+    tgz_name: str
+    free_bytes: int
+    creates_image: bool
+    upload: HostUploadTarget
+    steps: list[str]
+
+
 class HostUpload(BaseModel):
-    image: ImageView
+    mode: str
+    # The catalog row after the request; a dry run's is the row as it is (None for a slug not catalogued).
+    image: ImageView | None
     operation_id: str | None
     upload_sent: bool
-    sha256: str
-    size: int
+    # The tgz built or reused (None in a dry run).
+    sha256: str | None
+    size: int | None
+    source_path: str | None
+    plan: HostUploadPlan | None

@@ -11,13 +11,22 @@ gateway operation id.
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
 from ..adapters.host_image import HostImage
-from ..domain.catalog import HostUploadRequest, ImageCreate, ProfileImageRequest
+from ..domain.catalog import (
+    HostUploadRequest,
+    ImageCreate,
+    ProfileImageRequest,
+    mark_host_build_uploading,
+    pick_host_build,
+    record_host_build,
+)
 from . import catalog
 from .catalog import CatalogError, Row, Uow
 
@@ -31,14 +40,12 @@ def request_dict(row: Row) -> dict[str, Any]:
     return d
 
 
-async def request_upload(
-    uow: Uow, slug: str, req: HostUploadRequest, built: HostImage, site: str, cache_dir: str
-) -> tuple[Row, str, bool]:
-    """Catalog the tgz and send the upload command. Returns (image row, operation id, sent): the same
-    content already uploaded or on its way to the same site sends nothing (a reproducible rebuild must
-    not upload again)."""
+async def _host_row(uow: Uow, slug: str, req: HostUploadRequest, cache_dir: str, *, create: bool) -> Row:
+    """The image's row, locked; a new slug gets one (disabled) when `create`, else it is a 404."""
     row = await uow.repos.images.lock(slug)
     if row is None:
+        if not create:
+            raise CatalogError(404, "not_found", f"no image {slug}")
         row = await catalog.create_image(
             uow,
             ImageCreate(slug=slug, kind="host", compatible_sku=req.compatible_sku, driver_strategy=req.driver_strategy),
@@ -46,14 +53,63 @@ async def request_upload(
         )
     if row["kind"] != "host":
         raise CatalogError(409, "not_a_host_image", f"{slug} is a {row['kind']} image")
+    return row
+
+
+async def record_build(uow: Uow, slug: str, req: HostUploadRequest, built: HostImage, cache_dir: str) -> Row:
+    """Catalog a built tgz under the image's `host_builds` (status `built`: on disk, not sent to MAAS). Nothing
+    else of the row changes: what MAAS holds and what deploys stay as they were until an upload."""
+    row = await _host_row(uow, slug, req, cache_dir, create=True)
     meta = catalog._meta(row)
+    entry = {
+        "sha256": built.sha256,
+        "size": built.size,
+        "source_path": str(built.path),
+        "built_at": datetime.now(timezone.utc).isoformat(),
+        "status": "built",
+        "operation_id": None,
+    }
+    meta["host_builds"] = record_host_build(meta.get("host_builds") or [], entry)
+    await uow.repos.images.update(slug, metadata=meta)
+    log.info("host_image_build_recorded", slug=slug, sha256=built.sha256, size=built.size)
+    return await uow.repos.images.lock(slug)  # type: ignore[return-value]
+
+
+async def built_tgz(uow: Uow, slug: str, req: HostUploadRequest) -> HostImage:
+    """The built tgz upload_only sends (req.sha256, else the newest), as catalogued; 404/409 when there is none.
+    The caller checks the file still holds those bytes before sending it."""
+    row = await _host_row(uow, slug, req, "", create=False)
+    builds = catalog._meta(row).get("host_builds") or []
+    found = pick_host_build(builds, req.sha256)
+    if found is None:
+        which = f"tgz {req.sha256}" if req.sha256 else "tgz"
+        raise CatalogError(
+            409,
+            "not_built",
+            f"{slug} has no built {which} to upload: build it first (mode build_only or build_and_upload)",
+            {"built": [b["sha256"] for b in builds]},
+        )
+    return HostImage(Path(found["source_path"]), found["sha256"], found["size"])
+
+
+async def request_upload(
+    uow: Uow, slug: str, req: HostUploadRequest, built: HostImage, site: str, cache_dir: str
+) -> tuple[Row, str, bool]:
+    """Send the upload command for a catalogued tgz (`record_build` first). Returns (image row, operation id,
+    sent): the same content already uploaded or on its way to the same site sends nothing (a reproducible
+    rebuild must not upload again)."""
+    row = await _host_row(uow, slug, req, cache_dir, create=True)
+    meta = catalog._meta(row)
+    meta.setdefault("host_builds", [])
     current = meta.get("maas") or {}
     if (
         current.get("sha256") == built.sha256
         and current.get("site") == site
         and current.get("status") in ("uploading", "uploaded")
     ):
-        return row, current["operation_id"], False
+        meta["host_builds"] = mark_host_build_uploading(meta["host_builds"], built.sha256, current["operation_id"])
+        await uow.repos.images.update(slug, metadata=meta)
+        return await uow.repos.images.lock(slug), current["operation_id"], False  # type: ignore[return-value]
 
     op_id = str(uuid.uuid4())
     cmd = m.MaasImageUploadRequested(
@@ -82,6 +138,7 @@ async def request_upload(
         "boot_resource_id": None,
         "profiles": current.get("profiles", {}),
     }
+    meta["host_builds"] = mark_host_build_uploading(meta["host_builds"], built.sha256, op_id)
     new_digest = row["digest_sha256"] != built.sha256
     # New bytes are not deployable until MAAS holds them complete: an active image with another digest
     # stops being offered until an operator enables the uploaded one.
