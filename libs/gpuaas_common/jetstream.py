@@ -25,7 +25,7 @@ from nats.js.api import (
 )
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from .contract.catalog import SCHEDULER_FOLLOWS, spec_for
+from .contract.catalog import PIPELINE_FOLLOWS, SCHEDULER_FOLLOWS, spec_for
 from .logging import get_logger
 
 log = get_logger(__name__)
@@ -225,6 +225,14 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     consumer("scheduler-slice-preflight", "MAAS", "gpuaas.maas.report.slice_preflight"),
     consumer("image-pipeline-maas-uploads", "MAAS", "gpuaas.maas.result.upload_image"),
     consumer("image-pipeline-maas-profiles", "MAAS", "gpuaas.maas.result.set_distro_series"),
+    # Baremetal tenancies (a tenant's host never enrols as a slice host): the lifecycle events that place a node
+    # and end its allocation, and the MAAS releases that end a failed one's tenancy.
+    consumer(
+        "image-pipeline-tenancies",
+        "ALLOCATIONS",
+        tuple(spec_for(f"allocation.{state}").subject() for state in PIPELINE_FOLLOWS),
+    ),
+    consumer("image-pipeline-machine-releases", "MAAS", "gpuaas.maas.result.release"),
 )
 CONSUMER_BY_NAME = {c.durable: c for c in CONSUMERS}
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from gpuaas_common.bus import HandlerContext, deliver
+from gpuaas_common.bus import HandlerContext, PermanentError, deliver
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.unit_of_work import FakeUnitOfWork
@@ -106,10 +106,25 @@ class FakeSliceHosts:
         }
 
 
+class FakeTenancies:
+    """The part of adapters.repository.TenancyRepository an enrolment uses: the node's open tenancies."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, list[str]] = {}  # node -> allocation ids holding it
+        self.locked: list[str] = []
+
+    async def lock_node(self, node_id: str) -> None:
+        self.locked.append(node_id)
+
+    async def open_on(self, node_id: str) -> list[dict[str, Any]]:
+        return [{"allocation_id": a, "node_id": node_id} for a in self.open.get(node_id, [])]
+
+
 @dataclass
 class FakeRepositories:
     images: FakeImages
     hosts: FakeSliceHosts = field(default_factory=FakeSliceHosts)
+    tenancies: FakeTenancies = field(default_factory=FakeTenancies)
 
 
 async def _on_enrolled(ctx: HandlerContext) -> None:
@@ -246,3 +261,26 @@ async def test_the_driver_version_is_set_only_through_its_validated_field() -> N
     with pytest.raises(catalog.CatalogError) as refused:
         await catalog.create_image(uow, ImageCreate(slug="t", metadata={"driver_version": "anything"}), "/cache")
     assert (refused.value.status, refused.value.code) == (422, "protected_metadata")
+
+
+async def test_a_slice_host_enrolment_from_a_tenants_node_is_refused_with_its_reason() -> None:
+    """A baremetal tenant's host announcing itself as a slice host: dead-lettered (PermanentError with the
+    contract's reason code), not a slice host, no prewarm, nothing committed; another node is unaffected."""
+    world = World(_image())
+    world.repos.tenancies.open["bm1"] = ["5b0c6f3e-0000-4000-8000-000000000001"]
+    with pytest.raises(PermanentError) as refused:
+        await world.enrol("bm1")
+    assert refused.value.reason_code == "baremetal_tenancy"
+    assert "bm1" in refused.value.reason and "5b0c6f3e-0000-4000-8000-000000000001" in refused.value.reason
+    assert world.repos.hosts.hosts == {} and world.events == [] and world.inbox == set()
+    assert world.repos.tenancies.locked == ["bm1"]  # judged under the node's lock
+
+    await world.enrol("n1")
+    assert [p["node_id"] for p in world.sent("image.cache_prewarm")] == ["n1"]
+    # A baremetal-kind enrolment is the allocator's business, and no slice-host row either way.
+    await world.send(
+        _on_enrolled,
+        "node.enrolled",
+        m.NodeEnrolled(node_id="bm1", kind="baremetal", hostname="bm1", agent_version="t"),
+    )
+    assert sorted(world.repos.hosts.hosts) == ["n1"]

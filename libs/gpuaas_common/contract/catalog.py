@@ -71,6 +71,17 @@ _LIFECYCLE = {
 # The lifecycle events the scheduler acts on: its durable filters on exactly these (gpuaas_common.jetstream), so
 # the server never delivers it the others.
 SCHEDULER_FOLLOWS = ("accepted", "provisioning", "active", "releasing", "released", "failed")
+# The lifecycle events the image pipeline follows to know which nodes are under a baremetal tenancy (a tenant's
+# host may never enrol as a slice host): placed and provisioning carry the node, released and failed end it.
+PIPELINE_FOLLOWS = ("placed", "provisioning", "released", "failed")
+
+
+def _lifecycle_consumers(state: str) -> tuple[str, ...]:
+    followers = (("scheduler",) if state in SCHEDULER_FOLLOWS else ()) + (
+        ("image-pipeline",) if state in PIPELINE_FOLLOWS else ()
+    )
+    return (*followers, "portal", "ops")
+
 
 ALL: tuple[MessageSpec, ...] = (
     MessageSpec(
@@ -137,7 +148,7 @@ ALL: tuple[MessageSpec, ...] = (
             f"gpuaas.allocation.event.{name}",
             summary,
             ("allocator",),
-            ("scheduler", "portal", "ops") if name in SCHEDULER_FOLLOWS else ("portal", "ops"),
+            _lifecycle_consumers(name),
         )
         for name, (model, summary) in _LIFECYCLE.items()
     ),
@@ -302,7 +313,8 @@ ALL: tuple[MessageSpec, ...] = (
         "gpuaas.maas.result.release",
         "The observed outcome of a release.",
         ("maas-gateway",),
-        ("allocator",),
+        # The pipeline learns from it that a failed baremetal allocation's machine was released.
+        ("allocator", "image-pipeline"),
     ),
     MessageSpec(
         "maas.commission_requested",

@@ -870,7 +870,8 @@ class DeadLetter(Payload):
     # subject_mismatch: a payload names another node than the subject it came on; unknown_task: a
     # result for a task its receiver never sent; node_mismatch: a result from another host than the
     # one the task went to; unplaceable: a valid event a read model cannot fit into what it holds (a timeline
-    # position already taken by another state).
+    # position already taken by another state); baremetal_tenancy: a slice-host enrolment from a node a baremetal
+    # tenant holds (root on the host and its allocation-bound creds), which may never join the slice hosts.
     reason_code: Literal[
         "not_json",
         "schema_invalid",
@@ -881,6 +882,7 @@ class DeadLetter(Payload):
         "unknown_task",
         "node_mismatch",
         "unplaceable",
+        "baremetal_tenancy",
     ]
     reason: str = Field(max_length=8192)
     headers: dict[str, str] = Field(default_factory=dict)

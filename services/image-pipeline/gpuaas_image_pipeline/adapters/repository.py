@@ -7,7 +7,9 @@ values, so the service layer never sees SQL or wire encodings (and unit tests ca
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -147,6 +149,20 @@ class SliceHostRepository:
     async def node_ids(self) -> list[str]:
         return [r["node_id"] for r in await self.conn.fetch("SELECT node_id FROM slice_hosts ORDER BY node_id")]
 
+    async def forget(self, node_id: str) -> bool:
+        """The node is no slice host any more (a baremetal tenant holds it); False when it was none."""
+        return (await self.conn.execute("DELETE FROM slice_hosts WHERE node_id = $1", node_id)) != "DELETE 0"
+
+    async def caches_of(self, node_id: str) -> list[dict[str, Any]]:
+        """What one host holds of every image, as last reported (absent ones included)."""
+        return _rows(
+            await self.conn.fetch(
+                "SELECT slug, status, digest_sha256, expected_digest, task_id FROM node_image_cache "
+                "WHERE node_id = $1 ORDER BY slug",
+                node_id,
+            )
+        )
+
     async def cache(self, node_id: str, slug: str) -> dict[str, Any] | None:
         return _row(
             await self.conn.fetchrow(
@@ -211,6 +227,99 @@ class SliceHostRepository:
             done,
             total,
             reason,
+        )
+
+
+class TenancyRepository:
+    """Baremetal tenancies (domain/tenancy.py): what the pipeline saw of each baremetal allocation's node."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def lock_node(self, node_id: str) -> None:
+        """Until the unit of work ends: a node's enrolments and its tenancies' changes run one at a time, so an
+        enrolment never slips in beside the placement that makes the node a tenant's."""
+        await self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('gpuaas-pipeline-node:' || $1))", node_id)
+
+    async def get(self, allocation_id: uuid.UUID) -> dict[str, Any] | None:
+        return _row(
+            await self.conn.fetchrow("SELECT * FROM baremetal_tenancies WHERE allocation_id = $1", allocation_id)
+        )
+
+    async def record(
+        self,
+        allocation_id: uuid.UUID,
+        node_id: str,
+        *,
+        placed_at: datetime | None = None,
+        started: bool = False,
+        deploy_sent: bool = False,
+        released: bool = False,
+        failed: bool = False,
+        machine_released: bool = False,
+    ) -> dict[str, Any]:
+        """Add facts (each only ever set, never cleared); the row as it is now."""
+        row = await self.conn.fetchrow(
+            "INSERT INTO baremetal_tenancies (allocation_id, node_id, placed_at, started, deploy_sent, released, "
+            "failed, machine_released) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) "
+            "ON CONFLICT (allocation_id) DO UPDATE SET "
+            "placed_at = COALESCE(baremetal_tenancies.placed_at, EXCLUDED.placed_at), "
+            "started = baremetal_tenancies.started OR EXCLUDED.started, "
+            "deploy_sent = baremetal_tenancies.deploy_sent OR EXCLUDED.deploy_sent, "
+            "released = baremetal_tenancies.released OR EXCLUDED.released, "
+            "failed = baremetal_tenancies.failed OR EXCLUDED.failed, "
+            "machine_released = baremetal_tenancies.machine_released OR EXCLUDED.machine_released, "
+            "updated_at = now() RETURNING *",
+            allocation_id,
+            node_id,
+            placed_at,
+            started,
+            deploy_sent,
+            released,
+            failed,
+            machine_released,
+        )
+        return _row(row)  # type: ignore[return-value]
+
+    async def judge(self, allocation_id: uuid.UUID, *, open_: bool, state: str) -> None:
+        """Store the judgement of the row's facts; `ended_at` marks when an open tenancy was judged over."""
+        await self.conn.execute(
+            "UPDATE baremetal_tenancies SET open = $2, state = $3, updated_at = now(), "
+            "ended_at = CASE WHEN $2 THEN NULL WHEN open THEN now() ELSE ended_at END WHERE allocation_id = $1",
+            allocation_id,
+            open_,
+            state,
+        )
+
+    async def others_placed_before(
+        self, node_id: str, allocation_id: uuid.UUID, placed_at: datetime
+    ) -> list[uuid.UUID]:
+        """Other allocations' tenancies on the node, not superseded yet, placed before `placed_at`."""
+        rows = await self.conn.fetch(
+            "SELECT allocation_id FROM baremetal_tenancies WHERE node_id = $1 AND allocation_id <> $2 "
+            "AND superseded_by IS NULL AND placed_at < $3 ORDER BY allocation_id",
+            node_id,
+            allocation_id,
+            placed_at,
+        )
+        return [r["allocation_id"] for r in rows]
+
+    async def supersede(self, allocation_id: uuid.UUID, by: uuid.UUID) -> dict[str, Any]:
+        row = await self.conn.fetchrow(
+            "UPDATE baremetal_tenancies SET superseded_by = $2, updated_at = now() WHERE allocation_id = $1 "
+            "RETURNING *",
+            allocation_id,
+            by,
+        )
+        return _row(row)  # type: ignore[return-value]
+
+    async def open_on(self, node_id: str) -> list[dict[str, Any]]:
+        """The node's open tenancies (normally one)."""
+        return _rows(
+            await self.conn.fetch(
+                "SELECT * FROM baremetal_tenancies WHERE node_id = $1 AND open ORDER BY placed_at, allocation_id",
+                node_id,
+            )
         )
 
 
@@ -350,10 +459,15 @@ class ImagePipelineRepositories:
     hosts: SliceHostRepository
     builds: BuildRepository
     maas_requests: MaasRequestRepository
+    tenancies: TenancyRepository
 
 
 def image_pipeline_repositories(conn: asyncpg.Connection) -> ImagePipelineRepositories:
     """The factory a UnitOfWork (the bus's, the admin API's, the build runner's) builds `uow.repos` with."""
     return ImagePipelineRepositories(
-        ImageRepository(conn), SliceHostRepository(conn), BuildRepository(conn), MaasRequestRepository(conn)
+        ImageRepository(conn),
+        SliceHostRepository(conn),
+        BuildRepository(conn),
+        MaasRequestRepository(conn),
+        TenancyRepository(conn),
     )

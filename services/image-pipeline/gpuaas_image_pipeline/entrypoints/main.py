@@ -8,14 +8,16 @@ import json
 from pathlib import Path
 
 from gpuaas_common.bus import HandlerContext
+from gpuaas_common.contract.catalog import PIPELINE_FOLLOWS
 from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 from gpuaas_common.startup import StartupFailed
 from gpuaas_common.unit_of_work import UnitOfWork
 
+from ..adapters.metrics import catalog_reading
 from ..adapters.repository import image_pipeline_repositories
 from ..domain.catalog import SeedImage
-from ..service_layer import catalog, host_images
+from ..service_layer import catalog, host_images, tenancy
 from ..service_layer.builds import BuildRunner
 from ..service_layer.seeding import apply_seed
 from ..settings import ImagePipelineSettings
@@ -41,6 +43,8 @@ def build_register(settings: ImagePipelineSettings):
         if interrupted:
             log.warning("builds_interrupted", count=interrupted)
         rt.spawn(runner.watch(), "build-recovery")
+        # /metrics: node caches by state, the catalog and builds by status (adapters/metrics.py).
+        rt.add_reading("image-catalog", catalog_reading(rt.pool))
 
         async def on_enrolled(ctx: HandlerContext) -> None:
             sent = await catalog.on_enrolled(ctx.uow, ctx.payload, ctx.envelope.event_id)
@@ -65,6 +69,21 @@ def build_register(settings: ImagePipelineSettings):
         )
         rt.bus.subscribe(
             rt.consumer_spec("image-pipeline-maas-profiles"), {"maas.profile_image_set_result": on_profile_result}
+        )
+
+        # Baremetal tenancies: a tenant's host is refused as a slice host (catalog.on_enrolled).
+        async def on_lifecycle(ctx: HandlerContext) -> None:
+            await tenancy.on_lifecycle(ctx.uow, ctx.payload, ctx.envelope.occurred_at)
+
+        async def on_machine_released(ctx: HandlerContext) -> None:
+            await tenancy.on_machine_released(ctx.uow, ctx.payload)
+
+        rt.bus.subscribe(
+            rt.consumer_spec("image-pipeline-tenancies"),
+            {f"allocation.{state}": on_lifecycle for state in PIPELINE_FOLLOWS},
+        )
+        rt.bus.subscribe(
+            rt.consumer_spec("image-pipeline-machine-releases"), {"maas.release_result": on_machine_released}
         )
 
         if settings.admin_token is None:

@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from gpuaas_common.api_error import ApiError
+from gpuaas_common.bus import PermanentError
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
@@ -26,6 +27,7 @@ from ..domain.catalog import (
     activation_ready,
     node_schedulable,
 )
+from ..domain.tenancy import REFUSED_ENROLMENT, refusal_reason
 
 log = get_logger(__name__)
 Uow = UnitOfWork[ImagePipelineRepositories]  # or a FakeUnitOfWork with the same repositories, in unit tests
@@ -317,6 +319,7 @@ async def delete_image(uow: Uow, slug: str) -> None:
 async def on_enrolled(uow: Uow, ev: m.NodeEnrolled, event_id: str) -> int:
     if ev.kind != "slice_host":
         return 0
+    await _refuse_a_tenants_host(uow, ev.node_id)
     await uow.repos.hosts.enrolled(ev.node_id, ev.hostname)
     sent = 0
     for slug in await uow.repos.images.prewarmable_slugs():
@@ -324,6 +327,22 @@ async def on_enrolled(uow: Uow, ev: m.NodeEnrolled, event_id: str) -> int:
         # Every start re-proves the cache: a file lost or changed while the agent was down shows at once.
         sent += await send_prewarm(uow, locked, ev.node_id, cause=f"enrolled:{event_id}", recheck=True)  # type: ignore[arg-type]
     return sent
+
+
+async def _refuse_a_tenants_host(uow: Uow, node_id: str) -> None:
+    """A baremetal tenant holds root on its host and the host's allocation-bound creds, so it can announce the
+    host as a slice host: refused (dead-lettered with the reason; nothing written, no prewarm) while the node
+    is under a baremetal tenancy (domain/tenancy.py). The node's lock orders this against the placement that
+    starts a tenancy (service_layer/tenancy.py)."""
+    await uow.repos.tenancies.lock_node(node_id)
+    held = await uow.repos.tenancies.open_on(node_id)
+    if not held:
+        return
+    allocations = [str(r["allocation_id"]) for r in held]
+    log.warning(
+        "slice_host_enrolment_refused", node_id=node_id, reason_code=REFUSED_ENROLMENT, allocation_ids=allocations
+    )
+    raise PermanentError(REFUSED_ENROLMENT, refusal_reason(node_id, allocations))
 
 
 async def on_cache_reported(uow: Uow, ev: m.NodeImageCacheReported) -> None:

@@ -18,7 +18,9 @@ from ..adapters.host import HostFs
 from ..adapters.host_link import HostLink
 from ..adapters.hypervisor import choose_domain_type
 from ..adapters.libvirt_host import LibvirtHost
+from ..adapters.node_env import node_env_present
 from ..adapters.state_store import StateStore
+from ..domain.baremetal import choose_role
 from ..service_layer.host_paths import HostPaths
 from ..service_layer.prewarm import ImagePrewarmer
 from ..service_layer.tasks import SliceHostAgent
@@ -41,6 +43,14 @@ def slice_host_enrolment(node_id: str, hostname: str) -> m.NodeEnrolled:
     return m.NodeEnrolled(node_id=node_id, kind="slice_host", hostname=hostname, agent_version=AGENT_VERSION)
 
 
+def refuse_a_deployed_host(root: Path) -> None:
+    """RoleRefused where a deploy made this host a baremetal tenant's (its cloud-init env file is under the
+    root): such a host never runs the slice role nor announces itself as a slice host, whoever runs this (the
+    entrypoint refuses the role at start already; the simulated fleet and tests call run_slice_host directly).
+    The image pipeline refuses such an enrolment too, since a tenant with root can publish one by hand."""
+    choose_role("slice_host", node_env_present(root))
+
+
 async def run_slice_host(
     settings: AgentSettings,
     node_id: str,
@@ -56,6 +66,7 @@ async def run_slice_host(
     """`libvirt`: the hypervisor connection to use; the simulated fleet passes its own so that it can read
     the domains of a private test hypervisor, which no second connection sees. `guest_login`: the simulated
     fleet's guests, which are no machines to log in to, answer the readiness login themselves."""
+    refuse_a_deployed_host(root)
     bus, spec = await open_host_bus(settings, node_id, link)
     paths = HostPaths(root, parse_path_map(settings.host_path_map))
     store = StateStore(paths.host(settings.state_dir) / "agent.sqlite")
@@ -101,6 +112,7 @@ async def run_slice_host(
     await agent.recover()
     await link.start()
     await agent.report_host_state()
+    refuse_a_deployed_host(root)  # again as it announces: the root is checked when it matters
     await bus.publish("node.enrolled", slice_host_enrolment(node_id, hostname), correlation_id=node_id, node_id=node_id)
     # The start-up pass (in recover) swept before new work came in; from here the reconciler reports drift,
     # now and every interval, for as long as the host runs.
