@@ -10,8 +10,11 @@ What happens in between is the product's and MAAS's, not the test's: the gateway
 user-data; the simulator installs the uploaded tgz on the machine's disk as curtin would, hands the user-data over
 as a NoCloud seed of exactly the bytes the gateway sent, and powers the VM on; cloud-init writes the agent's files;
 the production agent (started by systemd in the guest) enrols over the lab's forwarded NATS with its
-allocation-bound credentials, and the allocation goes `active`. The release revokes the host's credentials (a
-publish with them is refused), releases the machine with erase, and the VM is off with its disk wiped.
+allocation-bound credentials, and the allocation goes `active` with where and as whom to log in: the tenant's key
+reached the image's default user through the same user-data, and the test logs in with it from the lab's
+namespace. The walk's phases (allocate, deploy, first boot, enrolment, active) are on the timeline. The release
+revokes the host's credentials (a publish with them is refused), releases the machine with erase, and the VM is
+off with its disk wiped.
 
 One guest boots (three to six minutes under TCG on two cores). It runs wherever the lab's pieces are installed
 and the process is root, and there it fails, never skips, when the lab does not work.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -39,9 +43,10 @@ from gpuaas_dev.lab.host_image import SLUG
 from gpuaas_dev.maas_sim.virsh_power import QUICK_ERASE_BYTES
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.stack.lab_machine import LAB_MACHINE, LAB_MACHINE_IP
+from gpuaas_dev.testing.waiting import eventually
 
 from .conftest import maas_sim
-from .lab_checks import lab_only
+from .lab_checks import lab_only, run
 
 pytestmark = lab_only  # why this is no skip left to rot: lab_checks.lab_only
 
@@ -96,17 +101,47 @@ async def _connect_as_host(stack: Stack, creds_text: str) -> None:
     await nc.close()
 
 
+async def _tenant_login(stack: Stack, key: Path, access: dict) -> subprocess.CompletedProcess[str]:
+    """The tenant's login from the lab's namespace, with the key it asked for. MAAS names no host key for a
+    deployed machine, so none is pinned here (the slice path pins the one its seed planted)."""
+    argv = stack.lab_host.ns(
+        "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+        "-o", "UserKnownHostsFile=/dev/null", "-o", "ConnectTimeout=10", "-i", str(key), "-p", str(access["port"]),
+        f"{access['user']}@{access['ip']}", "id -un; systemctl is-active gpuaas-node-agent",
+    )  # fmt: skip
+    return await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60)
+
+
 # The stack's start builds the host image when its recipe or the agent changed (about 2 minutes) and uploads it.
 @pytest.mark.timeout(1800)
-async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_enrols(portal, stack, db) -> None:
+async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_enrols(
+    portal, stack, db, tmp_path
+) -> None:
+    tenant = tmp_path / "tenant"
+    assert run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tenant)]).returncode == 0
+    key = (tmp_path / "tenant.pub").read_text().strip()
     t0 = time.monotonic()
-    alloc = await portal.request("baremetal", gpus=8)
+    alloc = await portal.request("baremetal", gpus=8, ssh_public_keys=[key])
     placed = await portal.wait_state(alloc, "placed", timeout=60)
     assert placed["payload"]["node_id"] == LAB_MACHINE
     system_id = placed["payload"]["maas_system_id"]
     active = await portal.wait_state(alloc, "active", timeout=BOOT_S)
     active_s = time.monotonic() - t0
-    assert active["payload"]["access"]["maas_system_id"] == system_id
+    access = active["payload"]["access"]
+    assert (access["maas_system_id"], access["ip"], access["user"], access["port"]) == (
+        system_id,
+        LAB_MACHINE_IP,
+        "debian",
+        22,
+    )
+
+    # The tenant logs in with its own key (sshd may still be starting when the agent enrols: asked until it answers).
+    async def logged_in() -> subprocess.CompletedProcess[str] | None:
+        done = await _tenant_login(stack, tenant, access)
+        return done if done.returncode == 0 else None
+
+    login = await eventually(logged_in, timeout=120, interval=3, what="the tenant's SSH login to the machine")
+    assert login.stdout.split() == ["debian", "active"]
 
     machine = await maas_sim(stack, "GET", f"/_sim/machines/{system_id}")
     assert (machine["power_type"], machine["status_name"], machine["ip_addresses"]) == (
@@ -129,6 +164,7 @@ async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_e
     assert enrolled[0]["payload"]["maas_system_id"] == system_id
 
     user_data = yaml.safe_load(sent)
+    assert user_data["ssh_authorized_keys"] == [key]
     creds_text = next(f["content"] for f in user_data["write_files"] if f["path"] == "/etc/gpuaas/node.creds")
     await _connect_as_host(stack, creds_text)  # valid while the allocation is active
 
@@ -150,9 +186,21 @@ async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_e
     assert probe.returncode == 2  # no signature left anywhere blkid looks
 
     rows = await db.fetch(
-        "SELECT state, reason_code, at FROM allocator.allocation_timeline WHERE allocation_id = $1 ORDER BY at", alloc
+        "SELECT state, reason_code, detail, at FROM allocator.allocation_timeline WHERE allocation_id = $1 "
+        "ORDER BY seq",
+        alloc,
     )
+    phases = {
+        d["phase"]: d["seconds"]
+        for d in (json.loads(r["detail"]) if isinstance(r["detail"], str) else r["detail"] for r in rows)
+        if d and "phase" in d
+    }
+    assert list(phases) == ["allocate", "deploy", "first_boot", "enrolment", "active"]
+    assert 0 < phases["first_boot"] < phases["active"] <= active_s + 1  # the guest's own clock, inside the walk
     start = rows[0]["at"]
     print(f"\nbaremetal walk on the lab: active after {active_s:.1f} s, released after {released_s:.1f} s")
     for row in rows:
-        print(f"  +{(row['at'] - start).total_seconds():7.1f}s  {row['state']:<14} {row['reason_code'] or ''}")
+        detail = row["detail"] if isinstance(row["detail"], dict) else json.loads(row["detail"] or "{}")
+        phase = f"{detail['phase']} {detail['seconds']:.1f} s" if detail and "phase" in detail else ""
+        print(f"  +{(row['at'] - start).total_seconds():7.1f}s  {row['state']:<14} {row['reason_code'] or ''} {phase}")
+    print(f"  revoked: the host's credentials are refused after the release; tenant login said {login.stdout.split()}")

@@ -23,6 +23,7 @@ import yaml
 from pydantic import SecretStr
 
 from gpuaas_common.bus import HandlerContext, deliver
+from gpuaas_common.bus_parsing import parse_message
 from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.db import create_pool
 from gpuaas_common.logging import configure_logging
@@ -407,6 +408,36 @@ async def test_failed_deployment_is_reported_with_maas_status_message(pool: asyn
             assert payload["status_message"] == "Failed deployment: curtin failed to install the kernel"
     finally:
         await runner.cleanup()
+
+
+async def test_a_deploy_hands_the_tenants_keys_to_the_machine_and_answers_where_to_log_in(pool: asyncpg.Pool) -> None:
+    runner, port = await start_sim(1)
+    sim = state_of(runner)
+    sid = system_id_for("bm-01")
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAITenant tenant@laptop"
+    try:
+        async with Gateway(pool, settings_for(url(port))) as gw:
+            op = await gw.command(
+                "maas.deploy_requested",
+                operation_id="dep-keys",
+                allocation_id=uuid.uuid4(),
+                site="default",
+                system_id=sid,
+                node_id="node-bm-01",
+                profile="h200-baremetal",
+                ssh_public_keys=[key],
+            )
+            assert (await gw.finished(op))["state"] == "succeeded"
+            result = await gw.result_of(op)
+    finally:
+        await runner.cleanup()
+    # The keys reach the machine as MAAS passes user-data through: cloud-init gives them to the default user.
+    sent = sim.machines[sid].last_deploy
+    assert sent is not None and yaml.safe_load(sent["user_data"].decode())["ssh_authorized_keys"] == [key]
+    body = {k: v for k, v in result.items() if k != "subject"}
+    _, payload_model = parse_message(result["subject"], json.dumps(body).encode())  # checked against the contract
+    payload = payload_model.model_dump(mode="json")
+    assert payload["ip_addresses"] == [sim.machines[sid].ip_address] and payload["login_user"] == "ubuntu"
 
 
 # ---- lifecycle: commission, tags, image upload, profile image -----------------------------------------

@@ -65,6 +65,8 @@ class FakeAllocationRepository(AllocationStore):
             "deployed": False,
             "enrolled": False,
             "access": None,
+            "phase_marks": None,
+            "created_at": datetime.now(timezone.utc),  # the column's default
             "task_deadline_at": None,
             "timed_out_task_id": None,
             "placement_asks": 0,
@@ -74,6 +76,19 @@ class FakeAllocationRepository(AllocationStore):
 
     async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None:
         self.allocations[allocation_id].update(copy.deepcopy(fields))
+
+    async def lock_machine_holders(self, node_id: str) -> list[dict[str, Any]]:
+        return [
+            copy.deepcopy(r)
+            for r in self.allocations.values()
+            if r["shape"] == "baremetal"
+            and r["node_id"] == node_id
+            and r["operation_id"] is not None
+            and (
+                r["state"] in ("provisioning", "active", "releasing")
+                or (r["state"] == "failed" and (r["release_operation_id"] is None or r["awaiting_result"]))
+            )
+        ]
 
     async def accepted_seq(self, allocation_id: uuid.UUID) -> int | None:
         mine = [state for a, state in self.timeline if a == allocation_id]
@@ -284,7 +299,7 @@ def _enrolled(alloc: uuid.UUID, secret: str = SECRET, machine: str = "abc123") -
 async def _deployed_baremetal(world: World) -> uuid.UUID:
     alloc = await world.request("baremetal")
     await world.place(alloc, "baremetal")
-    op = world.sent("maas.deploy_requested")[0]
+    op = world.sent("maas.deploy_requested")[-1]
     await world.send(
         world.allocator.on_maas_result,
         "maas.deploy_result",
@@ -296,6 +311,8 @@ async def _deployed_baremetal(world: World) -> uuid.UUID:
             status="deployed",
             resolution="direct",
             attempts=1,
+            ip_addresses=["127.100.0.50"],
+            login_user="ubuntu",
         ),
     )
     assert world.state(alloc) == "provisioning"  # deployed, but its agent has not proven itself yet
@@ -320,6 +337,58 @@ async def test_a_baremetal_host_goes_active_only_with_the_right_enrolment_proof(
     await world.send(world.allocator.on_enrolled, "node.enrolled", _enrolled(alloc, secret, machine))
     assert (world.state(alloc) == "active") is becomes_active
     assert bool(world.sent("allocation.active")) is becomes_active
+    if not becomes_active:
+        # The machine's own announcement with a proof that is not this allocation's: its user-data was not what
+        # the gateway sent. Nobody would send a better one, so it fails now and the machine goes back to MAAS.
+        row = world.repo.allocations[alloc]
+        assert (world.state(alloc), row["failure_code"]) == ("failed", "enrolment_refused")
+        assert [r["system_id"] for r in world.sent("maas.release_requested")] == ["abc123"]
+
+
+async def test_the_deploy_carries_the_tenants_keys_and_active_says_where_and_as_whom_to_log_in(world: World) -> None:
+    alloc = await _deployed_baremetal(world)
+    (deploy,) = world.sent("maas.deploy_requested")
+    assert deploy["ssh_public_keys"] == ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIUnit unit@test"]
+    await world.send(
+        world.allocator.on_enrolled, "node.enrolled", _enrolled(alloc).model_copy(update={"boot_seconds": 41.5})
+    )
+    (active,) = world.sent("allocation.active")
+    assert {k: active["access"][k] for k in ("ip", "user", "port", "maas_system_id")} == {
+        "ip": "127.100.0.50",
+        "user": "ubuntu",
+        "port": 22,
+        "maas_system_id": "abc123",
+    }
+    phases = {
+        e["detail"]["phase"]: e["detail"]["seconds"]
+        for e in world.repo.entries
+        if e["allocation_id"] == alloc and e.get("reason_code") == "provision_phase"
+    }
+    assert set(phases) == {"allocate", "deploy", "first_boot", "enrolment", "active"}
+    assert phases["first_boot"] == 41.5  # the host's own count
+    assert all(v >= 0 for v in phases.values())
+
+
+async def test_an_announcement_for_another_machine_is_kept_on_the_timeline_and_changes_nothing(world: World) -> None:
+    alloc = await _deployed_baremetal(world)
+    other = _enrolled(alloc).model_copy(update={"node_id": "n2", "maas_system_id": "xyz789"})
+    await world.send(world.allocator.on_enrolled, "node.enrolled", other)
+    assert world.state(alloc) == "provisioning" and not world.sent("maas.release_requested")
+    (note,) = [e for e in world.repo.entries if e.get("reason_code") == "enrolment_refused"]
+    assert note["detail"]["node_id"] == "n2"
+
+
+async def test_a_tenants_machine_announcing_itself_as_a_slice_host_is_refused_on_its_timeline(world: World) -> None:
+    alloc = await _deployed_baremetal(world)
+    slice_like = m.NodeEnrolled(node_id="n1", kind="slice_host", hostname="bm", agent_version="t")
+    await world.send(world.allocator.on_enrolled, "node.enrolled", slice_like)
+    assert world.state(alloc) == "provisioning"
+    (note,) = [e for e in world.repo.entries if e.get("reason_code") == "slice_enrolment_refused"]
+    assert (note["allocation_id"], note["detail"]["node_id"]) == (alloc, "n1")
+    # A slice host that holds no tenant's machine enrols with no word from the allocator.
+    before = len(world.repo.entries)
+    await world.send(world.allocator.on_enrolled, "node.enrolled", slice_like.model_copy(update={"node_id": "n9"}))
+    assert len(world.repo.entries) == before
 
 
 async def test_a_result_for_a_task_never_sent_changes_nothing(world: World) -> None:

@@ -108,3 +108,18 @@ def test_enrolment_proof_is_the_sha256_of_the_token_the_gateway_writes() -> None
     assert enrolment_proof("secret", "a-1", "sys1") == token_proof(token)
     assert enrolment_proof("secret", "a-1", "sys2") != token_proof(token)
     assert enrolment_proof("other", "a-1", "sys1") != token_proof(token)
+
+
+def test_the_tenants_keys_go_to_the_default_user_after_the_sites_own() -> None:
+    site_key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOps ops@site"
+    tenant = ["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAITenant t@laptop", site_key]
+    bootstrap = f"#cloud-config\nssh_authorized_keys:\n  - {site_key}\n"
+    doc = yaml.safe_load(render_user_data(bootstrap, TOKEN, ALLOC, "bm-01", "sys1", CREDS, ssh_public_keys=tenant))
+    # Once each, the site's first: cloud-init appends them to the default user's authorized_keys in this order.
+    assert doc["ssh_authorized_keys"] == [site_key, tenant[0]]
+    assert "ssh_authorized_keys" not in yaml.safe_load(render("#cloud-config\n{}\n"))
+
+
+def test_a_bootstrap_whose_keys_are_not_a_list_is_refused() -> None:
+    with pytest.raises(BootstrapNotCloudConfig, match="ssh_authorized_keys"):
+        render_user_data("ssh_authorized_keys: one-key\n", TOKEN, ALLOC, "bm-01", "sys1", ssh_public_keys=["k"])

@@ -11,7 +11,7 @@ import pytest
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.enrolment import enrolment_token, token_proof
-from gpuaas_node_agent.adapters.node_env import read_node_env
+from gpuaas_node_agent.adapters.node_env import host_uptime, read_node_env
 from gpuaas_node_agent.domain.baremetal import (
     NodeEnvInvalid,
     RoleRefused,
@@ -87,6 +87,17 @@ def test_the_file_is_read_under_the_host_root_with_the_creds_it_names(tmp_path: 
         read_node_env(tmp_path)
     (tmp_path / "etc/gpuaas/node.creds").write_text("creds")
     assert read_node_env(tmp_path).node_id == "bm-07"
+
+
+def test_the_first_boot_is_the_hosts_own_uptime_and_a_tree_without_proc_reports_none(tmp_path: Path) -> None:
+    assert host_uptime(tmp_path) is None  # a simulated host's tree: no made-up boot time
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc/uptime").write_text("83.27 160.11\n")
+    assert host_uptime(tmp_path) == 83.27
+    ev = enrolment(parse_node_env(GOOD), "host-7", "0.1.0", host_uptime(tmp_path))
+    envelope = Envelope.wrap("node.enrolled", ev.model_dump(mode="json"), producer="node-agent", correlation_id=ALLOC)
+    default_validator().validate("gpuaas.node.bm-07.report.enrolled", envelope.model_dump(mode="json"))
+    assert ev.boot_seconds == 83.27
 
 
 def test_the_announcement_is_contract_valid_and_carries_only_the_tokens_proof() -> None:

@@ -422,6 +422,9 @@ class NodeEnrolled(Payload):
     maas_system_id: str | None = None
     allocation_id: uuid.UUID | None = None
     enrolment_proof: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    # Seconds from the host's kernel start to this announcement (its uptime): a baremetal host's first boot,
+    # measured on its own clock. Absent from slice hosts and older agents.
+    boot_seconds: float | None = Field(default=None, ge=0, le=86400 * 366)
 
 
 class SliceTopologyDiscover(Payload):
@@ -603,6 +606,9 @@ class MaasDeployRequested(Payload):
     system_id: str = Identifier
     node_id: str = Identifier
     profile: str = Identifier
+    # The tenant's keys, which the gateway hands to the machine in the deploy's user-data (cloud-init's
+    # `ssh_authorized_keys`, for the image's default user), as MAAS passes user-data through.
+    ssh_public_keys: list[str] = Field(default_factory=list, max_length=16)
 
 
 class MaasReleaseRequested(Payload):
@@ -628,6 +634,10 @@ class MaasOperationResult(Payload):
 
 class MaasDeployResult(MaasOperationResult):
     status: Literal["deployed", "failed"]
+    # Where the tenant logs in, from MAAS's machine record once it is Deployed, and as whom (the site
+    # profile's image's default user). Empty/None from older gateways and on failure.
+    ip_addresses: list[str] = Field(default_factory=list, max_length=32)
+    login_user: str | None = Field(default=None, max_length=32)
 
 
 class MaasReleaseResult(MaasOperationResult):

@@ -19,6 +19,9 @@ class SiteProfile(BaseModel):
     # MAAS storage layout set before each deploy (`flat` for a tgz host image: MAAS owns the partitions and the
     # ESP, maas-host-image-pipeline); None leaves the machine's layout as MAAS has it.
     storage_layout: Literal["flat", "lvm", "bcache", "blank"] | None = "flat"
+    # The image's default user, who gets the tenant's keys through cloud-init's `ssh_authorized_keys` and whom
+    # the tenant logs in as (MAAS's Ubuntu images: `ubuntu`; a Debian image: `debian`).
+    login_user: str = Field(default="ubuntu", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
     # Tags that mark a machine as belonging to this profile in MAAS (synced by sync_tags).
     tags: tuple[str, ...] = ()
 

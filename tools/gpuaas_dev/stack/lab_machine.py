@@ -72,6 +72,8 @@ def gateway_profiles(stack: Stack, slug: str) -> str:
         "erase_on_release": True,
         "quick_erase": True,
         "storage_layout": "flat",
+        # The lab's host image is Debian's: cloud-init's default user there is `debian`.
+        "login_user": "debian",
         "bootstrap_user_data": site_bootstrap(stack.nats_port, Path(stack.ca_file).read_text()),
     }
     return json.dumps({PROFILE: profile})

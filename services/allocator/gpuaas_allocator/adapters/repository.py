@@ -33,6 +33,9 @@ class AllocationStore(abc.ABC):
     async def insert(self, **fields: Any) -> None: ...
 
     @abc.abstractmethod
+    async def lock_machine_holders(self, node_id: str) -> list[dict[str, Any]]: ...
+
+    @abc.abstractmethod
     async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None: ...
 
     @abc.abstractmethod
@@ -125,7 +128,7 @@ class AllocationRepository(AllocationStore):
         out = dict(row)
         self._last_seq[allocation_id] = out.pop("last_timeline_seq_")
         self._early[allocation_id] = out.pop("has_early_")
-        for key in ("request", "placement", "access"):
+        for key in ("request", "placement", "access", "phase_marks"):
             if isinstance(out.get(key), str):
                 out[key] = json.loads(out[key])
         return out
@@ -185,6 +188,20 @@ class AllocationRepository(AllocationStore):
             after_s,
             limit,
         )
+
+    async def lock_machine_holders(self, node_id: str) -> list[dict[str, Any]]:
+        """Baremetal allocations whose tenant has (or may still have) `node_id`'s machine: deployed or being
+        deployed, or failed with its machine not yet back from MAAS. Each locked (waiting for a handler that holds
+        it) until the unit of work ends."""
+        await self._flush()
+        ids = await self.conn.fetch(
+            "SELECT allocation_id FROM allocations WHERE shape = 'baremetal' AND node_id = $1 "
+            "AND operation_id IS NOT NULL AND (state IN ('provisioning', 'active', 'releasing') "
+            "OR (state = 'failed' AND (release_operation_id IS NULL OR awaiting_result))) ORDER BY created_at",
+            node_id,
+        )
+        rows = [await self.lock(r["allocation_id"]) for r in ids]
+        return [r for r in rows if r is not None]
 
     async def lock_awaiting_placement(self, after_s: float, limit: int) -> list[dict[str, Any]]:
         """Allocations still waiting for a placement answer with nothing done to them for `after_s`."""

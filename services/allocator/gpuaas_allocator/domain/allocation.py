@@ -65,6 +65,8 @@ FORCE_RELEASED = "force_released"
 RELEASE_COMMIT_LOST = "release_commit_lost"
 TASK_DEADLINE_PASSED = "task_deadline_passed"
 ENROLMENT_TIMEOUT = "enrolment_timeout"
+ENROLMENT_REFUSED = "enrolment_refused"
+SLICE_ENROLMENT_REFUSED = "slice_enrolment_refused"
 PLACEMENT_REASKED = "placement_reasked"
 EARLY_TASK_RESULT = "task_result_early"
 EARLY_RESULT_MISMATCH = "early_task_result_mismatch"
@@ -151,6 +153,9 @@ class Allocation:
     timed_out_task_id: str | None = None
     placement_asks: int = 0
     task_reasked_at: datetime | None = None
+    # A baremetal walk's moments (placed, deployed, enrolled: ISO times on this allocator's clock; boot_seconds:
+    # the host's own count) and where MAAS says the tenant logs in, until `active` turns them into phases/access.
+    phase_marks: dict[str, Any] | None = None
     created_at: datetime | None = None
     updated_at: datetime | None = None
     # Not columns: how the allocation is handled in this unit of work.
@@ -322,6 +327,8 @@ class Allocation:
                 cleanup=m.CleanupReport(required=False, verified=True, reason="released before provisioning"),
             )
             return
+        if self.shape == "baremetal":
+            self._mark(placed=utcnow().isoformat())
         self._transition(
             "placed",
             update=update,
@@ -536,24 +543,93 @@ class Allocation:
     # --- baremetal: enrolment and MAAS results ------------------------------------------------------------
 
     def enrol(self, ev: m.NodeEnrolled) -> None:
-        if self.shape != "baremetal" or self.maas_system_id != ev.maas_system_id:
-            log.warning("enrolment_unmatched")
+        """A baremetal host's announcement. Only the allocation's own machine, proving it holds this allocation's
+        token, enrols it; anything else changes nothing and is kept on the timeline for ops. The machine's own
+        announcement with a wrong proof (user-data that is not what the gateway sent) is not retried by anyone:
+        waiting for its deadline would only leave a tenant's machine up for nobody, so it fails now and the
+        machine is released."""
+        if self.shape != "baremetal" or self.node_id != ev.node_id or self.maas_system_id != ev.maas_system_id:
+            log.warning("enrolment_unmatched", node_id=ev.node_id, system_id=ev.maas_system_id)
+            self.note(
+                ENROLMENT_REFUSED,
+                {"why": "not this allocation's machine", "node_id": ev.node_id, "system_id": ev.maas_system_id},
+            )
             return
         expected = enrolment_proof(
             self._policy.enrolment_secret.get_secret_value(), str(ev.allocation_id), self.maas_system_id
         )
         if ev.enrolment_proof != expected:
-            log.warning("enrolment_proof_mismatch")
+            log.warning("enrolment_proof_mismatch", node_id=ev.node_id)
+            if self.enrolled or self.state != "provisioning":
+                self.note(ENROLMENT_REFUSED, {"why": "enrolment proof does not match", "node_id": ev.node_id})
+                return
+            self.fail(
+                ENROLMENT_REFUSED,
+                f"{ev.node_id} announced itself with a proof that is not this allocation's: its user-data is not "
+                "what the gateway sent",
+                self.node_id,
+            )
+            self._release_failed_machine()
             return
+        if self.enrolled:
+            return  # a repeated announcement
         self._set(enrolled=True)
+        self._mark(enrolled=utcnow().isoformat(), boot_seconds=ev.boot_seconds)
         self._maybe_baremetal_active()
+
+    def refuse_slice_enrolment(self, ev: m.NodeEnrolled) -> None:
+        """The allocation's machine announced itself as a slice host: a tenant's machine must never offer itself
+        for slices (nor join the image gate). Recorded for ops; the message is the caller's to dead-letter."""
+        log.warning(SLICE_ENROLMENT_REFUSED, node_id=ev.node_id, state=self.state)
+        self.note(SLICE_ENROLMENT_REFUSED, {"node_id": ev.node_id, "hostname": ev.hostname})
+
+    @property
+    def holds_machine(self) -> bool:
+        """A baremetal allocation whose machine is the tenant's (deploying, deployed, or not yet released)."""
+        if self.shape != "baremetal" or self.operation_id is None:
+            return False
+        return self.state in ("provisioning", "active", "releasing") or self.machine_may_be_deployed
 
     def _maybe_baremetal_active(self) -> None:
         if self.state == "provisioning" and self.deployed and self.enrolled:
-            access = m.AccessInfo(maas_system_id=self.maas_system_id)
+            marks = self.phase_marks or {}
+            ips = marks.get("ip_addresses") or []
+            access = m.AccessInfo(
+                maas_system_id=self.maas_system_id,
+                ip=ips[0] if ips else None,
+                user=marks.get("login_user"),
+                port=22 if ips else None,
+            )
+            self._record_baremetal_phases(marks)
             self._transition(
                 "active", update={"access": access.model_dump(mode="json")}, node_id=self.node_id, access=access
             )
+
+    def _record_baremetal_phases(self, marks: dict[str, Any]) -> None:
+        """The walk's phases on the timeline before `active`, as the host-image runbook asks for baselines:
+        allocate (requested to placed), deploy (placed to MAAS Deployed), first_boot (the host's kernel start to
+        its agent's announcement, on the host's clock), enrolment (MAAS Deployed to the enrolment recorded; 0 when
+        the host announced itself first) and active (requested to active)."""
+        now = utcnow()
+
+        def at(key: str) -> datetime | None:
+            value = marks.get(key)
+            return datetime.fromisoformat(value) if value else None
+
+        placed, deployed, enrolled = at("placed"), at("deployed"), at("enrolled")
+        phases: list[tuple[str, float | None]] = [
+            ("allocate", _seconds(self.created_at, placed)),
+            ("deploy", _seconds(placed, deployed)),
+            ("first_boot", marks.get("boot_seconds")),
+            ("enrolment", max(0.0, s) if (s := _seconds(deployed, enrolled)) is not None else None),
+            ("active", _seconds(self.created_at, now)),
+        ]
+        for phase, seconds in phases:
+            if seconds is not None:
+                self._record(self.state, self.state, PROVISION_PHASE, {"phase": phase, "seconds": round(seconds, 3)})
+
+    def _mark(self, **marks: Any) -> None:
+        self._set(phase_marks={**(self.phase_marks or {}), **marks})
 
     def take_maas_result(self, res: m.MaasDeployResult | m.MaasReleaseResult) -> None:
         rules: tuple[tuple[Callable[[Any], bool], Callable[[Any], None]], ...] = (
@@ -577,6 +653,7 @@ class Allocation:
         self._set(awaiting_result=False)
         if res.status == "deployed":
             self._set(deployed=True)
+            self._mark(deployed=utcnow().isoformat(), ip_addresses=list(res.ip_addresses), login_user=res.login_user)
             if self.state == "releasing":
                 self._start_teardown()
                 return
@@ -759,7 +836,8 @@ class Allocation:
         if self.release_operation_id:
             return machine_release_command(*args, self.release_operation_id, self.maas_system_id, self.node_id)
         assert self.operation_id is not None
-        return deploy_command(*args, self.operation_id, self.maas_system_id, self.node_id)
+        keys = list(self.request.get("ssh_public_keys") or [])
+        return deploy_command(*args, self.operation_id, self.maas_system_id, self.node_id, keys)
 
     # --- state changes and what they leave behind ---------------------------------------------------------
 
@@ -875,6 +953,10 @@ COLUMNS = frozenset(
     for f in fields(Allocation)
     if f.name not in ("policy", "cause", "last_seq", "is_new", "changes", "timeline", "events")
 )
+
+
+def _seconds(start: datetime | None, end: datetime | None) -> float | None:
+    return (end - start).total_seconds() if start is not None and end is not None else None
 
 
 def release_rejected(

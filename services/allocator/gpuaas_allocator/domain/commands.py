@@ -101,7 +101,12 @@ def _task_common(src: TaskSource) -> dict[str, Any]:
 
 
 def deploy_command(
-    policy: Policy, allocation_id: uuid.UUID, operation_id: str, system_id: str, node_id: str
+    policy: Policy,
+    allocation_id: uuid.UUID,
+    operation_id: str,
+    system_id: str,
+    node_id: str,
+    ssh_public_keys: list[str],
 ) -> m.MaasDeployRequested:
     return m.MaasDeployRequested(
         operation_id=operation_id,
@@ -110,6 +115,7 @@ def deploy_command(
         system_id=system_id,
         node_id=node_id,
         profile=policy.baremetal_profile,
+        ssh_public_keys=ssh_public_keys,
     )
 
 

@@ -147,7 +147,16 @@ class Allocator:
 
     async def on_enrolled(self, ctx: HandlerContext) -> None:
         ev: m.NodeEnrolled = ctx.payload
-        if ev.kind != "baremetal" or ev.allocation_id is None:
+        if ev.kind == "slice_host":
+            # A tenant's machine offering itself for slices: refused on the timeline of the allocation that
+            # holds it (the image pipeline refuses it on its own side); a slice host's enrolment is no
+            # business of the allocator's otherwise.
+            for row in await ctx.uow.repos.lock_machine_holders(ev.node_id):
+                holder = ctx.uow.repos.aggregate(row, self.policy, ctx.envelope)
+                holder.refuse_slice_enrolment(ev)
+                await save(ctx.uow, holder)
+            return
+        if ev.allocation_id is None:
             return
         alloc = await self._load(ctx, ev.allocation_id)
         if alloc is None:

@@ -89,13 +89,25 @@ def agent_files(
 
 
 def render_user_data(
-    bootstrap: str, token: str, allocation_id: str, node_id: str, system_id: str, creds: str | None = None
+    bootstrap: str,
+    token: str,
+    allocation_id: str,
+    node_id: str,
+    system_id: str,
+    creds: str | None = None,
+    ssh_public_keys: list[str] | tuple[str, ...] = (),
 ) -> str:
     """cloud-config that hands the node agent its identity, its one-time enrolment token and, with
-    bus identities on, its own short-lived NATS credentials bound to this allocation."""
+    bus identities on, its own short-lived NATS credentials bound to this allocation; and the tenant's SSH
+    keys to the image's default user (`ssh_authorized_keys`, after any the site's bootstrap lists)."""
     doc = parse_bootstrap(bootstrap)
     doc["write_files"] = list(doc.get("write_files") or []) + agent_files(
         token, allocation_id, node_id, system_id, creds
     )
+    if ssh_public_keys:
+        theirs = doc.get("ssh_authorized_keys") or []
+        if not isinstance(theirs, list):
+            raise BootstrapNotCloudConfig("the site bootstrap's ssh_authorized_keys must be a list")
+        doc["ssh_authorized_keys"] = [*theirs, *(k for k in ssh_public_keys if k not in theirs)]
     body = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True)
     return f"{HEADER}\n{body}"

@@ -12,7 +12,7 @@ from gpuaas_common.enrolment import enrolment_token
 from ..domain.operations import normalise_distro_series
 from .cloud_init import BootstrapNotCloudConfig, render_user_data
 from .machine import machine_step
-from .shared import Operations, Site, Unresolvable
+from .shared import Operations, Site, Unresolvable, as_dict
 
 
 async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[[], Awaitable[Any]] | None:
@@ -29,7 +29,13 @@ async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[
         creds = await ops.host_credentials.issue(str(row["allocation_id"]), row["node_id"])
     try:
         user_data = render_user_data(
-            profile.bootstrap_user_data, token, str(row["allocation_id"]), row["node_id"], row["system_id"], creds
+            profile.bootstrap_user_data,
+            token,
+            str(row["allocation_id"]),
+            row["node_id"],
+            row["system_id"],
+            creds,
+            ssh_public_keys=as_dict(row["params"]).get("ssh_public_keys") or (),
         )
     except BootstrapNotCloudConfig as exc:
         raise Unresolvable("invalid_bootstrap", f"site profile {row['profile']!r}: {exc}") from None

@@ -98,6 +98,16 @@ async def submit(ops: Operations, site: Site, row: asyncpg.Record, prepare: Prep
     await ops.set(op_id, state="accepted", last_status=machine.status_name, delay=ops.settings.maas_poll_interval_s)
 
 
+def _login(ops: Operations, row: asyncpg.Record, machine: Any) -> dict[str, Any]:
+    """Where the tenant logs in to a Deployed machine: MAAS's addresses for it, as the profile's image's default
+    user (whom the deploy's user-data gave the tenant's keys)."""
+    profile = ops.settings.site_profiles.get(row["profile"] or "")
+    return {
+        "ip_addresses": list(machine.ip_addresses),
+        "login_user": profile.login_user if profile is not None else None,
+    }
+
+
 async def _deployed_by_us(ops: Operations, site: Site, row: asyncpg.Record) -> bool:
     mine = await ops.maas(
         site, lambda: site.client.list_machines(id=row["system_id"], agent_name=str(row["allocation_id"]))
@@ -141,7 +151,12 @@ async def observe(ops: Operations, site: Site, row: asyncpg.Record) -> None:
         extra = (("node.slice_preflight_reported", report, "slice_preflight"),)
     if decision is Decision.SUCCEEDED:
         await ops.finish(
-            row, "succeeded", status=machine.status_name, message=machine.status_message, extra_events=extra
+            row,
+            "succeeded",
+            status=machine.status_name,
+            message=machine.status_message,
+            result=_login(ops, row, machine) if kind == "deploy" else None,
+            extra_events=extra,
         )
     elif decision is Decision.FAILED:
         await ops.finish(

@@ -275,8 +275,9 @@ def result_event(
             "attempts": row["maas_calls"],
         }
         if kind == "deploy":
+            login = {k: result[k] for k in ("ip_addresses", "login_user") if result.get(k) is not None}
             return "maas.deploy_result", m.MaasDeployResult(
-                status="deployed" if outcome == "succeeded" else "failed", **common
+                status="deployed" if outcome == "succeeded" else "failed", **common, **login
             )
         return "maas.release_result", m.MaasReleaseResult(
             status="released" if outcome == "succeeded" else "failed", **common

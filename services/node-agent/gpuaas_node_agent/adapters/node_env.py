@@ -32,3 +32,12 @@ def read_node_env(root: Path) -> BaremetalIdentity:
 def creds_file(root: Path, identity: BaremetalIdentity) -> str | None:
     """Where the agent opens the creds file the env file names (the host path seen through the root)."""
     return str(_under(root, identity.creds_path)) if identity.creds_path else None
+
+
+def host_uptime(root: Path) -> float | None:
+    """Seconds since the host's kernel started (/proc/uptime under the host root), or None where the root has no
+    /proc (a simulated host's tree): no made-up boot time is reported."""
+    try:
+        return float(_under(root, "/proc/uptime").read_text(encoding="ascii").split()[0])
+    except (OSError, ValueError, IndexError):
+        return None

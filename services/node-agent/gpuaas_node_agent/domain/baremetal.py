@@ -104,9 +104,13 @@ def parse_node_env(text: str) -> BaremetalIdentity:
     )
 
 
-def enrolment(identity: BaremetalIdentity, hostname: str, agent_version: str) -> m.NodeEnrolled:
-    """Only the token's hash travels; the allocator recomputes it from its secret (gpuaas_common.enrolment)."""
+def enrolment(
+    identity: BaremetalIdentity, hostname: str, agent_version: str, boot_seconds: float | None = None
+) -> m.NodeEnrolled:
+    """Only the token's hash travels; the allocator recomputes it from its secret (gpuaas_common.enrolment).
+    `boot_seconds`: the host's uptime as the agent starts, its first boot on its own clock."""
     return m.NodeEnrolled(
+        boot_seconds=boot_seconds,
         node_id=identity.node_id,
         kind="baremetal",
         hostname=hostname,

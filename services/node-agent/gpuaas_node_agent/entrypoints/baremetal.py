@@ -16,7 +16,7 @@ from gpuaas_common.natsconn import NatsIdentity, split_servers
 from gpuaas_common.startup import StartupFailed
 
 from ..adapters.host_link import HostLink
-from ..adapters.node_env import creds_file, node_env_present, read_node_env
+from ..adapters.node_env import creds_file, host_uptime, node_env_present, read_node_env
 from ..domain.baremetal import BaremetalIdentity, NodeEnvInvalid, Role, RoleRefused, choose_role
 from ..service_layer.baremetal import BaremetalHostAgent
 from ..settings import AgentSettings
@@ -59,6 +59,7 @@ async def run_baremetal_host(
     settings: AgentSettings, identity: BaremetalIdentity, hostname: str, link: HostLink
 ) -> None:
     """Enrols, then holds the link until cancelled. Nothing is subscribed: no slice task can reach it."""
+    boot_seconds = host_uptime(Path(settings.host_root))
     bus = await link.open()
     agent = BaremetalHostAgent(
         identity,
@@ -67,6 +68,7 @@ async def run_baremetal_host(
         bus.publish,
         announce_again_s=settings.enrolment_announce_again_s,
         announce_for_s=settings.enrolment_announce_for_s,
+        boot_seconds=boot_seconds,
     )
     await agent.run()
     await asyncio.Event().wait()

@@ -37,13 +37,14 @@ class BaremetalHostAgent:
         announce_again_s: tuple[float, ...],
         announce_for_s: float,
         first_retry_max_s: float = 10.0,
+        boot_seconds: float | None = None,
     ) -> None:
         self.identity = identity
         self.publish = publish
         self.announce_again_s = announce_again_s
         self.announce_for_s = announce_for_s
         self.first_retry_max_s = first_retry_max_s
-        self.event = enrolment(identity, hostname, agent_version)
+        self.event = enrolment(identity, hostname, agent_version, boot_seconds)
         self.enrolled = False
 
     async def _announce(self, repeat: int) -> None:
