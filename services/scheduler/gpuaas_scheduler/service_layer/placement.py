@@ -7,9 +7,14 @@ the benchmark and the concurrency test, which need no NATS.
 
 from __future__ import annotations
 
+import enum
 import itertools
+import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import TypeVar
 
 import asyncpg
 
@@ -22,8 +27,8 @@ from ..domain.placement import (
     BAREMETAL_GPUS,
     HUGEPAGE_FILTERS,
     NODE_LEVEL,
-    Choice,
     Request,
+    SlotView,
     choose,
     clean_node_allowed,
     fabric_manager_note,
@@ -37,6 +42,7 @@ from ..domain.placement import (
 )
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,41 @@ def request_of(ev: m.AllocationAccepted) -> Request:
     return Request(ev.shape, gpus, ev.region, ev.sku, ev.tenant_id, driver_version=driver)
 
 
+@dataclass(frozen=True)
+class SearchContext:
+    """What placement knows about one request before it looks at any node, gathered once per request (as
+    OpenStack Placement's research context gathers a request's facts before it queries providers) and read,
+    never recomputed, by every step of the search and by the why-not answer:
+
+    - `req`: the request as the filters see it (shape, GPUs, region, SKU, tenant, driver), with the image
+      cache gate already decided (`image_gate`: only slices boot from the host's cache, and only for an
+      image some host has reported);
+    - `fast_classes`: the (sliced, tier) rank classes the fast path tries, without the tiers no host of the
+      fleet can reach (`PlacementPolicy.classes`);
+    - `walk_classes`: every rank class, in score order, for the exhaustive walk;
+    - `candidate_page`: how many candidates the walk reads per round trip;
+    - `clean_node_watermark`: how many clean hosts must stay whole (0: slicing a clean host is always allowed).
+    """
+
+    allocation_id: uuid.UUID
+    req: Request
+    fast_classes: tuple[tuple[bool, int], ...]
+    walk_classes: tuple[tuple[bool, int], ...]
+    candidate_page: int
+    clean_node_watermark: int
+
+    @classmethod
+    def gather(cls, ev: m.AllocationAccepted, req: Request, policy: PlacementPolicy) -> SearchContext:
+        return cls(
+            ev.allocation_id,
+            req,
+            tuple(policy.classes(req.gpus)),
+            tuple(rank_classes(req.gpus)),
+            policy.candidate_page,
+            policy.clean_node_watermark,
+        )
+
+
 async def place(conn: asyncpg.Connection, ev: m.AllocationAccepted, policy: PlacementPolicy) -> Outcome:
     """Must run inside a transaction; writes nothing when the answer is unschedulable."""
     req = request_of(ev)
@@ -89,170 +130,223 @@ async def place(conn: asyncpg.Connection, ev: m.AllocationAccepted, policy: Plac
         # A redelivery after a crash between commit and ack: the claims are the answer already given.
         out.already_placed = True
         return out
-    limit = policy.default_tenant_gpu_quota if facts.tenant_quota is None else facts.tenant_quota
-    if limit is not None:
-        used = await inv.tenant_usage_locked(conn, req.tenant_id)
-        if used + req.gpus > limit:
-            out.unschedulable = m.PlacementUnschedulable(
-                allocation_id=ev.allocation_id,
-                reason_code="quota_exceeded",
-                reason=f"tenant {req.tenant_id} holds {used} of its {limit} GPU quota; {req.gpus} more requested",
-                filtered={"quota": 1},
-                free_gpus=0,
-                requested_gpus=req.gpus,
-            )
-            return out
+    out.unschedulable = await _over_quota(conn, ev, req, policy, facts)
+    if out.unschedulable is not None:
+        return out
     if req.shape == "baremetal":
-        await _place_baremetal(conn, ev, req, out)
+        await BaremetalSearch(conn, SearchContext.gather(ev, req, policy), out).run()
     else:
         # Only slices boot from the host's image cache; a baremetal image is deployed by MAAS.
         req = replace(req, image_gate=image_gate(ev.image.slug, ev.image.digest_sha256, facts.image_reported))
-        await _place_slices(conn, ev, req, policy, out)
-    if out.placed is None and not out.already_placed:
+        await SliceSearch(conn, SearchContext.gather(ev, req, policy), out).run()
+    if out.placed is None:
         out.unschedulable = await why_not(conn, ev, req, policy)
     return out
 
 
-async def _place_baremetal(conn: asyncpg.Connection, ev: m.AllocationAccepted, req: Request, out: Outcome) -> None:
-    locked: list[str] = []
-    for wait, nodes in ((False, await inv.baremetal_candidates(conn, req)), (True, locked)):
-        for node_id in list(nodes):
-            out.attempts += 1
-            got = await inv.try_claim_baremetal(conn, node_id, ev.allocation_id, req.tenant_id, wait=wait)
-            if got is inv.LOCKED:
-                out.skipped_locked += 1
-                locked.append(node_id)
-                continue
-            if got:
-                out.placed = m.PlacementPlaced(
-                    allocation_id=ev.allocation_id,
-                    node_id=got["node_id"],
-                    claim_mode="node_exclusive",
-                    fencing_epoch=got["epoch"],
-                    maas_system_id=got["maas_system_id"],
-                )
+async def _over_quota(
+    conn: asyncpg.Connection, ev: m.AllocationAccepted, req: Request, policy: PlacementPolicy, facts: inv.Prelude
+) -> m.PlacementUnschedulable | None:
+    """The answer when the tenant's GPU quota cannot take the request, else None (the tenant's usage stays
+    locked for the rest of the transaction, so two concurrent claims cannot both pass)."""
+    limit = policy.default_tenant_gpu_quota if facts.tenant_quota is None else facts.tenant_quota
+    if limit is None:
+        return None
+    used = await inv.tenant_usage_locked(conn, req.tenant_id)
+    if used + req.gpus <= limit:
+        return None
+    return m.PlacementUnschedulable(
+        allocation_id=ev.allocation_id,
+        reason_code="quota_exceeded",
+        reason=f"tenant {req.tenant_id} holds {used} of its {limit} GPU quota; {req.gpus} more requested",
+        filtered={"quota": 1},
+        free_gpus=0,
+        requested_gpus=req.gpus,
+    )
+
+
+class BaremetalSearch:
+    """A whole host for a baremetal request: the candidates in order, each tried without waiting; then the
+    ones another worker held, waited for."""
+
+    def __init__(self, conn: asyncpg.Connection, ctx: SearchContext, out: Outcome) -> None:
+        self.conn, self.ctx, self.out = conn, ctx, out
+        self.locked: list[str] = []
+
+    async def run(self) -> None:
+        for node_id in await inv.baremetal_candidates(self.conn, self.ctx.req):
+            if await self.try_node(node_id, wait=False):
+                return
+        for node_id in list(self.locked):
+            if await self.try_node(node_id, wait=True):
                 return
 
+    async def try_node(self, node_id: str, *, wait: bool) -> bool:
+        self.out.attempts += 1
+        ctx = self.ctx
+        got = await inv.try_claim_baremetal(self.conn, node_id, ctx.allocation_id, ctx.req.tenant_id, wait=wait)
+        if got is inv.LOCKED:
+            self.out.skipped_locked += 1
+            self.locked.append(node_id)
+            return False
+        if not got:
+            return False
+        self.out.placed = m.PlacementPlaced(
+            allocation_id=ctx.allocation_id,
+            node_id=got["node_id"],
+            claim_mode="node_exclusive",
+            fencing_epoch=got["epoch"],
+            maas_system_id=got["maas_system_id"],
+        )
+        return True
 
-async def _place_slices(
-    conn: asyncpg.Connection, ev: m.AllocationAccepted, req: Request, policy: PlacementPolicy, out: Outcome
-) -> None:
-    locked: list[str] = []
-    clean_ok: bool | None = None
-    seen: set[str] = set()
 
-    def claim_choice(node_id: str, node, free) -> Choice | None:
-        choice = choose(free, req.gpus, node["numa_capacity"])
+class FastTry(enum.Enum):
+    """How one rank class of the fast path ended."""
+
+    TAKEN = "taken"  # its best free node took the request
+    EMPTY = "empty"  # no node of the class is free: try the next class
+    STALE = "stale"  # its best node's summary promised a group its slots do not hold: the walk decides
+
+    def taken(self) -> bool:
+        return self is FastTry.TAKEN
+
+
+class SliceSearch:
+    """A slot group for a slice, in three named steps, each ending the search once a node takes it:
+
+    1. `fast_path`: per rank class, the best node nobody holds, found and locked in one statement;
+    2. `walk_candidates`: every candidate in rank order, a page at a time, each node tried without waiting;
+    3. `wait_for_held`: the nodes another worker held during the walk, waited for rather than answering
+       "unschedulable" on contention.
+
+    Every try runs in a savepoint of its own (`_in_savepoint`), so a node looked at but not taken is never
+    left locked. Slicing a clean host is decided once per request (`_clean_allowed`)."""
+
+    def __init__(self, conn: asyncpg.Connection, ctx: SearchContext, out: Outcome) -> None:
+        self.conn, self.ctx, self.out = conn, ctx, out
+        self.locked: list[str] = []  # nodes another worker held when tried without waiting
+        self._clean_ok: bool | None = None
+        self._savepoints = itertools.count()
+
+    async def run(self) -> None:
+        if await self.fast_path():
+            return
+        if await self.walk_candidates():
+            return
+        await self.wait_for_held()
+
+    async def fast_path(self) -> bool:
+        for sliced, tier in self.ctx.fast_classes:
+            if not sliced and not await self._clean_allowed():
+                return False
+            self.out.attempts += 1
+            ended = await self._in_savepoint(partial(self._best_in_class, sliced, tier), FastTry.taken)
+            if ended is FastTry.TAKEN:
+                return True
+            if ended is FastTry.STALE:
+                return False  # the summary was stale (or slots were held): the walk decides
+        return False
+
+    async def walk_candidates(self) -> bool:
+        seen: set[str] = set()
+        req = self.ctx.req
+        async for cand in inv.slice_candidates(self.conn, req, self.ctx.walk_classes, self.ctx.candidate_page):
+            if cand.node_id in seen:
+                continue
+            seen.add(cand.node_id)
+            if not cand.sliced and not await self._clean_allowed():
+                return False
+            if await self._in_savepoint(partial(self._try_node, cand.node_id, wait=False)):
+                return True
+        return False
+
+    async def wait_for_held(self) -> bool:
+        for node_id in list(self.locked):
+            if await self._in_savepoint(partial(self._try_node, node_id, wait=True)):
+                return True
+        return False
+
+    # --- one try -------------------------------------------------------------------------------------
+
+    async def _best_in_class(self, sliced: bool, tier: int) -> FastTry:
+        got = await inv.lock_best_in_class(self.conn, self.ctx.req, sliced, tier)
+        if got is None:
+            return FastTry.EMPTY
+        node, free = got
+        return FastTry.TAKEN if await self._take(node["node_id"], node, free) else FastTry.STALE
+
+    async def _try_node(self, node_id: str, *, wait: bool) -> bool:
+        self.out.attempts += 1
+        req = self.ctx.req
+        node = await inv.lock_slice_node(
+            self.conn, node_id, wait=wait, gpus=req.gpus, image_gate=req.image_gate, driver_version=req.driver_version
+        )
+        if node is inv.LOCKED:
+            self.out.skipped_locked += 1
+            self.locked.append(node_id)
+            return False
+        if node is None:
+            return False
+        return await self._take(node_id, node, await inv.free_slots_locked(self.conn, node_id))
+
+    async def _take(self, node_id: str, node: asyncpg.Record, free: list[SlotView]) -> bool:
+        """Claim the node's best group of its locked free slots; False when it has none for the request."""
+        choice = choose(free, self.ctx.req.gpus, node["numa_capacity"])
         if choice is None:
-            return None
-        return choice
-
-    async def commit_choice(node_id: str, node, free, choice: Choice) -> None:
+            return False
         chosen = {s.slot_id for s in choice.slots}
         after = summarize(
             node_id, [s for s in free if s.slot_id not in chosen], node["total_slots"], 1, node["numa_capacity"]
         )
-        epoch, rows = await inv.claim_slots(conn, node_id, ev.allocation_id, req.tenant_id, choice.slots, after)
-        out.placed = m.PlacementPlaced(
-            allocation_id=ev.allocation_id,
+        ctx = self.ctx
+        epoch, rows = await inv.claim_slots(
+            self.conn, node_id, ctx.allocation_id, ctx.req.tenant_id, choice.slots, after
+        )
+        self.out.placed = m.PlacementPlaced(
+            allocation_id=ctx.allocation_id,
             node_id=node_id,
             claim_mode="slots",
             fencing_epoch=epoch,
             slots=[m.SlotBinding(**{k: r[k] for k in r.keys() if k != "epoch"}) for r in rows],
             nvlink_partition=choice.partition,
         )
-        out.extra["tier"] = choice.tier
+        self.out.extra["tier"] = choice.tier
         if choice.partition is not None:
-            out.extra["nvlink_partition"] = choice.partition
-
-    savepoints = itertools.count()
-
-    async def in_savepoint(fn) -> bool:
-        # A node looked at but not taken must not stay locked: waiting on another node while holding
-        # it is how two workers deadlock. Rolling back to the savepoint releases its row locks. One taken is
-        # left open (the transaction's commit ends it): releasing it would cost a round trip per placement.
-        name = f"placement_attempt_{next(savepoints)}"
-        undo = f"ROLLBACK TO SAVEPOINT {name}; RELEASE SAVEPOINT {name}"  # gone, so failed attempts never nest
-        await conn.execute(f"SAVEPOINT {name}")
-        try:
-            ok = await fn()
-        except BaseException:
-            await conn.execute(undo)
-            raise
-        if not ok:
-            await conn.execute(undo)
-        return ok
-
-    async def attempt(node_id: str, wait: bool) -> bool:
-        return await in_savepoint(lambda: _attempt(node_id, wait))
-
-    async def _attempt(node_id: str, wait: bool) -> bool:
-        out.attempts += 1
-        node = await inv.lock_slice_node(
-            conn, node_id, wait=wait, gpus=req.gpus, image_gate=req.image_gate, driver_version=req.driver_version
-        )
-        if node is inv.LOCKED:
-            out.skipped_locked += 1
-            locked.append(node_id)
-            return False
-        if node is None:
-            return False
-        free = await inv.free_slots_locked(conn, node_id)
-        choice = claim_choice(node_id, node, free)
-        if choice is None:
-            return False
-        await commit_choice(node_id, node, free, choice)
+            self.out.extra["nvlink_partition"] = choice.partition
         return True
 
-    async def clean_allowed() -> bool:
-        nonlocal clean_ok
-        if not policy.clean_node_watermark:
+    # --- shared by the steps -------------------------------------------------------------------------
+
+    async def _in_savepoint(self, attempt: Callable[[], Awaitable[T]], taken: Callable[[T], bool] = bool) -> T:
+        """Run one try in a savepoint of its own; kept when `taken(result)`, else rolled back and released.
+
+        A node looked at but not taken must not stay locked: waiting on another node while holding
+        it is how two workers deadlock. Rolling back to the savepoint releases its row locks. One taken is
+        left open (the transaction's commit ends it): releasing it would cost a round trip per placement."""
+        name = f"placement_attempt_{next(self._savepoints)}"
+        undo = f"ROLLBACK TO SAVEPOINT {name}; RELEASE SAVEPOINT {name}"  # gone, so failed attempts never nest
+        await self.conn.execute(f"SAVEPOINT {name}")
+        try:
+            result = await attempt()
+        except BaseException:
+            await self.conn.execute(undo)
+            raise
+        if not taken(result):
+            await self.conn.execute(undo)
+        return result
+
+    async def _clean_allowed(self) -> bool:
+        if not self.ctx.clean_node_watermark:
             return True
-        if clean_ok is None:
+        if self._clean_ok is None:
             # One decision per request, serialised per region/SKU so two workers cannot both
             # break the last clean host above the watermark.
-            await inv.lock_clean_watermark(conn, req.region, req.sku)
-            clean_ok = clean_node_allowed(await inv.count_clean_nodes(conn, req), policy.clean_node_watermark)
-        return clean_ok
-
-    # Fast path: per rank class, the best node nobody holds, found and locked in one statement.
-    for sliced, tier in policy.classes(req.gpus):
-        if not sliced and not await clean_allowed():
-            break
-        out.attempts += 1
-        outcome: dict[str, bool] = {}
-
-        async def fast(sliced: bool = sliced, tier: int = tier, outcome: dict[str, bool] = outcome) -> bool:
-            got = await inv.lock_best_in_class(conn, req, sliced, tier)
-            if got is None:
-                outcome["empty"] = True
-                return False
-            node, free = got
-            choice = claim_choice(node["node_id"], node, free)
-            if choice is None:
-                return False
-            await commit_choice(node["node_id"], node, free, choice)
-            return True
-
-        if await in_savepoint(fast):
-            return
-        if outcome.get("empty"):
-            continue
-        # The summary was stale (or slots were held): the exhaustive path below decides.
-        break
-
-    async for cand in inv.slice_candidates(conn, req, rank_classes(req.gpus), policy.candidate_page):
-        if cand.node_id in seen:
-            continue
-        seen.add(cand.node_id)
-        if not cand.sliced and not await clean_allowed():
-            break
-        if await attempt(cand.node_id, wait=False):
-            return
-    # Nodes another worker held: wait for them rather than answer "unschedulable" on contention.
-    for node_id in locked[:]:
-        if await attempt(node_id, wait=True):
-            return
+            req = self.ctx.req
+            await inv.lock_clean_watermark(self.conn, req.region, req.sku)
+            clean = await inv.count_clean_nodes(self.conn, req)
+            self._clean_ok = clean_node_allowed(clean, self.ctx.clean_node_watermark)
+        return self._clean_ok
 
 
 async def why_not(
