@@ -9,6 +9,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 import urllib.parse
 from pathlib import Path
@@ -697,6 +698,46 @@ def test_postgres_speaks_tls_only_and_every_client_verifies_it(compose):
         assert parts.hostname == "postgres", (name, dsn)
         assert query == {"sslmode": ["verify-full"], "sslrootcert": ["/pg-tls/ca.pem"]}, (name, dsn)
         assert "pg-tls:/pg-tls:ro" in compose["services"][name]["volumes"], name
+
+
+def test_the_maas_simulator_serves_https_and_its_clients_pin_its_ca(compose, tmp_path):
+    """The simulator serves HTTPS with the certificate the maas-tls step makes (for `maas-sim`, the name its clients
+    dial, and the host's loopback), and its health check, the gateway and the simulated hosts verify it against
+    that step's CA alone: nothing is told to accept plain HTTP."""
+    from cryptography import x509
+
+    sim = compose["services"]["maas-sim"]
+    args = _command(sim)
+    assert _option(args, "--tls-cert") == ["/maas-tls/server.pem"]
+    assert _option(args, "--tls-key") == ["/maas-tls/server-key.pem"]
+    assert "maas-tls:/maas-tls:ro" in sim["volumes"]
+    assert sim["depends_on"]["maas-tls"]["condition"] == "service_completed_successfully"
+    probe = " ".join(sim["healthcheck"]["test"])
+    assert "https://127.0.0.1:5240/_sim/healthz" in probe and "cafile='/maas-tls/ca.pem'" in probe
+    script = _script(compose["services"]["maas-tls"]) or ""
+    assert "rm -f /maas-tls/ca-key.pem" in script, "the CA's key is not kept"
+    # The step's own Python, run here into a temp dir: the certificate names what the clients dial.
+    (code,) = re.findall(r"python -c '(.*?)'", script, re.S)
+    subprocess.run([sys.executable, "-c", code.replace("/maas-tls", str(tmp_path))], check=True)
+    cert = x509.load_pem_x509_certificate((tmp_path / "server.pem").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"maas-sim", "localhost"} <= set(sans.get_values_for_type(x509.DNSName))
+    assert "127.0.0.1" in {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+
+    clients = {}
+    for name, svc in compose["services"].items():
+        env = svc.get("environment") or {}
+        assert "GPUAAS_MAAS_INSECURE_HTTP" not in env, f"{name} accepts MAAS over plain HTTP"
+        for url_var, ca_var in (
+            ("GPUAAS_MAAS_URL", "GPUAAS_MAAS_CA_FILE"),
+            ("GPUAAS_MAAS_SIM_URL", "GPUAAS_MAAS_SIM_CA_FILE"),
+        ):
+            if url_var in env:
+                assert urllib.parse.urlsplit(env[url_var])[:2] == ("https", "maas-sim:5240"), (name, env[url_var])
+                assert env[ca_var] == "/maas-tls/ca.pem", name
+                assert "maas-tls:/maas-tls:ro" in svc["volumes"], name
+                clients[name] = url_var
+    assert {"maas-gateway", "node-agent"} <= set(clients), clients
 
 
 # --- what a Docker user runs: Docker Compose itself, the secrets, the ports, the image -------------------------

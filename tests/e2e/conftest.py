@@ -117,9 +117,10 @@ async def db(stack: Stack) -> AsyncIterator[ServiceDatabases]:
 
 
 async def maas_sim(stack: Stack, method: str, path: str, body: Any = None) -> Any:
-    base = stack.maas_url.split("/MAAS")[0]
+    """The simulator's `/_sim/` controls, over HTTPS verified against the stack's CA alone."""
     async with aiohttp.ClientSession() as http:
-        async with http.request(method, f"{base}{path}", json=body) as resp:
+        tls = stack.maas_ssl_context or True
+        async with http.request(method, f"{stack.maas_base_url}{path}", json=body, ssl=tls) as resp:
             text = await resp.text()
             assert resp.status < 400, text
             return json.loads(text)

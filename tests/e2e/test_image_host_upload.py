@@ -112,7 +112,7 @@ async def test_host_image_upload_boot_resource_and_profile_switch(stack: Stack, 
     assert "etc/os-release" in members and "usr/lib/gpuaas/blob.bin" in members
 
     # What MAAS itself lists, through its API.
-    async with MaasClient(stack.maas_url, stack.maas_api_key, timeout=10.0) as maas:
+    async with MaasClient(stack.maas_url, stack.maas_api_key, timeout=10.0, ca_file=str(stack.maas_ca_file)) as maas:
         listed = [r for r in await maas.list_boot_resources() if r["name"] == SLUG]
         assert [r["id"] for r in listed] == [maas_meta["boot_resource_id"]], listed
         resource = await maas.read_boot_resource(maas_meta["boot_resource_id"])
@@ -212,7 +212,7 @@ async def test_a_built_host_image_is_uploaded_later_without_its_tree(stack: Stac
 
     image = await eventually(uploaded, timeout=30, what="catalog records the reused tgz's upload")
     assert (image["status"], image["digest_sha256"]) == ("published", built["sha256"])
-    async with MaasClient(stack.maas_url, stack.maas_api_key, timeout=10.0) as maas:
+    async with MaasClient(stack.maas_url, stack.maas_api_key, timeout=10.0, ca_file=str(stack.maas_ca_file)) as maas:
         resource = await maas.read_boot_resource(image["metadata"]["maas"]["boot_resource_id"])
     files = [f for s in resource["sets"].values() for f in s["files"].values()]
     assert [(f["sha256"], f["size"], f["complete"]) for f in files] == [(built["sha256"], built["size"], True)]

@@ -18,6 +18,7 @@ SIMULATION_ONLY = {
     "nats_creds_dir",
     "sim_image_dir",
     "maas_sim_url",
+    "maas_sim_ca_file",
     "sim_disk_size_mib",
     "sim_instant_hosts",
 }

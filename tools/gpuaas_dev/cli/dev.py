@@ -55,7 +55,7 @@ def _print_summary(info: dict[str, Any]) -> None:
     err.print(table)
     err.print(f"NATS      {info.get('nats_url')}")
     err.print(f"Postgres  {info.get('database_url')}")
-    err.print(f"MAAS sim  {info.get('maas_url')}")
+    err.print(f"MAAS sim  {info.get('maas_url')}" + (f" (CA {ca})" if (ca := info.get("maas_ca_file")) else ""))
     _print_admin_apis(info, err)
     err.print(f"run dir   {info.get('run_dir')} (stack.json, logs/)")
 
@@ -382,15 +382,21 @@ def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -
         if as_json:
             typer.echo(json.dumps({"running": False, "status": "absent", "run_dir": str(run_dir), "services": {}}))
         raise fail(f"no stack in {run_dir} (`gpuaas dev up --detach --run-dir {run_dir}` starts one)", EXIT_UNREACHABLE)
+    from gpuaas_common.identity.tls import client_context
+
     running = pid_is_ours(info.get("supervisor_pid")) and info.get("status") in ("starting", "ready")
     rows = {}
     for name, s in info.get("services", {}).items():
         port = s.get("health_port") or s.get("port")
         path = "/_sim/healthz" if name == "maas-sim" else "/readyz"
+        # The simulator serves HTTPS from the stack's CA (stack.json's maas_ca_file), verified against it alone.
+        ca = info.get("maas_ca_file") if name == "maas-sim" else None
         ready = False
         if running and port and pid_alive(s.get("pid")):
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as resp:
+                context = client_context(ca) if ca else None
+                url = f"{'https' if ca else 'http'}://127.0.0.1:{port}{path}"
+                with urllib.request.urlopen(url, timeout=2, context=context) as resp:
                     ready = resp.status == 200
             except (urllib.error.URLError, OSError):
                 ready = False

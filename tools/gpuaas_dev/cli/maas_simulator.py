@@ -49,17 +49,33 @@ def maas_sim(
         int, typer.Option("--seed", help="Seed of the random draws of injected faults, so a flaky run can be replayed.")
     ] = 0,
     ready_file: Annotated[
-        Optional[Path], typer.Option("--ready-file", help="Written as JSON {service, pid, port} once serving.")
+        Optional[Path], typer.Option("--ready-file", help="Written as JSON {service, pid, port, tls} once serving.")
+    ] = None,
+    tls_cert: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--tls-cert",
+            exists=True,
+            dir_okay=False,
+            help="Serve HTTPS with this certificate (PEM; `gpuaas dev up` issues one from its CA). Without it and "
+            "--tls-key: plain HTTP, which clients must accept by name (GPUAAS_MAAS_INSECURE_HTTP).",
+        ),
+    ] = None,
+    tls_key: Annotated[
+        Optional[Path], typer.Option("--tls-key", exists=True, dir_okay=False, help="The key of --tls-cert (PEM).")
     ] = None,
 ) -> None:
     """Serve the MAAS 2.0 API simulator until SIGTERM/Ctrl-C.
 
-    Example: gpuaas maas-sim --api-key "$(gpuaas dev maas-key)" --port 0 --machines 2 --ready-file sim.json"""
+    Example: gpuaas maas-sim --api-key "$(gpuaas dev maas-key)" --port 0 --machines 2 --tls-cert sim.pem --tls-key
+    sim-key.pem --ready-file sim.json"""
     from gpuaas_dev.maas_sim import SimConfig
     from gpuaas_dev.maas_sim import server as sim_server
 
     if machines is not None and machines_file is not None:
         raise typer.BadParameter("give --machines or --machines-file, not both")
+    if (tls_cert is None) != (tls_key is None):
+        raise typer.BadParameter("give --tls-cert and --tls-key together")
     try:
         config = SimConfig.from_cli(
             machines=machines if machines is not None else 4,
@@ -77,13 +93,20 @@ def maas_sim(
         err.print(f"[red]invalid simulator configuration[/]: {exc}")
         raise typer.Exit(2) from None
 
+    try:
+        tls = sim_server.tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: a key that is not the certificate's
+        err.print(f"[red]cannot serve TLS with {tls_cert}[/]: {exc}")
+        raise typer.Exit(2) from None
+
     async def serve() -> None:
-        runner, actual = await sim_server.start(config, host, port)
+        runner, actual = await sim_server.start(config, host, port, ssl_context=tls)
         if ready_file is not None:
             tmp = ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"service": "maas-sim", "pid": os.getpid(), "port": actual}))
+            info = {"service": "maas-sim", "pid": os.getpid(), "port": actual, "tls": tls is not None}
+            tmp.write_text(json.dumps(info))
             tmp.replace(ready_file)
-        err.print(f"MAAS simulator at http://{host}:{actual}/MAAS/")
+        err.print(f"MAAS simulator at {'https' if tls else 'http'}://{host}:{actual}/MAAS/")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from pathlib import Path
 
 import structlog
 from aiohttp import web
@@ -39,17 +40,29 @@ async def start(
     return runner, actual_port
 
 
+def tls_context(cert: str | Path, key: str | Path) -> ssl.SSLContext:
+    """The listener's side of HTTPS: `cert` (a chain from the dev stack's CA, say) and its key; TLS 1.2 or newer,
+    as `gpuaas_common.identity.tls.server_context`."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(str(cert), str(key))
+    return ctx
+
+
 def state_of(runner: web.AppRunner) -> SimState:
     """The live simulator state behind a runner returned by `start`, for in-process tests."""
     return runner.app[STATE_KEY]
 
 
-def run(config: SimConfig, host: str = "127.0.0.1", port: int = 5240) -> None:
-    """Serve until interrupted."""
+def run(
+    config: SimConfig, host: str = "127.0.0.1", port: int = 5240, ssl_context: ssl.SSLContext | None = None
+) -> None:
+    """Serve until interrupted (HTTPS with `ssl_context`)."""
 
     async def main() -> None:
-        runner, actual_port = await start(config, host, port)
-        print(f"MAAS simulator at http://{host}:{actual_port}/MAAS/", flush=True)
+        runner, actual_port = await start(config, host, port, ssl_context)
+        scheme = "https" if ssl_context is not None else "http"
+        print(f"MAAS simulator at {scheme}://{host}:{actual_port}/MAAS/", flush=True)
         try:
             await asyncio.Event().wait()
         finally:

@@ -17,6 +17,7 @@ from pathlib import Path, PurePosixPath
 import aiohttp
 import yaml
 
+from gpuaas_common.identity.tls import client_context
 from gpuaas_common.logging import get_logger
 
 log = get_logger(__name__)
@@ -60,8 +61,11 @@ class SimulatedBaremetalHost:
         leave: Callable[[], Awaitable[None]],
         poll_interval_s: float = 0.25,
         returned: Callable[[], Awaitable[None]] | None = None,
+        ca_file: str | None = None,
     ) -> None:
         self.node_id = node_id
+        # The simulator's HTTPS certificate is verified against this CA only (the dev stack's).
+        self.ca_file = ca_file
         self.system_id = system_id
         self.url = maas_sim_url.rstrip("/") + f"/_sim/machines/{system_id}"
         # Given the deploy's user-data once per deployment; `leave` ends what it started.
@@ -74,11 +78,20 @@ class SimulatedBaremetalHost:
         self._booted_for: str | None = None
 
     async def run(self) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        tls = client_context(self.ca_file) if self.ca_file else True
+        connector = aiohttp.TCPConnector(ssl=tls)
+        refused = False
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=5)) as http:
             while True:
                 try:
                     async with http.get(self.url) as resp:
                         data = await resp.json()
+                except aiohttp.ClientConnectorCertificateError as exc:
+                    if not refused:  # said once: a machine that cannot trust MAAS never learns it was deployed
+                        log.warning("sim_baremetal_maas_tls_refused", node_id=self.node_id, error=str(exc)[:200])
+                        refused = True
+                    await asyncio.sleep(self.poll_interval_s)
+                    continue
                 except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                     await asyncio.sleep(self.poll_interval_s)
                     continue

@@ -307,7 +307,15 @@ def _baremetal_host(
         if link is not None:
             await link.close()
 
-    return SimulatedBaremetalHost(node.node_id, node.maas_system_id, maas_sim_url, boot, leave, returned=returned)
+    return SimulatedBaremetalHost(
+        node.node_id,
+        node.maas_system_id,
+        maas_sim_url,
+        boot,
+        leave,
+        returned=returned,
+        ca_file=settings.maas_sim_ca_file,
+    )
 
 
 def _baremetal_agent_ended(node_id: str, task: asyncio.Task[None]) -> None:

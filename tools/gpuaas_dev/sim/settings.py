@@ -1,4 +1,4 @@
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from gpuaas_node_agent.settings import AgentSettings
 
@@ -16,6 +16,9 @@ class SimFleetSettings(AgentSettings):
     sim_image_dir: str | None = None
     # Where simulated baremetal hosts learn that MAAS deployed them; without it they never boot.
     maas_sim_url: str | None = None
+    # The CA that signed the simulator's HTTPS certificate (the dev stack's): only it is trusted. Required for an
+    # https:// GPUAAS_MAAS_SIM_URL, whose answers carry each deploy's user-data (the host's creds).
+    maas_sim_ca_file: str | None = Field(default=None, validate_default=True)
     # Size of each simulated NVMe disk's backing file.
     sim_disk_size_mib: int = Field(default=64, ge=1)
     # For control-plane benchmarks: hosts answer tasks at once (see instant.py).
@@ -26,3 +29,11 @@ class SimFleetSettings(AgentSettings):
     readiness_login: bool = False
     # Simulated hosts run libvirt's test driver, whose domains have whatever type the XML names.
     domain_type: str = "kvm"
+
+    @field_validator("maas_sim_ca_file")
+    @classmethod
+    def _https_is_pinned(cls, v: str | None, info: ValidationInfo) -> str | None:
+        url = info.data.get("maas_sim_url") or ""
+        if url.lower().startswith("https://") and not v:
+            raise ValueError("GPUAAS_MAAS_SIM_URL is https:// and needs the CA its certificate is pinned to")
+        return v

@@ -55,6 +55,8 @@ def describe_stack(stack: Stack) -> dict[str, Any]:
         "service_databases": {s: service_database(DATABASE, s) for s in stack._service_dsns},
         "postgres_ca_file": str(stack.run_dir / "pg-tls" / "ca.pem") if stack.pg_tls else None,
         "maas_url": stack.maas_url if stack._procs.get(MAAS_SIM) and stack._procs[MAAS_SIM].port else None,
+        # The CA that signed the simulator's HTTPS certificate (null: a plain-HTTP simulator a test asked for).
+        "maas_ca_file": str(stack.maas_ca_file) if stack.maas_ca_file else None,
         "fleet_file": str(stack.run_dir / "fleet" / "fleet.json"),
         "registry_url": stack._registry.url if stack._registry else None,
         **{

@@ -63,6 +63,10 @@ def maas_sim_argv(stack: Stack, port: int) -> list[str]:
     ]
     for timer, seconds in stack.maas_timers.items():
         argv += [TIMER_FLAGS[timer], str(seconds)]
+    if stack.maas_ca_file is not None:
+        # Issued by the stack (stack/maas_tls.py) beside its CA; paths, no secret, so argv will do.
+        tls = stack.maas_ca_file.parent
+        argv += ["--tls-cert", str(tls / f"{MAAS_SIM}.pem"), "--tls-key", str(tls / f"{MAAS_SIM}-key.pem")]
     return argv
 
 
@@ -77,6 +81,7 @@ def maas_sim_proc(stack: Stack, port: int) -> _Proc:
         log_path=stack.logs_dir / f"{MAAS_SIM}.log",
         ready_file=stack.run_dir / "ready" / f"{MAAS_SIM}.json",
         ready_path="/_sim/healthz",
+        ready_ca=stack.maas_ca_file,
     )
 
 
@@ -111,8 +116,12 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
         )
     elif name == "maas-gateway":
         env["GPUAAS_MAAS_URL"] = stack.maas_url
-        # The stack's simulator serves plain HTTP on loopback; the gateway warns about it at start.
-        env["GPUAAS_MAAS_INSECURE_HTTP"] = "true"
+        if stack.maas_ca_file is not None:
+            # https:// with the stack's CA pinned: the MAAS key and the deploys' user-data never travel in clear.
+            env["GPUAAS_MAAS_CA_FILE"] = str(stack.maas_ca_file)
+        else:
+            # A stack a test started with maas_insecure_http: named here, warned about by the gateway at start.
+            env["GPUAAS_MAAS_INSECURE_HTTP"] = "true"
         env["GPUAAS_MAAS_API_KEY"] = stack.maas_api_key
         env["GPUAAS_ENROLMENT_SECRET"] = stack.enrolment_secret
         if stack.lab_baremetal:
@@ -125,6 +134,8 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
     elif name == "node-agent":
         env["GPUAAS_FLEET_FILE"] = str(files["fleet"])
         env["GPUAAS_MAAS_SIM_URL"] = stack.maas_base_url
+        if stack.maas_ca_file is not None:
+            env["GPUAAS_MAAS_SIM_CA_FILE"] = str(stack.maas_ca_file)
         env["GPUAAS_SIM_IMAGE_DIR"] = str(files["images"])
         env["GPUAAS_LIBVIRT_URI"] = "test:///default"
     # The node agent's place in the stack is taken by the simulated fleet: every host in one process.

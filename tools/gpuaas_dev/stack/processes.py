@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpuaas_common.identity.tls import client_context
+
 MAAS_SIM = "maas-sim"
 # Start order; stop runs in reverse so consumers go before what they consume from.
 SERVICES: tuple[str, ...] = ("image-pipeline", "allocator", "scheduler", "maas-gateway", "node-agent", "ops-view")
@@ -46,9 +48,11 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
 
 
-def _http_ok(url: str) -> bool:
+def _http_ok(url: str, ca_file: Path | None = None) -> bool:
+    """200 from `url`; over HTTPS verified against `ca_file` only (a certificate it did not sign is not ready)."""
     try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
+        context = client_context(ca_file) if ca_file is not None else None
+        with urllib.request.urlopen(url, timeout=1, context=context) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -62,6 +66,8 @@ class _Proc:
     log_path: Path
     ready_file: Path
     ready_path: str  # HTTP path answering 200 when ready
+    # Set: the process serves HTTPS with a certificate from this CA (the MAAS simulator), probed over https.
+    ready_ca: Path | None = None
     proc: subprocess.Popen | None = None
     port: int | None = None  # health port (services) or API port (maas-sim)
     started_at: float | None = None
@@ -120,7 +126,8 @@ def check_ready(p: _Proc) -> bool:
         return False
     p.port = int(port)
     p.info = info
-    return _http_ok(f"http://127.0.0.1:{p.port}{p.ready_path}")
+    scheme = "https" if p.ready_ca is not None else "http"
+    return _http_ok(f"{scheme}://127.0.0.1:{p.port}{p.ready_path}", p.ready_ca)
 
 
 def wait_until_ready(pending: dict[str, _Proc], timeout_s: float) -> None:

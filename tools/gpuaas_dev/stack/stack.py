@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import time
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ from .description import ADMIN_APIS, describe_stack, record_database_secrets, wr
 from .environment import TIMER_FLAGS, maas_sim_argv, maas_sim_proc, service_proc
 from .fleet import prepare_fleet_dir
 from .identities import make_identities, onboard_slice_hosts, provision_bus
+from .maas_tls import client_ssl, issue_sim_cert, urllib_trusts
 from .preflight import commission_slice_hosts
 from .processes import (
     ALL_PROCESSES,
@@ -63,6 +65,7 @@ class Stack:
         lab_slots: int = 1,
         lab_baremetal: bool = False,
         pg_tls: bool = False,
+        maas_insecure_http: bool = False,
     ) -> None:
         """`env_overrides` maps GPUAAS_* names to values for every service; a key that is a process
         name (e.g. "maas-gateway") maps to a dict applied to that process only.
@@ -79,7 +82,12 @@ class Stack:
         not replicated, each is one agent.
 
         `pg_tls` runs Postgres with TLS from a CA of its own (`<run-dir>/pg-tls/ca.pem`), refuses plaintext TCP
-        logins, and gives every client DSN `sslmode=verify-full` with that CA."""
+        logins, and gives every client DSN `sslmode=verify-full` with that CA.
+
+        The MAAS simulator serves HTTPS with a certificate for 127.0.0.1/localhost from the stack's CA
+        (`<run-dir>/tls/ca.pem`, NATS's too); the gateway gets that CA as GPUAAS_MAAS_CA_FILE and every other
+        client of the simulator trusts it alone (`maas_ssl_context`). `maas_insecure_http=True`, for a test that
+        means it, serves plain HTTP instead and gives the gateway GPUAAS_MAAS_INSECURE_HTTP, which it warns about."""
         if nats_cluster not in (1, 3, 5):
             raise ValueError("nats_cluster must be 1, 3 or 5 (a JetStream cluster needs a majority)")
         if replicas < 1:
@@ -112,6 +120,7 @@ class Stack:
         self.auth = auth
         self.unsafe_no_fsync = unsafe_no_fsync
         self.pg_tls = pg_tls
+        self.maas_insecure_http = maas_insecure_http
         self.status = "new"
         self._authority: Authority | None = None
         self._tls: TlsFiles | None = None
@@ -221,10 +230,24 @@ class Stack:
 
     @property
     def maas_base_url(self) -> str:
+        """`https://127.0.0.1:<port>` (`http://` only with `maas_insecure_http`): `/MAAS/` and the `/_sim/`
+        controls; verify it with `maas_ssl_context`."""
         sim = self._procs.get(MAAS_SIM)
         if sim is None or sim.port is None:
             raise StackError("MAAS simulator not started")
-        return f"http://127.0.0.1:{sim.port}"
+        return f"{'http' if self.maas_insecure_http else 'https'}://127.0.0.1:{sim.port}"
+
+    @property
+    def maas_ca_file(self) -> Path | None:
+        """The CA that signed the simulator's certificate (the stack's: `<run-dir>/tls/ca.pem`); None when the
+        simulator serves plain HTTP."""
+        return None if self.maas_insecure_http else self.run_dir / "tls" / "ca.pem"
+
+    @property
+    def maas_ssl_context(self) -> ssl.SSLContext | None:
+        """A client context that trusts the stack's CA only, for aiohttp (`ssl=`) or urllib (`context=`) calls to
+        `maas_base_url`; None for a plain-HTTP simulator."""
+        return client_ssl(self.maas_ca_file)
 
     @property
     def maas_api_key(self) -> str:
@@ -361,6 +384,9 @@ class Stack:
             # The lab's machines reach the bus at the bridge's address (the lab forwards it): the certificate names it.
             extra_ips = (GUEST_GATEWAY,) if self.lab_baremetal else ()
             self._tls, self._authority = make_identities(self.run_dir, self.creds_dir, extra_ips)
+        if not self.maas_insecure_http:
+            # The simulator's certificate from the same CA (made here when the bus has none: auth=False).
+            issue_sim_cert(self.run_dir / "tls", ca_exists=self._tls is not None)
         self._nats = NatsCluster(self.run_dir / "nats", size=self.nats_cluster, auth=self._authority, tls=self._tls)
         self._nats.start()
         pg_tls = make_ca_and_server_cert(self.run_dir / "pg-tls") if self.pg_tls else None
@@ -405,7 +431,9 @@ class Stack:
             except LabUnavailable as exc:
                 raise StackError(f"--lab: {exc}") from None
             if self.lab_baremetal:
-                attach_machine(self, self._lab)
+                # Its `_sim/` power call is a plain urlopen of maas_base_url: verified against the stack's CA.
+                with urllib_trusts(self.maas_ca_file):
+                    attach_machine(self, self._lab)
         # Slice hosts become slice-capable only with a passing commissioning preflight: commission them
         # through the gateway, as ops would (see stack/preflight.py).
         try:

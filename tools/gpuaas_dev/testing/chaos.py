@@ -464,7 +464,9 @@ class Injector:
 
 async def sim_request(stack: Stack, method: str, path: str, body: Any = None) -> Any:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-        async with http.request(method, f"{stack.maas_base_url}{path}", json=body) as resp:
+        # The simulator's HTTPS is verified against the stack's CA alone.
+        tls = stack.maas_ssl_context or True
+        async with http.request(method, f"{stack.maas_base_url}{path}", json=body, ssl=tls) as resp:
             text = await resp.text()
             if resp.status >= 400:
                 raise RuntimeError(f"{method} {path}: {resp.status} {text[:200]}")
