@@ -3,9 +3,16 @@
 - The **operator** identity key signs only the operator JWT; accounts are signed by an operator
   *signing key*, so the identity key can stay offline.
 - Account **SYS** is the system account (claim updates and revocations travel through it).
-- Account **GPUAAS** holds every stream and every user of the product. It has two signing keys: a plain
-  one for service, portal, ops and admin users (their permissions are in the user JWT), and a **scoped**
-  one for hosts, whose template grants each host its own subjects from the JWT's `node:<id>` tag.
+- Account **GPUAAS** holds every stream and every user of the product but the hosts, signed by its plain
+  signing key (service, portal, ops and admin users: their permissions are in the user JWT).
+- Account **HOSTS** holds the hosts, signed by its **scoped** signing key, whose template grants each host its
+  own subjects from the JWT's `node:<id>` tag. It has no JetStream; it imports from GPUAAS, as services, only
+  the subjects that template names (`host_service_exports`). A host's request thus reaches GPUAAS with a reply
+  subject the server made, and the answer (a PubAck, a JetStream API reply, a pulled message) comes back to
+  the host in HOSTS on the reply subject it gave. In GPUAAS a host's reply subject would be where JetStream
+  publishes its answer, whatever the host may publish itself: another host's task subject, a lifecycle event,
+  each captured and stored by a stream (W9, tests/integration/test_bus_reply_reflection.py). In HOSTS it
+  reaches no stream and nobody but the host's own account.
 - The server runs the `full` resolver, so a new user needs no server change at all, and a revocation
   is an account JWT update pushed through the system account, applied at once without a restart.
 
@@ -16,6 +23,7 @@ credentials and revokes them needs (the MAAS gateway, for baremetal hosts).
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -25,15 +33,34 @@ from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
+import nkeys
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from ..jetstream import IDENTITY_BUCKET
 from . import creds as creds_mod
 from .creds import Creds
 from .jwt import Key, decode, encode
-from .permissions import ADMIN, NODE, NODE_TAG, Permissions, node_template, node_user_name
+from .permissions import ADMIN, NODE, NODE_TAG, Permissions, gpuaas_subject, node_template, node_user_name
+
+# The JetStream API subject a pull asks on: its answer is many messages (a service export's `Stream` response).
+_PULL = "$JS.API.CONSUMER.MSG.NEXT."
+
+
+def host_service_exports() -> tuple[tuple[str, str, str], ...]:
+    """(subject in GPUAAS, subject in HOSTS, response type) of each service GPUAAS exports to HOSTS: the host
+    template's publish subjects with the host's own tokens as wildcards (a partial token cannot be one:
+    `node-agent-<id>` becomes `*`). HOSTS imports them all; each host user may still publish only on its own,
+    as its template says."""
+    out = []
+    for subject in node_template().pub_allow:
+        local = ".".join("*" if "{{" in token else token for token in subject.split("."))
+        remote = gpuaas_subject(local)
+        out.append((remote, local, "Stream" if remote.startswith(_PULL) else "Singleton"))
+    return tuple(out)
+
 
 ACCOUNT_NAME = "GPUAAS"
+HOSTS_ACCOUNT_NAME = "HOSTS"
 
 T = TypeVar("T")
 
@@ -179,9 +206,16 @@ class Issuer:
     operator_signing: Key
     node_signing: Key
     sys_creds: Creds
+    # The HOSTS account, whose scoped key `node_signing` is; None in an issuer file made before it existed.
+    hosts_account_public: str | None = None
+
+    def _hosts(self) -> str:
+        if self.hosts_account_public is None:
+            raise AuthorityError("this issuer file predates the HOSTS account: write it again from the keys")
+        return self.hosts_account_public
 
     def issue_node(self, node_id: str, *, ttl_s: float, allocation_id: str | None = None) -> Creds:
-        return _node_creds(self.node_signing, self.account_public, node_id, ttl_s=ttl_s, allocation_id=allocation_id)
+        return _node_creds(self.node_signing, self._hosts(), node_id, ttl_s=ttl_s, allocation_id=allocation_id)
 
     async def end_slice_identity(self, nats_servers: list[str], node_id: str, *, js: Any, tls: Any = None) -> int:
         """Revoke every slice-host user recorded for the host that is not revoked yet: before a tenant gets root
@@ -233,7 +267,9 @@ class Issuer:
                     revs, revision = json.loads(entry.value), entry.revision
                 except KeyNotFoundError:
                     # First use: start from what the servers hold, so nothing revoked before is dropped.
-                    revs = dict(decode(await self._lookup(nc))["nats"].get("revocations") or {})
+                    revs = {}
+                    for account in self._accounts():
+                        revs.update(decode(await self._lookup(nc, account))["nats"].get("revocations") or {})
                     revision = None
                 now = int(time.time())
                 revs.update({pk: now for pk in user_publics})
@@ -253,7 +289,10 @@ class Issuer:
                 raise AuthorityError(f"could not record {len(user_publics)} revocation(s): too much contention")
             for _ in range(attempts):  # 2: the servers get the newest revision, whoever pushes it
                 entry = await _through_account_updates(lambda: kv.get(REVOCATIONS_KEY))
-                await self._push(nc, self._with_revocations(await self._lookup(nc), json.loads(entry.value)))
+                # Both accounts carry the whole list: hosts' users are in HOSTS, everyone else's in GPUAAS.
+                for account in self._accounts():
+                    current = await self._lookup(nc, account)
+                    await self._push(nc, account, self._with_revocations(current, json.loads(entry.value)))
                 if (await _through_account_updates(lambda: kv.get(REVOCATIONS_KEY))).revision == entry.revision:
                     return len(json.loads(entry.value))
             raise AuthorityError("the revocation list kept changing while it was pushed")
@@ -268,15 +307,18 @@ class Issuer:
         iat = max(int(time.time()), int(claims["iat"]) + 1)
         return encode(self.operator_signing, claims["sub"], claims["name"], nats_claims, issued_at=iat)
 
-    async def _lookup(self, nc: Any) -> str:
-        msg = await nc.request(f"$SYS.REQ.ACCOUNT.{self.account_public}.CLAIMS.LOOKUP", b"", timeout=5)
+    def _accounts(self) -> tuple[str, ...]:
+        return (self.account_public,) + ((self.hosts_account_public,) if self.hosts_account_public else ())
+
+    async def _lookup(self, nc: Any, account: str) -> str:
+        msg = await nc.request(f"$SYS.REQ.ACCOUNT.{account}.CLAIMS.LOOKUP", b"", timeout=5)
         text = msg.data.decode()
         if not text.startswith("eyJ"):
             raise AuthorityError(f"account lookup failed: {text[:200]}")
         return text
 
-    async def _push(self, nc: Any, jwt: str) -> None:
-        msg = await nc.request(f"$SYS.REQ.ACCOUNT.{self.account_public}.CLAIMS.UPDATE", jwt.encode(), timeout=5)
+    async def _push(self, nc: Any, account: str, jwt: str) -> None:
+        msg = await nc.request(f"$SYS.REQ.ACCOUNT.{account}.CLAIMS.UPDATE", jwt.encode(), timeout=5)
         reply = json.loads(msg.data or b"{}")
         if "error" in reply or (reply.get("data") or {}).get("code") != 200:
             raise AuthorityError(f"account update refused: {reply.get('error') or reply}")
@@ -287,6 +329,7 @@ class Issuer:
         return json.dumps(
             {
                 "account_public": self.account_public,
+                "hosts_account_public": self.hosts_account_public,
                 "operator_signing_seed": self.operator_signing.seed.decode(),
                 "node_signing_seed": self.node_signing.seed.decode(),
                 "sys_creds": self.sys_creds.render(),
@@ -301,6 +344,7 @@ class Issuer:
             Key.from_seed(d["operator_signing_seed"]),
             Key.from_seed(d["node_signing_seed"]),
             creds_mod.parse(d["sys_creds"]),
+            d.get("hosts_account_public"),
         )
 
     def __repr__(self) -> str:
@@ -322,6 +366,9 @@ class Authority:
     # config rendered again keeps the account JWT a revocation pushed (always later), since the resolver
     # replaces a stored JWT only with a newer one. A fresh `iat` at each render would bring revoked users back.
     issued_at: int = field(default_factory=lambda: int(time.time()))
+    # The HOSTS account's identity key (its JWT is signed by the operator's signing key, its users by
+    # `node_signing`). Keys saved before it existed derive it from the GPUAAS account's seed (`load`).
+    hosts_account: Key = field(default_factory=lambda: Key.generate("account"))
 
     @classmethod
     def create(cls) -> "Authority":
@@ -363,7 +410,10 @@ class Authority:
         )
 
     def account_jwt(self, revocations: dict[str, int] | None = None) -> str:
-        template = node_template().claims()  # with the host limits: a scoped key's user carries none itself
+        exports = [
+            {"name": f"hosts {subject}", "subject": subject, "type": "service", "response_type": response}
+            for subject, _, response in host_service_exports()
+        ]
         return encode(
             self.operator_signing,
             self.account.public,
@@ -371,8 +421,34 @@ class Authority:
             {
                 "type": "account",
                 "limits": {**ACCOUNT_LIMITS, **JETSTREAM_LIMITS},
+                "signing_keys": [self.account_signing.public],
+                "exports": exports,
+                "revocations": revocations or {},
+            },
+            issued_at=self.issued_at,
+        )
+
+    def hosts_account_jwt(self, revocations: dict[str, int] | None = None) -> str:
+        """HOSTS: no JetStream of its own, the GPUAAS services a host template allows imported, one scoped key."""
+        template = node_template().claims()  # with the host limits: a scoped key's user carries none itself
+        imports = [
+            {
+                "name": f"gpuaas {subject}",
+                "subject": subject,
+                "account": self.account.public,
+                "local_subject": local,
+                "type": "service",
+            }
+            for subject, local, _ in host_service_exports()
+        ]
+        return encode(
+            self.operator_signing,
+            self.hosts_account.public,
+            HOSTS_ACCOUNT_NAME,
+            {
+                "type": "account",
+                "limits": {**ACCOUNT_LIMITS},
                 "signing_keys": [
-                    self.account_signing.public,
                     {
                         "kind": "user_scope",
                         "key": self.node_signing.public,
@@ -381,6 +457,7 @@ class Authority:
                         "description": "one user per host; its subjects come from the node tag",
                     },
                 ],
+                "imports": imports,
                 "revocations": revocations or {},
             },
             issued_at=self.issued_at,
@@ -388,7 +465,11 @@ class Authority:
 
     def server_config(self, resolver_dir: Path) -> str:
         """The operator-mode block of a nats-server config (the rest is the caller's)."""
-        preload = {self.sys_account.public: self.sys_account_jwt(), self.account.public: self.account_jwt()}
+        preload = {
+            self.sys_account.public: self.sys_account_jwt(),
+            self.account.public: self.account_jwt(),
+            self.hosts_account.public: self.hosts_account_jwt(),
+        }
         lines = [
             f"operator: {self.operator_jwt()}",
             f"system_account: {self.sys_account.public}",
@@ -432,7 +513,13 @@ class Authority:
         return Creds(jwt=jwt, seed=user.seed)
 
     def issuer(self) -> Issuer:
-        return Issuer(self.account.public, self.operator_signing, self.node_signing, self.issue_sys_user())
+        return Issuer(
+            self.account.public,
+            self.operator_signing,
+            self.node_signing,
+            self.issue_sys_user(),
+            self.hosts_account.public,
+        )
 
     def issue_host(self, node_id: str, *, ttl_s: float = DEFAULT_USER_TTL_S) -> Creds:
         """A slice host's credentials at onboarding; the key is remembered so decommissioning revokes it.
@@ -440,19 +527,21 @@ class Authority:
         gateway before the host is handed to a tenant."""
         if ttl_s > MAX_USER_TTL_S:
             raise ValueError(f"a host user may live {MAX_USER_TTL_S / 86400:.0f} days at most (the ledger's memory)")
-        c = _node_creds(self.node_signing, self.account.public, node_id, ttl_s=ttl_s)
+        c = _node_creds(self.node_signing, self.hosts_account.public, node_id, ttl_s=ttl_s)
         self.issued_hosts.setdefault(node_id, []).append(str(c.claims["sub"]))
         return c
 
     # --- files --------------------------------------------------------------------------------------
 
     _FILES = ("operator", "operator_signing", "sys_account", "account", "account_signing", "node_signing")
+    _HOSTS_FILE = "hosts_account.nk"
 
     def save(self, keys_dir: Path) -> None:
         keys_dir.mkdir(parents=True, exist_ok=True)
         keys_dir.chmod(0o700)
         for name in self._FILES:
             creds_mod.write_secret(keys_dir / f"{name}.nk", getattr(self, name).seed.decode() + "\n")
+        creds_mod.write_secret(keys_dir / self._HOSTS_FILE, self.hosts_account.seed.decode() + "\n")
         creds_mod.write_secret(keys_dir / "issued-hosts.json", json.dumps(self.issued_hosts, indent=2))
         creds_mod.write_secret(keys_dir / "issued-at", f"{self.issued_at}\n")
 
@@ -464,7 +553,18 @@ class Authority:
         at_path = keys_dir / "issued-at"
         # Keys saved before the file existed: the account key's own age is as fixed as the keys are.
         issued_at = int(at_path.read_text()) if at_path.exists() else int((keys_dir / "account.nk").stat().st_mtime)
-        return cls(*keys, issued_hosts=issued, issued_at=issued_at)
+        hosts_path = keys_dir / cls._HOSTS_FILE
+        hosts = (
+            Key.from_seed(hosts_path.read_text().strip()) if hosts_path.exists() else _derived_hosts_account(keys[3])
+        )
+        return cls(*keys, issued_hosts=issued, issued_at=issued_at, hosts_account=hosts)
 
     def __repr__(self) -> str:
         return f"Authority(operator={self.operator.public!r}, account={self.account.public!r})"
+
+
+def _derived_hosts_account(account: Key) -> Key:
+    """The HOSTS account of keys saved before it existed: derived from the GPUAAS account's seed (same secret,
+    same directory), so every process loading those keys agrees on it without writing to them."""
+    raw = hashlib.sha256(b"gpuaas HOSTS account\0" + account.seed).digest()
+    return Key.from_seed(nkeys.encode_seed(raw, nkeys.PREFIX_BYTE_ACCOUNT))

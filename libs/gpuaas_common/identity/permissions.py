@@ -194,14 +194,37 @@ def service_permissions(service: str) -> Permissions:
     )
 
 
+# Hosts live in an account of their own (authority.py: HOSTS) that imports what they may use from the account
+# holding the streams. There the server's own JetStream responder answers every `$JS.API.` request that is no
+# pull with "JetStream not enabled for account", so the one such request a host makes (its durable's info, at
+# start) is imported under this prefix instead, and a host's JetStream context uses it (host_js_api).
+HOST_JS_API = "$JS.GPUAAS.API"
+_JS_API = "$JS.API"
+
+
+def host_js_api(subject: str) -> str:
+    """A host's local name for a GPUAAS JetStream API subject: pulls keep theirs (no responder of the server's
+    own answers them), every other request goes under HOST_JS_API."""
+    if subject.startswith(f"{_JS_API}.CONSUMER.MSG.NEXT.") or not subject.startswith(f"{_JS_API}."):
+        return subject
+    return HOST_JS_API + subject[len(_JS_API) :]
+
+
+def gpuaas_subject(host_subject: str) -> str:
+    """The subject in GPUAAS that a host's local subject is imported from (host_js_api undone)."""
+    if host_subject.startswith(f"{HOST_JS_API}."):
+        return _JS_API + host_subject[len(HOST_JS_API) :]
+    return host_subject
+
+
 def node_template(tag: str = NODE_TAG) -> Permissions:
     """The scoped signing key's template: every host user gets these, with its own node id filled in
     by the server from the JWT's `node:<id>` tag. The host cannot widen them: a user signed by a
-    scoped key must carry no permissions of its own."""
+    scoped key must carry no permissions of its own. The subjects are the host's, in the HOSTS account."""
     node = "{{tag(" + tag + ")}}"
     spec = node_agent_consumer(node)
     return Permissions(
-        pub_allow=(*consumer_rights(spec, may_create=False), *host_report_subjects(node)),
+        pub_allow=(*map(host_js_api, consumer_rights(spec, may_create=False)), *host_report_subjects(node)),
         sub_allow=(f"{inbox_prefix('{{name()}}')}.>",),
         max_payload=HOST_MAX_PAYLOAD,
         max_subs=HOST_MAX_SUBS,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from nats.aio.client import Client as NatsClient
 
 from gpuaas_common.bus import Bus
+from gpuaas_common.identity.permissions import HOST_JS_API
 from gpuaas_common.logging import get_logger
 from gpuaas_common.natsconn import NatsIdentity
 
@@ -27,9 +28,12 @@ class HostLink:
 
     async def open(self, *, retry_forever: bool = True) -> Bus:
         self.nc = await self.identity.connect(name=f"gpuaas-node-agent-{self.node_id}", retry_forever=retry_forever)
+        # With creds the host is a user of the HOSTS account, which imports its durable's API under its own
+        # prefix (identity.permissions.HOST_JS_API); an open dev server has one account and the usual prefix.
+        js = self.nc.jetstream(prefix=HOST_JS_API) if self.identity.creds_file else self.nc.jetstream()
         self.bus = Bus(
             self.nc,
-            self.nc.jetstream(),
+            js,
             service="node-agent",
             schema=None,
             pool=None,
