@@ -66,6 +66,8 @@ LABEL org.opencontainers.image.title="gpuaas" \
       org.opencontainers.image.revision="${REVISION}" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="python:3.11.14-slim-bookworm"
+# The same commit on every process's /metrics (gpuaas_build_info's git_sha, gpuaas_common.metrics).
+ENV GPUAAS_BUILD_REVISION=${REVISION}
 
 # docker-compose.yml's image: the services plus the dev tools (`gpuaas` CLI, MAAS simulator, simulated fleet).
 FROM base AS dev

@@ -56,6 +56,7 @@ APT_PACKAGES=(
   docker-registry                          # the OCI registry the dev stack pushes images to
   postgresql                               # initdb / pg_ctl for the dev stack's and the tests' clusters
   libxml2-utils e2fsprogs util-linux       # xmllint; mkfs.ext4; wipefs and blkid (wipe proofs)
+  prometheus                               # promtool and prometheus: the alert rules checked and evaluated in the suite
   # The lab (real slice hosts on this machine, tests/e2e/test_lab_slice.py, `make lab`): QEMU/TCG guests under a
   # libvirt daemon of the lab's own inside a network namespace, DHCP from dnsmasq, UEFI firmware, the Debian
   # base image built from packages with a GRUB EFI loader, unix-socket forwarders, SSH to the guests.
@@ -63,8 +64,9 @@ APT_PACKAGES=(
   iproute2 iptables socat openssh-client mmdebstrap grub-efi-amd64-bin dosfstools mtools
 )
 # The system services those packages bring that nothing here uses: the stack starts its own Postgres and
-# registry on loopback. Only the ones this run installs are switched off; one the machine had before is left.
-UNUSED_UNITS=(postgresql:postgresql docker-registry:docker-registry)
+# registry on loopback, and the tests their own Prometheus. Only the ones this run installs are switched off; one
+# the machine had before is left.
+UNUSED_UNITS=(postgresql:postgresql docker-registry:docker-registry prometheus:prometheus)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

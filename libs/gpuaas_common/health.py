@@ -9,6 +9,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .admin_http.errors import error_response
+from .metrics import READINGS
 
 
 @web.middleware
@@ -42,6 +43,8 @@ class HealthServer:
         return web.json_response({"service": self.service, "ready": ok, "checks": checks}, status=200 if ok else 503)
 
     async def _metrics(self, _: web.Request) -> web.Response:
+        # The readings (counts in the service's tables, its durables' lag) are read now, then served with the rest.
+        await READINGS.refresh()
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def start(self) -> int:

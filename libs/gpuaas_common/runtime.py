@@ -33,6 +33,7 @@ from .db import BackendPids, create_pool
 from .health import HealthServer
 from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, DurableNotAsProvisioned, ensure_consumers, provision
 from .logging import configure_logging, get_logger
+from .metrics import READINGS, Reading, consumer_reading, outbox_reading, record_build
 from .migrations import apply_migrations
 from .natsconn import NatsIdentity
 from .outbox import OutboxRelay
@@ -81,13 +82,21 @@ class ServiceRuntime:
         # Extra fields for the ready file, e.g. a port a service's own HTTP server bound.
         self.ready_info: dict[str, object] = {}
         self._failed = False  # a background task died: the process exits non-zero
+        # What /metrics reads at each scrape, by name (`add_reading`); removed again at stop.
+        self._readings: dict[str, Reading] = {}
 
     @property
     def dsn(self) -> str:
         return self.settings.database_url.get_secret_value()
 
+    def add_reading(self, name: str, reading: Reading) -> None:
+        """Gauges /metrics reads from this service's own state when it is scraped (`gpuaas_common.metrics`)."""
+        self._readings[name] = reading
+        READINGS.add(name, reading)
+
     async def setup(self) -> None:
         configure_logging(self.name, self.settings.log_level)
+        record_build(self.name)
         deadline = time.monotonic() + self.settings.startup_timeout_s
         try:
             await self.health.start()
@@ -194,6 +203,10 @@ class ServiceRuntime:
             else:
                 await provision(self.js, self.bus.consumers)  # an open dev server: we provision everything
             await self.bus.start(on_loop_done=self._task_done, check_durables=False)
+            bus = self.bus
+            if bus.consumers:
+                durables = lambda: ((c.stream, c.durable) for c in bus.consumers)  # noqa: E731
+                self.add_reading(f"{self.name}-consumers", consumer_reading(self.js, durables))
         except (nats.errors.Error, OSError, TimeoutError, DurableNotAsProvisioned) as exc:
             raise StartupFailed(
                 "nats_setup_failed",
@@ -210,6 +223,7 @@ class ServiceRuntime:
                 writers=self.writers,
             )
             self.spawn(self.relay.run(), "outbox-relay")
+            self.add_reading(f"{self.schema}-outbox", outbox_reading(self.pool, self.schema))
             assert self.pool is not None
             self.spawn(
                 RetentionSweeper(
@@ -250,8 +264,14 @@ class ServiceRuntime:
             ack_wait_s=max(spec.ack_wait_s, self.settings.consumer_ack_wait_s),
         )
 
+    def _drop_readings(self) -> None:
+        for name, reading in self._readings.items():
+            READINGS.remove(name, reading)
+        self._readings.clear()
+
     async def stop(self) -> None:
         self.health.ready = False
+        self._drop_readings()
         for hook in self.on_stop:
             await hook()
         if self.relay:
@@ -276,6 +296,7 @@ class ServiceRuntime:
             pass
 
     async def _release(self) -> None:
+        self._drop_readings()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -743,7 +743,14 @@ def test_the_maas_simulator_serves_https_and_its_clients_pin_its_ca(compose, tmp
 # --- what a Docker user runs: Docker Compose itself, the secrets, the ports, the image -------------------------
 
 # The compose services the host reaches, on its loopback only; nothing else is published.
-PUBLISHED = {"nats-1": 4222, "maas-sim": 5240, "scheduler": 8081, "image-pipeline": 8082, "ops-view": 8083}
+PUBLISHED = {
+    "nats-1": 4222,
+    "maas-sim": 5240,
+    "scheduler": 8081,
+    "image-pipeline": 8082,
+    "ops-view": 8083,
+    "prometheus": 9090,
+}
 # Which services each secret of .env may reach: the one that owns it and the step that sets it up.
 SECRET_HOLDERS = {
     "GPUAAS_PG_ADMIN_PASSWORD": {"postgres", "pg-roles"},

@@ -29,8 +29,9 @@ PACKAGING = ROOT / "deploy" / "image" / "packaging.py"
 HEALTHCHECK = ROOT / "deploy" / "image" / "healthcheck.py"
 # The packages of the dev tools: the `gpuaas` CLI, the simulators, the test servers.
 DEV_PACKAGES = {"gpuaas_dev"}
-# name:1.2.3[-variant] or a digest: a tag that names one release, never a floating one (16, 2, latest, 2.15-alpine).
-EXACT_IMAGE = re.compile(r"^([a-z0-9./_-]+)(:(\d+\.\d+(\.\d+)?)(-[a-z0-9.-]+)?|@sha256:[0-9a-f]{64})$")
+# name:1.2.3[-variant] (v1.2.3 where a project tags so, as Prometheus does) or a digest: a tag that names one
+# release, never a floating one (16, 2, latest, 2.15-alpine).
+EXACT_IMAGE = re.compile(r"^([a-z0-9./_-]+)(:v?(\d+\.\d+(\.\d+)?)(-[a-z0-9.-]+)?|@sha256:[0-9a-f]{64})$")
 # Projects whose releases are major.minor (PostgreSQL since 10): two numbers name one release.
 TWO_PART_VERSIONS = {"postgres"}
 

@@ -1,5 +1,6 @@
 """The README sections that are made from the code: the configuration tables (from the settings classes and the
-CLI's environment options) and the CLI table (from the typer app).
+CLI's environment options), the CLI table (from the typer app) and the metrics table (from the metric definitions,
+`gpuaas_dev.metrics_catalog`).
 
     .venv/bin/python -m gpuaas_dev.docs           # rewrite the generated sections of README.md
     .venv/bin/python -m gpuaas_dev.docs --check   # exit 1 if README.md differs from the code
@@ -274,7 +275,14 @@ def cli_env_rows() -> list[tuple[str, list[str], str]]:
 
 # --- README ------------------------------------------------------------------------------------------------------
 
-SECTIONS: dict[str, Callable[[], str]] = {"config": config_section, "cli": cli_section}
+
+def metrics_section() -> str:
+    from .metrics_catalog import metrics_section as render_metrics
+
+    return render_metrics()
+
+
+SECTIONS: dict[str, Callable[[], str]] = {"config": config_section, "cli": cli_section, "metrics": metrics_section}
 
 
 def _markers(name: str) -> tuple[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import json
+import time
 import uuid
 from datetime import datetime
 from typing import Any
@@ -16,6 +17,7 @@ from gpuaas_common.db import NoLiteral, sql_literal
 from ..domain.allocation import Allocation
 from ..domain.commands import Policy
 from ..domain.model import ActiveImage
+from .metrics import STATE_ENTERED_SQL, TIME_IN_STATE
 
 
 class AllocationStore(abc.ABC):
@@ -55,6 +57,14 @@ class AllocationStore(abc.ABC):
         row = await self.lock(allocation_id)
         return None if row is None else self.aggregate(row, policy, cause)
 
+    def state_entered(self, allocation_id: uuid.UUID) -> float | None:
+        """When (time.monotonic()) the allocation entered its current state, where this unit of work knows it."""
+        return None
+
+    def entered_state(self, allocation_id: uuid.UUID, at: float) -> None:
+        """A move this unit of work wrote: the allocation entered its new state at `at` (kept where it is known)."""
+        return None
+
     def aggregate(self, row: dict[str, Any], policy: Policy, cause: Envelope | None = None) -> Allocation:
         """A row this unit of work locked, as the aggregate."""
         return Allocation.from_row(row, last_seq=self.last_seq(row["allocation_id"]), policy=policy, cause=cause)
@@ -62,11 +72,18 @@ class AllocationStore(abc.ABC):
     async def save(self, alloc: Allocation) -> None:
         """Write what the allocation recorded: its columns in one statement, then its timeline rows. Its
         messages are the service layer's to hand to the outbox."""
+        now = time.monotonic()
+        entered = now if alloc.is_new else self.state_entered(alloc.allocation_id)
         if alloc.is_new:
             await self.insert(**alloc.changes)
         elif alloc.changes:
             await self.update(alloc.allocation_id, **alloc.changes)
         for entry in alloc.timeline:
+            if entry.previous_state is not None and entry.state != entry.previous_state:
+                if entered is not None:
+                    TIME_IN_STATE.labels(alloc.shape, entry.previous_state).observe(max(0.0, now - entered))
+                entered = now
+                self.entered_state(alloc.allocation_id, now)
             seq = await self.append_timeline(
                 alloc.allocation_id,
                 entry.state,
@@ -99,6 +116,8 @@ class AllocationRepository(AllocationStore):
         # Allocations this unit of work locked, by whether they had early task results then. Only a holder of the
         # allocation's lock keeps one (`keep_early_result`), so the answer holds until the unit of work ends.
         self._early: dict[uuid.UUID, bool] = {}
+        # When each allocation this unit of work locked entered its current state (time.monotonic()).
+        self._entered: dict[uuid.UUID, float] = {}
 
     def deferred_sql(self) -> list[str]:
         """The statements written behind and not yet sent, handed over (the unit of work sends them with its
@@ -116,7 +135,8 @@ class AllocationRepository(AllocationStore):
         row = await self.conn.fetchrow(
             "SELECT a.*, (SELECT COALESCE(MAX(t.seq), 0) FROM allocation_timeline t "
             "WHERE t.allocation_id = a.allocation_id) AS last_timeline_seq_, "
-            "EXISTS (SELECT 1 FROM early_task_results e WHERE e.allocation_id = a.allocation_id) AS has_early_ "
+            "EXISTS (SELECT 1 FROM early_task_results e WHERE e.allocation_id = a.allocation_id) AS has_early_, "
+            f"EXTRACT(EPOCH FROM clock_timestamp() - ({STATE_ENTERED_SQL})) AS state_age_ "
             "FROM allocations a WHERE a.allocation_id = $1 FOR UPDATE OF a",
             allocation_id,
         )
@@ -128,6 +148,9 @@ class AllocationRepository(AllocationStore):
         out = dict(row)
         self._last_seq[allocation_id] = out.pop("last_timeline_seq_")
         self._early[allocation_id] = out.pop("has_early_")
+        age = out.pop("state_age_")
+        if age is not None:
+            self._entered[allocation_id] = time.monotonic() - float(age)
         for key in ("request", "placement", "access", "phase_marks"):
             if isinstance(out.get(key), str):
                 out[key] = json.loads(out[key])
@@ -136,6 +159,12 @@ class AllocationRepository(AllocationStore):
     def last_seq(self, allocation_id: uuid.UUID) -> int:
         """The timeline's last seq of an allocation this unit of work locked or created."""
         return self._last_seq[allocation_id]
+
+    def state_entered(self, allocation_id: uuid.UUID) -> float | None:
+        return self._entered.get(allocation_id)
+
+    def entered_state(self, allocation_id: uuid.UUID, at: float) -> None:
+        self._entered[allocation_id] = at
 
     async def _lock_due(self, where: str, order_by: str, after_s: float, limit: int) -> list[dict[str, Any]]:
         """Rows matching `where` (with `$1` the seconds they have waited), oldest `order_by` first, locked until

@@ -16,6 +16,7 @@ from gpuaas_common.logging import get_logger
 from gpuaas_common.periodic import every
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
+from ..adapters.metrics import allocations_reading
 from ..adapters.repository import AllocationRepository, count_images
 from ..service_layer.deadlines import sweep_deadlines
 from ..service_layer.handlers import Allocator, handlers_by_consumer
@@ -50,6 +51,9 @@ def build_register(settings: AllocatorSettings):
         # The control plane owns node-task deadlines (a silent host fails its allocation) and placement deadlines
         # (a lost placement is asked for again): see deadlines.py and redrive.py. Every replica sweeps; the rows
         # are taken with FOR UPDATE SKIP LOCKED, so each overdue one is handled by exactly one of them.
+        # /metrics: allocations by state and shape, and the oldest in each live state (adapters/metrics.py).
+        rt.add_reading("allocations", allocations_reading(pool))
+
         bus = rt.bus
         rt.spawn(
             every(

@@ -14,6 +14,7 @@ from gpuaas_common.runtime import ServiceRuntime, run_service
 from gpuaas_common.startup import StartupFailed
 from gpuaas_common.unit_of_work import UnitOfWork
 
+from ..adapters.metrics import catalog_reading
 from ..adapters.repository import image_pipeline_repositories
 from ..domain.catalog import SeedImage
 from ..service_layer import catalog, host_images, tenancy
@@ -42,6 +43,8 @@ def build_register(settings: ImagePipelineSettings):
         if interrupted:
             log.warning("builds_interrupted", count=interrupted)
         rt.spawn(runner.watch(), "build-recovery")
+        # /metrics: node caches by state, the catalog and builds by status (adapters/metrics.py).
+        rt.add_reading("image-catalog", catalog_reading(rt.pool))
 
         async def on_enrolled(ctx: HandlerContext) -> None:
             sent = await catalog.on_enrolled(ctx.uow, ctx.payload, ctx.envelope.event_id)

@@ -8,6 +8,7 @@ from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.host_credentials import HostCredentials
 from ..adapters.maas_client import MaasClient
+from ..adapters.metrics import operations_reading
 from ..adapters.repository import gateway_repositories
 from ..service_layer.commands import OperationHandlers
 from ..service_layer.shared import unit_of_work_factory
@@ -58,6 +59,8 @@ def build_register(settings: GatewaySettings):
                 tls=rt.identity.tls_context(),
                 ttl_s=settings.host_creds_ttl_s,
             )
+        # /metrics: operations by kind and state, unknown outcomes' age and deadline (adapters/metrics.py).
+        rt.add_reading("maas-operations", operations_reading(rt.pool))
         rt.spawn(
             OperationWorker(settings, rt.pool, clients, host_credentials=host_credentials).run(), "maas-operations"
         )

@@ -9,8 +9,10 @@ import nats.errors
 from gpuaas_common.bus import Bus
 from gpuaas_common.jetstream import FOLLOWERS
 from gpuaas_common.logging import get_logger
+from gpuaas_common.metrics import consumer_reading
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
+from ..adapters.metrics import dead_letters_reading, dlq_reading
 from ..settings import OpsViewSettings
 from .admin_http import ops_api
 from .follow import StreamFollower
@@ -38,6 +40,12 @@ def build_register(settings: OpsViewSettings):
         for follower in followers:
             rt.spawn(follower.run(), f"follow-{follower.stream}")
         js = rt.js
+        # /metrics: the followers' lag, the DLQ stream's size, the model's dead letters by reason (adapters/metrics.py).
+        rt.add_reading(
+            "ops-view-followers", consumer_reading(js, lambda: ((f.stream, f.spec.durable) for f in followers))
+        )
+        rt.add_reading("dlq", dlq_reading(js))
+        rt.add_reading("dead-letters", dead_letters_reading(rt.pool))
 
         async def consumer_state() -> dict[str, tuple[int, int] | None]:
             state: dict[str, tuple[int, int] | None] = {}

@@ -12,6 +12,7 @@ from gpuaas_common.startup import StartupFailed
 
 from ..adapters.allocator_client import AllocatorClient
 from ..adapters.inventory import refresh_nodes, seed_from_fleet
+from ..adapters.metrics import inventory_reading
 from ..service_layer.claim_audit import AuditPolicy, audit_claims
 from ..service_layer.handlers import Scheduler, allocation_first_lock, evidence_handlers, handlers
 from ..service_layer.placement import PlacementPolicy, with_fleet_shape
@@ -66,6 +67,8 @@ def build_register(settings: SchedulerSettings):
             ),
             "claim-audit",
         )
+        # /metrics: slots by status, hosts by mode, live claims, evidence ages (adapters/metrics.py).
+        rt.add_reading("inventory", inventory_reading(rt.pool))
         steering = steering_policy(settings)
         rt.spawn(
             every(settings.steering_sweep_interval_s, lambda: sweep(bus.unit_of_work, steering), "steering"),
