@@ -50,7 +50,7 @@ UNLIMITED = -1
 # Stream bounds. JetStream reserves each stream's `max_bytes` out of the server's store (by default 75 % of the
 # disk free when it starts) and refuses a stream that does not fit, so a full stream never takes another's
 # space: a flood held inside NODE_REPORTS cannot make NODE_TASKS or ALLOCATIONS refuse a write. Together they
-# reserve 3.25 GiB per server, so a server needs about 4.5 GiB of free disk.
+# reserve 3.75 GiB per server, so a server needs about 5 GiB of free disk.
 #
 # discard=new where a message must never vanish unread: a full stream refuses the publish, loudly (the outbox
 # relay retries it, the portal's request fails). Sized far above normal traffic: a week of 10k allocations is
@@ -68,6 +68,10 @@ UNLIMITED = -1
 REPORTS_PER_SUBJECT = 256
 # DLQ: 1000 dead letters per durable await ops; a host's own DLQ subject then holds at most 64 MiB of its flood.
 DEAD_LETTERS_PER_SUBJECT = 1000
+# USAGE: one usage.recorded (about 1 KiB) per allocation that was active, kept 400 days so a year's billing can
+# be read again from the stream; a year of 10k allocations a week is about 500 MiB. discard=new: a full stream
+# refuses the publish and the record waits in ops-view's outbox.
+USAGE_MAX_AGE_S = 400 * DAY
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,13 @@ STREAMS: tuple[StreamSpec, ...] = (
         max_bytes=512 * MIB,
         max_msgs_per_subject=DEAD_LETTERS_PER_SUBJECT,
         discard=DiscardPolicy.OLD,
+    ),
+    StreamSpec(
+        "USAGE",
+        ("gpuaas.usage.>",),
+        max_age_s=USAGE_MAX_AGE_S,
+        description="Usage records per allocation",
+        max_bytes=512 * MIB,
     ),
 )
 STREAM_BY_NAME = {s.name: s for s in STREAMS}

@@ -24,7 +24,7 @@ CONTRACT_PATH = Path(__file__).resolve().parents[3] / "contracts" / "asyncapi.ya
 _REF = "#/components/schemas/{model}"
 _URN = "urn:gpuaas:contract"
 
-_SERVICES = ("allocator", "scheduler", "image-pipeline", "maas-gateway", "node-agent")
+_SERVICES = ("allocator", "scheduler", "image-pipeline", "maas-gateway", "node-agent", "ops-view")
 
 
 def _camel(name: str) -> str:

@@ -463,6 +463,15 @@ ALL: tuple[MessageSpec, ...] = (
         NODE_ID,
     ),
     MessageSpec(
+        "usage.recorded",
+        m.UsageRecorded,
+        "usageRecorded",
+        "gpuaas.usage.recorded",
+        "An allocation's usage from active to its end, to the second; one per allocation, from the ops read models.",
+        ("ops-view",),
+        ("billing", "ops"),
+    ),
+    MessageSpec(
         "dead_letter",
         m.DeadLetter,
         "deadLetters",

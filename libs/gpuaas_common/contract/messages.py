@@ -868,6 +868,31 @@ class NodeImageCacheReported(Payload):
     reason: str | None = Field(default=None, max_length=2048)
 
 
+# --- usage (ops-view -> billing, ops) ----------------------------------------------------------------
+
+
+class UsageRecorded(Payload):
+    """An allocation's usage, once it ended: from its `allocation.active` to the `allocation.released` or
+    `allocation.failed` that ended it, each the event's `occurred_at` cut to the whole second (UTC). An allocation
+    that never became active used nothing and has no record. One per allocation: the event id is derived from
+    the allocation id, so a read model rebuilt from the streams publishes the same event again, never another."""
+
+    allocation_id: uuid.UUID
+    tenant_id: str = Identifier
+    shape: Shape
+    # From the allocation's `allocation.accepted`; None only when the streams no longer held it.
+    sku: str | None = None
+    gpu_count: int | None = Field(default=None, ge=1, le=64)
+    region: str | None = None
+    node_id: str | None = None
+    started_at: datetime
+    stopped_at: datetime
+    seconds: int = Field(ge=0, description="stopped_at - started_at, in whole seconds")
+    ended: Literal["released", "failed"]
+    # The failure's reason code (`force_released`, `task_deadline_passed`, ...); None for a release.
+    end_reason_code: str | None = Field(default=None, max_length=128)
+
+
 # --- dead letters ------------------------------------------------------------------------------------
 
 

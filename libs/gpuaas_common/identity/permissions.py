@@ -250,7 +250,7 @@ ROLE_PERMISSIONS: dict[str, Permissions] = {
         max_payload=PORTAL_MAX_PAYLOAD,
         max_subs=CLIENT_MAX_SUBS,
     ),
-    # Reads lifecycle, reports and dead letters live, and asks read-only queries; changes nothing.
+    # Reads lifecycle, reports, dead letters and usage records live, and asks read-only queries; changes nothing.
     OPS: Permissions(
         pub_allow=requests_of(OPS),
         sub_allow=(
@@ -260,6 +260,7 @@ ROLE_PERMISSIONS: dict[str, Permissions] = {
             "gpuaas.dlq.>",
             "gpuaas.image.event.>",
             "gpuaas.scheduler.>",
+            "gpuaas.usage.>",
         ),
         max_payload=OPS_MAX_PAYLOAD,
         max_subs=CLIENT_MAX_SUBS,

@@ -8,9 +8,9 @@ Modules: `dev` (the dev stack), `progress` (dev up's readiness lines), `logs` (d
 stack a command talks to), `portal` (allocate, release), `follow` (an allocation's lifecycle), `allocations`
 (list, show, wait), `inventory` (nodes, slots, quota, wipe-policy, force-release, api docs over the scheduler's
 admin API, through `admin_api`), `images` (the image pipeline's admin API), `identities` (keys, creds, hosts),
-`dlq` (dead letters), `events` (events tail), `contract` (contract render), `maas_simulator` (maas-sim), `bus`
-(NATS URL, identity, connect, publish), `output` (-o, AGE, --watch) and `common` (consoles, exit codes and their
-wording, shared options, stack.json).
+`dlq` (dead letters), `usage` (usage export over the ops API), `events` (events tail), `contract` (contract
+render), `maas_simulator` (maas-sim), `bus` (NATS URL, identity, connect, publish), `output` (-o, AGE, --watch)
+and `common` (consoles, exit codes and their wording, shared options, stack.json).
 """
 
 import os
@@ -36,6 +36,7 @@ from .logs import dev_logs
 from .maas_simulator import maas_sim
 from .output import choices
 from .portal import allocate, release
+from .usage import usage_app
 
 # Completion is the explicit `gpuaas completion SHELL` (kubectl's way) rather than typer's
 # --install-completion, which edits the user's shell start-up files.
@@ -61,6 +62,7 @@ app.add_typer(contract_app, name="contract")
 app.add_typer(images_app, name="images")
 app.add_typer(identities_app, name="identities")
 app.add_typer(lab_app, name="lab")
+app.add_typer(usage_app, name="usage")
 app.add_typer(node_agent_cli.app, name="node-agent", help="Node agent host checks: discover, parity.")
 app.command()(allocate)
 app.command()(release)

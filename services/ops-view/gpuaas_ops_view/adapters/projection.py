@@ -9,8 +9,17 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
+from pydantic import BaseModel
+
+from gpuaas_common.outbox import EventCollector, write_pending
 
 from ..domain.models import TASK_FINAL
+from ..domain.usage import Move, Usage
+
+# The models' own schema: its outbox carries the events ops-view publishes (usage.recorded), relayed by the
+# service's outbox relay like every other service's.
+SCHEMA = "ops_view"
+PRODUCER = "ops-view"
 
 # domain.models.task_status again, in the statement that writes the row: the task's messages and its reports
 # are followed on different streams at once, and a row both see for the first time is written by both; the
@@ -167,6 +176,64 @@ class Projection:
             _j(p.get("slot_ids", [])),
             at,
         )
+
+    # --- usage ------------------------------------------------------------------------------------------
+
+    async def moves(self, allocation_id: uuid.UUID) -> list[Move]:
+        rows = await self.conn.fetch(
+            "SELECT seq, state, at, event_id, detail->>'reason_code' AS reason_code FROM allocation_timeline "
+            "WHERE allocation_id = $1 ORDER BY seq",
+            allocation_id,
+        )
+        return [Move(r["seq"], r["state"], r["at"], r["event_id"], r["reason_code"]) for r in rows]
+
+    async def allocation_facts(self, allocation_id: uuid.UUID) -> dict[str, Any]:
+        row = await self.conn.fetchrow(
+            "SELECT tenant_id, shape, sku, gpu_count, region, node_id FROM allocations WHERE allocation_id = $1",
+            allocation_id,
+        )
+        return dict(row) if row is not None else {}
+
+    async def usage_closed(self, allocation_id: uuid.UUID) -> bool | None:
+        """Whether the allocation's usage record is closed; None when it has none yet."""
+        return await self.conn.fetchval(
+            "SELECT stopped_at IS NOT NULL FROM usage_records WHERE allocation_id = $1 FOR UPDATE", allocation_id
+        )
+
+    async def put_usage(self, allocation_id: uuid.UUID, usage: Usage, facts: dict[str, Any]) -> None:
+        """Write the record as the timeline makes it (`usage`), with what the allocation's row knows."""
+        await self.conn.execute(
+            "INSERT INTO usage_records AS u (allocation_id, tenant_id, shape, sku, gpu_count, region, node_id, "
+            "started_at, stopped_at, ended, end_reason_code, start_event_id, stop_event_id) "
+            "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) ON CONFLICT (allocation_id) DO UPDATE SET "
+            "tenant_id = EXCLUDED.tenant_id, shape = EXCLUDED.shape, sku = COALESCE(EXCLUDED.sku, u.sku), "
+            "gpu_count = COALESCE(EXCLUDED.gpu_count, u.gpu_count), region = COALESCE(EXCLUDED.region, u.region), "
+            "node_id = COALESCE(EXCLUDED.node_id, u.node_id), started_at = EXCLUDED.started_at, "
+            "stopped_at = EXCLUDED.stopped_at, ended = EXCLUDED.ended, end_reason_code = EXCLUDED.end_reason_code, "
+            "start_event_id = EXCLUDED.start_event_id, stop_event_id = EXCLUDED.stop_event_id",
+            allocation_id,
+            facts.get("tenant_id") or "",
+            facts.get("shape") or "",
+            facts.get("sku"),
+            facts.get("gpu_count"),
+            facts.get("region"),
+            facts.get("node_id"),
+            usage.started_at,
+            usage.stopped_at,
+            usage.ended,
+            usage.end_reason_code,
+            usage.start_event_id,
+            usage.stop_event_id,
+        )
+
+    async def publish(
+        self, type_: str, payload: BaseModel, *, aggregate_id: str, event_id: str, causation_id: str | None
+    ) -> None:
+        """An event through the transactional outbox: written with the rows that made it, published by the
+        relay after the commit (and never if the transaction rolls back)."""
+        events = EventCollector(PRODUCER, correlation_id=aggregate_id, causation_id=causation_id)
+        await events.add(type_, payload, aggregate_id=aggregate_id, event_id=event_id)
+        await write_pending(self.conn, SCHEMA, events.pending)
 
     # --- node tasks ---------------------------------------------------------------------------------------
 

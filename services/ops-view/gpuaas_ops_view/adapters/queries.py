@@ -193,3 +193,54 @@ async def list_dead_letters(conn: asyncpg.Connection, consumer, reason_code, sin
 async def positions(conn: asyncpg.Connection) -> dict[str, dict[str, Any]]:
     rows = await conn.fetch("SELECT stream, last_seq, at FROM stream_positions")
     return {r["stream"]: {"last_seq": r["last_seq"], "at": r["at"]} for r in rows}
+
+
+# The records a month [{ms}, {me}) holds: those whose [start, stop) meets it (a running one's stop is {now}), and
+# one that started and stopped in the same second within it (0 s, still a record).
+_IN_MONTH = (
+    "started_at < {me} AND (COALESCE(stopped_at, {now}) > {ms} OR (stopped_at = started_at AND started_at >= {ms}))"
+)
+# Its whole seconds inside the month (domain/usage.py seconds_within, in SQL for the month's totals); every time
+# in it is a whole second, so the difference is too.
+_SECONDS_IN = (
+    "GREATEST(0, EXTRACT(EPOCH FROM LEAST(COALESCE(stopped_at, {now}), {me}) - GREATEST(started_at, {ms})))::bigint"
+)
+
+
+def _usage_where(tenant: str | None, since: datetime, until: datetime, now: datetime) -> tuple[_Where, str]:
+    """The month's filter, and the seconds expression over the same parameters."""
+    names = {"ms": "$1", "me": "$2", "now": "$3"}
+    where = _Where()
+    where.args = [since, until, now]
+    where.terms = [_IN_MONTH.format(**names)]
+    if tenant:
+        where.add("tenant_id = {}", tenant)
+    return where, _SECONDS_IN.format(**names)
+
+
+async def list_usage(
+    conn: asyncpg.Connection, tenant: str | None, since: datetime, until: datetime, now: datetime, page: Page
+) -> list[dict[str, Any]]:
+    """The month's usage records, oldest start first."""
+    where, _ = _usage_where(tenant, since, until, now)
+    if page.after is not None:
+        at, row_id = page.after
+        where.add("(started_at, allocation_id) > ({}::timestamptz, {}::uuid)", datetime.fromisoformat(at), row_id)
+    rows = await conn.fetch(
+        f"SELECT * FROM usage_records {where.sql()} ORDER BY started_at, allocation_id LIMIT {page.limit + 1}",
+        *where.args,
+    )
+    return [_row(r) for r in rows]
+
+
+async def usage_totals(
+    conn: asyncpg.Connection, tenant: str | None, since: datetime, until: datetime, now: datetime
+) -> dict[str, Any]:
+    where, seconds = _usage_where(tenant, since, until, now)
+    row = await conn.fetchrow(
+        f"SELECT count(*) AS records, count(*) FILTER (WHERE stopped_at IS NULL) AS open, "
+        f"COALESCE(sum({seconds}), 0)::bigint AS seconds, "
+        f"COALESCE(sum({seconds} * gpu_count), 0)::bigint AS gpu_seconds FROM usage_records {where.sql()}",
+        *where.args,
+    )
+    return dict(row)

@@ -9,6 +9,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
+from .usage import month_bounds
+
 IDENTIFIER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 SLUG = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 ALLOCATION_STATES = (
@@ -76,6 +78,16 @@ def timestamp(field: str, value: str | None) -> datetime | None:
     if at.tzinfo is None:
         raise FilterError(field, "must carry a zone (Z or +hh:mm)")
     return at
+
+
+def month(field: str, value: str | None) -> tuple[datetime, datetime]:
+    """A required `YYYY-MM` (UTC) as its half-open interval."""
+    if value is None or value == "":
+        raise FilterError(field, "is required: a month as YYYY-MM, e.g. 2026-11")
+    try:
+        return month_bounds(value)
+    except ValueError as exc:
+        raise FilterError(field, str(exc)) from None
 
 
 def allocation_id(field: str, value: str) -> uuid.UUID:

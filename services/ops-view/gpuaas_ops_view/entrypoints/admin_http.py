@@ -26,7 +26,8 @@ TITLE = "gpuaas ops view API"
 DESCRIPTION = (
     "Read models built from the event streams: allocations with their timeline, claims and node-task phases; the "
     "fleet's hosts with parity, topology and drift evidence and their age, slots as the bus last described them; "
-    "images with each host's cache; MAAS operations; dead letters. Lists are newest first, `limit` (1-500, "
+    "images with each host's cache; MAAS operations; dead letters; usage records per allocation and month. Lists "
+    "are newest first (usage: oldest start first), `limit` (1-500, "
     "default 50) and `cursor` (the `next_cursor` of the previous page) page through them; a filter value that "
     "does not parse is a 400 naming the field. Times are ISO 8601 with a zone."
 )
@@ -122,6 +123,18 @@ def routes(consumer_state: ConsumerState | None = None) -> list[Route]:
             out.DeadLetterPage,
             errors=(400,),
             query=("consumer", "reason_code", *TIME_RANGE),
+        ),
+        Route(
+            "GET",
+            "/v1/usage",
+            _query(queries.usage, out.UsagePage),
+            "usage records of a month (month=YYYY-MM, UTC; required), oldest start first, each with its seconds "
+            "inside the month (a record crossing a month boundary is split to the second), and the month's totals; "
+            "filter: tenant. A record runs from the allocation's active to its released or failed; one still "
+            "running counts up to as_of (default: now; the next pages of one export pass the first's)",
+            out.UsagePage,
+            errors=(400,),
+            query=("tenant", "month", "as_of", "limit", "cursor"),
         ),
         Route(
             "GET",

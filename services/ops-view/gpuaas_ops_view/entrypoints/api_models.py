@@ -211,3 +211,41 @@ class StreamPosition(BaseModel):
 class StreamPositions(BaseModel):
     items: list[StreamPosition]
     next_cursor: str | None = None
+
+
+class UsageRecord(BaseModel):
+    allocation_id: uuid.UUID
+    tenant_id: str
+    shape: str
+    sku: str | None = None
+    gpu_count: int | None = None
+    region: str | None = None
+    node_id: str | None = None
+    started_at: datetime
+    stopped_at: datetime | None = None
+    ended: str | None = None
+    end_reason_code: str | None = None
+    start_event_id: str
+    stop_event_id: str | None = None
+    open: bool
+    seconds: int
+    gpu_seconds: int | None = None
+    record_seconds: int
+
+
+class UsageTotals(BaseModel):
+    records: int
+    open: int
+    seconds: int
+    gpu_seconds: int
+
+
+class UsagePage(BaseModel):
+    month: str
+    tenant: str | None = None
+    since: datetime
+    until: datetime
+    as_of: datetime
+    totals: UsageTotals
+    items: list[UsageRecord]
+    next_cursor: str | None = None

@@ -10,10 +10,12 @@ from datetime import datetime
 from typing import Any
 
 from gpuaas_common.bus import PermanentError, parse_message
-from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import Envelope, derived_event_id
+from gpuaas_common.contract import messages as m
 
 from ..adapters.projection import Projection
 from ..domain.models import claim_outcome, failing_checks, maas_status, place_transition, task_status
+from ..domain.usage import ENDS, usage_of
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,49 @@ async def on_lifecycle(repo: Projection, ev: Event) -> None:
     outcome = claim_outcome(p["state"], p)
     if outcome is not None:
         await repo.end_claims(p["allocation_id"], outcome, ev.at)
+    if p["state"] in _USAGE_STATES:
+        await record_usage(repo, p["allocation_id"], ev.envelope.event_id)
+
+
+# The states a usage record is made of (active, its end) or takes facts from (accepted: SKU and GPU count).
+_USAGE_STATES = ("accepted", "active", *ENDS)
+
+
+async def record_usage(repo: Projection, allocation_id: Any, cause: str) -> None:
+    """The allocation's usage record, as its timeline now makes it (domain/usage.py). When this event closed
+    it, `usage.recorded` goes out through the outbox in the same transaction, under an id derived from the
+    allocation: a replay, a redelivery or a rebuild closes no record a second time, and a rebuild's copy of the
+    event is the same event (JetStream drops it within its duplicate window, a consumer's inbox after)."""
+    usage = usage_of(await repo.moves(allocation_id))
+    if usage is None:
+        return
+    was_closed = await repo.usage_closed(allocation_id)
+    facts = await repo.allocation_facts(allocation_id)
+    await repo.put_usage(allocation_id, usage, facts)
+    if not usage.closed or was_closed:
+        return
+    assert usage.stopped_at is not None and usage.seconds is not None and usage.ended is not None
+    record = m.UsageRecorded(
+        allocation_id=allocation_id,
+        tenant_id=facts["tenant_id"],
+        shape=facts["shape"],
+        sku=facts.get("sku"),
+        gpu_count=facts.get("gpu_count"),
+        region=facts.get("region"),
+        node_id=facts.get("node_id"),
+        started_at=usage.started_at,
+        stopped_at=usage.stopped_at,
+        seconds=usage.seconds,
+        ended=usage.ended,
+        end_reason_code=usage.end_reason_code,
+    )
+    await repo.publish(
+        "usage.recorded",
+        record,
+        aggregate_id=str(allocation_id),
+        event_id=derived_event_id(str(allocation_id), "usage.recorded"),
+        causation_id=cause,
+    )
 
 
 # What of each lifecycle event the timeline keeps (the rest is on the allocation's row).

@@ -12,6 +12,7 @@ from gpuaas_common.api_error import ApiError
 from ..adapters import queries as q
 from ..domain import filters as f
 from ..domain.models import evidence_age, slot_status
+from ..domain.usage import seconds_within, to_the_second, whole_seconds
 
 
 def _bad(exc: f.FilterError) -> ApiError:
@@ -138,6 +139,42 @@ async def list_dead_letters(conn: asyncpg.Connection, query: dict[str, str | Non
         raise _bad(exc) from None
     rows = await q.list_dead_letters(conn, consumer, reason_code, since, until, page)
     return _paged(rows, page, lambda r: ("", str(r["dlq_seq"])))
+
+
+async def usage(conn: asyncpg.Connection, query: dict[str, str | None]) -> dict[str, Any]:
+    """A month's usage records (UTC; domain/usage.py has the rule), oldest start first, each with its seconds
+    inside the month, and the month's totals over every record (not only this page). A record still running is
+    counted up to `as_of` (the time of the answer unless given: the pages of one export give the first's) and
+    marked open."""
+    try:
+        tenant = f.identifier("tenant", query.get("tenant"))
+        month = query.get("month") or ""
+        since, until = f.month("month", month)
+        page = f.page(query.get("limit"), query.get("cursor"))
+        if page.after is not None:
+            f.timestamp("cursor", page.after[0])
+            f.allocation_id("cursor", page.after[1])
+        as_of = f.timestamp("as_of", query.get("as_of"))
+    except f.FilterError as exc:
+        raise _bad(exc) from None
+    now = to_the_second(as_of or datetime.now(timezone.utc))
+    rows = await q.list_usage(conn, tenant, since, until, now, page)
+    items = []
+    for r in rows:
+        stopped = r["stopped_at"] if r["stopped_at"] is not None else max(now, r["started_at"])
+        seconds = seconds_within(r["started_at"], stopped, since, until)
+        items.append(
+            {
+                **r,
+                "open": r["stopped_at"] is None,
+                "seconds": seconds,
+                "gpu_seconds": seconds * r["gpu_count"] if r["gpu_count"] is not None else None,
+                "record_seconds": whole_seconds(stopped - r["started_at"]),
+            }
+        )
+    paged = _paged(items, page, lambda r: (r["started_at"].isoformat(), str(r["allocation_id"])))
+    totals = await q.usage_totals(conn, tenant, since, until, now)
+    return {"month": month, "tenant": tenant, "since": since, "until": until, "as_of": now, "totals": totals, **paged}
 
 
 async def streams(conn: asyncpg.Connection, consumers: dict[str, tuple[int, int] | None]) -> dict[str, Any]:
