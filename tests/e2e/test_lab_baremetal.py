@@ -107,7 +107,7 @@ async def _tenant_login(stack: Stack, key: Path, access: dict) -> subprocess.Com
     argv = stack.lab_host.ns(
         "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
         "-o", "UserKnownHostsFile=/dev/null", "-o", "ConnectTimeout=10", "-i", str(key), "-p", str(access["port"]),
-        f"{access['user']}@{access['ip']}", "id -un; systemctl is-active gpuaas-node-agent",
+        f"{access['user']}@{access['ip']}", "id -un; systemctl is-active gpuaas-node-agent; cat /proc/cmdline",
     )  # fmt: skip
     return await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60)
 
@@ -141,7 +141,10 @@ async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_e
         return done if done.returncode == 0 else None
 
     login = await eventually(logged_in, timeout=120, interval=3, what="the tenant's SSH login to the machine")
-    assert login.stdout.split() == ["debian", "active"]
+    user, agent, cmdline = login.stdout.splitlines()
+    assert (user, agent) == ("debian", "active")
+    # Booted by the GRUB installed on its own disk (GRUB names the kernel it loaded), with the image's arguments.
+    assert "BOOT_IMAGE=/boot/vmlinuz" in cmdline.split() and "intel_iommu=on" in cmdline.split()
 
     machine = await maas_sim(stack, "GET", f"/_sim/machines/{system_id}")
     assert (machine["power_type"], machine["status_name"], machine["ip_addresses"]) == (
@@ -203,4 +206,4 @@ async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_e
         detail = row["detail"] if isinstance(row["detail"], dict) else json.loads(row["detail"] or "{}")
         phase = f"{detail['phase']} {detail['seconds']:.1f} s" if detail and "phase" in detail else ""
         print(f"  +{(row['at'] - start).total_seconds():7.1f}s  {row['state']:<14} {row['reason_code'] or ''} {phase}")
-    print(f"  revoked: the host's credentials are refused after the release; tenant login said {login.stdout.split()}")
+    print(f"  revoked: the host's credentials are refused after the release; tenant login: {login.stdout.splitlines()}")

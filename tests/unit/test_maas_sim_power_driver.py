@@ -3,8 +3,10 @@ driver's late answer never moves a machine that went on to another phase."""
 
 from __future__ import annotations
 
+import xml.etree.ElementTree as ET  # noqa: S405 - our own domain XML
+
 from gpuaas_dev.maas_sim.machines import Machine, NodeStatus, Timers
-from gpuaas_dev.maas_sim.virsh_power import VirshParams, domain_xml, seed_iso
+from gpuaas_dev.maas_sim.virsh_power import VirshParams, domain_xml, grub_cfg, seed_iso
 
 T = Timers(deploying=1.0, releasing=1.0, disk_erasing=1.0)
 
@@ -64,7 +66,14 @@ def test_the_seed_carries_the_user_data_bytes_unchanged() -> None:
     assert iso.pvd.volume_identifier.rstrip() == b"cidata"
 
 
-def test_the_domain_boots_the_installed_kernel_with_the_images_arguments() -> None:
-    xml = domain_xml(virsh_machine().virsh, ["root=LABEL=gpuaas-root", "intel_iommu=on"])
-    assert "<cmdline>root=LABEL=gpuaas-root intel_iommu=on</cmdline>" in xml
-    assert '<source bridge="gpubr0" />' in xml and 'model="virtio-scsi"' in xml
+def test_the_machine_boots_its_disk_through_uefi_and_grub_with_the_images_arguments() -> None:
+    xml = ET.fromstring(domain_xml(virsh_machine().virsh))
+    # No kernel handed to QEMU from outside: the firmware boots the disk, GRUB on its ESP loads the image's kernel.
+    assert xml.find("os/kernel") is None and xml.find("os/cmdline") is None
+    assert xml.find("os/loader").get("type") == "pflash" and xml.find("os/boot").get("dev") == "hd"
+    assert xml.find("os/nvram").text == "/d/OVMF_VARS.fd"
+    cfg = grub_cfg(["root=LABEL=gpuaas-root", "ro", "intel_iommu=on"])
+    assert "search --no-floppy --label --set=root gpuaas-root" in cfg
+    assert "linux /boot/vmlinuz root=LABEL=gpuaas-root ro intel_iommu=on" in cfg and "initrd /boot/initrd.img" in cfg
+    xml_text = domain_xml(virsh_machine().virsh)
+    assert '<source bridge="gpubr0" />' in xml_text and 'model="virtio-scsi"' in xml_text

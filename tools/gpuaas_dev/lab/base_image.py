@@ -216,9 +216,8 @@ def _build(work: Path, image: Path, log: Callable[[str], None]) -> None:
         rootfs,
     )
     _configure_rootfs(rootfs)
-    boot_efi = _grub_image(work)
     esp = work / "esp.img"
-    _make_esp(esp, boot_efi, work)
+    make_esp(esp, work, GRUB_CFG)
 
     raw = work / "disk.raw"
     total = DISK_GIB << 30
@@ -235,7 +234,7 @@ def _build(work: Path, image: Path, log: Callable[[str], None]) -> None:
             (_LINUX_ROOT_X86_64, root_start, root_end, "root"),
         ],
     )
-    _copy_into(esp, raw, esp_start)
+    copy_into(esp, raw, esp_start)
     log("mkfs.ext4 -d: root filesystem from the tree")
     _sh(
         "mkfs.ext4",
@@ -313,17 +312,20 @@ menuentry "Debian 12 (gpuaas lab base)" {{
 """
 
 
-def _make_esp(esp: Path, boot_efi: Path, work: Path) -> None:
+def make_esp(esp: Path, work: Path, grub_cfg: str) -> None:
+    """An EFI system partition image (FAT32, ESP_MIB) holding GRUB as the removable-media loader
+    (EFI/BOOT/BOOTX64.EFI, what firmware without boot entries runs) and `grub_cfg` beside it."""
+    boot_efi = _grub_image(work)
     _sh("mkfs.vfat", "-C", "-F", "32", "-n", ESP_LABEL, esp, str(ESP_MIB * 1024))
     cfg = work / "grub.cfg"
-    cfg.write_text(GRUB_CFG)
+    cfg.write_text(grub_cfg)
     env = {**os.environ, "MTOOLS_SKIP_CHECK": "1"}
     _sh("mmd", "-i", esp, "::/EFI", "::/EFI/BOOT", env=env)
     _sh("mcopy", "-i", esp, boot_efi, "::/EFI/BOOT/BOOTX64.EFI", env=env)
     _sh("mcopy", "-i", esp, cfg, "::/EFI/BOOT/grub.cfg", env=env)
 
 
-def _copy_into(src: Path, disk: Path, offset: int) -> None:
+def copy_into(src: Path, disk: Path, offset: int) -> None:
     with src.open("rb") as fin, disk.open("r+b") as fout:
         fout.seek(offset)
         while chunk := fin.read(1 << 20):

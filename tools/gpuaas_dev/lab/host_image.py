@@ -8,8 +8,11 @@ built from this checkout into its own virtualenv with its systemd unit (deploy/s
 site bootstraps at the paths the runbook runs them from. The curtin marker is the pipeline's part (it adds it
 to every tgz it builds).
 
-Cached like the slice image: under a key of the recipe and of the agent's source, so an unchanged tree is not
-built again, and an edit to the agent gives a new image.
+Cached in two layers, like the image's own build would be: the packages layer (Debian's packages, the kernel
+arguments, the bounded wait) under a key of that recipe, and the image (the layer plus the agent, its unit and the
+site bootstraps) under a key of the layer and of the agent's source. An edit to the agent (or to the shared
+library it is built from) rebuilds only the top: the layer is linked into a new tree (`cp -al`: every step above
+it adds files or replaces them by rename, none writes into one in place) and the agent installed there.
 """
 
 from __future__ import annotations
@@ -111,9 +114,13 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def recipe_key(base_recipe: str) -> str:
+def packages_key(base_recipe: str) -> str:
     blob = {"v": HOST_IMAGE_VERSION, "base": base_recipe, "packages": sorted(PACKAGES), "args": KERNEL_ARGS}
-    blob["agent"] = _source_digest()
+    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def recipe_key(base_recipe: str) -> str:
+    blob = {"packages": packages_key(base_recipe), "agent": _source_digest()}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -331,31 +338,64 @@ def _read_back(rootfs: Path) -> dict[str, str]:
     return versions
 
 
+def _prune(parent: Path, keep: str) -> None:
+    for old in parent.iterdir():
+        if old.name != keep and not old.name.startswith("."):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _packages_layer(cache: Path, key: str, timings: dict[str, float]) -> tuple[Path, dict[str, str]]:
+    """The packages layer's tree and its package versions (read back from its dpkg database), built once per key."""
+    entry = cache / "host-packages" / key
+    done = entry / "packages.json"
+    if done.exists():
+        return entry / "rootfs", json.loads(done.read_text())
+    work = cache / "host-packages" / f".{key}.{uuid.uuid4().hex[:8]}"
+    work.mkdir(parents=True)
+    try:
+        rootfs = work / "rootfs"
+        t = time.monotonic()
+        _mmdebstrap(rootfs)
+        timings["packages"] = round(time.monotonic() - t, 2)
+        base_image._configure_rootfs(rootfs)
+        _kernel_args(rootfs)
+        _bounded_wait_online(rootfs)
+        packages = _read_back(rootfs)
+        (work / "packages.json").write_text(json.dumps(packages, indent=2))
+        if entry.exists():
+            shutil.rmtree(work)
+        else:
+            work.rename(entry)
+            _prune(entry.parent, key)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return entry / "rootfs", packages
+
+
 async def ensure_host_image_tree(cache_dir: Path | None = None) -> HostImageTree:
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    key = recipe_key(base_image.recipe_hash())
+    base_recipe = base_image.recipe_hash()
+    key = recipe_key(base_recipe)
     entry = cache / "host" / key
     done = entry / "image.json"
     if done.exists():
         meta = json.loads(done.read_text())
         return HostImageTree(SLUG, entry / "rootfs", key, meta["packages"], meta["agent_version"], False, {})
+    timings: dict[str, float] = {}
+    layer, packages = await asyncio.to_thread(_packages_layer, cache, packages_key(base_recipe), timings)
     work = cache / "host" / f".{key}.{uuid.uuid4().hex[:8]}"
     work.mkdir(parents=True)
-    timings: dict[str, float] = {}
     try:
         rootfs = work / "rootfs"
         t = time.monotonic()
-        await asyncio.to_thread(_mmdebstrap, rootfs)
-        timings["packages"] = round(time.monotonic() - t, 2)
-        await asyncio.to_thread(base_image._configure_rootfs, rootfs)
+        await asyncio.to_thread(_sh, "cp", "-al", layer, rootfs)
+        timings["layer_link"] = round(time.monotonic() - t, 2)
         t = time.monotonic()
         agent_version, deps = await _install_agent(rootfs, work)
         timings["agent"] = round(time.monotonic() - t, 2)
-        await asyncio.to_thread(_kernel_args, rootfs)
-        await asyncio.to_thread(_bounded_wait_online, rootfs)
         await asyncio.to_thread(_enable_unit, rootfs)
         bootstraps = await asyncio.to_thread(_site_bootstraps, rootfs)
-        packages = await asyncio.to_thread(_read_back, rootfs)
         stamp = {"slug": SLUG, "key": key, "agent_version": agent_version, "site_bootstraps": bootstraps, "lab": True}
         (rootfs / "etc/gpuaas-image-build.json").write_text(json.dumps({**stamp, "packages": packages}, indent=2))
         meta = {"packages": packages, "agent_version": agent_version, "agent_dependencies": deps, "seconds": timings}
@@ -366,9 +406,7 @@ async def ensure_host_image_tree(cache_dir: Path | None = None) -> HostImageTree
             shutil.rmtree(work)
         else:
             work.rename(entry)
-            for old in (cache / "host").iterdir():
-                if old.name != key and not old.name.startswith("."):
-                    shutil.rmtree(old, ignore_errors=True)
+            _prune(cache / "host", key)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise

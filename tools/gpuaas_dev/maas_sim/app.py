@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import re
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -95,6 +98,16 @@ def _result_response(result: object) -> web.Response:
     return json_response(result)
 
 
+_TOKEN_LINE = re.compile(rb"(GPUAAS_ENROLMENT_TOKEN=)([0-9a-f]{64})")
+
+
+def alter_user_data(machine: Any) -> None:
+    """What the machine will read is not what the deploy sent: its enrolment token is another one."""
+    deploy = machine.last_deploy or {}
+    sent = deploy.get("user_data") or b""
+    deploy["user_data"] = _TOKEN_LINE.sub(lambda m: m.group(1) + hashlib.sha256(m.group(2)).hexdigest().encode(), sent)
+
+
 async def _run_operation(request: web.Request, state: SimState, operation: Operation, call: Call) -> web.StreamResponse:
     system_id = call.path.get("system_id") or call.params.get("system_id")
     state.record_call(operation.name, system_id)
@@ -114,6 +127,8 @@ async def _run_operation(request: web.Request, state: SimState, operation: Opera
             if fault.kind == "failed_deployment":
                 call.machine.inject_failure("deploying", fault.status_message)
     result = operation.fn(call)
+    if operation.name == "deploy" and any(f.kind == "altered_user_data" for f in after):
+        alter_user_data(call.machine)
 
     for fault in after:
         if fault.latency:

@@ -6,7 +6,9 @@ machine (or every machine). It fires for its next `count` matching calls and/or 
 
 Faults that model MAAS answering after it committed (`lost_after_commit`, and by default
 `unavailable`, `gateway_timeout`, `server_error` and `latency`) run the operation first; `conflict`
-(a rolled-back serialization failure) never commits. Set `commit` to override.
+(a rolled-back serialization failure) never commits. Set `commit` to override. `altered_user_data` (on `deploy`)
+hands the machine user-data other than what the deploy sent: its enrolment token changed, as a tampering hop or a
+broken metadata service would.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ FaultKind = Literal[
     "gateway_timeout",
     "server_error",
     "failed_deployment",
+    "altered_user_data",
 ]
 FAULT_KINDS: tuple[str, ...] = FaultKind.__args__  # type: ignore[attr-defined]
 
@@ -35,6 +38,7 @@ _COMMITS_BY_DEFAULT = {
     "gateway_timeout": True,
     "server_error": True,
     "failed_deployment": True,
+    "altered_user_data": True,
 }
 
 _ids = itertools.count(1)

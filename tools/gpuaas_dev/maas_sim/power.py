@@ -59,17 +59,15 @@ def after_deploy(state: SimState, machine: Machine) -> None:
             f"Failed deployment: no uploaded image {machine.osystem}/{machine.distro_series} to install",
         )
         return
-    _spawn(
-        state,
-        machine,
-        "deploy",
-        virsh_power.deploy,
-        machine.virsh,
-        tgz,
-        deploy.get("user_data"),
-        machine.system_id,
-        machine.hostname,
-    )
+    params = machine.virsh
+
+    def install_and_boot() -> None:
+        # The user-data as the machine will read it, when it boots: after the call that took the deploy returned
+        # (a fault may have changed it on the way, app.alter_user_data).
+        user_data = (machine.last_deploy or deploy).get("user_data")
+        virsh_power.deploy(params, tgz, user_data, machine.system_id, machine.hostname)
+
+    _spawn(state, machine, "deploy", install_and_boot)
 
 
 def after_release(state: SimState, machine: Machine) -> None:

@@ -5,12 +5,14 @@ MAAS drives machines that are virtual machines through exactly this driver (powe
 the timer-driven simulation.
 
 Deploy does MAAS's part and nothing of the product's: curtin's install of the deployed boot resource (the tgz the
-gateway uploaded) onto the machine's disk in the `flat` layout (one root partition; curtin refuses a root tree
-without its `/curtin` marker, with MAAS's message), the user-data handed over as a NoCloud seed built from exactly
-the bytes the deploy carried, then power on. The disk boots its own kernel and initrd with the image's kernel
-arguments (read from its /etc/default/grub): what the bootloader curtin installs would do, without PXE and
-firmware (minutes under TCG). Release powers the machine off (`virsh destroy`, as MAAS's driver does) and, with
-erase, wipes the disk and checks no signature is left.
+gateway uploaded) onto the machine's disk in the `flat` layout of a UEFI machine (an EFI system partition and one
+root partition; curtin refuses a root tree without its `/curtin` marker, with MAAS's message) with GRUB as its
+bootloader, configured as update-grub would from the image's /etc/default/grub (its kernel arguments); the
+user-data handed over as a NoCloud seed built from exactly the bytes the deploy carried; then power on. The machine
+boots through its firmware (OVMF) from its own disk: GRUB finds the root by label and loads the image's kernel and
+initrd. What stays out is MAAS's PXE phase (the ephemeral environment curtin runs in): the simulator writes the disk
+from outside. Release powers the machine off (`virsh destroy`, as MAAS's driver does) and, with erase, wipes the
+disk and checks no signature is left.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class VirshParams:
     power_address: str  # libvirt URI
     power_id: str  # domain name
     disk: str  # the machine's disk (a file), what erase wipes
-    work_dir: str  # kernel, initrd, seed and console log: must be readable by QEMU's unprivileged user
+    work_dir: str  # firmware variables, seed and console log: must be readable by QEMU's unprivileged user
     bridge: str
     mac_address: str
     memory_mib: int = 1024
@@ -101,9 +103,21 @@ def _boot_file(tree: Path, name: str) -> Path:
     return path
 
 
+def grub_cfg(cmdline: list[str]) -> str:
+    """What update-grub writes for the installed image, cut to one entry: the root by label, its kernel and
+    initrd (the image's /boot links), its arguments."""
+    return (
+        "serial --unit=0 --speed=115200\nterminal_input serial console\nterminal_output serial console\n"
+        f"set timeout=1\nsearch --no-floppy --label --set=root {ROOT_LABEL}\n"
+        f'menuentry "gpuaas deployed image" {{\n    linux /boot/vmlinuz {" ".join(cmdline)}\n'
+        "    initrd /boot/initrd.img\n}\n"
+    )
+
+
 def install(params: VirshParams, tgz: bytes) -> list[str]:
-    """curtin's part: the root tree onto the disk (flat layout). Returns the kernel command line."""
-    from ..lab.base_image import write_gpt
+    """curtin's part: the root tree onto the disk (flat layout, UEFI: ESP + root) with GRUB. Returns the kernel
+    command line GRUB boots."""
+    from ..lab.base_image import _ESP_TYPE, ESP_LABEL, ESP_MIB, copy_into, make_esp, write_gpt
 
     work = Path(params.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -119,17 +133,26 @@ def install(params: VirshParams, tgz: bytes) -> list[str]:
                 "Failed deployment: Did not find any filesystem on ['/dev/vda'] that contained one of "
                 f"{list(CURTIN_MARKERS)}"
             )
-        (tree / "etc/fstab").write_text(f"LABEL={ROOT_LABEL} / ext4 errors=remount-ro 0 1\n")
+        (tree / "etc/fstab").write_text(
+            f"LABEL={ROOT_LABEL} / ext4 errors=remount-ro 0 1\n"
+            f"LABEL={ESP_LABEL} /boot/efi vfat umask=0077,nofail,x-systemd.device-timeout=10s 0 0\n"
+        )
         for name in ("vmlinuz", "initrd.img"):
-            shutil.copyfile(_boot_file(tree, name), work / name)
-            (work / name).chmod(0o644)
-        args = _grub_args(tree)
+            _boot_file(tree, name)  # curtin fails the same way on an image without a kernel
+        cmdline = [f"root=LABEL={ROOT_LABEL}", "ro", "console=ttyS0", *_grub_args(tree)]
+        esp = work / "esp.img"
+        make_esp(esp, work, grub_cfg(cmdline))
         disk = Path(params.disk)
         size = params.disk_gib << 30
         with disk.open("wb") as f:
             f.truncate(size)
-        start, end = 1 << 20, (size - 34 * 512) // (1 << 20) * (1 << 20)
-        write_gpt(disk, [(_LINUX_ROOT_X86_64, start, end, "root")])
+        esp_start = 1 << 20
+        start, end = esp_start + (ESP_MIB << 20), (size - 34 * 512) // (1 << 20) * (1 << 20)
+        write_gpt(
+            disk,
+            [(_ESP_TYPE, esp_start, start, "EFI System"), (_LINUX_ROOT_X86_64, start, end, "root")],
+        )
+        copy_into(esp, disk, esp_start)
         _run(
             "mkfs.ext4",
             "-F",
@@ -146,10 +169,16 @@ def install(params: VirshParams, tgz: bytes) -> list[str]:
     finally:
         shutil.rmtree(tree, ignore_errors=True)
         archive.unlink(missing_ok=True)
-    return [f"root=LABEL={ROOT_LABEL}", "ro", "console=ttyS0", *args]
+        for leftover in ("esp.img", "grub.cfg", "BOOTX64.EFI"):
+            (work / leftover).unlink(missing_ok=True)
+    return cmdline
 
 
-def domain_xml(params: VirshParams, cmdline: list[str]) -> str:
+def domain_xml(params: VirshParams) -> str:
+    """A UEFI machine that boots from its disk: OVMF, its variables in the work directory (made from Debian's
+    template by libvirt at the first start)."""
+    from ..lab.preflight import OVMF_CODE, OVMF_VARS
+
     work = Path(params.work_dir)
 
     def sub(parent: ET.Element, tag: str, text: str | None = None, **attrs: str) -> ET.Element:
@@ -164,9 +193,9 @@ def domain_xml(params: VirshParams, cmdline: list[str]) -> str:
     sub(root, "vcpu", "1")
     os_el = sub(root, "os")
     sub(os_el, "type", "hvm", arch="x86_64", machine="q35")
-    sub(os_el, "kernel", str(work / "vmlinuz"))
-    sub(os_el, "initrd", str(work / "initrd.img"))
-    sub(os_el, "cmdline", " ".join(cmdline))
+    sub(os_el, "loader", str(OVMF_CODE), readonly="yes", secure="no", type="pflash")
+    sub(os_el, "nvram", str(work / "OVMF_VARS.fd"), template=str(OVMF_VARS))
+    sub(os_el, "boot", dev="hd")
     features = sub(root, "features")
     sub(features, "acpi")
     sub(features, "apic")
@@ -214,14 +243,16 @@ def power_state(params: VirshParams) -> str:
 
 def deploy(params: VirshParams, tgz: bytes, user_data: bytes | None, system_id: str, hostname: str) -> None:
     power_off(params)
-    cmdline = install(params, tgz)
+    # Firmware variables of an earlier deploy name a disk layout that is gone: each deploy starts from the template.
+    (Path(params.work_dir) / "OVMF_VARS.fd").unlink(missing_ok=True)
+    install(params, tgz)
     # The bytes the gateway sent, unchanged: the seed is how they reach the machine.
     meta = f"instance-id: {system_id}\nlocal-hostname: {hostname}\n".encode()
     iso = Path(params.work_dir) / "seed.iso"
     iso.write_bytes(seed_iso(user_data or b"", meta))
     iso.chmod(0o644)
     xml = Path(params.work_dir) / "domain.xml"
-    xml.write_text(domain_xml(params, cmdline))
+    xml.write_text(domain_xml(params))
     _run("virsh", "-c", params.power_address, "define", xml)
     _run("virsh", "-c", params.power_address, "start", params.power_id)
 
