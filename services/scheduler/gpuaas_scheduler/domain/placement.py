@@ -377,79 +377,161 @@ def node_skus(req: Request) -> tuple[str, ...]:
     return (req.sku, *sorted(s for s, whole in WHOLE_HOST_SKU.items() if whole == req.sku))
 
 
+# --- node rules -----------------------------------------------------------------------------------
+#
+# Every filter is a named rule, in the style of the Kubernetes scheduler's Filter plugins: a name (the node's
+# bucket in the why-not answer's `filtered`), one explanation an operator reads ("3 nodes in maintenance"), and
+# one predicate on the node's facts and the request. A shape's rules are tried in order and the first that
+# fails names the node's bucket, so the order is the contract.
+#
+# Placement checks the same rules in SQL when it looks for and locks a node: adapters/inventory/node_rules_sql.py
+# maps every rule *name* to one predicate, importing it fails if the names differ, and
+# tests/integration/test_scheduler_node_rules.py evaluates every rule both ways on the same nodes. Placement
+# and the why-not answer therefore read one definition, as slot eligibility does (domain/slots.py).
+
+
+@dataclass(frozen=True)
+class NodeRule:
+    name: str
+    # Completes "<n> nodes ...": the why-not answer's words for the nodes that fail it.
+    explanation: str
+    holds: Callable[[NodeFacts, Request], bool]
+    # Whether it judges the node rather than its current occupancy: a node passing every such rule is
+    # "eligible", and its free GPUs count in the why-not answer.
+    node_level: bool = True
+    # The bucket the node lands in when this rule fails it, when that is not the rule's own name.
+    bucket: str = ""
+
+    @property
+    def filtered_as(self) -> str:
+        return self.bucket or self.name
+
+
+def _free_slots_short(node: NodeFacts, req: Request) -> bool:
+    return node.candidate.free_slots < req.gpus
+
+
+def _free_but_for_drift(node: NodeFacts, req: Request) -> bool:
+    """Enough slots but for those with open drift on them: the answer ops can act on."""
+    return _free_slots_short(node, req) and node.candidate.free_slots + node.drifted_free_slots >= req.gpus
+
+
+def _partition_free(node: NodeFacts, req: Request) -> bool:
+    """A host placed on NVLink partitions has a free partition of the request's size (one that exists)."""
+    return req.gpus in nvl.SIZES and bool(nvl.feasible_partitions(node.gpu_states(), req.gpus))
+
+
+_REGION = NodeRule("region", "in another region", lambda n, r: n.region == r.region)
+_SKU = NodeRule("sku", "of another SKU", lambda n, r: n.sku in node_skus(r))
+_MAINTENANCE = NodeRule("maintenance", "in maintenance", lambda n, r: not n.maintenance)
+_DRAINING = NodeRule("draining", "draining", lambda n, r: not n.draining)
+_NOT_READY = NodeRule("not_ready", "not ready", lambda n, r: n.schedulable)
+_INTENT = "without the profile intent"
+_MODE = "in a host mode that does not serve this shape"
+_HELD = "held by another allocation"
+
+SLICE_RULES: tuple[NodeRule, ...] = (
+    _REGION,
+    _SKU,
+    NodeRule("profile_intent", _INTENT, lambda n, r: n.accepts_slices),
+    NodeRule("host_mode", _MODE, lambda n, r: n.mode == "slice"),
+    _MAINTENANCE,
+    _DRAINING,
+    _NOT_READY,
+    # Commissioning decides whether the host is firmware-capable (runbook): no passing preflight, no slices.
+    NodeRule("preflight_failed", "whose commissioning preflight failed", lambda n, r: n.preflight_status != "failed"),
+    NodeRule("preflight_missing", "without a commissioning preflight", lambda n, r: n.preflight_status == "passed"),
+    NodeRule(
+        "parity",
+        "without parity failures=0",
+        lambda n, r: n.parity_failures is not None and not n.parity_failures > 0,
+    ),
+    NodeRule("drift_reported", "with open drift reported by the node agent", lambda n, r: not n.drift_open),
+    NodeRule("image_cache", "without the image verified in cache", lambda n, r: n.image_ready),
+    NodeRule(
+        "fabric_manager_version",
+        "whose Fabric Manager version is not the image's driver version",
+        lambda n, r: not fabric_manager_mismatch(n, r),
+    ),
+    NodeRule(
+        "hugepages_missing",
+        "without the 1 GiB hugepages their slot profile needs",
+        lambda n, r: not hugepages_missing(n, r),
+    ),
+    NodeRule("in_use", _HELD, lambda n, r: not n.exclusive_held),
+    NodeRule(
+        "drifted_slots",
+        "with open drift reported by the node agent",
+        lambda n, r: not _free_but_for_drift(n, r),
+        bucket="drift_reported",
+    ),
+    NodeRule("free_slot_count", "with too few free slots", lambda n, r: not _free_slots_short(n, r), node_level=False),
+    NodeRule(
+        "hugepages_insufficient",
+        "whose free 1 GiB hugepages are held by running slices",
+        lambda n, r: not hugepages_insufficient(n, r),
+        node_level=False,
+    ),
+    NodeRule(
+        "nvlink_partition",
+        "without a free NVLink partition of that size",
+        lambda n, r: not n.partitioned or _partition_free(n, r),
+        node_level=False,
+    ),
+    NodeRule(
+        "topology",
+        "without a topology-safe group",
+        lambda n, r: best_tier(n.candidate, r.gpus) is not None,
+        node_level=False,
+    ),
+)
+
+BAREMETAL_RULES: tuple[NodeRule, ...] = (
+    _REGION,
+    _SKU,
+    NodeRule("profile_intent", _INTENT, lambda n, r: n.accepts_baremetal),
+    NodeRule("host_mode", _MODE, lambda n, r: n.mode == "baremetal"),
+    # A slot promises its GPU and disk to slices; a baremetal tenant owns them all.
+    NodeRule("approved_slots", "still holding approved slots", lambda n, r: not n.approved_slots),
+    _MAINTENANCE,
+    _DRAINING,
+    _NOT_READY,
+    # The commissioning preflight gates slice capability only: a whole host needs no VFIO firmware.
+    NodeRule("in_use", _HELD, lambda n, r: not n.live_claims),
+)
+
+
+def rules_for(shape: str) -> tuple[NodeRule, ...]:
+    return BAREMETAL_RULES if shape == "baremetal" else SLICE_RULES
+
+
+def first_failing(node: NodeFacts, req: Request) -> NodeRule | None:
+    return next((rule for rule in rules_for(req.shape) if not rule.holds(node, req)), None)
+
+
 def node_filter(node: NodeFacts, req: Request) -> str | None:
-    """The first filter a node fails for this request (its bucket in `filtered`), or None."""
-    if node.region != req.region:
-        return "region"
-    if node.sku not in node_skus(req):
-        return "sku"
-    if req.shape == "baremetal":
-        if not node.accepts_baremetal:
-            return "profile_intent"
-        if node.mode != "baremetal":
-            return "host_mode"
-        if node.approved_slots:
-            return "approved_slots"
-    elif not node.accepts_slices:
-        return "profile_intent"
-    elif node.mode != "slice":
-        return "host_mode"
-    if node.maintenance:
-        return "maintenance"
-    if node.draining:
-        return "draining"
-    if not node.schedulable:
-        return "not_ready"
-    if req.shape == "baremetal":
-        return "in_use" if node.live_claims else None
-    if node.preflight_status != "passed":
-        # Commissioning decides whether the host is firmware-capable (runbook): no passing preflight, no slices.
-        return "preflight_failed" if node.preflight_status == "failed" else "preflight_missing"
-    if node.parity_failures is None or node.parity_failures > 0:
-        return "parity"
-    if node.drift_open:
-        return "drift_reported"
-    if not node.image_ready:
-        return "image_cache"
-    if fabric_manager_mismatch(node, req):
-        return "fabric_manager_version"
-    if hugepages_missing(node, req):
-        return "hugepages_missing"
-    if node.exclusive_held:
-        return "in_use"
-    if node.candidate.free_slots < req.gpus:
-        # Enough slots but for those with open drift: the answer ops can act on.
-        drift_only = node.candidate.free_slots + node.drifted_free_slots >= req.gpus
-        return "drift_reported" if drift_only else "free_slot_count"
-    if hugepages_insufficient(node, req):
-        return "hugepages_insufficient"
-    if node.partitioned and (req.gpus not in nvl.SIZES or not nvl.feasible_partitions(node.gpu_states(), req.gpus)):
-        return "nvlink_partition"
-    if best_tier(node.candidate, req.gpus) is None:
-        return "topology"
-    return None
+    """The first rule a node fails for this request, as its bucket in `filtered`; None when it passes them all."""
+    rule = first_failing(node, req)
+    return rule.filtered_as if rule else None
 
 
-# Filters that judge the node rather than its current occupancy: a node passing them is "eligible"
-# and its free GPUs count in the why-not answer.
-NODE_LEVEL = {
-    "region",
-    "sku",
-    "profile_intent",
-    "host_mode",
-    "approved_slots",
-    "maintenance",
-    "draining",
-    "not_ready",
-    "preflight_failed",
-    "preflight_missing",
-    "parity",
-    "drift_reported",
-    "image_cache",
-    "fabric_manager_version",
-    "hugepages_missing",
-    "in_use",
-}
+def _one_per_name(*shapes: tuple[NodeRule, ...]) -> dict[str, NodeRule]:
+    """Each bucket has one explanation and one level, whichever shape's rule it comes from."""
+    by_bucket: dict[str, NodeRule] = {}
+    for rule in (r for rules in shapes for r in rules):
+        seen = by_bucket.setdefault(rule.filtered_as, rule)
+        if (seen.explanation, seen.node_level) != (rule.explanation, rule.node_level):
+            raise RuntimeError(f"node rules disagree on bucket {rule.filtered_as!r}")
+    for rules in shapes:
+        if len({r.name for r in rules}) != len(rules):
+            raise RuntimeError("a shape's node rules repeat a name")
+    return by_bucket
+
+
+_BUCKETS = _one_per_name(SLICE_RULES, BAREMETAL_RULES)
+# The buckets of the rules that judge the node rather than its current occupancy: a node passing them is
+# "eligible" and its free GPUs count in the why-not answer.
+NODE_LEVEL = frozenset(bucket for bucket, rule in _BUCKETS.items() if rule.node_level)
 
 
 # --- scores ---------------------------------------------------------------------------------------
@@ -506,27 +588,9 @@ def clean_node_allowed(clean_nodes: int, watermark: int) -> bool:
 # --- why not --------------------------------------------------------------------------------------
 
 
+# What each bucket of `filtered` says: the rules' explanations, and the watermark's, a policy and not a rule.
 _FILTER_TEXT = {
-    "region": "in another region",
-    "sku": "of another SKU",
-    "profile_intent": "without the profile intent",
-    "host_mode": "in a host mode that does not serve this shape",
-    "approved_slots": "still holding approved slots",
-    "maintenance": "in maintenance",
-    "draining": "draining",
-    "not_ready": "not ready",
-    "preflight_failed": "whose commissioning preflight failed",
-    "preflight_missing": "without a commissioning preflight",
-    "parity": "without parity failures=0",
-    "drift_reported": "with open drift reported by the node agent",
-    "image_cache": "without the image verified in cache",
-    "fabric_manager_version": "whose Fabric Manager version is not the image's driver version",
-    "hugepages_missing": "without the 1 GiB hugepages their slot profile needs",
-    "hugepages_insufficient": "whose free 1 GiB hugepages are held by running slices",
-    "in_use": "held by another allocation",
-    "free_slot_count": "with too few free slots",
-    "topology": "without a topology-safe group",
-    "nvlink_partition": "without a free NVLink partition of that size",
+    **{bucket: rule.explanation for bucket, rule in _BUCKETS.items()},
     "clean_node_reserve": "reserved clean for baremetal",
 }
 

@@ -8,8 +8,9 @@ it. The DB unique indexes on live claims are the last line of defence either way
 
 The package re-exports every name below, so callers keep `from ..adapters import inventory as inv`:
 
-- `predicates`: the shared SQL fragments (slice/baremetal node, counted and free slot, image gate, tiers)
-  and row mappers;
+- `predicates`: the shared SQL fragments (counted and free slot, image gate, hugepages, tiers) and row mappers;
+- `node_sql`: the node rules of domain/placement.py as SQL, one predicate per rule, and which rules each
+  placement query checks;
 - `seeding`: nodes and slots from the fleet file;
 - `capacity`: the per-node capacity summary and the fleet's shape;
 - `candidates`: nodes in rank order, the image gate, the facts behind "why not";
@@ -31,13 +32,12 @@ from .claims import (
     tenant_usage_locked,
     try_claim_baremetal,
 )
+from .node_sql import BAREMETAL_NODE_SQL, SLICE_NODE_SQL
 from .predicates import (
-    BAREMETAL_NODE_SQL,
     COUNTED_SLOT_SQL,
     FREE_SLOT_SQL,
     MODULE_STATES_SQL,
     NODE_SUMMARY_COLUMNS,
-    SLICE_NODE_SQL,
     SLOT_COLUMNS,
     candidate_from_row,
     image_ready_sql,

@@ -9,24 +9,26 @@ from collections.abc import AsyncIterator, Sequence
 import asyncpg
 
 from ...domain.placement import NodeCandidate, NodeFacts, Request, node_skus
+from .node_sql import BAREMETAL_CANDIDATE, SLICE_CANDIDATE, SLICE_HOST, rules_sql
 from .predicates import (
-    BAREMETAL_NODE_SQL,
     MODULE_STATES_SQL,
     NODE_SUMMARY_COLUMNS,
-    SLICE_NODE_SQL,
     SLOT_DRIFT_SQL,
     TIER_SQL,
     UNCLAIMED_SLOT_SQL,
     candidate_from_row,
-    fabric_manager_ok_sql,
     gate_params,
     hugepage_profiles_sql,
     hugepage_table,
     hugepages_held_sql,
-    hugepages_ok_sql,
     hugepages_per_gpu_sql,
     image_ready_sql,
 )
+
+# The slice rules a candidate row passes (node_sql.SLICE_CANDIDATE), with the parameter numbers of the queries
+# below and of `claims.lock_best_in_class`: region $1, SKU $2, GPUs $3, image gate $5/$6 (here $8/$9),
+# hugepage table, driver version.
+_CANDIDATE_SQL = rules_sql("gpu_slice", SLICE_CANDIDATE, region=1, sku=2, gpus=3, slug=8, digest=9, pages=10, driver=11)
 
 
 async def slice_candidates(
@@ -38,9 +40,8 @@ async def slice_candidates(
         after: tuple[int, str] = (-1, "")
         while True:
             rows = await conn.fetch(
-                f"SELECT {NODE_SUMMARY_COLUMNS} FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} "
-                f"AND n.free_slots > 0 AND n.sliced = $4 AND n.free_slots >= $3 AND {tier_sql} "
-                f"AND {image_ready_sql(8, 9)} AND {hugepages_ok_sql(3, 10)} AND {fabric_manager_ok_sql(11)} "
+                f"SELECT {NODE_SUMMARY_COLUMNS} FROM nodes n WHERE {_CANDIDATE_SQL} "
+                f"AND n.free_slots > 0 AND n.sliced = $4 AND {tier_sql} "
                 "AND (n.free_slots, n.node_id) > ($5, $6) ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT $7",
                 req.region,
                 req.sku,
@@ -60,22 +61,25 @@ async def slice_candidates(
             after = (rows[-1]["free_slots"], rows[-1]["node_id"])
 
 
+# A slice host in service in the request's region and SKU, whatever else the request asks.
+_CLEAN_SQL = rules_sql("gpu_slice", ("region", "sku", *SLICE_HOST), region=1, sku=2)
+
+
 async def count_clean_nodes(conn: asyncpg.Connection, req: Request) -> int:
     return await conn.fetchval(
-        f"SELECT count(*) FROM nodes n WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} AND NOT n.sliced "
-        "AND n.free_slots > 0",
+        f"SELECT count(*) FROM nodes n WHERE {_CLEAN_SQL} AND NOT n.sliced AND n.free_slots > 0",
         req.region,
         req.sku,
     )
 
 
+_BAREMETAL_SQL = rules_sql("baremetal", BAREMETAL_CANDIDATE, region=1, skus=2)
+
+
 async def baremetal_candidates(conn: asyncpg.Connection, req: Request) -> list[str]:
     # Baremetal-only hosts first: a convertible host could go back to slices.
     rows = await conn.fetch(
-        f"SELECT n.node_id FROM nodes n WHERE n.region = $1 AND n.sku = ANY($2::text[]) AND {BAREMETAL_NODE_SQL} "
-        "AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c "
-        "WHERE c.node_id = n.node_id AND c.status <> 'released') "
-        "ORDER BY n.accepts_slices, n.node_id",
+        f"SELECT n.node_id FROM nodes n WHERE {_BAREMETAL_SQL} ORDER BY n.accepts_slices, n.node_id",
         req.region,
         list(node_skus(req)),
     )

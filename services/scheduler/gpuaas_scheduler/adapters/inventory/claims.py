@@ -11,24 +11,26 @@ import asyncpg
 
 from ...domain.placement import NodeCandidate, Request, SlotView
 from ..wipe_policy import effective_policy_sql
+from .node_sql import BAREMETAL_NODE_SQL, SLICE_CANDIDATE, SLICE_LOCKED, rules_sql
 from .predicates import (
-    BAREMETAL_NODE_SQL,
     FREE_SLOT_SQL,
-    SLICE_NODE_SQL,
     SLOT_COLUMNS,
     SLOT_VIEW_COLUMNS,
     TIER_SQL,
-    fabric_manager_ok_sql,
     gate_params,
     hugepage_table,
-    hugepages_ok_sql,
-    image_ready_sql,
     slot_view,
 )
 
 LOCKED = object()
 _FREE_COLUMNS = ", ".join("s." + c.strip() for c in SLOT_VIEW_COLUMNS.split(","))
 _FREE_COLUMNS_F = ", ".join("f." + c.strip() for c in SLOT_VIEW_COLUMNS.split(","))
+
+
+# What a node the walk listed must still pass once locked (node_sql.SLICE_LOCKED).
+_LOCKED_SQL = rules_sql("gpu_slice", SLICE_LOCKED, gpus=4, slug=2, digest=3, pages=5, driver=6)
+# The fast path's rank-class walk: the candidate rules with the parameter numbers of its query.
+_BEST_SQL = rules_sql("gpu_slice", SLICE_CANDIDATE, region=1, sku=2, gpus=3, slug=5, digest=6, pages=7, driver=8)
 
 
 async def lock_slice_node(
@@ -40,14 +42,12 @@ async def lock_slice_node(
     image_gate: tuple[str, str] | None = None,
     driver_version: str | None = None,
 ) -> Any:
-    """The node row under FOR UPDATE if it may still take `gpus` slices (hugepages included, and, under an
-    image gate, holds the image verified); LOCKED when another worker holds it."""
+    """The node row under FOR UPDATE if it still passes the slice rules a listed node is checked against
+    (node_sql.SLICE_LOCKED: in service, image, Fabric Manager, hugepages, not held whole); LOCKED when another
+    worker holds it."""
     skip = "" if wait else " SKIP LOCKED"
     row = await conn.fetchrow(
-        f"SELECT n.node_id, n.total_slots, n.numa_capacity, {SLICE_NODE_SQL} AND {image_ready_sql(2, 3)} "
-        f"AND {hugepages_ok_sql(4, 5)} AND {fabric_manager_ok_sql(6)} AS ok, "
-        "EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
-        "        AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') AS exclusive "
+        f"SELECT n.node_id, n.total_slots, n.numa_capacity, {_LOCKED_SQL} AS ok "
         f"FROM nodes n WHERE n.node_id = $1 FOR UPDATE{skip}",
         node_id,
         *gate_params(image_gate),
@@ -58,7 +58,7 @@ async def lock_slice_node(
     if row is None:
         exists = await conn.fetchval("SELECT 1 FROM nodes WHERE node_id = $1", node_id)
         return LOCKED if exists and not wait else None
-    if not row["ok"] or row["exclusive"]:
+    if not row["ok"]:
         return None
     return row
 
@@ -120,11 +120,7 @@ async def lock_best_in_class(
     tier_sql = "TRUE" if req.gpus == 1 else TIER_SQL[tier]
     rows = await conn.fetch(
         "WITH n AS (SELECT n.node_id, n.total_slots, n.numa_capacity FROM nodes n "
-        f"  WHERE n.region = $1 AND n.sku = $2 AND {SLICE_NODE_SQL} AND n.free_slots > 0 AND n.sliced = $4 "
-        f"  AND n.free_slots >= $3 AND {tier_sql} AND {image_ready_sql(5, 6)} AND {hugepages_ok_sql(3, 7)} "
-        f"  AND {fabric_manager_ok_sql(8)} "
-        "  AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.node_id = n.node_id "
-        "                  AND c.claim_kind = 'node_exclusive' AND c.status <> 'released') "
+        f"  WHERE {_BEST_SQL} AND n.free_slots > 0 AND n.sliced = $4 AND {tier_sql} "
         "  ORDER BY n.sliced DESC, n.free_slots, n.node_id LIMIT 1 FOR UPDATE OF n SKIP LOCKED), "
         f"free AS (SELECT {_FREE_COLUMNS} FROM node_resource_slots s "
         f"  WHERE s.node_id = (SELECT node_id FROM n) AND {FREE_SLOT_SQL} FOR UPDATE OF s SKIP LOCKED) "

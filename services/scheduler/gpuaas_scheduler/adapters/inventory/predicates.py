@@ -1,6 +1,6 @@
-"""The SQL fragments inventory queries share (which nodes may take slices or be handed out whole, which
-slots count and which are free, the image readiness gate, the hugepage capacity, the rank tiers) and the
-row mappers."""
+"""The SQL fragments inventory queries share (which slots count and which are free, the image readiness gate,
+the hugepage capacity, the rank tiers) and the row mappers. Which nodes may take a request is the node rules'
+SQL (node_sql.py), built on these."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from gpuaas_common.profiles import hugepage_profiles
 from ...domain.placement import TIER_NUMA, TIER_SPAN, TIER_SWITCH, NodeCandidate, Request, SlotView
 from ..slot_sql import ELIGIBLE_SLOT_SQL
 
+# A parameter's number in the query, or `{name}` in a node rule's template (node_sql.py).
+Param = int | str
+
 SLOT_COLUMNS = (
     "slot_id, gpu_pci_address, nvme_by_id, fabric_vf_pci_address, mac, private_ip, ovs_bridge, numa_node, profile, "
     "module_id"
@@ -20,19 +23,6 @@ SLOT_COLUMNS = (
 # What placement reads of a free slot (`slot_view`).
 SLOT_VIEW_COLUMNS = "slot_id, numa_node, pcie_switch, fabric_vf_pci_address, module_id"
 
-# A node may take slices now: intent, mode, readiness evidence (a passing commissioning preflight and
-# parity), no drain or maintenance, and no open node-wide drift.
-SLICE_NODE_SQL = (
-    "n.accepts_slices AND n.mode = 'slice' AND n.preflight_status = 'passed' AND n.parity_failures = 0 "
-    "AND n.schedulable AND NOT n.draining AND NOT n.maintenance AND NOT n.drift_open"
-)
-# A node may be handed out whole: baremetal mode, intent, no drain or maintenance, and no approved slot
-# left in any status but retired: a slot promises its GPU and disk to slices, a baremetal tenant owns
-# them all.
-BAREMETAL_NODE_SQL = (
-    "n.accepts_baremetal AND n.mode = 'baremetal' AND n.schedulable AND NOT n.draining AND NOT n.maintenance "
-    "AND NOT EXISTS (SELECT 1 FROM node_resource_slots s WHERE s.node_id = n.node_id AND s.status <> 'retired')"
-)
 # Slot states that count towards a node's capacity (approved, whether free or not).
 COUNTED_SLOT_SQL = "status NOT IN ('disabled', 'retired')"
 # A slot is unclaimed: approved and complete (ELIGIBLE_SLOT_SQL) and no live claim on it, its fabric
@@ -60,7 +50,7 @@ MODULE_STATES_SQL = (
 )
 
 
-def image_ready_sql(slug: int, digest: int) -> str:
+def image_ready_sql(slug: Param, digest: Param) -> str:
     """Node `n` holds the image verified with the requested digest, or no gate applies (the slug
     parameter is NULL). Parameter positions are the caller's: each query numbers its own."""
     return (
@@ -69,7 +59,7 @@ def image_ready_sql(slug: int, digest: int) -> str:
     )
 
 
-def fabric_manager_ok_sql(version: int) -> str:
+def fabric_manager_ok_sql(version: Param) -> str:
     """The SQL of the domain's `fabric_manager_mismatch`, negated: no driver version asked (`$version` NULL), node
     `n` places no NVLink partitions (no unretired slot with a module ID), or its Fabric Manager has that version."""
     return (
@@ -78,11 +68,11 @@ def fabric_manager_ok_sql(version: int) -> str:
     )
 
 
-def _pages_per_gpu_sql(table: int, slot: str) -> str:
+def _pages_per_gpu_sql(table: Param, slot: str) -> str:
     return f"COALESCE((${table}::jsonb ->> {slot}.profile)::int, 0)"
 
 
-def hugepages_per_gpu_sql(table: int) -> str:
+def hugepages_per_gpu_sql(table: Param) -> str:
     """1 GiB pages per GPU the slots of node `n` need: the most any counted slot's runtime profile asks.
     `$table` is `hugepage_table()`, the shared profile table as the database reads it."""
     return (
@@ -91,7 +81,7 @@ def hugepages_per_gpu_sql(table: int) -> str:
     )
 
 
-def hugepage_profiles_sql(table: int) -> str:
+def hugepage_profiles_sql(table: Param) -> str:
     """The runtime profiles of node `n`'s counted slots that ask for 1 GiB pages (comma-joined; NULL: none), so
     a why-not answer can say which profile needs them."""
     return (
@@ -100,7 +90,7 @@ def hugepage_profiles_sql(table: int) -> str:
     )
 
 
-def hugepages_held_sql(table: int) -> str:
+def hugepages_held_sql(table: Param) -> str:
     """1 GiB pages the live slot claims on node `n` hold: the VMs placed there back their memory with them."""
     return (
         f"(SELECT COALESCE(sum({_pages_per_gpu_sql(table, 'hs')}), 0) FROM allocation_resource_claims hc "
@@ -109,7 +99,7 @@ def hugepages_held_sql(table: int) -> str:
     )
 
 
-def hugepages_ok_sql(gpus: int, table: int) -> str:
+def hugepages_ok_sql(gpus: Param, table: Param) -> str:
     """Node `n` can back `$gpus` GPUs of its slots' profile with 1 GiB hugepages, or the profile needs none:
     the SQL of the domain's `hugepages_missing` and `hugepages_insufficient` filters together. The host's
     configured pages are the capacity and the scheduler's own claims the usage, as for GPUs; the free count
