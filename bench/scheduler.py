@@ -32,10 +32,11 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.db import create_pool
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
-from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
+from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_dev.testing.servers import PostgresServer
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters import synthetic
+from gpuaas_scheduler.adapters.repository import scheduler_repositories
 from gpuaas_scheduler.service_layer.handlers import Scheduler
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy, with_fleet_shape
 
@@ -82,7 +83,7 @@ async def _placements(dsn: str, gpus: int, count: int, start_at: float) -> dict:
                 pool,
                 "scheduler",
                 "scheduler",
-                no_repositories,
+                scheduler_repositories,
                 correlation_id=env.correlation_id,
                 causation_id=env.event_id,
             ),

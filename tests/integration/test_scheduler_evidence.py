@@ -17,8 +17,9 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.catalog import spec_for
 from gpuaas_common.contract.envelope import Envelope
 from gpuaas_common.jetstream import CONSUMER_BY_NAME
-from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
+from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_scheduler.adapters import synthetic
+from gpuaas_scheduler.adapters.repository import scheduler_repositories
 from gpuaas_scheduler.service_layer import admin
 from gpuaas_scheduler.service_layer.handlers import (
     EVIDENCE_CONSUMERS,
@@ -55,7 +56,7 @@ async def deliver(pool, scheduler: Scheduler, type_: str, payload, *, occurred_a
     assert await bus_deliver(
         handler,
         HandlerContext(env, payload, spec_for(type_).address, durable, 1),
-        UnitOfWork(pool, "scheduler", "scheduler", no_repositories),
+        UnitOfWork(pool, "scheduler", "scheduler", scheduler_repositories),
     )
 
 
@@ -74,7 +75,9 @@ async def place(pool, scheduler: Scheduler, *, gpus=1, slug="img", digest=DIGEST
     )
     env = Envelope.wrap("allocation.accepted", ev.model_dump(mode="json"), producer="test", correlation_id="test")
     ctx = HandlerContext(env, ev, "gpuaas.allocation.event.accepted", "scheduler-allocation-events", 1)
-    assert await bus_deliver(scheduler.on_accepted, ctx, UnitOfWork(pool, "scheduler", "scheduler", no_repositories))
+    assert await bus_deliver(
+        scheduler.on_accepted, ctx, UnitOfWork(pool, "scheduler", "scheduler", scheduler_repositories)
+    )
     body = await pool.fetchval("SELECT body FROM outbox WHERE aggregate_id = $1", str(ev.allocation_id))
     out = json.loads(body)
     return out["type"], out["payload"]

@@ -22,10 +22,11 @@ from gpuaas_common.bus import deliver as bus_deliver
 from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.catalog import spec_for
 from gpuaas_common.contract.envelope import Envelope
-from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
+from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_dev.testing.waiting import eventually
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.adapters.inventory import refresh_nodes
+from gpuaas_scheduler.adapters.repository import scheduler_repositories
 from gpuaas_scheduler.service_layer.handlers import ArrivedEarly, Scheduler
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy
 
@@ -62,7 +63,7 @@ def context(type_: str, payload: Any) -> HandlerContext:
 
 
 def uow(pool: asyncpg.Pool) -> UnitOfWork[Any]:
-    return UnitOfWork(pool, "scheduler", "scheduler", no_repositories)
+    return UnitOfWork(pool, "scheduler", "scheduler", scheduler_repositories)
 
 
 async def deliver(pool: asyncpg.Pool, handler: Any, type_: str, payload: Any) -> None:

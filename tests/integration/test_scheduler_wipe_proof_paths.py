@@ -19,9 +19,10 @@ from gpuaas_common.bus import deliver as bus_deliver
 from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.catalog import spec_for
 from gpuaas_common.contract.envelope import Envelope
-from gpuaas_common.unit_of_work import UnitOfWork, no_repositories
+from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters import synthetic
+from gpuaas_scheduler.adapters.repository import scheduler_repositories
 from gpuaas_scheduler.service_layer.handlers import Scheduler
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy
 
@@ -44,7 +45,7 @@ def scheduler() -> Scheduler:
 async def _deliver(pool: asyncpg.Pool, handler: Any, type_: str, payload: m.Payload) -> None:
     env = Envelope.wrap(type_, payload.model_dump(mode="json"), producer="test", correlation_id="test")
     ctx = HandlerContext(env, payload, spec_for(type_).address, "scheduler-allocation-events", 1)
-    assert await bus_deliver(handler, ctx, UnitOfWork(pool, "scheduler", "scheduler", no_repositories))
+    assert await bus_deliver(handler, ctx, UnitOfWork(pool, "scheduler", "scheduler", scheduler_repositories))
 
 
 async def _placed_through(pool: asyncpg.Pool, statuses: tuple[str, ...], gpus: int = 2) -> m.PlacementPlaced:

@@ -13,6 +13,7 @@ from gpuaas_common.startup import StartupFailed
 from ..adapters.allocator_client import AllocatorClient
 from ..adapters.inventory import refresh_nodes, seed_from_fleet
 from ..adapters.metrics import inventory_reading
+from ..adapters.repository import scheduler_repositories
 from ..service_layer.claim_audit import AuditPolicy, audit_claims
 from ..service_layer.handlers import Scheduler, allocation_first_lock, evidence_handlers, handlers
 from ..service_layer.placement import PlacementPolicy, with_fleet_shape
@@ -26,6 +27,8 @@ log = get_logger(__name__)
 def build_register(settings: SchedulerSettings):
     async def register(rt: ServiceRuntime) -> None:
         assert rt.bus is not None and rt.pool is not None
+        # `uow.repos` of every unit of work the bus opens: the handlers reach nodes, slots and claims through it.
+        rt.bus.repositories = scheduler_repositories
         fleet = _inventory(settings.inventory_file) if settings.inventory_file else None
         async with rt.bus.unit_of_work() as uow:
             if fleet is not None:

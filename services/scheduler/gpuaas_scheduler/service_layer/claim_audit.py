@@ -19,7 +19,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
 from ..adapters import claim_audit as repo
-from ..adapters import inventory as inv
+from ..adapters.repository import scheduler_repositories
 from ..domain.claim_audit import AuditFacts, Settlement, settle
 from . import host_modes
 
@@ -84,38 +84,24 @@ async def audit_claims(uow_factory: Callable[[], Any], ask: Ask, policy: AuditPo
 
 
 async def release_settled(conn: Any, allocation_id: uuid.UUID, verdict: Settlement) -> int:
-    """Free the allocation's live claims as the audit settled them; how many were freed (0: nothing was held
-    any more, e.g. its lifecycle event was applied in the meantime)."""
-    await inv.lock_allocation(conn, allocation_id)
-    held = await inv.allocation_slots(conn, allocation_id)
-    if not held:
+    """Free the allocation's live claims as the audit settled them (`NodeClaims.settle`); how many were freed (0:
+    nothing was held any more, e.g. its lifecycle event was applied in the meantime)."""
+    repos = scheduler_repositories(conn)
+    await repos.claims.lock_allocation(allocation_id)
+    claims = await repos.claims.load(allocation_id)
+    if not claims.claims:
         return 0
-    nodes = sorted({r["node_id"] for r in held})
-    await inv.lock_nodes(conn, nodes)
-    reason = f"claim audit: {verdict.reason}"[:500]
-    slots = [r["slot_id"] for r in held if r["slot_id"]]
-    await inv.move_slots(
-        conn,
-        slots,
-        "cleanup_blocked",
-        reason,
-        actor=ACTOR,
-        allocation_id=allocation_id,
-        detail={"claim_audit": verdict.reason, "statuses": {r["slot_id"]: r["status"] for r in held if r["slot_id"]}},
-        health=("failed", reason),
-    )
-    freed = await inv.release_claims(conn, allocation_id)
-    for node_id in sorted({r["node_id"] for r in held if r["claim_kind"] == "node_exclusive"}):
-        if verdict.machine_returned:
-            await host_modes.return_from_baremetal(conn, node_id, allocation_id)
-        else:
-            await inv.drain_node(conn, node_id, reason, actor=ACTOR)
-    await inv.refresh_nodes(conn, nodes)
+    claims.settle(verdict.reason, machine_returned=verdict.machine_returned, actor=ACTOR)
+    freed = await repos.claims.save(claims)
+    if verdict.machine_returned:
+        for node_id in claims.whole_nodes:
+            await host_modes.return_from_baremetal(repos.hosts, node_id, allocation_id)
+    await repos.nodes.refresh(claims.node_ids)
     log.warning(
         "claims_settled_by_audit",
         allocation_id=str(allocation_id),
         reason=verdict.reason,
-        claims=len(freed),
-        slots_blocked=slots,
+        claims=freed,
+        slots_blocked=[s.slot_id for s in claims.slots],
     )
-    return len(freed)
+    return freed

@@ -21,9 +21,9 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
 from ..adapters import inventory as inv
-from ..adapters.inventory.held import held_placement
-from ..domain.approval import wipe_verdict
-from ..domain.slots import allowed_from
+from ..adapters.repository import SchedulerRepositories, scheduler_repositories
+from ..domain.node_claims import EndedOutOfOrder as EndedOutOfOrder  # raised by NodeClaims; the bus retries it
+from ..domain.node_claims import NodeClaims
 from . import drift, evidence, host_modes, steering
 from .placement import PlacementPolicy, place
 
@@ -36,9 +36,16 @@ def allocation_first_lock(payload: object) -> str | None:
     return inv.allocation_lock_key(allocation_id) if allocation_id is not None else None
 
 
-async def _lock_allocation(ctx: HandlerContext, allocation_id: uuid.UUID) -> None:
+async def _lock_allocation(ctx: HandlerContext, allocation_id: uuid.UUID) -> SchedulerRepositories:
+    """The allocation's lock (unless the bus took it with the BEGIN), and the repositories to go on with: the unit
+    of work's (`scheduler_repositories`, as the service's bus builds them), or, for one built without them (a
+    caller passing `no_repositories`), the same repositories on its connection."""
+    repos: SchedulerRepositories | None = ctx.uow.repos
+    if repos is None:
+        repos = scheduler_repositories(ctx.conn)
     if not ctx.uow.holds_lock(inv.allocation_lock_key(allocation_id)):
-        await inv.lock_allocation(ctx.conn, allocation_id)
+        await repos.claims.lock_allocation(allocation_id)
+    return repos
 
 
 class Scheduler:
@@ -50,12 +57,12 @@ class Scheduler:
         alloc_id = str(ev.allocation_id)
         # A placement asked again (re-drive) while another replica places the first request: without the
         # lock both see no claim and both place.
-        await _lock_allocation(ctx, ev.allocation_id)
-        outcome = await place(ctx.conn, ev, self.policy)
+        repos = await _lock_allocation(ctx, ev.allocation_id)
+        outcome = await place(repos.conn, ev, self.policy)
         if outcome.already_placed:
             # A repeated request: the allocator lost track of our answer and asks again. Answer with the claim
             # held, under an id of this request's own (the first answer's id would be dropped as a duplicate).
-            again = await held_placement(ctx.conn, ev.allocation_id)
+            again = await repos.claims.held_placement(ev.allocation_id)
             if again is None:
                 # Its claims ended (released, failed, or settled by the claim audit) while the allocator still
                 # waits for a placement: there is none to give, and silence would leave it waiting for good.
@@ -155,41 +162,52 @@ class Scheduler:
             outcome=outcome,
         )
 
+    # --- the lifecycle mirror: the slots follow the allocation ------------------------------------------
+
     async def on_provisioning(self, ctx: HandlerContext) -> None:
-        await _lock_allocation(ctx, ctx.payload.allocation_id)
-        await inv.set_slot_status(ctx.conn, ctx.payload.allocation_id, "provisioning", only_from=("reserved",))
+        repos = await _lock_allocation(ctx, ctx.payload.allocation_id)
+        await repos.slots.move_for_allocation(ctx.payload.allocation_id, "provisioning", ("reserved",))
 
     async def on_active(self, ctx: HandlerContext) -> None:
         alloc = ctx.payload.allocation_id
-        await _lock_allocation(ctx, alloc)
-        if await inv.set_slot_status(ctx.conn, alloc, "active", only_from=("provisioning",)):
+        repos = await _lock_allocation(ctx, alloc)
+        if await repos.slots.move_for_allocation(alloc, "active", ("provisioning",)):
             return
         # `provisioning` is published before `active`, but another replica may not have applied it yet:
         # slots still `reserved` wait for it (a releasing that overtook both leaves them alone).
-        early = sorted(r["slot_id"] for r in await inv.allocation_slots(ctx.conn, alloc) if r["status"] == "reserved")
+        early = sorted(slot for slot, status in (await repos.slots.statuses(alloc)).items() if status == "reserved")
         if early:
             raise ArrivedEarly(f"allocation.active for {alloc} before its provisioning: {', '.join(early)} reserved")
 
     async def on_releasing(self, ctx: HandlerContext) -> None:
-        await _lock_allocation(ctx, ctx.payload.allocation_id)
-        await inv.set_slot_status(
-            ctx.conn, ctx.payload.allocation_id, "releasing", only_from=("reserved", "provisioning", "active")
+        repos = await _lock_allocation(ctx, ctx.payload.allocation_id)
+        await repos.slots.move_for_allocation(
+            ctx.payload.allocation_id, "releasing", ("reserved", "provisioning", "active")
         )
 
     async def on_released(self, ctx: HandlerContext) -> None:
         ev: m.AllocationReleased = ctx.payload
-        await _lock_allocation(ctx, ev.allocation_id)
-        freed = await release_allocation(ctx.conn, ev.allocation_id, ev.cleanup, later=ctx.uow.defer)
+        repos = await _lock_allocation(ctx, ev.allocation_id)
+        freed = await end_allocation(
+            repos,
+            ev.allocation_id,
+            "released",
+            cleanup_required=ev.cleanup.required,
+            reason=ev.cleanup.reason,
+            wipe_proofs=ev.cleanup.wipe_proofs,
+            later=ctx.uow.defer,
+        )
         log.info("claims_released", count=freed, wipe_verified=ev.cleanup.verified)
 
     async def on_failed(self, ctx: HandlerContext) -> None:
         ev: m.AllocationFailed = ctx.payload
-        await _lock_allocation(ctx, ev.allocation_id)
-        await fail_allocation(
-            ctx.conn,
+        repos = await _lock_allocation(ctx, ev.allocation_id)
+        await end_allocation(
+            repos,
             ev.allocation_id,
-            ev.cleanup_required,
-            f"{ev.reason_code}: {ev.reason}"[:500],
+            "failed",
+            cleanup_required=ev.cleanup_required,
+            reason=f"{ev.reason_code}: {ev.reason}"[:500],
             wipe_proofs=ev.wipe_proofs,
             later=ctx.uow.defer,
         )
@@ -200,20 +218,32 @@ class ArrivedEarly(RuntimeError):
     is still on it, or it is being retried). Nothing is changed and the bus redelivers it after a delay."""
 
 
-class EndedOutOfOrder(RuntimeError):
-    """An allocation's end arrived while its slots are in a status that end cannot follow (e.g. `released`
-    saying the disk was never written while a slot is `active`). Its claims are kept and the message is
-    retried: a reordered `releasing` may still come; one that never does is dead-lettered with this text,
-    instead of freeing claims of slots that stay in use."""
-
-
-def _check_in_order(allocation_id: uuid.UUID, slots: list[asyncpg.Record], target: str, event: str) -> None:
-    legal = allowed_from(target) | {target}
-    stuck = sorted(f"{r['slot_id']} ({r['status']})" for r in slots if r["status"] not in legal)
-    if stuck:
-        raise EndedOutOfOrder(
-            f"allocation.{event} for {allocation_id} cannot move {', '.join(stuck)} to {target}; claims kept"
-        )
+async def end_allocation(
+    repos: SchedulerRepositories,
+    allocation_id: uuid.UUID,
+    event: str,
+    *,
+    cleanup_required: bool,
+    reason: str | None,
+    wipe_proofs: Sequence[m.WipeProof],
+    later: Callable[[str], None] | None = None,
+) -> int:
+    """`allocation.released` or `allocation.failed`: load the allocation's `NodeClaims`, one method decides every
+    slot (domain/node_claims.py), save; then a host released whole leaves baremetal mode and the capacity summary
+    is recomputed (`later`: the unit of work's `defer`, which takes its write to the COMMIT). The number of
+    claims ended."""
+    claims = await repos.claims.load(allocation_id, log_reached=NodeClaims.log_to_check(event, cleanup_required))
+    proofs = [p.model_dump(mode="json") for p in wipe_proofs]
+    if event == "released":
+        claims.release(cleanup_required=cleanup_required, reason=reason, proofs=proofs)
+    else:
+        claims.fail(cleanup_required=cleanup_required, reason=reason or event, proofs=proofs)
+    freed = await repos.claims.save(claims)
+    if event == "released":
+        for node_id in claims.whole_nodes:
+            await host_modes.return_from_baremetal(repos.hosts, node_id, allocation_id)
+    await repos.nodes.refresh(claims.node_ids, later=later)
+    return freed
 
 
 async def release_allocation(
@@ -223,56 +253,18 @@ async def release_allocation(
     *,
     later: Callable[[str], None] | None = None,
 ) -> int:
-    """releasing -> cleanup -> available only with a wipe proof for the slot's disk that this scheduler finds
-    to satisfy the site's policy (the allocator's `verified` is the host's account, not a verdict); otherwise
-    cleanup_blocked with the reason. Claims are released either way: a blocked slot is kept
-    out of service by its status, not by a claim nobody will release. A host released from a baremetal
-    allocation leaves baremetal mode for `converting` when it is slice-capable (see domain/host_mode.py).
-    `later`: the unit of work's `defer`, which takes the capacity summary's write to the COMMIT."""
-    held = await inv.allocation_slots(conn, allocation_id)
-    await inv.lock_nodes(conn, [r["node_id"] for r in held])
-    slots = [r for r in held if r["slot_id"]]
-    _check_in_order(allocation_id, slots, "available" if not cleanup.required else "cleanup", "released")
-    if slots and not cleanup.required:
-        # Released before provisioning, the allocator says: no task ever went to the host. This log of the
-        # claim is the scheduler's own evidence of that, and a slot it shows provisioned waits for a wipe.
-        sent = await inv.slots_reached(conn, allocation_id, [r["slot_id"] for r in slots], ("provisioning",))
-        await _return_untouched(
-            conn, allocation_id, slots, sent, {"cleanup": "not required", "reason": cleanup.reason}, "provisioning"
-        )
-    elif slots:
-        proofs = [p.model_dump(mode="json") for p in cleanup.wipe_proofs]
-        await inv.move_slots(
-            conn,
-            [r["slot_id"] for r in slots],
-            "cleanup",
-            "verifying wipe proof",
-            actor="scheduler",
-            allocation_id=allocation_id,
-            detail={"wipe_proofs": proofs},
-        )
-        for r in slots:
-            problem = wipe_verdict(r, proofs)
-            if problem is None:
-                await inv.move_slots(
-                    conn,
-                    [r["slot_id"]],
-                    "available",
-                    None,
-                    actor="scheduler",
-                    only_from=("cleanup",),
-                    allocation_id=allocation_id,
-                    detail={"wipe_verified": r["nvme_by_id"]},
-                    health=("healthy", f"wipe verified for {r['nvme_by_id']}"),
-                )
-            else:
-                # Tenant data may remain: out of service until an operator repairs it.
-                await _block(conn, allocation_id, [r["slot_id"]], problem, {"wipe_proofs": proofs})
-    freed = await inv.release_claims(conn, allocation_id)
-    for node_id in sorted({r["node_id"] for r in held if r["claim_kind"] == "node_exclusive"}):
-        await host_modes.return_from_baremetal(conn, node_id, allocation_id)
-    await inv.refresh_nodes(conn, [r["node_id"] for r in held], later=later)
-    return len(freed)
+    """`allocation.released` in the caller's transaction: slots back to available only as `NodeClaims.release`
+    decides (a wipe proof this scheduler finds to satisfy the site's policy, or a log that agrees nothing was
+    written), claims released either way; a host released whole leaves baremetal mode (domain/host_mode.py)."""
+    return await end_allocation(
+        scheduler_repositories(conn),
+        allocation_id,
+        "released",
+        cleanup_required=cleanup.required,
+        reason=cleanup.reason,
+        wipe_proofs=cleanup.wipe_proofs,
+        later=later,
+    )
 
 
 async def fail_allocation(
@@ -284,90 +276,15 @@ async def fail_allocation(
     wipe_proofs: Sequence[m.WipeProof] = (),
     later: Callable[[str], None] | None = None,
 ) -> None:
-    """A failed attempt's slots: back to available when it provably never wrote them, or when the host's wipe
-    proofs (a provision a restart interrupted) satisfy the site's policy for every one of them; otherwise
-    cleanup_blocked, and a node held whole is drained."""
-    held = await inv.allocation_slots(conn, allocation_id)
-    await inv.lock_nodes(conn, [r["node_id"] for r in held])
-    slots = [r for r in held if r["slot_id"]]
-    slot_ids = [r["slot_id"] for r in slots]
-    _check_in_order(allocation_id, slots, "cleanup_blocked" if cleanup_required else "available", "failed")
-    proofs = [p.model_dump(mode="json") for p in wipe_proofs]
-    if not cleanup_required:
-        # The host's word that no disk write began (its task record, written before the clone). A slot this
-        # scheduler saw active held a running tenant VM, which no such word can undo.
-        ran = await inv.slots_reached(conn, allocation_id, slot_ids, ("active",))
-        await _return_untouched(conn, allocation_id, slots, ran, {"failed_without_disk_writes": reason}, "active")
-    elif slots and proofs:
-        problems = {r["slot_id"]: wipe_verdict(r, proofs) for r in slots}
-        await inv.move_slots(
-            conn,
-            slot_ids,
-            "cleanup",
-            "verifying wipe proof",
-            actor="scheduler",
-            allocation_id=allocation_id,
-            detail={"failed": reason, "wipe_proofs": proofs},
-        )
-        if not any(problems.values()):
-            for r in slots:
-                await inv.move_slots(
-                    conn,
-                    [r["slot_id"]],
-                    "available",
-                    None,
-                    actor="scheduler",
-                    only_from=("cleanup",),
-                    allocation_id=allocation_id,
-                    detail={"failed": reason, "wipe_verified": r["nvme_by_id"]},
-                    health=("healthy", f"wipe verified for {r['nvme_by_id']}"),
-                )
-        else:
-            # All or none: the host keeps its leases on every disk of the task until all are proven wiped, so a
-            # slot freed alone would be refused by it at the next provision.
-            for slot_id, problem in problems.items():
-                why = problem or "another disk of the failed attempt is not proven wiped"
-                await _block(conn, allocation_id, [slot_id], f"{reason}; {why}", {"wipe_proofs": proofs})
-    else:
-        # The attempt touched the disk (clone, boot) and nobody proved a wipe: never straight back to available.
-        await _block(conn, allocation_id, slot_ids, reason, None)
-    if cleanup_required:
-        for r in held:
-            if r["claim_kind"] == "node_exclusive":
-                await inv.drain_node(conn, r["node_id"], f"cleanup required after {reason}"[:500], actor="scheduler")
-    await inv.release_claims(conn, allocation_id)
-    await inv.refresh_nodes(conn, [r["node_id"] for r in held], later=later)
-
-
-async def _return_untouched(
-    conn: asyncpg.Connection,
-    allocation_id: uuid.UUID,
-    slots: list[asyncpg.Record],
-    contradicted: set[str],
-    detail: dict,
-    reached: str,
-) -> None:
-    """Slots reported never written: back to available, unless the claim's log shows them `reached`."""
-    clean = [r["slot_id"] for r in slots if r["slot_id"] not in contradicted]
-    await inv.move_slots(conn, clean, "available", None, actor="scheduler", allocation_id=allocation_id, detail=detail)
-    for slot_id in sorted(contradicted):
-        problem = f"reported never written, but the slot was {reached} under allocation {allocation_id}"
-        await _block(conn, allocation_id, [slot_id], problem, detail)
-
-
-async def _block(
-    conn: asyncpg.Connection, allocation_id: uuid.UUID, slot_ids: list[str], problem: str, detail: dict | None
-) -> None:
-    # Runbook: a failed cleanup marks the slot failed.
-    await inv.move_slots(
-        conn,
-        slot_ids,
-        "cleanup_blocked",
-        problem[:500],
-        actor="scheduler",
-        allocation_id=allocation_id,
-        detail=detail,
-        health=("failed", problem[:500]),
+    """`allocation.failed` in the caller's transaction, `reason` as the slots will show it: see `NodeClaims.fail`."""
+    await end_allocation(
+        scheduler_repositories(conn),
+        allocation_id,
+        "failed",
+        cleanup_required=cleanup_required,
+        reason=reason,
+        wipe_proofs=wipe_proofs,
+        later=later,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
+from typing import Protocol
 
 import asyncpg
 
@@ -19,6 +20,14 @@ log = get_logger(__name__)
 
 class UnknownNode(Exception):
     pass
+
+
+class HostStore(Protocol):
+    """Loads and saves `Host` aggregates (adapters.repository.HostRepository on `uow.repos.hosts`)."""
+
+    async def load(self, node_id: str) -> tuple[Host, datetime] | None: ...
+
+    async def save(self, host: Host) -> list[ModeChange]: ...
 
 
 async def _load(conn: asyncpg.Connection, node_id: str) -> tuple[Host, datetime]:
@@ -37,10 +46,13 @@ async def change_mode(conn: asyncpg.Connection, node_id: str, target: str, *, ac
     return change
 
 
-async def return_from_baremetal(conn: asyncpg.Connection, node_id: str, allocation_id: uuid.UUID) -> str:
+async def return_from_baremetal(hosts: HostStore, node_id: str, allocation_id: uuid.UUID) -> str:
     """After the node's baremetal claim was released (the caller holds the node lock): the mode it is
     in now."""
-    host, now = await _load(conn, node_id)
+    loaded = await hosts.load(node_id)
+    if loaded is None:
+        raise UnknownNode(node_id)
+    host, now = loaded
     try:
         change = host.return_from_baremetal(
             actor="scheduler",
@@ -55,7 +67,7 @@ async def return_from_baremetal(conn: asyncpg.Connection, node_id: str, allocati
         log.warning("host_return_refused", node_id=node_id, problems=exc.problems)
         return host.mode
     if change is not None:
-        await repo.save(conn, host)
+        await hosts.save(host)
         log.info(
             "host_mode_changed", node_id=node_id, from_mode=change.from_mode, to_mode=change.to_mode, actor=change.actor
         )

@@ -1,0 +1,352 @@
+"""The scheduler's lifecycle handlers with an in-memory unit of work: how an allocation's slots follow it and
+how its end frees or blocks them (the NodeClaims aggregate), without servers, as the allocator's handlers are
+tested (test_allocator_handlers.py)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from gpuaas_common.bus import HandlerContext, deliver
+from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import messages as m
+from gpuaas_common.unit_of_work import FakeUnitOfWork
+from gpuaas_scheduler.domain.node_claims import HeldClaim, NodeClaims, NodeDrained, SlotsMoved
+from gpuaas_scheduler.domain.slots import movable_from
+from gpuaas_scheduler.service_layer.handlers import (
+    ArrivedEarly,
+    EndedOutOfOrder,
+    Scheduler,
+    allocation_first_lock,
+)
+
+CONSUMER = "scheduler-allocation-events"
+
+
+@dataclass
+class Slot:
+    slot_id: str
+    node_id: str
+    status: str
+    nvme_by_id: str
+    health: str = "healthy"
+    wipe_policy: str | None = None
+
+
+@dataclass
+class Claim:
+    allocation_id: uuid.UUID
+    node_id: str
+    slot_id: str | None
+    status: str = "held"
+
+    @property
+    def kind(self) -> str:
+        return "slot" if self.slot_id else "node_exclusive"
+
+
+@dataclass
+class World:
+    """Slots, claims, the transition log and the node flags, as the scheduler's tables hold them."""
+
+    slots: dict[str, Slot] = field(default_factory=dict)
+    claims: list[Claim] = field(default_factory=list)
+    log: list[tuple[str, str, str, uuid.UUID | None, Any]] = field(default_factory=list)  # slot, from, to, alloc
+    drained: dict[str, str] = field(default_factory=dict)
+    refreshed: list[list[str]] = field(default_factory=list)
+
+    def live(self, alloc: uuid.UUID) -> list[Claim]:
+        return sorted(
+            (c for c in self.claims if c.allocation_id == alloc and c.status != "released"),
+            key=lambda c: c.slot_id or "",
+        )
+
+    def move(self, slot_ids, status, reason, only_from, alloc, detail=None, health=None) -> int:
+        moved = 0
+        for slot_id in slot_ids:
+            slot = self.slots[slot_id]
+            if slot.status in only_from:
+                self.log.append((slot_id, slot.status, status, alloc, detail))
+                slot.status = status
+                if health:
+                    slot.health = health[0]
+                moved += 1
+        return moved
+
+
+class FakeClaims:
+    """Same surface as adapters.repository.ClaimRepository."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.locked: list[uuid.UUID] = []
+
+    async def lock_allocation(self, allocation_id: uuid.UUID) -> None:
+        self.locked.append(allocation_id)
+
+    async def load(self, allocation_id: uuid.UUID, *, log_reached: str | None = None) -> NodeClaims:
+        rows = []
+        for c in self.world.live(allocation_id):
+            slot = self.world.slots.get(c.slot_id or "")
+            reached = slot is not None and any(
+                s == slot.slot_id and to == log_reached and a == allocation_id for s, _f, to, a, _d in self.world.log
+            )
+            rows.append(
+                HeldClaim(
+                    c.node_id,
+                    c.kind,
+                    c.slot_id,
+                    slot.status if slot else None,
+                    slot.nvme_by_id if slot else None,
+                    slot.wipe_policy if slot else None,
+                    None,
+                    reached,
+                )
+            )
+        return NodeClaims(str(allocation_id), tuple(rows))
+
+    async def save(self, claims: NodeClaims) -> int:
+        alloc = uuid.UUID(claims.allocation_id)
+        for change in claims.changes:
+            if isinstance(change, SlotsMoved):
+                self.world.move(
+                    change.slot_ids, change.status, change.reason, change.only_from, alloc, change.detail, change.health
+                )
+            elif isinstance(change, NodeDrained):
+                self.world.drained[change.node_id] = change.reason
+        claims.changes.clear()
+        if not claims.released:
+            return 0
+        ended = self.world.live(alloc)
+        for c in ended:
+            c.status = "released"
+        return len(ended)
+
+
+class FakeSlots:
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    async def move_for_allocation(self, allocation_id: uuid.UUID, status: str, only_from: tuple[str, ...]) -> int:
+        ids = [c.slot_id for c in self.world.live(allocation_id) if c.slot_id]
+        return self.world.move(ids, status, None, movable_from(status, only_from), allocation_id)
+
+    async def statuses(self, allocation_id: uuid.UUID) -> dict[str, str]:
+        return {c.slot_id: self.world.slots[c.slot_id].status for c in self.world.live(allocation_id) if c.slot_id}
+
+
+class FakeNodes:
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    async def refresh(self, node_ids, *, later=None) -> None:
+        self.world.refreshed.append(list(node_ids))
+
+
+@dataclass
+class FakeRepositories:
+    nodes: FakeNodes
+    slots: FakeSlots
+    claims: FakeClaims
+    hosts: Any = None
+
+
+def blkdiscard(device: str, **kw: Any) -> m.WipeProof:
+    return m.WipeProof(device=device, method=kw.pop("method", "blkdiscard"), verified=kw.pop("verified", True), **kw)
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.world = World()
+        self.repos = FakeRepositories(FakeNodes(self.world), FakeSlots(self.world), FakeClaims(self.world))
+        self.inbox: set[tuple[str, str]] = set()
+        self.scheduler = Scheduler()
+        self.last: FakeUnitOfWork | None = None
+
+    def placed(self, node: str = "n1", gpus: int = 2, status: str = "reserved") -> uuid.UUID:
+        """An allocation holding `gpus` slots of `node` (as placement leaves them: reserved, claimed)."""
+        alloc = uuid.uuid4()
+        for _ in range(gpus):
+            slot_id = f"{node}-s{len(self.world.slots)}"
+            self.world.slots[slot_id] = Slot(slot_id, node, status, f"/dev/disk/by-id/nvme-{slot_id}")
+            self.world.claims.append(Claim(alloc, node, slot_id))
+        return alloc
+
+    def whole(self, node: str = "bm1") -> uuid.UUID:
+        alloc = uuid.uuid4()
+        self.world.claims.append(Claim(alloc, node, None))
+        return alloc
+
+    def status(self, alloc: uuid.UUID) -> list[str]:
+        return [self.world.slots[c.slot_id].status for c in self.world.claims if c.allocation_id == alloc and c.slot_id]
+
+    def devices(self, alloc: uuid.UUID) -> list[str]:
+        return [
+            self.world.slots[c.slot_id].nvme_by_id for c in self.world.claims if c.allocation_id == alloc and c.slot_id
+        ]
+
+    def live(self, alloc: uuid.UUID) -> int:
+        return len(self.world.live(alloc))
+
+    async def send(self, type_: str, payload: m.AllocationEvent, envelope: Envelope | None = None) -> bool:
+        env = envelope or Envelope.wrap(
+            type_, payload.model_dump(mode="json"), producer="allocator", correlation_id=str(payload.allocation_id)
+        )
+        handler = {
+            "allocation.provisioning": self.scheduler.on_provisioning,
+            "allocation.active": self.scheduler.on_active,
+            "allocation.releasing": self.scheduler.on_releasing,
+            "allocation.released": self.scheduler.on_released,
+            "allocation.failed": self.scheduler.on_failed,
+        }[type_]
+        self.last = FakeUnitOfWork(self.repos, "scheduler", seen=self.inbox)
+        ctx = HandlerContext(env, payload, f"gpuaas.allocation.event.{type_.split('.')[1]}", CONSUMER, 1)
+        return await deliver(handler, ctx, self.last, first_lock=allocation_first_lock(payload))
+
+
+def _event(cls: type, alloc: uuid.UUID, state: str, **kw: Any) -> Any:
+    return cls(allocation_id=alloc, tenant_id="t1", shape=kw.pop("shape", "gpu_slice"), state=state, seq=5, **kw)
+
+
+def provisioning(alloc):
+    return _event(m.AllocationProvisioning, alloc, "provisioning", node_id="n1")
+
+
+def active(alloc):
+    return _event(m.AllocationActive, alloc, "active", node_id="n1", access=m.AccessInfo())
+
+
+def releasing(alloc):
+    return _event(m.AllocationReleasing, alloc, "releasing")
+
+
+def released(alloc, *proofs: m.WipeProof, required: bool = True, reason: str | None = None):
+    cleanup = m.CleanupReport(required=required, verified=bool(proofs), wipe_proofs=list(proofs), reason=reason)
+    return _event(m.AllocationReleased, alloc, "released", cleanup=cleanup)
+
+
+def failed(alloc, *proofs: m.WipeProof, required: bool = True, shape: str = "gpu_slice"):
+    return _event(
+        m.AllocationFailed,
+        alloc,
+        "failed",
+        shape=shape,
+        reason_code="task_failed",
+        reason="host said no",
+        cleanup_required=required,
+        wipe_proofs=list(proofs),
+    )
+
+
+@pytest.fixture
+def h() -> Harness:
+    return Harness()
+
+
+async def _run_to_releasing(h: Harness, alloc: uuid.UUID) -> None:
+    for type_, ev in (
+        ("allocation.provisioning", provisioning(alloc)),
+        ("allocation.active", active(alloc)),
+        ("allocation.releasing", releasing(alloc)),
+    ):
+        assert await h.send(type_, ev)
+
+
+async def test_the_slots_follow_the_allocation_and_a_verified_wipe_frees_them(h: Harness) -> None:
+    alloc = h.placed()
+    await _run_to_releasing(h, alloc)
+    assert h.status(alloc) == ["releasing", "releasing"]
+    assert await h.send("allocation.released", released(alloc, *(blkdiscard(d) for d in h.devices(alloc))))
+    assert h.last is not None and h.last.committed
+    assert h.status(alloc) == ["available", "available"]
+    assert h.live(alloc) == 0
+    # Every move logged under the allocation, through cleanup; the summary of the node recomputed.
+    moves = [(to, a) for s, _f, to, a, _d in h.world.log if s == "n1-s0"]
+    assert moves == [(s, alloc) for s in ("provisioning", "active", "releasing", "cleanup", "available")]
+    assert h.world.refreshed[-1] == ["n1"]
+
+
+async def test_a_proof_the_slots_policy_refuses_blocks_that_slot_alone(h: Harness) -> None:
+    alloc = h.placed()
+    await _run_to_releasing(h, alloc)
+    good, bad = h.devices(alloc)
+    assert await h.send("allocation.released", released(alloc, blkdiscard(good), blkdiscard(bad, method="nvme_format")))
+    assert h.status(alloc) == ["available", "cleanup_blocked"]
+    assert h.world.slots["n1-s1"].health == "failed"
+    assert h.live(alloc) == 0  # a blocked slot is kept out by its status, not by a claim
+
+
+async def test_released_before_provisioning_returns_slots_the_log_never_saw_provisioned(h: Harness) -> None:
+    alloc = h.placed()
+    assert await h.send("allocation.released", released(alloc, required=False, reason="cancelled"))
+    assert h.status(alloc) == ["available", "available"]
+    # The host's word against the log: a provisioned slot waits for a wipe.
+    other = h.placed()
+    assert await h.send("allocation.provisioning", provisioning(other))
+    assert await h.send("allocation.releasing", releasing(other))
+    assert await h.send("allocation.released", released(other, required=False))
+    assert h.status(other) == ["cleanup_blocked", "cleanup_blocked"]
+
+
+async def test_a_failed_attempt_frees_its_slots_only_when_every_disk_is_proven_wiped(h: Harness) -> None:
+    alloc = h.placed()
+    assert await h.send("allocation.provisioning", provisioning(alloc))
+    first, _second = h.devices(alloc)
+    assert await h.send("allocation.failed", failed(alloc, blkdiscard(first)))
+    assert h.status(alloc) == ["cleanup_blocked", "cleanup_blocked"]
+    reasons = [d for s, _f, to, _a, d in h.world.log if to == "cleanup_blocked"]
+    assert len(reasons) == 2 and h.live(alloc) == 0
+    both = h.placed()
+    assert await h.send("allocation.provisioning", provisioning(both))
+    assert await h.send("allocation.failed", failed(both, *(blkdiscard(d) for d in h.devices(both))))
+    assert h.status(both) == ["available", "available"]
+
+
+async def test_a_failure_that_never_wrote_returns_the_slots_unless_they_ran(h: Harness) -> None:
+    alloc = h.placed()
+    assert await h.send("allocation.provisioning", provisioning(alloc))
+    assert await h.send("allocation.failed", failed(alloc, required=False))
+    assert h.status(alloc) == ["available", "available"]
+
+
+async def test_a_whole_host_failed_with_cleanup_is_drained(h: Harness) -> None:
+    alloc = h.whole("bm1")
+    assert await h.send("allocation.failed", failed(alloc, shape="baremetal"))
+    assert h.world.drained == {"bm1": "cleanup required after task_failed: host said no"}
+    assert h.live(alloc) == 0
+
+
+async def test_an_end_out_of_order_changes_nothing_and_is_retried(h: Harness) -> None:
+    alloc = h.placed()
+    assert await h.send("allocation.provisioning", provisioning(alloc))
+    assert await h.send("allocation.active", active(alloc))
+    with pytest.raises(EndedOutOfOrder):
+        await h.send("allocation.released", released(alloc, required=False))
+    assert h.last is not None and not h.last.committed
+    assert h.status(alloc) == ["active", "active"] and h.live(alloc) == 2
+
+
+async def test_active_before_its_provisioning_waits_for_it(h: Harness) -> None:
+    alloc = h.placed()
+    with pytest.raises(ArrivedEarly):
+        await h.send("allocation.active", active(alloc))
+    assert h.status(alloc) == ["reserved", "reserved"]
+    assert await h.send("allocation.provisioning", provisioning(alloc))
+    assert await h.send("allocation.active", active(alloc))
+    assert h.status(alloc) == ["active", "active"]
+
+
+async def test_a_redelivered_end_is_a_no_op(h: Harness) -> None:
+    alloc = h.placed()
+    await _run_to_releasing(h, alloc)
+    ev = released(alloc, *(blkdiscard(d) for d in h.devices(alloc)))
+    env = Envelope.wrap("allocation.released", ev.model_dump(mode="json"), producer="allocator", correlation_id="c")
+    assert await h.send("allocation.released", ev, env)
+    log = len(h.world.log)
+    assert not await h.send("allocation.released", ev, env)
+    assert len(h.world.log) == log
+    # The handlers took no lock of their own: the bus took the allocation's with the BEGIN.
+    assert h.repos.claims.locked == []
