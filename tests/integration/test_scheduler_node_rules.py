@@ -15,6 +15,7 @@ from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.adapters.inventory import TAG_BAREMETAL, TAG_SLICE, node_facts, refresh_nodes
 from gpuaas_scheduler.adapters.inventory.node_sql import (
     BAREMETAL_RULE_SQL,
+    IMPLIED_BY,
     PARAMETERS,
     SLICE_RULE_SQL,
     parameters,
@@ -236,3 +237,15 @@ async def test_python_and_sql_agree_rule_by_rule(conn) -> None:
                 assert sql == python, f"{rule.name} for {req}: " + ", ".join(
                     f"{n} sql={sql[n]} python={python[n]}" for n in sorted(sql) if sql[n] != python[n]
                 )
+
+
+async def test_a_rule_left_out_of_a_query_holds_wherever_the_rule_that_implies_it_holds(conn) -> None:
+    """The placement queries check the stronger rule alone (node_sql.IMPLIED_BY): on every node and request,
+    wherever it holds, so does the one it implies."""
+    await _fleet(conn)
+    by_name = {r.name: r for r in SLICE_RULES}
+    for req in SLICE_REQUESTS:
+        for f in await node_facts(conn, req.image_gate):
+            for weaker, stronger in IMPLIED_BY.items():
+                if by_name[stronger].holds(f, req):
+                    assert by_name[weaker].holds(f, req), f"{f.node_id}: {stronger} holds, {weaker} does not"
