@@ -41,6 +41,7 @@ from nats.js import JetStreamContext
 from pydantic import BaseModel
 
 from .bus_dispatch import HANDLED, FirstLock, Handler, HandlerContext, deliver, dispatch, retry_delay
+from .bus_gate import TrafficGate
 from .bus_lanes import ORDERING_FIELDS, KeepAlive, KeyedLanes, lane_key, ordering_key
 from .bus_parsing import PermanentError, decode_body, parse_message
 from .contract import Envelope, spec_for
@@ -114,6 +115,9 @@ class Bus:
         self._loops: list[PullLoop] = []
         self._running: list[asyncio.Task[None]] = []
         self.default_concurrency = default_concurrency
+        # JetStream exchanges in flight on `nc` (publishes awaiting a PubAck, open pull requests): what a
+        # credential switch waits for (`bus_gate`, `creds_renewal`). The outbox relay passes through it too.
+        self.gate = TrafficGate()
 
     def subscribe(
         self,
@@ -164,7 +168,7 @@ class Bus:
             task.add_done_callback(self._in_flight.discard)
 
         places = concurrency or self.default_concurrency
-        self._loops.append(PullLoop(self.nc, spec, start, places, expires_s=self.pull_expires_s))
+        self._loops.append(PullLoop(self.nc, spec, start, places, expires_s=self.pull_expires_s, gate=self.gate))
 
     async def start(
         self,
@@ -245,12 +249,13 @@ class Bus:
             causation_id=causation_id,
             event_id=event_id,
         )
-        ack = await self.js.publish(
-            spec.subject(**subject_params),
-            envelope.model_dump_json().encode(),
-            headers={"Nats-Msg-Id": envelope.event_id},
-            timeout=timeout,
-        )
+        async with self.gate.passage():
+            ack = await self.js.publish(
+                spec.subject(**subject_params),
+                envelope.model_dump_json().encode(),
+                headers={"Nats-Msg-Id": envelope.event_id},
+                timeout=timeout,
+            )
         if not ack.stream:
             raise RuntimeError(f"no PubAck stream for {type_}")
         return envelope

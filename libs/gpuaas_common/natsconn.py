@@ -11,6 +11,8 @@ and the process keeps running without that connection.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import logging
 import ssl
 from dataclasses import dataclass, field
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.errors
+import nkeys
 from nats.aio.client import Client as NatsClient
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, stop_never, wait_exponential
 
@@ -90,6 +94,14 @@ class NatsIdentity:
     # transport errors of the closed socket, so it is kept apart.
     last_error: str | None = field(default=None, repr=False)
     last_refusal: str | None = field(default=None, repr=False)
+    # How often a connection made by `connect` looks at its creds file for renewed credentials
+    # (`creds_renewal`): a stat of one file.
+    creds_check_interval_s: float = 5.0
+    # The credentials of the live session (what the server last accepted), and those read for the attempt
+    # under way: one read of the file per attempt, so the JWT and the seed always come from the same version.
+    session: creds_mod.Creds | None = field(default=None, repr=False)
+    _attempt: creds_mod.Creds | None = field(default=None, repr=False)
+    _reconnected: asyncio.Event | None = field(default=None, repr=False)
 
     @classmethod
     def from_settings(cls, settings: Any) -> "NatsIdentity":
@@ -98,6 +110,7 @@ class NatsIdentity:
             settings.nats_creds,
             settings.nats_ca_file,
             insecure_dev=settings.nats_insecure_dev,
+            creds_check_interval_s=getattr(settings, "nats_creds_check_interval_s", 5.0),
         )
 
     @property
@@ -157,6 +170,42 @@ class NatsIdentity:
     def note_connected(self) -> None:
         self._warned.clear()
         self.last_refusal = None
+        self.session = self._attempt
+        if self._reconnected is not None:
+            self._reconnected.set()
+
+    # --- credentials, read at every (re)connect ----------------------------------------------------
+
+    def _sign(self, nonce: str) -> bytes:
+        """nats-py's signature_cb, called first for each CONNECT: read the file once for this attempt."""
+        assert self.creds_file
+        try:
+            self._attempt = creds_mod.read(self.creds_file)
+        except (OSError, JwtError) as exc:  # nats-py retries its own errors only; the reason holds no secret
+            raise nats.errors.Error(f"cannot use NATS creds file {self.creds_file}: {exc}") from None
+        kp = nkeys.from_seed(bytearray(self._attempt.seed))
+        try:
+            return base64.b64encode(kp.sign(nonce.encode()))
+        finally:
+            kp.wipe()
+
+    def _jwt(self) -> bytes:
+        """nats-py's user_jwt_cb, called right after `_sign` for the same CONNECT."""
+        assert self._attempt is not None
+        return self._attempt.jwt.encode()
+
+    def _auth_kwargs(self, kw: dict[str, Any]) -> dict[str, Any]:
+        """The creds file read by our own callbacks instead of nats-py's, so that we know which credentials the
+        live session holds (`session`): what a renewal compares the file with."""
+        if kw.pop("user_credentials", None) is not None:
+            kw.update(signature_cb=self._sign, user_jwt_cb=self._jwt)
+        return kw
+
+    async def reconnect_with_file(self, nc: NatsClient, timeout_s: float) -> None:
+        """Reconnect `nc` now, which reads the creds file again; returns once the new session is up."""
+        self._reconnected = asyncio.Event()
+        await nc.force_reconnect()
+        await asyncio.wait_for(self._reconnected.wait(), timeout_s)
 
     async def connect(self, *, name: str, retry_forever: bool = True, **options: Any) -> NatsClient:
         """Connect, retrying a refused or unreachable first connection with back-off when asked to."""
@@ -188,7 +237,7 @@ class NatsIdentity:
             "closed_cb": closed_cb,
             "max_reconnect_attempts": -1,
             "reconnect_time_wait": 0.5,
-            **self.connect_kwargs(),
+            **self._auth_kwargs(self.connect_kwargs()),
             **options,
         }
         # nats-py raises unrelated types for "refused" and "nobody there": every failure is noted (an auth

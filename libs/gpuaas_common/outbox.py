@@ -40,6 +40,7 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel
 
+from .bus_gate import TrafficGate
 from .contract import Envelope, spec_for
 from .db import CONNECTION_LOST, BackendPids, bytea_literal, check_schema, text_literal
 from .jetstream import PUBACK_TIMEOUT_S, stream_of
@@ -221,12 +222,15 @@ class OutboxRelay:
         delete_grace_s: float = 0.05,
         recent_ids: int = 10_000,
         writers: BackendPids | None = None,
+        gate: TrafficGate | None = None,
     ) -> None:
         """`writers`: the backends whose notifications may carry rows (the service's pool, `create_pool(writers=
         ...)`); None trusts no notification's rows, and every notification is a wake-up to read the table."""
         self.dsn = dsn
         self.schema = check_schema(schema)
         self.js = js
+        # The connection's traffic gate (`Bus.gate`): a credential switch waits for the PubAcks in flight.
+        self.gate = gate or TrafficGate()
         self.batch_size = batch_size
         self.poll_interval_s = poll_interval_s
         self.publish_timeout_s = publish_timeout_s
@@ -444,12 +448,13 @@ class OutboxRelay:
         ok: list[str] = []
         for row in rows:
             try:
-                ack = await self.js.publish(
-                    row.subject,
-                    row.body,
-                    timeout=self.publish_timeout_s,
-                    headers={"Nats-Msg-Id": row.event_id},
-                )
+                async with self.gate.passage():
+                    ack = await self.js.publish(
+                        row.subject,
+                        row.body,
+                        timeout=self.publish_timeout_s,
+                        headers={"Nats-Msg-Id": row.event_id},
+                    )
                 if not ack.stream:
                     raise RuntimeError("PubAck names no stream")
             except Exception as exc:  # any failure keeps this and later rows of the aggregate

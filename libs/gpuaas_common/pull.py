@@ -22,6 +22,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.client import JetStreamContext
 
+from .bus_gate import TrafficGate
 from .jetstream import ConsumerSpec
 from .logging import get_logger
 
@@ -49,8 +50,11 @@ class PullLoop:
         places: int,
         *,
         expires_s: float = PULL_EXPIRES_S,
+        gate: TrafficGate | None = None,
     ) -> None:
         self.nc = nc
+        # An open request counts as traffic in flight: a credential switch waits until it is filled or expired.
+        self.gate = gate or TrafficGate()
         self.spec = spec
         self.next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{spec.stream}.{spec.durable}"
         self._start = start
@@ -83,6 +87,9 @@ class PullLoop:
                 while self._busy >= self.places:
                     self._freed.clear()
                     await self._freed.wait()
+                if not self.gate.is_open:
+                    await self.gate.wait_open()  # a credential switch: no new request until it is done
+                    continue
                 if not self.nc.is_connected:
                     # Reconnecting: a request now would wait in nats-py's buffer and reach the server with
                     # every other one sent meanwhile, each asking for the same free places.
@@ -93,27 +100,17 @@ class PullLoop:
                 want = self.places - self._busy
                 request = _Request(f"{self.reply_prefix}.{self.requests + 1}", want, loop.create_future())
                 self._open = request
+                self.gate.enter()  # checked open above, nothing awaited since
                 try:
-                    await self.nc.publish(
-                        self.next_subject,
-                        json.dumps({"batch": want, "expires": int(self.expires_s * 1e9)}).encode(),
-                        reply=request.reply,
-                    )
-                except nats.errors.ConnectionClosedError:
-                    return
-                except nats.errors.Error as exc:  # reconnecting with a full buffer: try again shortly
+                    outcome = await self._ask(request, loop)
+                finally:
+                    self.gate.leave()
                     self._open = None
-                    log.warning("pull_request_failed", consumer=self.spec.durable, error=repr(exc))
+                if outcome == "closed":
+                    return
+                if outcome == "failed":
                     await asyncio.sleep(REFUSED_BACKOFF_S[-1])
                     continue
-                self.requests += 1
-                # Quietly expired: the server that held the request is gone, or slow to say so.
-                timer = loop.call_later(self.expires_s + GRACE_S, request.end, "expired")
-                try:
-                    outcome = await request.ended
-                finally:
-                    timer.cancel()
-                    self._open = None
                 if outcome == "refused":
                     await asyncio.sleep(REFUSED_BACKOFF_S[min(refusals, len(REFUSED_BACKOFF_S) - 1)])
                     refusals += 1
@@ -124,6 +121,27 @@ class PullLoop:
                 await sub.unsubscribe()
             except nats.errors.Error:
                 pass  # the connection is gone: so is the subscription
+
+    async def _ask(self, request: "_Request", loop: asyncio.AbstractEventLoop) -> str:
+        """Send one request and wait for its end: filled, expired, refused; or closed / failed (not sent)."""
+        try:
+            await self.nc.publish(
+                self.next_subject,
+                json.dumps({"batch": request.want, "expires": int(self.expires_s * 1e9)}).encode(),
+                reply=request.reply,
+            )
+        except nats.errors.ConnectionClosedError:
+            return "closed"
+        except nats.errors.Error as exc:  # reconnecting with a full buffer: try again shortly
+            log.warning("pull_request_failed", consumer=self.spec.durable, error=repr(exc))
+            return "failed"
+        self.requests += 1
+        # Quietly expired: the server that held the request is gone, or slow to say so.
+        timer = loop.call_later(self.expires_s + GRACE_S, request.end, "expired")
+        try:
+            return await request.ended
+        finally:
+            timer.cancel()
 
     async def _on_message(self, msg: Msg) -> None:
         """What the server sends on the reply subjects: stream messages (they carry their stream subject) and

@@ -29,6 +29,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from .bus import Bus
+from .creds_renewal import CredsRenewal
 from .db import BackendPids, create_pool
 from .health import HealthServer
 from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, DurableNotAsProvisioned, ensure_consumers, provision
@@ -75,6 +76,8 @@ class ServiceRuntime:
         self.js: JetStreamContext | None = None
         self.bus: Bus | None = None
         self.relay: OutboxRelay | None = None
+        # Switches the connection to renewed credentials when its creds file changes (creds_renewal).
+        self.renewal: CredsRenewal | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
         # Called first on stop, e.g. to close connections a service opened itself.
@@ -124,7 +127,9 @@ class ServiceRuntime:
             retry_delays_s=self.settings.retry_delays_s,
             default_concurrency=self.settings.consumer_concurrency,
         )
-        self.health.checks["nats"] = lambda: self.nc is not None and self.nc.is_connected
+        # A credential switch (gate closed) reconnects for a few milliseconds: not a reason to be unready.
+        bus = self.bus
+        self.health.checks["nats"] = lambda: self.nc is not None and (self.nc.is_connected or not bus.gate.is_open)
 
     async def _connect_database(self, schema: str, deadline: float) -> asyncpg.Pool:
         """The pool, once Postgres answers; refused credentials and bad DSNs fail at once."""
@@ -221,6 +226,7 @@ class ServiceRuntime:
                 batch_size=self.settings.relay_batch_size,
                 poll_interval_s=self.settings.relay_poll_interval_s,
                 writers=self.writers,
+                gate=self.bus.gate,
             )
             self.spawn(self.relay.run(), "outbox-relay")
             self.add_reading(f"{self.schema}-outbox", outbox_reading(self.pool, self.schema))
@@ -236,6 +242,9 @@ class ServiceRuntime:
                 ).run(),
                 "retention-sweep",
             )
+        if self.identity.creds_file and self.nc is not None:
+            self.renewal = CredsRenewal(self.identity, self.nc, self.bus.gate, name=f"gpuaas-{self.name}")
+            self.spawn(self.renewal.run(), "creds-renewal")
         self.health.ready = True
         self.spawn(self._announce_ready(), "announce-ready")
 

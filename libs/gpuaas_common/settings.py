@@ -50,6 +50,9 @@ class ServiceSettings(BaseSettings):
     # The CA that signed the NATS servers' certificates (only this CA is trusted for tls:// URLs); required
     # unless GPUAAS_NATS_INSECURE_DEV.
     nats_ca_file: str | None = Field(default=None, validate_default=True)
+    # How often the process looks whether its creds file holds renewed credentials, which it then switches to
+    # without a gap in its traffic (gpuaas_common.creds_renewal); a stat of one file.
+    nats_creds_check_interval_s: float = Field(default=5.0, gt=0)
     # The service's own Postgres role; it migrates and uses only its own schema.
     # One server or several (`postgresql://u:p@h1:5432,h2:5432/db?target_session_attrs=read-write`, see db.check_dsn).
     database_url: SecretStr = SecretStr("postgresql://gpuaas@127.0.0.1:5432/gpuaas")

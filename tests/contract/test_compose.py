@@ -548,6 +548,7 @@ def test_every_bus_client_is_its_own_identity_over_tls(compose):
 
     services = _gpuaas_services(compose)
     seen_roles: dict[str, str] = {}
+    renewers: list[str] = []
     for name, svc in services.items():
         env = _env(svc)
         script_name = _command(svc)[0]
@@ -557,7 +558,14 @@ def test_every_bus_client_is_its_own_identity_over_tls(compose):
         deps = svc.get("depends_on") or {}
         assert deps.get(init_name, {}).get("condition") == "service_completed_successfully", name
         mount = _mount_of(svc, IDENTITIES_VOLUME)
-        assert mount == (out, True), f"{name}: mount the identities volume read-only at {out}"
+        renews = [a for a in calls if a[:2] == ["identities", "renew"]]
+        if renews:  # the issuer's other half, as root: it rewrites the files the init step wrote
+            assert mount == (out, False) and svc.get("user") == init.get("user"), name
+            for args in renews:
+                assert _option(args, "--out") == [out] and _option(args, "--hosts-dir") == [hosts_dir], name
+            renewers.append(name)
+        else:
+            assert mount == (out, True), f"{name}: mount the identities volume read-only at {out}"
         if calls:  # a `gpuaas` one-shot: everything on its command line
             for args in calls:
                 urls = ",".join(_option(args, "--nats-url")).split(",")
@@ -582,6 +590,7 @@ def test_every_bus_client_is_its_own_identity_over_tls(compose):
             assert env.get("GPUAAS_NATS_AUTHORITY_FILE") == f"{out}/keys/maas-gateway-issuer.json"
         else:
             assert "GPUAAS_NATS_AUTHORITY_FILE" not in env, f"{name} must not hold the gateway's signing keys"
+    assert len(renewers) == 1, "one renewer keeps the day-long users alive (identity.rotation)"
     assert set(seen_roles.values()) == set(SERVICES), "a service of the bus is missing"
     assert len(set(seen_roles.values())) == len(seen_roles), "two services share an identity"
 

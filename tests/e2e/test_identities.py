@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import re
+import time
 
 import nats
 import pytest
@@ -173,6 +174,37 @@ async def test_decommissioning_a_slice_host_revokes_its_user_at_once(stack) -> N
     assert len(reasons) == len(set(reasons)), f"a refusal was logged more than once: {reasons}"
     assert all(e["level"] == "warning" for e in refusals())
     assert stack.is_running("node-agent")
+
+
+async def test_every_process_takes_up_renewed_credentials_without_a_restart(portal, stack) -> None:
+    """Users live a day (hosts three) and are issued again at half-life: the stack's renewer, judged by a clock
+    37 hours on, renews every role and every slice host still in slice mode; each service and each host's link
+    switches to its new user while it runs, and a slice allocation still flows end to end."""
+    from gpuaas_common.identity.permissions import SERVICES as BUS_SERVICES
+    from gpuaas_dev.testing.waiting import eventually
+
+    pids = {name: stack.pid(name) for name in stack.processes}
+    slice_hosts = [n.node_id for n in stack.fleet.nodes if n.kind == "slice_host"]
+    decommissioned = slice_hosts[-1]  # by the test above: its user is revoked, so it is not renewed
+    before = stack.creds_path(f"node-{decommissioned}").read_text()
+    renewed = await asyncio.to_thread(stack.renew_credentials, time.time() + 37 * 3600)
+    assert set(renewed) == {*BUS_SERVICES, "portal", "ops", "admin", *slice_hosts[:-1]}
+    assert stack.creds_path(f"node-{decommissioned}").read_text() == before
+
+    def switched(process: str) -> set[str]:
+        lines = stack.log_path(process).read_text().splitlines()
+        events = [json.loads(line) for line in lines if line.startswith("{")]
+        return {e["identity"] for e in events if e.get("event") == "nats_creds_renewed"}
+
+    for service in BUS_SERVICES:
+        await eventually(lambda s=service: s in switched(s), timeout=20, what=f"{service}'s switch")
+    hosts = {f"node-{n}" for n in slice_hosts[:-1]}
+    await eventually(lambda: hosts <= switched("node-agent"), timeout=20, what="the hosts' switches")
+    alloc = await portal.request("gpu_slice", gpus=1)
+    await portal.wait_state(alloc, "active")
+    await portal.release(alloc)
+    await portal.wait_state(alloc, "released")
+    assert {name: stack.pid(name) for name in stack.processes} == pids, "no process was restarted"
 
 
 def _secrets(stack) -> dict[str, str]:

@@ -102,12 +102,20 @@ ACCOUNT_LIMITS = {
     "conn": -1,
     "leaf": -1,
 }
-DEFAULT_USER_TTL_S = 365 * 24 * 3600.0
 # The ledger forgets a revocation this old (see Issuer.revoke), so no user may live longer.
-MAX_USER_TTL_S = DEFAULT_USER_TTL_S
+MAX_USER_TTL_S = 365 * 24 * 3600.0
+# Services, portal and ops live a day: their files are issued again at half-life (`identity.rotation`, run by
+# `gpuaas identities renew` or the dev stack) and a running service switches to them without a gap
+# (`creds_renewal`). A leaked file is worth a day at most.
+DEFAULT_USER_TTL_S = 24 * 3600.0
+# Slice hosts live three days, renewed at half-life the same way: a host its renewed file cannot reach for a
+# while (ops' delivery to the host, a host down) keeps working for a day and a half more.
+HOST_USER_TTL_S = 72 * 3600.0
 # Admin is break-glass and one-shot steps (provisioning, onboarding, an ops command): a leaked file is worth a
 # working day at most, and whoever needs admin again mints it again from the keys.
 ADMIN_USER_TTL_S = 12 * 3600.0
+# The system user in the gateway's issuer file: read at each revocation, not rotated yet (a year).
+SYS_USER_TTL_S = MAX_USER_TTL_S
 # The revocation ledger: a JetStream KV entry in the GPUAAS account, written by compare-and-set.
 REVOCATIONS_BUCKET = IDENTITY_BUCKET
 REVOCATIONS_KEY = "revocations"
@@ -121,8 +129,21 @@ def host_users_key(node_id: str) -> str:
     return HOST_USERS_PREFIX + base64.urlsafe_b64encode(node_id.encode()).decode().rstrip("=")
 
 
+def _host_entry(value: bytes | None) -> dict[str, int | None]:
+    """A host's entry: user public key → expiry (unix seconds), None where unknown (entries written as a plain
+    list before expiries were kept). A reader that takes the entry as a list of keys still reads the keys."""
+    loaded = json.loads(value or b"[]")
+    return dict(loaded) if isinstance(loaded, dict) else dict.fromkeys(loaded)
+
+
+def _live(entry: dict[str, int | None], now: float) -> dict[str, int | None]:
+    # An expired user needs no revocation: the server refuses it anyway. Dropping it keeps the entry (and the
+    # revocations pushed from it) as small as the host's live users, however often the host was renewed.
+    return {u: exp for u, exp in entry.items() if exp is None or exp > now}
+
+
 async def host_users(js: Any, node_id: str) -> list[str]:
-    """Every slice-host user recorded for `node_id` (empty when none was)."""
+    """Every slice-host user recorded for `node_id` that has not expired (empty when none was)."""
     from nats.js.errors import KeyNotFoundError
 
     kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
@@ -130,12 +151,19 @@ async def host_users(js: Any, node_id: str) -> list[str]:
         entry = await _through_account_updates(lambda: kv.get(host_users_key(node_id)))
     except KeyNotFoundError:
         return []
-    return list(json.loads(entry.value or b"[]"))
+    return list(_live(_host_entry(entry.value), time.time()))
 
 
-async def record_host_users(js: Any, node_id: str, user_publics: list[str], *, attempts: int = 20) -> list[str]:
-    """Add slice-host users of `node_id` to its entry, by compare-and-set (two onboardings lose nothing).
-    Returns the entry as written."""
+async def record_host_users(
+    js: Any,
+    node_id: str,
+    user_publics: list[str],
+    *,
+    expiry: dict[str, int] | None = None,
+    attempts: int = 20,
+) -> list[str]:
+    """Add slice-host users of `node_id` to its entry, by compare-and-set (two onboardings lose nothing), with
+    their expiry where `expiry` knows it; expired users leave the entry. Returns the users as written."""
     from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
     kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
@@ -143,17 +171,18 @@ async def record_host_users(js: Any, node_id: str, user_publics: list[str], *, a
     for _ in range(attempts):
         try:
             entry = await _through_account_updates(lambda: kv.get(key))
-            users, revision = list(json.loads(entry.value or b"[]")), entry.revision
+            users, revision = _host_entry(entry.value), entry.revision
         except KeyNotFoundError:
-            users, revision = [], None
-        users += [u for u in user_publics if u not in users]
+            users, revision = {}, None
+        users.update({u: (expiry or {}).get(u) for u in user_publics if u not in users or users[u] is None})
+        users = _live(users, time.time())
         data = json.dumps(users).encode()
         try:
             if revision is None:
                 await _through_account_updates(lambda d=data: kv.create(key, d))
             else:
                 await _through_account_updates(lambda d=data, r=revision: kv.update(key, d, last=r))
-            return users
+            return list(users)
         except KeyWrongLastSequenceError:
             continue
     raise AuthorityError(f"could not record the users of host {node_id}: too much contention")
@@ -235,7 +264,7 @@ class Issuer:
         *,
         js: Any,
         tls: Any = None,
-        prune_older_than_s: float | None = DEFAULT_USER_TTL_S,
+        prune_older_than_s: float | None = MAX_USER_TTL_S,
         attempts: int = 20,
     ) -> int:
         """Revoke users at once, safely against other revokers (gateway replicas, an ops command).
@@ -369,6 +398,8 @@ class Authority:
     # The HOSTS account's identity key (its JWT is signed by the operator's signing key, its users by
     # `node_signing`). Keys saved before it existed derive it from the GPUAAS account's seed (`load`).
     hosts_account: Key = field(default_factory=lambda: Key.generate("account"))
+    # Expiry (unix seconds) of each host user in `issued_hosts`; users issued before it was kept have none.
+    host_expiry: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def create(cls) -> "Authority":
@@ -501,7 +532,7 @@ class Authority:
         )
         return Creds(jwt=jwt, seed=user.seed)
 
-    def issue_sys_user(self, *, ttl_s: float = DEFAULT_USER_TTL_S) -> Creds:
+    def issue_sys_user(self, *, ttl_s: float = SYS_USER_TTL_S) -> Creds:
         user = Key.generate("user")
         jwt = encode(
             self.sys_account,
@@ -521,14 +552,20 @@ class Authority:
             self.hosts_account.public,
         )
 
-    def issue_host(self, node_id: str, *, ttl_s: float = DEFAULT_USER_TTL_S) -> Creds:
-        """A slice host's credentials at onboarding; the key is remembered so decommissioning revokes it.
-        Record it on the bus too (`record_host_users`), so the host's slice identity can be ended by the
-        gateway before the host is handed to a tenant."""
+    def issue_host(self, node_id: str, *, ttl_s: float = HOST_USER_TTL_S) -> Creds:
+        """A slice host's credentials at onboarding or renewal; the key is remembered (with its expiry) so
+        decommissioning revokes it, and the host's users that have expired are forgotten. Record it on the bus
+        too (`record_host_users` with `host_expiry`), so the gateway can end the host's slice identity before
+        the host is handed to a tenant."""
         if ttl_s > MAX_USER_TTL_S:
             raise ValueError(f"a host user may live {MAX_USER_TTL_S / 86400:.0f} days at most (the ledger's memory)")
         c = _node_creds(self.node_signing, self.hosts_account.public, node_id, ttl_s=ttl_s)
-        self.issued_hosts.setdefault(node_id, []).append(str(c.claims["sub"]))
+        now = time.time()
+        users = [u for u in self.issued_hosts.get(node_id, []) if self.host_expiry.get(u, now + 1) > now]
+        for gone in set(self.issued_hosts.get(node_id, [])) - set(users):
+            self.host_expiry.pop(gone, None)
+        self.issued_hosts[node_id] = [*users, str(c.claims["sub"])]
+        self.host_expiry[str(c.claims["sub"])] = int(c.claims["exp"])
         return c
 
     # --- files --------------------------------------------------------------------------------------
@@ -543,6 +580,7 @@ class Authority:
             creds_mod.write_secret(keys_dir / f"{name}.nk", getattr(self, name).seed.decode() + "\n")
         creds_mod.write_secret(keys_dir / self._HOSTS_FILE, self.hosts_account.seed.decode() + "\n")
         creds_mod.write_secret(keys_dir / "issued-hosts.json", json.dumps(self.issued_hosts, indent=2))
+        creds_mod.write_secret(keys_dir / "issued-hosts-expiry.json", json.dumps(self.host_expiry, indent=2))
         creds_mod.write_secret(keys_dir / "issued-at", f"{self.issued_at}\n")
 
     @classmethod
@@ -550,6 +588,8 @@ class Authority:
         keys = [Key.from_seed((keys_dir / f"{name}.nk").read_text().strip()) for name in cls._FILES]
         issued_path = keys_dir / "issued-hosts.json"
         issued = json.loads(issued_path.read_text()) if issued_path.exists() else {}
+        expiry_path = keys_dir / "issued-hosts-expiry.json"
+        expiry = json.loads(expiry_path.read_text()) if expiry_path.exists() else {}
         at_path = keys_dir / "issued-at"
         # Keys saved before the file existed: the account key's own age is as fixed as the keys are.
         issued_at = int(at_path.read_text()) if at_path.exists() else int((keys_dir / "account.nk").stat().st_mtime)
@@ -557,7 +597,7 @@ class Authority:
         hosts = (
             Key.from_seed(hosts_path.read_text().strip()) if hosts_path.exists() else _derived_hosts_account(keys[3])
         )
-        return cls(*keys, issued_hosts=issued, issued_at=issued_at, hosts_account=hosts)
+        return cls(*keys, issued_hosts=issued, issued_at=issued_at, hosts_account=hosts, host_expiry=expiry)
 
     def __repr__(self) -> str:
         return f"Authority(operator={self.operator.public!r}, account={self.account.public!r})"

@@ -60,18 +60,22 @@ def read(path: Path | str) -> Creds:
     return parse(Path(path).read_text())
 
 
-def write_secret(path: Path | str, text: str) -> Path:
-    """Write a secret file readable by its owner only, replacing it atomically."""
+def write_secret(path: Path | str, text: str, *, owner: tuple[int, int] | None = None) -> Path:
+    """Write a secret file readable by its owner only, replacing it atomically. `owner` (uid, gid): whose it is
+    from before it takes the path's name, when a root issuer writes another user's file (a renewal), so the
+    reader never meets it unreadable."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
+        if owner is not None:
+            os.fchown(f.fileno(), *owner)
         f.write(text)
     tmp.replace(path)
     return path
 
 
-def write(path: Path | str, creds: Creds) -> Path:
-    return write_secret(path, creds.render())
+def write(path: Path | str, creds: Creds, *, owner: tuple[int, int] | None = None) -> Path:
+    return write_secret(path, creds.render(), owner=owner)

@@ -3,13 +3,16 @@
 `init` writes a directory (keys 0600, one `.creds` per role, a CA and server certificate, and the
 operator-mode block of the NATS config) — docker-compose's init step and any deployment without its
 own PKI use it. `onboard-host` is what ops run when a slice host joins: its own user in a 0600 creds
-file and its task durable. `decommission-host` revokes every user ever issued to the host, at once,
-without restarting a server.
+file and its task durable. `renew` issues again, at half-life, the role and slice-host files whose users
+live hours to days (compose's `identities-renewer` runs it with `--every`); the processes reading them
+switch without a gap. `decommission-host` revokes every user ever issued to the host, at once, without
+restarting a server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -17,8 +20,9 @@ import typer
 
 from gpuaas_common.identity import Authority
 from gpuaas_common.identity import creds as creds_files
-from gpuaas_common.identity.authority import MAX_USER_TTL_S
-from gpuaas_common.identity.permissions import ADMIN, ROLE_PERMISSIONS, node_user_name, render_table
+from gpuaas_common.identity.authority import DEFAULT_USER_TTL_S, HOST_USER_TTL_S, MAX_USER_TTL_S
+from gpuaas_common.identity.permissions import ADMIN, ROLE_PERMISSIONS, inbox_prefix, node_user_name, render_table
+from gpuaas_common.identity.rotation import host_files, renew_host_files, renew_role_files
 from gpuaas_common.identity.tls import make_ca_and_server_cert
 
 from .common import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, err, fail
@@ -53,7 +57,12 @@ def init(
         # the one-shot steps that follow a fresh one from the kept keys.
         kept = _load(keys)
         creds_files.write(out / "creds" / f"{ADMIN}.creds", kept.issue_user(ADMIN, ROLE_PERMISSIONS[ADMIN]))
-        err.print(f"[yellow]{keys} already holds a trust chain; keeping it[/] (--force replaces it); fresh admin creds")
+        # Roles live a day: after a stop longer than half of that, the services start with fresh files.
+        renewed = renew_role_files(kept, out / "creds")
+        err.print(
+            f"[yellow]{keys} already holds a trust chain; keeping it[/] (--force replaces it); fresh admin creds"
+            + (f", renewed: {', '.join(renewed)}" if renewed else "")
+        )
         raise typer.Exit(0)
     auth = Authority.create()
     auth.save(keys)
@@ -84,9 +93,9 @@ def onboard_host(
             "--ttl-days",
             min=0.01,
             max=MAX_USER_TTL_S / 86400,
-            help="Days until the host's user expires (at most as long as the revocation ledger remembers).",
+            help="Days until the host's user expires (`identities renew` issues it again at half-life).",
         ),
-    ] = 365.0,
+    ] = HOST_USER_TTL_S / 86400,
 ) -> None:
     """Issue the host's own NATS user and, with --nats-url, create its task durable (the bus is reached first:
     an unreachable bus leaves no creds file and no issued user behind).
@@ -112,6 +121,82 @@ def _issue_host(auth: Authority, node_id: str, out: Path, keys_dir: Path, ttl_da
         raise fail(f"[red]cannot write {out}[/]: {exc.strerror or exc}", EXIT_USAGE) from None
     auth.save(keys_dir)
     err.print(f"{node_user_name(node_id)}: creds in {out} (0600), user {creds.claims['sub']}")
+
+
+@identities_app.command("renew")
+def renew(
+    out: Annotated[Path, typer.Option("--out", help="The directory `init` wrote: keys/ and creds/ inside.")],
+    hosts_dir: Annotated[
+        Optional[Path], typer.Option("--hosts-dir", help="Also renew the slice hosts' creds files in it.")
+    ] = None,
+    nats_url: Annotated[
+        Optional[str], typer.Option("--nats-url", help="The bus, where renewed host users are recorded.")
+    ] = None,
+    ca_file: Annotated[Optional[Path], typer.Option("--ca-file", help="CA of the bus's TLS certificate.")] = None,
+    ttl_hours: Annotated[
+        float, typer.Option("--ttl-hours", min=0.01, max=24 * 30, help="Lifetime of a renewed role user.")
+    ] = DEFAULT_USER_TTL_S / 3600,
+    host_ttl_hours: Annotated[
+        float, typer.Option("--host-ttl-hours", min=0.01, max=24 * 30, help="Lifetime of a renewed host user.")
+    ] = HOST_USER_TTL_S / 3600,
+    every: Annotated[float, typer.Option("--every", min=0, help="Run again every this many seconds (0: once).")] = 0.0,
+) -> None:
+    """Issue again every role's and slice host's creds file past half its lifetime (admin is never renewed:
+    no running process holds it); the processes reading them switch without a gap. A renewed file keeps the
+    owner of the one it replaces.
+
+    A host is renewed only while its user is live and not revoked (a host whose slice life ended comes back
+    through onboard-host), its new user recorded on the bus before its file is written.
+
+    Example: gpuaas identities renew --out /identities --hosts-dir /identities/hosts --nats-url tls://nats:4222
+    --ca-file /identities/tls/ca.pem --every 600"""
+    if hosts_dir is not None and not nats_url:
+        raise fail("[red]--hosts-dir needs --nats-url[/]: a renewed host user is recorded on the bus", EXIT_USAGE)
+    ident = _identity(nats_url, None, ca_file) if nats_url else None
+    while True:
+        auth = _load(out / "keys")
+        roles = renew_role_files(auth, out / "creds", ttl_s=ttl_hours * 3600)
+        hosts: dict[str, str] = {}
+        if hosts_dir is not None and ident is not None:
+            try:
+                hosts = asyncio.run(_renew_hosts(auth, ident, hosts_dir, host_ttl_hours * 3600))
+            except Exception as exc:  # the bus away: the next round tries again; hosts have half a life left
+                if not every:
+                    raise fail(f"[red]hosts not renewed[/]: {_one_line(exc)}", EXIT_UNREACHABLE) from None
+                err.print(f"[red]hosts not renewed[/]: {_one_line(exc)}")
+            auth.save(out / "keys")
+        renewed = roles + [node for node, outcome in hosts.items() if outcome == "renewed"]
+        left = {node: outcome for node, outcome in hosts.items() if outcome != "renewed"}
+        err.print(
+            f"renewed: {', '.join(renewed) or 'nothing due'}"
+            + (f"; left alone: {', '.join(f'{n} ({o})' for n, o in left.items())}" if left else "")
+        )
+        if not every:
+            return
+        time.sleep(every)
+
+
+async def _renew_hosts(auth: Authority, ident: Any, hosts_dir: Path, ttl_s: float) -> dict[str, str]:
+    """As a short-lived admin minted for this round from the keys: no admin file is written or read."""
+    import nats
+    from nats.aio.client import RawCredentials
+
+    kw = ident.connect_kwargs()
+    admin = auth.issue_user(ADMIN, ROLE_PERMISSIONS[ADMIN], ttl_s=600)
+    kw.update(user_credentials=RawCredentials(admin.render()), inbox_prefix=inbox_prefix(ADMIN).encode())
+    nc = await nats.connect(**kw, connect_timeout=5, max_reconnect_attempts=3, name="gpuaas-identities-renew")
+    try:
+        tls = ident.tls_context()
+        return await renew_host_files(
+            auth,
+            host_files(hosts_dir),
+            js=nc.jetstream(),
+            nats_servers=ident.servers,
+            tls=tls,
+            ttl_s=ttl_s,
+        )
+    finally:
+        await nc.close()
 
 
 @identities_app.command("decommission-host")
@@ -211,7 +296,7 @@ async def _onboard_on_bus(
         try:
             # Recorded before the durable: a host whose user the gateway cannot find could be deployed for a
             # tenant with its slice identity still alive.
-            await record_host_users(nc.jetstream(), node_id, auth.issued_hosts[node_id])
+            await record_host_users(nc.jetstream(), node_id, auth.issued_hosts[node_id], expiry=auth.host_expiry)
             outcome = await ensure_consumer(nc.jetstream(), node_agent_consumer(node_id))
         except Exception as exc:  # refused or no NODE_TASKS stream: the creds stand, the durable does not
             raise fail(

@@ -54,8 +54,9 @@ def _host_identity(settings: SimFleetSettings, node_id: str) -> NatsIdentity:
             str(Path(settings.nats_creds_dir) / f"{node_user_name(node_id)}.creds"),
             settings.nats_ca_file,
             insecure_dev=insecure,
+            creds_check_interval_s=settings.nats_creds_check_interval_s,
         )
-    return NatsIdentity(servers, settings.nats_creds, settings.nats_ca_file, insecure_dev=insecure)
+    return NatsIdentity.from_settings(settings)
 
 
 SHARED_TEST_HYPERVISOR = "test:///default"

@@ -39,10 +39,15 @@ def onboard_slice_hosts(authority: Authority, fleet: Fleet, creds_dir: Path, key
 
 
 def provision_bus(
-    options: dict[str, Any], node_ids: list[str], replicas: int = 1, host_users: dict[str, list[str]] | None = None
+    options: dict[str, Any],
+    node_ids: list[str],
+    replicas: int = 1,
+    host_users: dict[str, list[str]] | None = None,
+    expiry: dict[str, int] | None = None,
 ) -> None:
     """Streams and every slice host's durable, as the admin identity (`options`): no service or host may; and
-    the slice hosts' users (`host_users`, node id → public keys), so the gateway can end them."""
+    the slice hosts' users (`host_users`, node id → public keys; `expiry`: their expiries), so the gateway can
+    end them."""
 
     async def provision_all() -> None:
         import nats
@@ -55,11 +60,43 @@ def provision_bus(
             js = nc.jetstream()
             await provision(js, [node_agent_consumer(n) for n in node_ids], replicas=replicas)
             for node_id, users in (host_users or {}).items():
-                await record_host_users(js, node_id, users)
+                await record_host_users(js, node_id, users, expiry=expiry)
         finally:
             await nc.close()
 
     run_coro(provision_all)
+
+
+def renew_credentials(
+    authority: Authority, creds_dir: Path, options: dict[str, Any], tls: TlsFiles, now: float | None = None
+) -> list[str]:
+    """What a deployment's `gpuaas identities renew` does, for the stack's run dir: every role's file past
+    half-life (admin's too: the stack's break-glass file, which tests and the CLI use) and every slice host's
+    (its new user recorded on the bus as admin, `options`). The processes reading them switch without a gap.
+    Returns what was renewed; the caller saves `authority`. `now`: the clock to judge by (a test's later one)."""
+    from gpuaas_common.identity.rotation import host_files, renew_host_files, renew_role_files
+    from gpuaas_common.identity.tls import client_context
+
+    renewed = renew_role_files(authority, creds_dir, include_admin=True, now=now)
+
+    async def hosts() -> dict[str, str]:
+        import nats
+
+        nc = await nats.connect(**options, connect_timeout=5, max_reconnect_attempts=3)
+        try:
+            servers = list(options["servers"])
+            return await renew_host_files(
+                authority,
+                host_files(creds_dir),
+                js=nc.jetstream(),
+                nats_servers=servers,
+                tls=client_context(tls.ca),
+                now=now,
+            )
+        finally:
+            await nc.close()
+
+    return renewed + [node for node, outcome in run_coro(hosts).items() if outcome == "renewed"]
 
 
 def nats_env(name: str, tls: TlsFiles, creds_dir: Path, keys_dir: Path) -> dict[str, str]:

@@ -79,6 +79,7 @@ def start_lab_host(stack: Stack) -> Lab:
             [LAB_NODE],
             replicas=stack.nats_cluster,
             host_users={LAB_NODE: stack.authority.issued_hosts.get(LAB_NODE, [])} if stack.auth else None,
+            expiry=stack.authority.host_expiry if stack.auth else None,
         )
         start_agent(lab, lab_agent_config(stack, lab, creds))
     except BaseException:

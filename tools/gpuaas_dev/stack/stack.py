@@ -7,6 +7,7 @@ import shutil
 import signal
 import ssl
 import subprocess
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,7 +29,7 @@ from .database import create_service_roles, service_admin_dsns
 from .description import ADMIN_APIS, describe_stack, record_database_secrets, write_secrets
 from .environment import TIMER_FLAGS, maas_sim_argv, maas_sim_proc, service_proc
 from .fleet import prepare_fleet_dir
-from .identities import make_identities, onboard_slice_hosts, provision_bus
+from .identities import make_identities, onboard_slice_hosts, provision_bus, renew_credentials
 from .maas_tls import client_ssl, issue_sim_cert, urllib_trusts
 from .preflight import commission_slice_hosts
 from .processes import (
@@ -136,6 +137,12 @@ class Stack:
         self._enrolment_secret: str | None = None
         self._procs: dict[str, _Proc] = {}
         self._files: dict[str, Path] = {}
+        # Users live a day (hosts three): a thread issues each file again at half-life, as a deployment's
+        # `gpuaas identities renew --every` does (`renew_credentials`); onboarding shares the keys with it.
+        self.creds_renew_interval_s = 60.0
+        self._keys_lock = threading.Lock()
+        self._renewer: threading.Thread | None = None
+        self._renewer_stop = threading.Event()
 
     # --- public properties --------------------------------------------------------------------------
 
@@ -359,7 +366,31 @@ class Stack:
             raise
         self.status = "ready"
         self.describe()
+        if self.auth:
+            self._renewer_stop.clear()
+            self._renewer = threading.Thread(target=self._renew_loop, name="creds-renewer", daemon=True)
+            self._renewer.start()
         return self
+
+    def renew_credentials(self, now: float | None = None) -> list[str]:
+        """Issue again every creds file of the run dir past half-life (roles, admin, slice hosts); the
+        processes reading them switch to them without a gap. Returns what was renewed. `now`: judge by a later
+        clock (a test)."""
+        assert self._authority is not None and self._tls is not None
+        with self._keys_lock:
+            renewed = renew_credentials(self._authority, self.creds_dir, self.nats_options("admin"), self._tls, now)
+            self._authority.save(self.run_dir / "keys")
+        return renewed
+
+    def _renew_loop(self) -> None:
+        while not self._renewer_stop.wait(self.creds_renew_interval_s):
+            try:
+                renewed = self.renew_credentials()
+            except Exception as exc:  # noqa: BLE001 - the bus away for a moment: files have half a life left
+                print(f"{time.strftime('%H:%M:%S')} credentials not renewed: {exc}", flush=True)
+                continue
+            if renewed:
+                print(f"{time.strftime('%H:%M:%S')} credentials renewed: {', '.join(renewed)}", flush=True)
 
     def _start(self) -> None:
         from ..lab.tasks import LAB_PROFILE
@@ -466,6 +497,10 @@ class Stack:
 
     def stop(self) -> None:
         """SIGTERM every process this stack started (by PID), SIGKILL after `stop_timeout_s`."""
+        self._renewer_stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=30)
+            self._renewer = None
         if self._lab is not None:
             self._lab.down()  # first: its agent talks to the NATS server stopped below
             self._lab = None
@@ -617,14 +652,19 @@ class Stack:
             return
         assert self._authority is not None
         path = self.creds_dir / f"{node_user_name(node_id)}.creds"
-        before = set(self._authority.issued_hosts.get(node_id, []))
-        creds = self._authority.issue_host(node_id)
-        path.unlink(missing_ok=True)
-        creds_files.write(path, creds)
-        self._authority.save(self.run_dir / "keys")
-        fresh = [u for u in self._authority.issued_hosts.get(node_id, []) if u not in before]
+        with self._keys_lock:
+            before = set(self._authority.issued_hosts.get(node_id, []))
+            creds = self._authority.issue_host(node_id)
+            path.unlink(missing_ok=True)
+            creds_files.write(path, creds)
+            self._authority.save(self.run_dir / "keys")
+            fresh = [u for u in self._authority.issued_hosts.get(node_id, []) if u not in before]
         provision_bus(
-            self.nats_options("admin"), [node_id], replicas=min(self.nats_cluster, 3), host_users={node_id: fresh}
+            self.nats_options("admin"),
+            [node_id],
+            replicas=min(self.nats_cluster, 3),
+            host_users={node_id: fresh},
+            expiry=self._authority.host_expiry,
         )
 
     def _provision_bus(self) -> None:
@@ -640,4 +680,5 @@ class Stack:
             slice_hosts,
             replicas=min(self.nats_cluster, 3),
             host_users={n: self._authority.issued_hosts.get(n, []) for n in slice_hosts} if self._authority else None,
+            expiry=self._authority.host_expiry if self._authority else None,
         )

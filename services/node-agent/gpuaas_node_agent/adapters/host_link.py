@@ -8,9 +8,12 @@ durable is provisioned when ops onboard the host.
 
 from __future__ import annotations
 
+import asyncio
+
 from nats.aio.client import Client as NatsClient
 
 from gpuaas_common.bus import Bus
+from gpuaas_common.creds_renewal import CredsRenewal
 from gpuaas_common.identity.permissions import HOST_JS_API
 from gpuaas_common.logging import get_logger
 from gpuaas_common.natsconn import NatsIdentity
@@ -25,6 +28,9 @@ class HostLink:
         self.retry_delays_s = retry_delays_s
         self.nc: NatsClient | None = None
         self.bus: Bus | None = None
+        # The host's creds file, rewritten by whoever renews host users, is switched to without a gap.
+        self.renewal: CredsRenewal | None = None
+        self._renewal_task: asyncio.Task[None] | None = None
 
     async def open(self, *, retry_forever: bool = True) -> Bus:
         self.nc = await self.identity.connect(name=f"gpuaas-node-agent-{self.node_id}", retry_forever=retry_forever)
@@ -39,6 +45,10 @@ class HostLink:
             pool=None,
             retry_delays_s=self.retry_delays_s,
         )
+        if self.identity.creds_file:
+            name = f"gpuaas-node-agent-{self.node_id}"
+            self.renewal = CredsRenewal(self.identity, self.nc, self.bus.gate, name=name)
+            self._renewal_task = asyncio.create_task(self.renewal.run(), name=f"creds-renewal-{self.node_id}")
         return self.bus
 
     async def start(self) -> None:
@@ -50,6 +60,9 @@ class HostLink:
         return self.nc is not None and self.nc.is_connected
 
     async def close(self) -> None:
+        if self._renewal_task is not None:
+            self._renewal_task.cancel()
+            await asyncio.gather(self._renewal_task, return_exceptions=True)
         if self.bus is not None:
             await self.bus.stop()
         if self.nc is not None and not self.nc.is_closed:
