@@ -101,13 +101,17 @@ async def _connect_as_host(stack: Stack, creds_text: str) -> None:
     await nc.close()
 
 
+# Who the tenant is, the agent's unit, the kernel command line GRUB gave, the ESP's filesystem: one line each.
+LOGIN_PROBE = "id -un; systemctl is-active gpuaas-node-agent; cat /proc/cmdline; findmnt -no FSTYPE /boot/efi"
+
+
 async def _tenant_login(stack: Stack, key: Path, access: dict) -> subprocess.CompletedProcess[str]:
     """The tenant's login from the lab's namespace, with the key it asked for. MAAS names no host key for a
     deployed machine, so none is pinned here (the slice path pins the one its seed planted)."""
     argv = stack.lab_host.ns(
         "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
         "-o", "UserKnownHostsFile=/dev/null", "-o", "ConnectTimeout=10", "-i", str(key), "-p", str(access["port"]),
-        f"{access['user']}@{access['ip']}", "id -un; systemctl is-active gpuaas-node-agent; cat /proc/cmdline",
+        f"{access['user']}@{access['ip']}", LOGIN_PROBE,
     )  # fmt: skip
     return await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60)
 
@@ -141,8 +145,8 @@ async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_e
         return done if done.returncode == 0 else None
 
     login = await eventually(logged_in, timeout=120, interval=3, what="the tenant's SSH login to the machine")
-    user, agent, cmdline = login.stdout.splitlines()
-    assert (user, agent) == ("debian", "active")
+    user, agent, cmdline, esp = login.stdout.splitlines()
+    assert (user, agent, esp) == ("debian", "active", "vfat")  # the ESP the install made, mounted as MAAS's are
     # Booted by the GRUB installed on its own disk (GRUB names the kernel it loaded), with the image's arguments.
     assert "BOOT_IMAGE=/boot/vmlinuz" in cmdline.split() and "intel_iommu=on" in cmdline.split()
 

@@ -133,6 +133,7 @@ def install(params: VirshParams, tgz: bytes) -> list[str]:
                 "Failed deployment: Did not find any filesystem on ['/dev/vda'] that contained one of "
                 f"{list(CURTIN_MARKERS)}"
             )
+        (tree / "boot/efi").mkdir(parents=True, exist_ok=True)
         (tree / "etc/fstab").write_text(
             f"LABEL={ROOT_LABEL} / ext4 errors=remount-ro 0 1\n"
             f"LABEL={ESP_LABEL} /boot/efi vfat umask=0077,nofail,x-systemd.device-timeout=10s 0 0\n"
