@@ -153,15 +153,32 @@ def test_every_image_pulled_is_an_exact_version(compose):
     assert len(bases) == 1, bases
 
 
-def test_compose_builds_the_dev_stage_and_names_it(compose):
-    """compose runs the `gpuaas` CLI (one-shot steps) and the simulators: the stage that has them."""
+def test_compose_runs_the_services_on_the_production_image_and_the_tools_on_the_dev_one(compose, pyproject):
+    """The services run the image a deployment runs (no CLI, no simulator); only what needs a dev tool (the `gpuaas`
+    CLI in a one-shot step, the MAAS simulator, the simulated fleet) runs the `dev` stage."""
     ours = _ours(compose)
     assert ours
     builds = {(str(s["image"]), s["build"]["context"], s["build"]["target"]) for s in ours.values()}
-    assert builds == {("gpuaas:dev", ".", "dev")}, builds
-    assert "dev" in {s.name for s in _stages()} and _stages()[-1].name != "dev", "a plain build is the production one"
+    assert builds == {("gpuaas:latest", ".", "runtime"), ("gpuaas:dev", ".", "dev")}, builds
+    assert "dev" in {s.name for s in _stages()} and _stages()[-1].name == "runtime", (
+        "a plain build is the production one"
+    )
     installs = " ".join(_instructions("dev", "RUN"))
     assert re.search(r"--find-links /wheels/dev\b", installs) and "/wheels/runtime" not in installs
+    scripts = pyproject["project"]["scripts"]
+    dev_tools = {n for n, target in scripts.items() if target.split(".")[0] in DEV_PACKAGES}
+    services = set()
+    for name, svc in ours.items():
+        command = [str(c) for c in svc.get("command") or []]
+        # Every console script it runs: its command, or those its shell script calls.
+        runs = set(re.findall(r"(?<![\w/.:-])(gpuaas(?:-[a-z-]+)?)(?=\s|$)", " ".join(command))) & set(scripts)
+        target = svc["build"]["target"]
+        if runs & dev_tools:
+            assert target == "dev", f"{name} runs {sorted(runs & dev_tools)}: only the dev stage has them"
+        elif command[:1] and command[0] in scripts and svc.get("restart") != "no":
+            assert target == "runtime", f"{name}: a service runs the production image"
+            services.add(command[0])
+    assert services == {n for n, t in scripts.items() if t.split(".")[0] not in DEV_PACKAGES} - {"gpuaas-node-agent"}
 
 
 def test_one_shot_steps_probe_nothing_and_services_have_a_healthcheck(compose):
@@ -325,26 +342,235 @@ def test_images_have_no_compiler_and_run_as_the_service_user(stage, compose):
     assert all("from=build" in i for i in _instructions(stage, "RUN") if "/wheels" in i), "wheels by bind mount only"
     users = [i.split()[1] for i in _instructions(stage, "USER")]
     assert users and users[-1] not in ("root", "0")
-    uid = re.search(r"useradd\b[^&]*--uid (\d+)[^&]*\b" + users[-1] + r"\b", text)
-    assert uid and f"{uid.group(1)}:{uid.group(1)}" in str(compose), "compose hands files to the image's uid"
+    assert users[-1] in _users(stage), f"{users[-1]} is no user the image makes"
+    # The default user owns no directory a service writes: a container runs as its service's user, or writes nothing.
+    assert users[-1] not in _owners(stage).values()
+    assert "chown" not in text.split("useradd")[0], "nothing handed to a user before the users exist"
     for instr in _instructions(stage, "COPY"):
         if "--from" not in instr:
             for source in _copied(instr):
                 assert (ROOT / source).exists(), f"COPY {source}: no such path"
 
 
-def test_every_volume_a_service_writes_exists_in_the_image_owned_by_its_user(compose):
-    """A named volume takes the ownership of the directory it is mounted on."""
-    text = " ".join(_instructions("dev"))
-    user = _instructions("dev", "USER")[-1].split()[1]
+# --- docker-compose's users: one per container, each owning what it alone reads and writes ------------------------
+
+
+def _words(stage: str, command: str) -> list[list[str]]:
+    """The words of every `command …` the RUN instructions of this stage's image make (one per `&&` part)."""
+    found = []
+    for run in _instructions(stage, "RUN"):
+        for part in run.split("&&"):
+            words = [w for w in shlex.split(part) if not w.startswith("--mount=")]
+            words = words[1:] if words[:1] == ["RUN"] else words
+            if words[:1] == [command]:
+                found.append(words[1:])
+    return found
+
+
+def _users(stage: str) -> dict[str, int]:
+    """name -> uid of every user an image of this stage has."""
+    users = {}
+    for args in _words(stage, "useradd"):
+        assert "--uid" in args, f"useradd without a fixed uid: {args}"
+        users[args[-1]] = int(args[args.index("--uid") + 1])
+    return users
+
+
+def _owners(stage: str) -> dict[str, str]:
+    """Directory -> the user an image of this stage hands it to (`chown user:user DIR…`; the user's own group)."""
+    owners = {}
+    for args in _words(stage, "chown"):
+        user, _, group = args[0].partition(":")
+        assert group == user, f"chown {args[0]}: a user's files go to its own group"
+        owners.update(dict.fromkeys(args[1:], user))
+    return owners
+
+
+def _made(stage: str) -> set[str]:
+    return {d for args in _words(stage, "mkdir") for d in args if not d.startswith("-")}
+
+
+def _primary(name: str, compose: dict[str, Any]) -> str:
+    base = name.removesuffix("-replica")
+    return base if base in compose["services"] else name
+
+
+def _root(svc: dict[str, Any]) -> bool:
+    return str(svc.get("user", "")).split(":")[0] in ("0", "root")
+
+
+def _rw_volumes(svc: dict[str, Any], compose: dict[str, Any]) -> dict[str, str]:
+    """Named volume -> where the service mounts it read-write."""
+    out = {}
+    for vol in svc.get("volumes") or []:
+        source, target, *mode = str(vol).split(":")
+        if source in compose["volumes"] and "ro" not in (mode[0].split(",") if mode else []):
+            out[source] = target
+    return out
+
+
+def test_the_users_have_fixed_distinct_uids_and_no_service_shares_one(compose):
+    users = _users("dev")
+    assert _users("runtime").items() <= users.items(), "the dev image has every user the production one has"
+    assert len(set(users.values())) == len(users), "two users share a uid"
+    assert min(users.values()) >= 10000, "uids apart from the system's and the base images' (postgres: 999)"
+    service_users = {f"gpuaas-{s}" for s in ("allocator", "scheduler", "image-pipeline", "maas-gateway", "ops-view")}
+    assert service_users | {"gpuaas-node-agent"} <= set(_users("runtime")), "each service has its user in production"
+
+
+def test_every_container_of_ours_runs_as_a_user_of_its_own(compose):
+    """No two services share a uid (a replica runs as its service); root only for what makes files for the others:
+    a one-shot step, or what writes the identities volume (it reads the keys)."""
+    uids: dict[int, str] = {}
     for name, svc in _ours(compose).items():
-        if str(svc.get("user", "")).startswith("0"):
+        user = str(svc.get("user") or "")
+        assert user, f"{name}: no user: it would run as the image's default, like every other such container"
+        if _root(svc):
+            assert svc.get("restart") == "no" or "identities" in _rw_volumes(svc, compose), f"{name} runs as root"
             continue
-        for vol in svc.get("volumes") or []:
-            source, target, *mode = str(vol).split(":")
-            if source in compose["volumes"] and "ro" not in (mode[0].split(",") if mode else []):
-                assert re.search(rf"mkdir -p [^&]*{re.escape(target)}\b", text), f"{name}: {target}"
-                assert re.search(rf"chown {user}:{user} [^&]*{re.escape(target)}\b", text), f"{name}: {target}"
+        users = _users(svc["build"]["target"])
+        assert user in users, f"{name}: {user} is no user of the {svc['build']['target']} image"
+        owner = uids.setdefault(users[user], _primary(name, compose))
+        assert owner == _primary(name, compose), f"{name} runs as {user}, the user of {owner}"
+    assert len(uids) >= 10, sorted(uids.values())
+
+
+def _identities_step(compose: dict[str, Any]) -> tuple[str, list[str]]:
+    """The one-shot that makes the trust chain: its --out and its script's lines."""
+    (found,) = [
+        (name, [line.strip() for line in str(svc["command"][-1]).splitlines()])
+        for name, svc in compose["services"].items()
+        if "gpuaas identities init " in str(svc.get("command") or "")
+    ]
+    name, lines = found
+    (init,) = [shlex.split(line) for line in lines if line.startswith("gpuaas identities init ")]
+    return init[init.index("--out") + 1], lines
+
+
+def test_each_creds_file_is_handed_to_the_one_user_that_reads_it(compose, tmp_path):
+    """Every container mounts the whole identities volume, so the files' owners are what keeps a service from
+    reading another's creds: each file goes to the user of the container that reads it, the creds directory
+    and the keys are root's, and every file handed out is one `identities init` makes, 0600."""
+    out, lines = _identities_step(compose)
+    chowns = [shlex.split(line)[1:] for line in lines if line.startswith("chown ")]
+    assert chowns[0] == ["-R", "0:0", f"{out}/creds"], "first every creds file back to root (a file of the old owner)"
+    handed: dict[str, str] = {}
+    for args in chowns[1:]:
+        user, paths = (args[1], args[2:]) if args[0] == "-R" else (args[0], args[1:])
+        for path in paths:
+            assert handed.setdefault(path, user.partition(":")[0]) == user.partition(":")[0], f"{path} twice"
+    assert f"chmod 0711 {out}/keys {out}/creds" in lines, "keys and creds directories traversable, not listable"
+
+    read: dict[str, str] = {}
+    for name, svc in _ours(compose).items():
+        if _root(svc):
+            continue
+        user = str(svc["user"])
+        env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
+        command = [str(c) for c in svc.get("command") or []]
+        wanted = [env.get(k) for k in ("GPUAAS_NATS_CREDS", "GPUAAS_NATS_CREDS_DIR", "GPUAAS_NATS_AUTHORITY_FILE")]
+        wanted += [command[i + 1] for i, c in enumerate(command[:-1]) if c in ("--creds", "--admin-creds")]
+        for path in filter(None, wanted):
+            assert path.startswith(f"{out}/"), (name, path)
+            assert handed.get(path) == user, f"{name} reads {path} as {user}; the step gives it to {handed.get(path)}"
+            assert read.setdefault(path, user) == user
+    assert set(handed) == set(read), f"handed to nobody who reads it: {sorted(set(handed) - set(read))}"
+
+    # The files handed out are those `identities init` makes (a creds directory of hosts aside), each 0600.
+    from typer.testing import CliRunner
+
+    from gpuaas_dev.cli import app
+
+    made = CliRunner().invoke(app, ["identities", "init", "--out", str(tmp_path / "ids"), "--hostname", "nats-1"])
+    assert made.exit_code == 0, made.output
+    for path in handed:
+        if path.endswith((".creds", ".json")):
+            local = tmp_path / "ids" / path.removeprefix(f"{out}/")
+            assert local.is_file() and local.stat().st_mode & 0o777 == 0o600, path
+
+
+def test_the_maas_simulators_key_is_its_users_alone(compose):
+    sim = compose["services"]["maas-sim"]
+    key = sim["command"][sim["command"].index("--tls-key") + 1]
+    (step,) = [n for n, s in _ours(compose).items() if f"chmod 0600 {key}" in str(s.get("command"))]
+    assert f"chown {sim['user']}:{sim['user']} {key}" in str(compose["services"][step]["command"]), step
+
+
+# What a container writes outside its named volumes, by the settings that name the place.
+WRITES = {
+    "gpuaas-image-pipeline": ("image_build_dir", "host_image_dir", "image_base_cache_dir"),
+    "gpuaas-sim-fleet": ("state_dir",),
+}
+SETTINGS = {
+    "gpuaas-image-pipeline": "gpuaas_image_pipeline.settings.ImagePipelineSettings",
+    "gpuaas-sim-fleet": "gpuaas_dev.sim.settings.SimFleetSettings",
+}
+
+
+def _under(path: str, owned: dict[str, str], user: str) -> bool:
+    """The path is a directory the user owns, or lies under one."""
+    return any(owner == user and (path == d or path.startswith(d.rstrip("/") + "/")) for d, owner in owned.items())
+
+
+def test_every_directory_a_container_writes_is_made_in_its_image_and_owned_by_its_user(compose, tmp_path):
+    """A named volume is made from the directory it is first mounted on, with its owner: the image that first
+    mounts it must hand that directory to the user who writes it. The places the settings name (build dirs, the
+    agent's state) likewise; and the simulated hosts' roots, which `gpuaas dev fleet` puts in the fleet volume."""
+    from typer.testing import CliRunner
+
+    from gpuaas_common.fleet import Fleet
+    from gpuaas_dev.cli import app
+
+    ours = _ours(compose)
+    writers: dict[str, list[str]] = {}
+    for name, svc in ours.items():
+        if _root(svc):
+            continue
+        stage, user = svc["build"]["target"], str(svc["user"])
+        owned = _owners(stage)
+        for volume, target in _rw_volumes(svc, compose).items():
+            writers.setdefault(volume, []).append(name)
+            assert (
+                target in _made(stage)
+                and _under(target, owned, user)
+                or any(d.startswith(target + "/") and o == user for d, o in owned.items())
+            ), f"{name}: {target} ({volume}) is not {user}'s in the {stage} image"
+        command = [str(c) for c in svc.get("command") or []]
+        if command and command[0] in WRITES:
+            module, _, cls = SETTINGS[command[0]].rpartition(".")
+            fields = getattr(importlib.import_module(module), cls).model_fields
+            env = svc.get("environment") or {}
+            for field_name in WRITES[command[0]]:
+                path = str(env.get(f"GPUAAS_{field_name.upper()}", fields[field_name].default))
+                assert _under(path, owned, user), f"{name} writes {path}: not {user}'s in the {stage} image"
+
+    # A volume is made from the directory of whichever container mounts it first: all of them give it the same
+    # owner, or every other one waits for a writer (it mounts it first) whose image gives it to that writer.
+    for volume, names in writers.items():
+        mounters = {
+            n: s for n, s in ours.items() if any(str(v).split(":")[0] == volume for v in s.get("volumes") or [])
+        }
+        target = _rw_volumes(ours[names[0]], compose)[volume]
+        given = {_owners(s["build"]["target"]).get(target, "root") for s in mounters.values()}
+        if len(given) > 1:
+            first = [w for w in names if all(w in (mounters[m].get("depends_on") or {}) for m in mounters if m != w)]
+            assert first, f"{volume}: {sorted(mounters)} would make it with owners {sorted(given)}, in no fixed order"
+            assert _owners(ours[first[0]]["build"]["target"]).get(target) == str(ours[first[0]]["user"]), volume
+
+    # The simulated fleet writes its hosts' roots into the fleet volume that fleet-init wrote: made by the real
+    # command with fleet-init's arguments, every root lies in a directory the fleet's user owns in its image.
+    (writer,) = [n for n in writers["fleet"] if "--out-dir" in ours[n]["command"]]
+    args = [str(a) for a in ours[writer]["command"][1:]]
+    out_dir = args[args.index("--out-dir") + 1]
+    local = tmp_path / "fleet"
+    made = CliRunner().invoke(app, [a if a != out_dir else str(local) for a in args])
+    assert made.exit_code == 0, made.output
+    agent = compose["services"]["node-agent"]
+    owned = _owners(agent["build"]["target"])
+    state_dir = str((agent.get("environment") or {}).get("GPUAAS_STATE_DIR", "/var/lib/gpuaas/agent"))
+    for node in Fleet.load(str(local / "fleet.json")).nodes:
+        root = node.host_root.replace(str(local), out_dir) if node.host_root else f"{state_dir}/baremetal"
+        assert _under(root, owned, str(agent["user"])), f"{node.node_id}: {root} is not the fleet's to write"
 
 
 def _healthcheck() -> tuple[list[str], dict[str, str]]:

@@ -147,3 +147,39 @@ async def test_bad_inputs_end_with_the_tables_code_and_one_line(js, nats_server,
         down = await gpuaas(*argv, "--nats-url", f"nats://127.0.0.1:{port}")
         assert down.exit_code == 3
         assert one_line(down).startswith(f"cannot connect to NATS at nats://127.0.0.1:{port}")
+
+
+async def test_an_empty_or_purged_dlq_lists_nothing_and_exits_0(tmp_path: Path) -> None:
+    """A new stack's DLQ stream is empty (first and last sequence 0) and a purged one has first = last + 1: no
+    sequence there may be asked for. The table says so on stderr; json and yaml give an empty list."""
+    import nats
+
+    from gpuaas_common.jetstream import provision
+    from gpuaas_dev.testing.servers import NatsServer
+
+    server = NatsServer(tmp_path / "nats").start()
+    try:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        await provision(js)
+        for stage in ("new", "purged"):
+            if stage == "purged":
+                await dead_letter(js, "allocator-task-results", "max_deliver", b"{}")
+                await js.purge_stream("DLQ")
+            info = await js.stream_info("DLQ")
+            assert info.state.messages == 0 and (info.state.first_seq, info.state.last_seq) == (
+                (0, 0) if stage == "new" else (2, 1)
+            )
+            table = await gpuaas("dlq", "list", "--nats-url", server.url)
+            assert (table.exit_code, table.stdout) == (0, ""), table.output
+            assert table.stderr.strip() == "no dead letters in the DLQ stream"
+            consumer = "allocator-task-results"
+            of = await gpuaas("dlq", "list", "--consumer", consumer, "--nats-url", server.url)
+            assert of.exit_code == 0 and of.stderr.strip() == f"no dead letters of {consumer} in the DLQ stream"
+            as_json = await gpuaas("dlq", "list", "-o", "json", "--nats-url", server.url)
+            assert as_json.exit_code == 0 and json.loads(as_json.stdout) == {"dead_letters": []}
+            shown = await gpuaas("dlq", "show", "1", "--nats-url", server.url)
+            assert (shown.exit_code, one_line(shown)) == (1, "no dead letter 1")
+        await nc.drain()
+    finally:
+        server.stop()

@@ -1,6 +1,8 @@
 """Every `gpuaas` command that talks to something, run with each class of bad input that applies to it (an id that
 is not a UUID, an unknown id, no stack, a refused token, no answer in time): each class ends with its one exit
-code and its one wording, on one line of stderr, with nothing on stdout.
+code and its one wording, on one line of stderr, with nothing on stdout. The parser's own usage errors too (an unknown
+option or command, a missing argument, a value it refuses), for every command: exit 2 and one line naming the
+command, never typer's boxed usage block.
 
 The admin commands talk to stand-ins of the scheduler admin API that answer in its error shape (404, 401) or
 never answer; the bus commands to the session's nats-server, with a stand-in allocator that says "not found" or
@@ -422,3 +424,63 @@ def _closed_port() -> int:
     port = sock.getsockname()[1]
     sock.close()
     return port
+
+
+# --- the parser's own usage errors -------------------------------------------------------------------------------
+
+
+def _leaves() -> list[tuple[list[str], Any]]:
+    from gpuaas_dev.docs import cli_commands
+
+    return [(path[1:], cmd) for path, cmd, _ in cli_commands()]
+
+
+LEAVES = _leaves()
+
+
+def _usage_line(res: Any, path: list[str]) -> str:
+    """The line of a usage error: exit 2, no box and no usage block, the command named, where its help is."""
+    assert res.exit_code == 2, res.output
+    line = one_line(res)
+    command = " ".join(["gpuaas", *path])
+    assert line.startswith(f"{command}: ") and line.endswith(f"(`{command} -h` for help)"), line
+    return line[len(command) + 2 : -len(f" (`{command} -h` for help)")]
+
+
+@pytest.mark.parametrize("path", [p for p, _ in LEAVES], ids=" ".join)
+def test_an_unknown_option_is_a_usage_error_worded_once(path: list[str]) -> None:
+    assert _usage_line(gpuaas(*path, "--no-such-option"), path) == "no such option: --no-such-option"
+
+
+@pytest.mark.parametrize("path", [p for p, cmd in LEAVES if any(param.required for param in cmd.params)], ids=" ".join)
+def test_a_missing_argument_or_option_is_a_usage_error_worded_once(path: list[str]) -> None:
+    assert _usage_line(gpuaas(*path), path).startswith("missing ")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p, cmd in LEAVES if any("--output" in getattr(param, "opts", ()) for param in cmd.params)],
+    ids=" ".join,
+)
+def test_an_output_format_it_does_not_know_is_a_usage_error_worded_once(path: list[str]) -> None:
+    said = _usage_line(gpuaas(*path, "-o", "xml"), path)
+    # A required argument not given may be said first; either way one line, exit 2.
+    assert said.startswith("missing ") or said.startswith("invalid value for '--output' / '-o': 'xml' is not one of")
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["bogus"], "no such command 'bogus'"),
+        (["nodes", "bogus"], "no such command 'bogus'"),
+        (["--bogus"], "no such option: --bogus"),
+        (["release", ALLOC, "extra"], "got unexpected extra argument"),
+        (["allocate", "--shape", "gpu_slice", "--gpus", "two"], "invalid value for '--gpus'"),
+        (["dev", "up", "--slots", "9"], "invalid value for '--slots'"),
+        (["dlq", "list", "--limit", "0"], "invalid value for '--limit'"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_bad_words_of_every_kind_are_one_line_usage_errors(argv: list[str], said: str) -> None:
+    path = [a for a in argv[:2] if a in ("nodes", "release", "allocate", "dev", "up", "dlq", "list")]
+    assert _usage_line(gpuaas(*argv), path).startswith(said)

@@ -52,6 +52,7 @@ def test_the_recorded_stack_is_found_from_any_directory(tmp_path: Path, config: 
         "nats_url": None,
         "scheduler_admin_url": None,
         "image_admin_url": None,
+        "ops_admin_url": None,
     }
     assert status_run_dir("dev", "status", "--json") == str(stack)
 

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -122,9 +122,9 @@ def test_an_event_is_one_line_even_with_newlines_in_its_reason() -> None:
     assert "\n" not in other and "node.parity_reported" in other
 
 
-def test_the_allocation_table_fits_80_columns_whatever_the_values() -> None:
+def test_the_allocation_table_has_an_age_and_stays_narrow_whatever_the_values() -> None:
     now = datetime.now(timezone.utc)
-    rows = [
+    long = [
         m.AllocationSummary(
             allocation_id=uuid.uuid4(),
             tenant_id="a-very-long-tenant-name-indeed",
@@ -135,13 +135,64 @@ def test_the_allocation_table_fits_80_columns_whatever_the_values() -> None:
             image="ubuntu",
             state="unschedulable",
             node_id="slice-host-with-a-long-name-0001",
-            created_at=now,
+            created_at=now - timedelta(seconds=119),
             updated_at=now,
         )
         for shape in ("gpu_slice", "baremetal")
     ]
-    lines = table_lines(rows)
-    assert lines[0].split() == ["ALLOCATION", "TENANT", "SHAPE", "STATE", "NODE"]
-    assert all(len(line) < 80 for line in lines), [len(line) for line in lines]
-    assert str(rows[0].allocation_id) in lines[1], "the full id, so it can be pasted into show or release"
+    lines = table_lines(long)
+    assert lines[0].split() == ["ALLOCATION", "TENANT", "SHAPE", "STATE", "NODE", "AGE"]
+    assert all(len(line) <= 84 for line in lines), [len(line) for line in lines]
+    assert str(long[0].allocation_id) in lines[1], "the full id, so it can be pasted into show or release"
     assert "8 slice" in lines[1] and "8 bm" in lines[2] and "unschedulable" in lines[1]
+    assert "a-very-…" in lines[1] and "slice-host…" in lines[1] and lines[1].split()[-1] in ("119s", "2m")
+    # The usual rows fit 80 columns in every state: an 8-letter tenant and node, an age of up to 4 letters.
+    usual = [
+        long[0].model_copy(
+            update={
+                "tenant_id": "tenant-a",
+                "node_id": "slice-01",
+                "state": state,
+                "created_at": now - timedelta(minutes=100),
+            }
+        )
+        for state in ("accepted", "placed", "provisioning", "active", "releasing", "released", "failed")
+    ]
+    lines = table_lines(usual)
+    assert all(len(line) <= 80 for line in lines), [len(line) for line in lines]
+    assert [line.split()[-1] for line in lines[1:]] == ["100m"] * len(usual)
+    assert lines[1].index("100m") == lines[0].index("AGE"), "aligned columns"
+
+
+def test_show_names_each_provisioning_phase_and_prints_flags_as_yes_or_no() -> None:
+    from gpuaas_dev.cli.allocations import show_text
+    from gpuaas_dev.cli.bus import describe_event
+
+    at = "2030-01-01T12:00:00Z"
+    doc = {
+        "allocation_id": str(uuid.uuid4()), "tenant_id": "t1", "shape": "gpu_slice", "gpu_count": 2,
+        "sku": "h200-sxm-slice", "region": "default", "image": "img", "state": "active", "node_id": "slice-01",
+        "access": {"ip": "10.0.0.5", "ssh_ready": True, "user": None}, "failure_code": None,
+        "created_at": at, "updated_at": at,
+        "timeline": [
+            {"seq": 1, "state": "provisioning", "previous_state": "placed", "reason_code": None, "at": at},
+            {"seq": 2, "state": "provisioning", "previous_state": "provisioning", "reason_code": "provision_phase",
+             "at": at, "detail": {"phase": "clone_image", "seconds": 0.0834}},
+            {"seq": 3, "state": "failed", "previous_state": "provisioning", "reason_code": "boot_failed", "at": at,
+             "detail": {}},
+        ],
+    }  # fmt: skip
+    lines = show_text(doc, "table").splitlines()
+    assert "access     ip 10.0.0.5, ssh_ready yes" in lines
+    assert lines[-2].endswith("provisioning -> provisioning (provision_phase: clone_image 0.08s)")
+    assert lines[-1].endswith("provisioning -> failed (boot_failed)")
+    released = describe_event("released", {"cleanup": {"verified": True, "wipe_proofs": [{}, {}]}})
+    assert released == "[green]released[/]: cleanup verified, 2 wipe proof(s)"
+    assert "cleanup not verified" in describe_event("released", {"cleanup": {"verified": False}})
+    no_room = {"reason_code": "no_capacity", "reason": "r", "free_gpus": 1, "requested_gpus": 2}
+    assert describe_event("unschedulable", no_room).endswith("(free GPUs 1, asked 2)")
+    over = {"reason_code": "quota_exceeded", "reason": "tenant t holds 2 of its 4 GPU quota; 4 more requested"}
+    assert (
+        describe_event("unschedulable", {**over, "free_gpus": 0})
+        == f"[red]unschedulable[/]: quota_exceeded: {over['reason']}"
+    )

@@ -23,6 +23,7 @@ from gpuaas_node_agent.entrypoints import cli as node_agent_cli
 
 from ..identity_cli import set_insecure_dev_flag
 from .allocations import allocations_app
+from .common import OneLineUsageErrors
 from .context import UnknownContext, context_app, run_dir_defaults, select, unknown_context
 from .contract import contract_app
 from .dev import dev_app
@@ -41,6 +42,7 @@ from .usage import usage_app
 # Completion is the explicit `gpuaas completion SHELL` (kubectl's way) rather than typer's
 # --install-completion, which edits the user's shell start-up files.
 app = typer.Typer(
+    cls=OneLineUsageErrors,
     no_args_is_help=True,
     add_completion=False,
     help="gpuaas developer tooling.",

@@ -44,8 +44,10 @@ LegacyJsonOpt = Annotated[bool, typer.Option("--json", help="The same as -o json
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for the allocator's answer.")]
 STATES = ("accepted", "placed", "provisioning", "active", "releasing", "released", "unschedulable", "failed")
 SHORT_SHAPE = {"gpu_slice": "slice", "baremetal": "bm"}
-# ALLOCATION (36) TENANT (8) SHAPE (7) STATE (13) NODE (11), one space apart: 79 columns.
-COLUMNS = (("ALLOCATION", 36), ("TENANT", 8), ("SHAPE", 7), ("STATE", 13), ("NODE", 11))
+# The table's columns, one space apart, each as wide as its widest cell but no wider than this (the full id, so
+# it can be pasted; a longer tenant or node is cut with …). The usual rows (an 8-letter tenant and node) fit 80
+# columns in every state; the widest a row can be is 84.
+COLUMNS = (("ALLOCATION", 36), ("TENANT", 8), ("SHAPE", 7), ("STATE", 13), ("NODE", 11), ("AGE", 4))
 
 
 def _query(identity: Any, query: Any, timeout: float) -> Any:
@@ -89,16 +91,24 @@ def _cell(value: Any, width: int) -> str:
 
 
 def table_lines(allocations: list[Any]) -> list[str]:
-    """The list as fixed columns that fit an 80-column terminal; --json has every field."""
-
-    def row(values: list[Any]) -> str:
-        return " ".join(_cell(v, w).ljust(w) for v, (_, w) in zip(values, COLUMNS, strict=True)).rstrip()
-
-    lines = [row([name for name, _ in COLUMNS])]
-    for a in allocations:
-        shape = f"{a.gpu_count} {SHORT_SHAPE.get(a.shape, a.shape)}"
-        lines.append(row([a.allocation_id, a.tenant_id, shape, a.state, a.node_id]))
-    return lines
+    """The list as a narrow table (see COLUMNS), AGE since it was requested; -o wide and --json have more."""
+    cells = [
+        [_cell(v, w) for v, (_, w) in zip(values, COLUMNS, strict=True)]
+        for values in (
+            [
+                a.allocation_id,
+                a.tenant_id,
+                f"{a.gpu_count} {SHORT_SHAPE.get(a.shape, a.shape)}",
+                a.state,
+                a.node_id,
+                age(a.created_at),
+            ]
+            for a in allocations
+        )
+    ]
+    grid = [[name for name, _ in COLUMNS], *cells]
+    widths = [max(len(line[i]) for line in grid) for i in range(len(COLUMNS))]
+    return [" ".join(v.ljust(w) for v, w in zip(line, widths, strict=True)).rstrip() for line in grid]
 
 
 WIDE: list[Column] = [
@@ -133,7 +143,7 @@ def show_text(doc: dict[str, Any], output: str, compact: bool = False) -> str:
     """One allocation as `allocations show` prints it, from its JSON shape."""
     if output in ("json", "yaml"):
         return render(doc, output, compact=compact)
-    access = {k: v for k, v in (doc.get("access") or {}).items() if v is not None}
+    access = {k: _yes_no(v) for k, v in (doc.get("access") or {}).items() if v is not None}
     fields = [
         ("allocation", doc["allocation_id"]),
         ("tenant", doc["tenant_id"]),
@@ -150,11 +160,23 @@ def show_text(doc: dict[str, Any], output: str, compact: bool = False) -> str:
     lines.append("timeline")
     width = shutil.get_terminal_size((80, 24)).columns
     for t in doc.get("timeline", []):
-        why = f" ({t['reason_code']})" if t.get("reason_code") else ""
+        why = f" ({t['reason_code']}{_phase(t.get('detail'))})" if t.get("reason_code") else ""
         at = t["at"][:19].replace("T", " ")
         line = f"  {t['seq']:>2} {at} {t.get('previous_state') or '-'} -> {t['state']}{why}"
         lines.append(line if len(line) <= width or not sys.stdout.isatty() else line[: width - 1] + "…")
     return "\n".join(lines)
+
+
+def _yes_no(value: Any) -> Any:
+    return ("yes" if value else "no") if isinstance(value, bool) else value
+
+
+def _phase(detail: Any) -> str:
+    """A provisioning phase's name and how long it took, from its timeline entry's detail."""
+    if not isinstance(detail, dict) or not detail.get("phase"):
+        return ""
+    seconds = detail.get("seconds")
+    return f": {detail['phase']}" + (f" {seconds:.2f}s" if isinstance(seconds, (int, float)) else "")
 
 
 def _parse_id(allocation_id: str) -> uuid.UUID:
@@ -199,7 +221,7 @@ def allocations_list(
 
     def show(result: Any, compact: bool) -> str:
         if fmt == "table":
-            # Fixed widths that fit 80 columns with full ids; -o wide has AGE and the rest.
+            # Narrow, with full ids; -o wide has the image, region and UPDATED too.
             return "\n".join(table_lines(result.allocations))
         doc = _list_doc(result)
         return render(doc, fmt, rows=doc["allocations"], columns=WIDE, compact=compact)

@@ -133,12 +133,15 @@ def describe_event(kind: str, payload: dict[str, Any]) -> str:
     if kind == "released":
         c = p.get("cleanup", {})
         proof = f"{len(c.get('wipe_proofs', []))} wipe proof(s)" if c.get("wipe_proofs") else "no wipe needed"
-        return f"[green]released[/]: cleanup verified={c.get('verified')}, {proof}"
+        checked = {True: "cleanup verified", False: "[yellow]cleanup not verified[/]"}.get(c.get("verified"), "cleanup")
+        return f"[green]released[/]: {checked}, {proof}"
     if kind == "release_rejected":
         color = "yellow" if p.get("reason_code") == "already_releasing" else "red"
         state = f" (state {p['state']})" if p.get("state") else ""
         return f"[{color}]release rejected[/]: {p.get('reason_code')}: {p.get('reason')}{state}"
     if kind in ("rejected", "unschedulable", "failed"):
-        extra = f" (free GPUs {p.get('free_gpus')}, asked {p.get('requested_gpus')})" if kind == "unschedulable" else ""
+        # Free GPUs say why there was no room; a quota refusal already says what the tenant holds and asked.
+        room = kind == "unschedulable" and p.get("reason_code") != "quota_exceeded"
+        extra = f" (free GPUs {p.get('free_gpus')}, asked {p.get('requested_gpus')})" if room else ""
         return f"[red]{kind}[/]: {p.get('reason_code')}: {p.get('reason')}{extra}"
     return kind

@@ -11,6 +11,13 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperGroup
+
+try:  # typer parses with its own copy of click, and raises its exceptions
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError
+except ImportError:  # a typer that uses click itself
+    from click.exceptions import NoArgsIsHelpError, UsageError  # type: ignore[assignment]
 
 DEFAULT_RUN_DIR = Path(".run/dev")
 
@@ -63,6 +70,42 @@ def refused(what: str, reason: str) -> typer.Exit:
 
 def timed_out(what: str, seconds: float, hint: str = "") -> typer.Exit:
     return fail(f"[red]{what} did not answer within {seconds:g}s[/]{hint}", EXIT_TIMEOUT)
+
+
+def usage_error(exc: Any) -> typer.Exit:
+    """A usage error of the parser (missing argument, unknown option or command, a value it refuses) as one line on
+    stderr, exit 2, like every other bad argument: no usage block, no box."""
+    names = []
+    ctx = getattr(exc, "ctx", None)
+    while ctx is not None and ctx.parent is not None:  # the root by its name, whatever it was run as
+        names.insert(0, ctx.info_name)
+        ctx = ctx.parent
+    path = " ".join(["gpuaas", *names])
+    message = " ".join(exc.format_message().split()).replace("Value error, ", "").rstrip(".")
+    message = message[:1].lower() + message[1:]
+    return fail(f"[red]{escape(path)}: {escape(message)}[/] (`{escape(path)} -h` for help)", EXIT_USAGE)
+
+
+class OneLineUsageErrors(TyperGroup):
+    """The top-level group: the parser's usage errors, wherever in the command tree they are met (a subcommand's
+    arguments are parsed while its parent group invokes it), end as `usage_error` says. `NoArgsIsHelpError` (a
+    group given no subcommand) still prints the group's help."""
+
+    def make_context(self, info_name: Any, args: Any, parent: Any = None, **extra: Any) -> Any:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except UsageError as exc:
+            if isinstance(exc, NoArgsIsHelpError):
+                raise
+            raise usage_error(exc) from None
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            if isinstance(exc, NoArgsIsHelpError):
+                raise
+            raise usage_error(exc) from None
 
 
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", help="Where the dev stack keeps its state and logs.")]

@@ -134,6 +134,7 @@ def stack_state(run_dir: Path) -> dict[str, Any]:
         "nats_url": info.get("nats_url") if running else None,
         "scheduler_admin_url": info.get("scheduler_admin_url") if running else None,
         "image_admin_url": info.get("image_admin_url") if running else None,
+        "ops_admin_url": info.get("ops_admin_url") if running else None,
     }
 
 

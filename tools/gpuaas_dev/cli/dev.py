@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from ..pg_roles_cli import pg_roles as _pg_roles
 from .common import (
@@ -29,6 +28,7 @@ from .common import (
     pid_is_ours,
     read_stack_json,
 )
+from .output import table
 from .progress import StartProgress, watch_in_background
 
 dev_app = typer.Typer(no_args_is_help=True, help="The embedded development stack.")
@@ -43,16 +43,18 @@ def _raise_shutdown(signum, _frame) -> None:
 
 
 def _print_summary(info: dict[str, Any]) -> None:
-    table = Table(title=f"gpuaas dev stack ({info.get('status')})", show_lines=False)
-    table.add_column("process")
-    table.add_column("pid", justify="right")
-    table.add_column("port", justify="right")
-    table.add_column("log")
-    for name, s in info.get("services", {}).items():
-        table.add_row(
-            name, str(s.get("pid") or "-"), str(s.get("health_port") or s.get("port") or "-"), s.get("log", "")
-        )
-    err.print(table)
+    run_dir = Path(str(info.get("run_dir") or "."))
+
+    def log(path: Any) -> Any:
+        # Under the run dir, printed below: the table stays narrow enough not to cut a path.
+        return Path(path).relative_to(run_dir) if path and Path(path).is_relative_to(run_dir) else path
+
+    rows = [
+        {"process": name, "pid": s.get("pid"), "port": s.get("health_port") or s.get("port"), "log": log(s.get("log"))}
+        for name, s in info.get("services", {}).items()
+    ]
+    err.print(f"gpuaas dev stack ({info.get('status')})", markup=False)
+    err.print(table(rows, ["process", "pid", "port", "log"]), markup=False)
     err.print(f"NATS      {info.get('nats_url')}")
     err.print(f"Postgres  {info.get('database_url')}")
     err.print(f"MAAS sim  {info.get('maas_url')}" + (f" (CA {ca})" if (ca := info.get("maas_ca_file")) else ""))
@@ -413,18 +415,9 @@ def dev_status(run_dir: RunDirOpt = DEFAULT_RUN_DIR, as_json: JsonOpt = False) -
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
-        table = Table(title=f"gpuaas dev stack in {run_dir}: {summary['status']}")
-        for col in ("process", "pid", "port", "ready", "restarts"):
-            table.add_column(col)
-        for name, r in rows.items():
-            table.add_row(
-                name,
-                str(r["pid"] or "-"),
-                str(r["port"] or "-"),
-                "[green]yes[/]" if r["ready"] else "[red]no[/]",
-                str(r["restarts"]),
-            )
-        out.print(table)
+        out.print(f"gpuaas dev stack in {run_dir}: {summary['status']}", markup=False)
+        listed = [{"process": name, **r} for name, r in rows.items()]
+        out.print(table(listed, ["process", "pid", "port", "ready", "restarts"]), markup=False)
         if running:
             _print_admin_apis(info, out)
     # The table's codes: nothing to talk to is 3 (a stopped stack too); a stack that runs with a process not ready

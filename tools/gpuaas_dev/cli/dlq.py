@@ -23,6 +23,7 @@ from .common import (
     CredsOpt,
     NatsUrlOpt,
     RunDirOpt,
+    err,
     fail,
     not_found,
     timed_out,
@@ -130,6 +131,9 @@ async def _list(js: Any, consumer: Optional[str], limit: int) -> list[dict[str, 
     info = await js.stream_info(STREAM)
     first, last = info.state.first_seq, info.state.last_seq
     found: list[dict[str, Any]] = []
+    if not info.state.messages or not last or first > last:
+        # Empty: a new stream says 0 and 0, a purged one first = last + 1; sequence 0 is not one to ask for.
+        return found
     if consumer:
         # The server finds each next one of the subject; a subject holds at most a bounded number of letters.
         seq = first
@@ -176,6 +180,10 @@ def dlq_list(
             await nc.close()
 
     rows = asyncio.run(run())
+    if not rows and getattr(output, "value", output) in ("table", "wide"):
+        # As kubectl says "No resources found": on stderr, so the table on stdout stays empty.
+        err.print(f"no dead letters{f' of {consumer}' if consumer else ''} in the {STREAM} stream")
+        return
     emit({"dead_letters": rows}, output, rows=rows, columns=LIST_COLUMNS, wide=LIST_WIDE)
 
 

@@ -29,7 +29,7 @@ from .common import (
     pid_alive,
     read_stack_json,
 )
-from .output import Column, OutputOpt, choices, emit
+from .output import Column, OutputOpt, age, age_of, choices, emit
 
 images_app = typer.Typer(no_args_is_help=True, help="Slice images: build, publish, prewarm, status; MAAS host images.")
 
@@ -84,8 +84,10 @@ IMAGE_COLUMNS: list[Column] = [
     ("SKU", lambda i: i.get("compatible_sku")),
     ("DRIVER", lambda i: i.get("driver_strategy")),
     ("DIGEST", lambda i: (i.get("digest_sha256") or "")[:16]),
+    age_of("created_at"),
 ]
 IMAGE_WIDE: list[Column] = [
+    ("UPDATED", lambda i: age(i.get("updated_at"))),
     ("SOURCE", lambda i: i.get("source_uri")),
     ("DIGEST-SHA256", lambda i: i.get("digest_sha256")),
 ]
@@ -94,7 +96,8 @@ CACHE_COLUMNS: list[Column] = [
     ("CACHE", lambda n: n.get("status")),
     "schedulable",
     ("DIGEST", lambda n: (n.get("digest_sha256") or "")[:16]),
-    "verified_at",
+    # How long ago the host last checked its copy (-o json has the time itself).
+    ("VERIFIED", lambda n: age(n.get("verified_at"))),
     "reason",
 ]
 # The --json of earlier releases: the same document as -o json, kept for scripts that pass it.

@@ -102,8 +102,9 @@ def _node_detail_text(doc: dict[str, Any], output: str, compact: bool) -> str:
     if output in ("json", "yaml"):
         return render(doc, output, compact=compact)
     node = doc["node"]
-    lines = [render(node, output, fields=_node_fields(node), wide=["pool", "maas_system_id", "maas_tags"])]
-    lines.append(f"live claims {len(doc.get('live_claims') or [])}")
+    claims: Column = ("live claims", lambda _: len(doc.get("live_claims") or []))
+    wide: list[Column] = ["pool", "maas_system_id", "maas_tags"]
+    lines = [render(node, output, fields=[*_node_fields(node), claims], wide=wide)]
     history = doc.get("mode_history") or []
     if history:
         lines.append("mode history")
