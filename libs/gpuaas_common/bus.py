@@ -40,7 +40,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from pydantic import BaseModel
 
-from .bus_dispatch import HANDLED, FirstLock, Handler, HandlerContext, deliver, dispatch, retry_delay
+from .bus_dispatch import HANDLED, FirstLock, Handler, HandlerContext, Wanted, deliver, dispatch, retry_delay
 from .bus_gate import TrafficGate
 from .bus_lanes import ORDERING_FIELDS, KeepAlive, KeyedLanes, lane_key, ordering_key
 from .bus_parsing import PermanentError, decode_body, parse_message
@@ -127,9 +127,13 @@ class Bus:
         transactional: bool = True,
         concurrency: int | None = None,
         first_lock: FirstLock | None = None,
+        wanted: Wanted | None = None,
     ) -> None:
         """`first_lock(payload)` names the advisory lock every handler of this consumer takes first (the
         aggregate's, where the service keeps no row to lock); it then travels with the BEGIN.
+
+        `wanted(payload)` False: the message is none of this consumer's business (a filter its subject cannot
+        say, e.g. the shape of a lifecycle event): acknowledged as ignored, with no unit of work opened for it.
 
         `concurrency` > 1 keeps up to that many messages in flight at once, in order per aggregate
         (`ordering_key`: allocation, node, image, operation): one slow allocation holds up only itself. The
@@ -148,7 +152,7 @@ class Bus:
             try:
                 if turn is not None:
                     await turn  # the previous message of the same aggregate has been handled
-                await self.dispatch(spec, handlers, msg, transactional, first_lock, decoded)
+                await self.dispatch(spec, handlers, msg, transactional, first_lock, decoded, wanted)
             finally:
                 done()
 
@@ -211,9 +215,10 @@ class Bus:
         transactional: bool,
         first_lock: FirstLock | None,
         decoded: Any,
+        wanted: Wanted | None = None,
     ) -> None:
         """One message, whose body `decode_body` decoded at receipt (`bus_dispatch.dispatch`)."""
-        await dispatch(self, spec, handlers, msg, transactional, first_lock, decoded)
+        await dispatch(self, spec, handlers, msg, transactional, first_lock, decoded, wanted)
 
     def unit_of_work(self, envelope: Envelope | None = None) -> UnitOfWork[Any]:
         """A unit of work in this service's schema, its events caused by `envelope` (if any)."""

@@ -72,6 +72,8 @@ async def deliver(handler: "Handler", ctx: HandlerContext, uow: Any, first_lock:
 
 Handler = Callable[[HandlerContext], Awaitable[None]]
 FirstLock = Callable[[Any], str | None]
+# Whether a parsed payload is the consumer's business at all (bus.subscribe's `wanted`).
+Wanted = Callable[[Any], bool]
 
 
 def retry_delay(delays: tuple[float, ...], num_delivered: int) -> float:
@@ -107,6 +109,7 @@ async def dispatch(
     transactional: bool,
     first_lock: FirstLock | None,
     decoded: Any,
+    wanted: Wanted | None = None,
 ) -> None:
     """One message, whose body `decode_body` decoded at receipt."""
     num_delivered = msg.metadata.num_delivered or 1
@@ -118,7 +121,7 @@ async def dispatch(
         HANDLED.labels(spec.durable, exc.reason_code).inc()
         return
     handler = handlers.get(envelope.type)
-    if handler is None:
+    if handler is None or (wanted is not None and not wanted(payload)):
         await msg.ack()
         HANDLED.labels(spec.durable, "ignored").inc()
         return

@@ -586,3 +586,30 @@ async def test_inbox_claims_once_per_consumer(outbox_db):
 
 async def _outbox_empty(pool) -> bool:
     return await pool.fetchval("SELECT count(*) FROM outbox") == 0
+
+
+async def test_a_message_the_consumer_does_not_want_is_acknowledged_without_a_unit_of_work(js, outbox_db, nats_server):
+    # `wanted` filters what a subject cannot: such a message opens no transaction (no inbox row), reaches no
+    # handler and is not redelivered; the next wanted one is handled as usual.
+    _, pool = outbox_db
+    spec = await durable_at_end(js, "wanted", "gpuaas.allocation.release_requested")
+    bus_nc = await nats.connect(nats_server.url)
+    bus = Bus(bus_nc, js, service="wanted", schema="svc", pool=pool, retry_delays_s=(0.05,))
+    probe = _Probe()
+    bus.subscribe(
+        spec, {"allocation.release_requested": probe.handle}, wanted=lambda payload: payload.reason != "not-mine"
+    )
+    await bus.start()
+    try:
+        skipped, wanted = uuid.uuid4(), uuid.uuid4()
+        skipped_id, skipped_body = _event(skipped, reason="not-mine")
+        await _publish(js, skipped_body)
+        await _publish(js, _event(wanted)[1])
+        await eventually(lambda: str(wanted) in probe.effects, timeout=10)
+        assert str(skipped) not in probe.attempts
+        assert await pool.fetchval("SELECT count(*) FROM inbox WHERE message_id = $1", skipped_id) == 0
+        info = await js.consumer_info(spec.stream, spec.durable)
+        assert info.num_ack_pending == 0 and info.num_redelivered == 0
+    finally:
+        await bus.stop()
+        await bus_nc.close()

@@ -81,6 +81,9 @@ def build_register(settings: ImagePipelineSettings):
         rt.bus.subscribe(
             rt.consumer_spec("image-pipeline-tenancies"),
             {f"allocation.{state}": on_lifecycle for state in PIPELINE_FOLLOWS},
+            # Every slice allocation's lifecycle comes on this durable too (the subject names no shape): skipped
+            # before a transaction is opened for it, which the pipeline benchmark showed costing ~1.8 ms each.
+            wanted=tenancy.concerns,
         )
         rt.bus.subscribe(
             rt.consumer_spec("image-pipeline-machine-releases"), {"maas.release_result": on_machine_released}

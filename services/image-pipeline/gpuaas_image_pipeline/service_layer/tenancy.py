@@ -27,6 +27,11 @@ log = get_logger(__name__)
 ABSENT_REASON = "the host was handed to a baremetal tenant: its disk is the tenant's"
 
 
+def concerns(ev: m.AllocationEvent) -> bool:
+    """Only baremetal allocations hold a node whole: any other lifecycle event changes no tenancy."""
+    return ev.shape == "baremetal"
+
+
 async def on_lifecycle(uow: Uow, ev: m.AllocationEvent, occurred_at: datetime) -> None:
     """allocation.placed / provisioning / released / failed. Only baremetal allocations hold a node whole."""
     if ev.shape != "baremetal":
