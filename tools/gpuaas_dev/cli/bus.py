@@ -124,6 +124,7 @@ def describe_event(kind: str, payload: dict[str, Any]) -> str:
         a = p.get("access", {})
         bits = [
             f"ip {a['ip']}" if a.get("ip") else None,
+            f"user {a['user']}" if a.get("user") else None,
             "ssh ready" if a.get("ssh_ready") else None,
             f"MAAS {a['maas_system_id']}" if a.get("maas_system_id") else None,
         ]
@@ -132,7 +133,12 @@ def describe_event(kind: str, payload: dict[str, Any]) -> str:
         return "releasing" + (f": {p['reason']}" if p.get("reason") else "")
     if kind == "released":
         c = p.get("cleanup", {})
-        proof = f"{len(c.get('wipe_proofs', []))} wipe proof(s)" if c.get("wipe_proofs") else "no wipe needed"
+        # A MAAS release (erased per the site profile) or an early one says what it was in `reason`.
+        proof = (
+            f"{len(c.get('wipe_proofs', []))} wipe proof(s)"
+            if c.get("wipe_proofs")
+            else (c.get("reason") or "no wipe needed")
+        )
         checked = {True: "cleanup verified", False: "[yellow]cleanup not verified[/]"}.get(c.get("verified"), "cleanup")
         return f"[green]released[/]: {checked}, {proof}"
     if kind == "release_rejected":
