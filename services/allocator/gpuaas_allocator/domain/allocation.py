@@ -583,13 +583,6 @@ class Allocation:
         log.warning(SLICE_ENROLMENT_REFUSED, node_id=ev.node_id, state=self.state)
         self.note(SLICE_ENROLMENT_REFUSED, {"node_id": ev.node_id, "hostname": ev.hostname})
 
-    @property
-    def holds_machine(self) -> bool:
-        """A baremetal allocation whose machine is the tenant's (deploying, deployed, or not yet released)."""
-        if self.shape != "baremetal" or self.operation_id is None:
-            return False
-        return self.state in ("provisioning", "active", "releasing") or self.machine_may_be_deployed
-
     def _maybe_baremetal_active(self) -> None:
         if self.state == "provisioning" and self.deployed and self.enrolled:
             marks = self.phase_marks or {}
