@@ -8,7 +8,10 @@ Hosts are convertible (both MAAS profile tags): a clean host can go baremetal, a
 Requests (1-, 2-, 4- and 8-GPU slices, baremetal hosts) arrive as a Poisson process with exponential
 lifetimes; a refused request is lost. Every policy runs twice: free-form (any free GPUs of one host) and
 under the NVLink partition rules of an HGX H200 in shared-NVSwitch mode (a slice's GPUs are exactly one of
-the fifteen partitions, see gpuaas_scheduler.domain.nvlink_partitions).
+the fifteen partitions, see gpuaas_scheduler.domain.nvlink_partitions). Under the rules every slot carries its
+GPU module ID, as on a host whose discovery mapped them, so the scorer runs the scheduler's own partition path
+(the partition summary that ranks the host, buddy order inside it); free-form slots carry none, the path of a
+host without module IDs (PCIe switch and NUMA rules).
 Metrics: acceptance per shape, GPU-hours served and their share of the upper bound, and fragmentation
 (time-averaged share of free GPUs that sit on partly used hosts, where no baremetal request can use them).
 Upper bound: GPU-hours no policy can beat, the fluid bound integral of min(offered GPUs alive, capacity).
@@ -43,8 +46,11 @@ FREE, HELD = GpuState(), GpuState(free=False)
 Placement = tuple[str | None, list[SlotView] | None]
 
 
-def topology(node: str) -> list[SlotView]:
-    return [SlotView(f"{node}-s{i}", 0 if i < 4 else 1, f"sw{i // 2}", f"vf{i}") for i in range(SLOTS)]
+def topology(node: str, modules: bool = False) -> list[SlotView]:
+    return [
+        SlotView(f"{node}-s{i}", 0 if i < 4 else 1, f"sw{i // 2}", f"vf{i}", MODULE_OF_SLOT[i] if modules else None)
+        for i in range(SLOTS)
+    ]
 
 
 def slot_index_of(slot_id: str) -> int:
@@ -56,9 +62,9 @@ def slot_index(slot: SlotView) -> int:
 
 
 class Cluster:
-    def __init__(self, nodes: int) -> None:
+    def __init__(self, nodes: int, modules: bool = False) -> None:
         self.nodes = [f"n{i:03d}" for i in range(nodes)]
-        self.slots = {n: topology(n) for n in self.nodes}
+        self.slots = {n: topology(n, modules) for n in self.nodes}
         self.free = {n: {s.slot_id: s for s in self.slots[n]} for n in self.nodes}
         # The same occupancy by module ID, kept in step with `free` for the partition functions.
         self.gpus = {n: dict.fromkeys(MODULE_OF_SLOT, FREE) for n in self.nodes}
@@ -94,7 +100,8 @@ def first_clean(c: Cluster) -> Placement:
 
 
 def place_scored(c: Cluster, shape: str, gpus: int, rules: bool, rng: random.Random) -> Placement:
-    # Today's scheduler; under the rules its choice must also be a partition, else the next node is tried.
+    # The scheduler's ranking and choice. Under the rules the slots carry module IDs, so `choose` takes the
+    # host's best partition itself; the partition check is only a guard.
     if shape == "baremetal":
         return first_clean(c)
     for cand in rank_nodes(c.candidates(), gpus):
@@ -172,7 +179,7 @@ def trace(seed: int, nodes: int, hours: float, load: float) -> list[tuple[float,
 
 def simulate(policy: str, events, nodes: int, seed: int, rules: bool) -> dict:
     rng = random.Random(seed)
-    c = Cluster(nodes)
+    c = Cluster(nodes, modules=rules)
     departures: list[tuple[float, int, str, list[str]]] = []
     offered: dict[str, int] = defaultdict(int)
     accepted: dict[str, int] = defaultdict(int)
