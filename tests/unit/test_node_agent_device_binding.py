@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
+from gpuaas_common.contract import messages as m
 from gpuaas_node_agent.domain.device_binding import (
     approved_devices,
     binding_problems,
+    derive_binding,
     parse_list_overrides,
     plan,
     wrong_bindings,
@@ -52,3 +56,60 @@ def test_binding_problems_cover_every_approved_device_and_only_what_is_wrong() -
     }
     assert binding_problems([], {}, {}, present=[]) == {}
     assert binding_problems([gpu], {}, {gpu: "vfio-pci"}, present=[gpu]) == {gpu: ["no persistent vfio-pci override"]}
+
+
+# --- the binding derived from the approved slots (issue 26, point 5) ------------------------------------------
+
+_GPU_A, _VF_A, _GPU_B, _VF_B = "0000:18:00.0", "0000:29:00.1", "0000:2a:00.0", "0000:29:00.2"
+_MODULES = "/etc/modules-load.d/gpuaas-vfio.conf"
+
+
+@pytest.mark.parametrize(
+    ("slots", "devices"),
+    [
+        # Two GPU slots with a fabric VF each: all four on vfio-pci.
+        (
+            [
+                {"gpu_pci_address": _GPU_A, "fabric_vf_pci_address": _VF_A},
+                {"gpu_pci_address": _GPU_B, "fabric_vf_pci_address": _VF_B},
+            ],
+            [_GPU_A, _GPU_B, _VF_A, _VF_B],
+        ),
+        # A slot with no fabric VF (fabric_claim_mode none): its GPU alone.
+        ([{"gpu_pci_address": _GPU_A, "fabric_vf_pci_address": None}], [_GPU_A]),
+        # The same slot twice (two tasks named it): once.
+        ([{"gpu_pci_address": _GPU_A, "fabric_vf_pci_address": _VF_A}] * 2, [_GPU_A, _VF_A]),
+        # An emulated slot (a lab host's) passes nothing through; mixed with a GPU slot it adds nothing.
+        ([{"gpu_pci_address": None, "fabric_vf_pci_address": None}], []),
+        (
+            [
+                {"gpu_pci_address": None, "fabric_vf_pci_address": None},
+                {"gpu_pci_address": _GPU_B, "fabric_vf_pci_address": None},
+            ],
+            [_GPU_B],
+        ),
+        ([], []),
+    ],
+)
+def test_binding_is_derived_from_the_approved_non_emulated_slots(slots: list, devices: list) -> None:
+    b = derive_binding(slots)
+    assert b.devices == sorted(devices)
+    assert b.driver_override == {d: "vfio-pci" for d in devices}
+    expected = {f"/etc/driverctl.d/pci-{d}": "vfio-pci\n" for d in devices}
+    if devices:
+        expected[_MODULES] = "vfio\nvfio_iommu_type1\nvfio_pci\n"
+    assert b.persistent == expected
+
+
+def test_binding_takes_slot_bindings_as_the_contract_carries_them() -> None:
+    slot = m.SlotBinding(
+        slot_id="slot-0",
+        gpu_pci_address=_GPU_A,
+        nvme_by_id="/dev/disk/by-id/nvme-eui.01",
+        fabric_vf_pci_address=_VF_A,
+        mac="52:54:00:00:00:01",
+        private_ip="10.100.0.10",
+        ovs_bridge="ovsbr0",
+        profile="h200_1g_24c_64g",
+    )
+    assert derive_binding([slot]).devices == [_GPU_A, _VF_A]

@@ -10,13 +10,14 @@ import ipaddress
 import json
 import re
 import shlex
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any
 
 from gpuaas_common.contract import messages as m
 from gpuaas_common.contract import utcnow
 from gpuaas_common.logging import get_logger
 
-from ..domain.device_binding import VFIO_DRIVER, wrong_bindings
+from ..domain.device_binding import VFIO_DRIVER, binding_problems, derive_binding
 from ..domain.gpu_modules import fabric_mode
 from . import driverctl
 from .discovery import interface_addresses
@@ -90,8 +91,12 @@ class ParityChecker:
         emulated: bool = False,
         libvirt_alive: Callable[[], Awaitable[bool]] | None = None,
         require_bf3_management: bool = False,
+        approved_slots: Iterable[Mapping[str, Any] | m.SlotBinding] = (),
     ) -> None:
         self.host = host
+        # The approved slots the agent knows of (as its tasks carried them): their GPUs and fabric VFs must all
+        # be on vfio-pci, so a host that bound only some of them fails `vfio_binding`.
+        self.approved_slots = list(approved_slots)
         self.require_bf3_management = require_bf3_management
         # The emulated profile (a lab host whose slots carry no GPU and no fabric VF): every check of hardware
         # or of the host GPU services has nothing to look at and says so as a WARN; the rest run unchanged.
@@ -264,26 +269,31 @@ class ParityChecker:
     # --- device binding (slice mode keeps GPUs and fabric VFs on vfio-pci, host GPU services quiesced) --------
 
     async def vfio_binding(self) -> m.ParityCheck:
-        """Every device with a persistent override (written from the approved topology on entering slice
-        mode) is bound to vfio-pci right now."""
+        """Every device the approved slots pass through (emulated slots pass none), and every device with a
+        persistent vfio-pci override, has its override and is bound to vfio-pci right now; a partial binding
+        fails naming each device left out."""
         overrides = await driverctl.list_overrides(self.host)
-        approved = sorted(d for d, drv in overrides.items() if drv == VFIO_DRIVER)
-        if not approved:
+        wanted = derive_binding(self.approved_slots).devices
+        if not wanted and not any(drv == VFIO_DRIVER for drv in overrides.values()):
             return _fail(
                 "vfio_binding",
                 "no persistent vfio-pci driverctl override: the host has not entered slice mode",
                 "enter slice mode (gpuaas-node-agent slice-mode enter): persistent driverctl overrides generated "
                 "from the approved topology",
             )
-        wrong = wrong_bindings({d: driverctl.bound_driver(self.host, d) for d in approved})
-        if wrong:
+        devices = set(wanted) | {d for d, drv in overrides.items() if drv == VFIO_DRIVER}
+        present = [d for d in devices if self.host.fs.exists(f"/sys/bus/pci/devices/{d}")]
+        bound = {d: driverctl.bound_driver(self.host, d) for d in present}
+        problems = binding_problems(wanted, overrides, bound, present)
+        if problems:
             return _fail(
                 "vfio_binding",
-                "; ".join(wrong),
+                f"{len(problems)} of {len(devices)} approved devices not on vfio-pci: "
+                + "; ".join(f"{dev} {', '.join(why)}" for dev, why in problems.items()),
                 "bind GPU and fabric devices to vfio-pci with persistent driverctl overrides generated from the "
                 "approved topology, not hard-coded PCI lists",
             )
-        return _ok("vfio_binding", f"{len(approved)} approved devices on vfio-pci")
+        return _ok("vfio_binding", f"{len(devices)} approved devices on vfio-pci")
 
     async def nvidia_persistenced(self) -> m.ParityCheck:
         if await self._unit_active("nvidia-persistenced"):

@@ -33,6 +33,43 @@ def approved_devices(slots: Iterable[tuple[str, str | None]]) -> list[str]:
     return sorted(out)
 
 
+DRIVERCTL_DIR = "/etc/driverctl.d"
+VFIO_MODULES_LOAD = "/etc/modules-load.d/gpuaas-vfio.conf"
+
+
+@dataclass(frozen=True)
+class VfioBinding:
+    """The binding a slice-mode host's approved slots call for: per passed-through device the sysfs
+    `driver_override` value, and the persistent files that keep it across a reboot (driverctl's one file per
+    override, read by its udev rule at boot; the VFIO modules loaded at boot, as the runbook stages them)."""
+
+    driver_override: dict[str, str]
+    persistent: dict[str, str]
+
+    @property
+    def devices(self) -> list[str]:
+        return sorted(self.driver_override)
+
+
+def slot_pairs(slots: Iterable[Mapping[str, object] | object]) -> list[tuple[str | None, str | None]]:
+    """(gpu, fabric VF) of each slot, whether given as a SlotBinding or as the dict a task carried it as."""
+    out: list[tuple[str | None, str | None]] = []
+    for s in slots:
+        get = s.get if isinstance(s, Mapping) else (lambda k, _s=s: getattr(_s, k, None))
+        out.append((get("gpu_pci_address"), get("fabric_vf_pci_address")))  # type: ignore[arg-type]
+    return out
+
+
+def derive_binding(slots: Iterable[Mapping[str, object] | object]) -> VfioBinding:
+    """The host's VFIO binding from its approved slots: the GPU and fabric VF of every slot that passes one
+    through; an emulated slot (neither) adds nothing, and a host of only emulated slots needs no config."""
+    devices = sorted({d for pair in slot_pairs(slots) for d in pair if d})
+    persistent = {f"{DRIVERCTL_DIR}/pci-{d}": f"{VFIO_DRIVER}\n" for d in devices}
+    if devices:
+        persistent[VFIO_MODULES_LOAD] = "vfio\nvfio_iommu_type1\nvfio_pci\n"
+    return VfioBinding({d: VFIO_DRIVER for d in devices}, persistent)
+
+
 def plan(wanted: Iterable[str], current: Mapping[str, str]) -> BindingPlan:
     """Overrides to write (wanted, not already vfio-pci) and to remove (vfio-pci, no longer wanted)."""
     want = set(wanted)
