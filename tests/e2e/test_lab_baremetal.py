@@ -105,13 +105,15 @@ async def _connect_as_host(stack: Stack, creds_text: str) -> None:
 LOGIN_PROBE = "id -un; systemctl is-active gpuaas-node-agent; cat /proc/cmdline; findmnt -no FSTYPE /boot/efi"
 
 
-async def _tenant_login(stack: Stack, key: Path, access: dict) -> subprocess.CompletedProcess[str]:
+async def _tenant_login(
+    stack: Stack, key: Path, access: dict, command: str = LOGIN_PROBE
+) -> subprocess.CompletedProcess[str]:
     """The tenant's login from the lab's namespace, with the key it asked for. MAAS names no host key for a
     deployed machine, so none is pinned here (the slice path pins the one its seed planted)."""
     argv = stack.lab_host.ns(
         "ssh", "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
         "-o", "UserKnownHostsFile=/dev/null", "-o", "ConnectTimeout=10", "-i", str(key), "-p", str(access["port"]),
-        f"{access['user']}@{access['ip']}", LOGIN_PROBE,
+        f"{access['user']}@{access['ip']}", command,
     )  # fmt: skip
     return await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=60)
 
@@ -139,12 +141,16 @@ async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_e
         22,
     )
 
-    # The tenant logs in with its own key (sshd may still be starting when the agent enrols: asked until it answers).
+    # The tenant logs in with its own key (sshd may still be starting when the agent enrols: asked until it answers;
+    # ssh's own failures exit 255, anything else is the probe's answer).
     async def logged_in() -> subprocess.CompletedProcess[str] | None:
         done = await _tenant_login(stack, tenant, access)
-        return done if done.returncode == 0 else None
+        return done if done.returncode != 255 else None
 
-    login = await eventually(logged_in, timeout=120, interval=3, what="the tenant's SSH login to the machine")
+    login = await eventually(logged_in, timeout=300, interval=3, what="the tenant's SSH login to the machine")
+    if login.returncode != 0:
+        journal = await _tenant_login(stack, tenant, access, "sudo journalctl -u gpuaas-node-agent -n 40 --no-pager")
+        pytest.fail(f"the probe exited {login.returncode}: {login.stdout!r} {login.stderr!r}\n{journal.stdout}")
     user, agent, cmdline, esp = login.stdout.splitlines()
     assert (user, agent, esp) == ("debian", "active", "vfat")  # the ESP the install made, mounted as MAAS's are
     # Booted by the GRUB installed on its own disk (GRUB names the kernel it loaded), with the image's arguments.
