@@ -67,9 +67,6 @@ class HostEvidence(AgentCore):
             emulated=bool(self.emulated_slot_disks),
             libvirt_alive=self.libvirt_alive,
             require_bf3_management=self.require_bf3_management,
-            # The slots the agent was handed (their bindings as the tasks carried them): no message tells the
-            # agent of an approval before the first task on a slot, so these are the approved slots it knows.
-            approved_slots=[rec["binding"] for rec in self.store.slot_records().values()],
         ).run(self.node_id, task_id=task_id)
         return topology, parity
 

@@ -28,11 +28,16 @@ class TaskRunner(ProvisionTask, ReleaseTask):
         task = ctx.payload
         if task.node_id != self.node_id:
             raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {self.node_id}")
+        slot_ids = [s.slot_id for s in getattr(task, "slots", ())]
+        if len(set(slot_ids)) != len(slot_ids):
+            # One slot named twice: its lock would be taken twice and the task would wait on itself for good
+            # (a forged task did, in the fuzz run). No placement names a slot twice.
+            raise PermanentError("schema_invalid", f"task {task.task_id} names a slot more than once: {slot_ids}")
         await self.execute(ctx.envelope.type, task, causation_id=ctx.envelope.event_id)
 
     async def execute(self, task_type: str, task: Any, *, causation_id: str | None = None) -> m.NodeTaskResult:
         async with contextlib.AsyncExitStack() as stack:
-            for slot_id in sorted(s.slot_id for s in task.slots):
+            for slot_id in sorted({s.slot_id for s in task.slots}):
                 await stack.enter_async_context(self._slot_locks.setdefault(slot_id, asyncio.Lock()))
             await stack.enter_async_context(self._vm_locks.setdefault(task.vm_name, asyncio.Lock()))
             result = await self.run(task_type, task)
