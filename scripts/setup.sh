@@ -57,6 +57,7 @@ APT_PACKAGES=(
   postgresql                               # initdb / pg_ctl for the dev stack's and the tests' clusters
   libxml2-utils e2fsprogs util-linux       # xmllint; mkfs.ext4; wipefs and blkid (wipe proofs)
   prometheus                               # promtool and prometheus: the alert rules checked and evaluated in the suite
+  chromium chromium-driver                 # the ops console's browser test (Selenium drives headless chromium)
   # The lab (real slice hosts on this machine, tests/e2e/test_lab_slice.py, `make lab`): QEMU/TCG guests under a
   # libvirt daemon of the lab's own inside a network namespace, DHCP from dnsmasq, UEFI firmware, the Debian
   # base image built from packages with a GRUB EFI loader, unix-socket forwarders, SSH to the guests.
