@@ -63,11 +63,12 @@ APT_PACKAGES=(
   # base image built from packages with a GRUB EFI loader, unix-socket forwarders, SSH to the guests.
   qemu-system-x86 libvirt-daemon-system libvirt-clients dnsmasq-base dnsmasq-utils ovmf
   iproute2 iptables socat openssh-client mmdebstrap grub-efi-amd64-bin dosfstools mtools
+  openssh-server                           # a private sshd on loopback: the slice terminal's test (tests/e2e)
 )
 # The system services those packages bring that nothing here uses: the stack starts its own Postgres and
 # registry on loopback, and the tests their own Prometheus. Only the ones this run installs are switched off; one
 # the machine had before is left.
-UNUSED_UNITS=(postgresql:postgresql docker-registry:docker-registry prometheus:prometheus)
+UNUSED_UNITS=(postgresql:postgresql docker-registry:docker-registry prometheus:prometheus openssh-server:ssh)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -188,6 +188,27 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "node.enrolled": {"node_id": "slice-01", "kind": "slice_host", "hostname": "slice-01", "agent_version": "0.1.0"},
     "slice.topology_discover": {"task_id": "task-2", "node_id": "slice-01", "deadline": "2030-01-01T00:00:00+00:00"},
     "slice.parity_check": {"task_id": "task-3", "node_id": "slice-01", "deadline": "2030-01-01T00:00:00+00:00"},
+    "slice.terminal_open": {
+        "task_id": "terminal-1",
+        "session_id": "7d6f3c1e-3a9a-4e57-9f43-0c2e5d6b8a11",
+        "allocation_id": "3f0f6a8e-5a1d-4d2b-8c47-2b9f9c0e1a22",
+        "node_id": "slice-01",
+        "deadline": "2030-01-01T00:00:00+00:00",
+    },
+    "node.terminal_output": {
+        "session_id": "7d6f3c1e-3a9a-4e57-9f43-0c2e5d6b8a11",
+        "node_id": "slice-01",
+        "offset": 0,
+        "data": "aGVsbG8K",
+    },
+    "terminal.output_ack": {"session_id": "7d6f3c1e-3a9a-4e57-9f43-0c2e5d6b8a11", "status": "open", "received": 6},
+    "node.terminal_input": {"session_id": "7d6f3c1e-3a9a-4e57-9f43-0c2e5d6b8a11", "node_id": "slice-01", "received": 0},
+    "terminal.input": {
+        "session_id": "7d6f3c1e-3a9a-4e57-9f43-0c2e5d6b8a11",
+        "status": "open",
+        "offset": 0,
+        "data": "bHMK",
+    },
     "node.topology_reported": {
         "node_id": "slice-01",
         "discovered_at": "2030-01-01T00:00:00+00:00",

@@ -442,6 +442,67 @@ class SliceParityCheck(Payload):
     deadline: datetime
 
 
+# --- slice terminal (allocator <-> node agent) ------------------------------------------------------
+
+# Raw bytes a terminal message carries at most: base64 makes 16 KiB 21.8 KiB, well under a host's payload limit
+# (identity.permissions.HOST_MAX_PAYLOAD) with the envelope around it.
+TERMINAL_CHUNK_MAX = 16 * 1024
+TerminalBytes = Field(default="", max_length=(TERMINAL_CHUNK_MAX + 2) // 3 * 4, pattern=r"^[A-Za-z0-9+/]*={0,2}$")
+TerminalSessionEnd = Literal["client_closed", "guest_closed", "agent_gone", "ssh_failed", "deadline", "refused"]
+
+
+class SliceTerminalOpen(Payload):
+    """Open an SSH PTY into the allocation's guest with the host's relay key and relay it (slice terminal).
+    The agent takes the guest's address, user and host key from its own record of the VM it provisioned,
+    never from the task: a task cannot point the relay key at another machine."""
+
+    task_id: str = Identifier
+    session_id: uuid.UUID
+    allocation_id: uuid.UUID
+    node_id: str = Identifier
+    deadline: datetime
+    cols: int = Field(default=80, ge=10, le=1000)
+    rows: int = Field(default=24, ge=5, le=1000)
+
+
+class NodeTerminalOutput(Payload):
+    """Bytes the guest wrote, `offset` bytes into the session's output; a request answered with
+    terminal.output_ack. `eof`: the SSH session ended (`reason` says why) and nothing follows."""
+
+    session_id: uuid.UUID
+    node_id: str = Identifier
+    offset: int = Field(ge=0)
+    data: str = TerminalBytes
+    eof: bool = False
+    exit_status: int | None = None
+    reason: TerminalSessionEnd | None = None
+    detail: str | None = Field(default=None, max_length=512)
+
+
+class TerminalOutputAck(Payload):
+    """`open`: keep relaying; `closed`: the control plane ended the session, stop."""
+
+    session_id: uuid.UUID
+    status: Literal["open", "closed"]
+    received: int = Field(ge=0, description="Output bytes the control plane holds so far")
+
+
+class NodeTerminalInput(Payload):
+    """The agent asks for the tenant's keystrokes past `received` (bytes of input it has written to the guest);
+    answered with terminal.input when there are some, when the session ends, or after a short hold."""
+
+    session_id: uuid.UUID
+    node_id: str = Identifier
+    received: int = Field(ge=0)
+
+
+class TerminalInput(Payload):
+    session_id: uuid.UUID
+    status: Literal["open", "closed"]
+    offset: int = Field(ge=0)
+    data: str = TerminalBytes
+
+
 class PciFunction(Payload):
     pci_address: str = PciAddress
     vendor_id: str = Field(pattern=r"^[0-9a-f]{4}$")

@@ -112,10 +112,21 @@ def host_report_subjects(node: str) -> tuple[str, ...]:
     Listed one by one rather than `report.>`: a host then owns a fixed number of subjects, so a per-subject
     bound on its stream bounds all it can store."""
     addresses = sorted({s.address for s in MESSAGE_SPECS if NODE in s.producers and s.address is not None})
-    stray = [a for a in addresses if not a.startswith("gpuaas.node.{node_id}.report.")]
+    stray = [a for a in addresses if not a.startswith(_HOST_REPORTS) and a not in HOST_TERMINAL_ADDRESSES]
     if stray:
-        raise ValueError(f"node-agent messages outside its report subjects: {stray}")
-    return tuple(a.replace("{node_id}", node) for a in addresses)
+        raise ValueError(f"node-agent messages outside its report and terminal subjects: {stray}")
+    return tuple(a.replace("{node_id}", node) for a in addresses if a.startswith(_HOST_REPORTS))
+
+
+_HOST_REPORTS = "gpuaas.node.{node_id}.report."
+# The slice terminal's requests (a host relays a guest's bytes and asks for the tenant's keystrokes): outside the
+# report stream, so a tenant's session is relayed, never stored; answered on the host's own inbox, so a host
+# reads no other host's session. Listed one by one, never `terminal.>`.
+HOST_TERMINAL_ADDRESSES = ("gpuaas.node.{node_id}.terminal.output", "gpuaas.node.{node_id}.terminal.input")
+
+
+def host_terminal_subjects(node: str) -> tuple[str, ...]:
+    return tuple(a.replace("{node_id}", node) for a in HOST_TERMINAL_ADDRESSES)
 
 
 def requests_of(role: str) -> tuple[str, ...]:
@@ -125,7 +136,7 @@ def requests_of(role: str) -> tuple[str, ...]:
 
 def requests_answered_by(service: str) -> tuple[str, ...]:
     """Request/reply subjects `service` answers: a core subscription (queue group), not a durable."""
-    return tuple(sorted(s.address for s in MESSAGE_SPECS if s.reply and service in s.consumers and s.address))
+    return tuple(sorted(_wild(s.address) for s in MESSAGE_SPECS if s.reply and service in s.consumers and s.address))
 
 
 def durables_of(service: str) -> tuple[ConsumerSpec, ...]:
@@ -224,7 +235,11 @@ def node_template(tag: str = NODE_TAG) -> Permissions:
     node = "{{tag(" + tag + ")}}"
     spec = node_agent_consumer(node)
     return Permissions(
-        pub_allow=(*map(host_js_api, consumer_rights(spec, may_create=False)), *host_report_subjects(node)),
+        pub_allow=(
+            *map(host_js_api, consumer_rights(spec, may_create=False)),
+            *host_report_subjects(node),
+            *host_terminal_subjects(node),
+        ),
         sub_allow=(f"{inbox_prefix('{{name()}}')}.>",),
         max_payload=HOST_MAX_PAYLOAD,
         max_subs=HOST_MAX_SUBS,
@@ -320,7 +335,8 @@ def render_table() -> str:
     rows.append(
         "| `node-<node_id>` (one per host, scoped signing key; "
         f"payload ≤ {HOST_MAX_PAYLOAD // KIB} KiB, ≤ {HOST_MAX_SUBS} subscriptions) | "
-        f"{code(host_report_subjects('<node_id>'))}<br>`gpuaas.dlq.node-agent-<node_id>` | "
+        f"{code([*host_report_subjects('<node_id>'), *host_terminal_subjects('<node_id>')])}"
+        "<br>`gpuaas.dlq.node-agent-<node_id>` | "
         "`node-agent-<node_id>` (no create) | `_INBOX_node-<node_id>.>` |"
     )
     return "\n".join(rows) + "\n"
