@@ -13,20 +13,40 @@ everything around them, identically for every service:
 - an `admin_requests` row per authenticated mutation (who, what, when, request id), refusals included;
 - the OpenAPI document rendered from the same routes and models, so it cannot drift from the code, and
   served by the API itself without a token (`GET /openapi.json`, `/openapi.yaml`, and `/docs`: a page listing
-  each route with its method, path, summary and schema names; see `api.PUBLIC_PATHS` for why they are public).
+  each route with its method, path, summary and schema names; see `api.PUBLIC_PATHS` for why they are public);
+- optionally, browser pages under a prefix (`Pages`): a short-lived login link signed with the service's own
+  bearer token opens a session cookie; without one a page shows nothing but the refusal (`login`, `pages`).
 
 Tables `admin_idempotency` and `admin_requests` live in the service's own schema (its migrations).
 
 Modules: `routes` (Route, Call, Reply), `headers` (header rules, body limit, request keys), `errors` (the
 error shape, status texts), `bodies` (JSON bodies in and out), `api` (AdminApi: auth, request ids,
 endpoints, mutations), `idempotency` and `audit` (their tables), `openapi_document` (openapi, render_yaml),
-`docs_page` (the `/docs` page).
+`docs_page` (the `/docs` page), `login` (signed login links and sessions), `pages` (Pages, the refusal page).
 """
 
 from ..api_error import ApiError
 from .api import AdminApi
 from .errors import Error
+from .headers import PRINCIPAL, REQUEST_ID
+from .login import login_link
 from .openapi_document import openapi, render_yaml
+from .pages import ACTING, Pages, plain_page
 from .routes import Call, Reply, Route
 
-__all__ = ["AdminApi", "ApiError", "Call", "Error", "Reply", "Route", "openapi", "render_yaml"]
+__all__ = [
+    "ACTING",
+    "PRINCIPAL",
+    "REQUEST_ID",
+    "AdminApi",
+    "ApiError",
+    "Call",
+    "Error",
+    "Pages",
+    "Reply",
+    "Route",
+    "login_link",
+    "openapi",
+    "plain_page",
+    "render_yaml",
+]

@@ -23,7 +23,9 @@ from .docs_page import render_docs_page
 from .errors import error_response
 from .headers import ACTOR_RE, KEY_RE, MAX_BODY, PRINCIPAL, REQUEST_ID, REQUEST_ID_RE
 from .idempotency import lock_key, store_answer, stored_answer
+from .login import LOGIN, LOGIN_PATH, SESSION, mint, verify
 from .openapi_document import openapi, render_yaml
+from .pages import ACTING, SESSION_COOKIE, Pages, plain_page
 from .routes import Call, Reply, Route
 
 log = get_logger(__name__)
@@ -32,6 +34,13 @@ log = get_logger(__name__)
 # holds, and it is the same document the repository publishes (openapi.yaml); a browser following a link to the
 # docs page cannot send a bearer token. Everything else still wants one.
 PUBLIC_PATHS = frozenset({"/openapi.json", "/openapi.yaml", "/docs"})
+
+
+def _same_origin(request: web.Request) -> bool:
+    """A change asked by a page of another site is refused (the SameSite cookie already keeps it from being signed
+    in; this names the refusal). A request without an Origin is a client that is not a browser."""
+    origin = request.headers.get("Origin")
+    return origin is None or origin.split("://", 1)[-1] == request.host
 
 
 def _static(body: bytes, content_type: str) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -54,9 +63,11 @@ class AdminApi:
         routes: Sequence[Route],
         repositories: Callable[[asyncpg.Connection], Any] = no_repositories,
         document: Callable[[], dict[str, Any]] | None = None,
+        pages: Pages | None = None,
     ) -> None:
         """`document`: the service's OpenAPI document (its title and description over these routes); by default
-        one rendered from the routes alone."""
+        one rendered from the routes alone. `pages`: browser pages signed in by a login link minted from one of
+        `tokens` (login.py), refused with a page of their own."""
         usable = {actor: t for actor, t in tokens.items() if t is not None and t.get_secret_value()}
         if not usable:
             raise ValueError(
@@ -67,6 +78,10 @@ class AdminApi:
                 raise ValueError(f"token actor name {actor!r} is not an identifier")
         self.service, self.schema, self.pool = service, schema, pool
         self._tokens = [(actor, t.get_secret_value().encode()) for actor, t in usable.items()]
+        self._signing: dict[str, SecretStr | str] = {actor: t for actor, t in usable.items() if t is not None}
+        self._pages = pages
+        if pages is not None and not LOGIN_PATH.startswith(pages.prefix + "/"):
+            raise ValueError(f"pages must be mounted where their login is ({LOGIN_PATH})")
         self.routes = list(routes)
         self._repositories = repositories
         self._document = document
@@ -88,6 +103,10 @@ class AdminApi:
             ("/docs", page, "text/html"),
         ):
             app.router.add_get(path, _static(body, kind))
+        if self._pages is not None:
+            app.router.add_get(LOGIN_PATH, self._login)
+            app.router.add_post(self._pages.prefix + "/logout", self._logout)
+            self._pages.install(app)
         return app
 
     def document(self) -> dict[str, Any]:
@@ -124,6 +143,8 @@ class AdminApi:
         request_id = given if REQUEST_ID_RE.match(given) else uuid.uuid4().hex
         request[REQUEST_ID] = request_id
         principal = self._principal(request)
+        if self._pages is not None and self._pages.holds(request.path):
+            return await self._page(request, handler, request_id, principal)
         if principal is None and not (request.path in PUBLIC_PATHS and request.method in ("GET", "HEAD")):
             return error_response(
                 401,
@@ -153,6 +174,82 @@ class AdminApi:
                 return error_response(500, "internal", "internal error", request_id)
             resp.headers["X-Request-Id"] = request_id
             return resp
+
+    # --- browser pages -----------------------------------------------------------------------------
+
+    async def _page(
+        self,
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+        request_id: str,
+        principal: str | None,
+    ) -> web.StreamResponse:
+        assert self._pages is not None
+        acting = principal
+        if request.path != LOGIN_PATH:
+            session, _ = verify(self._signing, request.cookies.get(SESSION_COOKIE, ""), purpose=SESSION)
+            if principal is None and session is not None:
+                principal, acting = session.principal, session.actor
+            if principal is None:
+                log.info("page_refused", admin_path=request.path, request_id=request_id)
+                return self._refusal(request_id, "no session: this console opens from a login link")
+            if request.method not in ("GET", "HEAD") and not _same_origin(request):
+                return plain_page(403, "Refused", "a change must come from this console's own pages", request_id)
+        request[PRINCIPAL] = principal or ""
+        request[ACTING] = acting or ""
+        with bound_context(request_id=request_id, admin_method=request.method, admin_path=request.path, actor=acting):
+            try:
+                resp = await handler(request)
+            except ApiError as exc:
+                return plain_page(exc.status, exc.code, exc.message, request_id)
+            except web.HTTPException as exc:
+                if exc.status in (301, 302, 303, 307, 308):
+                    raise
+                return plain_page(exc.status, str(exc.status), exc.reason, request_id)
+            except Exception as exc:
+                log.error("page_failed", error=repr(exc), exc_info=True)
+                return plain_page(500, "Internal error", "the page failed; its log has the details", request_id)
+            resp.headers["X-Request-Id"] = request_id
+            return resp
+
+    def _refusal(self, request_id: str, why: str) -> web.Response:
+        assert self._pages is not None
+        return plain_page(401, "Sign-in refused", f"{why}. To sign in: {self._pages.how_to_sign_in}.", request_id)
+
+    async def _login(self, request: web.Request) -> web.StreamResponse:
+        """The login link: a valid login token opens a session (an HttpOnly cookie for the pages' path only) and
+        goes to the pages; anything else is the refusal. The token itself is never logged."""
+        assert self._pages is not None
+        signed, why = verify(self._signing, request.query.get("token", ""), purpose=LOGIN)
+        if signed is None:
+            log.info("login_refused", why=why)
+            return self._refusal(request[REQUEST_ID], why)
+        cookie = mint(
+            self._signing[signed.principal],
+            signed.principal,
+            signed.actor,
+            purpose=SESSION,
+            ttl_s=self._pages.session_ttl_s,
+        )
+        resp = web.HTTPSeeOther(self._pages.prefix + "/")
+        resp.set_cookie(
+            SESSION_COOKIE,
+            cookie,
+            path=self._pages.prefix,
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure,
+            max_age=int(self._pages.session_ttl_s),
+        )
+        resp.headers["Cache-Control"] = "no-store"
+        log.info("login", actor=signed.actor, principal=signed.principal)
+        raise resp
+
+    async def _logout(self, request: web.Request) -> web.StreamResponse:
+        assert self._pages is not None
+        resp = web.HTTPSeeOther(self._pages.prefix + "/")
+        resp.del_cookie(SESSION_COOKIE, path=self._pages.prefix)
+        raise resp
 
     # --- one route --------------------------------------------------------------------------------
 

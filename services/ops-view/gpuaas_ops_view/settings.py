@@ -15,3 +15,8 @@ class OpsViewSettings(ServiceSettings):
     follower_prefix: str = Field(default="ops-view", pattern=r"^[A-Za-z0-9_-]{1,40}$")
     # Messages pulled and applied per transaction at most; each stream is followed by its own loop.
     follow_batch: int = Field(default=256, ge=1, le=4096)
+    # The scheduler's admin API, which the console's drain goes through (as `gpuaas nodes drain` does) and whose
+    # node view (mode, drained, maintenance) the console's fleet shows; without both the console only reads.
+    scheduler_admin_url: str | None = Field(default=None, pattern=r"^https?://")
+    # Its bearer token.
+    scheduler_admin_token: SecretStr | None = None

@@ -20,6 +20,8 @@ from ..domain.usage import Move, Usage
 # service's outbox relay like every other service's.
 SCHEMA = "ops_view"
 PRODUCER = "ops-view"
+# Postgres NOTIFY channel naming each stream whose rows a commit changed.
+CHANGED_CHANNEL = "ops_view_changed"
 
 # domain.models.task_status again, in the statement that writes the row: the task's messages and its reports
 # are followed on different streams at once, and a row both see for the first time is written by both; the
@@ -54,6 +56,8 @@ class Projection:
             seq,
             at,
         )
+        # Delivered at the commit, and only if it commits: the console's live pages refresh on it (adapters/changes.py).
+        await self.conn.execute("SELECT pg_notify($1, $2)", CHANGED_CHANNEL, stream)
 
     # --- allocations ------------------------------------------------------------------------------------
 

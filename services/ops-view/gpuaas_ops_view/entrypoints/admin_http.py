@@ -1,6 +1,7 @@
 """The ops API over the read models, on the shared admin HTTP stack (gpuaas_common.admin_http: bearer auth, one
 error shape, request ids, the OpenAPI document and its docs page served). Read-only: ops act through the
-scheduler's and the image pipeline's admin APIs.
+scheduler's and the image pipeline's admin APIs. The console's pages (entrypoints/web) are mounted on it under
+/console, signed in by a login link minted from the same ops token.
 
 `services/ops-view/openapi.yaml` is rendered from `routes`:
 `python -m gpuaas_ops_view.entrypoints.admin_http services/ops-view/openapi.yaml`.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 from pydantic import BaseModel, SecretStr
@@ -20,6 +21,9 @@ from gpuaas_common.admin_http import AdminApi, Call, Route, openapi, render_yaml
 
 from ..service_layer import queries
 from . import api_models as out
+
+if TYPE_CHECKING:
+    from .web.pages import Console
 
 SCHEMA = "ops_view"
 TITLE = "gpuaas ops view API"
@@ -31,6 +35,8 @@ DESCRIPTION = (
     "default 50) and `cursor` (the `next_cursor` of the previous page) page through them; a filter value that "
     "does not parse is a 400 naming the field. Times are ISO 8601 with a zone."
 )
+# What the console's refusal page tells a visitor without a session.
+HOW_TO_SIGN_IN = "open the link `gpuaas console` prints (minted from the ops identity's token; valid 10 minutes)"
 TIME_RANGE = ("since", "until", "limit", "cursor")
 # Consumer state per stream, for /v1/streams: (pending, delivered stream seq), or None when it cannot be asked.
 ConsumerState = Callable[[], Awaitable[dict[str, tuple[int, int] | None]]]
@@ -150,7 +156,9 @@ def openapi_document() -> dict[str, Any]:
     return openapi(routes(), title=TITLE, version="1", description=DESCRIPTION)
 
 
-def ops_api(pool: asyncpg.Pool, token: SecretStr, consumer_state: ConsumerState) -> AdminApi:
+def ops_api(
+    pool: asyncpg.Pool, token: SecretStr, consumer_state: ConsumerState, console: Console | None = None
+) -> AdminApi:
     return AdminApi(
         service="ops-view",
         schema=SCHEMA,
@@ -158,6 +166,7 @@ def ops_api(pool: asyncpg.Pool, token: SecretStr, consumer_state: ConsumerState)
         tokens={"ops": token},
         routes=routes(consumer_state),
         document=openapi_document,
+        pages=console.pages(HOW_TO_SIGN_IN) if console is not None else None,
     )
 
 

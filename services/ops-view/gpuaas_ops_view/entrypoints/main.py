@@ -12,10 +12,13 @@ from gpuaas_common.logging import get_logger
 from gpuaas_common.metrics import consumer_reading
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
+from ..adapters.changes import Changes
 from ..adapters.metrics import dead_letters_reading, dlq_reading
+from ..adapters.scheduler_admin import SchedulerAdmin
 from ..settings import OpsViewSettings
 from .admin_http import ops_api
 from .follow import StreamFollower
+from .web.pages import Console
 
 log = get_logger(__name__)
 
@@ -60,7 +63,12 @@ def build_register(settings: OpsViewSettings):
         if settings.admin_token is None:
             log.warning("ops_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the ops API never listens without one")
             return
-        api = ops_api(rt.pool, settings.admin_token, consumer_state)
+        changes = Changes(rt.pool)
+        rt.spawn(changes.run(), "console-changes")
+        scheduler = SchedulerAdmin(settings.scheduler_admin_url, settings.scheduler_admin_token)
+        if not scheduler.configured:
+            log.warning("console_read_only", why="GPUAAS_SCHEDULER_ADMIN_URL/_TOKEN unset: the console cannot drain")
+        api = ops_api(rt.pool, settings.admin_token, consumer_state, Console(rt.pool, changes, scheduler))
         rt.ready_info["admin_port"] = await api.start(settings.admin_host, settings.admin_port)
 
         async def keep() -> None:
@@ -68,6 +76,7 @@ def build_register(settings: OpsViewSettings):
                 await asyncio.Event().wait()
             finally:
                 await api.stop()
+                await scheduler.close()
 
         rt.spawn(keep(), "ops-api")
 

@@ -1,0 +1,94 @@
+"""Signed tokens a browser carries instead of a bearer token: a short-lived login link and the session it opens.
+
+Both are minted from an admin API's own bearer token (the identity that may read it), so whoever holds that token
+can hand out a link, the API needs no second secret, and rotating the token ends every link and session made
+from it. The key is derived per purpose: a login token is never accepted as a session cookie, nor the other way.
+A token names its principal (which bearer token signed it), the person acting (for the audit of what they do) and
+when it expires; nothing in it is secret, everything in it is signed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from dataclasses import dataclass
+from urllib.parse import quote
+
+from pydantic import SecretStr
+
+from .headers import ACTOR_RE
+
+LOGIN, SESSION = "login", "session"
+# A login link is for clicking now, not for keeping.
+LOGIN_TTL_S = 600.0
+SESSION_TTL_S = 8 * 3600.0
+LOGIN_PATH = "/console/login"
+
+
+@dataclass(frozen=True)
+class Signed:
+    principal: str
+    actor: str
+    expires_at: float
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _key(secret: SecretStr | str, purpose: str) -> bytes:
+    raw = secret.get_secret_value() if isinstance(secret, SecretStr) else secret
+    return hmac.new(raw.encode(), b"gpuaas-admin-browser\0" + purpose.encode(), hashlib.sha256).digest()
+
+
+def mint(
+    secret: SecretStr | str, principal: str, actor: str, *, purpose: str, ttl_s: float, now: float | None = None
+) -> str:
+    """A token of `purpose` for `actor`, signed with the key derived from `principal`'s bearer token."""
+    if not ACTOR_RE.match(actor) or not ACTOR_RE.match(principal):
+        raise ValueError("principal and actor must be identifiers (letters, digits, ._:@-)")
+    expires = int((time.time() if now is None else now) + ttl_s)
+    body = _b64(
+        json.dumps(
+            {"p": principal, "a": actor, "x": expires, "n": secrets.token_hex(8)}, separators=(",", ":")
+        ).encode()
+    )
+    mac = hmac.new(_key(secret, purpose), body.encode(), hashlib.sha256).digest()
+    return f"{body}.{_b64(mac)}"
+
+
+def verify(
+    keys: dict[str, SecretStr | str], token: str, *, purpose: str, now: float | None = None
+) -> tuple[Signed | None, str]:
+    """(the token's content, "") when one of `keys` (principal -> bearer token) signed it for `purpose` and it
+    has not expired; otherwise (None, why) with a reason fit to show: nothing about which key was tried."""
+    body, _, mac = token.partition(".")
+    try:
+        fields = json.loads(_unb64(body))
+        given = _unb64(mac)
+        principal, actor, expires = fields["p"], fields["a"], fields["x"]
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+        return None, "the link is not one this console made"
+    secret = keys.get(principal) if isinstance(principal, str) else None
+    expected = hmac.new(_key(secret or "", purpose), body.encode(), hashlib.sha256).digest()
+    if secret is None or not hmac.compare_digest(given, expected):
+        return None, "the link is not one this console made"
+    if not isinstance(actor, str) or not ACTOR_RE.match(actor) or not isinstance(expires, int):
+        return None, "the link is not one this console made"
+    if expires <= (time.time() if now is None else now):
+        return None, "the link has expired: ask for a new one"
+    return Signed(principal, actor, float(expires)), ""
+
+
+def login_link(base_url: str, secret: SecretStr | str, principal: str, actor: str, ttl_s: float = LOGIN_TTL_S) -> str:
+    """The URL that signs `actor` in to the pages of the admin API at `base_url`."""
+    token = mint(secret, principal, actor, purpose=LOGIN, ttl_s=ttl_s)
+    return f"{base_url.rstrip('/')}{LOGIN_PATH}?token={quote(token, safe='')}"

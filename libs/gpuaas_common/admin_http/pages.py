@@ -1,0 +1,43 @@
+"""Browser pages on an admin API: mounted under a prefix, signed in by a login link (login.py) that opens a
+session cookie, and refused with a page that shows nothing but the refusal."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from .login import SESSION_TTL_S
+
+SESSION_COOKIE = "gpuaas_session"
+ACTING = web.RequestKey("acting", str)
+
+
+@dataclass(frozen=True)
+class Pages:
+    """`install` adds the pages' routes (all under `prefix`) to the admin API's application; each handler finds
+    the signed-in person in `request[ACTING]` and the identity behind them in `request[PRINCIPAL]`."""
+
+    install: Callable[[web.Application], None]
+    prefix: str = "/console"
+    session_ttl_s: float = SESSION_TTL_S
+    # What a refused visitor is told to do to get in (a command, a person to ask).
+    how_to_sign_in: str = "ask for a login link"
+
+    def holds(self, path: str) -> bool:
+        return path == self.prefix or path.startswith(self.prefix + "/")
+
+
+def plain_page(status: int, title: str, message: str, request_id: str, **headers: str) -> web.Response:
+    """A page of one message, for refusals and failures the pages themselves did not render: no data, no script,
+    nothing fetched from elsewhere."""
+    body = (
+        "<!doctype html><html lang=en><head><meta charset=utf-8><title>{t}</title></head><body>"
+        "<h1 id=refusal>{t}</h1><p>{m}</p><p><small>request {r}</small></p></body></html>"
+    ).format(t=html.escape(title), m=html.escape(message), r=html.escape(request_id))
+    resp = web.Response(status=status, text=body, content_type="text/html", charset="utf-8", headers=headers)
+    resp.headers["X-Request-Id"] = request_id
+    resp.headers["Cache-Control"] = "no-store"
+    return resp

@@ -1,0 +1,85 @@
+"""The scheduler's admin API as the console uses it: the nodes' admin state (drained, mode, maintenance: the
+scheduler's truth, never on the bus) and the drain itself, under the same Idempotency-Key, actor and audit as
+`gpuaas nodes drain`. The console holds no scheduler data of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+from pydantic import SecretStr
+
+TIMEOUT_S = 10.0
+
+
+class SchedulerUnavailable(Exception):
+    """Not configured, unreachable, or an answer that is not the API's."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: dict[str, Any]
+
+    @property
+    def error(self) -> str | None:
+        """The API's own words for a refusal, or None for a success."""
+        if self.status < 400:
+            return None
+        err = self.body.get("error") if isinstance(self.body.get("error"), dict) else {}
+        return f"{err.get('code', self.status)}: {err.get('message', '')}".strip()
+
+
+class SchedulerAdmin:
+    def __init__(self, url: str | None, token: SecretStr | None) -> None:
+        self.url = url.rstrip("/") if url else None
+        self._token = token
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.url and self._token and self._token.get_secret_value())
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def _call(
+        self, method: str, path: str, *, body: dict | None = None, headers: dict[str, str] | None = None
+    ) -> Answer:
+        if not self.configured:
+            raise SchedulerUnavailable("the scheduler admin API is not configured (GPUAAS_SCHEDULER_ADMIN_URL/_TOKEN)")
+        assert self._token is not None
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
+        sent = {"Authorization": f"Bearer {self._token.get_secret_value()}", "Accept": "application/json"}
+        try:
+            async with self._http.request(
+                method, f"{self.url}{path}", json=body, headers={**sent, **(headers or {})}
+            ) as resp:
+                answer = await resp.json(content_type=None)
+                return Answer(resp.status, answer if isinstance(answer, dict) else {})
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise SchedulerUnavailable(f"the scheduler admin API did not answer: {type(exc).__name__}") from None
+
+    async def nodes(self) -> dict[str, dict[str, Any]]:
+        """Every node's admin view, by node id."""
+        answer = await self._call("GET", "/v1/nodes")
+        if answer.error is not None:
+            raise SchedulerUnavailable(f"the scheduler admin API refused the node list ({answer.error})")
+        return {n["node_id"]: n for n in answer.body.get("nodes", []) if isinstance(n, dict) and "node_id" in n}
+
+    async def drain(
+        self, node_id: str, *, actor: str, reason: str, maintenance: bool, idempotency_key: str, request_id: str
+    ) -> Answer:
+        """POST /v1/nodes/{node}/drain as the CLI sends it; the console's request id travels with it, so the
+        scheduler's audit row and the console's log name the same request."""
+        return await self._call(
+            "POST",
+            f"/v1/nodes/{quote(node_id, safe='')}/drain",
+            body={"actor": actor, "reason": reason, "maintenance": maintenance},
+            headers={"Idempotency-Key": idempotency_key, "X-Actor": actor, "X-Request-Id": request_id},
+        )

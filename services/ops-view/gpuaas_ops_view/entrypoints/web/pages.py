@@ -1,0 +1,225 @@
+"""The ops console: server-rendered pages over the read models (the same queries as the ops API), kept live by
+server-sent events (live.py), mounted on the ops API under /console behind its login link
+(gpuaas_common.admin_http.Pages). Its one action, draining a node, goes to the scheduler's admin API as the CLI
+sends it (adapters/scheduler_admin.py)."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from datetime import datetime, timezone
+from importlib import resources
+from typing import Any
+from urllib.parse import urlencode
+
+import asyncpg
+from aiohttp import web
+
+from gpuaas_common.admin_http import ACTING, REQUEST_ID, ApiError, Pages
+from gpuaas_common.logging import get_logger
+
+from ...adapters.changes import Changes
+from ...adapters.scheduler_admin import SchedulerAdmin, SchedulerUnavailable
+from ...domain.filters import ALLOCATION_STATES, IDENTIFIER
+from ...service_layer import queries
+from ...service_layer.fleet import fleet as fleet_view
+from . import live
+from .render import page
+
+log = get_logger(__name__)
+
+PREFIX = "/console"
+STATIC = {
+    name: (resources.files(__package__).joinpath("static", name).read_bytes(), kind)
+    for name, kind in (("console.js", "text/javascript"), ("console.css", "text/css"))
+}
+NAV = (
+    ("fleet", "Fleet"),
+    ("allocations", "Allocations"),
+    ("images", "Images"),
+    ("maas", "MAAS operations"),
+    ("dead-letters", "Dead letters"),
+    ("usage", "Usage"),
+)
+REASON_MAX = 500
+
+
+class Console:
+    def __init__(self, pool: asyncpg.Pool, changes: Changes, scheduler: SchedulerAdmin) -> None:
+        self.pool, self.changes, self.scheduler = pool, changes, scheduler
+
+    def pages(self, how_to_sign_in: str) -> Pages:
+        return Pages(install=self.install, prefix=PREFIX, how_to_sign_in=how_to_sign_in)
+
+    def install(self, app: web.Application) -> None:
+        live.install(app, self.changes, PREFIX + "/events")
+        r = app.router
+        r.add_get(PREFIX, self.home)
+        r.add_get(PREFIX + "/", self.home)
+        r.add_get(PREFIX + "/static/{name}", self.static)
+        r.add_get(PREFIX + "/fleet", self.fleet)
+        r.add_post(PREFIX + "/fleet/drain", self.drain)
+        r.add_get(PREFIX + "/allocations", self.allocations)
+        r.add_get(PREFIX + "/allocations/{allocation_id}", self.allocation)
+        r.add_get(PREFIX + "/images", self.images)
+        r.add_get(PREFIX + "/images/{slug}", self.image)
+        r.add_get(PREFIX + "/maas", self.maas)
+        r.add_get(PREFIX + "/dead-letters", self.dead_letters)
+        r.add_get(PREFIX + "/usage", self.usage)
+
+    # --- common --------------------------------------------------------------------------------------
+
+    def _context(self, request: web.Request, section: str, **more: Any) -> dict[str, Any]:
+        return {
+            "prefix": PREFIX,
+            "nav": NAV,
+            "section": section,
+            "actor": request[ACTING],
+            "request_id": request[REQUEST_ID],
+            "query": dict(request.query),
+            "now": datetime.now(timezone.utc),
+            "error": None,
+            **more,
+        }
+
+    @staticmethod
+    def _query(request: web.Request, *names: str) -> dict[str, str | None]:
+        return {n: request.query.get(n) for n in names}
+
+    @staticmethod
+    def _next(request: web.Request, cursor: str | None) -> str | None:
+        if cursor is None:
+            return None
+        return f"{request.path}?{urlencode({**request.query, 'cursor': cursor})}"
+
+    async def _list(self, request: web.Request, template: str, section: str, fetch, **more: Any) -> web.Response:
+        """A list page: its rows, or, for a filter that does not parse, the page with the error naming the
+        field (400) and no rows."""
+        try:
+            async with self.pool.acquire() as conn:
+                data = await fetch(conn)
+        except ApiError as exc:
+            if exc.status != 400:
+                raise
+            ctx = self._context(request, section, items=[], next_url=None, error=exc.message, **more)
+            return page(request, template, 400, **ctx, field=(exc.details or {}).get("field"), data={})
+        ctx = self._context(request, section, items=data["items"], next_url=self._next(request, data["next_cursor"]))
+        return page(request, template, **ctx, **more, field=None, data=data)
+
+    async def home(self, _request: web.Request) -> web.StreamResponse:
+        raise web.HTTPSeeOther(PREFIX + "/fleet")
+
+    async def static(self, request: web.Request) -> web.Response:
+        found = STATIC.get(request.match_info["name"])
+        if found is None:
+            raise web.HTTPNotFound()
+        return web.Response(body=found[0], content_type=found[1], charset="utf-8")
+
+    # --- pages ---------------------------------------------------------------------------------------
+
+    async def fleet(self, request: web.Request, *, drain_error: str | None = None, status: int = 200):
+        admin, admin_error = None, None
+        try:
+            admin = await self.scheduler.nodes()
+        except SchedulerUnavailable as exc:
+            admin_error = str(exc)
+        query = self._query(request, "node", "kind", "limit", "cursor")
+        resp = await self._list(
+            request,
+            "fleet.html",
+            "fleet",
+            lambda conn: fleet_view(conn, query, admin),
+            admin_error=admin_error,
+            drain_error=drain_error,
+            drained=request.query.get("drained"),
+            drain_key=uuid.uuid4().hex,
+            can_drain=self.scheduler.configured,
+        )
+        if status != 200:
+            resp.set_status(status)
+        return resp
+
+    async def drain(self, request: web.Request) -> web.StreamResponse:
+        """The drain form: the scheduler answers; a success goes back to the fleet (a reload does not post it
+        again), a refusal is shown on the fleet page with the scheduler's words."""
+        form = await request.post()
+        node_id = str(form.get("node_id", "")).strip()
+        reason = str(form.get("reason", "")).strip()
+        key = str(form.get("idempotency_key", "")) or uuid.uuid4().hex
+        actor = request[ACTING]
+        problem = None
+        if not IDENTIFIER.match(node_id):
+            problem = "node_id must be a node id: letters, digits and ._:-"
+        elif not reason or len(reason) > REASON_MAX or not reason.isprintable():
+            problem = f"reason is required: why the node is drained (1-{REASON_MAX} printable characters)"
+        elif not re.fullmatch(r"[\x21-\x7e]{1,200}", key):
+            problem = "idempotency_key is not one this page made"
+        if problem is not None:
+            return await self.fleet(request, drain_error=problem, status=400)
+        try:
+            answer = await self.scheduler.drain(
+                node_id,
+                actor=actor,
+                reason=reason,
+                maintenance=form.get("maintenance") == "on",
+                idempotency_key=key,
+                request_id=request[REQUEST_ID],
+            )
+        except SchedulerUnavailable as exc:
+            log.warning("console_drain_failed", node_id=node_id, error=str(exc))
+            return await self.fleet(request, drain_error=str(exc), status=502)
+        if answer.error is not None:
+            log.info("console_drain_refused", node_id=node_id, status=answer.status)
+            return await self.fleet(request, drain_error=f"the scheduler refused: {answer.error}", status=answer.status)
+        log.info("console_drain", node_id=node_id, actor=actor, idempotency_key=key)
+        self.changes.announce("admin")
+        raise web.HTTPSeeOther(f"{PREFIX}/fleet?{urlencode({'drained': node_id})}")
+
+    async def allocations(self, request: web.Request) -> web.Response:
+        query = self._query(request, "tenant", "state", "node", "since", "until", "limit", "cursor")
+        return await self._list(
+            request,
+            "allocations.html",
+            "allocations",
+            lambda conn: queries.list_allocations(conn, query),
+            states=ALLOCATION_STATES,
+        )
+
+    async def allocation(self, request: web.Request) -> web.Response:
+        async with self.pool.acquire() as conn:
+            try:
+                found = await queries.get_allocation(conn, request.match_info["allocation_id"])
+            except ApiError as exc:
+                ctx = self._context(request, "allocations", alloc=None, error=exc.message)
+                return page(request, "allocation.html", exc.status, **ctx)
+        return page(request, "allocation.html", **self._context(request, "allocations", alloc=found))
+
+    async def images(self, request: web.Request) -> web.Response:
+        return await self._list(request, "images.html", "images", queries.list_images)
+
+    async def image(self, request: web.Request) -> web.Response:
+        async with self.pool.acquire() as conn:
+            try:
+                found = await queries.get_image(conn, request.match_info["slug"])
+            except ApiError as exc:
+                ctx = self._context(request, "images", image=None, error=exc.message)
+                return page(request, "image.html", exc.status, **ctx)
+        return page(request, "image.html", **self._context(request, "images", image=found))
+
+    async def maas(self, request: web.Request) -> web.Response:
+        query = self._query(request, "status", "node", "since", "until", "limit", "cursor")
+        return await self._list(request, "maas.html", "maas", lambda conn: queries.list_maas(conn, query))
+
+    async def dead_letters(self, request: web.Request) -> web.Response:
+        query = self._query(request, "consumer", "reason_code", "since", "until", "limit", "cursor")
+        return await self._list(
+            request, "dead_letters.html", "dead-letters", lambda conn: queries.list_dead_letters(conn, query)
+        )
+
+    async def usage(self, request: web.Request) -> web.Response:
+        query = self._query(request, "tenant", "month", "limit", "cursor", "as_of")
+        if not query["month"]:
+            query["month"] = datetime.now(timezone.utc).strftime("%Y-%m")
+        return await self._list(
+            request, "usage.html", "usage", lambda conn: queries.usage(conn, query), month=query["month"]
+        )

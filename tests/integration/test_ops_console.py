@@ -1,0 +1,237 @@
+"""The ops console's server side (services/ops-view, entrypoints/web) against a real nats-server and Postgres:
+nobody without a login link minted from the ops identity sees more than the refusal, a link opens a session for
+the pages only, a filter that does not parse is a 400 page naming the field, and a commit of the read models
+reaches an open page's event stream. The browser itself is tests/e2e/test_ops_console_browser.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import aiohttp
+import asyncpg
+import nats
+import nats.errors
+import pytest
+from pydantic import SecretStr
+
+from gpuaas_common.admin_http import login_link
+from gpuaas_common.admin_http.login import LOGIN, SESSION, mint
+from gpuaas_common.bus import Bus
+from gpuaas_common.db import create_pool
+from gpuaas_common.jetstream import FOLLOWERS
+from gpuaas_common.migrations import apply_migrations
+from gpuaas_ops_view.adapters.changes import Changes
+from gpuaas_ops_view.adapters.scheduler_admin import SchedulerAdmin
+from gpuaas_ops_view.entrypoints.admin_http import ops_api
+from gpuaas_ops_view.entrypoints.follow import StreamFollower
+from gpuaas_ops_view.entrypoints.web.pages import Console
+
+from .test_ops_view import SCHEMA, TOKEN, lifecycle, nc  # noqa: F401  (nc: the fixture)
+
+PAGES = ("fleet", "allocations", "images", "maas", "dead-letters", "usage")
+
+
+class Console_:
+    def __init__(self, url: str, pool: asyncpg.Pool, changes: Changes) -> None:
+        self.url, self.pool, self.changes = url, pool, changes
+
+    def link(self, actor: str = "alice", token: str = TOKEN) -> str:
+        return login_link(self.url, token, "ops", actor)
+
+
+@pytest.fixture
+async def console(nc: nats.NATS, fresh_db: str) -> AsyncIterator[Console_]:  # noqa: F811
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, SCHEMA, "gpuaas_ops_view.migrations")
+    await conn.close()
+    pool = await create_pool(fresh_db, SCHEMA)
+    js = nc.jetstream()
+    letters = Bus(nc, js, service="ops-view", schema=None, pool=None)
+    prefix = f"oc-{uuid.uuid4().hex[:8]}"
+    followers = [
+        StreamFollower(
+            nc, js, pool, spec, name=spec.durable.replace("ops-view", prefix, 1), dead_letters=letters, batch=64
+        )
+        for spec in FOLLOWERS
+    ]
+    changes = Changes(pool)
+    tasks = [asyncio.create_task(f.run()) for f in followers] + [asyncio.create_task(changes.run())]
+
+    async def no_state() -> dict[str, tuple[int, int] | None]:
+        return {}
+
+    # The scheduler's admin API is not configured: this console reads; the drain is the browser test's.
+    api = ops_api(pool, SecretStr(TOKEN), no_state, Console(pool, changes, SchedulerAdmin(None, None)))
+    port = await api.start("127.0.0.1", 0)
+    await asyncio.wait_for(changes.listening.wait(), 10)
+    yield Console_(f"http://127.0.0.1:{port}", pool, changes)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await api.stop()
+    await pool.close()
+
+
+def _browser() -> aiohttp.ClientSession:
+    # unsafe: the console is on 127.0.0.1, and aiohttp keeps no cookie of an IP address without it.
+    return aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
+
+
+async def _signed_in(console: Console_, http: aiohttp.ClientSession, actor: str = "alice") -> None:
+    async with http.get(console.link(actor), allow_redirects=False) as resp:
+        assert resp.status == 303, await resp.text()
+        assert resp.headers["Location"] == "/console/"
+        cookie = resp.headers["Set-Cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/console" in cookie, cookie
+
+
+async def _wait_until_in_model(console: Console_, alloc: uuid.UUID, state: str) -> None:
+    """Until the follower committed the allocation in `state`: woken by the models' own change notices."""
+    with console.changes.subscribe() as notices:
+        while True:
+            async with console.pool.acquire() as conn:
+                if await conn.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == state:
+                    return
+            await asyncio.wait_for(notices.get(), 20)
+
+
+async def test_without_the_ops_identity_a_visitor_sees_only_the_refusal(nc: nats.NATS, console: Console_) -> None:  # noqa: F811
+    tenant, node = f"secret-tenant-{uuid.uuid4().hex[:6]}", f"secret-node-{uuid.uuid4().hex[:6]}"
+    alloc = uuid.uuid4()
+    await lifecycle(nc, alloc, tenant, node)
+    await _wait_until_in_model(console, alloc, "active")
+
+    now = time.time()
+    other_identity = "another-token-that-is-not-the-ops-one-0123"
+    refused_links = {
+        "no token": f"{console.url}/console/login",
+        "garbage": f"{console.url}/console/login?token=abc.def",
+        "signed by another token": console.link(token=other_identity),
+        "expired": f"{console.url}/console/login?token="
+        + mint(TOKEN, "ops", "alice", purpose=LOGIN, ttl_s=60, now=now - 3600),
+        "a session token as a login link": f"{console.url}/console/login?token="
+        + mint(TOKEN, "ops", "alice", purpose=SESSION, ttl_s=600),
+        "signed for another principal": f"{console.url}/console/login?token="
+        + mint(TOKEN, "scheduler", "alice", purpose=LOGIN, ttl_s=600),
+    }
+    async with _browser() as http:
+        for what, link in refused_links.items():
+            async with http.get(link, allow_redirects=False) as resp:
+                body = await resp.text()
+                assert resp.status == 401, (what, body)
+                assert "Sign-in refused" in body and "Set-Cookie" not in resp.headers, what
+            assert len(http.cookie_jar) == 0, what
+        assert "expired" in await (await http.get(refused_links["expired"])).text()
+        # A forged session cookie (a login token, or one signed by another token) opens nothing either.
+        for cookie in (
+            mint(TOKEN, "ops", "alice", purpose=LOGIN, ttl_s=600),
+            mint(other_identity, "ops", "alice", purpose=SESSION, ttl_s=600),
+            mint(TOKEN, "ops", "alice", purpose=SESSION, ttl_s=60, now=now - 3600),
+        ):
+            async with http.get(f"{console.url}/console/allocations", cookies={"gpuaas_session": cookie}) as resp:
+                assert resp.status == 401
+        for path in [f"/console/{p}" for p in PAGES] + [f"/console/allocations/{alloc}", "/console/events"]:
+            for headers in ({}, {"Authorization": f"Bearer {other_identity}"}):
+                async with http.get(f"{console.url}{path}", headers=headers) as resp:
+                    body = await resp.text()
+                    assert resp.status == 401, (path, body)
+                    assert resp.headers["Content-Type"].startswith("text/html")
+                    # Nothing of the models: no tenant, no node, no allocation, no page skeleton.
+                    assert tenant not in body and node not in body and str(alloc) not in body, path
+                    assert 'id="live"' not in body and "<table" not in body and "<script" not in body, path
+        async with http.post(f"{console.url}/console/fleet/drain", data={"node_id": node, "reason": "x"}) as resp:
+            assert resp.status == 401
+
+
+async def test_a_login_link_opens_the_pages_and_only_them(nc: nats.NATS, console: Console_) -> None:  # noqa: F811
+    tenant, node = f"t-{uuid.uuid4().hex[:6]}", f"n-{uuid.uuid4().hex[:6]}"
+    alloc = uuid.uuid4()
+    await lifecycle(nc, alloc, tenant, node)
+    await _wait_until_in_model(console, alloc, "active")
+    async with _browser() as http:
+        await _signed_in(console, http, actor="bob@ops")
+        async with http.get(f"{console.url}/console/") as resp:
+            body = await resp.text()
+            assert resp.status == 200 and str(resp.url).endswith("/console/fleet"), body
+            assert "bob@ops" in body
+        for name in PAGES:
+            async with http.get(f"{console.url}/console/{name}") as resp:
+                assert resp.status == 200, (name, await resp.text())
+        async with http.get(f"{console.url}/console/allocations", params={"tenant": tenant}) as resp:
+            body = await resp.text()
+            assert f'data-allocation="{alloc}" data-state="active"' in body, body
+        async with http.get(f"{console.url}/console/allocations/{alloc}") as resp:
+            body = await resp.text()
+            assert resp.status == 200 and 'id="timeline"' in body and node in body, body
+        # The fleet without the scheduler's admin API: the evidence from the streams, no drain.
+        async with http.get(f"{console.url}/console/fleet") as resp:
+            body = await resp.text()
+            assert 'id="admin-error"' in body and "<fieldset disabled>" in body
+        # The session is the pages' only: the JSON API still wants the bearer token.
+        async with http.get(f"{console.url}/v1/allocations") as resp:
+            assert resp.status == 401 and (await resp.json())["error"]["code"] == "unauthorized"
+        # A change asked from another site's page is refused, signed in or not.
+        async with http.post(
+            f"{console.url}/console/fleet/drain",
+            data={"node_id": node, "reason": "x"},
+            headers={"Origin": "http://elsewhere.example"},
+        ) as resp:
+            assert resp.status == 403
+        async with http.post(f"{console.url}/console/logout", allow_redirects=False) as resp:
+            assert resp.status == 303
+        async with http.get(f"{console.url}/console/fleet") as resp:
+            assert resp.status == 401
+
+
+async def test_a_filter_that_does_not_parse_is_a_400_page_naming_the_field(console: Console_) -> None:
+    async with _browser() as http:
+        await _signed_in(console, http)
+        for path, query, field in (
+            ("allocations", {"state": "bogus"}, "state"),
+            ("allocations", {"since": "yesterday"}, "since"),
+            ("allocations", {"tenant": "no spaces"}, "tenant"),
+            ("allocations", {"limit": "0"}, "limit"),
+            ("fleet", {"kind": "toaster"}, "kind"),
+            ("maas", {"status": "lost"}, "status"),
+            ("dead-letters", {"until": "later"}, "until"),
+            ("usage", {"month": "2026-13"}, "month"),
+        ):
+            async with http.get(f"{console.url}/console/{path}", params=query) as resp:
+                body = await resp.text()
+                assert resp.status == 400, (path, query, body)
+                assert 'id="error"' in body and f"{field} " in body.split('id="error"', 1)[1], (path, body)
+        async with http.get(f"{console.url}/console/allocations/not-a-uuid") as resp:
+            assert resp.status == 400 and "allocation_id must be a UUID" in await resp.text()
+        async with http.get(f"{console.url}/console/allocations/{uuid.uuid4()}") as resp:
+            assert resp.status == 404
+
+
+async def test_a_commit_of_the_models_reaches_an_open_page(nc: nats.NATS, console: Console_) -> None:  # noqa: F811
+    tenant, node = f"t-{uuid.uuid4().hex[:6]}", f"n-{uuid.uuid4().hex[:6]}"
+    alloc = uuid.uuid4()
+    async with _browser() as http:
+        await _signed_in(console, http)
+        async with http.get(f"{console.url}/console/events") as events:
+            assert events.status == 200 and events.headers["Content-Type"] == "text/event-stream"
+            assert (await events.content.readline()).startswith(b"retry:")
+            await lifecycle(nc, alloc, tenant, node, upto="placed")
+
+            async def a_change() -> bytes:
+                while True:
+                    line = await events.content.readline()
+                    if line.startswith(b"event: changed"):
+                        return await events.content.readline()
+
+            data = await asyncio.wait_for(a_change(), 20)
+            assert data.startswith(b"data: ")
+            # What the page's script then fetches: its live part alone, with the allocation in it.
+            await _wait_until_in_model(console, alloc, "placed")
+            async with http.get(
+                f"{console.url}/console/allocations", params={"tenant": tenant}, headers={"X-Console-Live": "1"}
+            ) as resp:
+                part = await resp.text()
+                assert resp.status == 200 and "<html" not in part and "<form" not in part
+                assert f'data-allocation="{alloc}" data-state="placed"' in part, part
