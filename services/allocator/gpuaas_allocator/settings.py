@@ -34,6 +34,19 @@ class AllocatorSettings(ServiceSettings):
     # Shared with the MAAS gateway, which puts HMAC(secret, allocation:system) into user_data. No default: 16
     # characters or more, the gateway's value (`gpuaas dev up` and `scripts/compose-env.sh` make a random one).
     enrolment_secret: SecretStr
+    # The slice terminal's websocket (GET /v1/allocations/{id}/terminal), for the portal acting for a tenant: its
+    # bearer token; without one the endpoint does not listen.
+    portal_token: SecretStr | None = None
+    # Where it listens: loopback by default, behind the portal's own TLS front.
+    terminal_host: str = "127.0.0.1"
+    # 0: any free port (the ready file and the log say which).
+    terminal_port: int = Field(default=0, ge=0, le=65535)
+    # A terminal session ends at this age, whatever it is doing (the host's agent enforces it too).
+    terminal_session_max_s: float = Field(default=8 * 3600.0, gt=0)
+    # How long a host's ask for keystrokes is held when the tenant has typed nothing; it asks again at once.
+    terminal_input_hold_s: float = Field(default=10.0, gt=0)
+    # A session whose host has not started relaying within this long ends (agent_gone).
+    terminal_open_timeout_s: float = Field(default=30.0, gt=0)
 
     @field_validator("enrolment_secret")
     @classmethod

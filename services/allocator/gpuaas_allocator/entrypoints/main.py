@@ -21,7 +21,9 @@ from ..adapters.repository import AllocationRepository, count_images
 from ..service_layer.deadlines import sweep_deadlines
 from ..service_layer.handlers import Allocator, handlers_by_consumer
 from ..service_layer.queries import answer_query
+from ..service_layer.terminal import TerminalHub
 from ..settings import AllocatorSettings
+from .terminal_http import TerminalApi
 
 log = get_logger(__name__)
 
@@ -63,6 +65,7 @@ def build_register(settings: AllocatorSettings):
             ),
             "task-deadlines",
         )
+        await serve_terminal(rt, settings)
 
     return register
 
@@ -94,6 +97,69 @@ def query_responder(pool: asyncpg.Pool):
         await msg.respond(env.model_dump_json().encode())
 
     return on_query
+
+
+async def serve_terminal(rt: ServiceRuntime, settings: AllocatorSettings) -> None:
+    """The slice terminal: the tenant's websocket, and the answers to the hosts' terminal requests. Every replica
+    hears every host's requests (no queue group): only the one holding a session's websocket answers for it."""
+    if settings.portal_token is None:
+        log.warning(
+            "terminal_api_disabled", why="GPUAAS_PORTAL_TOKEN is not set: the terminal never listens without one"
+        )
+        return
+    assert rt.bus is not None and rt.nc is not None
+    hub = TerminalHub(
+        rt.bus.unit_of_work,
+        session_max_s=settings.terminal_session_max_s,
+        input_hold_s=settings.terminal_input_hold_s,
+    )
+    api = TerminalApi(hub, settings.portal_token, open_timeout_s=settings.terminal_open_timeout_s)
+    answering: set[asyncio.Task[None]] = set()
+    for type_, answer in (("node.terminal_output", hub.on_output), ("node.terminal_input", hub.on_input)):
+        responder = terminal_responder(type_, answer)
+
+        async def on_request(msg: Any, responder=responder) -> None:
+            # An input ask is held until the tenant types: each request is answered on its own task, so one held
+            # ask never delays another host's bytes.
+            task = asyncio.create_task(responder(msg))
+            answering.add(task)
+            task.add_done_callback(answering.discard)
+
+        every_host = str(spec_for(type_).address).replace("{node_id}", "*")
+        await rt.nc.subscribe(every_host, cb=on_request)
+    rt.ready_info["terminal_port"] = await api.start(settings.terminal_host, settings.terminal_port)
+    rt.on_stop.append(api.stop)
+
+
+def terminal_responder(type_: str, answer: Any):
+    reply_type = spec_for(type_).reply
+    assert reply_type is not None
+
+    async def respond(msg: Any) -> None:
+        if not msg.reply:
+            return
+        try:
+            envelope, req = parse_message(msg.subject, msg.data)
+        except PermanentError as exc:
+            # A core request, not a stream message: nothing to dead-letter; the host hears nothing and gives up.
+            log.warning("terminal_request_invalid", subject=msg.subject, code=exc.reason_code, reason=exc.reason[:300])
+            return
+        if envelope.type != type_:
+            log.warning("terminal_request_invalid", subject=msg.subject, code="unexpected_type", reason=envelope.type)
+            return
+        result = await answer(req)
+        if result is None:
+            return  # another replica's session
+        env = Envelope.wrap(
+            reply_type,
+            result.model_dump(mode="json"),
+            producer="allocator",
+            correlation_id=envelope.correlation_id,
+            causation_id=envelope.event_id,
+        )
+        await msg.respond(env.model_dump_json().encode())
+
+    return respond
 
 
 async def _poll(fn) -> None:

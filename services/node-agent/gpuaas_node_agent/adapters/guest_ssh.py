@@ -84,14 +84,27 @@ def fingerprint(public_line: str) -> str:
 async def agent_login_key(state_dir: Path) -> tuple[Path, str]:
     """The agent's own login key (made once, 0600 in its state dir) and its public line, which every seed
     authorises so that the readiness check can log in."""
-    key = state_dir / "readiness_ed25519"
+    return await _node_local_key(state_dir / "readiness_ed25519")
 
+
+# Where the runbook keeps it (slice-node-bootstrap, "Slice Terminal Follow-Up": terminal/id_ed25519 under the
+# agent's state dir). Apart from the readiness key so that either can be rotated or revoked alone.
+RELAY_KEY = Path("terminal") / "id_ed25519"
+
+
+async def relay_key(state_dir: Path) -> tuple[Path, str]:
+    """The node-local terminal relay key (made once, 0600) and its public line: every seed authorises it for the
+    guest user, and the slice terminal logs in with it, from this host only."""
+    return await _node_local_key(state_dir / RELAY_KEY)
+
+
+async def _node_local_key(key: Path) -> tuple[Path, str]:
     def _load_or_make() -> str:
         if key.exists():
             return HostKey.from_private(key.read_text()).public_line
         made = new_host_key()
-        state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = state_dir / f".readiness-{os.getpid()}"
+        key.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = key.parent / f".{key.name}-{os.getpid()}"
         tmp.unlink(missing_ok=True)
         # 0600 from the first byte: ssh refuses a private key others can read, and so should we.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -141,6 +141,18 @@ class StateStore:
             or (t == "slice.vm_release" and s != "succeeded")
         }
 
+    def running_guest(self, allocation_id: str) -> dict[str, Any] | None:
+        """The provision task (vm_name, payload) behind an allocation's guest, when the allocation's latest task is
+        that provision and it succeeded: the one record a terminal may take its target from."""
+        row = self._db.execute(
+            "SELECT task_type, status, vm_name, payload_json FROM tasks WHERE allocation_id = ? "
+            "ORDER BY updated_at DESC, rowid DESC LIMIT 1",
+            (allocation_id,),
+        ).fetchone()
+        if row is None or row[0] != "slice.vm_provision" or row[1] != "succeeded" or not row[2] or not row[3]:
+            return None
+        return {"vm_name": row[2], "payload": json.loads(row[3])}
+
     def slot_records(self) -> dict[str, dict[str, Any]]:
         """slot_id → the latest task that named the slot: its binding (as the task carried it), task type,
         status, VM and allocation. Tasks on one slot never interleave, so the latest update is the latest task."""

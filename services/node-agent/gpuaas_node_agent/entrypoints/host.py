@@ -7,13 +7,17 @@ runs it once per simulated host, so a simulated host runs exactly the code a rea
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from gpuaas_common.bus import Bus
+import nats.errors
+
+from gpuaas_common.bus import Bus, parse_message
+from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import ConsumerSpec, node_agent_consumer, provision
 from gpuaas_common.logging import get_logger
 
-from ..adapters.guest_ssh import agent_login_key
+from ..adapters.guest_ssh import agent_login_key, relay_key
 from ..adapters.host import HostFs
 from ..adapters.host_link import HostLink
 from ..adapters.hypervisor import choose_domain_type
@@ -25,6 +29,7 @@ from ..service_layer.host_paths import HostPaths
 from ..service_layer.prewarm import ImagePrewarmer
 from ..service_layer.tasks import SliceHostAgent
 from ..service_layer.tasks.core import GuestLogin
+from ..service_layer.terminal import Ask, TerminalRelay
 from ..settings import AgentSettings, parse_path_map
 
 AGENT_VERSION = "0.1.0"
@@ -51,6 +56,35 @@ def refuse_a_deployed_host(root: Path) -> None:
     choose_role("slice_host", node_env_present(root))
 
 
+def terminal_relay(
+    settings: AgentSettings, node_id: str, paths: HostPaths, store: StateStore, key: Path, ssh_port: int, bus: Bus
+) -> TerminalRelay:
+    """The slice terminal of this host: the relay key's sessions into its guests, relayed over its bus link."""
+    return TerminalRelay(
+        node_id, store, paths.host(settings.seed_dir), key, settings.guest_user, ssh_port, bus_ask(bus, node_id)
+    )
+
+
+def bus_ask(bus: Bus, node_id: str) -> Ask:
+    """A request on one of this host's own subjects, answered on its inbox; both ways checked by the contract.
+    No answer in time is a TimeoutError."""
+
+    async def ask(type_: str, payload: m.Payload, timeout_s: float) -> Any:
+        spec = spec_for(type_)
+        env = Envelope.wrap(type_, payload.model_dump(mode="json"), producer="node-agent", correlation_id=node_id)
+        assert bus.nc is not None
+        try:
+            msg = await bus.nc.request(spec.subject(node_id=node_id), env.model_dump_json().encode(), timeout=timeout_s)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            raise TimeoutError(f"{type_}: no answer in {timeout_s:.0f}s") from None
+        reply_env, reply = parse_message(msg.subject, msg.data)
+        if reply_env.type != spec.reply:
+            raise TimeoutError(f"{type_} answered with {reply_env.type}")
+        return reply
+
+    return ask
+
+
 async def run_slice_host(
     settings: AgentSettings,
     node_id: str,
@@ -73,6 +107,8 @@ async def run_slice_host(
     domain_type, why = choose_domain_type(settings.domain_type, HostFs(root))
     log.info("domain_type_chosen", node_id=node_id, domain_type=domain_type, setting=settings.domain_type, reason=why)
     readiness_key = await agent_login_key(paths.host(settings.state_dir)) if settings.readiness_login else None
+    # Made at the first start and injected into every guest's seed: the slice terminal logs in with it.
+    relay = await relay_key(paths.host(settings.state_dir))
     agent = SliceHostAgent(
         node_id,
         paths,
@@ -92,6 +128,7 @@ async def run_slice_host(
         guest_user=settings.guest_user,
         readiness_key=readiness_key,
         guest_login=guest_login,
+        relay_public_key=relay[1],
     )
     agent.gpu_bridge = settings.gpu_bridge
     agent.emulated_slot_disks = tuple(settings.emulated_slot_disks)
@@ -103,6 +140,7 @@ async def run_slice_host(
         "slice.vm_release": agent.on_task,
         "slice.topology_discover": agent.on_discover,
         "slice.parity_check": agent.on_parity_check,
+        "slice.terminal_open": terminal_relay(settings, node_id, paths, store, relay[0], ssh_port, bus).on_open,
     }
     handlers["image.cache_prewarm"] = ImagePrewarmer(
         node_id, paths, store, bus.publish, image_cache_dir=settings.image_cache_dir

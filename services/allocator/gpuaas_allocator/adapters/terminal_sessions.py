@@ -1,0 +1,65 @@
+"""The slice terminal's audit rows (allocator.terminal_sessions): one per session, written when it opens and
+completed when it ends."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import asyncpg
+
+
+async def lock_allocation(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> dict[str, Any] | None:
+    """The allocation's row as a terminal needs it, locked until the transaction ends: a release that starts
+    meanwhile waits, so a session is never opened into an allocation already on its way out."""
+    row = await conn.fetchrow(
+        "SELECT allocation_id, tenant_id, shape, state, node_id FROM allocations WHERE allocation_id = $1 FOR UPDATE",
+        allocation_id,
+    )
+    return dict(row) if row else None
+
+
+async def insert_session(
+    conn: asyncpg.Connection,
+    *,
+    session_id: uuid.UUID,
+    allocation_id: uuid.UUID,
+    tenant_id: str,
+    actor: str,
+    node_id: str,
+    task_id: str,
+) -> None:
+    await conn.execute(
+        "INSERT INTO terminal_sessions (session_id, allocation_id, tenant_id, actor, node_id, task_id) "
+        "VALUES ($1, $2, $3, $4, $5, $6)",
+        session_id,
+        allocation_id,
+        tenant_id,
+        actor,
+        node_id,
+        task_id,
+    )
+
+
+async def end_session(
+    conn: asyncpg.Connection, session_id: uuid.UUID, *, reason: str, bytes_to_guest: int, bytes_from_guest: int
+) -> bool:
+    """Completes the row once (a second end changes nothing): whether this call ended it."""
+    status = await conn.execute(
+        "UPDATE terminal_sessions SET ended_at = now(), end_reason = $2, bytes_to_guest = $3, bytes_from_guest = $4 "
+        "WHERE session_id = $1 AND ended_at IS NULL",
+        session_id,
+        reason,
+        bytes_to_guest,
+        bytes_from_guest,
+    )
+    return status == "UPDATE 1"
+
+
+async def sessions_of(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        "SELECT session_id, allocation_id, tenant_id, actor, node_id, task_id, started_at, ended_at, end_reason, "
+        "bytes_to_guest, bytes_from_guest FROM terminal_sessions WHERE allocation_id = $1 ORDER BY started_at",
+        allocation_id,
+    )
+    return [dict(r) for r in rows]

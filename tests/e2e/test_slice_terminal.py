@@ -1,0 +1,381 @@
+"""The slice terminal end to end across processes (issue 26, point 8): a websocket client (the portal acting for a
+tenant) → the allocator's terminal endpoint (a real `gpuaas-allocator`) → NATS (a real nats-server) → the host's
+agent (its terminal relay in a process of its own, tests/e2e/terminal_host.py) → `ssh -tt` with the host's relay
+key into a private sshd on loopback standing in for the guest (its host key is the one the guest's seed planted)
+→ a command's output back on the websocket; the audit row checked after.
+
+Every message on `gpuaas.>` and every terminal answer on the inboxes is checked against the committed contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import asyncpg
+import nats
+import pytest
+
+from gpuaas_allocator.adapters.repository import AllocationRepository
+from gpuaas_allocator.domain.model import ActiveImage
+from gpuaas_allocator.service_layer.commands import provision_task_id
+from gpuaas_allocator.service_layer.handlers import Allocator
+from gpuaas_allocator.settings import AllocatorSettings
+from gpuaas_common.bus import HandlerContext, deliver
+from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import messages as m
+from gpuaas_common.contract.asyncapi import default_validator
+from gpuaas_common.db import create_pool
+from gpuaas_common.migrations import apply_migrations
+from gpuaas_common.unit_of_work import UnitOfWork
+from gpuaas_dev.testing.bus_spy import BusSpy
+from gpuaas_dev.testing.servers import free_port
+from gpuaas_dev.testing.waiting import eventually, service_ready
+from gpuaas_node_agent.adapters.guest_ssh import new_host_key, relay_key
+from gpuaas_node_agent.adapters.state_store import StateStore
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
+SLICE = ActiveImage("ubuntu-24.04-h200-slice", "slice", "h200-sxm-slice", "c" * 64, "/img/slice.raw")
+NODE = "term-n1"
+TENANT = "tenant-a"
+PORTAL_TOKEN = "portal-token-of-the-terminal-test"
+VM = "gpuaas-slice-terminal-test"
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+TERMINAL_REPLIES = {"terminal.input", "terminal.output_ack"}
+
+
+@dataclass
+class Host:
+    state_dir: Path
+    seed_dir: Path
+    ssh_port: int
+
+
+async def _banner(port: int) -> bool:
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return False
+    try:
+        return (await asyncio.wait_for(reader.readline(), 5)).startswith(b"SSH-2.0-")
+    except (TimeoutError, OSError):
+        return False
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+async def host(tmp_path: Path) -> AsyncIterator[Host]:
+    """The host's state (its relay key, made as the agent makes it) and a guest: a private sshd on a loopback port
+    whose host key is the one planted in the guest's seed and which authorises the relay key for the guest user,
+    as the seed's cloud-init does."""
+    state_dir, seed_dir, sshd_dir = tmp_path / "host-state", tmp_path / "host-seeds", tmp_path / "sshd"
+    for d in (state_dir, seed_dir, sshd_dir):
+        d.mkdir(mode=0o700)
+    _key, relay_public = await relay_key(state_dir)
+    planted = new_host_key()
+    (seed_dir / f"{VM}.hostkey").write_text(planted.private_openssh)
+    host_key = sshd_dir / "host_ed25519"
+    host_key.touch(mode=0o600)
+    host_key.write_text(planted.private_openssh)
+    authorized = sshd_dir / "authorized_keys"
+    authorized.write_text(relay_public + "\n")
+    port = free_port()
+    config = sshd_dir / "sshd_config"
+    config.write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                "ListenAddress 127.0.0.1",
+                f"HostKey {host_key}",
+                f"PidFile {sshd_dir / 'sshd.pid'}",
+                f"AuthorizedKeysFile {authorized}",
+                f"AllowUsers {getpass.getuser()}",
+                "PermitRootLogin prohibit-password",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "PrintMotd no",
+                "PrintLastLog no",
+                "",
+            ]
+        )
+    )
+    # The privilege-separation directory a root sshd insists on (the package's unit makes it; nothing runs here).
+    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+    log = (tmp_path / "sshd.log").open("wb")
+    proc = await asyncio.create_subprocess_exec(SSHD, "-D", "-e", "-f", str(config), stdout=log, stderr=log)
+    try:
+        await eventually(
+            lambda: proc.returncode is not None or _banner(port), timeout=30, what="the private sshd's banner"
+        )
+        assert proc.returncode is None, (tmp_path / "sshd.log").read_text()[-2000:]
+        yield Host(state_dir, seed_dir, port)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await asyncio.wait_for(proc.wait(), 30)
+        log.close()
+
+
+async def _send(pool: asyncpg.Pool, handler, type_: str, payload: m.Payload) -> None:
+    env = Envelope.wrap(type_, payload.model_dump(mode="json"), producer="test", correlation_id="c")
+    work = UnitOfWork(pool, "allocator", "allocator", AllocationRepository)
+    await deliver(handler, HandlerContext(env, payload, "s", "test", 1), work)
+
+
+async def _allocation(pool: asyncpg.Pool, tenant: str, *, active: bool) -> uuid.UUID:
+    """A slice allocation of `tenant` on NODE, driven through the allocator's own handlers: requested, placed on
+    one slot whose guest is the private sshd, and (if `active`) provisioned with readiness evidence."""
+    allocator = Allocator(AllocatorSettings())
+    alloc = uuid.uuid4()
+    request = m.AllocationRequested(
+        allocation_id=alloc,
+        tenant_id=tenant,
+        shape="gpu_slice",
+        sku="h200-sxm-slice",
+        gpu_count=1,
+        image=SLICE.slug,
+        ssh_public_keys=["ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGNsaS10ZXN0 t@test"],
+    )
+    await _send(pool, allocator.on_requested, "allocation.requested", request)
+    slot = m.SlotBinding(
+        slot_id=f"{NODE}-{alloc.hex[:6]}",
+        gpu_pci_address="0000:18:00.0",
+        nvme_by_id="nvme-x",
+        fabric_vf_pci_address="0000:19:00.2",
+        mac="52:54:00:00:00:01",
+        private_ip="127.0.0.1",
+        ovs_bridge="br-slice",
+        profile="h200-slice",
+    )
+    placed = m.PlacementPlaced(allocation_id=alloc, node_id=NODE, claim_mode="slots", slots=[slot], fencing_epoch=1)
+    await _send(pool, allocator.on_placed, "placement.placed", placed)
+    if active:
+        result = m.NodeTaskResult(
+            task_id=provision_task_id(allocator.settings, alloc),
+            allocation_id=alloc,
+            node_id=NODE,
+            task_type="slice.vm_provision",
+            status="succeeded",
+            readiness=m.Readiness(
+                mac=slot.mac, expected_ip="127.0.0.1", actual_ip="127.0.0.1", lease_state="bound", ssh_ready=True
+            ),
+        )
+        await _send(pool, allocator.on_task_result, "node.task_result", result)
+    return alloc
+
+
+def _remember_guest(host: Host, alloc: uuid.UUID) -> None:
+    """The host's own record of the guest it provisioned (what its provision task stores), the terminal's only
+    source for where the guest is."""
+    store = StateStore(host.state_dir / "agent.sqlite")
+    task_id = f"provision-{alloc}"
+    payload = {"allocation_id": str(alloc), "vm_name": VM, "slots": [{"slot_id": "s0", "private_ip": "127.0.0.1"}]}
+    store.start_task(task_id, "slice.vm_provision", str(alloc), vm_name=VM, payload=payload)
+    store.finish_task(task_id, "succeeded", {"status": "succeeded"})
+    store.close()
+
+
+@pytest.fixture
+async def stack(nats_server, fresh_db: str, host: Host, tmp_path: Path) -> AsyncIterator[tuple[asyncpg.Pool, int]]:
+    """The allocator (its terminal endpoint on) and the host's terminal, each a process of its own."""
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, "allocator", "gpuaas_allocator.migrations")
+    await conn.close()
+    pool = await create_pool(fresh_db, "allocator", min_size=1, max_size=2)
+    async with UnitOfWork(pool, "allocator", "allocator", AllocationRepository) as uow:
+        await uow.repos.upsert_image(SLICE)
+        await uow.commit()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_NATS_CREDS")}
+    base |= {"GPUAAS_NATS_URL": nats_server.url, "GPUAAS_HEALTH_PORT": "0", "GPUAAS_LOG_LEVEL": "INFO"}
+    procs: list[tuple[asyncio.subprocess.Process, object]] = []
+    try:
+        ready = tmp_path / "allocator.ready"
+        env = base | {
+            "GPUAAS_DATABASE_URL": fresh_db,
+            "GPUAAS_READY_FILE": str(ready),
+            "GPUAAS_PORTAL_TOKEN": PORTAL_TOKEN,
+            # Short, so that the test's ended session is answered promptly; the default is 10 s.
+            "GPUAAS_TERMINAL_INPUT_HOLD_S": "2",
+        }
+        log = (tmp_path / "allocator.log").open("wb")
+        proc = await asyncio.create_subprocess_exec(str(BIN / "gpuaas-allocator"), env=env, stdout=log, stderr=log)
+        procs.append((proc, log))
+        await service_ready(ready, proc, tmp_path / "allocator.log")
+        port = json.loads(ready.read_text())["terminal_port"]
+
+        host_ready = tmp_path / "host.ready"
+        env = base | {
+            "GPUAAS_NODE_ID": NODE,
+            "GPUAAS_STATE_DIR": str(host.state_dir),
+            "GPUAAS_SEED_DIR": str(host.seed_dir),
+            "GPUAAS_GUEST_USER": getpass.getuser(),
+            "GPUAAS_SSH_PORT": str(host.ssh_port),
+            "TERMINAL_HOST_READY": str(host_ready),
+        }
+        log = (tmp_path / "host.log").open("wb")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.e2e.terminal_host", env=env, stdout=log, stderr=log, cwd=REPO
+        )
+        procs.append((proc, log))
+        await service_ready(host_ready, proc, tmp_path / "host.log")
+        yield pool, port
+    finally:
+        for proc, log in reversed(procs):
+            if proc.returncode is None:
+                proc.terminate()
+            await asyncio.wait_for(proc.wait(), 30)
+            log.close()  # type: ignore[attr-defined]
+        await pool.close()
+
+
+@pytest.fixture
+async def replies(nats_server) -> AsyncIterator[list[dict]]:
+    """The allocator's terminal answers as they reach the host's inbox, each checked against the contract."""
+    validator = default_validator()
+    seen: list[dict] = []
+    violations: list[str] = []
+    nc = await nats.connect(nats_server.url)
+
+    async def on_msg(msg) -> None:
+        try:
+            body = json.loads(msg.data)
+        except ValueError:
+            return  # PubAcks and pulled task messages share the inbox space; only terminal answers are ours
+        if isinstance(body, dict) and body.get("type") in TERMINAL_REPLIES:
+            try:
+                seen.append(validator.validate(msg.subject, msg.data))
+            except Exception as exc:  # noqa: BLE001 - recorded and asserted below
+                violations.append(str(exc))
+
+    await nc.subscribe("_INBOX.>", cb=on_msg)
+    await nc.flush()
+    yield seen
+    await nc.drain()
+    assert violations == [], violations[:3]
+
+
+@pytest.fixture
+async def spy(nats_server) -> AsyncIterator[BusSpy]:
+    s = await BusSpy(nats_server.url).start()
+    yield s
+    await s.stop()
+    assert s.violations == [], s.violations[:5]
+
+
+def _url(port: int, alloc: uuid.UUID) -> str:
+    return f"http://127.0.0.1:{port}/v1/allocations/{alloc}/terminal"
+
+
+def _headers(tenant: str = TENANT, token: str = PORTAL_TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}", "X-Tenant-Id": tenant}
+
+
+async def _read_until(ws: aiohttp.ClientWebSocketResponse, marker: bytes, seen: bytearray) -> list[dict]:
+    """Binary frames into `seen` until `marker` shows; the text notices met on the way."""
+    notices = []
+    while marker not in seen:
+        msg = await ws.receive(timeout=60)
+        if msg.type == aiohttp.WSMsgType.BINARY:
+            seen += msg.data
+        elif msg.type == aiohttp.WSMsgType.TEXT:
+            notices.append(json.loads(msg.data))
+        else:
+            raise AssertionError(f"socket ended before {marker!r}: {msg.type} {bytes(seen)[-500:]!r}")
+    return notices
+
+
+async def test_a_tenant_runs_a_command_in_its_slice_through_the_relay_and_the_session_is_audited(
+    stack, host: Host, spy: BusSpy, replies: list[dict]
+) -> None:
+    pool, port = stack
+    alloc = await _allocation(pool, TENANT, active=True)
+    _remember_guest(host, alloc)
+
+    async with aiohttp.ClientSession() as http, http.ws_connect(_url(port, alloc), headers=_headers()) as ws:
+        ready = await ws.receive_json(timeout=60)
+        assert ready["type"] == "session_ready"
+        session_id = uuid.UUID(ready["session_id"])
+        seen = bytearray()
+        # Split so that the marker appears only in the command's output, never in the echo of what was typed.
+        await ws.send_bytes(b"echo terminal-$((6*7))-ok; id -un\n")
+        await _read_until(ws, b"terminal-42-ok", seen)
+        await _read_until(ws, getpass.getuser().encode(), seen)
+        await ws.send_bytes(b"exit\n")
+        closing: list[dict] = []
+        while True:
+            msg = await ws.receive(timeout=60)
+            if msg.type == aiohttp.WSMsgType.TEXT:
+                closing.append(json.loads(msg.data))
+            elif msg.type == aiohttp.WSMsgType.BINARY:
+                seen += msg.data
+            else:
+                break
+    assert closing and closing[-1]["type"] == "closed" and closing[-1]["reason"] == "guest_closed", closing
+
+    row = await eventually(
+        lambda: pool.fetchrow(
+            "SELECT * FROM terminal_sessions WHERE session_id = $1 AND ended_at IS NOT NULL", session_id
+        ),
+        what="the session's audit row completed",
+    )
+    assert (row["allocation_id"], row["tenant_id"], row["node_id"]) == (alloc, TENANT, NODE)
+    assert row["actor"] == f"portal:{TENANT}"
+    assert row["end_reason"] == "guest_closed"
+    assert row["ended_at"] >= row["started_at"]
+    typed = len(b"echo terminal-$((6*7))-ok; id -un\n") + len(b"exit\n")
+    assert row["bytes_to_guest"] == typed
+    assert row["bytes_from_guest"] == len(seen)
+
+    # What crossed the bus: the task to this host only, the host's requests on its own subjects, the answers.
+    opened = spy.of_type("slice.terminal_open", session_id=session_id)
+    assert len(opened) == 1 and opened[0]["payload"]["node_id"] == NODE
+    subjects = {s for s, d in spy.messages if d.get("type") in ("node.terminal_output", "node.terminal_input")}
+    assert subjects == {f"gpuaas.node.{NODE}.terminal.output", f"gpuaas.node.{NODE}.terminal.input"}
+    assert {r["type"] for r in replies} == TERMINAL_REPLIES
+    # The tenant's bytes were relayed, not stored: no stream holds a terminal subject.
+    nc = await nats.connect(spy.url)
+    try:
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await nc.jetstream().find_stream_name_by_subject(f"gpuaas.node.{NODE}.terminal.output")
+    finally:
+        await nc.close()
+
+
+async def test_a_terminal_into_another_tenants_or_an_ended_allocation_is_refused_with_nothing_sent(
+    stack, host: Host, spy: BusSpy
+) -> None:
+    pool, port = stack
+    theirs = await _allocation(pool, "tenant-b", active=True)
+    not_yet = await _allocation(pool, TENANT, active=False)
+    ended = await _allocation(pool, TENANT, active=True)
+    release = m.AllocationReleaseRequested(allocation_id=ended, reason="tenant done")
+    await _send(pool, Allocator(AllocatorSettings()).on_release_requested, "allocation.release_requested", release)
+    assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", ended) == "releasing"
+    async with aiohttp.ClientSession() as http:
+        for alloc, headers, status, code in (
+            (theirs, _headers(), 404, "unknown_allocation"),
+            (uuid.uuid4(), _headers(), 404, "unknown_allocation"),
+            (not_yet, _headers(), 409, "allocation_not_active"),
+            (ended, _headers(), 409, "allocation_not_active"),
+            (theirs, _headers(token="not-the-portal"), 401, "unauthorized"),
+            (theirs, {"X-Tenant-Id": "tenant-b"}, 401, "unauthorized"),
+        ):
+            async with http.get(_url(port, alloc), headers=headers) as resp:
+                body = await resp.json()
+                assert (resp.status, body["error"]["code"]) == (status, code), (alloc, body)
+                assert body["error"]["message"]
+    assert await pool.fetchval("SELECT count(*) FROM terminal_sessions") == 0
+    assert spy.of_type("slice.terminal_open") == []
