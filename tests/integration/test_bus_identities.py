@@ -9,6 +9,7 @@ foreign-signed, expired and revoked clients are refused; revocation needs no res
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import socket
 import ssl
@@ -24,8 +25,10 @@ from nats.aio.client import RawCredentials
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from structlog.testing import capture_logs
 
-from gpuaas_allocator.entrypoints.main import query_responder
+from gpuaas_allocator.entrypoints.main import query_responder, terminal_responder
+from gpuaas_allocator.service_layer.terminal import Session, TerminalHub
 from gpuaas_common.contract import Envelope, spec_for
+from gpuaas_common.contract import messages as msgs
 from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.db import create_pool
 from gpuaas_common.identity import Authority, Creds
@@ -37,6 +40,7 @@ from gpuaas_common.identity.permissions import (
     durables_of,
     host_report_subjects,
     inbox_prefix,
+    node_template,
     node_user_name,
     produced_subjects,
     render_table,
@@ -256,6 +260,61 @@ async def test_node_agent_cannot_administer_streams_or_read_others(clients: dict
     for forbidden in ("gpuaas.node.n2.tasks", "gpuaas.>", "_INBOX.>", "_INBOX_node-n2.>", ">"):
         assert not await n1.can_subscribe(forbidden), forbidden
     assert await n1.can_subscribe("_INBOX_node-n1.x")
+
+
+async def test_a_host_relays_a_terminal_only_on_its_own_subjects_and_the_allocator_answers_on_its_inbox(
+    clients: dict[str, Client],
+) -> None:
+    """The slice terminal's two requests under the real identities: the host asks on its own subjects, the
+    allocator's real responder answers on the host's inbox; no host may ask on another's subjects or listen to
+    any terminal subject (it would read or answer another host's session)."""
+    allocator, n1 = clients["allocator"], clients["n1"]
+    hub = TerminalHub(lambda: None, session_max_s=60, input_hold_s=5)  # type: ignore[arg-type,return-value]
+    session = Session(uuid.uuid4(), uuid.uuid4(), "n1")
+    hub.sessions[session.session_id] = session
+    subs = []
+    for type_, answer in (("node.terminal_output", hub.on_output), ("node.terminal_input", hub.on_input)):
+        every_host = str(spec_for(type_).address).replace("{node_id}", "*")
+        allocator.errors.clear()
+        subs.append(await allocator.nc.subscribe(every_host, cb=terminal_responder(type_, answer)))
+        assert not await allocator._refused(f'subscription to "{every_host}"')
+    validator = default_validator()
+    try:
+        hub.type(session, b"uname -a\n")
+        answers = {}
+        for type_, payload in (
+            ("node.terminal_input", msgs.NodeTerminalInput(session_id=session.session_id, node_id="n1", received=0)),
+            (
+                "node.terminal_output",
+                msgs.NodeTerminalOutput(session_id=session.session_id, node_id="n1", offset=0, data="TGludXgK"),
+            ),
+        ):
+            env = Envelope.wrap(type_, payload.model_dump(mode="json"), producer="node-agent", correlation_id="n1")
+            n1.errors.clear()
+            subject = spec_for(type_).subject(node_id="n1")
+            reply = await n1.nc.request(subject, env.model_dump_json().encode(), timeout=10)
+            assert reply.subject.startswith(f"{inbox_prefix('node-n1')}."), reply.subject
+            answers[type_] = validator.validate(reply.subject, reply.data)
+            assert answers[type_]["type"] == spec_for(type_).reply
+            assert answers[type_]["payload"]["status"] == "open"
+            assert n1.errors == []
+        assert base64.b64decode(answers["node.terminal_input"]["payload"]["data"]) == b"uname -a\n"
+        assert answers["node.terminal_output"]["payload"]["received"] == len(b"Linux\n")
+        assert await session.output.get() == b"Linux\n"
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+
+    for forbidden in ("gpuaas.node.n2.terminal.output", "gpuaas.node.n2.terminal.input", "gpuaas.node.n1.terminal.x"):
+        assert not await n1.can_publish(forbidden), forbidden
+    for role in ("n1", "n2", "portal", "ops", "scheduler"):
+        for forbidden in (
+            "gpuaas.node.n1.terminal.output",
+            "gpuaas.node.n1.terminal.input",
+            "gpuaas.node.*.terminal.*",
+        ):
+            assert not await clients[role].can_subscribe(forbidden), (role, forbidden)
+    assert all(">" not in s for s in node_template().pub_allow if ".terminal." in s)
 
 
 # --- portal, ops ----------------------------------------------------------------------------------------

@@ -296,3 +296,37 @@ def test_the_seed_cd_sits_on_virtio_scsi_which_cloud_kernels_can_see() -> None:
 def test_passthrough_on_an_emulated_guest_is_refused() -> None:
     with pytest.raises(ValidationError, match="needs domain type kvm"):
         _spec(domain_type="qemu")
+
+
+# --- the console: gatewayed, never a raw VNC or SPICE port ----------------------------------------------
+
+
+@pytest.mark.parametrize("shape", ["production", "lab"])
+def test_no_graphical_console_is_ever_exposed_as_libvirt_defines_it(shape: str) -> None:
+    """The slice terminal is the only interactive way in (an SSH PTY relayed and audited by the control plane):
+    the domain has no <graphics> (VNC/SPICE listen on a host port), no SPICE channel and no video device, as
+    written and as libvirt defines it (it adds defaults of its own to what it is given); its serial console is a
+    host-local pty only the agent can open."""
+    spec = (
+        _spec()
+        if shape == "production"
+        else _spec(gpus=[], fabric_vfs=[], domain_type="qemu", bridge_kind="linux", console_log_path="/var/log/c")
+    )
+    xml = render_domain_xml(spec)
+    conn = libvirt.open("test:///default")
+    try:
+        dom = conn.defineXML(xml)
+        try:
+            defined = dom.XMLDesc()
+        finally:
+            dom.undefine()
+    finally:
+        conn.close()
+    for text in (xml, defined):
+        root = ET.fromstring(text)
+        assert root.findall("devices/graphics") == []
+        assert root.findall("devices/video") == []
+        assert [c for c in root.findall("devices/channel") if c.get("type") == "spicevmc"] == []
+        assert "vnc" not in text.lower() and "spice" not in text.lower()
+        assert [s.get("type") for s in root.findall("devices/serial")] == ["pty"]
+        assert [c.get("type") for c in root.findall("devices/console")] == ["pty"]
