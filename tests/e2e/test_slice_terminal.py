@@ -1,7 +1,7 @@
 """The slice terminal end to end across processes (issue 26, point 8): a websocket client (the portal acting for a
 tenant) → the allocator's terminal endpoint (a real `gpuaas-allocator`) → NATS (a real nats-server) → the host's
-agent (its terminal relay in a process of its own, tests/e2e/terminal_host.py) → `ssh -tt` with the host's relay
-key into a private sshd on loopback standing in for the guest (its host key is the one the guest's seed planted)
+agent (a real `gpuaas-node-agent` on a generated host tree) → `ssh -tt` with the relay key the agent made at its
+start into a private sshd on loopback standing in for the guest (its host key is the one the guest's seed planted)
 → a command's output back on the websocket; the audit row checked after.
 
 Every message on `gpuaas.>` and every terminal answer on the inboxes is checked against the committed contract.
@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import asyncpg
@@ -37,10 +38,11 @@ from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.db import create_pool
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.unit_of_work import UnitOfWork
+from gpuaas_dev.sim.fixture_host import MIB, build_host_root, xe9680l
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.servers import free_port
 from gpuaas_dev.testing.waiting import eventually, service_ready
-from gpuaas_node_agent.adapters.guest_ssh import new_host_key, relay_key
+from gpuaas_node_agent.adapters.guest_ssh import RELAY_KEY, HostKey, new_host_key
 from gpuaas_node_agent.adapters.state_store import StateStore
 
 BIN = Path(sys.executable).parent
@@ -51,14 +53,9 @@ TENANT = "tenant-a"
 PORTAL_TOKEN = "portal-token-of-the-terminal-test"
 VM = "gpuaas-slice-terminal-test"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+STATE_DIR = Path("var/lib/gpuaas/agent")  # the agent's default state and seed dirs, under the host's root
+SEED_DIR = Path("var/lib/gpuaas/seeds")
 TERMINAL_REPLIES = {"terminal.input", "terminal.output_ack"}
-
-
-@dataclass
-class Host:
-    state_dir: Path
-    seed_dir: Path
-    ssh_port: int
 
 
 async def _banner(port: int) -> bool:
@@ -72,61 +69,6 @@ async def _banner(port: int) -> bool:
         return False
     finally:
         writer.close()
-
-
-@pytest.fixture
-async def host(tmp_path: Path) -> AsyncIterator[Host]:
-    """The host's state (its relay key, made as the agent makes it) and a guest: a private sshd on a loopback port
-    whose host key is the one planted in the guest's seed and which authorises the relay key for the guest user,
-    as the seed's cloud-init does."""
-    state_dir, seed_dir, sshd_dir = tmp_path / "host-state", tmp_path / "host-seeds", tmp_path / "sshd"
-    for d in (state_dir, seed_dir, sshd_dir):
-        d.mkdir(mode=0o700)
-    _key, relay_public = await relay_key(state_dir)
-    planted = new_host_key()
-    (seed_dir / f"{VM}.hostkey").write_text(planted.private_openssh)
-    host_key = sshd_dir / "host_ed25519"
-    host_key.touch(mode=0o600)
-    host_key.write_text(planted.private_openssh)
-    authorized = sshd_dir / "authorized_keys"
-    authorized.write_text(relay_public + "\n")
-    port = free_port()
-    config = sshd_dir / "sshd_config"
-    config.write_text(
-        "\n".join(
-            [
-                f"Port {port}",
-                "ListenAddress 127.0.0.1",
-                f"HostKey {host_key}",
-                f"PidFile {sshd_dir / 'sshd.pid'}",
-                f"AuthorizedKeysFile {authorized}",
-                f"AllowUsers {getpass.getuser()}",
-                "PermitRootLogin prohibit-password",
-                "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no",
-                "UsePAM no",
-                "StrictModes no",
-                "PrintMotd no",
-                "PrintLastLog no",
-                "",
-            ]
-        )
-    )
-    # The privilege-separation directory a root sshd insists on (the package's unit makes it; nothing runs here).
-    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
-    log = (tmp_path / "sshd.log").open("wb")
-    proc = await asyncio.create_subprocess_exec(SSHD, "-D", "-e", "-f", str(config), stdout=log, stderr=log)
-    try:
-        await eventually(
-            lambda: proc.returncode is not None or _banner(port), timeout=30, what="the private sshd's banner"
-        )
-        assert proc.returncode is None, (tmp_path / "sshd.log").read_text()[-2000:]
-        yield Host(state_dir, seed_dir, port)
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-        await asyncio.wait_for(proc.wait(), 30)
-        log.close()
 
 
 async def _send(pool: asyncpg.Pool, handler, type_: str, payload: m.Payload) -> None:
@@ -177,20 +119,69 @@ async def _allocation(pool: asyncpg.Pool, tenant: str, *, active: bool) -> uuid.
     return alloc
 
 
-def _remember_guest(host: Host, alloc: uuid.UUID) -> None:
-    """The host's own record of the guest it provisioned (what its provision task stores), the terminal's only
-    source for where the guest is."""
-    store = StateStore(host.state_dir / "agent.sqlite")
-    task_id = f"provision-{alloc}"
-    payload = {"allocation_id": str(alloc), "vm_name": VM, "slots": [{"slot_id": "s0", "private_ip": "127.0.0.1"}]}
-    store.start_task(task_id, "slice.vm_provision", str(alloc), vm_name=VM, payload=payload)
-    store.finish_task(task_id, "succeeded", {"status": "succeeded"})
-    store.close()
+@dataclass
+class Stack:
+    pool: asyncpg.Pool
+    terminal_port: int
+    host_root: Path
+
+    def remember_guest(self, alloc: uuid.UUID) -> None:
+        """The host's own record of the guest it provisioned (what its provision task stores), the terminal's
+        only source for where the guest is."""
+        store = StateStore(self.host_root / STATE_DIR / "agent.sqlite")
+        task_id = f"provision-{alloc}"
+        payload = {"allocation_id": str(alloc), "vm_name": VM, "slots": [{"slot_id": "s0", "private_ip": "127.0.0.1"}]}
+        store.start_task(task_id, "slice.vm_provision", str(alloc), vm_name=VM, payload=payload)
+        store.finish_task(task_id, "succeeded", {"status": "succeeded"})
+        store.close()
+
+
+class Processes:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.running: list[tuple[asyncio.subprocess.Process, Any]] = []
+
+    async def start(self, name: str, *argv: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+        log = (self.tmp_path / f"{name}.log").open("wb")
+        proc = await asyncio.create_subprocess_exec(*argv, env=env, stdout=log, stderr=log)
+        self.running.append((proc, log))
+        return proc
+
+    async def stop(self) -> None:
+        for proc, log in reversed(self.running):
+            if proc.returncode is None:
+                proc.terminate()
+            await asyncio.wait_for(proc.wait(), 30)
+            log.close()
+
+
+def _sshd_config(sshd_dir: Path, port: int, host_key: Path, authorized: Path) -> str:
+    return "\n".join(
+        [
+            f"Port {port}",
+            "ListenAddress 127.0.0.1",
+            f"HostKey {host_key}",
+            f"PidFile {sshd_dir / 'sshd.pid'}",
+            f"AuthorizedKeysFile {authorized}",
+            f"AllowUsers {getpass.getuser()}",
+            "PermitRootLogin prohibit-password",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "UsePAM no",
+            "StrictModes no",
+            "PrintMotd no",
+            "PrintLastLog no",
+            "",
+        ]
+    )
 
 
 @pytest.fixture
-async def stack(nats_server, fresh_db: str, host: Host, tmp_path: Path) -> AsyncIterator[tuple[asyncpg.Pool, int]]:
-    """The allocator (its terminal endpoint on) and the host's terminal, each a process of its own."""
+async def stack(nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path) -> AsyncIterator[Stack]:
+    """The allocator with its terminal endpoint on (a real `gpuaas-allocator`), the host's production agent (a
+    real `gpuaas-node-agent` on a generated host tree and a private test hypervisor), and the guest: a private
+    sshd on a loopback port whose host key is the one planted beside the guest's seed and which authorises, for
+    the guest user, the relay key the agent made at its start (what the seed's cloud-init does in a guest)."""
     conn = await asyncpg.connect(fresh_db)
     await apply_migrations(conn, "allocator", "gpuaas_allocator.migrations")
     await conn.close()
@@ -200,7 +191,7 @@ async def stack(nats_server, fresh_db: str, host: Host, tmp_path: Path) -> Async
         await uow.commit()
     base = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_NATS_CREDS")}
     base |= {"GPUAAS_NATS_URL": nats_server.url, "GPUAAS_HEALTH_PORT": "0", "GPUAAS_LOG_LEVEL": "INFO"}
-    procs: list[tuple[asyncio.subprocess.Process, object]] = []
+    procs = Processes(tmp_path)
     try:
         ready = tmp_path / "allocator.ready"
         env = base | {
@@ -210,34 +201,56 @@ async def stack(nats_server, fresh_db: str, host: Host, tmp_path: Path) -> Async
             # Short, so that the test's ended session is answered promptly; the default is 10 s.
             "GPUAAS_TERMINAL_INPUT_HOLD_S": "2",
         }
-        log = (tmp_path / "allocator.log").open("wb")
-        proc = await asyncio.create_subprocess_exec(str(BIN / "gpuaas-allocator"), env=env, stdout=log, stderr=log)
-        procs.append((proc, log))
+        proc = await procs.start("allocator", str(BIN / "gpuaas-allocator"), env=env)
         await service_ready(ready, proc, tmp_path / "allocator.log")
-        port = json.loads(ready.read_text())["terminal_port"]
+        terminal_port = json.loads(ready.read_text())["terminal_port"]
 
-        host_ready = tmp_path / "host.ready"
+        root = tmp_path / "host"
+        build_host_root(root, xe9680l(NODE, disk_file_bytes=MIB))
+        hypervisor = root / "var/lib/gpuaas/sim-hypervisor.xml"
+        hypervisor.write_text("<node>\n</node>\n")  # a private, empty test hypervisor
+        planted = new_host_key()
+        seeds = root / SEED_DIR
+        seeds.mkdir(parents=True, exist_ok=True)
+        (seeds / f"{VM}.hostkey").write_text(planted.private_openssh)
+        ssh_port = free_port()
         env = base | {
             "GPUAAS_NODE_ID": NODE,
-            "GPUAAS_STATE_DIR": str(host.state_dir),
-            "GPUAAS_SEED_DIR": str(host.seed_dir),
+            "GPUAAS_HOST_ROOT": str(root),
+            "GPUAAS_LIBVIRT_URI": f"test://{hypervisor}",
             "GPUAAS_GUEST_USER": getpass.getuser(),
-            "GPUAAS_SSH_PORT": str(host.ssh_port),
-            "TERMINAL_HOST_READY": str(host_ready),
+            "GPUAAS_SSH_PORT": str(ssh_port),
+            "GPUAAS_RECONCILE_INTERVAL_S": "3600",
+            "GPUAAS_READY_FILE": str(tmp_path / "agent.ready"),
         }
-        log = (tmp_path / "host.log").open("wb")
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "tests.e2e.terminal_host", env=env, stdout=log, stderr=log, cwd=REPO
+        agent = await procs.start("agent", str(BIN / "gpuaas-node-agent"), env=env)
+        await eventually(
+            lambda: agent.returncode is not None or spy.of_type("node.enrolled", node_id=NODE),
+            timeout=120,
+            what="the host's agent enrolled",
         )
-        procs.append((proc, log))
-        await service_ready(host_ready, proc, tmp_path / "host.log")
-        yield pool, port
+        assert agent.returncode is None, (tmp_path / "agent.log").read_text()[-3000:]
+        relay_public = HostKey.from_private((root / STATE_DIR / RELAY_KEY).read_text()).public_line
+
+        sshd_dir = tmp_path / "sshd"
+        sshd_dir.mkdir(mode=0o700)
+        host_key = sshd_dir / "host_ed25519"
+        host_key.touch(mode=0o600)
+        host_key.write_text(planted.private_openssh)
+        authorized = sshd_dir / "authorized_keys"
+        authorized.write_text(relay_public + "\n")
+        config = sshd_dir / "sshd_config"
+        config.write_text(_sshd_config(sshd_dir, ssh_port, host_key, authorized))
+        # The privilege-separation directory a root sshd insists on (the package's unit makes it; none runs here).
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        sshd = await procs.start("sshd", SSHD, "-D", "-e", "-f", str(config), env=dict(os.environ))
+        await eventually(
+            lambda: sshd.returncode is not None or _banner(ssh_port), timeout=30, what="the private sshd's banner"
+        )
+        assert sshd.returncode is None, (tmp_path / "sshd.log").read_text()[-2000:]
+        yield Stack(pool, terminal_port, root)
     finally:
-        for proc, log in reversed(procs):
-            if proc.returncode is None:
-                proc.terminate()
-            await asyncio.wait_for(proc.wait(), 30)
-            log.close()  # type: ignore[attr-defined]
+        await procs.stop()
         await pool.close()
 
 
@@ -298,11 +311,11 @@ async def _read_until(ws: aiohttp.ClientWebSocketResponse, marker: bytes, seen: 
 
 
 async def test_a_tenant_runs_a_command_in_its_slice_through_the_relay_and_the_session_is_audited(
-    stack, host: Host, spy: BusSpy, replies: list[dict]
+    stack: Stack, spy: BusSpy, replies: list[dict]
 ) -> None:
-    pool, port = stack
+    pool, port = stack.pool, stack.terminal_port
     alloc = await _allocation(pool, TENANT, active=True)
-    _remember_guest(host, alloc)
+    stack.remember_guest(alloc)
 
     async with aiohttp.ClientSession() as http, http.ws_connect(_url(port, alloc), headers=_headers()) as ws:
         ready = await ws.receive_json(timeout=60)
@@ -355,9 +368,9 @@ async def test_a_tenant_runs_a_command_in_its_slice_through_the_relay_and_the_se
 
 
 async def test_a_terminal_into_another_tenants_or_an_ended_allocation_is_refused_with_nothing_sent(
-    stack, host: Host, spy: BusSpy
+    stack: Stack, spy: BusSpy
 ) -> None:
-    pool, port = stack
+    pool, port = stack.pool, stack.terminal_port
     theirs = await _allocation(pool, "tenant-b", active=True)
     not_yet = await _allocation(pool, TENANT, active=False)
     ended = await _allocation(pool, TENANT, active=True)
