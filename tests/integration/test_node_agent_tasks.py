@@ -31,6 +31,7 @@ from gpuaas_node_agent.adapters.state_store import StateStore
 from gpuaas_node_agent.domain.domain_xml import tap_name
 from gpuaas_node_agent.service_layer.host_paths import HostPaths
 from gpuaas_node_agent.service_layer.tasks import SliceHostAgent
+from tests.integration.test_node_agent_seed_iso import _read as read_seed_iso
 
 MIB = 1 << 20
 MARKER = b"TENANT-DATA-MUST-SURVIVE-A-REFUSAL" * 64
@@ -245,6 +246,10 @@ async def test_provision_then_release_clones_boots_and_wipes_with_proof(env: Env
         expected=2, pci=2, driver=2, driver_state="loaded", driver_version="580.159.04", driver_strategy="preinstalled"
     )
     assert disks[0].read_bytes()[: len(IMAGE_PATTERN)] == IMAGE_PATTERN
+    # The host's terminal relay key is authorised in the guest beside the tenant's: the slice terminal logs in
+    # with it (issue 26, point 8).
+    _label, seed_files, _joliet = read_seed_iso(env.root / "var/lib/gpuaas/seeds" / f"{prov.vm_name}.iso")
+    assert env.agent.relay_public_key and env.agent.relay_public_key in seed_files["user-data"]
     assert await env.libvirt.exists(prov.vm_name)
     xml = ET.fromstring(env.libvirt._connection().lookupByName(prov.vm_name).XMLDesc())
     sources = [s.get("file") or s.get("dev") for s in xml.iter("source") if s.get("file") or s.get("dev")]
