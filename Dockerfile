@@ -114,4 +114,4 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
  && python /usr/local/lib/gpuaas-build/packaging.py check-runtime gpuaas gpuaas_dev
 USER gpuaas
 # No default service: a deployment names the one each container runs, and its user (see the top of this file).
-CMD ["python", "-c", "print('gpuaas: run one of gpuaas-allocator, gpuaas-scheduler, gpuaas-image-pipeline, gpuaas-maas-gateway, gpuaas-node-agent, gpuaas-ops-view (--help lists its GPUAAS_* settings)')"]
+CMD ["python", "-c", "print('gpuaas: run one of gpuaas-allocator, gpuaas-scheduler, gpuaas-image-pipeline, gpuaas-maas-gateway, gpuaas-node-agent, gpuaas-ops-view, gpuaas-credential-authority (--help lists its GPUAAS_* settings)')"]

@@ -8,7 +8,7 @@ stream and consumer is created *or updated* here.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import nats.errors
 import nats.js.errors
@@ -353,14 +353,32 @@ async def ensure_consumer(js: JetStreamContext, spec: ConsumerSpec, *, create: b
     return "unchanged"
 
 
+# A deployment's retry limits for the durables (GPUAAS_CONSUMER_MAX_DELIVER, GPUAAS_CONSUMER_ACK_WAIT_S: the
+# services' defaults): provisioning creates each durable with them, and a service binds only to a durable so made.
+DEPLOYED_MAX_DELIVER = 8
+DEPLOYED_ACK_WAIT_S = ACK_WAIT_S
+
+
+def deployed(
+    spec: ConsumerSpec, max_deliver: int = DEPLOYED_MAX_DELIVER, ack_wait_s: float = DEPLOYED_ACK_WAIT_S
+) -> ConsumerSpec:
+    """A declared durable with the deployment's retry limits (not one with several filters: the admin has always
+    made those as declared); a consumer may declare a longer ack wait, none shorter."""
+    if spec.admin_provisioned:
+        return spec
+    return replace(spec, max_deliver=max_deliver, ack_wait_s=max(spec.ack_wait_s, ack_wait_s))
+
+
 async def ensure_consumers(
     js: JetStreamContext,
     consumers: tuple[ConsumerSpec, ...] | list[ConsumerSpec],
     *,
+    create: bool = True,
     wait_s: float = 60.0,
 ) -> dict[str, str]:
-    """Create or update one's own durables, waiting for their streams to be provisioned by someone else; bind to
-    those the admin provisions (`admin_provisioned`), waiting for them the same way."""
+    """Bind to one's durables, waiting for them to be provisioned by the admin identity: on a bus with identities
+    (`create=False`) no service may create or change a durable, whose every field (ack wait, deliveries, deliver
+    policy) is then the admin's. `create=True` (an open dev bus): create or update the ones of a single filter."""
     outcome: dict[str, str] = {}
     for spec in consumers:
         async for attempt in AsyncRetrying(
@@ -377,7 +395,8 @@ async def ensure_consumers(
             ),
         ):
             with attempt:
-                outcome[f"consumer:{spec.durable}"] = await ensure_consumer(js, spec, create=not spec.admin_provisioned)
+                made = await ensure_consumer(js, spec, create=create and not spec.admin_provisioned)
+                outcome[f"consumer:{spec.durable}"] = made
     return outcome
 
 
@@ -409,8 +428,8 @@ async def provision(
     *,
     wait_s: float = 30.0,
 ) -> dict[str, str]:
-    """Every stream, every durable only the admin creates (`ConsumerSpec.admin_provisioned`) and the given
-    durables: what the admin identity does; services call ensure_consumers.
+    """Every stream, every service's durable (with the deployment's retry limits, `deployed`) and the given
+    durables: what the admin identity does, the only identity that may; services bind (ensure_consumers).
 
     `replicas` is 3 on a 3-node cluster (every stream, the ledger and — by inheritance — every durable
     survive one dead server), 1 on a single server."""
@@ -430,7 +449,7 @@ async def provision(
             for stream in STREAMS:
                 outcome[f"stream:{stream.name}"] = await ensure_stream(js, stream, storage, replicas)
             outcome[f"kv:{IDENTITY_BUCKET}"] = await ensure_identity_bucket(js, storage, replicas)
-    durables = {c.durable: c for c in CONSUMERS if c.admin_provisioned}
+    durables = {c.durable: deployed(c) for c in CONSUMERS}
     durables.update((c.durable, c) for c in consumers)
     for spec in durables.values():
         outcome[f"consumer:{spec.durable}"] = await ensure_consumer(js, spec)

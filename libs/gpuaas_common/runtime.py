@@ -18,7 +18,6 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,7 +31,14 @@ from .bus import Bus
 from .creds_renewal import CredsRenewal
 from .db import BackendPids, create_pool
 from .health import HealthServer
-from .jetstream import CONSUMER_BY_NAME, ConsumerSpec, DurableNotAsProvisioned, ensure_consumers, provision
+from .jetstream import (
+    CONSUMER_BY_NAME,
+    ConsumerSpec,
+    DurableNotAsProvisioned,
+    deployed,
+    ensure_consumers,
+    provision,
+)
 from .logging import configure_logging, get_logger
 from .metrics import READINGS, Reading, consumer_reading, outbox_reading, record_build
 from .migrations import apply_migrations
@@ -202,9 +208,9 @@ class ServiceRuntime:
         assert self.js and self.bus
         try:
             if self.settings.nats_creds:
-                # An identity may create only its own durables; streams are provisioned by the admin
-                # identity (the dev stack, compose's init step), which may not have happened yet.
-                await ensure_consumers(self.js, self.bus.consumers)
+                # Streams and durables are provisioned by the admin identity (the dev stack, compose's init step),
+                # which may not have happened yet; an identity only binds to its own durables.
+                await ensure_consumers(self.js, self.bus.consumers, create=False)
             else:
                 await provision(self.js, self.bus.consumers)  # an open dev server: we provision everything
             await self.bus.start(on_loop_done=self._task_done, check_durables=False)
@@ -264,13 +270,8 @@ class ServiceRuntime:
     def consumer_spec(self, durable: str) -> ConsumerSpec:
         """A declared consumer with this deployment's retry limits applied (not to a durable the admin
         provisions: it has the declared limits, and the service binds to it as it is)."""
-        spec = CONSUMER_BY_NAME[durable]
-        if spec.admin_provisioned:
-            return spec
-        return replace(
-            spec,
-            max_deliver=self.settings.consumer_max_deliver,
-            ack_wait_s=max(spec.ack_wait_s, self.settings.consumer_ack_wait_s),
+        return deployed(
+            CONSUMER_BY_NAME[durable], self.settings.consumer_max_deliver, self.settings.consumer_ack_wait_s
         )
 
     def _drop_readings(self) -> None:

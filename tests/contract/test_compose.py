@@ -34,6 +34,8 @@ SETTINGS_BY_SCRIPT = {
 _INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)[^}]*\}")
 _SHELLS = ("sh", "bash", "/bin/sh", "/bin/bash")
 IDENTITIES_VOLUME = "identities"
+# The bus's signing keys (issue 24): the init step and the credential authority alone mount it.
+KEYS_VOLUME = "authority-keys"
 
 
 @pytest.fixture(scope="module")
@@ -529,7 +531,7 @@ def test_the_compose_cluster_elects_a_leader_and_provisions_every_stream_at_r3(c
 
 
 def test_every_bus_client_is_its_own_identity_over_tls(compose):
-    from gpuaas_common.identity.permissions import ROLE_PERMISSIONS, SERVICES
+    from gpuaas_common.identity.permissions import AUTHORITY, ROLE_PERMISSIONS, SERVICES
 
     init_name, init_args = _identities_init(compose)
     init = compose["services"][init_name]
@@ -558,11 +560,12 @@ def test_every_bus_client_is_its_own_identity_over_tls(compose):
         deps = svc.get("depends_on") or {}
         assert deps.get(init_name, {}).get("condition") == "service_completed_successfully", name
         mount = _mount_of(svc, IDENTITIES_VOLUME)
-        renews = [a for a in calls if a[:2] == ["identities", "renew"]]
-        if renews:  # the issuer's other half, as root: it rewrites the files the init step wrote
+        if env.get("GPUAAS_RENEW_CREDS_DIR"):
+            # The credential authority, the issuer's other half, as root: it rewrites the files the init step
+            # wrote, each keeping its owner, from the keys only it and the init step mount.
             assert mount == (out, False) and svc.get("user") == init.get("user"), name
-            for args in renews:
-                assert _option(args, "--out") == [out] and _option(args, "--hosts-dir") == [hosts_dir], name
+            assert env["GPUAAS_RENEW_CREDS_DIR"] == f"{out}/creds" and env.get("GPUAAS_RENEW_HOSTS_DIR") == hosts_dir
+            assert env.get("GPUAAS_KEYS_DIR") == f"{out}/keys", name
             renewers.append(name)
         else:
             assert mount == (out, True), f"{name}: mount the identities volume read-only at {out}"
@@ -585,12 +588,21 @@ def test_every_bus_client_is_its_own_identity_over_tls(compose):
             assert role in ROLE_PERMISSIONS, f"{name}: {role} has no identity"
             assert env.get("GPUAAS_NATS_CREDS") == f"{out}/creds/{role}.creds", f"{name}: not its own creds"
             assert "GPUAAS_NATS_CREDS_DIR" not in env, name
-            seen_roles[_primary(compose, name)] = role
+            if role != AUTHORITY:
+                seen_roles[_primary(compose, name)] = role
         if script_name == "gpuaas-maas-gateway":
-            assert env.get("GPUAAS_NATS_AUTHORITY_FILE") == f"{out}/keys/maas-gateway-issuer.json"
+            assert env.get("GPUAAS_CREDENTIAL_AUTHORITY_URL", "").startswith("https://"), "asks the authority"
+        keys = [t for t, (src, _) in _mounts(svc).items() if src == KEYS_VOLUME or t == f"{out}/keys"]
+        if script_name == "gpuaas-credential-authority":
+            assert keys == [f"{out}/keys"], "the authority mounts the keys"
         else:
-            assert "GPUAAS_NATS_AUTHORITY_FILE" not in env, f"{name} must not hold the gateway's signing keys"
-    assert len(renewers) == 1, "one renewer keeps the day-long users alive (identity.rotation)"
+            assert not keys and "GPUAAS_KEYS_DIR" not in env, f"{name} must not see the signing keys"
+    assert renewers == ["credential-authority"], "one renewer, the one process holding the keys (identity.rotation)"
+    assert _mounts(init).get(f"{out}/keys", ("",))[0] == KEYS_VOLUME, "the init step writes the keys there"
+    holders = sorted(
+        n for n, svc in compose["services"].items() if KEYS_VOLUME in {v for v, _ in _mounts(svc).values()}
+    )
+    assert holders == sorted([init_name, "credential-authority"]), f"the keys volume is mounted by {holders}"
     assert set(seen_roles.values()) == set(SERVICES), "a service of the bus is missing"
     assert len(set(seen_roles.values())) == len(seen_roles), "two services share an identity"
 
@@ -1056,6 +1068,12 @@ DEV_ONLY = {
 COMPOSE_ONLY = {
     # A container must listen on its network for a published port to reach it; the dev stack stays on loopback.
     "GPUAAS_ADMIN_HOST": "0.0.0.0 inside a container",
+    "GPUAAS_API_HOST": "0.0.0.0 inside a container (the credential authority's API, for the gateway's container)",
+    # The dev stack's supervisor renews its own run directory's files (stack.renew_credentials); in compose the one
+    # process holding the keys does.
+    "GPUAAS_RENEW_CREDS_DIR": "renewal by the credential authority",
+    "GPUAAS_RENEW_HOSTS_DIR": "renewal by the credential authority",
+    "GPUAAS_RENEW_EVERY_S": "renewal by the credential authority",
 }
 
 

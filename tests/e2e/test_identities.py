@@ -188,7 +188,7 @@ async def test_every_process_takes_up_renewed_credentials_without_a_restart(port
     decommissioned = slice_hosts[-1]  # by the test above: its user is revoked, so it is not renewed
     before = stack.creds_path(f"node-{decommissioned}").read_text()
     renewed = await asyncio.to_thread(stack.renew_credentials, time.time() + 37 * 3600)
-    assert set(renewed) == {*BUS_SERVICES, "portal", "ops", "admin", *slice_hosts[:-1]}
+    assert set(renewed) == {*BUS_SERVICES, "credential-authority", "portal", "ops", "admin", *slice_hosts[:-1]}
     assert stack.creds_path(f"node-{decommissioned}").read_text() == before
 
     def switched(process: str) -> set[str]:
@@ -196,7 +196,7 @@ async def test_every_process_takes_up_renewed_credentials_without_a_restart(port
         events = [json.loads(line) for line in lines if line.startswith("{")]
         return {e["identity"] for e in events if e.get("event") == "nats_creds_renewed"}
 
-    for service in BUS_SERVICES:
+    for service in (*BUS_SERVICES, "credential-authority"):
         await eventually(lambda s=service: s in switched(s), timeout=20, what=f"{service}'s switch")
     hosts = {f"node-{n}" for n in slice_hosts[:-1]}
     await eventually(lambda: hosts <= switched("node-agent"), timeout=20, what="the hosts' switches")

@@ -53,6 +53,7 @@ from gpuaas_common.jetstream import (
     REPORTS_PER_SUBJECT,
     STREAM_BY_NAME,
     DurableNotAsProvisioned,
+    deployed,
     ensure_consumer,
     node_agent_consumer,
     provision,
@@ -175,6 +176,20 @@ async def test_service_reads_only_its_own_durables(clients: dict[str, Client], s
     assert not await c.can_publish("$JS.API.STREAM.CREATE.EVIL")
     assert not await c.can_publish(f"$JS.API.STREAM.DELETE.{foreign.stream}")
     assert not await c.can_subscribe("_INBOX.>"), "a shared inbox would let it read others' replies"
+
+
+@pytest.mark.parametrize("service", SERVICES)
+async def test_no_service_may_create_or_change_a_durable(clients: dict[str, Client], service: str) -> None:
+    """The admin identity makes every durable (issue 24): a service that could create its own, even with its filter
+    pinned in the create subject, would choose its every other field (ack wait, deliveries, deliver policy)."""
+    c = clients[service]
+    for spec in durables_of(service):
+        s, d = spec.stream, spec.durable
+        for subject in (f"$JS.API.CONSUMER.CREATE.{s}.{d}.{spec.filter_subject}", f"$JS.API.CONSUMER.CREATE.{s}.{d}"):
+            assert not await c.can_publish(subject), f"{service} may publish {subject}"
+        assert not await c.can_publish(f"$JS.API.CONSUMER.DURABLE.CREATE.{s}.{d}")
+        assert not await c.can_publish(f"$JS.API.CONSUMER.DELETE.{s}.{d}")
+        assert await ensure_consumer(c.nc.jetstream(), deployed(spec), create=False) == "bound"
 
 
 async def test_a_durable_with_several_filters_is_bound_never_created_by_its_service(

@@ -324,3 +324,42 @@ async def test_identities_renew_renews_what_is_due_roles_and_hosts(
     assert await host_users(admin.jetstream(), "cli-1") == [renewed_host.claims["sub"]]
     assert renewed_host.claims["sub"] in Authority.load(tmp_path / "keys").issued_hosts["cli-1"]
     assert not (tmp_path / "creds" / "admin.creds").exists(), "no admin file is written"
+
+
+async def test_an_upgraded_deployments_host_gets_a_user_in_the_hosts_account_at_the_first_round(
+    server: NatsServer, tls_files: TlsFiles, authority: Authority, admin: nats.NATS, tmp_path: Path
+) -> None:
+    """Hosts moved to an account of their own (HOSTS, against reply-subject reflection): a host user made before is
+    signed for the GPUAAS account, which the servers refuse now. The first renewal round, not half a life later,
+    gives the host a user in HOSTS, and the host connects with it."""
+    from gpuaas_common.identity.authority import _node_creds
+
+    node = f"old-{uuid.uuid4().hex[:6]}"
+    path = tmp_path / f"node-{node}.creds"
+    old = _node_creds(authority.node_signing, authority.account.public, node, ttl_s=72 * 3600)  # not due
+    creds_files.write(path, old)
+    assert not renewal_due(old)
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await _connect_as(server, tls_files, old)
+    ajs = admin.jetstream()
+    servers, tls = [server.url], client_context(tls_files.ca)
+
+    assert await renew_host_files(authority, {node: path}, js=ajs, nats_servers=servers, tls=tls) == {node: "renewed"}
+
+    new = creds_files.read(path)
+    assert new.claims["nats"]["issuer_account"] == authority.hosts_account.public
+    assert new.claims["sub"] in await host_users(ajs, node)
+    nc = await _connect_as(server, tls_files, new)
+    await nc.close()
+    # Renewed once: the next round finds a user of the right account with its whole life ahead.
+    assert await renew_host_files(authority, {node: path}, js=ajs, nats_servers=servers, tls=tls) == {}
+
+
+async def _connect_as(server: NatsServer, tls_files: TlsFiles, creds: creds_files.Creds) -> nats.NATS:
+    return await nats.connect(
+        server.url,
+        user_credentials=RawCredentials(creds.render()),
+        **client_tls_options(tls_files.ca),
+        allow_reconnect=False,
+        connect_timeout=5,
+    )

@@ -3,7 +3,7 @@
 - A revocation survives a server restart with its config rendered again, as the dev stack and chaos runs do:
   the preloaded account JWT must never replace the one that carries the ledger.
 - A slice host's users end before the gateway deploys the host for a baremetal tenant (who gets root on the disk
-  that holds their creds file), and the deploy waits while they cannot be ended.
+  that holds their creds file), asked of the credential authority, and the deploy waits while they cannot be ended.
 - Admin lives hours; the other roles and hosts no longer than the ledger remembers a revocation.
 """
 
@@ -25,7 +25,8 @@ from pydantic import SecretStr
 from gpuaas_common.bus import HandlerContext, deliver
 from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.db import create_pool
-from gpuaas_common.identity import Authority, Creds, Issuer
+from gpuaas_common.identity import Authority, Creds
+from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.authority import (
     ADMIN_USER_TTL_S,
     MAX_USER_TTL_S,
@@ -39,7 +40,8 @@ from gpuaas_common.jetstream import provision
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_dev.maas_sim import SimConfig, start, state_of, system_id_for
-from gpuaas_dev.testing.servers import NatsServer
+from gpuaas_dev.testing.servers import NatsServer, free_port
+from gpuaas_maas_gateway.adapters.credential_authority import AuthorityClient
 from gpuaas_maas_gateway.adapters.host_credentials import HostCredentials
 from gpuaas_maas_gateway.adapters.repository import gateway_repositories
 from gpuaas_maas_gateway.entrypoints.main import build_clients
@@ -47,6 +49,8 @@ from gpuaas_maas_gateway.service_layer.commands import OperationHandlers
 from gpuaas_maas_gateway.service_layer.shared import unit_of_work_factory
 from gpuaas_maas_gateway.service_layer.worker import OperationWorker
 from gpuaas_maas_gateway.settings import GatewaySettings, SiteProfile
+
+from .authority_process import authority_process
 
 KEY = "Gw7sQ2mZp9LxVb3Nq4:Gt8wR1nYc6HjDf2Gs5:Gs3vB9mQ7pL2kJ8hG4fD1sA6zX0cV5bN"
 NODE = "bm:01"  # a ':' as node ids may have and KV keys may not
@@ -172,21 +176,17 @@ async def record_deploy(pool: asyncpg.Pool, settings: GatewaySettings, op_id: st
     )
 
 
-@pytest_asyncio.fixture
-async def gateway_js(server: NatsServer, tls_files: TlsFiles, authority: Authority) -> AsyncIterator[object]:
-    """The gateway's own identity, so the test also shows its rights reach the host entries."""
-    nc = await connect(server, tls_files, authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"]))
-    yield nc.jetstream()
-    await nc.close()
-
-
-async def run_deploy(
-    pool: asyncpg.Pool, port: int, issuer: Issuer, server: NatsServer, tls_files: TlsFiles, js: object
-) -> asyncpg.Record:
-    settings = gateway_settings(port)
-    creds = HostCredentials(
-        issuer, unit_of_work_factory(pool), [server.url], js=js, tls=client_context(tls_files.ca), ttl_s=3600
+def gateway_client(authority: Authority, tls_files: TlsFiles, url: str, tmp_path: Path) -> AuthorityClient:
+    """The gateway as it asks the credential authority: its own creds sign each request."""
+    creds = creds_files.write(
+        tmp_path / "maas-gateway.creds", authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"])
     )
+    return AuthorityClient(url, str(tls_files.ca), str(creds))
+
+
+async def run_deploy(pool: asyncpg.Pool, port: int, client: AuthorityClient) -> asyncpg.Record:
+    settings = gateway_settings(port)
+    creds = HostCredentials(client, unit_of_work_factory(pool), ttl_s=3600)
     worker = OperationWorker(settings, pool, build_clients(settings), host_credentials=creds)
     try:
         await record_deploy(pool, settings, "deploy-1")
@@ -204,7 +204,7 @@ async def test_a_slice_host_is_revoked_before_it_is_deployed_for_a_tenant(
     tls_files: TlsFiles,
     authority: Authority,
     admin: nats.NATS,
-    gateway_js: object,
+    tmp_path: Path,
 ) -> None:
     state, port = sim
     slice_creds = authority.issue_host(NODE)
@@ -218,7 +218,11 @@ async def test_a_slice_host_is_revoked_before_it_is_deployed_for_a_tenant(
 
     host = await connect(server, tls_files, slice_creds, closed_cb=on_closed)
 
-    row = await run_deploy(pool, port, authority.issuer(), server, tls_files, gateway_js)
+    with authority_process(authority, tls_files, server.url, tmp_path / "authority") as url:
+        client = gateway_client(authority, tls_files, url, tmp_path)
+        row = await run_deploy(pool, port, client)
+        # Ended once: a second deploy of the host pushes nothing (its users are in the ledger already).
+        assert await client.end_slice_identity(NODE) == 0
 
     assert (row["state"], row["maas_calls"]) == ("accepted", 1)
     assert state.call_count("deploy", system_id_for(MACHINE)) == 1  # type: ignore[attr-defined]
@@ -228,9 +232,7 @@ async def test_a_slice_host_is_revoked_before_it_is_deployed_for_a_tenant(
         await connect(server, tls_files, slice_creds)
     other = await connect(server, tls_files, neighbour)  # no other host's identity ended
     await other.close()
-    # Ended once: a second deploy of the host pushes nothing (its users are in the ledger already).
-    assert str(slice_creds.claims["sub"]) in await revoked_users(gateway_js)
-    assert await authority.issuer().end_slice_identity([server.url], NODE, js=gateway_js) == 0
+    assert str(slice_creds.claims["sub"]) in await revoked_users(admin.jetstream())
 
 
 async def test_the_deploy_waits_while_the_slice_identity_cannot_be_ended(
@@ -240,16 +242,15 @@ async def test_the_deploy_waits_while_the_slice_identity_cannot_be_ended(
     tls_files: TlsFiles,
     authority: Authority,
     admin: nats.NATS,
-    gateway_js: object,
+    tmp_path: Path,
 ) -> None:
     state, port = sim
     slice_creds = authority.issue_host(NODE)
     await record_host_users(admin.jetstream(), NODE, authority.issued_hosts[NODE])
-    good = authority.issuer()
-    # A system user of another deployment: the servers refuse it, so no revocation can be pushed.
-    refused = Issuer(good.account_public, good.operator_signing, good.node_signing, Authority.create().issue_sys_user())
-
-    row = await run_deploy(pool, port, refused, server, tls_files, gateway_js)
+    # The credential authority is down (nothing listens at its address): no revocation can be pushed.
+    row = await run_deploy(
+        pool, port, gateway_client(authority, tls_files, f"https://127.0.0.1:{free_port()}", tmp_path)
+    )
 
     assert (row["state"], row["maas_calls"]) == ("pending", 0)
     assert state.call_count("deploy", system_id_for(MACHINE)) == 0  # type: ignore[attr-defined]

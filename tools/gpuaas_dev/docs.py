@@ -54,6 +54,7 @@ SETTINGS: tuple[SettingsOf, ...] = (
     SettingsOf("gpuaas_image_pipeline.settings.ImagePipelineSettings", "image-pipeline"),
     SettingsOf("gpuaas_maas_gateway.settings.GatewaySettings", "maas-gateway"),
     SettingsOf("gpuaas_ops_view.settings.OpsViewSettings", "ops-view"),
+    SettingsOf("gpuaas_credential_authority.settings.AuthoritySettings", "credential-authority"),
     SettingsOf("gpuaas_node_agent.settings.AgentSettings", "node-agent, sim-fleet"),
     SettingsOf("gpuaas_dev.sim.settings.SimFleetSettings", "sim-fleet"),
 )
@@ -65,6 +66,7 @@ SETTINGS_BY_SCRIPT: dict[str, str] = {
     "gpuaas-image-pipeline": "gpuaas_image_pipeline.settings.ImagePipelineSettings",
     "gpuaas-maas-gateway": "gpuaas_maas_gateway.settings.GatewaySettings",
     "gpuaas-ops-view": "gpuaas_ops_view.settings.OpsViewSettings",
+    "gpuaas-credential-authority": "gpuaas_credential_authority.settings.AuthoritySettings",
     "gpuaas-node-agent": "gpuaas_node_agent.settings.AgentSettings",
     "gpuaas-sim-fleet": "gpuaas_dev.sim.settings.SimFleetSettings",
 }

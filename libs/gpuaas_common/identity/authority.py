@@ -114,8 +114,14 @@ HOST_USER_TTL_S = 72 * 3600.0
 # Admin is break-glass and one-shot steps (provisioning, onboarding, an ops command): a leaked file is worth a
 # working day at most, and whoever needs admin again mints it again from the keys.
 ADMIN_USER_TTL_S = 12 * 3600.0
-# The system user in the gateway's issuer file: read at each revocation, not rotated yet (a year).
-SYS_USER_TTL_S = MAX_USER_TTL_S
+# The system user: minted by the credential authority for each revocation it pushes (`Authority.issuer`), so it
+# lives only as long as one push may take; it may ask for and replace account JWTs and nothing else of $SYS.
+SYS_USER_TTL_S = 3600.0
+SYS_INBOX = "_INBOX_authority"
+SYS_PERMISSIONS = Permissions(
+    pub_allow=("$SYS.REQ.ACCOUNT.*.CLAIMS.LOOKUP", "$SYS.REQ.ACCOUNT.*.CLAIMS.UPDATE"),
+    sub_allow=(f"{SYS_INBOX}.>",),
+)
 # The revocation ledger: a JetStream KV entry in the GPUAAS account, written by compare-and-set.
 REVOCATIONS_BUCKET = IDENTITY_BUCKET
 REVOCATIONS_KEY = "revocations"
@@ -127,6 +133,14 @@ HOST_USERS_PREFIX = "hosts."
 def host_users_key(node_id: str) -> str:
     # KV keys take fewer characters than node ids do (no ':'); the encoding is reversible and stable.
     return HOST_USERS_PREFIX + base64.urlsafe_b64encode(node_id.encode()).decode().rstrip("=")
+
+
+# Baremetal hosts' users, per allocation: written and read by the credential authority alone.
+ALLOCATION_USERS_PREFIX = "allocs."
+
+
+def allocation_users_key(allocation_id: str) -> str:
+    return ALLOCATION_USERS_PREFIX + base64.urlsafe_b64encode(allocation_id.lower().encode()).decode().rstrip("=")
 
 
 def _host_entry(value: bytes | None) -> dict[str, int | None]:
@@ -144,14 +158,7 @@ def _live(entry: dict[str, int | None], now: float) -> dict[str, int | None]:
 
 async def host_users(js: Any, node_id: str) -> list[str]:
     """Every slice-host user recorded for `node_id` that has not expired (empty when none was)."""
-    from nats.js.errors import KeyNotFoundError
-
-    kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
-    try:
-        entry = await _through_account_updates(lambda: kv.get(host_users_key(node_id)))
-    except KeyNotFoundError:
-        return []
-    return list(_live(_host_entry(entry.value), time.time()))
+    return await _users_at(js, host_users_key(node_id))
 
 
 async def record_host_users(
@@ -164,10 +171,39 @@ async def record_host_users(
 ) -> list[str]:
     """Add slice-host users of `node_id` to its entry, by compare-and-set (two onboardings lose nothing), with
     their expiry where `expiry` knows it; expired users leave the entry. Returns the users as written."""
+    return await _record_users(js, host_users_key(node_id), user_publics, expiry=expiry, attempts=attempts)
+
+
+async def allocation_users(js: Any, allocation_id: str) -> list[str]:
+    """The baremetal host users minted for `allocation_id` that have not expired."""
+    return await _users_at(js, allocation_users_key(allocation_id))
+
+
+async def record_allocation_users(
+    js: Any, allocation_id: str, user_publics: list[str], *, expiry: dict[str, int]
+) -> list[str]:
+    """Recorded by the credential authority before a minted user leaves it: what it may revoke for the allocation
+    is what it minted for it, never a key a caller names."""
+    return await _record_users(js, allocation_users_key(allocation_id), user_publics, expiry=expiry)
+
+
+async def _users_at(js: Any, key: str) -> list[str]:
+    from nats.js.errors import KeyNotFoundError
+
+    kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
+    try:
+        entry = await _through_account_updates(lambda: kv.get(key))
+    except KeyNotFoundError:
+        return []
+    return list(_live(_host_entry(entry.value), time.time()))
+
+
+async def _record_users(
+    js: Any, key: str, user_publics: list[str], *, expiry: dict[str, int] | None, attempts: int = 20
+) -> list[str]:
     from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
     kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
-    key = host_users_key(node_id)
     for _ in range(attempts):
         try:
             entry = await _through_account_updates(lambda: kv.get(key))
@@ -185,7 +221,7 @@ async def record_host_users(
             return list(users)
         except KeyWrongLastSequenceError:
             continue
-    raise AuthorityError(f"could not record the users of host {node_id}: too much contention")
+    raise AuthorityError(f"could not record the users under {key}: too much contention")
 
 
 async def revoked_users(js: Any) -> dict[str, int]:
@@ -287,7 +323,7 @@ class Issuer:
             connect_timeout=5,
             max_reconnect_attempts=3,
             name="gpuaas-authority",
-            inbox_prefix=b"_INBOX_authority",
+            inbox_prefix=SYS_INBOX.encode(),
         )
         try:
             for _ in range(attempts):  # 1: record, by compare-and-set
@@ -538,7 +574,7 @@ class Authority:
             self.sys_account,
             user.public,
             "sys",
-            {"type": "user", "tags": [], "subs": -1, "data": -1, "payload": -1},
+            {"type": "user", "tags": [], **SYS_PERMISSIONS.claims()},
             expires_at=time.time() + ttl_s,
         )
         return Creds(jwt=jwt, seed=user.seed)

@@ -175,14 +175,17 @@ def consumer_rights(spec: ConsumerSpec, *, may_create: bool) -> tuple[str, ...]:
     return tuple(rights)
 
 
-# Services that revoke host users (the MAAS gateway, at a baremetal release) keep the revocation ledger,
-# a KV entry: read it, and write it by compare-and-set; nothing else of the bucket's stream.
-REVOKERS = ("maas-gateway",)
+# The credential authority (services/credential-authority) is the one process that holds the signing keys. On
+# the bus it keeps the identity ledger (a KV bucket): the revocation list, each slice host's users and each
+# baremetal allocation's, read and written by compare-and-set; nothing else of JetStream, no stream subject.
+AUTHORITY = "credential-authority"
 _KV = f"KV_{IDENTITY_BUCKET}"
-REVOCATION_LEDGER_RIGHTS = (
+IDENTITY_LEDGER_RIGHTS = (
     f"$JS.API.STREAM.INFO.{_KV}",
     f"$JS.API.STREAM.MSG.GET.{_KV}",
     f"$KV.{IDENTITY_BUCKET}.revocations",
+    f"$KV.{IDENTITY_BUCKET}.hosts.*",
+    f"$KV.{IDENTITY_BUCKET}.allocs.*",
 )
 
 
@@ -190,10 +193,10 @@ def service_permissions(service: str) -> Permissions:
     if service not in SERVICES:
         raise ValueError(f"unknown service {service!r}; known: {', '.join(SERVICES)}")
     pub = list(produced_subjects(service))
-    if service in REVOKERS:
-        pub += REVOCATION_LEDGER_RIGHTS
     for spec in durables_of(service):
-        pub += consumer_rights(spec, may_create=True)
+        # Bind only: the admin identity creates every durable (jetstream.provision). A right to create one's own,
+        # even with its filter pinned, is a right to choose its every other field (ack wait, deliveries, policy).
+        pub += consumer_rights(spec, may_create=False)
     for spec in followers_of(service):
         pub += follower_rights(spec)
     answers = requests_answered_by(service)
@@ -280,6 +283,9 @@ ROLE_PERMISSIONS: dict[str, Permissions] = {
         max_payload=OPS_MAX_PAYLOAD,
         max_subs=CLIENT_MAX_SUBS,
     ),
+    AUTHORITY: Permissions(
+        pub_allow=IDENTITY_LEDGER_RIGHTS, sub_allow=(f"{inbox_prefix(AUTHORITY)}.>",), max_subs=CLIENT_MAX_SUBS
+    ),
     # Break-glass: provisions streams and per-host consumers, issues ops commands. Never used by a service.
     ADMIN: Permissions(pub_allow=(">",), sub_allow=(">",)),
 }
@@ -303,7 +309,7 @@ def role_permissions(role: str) -> Permissions:
 
 
 def _durable_cell(spec: ConsumerSpec) -> str:
-    return f"{spec.durable} (bind only)" if spec.admin_provisioned else spec.durable
+    return spec.durable
 
 
 def _follower_cell(spec: ConsumerSpec) -> str:
@@ -311,10 +317,9 @@ def _follower_cell(spec: ConsumerSpec) -> str:
 
 
 def render_table() -> str:
-    """The README's identity table (markdown). A durable in the third column means: fetch, ack, read its
-    info and create it with its fixed filter (`$JS.API.CONSUMER.{MSG.NEXT,INFO,CREATE}`, `$JS.ACK`), and
-    dead-letter to `gpuaas.dlq.<durable>`; nothing else of JetStream's API. One marked "bind only" has several
-    filters: the admin identity creates it, and its service has every right but CREATE."""
+    """The README's identity table (markdown). A durable in the third column means: fetch, ack and read its
+    info (`$JS.API.CONSUMER.{MSG.NEXT,INFO}`, `$JS.ACK`), and dead-letter to `gpuaas.dlq.<durable>`; nothing else
+    of JetStream's API. The admin identity creates every durable; no service may create or change one."""
     code = lambda items: "<br>".join(f"`{i}`" for i in items) or "nothing"  # noqa: E731
     rows = ["| identity | publishes | consumes (own durables) | subscribes |", "|---|---|---|---|"]
     for service in SERVICES:
@@ -330,6 +335,11 @@ def render_table() -> str:
     rows.append(
         f"| `{OPS}` | {code(ROLE_PERMISSIONS[OPS].pub_allow)} (read-only queries) | nothing | "
         f"{code(ROLE_PERMISSIONS[OPS].sub_allow)} |"
+    )
+    rows.append(
+        f"| `{AUTHORITY}` (holds the signing keys; mints, renews and revokes) | "
+        f"{code(ROLE_PERMISSIONS[AUTHORITY].pub_allow)} (the identity ledger) | nothing | "
+        f"{code(ROLE_PERMISSIONS[AUTHORITY].sub_allow)} |"
     )
     rows.append(f"| `{ADMIN}` (break-glass: provisioning, tests) | everything | everything | everything |")
     rows.append(

@@ -8,9 +8,10 @@ the dev stack. Nothing on the bus asks for it and nothing on the bus can: a proc
 - Roles (services, portal, ops): a new user with the role's permissions (24 h by default). Admin is renewed
   only where asked (the dev stack's break-glass file): no running service holds it.
 - Slice hosts: a new host user (72 h by default), recorded on the bus before its file is written, so the gateway
-  can end it like any other. Never for a host whose user is revoked (its slice life ended: a baremetal tenant
-  has the machine) or already expired (a host no renewal reached, whose mode is not known): it comes back
-  through onboarding. A revocation that lands while a renewal runs is caught by looking again once the new
+  can end it like any other; at once, due or not, for a host user made before hosts had their own account (an
+  upgraded deployment's: the servers refuse those). Never for a host whose user is revoked (its slice life ended:
+  a baremetal tenant has the machine) or already expired (a host no renewal reached, whose mode is not known): it
+  comes back through onboarding. A revocation that lands while a renewal runs is caught by looking again once the new
   user is recorded: the new user is revoked too and the file left as it was.
 """
 
@@ -55,6 +56,12 @@ def renewal_due(creds: Creds, *, now: float | None = None, fraction: float = REN
         return False  # no expiry: nothing to renew (we never issue one)
     now = time.time() if now is None else now
     return bool(exp - now < (exp - claims.get("iat", now)) * fraction)
+
+
+def _before_hosts_account(creds: Creds, authority: Authority) -> bool:
+    """A host user issued before hosts had an account of their own (HOSTS): the servers refuse it since, so an
+    upgraded deployment's hosts get their user again at the first renewal round, due or not."""
+    return creds.claims.get("nats", {}).get("issuer_account") != authority.hosts_account.public
 
 
 def _expired(creds: Creds, now: float) -> bool:
@@ -134,7 +141,7 @@ async def renew_host_files(
         if _expired(current, now):
             out[node_id] = "expired"
             continue
-        if not renewal_due(current, now=now):
+        if not renewal_due(current, now=now) and not _before_hosts_account(current, authority):
             continue
         fresh = authority.issue_host(node_id, ttl_s=ttl_s)
         new_user = str(fresh.claims["sub"])

@@ -84,10 +84,12 @@ class GatewaySettings(ServiceSettings):
     # Shared with the allocator: the HMAC key of the enrolment token put into a baremetal host's user_data. No
     # default: 16 characters or more, the allocator's value (`gpuaas dev up` and `scripts/compose-env.sh` make one).
     enrolment_secret: SecretStr
-    # Bus identities for baremetal hosts: a file holding the scoped host-signing key and the system
-    # account user that pushes revocations (written by `gpuaas dev up` or the deployment's init step).
-    # Unset: deploys carry no NATS credentials (an open dev bus).
-    nats_authority_file: str | None = None
+    # Bus identities for baremetal hosts come from the credential authority (gpuaas-credential-authority), the one
+    # process holding the signing keys, at this https:// URL; the gateway signs each request with its own
+    # GPUAAS_NATS_CREDS. Unset: deploys carry no NATS credentials (an open dev bus).
+    credential_authority_url: str | None = Field(default=None, pattern=r"^https://")
+    # The CA of the authority's certificate (the deployment's, as the NATS servers'); default GPUAAS_NATS_CA_FILE.
+    credential_authority_ca_file: str | None = None
     # Lifetime of a baremetal host's NATS user; a release revokes it earlier.
     host_creds_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0)
     # The commissioning script whose GPUAAS_SLICE_* output every commission's result is judged by

@@ -21,9 +21,16 @@ import typer
 from gpuaas_common.identity import Authority
 from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.authority import DEFAULT_USER_TTL_S, HOST_USER_TTL_S, MAX_USER_TTL_S
-from gpuaas_common.identity.permissions import ADMIN, ROLE_PERMISSIONS, inbox_prefix, node_user_name, render_table
+from gpuaas_common.identity.permissions import (
+    ADMIN,
+    AUTHORITY,
+    ROLE_PERMISSIONS,
+    inbox_prefix,
+    node_user_name,
+    render_table,
+)
 from gpuaas_common.identity.rotation import host_files, renew_host_files, renew_role_files
-from gpuaas_common.identity.tls import make_ca_and_server_cert
+from gpuaas_common.identity.tls import issue_server_cert, make_ca_and_server_cert
 
 from .common import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, err, fail
 
@@ -57,6 +64,7 @@ def init(
         # the one-shot steps that follow a fresh one from the kept keys.
         kept = _load(keys)
         creds_files.write(out / "creds" / f"{ADMIN}.creds", kept.issue_user(ADMIN, ROLE_PERMISSIONS[ADMIN]))
+        _authority_files(out, kept)
         # Roles live a day: after a stop longer than half of that, the services start with fresh files.
         renewed = renew_role_files(kept, out / "creds")
         err.print(
@@ -68,11 +76,22 @@ def init(
     auth.save(keys)
     for role, perms in ROLE_PERMISSIONS.items():
         creds_files.write(out / "creds" / f"{role}.creds", auth.issue_user(role, perms))
-    creds_files.write_secret(keys / "maas-gateway-issuer.json", auth.issuer().dump())
     tls = make_ca_and_server_cert(out / "tls", hostnames=tuple(hostnames or ("localhost", "nats")))
+    _authority_files(out, auth)
     # The resolver directory is the server's: a path inside its own data volume.
     (out / "nats-auth.conf").write_text(auth.server_config(Path("/data/resolver")))
     err.print(f"trust chain in {out}: CA {tls.ca}, {len(ROLE_PERMISSIONS)} role creds, nats-auth.conf")
+
+
+def _authority_files(out: Path, auth: Authority) -> None:
+    """The credential authority's creds and HTTPS certificate, where a trust chain made before it lacks them
+    (an upgrade: the gateway's old issuer file, the signing keys in a bus service's hands, is removed)."""
+    role_file = out / "creds" / f"{AUTHORITY}.creds"
+    if not role_file.exists():
+        creds_files.write(role_file, auth.issue_user(AUTHORITY, ROLE_PERMISSIONS[AUTHORITY]))
+    if not (out / "tls" / f"{AUTHORITY}.pem").exists():
+        issue_server_cert(out / "tls", AUTHORITY, hostnames=(AUTHORITY, "localhost"))
+    (out / "keys" / "maas-gateway-issuer.json").unlink(missing_ok=True)
 
 
 @identities_app.command("onboard-host")
@@ -345,9 +364,8 @@ def provision_bus(
         ),
     ] = 1,
 ) -> None:
-    """Create or update every stream and the slice hosts' task durables, as admin (idempotent).
-
-    Services create only their own durables, hosts none: this is the step before either starts.
+    """Create or update every stream, every service's durable and the slice hosts' task durables, as admin
+    (idempotent). Services and hosts only bind: this is the step before either starts.
 
     Example: gpuaas identities provision --nats-url tls://nats:4222 --creds creds/admin.creds --replicas 3
     """

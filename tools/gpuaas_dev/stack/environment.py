@@ -131,6 +131,12 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
             env["GPUAAS_SITE_PROFILES"] = gateway_profiles(stack, SLUG)
     elif name == "ops-view":
         env.update(GPUAAS_ADMIN_PORT="0", GPUAAS_ADMIN_TOKEN=stack.admin_token(name))
+        if (scheduler := stack.admin_port("scheduler")) is not None:
+            # The console's drain and its nodes' admin state, through the scheduler's admin API (up first).
+            env.update(
+                GPUAAS_SCHEDULER_ADMIN_URL=f"http://127.0.0.1:{scheduler}",
+                GPUAAS_SCHEDULER_ADMIN_TOKEN=stack.admin_token("scheduler"),
+            )
     elif name == "node-agent":
         env["GPUAAS_FLEET_FILE"] = str(files["fleet"])
         env["GPUAAS_MAAS_SIM_URL"] = stack.maas_base_url
@@ -155,4 +161,4 @@ def _nats_env(stack: Stack, name: str) -> dict[str, str]:
         # An open bus without TLS: the services must be told by name that plaintext is meant.
         return {"GPUAAS_NATS_INSECURE_DEV": "true"}
     assert stack._tls is not None
-    return nats_env(name, stack._tls, stack.creds_dir, stack.run_dir / "keys")
+    return nats_env(name, stack._tls, stack.creds_dir, stack.run_dir / "keys", stack.authority_port)

@@ -11,9 +11,12 @@ from gpuaas_common.identity import Authority
 from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.permissions import ROLE_PERMISSIONS, node_user_name
 from gpuaas_common.identity.permissions import SERVICES as BUS_SERVICES
-from gpuaas_common.identity.tls import TlsFiles, make_ca_and_server_cert
+from gpuaas_common.identity.tls import TlsFiles, issue_server_cert, make_ca_and_server_cert
 
 from .coroutines import run_coro
+from .processes import AUTHORITY
+
+AUTHORITY_CERT = AUTHORITY
 
 
 def make_identities(run_dir: Path, creds_dir: Path, extra_ips: tuple[str, ...] = ()) -> tuple[TlsFiles, Authority]:
@@ -25,8 +28,8 @@ def make_identities(run_dir: Path, creds_dir: Path, extra_ips: tuple[str, ...] =
         creds_files.write(creds_dir / f"{role}.creds", auth.issue_user(role, perms))
     keys = run_dir / "keys"
     auth.save(keys)
-    # What the gateway needs to mint and revoke baremetal hosts' users, and nothing more.
-    creds_files.write_secret(keys / "maas-gateway-issuer.json", auth.issuer().dump())
+    # The credential authority's HTTPS listener, from the same CA: the gateway pins the one CA it has.
+    issue_server_cert(run_dir / "tls", AUTHORITY_CERT, hostnames=("localhost",), ips=("127.0.0.1",))
     return tls, auth
 
 
@@ -99,13 +102,22 @@ def renew_credentials(
     return renewed + [node for node, outcome in run_coro(hosts).items() if outcome == "renewed"]
 
 
-def nats_env(name: str, tls: TlsFiles, creds_dir: Path, keys_dir: Path) -> dict[str, str]:
-    """The CA, creds and (for the gateway) issuer files process `name` connects with."""
+def nats_env(name: str, tls: TlsFiles, creds_dir: Path, keys_dir: Path, authority_port: int) -> dict[str, str]:
+    """The CA and creds process `name` connects with; the keys for the credential authority alone, and its
+    address for the gateway (which signs its requests with its own creds and pins the same CA)."""
     env = {"GPUAAS_NATS_CA_FILE": str(tls.ca)}
-    if name in BUS_SERVICES:
+    if name in BUS_SERVICES or name == AUTHORITY:
         env["GPUAAS_NATS_CREDS"] = str(creds_dir / f"{name}.creds")
     if name == "node-agent":
         env["GPUAAS_NATS_CREDS_DIR"] = str(creds_dir)
     if name == "maas-gateway":
-        env["GPUAAS_NATS_AUTHORITY_FILE"] = str(keys_dir / "maas-gateway-issuer.json")
+        env["GPUAAS_CREDENTIAL_AUTHORITY_URL"] = f"https://127.0.0.1:{authority_port}"
+    if name == AUTHORITY:
+        cert_dir = tls.ca.parent
+        env.update(
+            GPUAAS_KEYS_DIR=str(keys_dir),
+            GPUAAS_API_PORT=str(authority_port),
+            GPUAAS_API_TLS_CERT_FILE=str(cert_dir / f"{AUTHORITY_CERT}.pem"),
+            GPUAAS_API_TLS_KEY_FILE=str(cert_dir / f"{AUTHORITY_CERT}-key.pem"),
+        )
     return env

@@ -17,9 +17,12 @@ from typing import Any
 from gpuaas_common.identity.tls import client_context
 
 MAAS_SIM = "maas-sim"
+# The one process holding the bus's signing keys (services/credential-authority): started first, on a stack with
+# bus identities only (an open bus has no keys).
+AUTHORITY = "credential-authority"
 # Start order; stop runs in reverse so consumers go before what they consume from.
 SERVICES: tuple[str, ...] = ("image-pipeline", "allocator", "scheduler", "maas-gateway", "node-agent", "ops-view")
-ALL_PROCESSES: tuple[str, ...] = (MAAS_SIM, *SERVICES)
+ALL_PROCESSES: tuple[str, ...] = (MAAS_SIM, AUTHORITY, *SERVICES)
 
 
 class StackError(RuntimeError):

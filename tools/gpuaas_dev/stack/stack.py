@@ -34,6 +34,7 @@ from .maas_tls import client_ssl, issue_sim_cert, urllib_trusts
 from .preflight import commission_slice_hosts
 from .processes import (
     ALL_PROCESSES,
+    AUTHORITY,
     MAAS_SIM,
     SERVICES,
     StackError,
@@ -119,6 +120,8 @@ class Stack:
         self.stop_timeout_s = stop_timeout_s
         self.log_level = log_level
         self.auth = auth
+        # The credential authority's HTTPS port (picked at start; 0 until then).
+        self.authority_port = 0
         self.unsafe_no_fsync = unsafe_no_fsync
         self.pg_tls = pg_tls
         self.maas_insecure_http = maas_insecure_http
@@ -447,7 +450,16 @@ class Stack:
         self._procs[MAAS_SIM] = maas_sim_proc(self, port=0)
         spawn(self._procs[MAAS_SIM], self.run_dir)
         self._wait([MAAS_SIM], self.ready_timeout_s)
+        if self.auth:
+            # Its port is fixed before the gateway is given it, and kept by a restart of the authority.
+            self.authority_port = free_port()
+            self._procs[AUTHORITY] = service_proc(self, AUTHORITY)
+            spawn(self._procs[AUTHORITY], self.run_dir)
+            self._wait([AUTHORITY], self.ready_timeout_s)
         for service in SERVICES:
+            if service == "ops-view":
+                # Its console drains nodes through the scheduler's admin API, on the port the scheduler picks.
+                self._wait(self.replica_names("scheduler"), self.ready_timeout_s)
             for name in self.replica_names(service):
                 self._procs[name] = service_proc(self, service, name)
                 spawn(self._procs[name], self.run_dir)

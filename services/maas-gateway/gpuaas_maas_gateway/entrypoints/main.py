@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from gpuaas_common.identity import Issuer
 from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
+from gpuaas_common.startup import StartupFailed
 
+from ..adapters.credential_authority import AuthorityClient
 from ..adapters.host_credentials import HostCredentials
 from ..adapters.maas_client import MaasClient
 from ..adapters.metrics import operations_reading
@@ -50,13 +51,18 @@ def build_register(settings: GatewaySettings):
         log.info("maas_sites", sites=sorted(clients))
         warn_plain_http(settings)
         host_credentials = None
-        if settings.nats_authority_file:
+        if settings.credential_authority_url:
+            ca_file = settings.credential_authority_ca_file or settings.nats_ca_file
+            if not ca_file or not settings.nats_creds:
+                raise StartupFailed(
+                    "invalid_settings",
+                    "the credential authority is asked with the gateway's own creds, over TLS with a pinned CA:"
+                    " GPUAAS_NATS_CREDS and GPUAAS_CREDENTIAL_AUTHORITY_CA_FILE (or GPUAAS_NATS_CA_FILE) are needed",
+                    setting="GPUAAS_CREDENTIAL_AUTHORITY_URL",
+                )
             host_credentials = HostCredentials(
-                Issuer.load(settings.nats_authority_file),
+                AuthorityClient(settings.credential_authority_url, ca_file, settings.nats_creds),
                 unit_of_work_factory(rt.pool),
-                rt.identity.servers,
-                js=rt.js,
-                tls=rt.identity.tls_context(),
                 ttl_s=settings.host_creds_ttl_s,
             )
         # /metrics: operations by kind and state, unknown outcomes' age and deadline (adapters/metrics.py).

@@ -1,0 +1,61 @@
+"""The three things a caller may ask for: a baremetal host's user for one allocation, the revocation of what was
+minted for an allocation, and the end of a slice host's identity before a tenant gets its disk.
+
+What may be revoked is read from the ledger, never taken from the request: a caller names an allocation, and only
+the users minted for it go. So a compromised caller can end host users, which it could anyway by releasing, but
+never a service's, the portal's or an operator's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuaas_common.identity import Authority
+from gpuaas_common.logging import get_logger
+
+from ..adapters.ledger import Ledger
+from ..domain.grants import HostUserGrant
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class MintedUser:
+    creds: str
+    user: str
+    expires_at: int
+
+
+class HostUsers:
+    def __init__(self, authority: Authority, ledger: Ledger) -> None:
+        self.authority = authority
+        self.ledger = ledger
+
+    async def mint(self, grant: HostUserGrant, caller: str) -> MintedUser:
+        creds = self.authority.issuer().issue_node(grant.node_id, ttl_s=grant.ttl_s, allocation_id=grant.allocation_id)
+        user, expires_at = str(creds.claims["sub"]), int(creds.claims["exp"])
+        # Recorded before it leaves: a user the ledger does not hold could not be revoked by allocation.
+        await self.ledger.record_allocation_user(grant.allocation_id, user, expires_at)
+        log.info(
+            "host_user_minted",
+            node_id=grant.node_id,
+            allocation_id=grant.allocation_id,
+            user=user,
+            expires_at=expires_at,
+            caller=caller,
+        )
+        return MintedUser(creds.render(), user, expires_at)
+
+    async def revoke_allocation(self, allocation_id: str, caller: str) -> int:
+        """Revoke the allocation's users not yet revoked; 0 when none is left (nothing is pushed then)."""
+        revoked = await self.ledger.revoked()
+        live = [u for u in await self.ledger.allocation_users(allocation_id) if u not in revoked]
+        if live:
+            await self.ledger.revoke(self.authority, live)
+        log.info("allocation_users_revoked", allocation_id=allocation_id, users=len(live), caller=caller)
+        return len(live)
+
+    async def end_slice_identity(self, node_id: str, caller: str) -> int:
+        revoked = await self.ledger.end_slice_identity(self.authority, node_id)
+        log.info("slice_identity_ended", node_id=node_id, users=revoked, caller=caller)
+        return revoked

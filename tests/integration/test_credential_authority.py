@@ -1,0 +1,247 @@
+"""The credential authority (issue 24, point 2): the one process holding the signing keys, asked over HTTPS with
+requests signed by the caller's own bus identity. Against a real nats-server in operator mode with TLS and the
+authority as its own process (`gpuaas-credential-authority`).
+
+- The gateway gets a baremetal host's user for an allocation and can end it, through the authority only: the
+  gateway's identity can no longer touch the identity ledger, and it holds no key.
+- Every refusal is named: unsigned, foreign-signed, another role, replayed, altered, revoked or expired caller;
+  nothing is minted, the refusal is logged once without the JWT, and the authority keeps serving.
+- The system-account users the authority mints for a push may read and replace account JWTs and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import nats
+import nats.errors
+import nats.js.errors
+import pytest
+import pytest_asyncio
+from nats.aio.client import RawCredentials
+
+from gpuaas_common.identity import Authority, Creds
+from gpuaas_common.identity import creds as creds_files
+from gpuaas_common.identity.authority import allocation_users, record_host_users, revoked_users
+from gpuaas_common.identity.permissions import ADMIN, ROLE_PERMISSIONS
+from gpuaas_common.identity.signed_request import HEADER, sign
+from gpuaas_common.identity.tls import TlsFiles, client_context, client_tls_options
+from gpuaas_common.jetstream import IDENTITY_BUCKET, provision
+from gpuaas_dev.testing.servers import NatsServer
+from gpuaas_maas_gateway.adapters.credential_authority import AuthorityClient, AuthorityRefused
+
+from .authority_process import authority_process, log_of
+
+NODE = "bm:01"
+
+
+@pytest.fixture
+def authority() -> Authority:
+    return Authority.create()
+
+
+@pytest.fixture
+def server(tmp_path: Path, authority: Authority, tls_files: TlsFiles) -> Iterator[NatsServer]:
+    srv = NatsServer(tmp_path / "nats", auth=authority, tls=tls_files).start()
+    yield srv
+    srv.stop()
+
+
+async def connect(server: NatsServer, tls_files: TlsFiles, creds: Creds, **kw: object) -> nats.NATS:
+    kw.setdefault("inbox_prefix", f"_INBOX_{creds.name}".encode())
+    return await nats.connect(
+        server.url,
+        user_credentials=RawCredentials(creds.render()),
+        **client_tls_options(tls_files.ca),
+        allow_reconnect=False,
+        connect_timeout=5,
+        **kw,
+    )
+
+
+@pytest_asyncio.fixture
+async def admin(server: NatsServer, tls_files: TlsFiles, authority: Authority) -> AsyncIterator[nats.NATS]:
+    nc = await connect(server, tls_files, authority.issue_user(ADMIN, ROLE_PERMISSIONS[ADMIN]))
+    await provision(nc.jetstream())
+    yield nc
+    await nc.close()
+
+
+@pytest.fixture
+def authority_url(
+    admin: nats.NATS, server: NatsServer, tls_files: TlsFiles, authority: Authority, tmp_path: Path
+) -> Iterator[str]:
+    with authority_process(authority, tls_files, server.url, tmp_path / "authority") as url:
+        yield url
+
+
+def gateway_creds(authority: Authority, tmp_path: Path, role: str = "maas-gateway", **kw: float) -> Path:
+    return creds_files.write(
+        tmp_path / f"{role}-{uuid.uuid4().hex[:6]}.creds", authority.issue_user(role, ROLE_PERMISSIONS[role], **kw)
+    )
+
+
+async def test_the_gateway_mints_and_ends_a_baremetal_hosts_user_through_the_authority(
+    authority_url: str, authority: Authority, server: NatsServer, tls_files: TlsFiles, admin: nats.NATS, tmp_path: Path
+) -> None:
+    client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
+    allocation = str(uuid.uuid4())
+
+    minted = await client.mint(NODE, allocation, ttl_s=3600)
+
+    host = creds_files.parse(minted.creds)
+    assert host.claims["sub"] == minted.user
+    assert f"allocation:{allocation}" in host.claims["nats"]["tags"] and f"node:{NODE}" in host.claims["nats"]["tags"]
+    assert host.claims["iss"] == authority.node_signing.public  # the scoped key: the host template, nothing more
+    assert await allocation_users(admin.jetstream(), allocation) == [minted.user]  # recorded before it left
+    closed = asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    conn = await connect(server, tls_files, host, closed_cb=on_closed)
+    assert await client.revoke_allocation(allocation) == 1
+    await asyncio.wait_for(closed.wait(), timeout=5)  # its live connection ends with the revocation
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await connect(server, tls_files, host)
+    assert conn.is_closed
+    assert await client.revoke_allocation(allocation) == 0  # nothing left: nothing pushed again
+
+
+async def test_a_slice_hosts_identity_ends_through_the_authority(
+    authority_url: str, authority: Authority, server: NatsServer, tls_files: TlsFiles, admin: nats.NATS, tmp_path: Path
+) -> None:
+    slice_creds, neighbour = authority.issue_host(NODE), authority.issue_host("slice-02")
+    for node in (NODE, "slice-02"):
+        await record_host_users(admin.jetstream(), node, authority.issued_hosts[node])  # as onboarding does
+    client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
+
+    assert await client.end_slice_identity(NODE) == 1
+
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await connect(server, tls_files, slice_creds)
+    other = await connect(server, tls_files, neighbour)
+    await other.close()
+    assert await client.end_slice_identity(NODE) == 0
+
+
+async def _post(url: str, path: str, body: bytes, header: str | None, tls_files: TlsFiles) -> tuple[int, dict]:
+    headers = {HEADER: header} if header else {}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + path, data=body, headers=headers, ssl=client_context(tls_files.ca)) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+
+async def test_every_refusal_is_named_nothing_is_minted_and_the_authority_keeps_serving(
+    authority_url: str,
+    authority: Authority,
+    server: NatsServer,
+    tls_files: TlsFiles,
+    admin: nats.NATS,
+    tmp_path: Path,
+) -> None:
+    allocation = str(uuid.uuid4())
+    path = "/v1/host-users"
+    body = json.dumps({"node_id": NODE, "allocation_id": allocation, "ttl_s": 600}).encode()
+    gateway = creds_files.read(gateway_creds(authority, tmp_path))
+    revoked = authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"])
+    await authority.issuer().revoke(
+        [server.url], [str(revoked.claims["sub"])], js=admin.jetstream(), tls=client_context(tls_files.ca)
+    )
+    first = sign(gateway, "POST", path, body)
+    status, answer = await _post(authority_url, path, body, first, tls_files)
+    assert status == 201
+    minted = answer["user"]
+    stranger = Authority.create().issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"])
+    scheduler = authority.issue_user("scheduler", ROLE_PERMISSIONS["scheduler"])
+    expired = authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"], ttl_s=-10)
+    altered = json.dumps({"node_id": "slice-09", "allocation_id": allocation, "ttl_s": 600}).encode()
+    cases: dict[str, tuple[bytes, str | None]] = {
+        "unsigned": (body, None),
+        "foreign_jwt": (body, sign(stranger, "POST", path, body)),
+        "not_allowed": (body, sign(scheduler, "POST", path, body)),
+        "replayed": (body, first),
+        "bad_signature": (altered, sign(gateway, "POST", path, body)),
+        "expired": (body, sign(expired, "POST", path, body)),
+        "revoked": (body, sign(revoked, "POST", path, body)),
+        "stale": (body, sign(gateway, "POST", path, body, now=1_000_000_000)),
+    }
+    for reason, (sent, header) in cases.items():
+        status, answer = await _post(authority_url, path, sent, header, tls_files)
+        assert (status, answer["error"]["code"]) == (403 if reason == "not_allowed" else 401, reason), answer
+
+    assert await allocation_users(admin.jetstream(), allocation) == [minted]  # nothing minted by a refused one
+    status, _ = await _post(authority_url, path, body, sign(gateway, "POST", path, body), tls_files)
+    assert status == 201  # and it keeps serving
+    log = log_of(tmp_path / "authority")
+    refusals = [json.loads(line) for line in log.splitlines() if '"authority_request_refused"' in line]
+    assert sorted(r["reason"] for r in refusals) == sorted(cases)  # each logged once
+    for creds in (gateway, stranger, scheduler, expired, revoked):
+        assert creds.jwt not in log and creds.seed.decode() not in log
+
+
+async def test_bad_grants_are_refused_with_the_field_named(
+    authority_url: str, authority: Authority, tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
+    for node, allocation, field in (
+        ("a.b", str(uuid.uuid4()), "node_id"),  # a '.' would split the host template's subject tokens
+        ("*", str(uuid.uuid4()), "node_id"),
+        (NODE, "not-a-uuid", "allocation_id"),
+    ):
+        with pytest.raises(AuthorityRefused, match=f"400 invalid: {field}"):
+            await client.mint(node, allocation, ttl_s=600)
+    with pytest.raises(AuthorityRefused, match="400 invalid: ttl_s"):
+        await client.mint(NODE, str(uuid.uuid4()), ttl_s=1)
+
+
+async def test_a_minted_lifetime_is_capped_whatever_the_caller_asks(
+    authority_url: str, authority: Authority, tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
+    minted = await client.mint(NODE, str(uuid.uuid4()), ttl_s=10 * 365 * 86400)
+    claims = creds_files.parse(minted.creds).claims
+    assert claims["exp"] - claims["iat"] <= 7 * 86400
+
+
+async def test_the_gateway_can_no_longer_write_the_identity_ledger(
+    server: NatsServer, tls_files: TlsFiles, authority: Authority, admin: nats.NATS
+) -> None:
+    """Before, the gateway kept the revocation ledger itself: it could drop a revocation or pre-empt one."""
+    gw = await connect(server, tls_files, authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"]))
+    try:
+        # Refused at the bucket's info already (no STREAM.INFO right), or at the write.
+        with pytest.raises((nats.errors.Error, nats.js.errors.Error)):
+            kv = await gw.jetstream().key_value(IDENTITY_BUCKET)
+            await kv.put("revocations", b"{}")
+    finally:
+        await gw.close()
+    assert await revoked_users(admin.jetstream()) == {}  # nothing written
+
+
+async def test_the_system_user_may_replace_account_jwts_and_nothing_else(
+    server: NatsServer, tls_files: TlsFiles, authority: Authority
+) -> None:
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    sys_creds = authority.issue_sys_user()
+    nc = await connect(server, tls_files, sys_creds, error_cb=on_error, inbox_prefix=b"_INBOX_authority")
+    try:
+        lookup = await nc.request(f"$SYS.REQ.ACCOUNT.{authority.account.public}.CLAIMS.LOOKUP", b"", timeout=5)
+        assert lookup.data.startswith(b"eyJ")
+        # Refused by the server (a permissions violation, reported asynchronously), so no server answers.
+        with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError)):
+            await nc.request("$SYS.REQ.SERVER.PING", b"", timeout=1)
+        await nc.flush()
+    finally:
+        await nc.close()
+    assert any("permissions violation" in str(e).lower() for e in errors), errors
+    assert int(sys_creds.claims["exp"]) - int(sys_creds.claims["iat"]) <= 3600
