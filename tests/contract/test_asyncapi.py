@@ -188,6 +188,15 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "node.enrolled": {"node_id": "slice-01", "kind": "slice_host", "hostname": "slice-01", "agent_version": "0.1.0"},
     "slice.topology_discover": {"task_id": "task-2", "node_id": "slice-01", "deadline": "2030-01-01T00:00:00+00:00"},
     "slice.parity_check": {"task_id": "task-3", "node_id": "slice-01", "deadline": "2030-01-01T00:00:00+00:00"},
+    "slice.vfio_apply": {
+        "task_id": "vfio-1",
+        "node_id": "slice-01",
+        "deadline": "2030-01-01T00:00:00+00:00",
+        "action": "bind",
+        "slots": [
+            {"slot_id": "slice-01-s0", "gpu_pci_address": "0000:18:00.0", "fabric_vf_pci_address": "0000:29:00.2"}
+        ],
+    },
     "slice.terminal_open": {
         "task_id": "terminal-1",
         "session_id": "7d6f3c1e-3a9a-4e57-9f43-0c2e5d6b8a11",

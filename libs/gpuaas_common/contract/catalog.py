@@ -250,6 +250,16 @@ ALL: tuple[MessageSpec, ...] = (
         NODE_ID,
     ),
     MessageSpec(
+        "slice.vfio_apply",
+        m.SliceVfioApply,
+        "nodeTasks",
+        "gpuaas.node.{node_id}.tasks",
+        "Bind the approved slots' GPUs and fabric VFs to vfio-pci (entering slice mode) or release them (leaving).",
+        ("scheduler",),
+        ("node-agent",),
+        NODE_ID,
+    ),
+    MessageSpec(
         "slice.terminal_open",
         m.SliceTerminalOpen,
         "nodeTasks",

@@ -442,6 +442,26 @@ class SliceParityCheck(Payload):
     deadline: datetime
 
 
+class VfioSlot(Payload):
+    slot_id: str = Identifier
+    gpu_pci_address: str = PciAddress
+    fabric_vf_pci_address: str | None = Field(default=None, pattern=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+
+
+class SliceVfioApply(Payload):
+    """The host's VFIO binding from its approved slots (runbook: persistent VFIO binding applied only once the
+    host is intentionally in slice mode). `bind`: the approved slots in full, sent on entering slice mode and
+    when the approved set changes there; the agent keeps them as the set parity checks. `unbind`: leaving slice
+    mode; the devices of the named slots the host had bound go back to their host drivers. A device that is not a
+    GPU or fabric VF of the host's own topology is refused with a reason and nothing changes."""
+
+    task_id: str = Identifier
+    node_id: str = Identifier
+    deadline: datetime
+    action: Literal["bind", "unbind"]
+    slots: list[VfioSlot] = Field(default_factory=list, max_length=64)
+
+
 # --- slice terminal (allocator <-> node agent) ------------------------------------------------------
 
 # Raw bytes a terminal message carries at most: base64 makes 16 KiB 21.8 KiB, well under a host's payload limit
