@@ -113,3 +113,28 @@ def test_binding_takes_slot_bindings_as_the_contract_carries_them() -> None:
         profile="h200_1g_24c_64g",
     )
     assert derive_binding([slot]).devices == [_GPU_A, _VF_A]
+
+
+def test_a_binding_naming_a_device_off_the_hosts_topology_is_refused_by_name() -> None:
+    from gpuaas_node_agent.domain.device_binding import refused_devices
+
+    gpus, vfs = ["0000:18:00.0", "0000:2a:00.0"], ["0000:29:00.1"]
+    assert refused_devices(["0000:18:00.0", "0000:29:00.1"], gpus, vfs) == []
+    # The fabric PF and the OS disk's controller: vfio-pci there takes them from the host.
+    assert refused_devices(["0000:29:00.0", "0000:18:00.0", "0000:c1:00.0"], gpus, vfs) == [
+        "0000:29:00.0 is not a GPU or fabric VF of this host's topology",
+        "0000:c1:00.0 is not a GPU or fabric VF of this host's topology",
+    ]
+
+
+def test_an_unbind_releases_only_what_the_approved_binding_holds() -> None:
+    from gpuaas_node_agent.domain.device_binding import release_set
+
+    approved = [
+        {"slot_id": "s0", "gpu_pci_address": "0000:18:00.0", "fabric_vf_pci_address": "0000:29:00.1"},
+        {"slot_id": "s1", "gpu_pci_address": "0000:2a:00.0", "fabric_vf_pci_address": None},
+    ]
+    assert release_set([("0000:18:00.0", "0000:29:00.1")], approved) == ["0000:18:00.0", "0000:29:00.1"]
+    assert release_set([("0000:5d:00.0", None)], approved) == []
+    assert release_set([("0000:2a:00.0", "0000:77:00.3")], approved) == ["0000:2a:00.0"]
+    assert release_set([("0000:18:00.0", None)], []) == []

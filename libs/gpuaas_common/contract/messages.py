@@ -988,6 +988,8 @@ class DeadLetter(Payload):
     # one the task went to; unplaceable: a valid event a read model cannot fit into what it holds (a timeline
     # position already taken by another state); baremetal_tenancy: a slice-host enrolment from a node a baremetal
     # tenant holds (root on the host and its allocation-bound creds), which may never join the slice hosts.
+    # binding_refused: a VFIO binding naming a device that is not a GPU or fabric VF of the host's topology (or an
+    # unbind naming nothing the host had bound), nothing changed; binding_failed: driverctl failed mid-binding.
     reason_code: Literal[
         "not_json",
         "schema_invalid",
@@ -999,6 +1001,8 @@ class DeadLetter(Payload):
         "node_mismatch",
         "unplaceable",
         "baremetal_tenancy",
+        "binding_refused",
+        "binding_failed",
     ]
     reason: str = Field(max_length=8192)
     headers: dict[str, str] = Field(default_factory=dict)

@@ -40,6 +40,12 @@ CREATE TABLE IF NOT EXISTS task_askers (
     task_id    TEXT PRIMARY KEY,
     message_id TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS vfio_binding (
+    id         INTEGER PRIMARY KEY CHECK (id = 1),
+    task_id    TEXT NOT NULL,
+    slots_json TEXT NOT NULL,
+    updated_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS verified_images (
     path   TEXT PRIMARY KEY,
     digest TEXT NOT NULL,
@@ -152,6 +158,22 @@ class StateStore:
         if row is None or row[0] != "slice.vm_provision" or row[1] != "succeeded" or not row[2] or not row[3]:
             return None
         return {"vm_name": row[2], "payload": json.loads(row[3])}
+
+    # --- VFIO binding -------------------------------------------------------------------------------
+
+    def approved_slots(self) -> list[dict[str, Any]]:
+        """The approved slots of the last binding the scheduler asked for and the host applied (slice.vfio_apply):
+        the only set parity's `vfio_binding` takes as approved. Empty before the first, and after leaving."""
+        row = self._db.execute("SELECT slots_json FROM vfio_binding WHERE id = 1").fetchone()
+        return list(json.loads(row[0])) if row else []
+
+    def set_approved_slots(self, task_id: str, slots: list[dict[str, Any]]) -> None:
+        self._db.execute(
+            "INSERT INTO vfio_binding (id, task_id, slots_json, updated_at) VALUES (1, ?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET task_id = excluded.task_id, slots_json = excluded.slots_json, "
+            "updated_at = excluded.updated_at",
+            (task_id, json.dumps(slots), time.time()),
+        )
 
     def slot_records(self) -> dict[str, dict[str, Any]]:
         """slot_id → the latest task that named the slot: its binding (as the task carried it), task type,

@@ -114,3 +114,22 @@ def binding_problems(
         if problems:
             out[dev] = problems
     return out
+
+
+def refused_devices(asked: Iterable[str], gpus: Iterable[str], fabric_vfs: Iterable[str]) -> list[str]:
+    """'<bdf> is not …' for every device a binding asks for that the host's own topology does not show as a GPU
+    or a fabric VF: the binding is refused whole, since vfio-pci on any other device (the OS disk's controller,
+    the management NIC) takes it from the host."""
+    gpu_set, vf_set = set(gpus), set(fabric_vfs)
+    out = []
+    for dev in sorted(set(asked)):
+        if dev not in gpu_set and dev not in vf_set:
+            out.append(f"{dev} is not a GPU or fabric VF of this host's topology")
+    return out
+
+
+def release_set(named: Iterable[tuple[str | None, str | None]], approved: Iterable[Mapping[str, object]]) -> list[str]:
+    """The devices an unbind releases: those of the named slots that the host's approved binding holds. A name
+    the binding does not hold releases nothing (a stale or forged unbind cannot take a device it never bound)."""
+    held = {d for pair in slot_pairs(approved) for d in pair if d}
+    return sorted({d for pair in named for d in pair if d and d in held})

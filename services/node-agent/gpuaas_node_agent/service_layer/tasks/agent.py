@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .evidence import HostEvidence
 from .recovery import TaskRecovery
+from .vfio import HostBinding
 
 
-class SliceHostAgent(TaskRecovery, HostEvidence):
+class SliceHostAgent(TaskRecovery, HostBinding):
     """Provision and release tasks (provision.py, release.py) run through runner.py; recovery.py finishes what
-    a previous run left half-done; evidence.py reports topology and parity."""
+    a previous run left half-done; evidence.py reports topology and parity; vfio.py binds the approved devices."""

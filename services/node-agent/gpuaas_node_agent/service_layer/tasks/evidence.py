@@ -67,6 +67,7 @@ class HostEvidence(AgentCore):
             emulated=bool(self.emulated_slot_disks),
             libvirt_alive=self.libvirt_alive,
             require_bf3_management=self.require_bf3_management,
+            approved_slots=self.store.approved_slots(),
         ).run(self.node_id, task_id=task_id)
         return topology, parity
 
@@ -79,7 +80,7 @@ class HostEvidence(AgentCore):
             return False
         return True
 
-    def _evidence_task_due(self, task: m.SliceTopologyDiscover | m.SliceParityCheck) -> bool:
+    def _evidence_task_due(self, task: m.SliceTopologyDiscover | m.SliceParityCheck | m.SliceVfioApply) -> bool:
         if task.node_id != self.node_id:
             raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {self.node_id}")
         if task.deadline <= utcnow():
