@@ -17,6 +17,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.catalog import spec_for
 from gpuaas_common.contract.envelope import Envelope
 from gpuaas_common.jetstream import CONSUMER_BY_NAME
+from gpuaas_common.outbox import EventCollector
 from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.adapters.repository import scheduler_repositories
@@ -196,7 +197,7 @@ async def test_topology_is_stored_as_candidates_never_as_slots(pool, scheduler):
     # An operator approves one candidate; the next discovery replaces only the unapproved ones.
     async with pool.acquire() as conn, conn.transaction():
         body = admin.ApproveIn(actor="ops@example", candidate_ids=[cands[0]["candidate_id"]])
-        await admin.approve(conn, "n00001", body)
+        await admin.approve(conn, "n00001", body, events=EventCollector("scheduler"))
     await deliver(
         pool, scheduler, "node.topology_reported", topology("n00001", [0, 3], T0 + timedelta(minutes=5), mounted_disk=0)
     )

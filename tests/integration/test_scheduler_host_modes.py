@@ -12,6 +12,7 @@ import asyncpg
 import pytest
 
 from gpuaas_common.contract import messages as m
+from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters import synthetic
@@ -478,3 +479,65 @@ async def test_the_migration_derives_existing_hosts_modes(fresh_db):
         assert rows["n00001"]["from_mode"] is None and rows["n00001"]["actor"] == "migration-004"
     finally:
         await conn.close()
+
+
+# --- the VFIO binding follows the mode (issue 26, point 5) -------------------------------------------
+
+
+async def vfio_asks(pool, node=HOST) -> list[dict]:
+    """The slice.vfio_apply tasks in the scheduler's outbox for `node`, each checked against the contract."""
+    validator = default_validator()
+    subject = f"gpuaas.node.{node}.tasks"
+    async with pool.acquire() as conn:
+        rows = await conn.fetch("SELECT subject, body FROM outbox WHERE subject = $1 ORDER BY id", subject)
+    out = [validator.validate(r["subject"], bytes(r["body"])) for r in rows]
+    return [e for e in out if e["type"] == "slice.vfio_apply"]
+
+
+async def test_entering_slice_mode_binds_the_approved_devices_and_leaving_it_releases_them(pool, api, convertible):
+    async with pool.acquire() as conn:
+        approved = await conn.fetch(
+            "SELECT slot_id, gpu_pci_address, fabric_vf_pci_address FROM node_resource_slots WHERE node_id = $1 "
+            "ORDER BY slot_id",
+            HOST,
+        )
+    assert approved and all(r["gpu_pci_address"] for r in approved)
+    # slice → drained keeps the binding: live slices run there to their end.
+    assert (await set_mode(api, "drained", "maintenance"))[0] == 200
+    assert await vfio_asks(pool) == []
+    # drained → slice: bind exactly the approved slots' devices.
+    status, body = await set_mode(api, "slice", "maintenance done")
+    assert status == 200, body
+    [bind] = await vfio_asks(pool)
+    assert bind["payload"]["action"] == "bind" and bind["payload"]["node_id"] == HOST
+    assert [(s["slot_id"], s["gpu_pci_address"], s["fabric_vf_pci_address"]) for s in bind["payload"]["slots"]] == [
+        (r["slot_id"], r["gpu_pci_address"], r["fabric_vf_pci_address"]) for r in approved
+    ]
+    assert body["mode"] == "slice"
+    # Leaving for baremetal (drain, retire, baremetal): the host releases every device it had bound.
+    await to_baremetal(api)
+    unbind = (await vfio_asks(pool))[-1]
+    assert unbind["payload"]["action"] == "unbind"
+    assert sorted(s["gpu_pci_address"] for s in unbind["payload"]["slots"]) == sorted(
+        r["gpu_pci_address"] for r in approved
+    )
+    assert len(await vfio_asks(pool)) == 2
+
+
+async def test_a_refused_mode_change_asks_no_binding(pool, api, convertible):
+    status, _ = await set_mode(api, "baremetal", "skip the drain")
+    assert status == 409
+    assert await vfio_asks(pool) == []
+
+
+async def test_reapproval_that_returns_a_host_to_slices_binds_what_was_approved(pool, api, back_from_baremetal):
+    reset_at, _ = back_from_baremetal
+    before = len(await vfio_asks(pool))
+    assert await deliver(pool, evidence.record_topology, topology(reset_at + timedelta(minutes=1))) == "applied"
+    assert await deliver(pool, evidence.record_parity, parity(reset_at + timedelta(minutes=2))) == "applied"
+    status, body = await post(api, f"/v1/nodes/{HOST}/candidates/approve", {"actor": "alice", "reason": "re-approved"})
+    assert status == 200 and body["mode"] == "slice"
+    asks = await vfio_asks(pool)
+    assert len(asks) == before + 1 and asks[-1]["payload"]["task_id"] == body["vfio_task"]
+    bound = {s["slot_id"] for s in asks[-1]["payload"]["slots"]}
+    assert bound == {r["slot_id"] for r in body["results"] if r["status"] == "available"}

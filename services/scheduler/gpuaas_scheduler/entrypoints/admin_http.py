@@ -42,6 +42,16 @@ def write(fn: Callable[..., Awaitable[dict]]) -> Callable[[Call], Awaitable[dict
     return handler
 
 
+def write_asking(fn: Callable[..., Awaitable[dict]]) -> Callable[[Call], Awaitable[dict]]:
+    """A mutation that may queue a node task (a VFIO binding) through its unit of work's outbox."""
+
+    async def handler(call: Call) -> dict:
+        assert call.uow is not None
+        return await fn(call.conn, *call.params.values(), call.body, events=call.uow.events)
+
+    return handler
+
+
 async def _force_release(call: Call) -> dict:
     assert call.uow is not None  # a mutation: the stack runs it in a unit of work, whose outbox tells the allocator
     return await ops.force_release(call.conn, call.uow.events, call.params["allocation_id"], call.body)
@@ -148,7 +158,7 @@ ROUTES = [
     _r(
         "POST",
         "/v1/nodes/{node_id}/mode",
-        write(ops.set_mode),
+        write_asking(ops.set_mode),
         "change the host mode (guarded)",
         out.ModeView,
         ops.ModeIn,
@@ -181,7 +191,7 @@ ROUTES = [
     _r(
         "POST",
         APPROVE_PATH,
-        write(ops.approve),
+        write_asking(ops.approve),
         "turn candidates into slots (available only when every approval rule holds)",
         out.ApprovalOut,
         ops.ApproveIn,
@@ -250,7 +260,7 @@ def admin_api(
     `steering`: the deadlines and MAAS site the asks of a host are sent with."""
     routes = ROUTES
     if allow_emulated_slots:
-        approve = write(functools.partial(ops.approve, allow_emulated=True))
+        approve = write_asking(functools.partial(ops.approve, allow_emulated=True))
         routes = [dataclasses.replace(r, handler=approve) if r.path == APPROVE_PATH else r for r in routes]
     if steering is not None:
         mine = {r.path: r for r in steer_routes(steering)}

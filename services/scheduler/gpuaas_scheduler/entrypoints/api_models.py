@@ -155,6 +155,8 @@ class ApprovalOut(BaseModel):
     mode_blockers: list[str] | None = None
     # The waivers the approval went through a failing gate on (absent when the evidence passed).
     waived: list[WaiverView] | None = None
+    # The slice.vfio_apply task that asks the host to bind the approved devices (absent outside slice mode).
+    vfio_task: str | None = None
 
 
 class QuotaRow(Row):

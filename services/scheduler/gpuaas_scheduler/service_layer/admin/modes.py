@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncpg
 
+from gpuaas_common.outbox import EventCollector
+
 from ...adapters import admin_nodes as repo
 from ...adapters import host_modes as mode_repo
 from ...domain.host_mode import TRANSITIONS, ModeRefused
 from .. import host_modes
+from ..vfio_binding import ask_binding
 from .common import jsonable, lock_node
 from .models import AdminError, ModeIn
 
@@ -30,7 +33,9 @@ async def get_mode(conn: asyncpg.Connection, node_id: str) -> dict:
     }
 
 
-async def set_mode(conn: asyncpg.Connection, node_id: str, body: ModeIn) -> dict:
+async def set_mode(conn: asyncpg.Connection, node_id: str, body: ModeIn, *, events: EventCollector) -> dict:
+    """A guarded change; entering slice mode asks the host to bind its approved devices, leaving the modes that
+    keep slices asks it to release them (in the same transaction: vfio_binding.py)."""
     await lock_node(conn, node_id)
     try:
         change = await host_modes.change_mode(conn, node_id, body.mode, actor=body.actor, reason=body.reason)
@@ -46,12 +51,18 @@ async def set_mode(conn: asyncpg.Connection, node_id: str, body: ModeIn) -> dict
                 "allowed": [to for (frm, to) in TRANSITIONS if frm == exc.current],
             },
         ) from None
+    vfio_task = await ask_binding(conn, events, node_id, change.from_mode, change.to_mode)
     await repo.audit(
         conn,
         body.actor,
         "node.mode",
         node_id,
         body.reason,
-        {"from": change.from_mode, "to": change.to_mode, "evidence_reset": change.resets_evidence},
+        {
+            "from": change.from_mode,
+            "to": change.to_mode,
+            "evidence_reset": change.resets_evidence,
+            **({"vfio_task": vfio_task} if vfio_task else {}),
+        },
     )
     return await get_mode(conn, node_id)

@@ -10,16 +10,19 @@ from typing import Any
 
 import asyncpg
 
+from gpuaas_common.outbox import EventCollector
+
 from ...adapters import admin_nodes as audit_repo
 from ...adapters import admin_slots as repo
 from ...adapters import evidence as evidence_repo
 from ...adapters import inventory as inv
 from ...adapters import wipe_policy as wipe_repo
 from ...domain.approval import DEFAULT_WIPE_POLICY, approval_problems, approved_status, wipe_verdict
-from ...domain.host_mode import BAREMETAL, RETIRED
+from ...domain.host_mode import BAREMETAL, RETIRED, SLICE
 from ...domain.readiness_gate import approval_gate
 from ...domain.slots import APPROVAL_REPLACES, IN_USE, allowed_from
 from .. import host_modes
+from ..vfio_binding import ask_binding
 from .common import jsonable, lock_node, require_all
 from .models import Acted, AdminError, ApproveIn, CandidatesIn, RepairIn, RetireIn
 
@@ -72,7 +75,14 @@ EMULATED_REFUSED = (
 )
 
 
-async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn, *, allow_emulated: bool = False) -> dict:
+async def approve(
+    conn: asyncpg.Connection,
+    node_id: str,
+    body: ApproveIn,
+    *,
+    events: EventCollector,
+    allow_emulated: bool = False,
+) -> dict:
     """Turn candidates into slots: `available` when every rule holds, else `disabled` with the reasons.
     On a converting host this is the re-approval that, with rediscovery and a passing parity run,
     returns it to slice mode. An emulated candidate (a lab host's) becomes available only where the
@@ -164,6 +174,10 @@ async def approve(conn: asyncpg.Connection, node_id: str, body: ApproveIn, *, al
         reason=body.reason or "slots re-approved after rediscovery and a passing parity run",
     )
     out: dict[str, Any] = {"results": results, "mode": mode}
+    # In slice mode (entered now, or already there with a changed approved set) the host binds what is approved.
+    vfio_task = await ask_binding(conn, events, node_id, SLICE, mode) if mode == SLICE else None
+    if vfio_task:
+        out["vfio_task"] = vfio_task
     if waived:
         out["waived"] = waived
     if blockers:
