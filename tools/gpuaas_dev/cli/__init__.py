@@ -24,6 +24,7 @@ from gpuaas_node_agent.entrypoints import cli as node_agent_cli
 from ..identity_cli import set_insecure_dev_flag
 from .allocations import allocations_app
 from .common import OneLineUsageErrors
+from .console_link import console
 from .context import UnknownContext, context_app, run_dir_defaults, select, unknown_context
 from .contract import contract_app
 from .dev import dev_app
@@ -67,6 +68,7 @@ app.add_typer(lab_app, name="lab")
 app.add_typer(usage_app, name="usage")
 app.add_typer(node_agent_cli.app, name="node-agent", help="Node agent host checks: discover, parity.")
 app.command()(allocate)
+app.command("console")(console)
 app.command()(release)
 app.command("maas-sim")(maas_sim)
 

@@ -28,6 +28,7 @@ from .common import (
     pid_is_ours,
     read_stack_json,
 )
+from .console_link import console_lines
 from .output import table
 from .progress import StartProgress, watch_in_background
 
@@ -59,6 +60,8 @@ def _print_summary(info: dict[str, Any]) -> None:
     err.print(f"Postgres  {info.get('database_url')}")
     err.print(f"MAAS sim  {info.get('maas_url')}" + (f" (CA {ca})" if (ca := info.get("maas_ca_file")) else ""))
     _print_admin_apis(info, err)
+    for line in console_lines(info):
+        err.print(line, markup=False)
     err.print(f"run dir   {info.get('run_dir')} (stack.json, logs/)")
 
 

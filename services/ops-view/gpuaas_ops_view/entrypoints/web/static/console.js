@@ -7,7 +7,7 @@
   var live = document.getElementById("live");
   var body = document.body;
   if (!live || !window.EventSource || !window.fetch) { return; }
-  var busy = false, again = false, opened = 0, refreshed = 0;
+  var busy = false, again = false, refreshed = 0;
 
   function refresh() {
     if (busy) { again = true; return; }
@@ -35,8 +35,9 @@
   events.addEventListener("changed", refresh);
   events.addEventListener("open", function () {
     body.setAttribute("data-live", "on");
-    opened += 1;
-    if (opened > 1) { refresh(); }  // changes while the stream was down were not announced
+    // What committed between the page's rendering (or the stream's loss) and this subscription was announced to
+    // nobody: one refresh covers it.
+    refresh();
   });
   events.addEventListener("error", function () { body.setAttribute("data-live", "off"); });
 })();

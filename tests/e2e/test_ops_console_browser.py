@@ -1,0 +1,205 @@
+"""The ops console in a real headless browser (Debian's chromium driven by Selenium through chromedriver),
+against the dev stack's processes: signed in by the login link minted from the ops identity, it watches an
+allocation made over the bus appear and change state on the page with no reload, shows the why-not of an
+unschedulable one, shows a dead letter arrive, and drains a node from the fleet page through the scheduler's
+admin API (the scheduler's node and its audit row name the console's user and request). Without a link the
+browser sees only the refusal.
+
+Screenshots of every page are written as test artifacts, one PNG per page (`fleet.png`, `allocations.png`,
+`allocation.png`, `unschedulable.png`, `images.png`, `maas.png`, `dead-letters.png`, `usage.png`,
+`fleet-drained.png`, `refused.png`), to the directory `$GPUAAS_CONSOLE_SCREENSHOTS` names, or else to the
+test's pytest tmp path under `screenshots/` (printed at the end of the test; `pytest -s` shows it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException, TimeoutException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
+
+from gpuaas_common.admin_http import login_link
+
+pytestmark = pytest.mark.e2e
+
+WAIT_S = 90.0
+# Set by the test once a page has loaded; a reload would lose it.
+MARK = "window.__consoleMark"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[WebDriver]:
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and driver, "Debian's chromium and chromium-driver are missing: run `make setup`"
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1500,1000"):
+        options.add_argument(arg)
+    # The driver named here: Selenium neither looks for nor downloads another.
+    b = webdriver.Chrome(options=options, service=Service(executable_path=driver))
+    yield b
+    b.quit()
+
+
+@pytest.fixture
+def shots(tmp_path: Path) -> Path:
+    where = Path(os.environ.get("GPUAAS_CONSOLE_SCREENSHOTS") or tmp_path / "screenshots")
+    where.mkdir(parents=True, exist_ok=True)
+    return where
+
+
+def _until(b: WebDriver, what: str, check: Callable[[WebDriver], Any], timeout: float = WAIT_S) -> Any:
+    """An explicit wait on the page; an element replaced by a live refresh while it was read is read again. A
+    timeout says what the page showed."""
+    wait = WebDriverWait(b, timeout, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException))
+    try:
+        return wait.until(check)
+    except TimeoutException:
+        raise AssertionError(f"waited {timeout:.0f}s for {what}; {b.current_url} shows:\n{_shown(b)}") from None
+
+
+def _shown(b: WebDriver) -> str:
+    found = b.find_elements(By.TAG_NAME, "main") or b.find_elements(By.TAG_NAME, "body")
+    return found[0].text[:3000] if found else b.page_source[:3000]
+
+
+def _text(b: WebDriver, what: str, by: str, value: str) -> str:
+    """An element's text, read inside the wait: the page's live part may be replaced between finding and reading."""
+    return _until(b, what, lambda d: d.find_element(by, value).text or False)
+
+
+def _click(b: WebDriver, what: str, by: str, value: str) -> None:
+    _until(b, what, lambda d: d.find_element(by, value).click() or True)
+
+
+def _live(b: WebDriver) -> None:
+    body = b.find_element(By.TAG_NAME, "body")
+    _until(b, "the page's event stream", lambda _d: body.get_attribute("data-live") == "on")
+
+
+def _row_state(b: WebDriver, alloc: uuid.UUID) -> str | None:
+    rows = b.find_elements(By.CSS_SELECTOR, f'tr[data-allocation="{alloc}"]')
+    return rows[0].get_attribute("data-state") if rows else None
+
+
+async def _browse(fn: Callable[..., Any], *args: Any) -> Any:
+    # The WebDriver calls block; the portal and the stack's bus clients share this test's event loop.
+    return await asyncio.to_thread(fn, *args)
+
+
+async def _scheduler(stack, method: str, path: str, **kw: Any) -> Any:
+    headers = {"Authorization": f"Bearer {stack.admin_token('scheduler')}", **kw.pop("headers", {})}
+    async with aiohttp.ClientSession() as http:
+        async with http.request(method, f"{stack.admin_url('scheduler')}{path}", headers=headers, **kw) as resp:
+            body = await resp.json()
+            assert resp.status < 400, body
+            return body
+
+
+async def test_the_console_follows_the_fleet_live_and_drains_a_node(stack, portal, db, browser, shots) -> None:
+    b, url = browser, stack.admin_url("ops-view")
+    link = login_link(url, stack.admin_token("ops-view"), "ops", "console-e2e")
+
+    # Signed in by the link: the session cookie, then the fleet.
+    await _browse(b.get, link)
+    await _browse(_until, b, "the fleet page", lambda d: d.current_url.endswith("/console/fleet"))
+    await _browse(_until, b, "the hosts", lambda d: len(d.find_elements(By.CSS_SELECTOR, "#hosts tr[data-node]")) > 0)
+    assert (await _browse(b.find_element, By.ID, "actor")).text == "console-e2e"
+    await _browse(b.save_screenshot, str(shots / "fleet.png"))
+
+    # An allocation over the bus appears on the open allocations page and changes state there, with no reload.
+    tenant = f"console-{uuid.uuid4().hex[:8]}"
+    await _browse(b.get, f"{url}/console/allocations?tenant={tenant}")
+    await _browse(_live, b)
+    await _browse(b.execute_script, f"{MARK} = 'loaded once';")
+    alloc = await portal.request("gpu_slice", gpus=1, tenant_id=tenant)
+    await _browse(_until, b, "the allocation on the page", lambda d: _row_state(d, alloc) is not None)
+    await _browse(_until, b, "the allocation active", lambda d: _row_state(d, alloc) == "active")
+    await _browse(b.save_screenshot, str(shots / "allocations.png"))
+    await portal.release(alloc)
+    await _browse(_until, b, "the allocation released", lambda d: _row_state(d, alloc) == "released")
+    assert await _browse(b.execute_script, f"return {MARK};") == "loaded once", "the page was reloaded"
+    assert int(await _browse(lambda: b.find_element(By.TAG_NAME, "body").get_attribute("data-refreshed"))) >= 2
+
+    # Its detail: the timeline from accepted to released, its claim released.
+    await _browse(_click, b, "the allocation's link", By.CSS_SELECTOR, f'tr[data-allocation="{alloc}"] a')
+    timeline = await _browse(_text, b, "the timeline", By.ID, "timeline")
+    for state in ("accepted", "placed", "provisioning", "active", "releasing", "released"):
+        assert state in timeline, timeline
+    assert "(whole node)" not in await _browse(_text, b, "the claims", By.ID, "claims")
+    await _browse(b.save_screenshot, str(shots / "allocation.png"))
+
+    # An allocation nothing can hold: unschedulable on the page, its why-not on its detail.
+    nowhere = await portal.request("gpu_slice", gpus=1, tenant_id=tenant, region="nowhere")
+    await portal.wait_state(nowhere, "unschedulable")
+    await _browse(b.get, f"{url}/console/allocations?tenant={tenant}")
+    await _browse(_until, b, "the unschedulable one", lambda d: _row_state(d, nowhere) == "unschedulable")
+    await _browse(b.get, f"{url}/console/allocations/{nowhere}")
+    why = await _browse(_text, b, "its why-not", By.ID, "why-not")
+    assert json.loads(why), why
+    await _browse(b.save_screenshot, str(shots / "unschedulable.png"))
+
+    # A message nobody can read is dead-lettered by its consumer; it arrives on the open page.
+    await _browse(b.get, f"{url}/console/dead-letters")
+    await _browse(_live, b)
+    before = len(await _browse(b.find_elements, By.CSS_SELECTOR, "tr[data-dlq-seq]"))
+    await portal.publish_raw(b"{not json at all")
+    await _browse(
+        _until, b, "the dead letter", lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr[data-dlq-seq]")) > before
+    )
+    await _browse(b.save_screenshot, str(shots / "dead-letters.png"))
+
+    for page, element in (("images", "images"), ("maas", "maas"), ("usage", "usage")):
+        await _browse(b.get, f"{url}/console/{page}")
+        await _browse(_until, b, f"the {page} page", lambda d, e=element: d.find_element(By.ID, e))
+        await _browse(b.save_screenshot, str(shots / f"{page}.png"))
+    assert tenant in await _browse(_text, b, "the usage records", By.ID, "usage")  # the released allocation's
+
+    # Drain a slice host from the fleet page: the scheduler drains it, the fleet shows it.
+    nodes = (await _scheduler(stack, "GET", "/v1/nodes"))["nodes"]
+    node = next(n["node_id"] for n in nodes if n["kind"] == "slice_host" and not n["draining"])
+    await _browse(b.get, f"{url}/console/fleet")
+    await _browse(b.find_element(By.ID, "drain-node").send_keys, node)
+    await _browse(b.find_element(By.ID, "drain-reason").send_keys, "console e2e: PSU swap")
+    await _browse(b.find_element(By.ID, "drain-submit").click)
+    await _browse(_until, b, "the drain's notice", lambda d: node in d.find_element(By.ID, "notice").text)
+    await _browse(
+        _until,
+        b,
+        "the node drained in the fleet",
+        lambda d: d.find_element(By.CSS_SELECTOR, f'tr[data-node="{node}"]').get_attribute("data-drained") == "yes",
+    )
+    await _browse(b.save_screenshot, str(shots / "fleet-drained.png"))
+    detail = await _scheduler(stack, "GET", f"/v1/nodes/{node}")
+    assert detail["node"]["draining"] is True
+    audit = await db.fetch(
+        "SELECT actor, request_id, idempotency_key, status FROM scheduler.admin_requests WHERE path = $1",
+        f"/v1/nodes/{node}/drain",
+    )
+    assert [(r["actor"], r["status"]) for r in audit] == [("console-e2e", 200)], audit
+    assert audit[0]["idempotency_key"] and audit[0]["request_id"]
+    await _scheduler(
+        stack, "POST", f"/v1/nodes/{node}/undrain", json={"actor": "console-e2e", "reason": "test done"},
+        headers={"Idempotency-Key": uuid.uuid4().hex},
+    )  # fmt: skip
+
+    # Signed out, the same pages are the refusal and nothing else.
+    await _browse(b.delete_all_cookies)
+    await _browse(b.get, f"{url}/console/allocations?tenant={tenant}")
+    assert await _browse(_text, b, "the refusal", By.ID, "refusal") == "Sign-in refused"
+    assert not await _browse(b.find_elements, By.ID, "live")
+    assert tenant not in await _browse(lambda: b.page_source)
+    await _browse(b.save_screenshot, str(shots / "refused.png"))
+    print(f"console screenshots: {shots}")
