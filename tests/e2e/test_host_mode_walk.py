@@ -129,6 +129,15 @@ async def test_one_host_walks_from_slices_to_baremetal_and_back(stack, portal, d
     assert status == 409 and any("not retired" in p for p in refused["error"]["details"]["problems"]), refused
     await ok(stack, "POST", f"/v1/nodes/{HOST}/slots/retire", {"actor": "ops", "reason": "host goes baremetal"})
     await ok(stack, "POST", f"/v1/nodes/{HOST}/mode", {"actor": "ops", "mode": "baremetal", "reason": "tenant"})
+    # Leaving the modes that keep slices: the host's agent is asked to release its approved devices, and does.
+    left = await db.fetchval(
+        "SELECT detail->>'vfio_task' FROM scheduler.admin_audit WHERE action = 'node.mode' AND target = $1 "
+        "AND detail->>'to' = 'baremetal' ORDER BY id DESC LIMIT 1",
+        HOST,
+    )
+    assert left, "no VFIO unbind asked on leaving slice mode"
+    assert (await portal.spy.wait_type("slice.vfio_apply", task_id=left))["payload"]["action"] == "unbind"
+    await portal.spy.wait_type("node.parity_reported", task_id=left, timeout=60)
     await assert_no_slice_lands(portal, "baremetal")
 
     # baremetal allocation: MAAS deploys the host and it enrols as a baremetal host.
@@ -205,6 +214,12 @@ async def test_one_host_walks_from_slices_to_baremetal_and_back(stack, portal, d
         {"actor": "ops", "reason": "back from baremetal, rediscovered", "candidate_ids": complete},
     )
     assert answer["mode"] == "slice" and {r["status"] for r in answer["results"]} == {"available"}
+    # Back in slice mode: the host binds exactly the re-approved slots' devices, and parity checks that set.
+    bind = (await portal.spy.wait_type("slice.vfio_apply", task_id=answer["vfio_task"]))["payload"]
+    assert bind["action"] == "bind" and len(bind["slots"]) == len(complete)
+    after = (await portal.spy.wait_type("node.parity_reported", task_id=answer["vfio_task"], timeout=60))["payload"]
+    vfio = next(c for c in after["checks"] if c["check"] == "vfio_binding")
+    assert vfio["status"] == "PASS", vfio
 
     # slice allocation: it lands on the host again.
     assert await slice_round_trip(portal) == HOST

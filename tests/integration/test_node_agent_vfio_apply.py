@@ -140,9 +140,10 @@ async def test_the_approved_binding_is_applied_kept_for_parity_and_released_on_l
     check = await agent.vfio_check(await agent.apply("bind", SLOTS))
     assert check["status"] == "PASS" and agent.overrides() == DEVICES
 
-    # Leaving slice mode: every approved device goes back to its host driver.
+    # Leaving slice mode: every approved device goes back to its host driver, and parity says the host released
+    # its binding as asked (a WARN: a converting host must still pass parity to be re-approved).
     check = await agent.vfio_check(await agent.apply("unbind", SLOTS))
-    assert check["status"] == "FAIL" and "has not entered slice mode" in check["detail"]
+    assert check["status"] == "WARN" and "left slice mode and released its binding" in check["detail"]
     assert agent.overrides() == []
 
 

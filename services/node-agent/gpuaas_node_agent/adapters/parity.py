@@ -92,8 +92,12 @@ class ParityChecker:
         libvirt_alive: Callable[[], Awaitable[bool]] | None = None,
         require_bf3_management: bool = False,
         approved_slots: Iterable[Mapping[str, Any] | m.SlotBinding] = (),
+        released: bool = False,
     ) -> None:
         self.host = host
+        # The host's last binding was a release (slice.vfio_apply unbind, on leaving slice mode): no device on
+        # vfio-pci is then what the scheduler asked for, not a host that never entered slice mode.
+        self.released = released
         # The approved slots the agent knows of (as its tasks carried them): their GPUs and fabric VFs must all
         # be on vfio-pci, so a host that bound only some of them fails `vfio_binding`.
         self.approved_slots = list(approved_slots)
@@ -275,6 +279,13 @@ class ParityChecker:
         overrides = await driverctl.list_overrides(self.host)
         wanted = derive_binding(self.approved_slots).devices
         if not wanted and not any(drv == VFIO_DRIVER for drv in overrides.values()):
+            if self.released:
+                return m.ParityCheck(
+                    check="vfio_binding",
+                    status="WARN",
+                    detail="no device on vfio-pci: the host left slice mode and released its binding; the scheduler "
+                    "asks for the approved binding again when it enters slice mode",
+                )
             return _fail(
                 "vfio_binding",
                 "no persistent vfio-pci driverctl override: the host has not entered slice mode",

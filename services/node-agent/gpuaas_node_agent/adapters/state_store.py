@@ -43,6 +43,7 @@ CREATE TABLE IF NOT EXISTS task_askers (
 CREATE TABLE IF NOT EXISTS vfio_binding (
     id         INTEGER PRIMARY KEY CHECK (id = 1),
     task_id    TEXT NOT NULL,
+    action     TEXT NOT NULL,
     slots_json TEXT NOT NULL,
     updated_at REAL NOT NULL
 );
@@ -167,12 +168,17 @@ class StateStore:
         row = self._db.execute("SELECT slots_json FROM vfio_binding WHERE id = 1").fetchone()
         return list(json.loads(row[0])) if row else []
 
-    def set_approved_slots(self, task_id: str, slots: list[dict[str, Any]]) -> None:
+    def binding_released(self) -> bool:
+        """Whether the last binding applied was a release (leaving slice mode)."""
+        row = self._db.execute("SELECT action FROM vfio_binding WHERE id = 1").fetchone()
+        return bool(row and row[0] == "unbind")
+
+    def set_approved_slots(self, task_id: str, action: str, slots: list[dict[str, Any]]) -> None:
         self._db.execute(
-            "INSERT INTO vfio_binding (id, task_id, slots_json, updated_at) VALUES (1, ?, ?, ?) "
-            "ON CONFLICT (id) DO UPDATE SET task_id = excluded.task_id, slots_json = excluded.slots_json, "
-            "updated_at = excluded.updated_at",
-            (task_id, json.dumps(slots), time.time()),
+            "INSERT INTO vfio_binding (id, task_id, action, slots_json, updated_at) VALUES (1, ?, ?, ?, ?) "
+            "ON CONFLICT (id) DO UPDATE SET task_id = excluded.task_id, action = excluded.action, "
+            "slots_json = excluded.slots_json, updated_at = excluded.updated_at",
+            (task_id, action, json.dumps(slots), time.time()),
         )
 
     def slot_records(self) -> dict[str, dict[str, Any]]:

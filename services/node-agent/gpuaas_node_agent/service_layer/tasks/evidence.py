@@ -68,6 +68,7 @@ class HostEvidence(AgentCore):
             libvirt_alive=self.libvirt_alive,
             require_bf3_management=self.require_bf3_management,
             approved_slots=self.store.approved_slots(),
+            released=self.store.binding_released(),
         ).run(self.node_id, task_id=task_id)
         return topology, parity
 

@@ -57,7 +57,7 @@ class HostBinding(HostEvidence):
             # one that was applied.
             await self.report_parity(task_id=task.task_id)
             raise PermanentError("binding_failed", str(exc)[:2000]) from exc
-        self.store.set_approved_slots(task.task_id, [s.model_dump(mode="json") for s in task.slots])
+        self.store.set_approved_slots(task.task_id, "bind", [s.model_dump(mode="json") for s in task.slots])
 
     async def _unbind(self, task: m.SliceVfioApply) -> None:
         approved = self.store.approved_slots()
@@ -72,4 +72,4 @@ class HostBinding(HostEvidence):
                 await driverctl.unset_override(self.host, bdf)
         gone = set(release)
         kept = [s for s in approved if not any(d in gone for d in slot_pairs([s])[0] if d)]
-        self.store.set_approved_slots(task.task_id, kept)
+        self.store.set_approved_slots(task.task_id, "unbind", kept)
