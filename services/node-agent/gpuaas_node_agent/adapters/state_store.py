@@ -68,6 +68,9 @@ class StateStore:
         for column in ("vm_name", "payload_json"):
             if column not in columns:
                 self._db.execute(f"ALTER TABLE tasks ADD COLUMN {column} TEXT")
+        binding = {row[1] for row in self._db.execute("PRAGMA table_info(vfio_binding)")}
+        if "action" not in binding:  # kept by an agent of this change's first commit, before releases were told apart
+            self._db.execute("ALTER TABLE vfio_binding ADD COLUMN action TEXT NOT NULL DEFAULT 'bind'")
 
     def close(self) -> None:
         self._db.close()
