@@ -73,7 +73,12 @@ FIELD_SAMPLES = {
     "emulated_slot_disks": ["/dev/disk/by-id/nvme-lab-slot0", "/dev/disk/by-id/nvme-lab-slot1"],
     "host_path_map": ["/var/lib/gpuaas/images=/srv/lab/images", "/var/lib/gpuaas/seeds=/srv/lab/seeds"],
 }
-REQUIRED = {"GPUAAS_FLEET_FILE": "fleet.json"}
+REQUIRED = {
+    "GPUAAS_FLEET_FILE": "fleet.json",
+    "GPUAAS_KEYS_DIR": "keys",
+    "GPUAAS_API_TLS_CERT_FILE": "authority.pem",
+    "GPUAAS_API_TLS_KEY_FILE": "authority-key.pem",
+}
 
 
 @pytest.mark.parametrize("form", ["comma", "comma-spaced", "json"])

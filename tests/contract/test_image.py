@@ -447,46 +447,86 @@ def _identities_step(compose: dict[str, Any]) -> tuple[str, list[str]]:
     return init[init.index("--out") + 1], lines
 
 
-def test_each_creds_file_is_handed_to_the_one_user_that_reads_it(compose, tmp_path):
-    """Every container mounts the whole identities volume, so the files' owners are what keeps a service from
-    reading another's creds: each file goes to the user of the container that reads it, the creds directory
-    and the keys are root's, and every file handed out is one `identities init` makes, 0600."""
-    out, lines = _identities_step(compose)
-    chowns = [shlex.split(line)[1:] for line in lines if line.startswith("chown ")]
-    assert chowns[0] == ["-R", "0:0", f"{out}/creds"], "first every creds file back to root (a file of the old owner)"
-    handed: dict[str, str] = {}
-    for args in chowns[1:]:
-        user, paths = (args[1], args[2:]) if args[0] == "-R" else (args[0], args[1:])
-        for path in paths:
-            assert handed.setdefault(path, user.partition(":")[0]) == user.partition(":")[0], f"{path} twice"
-    assert f"chmod 0711 {out}/keys {out}/creds" in lines, "keys and creds directories traversable, not listable"
+def _volume_at(svc: dict[str, Any], target: str) -> str | None:
+    for vol in svc.get("volumes") or []:
+        source, mounted, *_ = str(vol).split(":")
+        if mounted == target:
+            return source
+    return None
 
-    read: dict[str, str] = {}
+
+def test_each_creds_file_is_in_a_volume_only_its_reader_mounts(compose, tmp_path):
+    """Issue 24: a container mounts its own creds only. The init step hands each role's file to its reader
+    (`gpuaas identities handout`): moved into a volume of its own, given to the reader's user; the reader mounts that
+    volume over its creds directory, read-only, and no other container but the credential authority (which renews
+    it) mounts it. The identities volume every client mounts keeps links only."""
+    out, lines = _identities_step(compose)
+    (init_name,) = [n for n, svc in _ours(compose).items() if "gpuaas identities init " in str(svc.get("command"))]
+    init = compose["services"][init_name]
+    handed: dict[str, tuple[str, str]] = {}  # role -> (volume, user; "root" for none)
+    for line in lines:
+        if line.startswith("gpuaas identities handout "):
+            args = shlex.split(line)
+            assert args[args.index("--creds-dir") + 1] == f"{out}/creds"
+            role, _, rest = args[args.index("--to") + 1].partition("=")
+            where, _, user = rest.partition(":")
+            volume = _volume_at(init, where)
+            assert volume in compose["volumes"], f"{role} handed to {where}, no named volume of the init step"
+            handed[role] = (volume, user or "root")
+    from gpuaas_common.identity.permissions import ROLE_PERMISSIONS
+
+    assert set(handed) == set(ROLE_PERMISSIONS), "every role's file leaves the identities volume"
+    assert f"chmod 0700 {out}/keys {out}/creds" in lines, "the links and the keys: root's alone"
+
+    readers: dict[str, set[str]] = {}
     for name, svc in _ours(compose).items():
-        if _root(svc):
-            continue
-        user = str(svc["user"])
         env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
         command = [str(c) for c in svc.get("command") or []]
-        wanted = [env.get(k) for k in ("GPUAAS_NATS_CREDS", "GPUAAS_NATS_CREDS_DIR", "GPUAAS_NATS_AUTHORITY_FILE")]
-        wanted += [command[i + 1] for i, c in enumerate(command[:-1]) if c in ("--creds", "--admin-creds")]
+        wanted = [env.get("GPUAAS_NATS_CREDS")] + [command[i + 1] for i, c in enumerate(command[:-1]) if c == "--creds"]
         for path in filter(None, wanted):
-            assert path.startswith(f"{out}/"), (name, path)
-            assert handed.get(path) == user, f"{name} reads {path} as {user}; the step gives it to {handed.get(path)}"
-            assert read.setdefault(path, user) == user
-    assert set(handed) == set(read), f"handed to nobody who reads it: {sorted(set(handed) - set(read))}"
+            role = path.removeprefix(f"{out}/creds/").removesuffix(".creds")
+            volume, user = handed[role]
+            if _root(svc):
+                assert name == "credential-authority", f"{name} reads {path} as root"
+                continue
+            assert _volume_at(svc, f"{out}/creds") == volume, f"{name}: its own creds volume over {out}/creds"
+            assert f"{volume}:{out}/creds:ro" in [str(v) for v in svc["volumes"]], f"{name}: read-only"
+            assert str(svc["user"]) == user, f"{name} reads {path} as {svc['user']}; it is {user}'s"
+            readers.setdefault(volume, set()).add(_primary(name, compose))
+    for volume, _ in set(handed.values()):
+        mounted_by = {
+            _primary(n, compose)
+            for n, svc in compose["services"].items()
+            if volume in [str(v).split(":")[0] for v in svc.get("volumes") or []]
+        }
+        assert mounted_by <= {init_name, "credential-authority", *readers.get(volume, set())}, (volume, mounted_by)
+        assert len(readers.get(volume, set())) <= 1, f"{volume} is read by {readers.get(volume)}"
 
-    # The files handed out are those `identities init` makes (a creds directory of hosts aside), each 0600.
+    # What the step does, run here: `init` makes each file, `handout` moves it and leaves a link, and a renewal
+    # (the authority's) writes through the link into the reader's volume, 0600, keeping its owner.
     from typer.testing import CliRunner
 
+    from gpuaas_common.identity import Authority
+    from gpuaas_common.identity import creds as creds_files
+    from gpuaas_common.identity.rotation import renew_role_files
     from gpuaas_dev.cli import app
 
-    made = CliRunner().invoke(app, ["identities", "init", "--out", str(tmp_path / "ids"), "--hostname", "nats-1"])
+    ids, mine = tmp_path / "ids", tmp_path / "handout" / "allocator"
+    made = CliRunner().invoke(app, ["identities", "init", "--out", str(ids), "--hostname", "nats-1"])
     assert made.exit_code == 0, made.output
-    for path in handed:
-        if path.endswith((".creds", ".json")):
-            local = tmp_path / "ids" / path.removeprefix(f"{out}/")
-            assert local.is_file() and local.stat().st_mode & 0o777 == 0o600, path
+    for _ in range(2):  # idempotent: a second run (a restart of the step) changes nothing
+        moved = CliRunner().invoke(
+            app, ["identities", "handout", "--creds-dir", str(ids / "creds"), "--to", f"allocator={mine}"]
+        )
+        assert moved.exit_code == 0, moved.output
+    link, file = ids / "creds" / "allocator.creds", mine / "allocator.creds"
+    assert link.is_symlink() and link.resolve() == file and file.stat().st_mode & 0o777 == 0o600
+    before = file.read_text()
+    import time
+
+    assert renew_role_files(Authority.load(ids / "keys"), ids / "creds", now=time.time() + 20 * 3600) != []
+    assert link.is_symlink() and file.read_text() != before and file.stat().st_mode & 0o777 == 0o600
+    assert creds_files.read(file).name == "allocator"
 
 
 def test_the_maas_simulators_key_is_its_users_alone(compose):

@@ -65,6 +65,10 @@ def write_secret(path: Path | str, text: str, *, owner: tuple[int, int] | None =
     from before it takes the path's name, when a root issuer writes another user's file (a renewal), so the
     reader never meets it unreadable."""
     path = Path(path)
+    if path.is_symlink():
+        # A file handed out to its reader's own volume (`hand_out`): written where it lives, so the reader, who
+        # mounts only that volume, sees the new file. Only root makes links in a creds directory (0711, root's).
+        path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)
@@ -79,3 +83,19 @@ def write_secret(path: Path | str, text: str, *, owner: tuple[int, int] | None =
 
 def write(path: Path | str, creds: Creds, *, owner: tuple[int, int] | None = None) -> Path:
     return write_secret(path, creds.render(), owner=owner)
+
+
+def hand_out(path: Path | str, to_dir: Path | str, *, owner: tuple[int, int] | None = None) -> Path:
+    """Move a creds file into its reader's own directory (a volume only that reader mounts) and leave a link in its
+    place, so the issuer keeps writing it by its usual name (`write_secret` follows the link). Idempotent: a file
+    handed out already is only given to `owner` again; one written over the link since (an issuer that replaced
+    it) is moved again."""
+    path, dest = Path(path), Path(to_dir) / Path(path).name
+    if path.is_symlink():
+        if owner is not None:
+            os.chown(dest, *owner)
+        return dest
+    write_secret(dest, path.read_text(), owner=owner)
+    path.unlink()
+    path.symlink_to(dest)
+    return dest

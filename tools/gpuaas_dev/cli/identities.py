@@ -94,6 +94,41 @@ def _authority_files(out: Path, auth: Authority) -> None:
     (out / "keys" / "maas-gateway-issuer.json").unlink(missing_ok=True)
 
 
+@identities_app.command("handout")
+def handout(
+    creds_dir: Annotated[Path, typer.Option("--creds-dir", help="The creds directory `init` wrote.")],
+    to: Annotated[
+        list[str],
+        typer.Option(
+            "--to", help="ROLE=DIR[:USER]: ROLE's creds file into DIR (its reader's volume), USER's."
+        ),
+    ],
+) -> None:
+    """Hand each role's creds file to its reader: moved into a directory only that reader mounts (given to USER,
+    0600), a link left in its place so renewal writes it there (idempotent).
+
+    Example: gpuaas identities handout --creds-dir /identities/creds --to allocator=/handout/allocator:nobody"""
+    import pwd
+
+    for item in to:
+        role, _, rest = item.partition("=")
+        where, _, user = rest.partition(":")
+        if not role or not where or role not in ROLE_PERMISSIONS:
+            raise fail(f"[red]--to {item}[/]: ROLE=DIR[:USER] with a known role", EXIT_USAGE)
+        owner = None
+        if user:
+            try:
+                entry = pwd.getpwnam(user)
+            except KeyError:
+                raise fail(f"[red]--to {item}[/]: no user {user}", EXIT_USAGE) from None
+            owner = (entry.pw_uid, entry.pw_gid)
+        path = creds_dir / f"{role}.creds"
+        if not path.exists() and not path.is_symlink():
+            raise fail(f"[red]no creds file for {role}[/] in {creds_dir}", EXIT_USAGE)
+        dest = creds_files.hand_out(path, Path(where), owner=owner)
+        err.print(f"{role}: {dest}" + (f" ({user})" if user else ""))
+
+
 @identities_app.command("onboard-host")
 def onboard_host(
     node_id: Annotated[str, typer.Argument(help="Scheduler node id of the slice host.")],
