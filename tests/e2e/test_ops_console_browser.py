@@ -2,12 +2,13 @@
 against the dev stack's processes: signed in by the login link minted from the ops identity, it watches an
 allocation made over the bus appear and change state on the page with no reload, shows the why-not of an
 unschedulable one, shows a dead letter arrive, and drains a node from the fleet page through the scheduler's
-admin API (the scheduler's node and its audit row name the console's user and request). Without a link the
-browser sees only the refusal.
+admin API (the scheduler's node and its audit row name the console's user and request, and the audit page shows
+the record ops-view read off the bus: who, what, why, which request). Without a link the browser sees only the
+refusal.
 
 Screenshots of every page are written as test artifacts, one PNG per page (`fleet.png`, `allocations.png`,
 `allocation.png`, `unschedulable.png`, `images.png`, `maas.png`, `dead-letters.png`, `usage.png`,
-`fleet-drained.png`, `refused.png`), to the directory `$GPUAAS_CONSOLE_SCREENSHOTS` names, or else to the
+`fleet-drained.png`, `audit.png`, `refused.png`), to the directory `$GPUAAS_CONSOLE_SCREENSHOTS` names, or else to the
 test's pytest tmp path under `screenshots/` (printed at the end of the test; `pytest -s` shows it)."""
 
 from __future__ import annotations
@@ -190,6 +191,12 @@ async def test_the_console_follows_the_fleet_live_and_drains_a_node(stack, porta
     )
     assert [(r["actor"], r["status"]) for r in audit] == [("console-e2e", 200)], audit
     assert audit[0]["idempotency_key"] and audit[0]["request_id"]
+    # The same record reaches ops-view over the bus: the audit page shows who, what, why and which request.
+    await _browse(b.get, f"{url}/console/audit?actor=console-e2e")
+    row = f'tr[data-request="{audit[0]["request_id"]}"]'
+    shown = await _browse(_text, b, "the drain's audit record", By.CSS_SELECTOR, row)
+    assert f"/v1/nodes/{node}/drain" in shown and "console e2e: PSU swap" in shown and "200" in shown, shown
+    await _browse(b.save_screenshot, str(shots / "audit.png"))
     await _scheduler(
         stack, "POST", f"/v1/nodes/{node}/undrain", json={"actor": "console-e2e", "reason": "test done"},
         headers={"Idempotency-Key": uuid.uuid4().hex},

@@ -4,9 +4,11 @@ refusal leaves behind, the JSON error shape for what no handler answers, and one
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
+from gpuaas_common.bus import parse_message
 from gpuaas_scheduler.adapters import synthetic
 
 from .scheduler_db import ADMIN_AUTH, admin_client, scheduler_pool
@@ -170,3 +172,51 @@ async def test_api_docs_prints_urls_the_running_api_answers(pool, tmp_path):
                 assert doc.status == 200 and (await doc.json())["info"]["title"] == "gpuaas scheduler admin API"
     finally:
         await server.stop()
+
+
+async def test_each_audited_mutation_goes_to_the_bus_with_its_why(api, pool):
+    """Applied, replayed and refused alike: the audit row's event is in the outbox of the row's transaction,
+    with the body's reason (the why the admin_requests table keeps only as a digest)."""
+    headers = {**ADMIN_AUTH, "Idempotency-Key": "k-bus", "X-Actor": "carol@ops", "X-Request-Id": "req-bus-1"}
+    for request_id in ("req-bus-1", "req-bus-2"):  # the second replays the first's answer
+        resp = await api.post("/v1/nodes/n00001/drain", json=DRAIN, headers={**headers, "X-Request-Id": request_id})
+        assert resp.status == 200
+    refused = await api.post(
+        "/v1/nodes/nope/drain",
+        json={**DRAIN, "reason": "wrong node"},
+        headers={**headers, "Idempotency-Key": "k-bus-2", "X-Request-Id": "req-bus-3"},
+    )
+    assert refused.status == 404
+    async with pool.acquire() as conn:
+        rows = await conn.fetch("SELECT subject, body FROM outbox ORDER BY id")
+    events = [json.loads(r["body"]) for r in rows if r["subject"] == "gpuaas.scheduler.admin.request_recorded"]
+    for event in events:
+        parse_message("gpuaas.scheduler.admin.request_recorded", json.dumps(event).encode())
+    assert [
+        (
+            e["producer"],
+            e["payload"]["request_id"],
+            e["payload"]["actor"],
+            e["payload"]["principal"],
+            e["payload"]["path"],
+            e["payload"]["status"],
+            e["payload"]["error_code"],
+            e["payload"]["replayed"],
+            e["payload"]["reason"],
+        )
+        for e in events
+    ] == [
+        ("scheduler", "req-bus-1", "carol@ops", "admin", "/v1/nodes/n00001/drain", 200, None, False, "rack swap"),
+        ("scheduler", "req-bus-2", "carol@ops", "admin", "/v1/nodes/n00001/drain", 200, None, True, "rack swap"),
+        (
+            "scheduler",
+            "req-bus-3",
+            "carol@ops",
+            "admin",
+            "/v1/nodes/nope/drain",
+            404,
+            "node_not_found",
+            False,
+            "wrong node",
+        ),
+    ]

@@ -29,9 +29,9 @@ from gpuaas_ops_view.entrypoints.admin_http import ops_api
 from gpuaas_ops_view.entrypoints.follow import StreamFollower
 from gpuaas_ops_view.entrypoints.web.pages import Console
 
-from .test_ops_view import SCHEMA, TOKEN, lifecycle, nc  # noqa: F401  (nc: the fixture)
+from .test_ops_view import SCHEMA, TOKEN, admin_request, lifecycle, nc, publish  # noqa: F401  (nc: the fixture)
 
-PAGES = ("fleet", "allocations", "images", "maas", "dead-letters", "usage")
+PAGES = ("fleet", "allocations", "images", "maas", "dead-letters", "usage", "audit")
 
 
 class Console_:
@@ -235,3 +235,51 @@ async def test_a_commit_of_the_models_reaches_an_open_page(nc: nats.NATS, consol
                 part = await resp.text()
                 assert resp.status == 200 and "<html" not in part and "<form" not in part
                 assert f'data-allocation="{alloc}" data-state="placed"' in part, part
+
+
+async def test_the_admin_apis_audit_records_are_listed_by_the_api_and_the_console(
+    nc: nats.NATS,  # noqa: F811
+    console: Console_,
+) -> None:
+    node = f"n-{uuid.uuid4().hex[:6]}"
+    mine = admin_request(node, "PSU swap", actor="dora@ops")
+    refused = admin_request("nope", "typo", actor="dora@ops", status=404)
+    other = admin_request(node, "back in service", actor="erin")
+    for record in (mine, refused, other):
+        await publish(nc, "scheduler.admin_request_recorded", record)
+    async with console.pool.acquire() as conn:
+        with console.changes.subscribe() as notices:
+            while await conn.fetchval("SELECT count(*) FROM audit_records WHERE path LIKE $1", f"%{node}%") < 2:
+                await asyncio.wait_for(notices.get(), 20)
+
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession(headers=bearer) as http:
+        async with http.get(f"{console.url}/v1/audit", params={"actor": "dora@ops"}) as resp:
+            page = await resp.json()
+            assert resp.status == 200, page
+        rows = {r["request_id"]: r for r in page["items"]}
+        assert set(rows) >= {mine.request_id, refused.request_id} and other.request_id not in rows
+        drain = rows[mine.request_id]
+        assert (drain["actor"], drain["path"], drain["status"], drain["reason"], drain["service"]) == (
+            "dora@ops",
+            f"/v1/nodes/{node}/drain",
+            200,
+            "PSU swap",
+            "scheduler",
+        )
+        assert rows[refused.request_id]["error_code"] == "node_not_found" and drain["at"]
+        async with http.get(f"{console.url}/v1/audit", params={"request_id": other.request_id}) as resp:
+            assert [r["actor"] for r in (await resp.json())["items"]] == ["erin"]
+        for query, field in (({"actor": "no spaces"}, "actor"), ({"service": "toaster"}, "service")):
+            async with http.get(f"{console.url}/v1/audit", params=query) as resp:
+                body = await resp.json()
+                assert resp.status == 400 and body["error"]["details"]["field"] == field, body
+    async with _browser() as http:
+        await _signed_in(console, http)
+        async with http.get(f"{console.url}/console/audit", params={"actor": "dora@ops"}) as resp:
+            body = await resp.text()
+            assert resp.status == 200
+            assert f'data-request="{mine.request_id}" data-status="200"' in body and "PSU swap" in body, body
+            assert other.request_id not in body
+        async with http.get(f"{console.url}/console/audit", params={"actor": "no spaces"}) as resp:
+            assert resp.status == 400 and "actor must be an actor name" in await resp.text()

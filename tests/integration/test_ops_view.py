@@ -43,6 +43,7 @@ MODEL_TABLES = (
     "image_caches",
     "maas_operations",
     "dead_letters",
+    "audit_records",
     "stream_positions",
 )
 SHA = "a" * 64
@@ -238,6 +239,25 @@ async def lifecycle(nc: nats.NATS, alloc: uuid.UUID, tenant: str, node: str, *, 
             node_id=node,
             access=m.AccessInfo(ip="10.100.0.11", ssh_ready=True),
         ),
+    )
+
+
+def admin_request(
+    node: str, reason: str, *, actor: str = "alice@ops", status: int = 200
+) -> m.SchedulerAdminRequestRecorded:
+    """The audit record the scheduler's admin API publishes for a drain."""
+    return m.SchedulerAdminRequestRecorded(
+        service="scheduler",
+        request_id=f"req-{uuid.uuid4().hex[:12]}",
+        principal="admin",
+        actor=actor,
+        method="POST",
+        path=f"/v1/nodes/{node}/drain",
+        status=status,
+        error_code=None if status < 400 else "node_not_found",
+        idempotency_key=uuid.uuid4().hex,
+        reason=reason,
+        body_sha256=SHA,
     )
 
 
@@ -540,6 +560,7 @@ async def test_replay_rebuilds_every_model_and_a_restart_resumes(
     await fleet(nc, node)
     for i in range(3):
         await lifecycle(nc, uuid.uuid4(), f"t{i}", node, upto="active" if i else "placed")
+    await publish(nc, "scheduler.admin_request_recorded", admin_request(node, "rack swap"))
     await caught_up(http, view)
     # A restart: the followers stop, events go on, they start again from their committed positions.
     await view.stop()
@@ -575,7 +596,7 @@ async def test_replay_rebuilds_every_model_and_a_restart_resumes(
                 live[table] = [r for r in live[table] if not r[2].startswith("rb-")]
                 again[table] = [r for r in again[table] if not r[2].startswith("rb-")]
             assert live[table] == again[table], table
-        assert live["allocations"] and live["node_task_phases"] and live["hosts"]
+        assert live["allocations"] and live["node_task_phases"] and live["hosts"] and live["audit_records"]
     finally:
         await _close(rebuilt)
         admin = await asyncpg.connect(postgres_server.dsn)

@@ -17,7 +17,7 @@ from pydantic import SecretStr
 from ..api_error import ApiError
 from ..logging import bound_context, get_logger
 from ..unit_of_work import UnitOfWork, no_repositories
-from .audit import audit, audit_refusal
+from .audit import announce, audit, audit_refusal, reason_of
 from .bodies import jsonable, parse_body, unstorable
 from .docs_page import render_docs_page
 from .errors import error_response
@@ -64,10 +64,12 @@ class AdminApi:
         repositories: Callable[[asyncpg.Connection], Any] = no_repositories,
         document: Callable[[], dict[str, Any]] | None = None,
         pages: Pages | None = None,
+        audit_event: str | None = None,
     ) -> None:
         """`document`: the service's OpenAPI document (its title and description over these routes); by default
-        one rendered from the routes alone. `pages`: browser pages signed in by a login link minted from one of
-        `tokens` (login.py), refused with a page of their own."""
+                one rendered from the routes alone. `pages`: browser pages signed in by a login link minted from one of
+                `tokens` (login.py), refused with a page of their own. `audit_event`: the message type that carries each
+        audited mutation to the bus (audit.announce); None keeps the audit in the service's own table only."""
         usable = {actor: t for actor, t in tokens.items() if t is not None and t.get_secret_value()}
         if not usable:
             raise ValueError(
@@ -80,6 +82,7 @@ class AdminApi:
         self._tokens = [(actor, t.get_secret_value().encode()) for actor, t in usable.items()]
         self._signing: dict[str, SecretStr | str] = {actor: t for actor, t in usable.items() if t is not None}
         self._pages = pages
+        self._audit_event = audit_event
         if pages is not None and not LOGIN_PATH.startswith(pages.prefix + "/"):
             raise ValueError(f"pages must be mounted where their login is ({LOGIN_PATH})")
         self.routes = list(routes)
@@ -307,6 +310,7 @@ class AdminApi:
             "path": request.path,
             "body_sha256": hashlib.sha256(raw).hexdigest(),
             "idempotency_key": key,
+            "reason": reason_of(raw),
         }
         try:
             record["actor"] = actor = self._actor(request)
@@ -320,10 +324,10 @@ class AdminApi:
             body = parse_body(route.body, raw) if route.body is not None else None
             return await self._apply(route, request, key, digest, record, params, query, body, actor)
         except ApiError as exc:
-            await audit_refusal(self.pool, self.schema, self.service, record, exc.status, exc.code)
+            await audit_refusal(self.pool, self.schema, self.service, record, exc.status, exc.code, self._audit_event)
             raise
         except Exception:
-            await audit_refusal(self.pool, self.schema, self.service, record, 500, "internal")
+            await audit_refusal(self.pool, self.schema, self.service, record, 500, "internal", self._audit_event)
             raise
 
     async def _apply(
@@ -354,6 +358,7 @@ class AdminApi:
                         {"method": prior["method"], "path": prior["path"]},
                     )
                 await audit(uow.conn, record, prior["status_code"], replayed=True)
+                await announce(uow, self._audit_event, self.service, record, prior["status_code"], replayed=True)
                 await uow.commit()
                 log.info("admin_replayed", actor=actor)
                 return web.json_response(
@@ -369,6 +374,7 @@ class AdminApi:
                 uow.conn, key, request.method, request.path, digest, status, payload, record["request_id"], actor
             )
             await audit(uow.conn, record, status)
+            await announce(uow, self._audit_event, self.service, record, status)
             await uow.commit()
         for hook in call.after_commit:
             hook()

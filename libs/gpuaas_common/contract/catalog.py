@@ -533,6 +533,25 @@ ALL: tuple[MessageSpec, ...] = (
         ("billing", "ops"),
     ),
     MessageSpec(
+        "scheduler.admin_request_recorded",
+        m.SchedulerAdminRequestRecorded,
+        "schedulerAdminRequestRecorded",
+        "gpuaas.scheduler.admin.request_recorded",
+        "A mutation of the scheduler's admin API (drain, approve, quota, wipe policy, waivers, force release, ...), "
+        "applied or refused: the audit record ops read.",
+        ("scheduler",),
+        ("ops",),
+    ),
+    MessageSpec(
+        "image.admin_request_recorded",
+        m.ImageAdminRequestRecorded,
+        "imageAdminRequestRecorded",
+        "gpuaas.image.event.admin_request_recorded",
+        "A mutation of the image pipeline's admin API, applied or refused: the audit record ops read.",
+        ("image-pipeline",),
+        ("ops",),
+    ),
+    MessageSpec(
         "dead_letter",
         m.DeadLetter,
         "deadLetters",

@@ -974,6 +974,38 @@ class UsageRecorded(Payload):
     end_reason_code: str | None = Field(default=None, max_length=128)
 
 
+# --- admin audit -------------------------------------------------------------------------------------
+
+
+class AdminRequestRecorded(Payload):
+    """One authenticated mutation of an admin API (applied, replayed or refused), published in the transaction
+    that wrote its `admin_requests` row: who asked (`actor`, under the bearer token of `principal`), what
+    (`method`, `path`, the answer's `status` and `error_code`), why (the body's `reason`, where it has one), which
+    request (`request_id`, `idempotency_key`); when is the envelope's `occurred_at`."""
+
+    service: str = Identifier
+    request_id: str = Field(min_length=1, max_length=128)
+    principal: str = Field(min_length=1, max_length=128)
+    actor: str = Field(min_length=1, max_length=128)
+    method: Literal["POST", "PUT", "PATCH", "DELETE"]
+    path: str = Field(min_length=1, max_length=2048)
+    status: int = Field(ge=100, le=599)
+    error_code: str | None = Field(default=None, max_length=128)
+    replayed: bool = False
+    idempotency_key: str | None = Field(default=None, max_length=200)
+    reason: str | None = Field(default=None, max_length=2048)
+    body_sha256: str = Sha256
+
+
+# One model per message type: the contract names each message by its model.
+class SchedulerAdminRequestRecorded(AdminRequestRecorded):
+    """The scheduler's admin API's audit record (drain, approve, quota, wipe policy, waivers, force release...)."""
+
+
+class ImageAdminRequestRecorded(AdminRequestRecorded):
+    """The image pipeline's admin API's audit record (builds, publishes, activations...)."""
+
+
 # --- dead letters ------------------------------------------------------------------------------------
 
 

@@ -363,6 +363,26 @@ class Projection:
 
     # --- dead letters ---------------------------------------------------------------------------------------
 
+    async def audit(self, event_id: str, p: dict[str, Any], at: datetime) -> None:
+        await self.conn.execute(
+            "INSERT INTO audit_records (event_id, service, request_id, principal, actor, method, path, status, "
+            "error_code, replayed, idempotency_key, reason, at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, "
+            "$12, $13) ON CONFLICT DO NOTHING",
+            event_id,
+            p["service"],
+            p["request_id"],
+            p["principal"],
+            p["actor"],
+            p["method"],
+            p["path"],
+            p["status"],
+            p.get("error_code"),
+            p.get("replayed", False),
+            p.get("idempotency_key"),
+            p.get("reason"),
+            at,
+        )
+
     async def dead_letter(self, dlq_seq: int, subject: str, p: dict[str, Any], at: datetime) -> None:
         body = p.get("body_text")
         await self.conn.execute(

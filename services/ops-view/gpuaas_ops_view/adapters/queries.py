@@ -190,6 +190,31 @@ async def list_dead_letters(conn: asyncpg.Connection, consumer, reason_code, sin
     return [_row(r) for r in rows]
 
 
+async def list_audit(
+    conn: asyncpg.Connection,
+    actor: str | None,
+    service: str | None,
+    request_id: str | None,
+    since: datetime | None,
+    until: datetime | None,
+    page: Page,
+) -> list[dict[str, Any]]:
+    where = _Where()
+    if actor:
+        where.add("actor = {}", actor)
+    if service:
+        where.add("service = {}", service)
+    if request_id:
+        where.add("request_id = {}", request_id)
+    _time_range(where, "at", since, until)
+    _keyset(where, page, "at", "event_id", "text")
+    rows = await conn.fetch(
+        f"SELECT * FROM audit_records {where.sql()} ORDER BY at DESC, event_id DESC LIMIT {page.limit + 1}",
+        *where.args,
+    )
+    return [_row(r) for r in rows]
+
+
 async def positions(conn: asyncpg.Connection) -> dict[str, dict[str, Any]]:
     rows = await conn.fetch("SELECT stream, last_seq, at FROM stream_positions")
     return {r["stream"]: {"last_seq": r["last_seq"], "at": r["at"]} for r in rows}

@@ -13,6 +13,9 @@ from .usage import month_bounds
 
 IDENTIFIER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 SLUG = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+# Who acted, as the admin APIs take it (X-Actor, a login link's name): an identifier that may hold an @.
+ACTOR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+AUDITED_SERVICES = ("scheduler", "image-pipeline")
 ALLOCATION_STATES = (
     "accepted",
     "placed",
@@ -56,6 +59,14 @@ def identifier(field: str, value: str | None) -> str | None:
         return None
     if not IDENTIFIER.match(value):
         raise FilterError(field, "must be an identifier: letters, digits and ._:- (at most 128)")
+    return value
+
+
+def actor(field: str, value: str | None) -> str | None:
+    if value is None or value == "":
+        return None
+    if not ACTOR.match(value):
+        raise FilterError(field, "must be an actor name: letters, digits and ._:@- (at most 128)")
     return value
 
 

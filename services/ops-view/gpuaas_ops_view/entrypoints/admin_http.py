@@ -30,7 +30,8 @@ TITLE = "gpuaas ops view API"
 DESCRIPTION = (
     "Read models built from the event streams: allocations with their timeline, claims and node-task phases; the "
     "fleet's hosts with parity, topology and drift evidence and their age, slots as the bus last described them; "
-    "images with each host's cache; MAAS operations; dead letters; usage records per allocation and month. Lists "
+    "images with each host's cache; MAAS operations; dead letters; usage records per allocation and month; the "
+    "admin APIs' audit records. Lists "
     "are newest first (usage: oldest start first), `limit` (1-500, "
     "default 50) and `cursor` (the `next_cursor` of the previous page) page through them; a filter value that "
     "does not parse is a 400 naming the field. Times are ISO 8601 with a zone."
@@ -141,6 +142,17 @@ def routes(consumer_state: ConsumerState | None = None) -> list[Route]:
             out.UsagePage,
             errors=(400,),
             query=("tenant", "month", "as_of", "limit", "cursor"),
+        ),
+        Route(
+            "GET",
+            "/v1/audit",
+            _query(queries.list_audit, out.AuditPage),
+            "the admin APIs' audit records, newest first: who (actor, principal), what (method, path, status, "
+            "error code), when (at), why (reason), which request (request_id, idempotency_key); filters: actor, "
+            "service, request_id, since/until",
+            out.AuditPage,
+            errors=(400,),
+            query=("actor", "service", "request_id", *TIME_RANGE),
         ),
         Route(
             "GET",

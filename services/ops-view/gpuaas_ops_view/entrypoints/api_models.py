@@ -249,3 +249,24 @@ class UsagePage(BaseModel):
     totals: UsageTotals
     items: list[UsageRecord]
     next_cursor: str | None = None
+
+
+class AuditRecord(BaseModel):
+    event_id: str
+    service: str
+    request_id: str
+    principal: str
+    actor: str
+    method: str
+    path: str
+    status: int
+    error_code: str | None = None
+    replayed: bool
+    idempotency_key: str | None = None
+    reason: str | None = None
+    at: datetime
+
+
+class AuditPage(BaseModel):
+    items: list[AuditRecord]
+    next_cursor: str | None = None

@@ -343,6 +343,13 @@ async def on_maas_result(repo: Projection, ev: Event) -> None:
     )
 
 
+# --- audit ---------------------------------------------------------------------------------------------
+
+
+async def on_admin_request(repo: Projection, ev: Event) -> None:
+    await repo.audit(ev.envelope.event_id, ev.payload, ev.at)
+
+
 # --- dead letters --------------------------------------------------------------------------------------
 
 
@@ -377,4 +384,6 @@ HANDLERS: dict[str, Handler] = {
     "maas.release_result": on_maas_result,
     "maas.commission_result": on_maas_result,
     "dead_letter": on_dead_letter,
+    "scheduler.admin_request_recorded": on_admin_request,
+    "image.admin_request_recorded": on_admin_request,
 }

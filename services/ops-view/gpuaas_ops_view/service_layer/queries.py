@@ -177,6 +177,22 @@ async def usage(conn: asyncpg.Connection, query: dict[str, str | None]) -> dict[
     return {"month": month, "tenant": tenant, "since": since, "until": until, "as_of": now, "totals": totals, **paged}
 
 
+async def list_audit(conn: asyncpg.Connection, query: dict[str, str | None]) -> dict[str, Any]:
+    """The admin APIs' audit records, newest first: who, what, when, why, which request."""
+    try:
+        actor = f.actor("actor", query.get("actor"))
+        service = f.one_of("service", query.get("service"), f.AUDITED_SERVICES)
+        request_id = f.identifier("request_id", query.get("request_id"))
+        since, until = f.time_range(query.get("since"), query.get("until"))
+        page = f.page(query.get("limit"), query.get("cursor"))
+        if page.after is not None:
+            f.timestamp("cursor", page.after[0])
+    except f.FilterError as exc:
+        raise _bad(exc) from None
+    rows = await q.list_audit(conn, actor, service, request_id, since, until, page)
+    return _paged(rows, page, lambda r: (r["at"].isoformat(), r["event_id"]))
+
+
 async def streams(conn: asyncpg.Connection, consumers: dict[str, tuple[int, int] | None]) -> dict[str, Any]:
     """Each followed stream: the sequence the models committed, and what its consumer says (messages still to
     deliver, the last sequence delivered; None when the consumer could not be asked). Caught up: nothing pending

@@ -20,7 +20,7 @@ from gpuaas_common.logging import get_logger
 
 from ...adapters.changes import Changes
 from ...adapters.scheduler_admin import SchedulerAdmin, SchedulerUnavailable
-from ...domain.filters import ALLOCATION_STATES, IDENTIFIER
+from ...domain.filters import ALLOCATION_STATES, AUDITED_SERVICES, IDENTIFIER
 from ...service_layer import queries
 from ...service_layer.fleet import fleet as fleet_view
 from . import live
@@ -40,6 +40,7 @@ NAV = (
     ("maas", "MAAS operations"),
     ("dead-letters", "Dead letters"),
     ("usage", "Usage"),
+    ("audit", "Audit"),
 )
 REASON_MAX = 500
 
@@ -66,6 +67,7 @@ class Console:
         r.add_get(PREFIX + "/maas", self.maas)
         r.add_get(PREFIX + "/dead-letters", self.dead_letters)
         r.add_get(PREFIX + "/usage", self.usage)
+        r.add_get(PREFIX + "/audit", self.audit)
 
     # --- common --------------------------------------------------------------------------------------
 
@@ -222,4 +224,10 @@ class Console:
             query["month"] = datetime.now(timezone.utc).strftime("%Y-%m")
         return await self._list(
             request, "usage.html", "usage", lambda conn: queries.usage(conn, query), month=query["month"]
+        )
+
+    async def audit(self, request: web.Request) -> web.Response:
+        query = self._query(request, "actor", "service", "request_id", "since", "until", "limit", "cursor")
+        return await self._list(
+            request, "audit.html", "audit", lambda conn: queries.list_audit(conn, query), services=AUDITED_SERVICES
         )
