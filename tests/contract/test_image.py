@@ -519,6 +519,8 @@ def test_each_creds_file_is_in_a_volume_only_its_reader_mounts(compose, tmp_path
             app, ["identities", "handout", "--creds-dir", str(ids / "creds"), "--to", f"allocator={mine}"]
         )
         assert moved.exit_code == 0, moved.output
+    # The CA's key is kept with the keys, not in the tls directory every client and server mounts.
+    assert not (ids / "tls" / "ca-key.pem").exists() and (ids / "keys" / "ca-key.pem").stat().st_mode & 0o777 == 0o600
     link, file = ids / "creds" / "allocator.creds", mine / "allocator.creds"
     assert link.is_symlink() and link.resolve() == file and file.stat().st_mode & 0o777 == 0o600
     before = file.read_text()
@@ -527,6 +529,12 @@ def test_each_creds_file_is_in_a_volume_only_its_reader_mounts(compose, tmp_path
     assert renew_role_files(Authority.load(ids / "keys"), ids / "creds", now=time.time() + 20 * 3600) != []
     assert link.is_symlink() and file.read_text() != before and file.stat().st_mode & 0o777 == 0o600
     assert creds_files.read(file).name == "allocator"
+    # A trust chain from before the authority (no certificate for it): the step run again issues one, with the
+    # CA's key where it is kept now.
+    (ids / "tls" / "credential-authority.pem").unlink()
+    again = CliRunner().invoke(app, ["identities", "init", "--out", str(ids)])
+    assert again.exit_code == 0, again.output
+    assert (ids / "tls" / "credential-authority.pem").is_file() and link.is_symlink()
 
 
 def test_the_maas_simulators_key_is_its_users_alone(compose):

@@ -116,13 +116,16 @@ def issue_server_cert(
     name: str,
     hostnames: tuple[str, ...] = ("localhost",),
     ips: tuple[str, ...] = ("127.0.0.1",),
+    ca_key_file: Path | None = None,
 ) -> TlsFiles:
     """Another listener's certificate from the CA `make_ca_and_server_cert` wrote in `ca_dir` (the MAAS
-    simulator's, say): `<name>.pem` and `<name>-key.pem` (0600) beside it, so one CA file pins every service."""
+    simulator's, say): `<name>.pem` and `<name>-key.pem` (0600) beside it, so one CA file pins every service.
+    `ca_key_file`: where the CA's key is kept when not beside the CA (a deployment keeps it with the keys)."""
     ca = x509.load_pem_x509_certificate((ca_dir / "ca.pem").read_bytes())
-    ca_key = serialization.load_pem_private_key((ca_dir / "ca-key.pem").read_bytes(), password=None)
+    key_file = ca_key_file or ca_dir / "ca-key.pem"
+    ca_key = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise ValueError(f"{ca_dir / 'ca-key.pem'} is not an EC key")
+        raise ValueError(f"{key_file} is not an EC key")
     files = TlsFiles(ca=ca_dir / "ca.pem", cert=ca_dir / f"{name}.pem", key=ca_dir / f"{name}-key.pem")
     _write_server_cert(ca, ca_key, files, hostnames, ips)
     return files

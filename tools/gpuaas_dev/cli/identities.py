@@ -83,15 +83,25 @@ def init(
     err.print(f"trust chain in {out}: CA {tls.ca}, {len(ROLE_PERMISSIONS)} role creds, nats-auth.conf")
 
 
+CA_KEY = "ca-key.pem"
+
+
 def _authority_files(out: Path, auth: Authority) -> None:
     """The credential authority's creds and HTTPS certificate, where a trust chain made before it lacks them
     (an upgrade: the gateway's old issuer file, the signing keys in a bus service's hands, is removed)."""
     role_file = out / "creds" / f"{AUTHORITY}.creds"
     if not role_file.exists():
         creds_files.write(role_file, auth.issue_user(AUTHORITY, ROLE_PERMISSIONS[AUTHORITY]))
+    kept_key = out / "keys" / CA_KEY
     if not (out / "tls" / f"{AUTHORITY}.pem").exists():
-        issue_server_cert(out / "tls", AUTHORITY, hostnames=(AUTHORITY, "localhost"))
+        ca_key = kept_key if kept_key.exists() else None
+        issue_server_cert(out / "tls", AUTHORITY, hostnames=(AUTHORITY, "localhost"), ca_key_file=ca_key)
     (out / "keys" / "maas-gateway-issuer.json").unlink(missing_ok=True)
+    # The CA's key goes with the other keys: the tls directory is every bus client's and every server's to read.
+    beside = out / "tls" / CA_KEY
+    if beside.exists():
+        creds_files.write_secret(kept_key, beside.read_text())
+        beside.unlink()
 
 
 @identities_app.command("handout")
@@ -99,9 +109,7 @@ def handout(
     creds_dir: Annotated[Path, typer.Option("--creds-dir", help="The creds directory `init` wrote.")],
     to: Annotated[
         list[str],
-        typer.Option(
-            "--to", help="ROLE=DIR[:USER]: ROLE's creds file into DIR (its reader's volume), USER's."
-        ),
+        typer.Option("--to", help="ROLE=DIR[:USER]: ROLE's creds file into DIR (its reader's volume), USER's."),
     ],
 ) -> None:
     """Hand each role's creds file to its reader: moved into a directory only that reader mounts (given to USER,
