@@ -782,7 +782,8 @@ SECRET_HOLDERS = {
     "GPUAAS_PG_OPS_VIEW_PASSWORD": {"pg-roles", "ops-view"},
     "GPUAAS_MAAS_API_KEY": {"maas-sim", "maas-gateway"},
     "GPUAAS_ENROLMENT_SECRET": {"allocator", "maas-gateway"},
-    "GPUAAS_SCHEDULER_ADMIN_TOKEN": {"scheduler"},
+    # ops-view's console drains through the scheduler's admin API (audited there under the console user).
+    "GPUAAS_SCHEDULER_ADMIN_TOKEN": {"scheduler", "ops-view"},
     "GPUAAS_IMAGE_ADMIN_TOKEN": {"image-pipeline"},
     "GPUAAS_OPS_ADMIN_TOKEN": {"ops-view"},
 }
@@ -1056,6 +1057,8 @@ def _dev_stack_envs(tmp: Path) -> dict[str, dict[str, str]]:
     sim = maas_sim_proc(stack, 5240)
     sim.port = 5240
     stack._procs[MAAS_SIM] = sim
+    # The scheduler up with its admin API, as ops-view finds it (the stack starts ops-view after it).
+    stack._procs["scheduler"] = SimpleNamespace(info={"admin_port": 8081}, alive=lambda: True)  # type: ignore[assignment]
     envs = {MAAS_SIM: sim.env} | {n: service_proc(stack, n).env for n in ALL_PROCESSES if n != MAAS_SIM}
     return {n: {k: v for k, v in env.items() if k.startswith("GPUAAS_")} for n, env in envs.items()}
 
