@@ -1,0 +1,70 @@
+"""The login links and sessions of admin pages (gpuaas_common.admin_http.login): what a token opens, and the
+ways a token that should not open anything is turned away."""
+
+from __future__ import annotations
+
+import base64
+import json
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+from gpuaas_common.admin_http.login import LOGIN, LOGIN_PATH, SESSION, login_link, mint, verify
+
+KEYS = {"ops": "ops-token-0123456789", "admin": "admin-token-9876543210"}
+NOW = 1_800_000_000.0
+
+
+def test_a_token_opens_for_its_purpose_until_it_expires() -> None:
+    token = mint(KEYS["ops"], "ops", "alice@ops", purpose=LOGIN, ttl_s=600, now=NOW)
+    signed, why = verify(KEYS, token, purpose=LOGIN, now=NOW + 599)
+    assert why == "" and signed is not None
+    assert (signed.principal, signed.actor, signed.expires_at) == ("ops", "alice@ops", NOW + 600)
+    assert verify(KEYS, token, purpose=LOGIN, now=NOW + 600) == (None, "the link has expired: ask for a new one")
+    assert verify(KEYS, token, purpose=SESSION, now=NOW)[0] is None
+
+
+def _with_payload(token: str, **changes: object) -> str:
+    body, mac = token.split(".")
+    fields = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    forged = base64.urlsafe_b64encode(json.dumps({**fields, **changes}).encode()).decode().rstrip("=")
+    return f"{forged}.{mac}"
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda t: _with_payload(t, a="mallory"),  # another person under the same signature
+        lambda t: _with_payload(t, x=int(NOW) + 10**6),  # a later expiry
+        lambda t: _with_payload(t, p="admin"),  # another principal's key asked to check it
+        lambda t: t[:-2] + ("AA" if not t.endswith("AA") else "BB"),  # the signature itself
+        lambda t: t.split(".")[0],  # no signature
+        lambda t: "not-a-token",
+        lambda t: "",
+    ],
+)
+def test_a_changed_or_foreign_token_opens_nothing(forge) -> None:
+    token = mint(KEYS["ops"], "ops", "alice", purpose=LOGIN, ttl_s=600, now=NOW)
+    signed, why = verify(KEYS, forge(token), purpose=LOGIN, now=NOW)
+    assert signed is None and why == "the link is not one this console made"
+
+
+def test_a_token_signed_by_a_token_it_does_not_name_or_an_unknown_principal_opens_nothing() -> None:
+    by_admin_key = mint(KEYS["admin"], "ops", "alice", purpose=LOGIN, ttl_s=600, now=NOW)
+    assert verify(KEYS, by_admin_key, purpose=LOGIN, now=NOW)[0] is None
+    unknown = mint("whatever", "portal", "alice", purpose=LOGIN, ttl_s=600, now=NOW)
+    assert verify(KEYS, unknown, purpose=LOGIN, now=NOW)[0] is None
+    # Rotating the bearer token ends every link made from the old one.
+    old = mint(KEYS["ops"], "ops", "alice", purpose=LOGIN, ttl_s=600, now=NOW)
+    assert verify({"ops": "rotated-token-000000000"}, old, purpose=LOGIN, now=NOW)[0] is None
+
+
+def test_names_must_be_identifiers_and_the_link_carries_the_token() -> None:
+    with pytest.raises(ValueError):
+        mint(KEYS["ops"], "ops", "alice smith", purpose=LOGIN, ttl_s=600)
+    link = login_link("http://127.0.0.1:8083/", KEYS["ops"], "ops", "alice")
+    parsed = urlparse(link)
+    assert parsed.path == LOGIN_PATH and f"{parsed.scheme}://{parsed.netloc}" == "http://127.0.0.1:8083"
+    [token] = parse_qs(parsed.query)["token"]
+    signed, _ = verify(KEYS, token, purpose=LOGIN)
+    assert signed is not None and signed.actor == "alice"
