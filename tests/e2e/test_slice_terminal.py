@@ -124,16 +124,19 @@ class Stack:
     pool: asyncpg.Pool
     terminal_port: int
     host_root: Path
+    # The tenant's active slice, whose guest is the private sshd.
+    active: uuid.UUID
 
-    def remember_guest(self, alloc: uuid.UUID) -> None:
-        """The host's own record of the guest it provisioned (what its provision task stores), the terminal's
-        only source for where the guest is."""
-        store = StateStore(self.host_root / STATE_DIR / "agent.sqlite")
-        task_id = f"provision-{alloc}"
-        payload = {"allocation_id": str(alloc), "vm_name": VM, "slots": [{"slot_id": "s0", "private_ip": "127.0.0.1"}]}
-        store.start_task(task_id, "slice.vm_provision", str(alloc), vm_name=VM, payload=payload)
-        store.finish_task(task_id, "succeeded", {"status": "succeeded"})
-        store.close()
+
+def remember_guest(host_root: Path, alloc: uuid.UUID) -> None:
+    """The host's own record of the guest it provisioned (what its provision task stores), the terminal's only
+    source for where the guest is."""
+    store = StateStore(host_root / STATE_DIR / "agent.sqlite")
+    task_id = f"provision-{alloc}"
+    payload = {"allocation_id": str(alloc), "vm_name": VM, "slots": [{"slot_id": "s0", "private_ip": "127.0.0.1"}]}
+    store.start_task(task_id, "slice.vm_provision", str(alloc), vm_name=VM, payload=payload)
+    store.finish_task(task_id, "succeeded", {"status": "succeeded"})
+    store.close()
 
 
 class Processes:
@@ -189,6 +192,11 @@ async def stack(nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path) -> Asyn
     async with UnitOfWork(pool, "allocator", "allocator", AllocationRepository) as uow:
         await uow.repos.upsert_image(SLICE)
         await uow.commit()
+    # The tenant's slice was provisioned before this test: driven to active through the allocator's own handlers
+    # before the allocator runs, its provision task not sent again (the host's record of it is written below; a
+    # host asked to provision it once more would refuse, and its refusal would be the allocation's latest word).
+    active = await _allocation(pool, TENANT, active=True)
+    await pool.execute("DELETE FROM outbox")
     base = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_NATS_CREDS")}
     base |= {"GPUAAS_NATS_URL": nats_server.url, "GPUAAS_HEALTH_PORT": "0", "GPUAAS_LOG_LEVEL": "INFO"}
     procs = Processes(tmp_path)
@@ -213,6 +221,7 @@ async def stack(nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path) -> Asyn
         seeds = root / SEED_DIR
         seeds.mkdir(parents=True, exist_ok=True)
         (seeds / f"{VM}.hostkey").write_text(planted.private_openssh)
+        remember_guest(root, active)
         ssh_port = free_port()
         env = base | {
             "GPUAAS_NODE_ID": NODE,
@@ -248,7 +257,7 @@ async def stack(nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path) -> Asyn
             lambda: sshd.returncode is not None or _banner(ssh_port), timeout=30, what="the private sshd's banner"
         )
         assert sshd.returncode is None, (tmp_path / "sshd.log").read_text()[-2000:]
-        yield Stack(pool, terminal_port, root)
+        yield Stack(pool, terminal_port, root, active)
     finally:
         await procs.stop()
         await pool.close()
@@ -313,13 +322,11 @@ async def _read_until(ws: aiohttp.ClientWebSocketResponse, marker: bytes, seen: 
 async def test_a_tenant_runs_a_command_in_its_slice_through_the_relay_and_the_session_is_audited(
     stack: Stack, spy: BusSpy, replies: list[dict]
 ) -> None:
-    pool, port = stack.pool, stack.terminal_port
-    alloc = await _allocation(pool, TENANT, active=True)
-    stack.remember_guest(alloc)
+    pool, port, alloc = stack.pool, stack.terminal_port, stack.active
 
     async with aiohttp.ClientSession() as http, http.ws_connect(_url(port, alloc), headers=_headers()) as ws:
         ready = await ws.receive_json(timeout=60)
-        assert ready["type"] == "session_ready"
+        assert ready["type"] == "session_ready", ready
         session_id = uuid.UUID(ready["session_id"])
         seen = bytearray()
         # Split so that the marker appears only in the command's output, never in the echo of what was typed.
