@@ -41,7 +41,7 @@ def install(app: web.Application, changes: Changes, path: str) -> None:
                     got.cancel()
                     if not stop.done():
                         await resp.write(b": keepalive\n\n")
-        except (ConnectionResetError, ConnectionError):
+        except ConnectionError:
             pass  # the page went away
         finally:
             stop.cancel()
