@@ -3,13 +3,15 @@ against the dev stack's processes: signed in by the login link minted from the o
 allocation made over the bus appear and change state on the page with no reload, shows the why-not of an
 unschedulable one, shows a dead letter arrive, and drains a node from the fleet page through the scheduler's
 admin API (the scheduler's node and its audit row name the console's user and request, and the audit page shows
-the record ops-view read off the bus: who, what, why, which request). Without a link the browser sees only the
+the record ops-view read off the bus: who, what, why, which request) and undrains it, and force-releases an
+active allocation from its page, which then turns failed there. Without a link the browser sees only the
 refusal.
 
 Screenshots of every page are written as test artifacts, one PNG per page (`fleet.png`, `allocations.png`,
 `allocation.png`, `unschedulable.png`, `images.png`, `maas.png`, `dead-letters.png`, `usage.png`,
-`fleet-drained.png`, `audit.png`, `refused.png`), to the directory `$GPUAAS_CONSOLE_SCREENSHOTS` names, or else to the
-test's pytest tmp path under `screenshots/` (printed at the end of the test; `pytest -s` shows it)."""
+`fleet-drained.png`, `audit.png`, `force-released.png`, `refused.png`), to the directory
+`$GPUAAS_CONSOLE_SCREENSHOTS` names, or else to the test's pytest tmp path under `screenshots/` (printed at the
+end of the test; `pytest -s` shows it)."""
 
 from __future__ import annotations
 
@@ -172,8 +174,8 @@ async def test_the_console_follows_the_fleet_live_and_drains_a_node(stack, porta
     nodes = (await _scheduler(stack, "GET", "/v1/nodes"))["nodes"]
     node = next(n["node_id"] for n in nodes if n["kind"] == "slice_host" and not n["draining"])
     await _browse(b.get, f"{url}/console/fleet")
-    await _browse(b.find_element(By.ID, "drain-node").send_keys, node)
-    await _browse(b.find_element(By.ID, "drain-reason").send_keys, "console e2e: PSU swap")
+    await _browse(b.find_element(By.ID, "node-id").send_keys, node)
+    await _browse(b.find_element(By.ID, "node-reason").send_keys, "console e2e: PSU swap")
     await _browse(b.find_element(By.ID, "drain-submit").click)
     await _browse(_until, b, "the drain's notice", lambda d: node in d.find_element(By.ID, "notice").text)
     await _browse(
@@ -197,10 +199,34 @@ async def test_the_console_follows_the_fleet_live_and_drains_a_node(stack, porta
     shown = await _browse(_text, b, "the drain's audit record", By.CSS_SELECTOR, row)
     assert f"/v1/nodes/{node}/drain" in shown and "console e2e: PSU swap" in shown and "200" in shown, shown
     await _browse(b.save_screenshot, str(shots / "audit.png"))
-    await _scheduler(
-        stack, "POST", f"/v1/nodes/{node}/undrain", json={"actor": "console-e2e", "reason": "test done"},
-        headers={"Idempotency-Key": uuid.uuid4().hex},
-    )  # fmt: skip
+
+    # Undrained from the same form: schedulable again, in the fleet and in the scheduler.
+    await _browse(b.get, f"{url}/console/fleet")
+    await _browse(b.find_element(By.ID, "node-id").send_keys, node)
+    await _browse(b.find_element(By.ID, "node-reason").send_keys, "console e2e: PSU replaced")
+    await _browse(b.find_element(By.ID, "undrain-submit").click)
+    await _browse(
+        _until,
+        b,
+        "the node schedulable again",
+        lambda d: d.find_element(By.CSS_SELECTOR, f'tr[data-node="{node}"]').get_attribute("data-drained") == "no",
+    )
+    assert (await _scheduler(stack, "GET", f"/v1/nodes/{node}"))["node"]["draining"] is False
+
+    # Force release from an active allocation's page: the page it is on turns it failed, with no reload.
+    stuck = await portal.request("gpu_slice", gpus=1, tenant_id=tenant)
+    await portal.wait_state(stuck, "active")
+    await _browse(b.get, f"{url}/console/allocations/{stuck}")
+    await _browse(_until, b, "the allocation active", lambda d: d.find_element(By.ID, "state").text == "active")
+    await _browse(b.find_element(By.ID, "force-reason").send_keys, "console e2e: tenant VM wedged")
+    await _browse(b.find_element(By.ID, "force-anyway").click)
+    await _browse(b.find_element(By.ID, "force-release-submit").click)
+    await _browse(_until, b, "the force release's notice", lambda d: d.find_element(By.ID, "notice").text)
+    await _browse(b.execute_script, f"{MARK} = 'force released';")
+    await _browse(_until, b, "the allocation failed", lambda d: d.find_element(By.ID, "state").text == "failed")
+    assert await _browse(b.execute_script, f"return {MARK};") == "force released", "the page was reloaded"
+    assert "force_released" in await _browse(_text, b, "the timeline", By.ID, "timeline")
+    await _browse(b.save_screenshot, str(shots / "force-released.png"))
 
     # Signed out, the same pages are the refusal and nothing else.
     await _browse(b.delete_all_cookies)

@@ -1,6 +1,7 @@
 """The scheduler's admin API as the console uses it: the nodes' admin state (drained, mode, maintenance: the
-scheduler's truth, never on the bus) and the drain itself, under the same Idempotency-Key, actor and audit as
-`gpuaas nodes drain`. The console holds no scheduler data of its own."""
+scheduler's truth, never on the bus) and the console's changes (drain, undrain, force release), under the same
+Idempotency-Key, actor and audit as `gpuaas nodes drain` and the other commands. The console holds no scheduler
+data of its own."""
 
 from __future__ import annotations
 
@@ -72,14 +73,22 @@ class SchedulerAdmin:
             raise SchedulerUnavailable(f"the scheduler admin API refused the node list ({answer.error})")
         return {n["node_id"]: n for n in answer.body.get("nodes", []) if isinstance(n, dict) and "node_id" in n}
 
-    async def drain(
-        self, node_id: str, *, actor: str, reason: str, maintenance: bool, idempotency_key: str, request_id: str
+    async def act(
+        self, path: str, body: dict[str, Any], *, actor: str, idempotency_key: str, request_id: str
     ) -> Answer:
-        """POST /v1/nodes/{node}/drain as the CLI sends it; the console's request id travels with it, so the
-        scheduler's audit row and the console's log name the same request."""
+        """One change, POSTed as the CLI sends it (the body's actor and reason, an Idempotency-Key); the console's
+        request id travels with it, so the scheduler's audit row and the console's log name the same request."""
         return await self._call(
             "POST",
-            f"/v1/nodes/{quote(node_id, safe='')}/drain",
-            body={"actor": actor, "reason": reason, "maintenance": maintenance},
+            path,
+            body={"actor": actor, **body},
             headers={"Idempotency-Key": idempotency_key, "X-Actor": actor, "X-Request-Id": request_id},
         )
+
+    @staticmethod
+    def node_path(node_id: str, action: str) -> str:
+        return f"/v1/nodes/{quote(node_id, safe='')}/{action}"
+
+    @staticmethod
+    def force_release_path(allocation_id: str) -> str:
+        return f"/v1/allocations/{quote(allocation_id, safe='')}/force-release"

@@ -1,11 +1,10 @@
 """The ops console: server-rendered pages over the read models (the same queries as the ops API), kept live by
 server-sent events (live.py), mounted on the ops API under /console behind its login link
-(gpuaas_common.admin_http.Pages). Its one action, draining a node, goes to the scheduler's admin API as the CLI
-sends it (adapters/scheduler_admin.py)."""
+(gpuaas_common.admin_http.Pages). Its changes (drain, undrain, force release) go to the scheduler's admin API as
+the CLI sends them (actions.py)."""
 
 from __future__ import annotations
 
-import re
 import uuid
 from datetime import datetime, timezone
 from importlib import resources
@@ -20,10 +19,10 @@ from gpuaas_common.logging import get_logger
 
 from ...adapters.changes import Changes
 from ...adapters.scheduler_admin import SchedulerAdmin, SchedulerUnavailable
-from ...domain.filters import ALLOCATION_STATES, AUDITED_SERVICES, IDENTIFIER
+from ...domain.filters import ALLOCATION_STATES, AUDITED_SERVICES
 from ...service_layer import queries
 from ...service_layer.fleet import fleet as fleet_view
-from . import live
+from . import actions, live
 from .render import page
 
 log = get_logger(__name__)
@@ -42,7 +41,6 @@ NAV = (
     ("usage", "Usage"),
     ("audit", "Audit"),
 )
-REASON_MAX = 500
 
 
 class Console:
@@ -59,7 +57,8 @@ class Console:
         r.add_get(PREFIX + "/", self.home)
         r.add_get(PREFIX + "/static/{name}", self.static)
         r.add_get(PREFIX + "/fleet", self.fleet)
-        r.add_post(PREFIX + "/fleet/drain", self.drain)
+        r.add_post(PREFIX + "/fleet/{action:drain|undrain}", self.node_action)
+        r.add_post(PREFIX + "/allocations/{allocation_id}/force-release", self.force_release)
         r.add_get(PREFIX + "/allocations", self.allocations)
         r.add_get(PREFIX + "/allocations/{allocation_id}", self.allocation)
         r.add_get(PREFIX + "/images", self.images)
@@ -119,7 +118,7 @@ class Console:
 
     # --- pages ---------------------------------------------------------------------------------------
 
-    async def fleet(self, request: web.Request, *, drain_error: str | None = None, status: int = 200):
+    async def fleet(self, request: web.Request, *, action_error: str | None = None, status: int = 200):
         admin, admin_error = None, None
         try:
             admin = await self.scheduler.nodes()
@@ -132,50 +131,47 @@ class Console:
             "fleet",
             lambda conn: fleet_view(conn, query, admin),
             admin_error=admin_error,
-            drain_error=drain_error,
-            drained=request.query.get("drained"),
-            drain_key=uuid.uuid4().hex,
-            can_drain=self.scheduler.configured,
+            action_error=action_error,
+            acted=request.query.get("acted"),
+            acted_on=request.query.get("on"),
+            action_key=uuid.uuid4().hex,
+            can_act=self.scheduler.configured,
         )
         if status != 200:
             resp.set_status(status)
         return resp
 
-    async def drain(self, request: web.Request) -> web.StreamResponse:
-        """The drain form: the scheduler answers; a success goes back to the fleet (a reload does not post it
-        again), a refusal is shown on the fleet page with the scheduler's words."""
-        form = await request.post()
-        node_id = str(form.get("node_id", "")).strip()
-        reason = str(form.get("reason", "")).strip()
-        key = str(form.get("idempotency_key", "")) or uuid.uuid4().hex
-        actor = request[ACTING]
-        problem = None
-        if not IDENTIFIER.match(node_id):
-            problem = "node_id must be a node id: letters, digits and ._:-"
-        elif not reason or len(reason) > REASON_MAX or not reason.isprintable():
-            problem = f"reason is required: why the node is drained (1-{REASON_MAX} printable characters)"
-        elif not re.fullmatch(r"[\x21-\x7e]{1,200}", key):
-            problem = "idempotency_key is not one this page made"
+    async def node_action(self, request: web.Request) -> web.StreamResponse:
+        """The fleet's form (drain, undrain): done goes back to the fleet (a reload does not post it again), a
+        refusal is shown on the fleet page in the scheduler's words."""
+        action = request.match_info["action"]
+        fields, problem = await actions.read_form(request)
+        problem = actions.node_problem(fields["node_id"]) or problem
         if problem is not None:
-            return await self.fleet(request, drain_error=problem, status=400)
-        try:
-            answer = await self.scheduler.drain(
-                node_id,
-                actor=actor,
-                reason=reason,
-                maintenance=form.get("maintenance") == "on",
-                idempotency_key=key,
-                request_id=request[REQUEST_ID],
-            )
-        except SchedulerUnavailable as exc:
-            log.warning("console_drain_failed", node_id=node_id, error=str(exc))
-            return await self.fleet(request, drain_error=str(exc), status=502)
-        if answer.error is not None:
-            log.info("console_drain_refused", node_id=node_id, status=answer.status)
-            return await self.fleet(request, drain_error=f"the scheduler refused: {answer.error}", status=answer.status)
-        log.info("console_drain", node_id=node_id, actor=actor, idempotency_key=key)
-        self.changes.announce("admin")
-        raise web.HTTPSeeOther(f"{PREFIX}/fleet?{urlencode({'drained': node_id})}")
+            return await self.fleet(request, action_error=problem, status=400)
+        body: dict[str, Any] = {"reason": fields["reason"]}
+        if action == "drain":
+            body["maintenance"] = fields["maintenance"]
+        path = self.scheduler.node_path(fields["node_id"], action)
+        done = await actions.ask(request, self.scheduler, self.changes, action, path, body, fields["key"])
+        if done.error is not None:
+            return await self.fleet(request, action_error=done.error, status=done.status)
+        raise web.HTTPSeeOther(f"{PREFIX}/fleet?{urlencode({'acted': action, 'on': fields['node_id']})}")
+
+    async def force_release(self, request: web.Request) -> web.StreamResponse:
+        """The allocation page's force release: the scheduler frees its claims (the allocator then ends it)."""
+        allocation_id = request.match_info["allocation_id"]
+        fields, problem = await actions.read_form(request)
+        if problem is None:
+            path = self.scheduler.force_release_path(allocation_id)
+            body = {"reason": fields["reason"], "force": fields["force"]}
+            done = await actions.ask(request, self.scheduler, self.changes, "force-release", path, body, fields["key"])
+            if done.error is None:
+                raise web.HTTPSeeOther(f"{PREFIX}/allocations/{allocation_id}?acted=force-release")
+            problem, status = done.error, done.status
+        else:
+            status = 400
+        return await self.allocation(request, action_error=problem, status=status)
 
     async def allocations(self, request: web.Request) -> web.Response:
         query = self._query(request, "tenant", "state", "node", "since", "until", "limit", "cursor")
@@ -187,14 +183,23 @@ class Console:
             states=ALLOCATION_STATES,
         )
 
-    async def allocation(self, request: web.Request) -> web.Response:
+    async def allocation(
+        self, request: web.Request, *, action_error: str | None = None, status: int = 200
+    ) -> web.Response:
+        actions_ctx = {
+            "action_error": action_error,
+            "acted": request.query.get("acted"),
+            "action_key": uuid.uuid4().hex,
+            "can_act": self.scheduler.configured,
+        }
         async with self.pool.acquire() as conn:
             try:
                 found = await queries.get_allocation(conn, request.match_info["allocation_id"])
             except ApiError as exc:
-                ctx = self._context(request, "allocations", alloc=None, error=exc.message)
+                ctx = self._context(request, "allocations", alloc=None, error=exc.message, **actions_ctx)
                 return page(request, "allocation.html", exc.status, **ctx)
-        return page(request, "allocation.html", **self._context(request, "allocations", alloc=found))
+        ctx = self._context(request, "allocations", alloc=found, **actions_ctx)
+        return page(request, "allocation.html", status, **ctx)
 
     async def images(self, request: web.Request) -> web.Response:
         return await self._list(request, "images.html", "images", queries.list_images)
