@@ -9,7 +9,7 @@ refusal.
 
 Screenshots of every page are written as test artifacts, one PNG per page (`fleet.png`, `allocations.png`,
 `allocation.png`, `unschedulable.png`, `images.png`, `maas.png`, `dead-letters.png`, `usage.png`,
-`fleet-drained.png`, `audit.png`, `force-released.png`, `refused.png`), to the directory
+`fleet-drained.png`, `host.png`, `audit.png`, `force-released.png`, `refused.png`), to the directory
 `$GPUAAS_CONSOLE_SCREENSHOTS` names, or else to the test's pytest tmp path under `screenshots/` (printed at the
 end of the test; `pytest -s` shows it)."""
 
@@ -185,6 +185,11 @@ async def test_the_console_follows_the_fleet_live_and_drains_a_node(stack, porta
         lambda d: d.find_element(By.CSS_SELECTOR, f'tr[data-node="{node}"]').get_attribute("data-drained") == "yes",
     )
     await _browse(b.save_screenshot, str(shots / "fleet-drained.png"))
+    # Its page: the slots the streams described (those placements named) and the scheduler's mode, drained.
+    await _browse(b.get, f"{url}/console/fleet/{node}")
+    await _browse(_until, b, "its slots", lambda d: d.find_elements(By.CSS_SELECTOR, "#slots tr[data-slot]"))
+    assert "drained" in await _browse(_text, b, "its mode", By.ID, "mode")
+    await _browse(b.save_screenshot, str(shots / "host.png"))
     detail = await _scheduler(stack, "GET", f"/v1/nodes/{node}")
     assert detail["node"]["draining"] is True
     audit = await db.fetch(

@@ -29,7 +29,7 @@ from gpuaas_ops_view.entrypoints.admin_http import ops_api
 from gpuaas_ops_view.entrypoints.follow import StreamFollower
 from gpuaas_ops_view.entrypoints.web.pages import Console
 
-from .test_ops_view import SCHEMA, TOKEN, admin_request, lifecycle, nc, publish  # noqa: F401  (nc: the fixture)
+from .test_ops_view import SCHEMA, TOKEN, admin_request, fleet, lifecycle, nc, publish  # noqa: F401  (nc: the fixture)
 
 PAGES = ("fleet", "allocations", "images", "maas", "dead-letters", "usage", "audit")
 
@@ -149,6 +149,7 @@ async def test_without_the_ops_identity_a_visitor_sees_only_the_refusal(nc: nats
 async def test_a_login_link_opens_the_pages_and_only_them(nc: nats.NATS, console: Console_) -> None:  # noqa: F811
     tenant, node = f"t-{uuid.uuid4().hex[:6]}", f"n-{uuid.uuid4().hex[:6]}"
     alloc = uuid.uuid4()
+    await fleet(nc, node)
     await lifecycle(nc, alloc, tenant, node)
     await _wait_until_in_model(console, alloc, "active")
     async with _browser() as http:
@@ -166,6 +167,14 @@ async def test_a_login_link_opens_the_pages_and_only_them(nc: nats.NATS, console
         async with http.get(f"{console.url}/console/allocations/{alloc}") as resp:
             body = await resp.text()
             assert resp.status == 200 and 'id="timeline"' in body and node in body, body
+        # A host: its slots with their holder and drift, as the streams described them.
+        async with http.get(f"{console.url}/console/fleet/{node}") as resp:
+            body = await resp.text()
+            assert resp.status == 200, body
+            assert f'data-slot="{node}-s1" data-status="held"' in body and str(alloc) in body, body
+            assert "device_binding" in body  # the drift reported on slot 2
+        async with http.get(f"{console.url}/console/fleet/-bad") as resp:
+            assert resp.status == 400 and "node_id must be an identifier" in await resp.text()
         # The fleet without the scheduler's admin API: the evidence from the streams, no drain.
         async with http.get(f"{console.url}/console/fleet") as resp:
             body = await resp.text()

@@ -73,6 +73,15 @@ class SchedulerAdmin:
             raise SchedulerUnavailable(f"the scheduler admin API refused the node list ({answer.error})")
         return {n["node_id"]: n for n in answer.body.get("nodes", []) if isinstance(n, dict) and "node_id" in n}
 
+    async def node(self, node_id: str) -> dict[str, Any] | None:
+        """A node's admin detail (mode history, waivers, actions asked of it); None when the scheduler has none."""
+        answer = await self._call("GET", f"/v1/nodes/{quote(node_id, safe='')}")
+        if answer.status == 404:
+            return None
+        if answer.error is not None:
+            raise SchedulerUnavailable(f"the scheduler admin API refused the node ({answer.error})")
+        return answer.body
+
     async def act(
         self, path: str, body: dict[str, Any], *, actor: str, idempotency_key: str, request_id: str
     ) -> Answer:

@@ -58,6 +58,7 @@ class Console:
         r.add_get(PREFIX + "/static/{name}", self.static)
         r.add_get(PREFIX + "/fleet", self.fleet)
         r.add_post(PREFIX + "/fleet/{action:drain|undrain}", self.node_action)
+        r.add_get(PREFIX + "/fleet/{node_id}", self.host)
         r.add_post(PREFIX + "/allocations/{allocation_id}/force-release", self.force_release)
         r.add_get(PREFIX + "/allocations", self.allocations)
         r.add_get(PREFIX + "/allocations/{allocation_id}", self.allocation)
@@ -140,6 +141,24 @@ class Console:
         if status != 200:
             resp.set_status(status)
         return resp
+
+    async def host(self, request: web.Request) -> web.Response:
+        """A host: its slots as the streams described them (status, holder, drift) and its live claims, beside the
+        scheduler's admin detail (mode history, waivers, actions asked of it)."""
+        node_id = request.match_info["node_id"]
+        admin, admin_error = None, None
+        try:
+            admin = await self.scheduler.node(node_id)
+        except SchedulerUnavailable as exc:
+            admin_error = str(exc)
+        more = {"admin": admin, "admin_error": admin_error}
+        async with self.pool.acquire() as conn:
+            try:
+                found = await queries.get_host(conn, node_id)
+            except ApiError as exc:
+                ctx = self._context(request, "fleet", host=None, error=exc.message, **more)
+                return page(request, "host.html", exc.status, **ctx)
+        return page(request, "host.html", **self._context(request, "fleet", host=found, **more))
 
     async def node_action(self, request: web.Request) -> web.StreamResponse:
         """The fleet's form (drain, undrain): done goes back to the fleet (a reload does not post it again), a
