@@ -149,7 +149,9 @@ async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_e
 
     login = await eventually(logged_in, timeout=300, interval=3, what="the tenant's SSH login to the machine")
     if login.returncode != 0:
-        journal = await _tenant_login(stack, tenant, access, "sudo journalctl -u gpuaas-node-agent -n 40 --no-pager")
+        journal = await _tenant_login(
+            stack, tenant, access, "sudo journalctl -b -u gpuaas-node-agent -u boot-efi.mount -n 60 --no-pager"
+        )
         pytest.fail(f"the probe exited {login.returncode}: {login.stdout!r} {login.stderr!r}\n{journal.stdout}")
     user, agent, cmdline, esp = login.stdout.splitlines()
     assert (user, agent, esp) == ("debian", "active", "vfat")  # the ESP the install made, mounted as MAAS's are

@@ -134,9 +134,11 @@ def install(params: VirshParams, tgz: bytes) -> list[str]:
                 f"{list(CURTIN_MARKERS)}"
             )
         (tree / "boot/efi").mkdir(parents=True, exist_ok=True)
+        # The ESP waits for its device for up to 2 minutes: a TCG guest on a loaded machine saw its label appear
+        # after the 10 s it was given once, and booted without /boot/efi (nofail: the boot itself never waits on it).
         (tree / "etc/fstab").write_text(
             f"LABEL={ROOT_LABEL} / ext4 errors=remount-ro 0 1\n"
-            f"LABEL={ESP_LABEL} /boot/efi vfat umask=0077,nofail,x-systemd.device-timeout=10s 0 0\n"
+            f"LABEL={ESP_LABEL} /boot/efi vfat umask=0077,nofail,x-systemd.device-timeout=120s 0 0\n"
         )
         for name in ("vmlinuz", "initrd.img"):
             _boot_file(tree, name)  # curtin fails the same way on an image without a kernel
