@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import datetime
-import decimal
-import json
-import math
 import re
-import uuid
 
 import asyncpg
 
@@ -58,88 +53,6 @@ def text_literal(value: str) -> str:
 def bytea_literal(value: bytes) -> str:
     """`value` as a bytea expression for a simple query: hex digits only, nothing to escape."""
     return f"decode('{value.hex()}', 'hex')"
-
-
-class NoLiteral(TypeError):
-    """A value `sql_literal` does not render: the caller sends its statement with parameters instead."""
-
-
-def sql_literal(value: object) -> str:
-    """`value` as a constant for a statement sent without parameters (written behind and sent with the next
-    statement or the COMMIT): NULL, a boolean, a finite number (int, float, Decimal), or a string constant
-    that Postgres converts to the column's type as it would a parameter (text, uuid, json/jsonb from a dict
-    or list, timestamptz from an aware datetime). Anything else raises NoLiteral, never a guess: a naive
-    datetime would be read in the session's time zone."""
-    if value is None:
-        return "NULL"
-    if isinstance(value, bool):
-        return "TRUE" if value else "FALSE"
-    if isinstance(value, int):
-        return _number(str(int(value)))  # an int subclass (an enum) renders as its number, never as its name
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise NoLiteral(f"{value!r} has no literal here")
-        if value == 0 and math.copysign(1.0, value) < 0:
-            # A numeric constant has no negative zero; a float8 one keeps the sign a parameter would.
-            return "'-0.0'::float8"
-        return _number(repr(value))
-    if isinstance(value, decimal.Decimal):
-        if not value.is_finite():
-            raise NoLiteral(f"{value!r} has no literal here")
-        return _number(str(value))
-    if isinstance(value, str):
-        if "\x00" in value:
-            raise NoLiteral("a NUL character")  # sent as a parameter, it fails the way it always did
-        return text_literal(value)
-    if isinstance(value, uuid.UUID):
-        return f"'{value}'"
-    if isinstance(value, datetime.datetime):
-        if value.tzinfo is None or value.utcoffset() is None:
-            raise NoLiteral("a naive datetime")
-        try:
-            # In UTC: Postgres reads no fraction of a second in an offset, which Python allows.
-            utc = value.astimezone(datetime.timezone.utc)
-        except OverflowError:
-            raise NoLiteral("a datetime whose UTC time Python cannot hold") from None  # nor can asyncpg
-        return f"'{utc.isoformat()}'"
-    if isinstance(value, (dict, list)):
-        return text_literal(json.dumps(value))
-    raise NoLiteral(f"no literal for a {type(value).__name__}")
-
-
-def _number(text: str) -> str:
-    # Bare, a negative number after a minus (`a -$1` with -3) would read `a --3`: the rest of the line a comment.
-    # In parentheses it is one operand wherever it lands, before a cast too (`-3::text` negates a text).
-    return f"({text})" if text.startswith("-") else text
-
-
-# A `$n` parameter and the cast that follows it, if any (`$4::text[]`).
-_PARAMETER = re.compile(r"\$(\d+)(::[a-z_]+(?:\[\])?)?")
-
-
-def bind_literals(sql: str, *args: object) -> str:
-    """`sql` with each `$n` replaced by `args[n-1]` as a constant (`sql_literal`), for a statement sent
-    without parameters: written behind, or several sent as one simple query. A parameter cast to an array
-    (`$4::text[]`) takes a list or tuple and becomes `ARRAY[…]` of its elements' literals. Raises NoLiteral
-    when a value has no literal; `sql` must hold no `$` outside its parameters.
-
-    Postgres parses and plans a constant statement every time it is sent: worth it for a statement that is
-    cheap to plan (an UPDATE by primary key), not for a complex one. The scheduler's slot move (a CTE of
-    three statements) cost Postgres 205 us of CPU as a constant and 30 us prepared, more than the round trip
-    it saved on the client."""
-
-    def literal(match: re.Match[str]) -> str:
-        index = int(match.group(1)) - 1
-        if not 0 <= index < len(args):
-            raise NoLiteral(f"${index + 1} has no value")
-        value, cast = args[index], match.group(2) or ""
-        if cast.endswith("[]") and value is not None:
-            if not isinstance(value, (list, tuple)):
-                raise NoLiteral(f"${index + 1} is cast to an array but is a {type(value).__name__}")
-            return f"ARRAY[{', '.join(sql_literal(v) for v in value)}]{cast}"
-        return sql_literal(value) + cast
-
-    return _PARAMETER.sub(literal, sql)
 
 
 def check_schema(schema: str) -> str:

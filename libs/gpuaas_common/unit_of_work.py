@@ -57,7 +57,6 @@ class UnitOfWork(Generic[R]):
         self._inbox_key: tuple[str, str] | None = None
         self._inbox_fresh: bool | None = None
         self._first_lock: str | None = None
-        self._deferred: list[str] = []
         self.committed = False
 
     @property
@@ -133,17 +132,8 @@ class UnitOfWork(Generic[R]):
             return not fresh
         return not await inbox.claim(self.conn, consumer, message_id)
 
-    def defer(self, statement: str) -> None:
-        """Send `statement` (parameterless SQL, see `db.bind_literals`) with the COMMIT instead of now: for a write
-        that nothing in this unit of work reads back. It fails the commit, and rolls everything back, if it
-        fails."""
-        self._deferred.append(statement)
-
     async def commit(self) -> None:
-        # Repositories that write behind (`deferred_sql()`) hand over what they have not sent yet.
-        behind = getattr(self.repos, "deferred_sql", None)
-        statements = list(behind()) if callable(behind) else []
-        statements += self._deferred
+        statements = []
         rows = pending_statement(self.schema, self.events.pending)
         if rows:
             statements.append(rows)
@@ -164,7 +154,6 @@ class FakeUnitOfWork(Generic[R]):
         self.inbox: set[tuple[str, str]] = seen if seen is not None else set()
         self._claimed: set[tuple[str, str]] = set()
         self._locks: set[str] = set()
-        self.deferred: list[str] = []
         self.committed = False
         self.published: list[Envelope] = []
 
@@ -177,9 +166,6 @@ class FakeUnitOfWork(Generic[R]):
 
     def lock_first(self, key: str) -> None:
         self._locks.add(key)
-
-    def defer(self, statement: str) -> None:
-        self.deferred.append(statement)
 
     def holds_lock(self, key: str) -> bool:
         return key in self._locks

@@ -142,7 +142,7 @@ async def test_a_repeated_placement_on_another_replica_waits_and_answers_with_th
     assert [[s["slot_id"] for s in a["payload"]["slots"]] for a in answers] == [[claims[0]["slot_id"]]] * 2
 
 
-async def node_summary(pool: asyncpg.Pool, node: str) -> tuple[Any, ...]:
+async def node_summary(pool: asyncpg.Pool | asyncpg.Connection, node: str) -> tuple[Any, ...]:
     row = await pool.fetchrow(
         "SELECT free_slots, total_slots, sliced, max_switch_free, max_numa_free, numa_free, numa_capacity "
         "FROM nodes WHERE node_id = $1",
@@ -151,10 +151,11 @@ async def node_summary(pool: asyncpg.Pool, node: str) -> tuple[Any, ...]:
     return tuple(row)
 
 
-async def test_a_releases_capacity_summary_goes_with_the_commit_and_not_without_it(pool: asyncpg.Pool) -> None:
-    """`released` writes the node's capacity summary with the COMMIT (UnitOfWork.defer): it equals the summary
-    computed from scratch, and a unit of work that never commits leaves the summary (and everything else) as
-    it was."""
+async def test_a_releases_capacity_summary_is_written_in_its_unit_of_work_and_not_without_its_commit(
+    pool: asyncpg.Pool,
+) -> None:
+    """`released` writes the node's capacity summary in its unit of work: it equals the summary computed from
+    scratch, and a unit of work that never commits leaves the summary (and everything else) as it was."""
     scheduler = Scheduler(PlacementPolicy())
     alloc = uuid.uuid4()
     await deliver(pool, scheduler.on_accepted, "allocation.accepted", accepted(alloc))
@@ -173,7 +174,7 @@ async def test_a_releases_capacity_summary_goes_with_the_commit_and_not_without_
         ctx = context("allocation.released", released)
         ctx.uow = abandoned
         await scheduler.on_released(ctx)
-        assert len(abandoned._deferred) == 1  # the summary, not yet sent
+        assert (await node_summary(abandoned.conn, node))[0] == held[0] + 1  # written, seen in its transaction
     assert await node_summary(pool, node) == held
     assert await slot_statuses(pool, alloc) == ["releasing"]
 

@@ -6,15 +6,15 @@ import abc
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
 from gpuaas_common.contract import Envelope
-from gpuaas_common.db import NoLiteral, sql_literal
 
-from ..domain.allocation import Allocation
+from ..domain.allocation import Allocation, TimelineEntry
 from ..domain.commands import Policy
 from ..domain.model import ActiveImage
 from .metrics import STATE_ENTERED_SQL, TIME_IN_STATE
@@ -69,9 +69,24 @@ class AllocationStore(abc.ABC):
         """A row this unit of work locked, as the aggregate."""
         return Allocation.from_row(row, last_seq=self.last_seq(row["allocation_id"]), policy=policy, cause=cause)
 
+    async def append_entries(self, allocation_id: uuid.UUID, entries: Sequence[TimelineEntry]) -> None:
+        """The aggregate's timeline rows, in order, one `append_timeline` each."""
+        for entry in entries:
+            seq = await self.append_timeline(
+                allocation_id,
+                entry.state,
+                entry.previous_state,
+                reason_code=entry.reason_code,
+                detail=entry.detail,
+                cause_event_id=entry.cause_event_id,
+            )
+            if seq != entry.seq:
+                # The lifecycle events already carry the aggregate's count: another one would misnumber them.
+                raise RuntimeError(f"{allocation_id}: timeline seq {seq} written, {entry.seq} counted")
+
     async def save(self, alloc: Allocation) -> None:
-        """Write what the allocation recorded: its columns in one statement, then its timeline rows. Its
-        messages are the service layer's to hand to the outbox."""
+        """Write what the allocation recorded, at once, in the caller's unit of work: its columns in one
+        statement, then its timeline rows. Its messages are the service layer's to hand to the outbox."""
         now = time.monotonic()
         entered = now if alloc.is_new else self.state_entered(alloc.allocation_id)
         if alloc.is_new:
@@ -84,33 +99,18 @@ class AllocationStore(abc.ABC):
                     TIME_IN_STATE.labels(alloc.shape, entry.previous_state).observe(max(0.0, now - entered))
                 entered = now
                 self.entered_state(alloc.allocation_id, now)
-            seq = await self.append_timeline(
-                alloc.allocation_id,
-                entry.state,
-                entry.previous_state,
-                reason_code=entry.reason_code,
-                detail=entry.detail,
-                cause_event_id=entry.cause_event_id,
-            )
-            if seq != entry.seq:
-                # The lifecycle events already carry the aggregate's count: another one would misnumber them.
-                raise RuntimeError(f"{alloc.allocation_id}: timeline seq {seq} written, {entry.seq} counted")
+        await self.append_entries(alloc.allocation_id, alloc.timeline)
         alloc.is_new, alloc.changes, alloc.timeline = False, {}, []
 
 
 class AllocationRepository(AllocationStore):
-    """Every statement the allocator's handlers run, on the unit of work's connection.
-
-    Writes whose result nobody reads (state changes, timeline rows, column updates) are written behind: kept
-    as SQL text and sent in the round trip of the next statement, or with the unit of work's COMMIT
-    (`deferred_sql`). A handler that moves an allocation twice and commits sends one round trip instead of
-    three. Every statement that reads first sends what is behind, so a read sees every earlier write. The
-    timeline's next sequence number is known without asking because the allocation is locked (`lock` reads
-    the last one) or was created in this unit of work."""
+    """Every statement the allocator's handlers run, on the unit of work's connection and in its transaction:
+    each one sent when it is called, with parameters (asyncpg prepares it once per connection), so an error
+    surfaces at the statement that caused it. The timeline's next sequence number is known without asking
+    because the allocation is locked (`lock` reads the last one) or was created in this unit of work."""
 
     def __init__(self, conn: asyncpg.Connection) -> None:
         self.conn = conn
-        self._behind: list[str] = []
         # Last timeline seq of each allocation this unit of work locked or created: nobody else writes it meanwhile.
         self._last_seq: dict[uuid.UUID, int] = {}
         # Allocations this unit of work locked, by whether they had early task results then. Only a holder of the
@@ -119,19 +119,8 @@ class AllocationRepository(AllocationStore):
         # When each allocation this unit of work locked entered its current state (time.monotonic()).
         self._entered: dict[uuid.UUID, float] = {}
 
-    def deferred_sql(self) -> list[str]:
-        """The statements written behind and not yet sent, handed over (the unit of work sends them with its
-        COMMIT)."""
-        out, self._behind = self._behind, []
-        return out
-
-    async def _flush(self) -> None:
-        if self._behind:
-            await self.conn.execute("; ".join(self.deferred_sql()))
-
     async def lock(self, allocation_id: uuid.UUID) -> dict[str, Any] | None:
         """The allocation, locked until the unit of work ends: messages about one allocation serialise here."""
-        await self._flush()
         row = await self.conn.fetchrow(
             "SELECT a.*, (SELECT COALESCE(MAX(t.seq), 0) FROM allocation_timeline t "
             "WHERE t.allocation_id = a.allocation_id) AS last_timeline_seq_, "
@@ -170,7 +159,6 @@ class AllocationRepository(AllocationStore):
         """Rows matching `where` (with `$1` the seconds they have waited), oldest `order_by` first, locked until
         the unit of work ends; rows another replica's sweep (or a handler) holds are skipped, so two replicas
         never act on one allocation twice. Both clauses are this module's own constants, never input."""
-        await self._flush()
         rows = await self.conn.fetch(
             f"SELECT allocation_id FROM allocations WHERE {where} ORDER BY {order_by} LIMIT $2 FOR UPDATE SKIP LOCKED",
             after_s,
@@ -222,7 +210,6 @@ class AllocationRepository(AllocationStore):
         """Baremetal allocations whose tenant has (or may still have) `node_id`'s machine: deployed or being
         deployed, or failed with its machine not yet back from MAAS. Each locked (waiting for a handler that holds
         it) until the unit of work ends."""
-        await self._flush()
         ids = await self.conn.fetch(
             "SELECT allocation_id FROM allocations WHERE shape = 'baremetal' AND node_id = $1 "
             "AND operation_id IS NOT NULL AND (state IN ('provisioning', 'active', 'releasing') "
@@ -243,7 +230,6 @@ class AllocationRepository(AllocationStore):
 
     async def accepted_seq(self, allocation_id: uuid.UUID) -> int | None:
         """The lifecycle sequence number of the allocation's `accepted` event."""
-        await self._flush()
         return await self.conn.fetchval(
             "SELECT min(seq) FROM allocation_timeline WHERE allocation_id = $1 AND state = 'accepted'", allocation_id
         )
@@ -252,7 +238,6 @@ class AllocationRepository(AllocationStore):
         self, allocation_id: uuid.UUID, task_id: str, node_id: str, result: Any, event_id: str
     ) -> bool:
         """Keep a result that arrived before the allocation knew its task; False when one is already kept."""
-        await self._flush()
         self._early[allocation_id] = True
         status = await self.conn.execute(
             "INSERT INTO early_task_results (allocation_id, task_id, node_id, result, event_id) "
@@ -270,7 +255,6 @@ class AllocationRepository(AllocationStore):
         this unit of work holds found none kept (the common case: one round trip less per placement)."""
         if self._early.get(allocation_id) is False:
             return None
-        await self._flush()
         row = await self.conn.fetchrow(
             "DELETE FROM early_task_results WHERE allocation_id = $1 AND task_id = $2 RETURNING node_id, result",
             allocation_id,
@@ -283,26 +267,40 @@ class AllocationRepository(AllocationStore):
 
     async def insert(self, **fields: Any) -> None:
         cols = ", ".join(fields)
-        try:
-            self._behind.append(f"INSERT INTO allocations ({cols}) VALUES ({_literals(_values(fields))})")
-        except NoLiteral:
-            await self._flush()
-            params = ", ".join(f"${i}" for i in range(1, len(fields) + 1))
-            await self.conn.execute(f"INSERT INTO allocations ({cols}) VALUES ({params})", *_values(fields))
+        params = ", ".join(f"${i}" for i in range(1, len(fields) + 1))
+        await self.conn.execute(f"INSERT INTO allocations ({cols}) VALUES ({params})", *_values(fields))
         self._last_seq[fields["allocation_id"]] = 0
 
     async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None:
-        statement = _update_sql(allocation_id, fields)
-        if statement is not None:
-            self._behind.append(statement)
-            return
-        await self._flush()
-        sets = ", ".join(f"{col} = ${i}" for i, col in enumerate(fields, start=2))
+        # One statement text per set of columns a method of the aggregate changes: a few dozen, each prepared
+        # once per connection.
+        sets = "".join(f"{col} = ${i}, " for i, col in enumerate(fields, start=2))
         await self.conn.execute(
-            f"UPDATE allocations SET {sets}, updated_at = now() WHERE allocation_id = $1",
-            allocation_id,
-            *_values(fields),
+            f"UPDATE allocations SET {sets}updated_at = now() WHERE allocation_id = $1", allocation_id, *_values(fields)
         )
+
+    async def append_entries(self, allocation_id: uuid.UUID, entries: Sequence[TimelineEntry]) -> None:
+        """The aggregate's timeline rows with the seqs it counted from the lock's (nobody else writes the
+        timeline of an allocation locked or created in this unit of work; the primary key refuses a seq written
+        twice): one round trip for all of them."""
+        if not entries:
+            return
+        await self.conn.executemany(
+            _INSERT_TIMELINE,
+            [
+                (
+                    allocation_id,
+                    e.seq,
+                    e.state,
+                    e.previous_state,
+                    e.reason_code,
+                    json.dumps(e.detail or {}),
+                    e.cause_event_id,
+                )
+                for e in entries
+            ],
+        )
+        self._last_seq[allocation_id] = entries[-1].seq
 
     async def append_timeline(
         self,
@@ -314,10 +312,7 @@ class AllocationRepository(AllocationStore):
         detail: dict[str, Any] | None = None,
         cause_event_id: str | None = None,
     ) -> int:
-        row = self._timeline_row(allocation_id, state, previous_state, reason_code, detail, cause_event_id)
-        if row is not None:
-            return self._write_behind(allocation_id, row)
-        await self._flush()
+        """One timeline row, numbered by Postgres: right whether or not this unit of work locked the allocation."""
         seq: int = await self.conn.fetchval(
             "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
             "cause_event_id) SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, $3, $4, $5, $6 FROM allocation_timeline "
@@ -329,80 +324,11 @@ class AllocationRepository(AllocationStore):
             json.dumps(detail or {}),
             cause_event_id,
         )
-        return self._counted(allocation_id, seq)
-
-    async def change_state(
-        self,
-        allocation_id: uuid.UUID,
-        state: str,
-        previous_state: str,
-        *,
-        fields: dict[str, Any],
-        reason_code: str | None = None,
-        detail: dict[str, Any] | None = None,
-        cause_event_id: str | None = None,
-    ) -> int:
-        """`update` and `append_timeline` (written behind, or in one statement when the seq is not known);
-        the new timeline seq."""
-        row = self._timeline_row(allocation_id, state, previous_state, reason_code, detail, cause_event_id)
-        update = _update_sql(allocation_id, {"state": state, **fields}) if row is not None else None
-        if row is not None and update is not None:
-            return self._write_behind(allocation_id, row, update)  # the row changes before its timeline entry
-        await self._flush()
-        sets = "".join(f", {col} = ${i}" for i, col in enumerate(fields, start=7))
-        seq: int = await self.conn.fetchval(
-            f"WITH changed AS (UPDATE allocations SET state = $2{sets}, updated_at = now() WHERE allocation_id = $1) "
-            "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
-            "cause_event_id) SELECT $1, COALESCE(MAX(seq), 0) + 1, $2, $3, $4, $5, $6 FROM allocation_timeline "
-            "WHERE allocation_id = $1 RETURNING seq",
-            allocation_id,
-            state,
-            previous_state,
-            reason_code,
-            json.dumps(detail or {}),
-            cause_event_id,
-            *_values(fields),
-        )
-        return self._counted(allocation_id, seq)
-
-    def _timeline_row(
-        self,
-        allocation_id: uuid.UUID,
-        state: str,
-        previous_state: str | None,
-        reason_code: str | None,
-        detail: dict[str, Any] | None,
-        cause_event_id: str | None,
-    ) -> tuple[int, str] | None:
-        """The next timeline row's seq and INSERT; None when the seq is not known here or a value has no
-        literal."""
-        last = self._last_seq.get(allocation_id)
-        if last is None:
-            return None
-        values = (allocation_id, last + 1, state, previous_state, reason_code, json.dumps(detail or {}), cause_event_id)
-        try:
-            return last + 1, (
-                "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
-                f"cause_event_id) VALUES ({_literals(values)})"
-            )
-        except NoLiteral:
-            return None
-
-    def _counted(self, allocation_id: uuid.UUID, seq: int) -> int:
-        """A seq Postgres counted for an allocation whose last seq is kept here: kept up to date."""
         if allocation_id in self._last_seq:
             self._last_seq[allocation_id] = seq
         return seq
 
-    def _write_behind(self, allocation_id: uuid.UUID, row: tuple[int, str], *before: str) -> int:
-        """Keep `before` and then the timeline row to send later; the row's seq."""
-        seq, insert = row
-        self._behind.extend([*before, insert])
-        self._last_seq[allocation_id] = seq
-        return seq
-
     async def get_image(self, slug: str) -> ActiveImage | None:
-        await self._flush()
         row = await self.conn.fetchrow(
             "SELECT slug, kind, sku, digest_sha256, image_path, driver_strategy, driver_version FROM active_images "
             "WHERE slug = $1",
@@ -411,7 +337,6 @@ class AllocationRepository(AllocationStore):
         return ActiveImage(**dict(row)) if row else None
 
     async def upsert_image(self, image: ActiveImage) -> None:
-        await self._flush()
         await self.conn.execute(
             "INSERT INTO active_images (slug, kind, sku, digest_sha256, image_path, driver_strategy, driver_version) "
             "VALUES ($1, $2, $3, $4, $5, $6, $7) "
@@ -428,14 +353,12 @@ class AllocationRepository(AllocationStore):
         )
 
     async def delete_image(self, slug: str) -> None:
-        await self._flush()
         await self.conn.execute("DELETE FROM active_images WHERE slug = $1", slug)
 
     async def advance_image_clock(self, slug: str, occurred_at: datetime) -> bool:
         """Record an image event as the slug's newest and lock the slug's clock row until commit; False
         (nothing changed) when an event as new or newer was applied already. Never later than now: one
         event dated in the future must not freeze the slug."""
-        await self._flush()
         return bool(
             await self.conn.fetchval(
                 "INSERT INTO image_event_clock (slug, event_at) VALUES ($1, LEAST($2::timestamptz, now())) "
@@ -447,21 +370,14 @@ class AllocationRepository(AllocationStore):
         )
 
 
+_INSERT_TIMELINE = (
+    "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, cause_event_id) "
+    "VALUES ($1, $2, $3, $4, $5, $6, $7)"
+)
+
+
 def _values(fields: dict[str, Any]) -> list[Any]:
     return [json.dumps(v) if isinstance(v, (dict, list)) else v for v in fields.values()]
-
-
-def _literals(values: Any) -> str:
-    return ", ".join(sql_literal(v) for v in values)
-
-
-def _update_sql(allocation_id: uuid.UUID, fields: dict[str, Any]) -> str | None:
-    """`fields` of the allocation set, as one statement without parameters; None when a value has no literal."""
-    try:
-        sets = "".join(f"{col} = {sql_literal(v)}, " for col, v in zip(fields, _values(fields), strict=True))
-        return f"UPDATE allocations SET {sets}updated_at = now() WHERE allocation_id = {sql_literal(allocation_id)}"
-    except NoLiteral:
-        return None
 
 
 async def count_images(pool: asyncpg.Pool) -> int:

@@ -14,7 +14,7 @@ search inside one transaction, not an aggregate to load and save.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -101,9 +101,9 @@ class NodeRepository:
     def __init__(self, conn: asyncpg.Connection) -> None:
         self.conn = conn
 
-    async def refresh(self, node_ids: Iterable[str], *, later: Callable[[str], None] | None = None) -> None:
-        """Recompute the nodes' capacity summary (`later`: the unit of work's `defer`, to write it with COMMIT)."""
-        await inv.refresh_nodes(self.conn, list(node_ids), later=later)
+    async def refresh(self, node_ids: Iterable[str]) -> None:
+        """Recompute the nodes' capacity summary, in the unit of work's transaction."""
+        await inv.refresh_nodes(self.conn, list(node_ids))
 
 
 class HostRepository:

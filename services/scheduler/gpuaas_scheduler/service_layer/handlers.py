@@ -11,7 +11,7 @@ applied out of order or dropped.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import asyncpg
 
@@ -195,7 +195,6 @@ class Scheduler:
             cleanup_required=ev.cleanup.required,
             reason=ev.cleanup.reason,
             wipe_proofs=ev.cleanup.wipe_proofs,
-            later=ctx.uow.defer,
         )
         log.info("claims_released", count=freed, wipe_verified=ev.cleanup.verified)
 
@@ -209,7 +208,6 @@ class Scheduler:
             cleanup_required=ev.cleanup_required,
             reason=f"{ev.reason_code}: {ev.reason}"[:500],
             wipe_proofs=ev.wipe_proofs,
-            later=ctx.uow.defer,
         )
 
 
@@ -226,12 +224,10 @@ async def end_allocation(
     cleanup_required: bool,
     reason: str | None,
     wipe_proofs: Sequence[m.WipeProof],
-    later: Callable[[str], None] | None = None,
 ) -> int:
     """`allocation.released` or `allocation.failed`: load the allocation's `NodeClaims`, one method decides every
     slot (domain/node_claims.py), save; then a host released whole leaves baremetal mode and the capacity summary
-    is recomputed (`later`: the unit of work's `defer`, which takes its write to the COMMIT). The number of
-    claims ended."""
+    is recomputed. The number of claims ended."""
     claims = await repos.claims.load(allocation_id, log_reached=NodeClaims.log_to_check(event, cleanup_required))
     proofs = [p.model_dump(mode="json") for p in wipe_proofs]
     if event == "released":
@@ -242,7 +238,7 @@ async def end_allocation(
     if event == "released":
         for node_id in claims.whole_nodes:
             await host_modes.return_from_baremetal(repos.hosts, node_id, allocation_id)
-    await repos.nodes.refresh(claims.node_ids, later=later)
+    await repos.nodes.refresh(claims.node_ids)
     return freed
 
 
@@ -250,8 +246,6 @@ async def release_allocation(
     conn: asyncpg.Connection,
     allocation_id: uuid.UUID,
     cleanup: m.CleanupReport,
-    *,
-    later: Callable[[str], None] | None = None,
 ) -> int:
     """`allocation.released` in the caller's transaction: slots back to available only as `NodeClaims.release`
     decides (a wipe proof this scheduler finds to satisfy the site's policy, or a log that agrees nothing was
@@ -263,7 +257,6 @@ async def release_allocation(
         cleanup_required=cleanup.required,
         reason=cleanup.reason,
         wipe_proofs=cleanup.wipe_proofs,
-        later=later,
     )
 
 
@@ -274,7 +267,6 @@ async def fail_allocation(
     reason: str,
     *,
     wipe_proofs: Sequence[m.WipeProof] = (),
-    later: Callable[[str], None] | None = None,
 ) -> None:
     """`allocation.failed` in the caller's transaction, `reason` as the slots will show it: see `NodeClaims.fail`."""
     await end_allocation(
@@ -284,7 +276,6 @@ async def fail_allocation(
         cleanup_required=cleanup_required,
         reason=reason,
         wipe_proofs=wipe_proofs,
-        later=later,
     )
 
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import asyncpg
-
-from gpuaas_common.db import NoLiteral, bind_literals
 
 from ...domain.placement import SlotView, summarize
 from .predicates import COUNTED_SLOT_SQL, FREE_SLOT_SQL, slot_view
@@ -18,12 +16,9 @@ _UPDATE_SUMMARY_SQL = (
 )
 
 
-async def refresh_nodes(
-    conn: asyncpg.Connection, node_ids: Iterable[str] | None = None, *, later: Callable[[str], None] | None = None
-) -> None:
-    """Recompute the capacity summary of some nodes (all when None) from their slots and claims. `later`
-    (a unit of work's `defer`): the summary rows are written with its COMMIT, for a caller that reads
-    nothing after this."""
+async def refresh_nodes(conn: asyncpg.Connection, node_ids: Iterable[str] | None = None) -> None:
+    """Recompute the capacity summary of some nodes (all when None) from their slots and claims, in the
+    caller's transaction: one read, then one pipelined round trip for the node rows."""
     ids = sorted(set(node_ids)) if node_ids is not None else None
     # One round trip: each node's counts (computed once per node, hence MATERIALIZED) with its free slots,
     # one row per free slot and a row of NULLs for a node without any.
@@ -65,14 +60,6 @@ async def refresh_nodes(
         )
         for c in summaries
     ]
-    if later is not None and updates:
-        # A plain UPDATE by primary key: as a constant statement it costs Postgres next to nothing to plan
-        # (a statement that does, like the slot moves, stays prepared and is sent at once).
-        try:
-            later("; ".join(bind_literals(_UPDATE_SUMMARY_SQL, *u) for u in updates))
-            return
-        except NoLiteral:
-            pass
     await conn.executemany(_UPDATE_SUMMARY_SQL, updates)
 
 
