@@ -3,13 +3,17 @@ against the dev stack's processes: signed in by the login link minted from the o
 allocation made over the bus appear and change state on the page with no reload, shows the why-not of an
 unschedulable one, shows a dead letter arrive, and drains a node from the fleet page through the scheduler's
 admin API (the scheduler's node and its audit row name the console's user and request, and the audit page shows
-the record ops-view read off the bus: who, what, why, which request) and undrains it, and force-releases an
-active allocation from its page, which then turns failed there. Without a link the browser sees only the
-refusal.
+the record ops-view read off the bus: who, what, why, which request) and undrains it. On the host's page it asks
+for a waiver without reason or expiry (the scheduler's refusal shown, no waiver) and with both (listed there),
+disables a free slot, repairs it and approves its candidate again; on the quotas & wipe page it sets a tenant's
+quota (a quota that is no number is refused in the API's words, the quota unchanged) and the site's wipe policy;
+the audit page then lists each of those requests under the console's user. It force-releases an active
+allocation from its page, which then turns failed there. Without a link the browser sees only the refusal.
 
 Screenshots of every page are written as test artifacts, one PNG per page (`fleet.png`, `allocations.png`,
 `allocation.png`, `unschedulable.png`, `images.png`, `maas.png`, `dead-letters.png`, `usage.png`,
-`fleet-drained.png`, `host.png`, `audit.png`, `force-released.png`, `refused.png`), to the directory
+`fleet-drained.png`, `host.png`, `audit.png`, `host-acted.png`, `policies.png`, `audit-actions.png`,
+`force-released.png`, `refused.png`), to the directory
 `$GPUAAS_CONSOLE_SCREENSHOTS` names, or else to the test's pytest tmp path under `screenshots/` (printed at the
 end of the test; `pytest -s` shows it)."""
 
@@ -21,6 +25,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +36,7 @@ from selenium.common.exceptions import NoSuchElementException, StaleElementRefer
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from gpuaas_common.admin_http import login_link
 
@@ -85,6 +90,18 @@ def _text(b: WebDriver, what: str, by: str, value: str) -> str:
 
 def _click(b: WebDriver, what: str, by: str, value: str) -> None:
     _until(b, what, lambda d: d.find_element(by, value).click() or True)
+
+
+def _fill(b: WebDriver, values: dict[str, str]) -> None:
+    """Type into the form's fields by id, each cleared first (a page shown again after a refusal keeps nothing)."""
+    for field_id, value in values.items():
+        el = b.find_element(By.ID, field_id)
+        el.clear()
+        el.send_keys(value)
+
+
+def _select(b: WebDriver, field_id: str, value: str) -> None:
+    Select(b.find_element(By.ID, field_id)).select_by_value(value)
 
 
 def _live(b: WebDriver) -> None:
@@ -217,6 +234,87 @@ async def test_the_console_follows_the_fleet_live_and_drains_a_node(stack, porta
         lambda d: d.find_element(By.CSS_SELECTOR, f'tr[data-node="{node}"]').get_attribute("data-drained") == "no",
     )
     assert (await _scheduler(stack, "GET", f"/v1/nodes/{node}"))["node"]["draining"] is False
+
+    # The host's own forms. A waiver without reason or expiry is the scheduler's refusal, in its words, and no
+    # waiver; with both it is listed on the page.
+    await _browse(b.get, f"{url}/console/fleet/{node}")
+    await _browse(_until, b, "its slots", lambda d: d.find_elements(By.CSS_SELECTOR, "#slots tr[data-slot]"))
+    waivers = len(await _browse(b.find_elements, By.CSS_SELECTOR, "#waivers tr[data-waiver]"))
+    await _browse(_click, b, "the host's forms", By.CSS_SELECTOR, "#host-actions summary")
+    await _browse(_click, b, "the waiver's button", By.ID, "waiver-submit")
+    refused = await _browse(_text, b, "the waiver's refusal", By.ID, "action-error")
+    assert "waiver_refused" in refused and "reason" in refused and "expires_at" in refused, refused
+    assert len(await _browse(b.find_elements, By.CSS_SELECTOR, "#waivers tr[data-waiver]")) == waivers
+    until = (datetime.now(timezone.utc) + timedelta(days=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    await _browse(_fill, b, {"waiver-reason": "console e2e: parity probe flaky", "waiver-expires": until})
+    await _browse(_click, b, "the waiver's button", By.ID, "waiver-submit")
+    await _browse(_until, b, "the waiver's notice", lambda d: "waiver done" in d.find_element(By.ID, "notice").text)
+    listed = await _browse(_text, b, "the waivers", By.ID, "waivers")
+    assert "console e2e: parity probe flaky" in listed and "console-e2e" in listed, listed
+    assert len([w for w in (await _scheduler(stack, "GET", f"/v1/nodes/{node}"))["waivers"] if w["active"]]) >= 1
+
+    # A free slot disabled, repaired, and its candidate approved again, each from the page.
+    free = [
+        s for s in (await _scheduler(stack, "GET", f"/v1/nodes/{node}/slots"))["slots"] if s["status"] == "available"
+    ]
+    slot = free[0]["slot_id"]
+    for action, status in (("disable", "disabled"), ("repair", "available")):
+        await _browse(_select, b, "slot-id", slot)
+        await _browse(_fill, b, {"slot-reason": f"console e2e: {action}"})
+        await _browse(_click, b, f"the {action} button", By.ID, f"{action}-submit")
+        await _browse(
+            _until, b, f"the {action}'s notice", lambda d, a=action: f"{a} done" in d.find_element(By.ID, "notice").text
+        )
+        assert f"is {status}" in await _browse(_text, b, "the notice", By.ID, "notice")
+        assert (await _scheduler(stack, "GET", f"/v1/slots/{slot}"))["slot"]["status"] == status
+    candidates = (await _scheduler(stack, "GET", f"/v1/nodes/{node}/candidates"))["candidates"]
+    candidate = next(
+        c["candidate_id"]
+        for c in candidates
+        if c["candidate_id"] == slot or c.get("gpu_pci_address") == free[0].get("gpu_pci_address")
+    )
+    await _browse(_fill, b, {"approve-candidates": candidate, "approve-reason": "console e2e: re-approved"})
+    await _browse(_click, b, "the approve button", By.ID, "approve-submit")
+    approved = await _browse(_text, b, "the approval's notice", By.ID, "notice")
+    assert f"{slot} available" in approved, approved
+    await _browse(b.save_screenshot, str(shots / "host-acted.png"))
+
+    # Quota and the site's wipe policy from their page; a quota that is no number is the API's refusal, nothing set.
+    wipe = free[0].get("destructive_wipe_policy") or "blkdiscard"  # the one the slots have: the stack wipes as before
+    await _browse(b.get, f"{url}/console/policies?tenant={tenant}")
+    await _browse(_fill, b, {"quota-gpus": "8", "quota-reason": "console e2e: contract"})
+    await _browse(_click, b, "the quota button", By.ID, "quota-submit")
+    await _browse(_until, b, "the quota shown", lambda d: d.find_element(By.ID, "quota-max").text == "8")
+    await _browse(_fill, b, {"quota-gpus": "lots", "quota-reason": "console e2e: typo"})
+    await _browse(_click, b, "the quota button", By.ID, "quota-submit")
+    assert "max_gpus" in await _browse(_text, b, "the quota's refusal", By.ID, "action-error")
+    assert (await _scheduler(stack, "GET", f"/v1/tenants/{tenant}/quota"))["quota"]["max_gpus"] == 8
+    await _browse(_select, b, "wipe-policy", wipe)
+    await _browse(_fill, b, {"wipe-reason": "console e2e: audit finding"})
+    await _browse(_click, b, "the wipe policy button", By.ID, "wipe-submit")
+    await _browse(_until, b, "the wipe policy shown", lambda d: d.find_element(By.ID, "wipe-current").text == wipe)
+    await _browse(b.save_screenshot, str(shots / "policies.png"))
+
+    # Each change, and the refusals, is an audit record ops-view read off the bus.
+    await _browse(b.get, f"{url}/console/audit?actor=console-e2e&limit=100")
+    await _browse(_live, b)
+    paths = {
+        f"/v1/nodes/{node}/waivers": "422",
+        f"/v1/slots/{slot}/disable": "200",
+        f"/v1/slots/{slot}/repair": "200",
+        f"/v1/nodes/{node}/candidates/approve": "200",
+        f"/v1/tenants/{tenant}/quota": "422",
+        "/v1/sites/default/wipe-policy": "200",
+    }
+    await _browse(
+        _until,
+        b,
+        "every change's audit record",
+        lambda d: all(p in d.find_element(By.ID, "audit").text for p in paths),
+    )
+    shown = await _browse(_text, b, "the audit", By.ID, "audit")
+    assert "console e2e: parity probe flaky" in shown and "console e2e: audit finding" in shown, shown
+    await _browse(b.save_screenshot, str(shots / "audit-actions.png"))
 
     # Force release from an active allocation's page: the page it is on turns it failed, with no reload.
     stuck = await portal.request("gpu_slice", gpus=1, tenant_id=tenant)

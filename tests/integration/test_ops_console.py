@@ -31,7 +31,7 @@ from gpuaas_ops_view.entrypoints.web.pages import Console
 
 from .test_ops_view import SCHEMA, TOKEN, admin_request, fleet, lifecycle, nc, publish  # noqa: F401  (nc: the fixture)
 
-PAGES = ("fleet", "allocations", "images", "maas", "dead-letters", "usage", "audit")
+PAGES = ("fleet", "policies", "allocations", "images", "maas", "dead-letters", "usage", "audit")
 
 
 class Console_:
@@ -193,6 +193,41 @@ async def test_a_login_link_opens_the_pages_and_only_them(nc: nats.NATS, console
             assert resp.status == 303
         async with http.get(f"{console.url}/console/fleet") as resp:
             assert resp.status == 401
+
+
+async def test_a_form_the_console_cannot_send_is_refused_on_its_page(nc: nats.NATS, console: Console_) -> None:  # noqa: F811
+    """What the console checks itself (ids that go into the API's paths, a reason for the audit, a wipe proof that
+    is JSON) is a 400 on the form's page naming the field; the scheduler's own refusals are the browser test's.
+    Without the scheduler's admin API a well-formed change is a 502 saying so."""
+    node = f"n-{uuid.uuid4().hex[:6]}"
+    await fleet(nc, node)
+    with console.changes.subscribe() as notices:
+        while True:
+            async with console.pool.acquire() as conn:
+                if await conn.fetchval("SELECT 1 FROM hosts WHERE node_id = $1", node):
+                    break
+            await asyncio.wait_for(notices.get(), 20)
+    async with _browser() as http:
+        await _signed_in(console, http)
+        for path, form, said in (
+            (f"fleet/{node}/disable", {"slot_id": "../x", "reason": "r"}, "slot_id must be an id"),
+            (
+                f"fleet/{node}/repair",
+                {"slot_id": f"{node}-s1", "reason": "r", "wipe_proof": "{"},
+                "wipe_proof is not JSON",
+            ),
+            (f"fleet/{node}/approve", {"reason": ""}, "reason is required"),
+            ("policies/quota", {"tenant": "a/b", "max_gpus": "1", "reason": "r"}, "tenant must be an id"),
+        ):
+            async with http.post(f"{console.url}/console/{path}", data=form) as resp:
+                body = await resp.text()
+                assert resp.status == 400 and 'id="action-error"' in body and said in body, (path, body)
+                assert 'data-page="/console/' in body  # the page the script shows and refreshes, not the action
+        async with http.post(
+            f"{console.url}/console/fleet/{node}/waiver", data={"gate": "parity", "expires_at": "tomorrow"}
+        ) as resp:
+            body = await resp.text()
+            assert resp.status == 502 and "not configured" in body, body
 
 
 async def test_a_filter_that_does_not_parse_is_a_400_page_naming_the_field(console: Console_) -> None:

@@ -1,6 +1,7 @@
 """The scheduler's admin API as the console uses it: the nodes' admin state (drained, mode, maintenance: the
-scheduler's truth, never on the bus) and the console's changes (drain, undrain, force release), under the same
-Idempotency-Key, actor and audit as `gpuaas nodes drain` and the other commands. The console holds no scheduler
+scheduler's truth, never on the bus), quotas and site wipe policies, and the console's changes (drain, undrain,
+slot approval, disable and repair, waivers, quota, wipe policy, force release), under the same Idempotency-Key,
+actor and audit as `gpuaas nodes drain` and the other commands. The console holds no scheduler
 data of its own."""
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ class Answer:
         if self.status < 400:
             return None
         err = self.body.get("error") if isinstance(self.body.get("error"), dict) else {}
-        return f"{err.get('code', self.status)}: {err.get('message', '')}".strip()
+        said = f"{err.get('code', self.status)}: {err.get('message', '')}".strip()
+        # A body the schema refused names each field and what is wrong with it: the page shows which.
+        details = err.get("details") if isinstance(err.get("details"), dict) else {}
+        fields = [e for e in details.get("errors") or [] if isinstance(e, dict)]
+        if fields:
+            said += " (" + "; ".join(f"{e.get('loc')}: {e.get('msg')}" for e in fields) + ")"
+        return said
 
 
 class SchedulerAdmin:
@@ -82,13 +89,24 @@ class SchedulerAdmin:
             raise SchedulerUnavailable(f"the scheduler admin API refused the node ({answer.error})")
         return answer.body
 
+    async def read(self, path: str) -> Answer:
+        """A view the console shows as the API answers it (a quota, a site's wipe policy), refusal included."""
+        return await self._call("GET", path)
+
     async def act(
-        self, path: str, body: dict[str, Any], *, actor: str, idempotency_key: str, request_id: str
+        self,
+        path: str,
+        body: dict[str, Any],
+        *,
+        actor: str,
+        idempotency_key: str,
+        request_id: str,
+        method: str = "POST",
     ) -> Answer:
-        """One change, POSTed as the CLI sends it (the body's actor and reason, an Idempotency-Key); the console's
+        """One change, sent as the CLI sends it (the body's actor and reason, an Idempotency-Key); the console's
         request id travels with it, so the scheduler's audit row and the console's log name the same request."""
         return await self._call(
-            "POST",
+            method,
             path,
             body={"actor": actor, **body},
             headers={"Idempotency-Key": idempotency_key, "X-Actor": actor, "X-Request-Id": request_id},
@@ -101,3 +119,19 @@ class SchedulerAdmin:
     @staticmethod
     def force_release_path(allocation_id: str) -> str:
         return f"/v1/allocations/{quote(allocation_id, safe='')}/force-release"
+
+    @staticmethod
+    def slot_path(slot_id: str, action: str) -> str:
+        return f"/v1/slots/{quote(slot_id, safe='')}/{action}"
+
+    @staticmethod
+    def approve_path(node_id: str) -> str:
+        return f"/v1/nodes/{quote(node_id, safe='')}/candidates/approve"
+
+    @staticmethod
+    def quota_path(tenant_id: str) -> str:
+        return f"/v1/tenants/{quote(tenant_id, safe='')}/quota"
+
+    @staticmethod
+    def wipe_policy_path(region: str) -> str:
+        return f"/v1/sites/{quote(region, safe='')}/wipe-policy"

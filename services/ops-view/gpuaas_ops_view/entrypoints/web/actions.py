@@ -1,9 +1,11 @@
 """The console's changes: a form in, one call to the scheduler's admin API out, as the CLI makes it (the body's
 actor and reason, the form's Idempotency-Key so a posted-twice form changes once), and the scheduler's answer in
-words for the page. The console decides nothing: the scheduler refuses what it refuses."""
+words for the page. The console decides nothing: the scheduler refuses what it refuses, so a field the API
+parses (a quota, a waiver's expiry) travels as typed and its refusal is the API's own."""
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass
@@ -22,29 +24,33 @@ log = get_logger(__name__)
 
 REASON_MAX = 500
 KEY = re.compile(r"^[\x21-\x7e]{1,200}$")
+CHECKBOXES = ("maintenance", "force")
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """None `error`: done. Otherwise what to show and the status to show it with."""
+    """None `error`: done, with the API's answer. Otherwise what to show and the status to show it with."""
 
     error: str | None = None
     status: int = 200
+    body: dict[str, Any] | None = None
 
 
-async def read_form(request: web.Request) -> tuple[dict[str, Any], str | None]:
-    """The form's fields every change has (reason, idempotency key) and its checkboxes, or the problem with it."""
+async def read_form(request: web.Request, *, reason_required: bool = True) -> tuple[dict[str, Any], str | None]:
+    """The form's fields (stripped text, checkboxes as booleans), its reason and idempotency key, or the problem
+    with them. `reason_required=False` leaves a missing reason to the API (a waiver's refusal names it)."""
     form = await request.post()
-    reason = str(form.get("reason", "")).strip()
-    key = str(form.get("idempotency_key", "")) or uuid.uuid4().hex
-    fields = {
-        "reason": reason,
-        "key": key,
-        "node_id": str(form.get("node_id", "")).strip(),
-        "maintenance": form.get("maintenance") == "on",
-        "force": form.get("force") == "on",
+    fields: dict[str, Any] = {
+        name: (value == "on" if name in CHECKBOXES else value.strip())
+        for name, value in form.items()
+        if isinstance(value, str)
     }
-    if not reason or len(reason) > REASON_MAX or not reason.isprintable():
+    for box in CHECKBOXES:
+        fields.setdefault(box, False)
+    reason = fields.get("reason", "")
+    key = fields.pop("idempotency_key", "") or uuid.uuid4().hex
+    fields.update(reason=reason, key=key, node_id=fields.get("node_id", ""))
+    if (reason or reason_required) and (not reason or len(reason) > REASON_MAX or not reason.isprintable()):
         return fields, f"reason is required: why (1-{REASON_MAX} printable characters), for the audit"
     if not KEY.match(key):
         return fields, "idempotency_key is not one this page made"
@@ -55,6 +61,35 @@ def node_problem(node_id: str) -> str | None:
     return None if IDENTIFIER.match(node_id) else "node_id must be a node id: letters, digits and ._:-"
 
 
+def id_problem(field: str, value: str) -> str | None:
+    """Ids go into the API's paths: one that is no identifier is refused here rather than sent elsewhere."""
+    return None if IDENTIFIER.match(value) else f"{field} must be an id: letters, digits and ._:-"
+
+
+def words(text: str) -> list[str] | None:
+    """A list typed into one field (spaces or commas between); None for an empty field."""
+    found = [w for w in re.split(r"[\s,]+", text) if w]
+    return found or None
+
+
+def number_or_text(text: str) -> int | str:
+    """An integer as the API takes it, or the text as typed, which the API refuses in its own words."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def json_or_problem(field: str, text: str) -> tuple[Any, str | None]:
+    """A JSON document typed into a field (None when empty), or what is wrong with it."""
+    if not text:
+        return None, None
+    try:
+        return json.loads(text), None
+    except ValueError as exc:
+        return None, f"{field} is not JSON: {exc}"
+
+
 async def ask(
     request: web.Request,
     scheduler: SchedulerAdmin,
@@ -63,10 +98,14 @@ async def ask(
     path: str,
     body: dict[str, Any],
     key: str,
+    *,
+    method: str = "POST",
 ) -> Outcome:
     actor = request[ACTING]
     try:
-        answer = await scheduler.act(path, body, actor=actor, idempotency_key=key, request_id=request[REQUEST_ID])
+        answer = await scheduler.act(
+            path, body, actor=actor, idempotency_key=key, request_id=request[REQUEST_ID], method=method
+        )
     except SchedulerUnavailable as exc:
         log.warning("console_action_failed", action=what, error=str(exc))
         return Outcome(str(exc), 502)
@@ -76,4 +115,4 @@ async def ask(
     log.info("console_action", action=what, actor=actor, idempotency_key=key)
     # Every open page refreshes: the scheduler's change is not on the streams the models follow.
     changes.announce("admin")
-    return Outcome()
+    return Outcome(body=answer.body)

@@ -1,7 +1,8 @@
 """The ops console: server-rendered pages over the read models (the same queries as the ops API), kept live by
 server-sent events (live.py), mounted on the ops API under /console behind its login link
-(gpuaas_common.admin_http.Pages). Its changes (drain, undrain, force release) go to the scheduler's admin API as
-the CLI sends them (actions.py)."""
+(gpuaas_common.admin_http.Pages). Its changes (drain and undrain on the fleet; slot approval, disable, repair and
+waivers on a host's page; quotas and site wipe policies on the policies page; force release on an allocation's
+page) go to the scheduler's admin API as the CLI sends them (actions.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import uuid
 from datetime import datetime, timezone
 from importlib import resources
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import asyncpg
 from aiohttp import web
@@ -39,8 +40,11 @@ NAV = (
     ("maas", "MAAS operations"),
     ("dead-letters", "Dead letters"),
     ("usage", "Usage"),
+    ("policies", "Quotas & wipe"),
     ("audit", "Audit"),
 )
+WIPE_POLICIES = ("blkdiscard", "nvme_format", "crypto_erase")
+GATES = ("parity", "preflight")
 
 
 class Console:
@@ -59,6 +63,9 @@ class Console:
         r.add_get(PREFIX + "/fleet", self.fleet)
         r.add_post(PREFIX + "/fleet/{action:drain|undrain}", self.node_action)
         r.add_get(PREFIX + "/fleet/{node_id}", self.host)
+        r.add_post(PREFIX + "/fleet/{node_id}/{action:approve|waiver|disable|repair}", self.host_action)
+        r.add_get(PREFIX + "/policies", self.policies)
+        r.add_post(PREFIX + "/policies/{action:quota|wipe-policy}", self.policy_action)
         r.add_post(PREFIX + "/allocations/{allocation_id}/force-release", self.force_release)
         r.add_get(PREFIX + "/allocations", self.allocations)
         r.add_get(PREFIX + "/allocations/{allocation_id}", self.allocation)
@@ -81,6 +88,9 @@ class Console:
             "query": dict(request.query),
             "now": datetime.now(timezone.utc),
             "error": None,
+            # A form's refusal is rendered in answer to its POST; the page it belongs to (the action's path less
+            # its last segment) is where the page's script reads its live part, and the address it shows.
+            "page_url": request.path.rsplit("/", 1)[0] if request.method == "POST" else None,
             **more,
         }
 
@@ -142,23 +152,144 @@ class Console:
             resp.set_status(status)
         return resp
 
-    async def host(self, request: web.Request) -> web.Response:
+    @staticmethod
+    def _acting(request: web.Request, action_error: str | None, can_act: bool) -> dict[str, Any]:
+        """What a page with forms shows around them: the last change done or refused, a fresh key per form."""
+        return {
+            "action_error": action_error,
+            "acted": request.query.get("acted"),
+            "acted_detail": request.query.get("detail"),
+            "action_key": uuid.uuid4().hex,
+            "can_act": can_act,
+        }
+
+    async def host(self, request: web.Request, *, action_error: str | None = None, status: int = 200) -> web.Response:
         """A host: its slots as the streams described them (status, holder, drift) and its live claims, beside the
-        scheduler's admin detail (mode history, waivers, actions asked of it)."""
+        scheduler's admin detail (mode history, waivers, actions asked of it), and the forms that change it."""
         node_id = request.match_info["node_id"]
         admin, admin_error = None, None
         try:
             admin = await self.scheduler.node(node_id)
         except SchedulerUnavailable as exc:
             admin_error = str(exc)
-        more = {"admin": admin, "admin_error": admin_error}
+        more = {
+            "admin": admin,
+            "admin_error": admin_error,
+            "node_id": node_id,
+            "gates": GATES,
+            "wipe_policies": WIPE_POLICIES,
+            **self._acting(request, action_error, self.scheduler.configured),
+        }
         async with self.pool.acquire() as conn:
             try:
                 found = await queries.get_host(conn, node_id)
             except ApiError as exc:
                 ctx = self._context(request, "fleet", host=None, error=exc.message, **more)
                 return page(request, "host.html", exc.status, **ctx)
-        return page(request, "host.html", **self._context(request, "fleet", host=found, **more))
+        return page(request, "host.html", status, **self._context(request, "fleet", host=found, **more))
+
+    async def host_action(self, request: web.Request) -> web.StreamResponse:
+        """A host page's forms: approve candidates, add a waiver, disable or repair a slot. Done goes back to the
+        host's page (a reload does not post again); a refusal is shown there in the scheduler's words, with a 4xx."""
+        node_id, action = request.match_info["node_id"], request.match_info["action"]
+        # A waiver's missing reason is the API's to refuse: its refusal names every problem at once.
+        fields, problem = await actions.read_form(request, reason_required=action != "waiver")
+        problem = actions.node_problem(node_id) or problem
+        body: dict[str, Any] = {"reason": fields["reason"] or None}
+        method_path = ""
+        if action == "approve":
+            body["candidate_ids"] = actions.words(fields.get("candidate_ids", ""))
+            body["destructive_wipe_policy"] = fields.get("destructive_wipe_policy") or None
+            method_path = self.scheduler.approve_path(node_id)
+        elif action == "waiver":
+            body["gate"] = fields.get("gate", "")
+            body["expires_at"] = fields.get("expires_at") or None
+            method_path = self.scheduler.node_path(node_id, "waivers")
+        else:
+            slot_id = fields.get("slot_id", "")
+            problem = problem or actions.id_problem("slot_id", slot_id)
+            if action == "repair":
+                proof, bad = actions.json_or_problem("wipe_proof", fields.get("wipe_proof", ""))
+                problem = problem or bad
+                body["wipe_proof"] = proof
+            method_path = self.scheduler.slot_path(slot_id, action)
+        if problem is not None:
+            return await self.host(request, action_error=problem, status=400)
+        body = {k: v for k, v in body.items() if v is not None}
+        done = await actions.ask(request, self.scheduler, self.changes, action, method_path, body, fields["key"])
+        if done.error is not None:
+            return await self.host(request, action_error=done.error, status=done.status)
+        shown = {"acted": action, "detail": _detail(action, fields, done.body or {})}
+        raise web.HTTPSeeOther(f"{PREFIX}/fleet/{quote(node_id, safe='')}?{urlencode(shown)}")
+
+    async def policies(
+        self,
+        request: web.Request,
+        *,
+        action_error: str | None = None,
+        status: int = 200,
+        shown: dict[str, str] | None = None,
+    ) -> web.Response:
+        """A tenant's quota and a site's wipe policy as the scheduler answers for them, and the forms that set
+        them. `shown`: the tenant and site a refused form's page shows (its query is the form's)."""
+        where = shown if shown is not None else request.query
+        tenant, region = where.get("tenant", "").strip(), where.get("region", "").strip() or "default"
+        views: dict[str, Any] = {"quota": None, "quota_error": None, "wipe": None, "wipe_error": None}
+        for name, field, value, path in (
+            ("quota", "tenant", tenant, self.scheduler.quota_path),
+            ("wipe", "region", region, self.scheduler.wipe_policy_path),
+        ):
+            if not value:
+                continue
+            problem = actions.id_problem(field, value)
+            if problem is not None:
+                views[f"{name}_error"] = problem
+                continue
+            try:
+                answer = await self.scheduler.read(path(value))
+            except SchedulerUnavailable as exc:
+                views[f"{name}_error"] = str(exc)
+                continue
+            views[name], views[f"{name}_error"] = (answer.body, None) if answer.error is None else (None, answer.error)
+        ctx = self._context(
+            request,
+            "policies",
+            tenant=tenant,
+            region=region,
+            wipe_policies=WIPE_POLICIES,
+            **views,
+            **self._acting(request, action_error, self.scheduler.configured),
+        )
+        if shown is not None:
+            ctx["page_url"] = f"{PREFIX}/policies?{urlencode({'tenant': tenant, 'region': region})}"
+        return page(request, "policies.html", status, **ctx)
+
+    async def policy_action(self, request: web.Request) -> web.StreamResponse:
+        """The policies page's forms: a tenant's quota, a site's wipe policy (PUT, as the CLI sends them)."""
+        action = request.match_info["action"]
+        fields, problem = await actions.read_form(request)
+        if action == "quota":
+            target = fields.get("tenant", "")
+            problem = actions.id_problem("tenant", target) or problem
+            body: dict[str, Any] = {
+                "reason": fields["reason"],
+                "max_gpus": actions.number_or_text(fields.get("max_gpus", "")),
+            }
+            path = self.scheduler.quota_path(target)
+        else:
+            target = fields.get("region", "") or "default"
+            problem = actions.id_problem("region", target) or problem
+            body = {"reason": fields["reason"], "destructive_wipe_policy": fields.get("destructive_wipe_policy", "")}
+            path = self.scheduler.wipe_policy_path(target)
+        # The page goes on showing the tenant and site it showed (each form carries the other's as hidden).
+        shown = {"tenant": fields.get("tenant", ""), "region": fields.get("region", "")}
+        if problem is not None:
+            return await self.policies(request, action_error=problem, status=400, shown=shown)
+        done = await actions.ask(request, self.scheduler, self.changes, action, path, body, fields["key"], method="PUT")
+        if done.error is not None:
+            return await self.policies(request, action_error=done.error, status=done.status, shown=shown)
+        after = {**shown, "acted": action, "detail": _detail(action, fields, done.body or {})}
+        raise web.HTTPSeeOther(f"{PREFIX}/policies?{urlencode(after)}")
 
     async def node_action(self, request: web.Request) -> web.StreamResponse:
         """The fleet's form (drain, undrain): done goes back to the fleet (a reload does not post it again), a
@@ -255,3 +386,26 @@ class Console:
         return await self._list(
             request, "audit.html", "audit", lambda conn: queries.list_audit(conn, query), services=AUDITED_SERVICES
         )
+
+
+def _detail(action: str, fields: dict[str, Any], answer: dict[str, Any]) -> str:
+    """One line on what the scheduler did, for the notice after the redirect (an approval's per-candidate outcome
+    above all: a candidate that breaks a rule is approved disabled, with its problems)."""
+    if action == "approve":
+        said = [
+            f"{r.get('slot_id')} {r.get('status')}"
+            + (f" ({'; '.join(map(str, r['problems']))})" if r.get("problems") else "")
+            for r in answer.get("results") or []
+            if isinstance(r, dict)
+        ]
+        text = "approved: " + (", ".join(said) or "nothing")
+    elif action == "waiver":
+        text = f"{fields.get('gate')} waived until {fields.get('expires_at')}"
+    elif action in ("disable", "repair"):
+        slot = answer.get("slot") if isinstance(answer.get("slot"), dict) else answer
+        text = f"slot {fields.get('slot_id')} is {slot.get('status', 'changed')}"
+    elif action == "quota":
+        text = f"{fields.get('tenant')} may hold {fields.get('max_gpus')} GPUs"
+    else:
+        text = f"site {fields.get('region') or 'default'} wipes by {fields.get('destructive_wipe_policy')}"
+    return text[:500]

@@ -8,6 +8,10 @@
   var body = document.body;
   if (!live || !window.EventSource || !window.fetch) { return; }
   var busy = false, again = false, refreshed = 0;
+  // A refused form's page answers a POST: show, reload and refresh the page it belongs to, never the action.
+  if (body.getAttribute("data-page") && window.history.replaceState) {
+    window.history.replaceState(null, "", body.getAttribute("data-page"));
+  }
 
   function refresh() {
     if (busy) { again = true; return; }
