@@ -4,8 +4,11 @@ Not a durable: the position lives in the models' own database, committed in the 
 rows, so the models and their position never disagree. At every start (and after anything irregular: a gap in
 the consumer's sequence, a lost connection, a failed commit) the consumer is made afresh from that position,
 with no acks; an empty schema starts at the first message the stream retains, which is how the models rebuild.
-Messages are applied in stream order, in batches of what has arrived, one transaction a batch; each message in a
-savepoint, so one that cannot be placed is dead-lettered with its reason and the rest of the batch commits.
+Messages are applied in stream order, in batches of what has arrived, one transaction a batch. A batch is first
+applied as it comes, with no savepoint per message (two round trips per message fewer: under load the follower's
+pace is its round trips to Postgres, one after another); should any message of it fail, that transaction is
+rolled back and the batch applied again with each message in a savepoint, so one that cannot be placed is
+dead-lettered with its reason and the rest of the batch commits.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ _UNPLACEABLE_DB = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
 
 class _Irregular(Exception):
     """Start again from the committed position."""
+
+
+class _Unplaced(Exception):
+    """A message of a batch applied without savepoints failed: apply the batch again, each message alone."""
 
 
 class StreamFollower:
@@ -145,6 +152,23 @@ class StreamFollower:
         self._consumer_seq = 0
 
     async def _apply(self, msgs: list[Msg]) -> None:
+        consumer_seq = self._consumer_seq
+        try:
+            letters = await self._apply_batch(msgs, alone=False)
+        except _Unplaced:
+            self._consumer_seq = consumer_seq
+            letters = await self._apply_batch(msgs, alone=True)
+        self.position = msgs[-1].metadata.sequence.stream
+        POSITION.labels(self.stream).set(self.position)
+        now = time.time()
+        for msg in msgs:
+            LAG.labels(self.stream).observe(max(now - msg.metadata.timestamp.timestamp(), 0.0))
+        APPLIED.labels(self.stream, "applied").inc(len(msgs) - len(letters))
+        APPLIED.labels(self.stream, "dead_lettered").inc(len(letters))
+
+    async def _apply_batch(self, msgs: list[Msg], *, alone: bool) -> list[tuple[Msg, PermanentError]]:
+        """One transaction for the batch; `alone`: each message in a savepoint, those that fail dead-lettered.
+        Without, the first failure rolls the whole transaction back (_Unplaced)."""
         letters: list[tuple[Msg, PermanentError]] = []
         async with self.pool.acquire() as conn, conn.transaction():
             repo = Projection(conn)
@@ -156,8 +180,10 @@ class StreamFollower:
                     # consumer is made again from the position.
                     raise _Irregular(f"consumer sequence {md.sequence.consumer} after {self._consumer_seq}")
                 self._consumer_seq = md.sequence.consumer
-                failure = await self._apply_one(conn, repo, msg)
+                failure = await self._apply_one(conn, repo, msg, alone=alone)
                 if failure is not None:
+                    if not alone:
+                        raise _Unplaced()
                     letters.append((msg, failure))
                 last = md
             assert last is not None
@@ -166,18 +192,17 @@ class StreamFollower:
             # under the same derived event id, JetStream drops the copy.
             for msg, failure in letters:
                 await self._dead_letter(msg, failure)
-        self.position = last.sequence.stream
-        POSITION.labels(self.stream).set(self.position)
-        now = time.time()
-        for msg in msgs:
-            LAG.labels(self.stream).observe(max(now - msg.metadata.timestamp.timestamp(), 0.0))
-        APPLIED.labels(self.stream, "applied").inc(len(msgs) - len(letters))
-        APPLIED.labels(self.stream, "dead_lettered").inc(len(letters))
+        return letters
 
-    async def _apply_one(self, conn: asyncpg.Connection, repo: Projection, msg: Msg) -> PermanentError | None:
+    async def _apply_one(
+        self, conn: asyncpg.Connection, repo: Projection, msg: Msg, *, alone: bool
+    ) -> PermanentError | None:
         message = Message(self.stream, msg.metadata.sequence.stream, msg.subject, msg.data)
         try:
-            async with conn.transaction():  # a savepoint: what a failed message wrote goes, the batch stays
+            if alone:
+                async with conn.transaction():  # a savepoint: what a failed message wrote goes, the batch stays
+                    await apply(repo, message)
+            else:
                 await apply(repo, message)
         except PermanentError as exc:
             return exc
