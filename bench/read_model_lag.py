@@ -11,11 +11,14 @@ ops-view's allocations follower reads):
   `ops_view_changed` in the transaction that writes the rows and advances `stream_positions`, so the notice
   arrives only after that commit; on each one the bench reads the stream's committed position, and every event
   up to it is in the model by the time that read answers. The read's round trip is counted as lag: an upper
-  bound, within about a millisecond on this machine;
+  bound, checked against ops-view's own lag histogram (observed right after each commit), reported beside;
 - baseline, in the same run and the same process: an ordered push consumer of the bench on the same subjects,
   when each message reached it (nothing of ours between the stream and it).
 
 Both lags are the bench's wall clock less the server's; the server runs on this machine, on the same clock.
+Beside them: the rate the stream stored the events at and the rate the model committed them at (whether the
+follower kept pace), ops-view's CPU per event, and the pipeline's own requested -> active latency (whether the
+stack itself kept up with the load).
 
     .venv/bin/python bench/read_model_lag.py                       # 50/s for 20 s
     .venv/bin/python bench/read_model_lag.py --rate 50 --duration 30 --json
