@@ -780,7 +780,9 @@ SECRET_HOLDERS = {
     "GPUAAS_PG_IMAGE_PIPELINE_PASSWORD": {"pg-roles", "image-pipeline"},
     "GPUAAS_PG_MAAS_GATEWAY_PASSWORD": {"pg-roles", "maas-gateway"},
     "GPUAAS_PG_OPS_VIEW_PASSWORD": {"pg-roles", "ops-view"},
-    "GPUAAS_MAAS_API_KEY": {"maas-sim", "maas-gateway"},
+    # The simulated fleet stands in for the machines the simulator deploys: it reads each deploy's user-data with
+    # the simulator's key (shown to no caller without it). A real MAAS gives it to the machine alone.
+    "GPUAAS_MAAS_API_KEY": {"maas-sim", "maas-gateway", "node-agent"},
     "GPUAAS_ENROLMENT_SECRET": {"allocator", "maas-gateway"},
     # ops-view's console drains through the scheduler's admin API (audited there under the console user).
     "GPUAAS_SCHEDULER_ADMIN_TOKEN": {"scheduler", "ops-view"},

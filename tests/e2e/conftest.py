@@ -14,6 +14,7 @@ import pytest
 
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
+from gpuaas_dev.maas_sim.control import sim_user_data_headers
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.databases import ServiceDatabases
@@ -117,8 +118,9 @@ async def db(stack: Stack) -> AsyncIterator[ServiceDatabases]:
 
 
 async def maas_sim(stack: Stack, method: str, path: str, body: Any = None) -> Any:
-    """The simulator's `/_sim/` controls, over HTTPS verified against the stack's CA alone."""
-    async with aiohttp.ClientSession() as http:
+    """The simulator's `/_sim/` controls, over HTTPS verified against the stack's CA alone, with its key (deploys'
+    user-data shown)."""
+    async with aiohttp.ClientSession(headers=sim_user_data_headers(stack.maas_api_key)) as http:
         tls = stack.maas_ssl_context or True
         async with http.request(method, f"{stack.maas_base_url}{path}", json=body, ssl=tls) as resp:
             text = await resp.text()

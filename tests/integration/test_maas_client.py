@@ -13,6 +13,7 @@ import pytest_asyncio
 import structlog
 
 from gpuaas_dev.maas_sim import SimConfig, start, system_id_for
+from gpuaas_dev.maas_sim.control import sim_user_data_headers
 from gpuaas_dev.testing.waiting import eventually
 from gpuaas_maas_gateway.adapters.maas_client import MaasClient
 from gpuaas_maas_gateway.adapters.maas_errors import (
@@ -45,7 +46,7 @@ class Sim:
             assert r.status == 200, await r.text()
 
     async def machine(self, system_id: str) -> dict[str, Any]:
-        async with self.http.get(f"{self.base}/_sim/machines/{system_id}") as r:
+        async with self.http.get(f"{self.base}/_sim/machines/{system_id}", headers=sim_user_data_headers(KEY)) as r:
             return await r.json()
 
     async def calls(self) -> dict[str, dict[str, int]]:

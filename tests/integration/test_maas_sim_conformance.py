@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,6 +19,7 @@ import pytest_asyncio
 from oauthlib import oauth1
 
 from gpuaas_dev.maas_sim import SimConfig, start, system_id_for
+from gpuaas_dev.maas_sim.control import sim_user_data_headers
 from gpuaas_dev.testing.waiting import eventually
 
 KEY = "CK" * 9 + ":" + "TK" * 9 + ":" + "TS" * 16
@@ -84,7 +86,7 @@ def oauth_header(**overrides: str | None) -> dict[str, str]:
 
 
 async def sim_machine(http: aiohttp.ClientSession, sim: Sim, system_id: str) -> dict[str, Any]:
-    async with http.get(f"{sim.base}/_sim/machines/{system_id}") as r:
+    async with http.get(f"{sim.base}/_sim/machines/{system_id}", headers=sim_user_data_headers(KEY)) as r:
         assert r.status == 200
         return await r.json()
 
@@ -141,6 +143,15 @@ async def test_python_libmaas_lists_reads_deploys_and_releases(sim: Sim, http: a
     assert await in_libmaas_thread(deploy) == (NodeStatus.DEPLOYING, "custom", "gpuaas-h200-host-ubuntu2404")
     state = await sim_machine(http, sim, sid)
     assert state["_sim"]["last_deploy"]["user_data"] == "#cloud-config\nruncmd: [echo enrol]\n"
+    # The user-data (in a deploy of ours: the host's bus creds and enrolment token) only with the simulator's key.
+    for headers in ({}, {"Authorization": "Bearer " + KEY[:-1] + "x"}, {"Authorization": KEY}):
+        for path in (f"/_sim/machines/{sid}", "/_sim/machines"):
+            async with http.get(f"{sim.base}{path}", headers=headers) as r:
+                body = await r.json()
+            (shown,) = [m for m in body.get("machines", [body]) if m["system_id"] == sid]
+            last = shown["_sim"]["last_deploy"]
+            assert (last["user_data"], last["user_data_b64"]) == (None, None) and last["user_data_withheld"], headers
+            assert "enrol" not in json.dumps(body)
 
     async def deployed() -> bool:
         return (await sim_machine(http, sim, sid))["status_name"] == "Deployed"

@@ -1,8 +1,12 @@
-"""Simulator controls under /_sim/: not part of MAAS, unauthenticated, for tests and dev stacks."""
+"""Simulator controls under /_sim/: not part of MAAS, for tests and dev stacks. Unauthenticated but for the one
+secret they could give away: a deploy's user-data (the host's bus creds and enrolment token), shown only to a
+caller with the simulator's API key (`Authorization: Bearer <key>`), as real MAAS gives it only to the machine
+through its own metadata token (`sim_user_data_headers`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 from typing import Any
 
 from aiohttp import web
@@ -52,16 +56,27 @@ def add_routes(app: web.Application, state_key: web.AppKey[SimState]) -> None:
         state_of(request).faults.clear(int(fault_id) if fault_id else None)
         return web.json_response({"faults": [f.to_dict() for f in state_of(request).faults.list()]})
 
+    def shown(request: web.Request, system_id: str) -> dict[str, Any]:
+        state = state_of(request)
+        data = state.machine_debug(system_id)
+        given = request.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {state.config.key}".encode()):
+            return data
+        last = (data.get("_sim") or {}).get("last_deploy")
+        if last is not None and last.get("user_data") is not None:
+            last.update(user_data=None, user_data_b64=None, user_data_withheld="needs the simulator's API key")
+        return data
+
     async def machines(request: web.Request) -> web.Response:
         state = state_of(request)
-        return web.json_response({"machines": [state.machine_debug(sid) for sid in state.machines]})
+        return web.json_response({"machines": [shown(request, sid) for sid in state.machines]})
 
     async def machine(request: web.Request) -> web.Response:
         state = state_of(request)
         system_id = request.match_info["system_id"]
         if system_id not in state.machines:
             return web.json_response({"error": f"no machine {system_id}"}, status=404)
-        return web.json_response(state.machine_debug(system_id))
+        return web.json_response(shown(request, system_id))
 
     async def timers(request: web.Request) -> web.Response:
         state = state_of(request)
@@ -130,3 +145,8 @@ def add_routes(app: web.Application, state_key: web.AppKey[SimState]) -> None:
     app.router.add_get("/_sim/machines/{system_id}", machine)
     app.router.add_get("/_sim/timers", timers)
     app.router.add_post("/_sim/timers", timers)
+
+
+def sim_user_data_headers(api_key: str) -> dict[str, str]:
+    """What a caller of /_sim/machines sends to see deploys' user-data."""
+    return {"Authorization": f"Bearer {api_key}"}

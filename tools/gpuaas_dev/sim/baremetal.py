@@ -20,6 +20,8 @@ import yaml
 from gpuaas_common.identity.tls import client_context
 from gpuaas_common.logging import get_logger
 
+from ..maas_sim.control import sim_user_data_headers
+
 log = get_logger(__name__)
 
 
@@ -62,8 +64,11 @@ class SimulatedBaremetalHost:
         poll_interval_s: float = 0.25,
         returned: Callable[[], Awaitable[None]] | None = None,
         ca_file: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.node_id = node_id
+        # The simulator shows the deploy's user-data only with its key (`sim_user_data_headers`).
+        self.headers = sim_user_data_headers(api_key) if api_key else {}
         # The simulator's HTTPS certificate is verified against this CA only (the dev stack's).
         self.ca_file = ca_file
         self.system_id = system_id
@@ -84,7 +89,7 @@ class SimulatedBaremetalHost:
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=5)) as http:
             while True:
                 try:
-                    async with http.get(self.url) as resp:
+                    async with http.get(self.url, headers=self.headers) as resp:
                         data = await resp.json()
                 except aiohttp.ClientConnectorCertificateError as exc:
                     if not refused:  # said once: a machine that cannot trust MAAS never learns it was deployed

@@ -308,6 +308,7 @@ def _baremetal_host(
         if link is not None:
             await link.close()
 
+    key = settings.maas_sim_api_key.get_secret_value() if settings.maas_sim_api_key else None
     return SimulatedBaremetalHost(
         node.node_id,
         node.maas_system_id,
@@ -316,6 +317,7 @@ def _baremetal_host(
         leave,
         returned=returned,
         ca_file=settings.maas_sim_ca_file,
+        api_key=key,
     )
 
 

@@ -1,4 +1,4 @@
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 
 from gpuaas_node_agent.settings import AgentSettings
 
@@ -19,6 +19,9 @@ class SimFleetSettings(AgentSettings):
     # The CA that signed the simulator's HTTPS certificate (the dev stack's): only it is trusted. Required for an
     # https:// GPUAAS_MAAS_SIM_URL, whose answers carry each deploy's user-data (the host's creds).
     maas_sim_ca_file: str | None = Field(default=None, validate_default=True)
+    # The simulator's API key: it shows a deploy's user-data only to a caller that has it, as real MAAS gives it
+    # only to the deployed machine; the simulated machines read theirs with it.
+    maas_sim_api_key: SecretStr | None = None
     # Size of each simulated NVMe disk's backing file.
     sim_disk_size_mib: int = Field(default=64, ge=1)
     # For control-plane benchmarks: hosts answer tasks at once (see instant.py).

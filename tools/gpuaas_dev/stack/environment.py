@@ -140,6 +140,8 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
     elif name == "node-agent":
         env["GPUAAS_FLEET_FILE"] = str(files["fleet"])
         env["GPUAAS_MAAS_SIM_URL"] = stack.maas_base_url
+        # The simulated machines read their deploy's user-data with the simulator's key, as a machine with its own.
+        env["GPUAAS_MAAS_SIM_API_KEY"] = stack.maas_api_key
         if stack.maas_ca_file is not None:
             env["GPUAAS_MAAS_SIM_CA_FILE"] = str(stack.maas_ca_file)
         env["GPUAAS_SIM_IMAGE_DIR"] = str(files["images"])
