@@ -23,15 +23,15 @@ import nats.errors
 import nats.js.errors
 import pytest
 import pytest_asyncio
-from nats.aio.client import RawCredentials
 
 from gpuaas_common.identity import Authority, Creds
 from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.authority import allocation_users, record_host_users, revoked_users
 from gpuaas_common.identity.permissions import ADMIN, ROLE_PERMISSIONS
 from gpuaas_common.identity.signed_request import HEADER, sign
-from gpuaas_common.identity.tls import TlsFiles, client_context, client_tls_options
+from gpuaas_common.identity.tls import TlsFiles, client_context
 from gpuaas_common.jetstream import IDENTITY_BUCKET, provision
+from gpuaas_dev.testing.nats_clients import connect_as
 from gpuaas_dev.testing.servers import NatsServer
 from gpuaas_maas_gateway.adapters.credential_authority import AuthorityClient, AuthorityRefused
 
@@ -53,15 +53,7 @@ def server(tmp_path: Path, authority: Authority, tls_files: TlsFiles) -> Iterato
 
 
 async def connect(server: NatsServer, tls_files: TlsFiles, creds: Creds, **kw: object) -> nats.NATS:
-    kw.setdefault("inbox_prefix", f"_INBOX_{creds.name}".encode())
-    return await nats.connect(
-        server.url,
-        user_credentials=RawCredentials(creds.render()),
-        **client_tls_options(tls_files.ca),
-        allow_reconnect=False,
-        connect_timeout=5,
-        **kw,
-    )
+    return await connect_as(server.url, tls_files.ca, creds, **kw)
 
 
 @pytest_asyncio.fixture

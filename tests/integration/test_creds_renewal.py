@@ -340,7 +340,7 @@ async def test_an_upgraded_deployments_host_gets_a_user_in_the_hosts_account_at_
     creds_files.write(path, old)
     assert not renewal_due(old)
     with pytest.raises(Exception, match="(?i)authorization violation"):
-        await _connect_as(server, tls_files, old)
+        await _connect(server, tls_files, old)
     ajs = admin.jetstream()
     servers, tls = [server.url], client_context(tls_files.ca)
 
@@ -349,17 +349,7 @@ async def test_an_upgraded_deployments_host_gets_a_user_in_the_hosts_account_at_
     new = creds_files.read(path)
     assert new.claims["nats"]["issuer_account"] == authority.hosts_account.public
     assert new.claims["sub"] in await host_users(ajs, node)
-    nc = await _connect_as(server, tls_files, new)
+    nc = await _connect(server, tls_files, new)
     await nc.close()
     # Renewed once: the next round finds a user of the right account with its whole life ahead.
     assert await renew_host_files(authority, {node: path}, js=ajs, nats_servers=servers, tls=tls) == {}
-
-
-async def _connect_as(server: NatsServer, tls_files: TlsFiles, creds: creds_files.Creds) -> nats.NATS:
-    return await nats.connect(
-        server.url,
-        user_credentials=RawCredentials(creds.render()),
-        **client_tls_options(tls_files.ca),
-        allow_reconnect=False,
-        connect_timeout=5,
-    )

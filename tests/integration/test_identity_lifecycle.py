@@ -19,7 +19,6 @@ import asyncpg
 import nats
 import pytest
 import pytest_asyncio
-from nats.aio.client import RawCredentials
 from pydantic import SecretStr
 
 from gpuaas_common.bus import HandlerContext, deliver
@@ -35,11 +34,12 @@ from gpuaas_common.identity.authority import (
     revoked_users,
 )
 from gpuaas_common.identity.permissions import ADMIN, ROLE_PERMISSIONS
-from gpuaas_common.identity.tls import TlsFiles, client_context, client_tls_options
+from gpuaas_common.identity.tls import TlsFiles, client_context
 from gpuaas_common.jetstream import provision
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_dev.maas_sim import SimConfig, start, state_of, system_id_for
+from gpuaas_dev.testing.nats_clients import connect_as
 from gpuaas_dev.testing.servers import NatsServer, free_port
 from gpuaas_maas_gateway.adapters.credential_authority import AuthorityClient
 from gpuaas_maas_gateway.adapters.host_credentials import HostCredentials
@@ -76,15 +76,7 @@ def _wait_for_the_clock(second: int) -> None:
 
 
 async def connect(server: NatsServer, tls_files: TlsFiles, creds: Creds, **kw: object) -> nats.NATS:
-    return await nats.connect(
-        server.url,
-        user_credentials=RawCredentials(creds.render()),
-        **client_tls_options(tls_files.ca),
-        inbox_prefix=f"_INBOX_{creds.name}".encode(),
-        allow_reconnect=False,
-        connect_timeout=5,
-        **kw,
-    )
+    return await connect_as(server.url, tls_files.ca, creds, **kw)
 
 
 @pytest_asyncio.fixture
