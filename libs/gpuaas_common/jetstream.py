@@ -234,6 +234,7 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     consumer("scheduler-node-drift", "NODE_REPORTS", "gpuaas.node.*.report.drift"),
     consumer("scheduler-image-cache", "IMAGES", "gpuaas.image.event.node_cache_changed"),
     consumer("scheduler-slice-preflight", "MAAS", "gpuaas.maas.report.slice_preflight"),
+    consumer("scheduler-maas-deploys", "MAAS", "gpuaas.maas.result.deploy"),
     consumer("image-pipeline-maas-uploads", "MAAS", "gpuaas.maas.result.upload_image"),
     consumer("image-pipeline-maas-profiles", "MAAS", "gpuaas.maas.result.set_distro_series"),
     # Baremetal tenancies (a tenant's host never enrols as a slice host): the lifecycle events that place a node

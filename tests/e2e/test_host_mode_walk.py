@@ -1,21 +1,20 @@
-"""One host walks slice → drained → baremetal allocation → release → converting → rediscovery + parity +
-re-approval → slice allocation, through the five service processes, the MAAS simulator and the simulated
-host's own agent; at every step in between a slice request is unschedulable and the why-not names the
-host's mode. The stack's own capacity is earned the same way: seeded as candidates, discovered by the
-agent, approved through the scheduler's admin API as `gpuaas-dev`."""
+"""One host walks slice → drained → baremetal allocation → release → converting → the scheduler's walk back
+(slice-host redeploy through MAAS, rediscovery, parity, re-approval of the slots it had, with no hands) → slice
+allocation, through the five service processes, the MAAS simulator and the simulated host's own agent; at every
+step in between a slice request is unschedulable and the why-not names the host's mode. The stack's own capacity
+is earned through discovery too: seeded as candidates, discovered by the agent, approved through the scheduler's
+admin API as `gpuaas-dev`."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import aiohttp
-import nats
 import pytest
 
-from gpuaas_common.contract import Envelope, utcnow
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.testing.waiting import eventually
 
@@ -24,6 +23,9 @@ from .conftest import maas_sim
 pytestmark = pytest.mark.e2e
 
 HOST = "slice-01"
+SLICE_HOST_PROFILE = "h200-slice-host"
+# MAAS answers the walk's deploy with a conflict (nothing done) until the test clears this fault.
+HOLD_DEPLOY = {"kind": "conflict", "op": "deploy", "count": 100000, "retry_after": 0.2}
 TAGS = ["gpuaas-profile-slice-vm", "gpuaas-profile-baremetal"]
 
 
@@ -149,7 +151,11 @@ async def test_one_host_walks_from_slices_to_baremetal_and_back(stack, portal, d
     assert (await maas_sim(stack, "GET", f"/_sim/machines/{system_id}"))["status_name"] == "Deployed"
     await assert_no_slice_lands(portal, "baremetal, deployed")
 
-    # release: MAAS takes it back; the host returns converting with parity and topology unknown.
+    # release: MAAS takes it back; the host returns converting with parity and topology unknown. Its walk back
+    # starts with a slice-host deploy, which MAAS refuses (a conflict) until the test lets it through: while the
+    # walk cannot have left `redeploy_requested`, a slice request must find the host unschedulable.
+    binds_before = len(portal.spy.of_type("slice.vfio_apply", node_id=HOST, action="bind"))
+    held = (await maas_sim(stack, "POST", "/_sim/faults", HOLD_DEPLOY | {"system_id": system_id}))["faults"][0]
     await portal.release(bm)
     await portal.wait_state(bm, "released", timeout=120)
 
@@ -159,65 +165,66 @@ async def test_one_host_walks_from_slices_to_baremetal_and_back(stack, portal, d
 
     back = await eventually(converting, timeout=60, what=f"{HOST} converting")
     assert back["mode_changed_by"] == "scheduler" and str(bm) in back["mode_reason"]
-    # Nothing learnt before the deployment survives the reset. (The simulated host's agent starts again
-    # once MAAS has the machine back and may already have reported anew: only a report made after the
-    # reset counts.)
+    # Nothing learnt before the deployment survives the reset.
     assert back["evidence_reset_at"] is not None
     reset = datetime.fromisoformat(back["evidence_reset_at"])
     for reported in (back["topology_reported_at"], back["parity_checked_at"]):
         assert reported is None or datetime.fromisoformat(reported) > reset, back
+
+    async def deploy_refused() -> dict[str, Any] | None:
+        faults = (await maas_sim(stack, "GET", "/_sim/faults"))["faults"]
+        return next((f for f in faults if f["id"] == held["id"] and f["fired"] > 0), None)
+
+    await eventually(deploy_refused, timeout=90, what="the walk's slice-host deploy reaching MAAS")
+    walk = (await ok(stack, "GET", f"/v1/nodes/{HOST}"))["walks"][0]
+    assert walk["state"] == "redeploy_requested" and walk["profile"] == SLICE_HOST_PROFILE, walk
     await assert_no_slice_lands(portal, "converting")
+    await maas_sim(stack, "DELETE", f"/_sim/faults?id={held['id']}")
 
-    # The gateway ended the host's slice identity before its baremetal tenant got root on the disk that held it:
-    # ops onboard the host again, and its agent connects with the new user.
-    stack.onboard_host(HOST)
+    # No hands from here: the scheduler's walk redeploys the host with the slice-host profile (its agent comes
+    # back with the user that deploy carried), asks it for a rediscovery, and on a passing parity run re-approves
+    # the slots the host had when it left slice mode, which returns it to slice mode.
+    async def walked() -> dict[str, Any] | None:
+        doc = await ok(stack, "GET", f"/v1/nodes/{HOST}")
+        return doc if doc["walks"] and doc["walks"][0]["state"] in ("reapproved", "stopped") else None
 
-    # rediscovery: ops ask the host's agent (running again on the re-bootstrapped host) for its topology;
-    # ops commands go out as the break-glass admin identity (the `ops` one only reads).
-    task_id = f"rediscover-{uuid.uuid4().hex[:8]}"
-    nc = await nats.connect(**stack.nats_options("admin"))
-    try:
-        env = Envelope.wrap(
-            "slice.topology_discover",
-            {"task_id": task_id, "node_id": HOST, "deadline": (utcnow() + timedelta(minutes=5)).isoformat()},
-            producer="ops",
-            correlation_id=task_id,
-        )
-        await nc.jetstream().publish(
-            f"gpuaas.node.{HOST}.tasks", env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id}
-        )
-    finally:
-        await nc.drain()
-    reported = await portal.spy.wait_type("node.parity_reported", task_id=task_id, timeout=60)
-    assert reported["payload"]["failures"] == 0
-    await portal.spy.wait_type("node.topology_reported", task_id=task_id, timeout=60)
-
-    async def rediscovered() -> dict[str, Any] | None:
-        n = await node(stack)
-        return n if n["topology_reported_at"] is not None and n["parity_failures"] == 0 else None
-
-    await eventually(rediscovered, timeout=60, what=f"{HOST} rediscovered and parity-clean")
-    # Rediscovered and parity-clean, but not re-approved: still converting, still no slice.
-    mode = await ok(stack, "GET", f"/v1/nodes/{HOST}/mode")
-    assert mode["mode"] == "converting"
-    assert mode["transitions"]["slice"] == ["no slot re-approved since the host's evidence was reset"]
-    await assert_no_slice_lands(portal, "converting, rediscovered")
-
-    # re-approval by ops returns it to slice mode.
-    candidates = (await ok(stack, "GET", f"/v1/nodes/{HOST}/candidates"))["candidates"]
-    assert candidates and all(c["approved_slot_id"] is None for c in candidates)
-    complete = [c["candidate_id"] for c in candidates if c["nvme_by_id"] and c["fabric_vf_pci_address"]]
-    answer = await ok(
-        stack,
-        "POST",
-        f"/v1/nodes/{HOST}/candidates/approve",
-        {"actor": "ops", "reason": "back from baremetal, rediscovered", "candidate_ids": complete},
+    doc = await eventually(walked, timeout=240, what=f"{HOST}'s walk back to slice mode")
+    walk = doc["walks"][0]
+    assert walk["state"] == "reapproved", walk
+    assert [(st["from_state"], st["to_state"]) for st in walk["steps"]] == [
+        (None, "redeploy_requested"),
+        ("redeploy_requested", "deployed"),
+        ("deployed", "rediscovered"),
+        ("rediscovered", "parity_passed"),
+        ("parity_passed", "reapproved"),
+    ], walk
+    assert doc["node"]["mode"] == "slice" and doc["node"]["parity_failures"] == 0
+    # The deploy went through the gateway with the slice-host profile: the machine holds that deploy's user-data,
+    # which carries the host's slice identity and no tenant's enrolment file.
+    machine = await maas_sim(stack, "GET", f"/_sim/machines/{system_id}")
+    assert machine["status_name"] == "Deployed"
+    user_data = machine["_sim"]["last_deploy"]["user_data"]
+    assert "/etc/gpuaas/node-agent.env" not in user_data and "GPUAAS_ROLE=slice_host" in user_data
+    # The rediscovery was the walk's ask, answered, on the node's history like an operator's. (It may read failed:
+    # the stack's hosts have GPUs without a disk, which discovery names as blockers; the walk asks only for the
+    # slots the host had.)
+    ask = next(a for a in doc["actions"] if a["action_id"] == walk["rediscover_action_id"])
+    assert (ask["kind"], ask["actor"]) == ("rediscover", "scheduler") and ask["status"] != "requested", ask
+    # Exactly the slots it had when it left slice mode are back, approved by the walk.
+    slots = await db.fetch(
+        "SELECT slot_id, status, approved_by FROM scheduler.node_resource_slots WHERE node_id = $1", HOST
     )
-    assert answer["mode"] == "slice" and {r["status"] for r in answer["results"]} == {"available"}
+    assert sorted(s["slot_id"] for s in slots) == sorted(walk["slots"]) and len(slots) == 4
+    assert {(s["status"], s["approved_by"]) for s in slots} == {("available", "scheduler")}
+
     # Back in slice mode: the host binds exactly the re-approved slots' devices, and parity checks that set.
-    bind = (await portal.spy.wait_type("slice.vfio_apply", task_id=answer["vfio_task"]))["payload"]
-    assert bind["action"] == "bind" and len(bind["slots"]) == len(complete)
-    after = (await portal.spy.wait_type("node.parity_reported", task_id=answer["vfio_task"], timeout=60))["payload"]
+    async def rebound() -> dict[str, Any] | None:
+        binds = portal.spy.of_type("slice.vfio_apply", node_id=HOST, action="bind")
+        return binds[-1]["payload"] if len(binds) > binds_before else None
+
+    bind = await eventually(rebound, timeout=60, what=f"{HOST}'s VFIO binding on re-entering slice mode")
+    assert sorted(s["slot_id"] for s in bind["slots"]) == sorted(walk["slots"]), bind
+    after = (await portal.spy.wait_type("node.parity_reported", task_id=bind["task_id"], timeout=60))["payload"]
     vfio = next(c for c in after["checks"] if c["check"] == "vfio_binding")
     assert vfio["status"] == "PASS", vfio
 
@@ -231,5 +238,5 @@ async def test_one_host_walks_from_slices_to_baremetal_and_back(stack, portal, d
         ("slice", "drained", "ops"),
         ("drained", "baremetal", "ops"),
         ("baremetal", "converting", "scheduler"),
-        ("converting", "slice", "ops"),
+        ("converting", "slice", "scheduler"),
     ]

@@ -54,7 +54,7 @@ class MeetingCredentials:
         await asyncio.wait_for(self.barrier.wait(), timeout=10)
         return "-----BEGIN NATS USER JWT-----\nx\n------END NATS USER JWT------\n"
 
-    async def end_slice_identity(self, node_id: str) -> int:
+    async def end_slice_identity(self, node_id: str, keep_allocation: str | None = None) -> int:
         return 0
 
     async def revoke_allocation(self, allocation_id: str) -> int:

@@ -123,3 +123,24 @@ def test_the_tenants_keys_go_to_the_default_user_after_the_sites_own() -> None:
 def test_a_bootstrap_whose_keys_are_not_a_list_is_refused() -> None:
     with pytest.raises(BootstrapNotCloudConfig, match="ssh_authorized_keys"):
         render_user_data("ssh_authorized_keys: one-key\n", TOKEN, ALLOC, "bm-01", "sys1", ssh_public_keys=["k"])
+
+
+def test_a_slice_host_deploy_gives_the_host_its_node_id_and_creds_and_no_tenants_enrolment_file(
+    tmp_path: Path,
+) -> None:
+    from gpuaas_node_agent.adapters.node_env import node_env_present
+    from gpuaas_node_agent.domain.baremetal import choose_role
+
+    text = render_user_data("", TOKEN, ALLOC, "slice-07", "sys1", CREDS, slice_host=True)
+    write_cloud_init_files(text, tmp_path)
+    # The agent's own rule reads the host as a slice host: no node-agent.env, which only a tenant's deploy writes.
+    assert not node_env_present(tmp_path) and choose_role("slice_host", node_env_present(tmp_path)) == "slice_host"
+    unit = (tmp_path / "etc/systemd/system/gpuaas-node-agent.service.d/50-slice-host.conf").read_text()
+    assert unit.splitlines() == [
+        "[Service]",
+        "Environment=GPUAAS_ROLE=slice_host",
+        "Environment=GPUAAS_NODE_ID=slice-07",
+        "Environment=GPUAAS_NATS_CREDS=/etc/gpuaas/node.creds",
+    ]
+    assert (tmp_path / "etc/gpuaas/node.creds").read_text() == CREDS
+    assert TOKEN not in text and ALLOC not in text  # nothing of an enrolment: there is no tenant

@@ -345,8 +345,9 @@ ALL: tuple[MessageSpec, ...] = (
         m.MaasDeployRequested,
         "maasDeployCommand",
         "gpuaas.maas.command.deploy",
-        "Deploy a machine through MAAS.",
-        ("allocator",),
+        "Deploy a machine through MAAS: for a baremetal tenant (allocator), or a converting slice host with the "
+        "slice-host site profile (scheduler; allocation_id is then the host walk's id, which no allocation has).",
+        ("allocator", "scheduler"),
         ("maas-gateway",),
     ),
     MessageSpec(
@@ -365,7 +366,8 @@ ALL: tuple[MessageSpec, ...] = (
         "gpuaas.maas.result.deploy",
         "The observed outcome of a deploy.",
         ("maas-gateway",),
-        ("allocator",),
+        # The scheduler takes the results of its host walks' deploys (by operation id) and leaves the others.
+        ("allocator", "scheduler"),
     ),
     MessageSpec(
         "maas.release_result",

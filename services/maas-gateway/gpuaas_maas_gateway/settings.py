@@ -24,6 +24,10 @@ class SiteProfile(BaseModel):
     login_user: str = Field(default="ubuntu", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
     # Tags that mark a machine as belonging to this profile in MAAS (synced by sync_tags).
     tags: tuple[str, ...] = ()
+    # A slice host's profile (the scheduler's GPUAAS_SLICE_HOST_PROFILE names it): the deploy hands the host a
+    # slice host's identity (a systemd drop-in for the node agent and its creds file) instead of a tenant's
+    # enrolment file, whose presence would make the agent a baremetal one.
+    slice_host: bool = False
 
 
 class MaasSite(BaseModel):

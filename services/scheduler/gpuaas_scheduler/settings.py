@@ -46,7 +46,14 @@ class SchedulerSettings(ServiceSettings):
     node_task_deadline_s: float = Field(default=600.0, gt=0)
     # How long a commissioning asked through the admin API may take before its ask is closed expired.
     commission_deadline_s: float = Field(default=3600.0, gt=0)
-    # The MAAS site (gateway) an operator's commissioning (POST /v1/nodes/{node_id}/commission) is sent to.
+    # The gateway's site profile a converting slice host is redeployed with (its `slice_host` profile): the scheduler
+    # then walks the host back to slice mode by itself (rediscovery, parity, re-approval of the slots it had), and
+    # stops with the reason on the node at the first failure. Unset: converting hosts are onboarded by hand.
+    slice_host_profile: str | None = Field(default=None, min_length=1, max_length=128)
+    # How often the scheduler starts the walks owed (hosts that entered converting) and stops those ops overtook.
+    host_walk_sweep_interval_s: float = Field(default=5.0, gt=0)
+    # The MAAS site (gateway) an operator's commissioning (POST /v1/nodes/{node_id}/commission) and a host walk's
+    # redeploy are sent to.
     maas_site: str = Field(default="default", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
     # The commissioning scripts that run: the slice firmware preflight, which the site has uploaded to MAAS; the
     # gateway judges the run by GPUAAS_MAAS_SLICE_PREFLIGHT_SCRIPT's output.

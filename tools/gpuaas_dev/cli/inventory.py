@@ -122,6 +122,16 @@ def _node_detail_text(doc: dict[str, Any], output: str, compact: bool) -> str:
                 f"  {a.get('requested_at')} {a.get('kind')} {a.get('status')} by {a.get('actor')}: {a.get('reason')}"
                 + (f" -> {a.get('outcome')}" if a.get("outcome") else "")
             )
+    walks = doc.get("walks") or []
+    if walks:
+        # A converting host's way back to slice mode, newest first: where it stands, or why it stopped.
+        lines.append("walks back to slice mode")
+        for w in walks:
+            lines.append(f"  {w.get('started_at')} {w.get('walk_id')} {w.get('state')}: {w.get('reason')}")
+            for st in w.get("steps") or []:
+                lines.append(
+                    f"    {st.get('at')} {st.get('from_state') or '-'} -> {st.get('to_state')}: {st.get('reason')}"
+                )
     waivers = doc.get("waivers") or []
     if waivers:
         # Approval went, or may go, past a failing gate on these: who, why and until when stay in view.

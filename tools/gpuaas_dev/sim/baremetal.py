@@ -62,7 +62,6 @@ class SimulatedBaremetalHost:
         boot: Callable[[str], Awaitable[None]],
         leave: Callable[[], Awaitable[None]],
         poll_interval_s: float = 0.25,
-        returned: Callable[[], Awaitable[None]] | None = None,
         ca_file: str | None = None,
         api_key: str | None = None,
     ) -> None:
@@ -76,10 +75,7 @@ class SimulatedBaremetalHost:
         # Given the deploy's user-data once per deployment; `leave` ends what it started.
         self.boot = boot
         self.leave = leave
-        # Called once the machine is Ready again after a tenant's deployment (a slice host's way back).
-        self.returned = returned
         self.poll_interval_s = poll_interval_s
-        self._away = False
         self._booted_for: str | None = None
 
     async def run(self) -> None:
@@ -108,16 +104,11 @@ class SimulatedBaremetalHost:
                 if status == "Deployed" and user_data != self._booted_for:
                     await self.leave()
                     self._booted_for = user_data
-                    self._away = True
                     await self.boot(user_data)
                 elif status != "Deployed":
                     if self._booted_for is not None:
                         await self.leave()
                     self._booted_for = None
-                    if status == "Ready" and self._away:
-                        self._away = False
-                        if self.returned is not None:
-                            await self.returned()
                 await asyncio.sleep(self.poll_interval_s)
 
 

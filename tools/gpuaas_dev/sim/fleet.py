@@ -7,9 +7,10 @@ hosts boot when the MAAS simulator says Deployed and connect only with the creds
 
 A slice host that is a MAAS machine can be deployed to a baremetal tenant too (once ops converted it): MAAS
 replaces its OS, so its slice agent stops and the host enrols as a baremetal host with the deploy's
-credentials; when MAAS has it back (Ready after the release), the simulation stands in for ops re-applying
-the slice bootstrap and starts the slice agent again on the same host tree, which then reports its
-topology and parity like any freshly bootstrapped host.
+credentials. Back from the tenant it waits, with no agent, until the scheduler's host walk redeploys it with
+the slice-host profile: that deploy's user-data carries no tenant's enrolment file but the host's new creds,
+which the host writes where its slice agent reads them, and the slice agent starts again on the same host
+tree, reporting its topology and parity like any freshly bootstrapped host.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from gpuaas_common.fleet import Fleet, FleetNode
+from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.permissions import node_user_name
 from gpuaas_common.logging import get_logger
 from gpuaas_common.natsconn import NatsIdentity, split_servers
@@ -33,6 +35,7 @@ from gpuaas_common.runtime import ServiceRuntime, run_service
 from gpuaas_common.startup import StartupFailed
 from gpuaas_node_agent.adapters.host_link import HostLink
 from gpuaas_node_agent.adapters.libvirt_host import LibvirtHost
+from gpuaas_node_agent.adapters.node_env import node_env_present
 from gpuaas_node_agent.entrypoints.baremetal import baremetal_identity, baremetal_link, run_baremetal_host
 from gpuaas_node_agent.entrypoints.host import open_host_bus, run_slice_host, slice_host_enrolment
 from gpuaas_node_agent.service_layer.host_paths import HostPaths
@@ -44,6 +47,8 @@ from .instant import InstantSliceHost
 from .settings import SimFleetSettings
 
 log = get_logger(__name__)
+# Where a slice-host deploy's user-data puts the host's creds (the gateway's cloud_init.NODE_CREDS_PATH).
+NODE_CREDS_PATH = "/etc/gpuaas/node.creds"
 
 
 def _host_identity(settings: SimFleetSettings, node_id: str) -> NatsIdentity:
@@ -268,8 +273,9 @@ def _baremetal_host(
 ) -> SimulatedBaremetalHost:
     """A simulated baremetal machine runs the production agent's baremetal role on a root holding only what
     its deploy's cloud-init wrote, so it connects with nothing but the credentials its user-data carried.
-    For a slice host deployed to a tenant, `handed_over` stops its slice agent first and `returned` starts it
-    again once MAAS has the machine back."""
+    For a slice host, every deploy first stops its slice agent (`handed_over`); a deploy whose user-data
+    wrote no tenant's enrolment file is a slice-host deploy, after which `returned` starts the slice agent again
+    with the creds that user-data carried."""
     assert node.maas_system_id is not None
     root = Path(node.host_root) if node.host_root else Path(settings.state_dir) / "baremetal" / node.node_id
     if node.kind == "slice_host":
@@ -286,6 +292,9 @@ def _baremetal_host(
         fresh_root(root)
         try:
             write_cloud_init_files(user_data, root)
+            if returned is not None and not node_env_present(root):
+                await _slice_host_boot(settings, node, root, returned)
+                return
             identity = baremetal_identity(host_settings)
         except (UserDataRefused, StartupFailed) as exc:
             # A machine whose user-data gives its agent nothing to enrol with stays up, enrolled nowhere, as a
@@ -310,15 +319,23 @@ def _baremetal_host(
 
     key = settings.maas_sim_api_key.get_secret_value() if settings.maas_sim_api_key else None
     return SimulatedBaremetalHost(
-        node.node_id,
-        node.maas_system_id,
-        maas_sim_url,
-        boot,
-        leave,
-        returned=returned,
-        ca_file=settings.maas_sim_ca_file,
-        api_key=key,
+        node.node_id, node.maas_system_id, maas_sim_url, boot, leave, ca_file=settings.maas_sim_ca_file, api_key=key
     )
+
+
+async def _slice_host_boot(
+    settings: SimFleetSettings, node: FleetNode, root: Path, start_agent: Callable[[], Awaitable[None]]
+) -> None:
+    """What the slice-host profile's first boot does: the agent's unit takes the deploy's creds (cloud-init wrote
+    them to NODE_CREDS_PATH), here copied to where the host's link reads its creds at every connect."""
+    if settings.nats_creds_dir:
+        written = root / NODE_CREDS_PATH.lstrip("/")
+        if not written.is_file():
+            log.warning("sim_slice_host_without_creds", node_id=node.node_id)
+            return
+        target = Path(settings.nats_creds_dir) / f"{node_user_name(node.node_id)}.creds"
+        creds_files.write_secret(target, written.read_text())
+    await start_agent()
 
 
 def _baremetal_agent_ended(node_id: str, task: asyncio.Task[None]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,9 @@ if TYPE_CHECKING:
     from .stack import Stack
 
 # Stack timer names -> `gpuaas maas-sim` flags.
+# The gateway's site profile a converting slice host is redeployed with (the scheduler's host walk): the default
+# image, with the slice host's identity instead of a tenant's enrolment file.
+SLICE_HOST_PROFILE = "h200-slice-host"
 TIMER_FLAGS = {
     "deploying": "--deploy-seconds",
     "releasing": "--release-seconds",
@@ -101,6 +105,9 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
         if stack.lab:
             # The lab host's slots are emulated (no GPU under TCG): this scheduler, and only a lab's, allows them.
             env["GPUAAS_ALLOW_EMULATED_SLOTS"] = "true"
+        if not stack.lab_baremetal:
+            # Converting hosts walk back to slice mode by themselves (the lab's gateway has its own profiles).
+            env["GPUAAS_SLICE_HOST_PROFILE"] = SLICE_HOST_PROFILE
     elif name == "image-pipeline":
         env["GPUAAS_IMAGE_SEED_FILE"] = str(files["seed"])
         assert stack._registry is not None
@@ -129,6 +136,8 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
             from .lab_machine import gateway_profiles
 
             env["GPUAAS_SITE_PROFILES"] = gateway_profiles(stack, SLUG)
+        else:
+            env["GPUAAS_SITE_PROFILES"] = json.dumps({"h200-baremetal": {}, SLICE_HOST_PROFILE: {"slice_host": True}})
     elif name == "ops-view":
         env.update(GPUAAS_ADMIN_PORT="0", GPUAAS_ADMIN_TOKEN=stack.admin_token(name))
         if (scheduler := stack.admin_port("scheduler")) is not None:

@@ -43,13 +43,20 @@ class HostCredentials:
         log.info("host_credentials_issued", node_id=node_id, allocation_id=allocation_id, user=minted.user)
         return minted.creds
 
-    async def end_slice_identity(self, node_id: str) -> int:
-        """Revoke the host's slice-host users (recorded on the bus at onboarding) before it is deployed for a
-        tenant, who gets root on the disk that holds their creds file. Idempotent: once they are revoked
-        nothing more is pushed."""
+    async def end_slice_identity(self, node_id: str, keep_allocation: str | None = None) -> int:
+        """Revoke the host's slice-host users (recorded on the bus at onboarding) before it is deployed again,
+        for a tenant (who gets root on the disk that holds their creds file) or with the slice-host profile
+        (a new OS, given a new user). Users minted for an earlier deploy of the machine go too (a slice host
+        redeployed by the scheduler's walk got its user that way, not through onboarding); `keep_allocation`
+        is the deploy at hand, whose user is minted after this. Idempotent: once they are revoked nothing more
+        is pushed."""
         revoked = await self.authority.end_slice_identity(node_id)
         if revoked:
             log.info("slice_host_credentials_revoked", node_id=node_id, users=revoked)
+        async with self.unit_of_work() as uow:
+            earlier = await uow.repos.host_credentials.live_allocations_of_node(node_id, keep_allocation)
+        for allocation_id in earlier:
+            revoked += await self.revoke_allocation(allocation_id)
         return revoked
 
     async def revoke_allocation(self, allocation_id: str) -> int:

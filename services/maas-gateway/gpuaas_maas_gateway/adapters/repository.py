@@ -347,6 +347,15 @@ class HostCredentialRepository:
         )
         return [r["user_public"] for r in rows]
 
+    async def live_allocations_of_node(self, node_id: str, except_allocation: str | None) -> list[str]:
+        rows = await self.conn.fetch(
+            "SELECT DISTINCT allocation_id FROM maas_host_credentials WHERE node_id = $1 AND revoked_at IS NULL "
+            "AND allocation_id IS DISTINCT FROM $2 ORDER BY allocation_id",
+            node_id,
+            except_allocation,
+        )
+        return [r["allocation_id"] for r in rows]
+
     async def mark_revoked(self, user_publics: list[str]) -> None:
         await self.conn.execute(
             "UPDATE maas_host_credentials SET revoked_at = now() WHERE user_public = ANY($1::text[])", user_publics

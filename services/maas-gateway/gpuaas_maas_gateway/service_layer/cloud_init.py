@@ -19,6 +19,9 @@ import yaml
 
 NODE_ENV_PATH = "/etc/gpuaas/node-agent.env"
 NODE_CREDS_PATH = "/etc/gpuaas/node.creds"
+# A slice host's agent takes its identity from its unit's environment: a drop-in, so the site's own agent.env
+# (bus URL, CA) stays the bootstrap's, and no node-agent.env, whose presence makes the agent a tenant's.
+SLICE_DROP_IN_PATH = "/etc/systemd/system/gpuaas-node-agent.service.d/50-slice-host.conf"
 HEADER = "#cloud-config"
 # The first line of every other user-data format cloud-init knows.
 _OTHER_FORMATS = (
@@ -88,6 +91,17 @@ def agent_files(
     return files
 
 
+def slice_host_files(node_id: str, creds: str | None = None) -> list[dict[str, str]]:
+    env = ["GPUAAS_ROLE=slice_host", f"GPUAAS_NODE_ID={node_id}"]
+    if creds:
+        env.append(f"GPUAAS_NATS_CREDS={NODE_CREDS_PATH}")
+    unit = "[Service]\n" + "".join(f"Environment={line}\n" for line in env)
+    files = [{"path": SLICE_DROP_IN_PATH, "permissions": "0644", "content": unit}]
+    if creds:
+        files.append({"path": NODE_CREDS_PATH, "permissions": "0600", "content": creds.rstrip("\n") + "\n"})
+    return files
+
+
 def render_user_data(
     bootstrap: str,
     token: str,
@@ -96,14 +110,18 @@ def render_user_data(
     system_id: str,
     creds: str | None = None,
     ssh_public_keys: list[str] | tuple[str, ...] = (),
+    *,
+    slice_host: bool = False,
 ) -> str:
     """cloud-config that hands the node agent its identity, its one-time enrolment token and, with
     bus identities on, its own short-lived NATS credentials bound to this allocation; and the tenant's SSH
-    keys to the image's default user (`ssh_authorized_keys`, after any the site's bootstrap lists)."""
+    keys to the image's default user (`ssh_authorized_keys`, after any the site's bootstrap lists). A slice
+    host (`slice_host`) gets its node id and creds only: it has no tenant to enrol for."""
     doc = parse_bootstrap(bootstrap)
-    doc["write_files"] = list(doc.get("write_files") or []) + agent_files(
-        token, allocation_id, node_id, system_id, creds
+    ours = (
+        slice_host_files(node_id, creds) if slice_host else agent_files(token, allocation_id, node_id, system_id, creds)
     )
+    doc["write_files"] = list(doc.get("write_files") or []) + ours
     if ssh_public_keys:
         theirs = doc.get("ssh_authorized_keys") or []
         if not isinstance(theirs, list):

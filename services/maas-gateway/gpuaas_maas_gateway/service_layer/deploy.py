@@ -18,7 +18,8 @@ from .shared import Operations, Site, Unresolvable, as_dict
 async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[[], Awaitable[Any]] | None:
     _, profile = await ops.profile(row["site"], row["profile"])
     # A host that served slices keeps its agent's creds file on a disk the tenant will own: MAAS erase leaves
-    # most blocks in place, so those users must be dead before the machine is the tenant's.
+    # most blocks in place, so those users must be dead before the machine is the tenant's. A slice-host
+    # redeploy ends them too: the new OS gets a user of its own below.
     if not await ops.end_slice_identity(row):
         return None
     token = enrolment_token(
@@ -36,6 +37,7 @@ async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[
             row["system_id"],
             creds,
             ssh_public_keys=as_dict(row["params"]).get("ssh_public_keys") or (),
+            slice_host=profile.slice_host,
         )
     except BootstrapNotCloudConfig as exc:
         raise Unresolvable("invalid_bootstrap", f"site profile {row['profile']!r}: {exc}") from None
@@ -52,7 +54,11 @@ async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[
             user_data=user_data,
             hwe_kernel=profile.hwe_kernel,
             agent_name=str(row["allocation_id"]),
-            comment=f"gpuaas allocation {row['allocation_id']}",
+            comment=(
+                f"gpuaas slice-host redeploy {row['allocation_id']}"
+                if profile.slice_host
+                else f"gpuaas allocation {row['allocation_id']}"
+            ),
         )
 
     return submit

@@ -174,7 +174,7 @@ class Operations:
         if self.host_credentials is None:
             return True
         try:
-            await self.host_credentials.end_slice_identity(row["node_id"])
+            await self.host_credentials.end_slice_identity(row["node_id"], str(row["allocation_id"]))
             return True
         except Exception as exc:  # noqa: BLE001 - the bus is down or refused: retried at the next poll
             log.warning("slice_host_revoke_failed", node_id=row["node_id"], error=str(exc)[:300])

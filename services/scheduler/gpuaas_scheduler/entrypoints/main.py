@@ -16,6 +16,8 @@ from ..adapters.metrics import inventory_reading
 from ..adapters.repository import scheduler_repositories
 from ..service_layer.claim_audit import AuditPolicy, audit_claims
 from ..service_layer.handlers import Scheduler, allocation_first_lock, evidence_handlers, handlers
+from ..service_layer.host_walk import HostWalker, WalkPolicy
+from ..service_layer.host_walk import sweep as walk_sweep
 from ..service_layer.placement import PlacementPolicy, with_fleet_shape
 from ..service_layer.steering import SteeringPolicy, sweep
 from ..settings import SchedulerSettings
@@ -45,7 +47,14 @@ def build_register(settings: SchedulerSettings):
         )
         async with rt.pool.acquire() as conn:
             policy = await with_fleet_shape(conn, policy)
-        scheduler = Scheduler(policy)
+        walks = WalkPolicy(
+            slice_host_profile=settings.slice_host_profile,
+            maas_site=settings.maas_site,
+            allow_emulated=settings.allow_emulated_slots,
+            steering=steering_policy(settings),
+        )
+        walker = HostWalker(walks)
+        scheduler = Scheduler(policy, walker)
         rt.bus.subscribe(
             rt.consumer_spec("scheduler-allocation-events"), handlers(scheduler), first_lock=allocation_first_lock
         )
@@ -53,6 +62,8 @@ def build_register(settings: SchedulerSettings):
         # backlog on one (e.g. a fleet-wide prewarm) never delays the others or placement.
         for durable, handler_map in evidence_handlers(scheduler).items():
             rt.bus.subscribe(rt.consumer_spec(durable), handler_map)
+        # The results of the host walks' slice-host deploys (every other deploy's result is left to the allocator).
+        rt.bus.subscribe(rt.consumer_spec("scheduler-maas-deploys"), {"maas.deploy_result": walker.on_deploy_result})
         # Claims whose allocation ended (or never existed) at the allocator while this database lost the news.
         assert rt.nc is not None
         allocator = AllocatorClient(rt.nc, settings.claim_audit_answer_timeout_s)
@@ -76,6 +87,10 @@ def build_register(settings: SchedulerSettings):
         rt.spawn(
             every(settings.steering_sweep_interval_s, lambda: sweep(bus.unit_of_work, steering), "steering"),
             "steering",
+        )
+        rt.spawn(
+            every(settings.host_walk_sweep_interval_s, lambda: walk_sweep(bus.unit_of_work, walks), "host_walk"),
+            "host-walk",
         )
         if settings.admin_token is None:
             log.warning(

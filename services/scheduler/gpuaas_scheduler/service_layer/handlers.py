@@ -25,6 +25,7 @@ from ..adapters.repository import SchedulerRepositories, scheduler_repositories
 from ..domain.node_claims import EndedOutOfOrder as EndedOutOfOrder  # raised by NodeClaims; the bus retries it
 from ..domain.node_claims import NodeClaims
 from . import drift, evidence, host_modes, steering
+from .host_walk import HostWalker, WalkPolicy
 from .placement import PlacementPolicy, place
 
 log = get_logger(__name__)
@@ -49,8 +50,9 @@ async def _lock_allocation(ctx: HandlerContext, allocation_id: uuid.UUID) -> Sch
 
 
 class Scheduler:
-    def __init__(self, policy: PlacementPolicy | None = None) -> None:
+    def __init__(self, policy: PlacementPolicy | None = None, walker: HostWalker | None = None) -> None:
         self.policy = policy or PlacementPolicy()
+        self.walker = walker or HostWalker(WalkPolicy(allow_emulated=self.policy.allow_emulated_slots))
 
     async def on_accepted(self, ctx: HandlerContext) -> None:
         ev: m.AllocationAccepted = ctx.payload
@@ -116,6 +118,7 @@ class Scheduler:
         ev: m.NodeParityReported = ctx.payload
         outcome = await evidence.record_parity(ctx.conn, ev, allow_emulated=self.policy.allow_emulated_slots)
         asked = await steering.parity_answered(ctx.conn, ev, outcome)
+        await self.walker.on_parity(ctx, ev, outcome)
         log.info(
             "parity_recorded",
             node_id=ev.node_id,
@@ -129,6 +132,7 @@ class Scheduler:
         ev: m.NodeTopologyReported = ctx.payload
         outcome = await evidence.record_topology(ctx.conn, ev)
         asked = await steering.topology_answered(ctx.conn, ev, outcome)
+        await self.walker.on_topology(ctx, ev, outcome)
         log.info(
             "topology_recorded", node_id=ev.node_id, candidates=len(ev.candidate_slots), outcome=outcome, ask=asked
         )

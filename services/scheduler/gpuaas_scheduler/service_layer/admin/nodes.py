@@ -9,6 +9,7 @@ import asyncpg
 
 from ...adapters import admin_nodes as repo
 from ...adapters import host_modes as mode_repo
+from ...adapters import host_walk as walk_repo
 from ...adapters import inventory as inv
 from ...adapters import node_actions as actions_repo
 from ...domain.readiness_gate import waiver_problems
@@ -28,12 +29,15 @@ async def get_node(conn: asyncpg.Connection, node_id: str) -> dict:
     history = await mode_repo.history(conn, node_id)
     waivers = await repo.waivers(conn, node_id)
     asks = await actions_repo.history(conn, node_id)
+    walks = await walk_repo.history(conn, node_id, limit=5)
     return {
         "node": jsonable(row),
         "live_claims": [jsonable(c) for c in claims],
         "mode_history": [jsonable(h) for h in history],
         "waivers": [jsonable(w) for w in waivers],
         "actions": [action_view(a) for a in asks],
+        # The walks back to slice mode, newest first, each with its steps: where a converting host stands.
+        "walks": [jsonable(w) | {"steps": [jsonable(st) for st in w["steps"]]} for w in walks],
     }
 
 
