@@ -41,14 +41,16 @@ async def test_save_writes_at_once_with_parameters_and_commits_with_the_unit_of_
 
         work.conn.add_query_logger(log)
         await work.repos.save(alloc)
-        work.conn.remove_query_logger(log)
-        assert sent and all("$1" in q and HOSTILE not in q for q in sent), sent
         assert (alloc.changes, alloc.timeline) == ({}, [])
         # Written: its own transaction reads it back before the COMMIT; no other transaction does.
         assert (await _timeline(work.conn, alloc_id))[-2:] == [
             (n + 1, "provisioning", "provisioning"),
             (n + 2, "failed", "provisioning"),
         ]
+        work.conn.remove_query_logger(log)
+        # asyncpg calls a logger once its loop turns: the read above, whose own query is left out here.
+        writes = [q for q in sent if not q.startswith("SELECT")]
+        assert writes and all("$1" in q and HOSTILE not in q for q in writes), sent
         assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc_id) == "provisioning"
         await work.commit()
     stored = await pool.fetchrow(
