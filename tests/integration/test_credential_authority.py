@@ -26,8 +26,15 @@ import pytest_asyncio
 
 from gpuaas_common.identity import Authority, Creds
 from gpuaas_common.identity import creds as creds_files
-from gpuaas_common.identity.authority import allocation_users, record_host_users, revoked_users
+from gpuaas_common.identity.authority import (
+    HOST_USER_TTL_S,
+    allocation_users,
+    host_users,
+    record_host_users,
+    revoked_users,
+)
 from gpuaas_common.identity.permissions import ADMIN, ROLE_PERMISSIONS
+from gpuaas_common.identity.rotation import host_files
 from gpuaas_common.identity.signed_request import HEADER, sign
 from gpuaas_common.identity.tls import TlsFiles, client_context
 from gpuaas_common.jetstream import IDENTITY_BUCKET, provision
@@ -120,6 +127,30 @@ async def test_a_slice_hosts_identity_ends_through_the_authority(
     other = await connect(server, tls_files, neighbour)
     await other.close()
     assert await client.end_slice_identity(NODE) == 0
+
+
+async def test_a_redeployed_slice_host_gets_a_slice_hosts_own_user_which_ends_like_an_onboarded_ones(
+    authority_url: str, authority: Authority, server: NatsServer, tls_files: TlsFiles, admin: nats.NATS, tmp_path: Path
+) -> None:
+    """The scheduler's walk redeploys a converting host with the slice-host profile: its user is a slice host's (no
+    allocation, the host lifetime, recorded as the host's), so renewal takes it like an onboarded host's file and
+    the host's slice identity ends with it before a tenant's deploy."""
+    client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
+
+    minted = await client.mint_slice_host(NODE)
+
+    host = creds_files.parse(minted.creds)
+    tags = host.claims["nats"]["tags"]
+    assert f"node:{NODE}" in tags and not [t for t in tags if t.startswith("allocation:")]
+    assert host.claims["exp"] - host.claims["iat"] == HOST_USER_TTL_S
+    assert await host_users(admin.jetstream(), NODE) == [minted.user]
+    path = creds_files.write(tmp_path / "hosts" / f"node-{NODE}.creds", host)
+    assert host_files(tmp_path / "hosts") == {NODE: path}  # renewed as a slice host's
+    conn = await connect(server, tls_files, host)
+    await conn.close()
+    assert await client.end_slice_identity(NODE) == 1
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await connect(server, tls_files, host)
 
 
 async def _post(url: str, path: str, body: bytes, header: str | None, tls_files: TlsFiles) -> tuple[int, dict]:

@@ -49,7 +49,7 @@ class MeetingCredentials:
     def __init__(self, barrier: asyncio.Barrier) -> None:
         self.barrier = barrier
 
-    async def issue(self, allocation_id: str, node_id: str) -> str:
+    async def issue(self, allocation_id: str, node_id: str, *, slice_host: bool = False) -> str:
         # Bounded, so a worker that never arrives fails the test instead of hanging it.
         await asyncio.wait_for(self.barrier.wait(), timeout=10)
         return "-----BEGIN NATS USER JWT-----\nx\n------END NATS USER JWT------\n"

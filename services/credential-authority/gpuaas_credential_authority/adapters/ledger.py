@@ -8,7 +8,12 @@ import ssl
 from typing import Any
 
 from gpuaas_common.identity import Authority
-from gpuaas_common.identity.authority import allocation_users, record_allocation_users, revoked_users
+from gpuaas_common.identity.authority import (
+    allocation_users,
+    record_allocation_users,
+    record_host_users,
+    revoked_users,
+)
 
 
 class Ledger:
@@ -22,6 +27,9 @@ class Ledger:
 
     async def record_allocation_user(self, allocation_id: str, user: str, expires_at: int) -> None:
         await record_allocation_users(self.js, allocation_id, [user], expiry={user: expires_at})
+
+    async def record_host_user(self, node_id: str, user: str, expires_at: int) -> None:
+        await record_host_users(self.js, node_id, [user], expiry={user: expires_at})
 
     async def allocation_users(self, allocation_id: str) -> list[str]:
         return await allocation_users(self.js, allocation_id)

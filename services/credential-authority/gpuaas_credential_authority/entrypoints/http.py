@@ -8,6 +8,7 @@ Every refusal is one JSON error with a stable code, logged once, without the req
     POST /v1/host-users  {"node_id", "allocation_id", "ttl_s"} -> 201 {"creds", "user", "expires_at"}
     POST /v1/allocations/{allocation_id}/revoke -> 200 {"revoked": n}
     POST /v1/nodes/{node_id}/end-slice-identity -> 200 {"revoked": n}
+    POST /v1/nodes/{node_id}/slice-host-user -> 201 {"creds", "user", "expires_at"}
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class AuthorityApi:
         app.router.add_post("/v1/host-users", self._mint)
         app.router.add_post("/v1/allocations/{allocation_id}/revoke", self._revoke)
         app.router.add_post("/v1/nodes/{node_id}/end-slice-identity", self._end_slice)
+        app.router.add_post("/v1/nodes/{node_id}/slice-host-user", self._mint_slice_host)
         app.router.add_get("/healthz", self._healthz)
         return app
 
@@ -99,6 +101,13 @@ class AuthorityApi:
     async def _end_slice(self, request: web.Request) -> web.Response:
         node = node_id(request.match_info["node_id"])
         return web.json_response({"revoked": await self.host_users.end_slice_identity(node, request["caller"])})
+
+    async def _mint_slice_host(self, request: web.Request) -> web.Response:
+        node = node_id(request.match_info["node_id"])
+        minted = await self.host_users.mint_slice_host(node, request["caller"])
+        return web.json_response(
+            {"creds": minted.creds, "user": minted.user, "expires_at": minted.expires_at}, status=201
+        )
 
     async def _healthz(self, _request: web.Request) -> web.Response:
         return web.json_response({"ok": True})

@@ -1,5 +1,6 @@
-"""The three things a caller may ask for: a baremetal host's user for one allocation, the revocation of what was
-minted for an allocation, and the end of a slice host's identity before a tenant gets its disk.
+"""What a caller may ask for: a baremetal host's user for one allocation, the revocation of what was minted for an
+allocation, a slice host's own user (a converting host redeployed as a slice host), and the end of a slice host's
+identity before a tenant gets its disk.
 
 What may be revoked is read from the ledger, never taken from the request: a caller names an allocation, and only
 the users minted for it go. So a compromised caller can end host users, which it could anyway by releasing, but
@@ -44,6 +45,16 @@ class HostUsers:
             expires_at=expires_at,
             caller=caller,
         )
+        return MintedUser(creds.render(), user, expires_at)
+
+    async def mint_slice_host(self, node_id: str, caller: str) -> MintedUser:
+        """A slice host's own user, as onboarding issues it (no allocation; the host template; 72 h, renewed at
+        half-life where its file is renewed): recorded as the host's before it leaves, so the host's slice identity
+        ends with the others' before a tenant's deploy."""
+        creds = self.authority.issue_host(node_id)
+        user, expires_at = str(creds.claims["sub"]), int(creds.claims["exp"])
+        await self.ledger.record_host_user(node_id, user, expires_at)
+        log.info("slice_host_user_minted", node_id=node_id, user=user, expires_at=expires_at, caller=caller)
         return MintedUser(creds.render(), user, expires_at)
 
     async def revoke_allocation(self, allocation_id: str, caller: str) -> int:

@@ -1,7 +1,8 @@
 """The credential authority as the gateway asks it (services/credential-authority): HTTPS with the deployment's CA
 pinned, each request signed with the gateway's own bus identity (`gpuaas_common.identity.signed_request`). The
 gateway holds no signing key: it can ask for a baremetal host's user for an allocation, the revocation of what was
-minted for an allocation, and the end of a slice host's identity, and nothing else."""
+minted for an allocation, a slice host's own user (a slice-host redeploy), and the end of a slice host's identity,
+and nothing else."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ class AuthorityClient:
 
     async def mint(self, node_id: str, allocation_id: str, ttl_s: float) -> Minted:
         out = await self._post("/v1/host-users", {"node_id": node_id, "allocation_id": allocation_id, "ttl_s": ttl_s})
+        return Minted(str(out["creds"]), str(out["user"]), int(out["expires_at"]))
+
+    async def mint_slice_host(self, node_id: str) -> Minted:
+        out = await self._post(f"/v1/nodes/{node_id}/slice-host-user", None)
         return Minted(str(out["creds"]), str(out["user"]), int(out["expires_at"]))
 
     async def revoke_allocation(self, allocation_id: str) -> int:

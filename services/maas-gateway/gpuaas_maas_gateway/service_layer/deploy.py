@@ -27,7 +27,9 @@ async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[
     )
     creds = None
     if ops.host_credentials is not None:
-        creds = await ops.host_credentials.issue(str(row["allocation_id"]), row["node_id"])
+        creds = await ops.host_credentials.issue(
+            str(row["allocation_id"]), row["node_id"], slice_host=profile.slice_host
+        )
     try:
         user_data = render_user_data(
             profile.bootstrap_user_data,
