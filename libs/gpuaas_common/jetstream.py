@@ -245,6 +245,8 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
         tuple(spec_for(f"allocation.{state}").subject() for state in PIPELINE_FOLLOWS),
     ),
     consumer("image-pipeline-machine-releases", "MAAS", "gpuaas.maas.result.release"),
+    # A retired or baremetal host leaves the activation gate's set of slice hosts.
+    consumer("image-pipeline-host-modes", "SCHEDULER", "gpuaas.scheduler.host.mode_changed"),
 )
 CONSUMER_BY_NAME = {c.durable: c for c in CONSUMERS}
 

@@ -447,6 +447,14 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "ended": "failed",
         "end_reason_code": "force_released",
     },
+    "scheduler.host_mode_changed": {
+        "node_id": "slice-04",
+        "from_mode": "drained",
+        "to_mode": "retired",
+        "actor": "alice@ops",
+        "reason": "chassis returned to the vendor",
+        "changed_at": "2026-11-26T22:00:00Z",
+    },
     "scheduler.admin_request_recorded": {
         "service": "scheduler",
         "request_id": "req-1",

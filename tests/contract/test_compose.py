@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import shlex
 import shutil
@@ -179,6 +180,18 @@ def test_init_scripts_call_real_commands_and_escape_dollars(compose, monkeypatch
             _resolve_cli(args, _env(svc), monkeypatch)
 
 
+def _settings_from_env(settings_cls: Any, env: dict[str, Any]) -> Any:
+    """The settings as the container reads them: from its environment alone (a dict or list as JSON text)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        return settings_cls()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def test_every_service_env_var_is_a_settings_field(compose):
     checked = 0
     for name, svc in _gpuaas_services(compose).items():
@@ -196,7 +209,7 @@ def test_every_service_env_var_is_a_settings_field(compose):
             )
             checked += 1
         # And the values are acceptable to the settings class, the way the container will read them.
-        settings_cls.model_validate({k.removeprefix("GPUAAS_").lower(): v for k, v in env.items()})
+        _settings_from_env(settings_cls, env)
     assert checked > 0
 
 
@@ -945,7 +958,7 @@ def test_services_accept_the_resolved_settings(resolved):
         module, _, cls_name = SETTINGS_BY_SCRIPT[command[0]].rpartition(".")
         settings_cls = getattr(importlib.import_module(module), cls_name)
         env = svc.get("environment") or {}
-        settings = settings_cls.model_validate({k.removeprefix("GPUAAS_").lower(): v for k, v in env.items()})
+        settings = _settings_from_env(settings_cls, env)
         if "admin_token" in settings_cls.model_fields:
             assert settings.admin_token is not None and settings.admin_token.get_secret_value(), name
         if command[0] == "gpuaas-maas-gateway":

@@ -1,9 +1,10 @@
 """Catalog rules against a real Postgres: seed re-application never reverts a materialised digest, and the
-activation gate opens only when every known slice host verified the catalog digest."""
+activation gate opens only when every known slice host verified the catalog digest, and a retired host leaves it."""
 
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import asyncpg
 
@@ -171,6 +172,79 @@ async def test_seeding_asks_known_hosts_to_check_a_seeded_slice_image(fresh_db: 
             await apply_seed(uow, [_seed(), host_seed])
             await uow.commit()
         assert [t["node_id"] for t in (await tasks())[2:]] == ["n2"]
+    finally:
+        await pool.close()
+        await conn.close()
+
+
+async def test_a_retired_host_leaves_the_gate_and_the_image_waiting_only_on_it_activates(fresh_db: str) -> None:
+    """One dead host blocked every activation for good (issue 26): the scheduler's `scheduler.host_mode_changed`
+    to retired (or baremetal) takes it out of the gate's hosts, and a published image every remaining host has
+    verified activates at once. Other modes (converting, drained) leave the gate as it is."""
+    conn, pool = await _connect(fresh_db)
+    slug = "img"
+    meta = {
+        "image_path": f"/var/lib/gpuaas/slice-images/{slug}.raw",
+        "artifact_ref": "oci://r/ns/img:t@sha256:" + "1" * 64,
+        "blob_digest": "sha256:" + "2" * 64,
+        "blob_size": 10,
+        "blob_media_type": "x",
+        "virtual_size": 100,
+        "registry_tls": "plain-http",
+    }
+    try:
+        await conn.execute(
+            "INSERT INTO os_images (slug, kind, status, compatible_sku, digest_sha256, metadata) "
+            "VALUES ($1, 'slice', 'published', 'h200-sxm-slice', $2, $3)",
+            slug,
+            BUILT_DIGEST,
+            json.dumps(meta),
+        )
+        async with _uow(pool) as uow:
+            for node in ("alive", "dead"):
+                enrolled = m.NodeEnrolled(node_id=node, kind="slice_host", hostname=node, agent_version="t")
+                await catalog.on_enrolled(uow, enrolled, f"ev-{node}")
+            await catalog.on_cache_reported(
+                uow,
+                m.NodeImageCacheReported(
+                    task_id="t",
+                    node_id="alive",
+                    slug=slug,
+                    status="verified",
+                    expected_digest=BUILT_DIGEST,
+                    digest_sha256=BUILT_DIGEST,
+                    local_path="/x",
+                ),
+            )
+            await uow.commit()
+        status = "SELECT status FROM os_images WHERE slug = $1"
+        assert await conn.fetchval(status, slug) == "published"  # "dead" never answers
+
+        async def moved(to_mode: str) -> bool:
+            async with _uow(pool) as uow:
+                left = await catalog.on_host_mode_changed(
+                    uow,
+                    m.HostModeChanged(
+                        node_id="dead",
+                        from_mode="drained",
+                        to_mode=to_mode,  # type: ignore[arg-type]
+                        actor="alice",
+                        reason="chassis gone",
+                        changed_at=datetime.now(UTC),
+                    ),
+                )
+                await uow.commit()
+            return left
+
+        for mode in ("converting", "drained"):
+            assert not await moved(mode)
+        assert await conn.fetchval(status, slug) == "published"
+        assert await moved("retired")
+        assert await conn.fetchval(status, slug) == "active"
+        assert [r["node_id"] for r in await conn.fetch("SELECT node_id FROM slice_hosts")] == ["alive"]
+        assert not await moved("retired")  # a repeat changes nothing
+        events = [json.loads(bytes(r["body"]))["type"] for r in await conn.fetch("SELECT body FROM outbox ORDER BY id")]
+        assert events.count("image.activated") == 1
     finally:
         await pool.close()
         await conn.close()

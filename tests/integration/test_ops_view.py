@@ -44,6 +44,7 @@ MODEL_TABLES = (
     "maas_operations",
     "dead_letters",
     "audit_records",
+    "host_mode_history",
     "stream_positions",
 )
 SHA = "a" * 64
@@ -258,6 +259,18 @@ def admin_request(
         idempotency_key=uuid.uuid4().hex,
         reason=reason,
         body_sha256=SHA,
+    )
+
+
+def mode_change(node: str, from_mode: str, to_mode: str) -> m.HostModeChanged:
+    """What the scheduler announces when ops move a host."""
+    return m.HostModeChanged(
+        node_id=node,
+        from_mode=from_mode,  # type: ignore[arg-type]
+        to_mode=to_mode,  # type: ignore[arg-type]
+        actor="alice@ops",
+        reason="chassis returned",
+        changed_at=datetime.now(timezone.utc),
     )
 
 
@@ -561,7 +574,12 @@ async def test_replay_rebuilds_every_model_and_a_restart_resumes(
     for i in range(3):
         await lifecycle(nc, uuid.uuid4(), f"t{i}", node, upto="active" if i else "placed")
     await publish(nc, "scheduler.admin_request_recorded", admin_request(node, "rack swap"))
+    for frm, to in (("slice", "drained"), ("drained", "retired")):
+        await publish(nc, "scheduler.host_mode_changed", mode_change(node, frm, to))
     await caught_up(http, view)
+    _, h = await get(http, f"{view.url}/v1/hosts/{node}")
+    assert h["mode"] == "retired"
+    assert [(c["from_mode"], c["to_mode"]) for c in h["mode_history"]] == [("drained", "retired"), ("slice", "drained")]
     # A restart: the followers stop, events go on, they start again from their committed positions.
     await view.stop()
     alloc = uuid.uuid4()
@@ -597,6 +615,7 @@ async def test_replay_rebuilds_every_model_and_a_restart_resumes(
                 again[table] = [r for r in again[table] if not r[2].startswith("rb-")]
             assert live[table] == again[table], table
         assert live["allocations"] and live["node_task_phases"] and live["hosts"] and live["audit_records"]
+        assert len(live["host_mode_history"]) == 2
     finally:
         await _close(rebuilt)
         admin = await asyncpg.connect(postgres_server.dsn)

@@ -541,3 +541,36 @@ async def test_reapproval_that_returns_a_host_to_slices_binds_what_was_approved(
     assert len(asks) == before + 1 and asks[-1]["payload"]["task_id"] == body["vfio_task"]
     bound = {s["slot_id"] for s in asks[-1]["payload"]["slots"]}
     assert bound == {r["slot_id"] for r in body["results"] if r["status"] == "available"}
+
+
+# --- every mode change is announced (the image pipeline's gate, ops' history) ----------------------------
+
+
+async def mode_changes(pool, node=HOST) -> list[dict]:
+    """The scheduler.host_mode_changed events in the outbox for `node`, each checked against the contract."""
+    validator = default_validator()
+    async with pool.acquire() as conn:
+        rows = await conn.fetch(
+            "SELECT subject, body FROM outbox WHERE subject = 'gpuaas.scheduler.host.mode_changed' ORDER BY id"
+        )
+    out = [validator.validate(r["subject"], bytes(r["body"]))["payload"] for r in rows]
+    return [p for p in out if p["node_id"] == node]
+
+
+async def test_each_mode_change_is_announced_with_who_and_why_and_a_refused_one_is_not(pool, api, convertible):
+    assert (await set_mode(api, "baremetal", "skip the drain"))[0] == 409
+    assert await mode_changes(pool) == []
+    await to_baremetal(api)
+    changes = await mode_changes(pool)
+    assert [(c["from_mode"], c["to_mode"]) for c in changes] == [("slice", "drained"), ("drained", "baremetal")]
+    assert all(c["actor"] == "ops" and c["reason"] == "tenant needs a whole host" for c in changes)
+
+
+async def test_reapproval_that_returns_a_host_to_slices_announces_it(pool, api, back_from_baremetal):
+    reset_at, _ = back_from_baremetal
+    assert await deliver(pool, evidence.record_topology, topology(reset_at + timedelta(minutes=1))) == "applied"
+    assert await deliver(pool, evidence.record_parity, parity(reset_at + timedelta(minutes=2))) == "applied"
+    status, body = await post(api, f"/v1/nodes/{HOST}/candidates/approve", {"actor": "alice", "reason": "re-approved"})
+    assert status == 200 and body["mode"] == "slice"
+    last = (await mode_changes(pool))[-1]
+    assert (last["from_mode"], last["to_mode"], last["actor"]) == ("converting", "slice", "alice")

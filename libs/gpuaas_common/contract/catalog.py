@@ -171,6 +171,16 @@ ALL: tuple[MessageSpec, ...] = (
         ("allocator",),
     ),
     MessageSpec(
+        "scheduler.host_mode_changed",
+        m.HostModeChanged,
+        "schedulerHostModeChanged",
+        "gpuaas.scheduler.host.mode_changed",
+        "A host's mode changed (slice, baremetal, converting, drained, retired): the image pipeline's activation gate "
+        "stops waiting for a retired or baremetal host; ops see the host's mode history.",
+        ("scheduler",),
+        ("image-pipeline", "ops"),
+    ),
+    MessageSpec(
         "placement.unschedulable",
         m.PlacementUnschedulable,
         "placementUnschedulable",

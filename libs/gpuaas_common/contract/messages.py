@@ -346,6 +346,21 @@ class PlacementForceReleased(Payload):
     holders: list[str] = Field(default_factory=list, description="Why the VM may still hold the devices")
 
 
+HostMode = Literal["slice", "baremetal", "converting", "drained", "retired"]
+
+
+class HostModeChanged(Payload):
+    """A host's mode changed (the scheduler's host-mode machine): who moved it, why, when. What a host's mode means
+    to others: a retired or baremetal host is no slice host the image activation gate waits for."""
+
+    node_id: str = Identifier
+    from_mode: HostMode
+    to_mode: HostMode
+    actor: str = Field(min_length=1, max_length=128)
+    reason: str = Field(min_length=1, max_length=500)
+    changed_at: datetime
+
+
 class PlacementUnschedulable(Payload):
     allocation_id: uuid.UUID
     reason_code: str = Identifier

@@ -89,6 +89,14 @@ def build_register(settings: ImagePipelineSettings):
             rt.consumer_spec("image-pipeline-machine-releases"), {"maas.release_result": on_machine_released}
         )
 
+        # A retired or baremetal host leaves the activation gate (catalog.on_host_mode_changed).
+        async def on_host_mode_changed(ctx: HandlerContext) -> None:
+            await catalog.on_host_mode_changed(ctx.uow, ctx.payload)
+
+        rt.bus.subscribe(
+            rt.consumer_spec("image-pipeline-host-modes"), {"scheduler.host_mode_changed": on_host_mode_changed}
+        )
+
         if settings.admin_token is None:
             log.warning(
                 "admin_api_disabled", why="GPUAAS_ADMIN_TOKEN is not set: the admin API never listens without a token"

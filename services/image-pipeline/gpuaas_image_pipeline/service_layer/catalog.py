@@ -376,3 +376,47 @@ async def on_cache_reported(uow: Uow, ev: m.NodeImageCacheReported) -> None:
     )
     if status == "verified":
         await evaluate_gate(uow, ev.slug)
+
+
+# --- hosts leaving the gate ------------------------------------------------------------------------
+
+# Modes in which a host is no slice host the activation gate waits for: retired (out of the fleet: a dead host
+# would block every activation for good) or serving baremetal tenants. It joins again when its agent enrols as a
+# slice host (prewarmed then, and placed on an image only once its cache verified it).
+GATE_LEAVING_MODES = ("retired", "baremetal")
+
+
+async def on_host_mode_changed(uow: Uow, ev: m.HostModeChanged) -> bool:
+    """The scheduler moved a host: one retired or made baremetal leaves the slice hosts. Whether it left."""
+    if ev.to_mode not in GATE_LEAVING_MODES:
+        return False
+    return await leave_slice_hosts(uow, ev.node_id, f"the host is {ev.to_mode}: {ev.reason}"[:500], why=ev.to_mode)
+
+
+async def leave_slice_hosts(uow: Uow, node_id: str, absent_reason: str, *, why: str) -> bool:
+    """The node is no slice host any more: its caches count for nothing, and every gated image is judged again
+    without it (the gate may be satisfied already). False when it was none."""
+    was_slice_host = await uow.repos.hosts.forget(node_id)
+    caches = [c for c in await uow.repos.hosts.caches_of(node_id) if c["status"] != "absent"]
+    gated = await uow.repos.images.prewarmable_slugs() if was_slice_host else []
+    # Every image this touches is locked first, in slug order, as enrolments and cache reports lock them.
+    for slug in sorted({c["slug"] for c in caches} | set(gated)):
+        await uow.repos.images.lock(slug)
+    for cache in caches:
+        await set_cache(
+            uow,
+            node_id=node_id,
+            slug=cache["slug"],
+            status="absent",
+            digest=None,
+            expected=cache["expected_digest"],
+            local_path=None,
+            task_id=cache["task_id"],
+            reason=absent_reason,
+        )
+    if not was_slice_host:
+        return False
+    log.info("slice_host_left", node_id=node_id, why=why)
+    for slug in gated:
+        await evaluate_gate(uow, slug)
+    return True

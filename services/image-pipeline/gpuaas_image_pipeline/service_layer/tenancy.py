@@ -20,7 +20,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
 from ..domain.tenancy import facts_of, tenancy_state
-from .catalog import Uow, evaluate_gate, set_cache
+from .catalog import Uow, leave_slice_hosts
 
 log = get_logger(__name__)
 
@@ -77,7 +77,7 @@ async def _judge(uow: Uow, row: dict[str, Any]) -> None:
         log.info("baremetal_tenancy_started", node_id=row["node_id"], allocation_id=str(row["allocation_id"]))
         if row["placed_at"] is not None:
             await _supersede_older(uow, row)
-        await _leave_slice_hosts(uow, row["node_id"])
+        await leave_slice_hosts(uow, row["node_id"], ABSENT_REASON, why="baremetal_tenancy")
     elif closed:
         log.info(
             "baremetal_tenancy_ended", node_id=row["node_id"], allocation_id=str(row["allocation_id"]), reason=state
@@ -88,30 +88,3 @@ async def _supersede_older(uow: Uow, row: dict[str, Any]) -> None:
     """The scheduler handed the node to this allocation: a tenancy placed on it before is over."""
     for older in await uow.repos.tenancies.others_placed_before(row["node_id"], row["allocation_id"], row["placed_at"]):
         await _judge(uow, await uow.repos.tenancies.supersede(older, row["allocation_id"]))
-
-
-async def _leave_slice_hosts(uow: Uow, node_id: str) -> None:
-    was_slice_host = await uow.repos.hosts.forget(node_id)
-    caches = [c for c in await uow.repos.hosts.caches_of(node_id) if c["status"] != "absent"]
-    gated = await uow.repos.images.prewarmable_slugs() if was_slice_host else []
-    # Every image this touches is locked first, in slug order, as enrolments and cache reports lock them.
-    for slug in sorted({c["slug"] for c in caches} | set(gated)):
-        await uow.repos.images.lock(slug)
-    for cache in caches:
-        await set_cache(
-            uow,
-            node_id=node_id,
-            slug=cache["slug"],
-            status="absent",
-            digest=None,
-            expected=cache["expected_digest"],
-            local_path=None,
-            task_id=cache["task_id"],
-            reason=ABSENT_REASON,
-        )
-    if not was_slice_host:
-        return
-    log.info("slice_host_left_for_baremetal", node_id=node_id)
-    # Without this host the gate may be satisfied already.
-    for slug in gated:
-        await evaluate_gate(uow, slug)

@@ -296,6 +296,31 @@ class Projection:
             *values,
         )
 
+    async def host_mode(
+        self, event_id: str, node_id: str, from_mode: str, to_mode: str, actor: str, reason: str, at: datetime
+    ) -> None:
+        """A mode change: one history row (a replay writes none twice) and the host's mode, the latest by time."""
+        await self.conn.execute(
+            "INSERT INTO host_mode_history (event_id, node_id, from_mode, to_mode, actor, reason, at) "
+            "VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (event_id) DO NOTHING",
+            event_id,
+            node_id,
+            from_mode,
+            to_mode,
+            actor,
+            reason,
+            at,
+        )
+        await self.conn.execute(
+            "INSERT INTO hosts (node_id, updated_at, mode, mode_changed_at) VALUES ($1, $2, $3, $2) "
+            "ON CONFLICT (node_id) DO UPDATE SET mode = EXCLUDED.mode, mode_changed_at = EXCLUDED.mode_changed_at, "
+            "updated_at = GREATEST(hosts.updated_at, EXCLUDED.updated_at) "
+            "WHERE hosts.mode_changed_at IS NULL OR hosts.mode_changed_at <= EXCLUDED.mode_changed_at",
+            node_id,
+            at,
+            to_mode,
+        )
+
     # --- images -------------------------------------------------------------------------------------------
 
     async def image(self, slug: str, status: str | None, at: datetime, **fields: Any) -> None:

@@ -133,6 +133,15 @@ async def host(conn: asyncpg.Connection, node_id: str) -> dict[str, Any] | None:
     return None if row is None else _row(row)
 
 
+async def mode_history(conn: asyncpg.Connection, node_id: str, limit: int = 50) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        "SELECT from_mode, to_mode, actor, reason, at FROM host_mode_history WHERE node_id = $1 "
+        f"ORDER BY at DESC, event_id LIMIT {int(limit)}",
+        node_id,
+    )
+    return [_row(r) for r in rows]
+
+
 async def slots(conn: asyncpg.Connection, node_id: str) -> list[dict[str, Any]]:
     return [_row(r) for r in await conn.fetch("SELECT * FROM slots WHERE node_id = $1 ORDER BY slot_id", node_id)]
 

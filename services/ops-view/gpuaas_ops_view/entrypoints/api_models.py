@@ -106,6 +106,9 @@ class Host(BaseModel):
     drift: list[dict[str, Any]] | None = None
     drift_checked_at: datetime | None = None
     drift_open: int = 0
+    # As the scheduler announced it on the stream (scheduler.host_mode_changed); none before its first change.
+    mode: str | None = None
+    mode_changed_at: datetime | None = None
     evidence_age_s: EvidenceAge
 
 
@@ -126,9 +129,18 @@ class Slot(BaseModel):
     drift: list[str] = []
 
 
+class ModeChange(BaseModel):
+    from_mode: str
+    to_mode: str
+    actor: str
+    reason: str
+    at: datetime
+
+
 class HostDetail(Host):
     slots: list[Slot]
     claims: list[Claim]
+    mode_history: list[ModeChange] = []
 
 
 class ImageCache(BaseModel):

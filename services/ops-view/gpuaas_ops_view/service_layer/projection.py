@@ -242,6 +242,13 @@ async def on_enrolled(repo: Projection, ev: Event) -> None:
     )
 
 
+async def on_host_mode(repo: Projection, ev: Event) -> None:
+    p = ev.payload
+    await repo.host_mode(
+        ev.envelope.event_id, p["node_id"], p["from_mode"], p["to_mode"], p["actor"], p["reason"], p["changed_at"]
+    )
+
+
 async def on_parity(repo: Projection, ev: Event) -> None:
     p = ev.payload
     await repo.host_evidence(
@@ -385,5 +392,6 @@ HANDLERS: dict[str, Handler] = {
     "maas.commission_result": on_maas_result,
     "dead_letter": on_dead_letter,
     "scheduler.admin_request_recorded": on_admin_request,
+    "scheduler.host_mode_changed": on_host_mode,
     "image.admin_request_recorded": on_admin_request,
 }

@@ -95,7 +95,8 @@ async def get_host(conn: asyncpg.Connection, node_id: str) -> dict[str, Any]:
         holder = next((c["allocation_id"] for c in mine if c["released_at"] is None), None)
         status = "cleanup_blocked" if forced_live else slot_status(mine)
         slots.append({**slot, "status": status, "held_by": holder, "drift": drifted.get(slot["slot_id"], [])})
-    return {**view, "slots": slots, "claims": [c for c in claims if c["released_at"] is None]}
+    history = await q.mode_history(conn, node_id)
+    return {**view, "slots": slots, "claims": [c for c in claims if c["released_at"] is None], "mode_history": history}
 
 
 async def list_images(conn: asyncpg.Connection) -> dict[str, Any]:

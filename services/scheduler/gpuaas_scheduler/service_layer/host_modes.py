@@ -10,7 +10,10 @@ from typing import Protocol
 
 import asyncpg
 
+from gpuaas_common.contract import derived_event_id
+from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
+from gpuaas_common.outbox import EventCollector
 
 from ..adapters import host_modes as repo
 from ..domain.host_mode import CONVERTING, SLICE, Host, ModeChange, ModeRefused
@@ -74,16 +77,39 @@ async def return_from_baremetal(hosts: HostStore, node_id: str, allocation_id: u
     return host.mode
 
 
-async def promote_if_ready(conn: asyncpg.Connection, node_id: str, *, actor: str, reason: str) -> tuple[str, list[str]]:
+async def promote_if_ready(
+    conn: asyncpg.Connection, node_id: str, *, actor: str, reason: str, events: EventCollector | None = None
+) -> tuple[str, list[str]]:
     """converting → slice when rediscovery, a passing parity run and re-approval are all in. The mode
-    after, and what still blocks slice mode when the host stays converting."""
+    after, and what still blocks slice mode when the host stays converting. `events`: the change is announced."""
     host, now = await _load(conn, node_id)
     if host.mode != CONVERTING:
         return host.mode, []
     blockers = host.blockers(SLICE)
     if blockers:
         return host.mode, blockers
-    host.change_mode(SLICE, actor=actor, reason=reason, at=now)
+    change = host.change_mode(SLICE, actor=actor, reason=reason, at=now)
     await repo.save(conn, host)
     log.info("host_mode_changed", node_id=node_id, from_mode=CONVERTING, to_mode=SLICE, actor=actor)
+    if events is not None:
+        await announce(events, change)
     return SLICE, []
+
+
+async def announce(events: EventCollector, change: ModeChange) -> None:
+    """`scheduler.host_mode_changed` in the transaction of the change: the image pipeline's activation gate stops
+    waiting for a host that is retired or serves baremetal tenants, and ops see the mode's history."""
+    cause = f"{change.node_id}:{change.from_mode}:{change.to_mode}:{change.at.isoformat()}"
+    await events.add(
+        "scheduler.host_mode_changed",
+        m.HostModeChanged(
+            node_id=change.node_id,
+            from_mode=change.from_mode,  # type: ignore[arg-type]  # one of MODES, checked by the aggregate
+            to_mode=change.to_mode,  # type: ignore[arg-type]
+            actor=change.actor,
+            reason=change.reason[:500],
+            changed_at=change.at,
+        ),
+        aggregate_id=change.node_id,
+        event_id=derived_event_id(cause, "mode"),
+    )

@@ -52,6 +52,7 @@ async def set_mode(conn: asyncpg.Connection, node_id: str, body: ModeIn, *, even
             },
         ) from None
     vfio_task = await ask_binding(conn, events, node_id, change.from_mode, change.to_mode)
+    await host_modes.announce(events, change)
     await repo.audit(
         conn,
         body.actor,

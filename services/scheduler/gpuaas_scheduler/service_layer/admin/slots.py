@@ -172,6 +172,7 @@ async def approve(
         node_id,
         actor=body.actor,
         reason=body.reason or "slots re-approved after rediscovery and a passing parity run",
+        events=events,
     )
     out: dict[str, Any] = {"results": results, "mode": mode}
     # In slice mode (entered now, or already there with a changed approved set) the host binds what is approved.
