@@ -60,7 +60,7 @@ DOMAINS := $(wildcard services/*/gpuaas_*/domain)
 CODE    := libs services tools tests bench
 
 test: setup check
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # Static checks (also run by `make test`): import contracts, ruff lint and format, mypy --strict on domains.
 check: setup

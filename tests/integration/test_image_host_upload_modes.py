@@ -85,9 +85,17 @@ async def upload_commands(pool: asyncpg.Pool) -> list[dict[str, Any]]:
     out = []
     for row in await pool.fetch("SELECT subject, body FROM outbox ORDER BY id"):
         env = validator.validate(row["subject"], bytes(row["body"]))
+        if env["type"] == AUDIT:
+            continue  # every admin request's audit record, refusals and dry runs included
         assert env["type"] == "maas.image_upload_requested", env
         out.append(env["payload"])
     return out
+
+
+# The admin API's audit record of each request (issue 27): written for every mode, a dry run's too; the state a
+# host-upload could change is everything else.
+AUDIT = "image.admin_request_recorded"
+AUDIT_SUBJECT = "gpuaas.image.event.admin_request_recorded"
 
 
 async def state(pool: asyncpg.Pool, host_dir: Path) -> dict[str, Any]:
@@ -96,7 +104,7 @@ async def state(pool: asyncpg.Pool, host_dir: Path) -> dict[str, Any]:
     return {
         "images": [tuple(r) for r in rows],
         "maas_requests": await pool.fetchval("SELECT count(*) FROM maas_requests"),
-        "outbox": await pool.fetchval("SELECT count(*) FROM outbox"),
+        "outbox": await pool.fetchval("SELECT count(*) FROM outbox WHERE subject <> $1", AUDIT_SUBJECT),
         "files": files(host_dir),
     }
 

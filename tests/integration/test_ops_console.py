@@ -88,12 +88,17 @@ async def _signed_in(console: Console_, http: aiohttp.ClientSession, actor: str 
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/console" in cookie, cookie
 
 
-async def _wait_until_in_model(console: Console_, alloc: uuid.UUID, state: str) -> None:
-    """Until the follower committed the allocation in `state`: woken by the models' own change notices."""
+async def _wait_until_in_model(console: Console_, alloc: uuid.UUID, state: str, node: str | None = None) -> None:
+    """Until the follower committed the allocation in `state` (and, given `node`, the host's drift report, the last
+    of `fleet`'s events, which another stream's follower applies): woken by the models' own change notices."""
     with console.changes.subscribe() as notices:
         while True:
             async with console.pool.acquire() as conn:
-                if await conn.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == state:
+                there = await conn.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == state
+                described = node is None or await conn.fetchval(
+                    "SELECT drift_checked_at IS NOT NULL AND kind IS NOT NULL FROM hosts WHERE node_id = $1", node
+                )
+                if there and described:
                     return
             await asyncio.wait_for(notices.get(), 20)
 
@@ -151,7 +156,7 @@ async def test_a_login_link_opens_the_pages_and_only_them(nc: nats.NATS, console
     alloc = uuid.uuid4()
     await fleet(nc, node)
     await lifecycle(nc, alloc, tenant, node)
-    await _wait_until_in_model(console, alloc, "active")
+    await _wait_until_in_model(console, alloc, "active", node)
     async with _browser() as http:
         await _signed_in(console, http, actor="bob@ops")
         async with http.get(f"{console.url}/console/") as resp:

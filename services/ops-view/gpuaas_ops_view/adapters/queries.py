@@ -133,6 +133,12 @@ async def host(conn: asyncpg.Connection, node_id: str) -> dict[str, Any] | None:
     return None if row is None else _row(row)
 
 
+async def unknown_host(conn: asyncpg.Connection, node_id: str) -> dict[str, Any]:
+    """A host the streams named only through its claims: every column of the model, none known yet."""
+    columns = [a.name for a in (await conn.prepare("SELECT * FROM hosts")).get_attributes()]
+    return {**dict.fromkeys(columns), "node_id": node_id}
+
+
 async def mode_history(conn: asyncpg.Connection, node_id: str, limit: int = 50) -> list[dict[str, Any]]:
     rows = await conn.fetch(
         "SELECT from_mode, to_mode, actor, reason, at FROM host_mode_history WHERE node_id = $1 "

@@ -83,7 +83,7 @@ async def get_host(conn: asyncpg.Connection, node_id: str) -> dict[str, Any]:
     claims = await q.claims(conn, node_id=node_id)
     if row is None and not claims:
         raise ApiError(404, "not_found", f"no host {node_id} in the read model")
-    view = _host_view(row or {"node_id": node_id}, datetime.now(timezone.utc))
+    view = _host_view(row or await q.unknown_host(conn, node_id), datetime.now(timezone.utc))
     drifted: dict[str, list[str]] = {}
     for d in view.get("drift") or []:
         for slot_id in d.get("slot_ids", []):
