@@ -191,7 +191,10 @@ async def test_a_request_the_killed_server_lost_is_asked_again(tmp_path) -> None
             return True
 
         await eventually(published, timeout=30, what="a publish after the restart")
-        await eventually(lambda: len(hands.seen) == 2, timeout=30, what="the message after the restart")
+        # Asked again, whenever that is: most runs see the message within a second, but 1 run in about 15 took
+        # 26 s and one full-suite run more than 30 s after a SIGKILL, cause not found (the loop re-asks every
+        # 1.25 s; the server's consumer recovery is the suspect). The bound is a liveness check, not a timing goal.
+        await eventually(lambda: len(hands.seen) == 2, timeout=90, what="the message after the restart")
     finally:
         if task is not None:
             await _stop(task)
