@@ -4,7 +4,6 @@ from the test's CA, and its port named in its ready file."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import time
@@ -16,7 +15,7 @@ from gpuaas_common.identity import Authority
 from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.permissions import AUTHORITY, ROLE_PERMISSIONS
 from gpuaas_common.identity.tls import TlsFiles, issue_server_cert
-from gpuaas_dev.stack.processes import bin_path
+from gpuaas_dev.stack.processes import _Proc, bin_path, spawn, wait_until_ready
 
 
 @contextmanager
@@ -41,23 +40,20 @@ def authority_process(
         "GPUAAS_READY_FILE": str(ready),
         "GPUAAS_LOG_LEVEL": "INFO",
     }
-    log = (work / "authority.log").open("ab")
-    proc = subprocess.Popen([bin_path("gpuaas-credential-authority")], env=env, stdout=log, stderr=subprocess.STDOUT)
+    # Spawned and awaited as the dev stack does its processes: ready once its ready file names it and /readyz says so.
+    proc = _Proc(AUTHORITY, [bin_path("gpuaas-credential-authority")], env, work / "authority.log", ready, "/readyz")
+    spawn(proc, work)
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the authority did not start:\n{(work / 'authority.log').read_text()[-3000:]}")
-            time.sleep(0.05)  # polling the ready file the process writes once it listens
-        yield f"https://127.0.0.1:{json.loads(ready.read_text())['api_port']}"
+        wait_until_ready({AUTHORITY: proc}, 60)
+        yield f"https://127.0.0.1:{proc.info['api_port']}"
     finally:
-        proc.terminate()
+        assert proc.proc is not None
+        proc.proc.terminate()
         try:
-            proc.wait(timeout=15)
+            proc.proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            proc.proc.kill()
+            proc.proc.wait()
 
 
 def log_of(work: Path) -> str:

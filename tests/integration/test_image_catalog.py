@@ -32,6 +32,26 @@ def _uow(pool: asyncpg.Pool) -> UnitOfWork:
     return UnitOfWork(pool, SCHEMA, "image-pipeline", image_pipeline_repositories)
 
 
+async def _published(conn: asyncpg.Connection, slug: str) -> None:
+    """A slice image the pipeline built and published: in the catalog, waiting on the activation gate."""
+    meta = {
+        "image_path": f"/var/lib/gpuaas/slice-images/{slug}.raw",
+        "artifact_ref": "oci://r/ns/img:t@sha256:" + "1" * 64,
+        "blob_digest": "sha256:" + "2" * 64,
+        "blob_size": 10,
+        "blob_media_type": "x",
+        "virtual_size": 100,
+        "registry_tls": "plain-http",
+    }
+    await conn.execute(
+        "INSERT INTO os_images (slug, kind, status, compatible_sku, digest_sha256, metadata) "
+        "VALUES ($1, 'slice', 'published', 'h200-sxm-slice', $2, $3)",
+        slug,
+        BUILT_DIGEST,
+        json.dumps(meta),
+    )
+
+
 def _seed(**kw) -> SeedImage:
     return SeedImage(
         slug="ubuntu-24.04-h200-cuda",
@@ -69,23 +89,8 @@ async def test_seed_reapplication_keeps_materialised_digest_and_status(fresh_db:
 async def test_gate_needs_every_known_host_verified_with_the_catalog_digest(fresh_db: str) -> None:
     conn, pool = await _connect(fresh_db)
     slug = "img"
-    meta = {
-        "image_path": f"/var/lib/gpuaas/slice-images/{slug}.raw",
-        "artifact_ref": "oci://r/ns/img:t@sha256:" + "1" * 64,
-        "blob_digest": "sha256:" + "2" * 64,
-        "blob_size": 10,
-        "blob_media_type": "x",
-        "virtual_size": 100,
-        "registry_tls": "plain-http",
-    }
     try:
-        await conn.execute(
-            "INSERT INTO os_images (slug, kind, status, compatible_sku, digest_sha256, metadata) "
-            "VALUES ($1, 'slice', 'published', 'h200-sxm-slice', $2, $3)",
-            slug,
-            BUILT_DIGEST,
-            json.dumps(meta),
-        )
+        await _published(conn, slug)
         async with _uow(pool) as uow:
             for node in ("n1", "n2"):
                 sent = await catalog.on_enrolled(
@@ -183,23 +188,8 @@ async def test_a_retired_host_leaves_the_gate_and_the_image_waiting_only_on_it_a
     verified activates at once. Other modes (converting, drained) leave the gate as it is."""
     conn, pool = await _connect(fresh_db)
     slug = "img"
-    meta = {
-        "image_path": f"/var/lib/gpuaas/slice-images/{slug}.raw",
-        "artifact_ref": "oci://r/ns/img:t@sha256:" + "1" * 64,
-        "blob_digest": "sha256:" + "2" * 64,
-        "blob_size": 10,
-        "blob_media_type": "x",
-        "virtual_size": 100,
-        "registry_tls": "plain-http",
-    }
     try:
-        await conn.execute(
-            "INSERT INTO os_images (slug, kind, status, compatible_sku, digest_sha256, metadata) "
-            "VALUES ($1, 'slice', 'published', 'h200-sxm-slice', $2, $3)",
-            slug,
-            BUILT_DIGEST,
-            json.dumps(meta),
-        )
+        await _published(conn, slug)
         async with _uow(pool) as uow:
             for node in ("alive", "dead"):
                 enrolled = m.NodeEnrolled(node_id=node, kind="slice_host", hostname=node, agent_version="t")
