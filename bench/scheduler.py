@@ -37,7 +37,7 @@ from gpuaas_dev.testing.servers import PostgresServer
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.adapters.repository import scheduler_repositories
-from gpuaas_scheduler.service_layer.handlers import Scheduler
+from gpuaas_scheduler.service_layer.handlers import Scheduler, allocation_first_lock
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy, with_fleet_shape
 
 SLOTS = 8
@@ -74,12 +74,14 @@ async def _placements(dsn: str, gpus: int, count: int, start_at: float) -> dict:
             "allocation.accepted", ev.model_dump(mode="json"), producer="bench", correlation_id=str(ev.allocation_id)
         )
         s = time.perf_counter()
-        # Exactly what the bus does per message: inbox row, placement, outbox, one unit of work.
+        # Exactly what the bus does per message: inbox row, the allocation's lock taken with the BEGIN (the
+        # service subscribes with `first_lock=allocation_first_lock`), placement, outbox, one unit of work.
         ctx = HandlerContext(env, ev, "gpuaas.allocation.event.accepted", "scheduler-allocation-events", 1)
         await deliver(
             scheduler.on_accepted,
             ctx,
-            UnitOfWork(
+            first_lock=allocation_first_lock(ev),
+            uow=UnitOfWork(
                 pool,
                 "scheduler",
                 "scheduler",

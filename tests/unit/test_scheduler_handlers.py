@@ -21,6 +21,7 @@ from gpuaas_scheduler.service_layer.handlers import (
     EndedOutOfOrder,
     Scheduler,
     allocation_first_lock,
+    mirrored,
 )
 
 CONSUMER = "scheduler-allocation-events"
@@ -198,7 +199,6 @@ class Harness:
         handler = {
             "allocation.provisioning": self.scheduler.on_provisioning,
             "allocation.active": self.scheduler.on_active,
-            "allocation.releasing": self.scheduler.on_releasing,
             "allocation.released": self.scheduler.on_released,
             "allocation.failed": self.scheduler.on_failed,
         }[type_]
@@ -217,10 +217,6 @@ def provisioning(alloc):
 
 def active(alloc):
     return _event(m.AllocationActive, alloc, "active", node_id="n1", access=m.AccessInfo())
-
-
-def releasing(alloc):
-    return _event(m.AllocationReleasing, alloc, "releasing")
 
 
 def released(alloc, *proofs: m.WipeProof, required: bool = True, reason: str | None = None):
@@ -246,32 +242,28 @@ def h() -> Harness:
     return Harness()
 
 
-async def _run_to_releasing(h: Harness, alloc: uuid.UUID) -> None:
-    for type_, ev in (
-        ("allocation.provisioning", provisioning(alloc)),
-        ("allocation.active", active(alloc)),
-        ("allocation.releasing", releasing(alloc)),
-    ):
+async def _run_to_active(h: Harness, alloc: uuid.UUID) -> None:
+    for type_, ev in (("allocation.provisioning", provisioning(alloc)), ("allocation.active", active(alloc))):
         assert await h.send(type_, ev)
 
 
 async def test_the_slots_follow_the_allocation_and_a_verified_wipe_frees_them(h: Harness) -> None:
     alloc = h.placed()
-    await _run_to_releasing(h, alloc)
-    assert h.status(alloc) == ["releasing", "releasing"]
+    await _run_to_active(h, alloc)
+    assert h.status(alloc) == ["active", "active"]
     assert await h.send("allocation.released", released(alloc, *(blkdiscard(d) for d in h.devices(alloc))))
     assert h.last is not None and h.last.committed
     assert h.status(alloc) == ["available", "available"]
     assert h.live(alloc) == 0
     # Every move logged under the allocation, through cleanup; the summary of the node recomputed.
     moves = [(to, a) for s, _f, to, a, _d in h.world.log if s == "n1-s0"]
-    assert moves == [(s, alloc) for s in ("provisioning", "active", "releasing", "cleanup", "available")]
+    assert moves == [(s, alloc) for s in ("provisioning", "active", "cleanup", "available")]
     assert h.world.refreshed[-1] == ["n1"]
 
 
 async def test_a_proof_the_slots_policy_refuses_blocks_that_slot_alone(h: Harness) -> None:
     alloc = h.placed()
-    await _run_to_releasing(h, alloc)
+    await _run_to_active(h, alloc)
     good, bad = h.devices(alloc)
     assert await h.send("allocation.released", released(alloc, blkdiscard(good), blkdiscard(bad, method="nvme_format")))
     assert h.status(alloc) == ["available", "cleanup_blocked"]
@@ -286,7 +278,6 @@ async def test_released_before_provisioning_returns_slots_the_log_never_saw_prov
     # The host's word against the log: a provisioned slot waits for a wipe.
     other = h.placed()
     assert await h.send("allocation.provisioning", provisioning(other))
-    assert await h.send("allocation.releasing", releasing(other))
     assert await h.send("allocation.released", released(other, required=False))
     assert h.status(other) == ["cleanup_blocked", "cleanup_blocked"]
 
@@ -319,10 +310,20 @@ async def test_a_whole_host_failed_with_cleanup_is_drained(h: Harness) -> None:
     assert h.live(alloc) == 0
 
 
-async def test_an_end_out_of_order_changes_nothing_and_is_retried(h: Harness) -> None:
+async def test_an_end_that_says_nothing_was_written_blocks_slots_the_log_shows_running(h: Harness) -> None:
     alloc = h.placed()
     assert await h.send("allocation.provisioning", provisioning(alloc))
     assert await h.send("allocation.active", active(alloc))
+    # No `releasing` in between (the scheduler does not follow it): the log is what contradicts the host's word.
+    assert await h.send("allocation.released", released(alloc, required=False))
+    assert h.status(alloc) == ["cleanup_blocked", "cleanup_blocked"] and h.live(alloc) == 0
+
+
+async def test_an_end_the_slots_status_and_log_disagree_on_changes_nothing_and_is_retried(h: Harness) -> None:
+    alloc = h.placed()
+    for claim in h.world.claims:
+        if claim.allocation_id == alloc and claim.slot_id:
+            h.world.slots[claim.slot_id].status = "active"  # active, yet the log never saw it provisioned
     with pytest.raises(EndedOutOfOrder):
         await h.send("allocation.released", released(alloc, required=False))
     assert h.last is not None and not h.last.committed
@@ -341,7 +342,7 @@ async def test_active_before_its_provisioning_waits_for_it(h: Harness) -> None:
 
 async def test_a_redelivered_end_is_a_no_op(h: Harness) -> None:
     alloc = h.placed()
-    await _run_to_releasing(h, alloc)
+    await _run_to_active(h, alloc)
     ev = released(alloc, *(blkdiscard(d) for d in h.devices(alloc)))
     env = Envelope.wrap("allocation.released", ev.model_dump(mode="json"), producer="allocator", correlation_id="c")
     assert await h.send("allocation.released", ev, env)
@@ -350,3 +351,19 @@ async def test_a_redelivered_end_is_a_no_op(h: Harness) -> None:
     assert len(h.world.log) == log
     # The handlers took no lock of their own: the bus took the allocation's with the BEGIN.
     assert h.repos.claims.locked == []
+
+
+@pytest.mark.parametrize(
+    ("event", "shape", "wanted"),
+    [
+        (provisioning, "gpu_slice", True),
+        (active, "gpu_slice", True),
+        (provisioning, "baremetal", False),  # a node claim has no slot to move
+        (active, "baremetal", False),
+        (released, "baremetal", True),  # its end still frees the node
+        (failed, "baremetal", True),
+    ],
+)
+def test_the_mirror_reads_only_what_moves_a_slot(event: Any, shape: str, wanted: bool) -> None:
+    payload = event(uuid.uuid4()).model_copy(update={"shape": shape})
+    assert mirrored(payload) is wanted

@@ -69,8 +69,10 @@ _LIFECYCLE = {
 }
 
 # The lifecycle events the scheduler acts on: its durable filters on exactly these (gpuaas_common.jetstream), so
-# the server never delivers it the others.
-SCHEDULER_FOLLOWS = ("accepted", "provisioning", "active", "releasing", "released", "failed")
+# the server never delivers it the others. Not `releasing`: no rule of the scheduler reads it (a slot's end is
+# decided at `released` or `failed`, from what the log shows it reached: provisioning, active), so mirroring it
+# was a transaction per allocation that decided nothing.
+SCHEDULER_FOLLOWS = ("accepted", "provisioning", "active", "released", "failed")
 # The lifecycle events the image pipeline follows to know which nodes are under a baremetal tenancy (a tenant's
 # host may never enrol as a slice host): placed and provisioning carry the node, released and failed end it.
 PIPELINE_FOLLOWS = ("placed", "provisioning", "released", "failed")

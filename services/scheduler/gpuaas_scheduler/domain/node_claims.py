@@ -37,10 +37,10 @@ Proof = Mapping[str, Any]
 
 
 class EndedOutOfOrder(RuntimeError):
-    """An allocation's end arrived while its slots are in a status that end cannot follow (e.g. `released`
-    saying the disk was never written while a slot is `active`). Its claims are kept and the message is
-    retried: a reordered `releasing` may still come; one that never does is dead-lettered with this text,
-    instead of freeing claims of slots that stay in use."""
+    """An allocation's end arrived while a slot is in a status the move that end decides for it cannot follow
+    (an `active` slot whose log does not show it provisioned under the allocation: the status and the log
+    disagree). Its claims are kept and the message is retried, then dead-lettered with this text, instead of
+    freeing claims of slots that may stay in use."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ class NodeClaims:
     def release(self, *, cleanup_required: bool, reason: str | None, proofs: Sequence[Proof]) -> None:
         """`allocation.released`: the host's cleanup report (whether the disks may have been written, and the
         wipe proofs of those it wiped)."""
-        self._check_in_order("cleanup" if cleanup_required else "available", "released")
+        self._check_in_order("released", "cleanup" if cleanup_required else "available")
         slots = self.slots
         if slots and not cleanup_required:
             # Released before provisioning, the allocator says: no task ever went to the host. The claim's
@@ -144,7 +144,7 @@ class NodeClaims:
     def fail(self, *, cleanup_required: bool, reason: str, proofs: Sequence[Proof]) -> None:
         """`allocation.failed`: back to available what provably was never written, or what every proof covers;
         otherwise blocked, and a node held whole drained."""
-        self._check_in_order("cleanup_blocked" if cleanup_required else "available", "failed")
+        self._check_in_order("failed", "cleanup_blocked" if cleanup_required else "available")
         slots = self.slots
         if not cleanup_required:
             # The host's word that no disk write began (its task record, written before the clone). A slot this
@@ -201,12 +201,17 @@ class NodeClaims:
 
     # --- moves -----------------------------------------------------------------------------------------
 
-    def _check_in_order(self, target: str, event: str) -> None:
-        legal = allowed_from(target) | {target}
-        stuck = sorted(f"{s.slot_id} ({s.status})" for s in self.slots if s.status not in legal)
+    def _check_in_order(self, event: str, target: str) -> None:
+        """Every slot can make the move `event` decides for it: `target`, or, for an end that says no disk was
+        written, `cleanup_blocked` where the log shows the slot `reached` (`_return_untouched`)."""
+        stuck = []
+        for slot in self.slots:
+            to = "cleanup_blocked" if slot.reached and target == "available" else target
+            if slot.status not in allowed_from(to) | {to}:
+                stuck.append(f"{slot.slot_id} ({slot.status}) to {to}")
         if stuck:
             raise EndedOutOfOrder(
-                f"allocation.{event} for {self.allocation_id} cannot move {', '.join(stuck)} to {target}; claims kept"
+                f"allocation.{event} for {self.allocation_id} cannot move {', '.join(sorted(stuck))}; claims kept"
             )
 
     def _move(

@@ -15,7 +15,7 @@ from ..adapters.inventory import refresh_nodes, seed_from_fleet
 from ..adapters.metrics import inventory_reading
 from ..adapters.repository import scheduler_repositories
 from ..service_layer.claim_audit import AuditPolicy, audit_claims
-from ..service_layer.handlers import Scheduler, allocation_first_lock, evidence_handlers, handlers
+from ..service_layer.handlers import Scheduler, allocation_first_lock, evidence_handlers, handlers, mirrored
 from ..service_layer.host_walk import HostWalker, WalkPolicy
 from ..service_layer.host_walk import sweep as walk_sweep
 from ..service_layer.placement import PlacementPolicy, with_fleet_shape
@@ -56,7 +56,10 @@ def build_register(settings: SchedulerSettings):
         walker = HostWalker(walks)
         scheduler = Scheduler(policy, walker)
         rt.bus.subscribe(
-            rt.consumer_spec("scheduler-allocation-events"), handlers(scheduler), first_lock=allocation_first_lock
+            rt.consumer_spec("scheduler-allocation-events"),
+            handlers(scheduler),
+            first_lock=allocation_first_lock,
+            wanted=mirrored,
         )
         # Readiness evidence: parity, advisory topology, image cache state. Each is its own durable so a
         # backlog on one (e.g. a fleet-wide prewarm) never delays the others or placement.

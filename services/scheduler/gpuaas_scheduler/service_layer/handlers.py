@@ -31,6 +31,14 @@ from .placement import PlacementPolicy, place
 log = get_logger(__name__)
 
 
+def mirrored(payload: object) -> bool:
+    """Whether a lifecycle message is the scheduler's business (the bus's `wanted`): a baremetal allocation's
+    `provisioning` and `active` are not, its node claim has no slot to move. Acknowledged unread, with no unit
+    of work, where they cost a transaction each that changed nothing."""
+    mirror_only = isinstance(payload, (m.AllocationProvisioning, m.AllocationActive))
+    return not (mirror_only and getattr(payload, "shape", None) == "baremetal")
+
+
 def allocation_first_lock(payload: object) -> str | None:
     """The lock every handler of the lifecycle consumer takes first, for the bus to take with the BEGIN."""
     allocation_id = getattr(payload, "allocation_id", None)
@@ -167,6 +175,9 @@ class Scheduler:
         )
 
     # --- the lifecycle mirror: the slots follow the allocation ------------------------------------------
+    # Only the two moves a later rule reads: `provisioning` (a release that says no disk was written is checked
+    # against it) and `active` (so is a failure's). A slice's `releasing` decides nothing and is not followed
+    # (contract/catalog.py SCHEDULER_FOLLOWS); a baremetal claim holds no slot to move (`mirrored`).
 
     async def on_provisioning(self, ctx: HandlerContext) -> None:
         repos = await _lock_allocation(ctx, ctx.payload.allocation_id)
@@ -178,16 +189,10 @@ class Scheduler:
         if await repos.slots.move_for_allocation(alloc, "active", ("provisioning",)):
             return
         # `provisioning` is published before `active`, but another replica may not have applied it yet:
-        # slots still `reserved` wait for it (a releasing that overtook both leaves them alone).
+        # slots still `reserved` wait for it (an end that overtook both leaves them alone).
         early = sorted(slot for slot, status in (await repos.slots.statuses(alloc)).items() if status == "reserved")
         if early:
             raise ArrivedEarly(f"allocation.active for {alloc} before its provisioning: {', '.join(early)} reserved")
-
-    async def on_releasing(self, ctx: HandlerContext) -> None:
-        repos = await _lock_allocation(ctx, ctx.payload.allocation_id)
-        await repos.slots.move_for_allocation(
-            ctx.payload.allocation_id, "releasing", ("reserved", "provisioning", "active")
-        )
 
     async def on_released(self, ctx: HandlerContext) -> None:
         ev: m.AllocationReleased = ctx.payload
@@ -310,7 +315,6 @@ def handlers(scheduler: Scheduler) -> dict:
         "allocation.accepted": scheduler.on_accepted,
         "allocation.provisioning": scheduler.on_provisioning,
         "allocation.active": scheduler.on_active,
-        "allocation.releasing": scheduler.on_releasing,
         "allocation.released": scheduler.on_released,
         "allocation.failed": scheduler.on_failed,
     }
