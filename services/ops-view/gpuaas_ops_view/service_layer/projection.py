@@ -4,7 +4,7 @@ what they hold, raises PermanentError: the follower dead-letters it with the rea
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -13,7 +13,7 @@ from gpuaas_common.bus import PermanentError, parse_message
 from gpuaas_common.contract import Envelope, derived_event_id
 from gpuaas_common.contract import messages as m
 
-from ..adapters.projection import Projection
+from ..adapters.projection import BatchProjection, Projection
 from ..domain.models import claim_outcome, failing_checks, maas_status, place_transition, task_status
 from ..domain.usage import ENDS, usage_of
 
@@ -44,10 +44,30 @@ Handler = Callable[[Projection, Event], Awaitable[None]]
 
 async def apply(repo: Projection, message: Message) -> None:
     """Apply one message; PermanentError when it cannot be placed (nothing written for it)."""
+    handled = _handled(message)
+    if handled is not None:
+        await handled[0](repo, handled[1])
+
+
+async def apply_batch(repo: BatchProjection, messages: Sequence[Message]) -> None:
+    """Apply a batch's messages in stream order, as `apply` would one after another, reading what their
+    allocations need once and writing at the end (adapters/projection.py's BatchProjection); PermanentError at
+    the first that cannot be placed, and the caller's transaction must then go: what was written so far is
+    incomplete."""
+    handled = [h for h in map(_handled, messages) if h is not None]
+    await repo.load({ev.payload["allocation_id"] for handler, ev in handled if handler in _READS_ALLOCATION})
+    for handler, ev in handled:
+        await handler(repo, ev)
+    await repo.flush()
+
+
+def _handled(message: Message) -> tuple[Handler, Event] | None:
+    """The message's handler and event; None when the models keep nothing of its type."""
     envelope, payload = parse_message(message.subject, message.data)
     handler = HANDLERS.get(envelope.type)
-    if handler is not None:
-        await handler(repo, Event(envelope, payload.model_dump(mode="python"), message))
+    if handler is None:
+        return None
+    return handler, Event(envelope, payload.model_dump(mode="python"), message)
 
 
 # --- allocations ---------------------------------------------------------------------------------------
@@ -395,3 +415,5 @@ HANDLERS: dict[str, Handler] = {
     "scheduler.host_mode_changed": on_host_mode,
     "image.admin_request_recorded": on_admin_request,
 }
+# The handlers that read or write an allocation's rows: a batch reads what it needs of all theirs at once.
+_READS_ALLOCATION = (on_lifecycle, on_rejected)
