@@ -1,8 +1,9 @@
-"""ops-view applies a batch of allocation events as a whole (adapters/projection.py's BatchProjection: what the
-batch's allocations need read at once, the rows written at its end), against a real Postgres and nats-server:
-the rows, usage records and outbox events are those that applying the same messages one at a time makes, however
-the stream is cut into batches, with several events of one allocation in one batch, events read out of order and
-repeats; and a batch holding a message that cannot be placed dead-letters that one and commits the rest."""
+"""ops-view applies a batch of allocation and node task events as a whole (adapters/projection.py's
+BatchProjection: what the batch's allocations and tasks need read at once, the rows written at its end), against
+a real Postgres and nats-server: the rows, usage records and outbox events are those that applying the same
+messages one at a time makes, however the stream is cut into batches, with several events of one allocation in
+one batch, events read out of order and repeats; and a batch holding a message that cannot be placed
+dead-letters that one and commits the rest."""
 
 from __future__ import annotations
 
@@ -35,7 +36,16 @@ STREAM = "ALLOCATIONS"
 T0 = datetime(2026, 11, 3, 8, 0, tzinfo=timezone.utc)
 SHA = "c" * 64
 # Every table the allocation stream's handlers write, and the outbox they publish through.
-TABLES = ("allocations", "allocation_timeline", "claims", "slots", "usage_records", "stream_positions")
+TABLES = (
+    "allocations",
+    "allocation_timeline",
+    "claims",
+    "slots",
+    "usage_records",
+    "node_tasks",
+    "node_task_phases",
+    "stream_positions",
+)
 
 
 @dataclass
@@ -44,7 +54,7 @@ class Stream:
 
     messages: list[Message] = field(default_factory=list)
 
-    def add(self, type_: str, payload: BaseModel, minute: int, *, body: bytes | None = None) -> None:
+    def add(self, type_: str, payload: BaseModel, minute: int, *, body: bytes | None = None, **params: str) -> None:
         env = Envelope(
             event_id=str(uuid.uuid4()),
             type=type_,
@@ -54,7 +64,7 @@ class Stream:
             producer="allocator",
             payload=payload.model_dump(mode="json"),
         )
-        subject = spec_for(type_).subject()
+        subject = spec_for(type_).subject(**params)
         data = env.model_dump_json().encode() if body is None else body
         if body is None:
             parse_message(subject, data)
@@ -118,6 +128,34 @@ def scenario() -> Stream:
     return s
 
 
+def tasks(s: Stream) -> Stream:
+    """Node tasks as the task and report streams carry them, read together: a task sent, its progress and
+    result; a result read before its task was sent and before a late progress report (a result wins)."""
+    node = "n-tasks"
+    for t, (first, then) in enumerate((("sent", "reported"), ("reported", "sent"))):
+        alloc, task = uuid.uuid4(), f"t-{uuid.uuid4().hex[:12]}"
+        sent = m.SliceVmProvision(
+            task_id=task,
+            allocation_id=alloc,
+            node_id=node,
+            fencing_epoch=1,
+            deadline=T0 + timedelta(minutes=10),
+            vm_name=f"vm-{t}",
+            slots=[_slot(node, 1)],
+            image=m.ImageRef(slug="debian-12", digest_sha256=SHA, image_path="/i/debian-12.raw"),
+            hostname="box",
+        )
+        common = {"task_id": task, "allocation_id": alloc, "node_id": node, "task_type": "slice.vm_provision"}
+        for step in (first, then):
+            if step == "sent":
+                s.add("slice.vm_provision", sent, t, node_id=node)
+                continue
+            s.add("node.task_progress", m.NodeTaskProgress(**common, phase="clone"), t + 1, node_id=node)
+            s.add("node.task_result", m.NodeTaskResult(**common, status="succeeded"), t + 2, node_id=node)
+            s.add("node.task_progress", m.NodeTaskProgress(**common, phase="boot"), t + 1, node_id=node)
+    return s
+
+
 @pytest.fixture
 async def pool(fresh_db: str) -> AsyncIterator[asyncpg.Pool]:
     conn = await asyncpg.connect(fresh_db)
@@ -157,13 +195,14 @@ async def dump(pool: asyncpg.Pool, *, clear: bool = False) -> dict[str, list[tup
 
 
 async def test_a_batch_writes_the_rows_one_at_a_time_writes(pool: asyncpg.Pool) -> None:
-    messages = scenario().messages
+    messages = tasks(scenario()).messages
     await one_at_a_time(pool, messages)
     alone = await dump(pool, clear=True)
     assert len(alone["usage_records"]) == 2 and len(alone["outbox"]) == 2
     assert {r[3] for r in alone["allocations"]} == {"released", "failed", "unschedulable", "placed", "rejected"}
     # The release read before the placement ended no claim: the placement's are live, as one by one.
     assert sum(r[5] == "None" for r in alone["claims"]) == 5
+    assert {r[6] for r in alone["node_tasks"]} == {"succeeded"} and len(alone["node_task_phases"]) == 4
     for size in (len(messages), 4, 3):
         await in_batches(pool, messages, size)
         assert await dump(pool, clear=True) == alone, f"batches of {size}"
@@ -171,7 +210,7 @@ async def test_a_batch_writes_the_rows_one_at_a_time_writes(pool: asyncpg.Pool) 
 
 async def test_a_batch_read_again_changes_nothing(pool: asyncpg.Pool) -> None:
     """A replay or a redelivery: every event of the batch is a repeat, and no usage record closes twice."""
-    messages = scenario().messages
+    messages = tasks(scenario()).messages
     await in_batches(pool, messages, len(messages))
     async with pool.acquire() as conn:
         await conn.execute("DELETE FROM outbox")

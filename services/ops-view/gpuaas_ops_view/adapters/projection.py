@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from gpuaas_common.outbox import EventCollector, PendingEvent, pending_statement, write_pending
 
-from ..domain.models import TASK_FINAL
+from ..domain.models import TASK_FINAL, task_status
 from ..domain.usage import Move, Usage
 
 # The models' own schema: its outbox carries the events ops-view publishes (usage.recorded), relayed by the
@@ -110,6 +110,36 @@ _PUT_USAGE = (
 )
 
 
+_TASK_COLUMNS = (
+    "task_id",
+    "allocation_id",
+    "node_id",
+    "task_type",
+    "sent_at",
+    "deadline",
+    "status",
+    "reason_code",
+    "reason",
+    "finished_at",
+    "updated_at",
+)
+_UPSERT_TASK = (
+    f"INSERT INTO node_tasks AS t ({', '.join(_TASK_COLUMNS)}) VALUES "
+    f"({', '.join(f'${i + 1}' for i in range(len(_TASK_COLUMNS)))}) "
+    "ON CONFLICT (task_id) DO UPDATE SET allocation_id = COALESCE(t.allocation_id, EXCLUDED.allocation_id), "
+    "task_type = COALESCE(t.task_type, EXCLUDED.task_type), sent_at = COALESCE(t.sent_at, EXCLUDED.sent_at), "
+    f"deadline = COALESCE(t.deadline, EXCLUDED.deadline), status = {_MERGED_STATUS}, "
+    "reason_code = COALESCE(t.reason_code, EXCLUDED.reason_code), "
+    "reason = COALESCE(t.reason, EXCLUDED.reason), "
+    "finished_at = COALESCE(t.finished_at, EXCLUDED.finished_at), "
+    "updated_at = GREATEST(t.updated_at, EXCLUDED.updated_at)"
+)
+_ADD_PHASE = (
+    "INSERT INTO node_task_phases (task_id, stream_seq, phase, detail, at) VALUES ($1, $2, $3, $4, $5) "
+    "ON CONFLICT DO NOTHING"
+)
+
+
 def _allocation_values(row: dict[str, Any], newest: bool) -> tuple[Any, ...]:
     values = [_j(row.get(c)) if c in _ALLOCATION_JSON else row.get(c) for c in _ALLOCATION_COLUMNS]
     return (*values, newest)
@@ -144,6 +174,10 @@ def _slot_rows(node_id: str, slots: list[dict[str, Any]], at: datetime) -> list[
         )
         for s in slots
     ]
+
+
+def _task_values(row: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(row[c] if c in ("task_id", "node_id", "status", "updated_at") else row.get(c) for c in _TASK_COLUMNS)
 
 
 def _move(r: asyncpg.Record) -> Move:
@@ -283,39 +317,10 @@ class Projection:
         return await self.conn.fetchval("SELECT status FROM node_tasks WHERE task_id = $1 FOR UPDATE", task_id)
 
     async def upsert_task(self, row: dict[str, Any]) -> None:
-        await self.conn.execute(
-            "INSERT INTO node_tasks AS t (task_id, allocation_id, node_id, task_type, sent_at, deadline, status, "
-            "reason_code, reason, finished_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) "
-            "ON CONFLICT (task_id) DO UPDATE SET allocation_id = COALESCE(t.allocation_id, EXCLUDED.allocation_id), "
-            "task_type = COALESCE(t.task_type, EXCLUDED.task_type), sent_at = COALESCE(t.sent_at, EXCLUDED.sent_at), "
-            f"deadline = COALESCE(t.deadline, EXCLUDED.deadline), status = {_MERGED_STATUS}, "
-            "reason_code = COALESCE(t.reason_code, EXCLUDED.reason_code), "
-            "reason = COALESCE(t.reason, EXCLUDED.reason), "
-            "finished_at = COALESCE(t.finished_at, EXCLUDED.finished_at), "
-            "updated_at = GREATEST(t.updated_at, EXCLUDED.updated_at)",
-            row["task_id"],
-            row.get("allocation_id"),
-            row["node_id"],
-            row.get("task_type"),
-            row.get("sent_at"),
-            row.get("deadline"),
-            row["status"],
-            row.get("reason_code"),
-            row.get("reason"),
-            row.get("finished_at"),
-            row["updated_at"],
-        )
+        await self.conn.execute(_UPSERT_TASK, *_task_values(row))
 
     async def add_phase(self, task_id: str, stream_seq: int, phase: str, detail: str | None, at: datetime) -> None:
-        await self.conn.execute(
-            "INSERT INTO node_task_phases (task_id, stream_seq, phase, detail, at) VALUES ($1, $2, $3, $4, $5) "
-            "ON CONFLICT DO NOTHING",
-            task_id,
-            stream_seq,
-            phase,
-            detail,
-            at,
-        )
+        await self.conn.execute(_ADD_PHASE, task_id, stream_seq, phase, detail, at)
 
     # --- fleet --------------------------------------------------------------------------------------------
 
@@ -487,12 +492,13 @@ class _ClaimRound:
 
 
 class BatchProjection(Projection):
-    """The allocation stream's writes for a whole batch in a handful of round trips, not ~7 a message: what the
-    batch's allocations need is read at once (`load`, a query per table), the handlers read and change that
-    (so two events of one allocation in a batch see each other, as one by one), and the writes go at the end
-    (`flush`), one executemany per statement in stream order. Ends in the same rows, the same outbox events
-    and the same failures as applying each message through `Projection`; whatever else a handler writes goes
-    at once, as there. One a batch: `load`, the handlers, `flush`."""
+    """The allocation and node task streams' writes for a whole batch in a handful of round trips, not several
+    a message (~7 an allocation event): what the batch's allocations and tasks need is read at once (`load`, a
+    query per table), the handlers read and change that (so two events of one allocation in a batch see each
+    other, as one by one), and the writes go at the end (`flush`), one executemany per statement in stream
+    order. Ends in the same rows, the same outbox events and the same failures as applying each message
+    through `Projection`; whatever else a handler writes goes at once, as there. One a batch: `load`, the
+    handlers, `flush`."""
 
     def __init__(self, conn: asyncpg.Connection) -> None:
         super().__init__(conn)
@@ -502,10 +508,23 @@ class BatchProjection(Projection):
         self._claims: list[_ClaimRound] = [_ClaimRound()]
         self._usage: list[tuple[Any, ...]] = []
         self._pending: list[PendingEvent] = []
+        self._task_status: dict[str, str | None] = {}
+        self._tasks: list[tuple[Any, ...]] = []
+        self._phases: list[tuple[Any, ...]] = []
 
-    async def load(self, allocation_ids: set[uuid.UUID]) -> None:
-        """Read what the handlers ask of these allocations, locked as their one-by-one reads lock it."""
-        ids = [i for i in allocation_ids if i not in self._known]
+    async def load(self, allocation_ids: set[uuid.UUID], task_ids: set[str]) -> None:
+        """Read what the handlers ask of these allocations and node tasks, locked as their one-by-one reads
+        lock it."""
+        await self._load_allocations([i for i in allocation_ids if i not in self._known])
+        tasks = [i for i in task_ids if i not in self._task_status]
+        if tasks:
+            self._task_status.update(dict.fromkeys(tasks))
+            for r in await self.conn.fetch(
+                "SELECT task_id, status FROM node_tasks WHERE task_id = ANY($1::text[]) FOR UPDATE", tasks
+            ):
+                self._task_status[r["task_id"]] = r["status"]
+
+    async def _load_allocations(self, ids: list[uuid.UUID]) -> None:
         if not ids:
             return
         known = {i: _Known({}, None, None) for i in ids}
@@ -527,7 +546,7 @@ class BatchProjection(Projection):
 
     async def _of(self, allocation_id: uuid.UUID) -> _Known:
         if allocation_id not in self._known:  # one the batch did not announce: read on its own
-            await self.load({allocation_id})
+            await self._load_allocations([allocation_id])
         return self._known[allocation_id]
 
     async def flush(self) -> None:
@@ -545,6 +564,10 @@ class BatchProjection(Projection):
                 await self.conn.executemany(_END_CLAIMS, claims.ended)
         if self._usage:
             await self.conn.executemany(_PUT_USAGE, self._usage)
+        if self._tasks:
+            await self.conn.executemany(_UPSERT_TASK, self._tasks)
+        if self._phases:
+            await self.conn.executemany(_ADD_PHASE, self._phases)
         if self._pending:
             # One simple query, with a NOTIFY per event as each would have written alone: the relay's notices
             # stay small enough to carry their rows.
@@ -609,3 +632,18 @@ class BatchProjection(Projection):
         self, type_: str, payload: BaseModel, *, aggregate_id: str, event_id: str, causation_id: str | None
     ) -> None:
         self._pending += await _pending(type_, payload, aggregate_id, event_id, causation_id)
+
+    # --- node tasks ---------------------------------------------------------------------------------------
+
+    async def task_status(self, task_id: str) -> str | None:
+        if task_id not in self._task_status:  # one the batch did not announce: read on its own
+            await self.load(set(), {task_id})
+        return self._task_status[task_id]
+
+    async def upsert_task(self, row: dict[str, Any]) -> None:
+        # The status _UPSERT_TASK's merge leaves (domain.models.task_status: the same rule).
+        self._task_status[row["task_id"]] = task_status(await self.task_status(row["task_id"]), row["status"])
+        self._tasks.append(_task_values(row))
+
+    async def add_phase(self, task_id: str, stream_seq: int, phase: str, detail: str | None, at: datetime) -> None:
+        self._phases.append((task_id, stream_seq, phase, detail, at))

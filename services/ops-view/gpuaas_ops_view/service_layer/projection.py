@@ -51,11 +51,14 @@ async def apply(repo: Projection, message: Message) -> None:
 
 async def apply_batch(repo: BatchProjection, messages: Sequence[Message]) -> None:
     """Apply a batch's messages in stream order, as `apply` would one after another, reading what their
-    allocations need once and writing at the end (adapters/projection.py's BatchProjection); PermanentError at
-    the first that cannot be placed, and the caller's transaction must then go: what was written so far is
-    incomplete."""
+    allocations and node tasks need once and writing at the end (adapters/projection.py's BatchProjection);
+    PermanentError at the first that cannot be placed, and the caller's transaction must then go: what was
+    written so far is incomplete."""
     handled = [h for h in map(_handled, messages) if h is not None]
-    await repo.load({ev.payload["allocation_id"] for handler, ev in handled if handler in _READS_ALLOCATION})
+    await repo.load(
+        {ev.payload["allocation_id"] for handler, ev in handled if handler in _READS_ALLOCATION},
+        {ev.payload["task_id"] for handler, ev in handled if handler in _READS_TASK},
+    )
     for handler, ev in handled:
         await handler(repo, ev)
     await repo.flush()
@@ -417,3 +420,5 @@ HANDLERS: dict[str, Handler] = {
 }
 # The handlers that read or write an allocation's rows: a batch reads what it needs of all theirs at once.
 _READS_ALLOCATION = (on_lifecycle, on_rejected)
+# And those that read a node task's.
+_READS_TASK = (on_task_sent, on_task_progress, on_task_result)
