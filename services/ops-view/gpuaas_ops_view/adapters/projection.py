@@ -98,6 +98,23 @@ _SEE_SLOT = (
 _END_CLAIMS = "UPDATE claims SET released_at = $2, outcome = $3 WHERE allocation_id = $1 AND released_at IS NULL"
 
 _MOVE_COLUMNS = "allocation_id, seq, state, at, event_id, detail->>'reason_code' AS reason_code"
+# What a batch's allocations need, in one round trip and locked as the one-by-one reads lock it: a row per
+# allocation and move of its timeline (one with no move when it has none), with its row's facts and whether its
+# usage record is closed.
+_LOAD_ALLOCATIONS = f"""
+WITH moves AS (
+    SELECT {_MOVE_COLUMNS} FROM allocation_timeline WHERE allocation_id = ANY($1::uuid[]) FOR UPDATE
+), usage AS (
+    SELECT allocation_id, stopped_at IS NOT NULL AS usage_closed FROM usage_records
+    WHERE allocation_id = ANY($1::uuid[]) FOR UPDATE
+)
+SELECT ids.allocation_id, m.seq, m.state, m.at, m.event_id, m.reason_code, a.allocation_id IS NOT NULL AS has_row,
+    {", ".join(f"a.{c}" for c in _FACTS)}, u.usage_closed
+FROM unnest($1::uuid[]) AS ids (allocation_id)
+LEFT JOIN moves m USING (allocation_id)
+LEFT JOIN allocations a USING (allocation_id)
+LEFT JOIN usage u USING (allocation_id)
+"""
 _PUT_USAGE = (
     "INSERT INTO usage_records AS u (allocation_id, tenant_id, shape, sku, gpu_count, region, node_id, "
     "started_at, stopped_at, ended, end_reason_code, start_event_id, stop_event_id) "
@@ -493,12 +510,12 @@ class _ClaimRound:
 
 class BatchProjection(Projection):
     """The allocation and node task streams' writes for a whole batch in a handful of round trips, not several
-    a message (~7 an allocation event): what the batch's allocations and tasks need is read at once (`load`, a
-    query per table), the handlers read and change that (so two events of one allocation in a batch see each
-    other, as one by one), and the writes go at the end (`flush`), one executemany per statement in stream
-    order. Ends in the same rows, the same outbox events and the same failures as applying each message
-    through `Projection`; whatever else a handler writes goes at once, as there. One a batch: `load`, the
-    handlers, `flush`."""
+    a message (~7 an allocation event): what the batch's allocations and tasks need is read at once (`load`:
+    a query for the allocations, one for the tasks), the handlers read and change that (so two events of one
+    allocation in a batch see each other, as one by one), and the writes go at the end (`flush`), one
+    executemany per statement in stream order. Ends in the same rows, the same outbox events and the same
+    failures as applying each message through `Projection`; whatever else a handler writes goes at once, as
+    there. One a batch: `load`, the handlers, `flush`."""
 
     def __init__(self, conn: asyncpg.Connection) -> None:
         super().__init__(conn)
@@ -527,22 +544,13 @@ class BatchProjection(Projection):
     async def _load_allocations(self, ids: list[uuid.UUID]) -> None:
         if not ids:
             return
-        known = {i: _Known({}, None, None) for i in ids}
-        for r in await self.conn.fetch(
-            f"SELECT {_MOVE_COLUMNS} FROM allocation_timeline WHERE allocation_id = ANY($1::uuid[]) FOR UPDATE", ids
-        ):
-            known[r["allocation_id"]].moves[r["seq"]] = _move(r)
-        for r in await self.conn.fetch(
-            f"SELECT allocation_id, {', '.join(_FACTS)} FROM allocations WHERE allocation_id = ANY($1::uuid[])", ids
-        ):
-            known[r["allocation_id"]].facts = {c: r[c] for c in _FACTS}
-        for r in await self.conn.fetch(
-            "SELECT allocation_id, stopped_at IS NOT NULL AS closed FROM usage_records "
-            "WHERE allocation_id = ANY($1::uuid[]) FOR UPDATE",
-            ids,
-        ):
-            known[r["allocation_id"]].usage_closed = r["closed"]
-        self._known.update(known)
+        for r in await self.conn.fetch(_LOAD_ALLOCATIONS, ids):
+            known = self._known.get(r["allocation_id"])
+            if known is None:
+                facts = {c: r[c] for c in _FACTS} if r["has_row"] else None
+                known = self._known[r["allocation_id"]] = _Known({}, facts, r["usage_closed"])
+            if r["seq"] is not None:
+                known.moves[r["seq"]] = _move(r)
 
     async def _of(self, allocation_id: uuid.UUID) -> _Known:
         if allocation_id not in self._known:  # one the batch did not announce: read on its own
