@@ -5,8 +5,8 @@ rows, so the models and their position never disagree. At every start (and after
 the consumer's sequence, a lost connection, a failed commit) the consumer is made afresh from that position,
 with no acks; an empty schema starts at the first message the stream retains, which is how the models rebuild.
 Messages are applied in stream order, in batches of what has arrived, one transaction a batch. A batch is first
-applied as a whole, with no savepoint per message: what its allocations' events need is read at once, a query a
-table, and the rows they make are written at its end, a statement each in stream order (BatchProjection). Under
+applied as a whole, with no savepoint per message: what its allocation and node task events need is read at
+once, and the rows they make are written at its end, a statement each in stream order (BatchProjection). Under
 load the follower's pace is its round trips to Postgres, one after another: a handful a batch, not ~7 a message.
 Should any message of it fail, that transaction is rolled back and the batch applied again one message at a
 time, each in a savepoint, so one that cannot be placed is dead-lettered with its reason and the rest of the
