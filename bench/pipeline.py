@@ -48,7 +48,7 @@ from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.outbox import OutboxRelay, OutboxWriter
-from gpuaas_dev.stack import Stack
+from gpuaas_dev.stack import Stack, StackError
 from gpuaas_dev.testing.databases import ServiceDatabases
 from gpuaas_dev.testing.invariants import outbox_backlog
 from gpuaas_scheduler.adapters import inventory as inv
@@ -101,13 +101,32 @@ def tree_ticks(table: dict[int, tuple[int, int, int]], root: int) -> int:
     return total
 
 
+def _pid_or_none(stack: Stack, name: str) -> int | None:
+    try:
+        return stack.pid(name)
+    except StackError:  # a stack that does not run it (the authority only runs where identities are on)
+        return None
+
+
 def stack_pids(stack: Stack) -> dict[str, list[int]]:
     """Root pid(s) of every process the stack runs, by the name the report uses."""
     pids: dict[str, list[int]] = {}
-    for name in ("allocator", "scheduler", "image-pipeline", "maas-gateway", "node-agent", "maas-sim"):
+    # ops-view (the read models) and the credential authority are not on an allocation's path, so not in
+    # CONTROL_PLANE; they share the machine, so their CPU is reported beside it.
+    for name in (
+        "allocator",
+        "scheduler",
+        "image-pipeline",
+        "maas-gateway",
+        "node-agent",
+        "maas-sim",
+        "ops-view",
+        "credential-authority",
+    ):
         # Every replica of a service counts to it (allocator, allocator-2, ...).
-        names = stack.replica_names(name) if name != "maas-sim" and hasattr(stack, "replica_names") else [name]
-        found = [pid for n in names if (pid := stack.pid(n))]
+        single = name in ("maas-sim", "credential-authority") or not hasattr(stack, "replica_names")
+        names = [name] if single else stack.replica_names(name)
+        found = [pid for n in names if (pid := _pid_or_none(stack, n))]
         if found:
             pids["sim-fleet" if name == "node-agent" else name] = found
     nats_obj = stack._nats  # noqa: SLF001 - the bench reads the server processes the stack started
