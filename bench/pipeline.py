@@ -29,6 +29,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -126,7 +127,7 @@ def stack_pids(stack: Stack) -> dict[str, list[int]]:
         # Every replica of a service counts to it (allocator, allocator-2, ...).
         single = name in ("maas-sim", "credential-authority") or not hasattr(stack, "replica_names")
         names = [name] if single else stack.replica_names(name)
-        found = [pid for n in names if (pid := _pid_or_none(stack, n))]
+        found = [pid for n in names if (pid := _pid_or_none(stack, n)) and stack.is_running(n)]
         if found:
             pids["sim-fleet" if name == "node-agent" else name] = found
     nats_obj = stack._nats  # noqa: SLF001 - the bench reads the server processes the stack started
@@ -528,9 +529,12 @@ def _stack(
     )
 
 
-async def _with_stack(stack: Stack, fn, keep_run_dir: bool = False):
+async def _with_stack(stack: Stack, fn, keep_run_dir: bool = False, without: tuple[str, ...] = ()):
     try:
         await asyncio.get_running_loop().run_in_executor(None, stack.start)
+        for service in without:
+            # Stopped before any point: what the stack costs without it (an A/B against a tree that lacked it).
+            stack.kill(service, signal.SIGTERM)
         return await fn(stack)
     finally:
         stack.stop()
@@ -577,7 +581,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         relay = await relay_vs_raw(stack, args.relay_rows) if args.relay_rows else {}
         return points, relay
 
-    points, relay = await _with_stack(new_stack(), sweep, args.keep_run_dir)
+    points, relay = await _with_stack(new_stack(), sweep, args.keep_run_dir, tuple(args.without))
     result: dict[str, Any] = {
         "benchmark": "pipeline",
         "sweep_instant_hosts": points,
@@ -590,6 +594,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             "slots": hosts * 8,
             "nats_servers": args.nats_cluster,
             "replicas": args.replicas,
+            "stopped": args.without,
             "postgres": "durable (fsync, synchronous_commit on)",
             "service_log_level": args.service_log_level,
             "event_loop": args.event_loop or "the services' default",
@@ -648,6 +653,14 @@ def main() -> None:
     parser.add_argument("--open-bus", action="store_true", help="also run a point on an open bus (auth overhead)")
     parser.add_argument("--relay-rows", type=int, default=5000, help="outbox relay rows (0: skip)")
     parser.add_argument("--keep-run-dir", action="store_true", help="keep the stack's logs and data afterwards")
+    parser.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        choices=["ops-view"],
+        help="stop this process once the stack is up (not on an allocation's path; for an A/B against a tree "
+        "without it)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
