@@ -68,6 +68,36 @@ async def test_save_writes_at_once_with_parameters_and_commits_with_the_unit_of_
     assert detail == HOSTILE
 
 
+async def test_a_save_of_columns_and_timeline_rows_is_one_statement(pool) -> None:  # noqa: F811
+    """The row's change and every timeline row it recorded go in one round trip; a new allocation's row and its
+    first rows too (the timeline's reference to the row holds within the statement)."""
+    allocator = await allocator_offering(pool)
+    alloc_id = await provisioning(pool, allocator)
+    n = (await _timeline(pool, alloc_id))[-1][0]
+    async with uow(pool) as work:
+        alloc = await work.repos.get(alloc_id, allocator.policy)
+        assert alloc is not None
+        alloc.note("checked", {"by": HOSTILE}, answered=True)
+        alloc.fail("test_failure", HOSTILE, None, cleanup_required=False)
+        sent: list[str] = []
+        work.conn.add_query_logger(lambda record: sent.append(record.query))
+        await work.repos.save(alloc)
+        # Read back in the unit of work; asyncpg calls a logger once its loop turns, as the read makes it.
+        assert (await _timeline(work.conn, alloc_id))[-1] == (n + 2, "failed", "provisioning")
+        writes = [q for q in sent if not q.startswith("SELECT")]
+        assert len(writes) == 1 and "$1" in writes[0] and HOSTILE not in writes[0], sent
+        await work.commit()
+    stored = await pool.fetchrow("SELECT state, failure_reason FROM allocations WHERE allocation_id = $1", alloc_id)
+    assert tuple(stored) == ("failed", HOSTILE)
+    assert (await _timeline(pool, alloc_id))[-2:] == [
+        (n + 1, "provisioning", "provisioning"),
+        (n + 2, "failed", "provisioning"),
+    ]
+    # A request's first save: the row and its first timeline rows, one statement.
+    fresh = await requested(pool, allocator)
+    assert [seq for seq, _, _ in await _timeline(pool, fresh)][:1] == [1]
+
+
 async def test_two_saves_in_one_unit_of_work_keep_counting_the_timeline(pool) -> None:  # noqa: F811
     allocator = await allocator_offering(pool)
     alloc_id = await provisioning(pool, allocator)
