@@ -33,7 +33,10 @@ from gpuaas_ops_view.service_layer.projection import Message, apply, apply_batch
 from .test_ops_view import SCHEMA, _slot
 
 STREAM = "ALLOCATIONS"
-T0 = datetime(2026, 11, 3, 8, 0, tzinfo=timezone.utc)
+# Times off UTC and to the microsecond, and texts with quotes, a backslash and what looks like a parameter: the
+# batch sends its rows' values as constants.
+T0 = datetime(2026, 11, 3, 9, 0, 0, 123456, tzinfo=timezone(timedelta(hours=1)))
+ODD = "it's \\'late\\' $1 \\x00"
 SHA = "c" * 64
 # Every table the allocation stream's handlers write, and the outbox they publish through.
 TABLES = (
@@ -80,11 +83,11 @@ class Stream:
             "unschedulable": {"reason_code": "no_capacity", "reason": "full", "free_gpus": 0, "requested_gpus": 2},
             "provisioning": {"node_id": node, "task_id": f"t-{alloc.hex[:12]}"},
             "active": {"node_id": node, "access": m.AccessInfo(ip="10.100.0.11", ssh_ready=True)},
-            "releasing": {"reason": "tenant asked"},
+            "releasing": {"reason": ODD},
             "released": {"node_id": node, "cleanup": m.CleanupReport(required=True, verified=True)},
             "failed": {
                 "reason_code": "task_deadline_passed",
-                "reason": "late",
+                "reason": ODD,
                 "node_id": node,
                 "cleanup_required": True,
             },
