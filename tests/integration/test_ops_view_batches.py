@@ -34,7 +34,7 @@ from .test_ops_view import SCHEMA, _slot
 
 STREAM = "ALLOCATIONS"
 # Times off UTC and to the microsecond, and texts with quotes, a backslash and what looks like a parameter: the
-# batch sends its rows' values as constants.
+# batch keeps what it read and what it wrote in memory, and must hand its statements what the reads give back.
 T0 = datetime(2026, 11, 3, 9, 0, 0, 123456, tzinfo=timezone(timedelta(hours=1)))
 ODD = "it's \\'late\\' $1 \\x00"
 SHA = "c" * 64
