@@ -38,7 +38,7 @@ def _j(value: Any) -> str | None:
     return None if value is None else json.dumps(value, default=str)
 
 
-# --- the allocation stream's statements, shared by the message-at-a-time and the batch repositories --------
+# --- allocation and node task statements, shared by the message-at-a-time and the batch repositories ------
 
 _ADD_TRANSITION = (
     "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, event_id, at, detail) "
@@ -125,7 +125,6 @@ _PUT_USAGE = (
     "stopped_at = EXCLUDED.stopped_at, ended = EXCLUDED.ended, end_reason_code = EXCLUDED.end_reason_code, "
     "start_event_id = EXCLUDED.start_event_id, stop_event_id = EXCLUDED.stop_event_id"
 )
-
 
 _TASK_COLUMNS = (
     "task_id",
