@@ -7,11 +7,15 @@ import asyncio
 import json
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from pydantic import BaseModel, SecretStr
 
+from gpuaas_common.admin_http.api import AdminApi
+from gpuaas_common.admin_http.routes import Call, Route
 from gpuaas_common.bus import parse_message
 from gpuaas_scheduler.adapters import synthetic
 
-from .scheduler_db import ADMIN_AUTH, admin_client, scheduler_pool
+from .scheduler_db import ADMIN_AUTH, ADMIN_TOKEN, admin_client, scheduler_pool
 
 DRAIN = {"actor": "ops", "reason": "rack swap"}
 
@@ -220,3 +224,41 @@ async def test_each_audited_mutation_goes_to_the_bus_with_its_why(api, pool):
             "wrong node",
         ),
     ]
+
+
+class _Modes(BaseModel):
+    before: str
+    after: str
+
+
+async def test_a_read_answers_from_one_snapshot(pool):
+    """Every query of one read sees the same moment: a change committed between two of them is in neither, so
+    one answer never pairs a row from before a commit with one from after it."""
+    first_read, committed = asyncio.Event(), asyncio.Event()
+
+    async def probe(call: Call) -> dict:
+        before = await call.conn.fetchval("SELECT mode FROM nodes WHERE node_id = 'n00001'")
+        first_read.set()
+        await committed.wait()
+        after = await call.conn.fetchval("SELECT mode FROM nodes WHERE node_id = 'n00001'")
+        return {"before": before, "after": after}
+
+    api = AdminApi(
+        service="scheduler",
+        schema="scheduler",
+        pool=pool,
+        tokens={"admin": SecretStr(ADMIN_TOKEN)},
+        routes=[Route("GET", "/v1/probe", probe, "two reads of one node's mode", _Modes)],
+    )
+    async with TestClient(TestServer(api.app(), host="127.0.0.1")) as client:
+        answer = asyncio.create_task(client.get("/v1/probe", headers=ADMIN_AUTH))
+        await first_read.wait()
+        async with pool.acquire() as conn:
+            await conn.execute("UPDATE nodes SET mode = 'drained' WHERE node_id = 'n00001'")
+        committed.set()
+        resp = await answer
+        assert resp.status == 200
+        body = await resp.json()
+    assert body["before"] == body["after"] != "drained"
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT mode FROM nodes WHERE node_id = 'n00001'") == "drained"

@@ -282,7 +282,9 @@ class AdminApi:
             if route.mutation:
                 return await self._mutate(route, request)
             params, query = self._inputs(route, request)
-            async with self.pool.acquire() as conn:
+            # One snapshot for all of a read's queries (REPEATABLE READ): an answer never pairs rows from before
+            # a commit with rows from after it (a walk already re-approved beside its host still converting).
+            async with self.pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
                 # Reads are not audited, so X-Actor means nothing here and is not checked.
                 call = Call(
                     request, params, query, None, request[PRINCIPAL], request[PRINCIPAL], request[REQUEST_ID], conn
