@@ -165,7 +165,12 @@ async def test_a_late_answer_to_an_earlier_request_does_not_end_the_open_one(js,
 
 
 async def test_a_request_the_killed_server_lost_is_asked_again(tmp_path) -> None:
-    server = NatsServer(tmp_path / "nats").start()
+    # Every write synced before its PubAck: what the kill must lose is the open pull request, not the stream's
+    # last writes. With the default cadence `after` sometimes never came after the restart (1 run in 9 beside
+    # two others, three fresh-clone CI runs; 0 in 12 with every write synced). Not confirmed, the suspect: a
+    # kill that loses the stream's last write while the durable's state keeps it, so that `after` takes a
+    # sequence the durable counts as delivered.
+    server = NatsServer(tmp_path / "nats", sync_interval="always").start()
     admin = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
     consumer = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
     task = None
@@ -191,10 +196,9 @@ async def test_a_request_the_killed_server_lost_is_asked_again(tmp_path) -> None
             return True
 
         await eventually(published, timeout=30, what="a publish after the restart")
-        # Asked again, whenever that is: most runs see the message within a second, but 1 run in about 15 took
-        # 26 s and one full-suite run more than 30 s after a SIGKILL, cause not found (the loop re-asks every
-        # 1.25 s; the server's consumer recovery is the suspect). The bound is a liveness check, not a timing goal.
-        await eventually(lambda: len(hands.seen) == 2, timeout=90, what="the message after the restart")
+        # Asked again: the loop re-asks every 1.25 s. The bound is a liveness check, not a timing goal; `before`
+        # may come again too (its ack can die with the server), so the wait is for `after` itself.
+        await eventually(lambda: after in hands.seen, timeout=60, what="the message after the restart")
     finally:
         if task is not None:
             await _stop(task)
