@@ -138,7 +138,16 @@ async def place(conn: asyncpg.Connection, ev: m.AllocationAccepted, policy: Plac
     else:
         # Only slices boot from the host's image cache; a baremetal image is deployed by MAAS.
         req = replace(req, image_gate=image_gate(ev.image.slug, ev.image.digest_sha256, facts.image_reported))
-        await SliceSearch(conn, SearchContext.gather(ev, req, policy), out).run()
+        search = SearchContext.gather(ev, req, policy)
+        await SliceSearch(conn, search, out).run()
+        if out.placed is None:
+            answer = await why_not(conn, ev, req, policy)
+            if not answer.filtered.get("in_use"):
+                out.unschedulable = answer
+                return out
+            # A host passed every rule yet was not taken: other placements held it or its slots while this one
+            # searched, and have committed since. Once more, with what they left; a refusal must hold.
+            await SliceSearch(conn, search, out).run()
     if out.placed is None:
         out.unschedulable = await why_not(conn, ev, req, policy)
     return out
