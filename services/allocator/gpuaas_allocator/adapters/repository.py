@@ -279,16 +279,12 @@ class AllocationRepository(AllocationStore):
         if not entries or (not is_new and not changes):
             await super().write(allocation_id, is_new, changes, entries)
             return
-        n = len(changes)
-        if is_new:
-            cols = ", ".join(changes)
-            head = f"INSERT INTO allocations ({cols}) VALUES ({', '.join(f'${i}' for i in range(1, n + 1))})"
-            values = _values(changes)
-        else:
-            # $1 is the allocation's id, as in `update`.
-            head = "UPDATE allocations SET " + "".join(f"{c} = ${i}, " for i, c in enumerate(changes, start=2))
-            head += "updated_at = now() WHERE allocation_id = $1"
-            values = [allocation_id, *_values(changes)]
+        # The same row statements as `insert` and `update` ($1 the allocation's id there), in a WITH.
+        head, values = (
+            (_insert_sql(changes), _values(changes))
+            if is_new
+            else (_update_sql(changes), [allocation_id, *_values(changes)])
+        )
         a = len(values) + 1
         await self.conn.execute(
             f"WITH row_written AS ({head}) {_INSERT_TIMELINE_ROWS.format(*range(a, a + 7))}",
@@ -298,18 +294,11 @@ class AllocationRepository(AllocationStore):
         self._last_seq[allocation_id] = entries[-1].seq
 
     async def insert(self, **fields: Any) -> None:
-        cols = ", ".join(fields)
-        params = ", ".join(f"${i}" for i in range(1, len(fields) + 1))
-        await self.conn.execute(f"INSERT INTO allocations ({cols}) VALUES ({params})", *_values(fields))
+        await self.conn.execute(_insert_sql(fields), *_values(fields))
         self._last_seq[fields["allocation_id"]] = 0
 
     async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None:
-        # One statement text per set of columns a method of the aggregate changes: a few dozen, each prepared
-        # once per connection.
-        sets = "".join(f"{col} = ${i}, " for i, col in enumerate(fields, start=2))
-        await self.conn.execute(
-            f"UPDATE allocations SET {sets}updated_at = now() WHERE allocation_id = $1", allocation_id, *_values(fields)
-        )
+        await self.conn.execute(_update_sql(fields), allocation_id, *_values(fields))
 
     async def append_entries(self, allocation_id: uuid.UUID, entries: Sequence[TimelineEntry]) -> None:
         """The aggregate's timeline rows with the seqs it counted from the lock's (nobody else writes the
@@ -427,6 +416,18 @@ def _timeline_arrays(allocation_id: uuid.UUID, entries: Sequence[TimelineEntry])
         [json.dumps(e.detail or {}) for e in entries],
         [e.cause_event_id for e in entries],
     ]
+
+
+def _insert_sql(fields: dict[str, Any]) -> str:
+    params = ", ".join(f"${i}" for i in range(1, len(fields) + 1))
+    return f"INSERT INTO allocations ({', '.join(fields)}) VALUES ({params})"
+
+
+def _update_sql(fields: dict[str, Any]) -> str:
+    # One statement text per set of columns a method of the aggregate changes: a few dozen, each prepared once
+    # per connection. $1 is the allocation's id.
+    sets = "".join(f"{col} = ${i}, " for i, col in enumerate(fields, start=2))
+    return f"UPDATE allocations SET {sets}updated_at = now() WHERE allocation_id = $1"
 
 
 def _values(fields: dict[str, Any]) -> list[Any]:
