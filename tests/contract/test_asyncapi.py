@@ -455,6 +455,33 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "reason": "chassis returned to the vendor",
         "changed_at": "2026-11-26T22:00:00Z",
     },
+    "scheduler.slots_changed": {
+        "node_id": "slice-04",
+        "generation": 7,
+        "cause": "release",
+        "actor": "scheduler",
+        "slots": [
+            {
+                "slot_id": "slice-04-s0",
+                "status": "cleanup_blocked",
+                "status_reason": "no blkdiscard proof for the disk",
+                "health_state": "failed",
+                "health_detail": "no blkdiscard proof for the disk",
+                "profile": "h200_1g_24c_64g",
+                "gpu_pci_address": "0000:18:00.0",
+                "nvme_by_id": "/dev/disk/by-id/nvme-eui.0001",
+                "private_ip": "10.100.0.10",
+                "updated_at": "2026-11-26T22:00:00Z",
+            },
+            {
+                "slot_id": "slice-04-s1",
+                "status": "disabled",
+                "health_state": "healthy",
+                "profile": "h200_1g_24c_64g",
+                "updated_at": "2026-11-26T21:00:00Z",
+            },
+        ],
+    },
     "scheduler.admin_request_recorded": {
         "service": "scheduler",
         "request_id": "req-1",

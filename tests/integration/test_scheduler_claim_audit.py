@@ -164,6 +164,12 @@ async def test_claims_the_allocator_never_heard_of_are_released_only_once_they_a
     assert await live_claims(pool, old.allocation_id) == 0 and await live_claims(pool, recent.allocation_id) == 1
     status = await pool.fetchval("SELECT status FROM node_resource_slots WHERE slot_id = $1", old.slots[0].slot_id)
     assert status == "cleanup_blocked"  # reserved by our record, but a lost commit may hide a provision
+    # The settlement announced the host's slots, the blocked one failed (scheduler.slots_changed).
+    rows = await pool.fetch("DELETE FROM outbox RETURNING subject, body")
+    [(env, change)] = [parse_message(r["subject"], bytes(r["body"])) for r in rows]
+    assert (env.type, change.cause, change.actor) == ("scheduler.slots_changed", "claim_audit", "claim-audit")
+    blocked = {s.slot_id: (s.status, s.health_state) for s in change.slots}[old.slots[0].slot_id]
+    assert blocked == ("cleanup_blocked", "failed")
 
     # The allocation comes back (its portal asked again): the scheduler answers that its claims are gone,
     # so it ends unschedulable instead of waiting for a placement for good.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -35,6 +36,8 @@ class Slot:
     nvme_by_id: str
     health: str = "healthy"
     wipe_policy: str | None = None
+    health_detail: str | None = None
+    reason: str | None = None
 
 
 @dataclass
@@ -58,6 +61,7 @@ class World:
     log: list[tuple[str, str, str, uuid.UUID | None, Any]] = field(default_factory=list)  # slot, from, to, alloc
     drained: dict[str, str] = field(default_factory=dict)
     refreshed: list[list[str]] = field(default_factory=list)
+    announced: dict[str, int] = field(default_factory=dict)  # node -> its last announcement's number
 
     def live(self, alloc: uuid.UUID) -> list[Claim]:
         return sorted(
@@ -74,6 +78,8 @@ class World:
                 slot.status = status
                 if health:
                     slot.health = health[0]
+                    slot.health_detail = health[1]
+                slot.reason = reason
                 moved += 1
         return moved
 
@@ -137,6 +143,24 @@ class FakeSlots:
 
     async def statuses(self, allocation_id: uuid.UUID) -> dict[str, str]:
         return {c.slot_id: self.world.slots[c.slot_id].status for c in self.world.live(allocation_id) if c.slot_id}
+
+    async def announcement(self, node_id: str, cause: Any, actor: str) -> m.SlotsChanged:
+        generation = self.world.announced[node_id] = self.world.announced.get(node_id, 0) + 1
+        mine = sorted((s for s in self.world.slots.values() if s.node_id == node_id), key=lambda s: s.slot_id)
+        states = [
+            m.SlotState(
+                slot_id=s.slot_id,
+                status=s.status,  # type: ignore[arg-type]
+                status_reason=s.reason,
+                health_state=s.health,  # type: ignore[arg-type]
+                health_detail=s.health_detail,
+                profile="h200_1g",
+                nvme_by_id=s.nvme_by_id,
+                updated_at=datetime.now(timezone.utc),
+            )
+            for s in mine
+        ]
+        return m.SlotsChanged(node_id=node_id, generation=generation, cause=cause, actor=actor, slots=states)
 
 
 class FakeNodes:
@@ -367,3 +391,87 @@ async def test_a_redelivered_end_is_a_no_op(h: Harness) -> None:
 def test_the_mirror_reads_only_what_moves_a_slot(event: Any, shape: str, wanted: bool) -> None:
     payload = event(uuid.uuid4()).model_copy(update={"shape": shape})
     assert mirrored(payload) is wanted
+
+
+# --- a host's slots announced when an end leaves one cleanup_blocked (scheduler.slots_changed) ------------
+
+
+def announced(h: Harness) -> list[dict[str, Any]]:
+    """The slots_changed events the last message's unit of work committed, each read back through the contract."""
+    assert h.last is not None and h.last.committed
+    return [
+        m.SlotsChanged.model_validate(e.payload).model_dump(mode="json")
+        for e in h.last.published
+        if e.type == "scheduler.slots_changed"
+    ]
+
+
+async def test_an_end_that_gives_every_slot_back_healthy_announces_nothing(h: Harness) -> None:
+    alloc = h.placed()
+    await _run_to_active(h, alloc)
+    assert announced(h) == []
+    assert await h.send("allocation.released", released(alloc, *(blkdiscard(d) for d in h.devices(alloc))))
+    assert announced(h) == []
+    untouched = h.placed()
+    assert await h.send("allocation.released", released(untouched, required=False, reason="cancelled"))
+    assert announced(h) == []
+    never_wrote = h.placed()
+    assert await h.send("allocation.provisioning", provisioning(never_wrote))
+    assert await h.send("allocation.failed", failed(never_wrote, required=False))
+    assert announced(h) == [] and h.world.announced == {}
+
+
+async def test_a_refused_wipe_proof_announces_the_hosts_slots_with_the_blocked_ones_health(h: Harness) -> None:
+    alloc = h.placed()
+    await _run_to_active(h, alloc)
+    good, bad = h.devices(alloc)
+    assert await h.send("allocation.released", released(alloc, blkdiscard(good), blkdiscard(bad, method="nvme_format")))
+    [change] = announced(h)
+    assert (change["node_id"], change["generation"], change["cause"], change["actor"]) == (
+        "n1",
+        1,
+        "release",
+        "scheduler",
+    )
+    slots = {s["slot_id"]: s for s in change["slots"]}
+    assert {k: (s["status"], s["health_state"]) for k, s in slots.items()} == {
+        "n1-s0": ("available", "healthy"),
+        "n1-s1": ("cleanup_blocked", "failed"),
+    }
+    assert slots["n1-s1"]["status_reason"] and slots["n1-s1"]["status_reason"] == slots["n1-s1"]["health_detail"]
+
+
+async def test_a_failure_without_proof_announces_every_slot_blocked_and_numbers_the_hosts_announcements(
+    h: Harness,
+) -> None:
+    first = h.placed()
+    assert await h.send("allocation.provisioning", provisioning(first))
+    assert await h.send("allocation.failed", failed(first))
+    [one] = announced(h)
+    second = h.placed()  # two more slots of the same host
+    assert await h.send("allocation.provisioning", provisioning(second))
+    assert await h.send("allocation.failed", failed(second))
+    [two] = announced(h)
+    assert (one["cause"], two["cause"]) == ("failure", "failure")
+    assert (one["generation"], two["generation"]) == (1, 2)
+    # Each carries every slot of the host as it is then: the later one the four.
+    assert len(one["slots"]) == 2 and len(two["slots"]) == 4
+    assert {s["status"] for s in two["slots"]} == {"cleanup_blocked"}
+
+
+async def test_a_whole_host_failure_blocks_no_slot_and_announces_nothing(h: Harness) -> None:
+    alloc = h.whole("bm1")
+    assert await h.send("allocation.failed", failed(alloc, shape="baremetal"))
+    assert announced(h) == []
+
+
+async def test_a_redelivered_end_announces_nothing_again(h: Harness) -> None:
+    """The announcement is raised in the end's unit of work: its redelivery, a no-op by the inbox, raises none."""
+    alloc = h.placed()
+    assert await h.send("allocation.provisioning", provisioning(alloc))
+    ev = failed(alloc)
+    env = Envelope.wrap("allocation.failed", ev.model_dump(mode="json"), producer="allocator", correlation_id="c")
+    assert await h.send("allocation.failed", ev, env)
+    assert len(announced(h)) == 1
+    assert not await h.send("allocation.failed", ev, env)  # the redelivery: a no-op, nothing raised
+    assert h.last is not None and h.last.published == []

@@ -183,6 +183,17 @@ ALL: tuple[MessageSpec, ...] = (
         ("image-pipeline", "ops"),
     ),
     MessageSpec(
+        "scheduler.slots_changed",
+        m.SlotsChanged,
+        "schedulerSlotsChanged",
+        "gpuaas.scheduler.host.slots_changed",
+        "A host's slots changed outside placement (approved, retired, disabled, repaired, or left cleanup_blocked by "
+        "a release, a failure, a force-release or the claim audit): every slot of the host with its status and "
+        "health, numbered per host so a reader keeps the newest; ops see slots never placed and their health.",
+        ("scheduler",),
+        ("ops",),
+    ),
+    MessageSpec(
         "placement.unschedulable",
         m.PlacementUnschedulable,
         "placementUnschedulable",

@@ -361,6 +361,60 @@ class HostModeChanged(Payload):
     changed_at: datetime
 
 
+SlotStatus = Literal[
+    "disabled",
+    "available",
+    "reserved",
+    "provisioning",
+    "active",
+    "releasing",
+    "cleanup",
+    "cleanup_blocked",
+    "retired",
+]
+SlotHealth = Literal["unknown", "healthy", "degraded", "failed"]
+SlotsChangeCause = Literal[
+    "approval", "retire", "disable", "repair", "release", "failure", "force_release", "claim_audit"
+]
+
+
+class SlotState(Payload):
+    """One slot of a host as the scheduler holds it: its binding, status and health, and why."""
+
+    slot_id: str = Field(min_length=1, max_length=128)
+    status: SlotStatus
+    status_reason: str | None = Field(default=None, max_length=500)
+    health_state: SlotHealth
+    health_detail: str | None = Field(default=None, max_length=500)
+    profile: str = Field(min_length=1, max_length=128)
+    # None on a lab host's emulated slot, which has no GPU to pass through.
+    gpu_pci_address: str | None = Field(default=None, max_length=64)
+    nvme_by_id: str | None = Field(default=None, max_length=1024)
+    private_ip: str | None = Field(default=None, max_length=45)
+    updated_at: datetime
+
+
+class SlotsChanged(Payload):
+    """A host's slots changed outside placement (approval, retire, disable, repair; a release or failure that
+    left a slot `cleanup_blocked`; a force-release; the claim audit): every slot of the host as it is now. The
+    scheduler numbers each host's announcements (`generation`, growing by one each): a reader keeps the highest
+    it has read and ignores an older one. Claims and releases of a healthy slot are not announced here; the
+    lifecycle events carry them."""
+
+    node_id: str = Identifier
+    generation: int = Field(ge=1)
+    cause: SlotsChangeCause
+    actor: str = Field(min_length=1, max_length=128)
+    slots: list[SlotState] = Field(default_factory=list, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_entry_per_slot(self) -> SlotsChanged:
+        ids = [s.slot_id for s in self.slots]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a slot is listed twice")
+        return self
+
+
 class PlacementUnschedulable(Payload):
     allocation_id: uuid.UUID
     reason_code: str = Identifier

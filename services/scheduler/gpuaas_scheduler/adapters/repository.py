@@ -3,7 +3,8 @@ modes, each on the unit of work's connection, so handlers go through them and ne
 
 - `claims`: an allocation's lock, its live claims loaded as a `NodeClaims` aggregate (domain/node_claims.py)
   and saved from what its methods recorded, and the placement it already holds;
-- `slots`: the lifecycle moves of an allocation's slots, one guarded statement each;
+- `slots`: the lifecycle moves of an allocation's slots, one guarded statement each, and a host's slots as they
+  are announced (scheduler.slots_changed);
 - `nodes`: node locks, drains and the capacity summary;
 - `hosts`: the `Host` aggregate of domain/host_mode.py.
 
@@ -26,6 +27,7 @@ from ..domain.host_mode import Host, ModeChange
 from ..domain.node_claims import HeldClaim, NodeClaims, NodeDrained, SlotsMoved
 from . import host_modes as host_sql
 from . import inventory as inv
+from . import slot_announcements
 from .inventory.held import held_placement
 from .wipe_policy import effective_policy_sql, policy_site_sql
 
@@ -95,6 +97,11 @@ class SlotRepository:
     async def statuses(self, allocation_id: uuid.UUID) -> dict[str, str]:
         """The status of each slot the allocation's live claims hold."""
         return {r["slot_id"]: r["status"] for r in await inv.allocation_slots(self.conn, allocation_id) if r["slot_id"]}
+
+    async def announcement(self, node_id: str, cause: m.SlotsChangeCause, actor: str) -> m.SlotsChanged | None:
+        """The node's slots as `scheduler.slots_changed` announces them, under the node's next number (None: no
+        such node)."""
+        return await slot_announcements.slots_changed(self.conn, node_id, cause, actor)
 
 
 class NodeRepository:

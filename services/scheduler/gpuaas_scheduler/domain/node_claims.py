@@ -97,6 +97,8 @@ class NodeClaims:
     claims: tuple[HeldClaim, ...]
     changes: list[Change] = field(default_factory=list)
     released: bool = False
+    # The slots its methods left `cleanup_blocked`, kept after the repository wrote the changes.
+    blocked: set[str] = field(default_factory=set)
 
     @property
     def node_ids(self) -> list[str]:
@@ -105,6 +107,12 @@ class NodeClaims:
     @property
     def slots(self) -> list[HeldClaim]:
         return [c for c in self.claims if c.slot_id]
+
+    @property
+    def blocking_nodes(self) -> list[str]:
+        """The nodes of the slots its end left `cleanup_blocked`: their slots are announced (a slot given back
+        healthy is not: the lifecycle events say enough of it)."""
+        return sorted({c.node_id for c in self.claims if c.slot_id in self.blocked})
 
     @property
     def whole_nodes(self) -> list[str]:
@@ -229,6 +237,8 @@ class NodeClaims:
         if not ids:
             return
         sources = tuple(movable_from(status, list(only_from) if only_from is not None else None))
+        if status == "cleanup_blocked":
+            self.blocked.update(ids)
         self.changes.append(
             SlotsMoved(ids, status, reason, sources, dict(detail) if detail is not None else None, health, actor)
         )

@@ -43,7 +43,8 @@ def write(fn: Callable[..., Awaitable[dict]]) -> Callable[[Call], Awaitable[dict
 
 
 def write_asking(fn: Callable[..., Awaitable[dict]]) -> Callable[[Call], Awaitable[dict]]:
-    """A mutation that may queue a node task (a VFIO binding) through its unit of work's outbox."""
+    """A mutation that raises events through its unit of work's outbox (a VFIO binding's node task, a host's
+    slots announced)."""
 
     async def handler(call: Call) -> dict:
         assert call.uow is not None
@@ -168,7 +169,7 @@ ROUTES = [
     _r(
         "POST",
         "/v1/nodes/{node_id}/slots/retire",
-        write(ops.retire_slots),
+        write_asking(ops.retire_slots),
         "retire slots (all unretired ones when slot_ids is absent), atomically",
         out.SlotList,
         ops.RetireIn,
@@ -201,7 +202,7 @@ ROUTES = [
     _r(
         "POST",
         "/v1/slots/{slot_id}/disable",
-        write(ops.disable),
+        write_asking(ops.disable),
         "take a slot out of placement",
         out.SlotDetail,
         ops.Acted,
@@ -209,7 +210,7 @@ ROUTES = [
     _r(
         "POST",
         "/v1/slots/{slot_id}/repair",
-        write(ops.repair),
+        write_asking(ops.repair),
         "cleanup_blocked (with a proof of the site's wipe) or disabled -> available, if the approval rules hold now",
         out.SlotDetail,
         ops.RepairIn,

@@ -17,11 +17,12 @@ from typing import Any
 
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
+from gpuaas_common.outbox import EventCollector, OutboxWriter
 
 from ..adapters import claim_audit as repo
 from ..adapters.repository import scheduler_repositories
 from ..domain.claim_audit import AuditFacts, Settlement, settle
-from . import host_modes
+from . import host_modes, slot_announcements
 
 log = get_logger(__name__)
 
@@ -75,7 +76,7 @@ async def audit_claims(uow_factory: Callable[[], Any], ask: Ask, policy: AuditPo
                 out.reported.append(str(d.allocation_id))
             elif verdict.action == "release":
                 async with uow_factory() as uow:
-                    freed = await release_settled(uow.conn, d.allocation_id, verdict)
+                    freed = await release_settled(uow.conn, d.allocation_id, verdict, uow.events)
                     await uow.commit()
                 if freed:
                     out.released.append(str(d.allocation_id))
@@ -83,9 +84,12 @@ async def audit_claims(uow_factory: Callable[[], Any], ask: Ask, policy: AuditPo
             return out
 
 
-async def release_settled(conn: Any, allocation_id: uuid.UUID, verdict: Settlement) -> int:
+async def release_settled(
+    conn: Any, allocation_id: uuid.UUID, verdict: Settlement, events: EventCollector | OutboxWriter
+) -> int:
     """Free the allocation's live claims as the audit settled them (`NodeClaims.settle`); how many were freed (0:
-    nothing was held any more, e.g. its lifecycle event was applied in the meantime)."""
+    nothing was held any more, e.g. its lifecycle event was applied in the meantime). The hosts whose slots it
+    blocked have their slots announced through `events`."""
     repos = scheduler_repositories(conn)
     await repos.claims.lock_allocation(allocation_id)
     claims = await repos.claims.load(allocation_id)
@@ -97,6 +101,8 @@ async def release_settled(conn: Any, allocation_id: uuid.UUID, verdict: Settleme
         for node_id in claims.whole_nodes:
             await host_modes.return_from_baremetal(repos.hosts, node_id, allocation_id)
     await repos.nodes.refresh(claims.node_ids)
+    for node_id in claims.blocking_nodes:
+        await slot_announcements.announce(events, await repos.slots.announcement(node_id, "claim_audit", ACTOR))
     log.warning(
         "claims_settled_by_audit",
         allocation_id=str(allocation_id),

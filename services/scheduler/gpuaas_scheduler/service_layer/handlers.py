@@ -19,12 +19,13 @@ from gpuaas_common.bus import HandlerContext
 from gpuaas_common.contract import caused_event_id, derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
+from gpuaas_common.outbox import EventCollector, OutboxWriter
 
 from ..adapters import inventory as inv
 from ..adapters.repository import SchedulerRepositories, scheduler_repositories
+from ..domain.node_claims import ACTOR, NodeClaims
 from ..domain.node_claims import EndedOutOfOrder as EndedOutOfOrder  # raised by NodeClaims; the bus retries it
-from ..domain.node_claims import NodeClaims
-from . import drift, evidence, host_modes, steering
+from . import drift, evidence, host_modes, slot_announcements, steering
 from .host_walk import HostWalker, WalkPolicy
 from .placement import PlacementPolicy, place
 
@@ -204,6 +205,7 @@ class Scheduler:
             cleanup_required=ev.cleanup.required,
             reason=ev.cleanup.reason,
             wipe_proofs=ev.cleanup.wipe_proofs,
+            events=ctx.outbox,
         )
         log.info("claims_released", count=freed, wipe_verified=ev.cleanup.verified)
 
@@ -217,6 +219,7 @@ class Scheduler:
             cleanup_required=ev.cleanup_required,
             reason=f"{ev.reason_code}: {ev.reason}"[:500],
             wipe_proofs=ev.wipe_proofs,
+            events=ctx.outbox,
         )
 
 
@@ -233,10 +236,12 @@ async def end_allocation(
     cleanup_required: bool,
     reason: str | None,
     wipe_proofs: Sequence[m.WipeProof],
+    events: EventCollector | OutboxWriter,
 ) -> int:
     """`allocation.released` or `allocation.failed`: load the allocation's `NodeClaims`, one method decides every
     slot (domain/node_claims.py), save; then a host released whole leaves baremetal mode and the capacity summary
-    is recomputed. The number of claims ended."""
+    is recomputed. A host where the end left a slot `cleanup_blocked` has its slots announced (`events`); one
+    whose slots all went back healthy does not. The number of claims ended."""
     claims = await repos.claims.load(allocation_id, log_reached=NodeClaims.log_to_check(event, cleanup_required))
     proofs = [p.model_dump(mode="json") for p in wipe_proofs]
     if event == "released":
@@ -248,7 +253,15 @@ async def end_allocation(
         for node_id in claims.whole_nodes:
             await host_modes.return_from_baremetal(repos.hosts, node_id, allocation_id)
     await repos.nodes.refresh(claims.node_ids)
+    cause: m.SlotsChangeCause = "release" if event == "released" else "failure"
+    for node_id in claims.blocking_nodes:
+        await slot_announcements.announce(events, await repos.slots.announcement(node_id, cause, ACTOR))
     return freed
+
+
+def _outbox(conn: asyncpg.Connection) -> OutboxWriter:
+    """The scheduler's outbox in the caller's transaction, for an end applied outside a unit of work."""
+    return OutboxWriter(conn, "scheduler", "scheduler")
 
 
 async def release_allocation(
@@ -266,6 +279,7 @@ async def release_allocation(
         cleanup_required=cleanup.required,
         reason=cleanup.reason,
         wipe_proofs=cleanup.wipe_proofs,
+        events=_outbox(conn),
     )
 
 
@@ -285,6 +299,7 @@ async def fail_allocation(
         cleanup_required=cleanup_required,
         reason=reason,
         wipe_proofs=wipe_proofs,
+        events=_outbox(conn),
     )
 
 

@@ -18,6 +18,7 @@ from gpuaas_common.outbox import EventCollector
 from ...adapters import admin_nodes as audit_repo
 from ...adapters import inventory as inv
 from ...domain.force_release import FORCED_TO, plan_force_release
+from ..slot_announcements import announce_nodes
 from .models import AdminError, ForceReleaseIn
 
 log = get_logger(__name__)
@@ -56,6 +57,8 @@ async def force_release(
     freed = await inv.release_claims(conn, alloc)
     node_ids = sorted({r["node_id"] for r in held})
     await inv.refresh_nodes(conn, node_ids)
+    if moved:
+        await announce_nodes(conn, events, {r["node_id"] for r in moved}, "force_release", body.actor)
     await audit_repo.audit(
         conn,
         body.actor,

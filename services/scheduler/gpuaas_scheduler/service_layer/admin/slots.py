@@ -22,6 +22,7 @@ from ...domain.host_mode import BAREMETAL, RETIRED, SLICE
 from ...domain.readiness_gate import approval_gate
 from ...domain.slots import APPROVAL_REPLACES, IN_USE, allowed_from
 from .. import host_modes
+from ..slot_announcements import announce_nodes
 from ..vfio_binding import ask_binding
 from .common import jsonable, lock_node, require_all
 from .models import Acted, AdminError, ApproveIn, CandidatesIn, RepairIn, RetireIn
@@ -167,6 +168,7 @@ async def approve(
         {"results": results, **({"waivers": waived} if waived else {})},
     )
     await inv.refresh_nodes(conn, [node_id])
+    await announce_nodes(conn, events, [node_id], "approval", body.actor)
     mode, blockers = await host_modes.promote_if_ready(
         conn,
         node_id,
@@ -203,7 +205,7 @@ async def _approval_wipe_policy(conn: asyncpg.Connection, region: str, asked: st
     return str(site["destructive_wipe_policy"])
 
 
-async def retire_slots(conn: asyncpg.Connection, node_id: str, body: RetireIn) -> dict:
+async def retire_slots(conn: asyncpg.Connection, node_id: str, body: RetireIn, *, events: EventCollector) -> dict:
     """Slots that no longer promise their GPU and disk to slices (all of the node's unretired slots when
     slot_ids is absent), atomically. A host must have retired every slot before it may serve baremetal;
     only re-approval after rediscovery brings a retired slot back."""
@@ -221,6 +223,8 @@ async def retire_slots(conn: asyncpg.Connection, node_id: str, body: RetireIn) -
     await inv.move_slots(conn, ids, RETIRED, body.reason, actor=body.actor)
     await audit_repo.audit(conn, body.actor, "slots.retire", node_id, body.reason, {"slot_ids": ids})
     await inv.refresh_nodes(conn, [node_id])
+    if ids:
+        await announce_nodes(conn, events, [node_id], "retire", body.actor)
     return await list_slots(conn, node_id=node_id)
 
 
@@ -232,7 +236,7 @@ async def _lock_slot(conn: asyncpg.Connection, slot_id: str) -> dict:
     return dict(await repo.lock_slot(conn, slot_id))
 
 
-async def disable(conn: asyncpg.Connection, slot_id: str, body: Acted) -> dict:
+async def disable(conn: asyncpg.Connection, slot_id: str, body: Acted, *, events: EventCollector) -> dict:
     slot = await _lock_slot(conn, slot_id)
     if slot["status"] == RETIRED:
         raise AdminError(409, "slot_retired", f"slot {slot_id} is retired; only re-approval brings it back")
@@ -254,10 +258,11 @@ async def disable(conn: asyncpg.Connection, slot_id: str, body: Acted) -> dict:
     await inv.move_slots(conn, [slot_id], "disabled", body.reason, actor=body.actor)
     await audit_repo.audit(conn, body.actor, "slot.disable", slot_id, body.reason)
     await inv.refresh_nodes(conn, [slot["node_id"]])
+    await announce_nodes(conn, events, [slot["node_id"]], "disable", body.actor)
     return await get_slot(conn, slot_id)
 
 
-async def repair(conn: asyncpg.Connection, slot_id: str, body: RepairIn) -> dict:
+async def repair(conn: asyncpg.Connection, slot_id: str, body: RepairIn, *, events: EventCollector) -> dict:
     """cleanup_blocked or disabled -> available, only if the approval rules hold now (new disk
     evidence from an infra wipe can come with the request); records who and why."""
     slot = await _lock_slot(conn, slot_id)
@@ -300,4 +305,5 @@ async def repair(conn: asyncpg.Connection, slot_id: str, body: RepairIn) -> dict
     )
     await audit_repo.audit(conn, body.actor, "slot.repair", slot_id, body.reason, {"from": slot["status"]})
     await inv.refresh_nodes(conn, [slot["node_id"]])
+    await announce_nodes(conn, events, [slot["node_id"]], "repair", body.actor)
     return await get_slot(conn, slot_id)
