@@ -29,7 +29,16 @@ from gpuaas_ops_view.entrypoints.admin_http import ops_api
 from gpuaas_ops_view.entrypoints.follow import StreamFollower
 from gpuaas_ops_view.entrypoints.web.pages import Console
 
-from .test_ops_view import SCHEMA, TOKEN, admin_request, fleet, lifecycle, nc, publish  # noqa: F401  (nc: the fixture)
+from .test_ops_view import (  # noqa: F401  (nc: the fixture)
+    SCHEMA,
+    TOKEN,
+    admin_request,
+    fleet,
+    lifecycle,
+    nc,
+    publish,
+    slots_changed,
+)
 
 PAGES = ("fleet", "policies", "allocations", "images", "maas", "dead-letters", "usage", "audit")
 
@@ -88,15 +97,21 @@ async def _signed_in(console: Console_, http: aiohttp.ClientSession, actor: str 
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/console" in cookie, cookie
 
 
-async def _wait_until_in_model(console: Console_, alloc: uuid.UUID, state: str, node: str | None = None) -> None:
+async def _wait_until_in_model(
+    console: Console_, alloc: uuid.UUID, state: str, node: str | None = None, announced: int | None = None
+) -> None:
     """Until the follower committed the allocation in `state` (and, given `node`, the host's drift report, the last
-    of `fleet`'s events, which another stream's follower applies): woken by the models' own change notices."""
+    of `fleet`'s events, which another stream's follower applies; given `announced`, the host's slots announcement of
+    that number, a third stream's): woken by the models' own change notices."""
     with console.changes.subscribe() as notices:
         while True:
             async with console.pool.acquire() as conn:
                 there = await conn.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc) == state
                 described = node is None or await conn.fetchval(
-                    "SELECT drift_checked_at IS NOT NULL AND kind IS NOT NULL FROM hosts WHERE node_id = $1", node
+                    "SELECT drift_checked_at IS NOT NULL AND kind IS NOT NULL AND slots_generation IS NOT DISTINCT "
+                    "FROM $2::bigint FROM hosts WHERE node_id = $1",
+                    node,
+                    announced,
                 )
                 if there and described:
                     return
@@ -156,7 +171,10 @@ async def test_a_login_link_opens_the_pages_and_only_them(nc: nats.NATS, console
     alloc = uuid.uuid4()
     await fleet(nc, node)
     await lifecycle(nc, alloc, tenant, node)
-    await _wait_until_in_model(console, alloc, "active", node)
+    healthy = ("available", "healthy", None)
+    blocked = ("cleanup_blocked", "failed", "no blkdiscard proof of the disk")
+    await publish(nc, "scheduler.slots_changed", slots_changed(node, 1, s1=healthy, s2=healthy, s5=blocked))
+    await _wait_until_in_model(console, alloc, "active", node, announced=1)
     async with _browser() as http:
         await _signed_in(console, http, actor="bob@ops")
         async with http.get(f"{console.url}/console/") as resp:
@@ -178,6 +196,9 @@ async def test_a_login_link_opens_the_pages_and_only_them(nc: nats.NATS, console
             assert resp.status == 200, body
             assert f'data-slot="{node}-s1" data-status="held"' in body and str(alloc) in body, body
             assert "device_binding" in body  # the drift reported on slot 2
+            # A slot never placed, with its health and why, as the scheduler announced it.
+            assert f'data-slot="{node}-s5" data-status="cleanup_blocked" data-health="failed"' in body, body
+            assert "no blkdiscard proof of the disk" in body
         async with http.get(f"{console.url}/console/fleet/-bad") as resp:
             assert resp.status == 400 and "node_id must be an identifier" in await resp.text()
         # The fleet without the scheduler's admin API: the evidence from the streams, no drain.

@@ -274,6 +274,31 @@ def mode_change(node: str, from_mode: str, to_mode: str) -> m.HostModeChanged:
     )
 
 
+def slots_changed(node: str, generation: int, **slots: tuple[str, str, str | None]) -> m.SlotsChanged:
+    """What the scheduler announces of a host's slots: slot number -> (status, health, why)."""
+    return m.SlotsChanged(
+        node_id=node,
+        generation=generation,
+        cause="repair",
+        actor="alice@ops",
+        slots=[
+            m.SlotState(
+                slot_id=f"{node}-{i}",
+                status=status,  # type: ignore[arg-type]
+                status_reason=why,
+                health_state=health,  # type: ignore[arg-type]
+                health_detail=why if health != "healthy" else None,
+                profile="h200_1g",
+                gpu_pci_address=f"0000:1{i[1:]}:00.0",
+                nvme_by_id=f"/dev/disk/by-id/nvme-eui.{int(i[1:]):016x}",
+                private_ip=f"10.100.0.{10 + int(i[1:])}",
+                updated_at=datetime.now(timezone.utc),
+            )
+            for i, (status, health, why) in sorted(slots.items())
+        ],
+    )
+
+
 async def fleet(nc: nats.NATS, node: str) -> None:
     now = datetime.now(timezone.utc)
     await publish(
@@ -554,6 +579,93 @@ async def test_an_unplaceable_event_is_dead_lettered_and_the_stream_still_follow
     await sub.unsubscribe()
 
 
+async def test_slots_health_and_never_placed_slots_come_from_the_schedulers_announcements(
+    nc: nats.NATS, view: View, http: aiohttp.ClientSession
+) -> None:
+    alloc, node = uuid.uuid4(), f"n-{uuid.uuid4().hex[:8]}"
+    healthy = ("available", "healthy", None)
+    await publish(
+        nc,
+        "scheduler.slots_changed",
+        slots_changed(
+            node,
+            2,
+            s1=healthy,
+            s2=healthy,
+            s3=("disabled", "healthy", "nvme has mounted children"),
+            s4=("cleanup_blocked", "failed", "no blkdiscard proof"),
+        ),
+    )
+    # An older announcement read after the newer one changes nothing.
+    gone = ("retired", "unknown", "stale")
+    await publish(nc, "scheduler.slots_changed", slots_changed(node, 1, s1=gone, s3=gone, s4=gone, s5=gone))
+    await lifecycle(nc, alloc, "tenant-h", node)
+    await caught_up(http, view)
+
+    status, h = await get(http, f"{view.url}/v1/hosts/{node}")
+    assert status == 200, h
+    assert h["slots_generation"] == 2
+    slots = {s["slot_id"]: s for s in h["slots"]}
+    assert sorted(slots) == [f"{node}-s{i}" for i in (1, 2, 3, 4)]  # s3 and s4 never placed; no s5
+    view_of = {k: (s["status"], s["health_state"], s["status_reason"]) for k, s in slots.items()}
+    assert view_of == {
+        f"{node}-s1": ("held", "healthy", None),
+        f"{node}-s2": ("held", "healthy", None),
+        f"{node}-s3": ("disabled", "healthy", "nvme has mounted children"),
+        f"{node}-s4": ("cleanup_blocked", "failed", "no blkdiscard proof"),
+    }
+    assert slots[f"{node}-s4"]["health_detail"] == "no blkdiscard proof"
+    assert slots[f"{node}-s1"]["held_by"] == str(alloc) and slots[f"{node}-s3"]["held_by"] is None
+
+    # Another event under a number already read is a broken history: dead-lettered, the model unchanged.
+    clash = await publish(nc, "scheduler.slots_changed", slots_changed(node, 2, s1=gone))
+    # The release (a verified wipe) gives the held slots back; then the scheduler blocks s1 (it refused the proof
+    # the allocator took for good) and repairs s4.
+    base = {"allocation_id": alloc, "tenant_id": "tenant-h", "shape": "gpu_slice"}
+    await publish(
+        nc,
+        "allocation.released",
+        m.AllocationReleased(
+            **base, state="released", seq=5, node_id=node, cleanup=m.CleanupReport(required=True, verified=True)
+        ),
+    )
+    await caught_up(http, view)
+    _, h = await get(http, f"{view.url}/v1/hosts/{node}")
+    assert {s["slot_id"]: s["status"] for s in h["slots"]}[f"{node}-s1"] == "available"
+    await publish(
+        nc,
+        "scheduler.slots_changed",
+        slots_changed(
+            node,
+            3,
+            s1=("cleanup_blocked", "failed", "nvme_format proof, blkdiscard policy"),
+            s2=healthy,
+            s3=("disabled", "healthy", "nvme has mounted children"),
+            s4=healthy,
+        ),
+    )
+    await caught_up(http, view)
+    _, h = await get(http, f"{view.url}/v1/hosts/{node}")
+    assert {s["slot_id"]: (s["status"], s["health_state"]) for s in h["slots"]} == {
+        f"{node}-s1": ("cleanup_blocked", "failed"),
+        f"{node}-s2": ("available", "healthy"),
+        f"{node}-s3": ("disabled", "healthy"),
+        f"{node}-s4": ("available", "healthy"),
+    }
+    assert h["slots_generation"] == 3
+
+    [scheduler] = [f for f in view.followers if f.stream == "SCHEDULER"]
+
+    async def the_letter() -> dict | None:
+        _, found = await get(http, f"{view.url}/v1/dead-letters", consumer=scheduler.spec.durable)
+        mine = [d for d in found["items"] if node in d["reason"]]
+        return mine[0] if mine else None
+
+    letter = await eventually(the_letter, 20, what="the clashing announcement dead-lettered")
+    assert letter["reason_code"] == "unplaceable" and letter["origin_subject"] == "gpuaas.scheduler.host.slots_changed"
+    assert "already has announcement 2 from event" in letter["reason"] and clash in letter["reason"]
+
+
 async def _dump(pool: asyncpg.Pool) -> dict[str, list[tuple]]:
     out = {}
     async with pool.acquire() as conn:
@@ -576,6 +688,14 @@ async def test_replay_rebuilds_every_model_and_a_restart_resumes(
     await publish(nc, "scheduler.admin_request_recorded", admin_request(node, "rack swap"))
     for frm, to in (("slice", "drained"), ("drained", "retired")):
         await publish(nc, "scheduler.host_mode_changed", mode_change(node, frm, to))
+    # The host's slots as the scheduler announced them: one never placed and failed, then an older announcement.
+    healthy = ("available", "healthy", None)
+    await publish(
+        nc,
+        "scheduler.slots_changed",
+        slots_changed(node, 2, s1=healthy, s2=healthy, s7=("cleanup_blocked", "failed", "x")),
+    )
+    await publish(nc, "scheduler.slots_changed", slots_changed(node, 1, s1=("disabled", "degraded", "old")))
     await caught_up(http, view)
     _, h = await get(http, f"{view.url}/v1/hosts/{node}")
     assert h["mode"] == "retired"
@@ -591,8 +711,20 @@ async def test_replay_rebuilds_every_model_and_a_restart_resumes(
             allocation_id=alloc, node_ids=[node], slot_ids=[f"{node}-s1"], actor="ops", reason="stuck", forced=True
         ),
     )
+    await publish(
+        nc,
+        "scheduler.slots_changed",
+        slots_changed(node, 3, s1=healthy, s2=("disabled", "healthy", "fan"), s7=("cleanup_blocked", "failed", "x")),
+    )
     view.tasks.extend(asyncio.create_task(f.run()) for f in view.followers)
     await caught_up(http, view)
+    _, h = await get(http, f"{view.url}/v1/hosts/{node}")
+    announced = {s["slot_id"]: (s["announced_status"], s["health_state"]) for s in h["slots"]}
+    assert announced == {
+        f"{node}-s1": ("available", "healthy"),
+        f"{node}-s2": ("disabled", "healthy"),
+        f"{node}-s7": ("cleanup_blocked", "failed"),
+    }
     _, a = await get(http, f"{view.url}/v1/allocations/{alloc}")
     assert [t["seq"] for t in a["timeline"]] == [1, 2, 3, 4]
     assert [p["phase"] for p in a["tasks"][0]["phases"]] == ["preflight", "clone", "boot", "ssh"]

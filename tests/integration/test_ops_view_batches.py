@@ -38,12 +38,14 @@ STREAM = "ALLOCATIONS"
 T0 = datetime(2026, 11, 3, 9, 0, 0, 123456, tzinfo=timezone(timedelta(hours=1)))
 ODD = "it's \\'late\\' $1 \\x00"
 SHA = "c" * 64
-# Every table the allocation stream's handlers write, and the outbox they publish through.
+# Every table the allocation stream's handlers write (and the scheduler's announcements of slots, which share the
+# slots with the placements), and the outbox they publish through.
 TABLES = (
     "allocations",
     "allocation_timeline",
     "claims",
     "slots",
+    "hosts",
     "usage_records",
     "node_tasks",
     "node_task_phases",
@@ -102,6 +104,31 @@ class Stream:
         for i, state in enumerate(states):
             self.move(alloc, state, i + 1, start + i)
 
+    def announce(self, alloc: uuid.UUID, generation: int, minute: int, **slots: tuple[str, str]) -> None:
+        """The scheduler's announcement of the slots of the allocation's host: slot -> (status, health)."""
+        node = f"n-{alloc.hex[:8]}"
+        states = [
+            m.SlotState(
+                slot_id=f"{node}-{slot}",
+                status=status,  # type: ignore[arg-type]
+                status_reason=ODD if status != "available" else None,
+                health_state=health,  # type: ignore[arg-type]
+                health_detail=ODD if health != "healthy" else None,
+                profile="h200_1g",
+                gpu_pci_address="0000:18:00.0",
+                nvme_by_id=f"/dev/disk/by-id/nvme-{slot}",
+                updated_at=T0 + timedelta(minutes=minute),
+            )
+            for slot, (status, health) in sorted(slots.items())
+        ]
+        change = m.SlotsChanged(node_id=node, generation=generation, cause="release", actor="scheduler", slots=states)
+        self.add("scheduler.slots_changed", change, minute)
+
+    def again(self) -> None:
+        """The last message once more, as a redelivery or a replay brings it."""
+        last = self.messages[-1]
+        self.messages.append(Message(STREAM, len(self.messages) + 1, last.subject, last.data))
+
 
 def scenario() -> Stream:
     """Allocations whose events share batches: whole lifecycles, a failure while active, an unschedulable, a
@@ -110,16 +137,26 @@ def scenario() -> Stream:
     s = Stream()
     released, failed, unschedulable, older, early_end, exclusive = (uuid.uuid4() for _ in range(6))
     s.walk(released, "accepted", "placed", "provisioning", "active")
+    # The host's slots announced, one never placed among them; again (a repeat); an older one read after it.
+    s.announce(released, 2, 2, s1=("active", "healthy"), s2=("active", "healthy"), s3=("disabled", "healthy"))
+    s.again()
+    s.announce(released, 1, 1, s1=("available", "healthy"), s9=("retired", "unknown"))
     s.move(released, "active", 4, 3)  # the same transition again: a repeat
     s.walk(failed, "accepted", "placed", "provisioning", "active", start=1)
     s.move(released, "releasing", 5, 30)
     s.move(released, "released", 6, 31)
+    # The scheduler refused one disk's proof: that slot blocked and failed.
+    s.announce(
+        released, 3, 32, s1=("cleanup_blocked", "failed"), s2=("available", "healthy"), s3=("disabled", "healthy")
+    )
     s.move(failed, "failed", 5, 45)
     s.walk(unschedulable, "accepted", "unschedulable")
     s.move(older, "placed", 2, 5)
     s.move(older, "accepted", 1, 4)
     s.move(early_end, "accepted", 1, 0)
     s.move(early_end, "released", 6, 50)
+    # Announced before its placement is read: the placement then only fills what the announcement left unknown.
+    s.announce(early_end, 1, 51, s1=("cleanup_blocked", "failed"))
     s.move(early_end, "placed", 2, 1)
     s.walk(exclusive, "accepted")
     s.move(exclusive, "placed", 2, 1, mode="node_exclusive")
@@ -206,6 +243,15 @@ async def test_a_batch_writes_the_rows_one_at_a_time_writes(pool: asyncpg.Pool) 
     # The release read before the placement ended no claim: the placement's are live, as one by one.
     assert sum(r[5] == "None" for r in alone["claims"]) == 5
     assert {r[6] for r in alone["node_tasks"]} == {"succeeded"} and len(alone["node_task_phases"]) == 4
+    # The announced slots (status, health, announcement number): each host's newest, nothing of the older (no s9).
+    announced = sorted((r[7], r[9], r[11]) for r in alone["slots"] if r[11] != "None")
+    assert announced == [
+        ("available", "healthy", "3"),
+        ("cleanup_blocked", "failed", "1"),
+        ("cleanup_blocked", "failed", "3"),
+        ("disabled", "healthy", "3"),
+    ]
+    assert len(alone["hosts"]) == 2 and not any(r[1].endswith("-s9") for r in alone["slots"])
     for size in (len(messages), 4, 3):
         await in_batches(pool, messages, size)
         assert await dump(pool, clear=True) == alone, f"batches of {size}"

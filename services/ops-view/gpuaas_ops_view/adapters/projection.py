@@ -97,6 +97,39 @@ _SEE_SLOT = (
 )
 _END_CLAIMS = "UPDATE claims SET released_at = $2, outcome = $3 WHERE allocation_id = $1 AND released_at IS NULL"
 
+# A host's slots as the scheduler announced them (scheduler.slots_changed). The announcement replaces what the row
+# holds of the slot, its binding included (so a placement's _SEE_SLOT, which only fills a row it creates, leaves
+# the same row whichever of the two is read first), and only when it is newer than the one the row took.
+_ANNOUNCED_SLOT_COLUMNS = (
+    "node_id",
+    "slot_id",
+    "profile",
+    "gpu_pci",
+    "nvme_by_id",
+    "private_ip",
+    "first_seen",
+    "announced_status",
+    "status_reason",
+    "health_state",
+    "health_detail",
+    "generation",
+    "announced_at",
+)
+_ANNOUNCE_SLOT = (
+    f"INSERT INTO slots AS s ({', '.join(_ANNOUNCED_SLOT_COLUMNS)}) VALUES "
+    f"({', '.join(f'${i + 1}' for i in range(len(_ANNOUNCED_SLOT_COLUMNS)))}) "
+    "ON CONFLICT (node_id, slot_id) DO UPDATE SET "
+    + "".join(f"{c} = EXCLUDED.{c}, " for c in _ANNOUNCED_SLOT_COLUMNS[2:] if c != "first_seen")
+    + "first_seen = LEAST(s.first_seen, EXCLUDED.first_seen) "
+    "WHERE s.generation IS NULL OR s.generation < EXCLUDED.generation"
+)
+_ANNOUNCE_HOST = (
+    "INSERT INTO hosts AS h (node_id, updated_at, slots_generation, slots_event_id, slots_changed_at) "
+    "VALUES ($1, $4, $2, $3, $4) ON CONFLICT (node_id) DO UPDATE SET slots_generation = EXCLUDED.slots_generation, "
+    "slots_event_id = EXCLUDED.slots_event_id, slots_changed_at = EXCLUDED.slots_changed_at, "
+    "updated_at = GREATEST(h.updated_at, EXCLUDED.updated_at)"
+)
+
 _MOVE_COLUMNS = "allocation_id, seq, state, at, event_id, detail->>'reason_code' AS reason_code"
 # What a batch's allocations need, in one round trip and locked as the one-by-one reads lock it: a row per
 # allocation and move of its timeline (one with no move when it has none), with its row's facts and whether its
@@ -354,6 +387,42 @@ class Projection:
             at,
             *values,
         )
+
+    async def slots_announced(self, node_id: str) -> tuple[int, str] | None:
+        """The number and event id of the newest announcement of the host's slots read so far (None: none), its
+        row locked."""
+        row = await self.conn.fetchrow(
+            "SELECT slots_generation, slots_event_id FROM hosts WHERE node_id = $1 FOR UPDATE", node_id
+        )
+        if row is None or row["slots_generation"] is None:
+            return None
+        return row["slots_generation"], row["slots_event_id"]
+
+    async def announce_slots(
+        self, node_id: str, generation: int, event_id: str, slots: list[dict[str, Any]], at: datetime
+    ) -> None:
+        """The host's newest announcement (domain.models.place_announcement decided it is) and each of its slots."""
+        await self.conn.execute(_ANNOUNCE_HOST, node_id, generation, event_id, at)
+        rows = [
+            (
+                node_id,
+                s["slot_id"],
+                s["profile"],
+                s.get("gpu_pci_address"),
+                s.get("nvme_by_id"),
+                s.get("private_ip"),
+                at,
+                s["status"],
+                s.get("status_reason"),
+                s["health_state"],
+                s.get("health_detail"),
+                generation,
+                at,
+            )
+            for s in slots
+        ]
+        if rows:
+            await self.conn.executemany(_ANNOUNCE_SLOT, rows)
 
     async def host_mode(
         self, event_id: str, node_id: str, from_mode: str, to_mode: str, actor: str, reason: str, at: datetime

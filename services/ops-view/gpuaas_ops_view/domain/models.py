@@ -49,6 +49,39 @@ def slot_status(claims: list[dict[str, Any]]) -> str:
     return "available"
 
 
+# The statuses the scheduler gives a slot only while a claim holds it: an announcement made meanwhile says nothing
+# of them that the lifecycle events (the claims) do not say better.
+CLAIMED = ("reserved", "provisioning", "active", "releasing", "cleanup")
+
+
+def slot_view_status(claims: list[dict[str, Any]], announced: str | None, announced_at: datetime | None) -> str:
+    """A slot's status from both what the bus said of it: its claims (`slot_status`) and the scheduler's last
+    announcement of its host's slots (`announced`, at `announced_at`; None when none named it). A live claim holds
+    it. Otherwise the newer of the two speaks: the announcement when no claim of the slot ended after it (disabled,
+    retired, blocked by a refused wipe, repaired: what no claim says; and a slot never placed has nothing else),
+    the claims when their last end is newer (a release after the announcement gave it back or blocked it). An
+    announced status of a claimed slot defers to the claims."""
+    from_claims = slot_status(claims)
+    if from_claims == "held" or announced is None or announced_at is None or announced in CLAIMED:
+        return from_claims
+    ends = [c["released_at"] for c in claims if c.get("released_at") is not None]
+    return announced if not ends or announced_at >= max(ends) else from_claims
+
+
+Announcement = Literal["newer", "older", "repeat", "conflict"]
+
+
+def place_announcement(known: tuple[int, str] | None, generation: int, event_id: str) -> Announcement:
+    """Where an announcement of a host's slots goes, against the newest read of that host (`known`: its number and
+    event id; None before the first). The scheduler numbers a host's announcements one by one, so one number
+    carried by two events is a broken history."""
+    if known is None or generation > known[0]:
+        return "newer"
+    if generation < known[0]:
+        return "older"
+    return "repeat" if known[1] == event_id else "conflict"
+
+
 TASK_FINAL = ("succeeded", "failed", "refused")
 
 

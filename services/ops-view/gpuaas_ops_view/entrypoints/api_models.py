@@ -109,6 +109,9 @@ class Host(BaseModel):
     # As the scheduler announced it on the stream (scheduler.host_mode_changed); none before its first change.
     mode: str | None = None
     mode_changed_at: datetime | None = None
+    # The newest announcement of the host's slots read (scheduler.slots_changed): its number and time.
+    slots_generation: int | None = None
+    slots_changed_at: datetime | None = None
     evidence_age_s: EvidenceAge
 
 
@@ -124,9 +127,18 @@ class Slot(BaseModel):
     gpu_pci: str | None = None
     nvme_by_id: str | None = None
     private_ip: str | None = None
+    # held (a live claim), else the newer of the scheduler's announcement and the end of the slot's last claim:
+    # available, disabled, retired, cleanup_blocked (domain/models.py slot_view_status).
     status: str
     held_by: uuid.UUID | None = None
     drift: list[str] = []
+    # As the scheduler last announced the slot (scheduler.slots_changed); none while no announcement named it.
+    announced_status: str | None = None
+    status_reason: str | None = None
+    health_state: str | None = None
+    health_detail: str | None = None
+    announced_at: datetime | None = None
+    first_seen: datetime
 
 
 class ModeChange(BaseModel):

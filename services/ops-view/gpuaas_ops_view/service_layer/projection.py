@@ -14,7 +14,14 @@ from gpuaas_common.contract import Envelope, derived_event_id
 from gpuaas_common.contract import messages as m
 
 from ..adapters.projection import BatchProjection, Projection
-from ..domain.models import claim_outcome, failing_checks, maas_status, place_transition, task_status
+from ..domain.models import (
+    claim_outcome,
+    failing_checks,
+    maas_status,
+    place_announcement,
+    place_transition,
+    task_status,
+)
 from ..domain.usage import ENDS, usage_of
 
 
@@ -272,6 +279,24 @@ async def on_host_mode(repo: Projection, ev: Event) -> None:
     )
 
 
+async def on_slots_changed(repo: Projection, ev: Event) -> None:
+    """A host's slots as the scheduler announced them: the newest announcement of the host replaces what the
+    model holds of each slot it lists (one never placed is added); an older one, read after it, and a repeat change
+    nothing."""
+    p = ev.payload
+    known = await repo.slots_announced(p["node_id"])
+    placement = place_announcement(known, p["generation"], ev.envelope.event_id)
+    if placement == "conflict":
+        assert known is not None
+        raise PermanentError(
+            "unplaceable",
+            f"host {p['node_id']} already has announcement {p['generation']} from event {known[1]}, "
+            f"not {ev.envelope.event_id}",
+        )
+    if placement == "newer":
+        await repo.announce_slots(p["node_id"], p["generation"], ev.envelope.event_id, p["slots"], ev.at)
+
+
 async def on_parity(repo: Projection, ev: Event) -> None:
     p = ev.payload
     await repo.host_evidence(
@@ -416,6 +441,7 @@ HANDLERS: dict[str, Handler] = {
     "dead_letter": on_dead_letter,
     "scheduler.admin_request_recorded": on_admin_request,
     "scheduler.host_mode_changed": on_host_mode,
+    "scheduler.slots_changed": on_slots_changed,
     "image.admin_request_recorded": on_admin_request,
 }
 # The handlers that read or write an allocation's rows: a batch reads what it needs of all theirs at once.

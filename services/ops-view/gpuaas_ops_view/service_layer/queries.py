@@ -11,7 +11,7 @@ from gpuaas_common.api_error import ApiError
 
 from ..adapters import queries as q
 from ..domain import filters as f
-from ..domain.models import evidence_age, slot_status
+from ..domain.models import evidence_age, slot_view_status
 from ..domain.usage import seconds_within, to_the_second, whole_seconds
 
 
@@ -93,7 +93,9 @@ async def get_host(conn: asyncpg.Connection, node_id: str) -> dict[str, Any]:
         mine = [c for c in claims if c["slot_id"] == slot["slot_id"]]
         forced_live = any(c["forced_by"] and c["released_at"] is None for c in mine)
         holder = next((c["allocation_id"] for c in mine if c["released_at"] is None), None)
-        status = "cleanup_blocked" if forced_live else slot_status(mine)
+        status = (
+            "cleanup_blocked" if forced_live else slot_view_status(mine, slot["announced_status"], slot["announced_at"])
+        )
         slots.append({**slot, "status": status, "held_by": holder, "drift": drifted.get(slot["slot_id"], [])})
     history = await q.mode_history(conn, node_id)
     return {**view, "slots": slots, "claims": [c for c in claims if c["released_at"] is None], "mode_history": history}

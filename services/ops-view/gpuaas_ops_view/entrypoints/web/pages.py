@@ -164,8 +164,9 @@ class Console:
         }
 
     async def host(self, request: web.Request, *, action_error: str | None = None, status: int = 200) -> web.Response:
-        """A host: its slots as the streams described them (status, holder, drift) and its live claims, beside the
-        scheduler's admin detail (mode history, waivers, actions asked of it), and the forms that change it."""
+        """A host: its slots as the streams described them (status, health, holder, drift; a slot never placed too)
+        and its live claims, beside the scheduler's admin detail (mode history, waivers, actions asked of it), and
+        the forms that change it."""
         node_id = request.match_info["node_id"]
         admin, admin_error = None, None
         try:
