@@ -166,6 +166,63 @@ async def test_without_the_ops_identity_a_visitor_sees_only_the_refusal(nc: nats
             assert resp.status == 401
 
 
+async def _use(link: str) -> tuple[int, str, bool]:
+    """One browser following the link: the status, the page, and whether it got a session."""
+    async with _browser() as http, http.get(link, allow_redirects=False) as resp:
+        return resp.status, await resp.text(), "Set-Cookie" in resp.headers
+
+
+async def test_a_login_link_signs_in_once_across_replicas(console: Console_) -> None:
+    """A link opens one session; the second use, on this replica or another on the same database, is the refusal,
+    as an expired link is. Of several browsers given one fresh link at once, one gets in."""
+
+    async def no_state() -> dict[str, tuple[int, int] | None]:
+        return {}
+
+    other = ops_api(
+        console.pool, SecretStr(TOKEN), no_state, Console(console.pool, console.changes, SchedulerAdmin(None, None))
+    )
+    replica = f"http://127.0.0.1:{await other.start('127.0.0.1', 0)}"
+    try:
+        link = console.link("carol")
+        status, _, session = await _use(link)
+        assert (status, session) == (303, True)
+        for again in (link, link.replace(console.url, replica)):
+            status, body, session = await _use(again)
+            assert (status, session) == (401, False), body
+            assert "Sign-in refused" in body and "the link was used already: ask for a new one" in body
+        expired = f"{console.url}/console/login?token=" + mint(
+            TOKEN, "ops", "carol", purpose=LOGIN, ttl_s=60, now=time.time() - 3600
+        )
+        status, body, session = await _use(expired)
+        assert (status, session) == (401, False) and "the link has expired" in body
+
+        fresh = console.link("dave")
+        uses = await asyncio.gather(*(_use(fresh.replace(console.url, url)) for url in (console.url, replica) * 3))
+        assert sorted(status for status, _, _ in uses) == [303] + [401] * 5
+        # A HEAD (a link preview) spends nothing: the link still signs in.
+        preview = console.link("erin")
+        async with _browser() as http, http.head(preview, allow_redirects=False) as resp:
+            assert resp.status == 405
+        assert (await _use(preview))[0] == 303
+
+        # The record of a link used is kept until well past its expiry, then pruned at a later sign-in.
+        async with console.pool.acquire() as conn:
+            await conn.execute(
+                "INSERT INTO login_links_used (nonce, expires_at) VALUES "
+                "('a0' || repeat('0', 30), now() - interval '2 hours'), "
+                "('b0' || repeat('0', 30), now() - interval '10 minutes')"
+            )
+            used = await conn.fetchval("SELECT count(*) FROM login_links_used")
+        assert (await _use(console.link("frank")))[0] == 303
+        async with console.pool.acquire() as conn:
+            left = {r["nonce"][:2] for r in await conn.fetch("SELECT nonce FROM login_links_used")}
+            assert "a0" not in left and "b0" in left
+            assert await conn.fetchval("SELECT count(*) FROM login_links_used") == used  # one pruned, one added
+    finally:
+        await other.stop()
+
+
 async def test_a_login_link_opens_the_pages_and_only_them(nc: nats.NATS, console: Console_) -> None:  # noqa: F811
     tenant, node = f"t-{uuid.uuid4().hex[:6]}", f"n-{uuid.uuid4().hex[:6]}"
     alloc = uuid.uuid4()

@@ -4,12 +4,14 @@ ways a token that should not open anything is turned away."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from gpuaas_common.admin_http.login import LOGIN, LOGIN_PATH, SESSION, login_link, mint, verify
+from gpuaas_common.admin_http.login import LOGIN, LOGIN_PATH, SESSION, _key, login_link, mint, verify
 
 KEYS = {"ops": "ops-token-0123456789", "admin": "admin-token-9876543210"}
 NOW = 1_800_000_000.0
@@ -68,3 +70,24 @@ def test_names_must_be_identifiers_and_the_link_carries_the_token() -> None:
     [token] = parse_qs(parsed.query)["token"]
     signed, _ = verify(KEYS, token, purpose=LOGIN)
     assert signed is not None and signed.actor == "alice"
+
+
+def _signed_by_hand(fields: dict[str, object]) -> str:
+    """A token with these fields, signed with the right key: only its content can be wrong."""
+    body = base64.urlsafe_b64encode(json.dumps(fields).encode()).decode().rstrip("=")
+    mac = hmac.new(_key(KEYS["ops"], LOGIN), body.encode(), hashlib.sha256).digest()
+    return f"{body}.{base64.urlsafe_b64encode(mac).decode().rstrip('=')}"
+
+
+def test_every_token_carries_a_nonce_of_its_own_and_one_without_opens_nothing() -> None:
+    """The nonce is what the pages' owner records to let a login link in once (Pages.spend_login)."""
+    one, two = (
+        verify(KEYS, mint(KEYS["ops"], "ops", "alice", purpose=LOGIN, ttl_s=600), purpose=LOGIN)[0] for _ in "ab"
+    )
+    assert one is not None and two is not None and one.nonce != two.nonce and len(one.nonce) == 32
+    base = {"p": "ops", "a": "alice", "x": int(NOW) + 600}
+    assert verify(KEYS, _signed_by_hand({**base, "n": "ab" * 16}), purpose=LOGIN, now=NOW)[0] is not None
+    for nonce in (None, "", "not hex at all", 12345, "ab"):
+        fields = {**base, "n": nonce} if nonce is not None else base
+        signed, why = verify(KEYS, _signed_by_hand(fields), purpose=LOGIN, now=NOW)
+        assert signed is None and why == "the link is not one this console made", nonce

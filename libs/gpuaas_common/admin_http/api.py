@@ -23,7 +23,7 @@ from .docs_page import render_docs_page
 from .errors import error_response
 from .headers import ACTOR_RE, KEY_RE, MAX_BODY, PRINCIPAL, REQUEST_ID, REQUEST_ID_RE
 from .idempotency import lock_key, store_answer, stored_answer
-from .login import LOGIN, LOGIN_PATH, SESSION, mint, verify
+from .login import LOGIN, LOGIN_PATH, SESSION, USED, mint, verify
 from .openapi_document import openapi, render_yaml
 from .pages import ACTING, SESSION_COOKIE, Pages, plain_page
 from .routes import Call, Reply, Route
@@ -107,7 +107,8 @@ class AdminApi:
         ):
             app.router.add_get(path, _static(body, kind))
         if self._pages is not None:
-            app.router.add_get(LOGIN_PATH, self._login)
+            # GET only: a HEAD (a link preview, a prefetch) would spend the link without signing anyone in.
+            app.router.add_get(LOGIN_PATH, self._login, allow_head=False)
             app.router.add_post(self._pages.prefix + "/logout", self._logout)
             self._pages.install(app)
         return app
@@ -220,10 +221,13 @@ class AdminApi:
         return plain_page(401, "Sign-in refused", f"{why}. To sign in: {self._pages.how_to_sign_in}.", request_id)
 
     async def _login(self, request: web.Request) -> web.StreamResponse:
-        """The login link: a valid login token opens a session (an HttpOnly cookie for the pages' path only) and
-        goes to the pages; anything else is the refusal. The token itself is never logged."""
+        """The login link: a valid login token used for the first time opens a session (an HttpOnly cookie for the
+        pages' path only) and goes to the pages; anything else, the same link again included, is the refusal. The
+        token itself is never logged."""
         assert self._pages is not None
         signed, why = verify(self._signing, request.query.get("token", ""), purpose=LOGIN)
+        if signed is not None and not await self._pages.spend_login(signed.nonce, signed.expires_at):
+            signed, why = None, USED
         if signed is None:
             log.info("login_refused", why=why)
             return self._refusal(request[REQUEST_ID], why)

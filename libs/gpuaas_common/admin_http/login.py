@@ -3,8 +3,10 @@
 Both are minted from an admin API's own bearer token (the identity that may read it), so whoever holds that token
 can hand out a link, the API needs no second secret, and rotating the token ends every link and session made
 from it. The key is derived per purpose: a login token is never accepted as a session cookie, nor the other way.
-A token names its principal (which bearer token signed it), the person acting (for the audit of what they do) and
-when it expires; nothing in it is secret, everything in it is signed.
+A token names its principal (which bearer token signed it), the person acting (for the audit of what they do),
+when it expires and a random nonce; nothing in it is secret, everything in it is signed. A login link opens one
+session: the pages' owner records the nonce of each link used until it expires (`Pages.spend_login`), and refuses
+it the second time.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import base64
 import hashlib
 import hmac
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -27,6 +30,9 @@ LOGIN, SESSION = "login", "session"
 LOGIN_TTL_S = 600.0
 SESSION_TTL_S = 8 * 3600.0
 LOGIN_PATH = "/console/login"
+# What a login link says when it comes a second time.
+USED = "the link was used already: ask for a new one"
+NONCE_RE = re.compile(r"^[0-9a-f]{16,64}$")
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,8 @@ class Signed:
     principal: str
     actor: str
     expires_at: float
+    # Random, one per token minted: what makes a login link single use.
+    nonce: str
 
 
 def _b64(raw: bytes) -> str:
@@ -58,7 +66,7 @@ def mint(
     expires = int((time.time() if now is None else now) + ttl_s)
     body = _b64(
         json.dumps(
-            {"p": principal, "a": actor, "x": expires, "n": secrets.token_hex(8)}, separators=(",", ":")
+            {"p": principal, "a": actor, "x": expires, "n": secrets.token_hex(16)}, separators=(",", ":")
         ).encode()
     )
     mac = hmac.new(_key(secret, purpose), body.encode(), hashlib.sha256).digest()
@@ -74,7 +82,7 @@ def verify(
     try:
         fields = json.loads(_unb64(body))
         given = _unb64(mac)
-        principal, actor, expires = fields["p"], fields["a"], fields["x"]
+        principal, actor, expires, nonce = fields["p"], fields["a"], fields["x"], fields["n"]
     except (ValueError, TypeError, KeyError, UnicodeDecodeError):
         return None, "the link is not one this console made"
     secret = keys.get(principal) if isinstance(principal, str) else None
@@ -83,9 +91,11 @@ def verify(
         return None, "the link is not one this console made"
     if not isinstance(actor, str) or not ACTOR_RE.match(actor) or not isinstance(expires, int):
         return None, "the link is not one this console made"
+    if not isinstance(nonce, str) or not NONCE_RE.match(nonce):
+        return None, "the link is not one this console made"
     if expires <= (time.time() if now is None else now):
         return None, "the link has expired: ask for a new one"
-    return Signed(principal, actor, float(expires)), ""
+    return Signed(principal, actor, float(expires), nonce), ""
 
 
 def login_link(base_url: str, secret: SecretStr | str, principal: str, actor: str, ttl_s: float = LOGIN_TTL_S) -> str:

@@ -4,7 +4,7 @@ session cookie, and refused with a page that shows nothing but the refusal."""
 from __future__ import annotations
 
 import html
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -18,9 +18,13 @@ ACTING = web.RequestKey("acting", str)
 @dataclass(frozen=True)
 class Pages:
     """`install` adds the pages' routes (all under `prefix`) to the admin API's application; each handler finds
-    the signed-in person in `request[ACTING]` and the identity behind them in `request[PRINCIPAL]`."""
+    the signed-in person in `request[ACTING]` and the identity behind them in `request[PRINCIPAL]`. `spend_login`
+    records a login link's nonce as used until the link expires (nonce, expiry as a UNIX time) and says whether
+    this was its first use: a link opens one session. It must hold across the API's replicas (a row in the
+    service's database, whose insert is the check)."""
 
     install: Callable[[web.Application], None]
+    spend_login: Callable[[str, float], Awaitable[bool]]
     prefix: str = "/console"
     session_ttl_s: float = SESSION_TTL_S
     # What a refused visitor is told to do to get in (a command, a person to ask).

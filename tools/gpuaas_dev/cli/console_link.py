@@ -1,6 +1,6 @@
 """`gpuaas console`: the ops console's address and a login link for it, minted from the ops API's token (the
 ops identity) of the selected stack, or the one given. The link is good for a few minutes and opens a session in
-the browser that follows it; it is printed, never stored."""
+the first browser that follows it (once: a second use is refused); it is printed, never stored."""
 
 from __future__ import annotations
 

@@ -37,7 +37,9 @@ DESCRIPTION = (
     "does not parse is a 400 naming the field. Times are ISO 8601 with a zone."
 )
 # What the console's refusal page tells a visitor without a session.
-HOW_TO_SIGN_IN = "open the link `gpuaas console` prints (minted from the ops identity's token; valid 10 minutes)"
+HOW_TO_SIGN_IN = (
+    "open a link `gpuaas console` prints (minted from the ops identity's token; valid 10 minutes, and once)"
+)
 TIME_RANGE = ("since", "until", "limit", "cursor")
 # Consumer state per stream, for /v1/streams: (pending, delivered stream seq), or None when it cannot be asked.
 ConsumerState = Callable[[], Awaitable[dict[str, tuple[int, int] | None]]]

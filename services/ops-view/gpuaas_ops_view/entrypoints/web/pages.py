@@ -18,6 +18,7 @@ from aiohttp import web
 from gpuaas_common.admin_http import ACTING, REQUEST_ID, ApiError, Pages
 from gpuaas_common.logging import get_logger
 
+from ...adapters import login_links
 from ...adapters.changes import Changes
 from ...adapters.scheduler_admin import SchedulerAdmin, SchedulerUnavailable
 from ...domain.filters import ALLOCATION_STATES, AUDITED_SERVICES
@@ -52,7 +53,12 @@ class Console:
         self.pool, self.changes, self.scheduler = pool, changes, scheduler
 
     def pages(self, how_to_sign_in: str) -> Pages:
-        return Pages(install=self.install, prefix=PREFIX, how_to_sign_in=how_to_sign_in)
+        return Pages(install=self.install, spend_login=self.spend_login, prefix=PREFIX, how_to_sign_in=how_to_sign_in)
+
+    async def spend_login(self, nonce: str, expires_at: float) -> bool:
+        """A login link opens one session: its nonce recorded in this service's database (any replica's sign-in
+        finds it), True only at its first use."""
+        return await login_links.spend(self.pool, nonce, expires_at)
 
     def install(self, app: web.Application) -> None:
         live.install(app, self.changes, PREFIX + "/events")
