@@ -11,7 +11,7 @@ import enum
 import itertools
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TypeVar
@@ -27,6 +27,7 @@ from ..domain.placement import (
     BAREMETAL_GPUS,
     HUGEPAGE_FILTERS,
     NODE_LEVEL,
+    NodeCandidate,
     Request,
     SlotView,
     choose,
@@ -145,8 +146,9 @@ async def place(conn: asyncpg.Connection, ev: m.AllocationAccepted, policy: Plac
             if not answer.filtered.get("in_use"):
                 out.unschedulable = answer
                 return out
-            # A host passed every rule yet was not taken: other placements held it or its slots while this one
-            # searched, and have committed since. Once more, with what they left; a refusal must hold.
+            # A host passes every rule now yet was not taken: what the search found there has changed since (a
+            # release committed after the walk, or placements that held it then have ended). Once more, with what
+            # is there now; a refusal must hold.
             await SliceSearch(conn, search, out).run()
     if out.placed is None:
         out.unschedulable = await why_not(conn, ev, req, policy)
@@ -259,8 +261,24 @@ class SliceSearch:
 
     async def walk_candidates(self) -> bool:
         seen: set[str] = set()
-        req = self.ctx.req
-        async for cand in inv.slice_candidates(self.conn, req, self.ctx.walk_classes, self.ctx.candidate_page):
+        req, classes = self.ctx.req, self.ctx.walk_classes
+        ended = await self._walk(inv.slice_candidates(self.conn, req, classes, self.ctx.candidate_page), seen)
+        # The pages were read a statement each, each with a snapshot of its own: a host that moved past them (a
+        # clean host sliced meanwhile goes to a class already read) is in none. Until one snapshot shows no
+        # candidate the walk has not seen, the ones it missed are walked too: each round sees one more host at
+        # least, so the rounds end.
+        while ended is None:
+            missed = await inv.missed_slice_candidates(self.conn, req, classes, seen)
+            if not missed:
+                return False
+            ended = await self._walk(_listed(missed), seen)
+        return ended
+
+    async def _walk(self, candidates: AsyncIterator[NodeCandidate], seen: set[str]) -> bool | None:
+        """Each candidate not seen yet, tried without waiting: True when one took the request, False when the
+        walk must stop (the clean-host watermark: every candidate after a clean one is clean), None when the
+        candidates ran out."""
+        async for cand in candidates:
             if cand.node_id in seen:
                 continue
             seen.add(cand.node_id)
@@ -268,7 +286,7 @@ class SliceSearch:
                 return False
             if await self._in_savepoint(partial(self._try_node, cand.node_id, wait=False)):
                 return True
-        return False
+        return None
 
     async def wait_for_held(self) -> bool:
         for node_id in list(self.locked):
@@ -356,6 +374,11 @@ class SliceSearch:
             clean = await inv.count_clean_nodes(self.conn, req)
             self._clean_ok = clean_node_allowed(clean, self.ctx.clean_node_watermark)
         return self._clean_ok
+
+
+async def _listed(candidates: list[NodeCandidate]) -> AsyncIterator[NodeCandidate]:
+    for cand in candidates:
+        yield cand
 
 
 async def why_not(

@@ -19,7 +19,13 @@ The package re-exports every name below, so callers keep `from ..adapters import
 """
 
 from ...domain.placement import Request
-from .candidates import baremetal_candidates, count_clean_nodes, node_facts, slice_candidates
+from .candidates import (
+    baremetal_candidates,
+    count_clean_nodes,
+    missed_slice_candidates,
+    node_facts,
+    slice_candidates,
+)
 from .capacity import fleet_shape, refresh_nodes
 from .claims import (
     LOCKED,
@@ -93,6 +99,7 @@ __all__ = [
     "seed_from_fleet",
     "set_slot_status",
     "slice_candidates",
+    "missed_slice_candidates",
     "slots_reached",
     "tenant_usage_locked",
     "try_claim_baremetal",

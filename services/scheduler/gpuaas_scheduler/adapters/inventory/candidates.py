@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 
 import asyncpg
 
@@ -59,6 +59,36 @@ async def slice_candidates(
             if len(rows) < page:
                 break
             after = (rows[-1]["free_slots"], rows[-1]["node_id"])
+
+
+# The same rules with the parameter numbers of `missed_slice_candidates`: the nodes already seen are $4.
+_MISSED_SQL = rules_sql("gpu_slice", SLICE_CANDIDATE, region=1, sku=2, gpus=3, slug=5, digest=6, pages=7, driver=8)
+
+
+async def missed_slice_candidates(
+    conn: asyncpg.Connection, req: Request, classes: Sequence[tuple[bool, int]], seen: Collection[str]
+) -> list[NodeCandidate]:
+    """The candidates of any of `classes` not in `seen`, in score order, read in one statement (one snapshot).
+
+    `slice_candidates` reads a statement per class and page, each with a snapshot of its own, so a host can move
+    past the reads: a clean host another placement slices meanwhile goes from a class not yet read into one
+    already read, and is in no answer. After a walk of those answers, this finds what they missed."""
+    in_a_class = " OR ".join(
+        f"(n.sliced = {'true' if sliced else 'false'} AND {'TRUE' if req.gpus == 1 else TIER_SQL[tier]})"
+        for sliced, tier in classes
+    )
+    rows = await conn.fetch(
+        f"SELECT {NODE_SUMMARY_COLUMNS} FROM nodes n WHERE {_MISSED_SQL} AND n.free_slots > 0 AND ({in_a_class}) "
+        "AND n.node_id NOT IN (SELECT unnest($4::text[])) ORDER BY n.sliced DESC, n.free_slots, n.node_id",
+        req.region,
+        req.sku,
+        req.gpus,
+        list(seen),
+        *gate_params(req),
+        hugepage_table(),
+        req.driver_version,
+    )
+    return [candidate_from_row(r) for r in rows]
 
 
 # A slice host in service in the request's region and SKU, whatever else the request asks.

@@ -1,0 +1,102 @@
+"""The exhaustive walk reads the candidate list from one snapshot.
+
+The walk lists candidates in rank classes, sliced hosts before clean ones. A clean host that another placement
+slices while the walk reads moves from a later class to an earlier one: read as one statement per class, each
+with a snapshot of its own, the host is in neither answer, the walk never tries it, and a request it could take
+is answered "unschedulable" (the concurrency tests' "refused yet fits"). Here the other placement commits at
+exactly that moment: right after the walk's first read of the candidates.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+import asyncpg
+
+from gpuaas_common.contract import messages as m
+from gpuaas_common.migrations import apply_migrations
+from gpuaas_scheduler.adapters import synthetic
+from gpuaas_scheduler.domain.placement import image_gate
+from gpuaas_scheduler.service_layer.placement import (
+    Outcome,
+    PlacementPolicy,
+    SearchContext,
+    SliceSearch,
+    place,
+    request_of,
+)
+
+
+def accepted(gpus: int) -> m.AllocationAccepted:
+    return m.AllocationAccepted(
+        allocation_id=uuid.uuid4(),
+        tenant_id="t",
+        shape="gpu_slice",
+        state="accepted",
+        seq=2,
+        sku="h200-sxm-slice",
+        gpu_count=gpus,
+        region="default",
+        image=m.ImageRef(slug="img", digest_sha256="0" * 64, image_path="/img"),
+    )
+
+
+class ThenCommitElsewhere:
+    """The walk's connection; once the walk has read its first candidates, `elsewhere` runs and commits on
+    another connection before the walk goes on."""
+
+    def __init__(self, conn: asyncpg.Connection, elsewhere: Any) -> None:
+        self._conn, self._elsewhere, self.done = conn, elsewhere, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    async def _after_a_read(self, query: str) -> None:
+        if not self.done and "FROM nodes n" in query and "ORDER BY" in query:
+            self.done = True
+            await self._elsewhere()
+
+    async def fetch(self, query: str, *args: Any, **kw: Any) -> list[asyncpg.Record]:
+        rows = await self._conn.fetch(query, *args, **kw)
+        await self._after_a_read(query)
+        return rows
+
+    def cursor(self, query: str, *args: Any, **kw: Any) -> AsyncIterator[asyncpg.Record]:
+        async def rows() -> AsyncIterator[asyncpg.Record]:
+            async for row in self._conn.cursor(query, *args, **kw):
+                await self._after_a_read(query)  # the first row is read: the statement has its snapshot
+                yield row
+
+        return rows()
+
+
+async def test_a_host_sliced_while_the_walk_reads_is_still_tried(fresh_db) -> None:
+    setup = await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"})
+    other = await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"})
+    walker = await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"})
+    try:
+        await apply_migrations(setup, "scheduler", "gpuaas_scheduler.migrations")
+        [node] = await synthetic.build(setup, slice_hosts=1)
+        policy = PlacementPolicy()
+
+        async def slice_it_elsewhere() -> None:
+            async with other.transaction():
+                assert (await place(other, accepted(1), policy)).placed is not None
+
+        ev = accepted(1)
+        req = request_of(ev)
+        req = replace(req, image_gate=image_gate(ev.image.slug, ev.image.digest_sha256, False))
+        conn = ThenCommitElsewhere(walker, slice_it_elsewhere)
+        out = Outcome()
+        async with walker.transaction():
+            taken = await SliceSearch(conn, SearchContext.gather(ev, req, policy), out).walk_candidates()  # type: ignore[arg-type]
+        assert conn.done, "the other placement never ran: the walk read no candidates"
+        assert taken and out.placed is not None and out.placed.node_id == node
+        free = await setup.fetchval("SELECT free_slots FROM nodes WHERE node_id = $1", node)
+        assert free == 6
+    finally:
+        for c in (setup, other, walker):
+            await c.close()
