@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+from typing import get_args
 
 import pytest
 
+from gpuaas_common.contract import messages as m
 from gpuaas_scheduler.domain.slots import (
     APPROVAL_REPLACES,
     IN_USE,
@@ -24,6 +26,12 @@ HAPPY_PATH = ["available", "reserved", "provisioning", "active", "releasing", "c
 def test_the_table_covers_every_status_the_database_allows():
     assert set(SLOT_TRANSITIONS) == set(SLOT_STATUSES)
     assert all(set(tos) <= set(SLOT_STATUSES) for tos in SLOT_TRANSITIONS.values())
+
+
+def test_the_contract_announces_exactly_the_statuses_a_slot_can_have():
+    # scheduler.slots_changed carries a slot's status: a status the contract lacks would make every announcement
+    # of a host holding one fail validation; one the scheduler lacks is a value no reader ever sees.
+    assert get_args(m.SlotStatus) == SLOT_STATUSES
 
 
 def test_a_slot_lives_from_available_back_to_available():
