@@ -66,20 +66,24 @@ _MISSED_SQL = rules_sql("gpu_slice", SLICE_CANDIDATE, region=1, sku=2, gpus=3, s
 
 
 async def missed_slice_candidates(
-    conn: asyncpg.Connection, req: Request, classes: Sequence[tuple[bool, int]], seen: Collection[str]
+    conn: asyncpg.Connection, req: Request, classes: Sequence[tuple[bool, int]], seen: Collection[str], page: int = 16
 ) -> list[NodeCandidate]:
-    """The candidates of any of `classes` not in `seen`, in score order, read in one statement (one snapshot).
+    """Candidates not in `seen`, up to `page` of each of `classes`, in score order, read in one statement (one
+    snapshot): none at all means no candidate of any class is unseen.
 
     `slice_candidates` reads a statement per class and page, each with a snapshot of its own, so a host can move
     past the reads: a clean host another placement slices meanwhile goes from a class not yet read into one
-    already read, and is in no answer. After a walk of those answers, this finds what they missed."""
-    in_a_class = " OR ".join(
-        f"(n.sliced = {'true' if sliced else 'false'} AND {'TRUE' if req.gpus == 1 else TIER_SQL[tier]})"
-        for sliced, tier in classes
-    )
+    already read, and is in no answer. After a walk of those answers, this finds what they missed: each class
+    off its own index scan, as there, so what it costs grows with the hosts skipped, not the fleet."""
+    branches = [
+        f"(SELECT {rank} AS class_rank, {NODE_SUMMARY_COLUMNS} FROM nodes n WHERE {_MISSED_SQL} "
+        f"AND n.free_slots > 0 AND n.sliced = {'true' if sliced else 'false'} "
+        f"AND {'TRUE' if req.gpus == 1 else TIER_SQL[tier]} AND n.node_id NOT IN (SELECT unnest($4::text[])) "
+        f"ORDER BY n.free_slots, n.node_id LIMIT {int(page)})"
+        for rank, (sliced, tier) in enumerate(classes)
+    ]
     rows = await conn.fetch(
-        f"SELECT {NODE_SUMMARY_COLUMNS} FROM nodes n WHERE {_MISSED_SQL} AND n.free_slots > 0 AND ({in_a_class}) "
-        "AND n.node_id NOT IN (SELECT unnest($4::text[])) ORDER BY n.sliced DESC, n.free_slots, n.node_id",
+        f"SELECT * FROM ({' UNION ALL '.join(branches)}) c ORDER BY class_rank, free_slots, node_id",
         req.region,
         req.sku,
         req.gpus,
