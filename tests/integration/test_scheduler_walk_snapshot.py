@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 import asyncpg
+import pytest
 
 from gpuaas_common.contract import messages as m
 from gpuaas_common.migrations import apply_migrations
@@ -83,65 +84,63 @@ class ThenCommitElsewhere:
         return rows()
 
 
-async def test_a_host_sliced_while_the_walk_reads_is_still_tried(fresh_db) -> None:
-    setup = await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"})
-    other = await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"})
-    walker = await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"})
+@pytest.fixture
+async def one_host(fresh_db) -> AsyncIterator[tuple[str, asyncpg.Connection, asyncpg.Connection, asyncpg.Connection]]:
+    """A scheduler with one clean 8-slot host, and three connections to it: to set up, for the other placement or
+    release, and for the search under test."""
+    conns = [await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"}) for _ in range(3)]
     try:
-        await apply_migrations(setup, "scheduler", "gpuaas_scheduler.migrations")
-        [node] = await synthetic.build(setup, slice_hosts=1)
-        policy = PlacementPolicy()
-
-        async def slice_it_elsewhere() -> None:
-            async with other.transaction():
-                assert (await place(other, accepted(1), policy)).placed is not None
-
-        ev = accepted(1)
-        req = request_of(ev)
-        req = replace(req, image_gate=image_gate(ev.image.slug, ev.image.digest_sha256, False))
-        conn = ThenCommitElsewhere(walker, slice_it_elsewhere)
-        out = Outcome()
-        async with walker.transaction():
-            taken = await SliceSearch(conn, SearchContext.gather(ev, req, policy), out).walk_candidates()  # type: ignore[arg-type]
-        assert conn.done, "the other placement never ran: the walk read no candidates"
-        assert taken and out.placed is not None and out.placed.node_id == node
-        free = await setup.fetchval("SELECT free_slots FROM nodes WHERE node_id = $1", node)
-        assert free == 6
+        await apply_migrations(conns[0], "scheduler", "gpuaas_scheduler.migrations")
+        [node] = await synthetic.build(conns[0], slice_hosts=1)
+        yield node, conns[0], conns[1], conns[2]
     finally:
-        for c in (setup, other, walker):
+        for c in conns:
             await c.close()
 
 
-async def test_a_host_freed_before_the_refusal_is_written_is_taken(fresh_db) -> None:
-    setup = await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"})
-    other = await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"})
-    placer = await asyncpg.connect(fresh_db, server_settings={"search_path": "scheduler"})
-    try:
-        await apply_migrations(setup, "scheduler", "gpuaas_scheduler.migrations")
-        [node] = await synthetic.build(setup, slice_hosts=1)
-        policy = PlacementPolicy()
-        whole = accepted(8)
-        async with setup.transaction():
-            assert (await place(setup, whole, policy)).placed is not None
+async def test_a_host_sliced_while_the_walk_reads_is_still_tried(one_host) -> None:
+    node, setup, other, walker = one_host
+    policy = PlacementPolicy()
 
-        async def release_elsewhere() -> None:
-            async with other.transaction():
-                freed = await end_allocation(
-                    scheduler_repositories(other),
-                    whole.allocation_id,
-                    "released",
-                    cleanup_required=False,
-                    reason=None,
-                    wipe_proofs=[],
-                    events=OutboxWriter(other, "scheduler", "scheduler"),
-                )
-                assert freed == 8
+    async def slice_it_elsewhere() -> None:
+        async with other.transaction():
+            assert (await place(other, accepted(1), policy)).placed is not None
 
-        conn = ThenCommitElsewhere(placer, release_elsewhere, before_why_not=True)
-        async with placer.transaction():
-            out = await place(conn, accepted(1), policy)  # type: ignore[arg-type]
-        assert conn.done, "the search never asked why not: the host was not full"
-        assert out.placed is not None and out.placed.node_id == node, out.unschedulable
-    finally:
-        for c in (setup, other, placer):
-            await c.close()
+    ev = accepted(1)
+    req = request_of(ev)
+    req = replace(req, image_gate=image_gate(ev.image.slug, ev.image.digest_sha256, False))
+    conn = ThenCommitElsewhere(walker, slice_it_elsewhere)
+    out = Outcome()
+    async with walker.transaction():
+        taken = await SliceSearch(conn, SearchContext.gather(ev, req, policy), out).walk_candidates()  # type: ignore[arg-type]
+    assert conn.done, "the other placement never ran: the walk read no candidates"
+    assert taken and out.placed is not None and out.placed.node_id == node
+    free = await setup.fetchval("SELECT free_slots FROM nodes WHERE node_id = $1", node)
+    assert free == 6
+
+
+async def test_a_host_freed_before_the_refusal_is_written_is_taken(one_host) -> None:
+    node, setup, other, placer = one_host
+    policy = PlacementPolicy()
+    whole = accepted(8)
+    async with setup.transaction():
+        assert (await place(setup, whole, policy)).placed is not None
+
+    async def release_elsewhere() -> None:
+        async with other.transaction():
+            freed = await end_allocation(
+                scheduler_repositories(other),
+                whole.allocation_id,
+                "released",
+                cleanup_required=False,
+                reason=None,
+                wipe_proofs=[],
+                events=OutboxWriter(other, "scheduler", "scheduler"),
+            )
+            assert freed == 8
+
+    conn = ThenCommitElsewhere(placer, release_elsewhere, before_why_not=True)
+    async with placer.transaction():
+        out = await place(conn, accepted(1), policy)  # type: ignore[arg-type]
+    assert conn.done, "the search never asked why not: the host was not full"
+    assert out.placed is not None and out.placed.node_id == node, out.unschedulable
