@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Optional, get_args
 
 import typer
+
+from gpuaas_common.contract.messages import SlotStatus
 
 from .admin_api import (
     ActorOpt,
@@ -39,17 +41,8 @@ WIPE_POLICIES = ("blkdiscard", "nvme_format", "crypto_erase")
 MODES = ("slice", "baremetal", "converting", "drained", "retired")
 WipePolicy = choices("WipePolicy", WIPE_POLICIES)
 Mode = choices("Mode", MODES)
-SLOT_STATUSES = (
-    "available",
-    "reserved",
-    "provisioning",
-    "active",
-    "releasing",
-    "cleanup",
-    "cleanup_blocked",
-    "disabled",
-    "retired",
-)
+# The statuses a slot can have, as the contract carries them (scheduler.slots_changed).
+SLOT_STATUSES: tuple[str, ...] = get_args(SlotStatus)
 
 NodeArg = Annotated[str, typer.Argument(help="The node's id (`gpuaas nodes list`).")]
 SlotArg = Annotated[str, typer.Argument(help="The slot's id (`gpuaas slots list`).")]
