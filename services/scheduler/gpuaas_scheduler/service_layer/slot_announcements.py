@@ -15,7 +15,7 @@ import asyncpg
 from gpuaas_common.contract import messages as m
 from gpuaas_common.outbox import EventCollector, OutboxWriter
 
-from ..adapters import slot_announcements as repo
+from ..adapters.repository import SlotRepository
 
 TYPE = "scheduler.slots_changed"
 
@@ -34,5 +34,6 @@ async def announce_nodes(
     actor: str,
 ) -> None:
     """Each node's slots as the caller's transaction leaves them, in node id order (the order its locks go)."""
+    slots = SlotRepository(conn)  # the one way to an announcement, as the bus handlers' repos.slots
     for node_id in sorted(set(node_ids)):
-        await announce(events, await repo.slots_changed(conn, node_id, cause, actor))
+        await announce(events, await slots.announcement(node_id, cause, actor))
