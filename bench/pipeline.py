@@ -511,6 +511,8 @@ def _stack(
         overrides["GPUAAS_EVENT_LOOP"] = event_loop
     if profile_dir:
         overrides["GPUAAS_PROFILE_DIR"] = profile_dir  # see gpuaas_common/profiling.py
+        if os.environ.get("GPUAAS_PROFILE_CLOCK"):
+            overrides["GPUAAS_PROFILE_CLOCK"] = os.environ["GPUAAS_PROFILE_CLOCK"]
     if instant:
         overrides["node-agent"] = {"GPUAAS_SIM_INSTANT_HOSTS": "true"}
     kwargs: dict[str, Any] = {}
