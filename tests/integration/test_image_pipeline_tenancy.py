@@ -1,13 +1,14 @@
 """A baremetal host cannot enrol as a slice host (issue 24, point 7), across a real nats-server and Postgres.
 
-A real `gpuaas-image-pipeline` process follows the allocator's lifecycle events and the gateway's MAAS release
-results. While a baremetal allocation holds a node, a `node.enrolled` of kind `slice_host` from that node (a
-tenant has root on the host and its allocation-bound creds, so it can publish one) is dead-lettered with the
-reason `baremetal_tenancy` and a structured log line: the node is not written into slice_hosts and gets no
-prewarm task. Once the tenancy is over (the allocation released; or, for a failed allocation whose deploy went
-out, the machine released through MAAS) the same node enrols as a slice host like any other. A slice host that
-a baremetal allocation takes leaves the slice hosts at once. Every message on `gpuaas.>` is checked against the
-contract."""
+A real `gpuaas-image-pipeline` process follows the allocator's `allocation.provisioning` (a baremetal
+allocation's deploy went out) and the gateway's MAAS release results. While a baremetal allocation holds a node,
+a `node.enrolled` of kind `slice_host` from that node (a tenant has root on the host and its allocation-bound
+creds, so it can publish one) is dead-lettered with the reason `baremetal_tenancy` and a structured log line:
+the node is not written into slice_hosts and gets no prewarm task. Once the tenancy is over (the machine
+released through MAAS, at the allocation's release or after a failure that followed the deploy) the same node
+enrols as a slice host like any other. A slice host that a baremetal allocation takes leaves the slice hosts at
+once. The allocator's events come as it publishes them (placed with provisioning, released after the gateway's
+answer). Every message on `gpuaas.>` is checked against the contract."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import pytest
 
 from gpuaas_common.bus import Bus
 from gpuaas_common.contract import messages as m
-from gpuaas_common.migrations import apply_migrations
+from gpuaas_common.migrations import COMMON_MIGRATIONS, apply_migrations, service_migrations
 from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_dev.seed_images import build_seed
 from gpuaas_dev.testing.bus_spy import BusSpy
@@ -120,6 +121,20 @@ class World:
             "allocation.provisioning", m.AllocationProvisioning, alloc, node_id=node, operation_id=f"deploy-{alloc}"
         )
 
+    async def machine_released(self, alloc: uuid.UUID, node: str) -> None:
+        """The gateway's answer to the machine's release: MAAS took it back (the host's user revoked first)."""
+        result = m.MaasReleaseResult(
+            operation_id=f"release-{alloc}",
+            allocation_id=alloc,
+            system_id="m1",
+            node_id=node,
+            resolution="direct",
+            maas_status_name="Ready",
+            attempts=1,
+            status="released",
+        )
+        await self.gateway.publish("maas.release_result", result, correlation_id=str(alloc))
+
     async def enrol(self, node: str) -> str:
         enrolled = m.NodeEnrolled(node_id=node, kind="slice_host", hostname=f"{node}.test", agent_version="t")
         envelope = await self.host.publish("node.enrolled", enrolled, correlation_id=node, node_id=node)
@@ -197,11 +212,13 @@ async def test_a_tenants_host_is_refused_as_a_slice_host_until_its_allocation_is
     first = await world.enrol(node)
     await world.refused(node, first)
 
-    # Released through MAAS (the gateway revoked the allocation's host user, MAAS erased the disk).
+    # Released through MAAS (the gateway revoked the allocation's host user, MAAS erased the disk); the allocator
+    # reports `released` on the gateway's answer.
     await world.lifecycle("allocation.releasing", m.AllocationReleasing, alloc)
+    await world.machine_released(alloc, node)
     cleanup = m.CleanupReport(required=True, verified=True, reason="MAAS Ready")
     await world.lifecycle("allocation.released", m.AllocationReleased, alloc, node_id=node, cleanup=cleanup)
-    await world.tenancy_is(alloc, "released")
+    await world.tenancy_is(alloc, "machine_released")
     assert (await world.tenancy(alloc))["ended_at"] is not None
 
     # The same host, back in slice mode, enrols like any slice host.
@@ -213,12 +230,13 @@ async def test_a_failed_allocations_tenancy_ends_when_its_machine_is_released(wo
     node, alloc = f"bm-{uuid.uuid4().hex[:6]}", uuid.uuid4()
     # A slice host first: known to the gate, asked to check its cache.
     await world.accepted(node, await world.enrol(node))
-    # A baremetal allocation takes the node whole: it leaves the slice hosts at once.
+    # A baremetal allocation takes the node whole (placed, and its deploy sent with it): it leaves the slice
+    # hosts at once.
     await world.placed(alloc, node)
+    await world.provisioning(alloc, node)
     await world.tenancy_is(alloc, "open")
     assert node not in await world.slice_hosts()
-    await world.provisioning(alloc, node)
-    # The deploy went out, then the allocation failed: the machine may run the tenant's image with its keys.
+    # Then the allocation failed: the machine may run the tenant's image with its keys.
     await world.lifecycle(
         "allocation.failed",
         m.AllocationFailed,
@@ -232,36 +250,20 @@ async def test_a_failed_allocations_tenancy_ends_when_its_machine_is_released(wo
     assert (await world.tenancy(alloc))["open"] is True
 
     # The allocator releases the failed allocation's machine; only the gateway's answer ends the tenancy.
-    result = m.MaasReleaseResult(
-        operation_id=f"release-{alloc}",
-        allocation_id=alloc,
-        system_id="m1",
-        node_id=node,
-        resolution="direct",
-        maas_status_name="Ready",
-        attempts=1,
-        status="released",
-    )
-    await world.gateway.publish("maas.release_result", result, correlation_id=str(alloc))
+    await world.machine_released(alloc, node)
     await world.tenancy_is(alloc, "machine_released")
     await world.accepted(node, await world.enrol(node))
 
 
 async def test_a_baremetal_allocation_that_failed_before_its_deploy_never_held_the_node(world: World) -> None:
     node, alloc = f"bm-{uuid.uuid4().hex[:6]}", uuid.uuid4()
+    # Placed while a release was under way: released at once, no deploy ever sent (the allocator's
+    # "released before provisioning").
     await world.placed(alloc, node)
-    await world.tenancy_is(alloc, "open")
-    await world.lifecycle(
-        "allocation.failed",
-        m.AllocationFailed,
-        alloc,
-        node_id=node,
-        reason_code="placement_lost",
-        reason="failed before any deploy",
-        cleanup_required=False,
-    )
-    await world.tenancy_is(alloc, "failed_before_deploy")
+    cleanup = m.CleanupReport(required=False, verified=True, reason="released before provisioning")
+    await world.lifecycle("allocation.released", m.AllocationReleased, alloc, node_id=node, cleanup=cleanup)
     await world.accepted(node, await world.enrol(node))
+    assert await world.tenancy(alloc) is None
 
 
 # --- the handlers against a real Postgres, without the bus --------------------------------------------------
@@ -273,25 +275,18 @@ def _uow(pool: asyncpg.Pool) -> UnitOfWork:
     return UnitOfWork(pool, SCHEMA, "image-pipeline", image_pipeline_repositories)
 
 
-async def _lifecycle(pool: asyncpg.Pool, ev: m.AllocationEvent, at: datetime) -> None:
+async def _provisioning(
+    pool: asyncpg.Pool, alloc: uuid.UUID, node: str, at: datetime, shape: str = "baremetal"
+) -> None:
+    ev = m.AllocationProvisioning(
+        allocation_id=alloc, tenant_id="t", shape=shape, state="provisioning", seq=4, node_id=node
+    )
     async with _uow(pool) as uow:
-        await tenancy.on_lifecycle(uow, ev, at)
+        await tenancy.on_provisioning(uow, ev, at)
         await uow.commit()
 
 
-def _placed(alloc: uuid.UUID, node: str) -> m.AllocationPlaced:
-    return m.AllocationPlaced(
-        allocation_id=alloc,
-        tenant_id="t",
-        shape="baremetal",
-        state="placed",
-        seq=3,
-        node_id=node,
-        claim_mode="node_exclusive",
-    )
-
-
-async def test_a_slice_host_taken_whole_leaves_the_gate_and_a_later_placement_supersedes_a_stuck_tenancy(
+async def test_a_slice_host_taken_whole_leaves_the_gate_and_a_later_deploy_supersedes_a_stuck_tenancy(
     fresh_db: str,
 ) -> None:
     conn = await asyncpg.connect(fresh_db, server_settings={"search_path": SCHEMA})
@@ -330,11 +325,11 @@ async def test_a_slice_host_taken_whole_leaves_the_gate_and_a_later_placement_su
             await uow.commit()
         assert await conn.fetchval("SELECT status FROM os_images") == "published"  # bm is still pulling
 
-        # A baremetal allocation takes bm whole: it leaves the slice hosts, its cache counts as gone, and the
-        # image no longer waits for it.
+        # A baremetal allocation takes bm whole (its deploy went out): it leaves the slice hosts, its cache counts
+        # as gone, and the image no longer waits for it.
         t0 = datetime.now(timezone.utc)
         first, second = uuid.uuid4(), uuid.uuid4()
-        await _lifecycle(pool, _placed(first, "bm"), t0)
+        await _provisioning(pool, first, "bm", t0)
         assert {r["node_id"] for r in await conn.fetch("SELECT node_id FROM slice_hosts")} == {"n1"}
         cache = await conn.fetchrow("SELECT status, reason FROM node_image_cache WHERE node_id = 'bm'")
         assert cache["status"] == "absent" and "baremetal tenant" in cache["reason"]
@@ -346,26 +341,24 @@ async def test_a_slice_host_taken_whole_leaves_the_gate_and_a_later_placement_su
             if e["type"] == "image.node_cache_changed"
         ][-1] == ("bm", False)
 
-        # Its deploy went out and it failed; the machine's release failed too: the tenancy stays open...
-        provisioning = m.AllocationProvisioning(
-            allocation_id=first, tenant_id="t", shape="baremetal", state="provisioning", seq=4, node_id="bm"
-        )
-        failed = m.AllocationFailed(
+        # It failed, and the machine's release failed too: the tenancy stays open...
+        release_failed = m.MaasReleaseResult(
+            operation_id=f"release-{first}",
             allocation_id=first,
-            tenant_id="t",
-            shape="baremetal",
-            state="failed",
-            seq=5,
-            reason_code="deploy_failed",
-            reason="x",
+            system_id="m1",
             node_id="bm",
-            cleanup_required=True,
+            resolution="direct",
+            maas_status_name="Deployed",
+            reason_code="maas_refused",
+            attempts=1,
+            status="failed",
         )
-        await _lifecycle(pool, provisioning, t0)
-        await _lifecycle(pool, failed, t0)
+        async with _uow(pool) as uow:
+            await tenancy.on_machine_released(uow, release_failed)
+            await uow.commit()
         assert [r["allocation_id"] for r in await conn.fetch("SELECT * FROM baremetal_tenancies WHERE open")] == [first]
-        # ... until the scheduler hands the node to the next baremetal allocation, which supersedes it.
-        await _lifecycle(pool, _placed(second, "bm"), t0 + timedelta(seconds=5))
+        # ... until the scheduler hands the node to the next baremetal allocation, whose deploy supersedes it.
+        await _provisioning(pool, second, "bm", t0 + timedelta(seconds=5))
         rows = {r["allocation_id"]: r for r in await conn.fetch("SELECT * FROM baremetal_tenancies")}
         assert (rows[first]["open"], rows[first]["state"], rows[first]["superseded_by"]) == (
             False,
@@ -375,18 +368,64 @@ async def test_a_slice_host_taken_whole_leaves_the_gate_and_a_later_placement_su
         assert rows[first]["ended_at"] is not None
         assert (rows[second]["open"], rows[second]["state"]) == (True, "open")
 
-        # A slice allocation's events hold no node whole and leave no row.
-        slice_ev = m.AllocationPlaced(
-            allocation_id=uuid.uuid4(),
-            tenant_id="t",
-            shape="gpu_slice",
-            state="placed",
-            seq=3,
-            node_id="n1",
-            claim_mode="slots",
-        )
-        await _lifecycle(pool, slice_ev, t0)
+        # A slice allocation's provisioning holds no node whole and leaves no row.
+        await _provisioning(pool, uuid.uuid4(), "n1", t0, shape="gpu_slice")
         assert await conn.fetchval("SELECT count(*) FROM baremetal_tenancies") == 2
     finally:
         await pool.close()
+        await conn.close()
+
+
+async def test_the_tenancies_of_the_placement_rules_are_judged_again_by_the_deploy_rules(fresh_db: str) -> None:
+    """Migration 008: rows the pipeline kept under the old rules (placed opened a tenancy, released or failed before
+    the deploy ended it) keep their judgement under the new ones, except one placed whose deploy was not seen."""
+    conn = await asyncpg.connect(fresh_db)
+    try:
+        await conn.execute(f"CREATE SCHEMA {SCHEMA}")
+        await conn.execute(f"CREATE TABLE {SCHEMA}.schema_migrations (version text PRIMARY KEY)")
+        before = [
+            (version, sql)
+            for version, sql in [*COMMON_MIGRATIONS, *service_migrations("gpuaas_image_pipeline.migrations")]
+            if version < "008"
+        ]
+        async with conn.transaction():
+            await conn.execute(f"SET LOCAL search_path TO {SCHEMA}")
+            for version, sql in before:
+                await conn.execute(sql)
+                await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
+        ids = {name: uuid.uuid4() for name in ("released", "failed_early", "failed_late", "superseded", "placed")}
+        # (started, deploy_sent, released, failed, superseded_by, open, state) as the old rules left them.
+        old = {
+            "released": (True, True, True, False, None, False, "released"),
+            "failed_early": (True, False, False, True, None, False, "failed_before_deploy"),
+            "failed_late": (True, True, False, True, None, True, "open"),
+            "superseded": (True, True, False, True, ids["failed_late"], False, "superseded"),
+            "placed": (True, False, False, False, None, True, "open"),
+        }
+        for name, (started, sent, released, failed, by, open_, state) in old.items():
+            await conn.execute(
+                f"INSERT INTO {SCHEMA}.baremetal_tenancies (allocation_id, node_id, placed_at, started, deploy_sent, "
+                "released, failed, superseded_by, open, state) VALUES ($1, 'bm', now(), $2, $3, $4, $5, $6, $7, $8)",
+                ids[name],
+                started,
+                sent,
+                released,
+                failed,
+                by,
+                open_,
+                state,
+            )
+        assert await apply_migrations(conn, SCHEMA, "gpuaas_image_pipeline.migrations") == ["008_tenancy_from_deploy"]
+        rows = {r["allocation_id"]: r for r in await conn.fetch(f"SELECT * FROM {SCHEMA}.baremetal_tenancies")}
+        judged = {name: (rows[i]["state"], rows[i]["open"]) for name, i in ids.items()}
+        assert judged == {
+            "released": ("machine_released", False),
+            "failed_early": ("not_deployed", False),
+            "failed_late": ("open", True),
+            "superseded": ("superseded", False),
+            "placed": ("not_deployed", False),
+        }
+        assert rows[ids["placed"]]["ended_at"] is not None and rows[ids["failed_late"]]["ended_at"] is None
+        assert rows[ids["failed_late"]]["deployed_at"] is not None
+    finally:
         await conn.close()

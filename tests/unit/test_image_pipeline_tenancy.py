@@ -11,10 +11,7 @@ from gpuaas_image_pipeline.domain.tenancy import TenancyFacts, facts_of, refusal
 
 # What each event the pipeline follows adds to an allocation's facts.
 EVENTS = {
-    "placed": {"started": True},
-    "provisioning": {"started": True, "deploy_sent": True},
-    "released": {"released": True},
-    "failed": {"failed": True},
+    "provisioning": {"deployed": True},
     "machine_released": {"machine_released": True},
     "superseded": {"superseded": True},
 }
@@ -30,23 +27,20 @@ def _after(events: tuple[str, ...]) -> str:
 @pytest.mark.parametrize(
     ("events", "state"),
     [
-        ((), "not_started"),
-        (("placed",), "open"),
-        (("placed", "provisioning"), "open"),
-        # Released through MAAS: the gateway revoked the host's allocation user, MAAS erased the disk.
-        (("placed", "provisioning", "released"), "released"),
-        # Failed before the deploy went out: the tenant never had the machine.
-        (("placed", "failed"), "failed_before_deploy"),
-        # Failed after the deploy: the machine may run the tenant's image until MAAS releases it.
-        (("placed", "provisioning", "failed"), "open"),
-        (("placed", "provisioning", "failed", "machine_released"), "machine_released"),
-        # A release that failed leaves the tenancy open; the next allocation placed on the node ends it.
-        (("placed", "provisioning", "failed", "superseded"), "superseded"),
-        # A release result seen before the lifecycle (another durable, another stream) is an end already.
+        # Placed, failed or released before its deploy: the tenant never had the machine.
+        ((), "not_deployed"),
+        # The deploy went out with the tenant's keys: the machine is the tenant's, and stays so after a failure.
+        (("provisioning",), "open"),
+        # Released through MAAS (the gateway revoked the host's allocation user, MAAS erased the disk), at the
+        # allocation's release or at once after a failure that followed the deploy.
+        (("provisioning", "machine_released"), "machine_released"),
+        # A release that failed leaves the tenancy open; the next allocation deployed to the node ends it.
+        (("provisioning", "superseded"), "superseded"),
+        # A release result seen before the provisioning (another durable, another stream) is an end already.
         (("machine_released",), "machine_released"),
     ],
 )
-def test_a_tenancy_opens_at_placement_and_ends_when_the_machine_is_released(
+def test_a_tenancy_opens_at_the_deploy_and_ends_when_the_machine_is_released(
     events: tuple[str, ...], state: str
 ) -> None:
     assert _after(events) == state
@@ -55,11 +49,9 @@ def test_a_tenancy_opens_at_placement_and_ends_when_the_machine_is_released(
 @pytest.mark.parametrize(
     "events",
     [
-        ("placed", "provisioning", "released"),
-        ("placed", "provisioning", "failed", "machine_released"),
-        ("placed", "failed"),
-        ("placed", "provisioning", "failed"),
-        ("placed", "provisioning", "failed", "superseded"),
+        ("provisioning", "machine_released"),
+        ("provisioning", "superseded"),
+        ("provisioning", "superseded", "machine_released"),
     ],
 )
 def test_the_order_events_are_handled_in_does_not_change_the_judgement(events: tuple[str, ...]) -> None:
@@ -67,15 +59,9 @@ def test_the_order_events_are_handled_in_does_not_change_the_judgement(events: t
 
 
 def test_a_stored_row_reads_back_as_its_facts_and_the_refusal_names_node_and_allocation() -> None:
-    row = {
-        "started": True,
-        "deploy_sent": True,
-        "released": False,
-        "failed": True,
-        "machine_released": False,
-        "superseded_by": None,
-    }
+    row = {"deployed": True, "machine_released": False, "superseded_by": None}
     assert tenancy_state(facts_of(row)) == "open"
     assert tenancy_state(facts_of({**row, "superseded_by": "a-later-allocation"})) == "superseded"
+    assert tenancy_state(facts_of({**row, "deployed": False})) == "not_deployed"
     reason = refusal_reason("bm-7", ["alloc-1"])
     assert "bm-7" in reason and "alloc-1" in reason and "slice host" in reason

@@ -74,8 +74,9 @@ _LIFECYCLE = {
 # was a transaction per allocation that decided nothing.
 SCHEDULER_FOLLOWS = ("accepted", "provisioning", "active", "released", "failed")
 # The lifecycle events the image pipeline follows to know which nodes are under a baremetal tenancy (a tenant's
-# host may never enrol as a slice host): placed and provisioning carry the node, released and failed end it.
-PIPELINE_FOLLOWS = ("placed", "provisioning", "released", "failed")
+# host may never enrol as a slice host): a baremetal allocation's provisioning is its deploy going out, which
+# opens one; the gateway's maas.release_result ends it (image-pipeline domain/tenancy.py).
+PIPELINE_FOLLOWS = ("provisioning",)
 
 
 def _lifecycle_consumers(state: str) -> tuple[str, ...]:

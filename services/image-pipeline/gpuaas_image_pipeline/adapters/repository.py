@@ -251,32 +251,22 @@ class TenancyRepository:
         allocation_id: uuid.UUID,
         node_id: str,
         *,
-        placed_at: datetime | None = None,
-        started: bool = False,
-        deploy_sent: bool = False,
-        released: bool = False,
-        failed: bool = False,
+        deployed_at: datetime | None = None,
         machine_released: bool = False,
     ) -> dict[str, Any]:
-        """Add facts (each only ever set, never cleared); the row as it is now."""
+        """Add facts (each only ever set, never cleared): `deployed_at` the deploy went out then; the row as it
+        is now."""
         row = await self.conn.fetchrow(
-            "INSERT INTO baremetal_tenancies (allocation_id, node_id, placed_at, started, deploy_sent, released, "
-            "failed, machine_released) VALUES ($1, $2, $3, $4, $5, $6, $7, $8) "
+            "INSERT INTO baremetal_tenancies (allocation_id, node_id, deployed_at, deployed, machine_released) "
+            "VALUES ($1, $2, $3::timestamptz, $3::timestamptz IS NOT NULL, $4) "
             "ON CONFLICT (allocation_id) DO UPDATE SET "
-            "placed_at = COALESCE(baremetal_tenancies.placed_at, EXCLUDED.placed_at), "
-            "started = baremetal_tenancies.started OR EXCLUDED.started, "
-            "deploy_sent = baremetal_tenancies.deploy_sent OR EXCLUDED.deploy_sent, "
-            "released = baremetal_tenancies.released OR EXCLUDED.released, "
-            "failed = baremetal_tenancies.failed OR EXCLUDED.failed, "
+            "deployed_at = COALESCE(baremetal_tenancies.deployed_at, EXCLUDED.deployed_at), "
+            "deployed = baremetal_tenancies.deployed OR EXCLUDED.deployed, "
             "machine_released = baremetal_tenancies.machine_released OR EXCLUDED.machine_released, "
             "updated_at = now() RETURNING *",
             allocation_id,
             node_id,
-            placed_at,
-            started,
-            deploy_sent,
-            released,
-            failed,
+            deployed_at,
             machine_released,
         )
         return _row(row)  # type: ignore[return-value]
@@ -291,16 +281,16 @@ class TenancyRepository:
             state,
         )
 
-    async def others_placed_before(
-        self, node_id: str, allocation_id: uuid.UUID, placed_at: datetime
+    async def others_deployed_before(
+        self, node_id: str, allocation_id: uuid.UUID, deployed_at: datetime
     ) -> list[uuid.UUID]:
-        """Other allocations' tenancies on the node, not superseded yet, placed before `placed_at`."""
+        """Other allocations' tenancies on the node, not superseded yet, deployed before `deployed_at`."""
         rows = await self.conn.fetch(
             "SELECT allocation_id FROM baremetal_tenancies WHERE node_id = $1 AND allocation_id <> $2 "
-            "AND superseded_by IS NULL AND placed_at < $3 ORDER BY allocation_id",
+            "AND superseded_by IS NULL AND deployed_at < $3 ORDER BY allocation_id",
             node_id,
             allocation_id,
-            placed_at,
+            deployed_at,
         )
         return [r["allocation_id"] for r in rows]
 
@@ -317,7 +307,7 @@ class TenancyRepository:
         """The node's open tenancies (normally one)."""
         return _rows(
             await self.conn.fetch(
-                "SELECT * FROM baremetal_tenancies WHERE node_id = $1 AND open ORDER BY placed_at, allocation_id",
+                "SELECT * FROM baremetal_tenancies WHERE node_id = $1 AND open ORDER BY deployed_at, allocation_id",
                 node_id,
             )
         )

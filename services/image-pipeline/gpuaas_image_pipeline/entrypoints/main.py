@@ -71,17 +71,17 @@ def build_register(settings: ImagePipelineSettings):
             rt.consumer_spec("image-pipeline-maas-profiles"), {"maas.profile_image_set_result": on_profile_result}
         )
 
-        # Baremetal tenancies: a tenant's host is refused as a slice host (catalog.on_enrolled).
-        async def on_lifecycle(ctx: HandlerContext) -> None:
-            await tenancy.on_lifecycle(ctx.uow, ctx.payload, ctx.envelope.occurred_at)
+        # Baremetal tenancies (domain/tenancy.py): a tenant's host is refused as a slice host (catalog.on_enrolled).
+        async def on_provisioning(ctx: HandlerContext) -> None:
+            await tenancy.on_provisioning(ctx.uow, ctx.payload, ctx.envelope.occurred_at)
 
         async def on_machine_released(ctx: HandlerContext) -> None:
             await tenancy.on_machine_released(ctx.uow, ctx.payload)
 
         rt.bus.subscribe(
             rt.consumer_spec("image-pipeline-tenancies"),
-            {f"allocation.{state}": on_lifecycle for state in PIPELINE_FOLLOWS},
-            # Every slice allocation's lifecycle comes on this durable too (the subject names no shape): skipped
+            {f"allocation.{state}": on_provisioning for state in PIPELINE_FOLLOWS},
+            # Every slice allocation's provisioning comes on this durable too (the subject names no shape): skipped
             # before a transaction is opened for it, which the pipeline benchmark showed costing ~1.8 ms each.
             wanted=tenancy.concerns,
         )
