@@ -285,11 +285,10 @@ class AllocationRepository(AllocationStore):
             if is_new
             else (_update_sql(changes), [allocation_id, *_values(changes)])
         )
-        a = len(values) + 1
         await self.conn.execute(
-            f"WITH row_written AS ({head}) {_INSERT_TIMELINE_ROWS.format(*range(a, a + 7))}",
+            f"WITH row_written AS ({head}) {_timeline_rows_sql(len(values) + 1, len(entries))}",
             *values,
-            *_timeline_arrays(allocation_id, entries),
+            *_timeline_values(allocation_id, entries),
         )
         self._last_seq[allocation_id] = entries[-1].seq
 
@@ -397,25 +396,25 @@ _INSERT_TIMELINE = (
 )
 
 
-# The timeline rows of a `write`, from arrays: ${0} the allocation's id, then one array per column.
-_INSERT_TIMELINE_ROWS = (
-    "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, cause_event_id) "
-    "SELECT ${0}::uuid, t.seq, t.state, t.previous_state, t.reason_code, t.detail::jsonb, t.cause_event_id "
-    "FROM unnest(${1}::int[], ${2}::text[], ${3}::text[], ${4}::text[], ${5}::text[], ${6}::text[]) "
-    "AS t(seq, state, previous_state, reason_code, detail, cause_event_id)"
-)
+def _timeline_rows_sql(first: int, rows: int) -> str:
+    """The timeline rows of a `write` as a VALUES list, their parameters from `$first` on (the allocation's id,
+    then six per row: `_timeline_values`). One statement text per number of rows (one to three in practice).
+    Not arrays through unnest: asyncpg encodes an array parameter element by element with abstract-class
+    checks, which cost the allocator ~0.15 ms per allocation in the pipeline benchmark."""
+    rows_sql = ", ".join(
+        f"(${first}, " + ", ".join(f"${first + 1 + 6 * r + c}" for c in range(6)) + ")" for r in range(rows)
+    )
+    return (
+        "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
+        f"cause_event_id) VALUES {rows_sql}"
+    )
 
 
-def _timeline_arrays(allocation_id: uuid.UUID, entries: Sequence[TimelineEntry]) -> list[Any]:
-    return [
-        allocation_id,
-        [e.seq for e in entries],
-        [e.state for e in entries],
-        [e.previous_state for e in entries],
-        [e.reason_code for e in entries],
-        [json.dumps(e.detail or {}) for e in entries],
-        [e.cause_event_id for e in entries],
-    ]
+def _timeline_values(allocation_id: uuid.UUID, entries: Sequence[TimelineEntry]) -> list[Any]:
+    values: list[Any] = [allocation_id]
+    for e in entries:
+        values += [e.seq, e.state, e.previous_state, e.reason_code, json.dumps(e.detail or {}), e.cause_event_id]
+    return values
 
 
 def _insert_sql(fields: dict[str, Any]) -> str:
