@@ -25,7 +25,7 @@ from nats.js.api import (
 )
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from .contract.catalog import PIPELINE_FOLLOWS, SCHEDULER_FOLLOWS, spec_for
+from .contract.catalog import SCHEDULER_FOLLOWS, spec_for
 from .logging import get_logger
 
 log = get_logger(__name__)
@@ -237,13 +237,10 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     consumer("scheduler-maas-deploys", "MAAS", "gpuaas.maas.result.deploy"),
     consumer("image-pipeline-maas-uploads", "MAAS", "gpuaas.maas.result.upload_image"),
     consumer("image-pipeline-maas-profiles", "MAAS", "gpuaas.maas.result.set_distro_series"),
-    # Baremetal tenancies (a tenant's host never enrols as a slice host): the lifecycle events that place a node
-    # and end its allocation, and the MAAS releases that end a failed one's tenancy.
-    consumer(
-        "image-pipeline-tenancies",
-        "ALLOCATIONS",
-        tuple(spec_for(f"allocation.{state}").subject() for state in PIPELINE_FOLLOWS),
-    ),
+    # Baremetal tenancies (a tenant's host never enrols as a slice host): the deploys that hand a node to a tenant,
+    # and the MAAS releases that take it back. On the MAAS stream, where every message is a machine's: following
+    # the allocations' lifecycle instead read every slice allocation's events too (the subjects name no shape).
+    consumer("image-pipeline-tenancies", "MAAS", "gpuaas.maas.command.deploy"),
     consumer("image-pipeline-machine-releases", "MAAS", "gpuaas.maas.result.release"),
     # A retired or baremetal host leaves the activation gate's set of slice hosts.
     consumer("image-pipeline-host-modes", "SCHEDULER", "gpuaas.scheduler.host.mode_changed"),

@@ -1,14 +1,15 @@
 """A baremetal host cannot enrol as a slice host (issue 24, point 7), across a real nats-server and Postgres.
 
-A real `gpuaas-image-pipeline` process follows the allocator's `allocation.provisioning` (a baremetal
+A real `gpuaas-image-pipeline` process follows the allocator's MAAS deploys (`maas.deploy_requested`: a baremetal
 allocation's deploy went out) and the gateway's MAAS release results. While a baremetal allocation holds a node,
 a `node.enrolled` of kind `slice_host` from that node (a tenant has root on the host and its allocation-bound
 creds, so it can publish one) is dead-lettered with the reason `baremetal_tenancy` and a structured log line:
 the node is not written into slice_hosts and gets no prewarm task. Once the tenancy is over (the machine
 released through MAAS, at the allocation's release or after a failure that followed the deploy) the same node
 enrols as a slice host like any other. A slice host that a baremetal allocation takes leaves the slice hosts at
-once. The allocator's events come as it publishes them (placed with provisioning, released after the gateway's
-answer). Every message on `gpuaas.>` is checked against the contract."""
+once. A host walk's deploy (the scheduler's) opens no tenancy. The allocator's messages come as it publishes them
+(placed, provisioning and the deploy together; released after the gateway's answer). Every message on `gpuaas.>`
+is checked against the contract."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import nats
 import pytest
 
 from gpuaas_common.bus import Bus
+from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.migrations import COMMON_MIGRATIONS, apply_migrations, service_migrations
 from gpuaas_common.unit_of_work import UnitOfWork
@@ -92,6 +94,7 @@ class World:
     def __init__(self, nc: nats.NATS, db: asyncpg.Connection, spy: BusSpy, log: Path) -> None:
         js = nc.jetstream()
         self.allocator = Bus(nc, js, service="allocator", schema=None, pool=None)
+        self.scheduler = Bus(nc, js, service="scheduler", schema=None, pool=None)
         self.gateway = Bus(nc, js, service="maas-gateway", schema=None, pool=None)
         self.host = Bus(nc, js, service="node-agent", schema=None, pool=None)
         self.db = db
@@ -117,6 +120,11 @@ class World:
         )
 
     async def provisioning(self, alloc: uuid.UUID, node: str) -> None:
+        """The deploy going out, as the allocator publishes it: the command to the gateway, and the lifecycle."""
+        deploy = m.MaasDeployRequested(
+            operation_id=f"deploy-{alloc}", allocation_id=alloc, site="s", system_id="m1", node_id=node, profile="bm"
+        )
+        await self.allocator.publish("maas.deploy_requested", deploy, correlation_id=str(alloc))
         await self.lifecycle(
             "allocation.provisioning", m.AllocationProvisioning, alloc, node_id=node, operation_id=f"deploy-{alloc}"
         )
@@ -266,6 +274,17 @@ async def test_a_baremetal_allocation_that_failed_before_its_deploy_never_held_t
     assert await world.tenancy(alloc) is None
 
 
+async def test_a_host_walks_deploy_hands_the_node_to_no_tenant(world: World) -> None:
+    node, walk = f"bm-{uuid.uuid4().hex[:6]}", uuid.uuid4()
+    # The scheduler converts a host back to slice mode: a deploy with the slice-host profile, then the host enrols.
+    deploy = m.MaasDeployRequested(
+        operation_id=f"walk-{walk}", allocation_id=walk, site="s", system_id="m1", node_id=node, profile="slice-host"
+    )
+    await world.scheduler.publish("maas.deploy_requested", deploy, correlation_id=f"walk-{walk}")
+    await world.accepted(node, await world.enrol(node))
+    assert await world.tenancy(walk) is None
+
+
 # --- the handlers against a real Postgres, without the bus --------------------------------------------------
 
 BUILT = "b" * 64
@@ -275,14 +294,15 @@ def _uow(pool: asyncpg.Pool) -> UnitOfWork:
     return UnitOfWork(pool, SCHEMA, "image-pipeline", image_pipeline_repositories)
 
 
-async def _provisioning(
-    pool: asyncpg.Pool, alloc: uuid.UUID, node: str, at: datetime, shape: str = "baremetal"
-) -> None:
-    ev = m.AllocationProvisioning(
-        allocation_id=alloc, tenant_id="t", shape=shape, state="provisioning", seq=4, node_id=node
+async def _deploy(pool: asyncpg.Pool, alloc: uuid.UUID, node: str, at: datetime, producer: str = "allocator") -> None:
+    cmd = m.MaasDeployRequested(
+        operation_id=f"deploy-{alloc}", allocation_id=alloc, site="s", system_id="m1", node_id=node, profile="p"
     )
+    envelope = Envelope.wrap(
+        "maas.deploy_requested", cmd.model_dump(mode="json"), producer=producer, correlation_id=str(alloc)
+    ).model_copy(update={"occurred_at": at})
     async with _uow(pool) as uow:
-        await tenancy.on_provisioning(uow, ev, at)
+        await tenancy.on_deploy_requested(uow, cmd, envelope)
         await uow.commit()
 
 
@@ -329,7 +349,7 @@ async def test_a_slice_host_taken_whole_leaves_the_gate_and_a_later_deploy_super
         # as gone, and the image no longer waits for it.
         t0 = datetime.now(timezone.utc)
         first, second = uuid.uuid4(), uuid.uuid4()
-        await _provisioning(pool, first, "bm", t0)
+        await _deploy(pool, first, "bm", t0)
         assert {r["node_id"] for r in await conn.fetch("SELECT node_id FROM slice_hosts")} == {"n1"}
         cache = await conn.fetchrow("SELECT status, reason FROM node_image_cache WHERE node_id = 'bm'")
         assert cache["status"] == "absent" and "baremetal tenant" in cache["reason"]
@@ -358,7 +378,7 @@ async def test_a_slice_host_taken_whole_leaves_the_gate_and_a_later_deploy_super
             await uow.commit()
         assert [r["allocation_id"] for r in await conn.fetch("SELECT * FROM baremetal_tenancies WHERE open")] == [first]
         # ... until the scheduler hands the node to the next baremetal allocation, whose deploy supersedes it.
-        await _provisioning(pool, second, "bm", t0 + timedelta(seconds=5))
+        await _deploy(pool, second, "bm", t0 + timedelta(seconds=5))
         rows = {r["allocation_id"]: r for r in await conn.fetch("SELECT * FROM baremetal_tenancies")}
         assert (rows[first]["open"], rows[first]["state"], rows[first]["superseded_by"]) == (
             False,
@@ -368,8 +388,8 @@ async def test_a_slice_host_taken_whole_leaves_the_gate_and_a_later_deploy_super
         assert rows[first]["ended_at"] is not None
         assert (rows[second]["open"], rows[second]["state"]) == (True, "open")
 
-        # A slice allocation's provisioning holds no node whole and leaves no row.
-        await _provisioning(pool, uuid.uuid4(), "n1", t0, shape="gpu_slice")
+        # A host walk's deploy (the scheduler's) hands the node to no tenant and leaves no row.
+        await _deploy(pool, uuid.uuid4(), "n1", t0, producer="scheduler")
         assert await conn.fetchval("SELECT count(*) FROM baremetal_tenancies") == 2
     finally:
         await pool.close()

@@ -11,7 +11,7 @@ from gpuaas_image_pipeline.domain.tenancy import TenancyFacts, facts_of, refusal
 
 # What each event the pipeline follows adds to an allocation's facts.
 EVENTS = {
-    "provisioning": {"deployed": True},
+    "deploy": {"deployed": True},
     "machine_released": {"machine_released": True},
     "superseded": {"superseded": True},
 }
@@ -30,13 +30,13 @@ def _after(events: tuple[str, ...]) -> str:
         # Placed, failed or released before its deploy: the tenant never had the machine.
         ((), "not_deployed"),
         # The deploy went out with the tenant's keys: the machine is the tenant's, and stays so after a failure.
-        (("provisioning",), "open"),
+        (("deploy",), "open"),
         # Released through MAAS (the gateway revoked the host's allocation user, MAAS erased the disk), at the
         # allocation's release or at once after a failure that followed the deploy.
-        (("provisioning", "machine_released"), "machine_released"),
+        (("deploy", "machine_released"), "machine_released"),
         # A release that failed leaves the tenancy open; the next allocation deployed to the node ends it.
-        (("provisioning", "superseded"), "superseded"),
-        # A release result seen before the provisioning (another durable, another stream) is an end already.
+        (("deploy", "superseded"), "superseded"),
+        # A release result seen before the deploy (another durable) is an end already.
         (("machine_released",), "machine_released"),
     ],
 )
@@ -49,9 +49,9 @@ def test_a_tenancy_opens_at_the_deploy_and_ends_when_the_machine_is_released(
 @pytest.mark.parametrize(
     "events",
     [
-        ("provisioning", "machine_released"),
-        ("provisioning", "superseded"),
-        ("provisioning", "superseded", "machine_released"),
+        ("deploy", "machine_released"),
+        ("deploy", "superseded"),
+        ("deploy", "superseded", "machine_released"),
     ],
 )
 def test_the_order_events_are_handled_in_does_not_change_the_judgement(events: tuple[str, ...]) -> None:

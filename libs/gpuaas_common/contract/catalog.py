@@ -73,16 +73,10 @@ _LIFECYCLE = {
 # decided at `released` or `failed`, from what the log shows it reached: provisioning, active), so mirroring it
 # was a transaction per allocation that decided nothing.
 SCHEDULER_FOLLOWS = ("accepted", "provisioning", "active", "released", "failed")
-# The lifecycle events the image pipeline follows to know which nodes are under a baremetal tenancy (a tenant's
-# host may never enrol as a slice host): a baremetal allocation's provisioning is its deploy going out, which
-# opens one; the gateway's maas.release_result ends it (image-pipeline domain/tenancy.py).
-PIPELINE_FOLLOWS = ("provisioning",)
 
 
 def _lifecycle_consumers(state: str) -> tuple[str, ...]:
-    followers = (("scheduler",) if state in SCHEDULER_FOLLOWS else ()) + (
-        ("image-pipeline",) if state in PIPELINE_FOLLOWS else ()
-    )
+    followers = ("scheduler",) if state in SCHEDULER_FOLLOWS else ()
     return (*followers, "portal", "ops")
 
 
@@ -370,9 +364,10 @@ ALL: tuple[MessageSpec, ...] = (
         "maasDeployCommand",
         "gpuaas.maas.command.deploy",
         "Deploy a machine through MAAS: for a baremetal tenant (allocator), or a converting slice host with the "
-        "slice-host site profile (scheduler; allocation_id is then the host walk's id, which no allocation has).",
+        "slice-host site profile (scheduler; allocation_id is then the host walk's id, which no allocation has). "
+        "The image pipeline follows the allocator's: a tenant's deploy opens a baremetal tenancy on the node.",
         ("allocator", "scheduler"),
-        ("maas-gateway",),
+        ("maas-gateway", "image-pipeline"),
     ),
     MessageSpec(
         "maas.release_requested",

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 from gpuaas_common.bus import HandlerContext
-from gpuaas_common.contract.catalog import PIPELINE_FOLLOWS
 from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 from gpuaas_common.startup import StartupFailed
@@ -72,19 +71,13 @@ def build_register(settings: ImagePipelineSettings):
         )
 
         # Baremetal tenancies (domain/tenancy.py): a tenant's host is refused as a slice host (catalog.on_enrolled).
-        async def on_provisioning(ctx: HandlerContext) -> None:
-            await tenancy.on_provisioning(ctx.uow, ctx.payload, ctx.envelope.occurred_at)
+        async def on_deploy(ctx: HandlerContext) -> None:
+            await tenancy.on_deploy_requested(ctx.uow, ctx.payload, ctx.envelope)
 
         async def on_machine_released(ctx: HandlerContext) -> None:
             await tenancy.on_machine_released(ctx.uow, ctx.payload)
 
-        rt.bus.subscribe(
-            rt.consumer_spec("image-pipeline-tenancies"),
-            {f"allocation.{state}": on_provisioning for state in PIPELINE_FOLLOWS},
-            # Every slice allocation's provisioning comes on this durable too (the subject names no shape): skipped
-            # before a transaction is opened for it, which the pipeline benchmark showed costing ~1.8 ms each.
-            wanted=tenancy.concerns,
-        )
+        rt.bus.subscribe(rt.consumer_spec("image-pipeline-tenancies"), {"maas.deploy_requested": on_deploy})
         rt.bus.subscribe(
             rt.consumer_spec("image-pipeline-machine-releases"), {"maas.release_result": on_machine_released}
         )

@@ -1,16 +1,16 @@
--- A tenancy now runs from the deploy (allocation.provisioning) to the machine's release through MAAS
--- (domain/tenancy.py): the pipeline no longer follows allocation.placed, released or failed. The facts only
--- those events set go; what they decided is carried over first:
+-- A tenancy now runs from the deploy (the allocator's maas.deploy_requested) to the machine's release through
+-- MAAS (domain/tenancy.py): the pipeline no longer follows allocation.placed, provisioning, released or failed.
+-- The facts only those events set go; what they decided is carried over first:
 -- - a released allocation whose deploy had gone out was released through MAAS (the allocator sends a deployed
 --   machine's release to MAAS and reports `released` on its answer): its machine is released;
 -- - one placed but never deployed (failed or released before its deploy) never held the node: not deployed;
--- - one placed whose provisioning the pipeline had not seen yet is not deployed until that comes (the allocator
---   commits the two together, so it is on the stream already): the only judgement that changes, for a moment.
+-- - one placed whose provisioning the pipeline had not seen yet is not deployed until its deploy command is seen
+--   (the allocator commits the two together, so it is on the stream already): the only judgement that changes.
 UPDATE baremetal_tenancies SET machine_released = true WHERE released AND deploy_sent;
 
 ALTER TABLE baremetal_tenancies DROP COLUMN started, DROP COLUMN released, DROP COLUMN failed;
 ALTER TABLE baremetal_tenancies RENAME COLUMN deploy_sent TO deployed;
--- When the deploy went out (its provisioning event's occurred_at): orders the deploys to one node (supersession).
+-- When the deploy went out (the deploy command's occurred_at): orders the deploys to one node (supersession).
 -- Rows from before held the placement's time, which the allocator commits with the deploy.
 ALTER TABLE baremetal_tenancies RENAME COLUMN placed_at TO deployed_at;
 
@@ -29,6 +29,6 @@ UPDATE baremetal_tenancies SET
     END,
     updated_at = now();
 
-COMMENT ON COLUMN baremetal_tenancies.deployed IS 'allocation.provisioning seen: the deploy went out to MAAS';
+COMMENT ON COLUMN baremetal_tenancies.deployed IS 'the allocator''s maas.deploy_requested seen: the deploy went out';
 COMMENT ON COLUMN baremetal_tenancies.superseded_by IS 'a later baremetal allocation deployed to the node';
 ALTER TABLE baremetal_tenancies ALTER COLUMN state SET DEFAULT 'not_deployed';

@@ -13,9 +13,9 @@ slice host does, and proves its cache from scratch.
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any
 
+from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
@@ -27,17 +27,19 @@ log = get_logger(__name__)
 ABSENT_REASON = "the host was handed to a baremetal tenant: its disk is the tenant's"
 
 
-def concerns(ev: m.AllocationProvisioning) -> bool:
-    """Only a baremetal allocation's deploy hands a node to a tenant: a slice's provisioning changes no tenancy."""
-    return ev.shape == "baremetal"
+# Who sends a tenant's deploy (the contract's maas.deploy_requested): the scheduler sends the other kind, a host
+# walk's redeploy with the slice-host profile. Only the two may publish on the subject (their NATS identities).
+TENANT_DEPLOYER = "allocator"
 
 
-async def on_provisioning(uow: Uow, ev: m.AllocationProvisioning, occurred_at: datetime) -> None:
-    """allocation.provisioning: a baremetal allocation's deploy went out to MAAS, and the node is the tenant's."""
-    if not concerns(ev):
+async def on_deploy_requested(uow: Uow, cmd: m.MaasDeployRequested, envelope: Envelope) -> None:
+    """maas.deploy_requested: a baremetal allocation's deploy went out to MAAS, and the node is the tenant's from
+    now on. A host walk's deploy (the scheduler's) hands the node to no tenant."""
+    if envelope.producer != TENANT_DEPLOYER:
+        log.info("deploy_not_a_tenancy", node_id=cmd.node_id, producer=envelope.producer)
         return
-    await uow.repos.tenancies.lock_node(ev.node_id)
-    row = await uow.repos.tenancies.record(ev.allocation_id, ev.node_id, deployed_at=occurred_at)
+    await uow.repos.tenancies.lock_node(cmd.node_id)
+    row = await uow.repos.tenancies.record(cmd.allocation_id, cmd.node_id, deployed_at=envelope.occurred_at)
     await _judge(uow, row)
 
 
