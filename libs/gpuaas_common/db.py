@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import uuid
+from datetime import date, datetime
 
 import asyncpg
 
@@ -48,6 +50,32 @@ def text_literal(value: str) -> str:
     if "\x00" in value:
         raise ValueError("a Postgres string cannot hold a NUL character")
     return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+
+
+def value_literal(value: object) -> str:
+    """`value` as a constant for a column in a simple query's INSERT or UPDATE: NULL, or its text form in a
+    `text_literal`, which Postgres leaves untyped until it meets the column and then reads with the column type's
+    input function -- as it reads a parameter sent as text. The one way values reach a statement without
+    parameters besides the two above (an allocation's save rides on its unit of work's COMMIT: see
+    `unit_of_work.WritesAtCommit`); tests/integration/test_sql_literals.py checks every type against binding.
+    Everything is quoted, negative numbers too, so no constant can run into a `--` comment."""
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, (int, str, uuid.UUID)):
+        text = str(value)
+    elif isinstance(value, float):
+        text = repr(value)  # the shortest text that reads back as the same double
+    elif isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise ValueError("a naive datetime has no one meaning as timestamptz")
+        text = value.isoformat()
+    elif isinstance(value, date):
+        text = value.isoformat()
+    else:
+        raise TypeError(f"no literal for a {type(value).__name__}: send it as a parameter")
+    return text_literal(text)
 
 
 def bytea_literal(value: bytes) -> str:

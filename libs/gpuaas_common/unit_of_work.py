@@ -18,7 +18,7 @@ handlers are unit-tested without servers (the style of cosmicpython's `service_l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import asyncpg
 
@@ -28,6 +28,16 @@ from .db import text_literal
 from .outbox import EventCollector, pending_statement
 
 R = TypeVar("R")
+
+
+@runtime_checkable
+class WritesAtCommit(Protocol):
+    """Repositories that hold writes for the COMMIT: statements without parameters (`db.value_literal`), sent
+    in the commit's round trip, before the outbox rows. Such a repository sends what it holds before any other
+    statement of its own, so its reads and writes keep their order; a held write that fails does so at COMMIT,
+    which fails the unit of work like any other statement would."""
+
+    def take_writes(self) -> list[str]: ...
 
 
 class UnitOfWork(Generic[R]):
@@ -133,7 +143,9 @@ class UnitOfWork(Generic[R]):
         return not await inbox.claim(self.conn, consumer, message_id)
 
     async def commit(self) -> None:
-        statements = []
+        # getattr, not isinstance: a runtime protocol check costs microseconds on every commit of every service.
+        take_writes = getattr(self.repos, "take_writes", None)
+        statements: list[str] = take_writes() if take_writes is not None else []
         rows = pending_statement(self.schema, self.events.pending)
         if rows:
             statements.append(rows)

@@ -1,7 +1,9 @@
-"""The allocator's repository on real Postgres: `save` writes what the aggregate recorded at once, as prepared
-statements with parameters, in the unit of work's transaction. A read in the same unit of work sees it, another
-transaction does not until the COMMIT, the timeline's seqs are the aggregate's count, and a write that fails
-raises at its own statement and takes the whole unit of work with it."""
+"""The allocator's repository on real Postgres: `save` holds what the aggregate recorded for the unit of work's
+COMMIT (one round trip with the outbox rows, its values as `db.value_literal`s), and any other statement of the
+repository sends what it holds first. A read through the repository in the same unit of work sees it, another
+transaction does not until the COMMIT, the timeline's seqs are the aggregate's count, every value arrives as it
+was (quotes, a comment, a minus), and a write that fails takes the whole unit of work with it: at its own
+statement when it has parameters, at the COMMIT when it was held."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ async def _timeline(conn: asyncpg.Pool | asyncpg.Connection, alloc: uuid.UUID) -
     return [(r["seq"], r["state"], r["previous_state"]) for r in rows]
 
 
-async def test_save_writes_at_once_with_parameters_and_commits_with_the_unit_of_work(pool) -> None:  # noqa: F811
+async def test_a_save_is_held_for_the_commit_and_a_read_in_its_unit_of_work_sees_it(pool) -> None:  # noqa: F811
     allocator = await allocator_offering(pool)
     alloc_id = await provisioning(pool, allocator)
     before = await _timeline(pool, alloc_id)
@@ -35,24 +37,21 @@ async def test_save_writes_at_once_with_parameters_and_commits_with_the_unit_of_
         alloc.note("checked", {"by": HOSTILE, "n": -1}, answered=True)
         alloc.fail("test_failure", HOSTILE, None, cleanup_required=False)
         sent: list[str] = []
-
-        def log(record: asyncpg.connection.LoggedQuery) -> None:
-            sent.append(record.query)
-
-        work.conn.add_query_logger(log)
+        work.conn.add_query_logger(lambda record: sent.append(record.query))
         await work.repos.save(alloc)
         assert (alloc.changes, alloc.timeline) == ({}, [])
-        # Written: its own transaction reads it back before the COMMIT; no other transaction does.
+        # Held: nothing sent yet, nothing another transaction could see.
+        assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc_id) == "provisioning"
+        # A read through the repository sends the held writes first, so it sees them.
+        again = await work.repos.get(alloc_id, allocator.policy)
+        assert again is not None and (again.state, again.last_seq) == ("failed", n + 2)
         assert (await _timeline(work.conn, alloc_id))[-2:] == [
             (n + 1, "provisioning", "provisioning"),
             (n + 2, "failed", "provisioning"),
         ]
-        work.conn.remove_query_logger(log)
-        # asyncpg calls a logger once its loop turns: the read above, whose own query is left out here.
-        writes = [q for q in sent if not q.startswith("SELECT")]
-        assert writes and all("$1" in q and HOSTILE not in q for q in writes), sent
-        assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", alloc_id) == "provisioning"
         await work.commit()
+    # asyncpg calls a logger once its loop turns: the held writes went as one simple query, before the lock.
+    assert sent[0].startswith("UPDATE allocations SET") and "INSERT INTO allocation_timeline" in sent[0], sent
     stored = await pool.fetchrow(
         "SELECT state, failure_reason, awaiting_result FROM allocations WHERE allocation_id = $1", alloc_id
     )
@@ -62,15 +61,18 @@ async def test_save_writes_at_once_with_parameters_and_commits_with_the_unit_of_
         (n + 1, "provisioning", "provisioning"),
         (n + 2, "failed", "provisioning"),
     ]
-    detail = await pool.fetchval(
-        "SELECT detail ->> 'by' FROM allocation_timeline WHERE allocation_id = $1 AND seq = $2", alloc_id, n + 1
+    detail = await pool.fetchrow(
+        "SELECT detail ->> 'by' AS by, (detail ->> 'n')::int AS n FROM allocation_timeline "
+        "WHERE allocation_id = $1 AND seq = $2",
+        alloc_id,
+        n + 1,
     )
-    assert detail == HOSTILE
+    assert tuple(detail) == (HOSTILE, -1)
 
 
-async def test_a_save_of_columns_and_timeline_rows_is_one_statement(pool) -> None:  # noqa: F811
-    """The row's change and every timeline row it recorded go in one round trip; a new allocation's row and its
-    first rows too (the timeline's reference to the row holds within the statement)."""
+async def test_a_save_rides_on_the_commit_round_trip(pool) -> None:  # noqa: F811
+    """The row's change and every timeline row it recorded go with the COMMIT and the outbox rows, in one round
+    trip; a new allocation's row and its first rows too (the timeline's reference to the row holds)."""
     allocator = await allocator_offering(pool)
     alloc_id = await provisioning(pool, allocator)
     n = (await _timeline(pool, alloc_id))[-1][0]
@@ -82,20 +84,35 @@ async def test_a_save_of_columns_and_timeline_rows_is_one_statement(pool) -> Non
         sent: list[str] = []
         work.conn.add_query_logger(lambda record: sent.append(record.query))
         await work.repos.save(alloc)
-        # Read back in the unit of work; asyncpg calls a logger once its loop turns, as the read makes it.
-        assert (await _timeline(work.conn, alloc_id))[-1] == (n + 2, "failed", "provisioning")
-        writes = [q for q in sent if not q.startswith("SELECT")]
-        assert len(writes) == 1 and "$1" in writes[0] and HOSTILE not in writes[0], sent
         await work.commit()
+    assert len(sent) == 1 and sent[0].endswith("COMMIT"), sent
+    assert "UPDATE allocations SET" in sent[0] and "INSERT INTO allocation_timeline" in sent[0]
     stored = await pool.fetchrow("SELECT state, failure_reason FROM allocations WHERE allocation_id = $1", alloc_id)
     assert tuple(stored) == ("failed", HOSTILE)
     assert (await _timeline(pool, alloc_id))[-2:] == [
         (n + 1, "provisioning", "provisioning"),
         (n + 2, "failed", "provisioning"),
     ]
-    # A request's first save: the row and its first timeline rows, one statement.
+    # A request's first save: the row and its first timeline rows.
     fresh = await requested(pool, allocator)
     assert [seq for seq, _, _ in await _timeline(pool, fresh)][:1] == [1]
+
+
+async def test_a_held_write_that_fails_fails_the_commit_and_leaves_nothing(pool) -> None:  # noqa: F811
+    allocator = await allocator_offering(pool)
+    alloc_id = await provisioning(pool, allocator)
+    before = await _timeline(pool, alloc_id)
+    with pytest.raises(asyncpg.NotNullViolationError):
+        async with uow(pool) as work:
+            alloc = await work.repos.get(alloc_id, allocator.policy)
+            assert alloc is not None
+            alloc.note("before the failure", {}, answered=True)
+            await work.repos.save(alloc)
+            await work.repos.write(alloc_id, False, {"tenant_id": None}, [])  # NOT NULL: refused at the COMMIT
+            await work.commit()
+    assert await _timeline(pool, alloc_id) == before
+    stored = await pool.fetchrow("SELECT state, tenant_id FROM allocations WHERE allocation_id = $1", alloc_id)
+    assert stored["state"] == "provisioning" and stored["tenant_id"] is not None
 
 
 async def test_two_saves_in_one_unit_of_work_keep_counting_the_timeline(pool) -> None:  # noqa: F811
