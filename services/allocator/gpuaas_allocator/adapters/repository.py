@@ -86,8 +86,9 @@ class AllocationStore(abc.ABC):
                 raise RuntimeError(f"{allocation_id}: timeline seq {seq} written, {entry.seq} counted")
 
     async def save(self, alloc: Allocation) -> None:
-        """Write what the allocation recorded, at once, in the caller's unit of work: its columns in one
-        statement, then its timeline rows. Its messages are the service layer's to hand to the outbox."""
+        """Write what the allocation recorded in the caller's unit of work: its columns, then its timeline rows
+        (the Postgres repository holds them for the COMMIT). Its messages are the service layer's to hand to the
+        outbox."""
         now = time.monotonic()
         entered = now if alloc.is_new else self.state_entered(alloc.allocation_id)
         await self.write(alloc.allocation_id, alloc.is_new, alloc.changes, alloc.timeline)
@@ -309,21 +310,7 @@ class AllocationRepository(AllocationStore):
         twice): one round trip for all of them."""
         if not entries:
             return
-        await self.conn.executemany(
-            _INSERT_TIMELINE,
-            [
-                (
-                    allocation_id,
-                    e.seq,
-                    e.state,
-                    e.previous_state,
-                    e.reason_code,
-                    json.dumps(e.detail or {}),
-                    e.cause_event_id,
-                )
-                for e in entries
-            ],
-        )
+        await self.conn.executemany(_INSERT_TIMELINE, [_timeline_row(allocation_id, e) for e in entries])
         self._last_seq[allocation_id] = entries[-1].seq
 
     async def append_timeline(
@@ -409,26 +396,21 @@ def _update_literal(allocation_id: uuid.UUID, fields: dict[str, Any]) -> str:
     return f"UPDATE allocations SET {sets}updated_at = now() WHERE allocation_id = {value_literal(allocation_id)}"
 
 
-def _timeline_literal(allocation_id: uuid.UUID, entries: Sequence[TimelineEntry]) -> str:
-    rows = ", ".join(
-        "("
-        + ", ".join(
-            map(
-                value_literal,
-                (
-                    allocation_id,
-                    e.seq,
-                    e.state,
-                    e.previous_state,
-                    e.reason_code,
-                    json.dumps(e.detail or {}),
-                    e.cause_event_id,
-                ),
-            )
-        )
-        + ")"
-        for e in entries
+def _timeline_row(allocation_id: uuid.UUID, e: TimelineEntry) -> tuple[Any, ...]:
+    """A timeline row's values, in `_INSERT_TIMELINE`'s column order."""
+    return (
+        allocation_id,
+        e.seq,
+        e.state,
+        e.previous_state,
+        e.reason_code,
+        json.dumps(e.detail or {}),
+        e.cause_event_id,
     )
+
+
+def _timeline_literal(allocation_id: uuid.UUID, entries: Sequence[TimelineEntry]) -> str:
+    rows = ", ".join(f"({', '.join(map(value_literal, _timeline_row(allocation_id, e)))})" for e in entries)
     return (
         "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, "
         f"cause_event_id) VALUES {rows}"
