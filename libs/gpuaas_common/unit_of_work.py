@@ -18,7 +18,7 @@ handlers are unit-tested without servers (the style of cosmicpython's `service_l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar
 
 import asyncpg
 
@@ -30,7 +30,6 @@ from .outbox import EventCollector, pending_statement
 R = TypeVar("R")
 
 
-@runtime_checkable
 class WritesAtCommit(Protocol):
     """Repositories that hold writes for the COMMIT: statements without parameters (`db.value_literal`), sent
     in the commit's round trip, before the outbox rows. Such a repository sends what it holds before any other

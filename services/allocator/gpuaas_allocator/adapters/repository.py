@@ -304,15 +304,6 @@ class AllocationRepository(AllocationStore):
     async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None:
         await self.conn.execute(_update_sql(fields), allocation_id, *_values(fields))
 
-    async def append_entries(self, allocation_id: uuid.UUID, entries: Sequence[TimelineEntry]) -> None:
-        """The aggregate's timeline rows with the seqs it counted from the lock's (nobody else writes the
-        timeline of an allocation locked or created in this unit of work; the primary key refuses a seq written
-        twice): one round trip for all of them."""
-        if not entries:
-            return
-        await self.conn.executemany(_INSERT_TIMELINE, [_timeline_row(allocation_id, e) for e in entries])
-        self._last_seq[allocation_id] = entries[-1].seq
-
     async def append_timeline(
         self,
         allocation_id: uuid.UUID,
@@ -381,12 +372,6 @@ class AllocationRepository(AllocationStore):
         )
 
 
-_INSERT_TIMELINE = (
-    "INSERT INTO allocation_timeline (allocation_id, seq, state, previous_state, reason_code, detail, cause_event_id) "
-    "VALUES ($1, $2, $3, $4, $5, $6, $7)"
-)
-
-
 def _insert_literal(fields: dict[str, Any]) -> str:
     return f"INSERT INTO allocations ({', '.join(fields)}) VALUES ({', '.join(map(value_literal, _values(fields)))})"
 
@@ -397,7 +382,7 @@ def _update_literal(allocation_id: uuid.UUID, fields: dict[str, Any]) -> str:
 
 
 def _timeline_row(allocation_id: uuid.UUID, e: TimelineEntry) -> tuple[Any, ...]:
-    """A timeline row's values, in `_INSERT_TIMELINE`'s column order."""
+    """A timeline row's values, in `_timeline_literal`'s column order."""
     return (
         allocation_id,
         e.seq,

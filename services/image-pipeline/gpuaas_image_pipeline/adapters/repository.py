@@ -241,11 +241,6 @@ class TenancyRepository:
         enrolment never slips in beside the placement that makes the node a tenant's."""
         await self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('gpuaas-pipeline-node:' || $1))", node_id)
 
-    async def get(self, allocation_id: uuid.UUID) -> dict[str, Any] | None:
-        return _row(
-            await self.conn.fetchrow("SELECT * FROM baremetal_tenancies WHERE allocation_id = $1", allocation_id)
-        )
-
     async def record(
         self,
         allocation_id: uuid.UUID,
