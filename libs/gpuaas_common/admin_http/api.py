@@ -1,5 +1,5 @@
-"""One service's admin API: auth, request ids, the error shape around every route, and mutations under
-an Idempotency-Key in one unit of work with their audit row."""
+"""One service's admin API: auth and rights (principals.py), request ids, the error shape around every route,
+and mutations under an Idempotency-Key in one unit of work with their audit row."""
 
 from __future__ import annotations
 
@@ -21,11 +21,22 @@ from .audit import announce, audit, audit_refusal, reason_of
 from .bodies import jsonable, parse_body, unstorable
 from .docs_page import render_docs_page
 from .errors import error_response
-from .headers import ACTOR_RE, KEY_RE, MAX_BODY, PRINCIPAL, REQUEST_ID, REQUEST_ID_RE
+from .headers import (
+    ACTOR,
+    ACTOR_RE,
+    KEY_RE,
+    MAX_BODY,
+    PERSON_HEADER,
+    PRINCIPAL,
+    REQUEST_ID,
+    REQUEST_ID_RE,
+    RIGHTS_KEY,
+)
 from .idempotency import lock_key, store_answer, stored_answer
-from .login import LOGIN, LOGIN_PATH, SESSION, USED, mint, verify
+from .login import LOGIN, LOGIN_PATH, SESSION, SIGN_IN_AS, USED, mint, verify
 from .openapi_document import openapi, render_yaml
 from .pages import ACTING, SESSION_COOKIE, Pages, plain_page
+from .principals import DELEGATES, READ, RIGHTS, WRITE, rights_of, verify_person
 from .routes import Call, Reply, Route
 
 log = get_logger(__name__)
@@ -37,10 +48,14 @@ PUBLIC_PATHS = frozenset({"/openapi.json", "/openapi.yaml", "/docs"})
 
 
 def _same_origin(request: web.Request) -> bool:
-    """A change asked by a page of another site is refused (the SameSite cookie already keeps it from being signed
-    in; this names the refusal). A request without an Origin is a client that is not a browser."""
+    """A change a session cookie signs must come from a page of this site (the SameSite cookie already keeps
+    another site's from being signed in; this names the refusal). A browser names the page's origin on every
+    POST; a request naming none is not one of this console's forms (a client replaying a cookie), so it is
+    refused too. A bearer token's request is no browser's and does not come here."""
     origin = request.headers.get("Origin")
-    return origin is None or origin.split("://", 1)[-1] == request.host
+    if origin is None:
+        return request.headers.get("Sec-Fetch-Site") == "same-origin"
+    return origin.split("://", 1)[-1] == request.host
 
 
 def _static(body: bytes, content_type: str) -> Callable[[web.Request], Awaitable[web.Response]]:
@@ -78,9 +93,20 @@ class AdminApi:
         for actor in usable:
             if not ACTOR_RE.match(actor):
                 raise ValueError(f"token actor name {actor!r} is not an identifier")
+            if actor not in RIGHTS:
+                raise ValueError(f"token principal {actor!r} has no rights (principals.RIGHTS names them)")
+        if len({t.get_secret_value() for t in usable.values()}) != len(usable):
+            raise ValueError(f"the {service} admin API was given one token for two principals")
         self.service, self.schema, self.pool = service, schema, pool
         self._tokens = [(actor, t.get_secret_value().encode()) for actor, t in usable.items()]
-        self._signing: dict[str, SecretStr | str] = {actor: t for actor, t in usable.items() if t is not None}
+        self._secrets: dict[str, SecretStr] = {actor: t for actor, t in usable.items() if t is not None}
+        # Login links and session cookies are signed with the pages' own secret, never with a bearer token.
+        login = pages.login_secret if pages is not None else None
+        if login is not None and login.get_secret_value() in {t.get_secret_value() for t in usable.values()}:
+            raise ValueError(f"the {service} pages' login secret must not be one of its bearer tokens")
+        self._signing: dict[str, SecretStr | str] = (
+            dict.fromkeys(SIGN_IN_AS, login) if login is not None and login.get_secret_value() else {}
+        )
         self._pages = pages
         self._audit_event = audit_event
         if pages is not None and not LOGIN_PATH.startswith(pages.prefix + "/"):
@@ -158,6 +184,15 @@ class AdminApi:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         request[PRINCIPAL] = principal
+        request[RIGHTS_KEY], request[ACTOR] = (rights_of(principal), principal) if principal else (frozenset(), "")
+        if principal in DELEGATES and PERSON_HEADER in request.headers:
+            person = await self._person(request, principal)
+            if person is None:
+                log.info("admin_person_refused", principal=principal, admin_path=request.path)
+                return error_response(
+                    403, "forbidden", "the person assertion is not valid for this request", request_id
+                )
+            request[ACTOR], request[RIGHTS_KEY] = person[0], rights_of(person[1])
         with bound_context(
             request_id=request_id, admin_method=request.method, admin_path=request.path, principal=principal
         ):
@@ -179,6 +214,29 @@ class AdminApi:
             resp.headers["X-Request-Id"] = request_id
             return resp
 
+    async def _person(self, request: web.Request, principal: str) -> tuple[str, str] | None:
+        """The person a delegate's assertion names and the rights they signed in with, when it was signed with the
+        delegate's own token for exactly this request (method, path, body, Idempotency-Key) and is still fresh."""
+        return verify_person(
+            self._secrets[principal],
+            request.headers[PERSON_HEADER],
+            method=request.method,
+            path=request.rel_url.raw_path,
+            body=await request.read(),
+            idempotency_key=request.headers.get("Idempotency-Key", ""),
+        )
+
+    @staticmethod
+    def _allow(route: Route, request: web.Request) -> None:
+        """The owner's check: the route's right is among the principal's (or its person's)."""
+        if route.needs not in request[RIGHTS_KEY]:
+            raise ApiError(
+                403,
+                "forbidden",
+                f"{request[ACTOR] or 'this principal'} ({request[PRINCIPAL]}) may not {route.needs} here",
+                {"needs": route.needs},
+            )
+
     # --- browser pages -----------------------------------------------------------------------------
 
     async def _page(
@@ -190,17 +248,33 @@ class AdminApi:
     ) -> web.StreamResponse:
         assert self._pages is not None
         acting = principal
+        rights = rights_of(principal) if principal else frozenset()
         if request.path != LOGIN_PATH:
+            by_cookie = False
             session, _ = verify(self._signing, request.cookies.get(SESSION_COOKIE, ""), purpose=SESSION)
             if principal is None and session is not None:
-                principal, acting = session.principal, session.actor
+                principal, acting, by_cookie = session.principal, session.actor, True
+                rights = rights_of(principal)
             if principal is None:
                 log.info("page_refused", admin_path=request.path, request_id=request_id)
                 return self._refusal(request_id, "no session: this console opens from a login link")
-            if request.method not in ("GET", "HEAD") and not _same_origin(request):
-                return plain_page(403, "Refused", "a change must come from this console's own pages", request_id)
+            if request.method not in ("GET", "HEAD"):
+                if by_cookie and not _same_origin(request):
+                    return plain_page(403, "Refused", "a change must come from this console's own pages", request_id)
+                # The owner of the pages checks: a change needs the write right (signing out needs none).
+                if WRITE not in rights and request.path != self._pages.prefix + "/logout":
+                    log.info("page_change_refused", actor=acting, principal=principal, admin_path=request.path)
+                    return plain_page(
+                        403,
+                        "Refused",
+                        f"{acting} is signed in with {principal} rights, which change nothing here",
+                        request_id,
+                    )
+            elif READ not in rights:
+                return plain_page(403, "Refused", f"{principal} rights do not open these pages", request_id)
         request[PRINCIPAL] = principal or ""
         request[ACTING] = acting or ""
+        request[RIGHTS_KEY] = rights
         with bound_context(request_id=request_id, admin_method=request.method, admin_path=request.path, actor=acting):
             try:
                 resp = await handler(request)
@@ -214,6 +288,9 @@ class AdminApi:
                 log.error("page_failed", error=repr(exc), exc_info=True)
                 return plain_page(500, "Internal error", "the page failed; its log has the details", request_id)
             resp.headers["X-Request-Id"] = request_id
+            # No other site frames these pages (a click on a form would be theirs).
+            resp.headers.setdefault("X-Frame-Options", "DENY")
+            resp.headers.setdefault("Content-Security-Policy", "frame-ancestors 'none'")
             return resp
 
     def _refusal(self, request_id: str, why: str) -> web.Response:
@@ -273,18 +350,17 @@ class AdminApi:
             )
         return params, query
 
-    def _actor(self, request: web.Request) -> str:
-        named = request.headers.get("X-Actor")
-        if named is None:
-            return request[PRINCIPAL]
-        if not ACTOR_RE.match(named):
-            raise ApiError(400, "invalid_actor", "X-Actor must be an identifier (letters, digits, ._:@-)")
-        return named
+    @staticmethod
+    def _actor(request: web.Request) -> str:
+        """Who the audit names: the authenticated principal, or the person its delegate's assertion names. A name
+        the caller types (X-Actor) is not read: it would let anyone holding a token act under someone else's."""
+        return request[ACTOR]
 
     def _endpoint(self, route: Route) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def endpoint(request: web.Request) -> web.Response:
             if route.mutation:
                 return await self._mutate(route, request)
+            self._allow(route, request)
             params, query = self._inputs(route, request)
             # One snapshot for all of a read's queries (REPEATABLE READ): an answer never pairs rows from before
             # a commit with rows from after it (a walk already re-approved beside its host still converting).
@@ -320,6 +396,7 @@ class AdminApi:
         }
         try:
             record["actor"] = actor = self._actor(request)
+            self._allow(route, request)
             if key is None or not KEY_RE.match(key):
                 raise ApiError(
                     400,
@@ -328,6 +405,9 @@ class AdminApi:
                 )
             params, query = self._inputs(route, request)
             body = parse_body(route.body, raw) if route.body is not None else None
+            if principal in DELEGATES and body is not None and "actor" in type(body).model_fields:
+                # The body's actor is what the handler records as who acted: for a delegate, its person.
+                body = body.model_copy(update={"actor": actor})
             return await self._apply(route, request, key, digest, record, params, query, body, actor)
         except ApiError as exc:
             await audit_refusal(self.pool, self.schema, self.service, record, exc.status, exc.code, self._audit_event)

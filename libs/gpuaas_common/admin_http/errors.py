@@ -10,8 +10,9 @@ from pydantic import BaseModel, ConfigDict
 
 # What every status means when a route lists it; the schema of each is the shared error shape.
 STATUS_TEXT = {
-    400: "malformed request: body is not JSON, or a header (Idempotency-Key, X-Actor) is missing or invalid",
+    400: "malformed request: body is not JSON, or the Idempotency-Key header is missing or invalid",
     401: "missing or wrong bearer token",
+    403: "the token's principal (or the person it acts for) lacks the right this route needs",
     404: "the named resource does not exist",
     409: "refused in the current state, or the Idempotency-Key was used for another request",
     413: "request body over 1 MiB",

@@ -1,10 +1,11 @@
 """Signed tokens a browser carries instead of a bearer token: a short-lived login link and the session it opens.
 
-Both are minted from an admin API's own bearer token (the identity that may read it), so whoever holds that token
-can hand out a link, the API needs no second secret, and rotating the token ends every link and session made
+Both are minted from a secret of the pages' own (the console's login secret), never from a bearer token of the
+API: whoever may read the API may not hand out links, and rotating the secret ends every link and session made
 from it. The key is derived per purpose: a login token is never accepted as a session cookie, nor the other way.
-A token names its principal (which bearer token signed it), the person acting (for the audit of what they do),
-when it expires and a random nonce; nothing in it is secret, everything in it is signed. A login link opens one
+A token names the rights the person signs in with (`principals.SIGN_IN_AS`: `ops` reads, `ops-admin` also
+changes), the person acting (for the audit of what they do), when it expires and a random nonce; nothing in it is
+secret, everything in it is signed. A login link opens one
 session: the pages' owner records the nonce of each link used until it expires (`Pages.spend_login`), and refuses
 it the second time.
 """
@@ -33,6 +34,8 @@ LOGIN_PATH = "/console/login"
 # What a login link says when it comes a second time.
 USED = "the link was used already: ask for a new one"
 NONCE_RE = re.compile(r"^[0-9a-f]{16,64}$")
+# The rights a person may sign in to the pages with (principals.RIGHTS says what each allows).
+SIGN_IN_AS = ("ops", "ops-admin")
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,8 @@ def _key(secret: SecretStr | str, purpose: str) -> bytes:
 def mint(
     secret: SecretStr | str, principal: str, actor: str, *, purpose: str, ttl_s: float, now: float | None = None
 ) -> str:
-    """A token of `purpose` for `actor`, signed with the key derived from `principal`'s bearer token."""
+    """A token of `purpose` for `actor`, naming `principal` (the rights it carries), signed with a key derived from
+    `secret` for `purpose`."""
     if not ACTOR_RE.match(actor) or not ACTOR_RE.match(principal):
         raise ValueError("principal and actor must be identifiers (letters, digits, ._:@-)")
     expires = int((time.time() if now is None else now) + ttl_s)
@@ -98,7 +102,10 @@ def verify(
     return Signed(principal, actor, float(expires), nonce), ""
 
 
-def login_link(base_url: str, secret: SecretStr | str, principal: str, actor: str, ttl_s: float = LOGIN_TTL_S) -> str:
-    """The URL that signs `actor` in to the pages of the admin API at `base_url`."""
-    token = mint(secret, principal, actor, purpose=LOGIN, ttl_s=ttl_s)
+def login_link(base_url: str, secret: SecretStr | str, rights: str, actor: str, ttl_s: float = LOGIN_TTL_S) -> str:
+    """The URL that signs `actor` in, with `rights` ("ops" or "ops-admin"), to the pages at `base_url`; `secret` is
+    the pages' login secret."""
+    if rights not in SIGN_IN_AS:
+        raise ValueError(f"a login link signs in with ops or ops-admin rights, not {rights!r}")
+    token = mint(secret, rights, actor, purpose=LOGIN, ttl_s=ttl_s)
     return f"{base_url.rstrip('/')}{LOGIN_PATH}?token={quote(token, safe='')}"

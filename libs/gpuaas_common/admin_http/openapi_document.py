@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from .errors import STATUS_TEXT, Error
-from .headers import ACTOR_RE, KEY_RE
+from .headers import KEY_RE, PERSON_HEADER
 from .routes import Route
 
 
@@ -34,7 +34,7 @@ def openapi(routes: Sequence[Route], *, title: str, version: str, description: s
         if r.mutation:
             parameters += [
                 {"$ref": "#/components/parameters/IdempotencyKey"},
-                {"$ref": "#/components/parameters/XActor"},
+                {"$ref": "#/components/parameters/Person"},
             ]
         parameters.append({"$ref": "#/components/parameters/XRequestId"})
         ok_ref = keys[(r.response, "serialization")]
@@ -75,12 +75,14 @@ def openapi(routes: Sequence[Route], *, title: str, version: str, description: s
                     "request with this key is a 409 idempotency_conflict",
                     "schema": {"type": "string", "pattern": KEY_RE.pattern},
                 },
-                "XActor": {
-                    "name": "X-Actor",
+                "Person": {
+                    "name": PERSON_HEADER,
                     "in": "header",
                     "required": False,
-                    "description": "who acts (audited); default: the token's actor name",
-                    "schema": {"type": "string", "pattern": ACTOR_RE.pattern},
+                    "description": "the ops console's signed assertion of the person it acts for (its token only): "
+                    "the change is done with that person's rights and audited under their name; otherwise the "
+                    "audit names the token's principal (an X-Actor header is not read)",
+                    "schema": {"type": "string"},
                 },
                 "XRequestId": {
                     "name": "X-Request-Id",

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
+from pydantic import SecretStr
 
 from .login import SESSION_TTL_S
 
@@ -21,10 +22,14 @@ class Pages:
     the signed-in person in `request[ACTING]` and the identity behind them in `request[PRINCIPAL]`. `spend_login`
     records a login link's nonce as used until the link expires (nonce, expiry as a UNIX time) and says whether
     this was its first use: a link opens one session. It must hold across the API's replicas (a row in the
-    service's database, whose insert is the check)."""
+    service's database, whose insert is the check). `login_secret` signs the login links and session cookies: a
+    secret of the pages' own, none of the API's bearer tokens; without one no link signs anyone in.
+    `request[RIGHTS_KEY]` holds what the signed-in person may do (the pages' changes need `write`: the stack
+    refuses them otherwise)."""
 
     install: Callable[[web.Application], None]
     spend_login: Callable[[str, float], Awaitable[bool]]
+    login_secret: SecretStr | None = None
     prefix: str = "/console"
     session_ttl_s: float = SESSION_TTL_S
     # What a refused visitor is told to do to get in (a command, a person to ask).

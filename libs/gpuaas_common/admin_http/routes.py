@@ -54,17 +54,23 @@ class Route:
     errors: tuple[int, ...] = ()
     query: tuple[str, ...] = ()
     body_required: bool = True
+    # The right a principal needs for it (principals.py); by default `write` for a mutation, `read` otherwise.
+    right: str | None = None
 
     @property
     def mutation(self) -> bool:
         return self.method in MUTATIONS
 
     @property
+    def needs(self) -> str:
+        return self.right or ("write" if self.mutation else "read")
+
+    @property
     def path_params(self) -> list[str]:
         return re.findall(r"\{(\w+)\}", self.path)
 
     def documented_errors(self) -> list[int]:
-        out = {401, *self.errors}
+        out = {401, 403, *self.errors}
         if self.path_params or self.query or self.body is not None:
             out.add(422)
         if self.path_params:

@@ -20,8 +20,12 @@ class SchedulerSettings(ServiceSettings):
     admin_host: str = "127.0.0.1"
     # 0 picks a free port (written into the ready file).
     admin_port: int = Field(default=0, ge=0, le=65535)
-    # Bearer token of the admin API; without one the API does not listen.
+    # Bearer token of the admin API (the `ops-admin` principal: reads and changes); without one the API does not
+    # listen.
     admin_token: SecretStr | None = None
+    # Bearer token of the ops console (ops-view's `ops-console` principal): it reads, and changes only what the
+    # signed-in person it asserts may (`ops-admin` rights), audited under that person. Unset: the console only reads.
+    console_token: SecretStr | None = None
     # How often the claim audit runs (service_layer/claim_audit.py: claims of allocations the allocator ended or
     # never heard of, whose news this database lost, are settled with the allocator's word).
     claim_audit_sweep_interval_s: float = Field(default=30.0, gt=0)

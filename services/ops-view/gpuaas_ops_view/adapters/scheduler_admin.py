@@ -1,17 +1,22 @@
 """The scheduler's admin API as the console uses it: the nodes' admin state (drained, mode, maintenance: the
 scheduler's truth, never on the bus), quotas and site wipe policies, and the console's changes (drain, undrain,
-slot approval, disable and repair, waivers, quota, wipe policy, force release), under the same Idempotency-Key,
-actor and audit as `gpuaas nodes drain` and the other commands. The console holds no scheduler
-data of its own."""
+slot approval, disable and repair, waivers, quota, wipe policy, force release), under the same Idempotency-Key
+and audit as `gpuaas nodes drain` and the other commands. The console calls with its own token (the scheduler's
+`ops-console` principal, which by itself only reads) and each change with a signed assertion of the person
+signed in, bound to that one request: the scheduler checks that person's rights and audits under their name. The
+console holds no scheduler data of its own."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
 from pydantic import SecretStr
+
+from gpuaas_common.admin_http import PERSON_HEADER, assert_person
 
 TIMEOUT_S = 10.0
 
@@ -56,18 +61,40 @@ class SchedulerAdmin:
             self._http = None
 
     async def _call(
-        self, method: str, path: str, *, body: dict | None = None, headers: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        body: dict | None = None,
+        headers: dict[str, str] | None = None,
+        person: tuple[str, str] | None = None,
     ) -> Answer:
+        """`person`: (who, the rights they signed in with), asserted for this one request."""
         if not self.configured:
-            raise SchedulerUnavailable("the scheduler admin API is not configured (GPUAAS_SCHEDULER_ADMIN_URL/_TOKEN)")
+            raise SchedulerUnavailable(
+                "the scheduler admin API is not configured (GPUAAS_SCHEDULER_ADMIN_URL/GPUAAS_SCHEDULER_CONSOLE_TOKEN)"
+            )
         assert self._token is not None
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S))
         sent = {"Authorization": f"Bearer {self._token.get_secret_value()}", "Accept": "application/json"}
+        sent.update(headers or {})
+        # The bytes signed are the bytes sent.
+        raw = json.dumps(body).encode() if body is not None else b""
+        if body is not None:
+            sent["Content-Type"] = "application/json"
+        if person is not None:
+            sent[PERSON_HEADER] = assert_person(
+                self._token,
+                person[0],
+                person[1],
+                method=method,
+                path=path,
+                body=raw,
+                idempotency_key=sent.get("Idempotency-Key", ""),
+            )
         try:
-            async with self._http.request(
-                method, f"{self.url}{path}", json=body, headers={**sent, **(headers or {})}
-            ) as resp:
+            async with self._http.request(method, f"{self.url}{path}", data=raw or None, headers=sent) as resp:
                 answer = await resp.json(content_type=None)
                 return Answer(resp.status, answer if isinstance(answer, dict) else {})
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
@@ -99,17 +126,20 @@ class SchedulerAdmin:
         body: dict[str, Any],
         *,
         actor: str,
+        rights: str,
         idempotency_key: str,
         request_id: str,
         method: str = "POST",
     ) -> Answer:
-        """One change, sent as the CLI sends it (the body's actor and reason, an Idempotency-Key); the console's
-        request id travels with it, so the scheduler's audit row and the console's log name the same request."""
+        """One change for `actor`, signed in with `rights`, sent as the CLI sends it (the body's actor and reason,
+        an Idempotency-Key) with the assertion of that person; the console's request id travels with it, so the
+        scheduler's audit row and the console's log name the same request."""
         return await self._call(
             method,
             path,
             body={"actor": actor, **body},
-            headers={"Idempotency-Key": idempotency_key, "X-Actor": actor, "X-Request-Id": request_id},
+            headers={"Idempotency-Key": idempotency_key, "X-Request-Id": request_id},
+            person=(actor, rights),
         )
 
     @staticmethod

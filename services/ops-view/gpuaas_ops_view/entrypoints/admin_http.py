@@ -1,7 +1,8 @@
 """The ops API over the read models, on the shared admin HTTP stack (gpuaas_common.admin_http: bearer auth, one
 error shape, request ids, the OpenAPI document and its docs page served). Read-only: ops act through the
-scheduler's and the image pipeline's admin APIs. The console's pages (entrypoints/web) are mounted on it under
-/console, signed in by a login link minted from the same ops token.
+scheduler's and the image pipeline's admin APIs. Two principals read it: `ops` (everything) and `billing` (the
+usage records only). The console's pages (entrypoints/web) are mounted on it under /console, signed in by a login
+link minted from the console's own login secret, for a person and the rights they sign in with.
 
 `services/ops-view/openapi.yaml` is rendered from `routes`:
 `python -m gpuaas_ops_view.entrypoints.admin_http services/ops-view/openapi.yaml`.
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 from pydantic import BaseModel, SecretStr
 
-from gpuaas_common.admin_http import AdminApi, Call, Route, openapi, render_yaml
+from gpuaas_common.admin_http import USAGE, AdminApi, Call, Route, openapi, render_yaml
 
 from ..service_layer import queries
 from . import api_models as out
@@ -38,7 +39,8 @@ DESCRIPTION = (
 )
 # What the console's refusal page tells a visitor without a session.
 HOW_TO_SIGN_IN = (
-    "open a link `gpuaas console` prints (minted from the ops identity's token; valid 10 minutes, and once)"
+    "open a link `gpuaas console` prints (minted from the console's login secret for you and your rights; valid "
+    "10 minutes, and once)"
 )
 TIME_RANGE = ("since", "until", "limit", "cursor")
 # Consumer state per stream, for /v1/streams: (pending, delivered stream seq), or None when it cannot be asked.
@@ -144,6 +146,8 @@ def routes(consumer_state: ConsumerState | None = None) -> list[Route]:
             out.UsagePage,
             errors=(400,),
             query=("tenant", "month", "as_of", "limit", "cursor"),
+            # What the billing principal may read, and all it may.
+            right=USAGE,
         ),
         Route(
             "GET",
@@ -171,16 +175,24 @@ def openapi_document() -> dict[str, Any]:
 
 
 def ops_api(
-    pool: asyncpg.Pool, token: SecretStr, consumer_state: ConsumerState, console: Console | None = None
+    pool: asyncpg.Pool,
+    token: SecretStr,
+    consumer_state: ConsumerState,
+    console: Console | None = None,
+    *,
+    billing_token: SecretStr | None = None,
+    login_secret: SecretStr | None = None,
 ) -> AdminApi:
+    """`token`: the `ops` principal's; `billing_token`: the `billing` principal's (usage only); `login_secret`:
+    the console's login links' key (no link signs in without one)."""
     return AdminApi(
         service="ops-view",
         schema=SCHEMA,
         pool=pool,
-        tokens={"ops": token},
+        tokens={"ops": token, "billing": billing_token},
         routes=routes(consumer_state),
         document=openapi_document,
-        pages=console.pages(HOW_TO_SIGN_IN) if console is not None else None,
+        pages=console.pages(HOW_TO_SIGN_IN, login_secret) if console is not None else None,
     )
 
 

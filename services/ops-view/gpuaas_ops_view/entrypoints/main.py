@@ -65,10 +65,22 @@ def build_register(settings: OpsViewSettings):
             return
         changes = Changes(rt.pool)
         rt.spawn(changes.run(), "console-changes")
-        scheduler = SchedulerAdmin(settings.scheduler_admin_url, settings.scheduler_admin_token)
+        scheduler = SchedulerAdmin(settings.scheduler_admin_url, settings.scheduler_console_token)
         if not scheduler.configured:
-            log.warning("console_read_only", why="GPUAAS_SCHEDULER_ADMIN_URL/_TOKEN unset: the console cannot drain")
-        api = ops_api(rt.pool, settings.admin_token, consumer_state, Console(rt.pool, changes, scheduler))
+            log.warning(
+                "console_read_only",
+                why="GPUAAS_SCHEDULER_ADMIN_URL/GPUAAS_SCHEDULER_CONSOLE_TOKEN unset: the console cannot drain",
+            )
+        if settings.console_login_secret is None:
+            log.warning("console_closed", why="GPUAAS_CONSOLE_LOGIN_SECRET unset: no login link signs anyone in")
+        api = ops_api(
+            rt.pool,
+            settings.admin_token,
+            consumer_state,
+            Console(rt.pool, changes, scheduler),
+            billing_token=settings.billing_token,
+            login_secret=settings.console_login_secret,
+        )
         rt.ready_info["admin_port"] = await api.start(settings.admin_host, settings.admin_port)
 
         async def keep() -> None:

@@ -254,11 +254,14 @@ def admin_api(
     pool: asyncpg.Pool,
     token: SecretStr | None,
     *,
+    console_token: SecretStr | None = None,
     allow_emulated_slots: bool = False,
     steering: SteeringPolicy | None = None,
 ) -> AdminApi:
-    """`allow_emulated_slots`: the scheduler's setting, which only approval reads (a lab's emulated slots).
-    `steering`: the deadlines and MAAS site the asks of a host are sent with."""
+    """`token`: the `ops-admin` principal's (reads and changes). `console_token`: the ops console's (`ops-console`:
+    it reads, and changes only with the signed assertion of a person signed in with `ops-admin` rights, audited
+    under that person). `allow_emulated_slots`: the scheduler's setting, which only approval reads (a lab's
+    emulated slots). `steering`: the deadlines and MAAS site the asks of a host are sent with."""
     routes = ROUTES
     if allow_emulated_slots:
         approve = write_asking(functools.partial(ops.approve, allow_emulated=True))
@@ -270,7 +273,7 @@ def admin_api(
         service="scheduler",
         schema=SCHEMA,
         pool=pool,
-        tokens={"admin": token},
+        tokens={"ops-admin": token, "ops-console": console_token},
         routes=routes,
         document=openapi_document,
         # Every mutation's audit record also goes to the bus, for ops (ops-view's audit model).
@@ -282,10 +285,13 @@ def build_app(
     pool: asyncpg.Pool,
     token: SecretStr | None,
     *,
+    console_token: SecretStr | None = None,
     allow_emulated_slots: bool = False,
     steering: SteeringPolicy | None = None,
 ):
-    return admin_api(pool, token, allow_emulated_slots=allow_emulated_slots, steering=steering).app()
+    return admin_api(
+        pool, token, console_token=console_token, allow_emulated_slots=allow_emulated_slots, steering=steering
+    ).app()
 
 
 def openapi_document() -> dict[str, Any]:

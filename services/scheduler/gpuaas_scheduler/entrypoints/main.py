@@ -101,7 +101,11 @@ def build_register(settings: SchedulerSettings):
             )
             return
         api = admin_api(
-            rt.pool, settings.admin_token, allow_emulated_slots=settings.allow_emulated_slots, steering=steering
+            rt.pool,
+            settings.admin_token,
+            console_token=settings.console_token,
+            allow_emulated_slots=settings.allow_emulated_slots,
+            steering=steering,
         )
         rt.ready_info["admin_port"] = await api.start(settings.admin_host, settings.admin_port)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gpuaas_common.admin_http import ACTING, REQUEST_ID
+from gpuaas_common.admin_http import ACTING, PRINCIPAL, REQUEST_ID
 from gpuaas_common.logging import get_logger
 
 from ...adapters.changes import Changes
@@ -101,10 +101,11 @@ async def ask(
     *,
     method: str = "POST",
 ) -> Outcome:
-    actor = request[ACTING]
+    # The person signed in and the rights of their session (the stack let only `write` rights this far).
+    actor, rights = request[ACTING], request[PRINCIPAL]
     try:
         answer = await scheduler.act(
-            path, body, actor=actor, idempotency_key=key, request_id=request[REQUEST_ID], method=method
+            path, body, actor=actor, rights=rights, idempotency_key=key, request_id=request[REQUEST_ID], method=method
         )
     except SchedulerUnavailable as exc:
         log.warning("console_action_failed", action=what, error=str(exc))

@@ -2,7 +2,9 @@
 server-sent events (live.py), mounted on the ops API under /console behind its login link
 (gpuaas_common.admin_http.Pages). Its changes (drain and undrain on the fleet; slot approval, disable, repair and
 waivers on a host's page; quotas and site wipe policies on the policies page; force release on an allocation's
-page) go to the scheduler's admin API as the CLI sends them (actions.py)."""
+page) go to the scheduler's admin API as the CLI sends them (actions.py), under the console's own principal and
+the signed assertion of the person signed in; only a person signed in with `ops-admin` rights sees the forms, and
+the stack refuses any change of one signed in with `ops` rights before the scheduler hears of it."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from urllib.parse import quote, urlencode
 
 import asyncpg
 from aiohttp import web
+from pydantic import SecretStr
 
-from gpuaas_common.admin_http import ACTING, REQUEST_ID, ApiError, Pages
+from gpuaas_common.admin_http import ACTING, REQUEST_ID, RIGHTS_KEY, WRITE, ApiError, Pages
 from gpuaas_common.logging import get_logger
 
 from ...adapters import login_links
@@ -52,8 +55,18 @@ class Console:
     def __init__(self, pool: asyncpg.Pool, changes: Changes, scheduler: SchedulerAdmin) -> None:
         self.pool, self.changes, self.scheduler = pool, changes, scheduler
 
-    def pages(self, how_to_sign_in: str) -> Pages:
-        return Pages(install=self.install, spend_login=self.spend_login, prefix=PREFIX, how_to_sign_in=how_to_sign_in)
+    def pages(self, how_to_sign_in: str, login_secret: SecretStr | None = None) -> Pages:
+        return Pages(
+            install=self.install,
+            spend_login=self.spend_login,
+            login_secret=login_secret,
+            prefix=PREFIX,
+            how_to_sign_in=how_to_sign_in,
+        )
+
+    def can_act(self, request: web.Request) -> bool:
+        """The forms are shown to a person who may change things, when the console can reach the scheduler."""
+        return self.scheduler.configured and WRITE in request[RIGHTS_KEY]
 
     async def spend_login(self, nonce: str, expires_at: float) -> bool:
         """A login link opens one session: its nonce recorded in this service's database (any replica's sign-in
@@ -152,7 +165,7 @@ class Console:
             acted=request.query.get("acted"),
             acted_on=request.query.get("on"),
             action_key=uuid.uuid4().hex,
-            can_act=self.scheduler.configured,
+            can_act=self.can_act(request),
         )
         if status != 200:
             resp.set_status(status)
@@ -185,7 +198,7 @@ class Console:
             "node_id": node_id,
             "gates": GATES,
             "wipe_policies": WIPE_POLICIES,
-            **self._acting(request, action_error, self.scheduler.configured),
+            **self._acting(request, action_error, self.can_act(request)),
         }
         async with self.pool.acquire() as conn:
             try:
@@ -265,7 +278,7 @@ class Console:
             region=region,
             wipe_policies=WIPE_POLICIES,
             **views,
-            **self._acting(request, action_error, self.scheduler.configured),
+            **self._acting(request, action_error, self.can_act(request)),
         )
         if shown is not None:
             ctx["page_url"] = f"{PREFIX}/policies?{urlencode({'tenant': tenant, 'region': region})}"
@@ -347,7 +360,7 @@ class Console:
             "action_error": action_error,
             "acted": request.query.get("acted"),
             "action_key": uuid.uuid4().hex,
-            "can_act": self.scheduler.configured,
+            "can_act": self.can_act(request),
         }
         async with self.pool.acquire() as conn:
             try:
