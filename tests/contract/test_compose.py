@@ -797,10 +797,13 @@ SECRET_HOLDERS = {
     # the simulator's key (shown to no caller without it). A real MAAS gives it to the machine alone.
     "GPUAAS_MAAS_API_KEY": {"maas-sim", "maas-gateway", "node-agent"},
     "GPUAAS_ENROLMENT_SECRET": {"allocator", "maas-gateway"},
-    # ops-view's console drains through the scheduler's admin API (audited there under the console user).
-    "GPUAAS_SCHEDULER_ADMIN_TOKEN": {"scheduler", "ops-view"},
+    # The scheduler's admin token is the scheduler's alone: ops-view's console calls it with a token of its own.
+    "GPUAAS_SCHEDULER_ADMIN_TOKEN": {"scheduler"},
     "GPUAAS_IMAGE_ADMIN_TOKEN": {"image-pipeline"},
     "GPUAAS_OPS_ADMIN_TOKEN": {"ops-view"},
+    "GPUAAS_BILLING_TOKEN": {"ops-view"},
+    "GPUAAS_CONSOLE_TOKEN": {"scheduler", "ops-view"},
+    "GPUAAS_CONSOLE_LOGIN_SECRET": {"ops-view"},
 }
 
 

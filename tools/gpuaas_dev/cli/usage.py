@@ -25,14 +25,16 @@ OpsUrlOpt = Annotated[
         help="The ops API (ops-view). Default: the selected stack's (`ops_admin_url` in stack.json).",
     ),
 ]
-# compose's .env names the ops API's token GPUAAS_OPS_ADMIN_TOKEN (and hands it to ops-view as GPUAAS_ADMIN_TOKEN).
+# The export reads with the billing principal's token (usage records and nothing else), never the ops token:
+# compose's .env names it GPUAAS_BILLING_TOKEN (and hands it to ops-view by the same name).
 TokenOpt = Annotated[
     Optional[str],
     typer.Option(
         "--token",
-        envvar="GPUAAS_OPS_ADMIN_TOKEN",
+        envvar="GPUAAS_BILLING_TOKEN",
         show_envvar=False,
-        help="Its bearer token. Default: $GPUAAS_OPS_ADMIN_TOKEN, else the selected stack's secrets.json.",
+        help="The billing principal's bearer token. Default: $GPUAAS_BILLING_TOKEN, else the selected stack's "
+        "secrets.json (billing_token).",
     ),
 ]
 ApiTimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for each answer.")]
@@ -78,15 +80,23 @@ COLUMNS: list[Column] = [
 WIDE: list[Column] = ["sku", "node_id", "ended", "end_reason_code", "record_seconds"]
 
 
-def _endpoint(ops_url: Optional[str], token: Optional[str], run_dir: Path, timeout: float) -> Endpoint:
+def _endpoint(
+    ops_url: Optional[str],
+    token: Optional[str],
+    run_dir: Path,
+    timeout: float,
+    secret: str = "billing_token",
+    given: str = "pass --ops-url and --token (or $GPUAAS_OPS_ADMIN_URL and $GPUAAS_BILLING_TOKEN)",
+) -> Endpoint:
+    """The ops API and `token`, else the selected stack's with its `secret` of secrets.json."""
     info = read_stack_json(run_dir) or {}
     running = info.get("status") == "ready" and pid_alive(info.get("supervisor_pid"))
     url = ops_url or (info.get("ops_admin_url") if running else None)
     if not token and running:
         secrets = read_stack_json_file(Path(info.get("secrets_file") or run_dir / "secrets.json")) or {}
-        token = secrets.get("ops_admin_token")
+        token = secrets.get(secret)
     if not url or not token:
-        raise no_stack("ops API", run_dir, "pass --ops-url and --token (or $GPUAAS_OPS_ADMIN_URL and $..._TOKEN)")
+        raise no_stack("ops API", run_dir, given)
     if not url.startswith(("http://", "https://")):
         raise fail(f"[red]bad ops URL {url!r}[/]: expected http://host:port", EXIT_USAGE)
     return Endpoint(url.rstrip("/"), token, timeout, WHAT)

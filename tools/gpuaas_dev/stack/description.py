@@ -80,9 +80,22 @@ def describe_stack(stack: Stack) -> dict[str, Any]:
     return info
 
 
-def write_secrets(path: Path, *, maas_api_key: str, enrolment_secret: str, admin_tokens: dict[str, str]) -> None:
+# The principals' secrets besides the admin APIs' own tokens (libs/gpuaas_common/admin_http/principals.py), one
+# each, stored under these names in secrets.json: the billing export's token, the console's token at the scheduler,
+# the console's login-link key.
+PRINCIPAL_SECRETS = ("billing_token", "console_token", "console_login_secret")
+
+
+def write_secrets(
+    path: Path,
+    *,
+    maas_api_key: str,
+    enrolment_secret: str,
+    admin_tokens: dict[str, str],
+    principal_secrets: dict[str, str] | None = None,
+) -> None:
     """`admin_tokens` maps a service of ADMIN_APIS to its token, stored as `<prefix>_admin_token`
-    (`scheduler_admin_token`, `image_admin_token`)."""
+    (`scheduler_admin_token`, `image_admin_token`); `principal_secrets`, those of PRINCIPAL_SECRETS."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(
@@ -90,6 +103,7 @@ def write_secrets(path: Path, *, maas_api_key: str, enrolment_secret: str, admin
                 "maas_api_key": maas_api_key,
                 "enrolment_secret": enrolment_secret,
                 **{f"{ADMIN_APIS[service]}_admin_token": token for service, token in admin_tokens.items()},
+                **(principal_secrets or {}),
             },
             f,
         )

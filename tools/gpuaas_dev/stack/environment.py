@@ -101,7 +101,11 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
     elif name == "scheduler":
         env["GPUAAS_INVENTORY_FILE"] = str(files["fleet"])
         # Port 0: the API binds its own and names it in the ready file (stack.json's scheduler_admin_url).
-        env.update(GPUAAS_ADMIN_PORT="0", GPUAAS_ADMIN_TOKEN=stack.admin_token(name))
+        env.update(
+            GPUAAS_ADMIN_PORT="0",
+            GPUAAS_ADMIN_TOKEN=stack.admin_token(name),
+            GPUAAS_CONSOLE_TOKEN=stack.principal_secret("console_token"),
+        )
         if stack.lab:
             # The lab host's slots are emulated (no GPU under TCG): this scheduler, and only a lab's, allows them.
             env["GPUAAS_ALLOW_EMULATED_SLOTS"] = "true"
@@ -139,12 +143,18 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
         else:
             env["GPUAAS_SITE_PROFILES"] = json.dumps({"h200-baremetal": {}, SLICE_HOST_PROFILE: {"slice_host": True}})
     elif name == "ops-view":
-        env.update(GPUAAS_ADMIN_PORT="0", GPUAAS_ADMIN_TOKEN=stack.admin_token(name))
+        env.update(
+            GPUAAS_ADMIN_PORT="0",
+            GPUAAS_ADMIN_TOKEN=stack.admin_token(name),
+            GPUAAS_BILLING_TOKEN=stack.principal_secret("billing_token"),
+            GPUAAS_CONSOLE_LOGIN_SECRET=stack.principal_secret("console_login_secret"),
+        )
         if (scheduler := stack.admin_port("scheduler")) is not None:
-            # The console's drain and its nodes' admin state, through the scheduler's admin API (up first).
+            # The console's drain and its nodes' admin state, through the scheduler's admin API (up first), with the
+            # console's own token (never the scheduler's admin token).
             env.update(
                 GPUAAS_SCHEDULER_ADMIN_URL=f"http://127.0.0.1:{scheduler}",
-                GPUAAS_SCHEDULER_ADMIN_TOKEN=stack.admin_token("scheduler"),
+                GPUAAS_SCHEDULER_CONSOLE_TOKEN=stack.principal_secret("console_token"),
             )
     elif name == "node-agent":
         env["GPUAAS_FLEET_FILE"] = str(files["fleet"])

@@ -26,7 +26,7 @@ from ..maas_sim.auth import generate_api_key
 from .approval import ApprovalFailed, approve_slice_hosts
 from .coroutines import run_coro
 from .database import create_service_roles, service_admin_dsns
-from .description import ADMIN_APIS, describe_stack, record_database_secrets, write_secrets
+from .description import ADMIN_APIS, PRINCIPAL_SECRETS, describe_stack, record_database_secrets, write_secrets
 from .environment import TIMER_FLAGS, maas_sim_argv, maas_sim_proc, service_proc
 from .fleet import prepare_fleet_dir
 from .identities import make_identities, onboard_slice_hosts, provision_bus, renew_credentials
@@ -133,6 +133,8 @@ class Stack:
         self._registry: RegistryServer | None = None
         # One bearer token per admin API (scheduler, image pipeline); both in secrets.json.
         self._admin_tokens: dict[str, str] = {}
+        # The other principals' secrets (billing, the console's token and login key): no two principals share one.
+        self._principal_secrets: dict[str, str] = {}
         self._admin_dsn: str | None = None  # the superuser's, on the cluster's maintenance database
         self._service_dsns: dict[str, str] = {}  # service -> its own role's DSN, password inside
         self._fleet: Fleet | None = None
@@ -302,6 +304,12 @@ class Stack:
             raise StackError("stack not started")
         return self._admin_tokens[service]
 
+    def principal_secret(self, name: str) -> str:
+        """One of PRINCIPAL_SECRETS (`billing_token`, `console_token`, `console_login_secret`)."""
+        if name not in self._principal_secrets:
+            raise StackError(f"stack not started, or {name!r} is none of {', '.join(PRINCIPAL_SECRETS)}")
+        return self._principal_secrets[name]
+
     @property
     def image_admin_url(self) -> str:
         return self.admin_url("image-pipeline")
@@ -404,11 +412,13 @@ class Stack:
         self._maas_api_key = str(generate_api_key())
         self._enrolment_secret = secrets.token_hex(32)
         self._admin_tokens = {service: secrets.token_hex(24) for service in ADMIN_APIS}
+        self._principal_secrets = {name: secrets.token_hex(24) for name in PRINCIPAL_SECRETS}
         write_secrets(
             self.run_dir / "secrets.json",
             maas_api_key=self._maas_api_key,
             enrolment_secret=self._enrolment_secret,
             admin_tokens=self._admin_tokens,
+            principal_secrets=self._principal_secrets,
         )
 
         # Held before start() so a start that fails half-way is still stopped by stop().
