@@ -1,5 +1,5 @@
 """The ops console's server side (services/ops-view, entrypoints/web) against a real nats-server and Postgres:
-nobody without a login link minted from the ops identity sees more than the refusal, a link opens a session for
+nobody without a login link minted from the console's login secret sees more than the refusal, a link opens a session for
 the pages only, a filter that does not parse is a 400 page naming the field, and a commit of the read models
 reaches an open page's event stream. The browser itself is tests/e2e/test_ops_console_browser.py."""
 
@@ -40,6 +40,8 @@ from .test_ops_view import (  # noqa: F401  (nc: the fixture)
     slots_changed,
 )
 
+# The console's login-link key: its own, not the ops token (that one only reads the API).
+LOGIN_SECRET = "console-login-secret-0123456789"
 PAGES = ("fleet", "policies", "allocations", "images", "maas", "dead-letters", "usage", "audit")
 
 
@@ -47,8 +49,8 @@ class Console_:
     def __init__(self, url: str, pool: asyncpg.Pool, changes: Changes) -> None:
         self.url, self.pool, self.changes = url, pool, changes
 
-    def link(self, actor: str = "alice", token: str = TOKEN) -> str:
-        return login_link(self.url, token, "ops", actor)
+    def link(self, actor: str = "alice", token: str = LOGIN_SECRET, rights: str = "ops") -> str:
+        return login_link(self.url, token, rights, actor)
 
 
 @pytest.fixture
@@ -73,7 +75,13 @@ async def console(nc: nats.NATS, fresh_db: str) -> AsyncIterator[Console_]:  # n
         return {}
 
     # The scheduler's admin API is not configured: this console reads; the drain is the browser test's.
-    api = ops_api(pool, SecretStr(TOKEN), no_state, Console(pool, changes, SchedulerAdmin(None, None)))
+    api = ops_api(
+        pool,
+        SecretStr(TOKEN),
+        no_state,
+        Console(pool, changes, SchedulerAdmin(None, None)),
+        login_secret=SecretStr(LOGIN_SECRET),
+    )
     port = await api.start("127.0.0.1", 0)
     await asyncio.wait_for(changes.listening.wait(), 10)
     yield Console_(f"http://127.0.0.1:{port}", pool, changes)
@@ -84,13 +92,15 @@ async def console(nc: nats.NATS, fresh_db: str) -> AsyncIterator[Console_]:  # n
     await pool.close()
 
 
-def _browser() -> aiohttp.ClientSession:
-    # unsafe: the console is on 127.0.0.1, and aiohttp keeps no cookie of an IP address without it.
-    return aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True))
+def _browser(origin: str | None = None) -> aiohttp.ClientSession:
+    # unsafe: the console is on 127.0.0.1, and aiohttp keeps no cookie of an IP address without it. `origin`: what
+    # a browser names on a form's POST (the console refuses a cookie's change that names none).
+    headers = {"Origin": origin} if origin else None
+    return aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True), headers=headers)
 
 
-async def _signed_in(console: Console_, http: aiohttp.ClientSession, actor: str = "alice") -> None:
-    async with http.get(console.link(actor), allow_redirects=False) as resp:
+async def _signed_in(console: Console_, http: aiohttp.ClientSession, actor: str = "alice", rights: str = "ops") -> None:
+    async with http.get(console.link(actor, rights=rights), allow_redirects=False) as resp:
         assert resp.status == 303, await resp.text()
         assert resp.headers["Location"] == "/console/"
         cookie = resp.headers["Set-Cookie"]
@@ -131,11 +141,11 @@ async def test_without_the_ops_identity_a_visitor_sees_only_the_refusal(nc: nats
         "garbage": f"{console.url}/console/login?token=abc.def",
         "signed by another token": console.link(token=other_identity),
         "expired": f"{console.url}/console/login?token="
-        + mint(TOKEN, "ops", "alice", purpose=LOGIN, ttl_s=60, now=now - 3600),
+        + mint(LOGIN_SECRET, "ops", "alice", purpose=LOGIN, ttl_s=60, now=now - 3600),
         "a session token as a login link": f"{console.url}/console/login?token="
-        + mint(TOKEN, "ops", "alice", purpose=SESSION, ttl_s=600),
+        + mint(LOGIN_SECRET, "ops", "alice", purpose=SESSION, ttl_s=600),
         "signed for another principal": f"{console.url}/console/login?token="
-        + mint(TOKEN, "scheduler", "alice", purpose=LOGIN, ttl_s=600),
+        + mint(LOGIN_SECRET, "scheduler", "alice", purpose=LOGIN, ttl_s=600),
     }
     async with _browser() as http:
         for what, link in refused_links.items():
@@ -147,9 +157,9 @@ async def test_without_the_ops_identity_a_visitor_sees_only_the_refusal(nc: nats
         assert "expired" in await (await http.get(refused_links["expired"])).text()
         # A forged session cookie (a login token, or one signed by another token) opens nothing either.
         for cookie in (
-            mint(TOKEN, "ops", "alice", purpose=LOGIN, ttl_s=600),
+            mint(LOGIN_SECRET, "ops", "alice", purpose=LOGIN, ttl_s=600),
             mint(other_identity, "ops", "alice", purpose=SESSION, ttl_s=600),
-            mint(TOKEN, "ops", "alice", purpose=SESSION, ttl_s=60, now=now - 3600),
+            mint(LOGIN_SECRET, "ops", "alice", purpose=SESSION, ttl_s=60, now=now - 3600),
         ):
             async with http.get(f"{console.url}/console/allocations", cookies={"gpuaas_session": cookie}) as resp:
                 assert resp.status == 401
@@ -180,7 +190,11 @@ async def test_a_login_link_signs_in_once_across_replicas(console: Console_) -> 
         return {}
 
     other = ops_api(
-        console.pool, SecretStr(TOKEN), no_state, Console(console.pool, console.changes, SchedulerAdmin(None, None))
+        console.pool,
+        SecretStr(TOKEN),
+        no_state,
+        Console(console.pool, console.changes, SchedulerAdmin(None, None)),
+        login_secret=SecretStr(LOGIN_SECRET),
     )
     replica = f"http://127.0.0.1:{await other.start('127.0.0.1', 0)}"
     try:
@@ -192,7 +206,7 @@ async def test_a_login_link_signs_in_once_across_replicas(console: Console_) -> 
             assert (status, session) == (401, False), body
             assert "Sign-in refused" in body and "the link was used already: ask for a new one" in body
         expired = f"{console.url}/console/login?token=" + mint(
-            TOKEN, "ops", "carol", purpose=LOGIN, ttl_s=60, now=time.time() - 3600
+            LOGIN_SECRET, "ops", "carol", purpose=LOGIN, ttl_s=60, now=time.time() - 3600
         )
         status, body, session = await _use(expired)
         assert (status, session) == (401, False) and "the link has expired" in body
@@ -272,7 +286,9 @@ async def test_a_login_link_opens_the_pages_and_only_them(nc: nats.NATS, console
             headers={"Origin": "http://elsewhere.example"},
         ) as resp:
             assert resp.status == 403
-        async with http.post(f"{console.url}/console/logout", allow_redirects=False) as resp:
+        async with http.post(
+            f"{console.url}/console/logout", allow_redirects=False, headers={"Origin": console.url}
+        ) as resp:
             assert resp.status == 303
         async with http.get(f"{console.url}/console/fleet") as resp:
             assert resp.status == 401
@@ -290,8 +306,8 @@ async def test_a_form_the_console_cannot_send_is_refused_on_its_page(nc: nats.NA
                 if await conn.fetchval("SELECT 1 FROM hosts WHERE node_id = $1", node):
                     break
             await asyncio.wait_for(notices.get(), 20)
-    async with _browser() as http:
-        await _signed_in(console, http)
+    async with _browser(console.url) as http:
+        await _signed_in(console, http, rights="ops-admin")
         for path, form, said in (
             (f"fleet/{node}/disable", {"slot_id": "../x", "reason": "r"}, "slot_id must be an id"),
             (
