@@ -29,6 +29,8 @@ from gpuaas_ops_view.entrypoints.admin_http import ops_api
 from gpuaas_ops_view.entrypoints.follow import StreamFollower
 
 TOKEN = "ops-view-test-token-0123456789"
+# The billing principal's: the usage records and nothing else.
+BILLING_TOKEN = "ops-view-billing-token-0123456789"
 SCHEMA = "ops_view"
 MODEL_TABLES = (
     "allocations",
@@ -92,7 +94,7 @@ async def _start_view(nc: nats.NATS, dsn: str, prefix: str) -> View:
                 out[f.stream] = None
         return out
 
-    api = ops_api(pool, SecretStr(TOKEN), consumer_state)
+    api = ops_api(pool, SecretStr(TOKEN), consumer_state, billing_token=SecretStr(BILLING_TOKEN))
     port = await api.start("127.0.0.1", 0)
     return View(pool, tasks, followers, f"http://127.0.0.1:{port}", api.stop)
 

@@ -37,7 +37,7 @@ from gpuaas_dev.cli import app
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.waiting import eventually
 
-from .test_ops_view import SCHEMA, TOKEN, View, _close, _slot, _start_view, caught_up, get
+from .test_ops_view import BILLING_TOKEN, SCHEMA, TOKEN, View, _close, _slot, _start_view, caught_up, get
 
 UTC = timezone.utc
 SHA = "b" * 64
@@ -459,7 +459,7 @@ async def test_a_scripted_month_adds_up_exactly(nc, usage: Usage, http, spy, tmp
         res = CliRunner().invoke(
             app,
             ["usage", "export", "--tenant", tenant, "--month", "2026-10", *fmt, "--run-dir", str(tmp_path)],
-            env={"GPUAAS_OPS_ADMIN_URL": usage.view.url, "GPUAAS_OPS_ADMIN_TOKEN": TOKEN},
+            env={"GPUAAS_OPS_ADMIN_URL": usage.view.url, "GPUAAS_BILLING_TOKEN": BILLING_TOKEN},
         )
         assert res.exit_code == 0, res.output
         return res.stdout
@@ -496,11 +496,11 @@ async def test_bad_usage_queries_name_the_field(usage: Usage, http, tmp_path) ->
         return CliRunner().invoke(app, ["usage", "export", *argv, "--run-dir", str(tmp_path)], env=env)
 
     res = await asyncio.to_thread(
-        export, "--month", "2026-13", GPUAAS_OPS_ADMIN_URL=usage.view.url, GPUAAS_OPS_ADMIN_TOKEN=TOKEN
+        export, "--month", "2026-13", GPUAAS_OPS_ADMIN_URL=usage.view.url, GPUAAS_BILLING_TOKEN=BILLING_TOKEN
     )
     assert res.exit_code == 2 and "month" in res.stderr
     res = await asyncio.to_thread(
-        export, "--month", "2026-11", GPUAAS_OPS_ADMIN_URL=usage.view.url, GPUAAS_OPS_ADMIN_TOKEN="wrong"
+        export, "--month", "2026-11", GPUAAS_OPS_ADMIN_URL=usage.view.url, GPUAAS_BILLING_TOKEN="wrong"
     )
     assert res.exit_code == 3 and "refused by the ops API" in res.stderr
     res = await asyncio.to_thread(export, "--month", "2026-11")

@@ -91,3 +91,24 @@ def test_every_token_carries_a_nonce_of_its_own_and_one_without_opens_nothing() 
         fields = {**base, "n": nonce} if nonce is not None else base
         signed, why = verify(KEYS, _signed_by_hand(fields), purpose=LOGIN, now=NOW)
         assert signed is None and why == "the link is not one this console made", nonce
+
+
+def test_a_person_assertion_opens_its_one_request_for_a_minute() -> None:
+    """The console's assertion of the person it acts for (principals.py) is bound to the request it was made for:
+    replayed on another path, with another body or key, signed with another secret, or late, it names no one."""
+    from gpuaas_common.admin_http.principals import assert_person, verify_person
+
+    request = {"method": "POST", "path": "/v1/nodes/n1/drain", "body": b'{"reason":"x"}', "idempotency_key": "k1"}
+    token = assert_person("console-secret", "alice", "ops-admin", **request, now=NOW)  # type: ignore[arg-type]
+    assert verify_person("console-secret", token, **request, now=NOW + 59) == ("alice", "ops-admin")  # type: ignore[arg-type]
+    for changed in (
+        {"path": "/v1/nodes/n1/undrain"},
+        {"method": "PUT"},
+        {"body": b'{"reason":"y"}'},
+        {"idempotency_key": "k2"},
+    ):
+        assert verify_person("console-secret", token, **{**request, **changed}, now=NOW) is None, changed  # type: ignore[arg-type]
+    assert verify_person("other-secret", token, **request, now=NOW) is None  # type: ignore[arg-type]
+    assert verify_person("console-secret", token, **request, now=NOW + 60) is None  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        assert_person("console-secret", "alice", "billing", **request)  # type: ignore[arg-type]
