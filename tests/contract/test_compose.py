@@ -1062,6 +1062,7 @@ def _dev_stack_envs(tmp: Path) -> dict[str, dict[str, str]]:
     from gpuaas_common.pg_roles import SERVICE_ROLES
     from gpuaas_dev.stack import ALL_PROCESSES, MAAS_SIM, Stack
     from gpuaas_dev.stack.description import ADMIN_APIS
+    from gpuaas_dev.stack.description import PRINCIPAL_SECRETS
     from gpuaas_dev.stack.environment import maas_sim_proc, service_proc
 
     stack = Stack(tmp)
@@ -1072,6 +1073,7 @@ def _dev_stack_envs(tmp: Path) -> dict[str, dict[str, str]]:
     stack._service_dsns = {s: f"postgresql://{s}:x@127.0.0.1:5432/gpuaas" for s in SERVICE_ROLES}
     stack._maas_api_key, stack._enrolment_secret = "a:b:c", "enrolment"
     stack._admin_tokens = dict.fromkeys(ADMIN_APIS, "token")
+    stack._principal_secrets = {name: f"{name}-secret" for name in PRINCIPAL_SECRETS}
     sim = maas_sim_proc(stack, 5240)
     sim.port = 5240
     stack._procs[MAAS_SIM] = sim
