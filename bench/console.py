@@ -45,6 +45,7 @@ from gpuaas_ops_view.service_layer import queries
 
 SCHEMA = "ops_view"
 TOKEN = "bench-console-token-0123456789"
+LOGIN_SECRET = "bench-console-login-secret-0123"
 GOAL_MS = 300.0
 STATES = ("active",) * 6 + ("released",) * 2 + ("provisioning", "unschedulable", "failed", "placed")
 TIMELINE = ("accepted", "placed", "provisioning", "active", "releasing", "released")
@@ -220,7 +221,13 @@ async def _run(
         return {}
 
     changes = Changes(pool)
-    api = ops_api(pool, SecretStr(TOKEN), no_state, Console(pool, changes, SchedulerAdmin(None, None)))
+    api = ops_api(
+        pool,
+        SecretStr(TOKEN),
+        no_state,
+        Console(pool, changes, SchedulerAdmin(None, None)),
+        login_secret=SecretStr(LOGIN_SECRET),
+    )
     app = api.app()
     app.middlewares.insert(0, timed)
     runner = web.AppRunner(app, access_log=None)
@@ -232,7 +239,7 @@ async def _run(
     out: dict[str, Any] = {}
     try:
         async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
-            async with http.get(login_link(url, TOKEN, "ops", "bench")) as resp:
+            async with http.get(login_link(url, LOGIN_SECRET, "ops", "bench")) as resp:
                 assert resp.status == 200, await resp.text()
             bearer = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -214,6 +214,8 @@ def _secrets(stack) -> dict[str, str]:
     found["enrolment_secret"] = stack.enrolment_secret
     for service in ("scheduler", "image-pipeline"):
         found[f"{service} admin token"] = stack.admin_token(service)
+    for name in ("billing_token", "console_token", "console_login_secret"):  # each principal's own
+        found[name] = stack.principal_secret(name)
     for name, dsn in secrets_json.get("service_database_urls", {}).items():
         password = re.match(r"^[^:]+://[^:]+:([^@]+)@", dsn)
         if password:

@@ -130,7 +130,8 @@ async def _scheduler(stack, method: str, path: str, **kw: Any) -> Any:
 
 async def test_the_console_follows_the_fleet_live_and_drains_a_node(stack, portal, db, browser, shots) -> None:
     b, url = browser, stack.admin_url("ops-view")
-    link = login_link(url, stack.admin_token("ops-view"), "ops", "console-e2e")
+    # Signed in with ops-admin rights: it drains (through the scheduler, as the console's principal for this person).
+    link = login_link(url, stack.principal_secret("console_login_secret"), "ops-admin", "console-e2e")
 
     # Signed in by the link: the session cookie, then the fleet.
     await _browse(b.get, link)

@@ -50,7 +50,10 @@ async def test_a_released_slice_is_one_usage_record_published_and_exported(porta
     # The month's export, as ops run it against the stack's ops API: the record's seconds inside each month it
     # touches (one, unless the test ran across a month's end) add up to the record.
     months = sorted({started.strftime("%Y-%m"), stopped.strftime("%Y-%m")})
-    env = {"GPUAAS_OPS_ADMIN_URL": stack.admin_url("ops-view"), "GPUAAS_OPS_ADMIN_TOKEN": stack.admin_token("ops-view")}
+    env = {
+        "GPUAAS_OPS_ADMIN_URL": stack.admin_url("ops-view"),
+        "GPUAAS_BILLING_TOKEN": stack.principal_secret("billing_token"),
+    }
     total = 0
     for month in months:
         res = await asyncio.to_thread(
