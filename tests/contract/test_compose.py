@@ -1061,8 +1061,7 @@ def _dev_stack_envs(tmp: Path) -> dict[str, dict[str, str]]:
 
     from gpuaas_common.pg_roles import SERVICE_ROLES
     from gpuaas_dev.stack import ALL_PROCESSES, MAAS_SIM, Stack
-    from gpuaas_dev.stack.description import ADMIN_APIS
-    from gpuaas_dev.stack.description import PRINCIPAL_SECRETS
+    from gpuaas_dev.stack.description import ADMIN_APIS, PRINCIPAL_SECRETS
     from gpuaas_dev.stack.environment import maas_sim_proc, service_proc
 
     stack = Stack(tmp)

@@ -1,6 +1,6 @@
 """The ops console's server side (services/ops-view, entrypoints/web) against a real nats-server and Postgres:
-nobody without a login link minted from the console's login secret sees more than the refusal, a link opens a session for
-the pages only, a filter that does not parse is a 400 page naming the field, and a commit of the read models
+nobody without a login link minted from the console's login secret sees more than the refusal, a link opens a
+session for the pages only, a filter that does not parse is a 400 page naming the field, and a commit of the read models
 reaches an open page's event stream. The browser itself is tests/e2e/test_ops_console_browser.py."""
 
 from __future__ import annotations
