@@ -96,7 +96,7 @@ async def test_the_gateway_mints_and_ends_a_baremetal_hosts_user_through_the_aut
     host = creds_files.parse(minted.creds)
     assert host.claims["sub"] == minted.user
     assert f"allocation:{allocation}" in host.claims["nats"]["tags"] and f"node:{NODE}" in host.claims["nats"]["tags"]
-    assert host.claims["iss"] == authority.node_signing.public  # the scoped key: the host template, nothing more
+    assert host.claims["iss"] == authority.baremetal_signing.public  # the baremetal key: its template, nothing more
     assert await allocation_users(admin.jetstream(), allocation) == [minted.user]  # recorded before it left
     closed = asyncio.Event()
 
