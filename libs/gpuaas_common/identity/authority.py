@@ -156,6 +156,69 @@ def allocation_users_key(allocation_id: str) -> str:
     return ALLOCATION_USERS_PREFIX + base64.urlsafe_b64encode(allocation_id.lower().encode()).decode().rstrip("=")
 
 
+# Every host user the credential authority minted for a node, per node (baremetal and slice-host alike): the one
+# key a mint claims the node by (compare-and-set), so no two live users of a node are minted, whichever replica.
+NODE_USERS_PREFIX = "nodes."
+
+
+def node_users_key(node_id: str) -> str:
+    return NODE_USERS_PREFIX + base64.urlsafe_b64encode(node_id.encode()).decode().rstrip("=")
+
+
+class NodeHasLiveUser(RuntimeError):
+    """A mint for a node that has a live (unexpired, unrevoked) host user: nothing was minted."""
+
+    def __init__(self, node_id: str, users: list[str]) -> None:
+        super().__init__(f"node {node_id} has {len(users)} live host user(s): end them first")
+        self.node_id, self.users = node_id, users
+
+
+async def node_users(js: Any, node_id: str) -> list[str]:
+    """The unexpired users the credential authority minted for `node_id` (revoked ones included)."""
+    return await _users_at(js, node_users_key(node_id))
+
+
+async def live_node_users(js: Any, node_id: str) -> list[str]:
+    """Every unexpired, unrevoked host user of `node_id`: minted by the authority, onboarded or renewed."""
+    revoked = await revoked_users(js)
+    users = dict.fromkeys([*await host_users(js, node_id), *await node_users(js, node_id)])
+    return [u for u in users if u not in revoked]
+
+
+async def claim_node(js: Any, node_id: str, user_public: str, expires_at: int, *, attempts: int = 20) -> None:
+    """Record `user_public` as the node's one live user, by compare-and-set on the node's entry: raises
+    NodeHasLiveUser (nothing written) where the node has a live user already, its onboarded or renewed slice
+    users included. Two mints racing for a node: one writes, the other reads again and is refused."""
+    from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+    key = node_users_key(node_id)
+    kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
+    for _ in range(attempts):
+        try:
+            entry = await _through_account_updates(lambda: kv.get(key))
+            users, revision = _host_entry(entry.value), entry.revision
+        except KeyNotFoundError:
+            users, revision = {}, None
+        users = _live(users, time.time())
+        revoked = await revoked_users(js)
+        live = [u for u in dict.fromkeys([*users, *await host_users(js, node_id)]) if u not in revoked]
+        if live:
+            raise NodeHasLiveUser(node_id, live)
+        # Revoked users leave the entry: they are in the revocation list, which keeps them out.
+        users = {u: exp for u, exp in users.items() if u not in revoked}
+        users[user_public] = expires_at
+        data = json.dumps(users).encode()
+        try:
+            if revision is None:
+                await _through_account_updates(lambda d=data: kv.create(key, d))
+            else:
+                await _through_account_updates(lambda d=data, r=revision: kv.update(key, d, last=r))
+            return
+        except KeyWrongLastSequenceError:
+            continue
+    raise AuthorityError(f"could not claim node {node_id}: too much contention")
+
+
 def _host_entry(value: bytes | None) -> dict[str, int | None]:
     """A host's entry: user public key → expiry (unix seconds), None where unknown (entries written as a plain
     list before expiries were kept). A reader that takes the entry as a list of keys still reads the keys."""
@@ -306,8 +369,10 @@ class Issuer:
     async def end_slice_identity(self, nats_servers: list[str], node_id: str, *, js: Any, tls: Any = None) -> int:
         """Revoke every slice-host user recorded for the host that is not revoked yet: before a tenant gets root
         on the disk that holds its creds file. Returns how many were revoked now (0: nothing left to do, and
-        nothing pushed)."""
-        live = [u for u in await host_users(js, node_id) if u not in await revoked_users(js)]
+        nothing pushed). Every user the credential authority minted for the node goes too (a baremetal tenant's
+        from an earlier deploy, or this deploy's from a try that did not reach MAAS): the next mint finds none
+        live."""
+        live = await live_node_users(js, node_id)
         if live:
             await self.revoke(nats_servers, live, js=js, tls=tls)
         return len(live)

@@ -190,6 +190,7 @@ IDENTITY_LEDGER_RIGHTS = (
     f"$KV.{IDENTITY_BUCKET}.revocations",
     f"$KV.{IDENTITY_BUCKET}.hosts.*",
     f"$KV.{IDENTITY_BUCKET}.allocs.*",
+    f"$KV.{IDENTITY_BUCKET}.nodes.*",
 )
 
 
