@@ -59,7 +59,8 @@ async def test_released_baremetal_host_loses_its_credentials_at_once(portal, sta
     closed = asyncio.Event()
     host = await _host_connect(stack, creds_text, closed)
     portal.spy.allow_invalid(b"not json")
-    ack = await host.jetstream().publish(f"gpuaas.node.{node_id}.report.task_progress", b"not json", timeout=5)
+    # Its one subject (issue 38: a baremetal tenant's host sends its enrolment and no slice report).
+    ack = await host.jetstream().publish(f"gpuaas.node.{node_id}.report.enrolled", b"not json", timeout=5)
     assert ack.stream == "NODE_REPORTS"
 
     await portal.release(alloc)

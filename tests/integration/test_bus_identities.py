@@ -244,8 +244,9 @@ async def test_node_agent_reports_only_as_itself(clients: dict[str, Client]) -> 
     n1 = clients["n1"]
     ack = await n1.nc.jetstream().publish("gpuaas.node.n1.report.parity", b"{}", timeout=5)
     assert ack.stream == "NODE_REPORTS"
-    assert await n1.can_publish("gpuaas.dlq.node-agent-n1")
     for forbidden in (
+        # Out of the DLQ path (issue 38): a host's dead letters were rows in ops' database at the host's rate.
+        "gpuaas.dlq.node-agent-n1",
         "gpuaas.node.n2.report.parity",
         "gpuaas.node.n2.report.task_result",
         "gpuaas.allocation.requested",
@@ -330,6 +331,57 @@ async def test_a_host_relays_a_terminal_only_on_its_own_subjects_and_the_allocat
         ):
             assert not await clients[role].can_subscribe(forbidden), (role, forbidden)
     assert all(">" not in s for s in node_template().pub_allow if ".terminal." in s)
+
+
+async def test_a_baremetal_tenants_host_may_enrol_and_do_nothing_a_slice_host_does(
+    server: NatsServer, tls_files: TlsFiles, authority: Authority, clients: dict[str, Client]
+) -> None:
+    """Issue 38 (N3, N11): the allocation-bound user a tenant's deploy carries (the tenant has root and its creds
+    file) is signed by the baremetal hosts' key, whose template is its enrolment report only. Before, it had a
+    slice host's template: its task queue, the terminal subjects every allocator replica answers, every slice
+    report and its dead letters."""
+    node = "bm1"
+    admin_js = clients["admin"].nc.jetstream()
+    # A task durable for the node, as a slice host's (tasks queued before its mode change could sit there).
+    await ensure_consumer(admin_js, node_agent_consumer(node))
+    await admin_js.publish(f"gpuaas.node.{node}.tasks", b"a task left from slice mode")
+    creds = authority.issuer().issue_node(node, ttl_s=600, allocation_id=str(uuid.uuid4()))
+    bm = await connect(server, tls_files, creds)
+    try:
+        validator = default_validator()
+        env = Envelope.wrap(
+            "node.enrolled",
+            msgs.NodeEnrolled(
+                node_id=node,
+                kind="baremetal",
+                hostname="bm1",
+                agent_version="test",
+                maas_system_id="abc123",
+                allocation_id=uuid.uuid4(),
+                enrolment_proof="0" * 64,
+            ).model_dump(mode="json"),
+            producer="node-agent",
+            correlation_id=node,
+        )
+        subject = spec_for("node.enrolled").subject(node_id=node)
+        body = env.model_dump_json().encode()
+        validator.validate(subject, body)
+        ack = await bm.nc.jetstream().publish(subject, body, timeout=5)
+        assert ack.stream == "NODE_REPORTS"  # its enrolment reaches the allocator's stream, as before
+        for forbidden in (
+            f"gpuaas.node.{node}.terminal.input",
+            f"gpuaas.node.{node}.terminal.output",
+            *(s for s in host_report_subjects(node) if not s.endswith(".report.enrolled")),
+            f"$JS.API.CONSUMER.MSG.NEXT.NODE_TASKS.node-agent-{node}",
+            f"$JS.ACK.NODE_TASKS.node-agent-{node}.1.1.1.1.0",
+            f"$JS.GPUAAS.API.CONSUMER.INFO.NODE_TASKS.node-agent-{node}",
+            f"gpuaas.dlq.node-agent-{node}",
+        ):
+            assert not await bm.can_publish(forbidden), forbidden
+        # Its task queue keeps the task: nothing was pulled.
+        assert (await admin_js.consumer_info("NODE_TASKS", f"node-agent-{node}")).num_pending == 1
+    finally:
+        await bm.nc.close()
 
 
 # --- portal, ops ----------------------------------------------------------------------------------------

@@ -96,7 +96,7 @@ async def test_the_gateway_mints_and_ends_a_baremetal_hosts_user_through_the_aut
     host = creds_files.parse(minted.creds)
     assert host.claims["sub"] == minted.user
     assert f"allocation:{allocation}" in host.claims["nats"]["tags"] and f"node:{NODE}" in host.claims["nats"]["tags"]
-    assert host.claims["iss"] == authority.node_signing.public  # the scoped key: the host template, nothing more
+    assert host.claims["iss"] == authority.baremetal_signing.public  # the baremetal key: its template, nothing more
     assert await allocation_users(admin.jetstream(), allocation) == [minted.user]  # recorded before it left
     closed = asyncio.Event()
 
@@ -153,6 +153,46 @@ async def test_a_redeployed_slice_host_gets_a_slice_hosts_own_user_which_ends_li
         await connect(server, tls_files, host)
 
 
+async def test_no_second_live_user_is_minted_for_a_node_until_its_users_are_ended(
+    authority_url: str, authority: Authority, server: NatsServer, tls_files: TlsFiles, admin: nats.NATS, tmp_path: Path
+) -> None:
+    """Issue 38 (N4): a node has one live host user at most. Before, the authority minted another user for any
+    node the gateway named, beside the one the host runs with (a compromised gateway became that host). The
+    gateway's flow keeps working: it ends the node's users before each deploy, and the deploy's mint follows."""
+    client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
+    js = admin.jetstream()
+    first, second, third = (str(uuid.uuid4()) for _ in range(3))
+    minted = await client.mint(NODE, first, ttl_s=3600)
+
+    with pytest.raises(AuthorityRefused, match="409 node_has_live_user"):
+        await client.mint(NODE, second, ttl_s=3600)  # another allocation on the tenant's node
+    with pytest.raises(AuthorityRefused, match="409 node_has_live_user"):
+        await client.mint(NODE, first, ttl_s=3600)  # the same allocation, a second user beside the first
+    with pytest.raises(AuthorityRefused, match="409 node_has_live_user"):
+        await client.mint_slice_host(NODE)  # a slice host's user on the tenant's node
+    assert await allocation_users(js, second) == [] and await allocation_users(js, first) == [minted.user]
+    assert await host_users(js, NODE) == []  # nothing minted by a refused one
+
+    # An onboarded slice host's user (recorded by onboarding, not by the authority) counts too.
+    onboarded = authority.issue_host("slice-03")
+    await record_host_users(js, "slice-03", [str(onboarded.claims["sub"])])
+    with pytest.raises(AuthorityRefused, match="409 node_has_live_user"):
+        await client.mint("slice-03", third, ttl_s=3600)
+
+    # Revoke, then mint: the gateway's deploy ends the node's users (the tenant's from the earlier deploy too).
+    assert await client.end_slice_identity(NODE) == 1
+    again = await client.mint(NODE, second, ttl_s=3600)
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await connect(server, tls_files, creds_files.parse(minted.creds))
+    conn = await connect(server, tls_files, creds_files.parse(again.creds))
+    await conn.close()
+    assert await client.revoke_allocation(second) == 1  # the release ends it; the next deploy mints again
+    await client.mint_slice_host(NODE)
+    log = log_of(tmp_path / "authority")
+    refusals = [json.loads(line) for line in log.splitlines() if '"authority_request_refused"' in line]
+    assert [r["reason"] for r in refusals] == ["node_has_live_user"] * 4
+
+
 async def _post(url: str, path: str, body: bytes, header: str | None, tls_files: TlsFiles) -> tuple[int, dict]:
     headers = {HEADER: header} if header else {}
     async with aiohttp.ClientSession() as session:
@@ -199,8 +239,10 @@ async def test_every_refusal_is_named_nothing_is_minted_and_the_authority_keeps_
         assert (status, answer["error"]["code"]) == (403 if reason == "not_allowed" else 401, reason), answer
 
     assert await allocation_users(admin.jetstream(), allocation) == [minted]  # nothing minted by a refused one
-    status, _ = await _post(authority_url, path, body, sign(gateway, "POST", path, body), tls_files)
-    assert status == 201  # and it keeps serving
+    # And it keeps serving (another node: this one has its live user, issue 38).
+    other = json.dumps({"node_id": "bm:02", "allocation_id": str(uuid.uuid4()), "ttl_s": 600}).encode()
+    status, _ = await _post(authority_url, path, other, sign(gateway, "POST", path, other), tls_files)
+    assert status == 201
     log = log_of(tmp_path / "authority")
     refusals = [json.loads(line) for line in log.splitlines() if '"authority_request_refused"' in line]
     assert sorted(r["reason"] for r in refusals) == sorted(cases)  # each logged once

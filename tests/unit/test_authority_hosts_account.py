@@ -15,6 +15,7 @@ from gpuaas_common.identity.jwt import decode
 from gpuaas_common.identity.permissions import (
     HOST_JS_API,
     ROLE_PERMISSIONS,
+    baremetal_permissions,
     gpuaas_subject,
     host_js_api,
     node_permissions,
@@ -28,8 +29,13 @@ def test_gpuaas_exports_to_hosts_exactly_what_the_host_template_names() -> None:
     assert hosts.get("limits", {}).get("disk_storage") is None, "HOSTS has no JetStream of its own"
     # The scoped key signs hosts in HOSTS only; GPUAAS keeps its plain key alone.
     assert gpuaas["signing_keys"] == [auth.account_signing.public]
-    [scoped] = hosts["signing_keys"]
-    assert (scoped["kind"], scoped["key"]) == ("user_scope", auth.node_signing.public)
+    # Two scoped keys: a slice host's template and a baremetal tenant's host's, each key its own template.
+    scoped = {k["key"]: k for k in hosts["signing_keys"]}
+    assert set(scoped) == {auth.node_signing.public, auth.baremetal_signing.public}
+    assert {k["kind"] for k in scoped.values()} == {"user_scope"}
+    assert scoped[auth.baremetal_signing.public]["template"]["pub"]["allow"] == [
+        "gpuaas.node.{{tag(node)}}.report.enrolled"
+    ]
     exported = {e["subject"]: e["response_type"] for e in gpuaas["exports"]}
     imported = {i["subject"]: i["local_subject"] for i in hosts["imports"]}
     assert set(exported) == set(imported) and {i["account"] for i in hosts["imports"]} == {auth.account.public}
@@ -41,6 +47,9 @@ def test_gpuaas_exports_to_hosts_exactly_what_the_host_template_names() -> None:
     n1 = node_permissions("n1").pub_allow
     assert len(n1) == len(host_service_exports())
     assert all(any(_matches(local, s) for _, local, _ in host_service_exports()) for s in n1)
+    assert set(baremetal_permissions("bm1").pub_allow) <= set(node_permissions("bm1").pub_allow)
+    # No host may dead-letter: its letters would be rows in ops' database at its own rate.
+    assert not [s for s in exported if s.startswith("gpuaas.dlq")]
 
 
 def _matches(pattern: str, subject: str) -> bool:
@@ -55,6 +64,8 @@ def test_host_users_are_issued_in_hosts_and_everyone_else_in_gpuaas() -> None:
     assert auth.issue_host("n1").claims["nats"]["issuer_account"] == auth.hosts_account.public
     node = auth.issuer().issue_node("bm-1", ttl_s=60, allocation_id="a")
     assert node.claims["nats"]["issuer_account"] == auth.hosts_account.public
+    # A baremetal tenant's host user is signed by the baremetal key (its template), a slice host's by the other.
+    assert node.claims["iss"] == auth.baremetal_signing.public != auth.issue_host("n2").claims["iss"]
     assert auth.issue_user("ops", ROLE_PERMISSIONS["ops"]).claims["nats"]["issuer_account"] == auth.account.public
     assert auth.hosts_account.public in auth.server_config(Path("/resolver"))
 
@@ -67,6 +78,11 @@ def test_keys_saved_before_hosts_existed_derive_the_same_hosts_account_everywher
     first, second = Authority.load(tmp_path / "keys"), Authority.load(tmp_path / "keys")
     assert first.hosts_account.public == second.hosts_account.public != auth.account.public
     assert first.hosts_account.public.startswith("A")
+    assert Authority.load(tmp_path / "keys").baremetal_signing.public == auth.baremetal_signing.public
+    (tmp_path / "keys" / "baremetal_signing.nk").unlink()
+    first, second = Authority.load(tmp_path / "keys"), Authority.load(tmp_path / "keys")
+    assert first.baremetal_signing.public == second.baremetal_signing.public
+    assert first.baremetal_signing.public not in (first.hosts_account.public, first.node_signing.public)
 
 
 def test_an_issuer_file_from_before_hosts_refuses_to_mint_rather_than_mint_in_the_wrong_account(

@@ -5,9 +5,11 @@
 - Account **SYS** is the system account (claim updates and revocations travel through it).
 - Account **GPUAAS** holds every stream and every user of the product but the hosts, signed by its plain
   signing key (service, portal, ops and admin users: their permissions are in the user JWT).
-- Account **HOSTS** holds the hosts, signed by its **scoped** signing key, whose template grants each host its
-  own subjects from the JWT's `node:<id>` tag. It has no JetStream; it imports from GPUAAS, as services, only
-  the subjects that template names (`host_service_exports`). A host's request thus reaches GPUAAS with a reply
+- Account **HOSTS** holds the hosts, signed by its **scoped** signing keys, whose templates grant each host its
+  own subjects from the JWT's `node:<id>` tag: one key for slice hosts (`node_template`: its task durable, its
+  reports, its terminal relay), one for baremetal tenants' hosts (`baremetal_template`: its enrolment only). It
+  has no JetStream; it imports from GPUAAS, as services, only the subjects those templates name
+  (`host_service_exports`). A host's request thus reaches GPUAAS with a reply
   subject the server made, and the answer (a PubAck, a JetStream API reply, a pulled message) comes back to
   the host in HOSTS on the reply subject it gave. In GPUAAS a host's reply subject would be where JetStream
   publishes its answer, whatever the host may publish itself: another host's task subject, a lifecycle event,
@@ -40,7 +42,16 @@ from ..jetstream import IDENTITY_BUCKET
 from . import creds as creds_mod
 from .creds import Creds
 from .jwt import Key, decode, encode
-from .permissions import ADMIN, NODE, NODE_TAG, Permissions, gpuaas_subject, node_template, node_user_name
+from .permissions import (
+    ADMIN,
+    NODE,
+    NODE_TAG,
+    Permissions,
+    baremetal_template,
+    gpuaas_subject,
+    node_template,
+    node_user_name,
+)
 
 # The JetStream API subject a pull asks on: its answer is many messages (a service export's `Stream` response).
 _PULL = "$JS.API.CONSUMER.MSG.NEXT."
@@ -48,19 +59,21 @@ _PULL = "$JS.API.CONSUMER.MSG.NEXT."
 
 def host_service_exports() -> tuple[tuple[str, str, str], ...]:
     """(subject in GPUAAS, subject in HOSTS, response type) of each service GPUAAS exports to HOSTS: the host
-    template's publish subjects with the host's own tokens as wildcards (a partial token cannot be one:
+    templates' publish subjects with the host's own tokens as wildcards (a partial token cannot be one:
     `node-agent-<id>` becomes `*`). HOSTS imports them all; each host user may still publish only on its own,
     as its template says."""
-    out = []
-    for subject in node_template().pub_allow:
+    out: dict[str, tuple[str, str, str]] = {}
+    for subject in (*node_template().pub_allow, *baremetal_template().pub_allow):
         local = ".".join("*" if "{{" in token else token for token in subject.split("."))
         remote = gpuaas_subject(local)
-        out.append((remote, local, "Stream" if remote.startswith(_PULL) else "Singleton"))
-    return tuple(out)
+        out.setdefault(local, (remote, local, "Stream" if remote.startswith(_PULL) else "Singleton"))
+    return tuple(out.values())
 
 
 ACCOUNT_NAME = "GPUAAS"
 HOSTS_ACCOUNT_NAME = "HOSTS"
+# The label of the baremetal hosts' scoped key in the HOSTS account JWT (the slice hosts' is NODE).
+BAREMETAL_ROLE = "baremetal-host"
 
 T = TypeVar("T")
 
@@ -141,6 +154,69 @@ ALLOCATION_USERS_PREFIX = "allocs."
 
 def allocation_users_key(allocation_id: str) -> str:
     return ALLOCATION_USERS_PREFIX + base64.urlsafe_b64encode(allocation_id.lower().encode()).decode().rstrip("=")
+
+
+# Every host user the credential authority minted for a node, per node (baremetal and slice-host alike): the one
+# key a mint claims the node by (compare-and-set), so no two live users of a node are minted, whichever replica.
+NODE_USERS_PREFIX = "nodes."
+
+
+def node_users_key(node_id: str) -> str:
+    return NODE_USERS_PREFIX + base64.urlsafe_b64encode(node_id.encode()).decode().rstrip("=")
+
+
+class NodeHasLiveUser(RuntimeError):
+    """A mint for a node that has a live (unexpired, unrevoked) host user: nothing was minted."""
+
+    def __init__(self, node_id: str, users: list[str]) -> None:
+        super().__init__(f"node {node_id} has {len(users)} live host user(s): end them first")
+        self.node_id, self.users = node_id, users
+
+
+async def node_users(js: Any, node_id: str) -> list[str]:
+    """The unexpired users the credential authority minted for `node_id` (revoked ones included)."""
+    return await _users_at(js, node_users_key(node_id))
+
+
+async def live_node_users(js: Any, node_id: str) -> list[str]:
+    """Every unexpired, unrevoked host user of `node_id`: minted by the authority, onboarded or renewed."""
+    revoked = await revoked_users(js)
+    users = dict.fromkeys([*await host_users(js, node_id), *await node_users(js, node_id)])
+    return [u for u in users if u not in revoked]
+
+
+async def claim_node(js: Any, node_id: str, user_public: str, expires_at: int, *, attempts: int = 20) -> None:
+    """Record `user_public` as the node's one live user, by compare-and-set on the node's entry: raises
+    NodeHasLiveUser (nothing written) where the node has a live user already, its onboarded or renewed slice
+    users included. Two mints racing for a node: one writes, the other reads again and is refused."""
+    from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+    key = node_users_key(node_id)
+    kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
+    for _ in range(attempts):
+        try:
+            entry = await _through_account_updates(lambda: kv.get(key))
+            users, revision = _host_entry(entry.value), entry.revision
+        except KeyNotFoundError:
+            users, revision = {}, None
+        users = _live(users, time.time())
+        revoked = await revoked_users(js)
+        live = [u for u in dict.fromkeys([*users, *await host_users(js, node_id)]) if u not in revoked]
+        if live:
+            raise NodeHasLiveUser(node_id, live)
+        # Revoked users leave the entry: they are in the revocation list, which keeps them out.
+        users = {u: exp for u, exp in users.items() if u not in revoked}
+        users[user_public] = expires_at
+        data = json.dumps(users).encode()
+        try:
+            if revision is None:
+                await _through_account_updates(lambda d=data: kv.create(key, d))
+            else:
+                await _through_account_updates(lambda d=data, r=revision: kv.update(key, d, last=r))
+            return
+        except KeyWrongLastSequenceError:
+            continue
+    raise AuthorityError(f"could not claim node {node_id}: too much contention")
 
 
 def _host_entry(value: bytes | None) -> dict[str, int | None]:
@@ -250,7 +326,8 @@ def _user_claims(account_public: str, *, permissions: Permissions | None, tags: 
 def _node_creds(
     node_signing: Key, account_public: str, node_id: str, *, ttl_s: float, allocation_id: str | None = None
 ) -> Creds:
-    """A host user signed by the scoped key: no permissions of its own, its node (and allocation) as tags."""
+    """A host user signed by a scoped key (the slice hosts' or the baremetal hosts'; the key decides the
+    template): no permissions of its own, its node (and allocation) as tags."""
     user = Key.generate("user")
     tags = [f"{NODE_TAG}:{node_id}"] + ([f"allocation:{allocation_id.lower()}"] if allocation_id else [])
     jwt = encode(
@@ -265,7 +342,7 @@ def _node_creds(
 
 @dataclass
 class Issuer:
-    """Signs host users with the scoped key and revokes users through the system account."""
+    """Signs baremetal hosts' users with their scoped key and revokes users through the system account."""
 
     account_public: str
     operator_signing: Key
@@ -273,6 +350,8 @@ class Issuer:
     sys_creds: Creds
     # The HOSTS account, whose scoped key `node_signing` is; None in an issuer file made before it existed.
     hosts_account_public: str | None = None
+    # The baremetal hosts' scoped key (`baremetal_template`); None in an issuer file made before it existed.
+    baremetal_signing: Key | None = None
 
     def _hosts(self) -> str:
         if self.hosts_account_public is None:
@@ -280,13 +359,20 @@ class Issuer:
         return self.hosts_account_public
 
     def issue_node(self, node_id: str, *, ttl_s: float, allocation_id: str | None = None) -> Creds:
-        return _node_creds(self.node_signing, self._hosts(), node_id, ttl_s=ttl_s, allocation_id=allocation_id)
+        """A baremetal tenant's host user: signed by the baremetal key, so it has the baremetal template (its
+        enrolment only), never a slice host's task queue, terminal or reports."""
+        hosts = self._hosts()
+        if self.baremetal_signing is None:
+            raise AuthorityError("this issuer file predates the baremetal hosts' key: write it again from the keys")
+        return _node_creds(self.baremetal_signing, hosts, node_id, ttl_s=ttl_s, allocation_id=allocation_id)
 
     async def end_slice_identity(self, nats_servers: list[str], node_id: str, *, js: Any, tls: Any = None) -> int:
         """Revoke every slice-host user recorded for the host that is not revoked yet: before a tenant gets root
         on the disk that holds its creds file. Returns how many were revoked now (0: nothing left to do, and
-        nothing pushed)."""
-        live = [u for u in await host_users(js, node_id) if u not in await revoked_users(js)]
+        nothing pushed). Every user the credential authority minted for the node goes too (a baremetal tenant's
+        from an earlier deploy, or this deploy's from a try that did not reach MAAS): the next mint finds none
+        live."""
+        live = await live_node_users(js, node_id)
         if live:
             await self.revoke(nats_servers, live, js=js, tls=tls)
         return len(live)
@@ -397,6 +483,7 @@ class Issuer:
                 "hosts_account_public": self.hosts_account_public,
                 "operator_signing_seed": self.operator_signing.seed.decode(),
                 "node_signing_seed": self.node_signing.seed.decode(),
+                "baremetal_signing_seed": self.baremetal_signing.seed.decode() if self.baremetal_signing else None,
                 "sys_creds": self.sys_creds.render(),
             }
         )
@@ -410,6 +497,7 @@ class Issuer:
             Key.from_seed(d["node_signing_seed"]),
             creds_mod.parse(d["sys_creds"]),
             d.get("hosts_account_public"),
+            Key.from_seed(d["baremetal_signing_seed"]) if d.get("baremetal_signing_seed") else None,
         )
 
     def __repr__(self) -> str:
@@ -436,6 +524,9 @@ class Authority:
     hosts_account: Key = field(default_factory=lambda: Key.generate("account"))
     # Expiry (unix seconds) of each host user in `issued_hosts`; users issued before it was kept have none.
     host_expiry: dict[str, int] = field(default_factory=dict)
+    # The HOSTS account's second scoped key: baremetal tenants' hosts (`baremetal_template`). Keys saved before
+    # it existed derive it from the GPUAAS account's seed (`load`).
+    baremetal_signing: Key = field(default_factory=lambda: Key.generate("account"))
 
     @classmethod
     def create(cls) -> "Authority":
@@ -496,8 +587,10 @@ class Authority:
         )
 
     def hosts_account_jwt(self, revocations: dict[str, int] | None = None) -> str:
-        """HOSTS: no JetStream of its own, the GPUAAS services a host template allows imported, one scoped key."""
-        template = node_template().claims()  # with the host limits: a scoped key's user carries none itself
+        """HOSTS: no JetStream of its own, the GPUAAS services the host templates allow imported, a scoped key per
+        kind of host (slice hosts; baremetal tenants' hosts)."""
+        # With the host limits: a scoped key's user carries none itself.
+        template, baremetal = node_template().claims(), baremetal_template().claims()
         imports = [
             {
                 "name": f"gpuaas {subject}",
@@ -521,7 +614,14 @@ class Authority:
                         "key": self.node_signing.public,
                         "role": NODE,
                         "template": template,
-                        "description": "one user per host; its subjects come from the node tag",
+                        "description": "one user per slice host; its subjects come from the node tag",
+                    },
+                    {
+                        "kind": "user_scope",
+                        "key": self.baremetal_signing.public,
+                        "role": BAREMETAL_ROLE,
+                        "template": baremetal,
+                        "description": "one user per baremetal allocation's host: its enrolment only",
                     },
                 ],
                 "imports": imports,
@@ -586,6 +686,7 @@ class Authority:
             self.node_signing,
             self.issue_sys_user(),
             self.hosts_account.public,
+            self.baremetal_signing,
         )
 
     def issue_host(self, node_id: str, *, ttl_s: float = HOST_USER_TTL_S) -> Creds:
@@ -608,6 +709,7 @@ class Authority:
 
     _FILES = ("operator", "operator_signing", "sys_account", "account", "account_signing", "node_signing")
     _HOSTS_FILE = "hosts_account.nk"
+    _BAREMETAL_FILE = "baremetal_signing.nk"
 
     def save(self, keys_dir: Path) -> None:
         keys_dir.mkdir(parents=True, exist_ok=True)
@@ -615,6 +717,7 @@ class Authority:
         for name in self._FILES:
             creds_mod.write_secret(keys_dir / f"{name}.nk", getattr(self, name).seed.decode() + "\n")
         creds_mod.write_secret(keys_dir / self._HOSTS_FILE, self.hosts_account.seed.decode() + "\n")
+        creds_mod.write_secret(keys_dir / self._BAREMETAL_FILE, self.baremetal_signing.seed.decode() + "\n")
         creds_mod.write_secret(keys_dir / "issued-hosts.json", json.dumps(self.issued_hosts, indent=2))
         creds_mod.write_secret(keys_dir / "issued-hosts-expiry.json", json.dumps(self.host_expiry, indent=2))
         creds_mod.write_secret(keys_dir / "issued-at", f"{self.issued_at}\n")
@@ -633,7 +736,20 @@ class Authority:
         hosts = (
             Key.from_seed(hosts_path.read_text().strip()) if hosts_path.exists() else _derived_hosts_account(keys[3])
         )
-        return cls(*keys, issued_hosts=issued, issued_at=issued_at, hosts_account=hosts, host_expiry=expiry)
+        baremetal_path = keys_dir / cls._BAREMETAL_FILE
+        baremetal = (
+            Key.from_seed(baremetal_path.read_text().strip())
+            if baremetal_path.exists()
+            else _derived_key(keys[3], b"gpuaas baremetal hosts signing key\0")
+        )
+        return cls(
+            *keys,
+            issued_hosts=issued,
+            issued_at=issued_at,
+            hosts_account=hosts,
+            host_expiry=expiry,
+            baremetal_signing=baremetal,
+        )
 
     def __repr__(self) -> str:
         return f"Authority(operator={self.operator.public!r}, account={self.account.public!r})"
@@ -642,5 +758,9 @@ class Authority:
 def _derived_hosts_account(account: Key) -> Key:
     """The HOSTS account of keys saved before it existed: derived from the GPUAAS account's seed (same secret,
     same directory), so every process loading those keys agrees on it without writing to them."""
-    raw = hashlib.sha256(b"gpuaas HOSTS account\0" + account.seed).digest()
+    return _derived_key(account, b"gpuaas HOSTS account\0")
+
+
+def _derived_key(account: Key, purpose: bytes) -> Key:
+    raw = hashlib.sha256(purpose + account.seed).digest()
     return Key.from_seed(nkeys.encode_seed(raw, nkeys.PREFIX_BYTE_ACCOUNT))

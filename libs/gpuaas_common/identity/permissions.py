@@ -162,14 +162,18 @@ def follower_rights(spec: ConsumerSpec) -> tuple[str, ...]:
     )
 
 
-def consumer_rights(spec: ConsumerSpec, *, may_create: bool) -> tuple[str, ...]:
+def consumer_rights(spec: ConsumerSpec, *, may_create: bool, dead_letters: bool = True) -> tuple[str, ...]:
+    """Fetch, ack and read the info of one durable; `dead_letters`: and dead-letter to `gpuaas.dlq.<durable>`
+    (services only: a host's dead letters would be rows in ops' database at the host's own rate, and their
+    bodies the host's to choose; a host counts what it could not handle instead)."""
     s, d = spec.stream, spec.durable
     rights = [
         f"$JS.API.CONSUMER.MSG.NEXT.{s}.{d}",
         f"$JS.ACK.{s}.{d}.>",
         f"$JS.API.CONSUMER.INFO.{s}.{d}",
-        f"gpuaas.dlq.{d}",
     ]
+    if dead_letters:
+        rights.append(f"gpuaas.dlq.{d}")
     if may_create and not spec.admin_provisioned:
         rights.append(f"$JS.API.CONSUMER.CREATE.{s}.{d}.{spec.filter_subject}")
     return tuple(rights)
@@ -186,6 +190,7 @@ IDENTITY_LEDGER_RIGHTS = (
     f"$KV.{IDENTITY_BUCKET}.revocations",
     f"$KV.{IDENTITY_BUCKET}.hosts.*",
     f"$KV.{IDENTITY_BUCKET}.allocs.*",
+    f"$KV.{IDENTITY_BUCKET}.nodes.*",
 )
 
 
@@ -232,14 +237,15 @@ def gpuaas_subject(host_subject: str) -> str:
 
 
 def node_template(tag: str = NODE_TAG) -> Permissions:
-    """The scoped signing key's template: every host user gets these, with its own node id filled in
-    by the server from the JWT's `node:<id>` tag. The host cannot widen them: a user signed by a
-    scoped key must carry no permissions of its own. The subjects are the host's, in the HOSTS account."""
+    """The slice hosts' scoped signing key's template: every slice host user gets these, with its own node id
+    filled in by the server from the JWT's `node:<id>` tag. The host cannot widen them: a user signed by a
+    scoped key must carry no permissions of its own. The subjects are the host's, in the HOSTS account. No
+    dead-letter subject: a host is out of the DLQ path (its agent counts what it could not handle)."""
     node = "{{tag(" + tag + ")}}"
     spec = node_agent_consumer(node)
     return Permissions(
         pub_allow=(
-            *map(host_js_api, consumer_rights(spec, may_create=False)),
+            *map(host_js_api, consumer_rights(spec, may_create=False, dead_letters=False)),
             *host_report_subjects(node),
             *host_terminal_subjects(node),
         ),
@@ -249,11 +255,48 @@ def node_template(tag: str = NODE_TAG) -> Permissions:
     )
 
 
-def node_permissions(node_id: str) -> Permissions:
-    """What the template expands to for one host (used for documentation and tests)."""
-    t = node_template()
+# What the agent of a baremetal tenant's host sends (services/node-agent, GPUAAS_ROLE=baremetal): its enrolment
+# and nothing else. It pulls no task (a tenant's root machine has no task durable), relays no terminal and sends
+# no slice report, so its user may do none of that: the tenant holds its creds file.
+BAREMETAL_HOST_MESSAGES = ("node.enrolled",)
+# Its one message is a few hundred bytes; its connection holds its PubAck inbox.
+BAREMETAL_MAX_PAYLOAD = 16 * KIB
+BAREMETAL_MAX_SUBS = 8
+
+
+def baremetal_report_subjects(node: str) -> tuple[str, ...]:
+    by_type = {s.type: s for s in MESSAGE_SPECS}
+    addresses = [by_type[t].address for t in BAREMETAL_HOST_MESSAGES]
+    if not all(a and a.startswith(_HOST_REPORTS) for a in addresses):
+        raise ValueError(f"a baremetal host's messages must be its own reports: {addresses}")
+    return tuple(str(a).replace("{node_id}", node) for a in addresses)
+
+
+def baremetal_template(tag: str = NODE_TAG) -> Permissions:
+    """The baremetal hosts' scoped signing key's template (an allocation-bound user, minted by the credential
+    authority for a tenant's deploy): its own enrolment report and its own inbox, nothing of a slice host's."""
+    node = "{{tag(" + tag + ")}}"
+    return Permissions(
+        pub_allow=baremetal_report_subjects(node),
+        sub_allow=(f"{inbox_prefix('{{name()}}')}.>",),
+        max_payload=BAREMETAL_MAX_PAYLOAD,
+        max_subs=BAREMETAL_MAX_SUBS,
+    )
+
+
+def _filled(t: Permissions, node_id: str) -> Permissions:
     fill = lambda x: x.replace("{{tag(node)}}", node_id).replace("{{name()}}", node_user_name(node_id))  # noqa: E731
     return replace(t, pub_allow=tuple(map(fill, t.pub_allow)), sub_allow=tuple(map(fill, t.sub_allow)))
+
+
+def node_permissions(node_id: str) -> Permissions:
+    """What the slice template expands to for one host (used for documentation and tests)."""
+    return _filled(node_template(), node_id)
+
+
+def baremetal_permissions(node_id: str) -> Permissions:
+    """What the baremetal template expands to for one host (used for documentation and tests)."""
+    return _filled(baremetal_template(), node_id)
 
 
 def node_user_name(node_id: str) -> str:
@@ -343,10 +386,14 @@ def render_table() -> str:
     )
     rows.append(f"| `{ADMIN}` (break-glass: provisioning, tests) | everything | everything | everything |")
     rows.append(
-        "| `node-<node_id>` (one per host, scoped signing key; "
+        "| `node-<node_id>` of a slice host (one per host, scoped signing key; "
         f"payload ≤ {HOST_MAX_PAYLOAD // KIB} KiB, ≤ {HOST_MAX_SUBS} subscriptions) | "
-        f"{code([*host_report_subjects('<node_id>'), *host_terminal_subjects('<node_id>')])}"
-        "<br>`gpuaas.dlq.node-agent-<node_id>` | "
-        "`node-agent-<node_id>` (no create) | `_INBOX_node-<node_id>.>` |"
+        f"{code([*host_report_subjects('<node_id>'), *host_terminal_subjects('<node_id>')])} | "
+        "`node-agent-<node_id>` (no create, no dead letters) | `_INBOX_node-<node_id>.>` |"
+    )
+    rows.append(
+        "| `node-<node_id>` of a baremetal tenant (one per allocation, its own scoped signing key; "
+        f"payload ≤ {BAREMETAL_MAX_PAYLOAD // KIB} KiB, ≤ {BAREMETAL_MAX_SUBS} subscriptions) | "
+        f"{code(baremetal_report_subjects('<node_id>'))} | nothing | `_INBOX_node-<node_id>.>` |"
     )
     return "\n".join(rows) + "\n"

@@ -10,6 +10,7 @@ from typing import Any
 from gpuaas_common.identity import Authority
 from gpuaas_common.identity.authority import (
     allocation_users,
+    claim_node,
     record_allocation_users,
     record_host_users,
     revoked_users,
@@ -24,6 +25,10 @@ class Ledger:
 
     async def revoked(self) -> dict[str, int]:
         return await revoked_users(self.js)
+
+    async def claim_node(self, node_id: str, user: str, expires_at: int) -> None:
+        """The node's one live user from now on; NodeHasLiveUser (nothing written) where it has one already."""
+        await claim_node(self.js, node_id, user, expires_at)
 
     async def record_allocation_user(self, allocation_id: str, user: str, expires_at: int) -> None:
         await record_allocation_users(self.js, allocation_id, [user], expiry={user: expires_at})

@@ -1,8 +1,9 @@
 """The authority's API: three signed requests over HTTPS (`gpuaas_common.identity.signed_request`).
 
 Not the admin HTTP stack of the other services: no bearer token (the caller proves itself with its own bus
-identity), no database (nothing here is a resource with idempotency keys: minting twice gives two users, both
-recorded for the allocation; revoking twice revokes nothing the second time), and no OpenAPI page to browse.
+identity), no database (nothing here is a resource with idempotency keys: minting twice for a node is refused while its
+first user lives; revoking twice revokes nothing the second time), and no OpenAPI page to browse.
+A mint for a node that has a live host user is refused (409 node_has_live_user) and mints nothing.
 Every refusal is one JSON error with a stable code, logged once, without the request's signature or JWT.
 
     POST /v1/host-users  {"node_id", "allocation_id", "ttl_s"} -> 201 {"creds", "user", "expires_at"}
@@ -20,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gpuaas_common.identity.authority import NodeHasLiveUser
 from gpuaas_common.identity.signed_request import HEADER, NonceCache, RequestRefused, Trust, verify
 from gpuaas_common.logging import get_logger
 
@@ -82,6 +84,12 @@ class AuthorityApi:
         except GrantRefused as refused:
             log.warning("authority_request_refused", reason="invalid", field=refused.field, path=request.path)
             return _error(400, "invalid", str(refused))
+        except NodeHasLiveUser as refused:
+            # A second identity of a host beside the one it runs with: the caller ends the node's users first.
+            log.warning(
+                "authority_request_refused", reason="node_has_live_user", node_id=refused.node_id, path=request.path
+            )
+            return _error(409, "node_has_live_user", str(refused))
 
     async def _mint(self, request: web.Request) -> web.Response:
         try:

@@ -5,6 +5,11 @@ identity before a tenant gets its disk.
 What may be revoked is read from the ledger, never taken from the request: a caller names an allocation, and only
 the users minted for it go. So a compromised caller can end host users, which it could anyway by releasing, but
 never a service's, the portal's or an operator's.
+
+A node has one live host user at most: a mint claims the node in the ledger (compare-and-set) before its user
+leaves, and is refused while any user of the node (minted here, onboarded or renewed) is unexpired and unrevoked.
+So a caller cannot hold a second identity of a host beside the one the host runs with; the gateway ends the
+node's users before each deploy (`end_slice_identity`), and the deploy's mint follows.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ class HostUsers:
     async def mint(self, grant: HostUserGrant, caller: str) -> MintedUser:
         creds = self.authority.issuer().issue_node(grant.node_id, ttl_s=grant.ttl_s, allocation_id=grant.allocation_id)
         user, expires_at = str(creds.claims["sub"]), int(creds.claims["exp"])
-        # Recorded before it leaves: a user the ledger does not hold could not be revoked by allocation.
+        # The node first (refused: nothing leaves, nothing else is recorded), then the allocation: recorded
+        # before it leaves, as a user the ledger does not hold could not be revoked by allocation.
+        await self.ledger.claim_node(grant.node_id, user, expires_at)
         await self.ledger.record_allocation_user(grant.allocation_id, user, expires_at)
         log.info(
             "host_user_minted",
@@ -53,6 +60,7 @@ class HostUsers:
         ends with the others' before a tenant's deploy."""
         creds = self.authority.issue_host(node_id)
         user, expires_at = str(creds.claims["sub"]), int(creds.claims["exp"])
+        await self.ledger.claim_node(node_id, user, expires_at)
         await self.ledger.record_host_user(node_id, user, expires_at)
         log.info("slice_host_user_minted", node_id=node_id, user=user, expires_at=expires_at, caller=caller)
         return MintedUser(creds.render(), user, expires_at)
