@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import pytest
 
 from gpuaas_allocator.adapters.repository import AllocationRepository
 from gpuaas_allocator.domain.model import ActiveImage
+from gpuaas_allocator.domain.portal_assertion import TenantAssertion, sign
 from gpuaas_allocator.service_layer.commands import provision_task_id
 from gpuaas_allocator.service_layer.handlers import Allocator
 from gpuaas_allocator.settings import AllocatorSettings
@@ -50,7 +52,8 @@ REPO = Path(__file__).resolve().parents[2]
 SLICE = ActiveImage("ubuntu-24.04-h200-slice", "slice", "h200-sxm-slice", "c" * 64, "/img/slice.raw")
 NODE = "term-n1"
 TENANT = "tenant-a"
-PORTAL_TOKEN = "portal-token-of-the-terminal-test"
+ASSERTION_SECRET = "portal-assertion-key-of-the-terminal-test"
+USER = "alice@tenant-a"
 VM = "gpuaas-slice-terminal-test"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 STATE_DIR = Path("var/lib/gpuaas/agent")  # the agent's default state and seed dirs, under the host's root
@@ -205,7 +208,7 @@ async def stack(nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path) -> Asyn
         env = base | {
             "GPUAAS_DATABASE_URL": fresh_db,
             "GPUAAS_READY_FILE": str(ready),
-            "GPUAAS_PORTAL_TOKEN": PORTAL_TOKEN,
+            "GPUAAS_TERMINAL_ASSERTION_SECRET": ASSERTION_SECRET,
             # Short, so that the test's ended session is answered promptly; the default is 10 s.
             "GPUAAS_TERMINAL_INPUT_HOLD_S": "2",
         }
@@ -227,7 +230,8 @@ async def stack(nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path) -> Asyn
             "GPUAAS_NODE_ID": NODE,
             "GPUAAS_HOST_ROOT": str(root),
             "GPUAAS_LIBVIRT_URI": f"test://{hypervisor}",
-            "GPUAAS_GUEST_USER": getpass.getuser(),
+            # The relay logs in as the console user (the seed's unprivileged one): here the sshd's only user.
+            "GPUAAS_CONSOLE_USER": getpass.getuser(),
             "GPUAAS_SSH_PORT": str(ssh_port),
             "GPUAAS_RECONCILE_INTERVAL_S": "3600",
             "GPUAAS_READY_FILE": str(tmp_path / "agent.ready"),
@@ -301,8 +305,12 @@ def _url(port: int, alloc: uuid.UUID) -> str:
     return f"http://127.0.0.1:{port}/v1/allocations/{alloc}/terminal"
 
 
-def _headers(tenant: str = TENANT, token: str = PORTAL_TOKEN) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}", "X-Tenant-Id": tenant}
+def _headers(
+    tenant: str = TENANT, *, secret: str = ASSERTION_SECRET, lives_s: int = 60, x_tenant: str | None = None
+) -> dict[str, str]:
+    """What the portal sends: its signed assertion of the tenant and the signed-in person."""
+    token = sign(secret.encode(), TenantAssertion(tenant, USER, int(time.time()) + lives_s))
+    return {"Authorization": f"Bearer {token}"} | ({"X-Tenant-Id": x_tenant} if x_tenant else {})
 
 
 async def _read_until(ws: aiohttp.ClientWebSocketResponse, marker: bytes, seen: bytearray) -> list[dict]:
@@ -352,7 +360,7 @@ async def test_a_tenant_runs_a_command_in_its_slice_through_the_relay_and_the_se
         what="the session's audit row completed",
     )
     assert (row["allocation_id"], row["tenant_id"], row["node_id"]) == (alloc, TENANT, NODE)
-    assert row["actor"] == f"portal:{TENANT}"
+    assert row["actor"] == f"user:{USER}"  # the person the portal asserted, not the portal
     assert row["end_reason"] == "guest_closed"
     assert row["ended_at"] >= row["started_at"]
     typed = len(b"echo terminal-$((6*7))-ok; id -un\n") + len(b"exit\n")
@@ -390,7 +398,16 @@ async def test_a_terminal_into_another_tenants_or_an_ended_allocation_is_refused
             (uuid.uuid4(), _headers(), 404, "unknown_allocation"),
             (not_yet, _headers(), 409, "allocation_not_active"),
             (ended, _headers(), 409, "allocation_not_active"),
-            (theirs, _headers(token="not-the-portal"), 401, "unauthorized"),
+            # A portal identity opens only its own tenant's consoles: a header naming another changes nothing.
+            (theirs, _headers(x_tenant="tenant-b"), 404, "unknown_allocation"),
+            (theirs, _headers("tenant-b", secret="not-the-portals-key-but-as-long-as-it"), 401, "unauthorized"),
+            (stack.active, _headers(lives_s=-1), 401, "unauthorized"),
+            (
+                stack.active,
+                {"Authorization": "Bearer portal-token-of-the-terminal-test", "X-Tenant-Id": TENANT},
+                401,
+                "unauthorized",
+            ),
             (theirs, {"X-Tenant-Id": "tenant-b"}, 401, "unauthorized"),
         ):
             async with http.get(_url(port, alloc), headers=headers) as resp:
