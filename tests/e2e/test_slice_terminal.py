@@ -336,6 +336,10 @@ async def test_a_tenant_runs_a_command_in_its_slice_through_the_relay_and_the_se
         ready = await ws.receive_json(timeout=60)
         assert ready["type"] == "session_ready", ready
         session_id = uuid.UUID(ready["session_id"])
+        # One live session per allocation: a second websocket is refused before the upgrade, nothing sent.
+        async with http.get(_url(port, alloc), headers=_headers()) as second:
+            body = await second.json()
+            assert (second.status, body["error"]["code"]) == (409, "terminal_in_use"), body
         seen = bytearray()
         # Split so that the marker appears only in the command's output, never in the echo of what was typed.
         await ws.send_bytes(b"echo terminal-$((6*7))-ok; id -un\n")
@@ -369,6 +373,7 @@ async def test_a_tenant_runs_a_command_in_its_slice_through_the_relay_and_the_se
 
     # What crossed the bus: the task to this host only, the host's requests on its own subjects, the answers.
     opened = spy.of_type("slice.terminal_open", session_id=session_id)
+    assert len(spy.of_type("slice.terminal_open")) == 1
     assert len(opened) == 1 and opened[0]["payload"]["node_id"] == NODE
     subjects = {s for s, d in spy.messages if d.get("type") in ("node.terminal_output", "node.terminal_input")}
     assert subjects == {f"gpuaas.node.{NODE}.terminal.output", f"gpuaas.node.{NODE}.terminal.input"}

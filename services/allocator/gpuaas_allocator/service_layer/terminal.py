@@ -348,7 +348,8 @@ class TerminalHub:
             return None
         session.agent_seen.set()
         data = base64.b64decode(req.data)
-        if session.queued + len(data) > self.limits.output_buffer:
+        # Only what was not taken before counts (a chunk sent again after an unanswered ask adds nothing).
+        if session.queued + max(0, req.offset + len(data) - session.from_guest.total) > self.limits.output_buffer:
             # A host that did not wait for its last ack (ours is held until the websocket took the bytes): not
             # taken, not answered; an honest host never gets here, and sends the chunk again when it does wait.
             self.drop("output_unpaced", node_id=req.node_id, session_id=str(req.session_id))
