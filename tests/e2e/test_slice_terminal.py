@@ -421,3 +421,83 @@ async def test_a_terminal_into_another_tenants_or_an_ended_allocation_is_refused
                 assert body["error"]["message"]
     assert await pool.fetchval("SELECT count(*) FROM terminal_sessions") == 0
     assert spy.of_type("slice.terminal_open") == []
+
+
+async def test_two_replicas_the_host_reaches_only_the_one_holding_the_websocket(
+    nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path
+) -> None:
+    """Review 3, N3: every replica subscribed `gpuaas.node.*.terminal.*` with no queue group and took every host's
+    every request. Now only the replica holding a session listens to that host, so exactly it answers; the other
+    hears nothing. Two real `gpuaas-allocator` processes; the test is the host."""
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, "allocator", "gpuaas_allocator.migrations")
+    await conn.close()
+    pool = await create_pool(fresh_db, "allocator", min_size=1, max_size=2)
+    async with UnitOfWork(pool, "allocator", "allocator", AllocationRepository) as uow:
+        await uow.repos.upsert_image(SLICE)
+        await uow.commit()
+    alloc = await _allocation(pool, TENANT, active=True)
+    await pool.execute("DELETE FROM outbox")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_NATS_CREDS")}
+    base |= {"GPUAAS_NATS_URL": nats_server.url, "GPUAAS_HEALTH_PORT": "0", "GPUAAS_DATABASE_URL": fresh_db}
+    base |= {"GPUAAS_TERMINAL_ASSERTION_SECRET": ASSERTION_SECRET, "GPUAAS_TERMINAL_INPUT_HOLD_S": "2"}
+    procs = Processes(tmp_path)
+    nc = await nats.connect(nats_server.url)
+    try:
+        ports = []
+        for name in ("replica-a", "replica-b"):
+            ready = tmp_path / f"{name}.ready"
+            proc = await procs.start(name, str(BIN / "gpuaas-allocator"), env=base | {"GPUAAS_READY_FILE": str(ready)})
+            await service_ready(ready, proc, tmp_path / f"{name}.log")
+            ports.append(json.loads(ready.read_text())["terminal_port"])
+
+        async def listeners(subject: str) -> int:
+            async with aiohttp.ClientSession() as http:
+                url = f"http://127.0.0.1:{nats_server.monitor_port}/connz?subs=1"
+                async with http.get(url) as resp:
+                    conns = (await resp.json())["connections"]
+            return sum(subject in c.get("subscriptions_list", []) for c in conns)
+
+        input_subject = f"gpuaas.node.{NODE}.terminal.input"
+        assert await listeners(input_subject) == 0  # no session anywhere: a host's requests reach no replica
+        assert await listeners("gpuaas.node.*.terminal.*") == 0
+        async with aiohttp.ClientSession() as http, http.ws_connect(_url(ports[0], alloc), headers=_headers()) as ws:
+            session_id = await eventually(
+                lambda: pool.fetchval("SELECT session_id FROM terminal_sessions WHERE ended_at IS NULL"),
+                what="the session opened on replica a",
+            )
+            assert await listeners(input_subject) == 1
+            assert await listeners(f"gpuaas.node.{NODE}.terminal.output") == 1
+            # The other replica refuses a second session on the allocation: the claim is shared in Postgres.
+            async with http.get(_url(ports[1], alloc), headers=_headers()) as second:
+                assert (second.status, (await second.json())["error"]["code"]) == (409, "terminal_in_use")
+            await ws.send_bytes(b"whoami\n")
+            answers: list[dict] = []
+            validator = default_validator()
+            inbox = nc.new_inbox()
+
+            async def on_answer(msg) -> None:
+                answers.append(validator.validate(msg.subject, msg.data))
+
+            await nc.subscribe(inbox, cb=on_answer)
+            ask = m.NodeTerminalInput(session_id=session_id, node_id=NODE, received=0)
+            env = Envelope.wrap(
+                "node.terminal_input", ask.model_dump(mode="json"), producer="node-agent", correlation_id="h"
+            )
+            await nc.publish(input_subject, env.model_dump_json().encode(), reply=inbox)
+            await eventually(lambda: len(answers) >= 1, what="the holding replica's answer")
+            assert answers[0]["type"] == "terminal.input" and answers[0]["payload"]["status"] == "open"
+            ready = await ws.receive_json(timeout=30)
+            assert ready == {"type": "session_ready", "session_id": str(session_id)}
+        # Still exactly one listener while the ended session lingers (its host hears `closed`), then none.
+        assert await listeners(input_subject) <= 1
+        assert len(answers) == 1
+        row = await eventually(
+            lambda: pool.fetchrow("SELECT * FROM terminal_sessions WHERE ended_at IS NOT NULL"),
+            what="the session ended",
+        )
+        assert row["replica_id"] and row["actor"] == f"user:{USER}"
+    finally:
+        await nc.close()
+        await procs.stop()
+        await pool.close()
