@@ -34,7 +34,7 @@ from gpuaas_allocator.service_layer.commands import provision_task_id
 from gpuaas_allocator.service_layer.handlers import Allocator
 from gpuaas_allocator.settings import AllocatorSettings
 from gpuaas_common.bus import HandlerContext, deliver
-from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.db import create_pool
@@ -501,3 +501,93 @@ async def test_two_replicas_the_host_reaches_only_the_one_holding_the_websocket(
         await nc.close()
         await procs.stop()
         await pool.close()
+
+
+async def test_a_host_flooding_its_terminal_subjects_leaves_the_allocator_bounded_and_answering(
+    nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path
+) -> None:
+    """Review 3, N3 across the process boundary: a host publishing input asks at full speed, for its live
+    session and for sessions nobody holds, leaves a real allocator's answers in flight at most its per-host
+    bound and its held bytes under the buffers' bound, counted as dropped, while it still answers queries."""
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, "allocator", "gpuaas_allocator.migrations")
+    await conn.close()
+    pool = await create_pool(fresh_db, "allocator", min_size=1, max_size=2)
+    async with UnitOfWork(pool, "allocator", "allocator", AllocationRepository) as uow:
+        await uow.repos.upsert_image(SLICE)
+        await uow.commit()
+    alloc = await _allocation(pool, TENANT, active=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_NATS_CREDS")}
+    base |= {"GPUAAS_NATS_URL": nats_server.url, "GPUAAS_HEALTH_PORT": "0", "GPUAAS_DATABASE_URL": fresh_db}
+    base |= {"GPUAAS_TERMINAL_ASSERTION_SECRET": ASSERTION_SECRET, "GPUAAS_TERMINAL_NODE_ANSWERS": "8"}
+    procs = Processes(tmp_path)
+    nc = await nats.connect(nats_server.url)
+    ready = tmp_path / "allocator.ready"
+    try:
+        proc = await procs.start(
+            "allocator", str(BIN / "gpuaas-allocator"), env=base | {"GPUAAS_READY_FILE": str(ready)}
+        )
+        await service_ready(ready, proc, tmp_path / "allocator.log")
+        info = json.loads(ready.read_text())
+
+        async def metrics() -> dict[str, float]:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"http://127.0.0.1:{info['health_port']}/metrics") as resp:
+                    text = await resp.text()
+            out = {}
+            for line in text.splitlines():
+                if line.startswith("gpuaas_terminal_"):
+                    name, value = line.rsplit(" ", 1)
+                    out[name] = float(value)
+            return out
+
+        async with (
+            aiohttp.ClientSession() as http,
+            http.ws_connect(_url(info["terminal_port"], alloc), headers=_headers()) as ws,
+        ):
+            session_id = await eventually(
+                lambda: pool.fetchval("SELECT session_id FROM terminal_sessions WHERE ended_at IS NULL"),
+                what="the session opened",
+            )
+            inbox = nc.new_inbox()
+            subject = f"gpuaas.node.{NODE}.terminal.input"
+
+            def ask(sid: uuid.UUID) -> bytes:
+                payload = m.NodeTerminalInput(session_id=sid, node_id=NODE, received=0)
+                env = Envelope.wrap(
+                    "node.terminal_input", payload.model_dump(mode="json"), producer="node-agent", correlation_id="f"
+                )
+                return env.model_dump_json().encode()
+
+            own, stranger = ask(session_id), ask(uuid.uuid4())
+            for _ in range(5000):
+                await nc.publish(subject, own, reply=inbox)
+                await nc.publish(subject, stranger, reply=inbox)
+            await nc.flush()
+            seen = await eventually(
+                lambda: _flood_counted(metrics), timeout=60, what="every flooded request counted by the allocator"
+            )
+            assert seen["gpuaas_terminal_answering"] <= 8
+            assert seen["gpuaas_terminal_buffered_bytes"] <= 256 * 1024 + 64 * 1024
+            # Allocations still flow: the allocator answers a query during the flood's held asks.
+            query = Envelope.wrap(
+                "allocation.query", {"allocation_id": str(alloc)}, producer="portal", correlation_id="q"
+            )
+            answer = await nc.request(
+                spec_for("allocation.query").subject(), query.model_dump_json().encode(), timeout=10
+            )
+            assert json.loads(answer.data)["payload"]["status"] == "found"
+            await ws.close()
+    finally:
+        await nc.close()
+        await procs.stop()
+        await pool.close()
+
+
+async def _flood_counted(metrics) -> dict[str, float] | None:
+    """The allocator's terminal readings once it has dropped the 5000 strangers' asks and all but a bounded few
+    of the 5000 of the session (answered at most 8 at a time, each held for input)."""
+    seen = await metrics()
+    unknown = seen.get('gpuaas_terminal_dropped_total{why="unknown_session"}', 0)
+    busy = seen.get('gpuaas_terminal_dropped_total{why="node_busy"}', 0)
+    return seen if unknown >= 5000 and busy >= 5000 - 8 * 20 else None
