@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -28,11 +29,12 @@ import pytest
 
 from gpuaas_allocator.adapters.repository import AllocationRepository
 from gpuaas_allocator.domain.model import ActiveImage
+from gpuaas_allocator.domain.portal_assertion import TenantAssertion, sign
 from gpuaas_allocator.service_layer.commands import provision_task_id
 from gpuaas_allocator.service_layer.handlers import Allocator
 from gpuaas_allocator.settings import AllocatorSettings
 from gpuaas_common.bus import HandlerContext, deliver
-from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.db import create_pool
@@ -50,7 +52,8 @@ REPO = Path(__file__).resolve().parents[2]
 SLICE = ActiveImage("ubuntu-24.04-h200-slice", "slice", "h200-sxm-slice", "c" * 64, "/img/slice.raw")
 NODE = "term-n1"
 TENANT = "tenant-a"
-PORTAL_TOKEN = "portal-token-of-the-terminal-test"
+ASSERTION_SECRET = "portal-assertion-key-of-the-terminal-test"
+USER = "alice@tenant-a"
 VM = "gpuaas-slice-terminal-test"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 STATE_DIR = Path("var/lib/gpuaas/agent")  # the agent's default state and seed dirs, under the host's root
@@ -205,7 +208,7 @@ async def stack(nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path) -> Asyn
         env = base | {
             "GPUAAS_DATABASE_URL": fresh_db,
             "GPUAAS_READY_FILE": str(ready),
-            "GPUAAS_PORTAL_TOKEN": PORTAL_TOKEN,
+            "GPUAAS_TERMINAL_ASSERTION_SECRET": ASSERTION_SECRET,
             # Short, so that the test's ended session is answered promptly; the default is 10 s.
             "GPUAAS_TERMINAL_INPUT_HOLD_S": "2",
         }
@@ -227,7 +230,8 @@ async def stack(nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path) -> Asyn
             "GPUAAS_NODE_ID": NODE,
             "GPUAAS_HOST_ROOT": str(root),
             "GPUAAS_LIBVIRT_URI": f"test://{hypervisor}",
-            "GPUAAS_GUEST_USER": getpass.getuser(),
+            # The relay logs in as the console user (the seed's unprivileged one): here the sshd's only user.
+            "GPUAAS_CONSOLE_USER": getpass.getuser(),
             "GPUAAS_SSH_PORT": str(ssh_port),
             "GPUAAS_RECONCILE_INTERVAL_S": "3600",
             "GPUAAS_READY_FILE": str(tmp_path / "agent.ready"),
@@ -301,8 +305,12 @@ def _url(port: int, alloc: uuid.UUID) -> str:
     return f"http://127.0.0.1:{port}/v1/allocations/{alloc}/terminal"
 
 
-def _headers(tenant: str = TENANT, token: str = PORTAL_TOKEN) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}", "X-Tenant-Id": tenant}
+def _headers(
+    tenant: str = TENANT, *, secret: str = ASSERTION_SECRET, lives_s: int = 60, x_tenant: str | None = None
+) -> dict[str, str]:
+    """What the portal sends: its signed assertion of the tenant and the signed-in person."""
+    token = sign(secret.encode(), TenantAssertion(tenant, USER, int(time.time()) + lives_s))
+    return {"Authorization": f"Bearer {token}"} | ({"X-Tenant-Id": x_tenant} if x_tenant else {})
 
 
 async def _read_until(ws: aiohttp.ClientWebSocketResponse, marker: bytes, seen: bytearray) -> list[dict]:
@@ -328,6 +336,10 @@ async def test_a_tenant_runs_a_command_in_its_slice_through_the_relay_and_the_se
         ready = await ws.receive_json(timeout=60)
         assert ready["type"] == "session_ready", ready
         session_id = uuid.UUID(ready["session_id"])
+        # One live session per allocation: a second websocket is refused before the upgrade, nothing sent.
+        async with http.get(_url(port, alloc), headers=_headers()) as second:
+            body = await second.json()
+            assert (second.status, body["error"]["code"]) == (409, "terminal_in_use"), body
         seen = bytearray()
         # Split so that the marker appears only in the command's output, never in the echo of what was typed.
         await ws.send_bytes(b"echo terminal-$((6*7))-ok; id -un\n")
@@ -352,7 +364,7 @@ async def test_a_tenant_runs_a_command_in_its_slice_through_the_relay_and_the_se
         what="the session's audit row completed",
     )
     assert (row["allocation_id"], row["tenant_id"], row["node_id"]) == (alloc, TENANT, NODE)
-    assert row["actor"] == f"portal:{TENANT}"
+    assert row["actor"] == f"user:{USER}"  # the person the portal asserted, not the portal
     assert row["end_reason"] == "guest_closed"
     assert row["ended_at"] >= row["started_at"]
     typed = len(b"echo terminal-$((6*7))-ok; id -un\n") + len(b"exit\n")
@@ -361,6 +373,7 @@ async def test_a_tenant_runs_a_command_in_its_slice_through_the_relay_and_the_se
 
     # What crossed the bus: the task to this host only, the host's requests on its own subjects, the answers.
     opened = spy.of_type("slice.terminal_open", session_id=session_id)
+    assert len(spy.of_type("slice.terminal_open")) == 1
     assert len(opened) == 1 and opened[0]["payload"]["node_id"] == NODE
     subjects = {s for s, d in spy.messages if d.get("type") in ("node.terminal_output", "node.terminal_input")}
     assert subjects == {f"gpuaas.node.{NODE}.terminal.output", f"gpuaas.node.{NODE}.terminal.input"}
@@ -390,7 +403,16 @@ async def test_a_terminal_into_another_tenants_or_an_ended_allocation_is_refused
             (uuid.uuid4(), _headers(), 404, "unknown_allocation"),
             (not_yet, _headers(), 409, "allocation_not_active"),
             (ended, _headers(), 409, "allocation_not_active"),
-            (theirs, _headers(token="not-the-portal"), 401, "unauthorized"),
+            # A portal identity opens only its own tenant's consoles: a header naming another changes nothing.
+            (theirs, _headers(x_tenant="tenant-b"), 404, "unknown_allocation"),
+            (theirs, _headers("tenant-b", secret="not-the-portals-key-but-as-long-as-it"), 401, "unauthorized"),
+            (stack.active, _headers(lives_s=-1), 401, "unauthorized"),
+            (
+                stack.active,
+                {"Authorization": "Bearer portal-token-of-the-terminal-test", "X-Tenant-Id": TENANT},
+                401,
+                "unauthorized",
+            ),
             (theirs, {"X-Tenant-Id": "tenant-b"}, 401, "unauthorized"),
         ):
             async with http.get(_url(port, alloc), headers=headers) as resp:
@@ -399,3 +421,173 @@ async def test_a_terminal_into_another_tenants_or_an_ended_allocation_is_refused
                 assert body["error"]["message"]
     assert await pool.fetchval("SELECT count(*) FROM terminal_sessions") == 0
     assert spy.of_type("slice.terminal_open") == []
+
+
+async def test_two_replicas_the_host_reaches_only_the_one_holding_the_websocket(
+    nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path
+) -> None:
+    """Review 3, N3: every replica subscribed `gpuaas.node.*.terminal.*` with no queue group and took every host's
+    every request. Now only the replica holding a session listens to that host, so exactly it answers; the other
+    hears nothing. Two real `gpuaas-allocator` processes; the test is the host."""
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, "allocator", "gpuaas_allocator.migrations")
+    await conn.close()
+    pool = await create_pool(fresh_db, "allocator", min_size=1, max_size=2)
+    async with UnitOfWork(pool, "allocator", "allocator", AllocationRepository) as uow:
+        await uow.repos.upsert_image(SLICE)
+        await uow.commit()
+    alloc = await _allocation(pool, TENANT, active=True)
+    await pool.execute("DELETE FROM outbox")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_NATS_CREDS")}
+    base |= {"GPUAAS_NATS_URL": nats_server.url, "GPUAAS_HEALTH_PORT": "0", "GPUAAS_DATABASE_URL": fresh_db}
+    base |= {"GPUAAS_TERMINAL_ASSERTION_SECRET": ASSERTION_SECRET, "GPUAAS_TERMINAL_INPUT_HOLD_S": "2"}
+    procs = Processes(tmp_path)
+    nc = await nats.connect(nats_server.url)
+    try:
+        ports = []
+        for name in ("replica-a", "replica-b"):
+            ready = tmp_path / f"{name}.ready"
+            proc = await procs.start(name, str(BIN / "gpuaas-allocator"), env=base | {"GPUAAS_READY_FILE": str(ready)})
+            await service_ready(ready, proc, tmp_path / f"{name}.log")
+            ports.append(json.loads(ready.read_text())["terminal_port"])
+
+        async def listeners(subject: str) -> int:
+            async with aiohttp.ClientSession() as http:
+                url = f"http://127.0.0.1:{nats_server.monitor_port}/connz?subs=1"
+                async with http.get(url) as resp:
+                    conns = (await resp.json())["connections"]
+            return sum(subject in c.get("subscriptions_list", []) for c in conns)
+
+        input_subject = f"gpuaas.node.{NODE}.terminal.input"
+        assert await listeners(input_subject) == 0  # no session anywhere: a host's requests reach no replica
+        assert await listeners("gpuaas.node.*.terminal.*") == 0
+        async with aiohttp.ClientSession() as http, http.ws_connect(_url(ports[0], alloc), headers=_headers()) as ws:
+            session_id = await eventually(
+                lambda: pool.fetchval("SELECT session_id FROM terminal_sessions WHERE ended_at IS NULL"),
+                what="the session opened on replica a",
+            )
+            assert await listeners(input_subject) == 1
+            assert await listeners(f"gpuaas.node.{NODE}.terminal.output") == 1
+            # The other replica refuses a second session on the allocation: the claim is shared in Postgres.
+            async with http.get(_url(ports[1], alloc), headers=_headers()) as second:
+                assert (second.status, (await second.json())["error"]["code"]) == (409, "terminal_in_use")
+            await ws.send_bytes(b"whoami\n")
+            answers: list[dict] = []
+            validator = default_validator()
+            inbox = nc.new_inbox()
+
+            async def on_answer(msg) -> None:
+                answers.append(validator.validate(msg.subject, msg.data))
+
+            await nc.subscribe(inbox, cb=on_answer)
+            ask = m.NodeTerminalInput(session_id=session_id, node_id=NODE, received=0)
+            env = Envelope.wrap(
+                "node.terminal_input", ask.model_dump(mode="json"), producer="node-agent", correlation_id="h"
+            )
+            await nc.publish(input_subject, env.model_dump_json().encode(), reply=inbox)
+            await eventually(lambda: len(answers) >= 1, what="the holding replica's answer")
+            assert answers[0]["type"] == "terminal.input" and answers[0]["payload"]["status"] == "open"
+            ready = await ws.receive_json(timeout=30)
+            assert ready == {"type": "session_ready", "session_id": str(session_id)}
+        # Still exactly one listener while the ended session lingers (its host hears `closed`), then none.
+        assert await listeners(input_subject) <= 1
+        assert len(answers) == 1
+        row = await eventually(
+            lambda: pool.fetchrow("SELECT * FROM terminal_sessions WHERE ended_at IS NOT NULL"),
+            what="the session ended",
+        )
+        assert row["replica_id"] and row["actor"] == f"user:{USER}"
+    finally:
+        await nc.close()
+        await procs.stop()
+        await pool.close()
+
+
+async def test_a_host_flooding_its_terminal_subjects_leaves_the_allocator_bounded_and_answering(
+    nats_server, fresh_db: str, spy: BusSpy, tmp_path: Path
+) -> None:
+    """Review 3, N3 across the process boundary: a host publishing input asks at full speed, for its live
+    session and for sessions nobody holds, leaves a real allocator's answers in flight at most its per-host
+    bound and its held bytes under the buffers' bound, counted as dropped, while it still answers queries."""
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, "allocator", "gpuaas_allocator.migrations")
+    await conn.close()
+    pool = await create_pool(fresh_db, "allocator", min_size=1, max_size=2)
+    async with UnitOfWork(pool, "allocator", "allocator", AllocationRepository) as uow:
+        await uow.repos.upsert_image(SLICE)
+        await uow.commit()
+    alloc = await _allocation(pool, TENANT, active=True)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("GPUAAS_NATS_CREDS")}
+    base |= {"GPUAAS_NATS_URL": nats_server.url, "GPUAAS_HEALTH_PORT": "0", "GPUAAS_DATABASE_URL": fresh_db}
+    base |= {"GPUAAS_TERMINAL_ASSERTION_SECRET": ASSERTION_SECRET, "GPUAAS_TERMINAL_NODE_ANSWERS": "8"}
+    procs = Processes(tmp_path)
+    nc = await nats.connect(nats_server.url)
+    ready = tmp_path / "allocator.ready"
+    try:
+        proc = await procs.start(
+            "allocator", str(BIN / "gpuaas-allocator"), env=base | {"GPUAAS_READY_FILE": str(ready)}
+        )
+        await service_ready(ready, proc, tmp_path / "allocator.log")
+        info = json.loads(ready.read_text())
+
+        async def metrics() -> dict[str, float]:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(f"http://127.0.0.1:{info['health_port']}/metrics") as resp:
+                    text = await resp.text()
+            out = {}
+            for line in text.splitlines():
+                if line.startswith("gpuaas_terminal_"):
+                    name, value = line.rsplit(" ", 1)
+                    out[name] = float(value)
+            return out
+
+        async with (
+            aiohttp.ClientSession() as http,
+            http.ws_connect(_url(info["terminal_port"], alloc), headers=_headers()) as ws,
+        ):
+            session_id = await eventually(
+                lambda: pool.fetchval("SELECT session_id FROM terminal_sessions WHERE ended_at IS NULL"),
+                what="the session opened",
+            )
+            inbox = nc.new_inbox()
+            subject = f"gpuaas.node.{NODE}.terminal.input"
+
+            def ask(sid: uuid.UUID) -> bytes:
+                payload = m.NodeTerminalInput(session_id=sid, node_id=NODE, received=0)
+                env = Envelope.wrap(
+                    "node.terminal_input", payload.model_dump(mode="json"), producer="node-agent", correlation_id="f"
+                )
+                return env.model_dump_json().encode()
+
+            own, stranger = ask(session_id), ask(uuid.uuid4())
+            for _ in range(5000):
+                await nc.publish(subject, own, reply=inbox)
+                await nc.publish(subject, stranger, reply=inbox)
+            await nc.flush()
+            seen = await eventually(
+                lambda: _flood_counted(metrics), timeout=60, what="every flooded request counted by the allocator"
+            )
+            assert seen["gpuaas_terminal_answering"] <= 8
+            assert seen["gpuaas_terminal_buffered_bytes"] <= 256 * 1024 + 64 * 1024
+            # Allocations still flow: the allocator answers a query during the flood's held asks.
+            query = Envelope.wrap(
+                "allocation.query", {"allocation_id": str(alloc)}, producer="portal", correlation_id="q"
+            )
+            answer = await nc.request(
+                spec_for("allocation.query").subject(), query.model_dump_json().encode(), timeout=10
+            )
+            assert json.loads(answer.data)["payload"]["status"] == "found"
+            await ws.close()
+    finally:
+        await nc.close()
+        await procs.stop()
+        await pool.close()
+
+
+async def _flood_counted(metrics) -> dict[str, float] | None:
+    """The allocator's terminal readings once it has dropped the 5000 strangers' asks and all but a bounded few
+    of the 5000 of the session (answered at most 8 at a time, each held for input)."""
+    seen = await metrics()
+    unknown = seen.get('gpuaas_terminal_dropped_total{why="unknown_session"}', 0)
+    busy = seen.get('gpuaas_terminal_dropped_total{why="node_busy"}', 0)
+    return seen if unknown >= 5000 and busy >= 5000 - 8 * 20 else None

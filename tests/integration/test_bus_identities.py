@@ -25,7 +25,7 @@ from nats.aio.client import RawCredentials
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from structlog.testing import capture_logs
 
-from gpuaas_allocator.entrypoints.main import query_responder, terminal_responder
+from gpuaas_allocator.entrypoints.main import query_responder, terminal_intake
 from gpuaas_allocator.service_layer.terminal import Session, TerminalHub
 from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.contract import messages as msgs
@@ -292,9 +292,18 @@ async def test_a_host_relays_a_terminal_only_on_its_own_subjects_and_the_allocat
     for type_, answer in (("node.terminal_output", hub.on_output), ("node.terminal_input", hub.on_input)):
         every_host = str(spec_for(type_).address).replace("{node_id}", "*")
         allocator.errors.clear()
-        subs.append(await allocator.nc.subscribe(every_host, cb=terminal_responder(type_, answer)))
+        subs.append(await allocator.nc.subscribe(every_host, cb=terminal_intake(hub, type_, answer)))
         assert not await allocator._refused(f'subscription to "{every_host}"')
     validator = default_validator()
+    # The tenant's websocket, reading: the output's ack waits until its bytes were taken (review 3, N7).
+    got: list[bytes] = []
+
+    async def websocket() -> None:
+        while (chunk := await session.output.get()) is not None:
+            got.append(chunk)
+            session.written(len(chunk))
+
+    reading = asyncio.create_task(websocket())
     try:
         hub.type(session, b"uname -a\n")
         answers = {}
@@ -316,8 +325,10 @@ async def test_a_host_relays_a_terminal_only_on_its_own_subjects_and_the_allocat
             assert n1.errors == []
         assert base64.b64decode(answers["node.terminal_input"]["payload"]["data"]) == b"uname -a\n"
         assert answers["node.terminal_output"]["payload"]["received"] == len(b"Linux\n")
-        assert await session.output.get() == b"Linux\n"
+        assert got == [b"Linux\n"]
     finally:
+        session.output.put_nowait(None)
+        await reading
         for sub in subs:
             await sub.unsubscribe()
 

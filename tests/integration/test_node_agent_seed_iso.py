@@ -66,10 +66,12 @@ async def test_seed_iso_has_cidata_label_and_files(tmp_path: Path) -> None:
     assert rock["user-data"].startswith("#cloud-config\n")
     user_data = yaml.safe_load(rock["user-data"])
     assert user_data["hostname"] == "slice-1234"
-    [user] = user_data["users"]
+    user, console = user_data["users"]
     assert user["name"] == "u_adda9308"
-    assert user["ssh_authorized_keys"] == [USER_KEY, RELAY_KEY]
+    # The relay key is the console user's alone (review 3, N8): never beside the tenant's sudo login.
+    assert user["ssh_authorized_keys"] == [USER_KEY]
     assert user["lock_passwd"] is True
+    assert console["name"] == seed_iso.CONSOLE_USER and console["ssh_authorized_keys"] == [RELAY_KEY]
     assert user_data["ssh_pwauth"] is False
 
     assert yaml.safe_load(rock["meta-data"]) == {"instance-id": "alloc-1234", "local-hostname": "slice-1234"}
@@ -84,6 +86,38 @@ async def test_default_user_and_no_network_config(tmp_path: Path) -> None:
     user_data = yaml.safe_load(rock["user-data"])
     assert user_data["users"] == ["default"]
     assert user_data["ssh_authorized_keys"] == [USER_KEY, RELAY_KEY]
+
+
+@pytest.mark.parametrize("username", ["u_adda9308", None])
+async def test_the_relay_key_logs_in_as_a_console_user_with_no_sudo_and_no_root(
+    tmp_path: Path, username: str | None
+) -> None:
+    """Review 3, N8: the seed authorised the relay key for the passwordless-sudo user (or the image's default
+    user, sudo too), so whoever held it had root in every guest. Now only an unprivileged user of its own holds
+    it: no sudo rule, no group, not root, and the key is nowhere else in the seed."""
+    path = tmp_path / "vm-console.iso"
+    await seed_iso.write_seed_iso(
+        path,
+        instance_id="i-c",
+        hostname="hc",
+        ssh_authorized_keys=[USER_KEY],
+        username=username,
+        relay_public_key=RELAY_KEY,
+    )
+    _, rock, _ = _read(path)
+    doc = yaml.safe_load(rock["user-data"])
+    holders = [u for u in doc["users"] if isinstance(u, dict) and RELAY_KEY in u.get("ssh_authorized_keys", [])]
+    [console] = holders
+    assert console["name"] == seed_iso.CONSOLE_USER != "root"
+    assert console["sudo"] is False and "groups" not in console and console["lock_passwd"] is True
+    # Top-level keys go to the default user and (refused) to root: the relay key is not among them.
+    assert RELAY_KEY not in doc.get("ssh_authorized_keys", [])
+    assert doc["disable_root"] is True
+    assert rock["user-data"].count(RELAY_KEY.split()[1]) == 1
+    with pytest.raises(seed_iso.SeedIsoError):
+        seed_iso.render_user_data(
+            hostname="hc", ssh_authorized_keys=[USER_KEY], relay_public_key=RELAY_KEY, console_user="root"
+        )
 
 
 async def test_rewrite_replaces_atomically(tmp_path: Path) -> None:

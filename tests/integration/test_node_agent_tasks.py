@@ -16,6 +16,7 @@ from typing import Any
 import nats
 import nats.errors
 import pytest
+import yaml
 
 from gpuaas_common.contract import Envelope, spec_for, utcnow
 from gpuaas_common.contract import messages as m
@@ -246,10 +247,16 @@ async def test_provision_then_release_clones_boots_and_wipes_with_proof(env: Env
         expected=2, pci=2, driver=2, driver_state="loaded", driver_version="580.159.04", driver_strategy="preinstalled"
     )
     assert disks[0].read_bytes()[: len(IMAGE_PATTERN)] == IMAGE_PATTERN
-    # The host's terminal relay key is authorised in the guest beside the tenant's: the slice terminal logs in
-    # with it (issue 26, point 8).
+    # The host's terminal relay key is authorised in the guest for the console user alone, no sudo (issue 26,
+    # point 8; issue 38, point 7): the slice terminal logs in with it.
     _label, seed_files, _joliet = read_seed_iso(env.root / "var/lib/gpuaas/seeds" / f"{prov.vm_name}.iso")
     assert env.agent.relay_public_key and env.agent.relay_public_key in seed_files["user-data"]
+    holders = [
+        u["name"]
+        for u in yaml.safe_load(seed_files["user-data"])["users"]
+        if isinstance(u, dict) and env.agent.relay_public_key in u.get("ssh_authorized_keys", [])
+    ]
+    assert holders == [env.agent.console_user]
     assert await env.libvirt.exists(prov.vm_name)
     xml = ET.fromstring(env.libvirt._connection().lookupByName(prov.vm_name).XMLDesc())
     sources = [s.get("file") or s.get("dev") for s in xml.iter("source") if s.get("file") or s.get("dev")]

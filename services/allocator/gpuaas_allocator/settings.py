@@ -34,9 +34,10 @@ class AllocatorSettings(ServiceSettings):
     # Shared with the MAAS gateway, which puts HMAC(secret, allocation:system) into user_data. No default: 16
     # characters or more, the gateway's value (`gpuaas dev up` and `scripts/compose-env.sh` make a random one).
     enrolment_secret: SecretStr
-    # The slice terminal's websocket (GET /v1/allocations/{id}/terminal), for the portal acting for a tenant: its
-    # bearer token; without one the endpoint does not listen.
-    portal_token: SecretStr | None = None
+    # The slice terminal's websocket (GET /v1/allocations/{id}/terminal), for the portal acting for a signed-in
+    # person of a tenant: the HMAC key the portal signs its tenant assertions with (tenant, person, expiry; 32
+    # characters or more); without one the endpoint does not listen.
+    terminal_assertion_secret: SecretStr | None = None
     # Where it listens: loopback by default, behind the portal's own TLS front.
     terminal_host: str = "127.0.0.1"
     # 0: any free port (the ready file and the log say which).
@@ -47,6 +48,22 @@ class AllocatorSettings(ServiceSettings):
     terminal_input_hold_s: float = Field(default=10.0, gt=0)
     # A session whose host has not started relaying within this long ends (agent_gone).
     terminal_open_timeout_s: float = Field(default=30.0, gt=0)
+    # Guest output held for a tenant's websocket, per session; the host's ack waits until the websocket took it.
+    terminal_output_buffer_bytes: int = Field(default=64 * 1024, ge=16 * 1024)
+    # Tenant input the host has not confirmed yet, per session; a frame past it is refused (an `input_refused`
+    # notice) and nothing of it kept.
+    terminal_input_window_bytes: int = Field(default=256 * 1024, ge=64 * 1024)
+    # Live terminal sessions a tenant may hold over all its allocations and every replica (one per allocation).
+    terminal_sessions_per_tenant: int = Field(default=4, ge=1)
+    # Host terminal requests answered at once for one host; past it a request is dropped and counted.
+    terminal_node_answers: int = Field(default=16, ge=2)
+
+    @field_validator("terminal_assertion_secret")
+    @classmethod
+    def _assertion_secret_long_enough(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < 32:
+            raise ValueError("must be at least 32 characters: it is the key of the portal's tenant assertions")
+        return v
 
     @field_validator("enrolment_secret")
     @classmethod

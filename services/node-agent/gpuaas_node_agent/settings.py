@@ -1,5 +1,5 @@
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -34,6 +34,9 @@ class AgentSettings(ServiceSettings):
     readiness_login: bool = True
     # The user cloud-init creates in the guest for the tenant's keys (and the agent's readiness key).
     guest_user: str = Field(default="gpuaas", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
+    # The user the seed creates for the slice terminal's relay key alone: no sudo, no group, not root, not
+    # `guest_user`. The console logs in as it.
+    console_user: str = Field(default="gpuaas-console", pattern=r"^[a-z_][a-z0-9_-]{0,31}$")
     # The agent's task records (SQLite), which survive restarts.
     state_dir: str = "/var/lib/gpuaas/agent"
     # The guests' SSH port, probed before a slice is reported ready.
@@ -73,6 +76,14 @@ class AgentSettings(ServiceSettings):
     # Seconds between reconciler passes (host against the task records, drift reported to the scheduler);
     # one pass also runs at start.
     reconcile_interval_s: float = Field(default=300.0, gt=0)
+
+    @field_validator("console_user")
+    @classmethod
+    def _console_user_of_its_own(cls, v: str, info: Any) -> str:
+        # (The seed refuses root too; a test's stand-in guest, a local sshd, may only have the user running it.)
+        if v == info.data.get("guest_user"):
+            raise ValueError("must be a user of its own, not GPUAAS_GUEST_USER (which has sudo)")
+        return v
 
     @field_validator("emulated_slot_disks")
     @classmethod

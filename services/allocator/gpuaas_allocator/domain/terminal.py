@@ -9,7 +9,17 @@ from typing import Any
 
 # Each end of a session, as the audit records it.
 END_REASONS = frozenset(
-    {"client_closed", "guest_closed", "agent_gone", "ssh_failed", "deadline", "refused", "allocation_ended"}
+    {
+        "client_closed",
+        "guest_closed",
+        "agent_gone",
+        "ssh_failed",
+        "deadline",
+        "refused",
+        "allocation_ended",
+        # The replica that held the websocket stopped renewing its claim (it died): a new session may open.
+        "replica_gone",
+    }
 )
 
 
@@ -42,6 +52,25 @@ def terminal_refusal(row: dict[str, Any] | None, allocation_id: uuid.UUID, tenan
     return None
 
 
+def session_refusal(live_on_allocation: int, live_of_tenant: int, per_tenant: int) -> TerminalRefusal | None:
+    """None when one more session may open: one live session per allocation (a second websocket would be a second
+    reader of the same keystrokes, and a second buffer), and at most `per_tenant` for a tenant over all of its
+    allocations and every replica."""
+    if live_on_allocation:
+        return TerminalRefusal(
+            409, "terminal_in_use", "this allocation already has a live terminal session: close it first"
+        )
+    if live_of_tenant >= per_tenant:
+        return TerminalRefusal(
+            429, "too_many_terminals", f"the tenant has {live_of_tenant} live terminal sessions, the most it may hold"
+        )
+    return None
+
+
+class InputWindowFull(ValueError):
+    """The tenant typed past what the host has confirmed by more than the window: the frame is refused whole."""
+
+
 @dataclass
 class Stream:
     """One direction of a session's bytes: what was taken and what the other side has acknowledged."""
@@ -59,7 +88,16 @@ class Stream:
         self.total += len(fresh)
         return fresh
 
-    def put(self, data: bytes) -> None:
+    @property
+    def held(self) -> int:
+        """Bytes kept for a reader that has not confirmed them."""
+        return len(self.buffered)
+
+    def put(self, data: bytes, window: int | None = None) -> None:
+        """Keep `data` for the reader; with a `window`, refused whole (InputWindowFull) when the unconfirmed bytes
+        would pass it, so what is kept never grows past the window whatever the writer sends."""
+        if window is not None and self.held + len(data) > window:
+            raise InputWindowFull(f"{self.held} bytes not yet taken by the guest; the window is {window}")
         self.buffered += data
         self.total += len(data)
 

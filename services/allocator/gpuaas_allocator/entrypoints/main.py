@@ -21,7 +21,7 @@ from ..adapters.repository import AllocationRepository, count_images
 from ..service_layer.deadlines import sweep_deadlines
 from ..service_layer.handlers import Allocator, handlers_by_consumer
 from ..service_layer.queries import answer_query
-from ..service_layer.terminal import TerminalHub
+from ..service_layer.terminal import TerminalHub, TerminalLimits
 from ..settings import AllocatorSettings
 from .terminal_http import TerminalApi
 
@@ -100,66 +100,154 @@ def query_responder(pool: asyncpg.Pool):
 
 
 async def serve_terminal(rt: ServiceRuntime, settings: AllocatorSettings) -> None:
-    """The slice terminal: the tenant's websocket, and the answers to the hosts' terminal requests. Every replica
-    hears every host's requests (no queue group): only the one holding a session's websocket answers for it."""
-    if settings.portal_token is None:
+    """The slice terminal: the tenant's websocket, and the answers to the hosts' terminal requests. A replica
+    listens to a host's terminal subjects only while it holds a session on that host (NodeListeners), so the
+    replica holding a session's websocket is the one its host's requests reach."""
+    if settings.terminal_assertion_secret is None:
         log.warning(
-            "terminal_api_disabled", why="GPUAAS_PORTAL_TOKEN is not set: the terminal never listens without one"
+            "terminal_api_disabled",
+            why="GPUAAS_TERMINAL_ASSERTION_SECRET is not set: the terminal never listens without the portal's key",
         )
         return
-    assert rt.bus is not None and rt.nc is not None
+    assert rt.bus is not None and rt.nc is not None and rt.pool is not None
+    limits = TerminalLimits(
+        output_buffer=settings.terminal_output_buffer_bytes,
+        input_window=settings.terminal_input_window_bytes,
+        per_tenant=settings.terminal_sessions_per_tenant,
+        node_answers=settings.terminal_node_answers,
+    )
+    listeners = NodeListeners(rt.nc, linger_s=settings.terminal_input_hold_s + 20.0)
     hub = TerminalHub(
         rt.bus.unit_of_work,
         session_max_s=settings.terminal_session_max_s,
         input_hold_s=settings.terminal_input_hold_s,
+        limits=limits,
+        interest=listeners,
     )
-    api = TerminalApi(hub, settings.portal_token, open_timeout_s=settings.terminal_open_timeout_s)
-    answering: set[asyncio.Task[None]] = set()
-    for type_, answer in (("node.terminal_output", hub.on_output), ("node.terminal_input", hub.on_input)):
-        responder = terminal_responder(type_, answer)
-
-        async def on_request(msg: Any, responder=responder) -> None:
-            # An input ask is held until the tenant types: each request is answered on its own task, so one held
-            # ask never delays another host's bytes.
-            task = asyncio.create_task(responder(msg))
-            answering.add(task)
-            task.add_done_callback(answering.discard)
-
-        every_host = str(spec_for(type_).address).replace("{node_id}", "*")
-        await rt.nc.subscribe(every_host, cb=on_request)
+    listeners.callbacks = {
+        type_: terminal_intake(hub, type_, answer)
+        for type_, answer in (("node.terminal_output", hub.on_output), ("node.terminal_input", hub.on_input))
+    }
+    api = TerminalApi(hub, settings.terminal_assertion_secret, open_timeout_s=settings.terminal_open_timeout_s)
+    rt.add_reading("terminal", hub.reading)
+    # The claims other replicas read to tell a live session from one whose replica died (domain: replica_gone).
+    rt.spawn(every(limits.claim_stale_s / 3, hub.renew_claims, "terminal_claims"), "terminal-claims")
     rt.ready_info["terminal_port"] = await api.start(settings.terminal_host, settings.terminal_port)
+    rt.ready_info["terminal_replica"] = hub.replica_id
     rt.on_stop.append(api.stop)
 
 
-def terminal_responder(type_: str, answer: Any):
+# nats-py's own queue for a subscription, before our callback: bounded by messages and bytes, so a host that
+# publishes faster than the callback drops (a slow consumer on that subscription only) instead of growing it.
+TERMINAL_PENDING_MSGS = 1024
+TERMINAL_PENDING_BYTES = 4 * 1024 * 1024
+
+
+class NodeListeners:
+    """Subscriptions to one host's two terminal subjects, held while this replica has a live session on the
+    host, let go `linger_s` after its last one ends (the host then still hears `closed` for it). No queue group:
+    two replicas with sessions on one host both hear it, and each answers only its own sessions."""
+
+    def __init__(self, nc: Any, *, linger_s: float) -> None:
+        self.nc = nc
+        self.linger_s = linger_s
+        self.callbacks: dict[str, Any] = {}
+        self._held: dict[str, int] = {}
+        self._subs: dict[str, list[Any]] = {}
+        self._later: dict[str, asyncio.TimerHandle] = {}
+
+    async def hold(self, node_id: str) -> None:
+        self._held[node_id] = self._held.get(node_id, 0) + 1
+        pending = self._later.pop(node_id, None)
+        if pending is not None:
+            pending.cancel()
+        if node_id in self._subs:
+            return
+        subs = []
+        for type_, cb in self.callbacks.items():
+            subject = str(spec_for(type_).address).replace("{node_id}", node_id)
+            subs.append(
+                await self.nc.subscribe(
+                    subject,
+                    cb=cb,
+                    pending_msgs_limit=TERMINAL_PENDING_MSGS,
+                    pending_bytes_limit=TERMINAL_PENDING_BYTES,
+                )
+            )
+        self._subs[node_id] = subs
+        await self.nc.flush()  # the server knows of us before the open task reaches the host
+
+    def let_go(self, node_id: str) -> None:
+        left = self._held.get(node_id, 0) - 1
+        if left > 0:
+            self._held[node_id] = left
+            return
+        self._held.pop(node_id, None)
+        if node_id in self._subs and node_id not in self._later:
+            self._later[node_id] = asyncio.get_running_loop().call_later(self.linger_s, self._drop, node_id)
+
+    def _drop(self, node_id: str) -> None:
+        self._later.pop(node_id, None)
+        if node_id in self._held:
+            return
+        for sub in self._subs.pop(node_id, []):
+            asyncio.get_running_loop().create_task(sub.unsubscribe())
+
+    def listening(self) -> set[str]:
+        return set(self._subs)
+
+
+def terminal_intake(hub: TerminalHub, type_: str, answer: Any):
+    """The callback of a host's terminal subject. Runs on the subscription's own task, one message after another:
+    it parses and decides before anything is allocated. Not this replica's session, or the host's answer slots
+    all taken: dropped (counted, one log line per window), no task. Otherwise one task answers it (an input ask
+    is held until the tenant types), bounded per host by the hub's slots."""
     reply_type = spec_for(type_).reply
     assert reply_type is not None
+    answering: set[asyncio.Task[None]] = set()  # held so that no answer is collected half-way
 
-    async def respond(msg: Any) -> None:
+    async def on_request(msg: Any) -> None:
         if not msg.reply:
             return
         try:
             envelope, req = parse_message(msg.subject, msg.data)
         except PermanentError as exc:
             # A core request, not a stream message: nothing to dead-letter; the host hears nothing and gives up.
-            log.warning("terminal_request_invalid", subject=msg.subject, code=exc.reason_code, reason=exc.reason[:300])
+            hub.drop("invalid", subject=msg.subject, code=exc.reason_code, reason=exc.reason[:300])
             return
         if envelope.type != type_:
-            log.warning("terminal_request_invalid", subject=msg.subject, code="unexpected_type", reason=envelope.type)
+            hub.drop("invalid", subject=msg.subject, code="unexpected_type", reason=envelope.type[:100])
             return
-        result = await answer(req)
-        if result is None:
-            return  # another replica's session
-        env = Envelope.wrap(
-            reply_type,
-            result.model_dump(mode="json"),
-            producer="allocator",
-            correlation_id=envelope.correlation_id,
-            causation_id=envelope.event_id,
-        )
-        await msg.respond(env.model_dump_json().encode())
+        node_id = req.node_id  # type: ignore[attr-defined]
+        if not hub.answers_for(req.session_id, node_id):  # type: ignore[attr-defined]
+            hub.drop("unknown_session", node_id=node_id)
+            return
+        if not hub.admit(node_id):
+            hub.drop("node_busy", node_id=node_id)
+            return
+        task = asyncio.get_running_loop().create_task(_answer(msg, envelope, req, node_id))
+        answering.add(task)
+        task.add_done_callback(answering.discard)
 
-    return respond
+    async def _answer(msg: Any, envelope: Envelope, req: Any, node_id: str) -> None:
+        try:
+            result = await answer(req)
+            if result is None:
+                return  # not answered on purpose (an ack held past its wait): the host asks again
+            env = Envelope.wrap(
+                reply_type,
+                result.model_dump(mode="json"),
+                producer="allocator",
+                correlation_id=envelope.correlation_id,
+                causation_id=envelope.event_id,
+            )
+            await msg.respond(env.model_dump_json().encode())
+        except Exception as exc:  # noqa: BLE001 - one answer failing (a closed connection) ends only that answer
+            log.warning("terminal_answer_failed", node_id=node_id, error=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            hub.done(node_id)
+
+    return on_request
 
 
 async def _poll(fn) -> None:

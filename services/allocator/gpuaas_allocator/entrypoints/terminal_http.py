@@ -1,22 +1,24 @@
 """The slice terminal's websocket: `GET /v1/allocations/{allocation_id}/terminal`, upgraded.
 
-The caller is the portal acting for a tenant, as on the bus (allocation.requested names its tenant): its bearer
-token (GPUAAS_PORTAL_TOKEN) proves it is the portal, `X-Tenant-Id` names the tenant it authenticated. A refusal
-(no or a wrong token, another tenant's allocation, one not active, a baremetal one) is answered before the
-upgrade with the API's error shape, and nothing is stored or sent to any host.
+The caller is the portal acting for a person signed in to it: its bearer is a tenant assertion the portal signed
+(domain/portal_assertion.py: tenant, person, expiry, HMAC under GPUAAS_TERMINAL_ASSERTION_SECRET), and it opens
+only that tenant's consoles; the audit row names the person. A refusal (no, an unsigned or an expired assertion,
+another tenant's allocation, one not active, a baremetal one, a console already open on it, the tenant at its
+cap) is answered before the upgrade with the API's error shape, and nothing is stored or sent to any host.
 
 On the socket: binary frames are the terminal's bytes both ways; text frames from the server are JSON notices,
-`{"type": "session_ready", "session_id": …}` once the host's agent relays, and `{"type": "closed", "reason": …}`
-before the server closes. A raw VNC or SPICE console is never offered: the guest has none (domain_xml).
+`{"type": "session_ready", "session_id": …}` once the host's agent relays, `{"type": "input_refused", …}` for a
+frame past the input window (nothing of it kept: the guest has not read what came before), and
+`{"type": "closed", "reason": …}` before the server closes. A raw VNC or SPICE console is never offered: the
+guest has none (domain_xml).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
-import re
+import time
 import uuid
 
 from aiohttp import WSMsgType, web
@@ -25,21 +27,21 @@ from pydantic import SecretStr
 from gpuaas_common.admin_http.errors import error_response
 from gpuaas_common.logging import bound_context, get_logger
 
+from ..domain.portal_assertion import AssertionRefused, TenantAssertion, verify
 from ..service_layer.terminal import Refused, Session, TerminalHub
 
 log = get_logger(__name__)
 
-TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 # A tenant typing: far below a chunk; a paste larger than this arrives in several frames.
 MAX_FRAME = 64 * 1024
 
 
 class TerminalApi:
-    def __init__(self, hub: TerminalHub, portal_token: SecretStr, *, open_timeout_s: float) -> None:
-        if not portal_token.get_secret_value():
-            raise ValueError("the terminal endpoint needs a portal token (GPUAAS_PORTAL_TOKEN)")
+    def __init__(self, hub: TerminalHub, assertion_secret: SecretStr, *, open_timeout_s: float) -> None:
+        if not assertion_secret.get_secret_value():
+            raise ValueError("the terminal endpoint needs the portal's key (GPUAAS_TERMINAL_ASSERTION_SECRET)")
         self.hub = hub
-        self._token = portal_token.get_secret_value().encode()
+        self._secret = assertion_secret.get_secret_value().encode()
         self.open_timeout_s = open_timeout_s
         self._runner: web.AppRunner | None = None
 
@@ -64,24 +66,21 @@ class TerminalApi:
             await self._runner.cleanup()
             self._runner = None
 
-    def _authenticated(self, request: web.Request) -> bool:
+    def _asserted(self, request: web.Request) -> TenantAssertion:
         given = request.headers.get("Authorization", "")
-        token = given[7:].encode() if given.startswith("Bearer ") else b""
-        return bool(token) and hmac.compare_digest(token, self._token)
+        if not given.startswith("Bearer "):
+            raise AssertionRefused("a portal tenant assertion is required (Authorization: Bearer)")
+        return verify(self._secret, given[7:], time.time())
 
     async def terminal(self, request: web.Request) -> web.StreamResponse:
         request_id = uuid.uuid4().hex
-        if not self._authenticated(request):
-            return error_response(
-                401,
-                "unauthorized",
-                "the portal's bearer token is required",
-                request_id,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        tenant = request.headers.get("X-Tenant-Id", "")
-        if not TENANT_RE.match(tenant):
-            return error_response(400, "invalid_tenant", "X-Tenant-Id must name the tenant (an identifier)", request_id)
+        try:
+            asserted = self._asserted(request)
+        except AssertionRefused as exc:
+            log.info("terminal_unauthorized", request_id=request_id, reason=str(exc))
+            return error_response(401, "unauthorized", str(exc), request_id, headers={"WWW-Authenticate": "Bearer"})
+        # The tenant is the assertion's, never a header's: a portal identity opens only its own tenant's consoles.
+        tenant, actor = asserted.tenant_id, f"user:{asserted.user_id}"
         try:
             allocation_id = uuid.UUID(request.match_info["allocation_id"])
         except ValueError:
@@ -90,7 +89,7 @@ class TerminalApi:
         rows = _size(request.query.get("rows"), 24)
         with bound_context(request_id=request_id, allocation_id=str(allocation_id), tenant_id=tenant):
             try:
-                session = await self.hub.open(allocation_id, tenant, f"portal:{tenant}", cols=cols, rows=rows)
+                session = await self.hub.open(allocation_id, tenant, actor, cols=cols, rows=rows)
             except Refused as exc:
                 r = exc.refusal
                 return error_response(r.status, r.code, r.reason, request_id)
@@ -117,9 +116,19 @@ class TerminalApi:
         try:
             async for msg in ws:
                 if msg.type == WSMsgType.BINARY:
-                    self.hub.type(session, msg.data)
+                    kept = self.hub.type(session, msg.data)
                 elif msg.type == WSMsgType.TEXT:
-                    self.hub.type(session, msg.data.encode())
+                    kept = self.hub.type(session, msg.data.encode())
+                else:
+                    kept = True
+                if not kept:
+                    notice = {
+                        "type": "input_refused",
+                        "reason": "input_window",
+                        "detail": f"the guest has not read the last {self.hub.limits.input_window} bytes: "
+                        "this frame was dropped, send it again later",
+                    }
+                    await ws.send_str(json.dumps(notice))
                 if session.closed:
                     break
             if not session.closed:
@@ -134,11 +143,15 @@ class TerminalApi:
             chunk = await session.output.get()
             if chunk is None:
                 break
+            # send_bytes returns once the transport is under its high-water mark: a tenant that stops reading
+            # stops it here, the bytes stay counted as queued, and the host's ack waits (service_layer/terminal).
             await ws.send_bytes(chunk)
+            session.written(len(chunk))
         while not session.output.empty():
             rest = session.output.get_nowait()
             if rest:
                 await ws.send_bytes(rest)
+                session.written(len(rest))
         if not ws.closed:
             notice = {"type": "closed", "reason": session.end_reason, "detail": session.end_detail}
             await ws.send_str(json.dumps(notice))

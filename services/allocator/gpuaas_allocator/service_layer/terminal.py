@@ -1,36 +1,112 @@
 """The slice terminal on the control plane: a tenant's websocket on one side, the host's agent on the other.
 
-Opening is one unit of work: the allocation locked and checked (the tenant's own, a slice, active), the audit
-row written and the `slice.terminal_open` task queued to the host, together. The bytes then travel as the
-host asks for them (service_layer/../node-agent's terminal: `node.terminal_output` / `node.terminal_input`
-requests on the host's own subjects); every replica hears them, and the one holding the session's websocket
-answers. Ending completes the audit row once, with the bytes each way and why it ended.
+Opening is one unit of work: the allocation locked and checked (the tenant's own, a slice, active, no other live
+session on it, the tenant under its cap), the audit row written with this replica's claim and the
+`slice.terminal_open` task queued to the host, together. The bytes then travel as the host asks for them
+(node-agent's terminal: `node.terminal_output` / `node.terminal_input` requests on the host's own subjects). Only
+a replica holding a session on a host listens to that host's terminal subjects (`NodeInterest`), so a request
+reaches the replica holding the session's websocket, and no other; a host with no live session reaches none.
+
+Every buffer is bounded. The guest's output: at most `output_buffer` bytes held for the websocket, and the host's
+ack held until the websocket has taken them, so the host (one chunk outstanding) paces on the tenant's read. The
+tenant's input: at most `input_window` bytes the host has not confirmed; a frame past it is refused whole. The
+answers in flight: at most `node_answers` per host; a request past it is dropped before any task exists.
+Ending completes the audit row once, with the bytes each way and why it ended.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
+from gpuaas_common.metrics import Family, Sample
 from gpuaas_common.unit_of_work import UnitOfWork
 
 from ..adapters import terminal_sessions as sql
-from ..domain.terminal import Stream, TerminalRefusal, terminal_refusal
+from ..domain.terminal import InputWindowFull, Stream, TerminalRefusal, session_refusal, terminal_refusal
 
 log = get_logger(__name__)
 
 # A chunk of tenant input per answer: the host's payload limit bounds it, like the output's.
 INPUT_CHUNK = m.TERMINAL_CHUNK_MAX
 ENDED_KEPT = 1024
+
+SESSIONS = Family("gpuaas_terminal_sessions", "Terminal sessions whose websocket this replica holds")
+ANSWERING = Family("gpuaas_terminal_answering", "Host terminal requests this replica is answering now")
+BUFFERED = Family(
+    "gpuaas_terminal_buffered_bytes",
+    "Terminal bytes this replica holds: guest output not yet on a websocket, "
+    "tenant input not yet confirmed by its host",
+)
+DROPPED = Family(
+    "gpuaas_terminal_dropped",
+    "Host terminal requests dropped unanswered, and tenant frames refused, by why",
+    ("why",),
+    counter=True,
+)
+DROP_REASONS = ("invalid", "unknown_session", "node_busy", "output_unpaced", "input_window")
+
+
+@dataclass(frozen=True)
+class TerminalLimits:
+    """The bounds of every buffer and queue of the terminal path (settings.py names each)."""
+
+    output_buffer: int = 64 * 1024
+    # Below the agent's wait for an output ack (10 s): an ack not given by then is not given at all, and the host
+    # sends the same chunk again (counted once).
+    output_ack_wait_s: float = 8.0
+    input_window: int = 256 * 1024
+    per_tenant: int = 4
+    node_answers: int = 16
+    claim_stale_s: float = 90.0
+
+
+class NodeInterest(Protocol):
+    """Where this replica listens for a host's terminal requests: held for each live session on the host."""
+
+    async def hold(self, node_id: str) -> None: ...
+
+    def let_go(self, node_id: str) -> None: ...
+
+
+class _Everywhere:
+    """No listening to manage (the unit tests drive the hub directly)."""
+
+    async def hold(self, node_id: str) -> None:
+        return None
+
+    def let_go(self, node_id: str) -> None:
+        return None
+
+
+class ThrottledLog:
+    """At most one line per `window_s` for a kind of drop, with how many there were since the last line: a host
+    that floods gets counted, never a line per message."""
+
+    def __init__(self, event: str, window_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.event, self.window_s, self.clock = event, window_s, clock
+        self._last: dict[str, float] = {}
+        self._since: Counter[str] = Counter()
+
+    def note(self, why: str, **fields: Any) -> bool:
+        """Whether a line was written."""
+        self._since[why] += 1
+        now = self.clock()
+        if now - self._last.get(why, -self.window_s) < self.window_s:
+            return False
+        self._last[why] = now
+        log.warning(self.event, why=why, dropped_since_last=self._since.pop(why), **fields)
+        return True
 
 
 class Refused(Exception):
@@ -46,13 +122,26 @@ class Session:
     node_id: str
     to_guest: Stream = field(default_factory=Stream)
     from_guest: Stream = field(default_factory=Stream)
-    # Bytes from the guest not yet handed to the websocket, and a wake-up for each side.
+    # Bytes from the guest not yet handed to the websocket (at most TerminalLimits.output_buffer of them, counted
+    # in `queued`), and a wake-up for each side; `drained` is set while nothing is queued.
     output: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
+    queued: int = 0
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
     input_ready: asyncio.Event = field(default_factory=asyncio.Event)
     agent_seen: asyncio.Event = field(default_factory=asyncio.Event)
     closed: bool = False
     end_reason: str | None = None
     end_detail: str | None = None
+
+    def __post_init__(self) -> None:
+        self.drained.set()
+
+    def written(self, n: int) -> None:
+        """The websocket took `n` queued bytes (its send returned: they are in the socket, not held by us)."""
+        self.queued -= n
+        if self.queued <= 0:
+            self.queued = 0
+            self.drained.set()
 
 
 class TerminalHub:
@@ -64,13 +153,24 @@ class TerminalHub:
         *,
         session_max_s: float,
         input_hold_s: float,
+        limits: TerminalLimits | None = None,
+        interest: NodeInterest | None = None,
+        replica_id: str | None = None,
     ) -> None:
         self._uow = unit_of_work
         self.session_max_s = session_max_s
         self.input_hold_s = input_hold_s
+        self.limits = limits or TerminalLimits()
+        self.interest: NodeInterest = interest or _Everywhere()
+        # This process's name in the audit rows' claims (no two replicas share one).
+        self.replica_id = replica_id or uuid.uuid4().hex[:16]
         self.sessions: dict[uuid.UUID, Session] = {}
         # Sessions this replica ended lately, by host: a host still relaying one hears `closed` instead of silence.
         self._ended: OrderedDict[uuid.UUID, str] = OrderedDict()
+        # Answers in flight, by host; never more than limits.node_answers for one.
+        self.answering: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self._drop_log = ThrottledLog("terminal_request_dropped")
 
     # --- the tenant's side ------------------------------------------------------------------------------
 
@@ -88,6 +188,13 @@ class TerminalHub:
                 raise Refused(refusal)
             assert row is not None
             node_id = row["node_id"]
+            await sql.lock_tenant(uow.conn, tenant_id)
+            await sql.end_stale_sessions(uow.conn, tenant_id, self.limits.claim_stale_s)
+            here, of_tenant = await sql.live_counts(uow.conn, tenant_id, allocation_id)
+            refusal = session_refusal(here, of_tenant, self.limits.per_tenant)
+            if refusal is not None:
+                log.info("terminal_refused", allocation_id=str(allocation_id), code=refusal.code, actor=actor)
+                raise Refused(refusal)
             await sql.insert_session(
                 uow.conn,
                 session_id=session_id,
@@ -96,6 +203,7 @@ class TerminalHub:
                 actor=actor,
                 node_id=node_id,
                 task_id=task_id,
+                replica_id=self.replica_id,
             )
             task = m.SliceTerminalOpen(
                 task_id=task_id,
@@ -114,11 +222,14 @@ class TerminalHub:
                 node_id=node_id,
             )
             session = Session(session_id, allocation_id, node_id)
-            self.sessions[session_id] = session  # before the commit: the host may ask as soon as the task is out
+            # Before the commit: the host may ask as soon as the task is out, and must find this replica listening.
+            await self.interest.hold(node_id)
+            self.sessions[session_id] = session
             try:
                 await uow.commit()
             except BaseException:
                 self.sessions.pop(session_id, None)
+                self.interest.let_go(node_id)
                 raise
         log.info(
             "terminal_opened",
@@ -129,11 +240,17 @@ class TerminalHub:
         )
         return session
 
-    def type(self, session: Session, data: bytes) -> None:
+    def type(self, session: Session, data: bytes) -> bool:
+        """Keep the tenant's bytes for the host; False (nothing kept) when they would pass the input window."""
         if session.closed or not data:
-            return
-        session.to_guest.put(data)
+            return True
+        try:
+            session.to_guest.put(data, self.limits.input_window)
+        except InputWindowFull:
+            self.dropped["input_window"] += 1
+            return False
         session.input_ready.set()
+        return True
 
     async def close(self, session: Session, reason: str, detail: str | None = None) -> None:
         """End the session (once): the host hears `closed` at its next request, the audit row is completed."""
@@ -141,9 +258,11 @@ class TerminalHub:
             session.end_reason, session.end_detail = reason, detail
         session.closed = True
         session.input_ready.set()
+        session.drained.set()  # an ack held for the websocket goes out now, saying `closed`
         session.output.put_nowait(None)
         if self.sessions.pop(session.session_id, None) is None:
             return
+        self.interest.let_go(session.node_id)
         self._ended[session.session_id] = session.node_id
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
@@ -165,7 +284,49 @@ class TerminalHub:
             bytes_from_guest=session.from_guest.total,
         )
 
+    async def renew_claims(self) -> None:
+        """Tell the other replicas this one still holds its sessions (their audit rows' `seen_at`)."""
+        if not self.sessions:
+            return
+        async with self._uow() as uow:
+            await sql.renew_claims(uow.conn, list(self.sessions))
+            await uow.commit()
+
     # --- the host's side ----------------------------------------------------------------------------
+
+    def answers_for(self, session_id: uuid.UUID, node_id: str) -> bool:
+        """Whether a request for this session from this host is this replica's to answer: one it holds, or one
+        it ended lately (the host hears `closed`). Anything else is dropped before a task exists for it."""
+        return self._held(session_id, node_id) is not None or self._ended_here(session_id, node_id)
+
+    def admit(self, node_id: str) -> bool:
+        """Take one of the host's answer slots; False when all are in use (the request is dropped, counted).
+        Never waits: a waiting request would be the unbounded backlog again. `done` gives the slot back."""
+        if self.answering[node_id] >= self.limits.node_answers:
+            return False
+        self.answering[node_id] += 1
+        return True
+
+    def done(self, node_id: str) -> None:
+        self.answering[node_id] -= 1
+        if self.answering[node_id] <= 0:
+            del self.answering[node_id]
+
+    def drop(self, why: str, **fields: Any) -> None:
+        self.dropped[why] += 1
+        self._drop_log.note(why, **fields)
+
+    def buffered_bytes(self) -> int:
+        return sum(s.queued + s.to_guest.held for s in self.sessions.values())
+
+    async def reading(self) -> list[Sample]:
+        """/metrics: this replica's sessions, answers in flight, bytes held and drops."""
+        out = [
+            SESSIONS(value=len(self.sessions)),
+            ANSWERING(value=sum(self.answering.values())),
+            BUFFERED(value=self.buffered_bytes()),
+        ]
+        return out + [DROPPED(why, value=self.dropped[why]) for why in DROP_REASONS]
 
     def _held(self, session_id: uuid.UUID, node_id: str) -> Session | None:
         """The session, when this replica holds it and it belongs to the asking host (the subject's node, which
@@ -186,16 +347,32 @@ class TerminalHub:
                 return m.TerminalOutputAck(session_id=req.session_id, status="closed", received=req.offset)
             return None
         session.agent_seen.set()
+        data = base64.b64decode(req.data)
+        # Only what was not taken before counts (a chunk sent again after an unanswered ask adds nothing).
+        if session.queued + max(0, req.offset + len(data) - session.from_guest.total) > self.limits.output_buffer:
+            # A host that did not wait for its last ack (ours is held until the websocket took the bytes): not
+            # taken, not answered; an honest host never gets here, and sends the chunk again when it does wait.
+            self.drop("output_unpaced", node_id=req.node_id, session_id=str(req.session_id))
+            return None
         try:
-            fresh = session.from_guest.take(req.offset, base64.b64decode(req.data))
+            fresh = session.from_guest.take(req.offset, data)
         except ValueError as exc:
             log.warning("terminal_output_gap", session_id=str(req.session_id), error=str(exc))
             await self.close(session, "agent_gone", str(exc))
             return m.TerminalOutputAck(session_id=req.session_id, status="closed", received=session.from_guest.total)
-        if fresh:
+        if fresh and not session.closed:
+            session.queued += len(fresh)
+            session.drained.clear()
             session.output.put_nowait(fresh)
         if req.eof:
             await self.close(session, req.reason or "guest_closed", req.detail)
+        elif not session.closed and session.queued:
+            # The ack waits for the tenant's read: the host sends its next chunk only after it, so a websocket
+            # that never reads holds at most one buffer of the guest's output here.
+            try:
+                await asyncio.wait_for(session.drained.wait(), self.limits.output_ack_wait_s)
+            except TimeoutError:
+                return None  # unanswered: the host sends the same chunk again, which is counted once
         status = "closed" if session.closed else "open"
         return m.TerminalOutputAck(session_id=req.session_id, status=status, received=session.from_guest.total)
 

@@ -18,6 +18,8 @@ from gpuaas_common.logging import get_logger
 log = get_logger(__name__)
 
 VOLUME_LABEL = "cidata"
+# The guest user the slice terminal's relay key logs in as (the agent's GPUAAS_CONSOLE_USER).
+CONSOLE_USER = "gpuaas-console"
 _HOSTNAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 _USERNAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 _KEY = re.compile(
@@ -46,21 +48,26 @@ def render_user_data(
     ssh_authorized_keys: list[str],
     username: str | None = None,
     relay_public_key: str | None = None,
+    console_user: str = CONSOLE_USER,
     host_key: tuple[str, str] | None = None,
 ) -> str:
     """`#cloud-config` user-data. Without `username` the keys go to the image's default user; with it, a
-    passwordless-sudo user of that name is created. The node-local terminal relay key, when given, is
-    authorised for the same user so the browser terminal can reach the guest."""
+    passwordless-sudo user of that name is created (the tenant's own login: its keys, and the agent's readiness
+    key). The node-local terminal relay key, when given, is authorised for `console_user` only: a user of its
+    own with no sudo rule, no group and no root, so whoever holds the relay key (the host, or the control plane
+    that opens consoles) gets the tenant's console, never a root shell (review 3, N8)."""
     if not _HOSTNAME.match(hostname):
         raise SeedIsoError(f"invalid hostname {hostname!r}")
     keys = [_check_key(k) for k in ssh_authorized_keys]
-    if relay_public_key:
-        relay = _check_key(relay_public_key)
-        if relay not in keys:
-            keys.append(relay)
+    relay = _check_key(relay_public_key) if relay_public_key else None
+    if relay is not None and relay in keys:
+        raise SeedIsoError("the terminal relay key must not be one of the login keys: it is the console's alone")
     if not keys:
         raise SeedIsoError("at least one SSH public key is required: the VM has no password login")
-    doc: dict[str, Any] = {"hostname": hostname, "preserve_hostname": False, "ssh_pwauth": False}
+    if relay is not None and (not _USERNAME.match(console_user) or console_user in ("root", username)):
+        raise SeedIsoError(f"invalid console user {console_user!r}: a name of its own, not root or the login user")
+    # disable_root: cloud-init answers any key it puts on root with a refusal; said here, not left to the image.
+    doc: dict[str, Any] = {"hostname": hostname, "preserve_hostname": False, "ssh_pwauth": False, "disable_root": True}
     if host_key is not None:
         # (private, public) ed25519: the guest serves exactly this key, so the first login can be verified
         # against what the seed planted instead of trusting whatever key sshd made at first boot.
@@ -70,13 +77,14 @@ def render_user_data(
         doc["ssh_deletekeys"] = True
         doc["ssh_genkeytypes"] = []
         doc["ssh_keys"] = {"ed25519_private": private, "ed25519_public": public}
+    users: list[Any]
     if username is None:
-        doc["users"] = ["default"]
+        users = ["default"]
         doc["ssh_authorized_keys"] = keys
     else:
         if not _USERNAME.match(username):
             raise SeedIsoError(f"invalid username {username!r}")
-        doc["users"] = [
+        users = [
             {
                 "name": username,
                 "groups": ["sudo"],
@@ -86,6 +94,19 @@ def render_user_data(
                 "ssh_authorized_keys": keys,
             }
         ]
+    if relay is not None:
+        # `sudo: false` writes no sudoers rule; no `groups`, so none of sudo, adm or wheel; the password locked.
+        users.append(
+            {
+                "name": console_user,
+                "gecos": "gpuaas slice console",
+                "shell": "/bin/bash",
+                "sudo": False,
+                "lock_passwd": True,
+                "ssh_authorized_keys": [relay],
+            }
+        )
+    doc["users"] = users
     return "#cloud-config\n" + yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
 
 
@@ -136,6 +157,7 @@ async def write_seed_iso(
     ssh_authorized_keys: list[str],
     username: str | None = None,
     relay_public_key: str | None = None,
+    console_user: str = CONSOLE_USER,
     network_config: dict[str, Any] | str | None = None,
     host_key: tuple[str, str] | None = None,
 ) -> Path:
@@ -147,6 +169,7 @@ async def write_seed_iso(
             ssh_authorized_keys=ssh_authorized_keys,
             username=username,
             relay_public_key=relay_public_key,
+            console_user=console_user,
             host_key=host_key,
         ),
         "meta-data": render_meta_data(instance_id=instance_id, hostname=hostname),

@@ -61,7 +61,7 @@ def terminal_relay(
 ) -> TerminalRelay:
     """The slice terminal of this host: the relay key's sessions into its guests, relayed over its bus link."""
     return TerminalRelay(
-        node_id, store, paths.host(settings.seed_dir), key, settings.guest_user, ssh_port, bus_ask(bus, node_id)
+        node_id, store, paths.host(settings.seed_dir), key, settings.console_user, ssh_port, bus_ask(bus, node_id)
     )
 
 
@@ -126,6 +126,7 @@ async def run_slice_host(
         domain_type=domain_type,
         bridge_kind=settings.bridge_kind,
         guest_user=settings.guest_user,
+        console_user=settings.console_user,
         readiness_key=readiness_key,
         guest_login=guest_login,
         relay_public_key=relay[1],

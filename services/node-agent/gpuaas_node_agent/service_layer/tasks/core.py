@@ -62,6 +62,7 @@ class AgentCore:
         domain_type: str = "kvm",
         bridge_kind: str = "openvswitch",
         guest_user: str = "gpuaas",
+        console_user: str = "gpuaas-console",
         readiness_key: tuple[Path, str] | None = None,
         guest_login: GuestLogin | None = None,
     ) -> None:
@@ -69,6 +70,8 @@ class AgentCore:
         self.domain_type = domain_type
         self.bridge_kind = bridge_kind
         self.guest_user = guest_user
+        # The guest user the terminal relay key is authorised for: no sudo, not the tenant's login.
+        self.console_user = console_user
         # The agent's login key (path, public line): with it readiness is a real login against the host key the
         # seed planted; without it (the simulated fleet, whose guests are not machines) an SSH banner only.
         self.readiness_key = readiness_key

@@ -268,8 +268,8 @@ class ProvisionTask(AgentCore):
                 # The seed is rendered before the disk is touched: bad input must fail with nothing to clean.
                 await phase("seed")
                 seed_path = self.seed_dir / f"{task.vm_name}.iso"
-                keys = list(task.ssh_public_keys) + ([self.relay_public_key] if self.relay_public_key else [])
-                keys += [login_key[1]] if login_key else []
+                # The relay key goes to the console user alone (seed_iso): never beside the tenant's sudo login.
+                keys = list(task.ssh_public_keys) + ([login_key[1]] if login_key else [])
                 try:
                     await seed_iso.write_seed_iso(
                         seed_path,
@@ -277,6 +277,8 @@ class ProvisionTask(AgentCore):
                         hostname=task.hostname,
                         ssh_authorized_keys=keys,
                         username=self.guest_user if login_key else None,
+                        relay_public_key=self.relay_public_key,
+                        console_user=self.console_user,
                         host_key=(host_key.private_openssh, host_key.public_line) if host_key else None,
                     )
                 except seed_iso.SeedIsoError as exc:
