@@ -28,6 +28,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from .bus import Bus
+from .bus_budget import HostBudget
 from .creds_renewal import CredsRenewal
 from .db import BackendPids, create_pool
 from .health import HealthServer
@@ -266,6 +267,14 @@ class ServiceRuntime:
             tmp.replace(path)
         loop = type(asyncio.get_running_loop())
         log.info("service_ready", health_port=self.health.port, event_loop=loop.__module__, **self.ready_info)
+
+    def host_budget(self, consumer: str) -> HostBudget:
+        """The per-node budget of a host-fed consumer (`bus_budget`), from this deployment's settings."""
+        return HostBudget(
+            consumer,
+            messages_per_min=self.settings.host_budget_messages_per_min,
+            bytes_per_min=self.settings.host_budget_bytes_per_min,
+        )
 
     def consumer_spec(self, durable: str) -> ConsumerSpec:
         """A declared consumer with this deployment's retry limits applied (not to a durable the admin

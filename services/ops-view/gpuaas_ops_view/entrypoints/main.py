@@ -7,6 +7,7 @@ import asyncio
 import nats.errors
 
 from gpuaas_common.bus import Bus
+from gpuaas_common.bus_budget import HostBudget
 from gpuaas_common.jetstream import FOLLOWERS
 from gpuaas_common.logging import get_logger
 from gpuaas_common.metrics import consumer_reading
@@ -28,17 +29,26 @@ def build_register(settings: OpsViewSettings):
         assert rt.nc is not None and rt.js is not None and rt.pool is not None
         # Dead letters go out directly (no outbox): the follower publishes them before its commit.
         letters = Bus(rt.nc, rt.js, service="ops-view", schema=None, pool=None)
+
+        def budget(stream: str, name: str) -> HostBudget | None:
+            # Hosts' reports have a budget per node; hosts' dead letters (agents now send a count instead) none.
+            if stream == "NODE_REPORTS":
+                return rt.host_budget(name)
+            return HostBudget.refusing(name) if stream == "DLQ" else None
+
         followers = [
             StreamFollower(
                 rt.nc,
                 rt.js,
                 rt.pool,
                 spec,
-                name=spec.durable.replace("ops-view", settings.follower_prefix, 1),
+                name=name,
                 dead_letters=letters,
                 batch=settings.follow_batch,
+                budget=budget(spec.stream, name),
             )
             for spec in FOLLOWERS
+            for name in (spec.durable.replace("ops-view", settings.follower_prefix, 1),)
         ]
         for follower in followers:
             rt.spawn(follower.run(), f"follow-{follower.stream}")

@@ -25,6 +25,9 @@ from .admin_http import admin_api
 
 log = get_logger(__name__)
 
+# The durables fed by hosts (gpuaas.node.<id>.report.*): each node's messages have a budget (bus_budget).
+HOST_FED = frozenset({"scheduler-node-parity", "scheduler-node-topology", "scheduler-node-drift"})
+
 
 def build_register(settings: SchedulerSettings):
     async def register(rt: ServiceRuntime) -> None:
@@ -64,7 +67,8 @@ def build_register(settings: SchedulerSettings):
         # Readiness evidence: parity, advisory topology, image cache state. Each is its own durable so a
         # backlog on one (e.g. a fleet-wide prewarm) never delays the others or placement.
         for durable, handler_map in evidence_handlers(scheduler).items():
-            rt.bus.subscribe(rt.consumer_spec(durable), handler_map)
+            budget = rt.host_budget(durable) if durable in HOST_FED else None
+            rt.bus.subscribe(rt.consumer_spec(durable), handler_map, host_budget=budget)
         # The results of the host walks' slice-host deploys (every other deploy's result is left to the allocator).
         rt.bus.subscribe(rt.consumer_spec("scheduler-maas-deploys"), {"maas.deploy_result": walker.on_deploy_result})
         # Claims whose allocation ended (or never existed) at the allocator while this database lost the news.

@@ -1,0 +1,169 @@
+"""A host's messages have a budget where they are consumed (gpuaas_common.bus_budget), over real nats-server and
+Postgres: a host flooding its drift reports leaves the scheduler as many rows as its budget admits, every message
+acked (none redelivered, none pending), the rest dropped and counted before they are parsed, so none is half
+applied (no inbox row, no drift row); another host's reports are untouched. ops-view's follower applies a
+flooding host's task progress within the budget too, and refuses hosts' dead letters altogether.
+
+The budgets' clock stands still in these tests: no token comes back during a run, so the counts are exact."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import nats
+from prometheus_client import REGISTRY
+
+from gpuaas_common.bus import Bus
+from gpuaas_common.bus_budget import HostBudget, host_of
+from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import messages as m
+from gpuaas_common.jetstream import CONSUMER_BY_NAME, FOLLOWERS, ensure_consumer
+from gpuaas_dev.testing.waiting import eventually
+from gpuaas_ops_view.entrypoints.follow import StreamFollower
+from gpuaas_ops_view.service_layer.projection import Message
+from gpuaas_scheduler.adapters import synthetic
+from gpuaas_scheduler.service_layer.handlers import Scheduler, evidence_handlers
+
+from .scheduler_db import scheduler_pool
+from .test_node_agent_tasks import publish, spy  # noqa: F401  (fixtures)
+from .test_ops_view_batches import T0, _msg, nc, pool  # noqa: F401  (fixtures)
+
+
+def _dropped(consumer: str) -> float:
+    return REGISTRY.get_sample_value("gpuaas_host_messages_dropped_total", {"consumer": consumer}) or 0.0
+
+
+def test_only_a_hosts_own_subjects_are_budgeted() -> None:
+    assert host_of("gpuaas.node.n1.report.drift") == "n1"
+    assert host_of("gpuaas.dlq.node-agent-n1") == "n1"
+    assert host_of("gpuaas.node.n1.tasks") is None
+    assert host_of("gpuaas.allocation.requested") is None
+    budget = HostBudget("c", messages_per_min=2, bytes_per_min=100, clock=lambda: 0.0)
+    assert [budget.admit("gpuaas.node.n1.report.drift", 10) for _ in range(3)] == [True, True, False]
+    assert budget.admit("gpuaas.node.n1.report.drift", 0) is False
+    # Bytes are a budget of their own: one message over a minute's bytes never passes.
+    assert budget.admit("gpuaas.node.n2.report.drift", 101) is False
+    assert budget.admit("gpuaas.allocation.requested", 10_000) is True
+
+
+def test_the_buckets_refill_at_the_rate_and_log_once_a_window(caplog: Any) -> None:
+    now = [0.0]
+    budget = HostBudget("c", messages_per_min=60, bytes_per_min=1e9, clock=lambda: now[0])
+    assert sum(budget.admit("gpuaas.node.n1.report.x", 1) for _ in range(100)) == 60
+    now[0] = 10.0  # ten seconds: ten messages' worth
+    assert sum(budget.admit("gpuaas.node.n1.report.x", 1) for _ in range(100)) == 10
+    assert budget.dropped == {"n1": 130}
+
+
+async def test_a_flooding_host_leaves_the_scheduler_as_many_drift_rows_as_its_budget(
+    fresh_db,
+    nats_server,
+    publish,  # noqa: F811
+    spy,  # noqa: F811
+) -> None:
+    spec = CONSUMER_BY_NAME["scheduler-node-drift"]
+    budget = HostBudget(spec.durable, messages_per_min=5, bytes_per_min=1e9, clock=lambda: 0.0)
+    before = _dropped(spec.durable)
+    async with scheduler_pool(fresh_db) as spool:
+        async with spool.acquire() as conn:
+            await synthetic.build(conn, slice_hosts=2, prefix=f"b{uuid.uuid4().hex[:4]}")
+            flooder, quiet = [r["node_id"] for r in await conn.fetch("SELECT node_id FROM nodes ORDER BY node_id")]
+        bus_nc = await nats.connect(nats_server.url)
+        nc_ = await nats.connect(nats_server.url)
+        await ensure_consumer(nc_.jetstream(), spec)
+        bus = Bus(bus_nc, nc_.jetstream(), service="scheduler", schema="scheduler", pool=spool, retry_delays_s=(0.05,))
+        bus.subscribe(spec, evidence_handlers(Scheduler())["scheduler-node-drift"], host_budget=budget)
+        await bus.start()
+        try:
+            for i in range(40):  # each report newer by a second: each would be a row of its own
+                report = m.NodeDriftReported(node_id=flooder, checked_at=T0 + timedelta(seconds=i))
+                await publish("node.drift_reported", report, correlation_id=flooder, node_id=flooder)
+            for i in range(2):
+                report = m.NodeDriftReported(node_id=quiet, checked_at=T0 + timedelta(seconds=i))
+                await publish("node.drift_reported", report, correlation_id=quiet, node_id=quiet)
+
+            async def settled() -> bool:
+                info = await nc_.jetstream().consumer_info(spec.stream, spec.durable)
+                return info.num_pending == 0 and info.num_ack_pending == 0
+
+            await eventually(settled, what="every report acked")
+            async with spool.acquire() as conn:
+                rows = dict(
+                    await conn.fetch("SELECT node_id, count(*) FROM node_drift_reports GROUP BY node_id ORDER BY 1")
+                )
+                inbox = await conn.fetchval("SELECT count(*) FROM inbox WHERE consumer = $1", spec.durable)
+        finally:
+            await bus.stop()
+            await bus_nc.close()
+            await nc_.drain()
+    assert rows == {flooder: 5, quiet: 2}
+    # Dropped before parsing: no inbox row, no effect, for any of the 35.
+    assert inbox == 7
+    assert budget.dropped == {flooder: 35}
+    assert _dropped(spec.durable) - before == 35
+    assert len(spy.of_type("node.drift_reported", node_id=flooder)) == 40
+
+
+def _host_message(seq: int, type_: str, payload: Any, subject: str) -> Message:
+    env = Envelope.wrap(type_, payload.model_dump(mode="json"), producer="node-agent", correlation_id="flood")
+    return Message("NODE_REPORTS", seq, subject, env.model_dump_json().encode())
+
+
+def _follower(nc_: Any, pool_: Any, stream: str, budget: HostBudget) -> StreamFollower:
+    js = nc_.jetstream()
+    [spec] = [s for s in FOLLOWERS if s.stream == stream]
+    letters = Bus(nc_, js, service="ops-view", schema=None, pool=None)
+    name = spec.durable.replace("ops-view", f"hb-{uuid.uuid4().hex[:8]}", 1)
+    return StreamFollower(nc_, js, pool_, spec, name=name, dead_letters=letters, batch=64, budget=budget)
+
+
+async def test_ops_view_applies_a_flooding_hosts_progress_within_its_budget(nc, pool) -> None:  # noqa: F811
+    budget = HostBudget("ops-view-node-reports", messages_per_min=10, bytes_per_min=1e9, clock=lambda: 0.0)
+    follower = _follower(nc, pool, "NODE_REPORTS", budget)
+    messages = [
+        _host_message(
+            i + 1,
+            "node.task_progress",
+            m.NodeTaskProgress(
+                task_id=f"t-{i}",
+                allocation_id=uuid.uuid4(),
+                node_id="flood",
+                task_type="slice.vm_provision",
+                phase="boot",
+            ),
+            "gpuaas.node.flood.report.task_progress",
+        )
+        for i in range(50)
+    ]
+    await follower._apply([_msg(message) for message in messages])
+    assert follower.position == 50  # the dropped ones are passed, never read again
+    async with pool.acquire() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM node_task_phases") == 10
+        assert await conn.fetchval("SELECT last_seq FROM stream_positions WHERE stream = 'NODE_REPORTS'") == 50
+    assert budget.dropped == {"flood": 40}
+
+
+async def test_ops_view_stores_no_dead_letter_a_host_sent(nc, pool) -> None:  # noqa: F811
+    """Agents report a count of their dead letters now; one still sent (a tenant's host, by hand) is refused."""
+    budget = HostBudget.refusing("ops-view-dlq")
+    follower = _follower(nc, pool, "DLQ", budget)
+    letter = m.DeadLetter(
+        consumer="allocator-requested",
+        stream="ALLOCATIONS",
+        subject="x",
+        reason_code="handler_error",
+        reason="r" * 8000,
+        body_text="b" * 8000,
+    )
+    forged = [
+        Message("DLQ", i + 1, "gpuaas.dlq.node-agent-flood", _host_message(0, "dead_letter", letter, "").data)
+        for i in range(20)
+    ]
+    service_letter = Message("DLQ", 21, "gpuaas.dlq.allocator-requested", forged[0].data)
+    await follower._apply([_msg(message) for message in [*forged, service_letter]])
+    async with pool.acquire() as conn:
+        subjects = [r["subject"] for r in await conn.fetch("SELECT subject FROM dead_letters")]
+    assert subjects == ["gpuaas.dlq.allocator-requested"]
+    assert budget.dropped == {"flood": 20}
