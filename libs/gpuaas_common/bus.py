@@ -41,7 +41,17 @@ from nats.js import JetStreamContext
 from pydantic import BaseModel
 
 from .bus_budget import HostBudget
-from .bus_dispatch import HANDLED, FirstLock, Handler, HandlerContext, Wanted, deliver, dispatch, retry_delay
+from .bus_dispatch import (
+    HANDLED,
+    FirstLock,
+    Handler,
+    HandlerContext,
+    HeldDeadLetters,
+    Wanted,
+    deliver,
+    dispatch,
+    retry_delay,
+)
 from .bus_gate import TrafficGate
 from .bus_lanes import ORDERING_FIELDS, KeepAlive, KeyedLanes, lane_key, ordering_key
 from .bus_parsing import PermanentError, decode_body, parse_message
@@ -128,6 +138,8 @@ class Bus:
         # JetStream exchanges in flight on `nc` (publishes awaiting a PubAck, open pull requests): what a
         # credential switch waits for (`bus_gate`, `creds_renewal`). The outbox relay passes through it too.
         self.gate = TrafficGate()
+        # A host's bus keeps its dead letters at home and counts them (bus_dispatch.HeldDeadLetters).
+        self.held_dead_letters: HeldDeadLetters | None = None
 
     def subscribe(
         self,

@@ -13,14 +13,18 @@ from datetime import timedelta
 from typing import Any
 
 import nats
+import nats.errors
+import pytest
 from prometheus_client import REGISTRY
 
 from gpuaas_common.bus import Bus
 from gpuaas_common.bus_budget import HostBudget, host_of
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
-from gpuaas_common.jetstream import CONSUMER_BY_NAME, FOLLOWERS, ensure_consumer
+from gpuaas_common.jetstream import CONSUMER_BY_NAME, FOLLOWERS, ensure_consumer, node_agent_consumer, provision
+from gpuaas_common.natsconn import NatsIdentity
 from gpuaas_dev.testing.waiting import eventually
+from gpuaas_node_agent.adapters.host_link import HostLink
 from gpuaas_ops_view.entrypoints.follow import StreamFollower
 from gpuaas_ops_view.service_layer.projection import Message
 from gpuaas_scheduler.adapters import synthetic
@@ -167,3 +171,41 @@ async def test_ops_view_stores_no_dead_letter_a_host_sent(nc, pool) -> None:  # 
         subjects = [r["subject"] for r in await conn.fetch("SELECT subject FROM dead_letters")]
     assert subjects == ["gpuaas.dlq.allocator-requested"]
     assert budget.dropped == {"flood": 20}
+
+
+async def test_a_hosts_agent_keeps_its_dead_letters_at_home_and_counts_them(nats_server, publish, spy) -> None:  # noqa: F811
+    """Hosts are off the DLQ path: a task the agent cannot read is logged and counted on the host, and nothing
+    (no body, which may carry a tenant's keys) goes to gpuaas.dlq.node-agent-<id>."""
+    node_id = f"hb-{uuid.uuid4().hex[:6]}"
+    link = HostLink(node_id, NatsIdentity([nats_server.url], insecure_dev=True), retry_delays_s=(0.05,))
+    bus = await link.open(retry_forever=False)
+    spec = node_agent_consumer(node_id)
+    await provision(bus.js, [spec])
+    dlq = await bus.js.subscribe(f"gpuaas.dlq.{spec.durable}", ordered_consumer=True)
+    bus.subscribe(spec, {"slice.topology_discover": _never_called}, transactional=False)
+    await link.start()
+    try:
+        spy.allow_invalid(b"{not json")
+        await bus.js.publish(f"gpuaas.node.{node_id}.tasks", b"{not json")
+        assert bus.held_dead_letters is not None
+        held = bus.held_dead_letters
+        await eventually(lambda: held.count == 1, what="the unreadable task held")
+        assert held.by_reason == {"not_json": 1}
+
+        async def acked() -> bool:
+            info = await bus.js.consumer_info(spec.stream, spec.durable)
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        await eventually(acked, what="the task acked")
+        with pytest.raises(nats.errors.TimeoutError):
+            await dlq.next_msg(timeout=0.5)
+    finally:
+        await dlq.unsubscribe()
+        await link.close()
+    # What the agent reports instead: the count, on its drift report (the contract's field).
+    report = m.NodeDriftReported(node_id=node_id, checked_at=T0, dead_lettered=held.count)
+    assert report.model_dump(mode="json")["dead_lettered"] == 1
+
+
+async def _never_called(ctx: Any) -> None:
+    raise AssertionError("an unreadable task reached a handler")
