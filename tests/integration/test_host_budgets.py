@@ -9,7 +9,7 @@ The budgets' clock stands still in these tests: no token comes back during a run
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import nats
@@ -23,11 +23,14 @@ from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import CONSUMER_BY_NAME, FOLLOWERS, ensure_consumer, node_agent_consumer, provision
 from gpuaas_common.natsconn import NatsIdentity
+from gpuaas_common.retention import RetentionSweeper
 from gpuaas_dev.testing.waiting import eventually
 from gpuaas_node_agent.adapters.host_link import HostLink
+from gpuaas_ops_view.entrypoints import main as ops_view_main
 from gpuaas_ops_view.entrypoints.follow import StreamFollower
 from gpuaas_ops_view.service_layer.projection import Message
 from gpuaas_scheduler.adapters import synthetic
+from gpuaas_scheduler.entrypoints import main as scheduler_main
 from gpuaas_scheduler.service_layer.handlers import Scheduler, evidence_handlers
 
 from .scheduler_db import scheduler_pool
@@ -209,3 +212,59 @@ async def test_a_hosts_agent_keeps_its_dead_letters_at_home_and_counts_them(nats
 
 async def _never_called(ctx: Any) -> None:
     raise AssertionError("an unreadable task reached a handler")
+
+
+async def test_the_rows_hosts_make_are_pruned_by_age_and_capped_per_host(fresh_db, pool) -> None:  # noqa: F811
+    """N2: drift reports (scheduler), task phases and dead letters (ops-view) were never pruned. The sweep keeps
+    each host's newest `per_node`, drops the rest older than the retention, and never a host's newest."""
+    day = timedelta(days=1)
+    now = datetime.now(timezone.utc)
+    async with scheduler_pool(fresh_db) as spool:
+        async with spool.acquire() as conn:
+            await synthetic.build(conn, slice_hosts=2, prefix=f"r{uuid.uuid4().hex[:4]}")
+            busy, quiet = [r["node_id"] for r in await conn.fetch("SELECT node_id FROM nodes ORDER BY node_id")]
+            reports = [(busy, now - i * day) for i in range(30)] + [(quiet, now - (40 + i) * day) for i in range(3)]
+            await conn.executemany(
+                "INSERT INTO node_drift_reports (event_id, node_id, checked_at, drift) VALUES ($1, $2, $3, '[]')",
+                [(str(uuid.uuid4()), node, at) for node, at in reports],
+            )
+        sweeper = RetentionSweeper(
+            spool,
+            "scheduler",
+            inbox_retention_s=8 * 86400,
+            idempotency_retention_s=8 * 86400,
+            host_rows=scheduler_main.HOST_ROWS,
+            host_rows_retention_s=20 * 86400,
+            host_rows_per_node=25,
+            batch_size=4,
+        )
+        deleted = await sweeper.sweep()
+        async with spool.acquire() as conn:
+            kept = await conn.fetch("SELECT node_id, checked_at FROM node_drift_reports ORDER BY checked_at DESC")
+    assert deleted is not None and deleted["node_drift_reports"] == 33 - 21
+    # The busy host: its 20 days within the retention (under the cap); the quiet one: only its newest.
+    assert [r["checked_at"] for r in kept if r["node_id"] == busy] == [now - i * day for i in range(20)]
+    assert [r["checked_at"] for r in kept if r["node_id"] == quiet] == [now - 40 * day]
+
+    async with pool.acquire() as conn:
+        await conn.execute(
+            "INSERT INTO node_tasks (task_id, node_id, status, updated_at) VALUES ('t-1', 'n1', 'sent', now())"
+        )
+        phases = [("t-1", i) for i in range(20)] + [(f"forged-{i}", 100 + i) for i in range(20)]
+        await conn.executemany(
+            "INSERT INTO node_task_phases (task_id, stream_seq, phase, at) VALUES ($1, $2, 'boot', $3)",
+            [(task, seq, now - timedelta(seconds=seq)) for task, seq in phases],
+        )
+    sweeper = RetentionSweeper(
+        pool,
+        "ops_view",
+        inbox_retention_s=8 * 86400,
+        idempotency_retention_s=8 * 86400,
+        host_rows=ops_view_main.HOST_ROWS,
+        host_rows_per_node=5,
+    )
+    await sweeper.sweep()
+    async with pool.acquire() as conn:
+        left = await conn.fetch("SELECT task_id, stream_seq FROM node_task_phases ORDER BY stream_seq")
+    # The host's task keeps its newest 5; the phases of tasks nobody sent share one cap of 5.
+    assert [tuple(r) for r in left] == [("t-1", i) for i in range(5)] + [(f"forged-{i}", 100 + i) for i in range(5)]
