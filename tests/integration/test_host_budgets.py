@@ -255,6 +255,11 @@ async def test_the_rows_hosts_make_are_pruned_by_age_and_capped_per_host(fresh_d
             "INSERT INTO node_task_phases (task_id, stream_seq, phase, at) VALUES ($1, $2, 'boot', $3)",
             [(task, seq, now - timedelta(seconds=seq)) for task, seq in phases],
         )
+        await conn.executemany(
+            "INSERT INTO dead_letters (dlq_seq, subject, consumer, stream, origin_subject, reason_code, reason, at) "
+            "VALUES ($1, 'gpuaas.dlq.c', $2, 'S', 'x', 'not_json', 'r', $3)",
+            [(i, f"c{i % 2}", now - timedelta(seconds=i)) for i in range(30)],
+        )
     sweeper = RetentionSweeper(
         pool,
         "ops_view",
@@ -266,5 +271,7 @@ async def test_the_rows_hosts_make_are_pruned_by_age_and_capped_per_host(fresh_d
     await sweeper.sweep()
     async with pool.acquire() as conn:
         left = await conn.fetch("SELECT task_id, stream_seq FROM node_task_phases ORDER BY stream_seq")
+        letters = await conn.fetch("SELECT consumer, dlq_seq FROM dead_letters ORDER BY dlq_seq")
+    assert [tuple(r) for r in letters] == [(f"c{i % 2}", i) for i in range(10)]  # the newest 5 of each consumer
     # The host's task keeps its newest 5; the phases of tasks nobody sent share one cap of 5.
     assert [tuple(r) for r in left] == [("t-1", i) for i in range(5)] + [(f"forged-{i}", 100 + i) for i in range(5)]
