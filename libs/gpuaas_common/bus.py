@@ -40,7 +40,18 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from pydantic import BaseModel
 
-from .bus_dispatch import HANDLED, FirstLock, Handler, HandlerContext, Wanted, deliver, dispatch, retry_delay
+from .bus_budget import HostBudget
+from .bus_dispatch import (
+    HANDLED,
+    FirstLock,
+    Handler,
+    HandlerContext,
+    HeldDeadLetters,
+    Wanted,
+    deliver,
+    dispatch,
+    retry_delay,
+)
 from .bus_gate import TrafficGate
 from .bus_lanes import ORDERING_FIELDS, KeepAlive, KeyedLanes, lane_key, ordering_key
 from .bus_parsing import PermanentError, decode_body, parse_message
@@ -83,6 +94,15 @@ def _pull_loop_ended(task: "asyncio.Task[None]") -> None:
         log.error("pull_loop_died", task=task.get_name(), error=repr(task.exception()))
 
 
+async def _drop(spec: ConsumerSpec, msg: Msg, free_place: Callable[[], None]) -> None:
+    """A message over its host's budget: acknowledged, so it is neither handled nor redelivered."""
+    try:
+        await msg.ack()
+    finally:
+        free_place()
+    HANDLED.labels(spec.durable, "over_budget").inc()
+
+
 class Bus:
     """Wires handlers to durable consumers and publishes directly (for services without an outbox).
     `start()` begins pulling every subscribed durable (`pull.PullLoop`), `stop()` ends it and lets the
@@ -118,6 +138,8 @@ class Bus:
         # JetStream exchanges in flight on `nc` (publishes awaiting a PubAck, open pull requests): what a
         # credential switch waits for (`bus_gate`, `creds_renewal`). The outbox relay passes through it too.
         self.gate = TrafficGate()
+        # A host's bus keeps its dead letters at home and counts them (bus_dispatch.HeldDeadLetters).
+        self.held_dead_letters: HeldDeadLetters | None = None
 
     def subscribe(
         self,
@@ -128,6 +150,7 @@ class Bus:
         concurrency: int | None = None,
         first_lock: FirstLock | None = None,
         wanted: Wanted | None = None,
+        host_budget: HostBudget | None = None,
     ) -> None:
         """`first_lock(payload)` names the advisory lock every handler of this consumer takes first (the
         aggregate's, where the service keeps no row to lock); it then travels with the BEGIN.
@@ -138,7 +161,10 @@ class Bus:
         `concurrency` > 1 keeps up to that many messages in flight at once, in order per aggregate
         (`ordering_key`: allocation, node, image, operation): one slow allocation holds up only itself. The
         pull loop asks for as many messages as there are free places; each message is handed to a task and
-        acked by it after the handler."""
+        acked by it after the handler.
+
+        `host_budget`: the durable reads host-produced subjects; a node's message over its budget is acked and
+        dropped at receipt, before it is parsed or takes a lane (`bus_budget`)."""
         if transactional and self.pool is None:
             raise ValueError("a transactional subscriber needs a database pool")
         if self.nc is None:
@@ -157,6 +183,9 @@ class Bus:
                 done()
 
         def start(msg: Msg, free_place: Callable[[], None]) -> None:
+            if host_budget is not None and not host_budget.admit(msg.subject, len(msg.data)):
+                self._track(asyncio.create_task(_drop(spec, msg, free_place)))
+                return
             # From receipt: a message waiting for its turn is in flight too.
             keep = KeepAlive(msg, spec.ack_wait_s)
             decoded = decode_body(msg.data)
@@ -167,12 +196,14 @@ class Bus:
                 keep.stop()
                 free_place()
 
-            task = asyncio.create_task(run(msg, decoded, keep, turn, done))
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
+            self._track(asyncio.create_task(run(msg, decoded, keep, turn, done)))
 
         places = concurrency or self.default_concurrency
         self._loops.append(PullLoop(self.nc, spec, start, places, expires_s=self.pull_expires_s, gate=self.gate))
+
+    def _track(self, task: "asyncio.Task[None]") -> None:
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
 
     async def start(
         self,

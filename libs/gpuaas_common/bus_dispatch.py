@@ -80,11 +80,35 @@ def retry_delay(delays: tuple[float, ...], num_delivered: int) -> float:
     return delays[min(max(num_delivered - 1, 0), len(delays) - 1)]
 
 
+class HeldDeadLetters:
+    """A host's dead letters, kept at home: hosts are off the DLQ path (issue 38), so a message its agent cannot
+    handle is logged there (its reason, never its body: tasks carry tenants' keys) and counted; the agent reports
+    the count (`node.drift_reported`'s `dead_lettered`), and nothing of the body crosses the bus."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.by_reason: dict[str, int] = {}
+
+    def hold(self, consumer: str, subject: str, reason_code: str, reason: str, stream_seq: int | None) -> None:
+        self.count += 1
+        self.by_reason[reason_code] = self.by_reason.get(reason_code, 0) + 1
+        log.warning(
+            "dead_letter_held",
+            consumer=consumer,
+            subject=subject,
+            reason_code=reason_code,
+            reason=reason[:500],
+            stream_seq=stream_seq,
+            held=self.count,
+        )
+
+
 class DispatchingBus(Protocol):
     """The bus as dispatch uses it. Read at each message, not copied: a service sets its repositories on the
-    bus after building it."""
+    bus after building it. `held_dead_letters`: where set (a host's bus), dead letters stay local and counted."""
 
     retry_delays_s: tuple[float, ...]
+    held_dead_letters: HeldDeadLetters | None
 
     def unit_of_work(self, envelope: Envelope | None = None) -> UnitOfWork[Any]: ...
 
@@ -195,6 +219,10 @@ async def dead_letter(
     dead-lettering the same message again within JetStream's duplicate window publishes nothing new."""
     md = raw.metadata
     stream_seq = md.sequence.stream if md and md.sequence else None
+    held = getattr(bus, "held_dead_letters", None)
+    if held is not None:
+        held.hold(spec.durable, raw.subject, reason_code, reason, stream_seq)
+        return
     letter = _fitting_letter(spec, raw, reason_code, reason, num, stream_seq)
     cause = f"{spec.stream}:{stream_seq}" if stream_seq is not None else raw.subject
     await bus.publish(

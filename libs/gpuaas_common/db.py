@@ -129,8 +129,12 @@ class BackendPids:
         conn.add_termination_listener(lambda _conn: self._pids.discard(pid))
 
 
+# A service's pool at most (create_pool's default); what each role's CONNECTION LIMIT is sized from (pg_roles).
+POOL_MAX_SIZE = 10
+
+
 async def create_pool(
-    dsn: str, schema: str, min_size: int = 2, max_size: int = 10, *, writers: BackendPids | None = None
+    dsn: str, schema: str, min_size: int = 2, max_size: int = POOL_MAX_SIZE, *, writers: BackendPids | None = None
 ) -> asyncpg.Pool:
     """`writers` learns the backend pid of every connection the pool opens (see BackendPids)."""
     check_schema(schema)

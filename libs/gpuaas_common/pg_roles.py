@@ -33,6 +33,7 @@ from types import MappingProxyType
 
 import asyncpg
 
+from .db import POOL_MAX_SIZE
 from .logging import get_logger
 
 log = get_logger(__name__)
@@ -64,13 +65,37 @@ _SCRAM_ITERATIONS = 4096
 _PRINTABLE_ASCII = re.compile(r"^[\x21-\x7e]+$")
 
 
+# Connections a replica opens besides its pool: the outbox relay's listener, a service's own listener (ops-view's
+# console changes), and one to spare for a reconnect that overlaps the old session's end.
+DEDICATED_CONNECTIONS = 3
+# Replicas a role's connection limit leaves room for by default (`gpuaas dev pg-roles --replicas`).
+DEFAULT_REPLICAS = 4
+
+
+def role_connection_limit(replicas: int = DEFAULT_REPLICAS) -> int:
+    """A role's CONNECTION LIMIT: every replica's pool and dedicated connections, so that one service (a leak, a
+    compromised process) cannot take the cluster's max_connections from the others."""
+    if replicas < 1:
+        raise ValueError("a service has at least one replica")
+    return replicas * (POOL_MAX_SIZE + DEDICATED_CONNECTIONS)
+
+
 def service_database(prefix: str, service: str) -> str:
     """The database of `service` in a deployment whose databases start with `prefix` (`gpuaas_allocator`)."""
     return f"{prefix}_{SERVICE_ROLES[service].schema}"
 
 
-async def ensure_service_roles(admin_dsn: str, prefix: str, passwords: Mapping[str, str]) -> dict[str, str]:
+async def ensure_service_roles(
+    admin_dsn: str,
+    prefix: str,
+    passwords: Mapping[str, str],
+    *,
+    replicas: int = DEFAULT_REPLICAS,
+    connection_limit: int | None = None,
+) -> dict[str, str]:
     """Create or update the database, role and schema of every service in `passwords`; return each service's DSN.
+
+    Each role gets a CONNECTION LIMIT: `connection_limit`, else `role_connection_limit(replicas)`.
 
     Each service gets the database `service_database(prefix, service)`. Idempotent: a second call only sets the
     (possibly new) passwords and re-asserts ownership and revocations. An existing schema, and the tables,
@@ -82,13 +107,16 @@ async def ensure_service_roles(admin_dsn: str, prefix: str, passwords: Mapping[s
         raise ValueError(f"no Postgres role is defined for {sorted(unknown)}; known: {sorted(SERVICE_ROLES)}")
     for service, password in passwords.items():
         _check_password(service, password)
+    limit = role_connection_limit(replicas) if connection_limit is None else connection_limit
+    if limit < 1:
+        raise ValueError("a role's connection limit must be at least 1")
     admin = await asyncpg.connect(admin_dsn)
     try:
         await admin.execute("SELECT pg_advisory_lock(hashtext($1))", _LOCK_KEY)
         for service, password in passwords.items():
             spec = SERVICE_ROLES[service]
             async with admin.transaction():
-                await _ensure_role(admin, spec.role, password)
+                await _ensure_role(admin, spec.role, password, limit)
             database = service_database(prefix, service)
             # CREATE DATABASE cannot run in a transaction; the lock keeps a racing init step out.
             if not await admin.fetchval("SELECT 1 FROM pg_database WHERE datname = $1", database):
@@ -181,10 +209,16 @@ async def _lock_down_database(conn: asyncpg.Connection, database: str, role: str
         await conn.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
 
 
-async def _ensure_role(conn: asyncpg.Connection, role: str, password: str) -> None:
+async def _ensure_role(conn: asyncpg.Connection, role: str, password: str, limit: int) -> None:
     exists = await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role)
     verb = "ALTER" if exists else "CREATE"
-    await _run_formatted(conn, f"{verb} ROLE %I WITH {_ROLE_ATTRIBUTES} PASSWORD %L", role, scram_verifier(password))
+    await _run_formatted(
+        conn,
+        f"{verb} ROLE %I WITH {_ROLE_ATTRIBUTES} CONNECTION LIMIT %s PASSWORD %L",
+        role,
+        str(int(limit)),
+        scram_verifier(password),
+    )
     # A membership granted by hand would let the role SET ROLE into another's rights.
     for granted in await conn.fetch(
         "SELECT g.rolname FROM pg_auth_members m JOIN pg_roles r ON r.oid = m.member "

@@ -8,11 +8,18 @@ How long to keep them: an inbox row must outlive every way the same message can 
   and streams keep messages 7 days (`jetstream.StreamSpec.max_age_s`).
 The last is the longest, so the default (`GPUAAS_INBOX_RETENTION_S`, 8 days) covers the stream age with a
 day to spare; past it no copy of the message exists anywhere to be redelivered.
+
+Rows a host's messages make (`HostRows`: drift reports, task phases, dead letters) are history, not state, and a
+host decides how many there are: each such table is pruned by age (`GPUAAS_HOST_ROWS_RETENTION_S`) and capped
+per host (`GPUAAS_HOST_ROWS_PER_NODE`, the newest kept). A group's newest row outlives the age, so a host that went
+quiet still shows its last report.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import asyncpg
 
@@ -25,6 +32,16 @@ log = get_logger(__name__)
 # (table, the column that says when the row was written)
 INBOX = ("inbox", "received_at")
 ADMIN_IDEMPOTENCY = ("admin_idempotency", "created_at")
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """A table a host's messages grow. `group`: the SQL expression naming the host a row belongs to (a column, or
+    a lookup where the table names none); rows are capped per group, the newest kept. `at`: when it was written."""
+
+    table: str
+    at: str
+    group: str
 
 
 class RetentionSweeper:
@@ -41,12 +58,18 @@ class RetentionSweeper:
         idempotency_retention_s: float,
         interval_s: float = 3600.0,
         batch_size: int = 5000,
+        host_rows: Sequence[HostRows] = (),
+        host_rows_retention_s: float = 30 * 24 * 3600.0,
+        host_rows_per_node: int = 1000,
     ) -> None:
         self.pool = pool
         self.schema = check_schema(schema)
         self.retention_s = {INBOX: inbox_retention_s, ADMIN_IDEMPOTENCY: idempotency_retention_s}
         self.interval_s = interval_s
         self.batch_size = batch_size
+        self.host_rows = tuple(host_rows)
+        self.host_rows_retention_s = host_rows_retention_s
+        self.host_rows_per_node = host_rows_per_node
 
     async def run(self) -> None:
         while True:
@@ -71,11 +94,32 @@ class RetentionSweeper:
                     if await conn.fetchval("SELECT to_regclass($1)", f'"{self.schema}"."{table}"') is None:
                         continue
                     deleted[table] = await self._sweep_table(conn, table, column, retention_s)
+                for rows in self.host_rows:
+                    deleted[rows.table] = deleted.get(rows.table, 0) + await self._sweep_host_rows(conn, rows)
                 if any(deleted.values()):
                     log.info("retention_swept", schema=self.schema, **deleted)
                 return deleted
             finally:
                 await conn.execute("SELECT pg_advisory_unlock(hashtext($1))", key)
+
+    async def _sweep_host_rows(self, conn: asyncpg.Connection, rows: HostRows) -> int:
+        # The table and expressions are the services' own constants, never input.
+        table = f'"{self.schema}"."{rows.table}"'
+        sql = (
+            f"DELETE FROM {table} WHERE ctid = ANY(ARRAY("
+            f"SELECT ctid FROM (SELECT t.ctid, t.{rows.at} AS at, "
+            f"row_number() OVER (PARTITION BY {rows.group} ORDER BY t.{rows.at} DESC) AS n FROM {table} t) r "
+            f"WHERE n > $1 OR (n > 1 AND at < now() - make_interval(secs => $2)) LIMIT $3))"
+        )
+        total = 0
+        while True:
+            status = await conn.execute(
+                sql, self.host_rows_per_node, float(self.host_rows_retention_s), self.batch_size
+            )
+            n = int(status.split()[-1])
+            total += n
+            if n < self.batch_size:
+                return total
 
     async def _sweep_table(self, conn: asyncpg.Connection, table: str, column: str, retention_s: float) -> int:
         sql = (

@@ -28,6 +28,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from .bus import Bus
+from .bus_budget import HostBudget
 from .creds_renewal import CredsRenewal
 from .db import BackendPids, create_pool
 from .health import HealthServer
@@ -46,7 +47,7 @@ from .natsconn import NatsIdentity
 from .outbox import OutboxRelay
 from .pg_roles import dsn_without_password
 from .profiling import profiled
-from .retention import RetentionSweeper
+from .retention import HostRows, RetentionSweeper
 from .settings import ServiceSettings
 from .startup import StartupFailed, classify, redact
 
@@ -93,6 +94,9 @@ class ServiceRuntime:
         self._failed = False  # a background task died: the process exits non-zero
         # What /metrics reads at each scrape, by name (`add_reading`); removed again at stop.
         self._readings: dict[str, Reading] = {}
+        # Tables a host's messages grow, pruned by age and capped per host by the retention sweep (retention.py);
+        # a service names its own in its register.
+        self.host_rows: list[HostRows] = []
 
     @property
     def dsn(self) -> str:
@@ -245,6 +249,9 @@ class ServiceRuntime:
                     idempotency_retention_s=self.settings.idempotency_retention_s,
                     interval_s=self.settings.retention_sweep_interval_s,
                     batch_size=self.settings.retention_batch_size,
+                    host_rows=self.host_rows,
+                    host_rows_retention_s=self.settings.host_rows_retention_s,
+                    host_rows_per_node=self.settings.host_rows_per_node,
                 ).run(),
                 "retention-sweep",
             )
@@ -266,6 +273,14 @@ class ServiceRuntime:
             tmp.replace(path)
         loop = type(asyncio.get_running_loop())
         log.info("service_ready", health_port=self.health.port, event_loop=loop.__module__, **self.ready_info)
+
+    def host_budget(self, consumer: str) -> HostBudget:
+        """The per-node budget of a host-fed consumer (`bus_budget`), from this deployment's settings."""
+        return HostBudget(
+            consumer,
+            messages_per_min=self.settings.host_budget_messages_per_min,
+            bytes_per_min=self.settings.host_budget_bytes_per_min,
+        )
 
     def consumer_spec(self, durable: str) -> ConsumerSpec:
         """A declared consumer with this deployment's retry limits applied (not to a durable the admin

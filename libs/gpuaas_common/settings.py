@@ -91,6 +91,19 @@ class ServiceSettings(BaseSettings):
     retention_sweep_interval_s: float = Field(default=3600.0, gt=0)
     # Rows deleted per statement, so a sweep never holds long locks.
     retention_batch_size: int = Field(default=5000, ge=1, le=100_000)
+    # What one host may send each host-fed consumer (every durable reading gpuaas.node.<id>.report.*), per node
+    # and per replica: messages a minute, refilled continuously, a minute's worth at most in one burst. Over it a
+    # message is acked and dropped unread, counted (gpuaas_host_messages_dropped_total) and logged once per node a
+    # minute (bus_budget.py). Replicas each hold their own buckets: a node gets this times the replica count.
+    host_budget_messages_per_min: float = Field(default=600.0, gt=0)
+    # The same budget in bytes of message bodies a minute, per node, consumer and replica.
+    host_budget_bytes_per_min: float = Field(default=8 * 1024 * 1024.0, gt=0)
+    # How long rows a host's messages make (drift reports, task phases, dead letters: retention.HostRows) are kept;
+    # each host's newest stays.
+    host_rows_retention_s: float = Field(default=30 * 24 * 3600.0, gt=0)
+    # Such rows kept per host (each service's HOST_ROWS says what a host is for each table), the newest; the older
+    # go at the next retention sweep.
+    host_rows_per_node: int = Field(default=1000, ge=1)
     # The asyncio event loop: `uvloop` (libuv: the loop, its TLS and socket calls in compiled code; 3-9 % less CPU
     # per allocation in bench/pipeline.py at 50/s on 2 cores) or Python's own `asyncio`.
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"

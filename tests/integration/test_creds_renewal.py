@@ -16,6 +16,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,10 @@ import nats
 import pytest
 from nats.aio.client import RawCredentials
 
-from gpuaas_common.bus import HandlerContext
+from gpuaas_common.bus import HandlerContext, parse_message
 from gpuaas_common.bus_gate import TrafficGate
 from gpuaas_common.contract import Envelope, spec_for
+from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.messages import MaasTagsSyncResult
 from gpuaas_common.creds_renewal import CredsRenewal
 from gpuaas_common.identity import Authority, Creds
@@ -222,7 +224,19 @@ async def test_a_slice_host_renews_its_user_on_the_bus_and_keeps_its_durable(
     await record_host_users(ajs, node, [old.claims["sub"]], expiry=authority.host_expiry)
     identity = NatsIdentity([server.url], str(path), str(tls_files.ca), creds_check_interval_s=0.05)
     link = HostLink(node, identity, retry_delays_s=(0.05,))
-    await link.open(retry_forever=False)
+    bus = await link.open(retry_forever=False)
+
+    async def on_task(ctx: HandlerContext) -> None:
+        raise AssertionError("no task is sent here")
+
+    bus.subscribe(node_agent_consumer(node), {"slice.vm_release": on_task}, transactional=False)
+    await link.start()
+    letters: list[bytes] = []
+
+    async def on_letter(msg: Any) -> None:
+        letters.append(msg.data)
+
+    await admin.subscribe(f"gpuaas.node.{node}.report.drift", cb=on_letter)
     try:
         servers = [server.url]
         tls = client_context(tls_files.ca)
@@ -235,20 +249,18 @@ async def test_a_slice_host_renews_its_user_on_the_bus_and_keeps_its_durable(
         assert new.claims["sub"] in await host_users(ajs, node)
         await eventually(lambda: identity.session and identity.session.jwt == new.jwt, what="the host's switch")
         await eventually(lambda: time.time() > old.claims["exp"] + 1, timeout=10, what="the old user's expiry")
-        # Its task durable and its own publishes still work, as the new user: it pulls and acks a task and its
-        # report is stored (no dead letter: hosts are out of the DLQ path, issue 38).
-        assert link.nc is not None
-        await ajs.publish(f"gpuaas.node.{node}.tasks", b"a task")
-        host_js = link.nc.jetstream()
-        pull = await host_js.pull_subscribe_bind(
-            f"node-agent-{node}", stream="NODE_TASKS", inbox_prefix=f"_INBOX_node-{node}.".encode()
-        )
-        [task] = await pull.fetch(1, timeout=5)
-        assert task.data == b"a task"
-        await task.ack_sync()
-        ack = await host_js.publish(f"gpuaas.node.{node}.report.parity", b"{}", timeout=5)
-        assert ack.stream == "NODE_REPORTS"
-        assert link.nc.stats["reconnects"] == 1 and not link.nc.is_closed
+        # Its task durable and its own publishes still work, as the new user: a message that is not JSON is
+        # pulled from the durable and held by the host (hosts keep their dead letters at home and count them),
+        # and its report goes out on its own subject.
+        await ajs.publish(f"gpuaas.node.{node}.tasks", b"not json")
+        held = bus.held_dead_letters
+        assert held is not None
+        await eventually(lambda: held.count == 1, what="the host's dead letter, held")
+        report = m.NodeDriftReported(node_id=node, checked_at=datetime.now(timezone.utc), dead_lettered=held.count)
+        await bus.publish("node.drift_reported", report, correlation_id=node, node_id=node)
+        await eventually(lambda: letters, what="the host's report")
+        assert parse_message(f"gpuaas.node.{node}.report.drift", letters[0])[1].dead_lettered == 1
+        assert link.nc is not None and link.nc.stats["reconnects"] == 1 and not link.nc.is_closed
         # The expired user left the host's entry on the bus: revocations pushed from it stay small.
         assert await host_users(ajs, node) == [new.claims["sub"]]
     finally:

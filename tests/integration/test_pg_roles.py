@@ -20,7 +20,13 @@ import pytest
 
 from gpuaas_common.db import create_pool
 from gpuaas_common.migrations import apply_migrations
-from gpuaas_common.pg_roles import SERVICE_ROLES, ensure_service_roles, service_database, with_database
+from gpuaas_common.pg_roles import (
+    SERVICE_ROLES,
+    ensure_service_roles,
+    role_connection_limit,
+    service_database,
+    with_database,
+)
 
 SERVICES = sorted(SERVICE_ROLES)
 
@@ -369,3 +375,38 @@ def test_the_compose_init_command_creates_the_roles_and_refuses_weak_passwords(p
             await conn.close()
 
     assert asyncio.run(owner()) == "gpuaas_maas_gateway"
+
+
+async def test_each_role_has_a_connection_limit_it_cannot_pass(postgres_server, fresh_db, service_dbs) -> None:
+    """N16/W1: without a CONNECTION LIMIT one service's role (a leak, a compromised process) could take every
+    connection the cluster has from the others."""
+    prefix = _database(fresh_db)
+    dsns = await ensure_service_roles(postgres_server.dsn, prefix, _passwords(), connection_limit=2)
+    admin = await asyncpg.connect(postgres_server.dsn)
+    try:
+        limits = dict(
+            await admin.fetch(
+                "SELECT rolname, rolconnlimit FROM pg_roles WHERE rolname = ANY($1::text[])",
+                [s.role for s in SERVICE_ROLES.values()],
+            )
+        )
+    finally:
+        await admin.close()
+    assert limits == {s.role: 2 for s in SERVICE_ROLES.values()}
+    async with AsyncExitStack() as held:
+        for _ in range(2):
+            conn = await asyncpg.connect(dsns["allocator"])
+            held.push_async_callback(conn.close)
+        with pytest.raises(asyncpg.TooManyConnectionsError):
+            await asyncpg.connect(dsns["allocator"])
+        # Another service's role is not held back by the allocator's connections.
+        other = await asyncpg.connect(dsns["scheduler"])
+        await other.close()
+    # The default: every replica's pool and its dedicated connections.
+    await ensure_service_roles(postgres_server.dsn, prefix, _passwords())
+    admin = await asyncpg.connect(postgres_server.dsn)
+    try:
+        limit = await admin.fetchval("SELECT rolconnlimit FROM pg_roles WHERE rolname = 'gpuaas_allocator'")
+    finally:
+        await admin.close()
+    assert limit == role_connection_limit() > 10

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from gpuaas_allocator.adapters.repository import AllocationStore
+from gpuaas_allocator.domain.allocation import HOST_NOTES_PER_ALLOCATION
 from gpuaas_allocator.domain.model import ActiveImage
 from gpuaas_allocator.service_layer.commands import provision_task_id, release_task_id
 from gpuaas_allocator.service_layer.deadlines import expire_overdue_tasks
@@ -389,6 +390,18 @@ async def test_a_tenants_machine_announcing_itself_as_a_slice_host_is_refused_on
     before = len(world.repo.entries)
     await world.send(world.allocator.on_enrolled, "node.enrolled", slice_like.model_copy(update={"node_id": "n9"}))
     assert len(world.repo.entries) == before
+
+
+async def test_a_machine_announcing_itself_again_and_again_writes_only_so_many_notes(world: World) -> None:
+    """N2: each refused announcement was a timeline row for good; past HOST_NOTES_PER_ALLOCATION only logs."""
+    alloc = await _deployed_baremetal(world)
+    slice_like = m.NodeEnrolled(node_id="n1", kind="slice_host", hostname="bm", agent_version="t")
+    for _ in range(HOST_NOTES_PER_ALLOCATION + 20):
+        await world.send(world.allocator.on_enrolled, "node.enrolled", slice_like)
+    notes = [e for e in world.repo.entries if e.get("reason_code") == "slice_enrolment_refused"]
+    assert len(notes) == HOST_NOTES_PER_ALLOCATION
+    assert world.repo.allocations[alloc]["host_notes"] == HOST_NOTES_PER_ALLOCATION
+    assert world.state(alloc) == "provisioning"
 
 
 async def test_a_result_for_a_task_never_sent_changes_nothing(world: World) -> None:

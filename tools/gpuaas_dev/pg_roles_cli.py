@@ -46,6 +46,15 @@ def pg_roles(
     image_pipeline: Annotated[str, _password_opt("image-pipeline")] = "",
     maas_gateway: Annotated[str, _password_opt("maas-gateway")] = "",
     ops_view: Annotated[str, _password_opt("ops-view")] = "",
+    replicas: Annotated[
+        int,
+        typer.Option(
+            "--replicas",
+            envvar="GPUAAS_PG_REPLICAS",
+            min=1,
+            help="Replicas per service that each role's CONNECTION LIMIT leaves room for (pool + dedicated ones).",
+        ),
+    ] = 4,
 ) -> None:
     """Create or update one login role per service that owns its schema and nothing else (idempotent)."""
     import asyncpg
@@ -66,7 +75,7 @@ def pg_roles(
             f"{names}: empty or unsafe; use 16+ characters of [A-Za-z0-9._~-] (e.g. `openssl rand -hex 24`)"
         )
     try:
-        asyncio.run(ensure_service_roles(admin_dsn, database, passwords))
+        asyncio.run(ensure_service_roles(admin_dsn, database, passwords, replicas=replicas))
     except (OSError, ValueError, asyncpg.PostgresError) as exc:
         err.print(f"[red]could not set up the Postgres roles[/]: {exc}")
         raise typer.Exit(1) from None

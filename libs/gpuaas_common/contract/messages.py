@@ -744,6 +744,9 @@ class NodeDriftReported(Payload):
     node_id: str = Identifier
     checked_at: datetime
     drift: list[NodeDrift] = Field(default_factory=list, max_length=1024)
+    # Task messages the agent could not handle since it started: kept in its own log and counted here, never sent
+    # to a dead-letter subject (hosts are off the DLQ path). Absent from older agents.
+    dead_lettered: int = Field(default=0, ge=0)
 
 
 # --- MAAS gateway ----------------------------------------------------------------------------------

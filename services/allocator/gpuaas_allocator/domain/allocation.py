@@ -67,6 +67,9 @@ TASK_DEADLINE_PASSED = "task_deadline_passed"
 ENROLMENT_TIMEOUT = "enrolment_timeout"
 ENROLMENT_REFUSED = "enrolment_refused"
 SLICE_ENROLMENT_REFUSED = "slice_enrolment_refused"
+# Timeline notes a host's announcements may write onto one allocation (refused enrolments): a tenant's machine can
+# announce itself as often as its budget lets it, and each would be a row for good. Past the cap, only logs.
+HOST_NOTES_PER_ALLOCATION = 32
 PLACEMENT_REASKED = "placement_reasked"
 EARLY_TASK_RESULT = "task_result_early"
 EARLY_RESULT_MISMATCH = "early_task_result_mismatch"
@@ -156,6 +159,8 @@ class Allocation:
     # A baremetal walk's moments (placed, deployed, enrolled: ISO times on this allocator's clock; boot_seconds:
     # the host's own count) and where MAAS says the tenant logs in, until `active` turns them into phases/access.
     phase_marks: dict[str, Any] | None = None
+    # Timeline notes written from hosts' announcements so far (capped at HOST_NOTES_PER_ALLOCATION).
+    host_notes: int = 0
     created_at: datetime | None = None
     updated_at: datetime | None = None
     # Not columns: how the allocation is handled in this unit of work.
@@ -550,7 +555,7 @@ class Allocation:
         machine is released."""
         if self.shape != "baremetal" or self.node_id != ev.node_id or self.maas_system_id != ev.maas_system_id:
             log.warning("enrolment_unmatched", node_id=ev.node_id, system_id=ev.maas_system_id)
-            self.note(
+            self._host_note(
                 ENROLMENT_REFUSED,
                 {"why": "not this allocation's machine", "node_id": ev.node_id, "system_id": ev.maas_system_id},
             )
@@ -561,7 +566,7 @@ class Allocation:
         if ev.enrolment_proof != expected:
             log.warning("enrolment_proof_mismatch", node_id=ev.node_id)
             if self.enrolled or self.state != "provisioning":
-                self.note(ENROLMENT_REFUSED, {"why": "enrolment proof does not match", "node_id": ev.node_id})
+                self._host_note(ENROLMENT_REFUSED, {"why": "enrolment proof does not match", "node_id": ev.node_id})
                 return
             self.fail(
                 ENROLMENT_REFUSED,
@@ -581,7 +586,15 @@ class Allocation:
         """The allocation's machine announced itself as a slice host: a tenant's machine must never offer itself
         for slices (nor join the image gate). Recorded for ops; the message is the caller's to dead-letter."""
         log.warning(SLICE_ENROLMENT_REFUSED, node_id=ev.node_id, state=self.state)
-        self.note(SLICE_ENROLMENT_REFUSED, {"node_id": ev.node_id, "hostname": ev.hostname})
+        self._host_note(SLICE_ENROLMENT_REFUSED, {"node_id": ev.node_id, "hostname": ev.hostname})
+
+    def _host_note(self, reason_code: str, detail: dict[str, Any]) -> None:
+        """A note a host's message wrote: the first HOST_NOTES_PER_ALLOCATION are kept, the rest only logged."""
+        if self.host_notes >= HOST_NOTES_PER_ALLOCATION:
+            log.info("host_note_capped", reason_code=reason_code, host_notes=self.host_notes)
+            return
+        self._set(host_notes=self.host_notes + 1)
+        self.note(reason_code, detail)
 
     def _maybe_baremetal_active(self) -> None:
         if self.state == "provisioning" and self.deployed and self.enrolled:

@@ -27,6 +27,9 @@ from .terminal_http import TerminalApi
 
 log = get_logger(__name__)
 
+# The durables fed by hosts (gpuaas.node.<id>.report.*): each node's messages have a budget (bus_budget).
+HOST_FED = frozenset({"allocator-task-results", "allocator-enrolments"})
+
 
 def build_register(settings: AllocatorSettings):
     async def register(rt: ServiceRuntime) -> None:
@@ -34,7 +37,8 @@ def build_register(settings: AllocatorSettings):
         rt.bus.repositories = AllocationRepository
         allocator = Allocator(settings)
         for durable, handlers in handlers_by_consumer(allocator).items():
-            rt.bus.subscribe(rt.consumer_spec(durable), handlers)
+            budget = rt.host_budget(durable) if durable in HOST_FED else None
+            rt.bus.subscribe(rt.consumer_spec(durable), handlers, host_budget=budget)
         known = {"count": 0}
 
         async def refresh() -> None:

@@ -24,6 +24,9 @@ from .admin_http import AdminApi
 
 log = get_logger(__name__)
 
+# The durables fed by hosts (gpuaas.node.<id>.report.*): each node's messages have a budget (bus_budget).
+HOST_FED = frozenset({"image-pipeline-enrolments", "image-pipeline-cache-reports"})
+
 
 def build_register(settings: ImagePipelineSettings):
     async def register(rt: ServiceRuntime) -> None:
@@ -52,9 +55,16 @@ def build_register(settings: ImagePipelineSettings):
         async def on_cache_reported(ctx: HandlerContext) -> None:
             await catalog.on_cache_reported(ctx.uow, ctx.payload)
 
-        rt.bus.subscribe(rt.consumer_spec("image-pipeline-enrolments"), {"node.enrolled": on_enrolled})
+        # Host-fed (HOST_FED): each node's messages have a budget (bus_budget).
         rt.bus.subscribe(
-            rt.consumer_spec("image-pipeline-cache-reports"), {"node.image_cache_reported": on_cache_reported}
+            rt.consumer_spec("image-pipeline-enrolments"),
+            {"node.enrolled": on_enrolled},
+            host_budget=rt.host_budget("image-pipeline-enrolments"),
+        )
+        rt.bus.subscribe(
+            rt.consumer_spec("image-pipeline-cache-reports"),
+            {"node.image_cache_reported": on_cache_reported},
+            host_budget=rt.host_budget("image-pipeline-cache-reports"),
         )
 
         async def on_upload_result(ctx: HandlerContext) -> None:

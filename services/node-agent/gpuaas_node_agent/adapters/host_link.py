@@ -13,6 +13,7 @@ import asyncio
 from nats.aio.client import Client as NatsClient
 
 from gpuaas_common.bus import Bus
+from gpuaas_common.bus_dispatch import HeldDeadLetters
 from gpuaas_common.creds_renewal import CredsRenewal
 from gpuaas_common.identity.permissions import HOST_JS_API
 from gpuaas_common.logging import get_logger
@@ -45,6 +46,8 @@ class HostLink:
             pool=None,
             retry_delays_s=self.retry_delays_s,
         )
+        # Off the DLQ path: what the agent cannot handle is logged here and counted in its drift reports.
+        self.bus.held_dead_letters = HeldDeadLetters()
         if self.identity.creds_file:
             name = f"gpuaas-node-agent-{self.node_id}"
             self.renewal = CredsRenewal(self.identity, self.nc, self.bus.gate, name=name)

@@ -131,6 +131,7 @@ async def run_slice_host(
         guest_login=guest_login,
         relay_public_key=relay[1],
     )
+    agent.held_dead_letters = bus.held_dead_letters
     agent.gpu_bridge = settings.gpu_bridge
     agent.emulated_slot_disks = tuple(settings.emulated_slot_disks)
     agent.require_bf3_management = settings.parity_require_bf3_management

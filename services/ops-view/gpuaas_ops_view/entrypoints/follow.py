@@ -30,6 +30,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge, Histogram
 
 from gpuaas_common.bus import Bus, PermanentError
+from gpuaas_common.bus_budget import HostBudget
 from gpuaas_common.bus_dispatch import dead_letter
 from gpuaas_common.jetstream import ConsumerSpec
 from gpuaas_common.logging import get_logger
@@ -76,7 +77,10 @@ class StreamFollower:
         name: str,
         dead_letters: Bus,
         batch: int,
+        budget: HostBudget | None = None,
     ) -> None:
+        """`budget`: the stream carries hosts' messages; a node's over its budget advance the position and are
+        applied to nothing (bus_budget)."""
         self.nc, self.js, self.pool = nc, js, pool
         self.stream = spec.stream
         self.filter = spec.filter_subject
@@ -84,6 +88,7 @@ class StreamFollower:
         self.spec = ConsumerSpec(durable=name, stream=spec.stream, filter_subject=spec.filter_subject)
         self.dead_letters = dead_letters
         self.batch = batch
+        self.budget = budget
         self.position = 0
         self._consumer_seq = 0
 
@@ -156,37 +161,44 @@ class StreamFollower:
 
     async def _apply(self, msgs: list[Msg]) -> None:
         consumer_seq = self._consumer_seq
+        # Decided once per message, before any of the batch is applied: a retry of the batch one message at a
+        # time applies the same ones.
+        kept = [m for m in msgs if self.budget is None or self.budget.admit(m.subject, len(m.data))]
         try:
-            letters = await self._apply_batch(msgs, alone=False)
+            letters = await self._apply_batch(msgs, kept, alone=False)
         except _Unplaced:
             self._consumer_seq = consumer_seq
-            letters = await self._apply_batch(msgs, alone=True)
+            letters = await self._apply_batch(msgs, kept, alone=True)
         self.position = msgs[-1].metadata.sequence.stream
         POSITION.labels(self.stream).set(self.position)
         now = time.time()
         for msg in msgs:
             LAG.labels(self.stream).observe(max(now - msg.metadata.timestamp.timestamp(), 0.0))
-        APPLIED.labels(self.stream, "applied").inc(len(msgs) - len(letters))
+        APPLIED.labels(self.stream, "applied").inc(len(kept) - len(letters))
         APPLIED.labels(self.stream, "dead_lettered").inc(len(letters))
+        APPLIED.labels(self.stream, "over_budget").inc(len(msgs) - len(kept))
 
-    async def _apply_batch(self, msgs: list[Msg], *, alone: bool) -> list[tuple[Msg, PermanentError]]:
+    async def _apply_batch(
+        self, msgs: list[Msg], kept: list[Msg] | None = None, *, alone: bool
+    ) -> list[tuple[Msg, PermanentError]]:
         """One transaction for the batch; `alone`: each message in a savepoint, those that fail dead-lettered.
         Without, the whole batch goes through one BatchProjection, and any failure rolls the whole transaction
-        back (_Unplaced)."""
+        back (_Unplaced). Only `kept` (those within their host's budget) are applied; the position passes all."""
+        kept = msgs if kept is None else kept
         self._check_sequence(msgs)
-        messages = [Message(self.stream, m.metadata.sequence.stream, m.subject, m.data) for m in msgs]
+        messages = [Message(self.stream, m.metadata.sequence.stream, m.subject, m.data) for m in kept]
         letters: list[tuple[Msg, PermanentError]] = []
         async with self.pool.acquire() as conn, conn.transaction():
             repo: Projection
             if alone:
                 repo = Projection(conn)
-                for msg, message in zip(msgs, messages, strict=True):
+                for msg, message in zip(kept, messages, strict=True):
                     failure = await _failure(self._apply_alone(conn, repo, message))
                     if failure is not None:
                         letters.append((msg, failure))
             else:
                 repo = BatchProjection(conn)
-                if await _failure(apply_batch(repo, messages)) is not None:
+                if messages and await _failure(apply_batch(repo, messages)) is not None:
                     raise _Unplaced()
             last = msgs[-1].metadata
             await repo.advance(self.stream, last.sequence.stream, last.timestamp)

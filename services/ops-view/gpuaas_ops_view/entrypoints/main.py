@@ -7,9 +7,11 @@ import asyncio
 import nats.errors
 
 from gpuaas_common.bus import Bus
+from gpuaas_common.bus_budget import HostBudget
 from gpuaas_common.jetstream import FOLLOWERS
 from gpuaas_common.logging import get_logger
 from gpuaas_common.metrics import consumer_reading
+from gpuaas_common.retention import HostRows
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.changes import Changes
@@ -22,23 +24,41 @@ from .web.pages import Console
 
 log = get_logger(__name__)
 
+# Tables a host's messages grow: pruned by age and capped per host (retention.py). A task phase names its task
+# only: its host is the task's (phases of tasks nobody sent share one group, and one cap). Dead letters come from
+# services only now (hosts' are refused), capped per consumer all the same.
+HOST_ROWS = (
+    HostRows("node_task_phases", "at", "(SELECT nt.node_id FROM node_tasks nt WHERE nt.task_id = t.task_id)"),
+    HostRows("dead_letters", "at", "t.consumer"),
+)
+
 
 def build_register(settings: OpsViewSettings):
     async def register(rt: ServiceRuntime) -> None:
         assert rt.nc is not None and rt.js is not None and rt.pool is not None
+        rt.host_rows.extend(HOST_ROWS)
         # Dead letters go out directly (no outbox): the follower publishes them before its commit.
         letters = Bus(rt.nc, rt.js, service="ops-view", schema=None, pool=None)
+
+        def budget(stream: str, name: str) -> HostBudget | None:
+            # Hosts' reports have a budget per node; hosts' dead letters (agents now send a count instead) none.
+            if stream == "NODE_REPORTS":
+                return rt.host_budget(name)
+            return HostBudget.refusing(name) if stream == "DLQ" else None
+
         followers = [
             StreamFollower(
                 rt.nc,
                 rt.js,
                 rt.pool,
                 spec,
-                name=spec.durable.replace("ops-view", settings.follower_prefix, 1),
+                name=name,
                 dead_letters=letters,
                 batch=settings.follow_batch,
+                budget=budget(spec.stream, name),
             )
             for spec in FOLLOWERS
+            for name in (spec.durable.replace("ops-view", settings.follower_prefix, 1),)
         ]
         for follower in followers:
             rt.spawn(follower.run(), f"follow-{follower.stream}")

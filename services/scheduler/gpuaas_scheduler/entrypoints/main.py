@@ -7,6 +7,7 @@ import asyncio
 from gpuaas_common.fleet import Fleet
 from gpuaas_common.logging import get_logger
 from gpuaas_common.periodic import every
+from gpuaas_common.retention import HostRows
 from gpuaas_common.runtime import ServiceRuntime, run_service
 from gpuaas_common.startup import StartupFailed
 
@@ -25,10 +26,17 @@ from .admin_http import admin_api
 
 log = get_logger(__name__)
 
+# The durables fed by hosts (gpuaas.node.<id>.report.*): each node's messages have a budget (bus_budget).
+HOST_FED = frozenset({"scheduler-node-parity", "scheduler-node-topology", "scheduler-node-drift"})
+# Tables a host's messages grow: pruned by age and capped per host (retention.py). The drift itself (node_drift)
+# is state, kept; each report is history.
+HOST_ROWS = (HostRows("node_drift_reports", "checked_at", "t.node_id"),)
+
 
 def build_register(settings: SchedulerSettings):
     async def register(rt: ServiceRuntime) -> None:
         assert rt.bus is not None and rt.pool is not None
+        rt.host_rows.extend(HOST_ROWS)
         # `uow.repos` of every unit of work the bus opens: the handlers reach nodes, slots and claims through it.
         rt.bus.repositories = scheduler_repositories
         fleet = _inventory(settings.inventory_file) if settings.inventory_file else None
@@ -64,7 +72,8 @@ def build_register(settings: SchedulerSettings):
         # Readiness evidence: parity, advisory topology, image cache state. Each is its own durable so a
         # backlog on one (e.g. a fleet-wide prewarm) never delays the others or placement.
         for durable, handler_map in evidence_handlers(scheduler).items():
-            rt.bus.subscribe(rt.consumer_spec(durable), handler_map)
+            budget = rt.host_budget(durable) if durable in HOST_FED else None
+            rt.bus.subscribe(rt.consumer_spec(durable), handler_map, host_budget=budget)
         # The results of the host walks' slice-host deploys (every other deploy's result is left to the allocator).
         rt.bus.subscribe(rt.consumer_spec("scheduler-maas-deploys"), {"maas.deploy_result": walker.on_deploy_result})
         # Claims whose allocation ended (or never existed) at the allocator while this database lost the news.

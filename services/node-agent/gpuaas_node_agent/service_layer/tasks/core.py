@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from gpuaas_common.bus_dispatch import HeldDeadLetters
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
@@ -67,6 +68,8 @@ class AgentCore:
         guest_login: GuestLogin | None = None,
     ) -> None:
         self.node_id = node_id
+        # The host bus's dead letters, kept at home; their count goes out with each drift report.
+        self.held_dead_letters: HeldDeadLetters | None = None
         self.domain_type = domain_type
         self.bridge_kind = bridge_kind
         self.guest_user = guest_user

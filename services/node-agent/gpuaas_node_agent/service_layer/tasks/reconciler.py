@@ -206,7 +206,12 @@ class HostReconciler(TaskRunner):
     async def report_drift(self) -> list[Drift]:
         """One pass, published as the full current list (an empty list says the host is clean again)."""
         drift = await self.reconcile_host()
-        report = m.NodeDriftReported(node_id=self.node_id, checked_at=utcnow(), drift=[d.message() for d in drift])
+        report = m.NodeDriftReported(
+            node_id=self.node_id,
+            checked_at=utcnow(),
+            drift=[d.message() for d in drift],
+            dead_lettered=self.held_dead_letters.count if self.held_dead_letters is not None else 0,
+        )
         await self.publish("node.drift_reported", report, correlation_id=self.node_id, node_id=self.node_id)
         log.info("node_drift_reported", node_id=self.node_id, drift=len(drift), swept=sum(d.swept for d in drift))
         return drift
