@@ -31,7 +31,7 @@ from pathlib import Path
 from gpuaas_common.logging import get_logger
 
 from ..guest import gpu_report
-from .qemu import CUSTOMISERS, ImageToolError, VirtCustomizeCustomiser, convert_to_raw, image_info, tool_env
+from .qemu import CUSTOMISERS, ImageToolError, VirtCustomizeCustomiser, convert_to_raw, tool_env
 
 log = get_logger(__name__)
 
@@ -455,14 +455,12 @@ class ChrootCustomiser:
         if method == "virt-customize":
             await VirtCustomizeCustomiser().customise(image, packages, stamp)
             return
-        fmt = (await image_info(image)).get("format", "raw")
+        # The build's own qcow2 copy (every customiser is given one), opened as qcow2: never probed.
+        fmt = "qcow2"
         mnt = image.parent / f"chroot-{uuid.uuid4().hex[:8]}"
         if method == "nbd":
             async with nbd_device(image, fmt) as disk:
                 await self._on_disk(disk, mnt, packages, stamp)
-            return
-        if fmt == "raw":
-            await self._on_disk(image, mnt, packages, stamp)
             return
         raw = image.with_suffix(".chroot.raw")
         try:
