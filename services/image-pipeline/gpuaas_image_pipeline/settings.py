@@ -37,8 +37,9 @@ class ImagePipelineSettings(ServiceSettings):
     image_cache_dir: str = "/var/lib/gpuaas/slice-images"
     # Customisation plug-in: chroot (installs packages into the image's root with the guest's apt; nbd or loop
     # devices, virt-customize as the fallback), virt-customize, none; stamp is a dev option that only writes
-    # a build stamp into the disk (no root, no real image needed) and stays the default for the dev stack.
-    image_customise: Literal["chroot", "stamp", "virt-customize", "none"] = "stamp"
+    # a build stamp into the disk (no root, no real image needed): the dev stack names it, production builds
+    # default to the real customiser.
+    image_customise: Literal["chroot", "stamp", "virt-customize", "none"] = "chroot"
     # Comma-separated packages a build installs when the request names none (chroot and virt-customize).
     image_install_packages: str = "cloud-init,openssh-server,qemu-guest-agent"
     # Base images fetched from a URL (BuildRequest.base_url), kept by digest.

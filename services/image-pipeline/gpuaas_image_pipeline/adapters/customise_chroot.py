@@ -31,6 +31,7 @@ from pathlib import Path
 from gpuaas_common.logging import get_logger
 
 from ..guest import gpu_report
+from .paths import in_root
 from .qemu import CUSTOMISERS, ImageToolError, VirtCustomizeCustomiser, convert_to_raw, tool_env
 
 log = get_logger(__name__)
@@ -252,14 +253,16 @@ async def chroot_mounts(root: Path) -> AsyncIterator[None]:
 @asynccontextmanager
 async def host_resolver(root: Path) -> AsyncIterator[None]:
     """The host's resolv.conf in the guest for apt, the guest's own (a file or a link, often dangling in a
-    stopped image) put back afterwards."""
-    guest = root / "etc/resolv.conf"
-    saved = root / "etc/resolv.conf.gpuaas-build"
+    stopped image) put back afterwards. Every path is the image's own (in_root): a link in etc never leads
+    the rename or the copy into the build host."""
+    etc = in_root(root, "etc")
+    guest = etc / "resolv.conf"
+    saved = etc / "resolv.conf.gpuaas-build"
     had = guest.exists() or guest.is_symlink()
     if had:
         guest.rename(saved)
     try:
-        shutil.copyfile("/etc/resolv.conf", guest)
+        shutil.copyfile("/etc/resolv.conf", guest, follow_symlinks=False)
         yield
     finally:
         guest.unlink(missing_ok=True)
@@ -271,16 +274,33 @@ async def host_resolver(root: Path) -> AsyncIterator[None]:
 async def no_service_starts(root: Path) -> AsyncIterator[None]:
     """policy-rc.d forbids maintainer scripts to start services: a daemon started in the chroot would run on
     the build host and hold the mount."""
-    policy = root / "usr/sbin/policy-rc.d"
-    existed = policy.exists()
+    policy = in_root(root, "usr/sbin", follow_last=True) / "policy-rc.d"
+    existed = policy.exists() or policy.is_symlink()
     if not existed:
-        policy.write_text("#!/bin/sh\nexit 101\n")
-        policy.chmod(0o755)
+        _write_new(policy, "#!/bin/sh\nexit 101\n", 0o755)
     try:
         yield
     finally:
         if not existed:
             policy.unlink(missing_ok=True)
+
+
+def _mkdirs(root: Path, path: str) -> Path:
+    """`path` of the image created as directories, resolved inside the root first: what is missing of the
+    resolved path has no link in it to follow (in_root followed every one that exists)."""
+    resolved = in_root(root, path)
+    resolved.mkdir(parents=True, exist_ok=True)
+    return resolved
+
+
+def _write_new(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write `path` (its directory already resolved in the image), never through a link at the name itself."""
+    if path.is_symlink():
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, mode, follow_symlinks=False)
 
 
 # --- the work in the chroot -----------------------------------------------------------------------------
@@ -319,38 +339,44 @@ async def install(root: Path, packages: list[str]) -> None:
 
 
 def write_readiness_unit(root: Path) -> None:
-    script = root / GPU_REPORT_SCRIPT
-    script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text(gpu_report_source())
-    script.chmod(0o755)
-    unit = root / "etc/systemd/system" / READY_UNIT
-    unit.parent.mkdir(parents=True, exist_ok=True)
-    unit.write_text(READY_UNIT_TEXT)
-    wants = root / "etc/systemd/system/multi-user.target.wants"
-    wants.mkdir(parents=True, exist_ok=True)
+    """The unit and the report script, written on the host side: each directory resolved in the image (an
+    image's absolute link at etc/systemd means its own root, not the host's), each file opened without
+    following a link at its name."""
+    script_dir = _mkdirs(root, str(Path(GPU_REPORT_SCRIPT).parent))
+    _write_new(script_dir / Path(GPU_REPORT_SCRIPT).name, gpu_report_source(), 0o755)
+    units = _mkdirs(root, "etc/systemd/system")
+    _write_new(units / READY_UNIT, READY_UNIT_TEXT)
+    wants = _mkdirs(root, "etc/systemd/system/multi-user.target.wants")
     link = wants / READY_UNIT
     link.unlink(missing_ok=True)
     link.symlink_to(f"/etc/systemd/system/{READY_UNIT}")
 
 
 def _clean(root: Path) -> None:
+    """apt's caches emptied and the machine's identity cleared, every path resolved in the image: a link at
+    var/cache/apt/archives to a host directory must not have the host's files deleted."""
     for d in ("var/cache/apt/archives", "var/lib/apt/lists"):
-        base = root / d
-        for p in base.glob("*"):
-            if p.is_file() or p.is_symlink():
+        base = in_root(root, d)
+        if not base.is_dir():
+            continue
+        for p in base.iterdir():
+            if p.is_symlink() or p.is_file():
                 p.unlink()
-            elif p.name == "partial":
-                shutil.rmtree(p, ignore_errors=True)
+            elif p.name == "partial" and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)  # rmtree never follows links inside the tree
+    cache = in_root(root, "var/cache/apt")
     for name in ("pkgcache.bin", "srcpkgcache.bin"):
-        (root / "var/cache/apt" / name).unlink(missing_ok=True)
+        (cache / name).unlink(missing_ok=True)
     # Every clone is its own machine: its id and (when cloud-init makes new ones at first boot) its SSH host
     # keys must not come from the build.
-    machine_id = root / "etc/machine-id"
-    if machine_id.exists():
-        machine_id.write_text("")
-    if (root / "usr/bin/cloud-init").exists():
-        for key in (root / "etc/ssh").glob("ssh_host_*"):
-            key.unlink()
+    machine_id = in_root(root, "etc", follow_last=True) / "machine-id"
+    if machine_id.exists() or machine_id.is_symlink():
+        _write_new(machine_id, "", 0o444)
+    if in_root(root, "usr/bin/cloud-init").exists():
+        ssh = in_root(root, "etc/ssh")
+        if ssh.is_dir():
+            for key in ssh.glob("ssh_host_*"):
+                key.unlink()
 
 
 async def customise_root(root: Path, packages: list[str], stamp: dict) -> None:
@@ -358,7 +384,8 @@ async def customise_root(root: Path, packages: list[str], stamp: dict) -> None:
         await install(root, packages)
     await asyncio.to_thread(write_readiness_unit, root)
     blob = json.dumps({**stamp, "packages": packages}, sort_keys=True, indent=2) + "\n"
-    await asyncio.to_thread((root / STAMP_PATH).write_text, blob)
+    stamp_dir = await asyncio.to_thread(in_root, root, str(Path(STAMP_PATH).parent))
+    await asyncio.to_thread(_write_new, stamp_dir / Path(STAMP_PATH).name, blob)
     await asyncio.to_thread(_clean, root)
 
 
