@@ -319,23 +319,59 @@ _NOT_FOUND = (
 )
 
 
-async def _in_chroot(root: Path, *argv: str) -> tuple[int, str, str]:
-    return await _exec("chroot", str(root), *argv, env=_CHROOT_ENV)
+# What the image's own programs keep of root (bwrap --cap-add; everything else dropped, and bwrap's securebits
+# keep an exec from getting it back): owning, chmod-ing and setuid-ing files and dropping to apt's _apt user.
+# No CAP_SYS_ADMIN (no mount), no CAP_MKNOD (no device node for a host disk), no CAP_SYS_RAWIO/MODULE/PTRACE.
+_SANDBOX_CAPS = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID",
+    "CAP_SETUID", "CAP_SETGID", "CAP_SETFCAP", "CAP_KILL",
+)  # fmt: skip
+
+
+def sandbox_argv(root: Path, *, network: bool) -> list[str]:
+    """bwrap (Debian package bubblewrap) around a command of the image: the image's root is / (pivot_root, so
+    there is no way back to the host's tree, as there is from a chroot), a fresh /dev with no disk in it, a
+    proc of its own pid namespace, no /sys, fresh ipc/uts/cgroup namespaces; the network only where
+    `network` (apt's downloads), never for a maintainer script. Every process dies with the sandbox.
+
+    No user namespace: dpkg gives files to the image's own users, and a user namespace mapping only root
+    would refuse that; the capability set above is what keeps the image's root from the host instead."""
+    caps = [arg for cap in _SANDBOX_CAPS for arg in ("--cap-add", cap)]
+    return [
+        "bwrap", "--die-with-parent", "--new-session",
+        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        *([] if network else ["--unshare-net"]),
+        "--cap-drop", "ALL", *caps,
+        "--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/run",
+        "--chdir", "/", "--clearenv",
+        *[arg for k, v in _CHROOT_ENV.items() for arg in ("--setenv", k, v)],
+        "--",
+    ]  # fmt: skip
+
+
+async def _in_chroot(root: Path, *argv: str, network: bool = False) -> tuple[int, str, str]:
+    if not shutil.which("bwrap"):
+        raise CustomiseError("chroot_unavailable: bwrap is not installed (Debian package bubblewrap)")
+    return await _exec(*sandbox_argv(root, network=network), *argv, env=_CHROOT_ENV)
 
 
 async def install(root: Path, packages: list[str]) -> None:
-    rc, out, err = await _in_chroot(root, "apt-get", "update")
+    """apt in the sandbox: the index and the packages downloaded with the network, then installed (the
+    maintainer scripts run) without it."""
+    rc, out, err = await _in_chroot(root, "apt-get", "update", network=True)
     if rc != 0:
         raise CustomiseError(f"apt_update_failed: {(err or out).strip().splitlines()[-1:]}")
     if packages:
         argv = ["apt-get", "install", "-y", "--no-install-recommends", "-o", "Dpkg::Options::=--force-confold"]
-        rc, out, err = await _in_chroot(root, *argv, *packages)
-        if rc != 0:
-            missing = [m for pattern in _NOT_FOUND for m in pattern.findall(err)]
-            if missing:
-                raise CustomiseError(f"package_not_in_archive: {', '.join(sorted(set(missing)))}")
-            last = (err or out).strip().splitlines()[-1:] or ["(no output)"]
-            raise CustomiseError(f"apt_install_failed: {last[0][:500]}")
+        for phase in ("download", "install"):
+            extra = ["--download-only"] if phase == "download" else []
+            rc, out, err = await _in_chroot(root, *argv, *extra, *packages, network=phase == "download")
+            if rc != 0:
+                missing = [m for pattern in _NOT_FOUND for m in pattern.findall(err)]
+                if missing:
+                    raise CustomiseError(f"package_not_in_archive: {', '.join(sorted(set(missing)))}")
+                last = (err or out).strip().splitlines()[-1:] or ["(no output)"]
+                raise CustomiseError(f"apt_install_failed: {last[0][:500]}")
 
 
 def write_readiness_unit(root: Path) -> None:
@@ -380,7 +416,8 @@ def _clean(root: Path) -> None:
 
 
 async def customise_root(root: Path, packages: list[str], stamp: dict) -> None:
-    async with no_service_starts(root), chroot_mounts(root), host_resolver(root):
+    # No host /dev, /sys or /proc is mounted into the image: the sandbox (sandbox_argv) brings its own.
+    async with no_service_starts(root), host_resolver(root):
         await install(root, packages)
     await asyncio.to_thread(write_readiness_unit, root)
     blob = json.dumps({**stamp, "packages": packages}, sort_keys=True, indent=2) + "\n"
@@ -470,8 +507,10 @@ class ChrootCustomiser:
             opened = [f"qemu-img convert -O raw -S 4k {image} {raw}", f"losetup --offset <root partition> {raw}"]
         return [
             *opened,
-            "mount the root; bind /dev, /dev/pts, /sys; proc; host resolv.conf; policy-rc.d",
-            f"chroot apt-get update && apt-get install -y --no-install-recommends {pkgs}",
+            "mount the root; host resolv.conf; policy-rc.d",
+            "in bwrap (the root as /, its own /dev and proc, no /sys, capabilities cut): apt-get update, "
+            f"apt-get install --download-only {pkgs}, then without network apt-get install -y "
+            f"--no-install-recommends {pkgs}",
             f"install {READY_UNIT} (multi-user.target.wants) and /{GPU_REPORT_SCRIPT}, write /{STAMP_PATH}, apt clean",
             "unmount, detach" + (f", qemu-img convert -O qcow2 back to {image}" if method == "loop" else ""),
         ]
