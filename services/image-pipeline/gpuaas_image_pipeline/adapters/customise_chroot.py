@@ -342,7 +342,9 @@ def sandbox_argv(root: Path, *, network: bool) -> list[str]:
         "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         *([] if network else ["--unshare-net"]),
         "--cap-drop", "ALL", *caps,
-        "--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/run",
+        # /tmp sticky and world-writable, as apt (dropped to _apt) and package scripts expect it.
+        "--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
+        "--tmpfs", "/run",
         "--chdir", "/", "--clearenv",
         *[arg for k, v in _CHROOT_ENV.items() for arg in ("--setenv", k, v)],
         "--",
