@@ -64,6 +64,8 @@ APT_PACKAGES=(
   qemu-system-x86 libvirt-daemon-system libvirt-clients dnsmasq-base dnsmasq-utils ovmf
   iproute2 iptables socat openssh-client mmdebstrap grub-efi-amd64-bin dosfstools mtools
   openssh-server                           # a private sshd on loopback: the slice terminal's test (tests/e2e)
+  gpgv gnupg                               # image base lists: gpgv checks SHA256SUMS.gpg; gpg makes the tests' keys
+  bubblewrap                               # the image customiser's sandbox (no host /dev, /sys or network)
 )
 # The system services those packages bring that nothing here uses: the stack starts its own Postgres and
 # registry on loopback, and the tests their own Prometheus. Only the ones this run installs are switched off; one

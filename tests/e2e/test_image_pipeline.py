@@ -9,6 +9,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -204,7 +205,9 @@ async def test_admin_api_update_enable_disable(stack: Stack, portal, db) -> None
         stack,
         "POST",
         f"/v1/images/{SLUG}/builds",
-        {"source": "/nonexistent.qcow2", "dry_run": True, "tag": "planned-1"},
+        # A dry run plans a source that does not exist yet, in the directories sources may come from (the dev
+        # stack's include the system temp dir).
+        {"source": str(Path(tempfile.gettempdir()) / "nonexistent.qcow2"), "dry_run": True, "tag": "planned-1"},
     )
     assert status == 200 and plan["status"] == "planned"
     assert plan["plan"]["artifact_ref"] == f"oci://{stack.registry_host}/slice-guest-images/{SLUG}:planned-1"

@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 
 from gpuaas_dev.lab.base_image import serve_directory
-from gpuaas_image_pipeline.adapters.base_image import BaseImageError, fetch_base_image, resize
+from gpuaas_image_pipeline.adapters.base_image import BaseImageError, FetchPolicy, fetch_base_image, resize
+
+# The loopback site below is the lab's exception (plain http, unsigned list), as its setting allows.
+LAB = FetchPolicy(loopback_lab=True)
 
 
 async def _qemu_img(*argv: str) -> bytes:
@@ -46,7 +49,7 @@ async def test_a_listed_image_is_cached_by_digest_and_reused(published: tuple[Pa
     seen: list[tuple[int, int]] = []
 
     first = await fetch_base_image(
-        url + "base.qcow2", url + "SHA256SUMS", cache, progress=lambda d, t: seen.append((d, t))
+        url + "base.qcow2", url + "SHA256SUMS", cache, policy=LAB, progress=lambda d, t: seen.append((d, t))
     )
     assert first.downloaded and first.sha256 == digest and first.name == "base.qcow2"
     assert hashlib.sha256(first.path.read_bytes()).hexdigest() == digest
@@ -55,7 +58,7 @@ async def test_a_listed_image_is_cached_by_digest_and_reused(published: tuple[Pa
 
     # Gone from the site: a second fetch must come from the cache alone.
     (site / "base.qcow2").unlink()
-    again = await fetch_base_image(url + "base.qcow2", url + "SHA256SUMS", cache)
+    again = await fetch_base_image(url + "base.qcow2", url + "SHA256SUMS", cache, policy=LAB)
     assert not again.downloaded and again.path == first.path
     assert sorted(p.name for p in cache.iterdir()) == [first.path.name]
 
@@ -65,11 +68,11 @@ async def test_a_damaged_cache_entry_is_fetched_again(published: tuple[Path, str
     await _qemu_img("create", "-q", "-f", "qcow2", str(site / "base.qcow2"), "64M")
     digest = _publish(site, "base.qcow2")
     cache = tmp_path / "cache"
-    first = await fetch_base_image(url + "base.qcow2", url + "SHA256SUMS", cache)
+    first = await fetch_base_image(url + "base.qcow2", url + "SHA256SUMS", cache, policy=LAB)
     with first.path.open("r+b") as f:
         f.write(b"rot")
 
-    again = await fetch_base_image(url + "base.qcow2", url + "SHA256SUMS", cache)
+    again = await fetch_base_image(url + "base.qcow2", url + "SHA256SUMS", cache, policy=LAB)
     assert again.downloaded and hashlib.sha256(again.path.read_bytes()).hexdigest() == digest
 
 
@@ -82,7 +85,7 @@ async def test_a_digest_that_differs_from_the_list_is_refused_and_nothing_is_cac
     cache = tmp_path / "cache"
 
     with pytest.raises(BaseImageError) as err:
-        await fetch_base_image(url + "base.qcow2", url + "SHA256SUMS", cache)
+        await fetch_base_image(url + "base.qcow2", url + "SHA256SUMS", cache, policy=LAB)
     assert str(err.value).startswith("base_checksum_mismatch: base.qcow2 ")
     assert "\n" not in str(err.value)
     assert list(cache.iterdir()) == []
@@ -97,12 +100,12 @@ async def test_a_name_absent_from_the_list_and_a_failed_download_are_refused(
     cache = tmp_path / "cache"
 
     with pytest.raises(BaseImageError, match=r"^base_not_in_checksums: noble\.img is not listed in "):
-        await fetch_base_image(url + "noble.img", url + "SHA256SUMS", cache)
+        await fetch_base_image(url + "noble.img", url + "SHA256SUMS", cache, policy=LAB)
     (site / "SHA256SUMS").write_text((site / "SHA256SUMS").read_text() + f"{'1' * 64}  gone.img\n")
     with pytest.raises(BaseImageError, match=r"^base_download_failed: .*gone\.img answered HTTP 404$"):
-        await fetch_base_image(url + "gone.img", url + "SHA256SUMS", cache)
+        await fetch_base_image(url + "gone.img", url + "SHA256SUMS", cache, policy=LAB)
     with pytest.raises(BaseImageError, match=r"^base_download_failed: .*SHA256SUMS.missing answered HTTP 404$"):
-        await fetch_base_image(url + "base.qcow2", url + "SHA256SUMS.missing", cache)
+        await fetch_base_image(url + "base.qcow2", url + "SHA256SUMS.missing", cache, policy=LAB)
     assert not cache.exists() or list(cache.iterdir()) == []
 
 

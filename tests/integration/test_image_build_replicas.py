@@ -57,7 +57,10 @@ async def test_a_starting_replica_fails_only_builds_whose_replica_is_gone(
     proc = await asyncio.create_subprocess_exec("qemu-img", "create", "-q", "-f", "qcow2", str(source), "1M")
     assert await proc.wait() == 0
     settings = ImagePipelineSettings(
-        registry_host="127.0.0.1:9", image_build_dir=str(tmp_path / "builds"), image_customise="none"
+        registry_host="127.0.0.1:9",
+        image_build_dir=str(tmp_path / "builds"),
+        image_source_dirs=str(tmp_path),
+        image_customise="none",
     )
     running = BuildRunner(pool, None, settings, lease_s=1.0)
     build = await running.start("slice-replica-test", BuildRequest(source=str(source)))
@@ -108,7 +111,10 @@ async def test_a_build_that_ends_gives_its_lease_back(
     proc = await asyncio.create_subprocess_exec("qemu-img", "create", "-q", "-f", "qcow2", str(source), "1M")
     assert await proc.wait() == 0
     settings = ImagePipelineSettings(
-        registry_host="127.0.0.1:9", image_build_dir=str(tmp_path / "builds"), image_customise="none"
+        registry_host="127.0.0.1:9",
+        image_build_dir=str(tmp_path / "builds"),
+        image_source_dirs=str(tmp_path),
+        image_customise="none",
     )
     runner = BuildRunner(pool, None, settings, lease_s=1.0)
     build = await runner.start("slice-replica-test", BuildRequest(source=str(source)))

@@ -238,3 +238,48 @@ async def test_a_retired_host_leaves_the_gate_and_the_image_waiting_only_on_it_a
     finally:
         await pool.close()
         await conn.close()
+
+
+async def test_a_seeded_slice_image_is_active_only_once_every_slice_host_verified_it(fresh_db: str) -> None:
+    """Issue 38: a seeded slice image was announced `active` at seeding with no host verified. It passes the
+    gate as a built image does: published, no image.activated, until the last slice host verified its digest;
+    a seeded host image (it lives in MAAS) is active at once."""
+    conn, pool = await _connect(fresh_db)
+    try:
+        async with _uow(pool) as uow:
+            for node in ("n1", "n2"):
+                enrolled = m.NodeEnrolled(node_id=node, kind="slice_host", hostname=node, agent_version="t")
+                await catalog.on_enrolled(uow, enrolled, f"ev-{node}")
+            host_seed = SeedImage(
+                slug="host-img", kind="host", sku="h200-sxm", digest_sha256="e" * 64, image_path="custom/host-img"
+            )
+            assert await apply_seed(uow, [_seed(), host_seed]) == ["host-img"]
+            await uow.commit()
+
+        async def activated() -> list[str]:
+            rows = await conn.fetch("SELECT body FROM outbox ORDER BY id")
+            bodies = [json.loads(bytes(r["body"])) for r in rows]
+            return [b["payload"]["slug"] for b in bodies if b["type"] == "image.activated"]
+
+        status = "SELECT status FROM os_images WHERE slug = $1"
+        assert await conn.fetchval(status, _seed().slug) == "published"
+        assert await activated() == ["host-img"]
+
+        async def verified(node: str) -> str:
+            async with _uow(pool) as uow:
+                await catalog.on_cache_reported(
+                    uow,
+                    m.NodeImageCacheReported(
+                        task_id=f"t-{node}", node_id=node, slug=_seed().slug, status="verified",
+                        expected_digest=SEED_DIGEST, digest_sha256=SEED_DIGEST, local_path=_seed().image_path,
+                    ),
+                )  # fmt: skip
+                await uow.commit()
+            return str(await conn.fetchval(status, _seed().slug))
+
+        assert await verified("n1") == "published" and await activated() == ["host-img"]
+        assert await verified("n2") == "active"
+        assert await activated() == ["host-img", _seed().slug]
+    finally:
+        await pool.close()
+        await conn.close()

@@ -189,6 +189,8 @@ async def test_a_build_from_a_published_base_installs_verifies_and_publishes(
         image_build_dir=str(tmp_path / "builds"),
         image_base_cache_dir=str(tmp_path / "bases"),
         image_cache_dir=str(tmp_path / "cache"),
+        # The lab base is served from this machine over plain http with an unsigned list: the named exception.
+        image_base_loopback_lab=True,
     )
     runner = BuildRunner(pool, None, settings)
     req = BuildRequest(

@@ -58,6 +58,7 @@ async def api(pool: asyncpg.Pool, host_dir: Path, tmp_path: Path) -> AsyncIterat
         image_build_dir=str(tmp_path / "builds"),
         image_cache_dir=str(tmp_path / "cache"),
         host_image_dir=str(host_dir),
+        host_rootfs_dirs=str(tmp_path),
     )
     client = TestClient(TestServer(AdminApi(pool, BuildRunner(pool, None, settings), settings).app(), host="127.0.0.1"))
     await client.start_server()
@@ -66,6 +67,8 @@ async def api(pool: asyncpg.Pool, host_dir: Path, tmp_path: Path) -> AsyncIterat
 
 
 def make_tree(root: Path, payload: bytes = b"host payload") -> Path:
+    """A prepared root tree under <tmp>/trees (the fixture's GPUAAS_HOST_ROOTFS_DIRS is <tmp>)."""
+    root = root.parent / "trees" / root.name
     (root / "etc").mkdir(parents=True)
     (root / "etc" / "os-release").write_text('NAME="Ubuntu"\nVERSION_ID="24.04"\n')
     (root / "usr" / "lib" / "gpuaas").mkdir(parents=True)
@@ -132,7 +135,7 @@ def sha256_of(path: Path) -> str:
 
 async def test_a_dry_run_checks_the_tree_and_writes_nothing(api, pool, host_dir, tmp_path) -> None:
     tree = make_tree(tmp_path / "rootfs")
-    bootstrap = tmp_path / "bootstrap.sh"
+    bootstrap = tmp_path / "trees" / "bootstrap.sh"
     bootstrap.write_text("#!/bin/sh\necho site\n")
     before = await state(pool, host_dir)
     audits = await pool.fetchval("SELECT count(*) FROM admin_requests")
@@ -182,7 +185,7 @@ async def test_a_dry_run_checks_the_tree_and_writes_nothing(api, pool, host_dir,
     (tree / "etc" / "os-release").unlink()
     status, body = await post(api, SLUG, {"mode": "dry_run", "rootfs": str(tree)})
     assert (status, body["error"]["code"]) == (422, "rootfs_not_an_os_tree"), body
-    status, body = await post(api, SLUG, {"mode": "dry_run", "rootfs": str(tmp_path / "nope")})
+    status, body = await post(api, SLUG, {"mode": "dry_run", "rootfs": str(tmp_path / "trees" / "nope")})
     assert (status, body["error"]["code"]) == (422, "rootfs_missing"), body
     assert await state(pool, host_dir) == before
 
@@ -349,7 +352,7 @@ async def test_upload_only_refusals_leave_everything_as_it_was(api, pool, host_d
     assert after == {**before, "files": []}  # only the file the test removed differs
     assert await upload_commands(pool) == []
 
-    status, rebuilt = await post(api, SLUG, {"mode": "build_only", "rootfs": str(tmp_path / "rootfs")})
+    status, rebuilt = await post(api, SLUG, {"mode": "build_only", "rootfs": str(tmp_path / "trees" / "rootfs")})
     assert (status, rebuilt["sha256"], rebuilt["source_path"]) == (200, built["sha256"], str(tgz)), rebuilt
     status, sent = await post(api, SLUG, {"mode": "upload_only"}, key="upload-after-rebuild")
     assert (status, sent["sha256"]) == (202, built["sha256"]), sent
@@ -428,3 +431,19 @@ async def test_the_cli_drives_each_mode_with_an_idempotency_key(api, pool, host_
     assert res.returncode == 2 and "has no etc/os-release: not a root filesystem" in res.stderr, res.stderr
     res = await host_upload(SLUG, "--mode", "upload-only", "--rootfs", str(tree))
     assert res.returncode == 2 and "invalid request" in res.stderr and "reads no tree" in res.stderr, res.stderr
+
+
+async def test_a_tree_or_bootstrap_outside_the_allowed_directories_is_refused(api, pool, host_dir, tmp_path) -> None:
+    """N15: rootfs and site_bootstrap name paths of the pipeline's host; only the configured directories may be
+    archived, links resolved first. `/` (which has an etc/os-release) and a link to it inside the allowed
+    directory are refused in one line, writing nothing."""
+    before = await state(pool, host_dir)
+    tree = make_tree(tmp_path / "rootfs")
+    (tmp_path / "trees" / "to-host").symlink_to("/")
+    for rootfs in ("/", str(tmp_path / "trees" / "to-host"), str(tmp_path / ".." / "..")):
+        status, body = await post(api, SLUG, {"mode": "build_only", "rootfs": rootfs})
+        assert (status, body["error"]["code"]) == (422, "path_refused"), (rootfs, body)
+        assert "is outside the directories allowed for it" in body["error"]["message"], body
+    status, body = await post(api, SLUG, {"mode": "dry_run", "rootfs": str(tree), "site_bootstrap": "/etc/shadow"})
+    assert (status, body["error"]["code"]) == (422, "path_refused"), body
+    assert await state(pool, host_dir) == before

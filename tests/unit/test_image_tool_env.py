@@ -58,7 +58,7 @@ def _environments(dumps: Path) -> dict[str, dict[str, str]]:
 async def test_no_secret_reaches_an_image_tool(fake_tools: Path, tmp_path: Path) -> None:
     source = tmp_path / "base.img"
     source.write_bytes(b"\0" * 4096)
-    assert (await qemu.image_info(source))["format"] == "qcow2"
+    assert (await qemu.image_info(source, "qcow2"))["format"] == "qcow2"
     await qemu.convert_to_qcow2(source, "raw", tmp_path / "work.qcow2")
     await qemu.StampCustomiser().customise(tmp_path / "work.qcow2", ["curl"], {"build_id": "b1"})
     async with customise_chroot.loop_device(source, customise_chroot.Partition(1, 0, 4096)) as dev:

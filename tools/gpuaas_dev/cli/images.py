@@ -156,6 +156,9 @@ def _image_path(doc: dict[str, Any]) -> Any:
 def images_build(
     slug: Annotated[str, typer.Option("--slug", help="The catalog slug to build (it must exist).")],
     source: Annotated[Optional[Path], typer.Option("--source", help="Source qcow2 (or raw) image.")] = None,
+    source_format: Annotated[
+        str, typer.Option("--source-format", help="qcow2 | raw: how the source is opened (never probed).")
+    ] = "qcow2",
     reuse_build: Annotated[
         Optional[str], typer.Option("--reuse-build", help="Republish this build's artifact.")
     ] = None,
@@ -186,6 +189,7 @@ def images_build(
     ep = _endpoint(admin_url, token, run_dir, timeout)
     body = {
         "source": str(source.resolve()) if source else None,
+        "source_format": source_format,
         "reuse_build_id": reuse_build,
         "packages": packages or [],
         "customise": customise,

@@ -23,7 +23,7 @@ from pathlib import Path
 from gpuaas_common.digests import sha256_file
 from gpuaas_common.logging import get_logger
 from gpuaas_image_pipeline.adapters import qemu
-from gpuaas_image_pipeline.adapters.base_image import fetch_base_image
+from gpuaas_image_pipeline.adapters.base_image import FetchPolicy, fetch_base_image
 from gpuaas_image_pipeline.adapters.customise_chroot import (
     READY_UNIT_TEXT,
     ChrootCustomiser,
@@ -77,7 +77,10 @@ async def ensure_slice_image(cache_dir: Path | None = None) -> SliceImage:
         url, stop = serve_directory(base.path.parent)
         try:
             t = time.monotonic()
-            fetched = await fetch_base_image(url + base.path.name, url + "SHA256SUMS", cache / "fetched")
+            # The lab's own base over loopback: the one base the pipeline takes unsigned over plain http.
+            fetched = await fetch_base_image(
+                url + base.path.name, url + "SHA256SUMS", cache / "fetched", policy=FetchPolicy(loopback_lab=True)
+            )
             timings["fetch_verify"] = round(time.monotonic() - t, 2)
         finally:
             stop()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..lab.base_image import default_cache_dir
 from .database import database_env
 from .identities import nats_env
 from .processes import ALL_PROCESSES, MAAS_SIM, _Proc, bin_path
@@ -114,6 +116,7 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
             env["GPUAAS_SLICE_HOST_PROFILE"] = SLICE_HOST_PROFILE
     elif name == "image-pipeline":
         env["GPUAAS_IMAGE_SEED_FILE"] = str(files["seed"])
+        dev_input_dirs = f"{tempfile.gettempdir()},{default_cache_dir()},{stack.run_dir}"
         assert stack._registry is not None
         env.update(
             GPUAAS_REGISTRY_HOST=stack._registry.host,
@@ -124,6 +127,13 @@ def service_proc(stack: Stack, name: str, process: str | None = None) -> _Proc:
             # The gateway uploads host images by the path the pipeline names; both run on this
             # machine, so a run-dir directory is shared without any gateway setting.
             GPUAAS_HOST_IMAGE_DIR=str(stack.host_image_dir),
+            # The dev stack names its customiser: the stamp (no root, no real image, no apt), where a production
+            # pipeline's default is the real one.
+            GPUAAS_IMAGE_CUSTOMISE="stamp",
+            # Where the dev stack's builds read from: the system temp dir (the tests' sources and trees) and
+            # the lab's image cache (its slice image). A production pipeline names its own directories.
+            GPUAAS_IMAGE_SOURCE_DIRS=dev_input_dirs,
+            GPUAAS_HOST_ROOTFS_DIRS=dev_input_dirs,
         )
     elif name == "maas-gateway":
         env["GPUAAS_MAAS_URL"] = stack.maas_url

@@ -153,7 +153,7 @@ async def publish_lab_image(admin_url: str, token: str, timeout_s: float) -> dic
     headers = {"Authorization": f"Bearer {token}"}
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession(base_url=admin_url, headers=headers) as http:
-        body = {"source": str(image.path), "customise": "none", "tag": image.sha256[:16]}
+        body = {"source": str(image.path), "source_format": "raw", "customise": "none", "tag": image.sha256[:16]}
         async with http.post(
             f"/v1/images/{image.slug}/builds", json=body, headers={"Idempotency-Key": f"lab-{image.sha256[:32]}"}
         ) as resp:

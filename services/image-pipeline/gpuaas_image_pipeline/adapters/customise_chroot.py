@@ -31,7 +31,8 @@ from pathlib import Path
 from gpuaas_common.logging import get_logger
 
 from ..guest import gpu_report
-from .qemu import CUSTOMISERS, ImageToolError, VirtCustomizeCustomiser, convert_to_raw, image_info, tool_env
+from .paths import in_root
+from .qemu import CUSTOMISERS, ImageToolError, VirtCustomizeCustomiser, convert_to_raw, tool_env
 
 log = get_logger(__name__)
 
@@ -252,14 +253,16 @@ async def chroot_mounts(root: Path) -> AsyncIterator[None]:
 @asynccontextmanager
 async def host_resolver(root: Path) -> AsyncIterator[None]:
     """The host's resolv.conf in the guest for apt, the guest's own (a file or a link, often dangling in a
-    stopped image) put back afterwards."""
-    guest = root / "etc/resolv.conf"
-    saved = root / "etc/resolv.conf.gpuaas-build"
+    stopped image) put back afterwards. Every path is the image's own (in_root): a link in etc never leads
+    the rename or the copy into the build host."""
+    etc = in_root(root, "etc")
+    guest = etc / "resolv.conf"
+    saved = etc / "resolv.conf.gpuaas-build"
     had = guest.exists() or guest.is_symlink()
     if had:
         guest.rename(saved)
     try:
-        shutil.copyfile("/etc/resolv.conf", guest)
+        shutil.copyfile("/etc/resolv.conf", guest, follow_symlinks=False)
         yield
     finally:
         guest.unlink(missing_ok=True)
@@ -271,16 +274,33 @@ async def host_resolver(root: Path) -> AsyncIterator[None]:
 async def no_service_starts(root: Path) -> AsyncIterator[None]:
     """policy-rc.d forbids maintainer scripts to start services: a daemon started in the chroot would run on
     the build host and hold the mount."""
-    policy = root / "usr/sbin/policy-rc.d"
-    existed = policy.exists()
+    policy = in_root(root, "usr/sbin", follow_last=True) / "policy-rc.d"
+    existed = policy.exists() or policy.is_symlink()
     if not existed:
-        policy.write_text("#!/bin/sh\nexit 101\n")
-        policy.chmod(0o755)
+        _write_new(policy, "#!/bin/sh\nexit 101\n", 0o755)
     try:
         yield
     finally:
         if not existed:
             policy.unlink(missing_ok=True)
+
+
+def _mkdirs(root: Path, path: str) -> Path:
+    """`path` of the image created as directories, resolved inside the root first: what is missing of the
+    resolved path has no link in it to follow (in_root followed every one that exists)."""
+    resolved = in_root(root, path)
+    resolved.mkdir(parents=True, exist_ok=True)
+    return resolved
+
+
+def _write_new(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write `path` (its directory already resolved in the image), never through a link at the name itself."""
+    if path.is_symlink():
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, mode, follow_symlinks=False)
 
 
 # --- the work in the chroot -----------------------------------------------------------------------------
@@ -299,66 +319,112 @@ _NOT_FOUND = (
 )
 
 
-async def _in_chroot(root: Path, *argv: str) -> tuple[int, str, str]:
-    return await _exec("chroot", str(root), *argv, env=_CHROOT_ENV)
+# What the image's own programs keep of root (bwrap --cap-add; everything else dropped, and bwrap's securebits
+# keep an exec from getting it back): owning, chmod-ing and setuid-ing files and dropping to apt's _apt user.
+# No CAP_SYS_ADMIN (no mount), no CAP_MKNOD (no device node for a host disk), no CAP_SYS_RAWIO/MODULE/PTRACE.
+_SANDBOX_CAPS = (
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID",
+    "CAP_SETUID", "CAP_SETGID", "CAP_SETFCAP", "CAP_KILL",
+)  # fmt: skip
+
+
+def sandbox_argv(root: Path, *, network: bool) -> list[str]:
+    """bwrap (Debian package bubblewrap) around a command of the image: the image's root is / (pivot_root, so
+    there is no way back to the host's tree, as there is from a chroot), a fresh /dev with no disk in it, a
+    proc of its own pid namespace, no /sys, fresh ipc/uts/cgroup namespaces; the network only where
+    `network` (apt's downloads), never for a maintainer script. Every process dies with the sandbox.
+
+    No user namespace: dpkg gives files to the image's own users, and a user namespace mapping only root
+    would refuse that; the capability set above is what keeps the image's root from the host instead."""
+    caps = [arg for cap in _SANDBOX_CAPS for arg in ("--cap-add", cap)]
+    return [
+        "bwrap", "--die-with-parent", "--new-session",
+        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        *([] if network else ["--unshare-net"]),
+        "--cap-drop", "ALL", *caps,
+        # /tmp sticky and world-writable, as apt (dropped to _apt) and package scripts expect it.
+        "--bind", str(root), "/", "--dev", "/dev", "--proc", "/proc", "--perms", "1777", "--tmpfs", "/tmp",
+        "--tmpfs", "/run",
+        "--chdir", "/", "--clearenv",
+        *[arg for k, v in _CHROOT_ENV.items() for arg in ("--setenv", k, v)],
+        "--",
+    ]  # fmt: skip
+
+
+async def _in_chroot(root: Path, *argv: str, network: bool = False) -> tuple[int, str, str]:
+    if not shutil.which("bwrap"):
+        raise CustomiseError("chroot_unavailable: bwrap is not installed (Debian package bubblewrap)")
+    return await _exec(*sandbox_argv(root, network=network), *argv, env=_CHROOT_ENV)
 
 
 async def install(root: Path, packages: list[str]) -> None:
-    rc, out, err = await _in_chroot(root, "apt-get", "update")
+    """apt in the sandbox: the index and the packages downloaded with the network, then installed (the
+    maintainer scripts run) without it."""
+    rc, out, err = await _in_chroot(root, "apt-get", "update", network=True)
     if rc != 0:
         raise CustomiseError(f"apt_update_failed: {(err or out).strip().splitlines()[-1:]}")
     if packages:
         argv = ["apt-get", "install", "-y", "--no-install-recommends", "-o", "Dpkg::Options::=--force-confold"]
-        rc, out, err = await _in_chroot(root, *argv, *packages)
-        if rc != 0:
-            missing = [m for pattern in _NOT_FOUND for m in pattern.findall(err)]
-            if missing:
-                raise CustomiseError(f"package_not_in_archive: {', '.join(sorted(set(missing)))}")
-            last = (err or out).strip().splitlines()[-1:] or ["(no output)"]
-            raise CustomiseError(f"apt_install_failed: {last[0][:500]}")
+        for phase in ("download", "install"):
+            extra = ["--download-only"] if phase == "download" else []
+            rc, out, err = await _in_chroot(root, *argv, *extra, *packages, network=phase == "download")
+            if rc != 0:
+                missing = [m for pattern in _NOT_FOUND for m in pattern.findall(err)]
+                if missing:
+                    raise CustomiseError(f"package_not_in_archive: {', '.join(sorted(set(missing)))}")
+                last = (err or out).strip().splitlines()[-1:] or ["(no output)"]
+                raise CustomiseError(f"apt_install_failed: {last[0][:500]}")
 
 
 def write_readiness_unit(root: Path) -> None:
-    script = root / GPU_REPORT_SCRIPT
-    script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text(gpu_report_source())
-    script.chmod(0o755)
-    unit = root / "etc/systemd/system" / READY_UNIT
-    unit.parent.mkdir(parents=True, exist_ok=True)
-    unit.write_text(READY_UNIT_TEXT)
-    wants = root / "etc/systemd/system/multi-user.target.wants"
-    wants.mkdir(parents=True, exist_ok=True)
+    """The unit and the report script, written on the host side: each directory resolved in the image (an
+    image's absolute link at etc/systemd means its own root, not the host's), each file opened without
+    following a link at its name."""
+    script_dir = _mkdirs(root, str(Path(GPU_REPORT_SCRIPT).parent))
+    _write_new(script_dir / Path(GPU_REPORT_SCRIPT).name, gpu_report_source(), 0o755)
+    units = _mkdirs(root, "etc/systemd/system")
+    _write_new(units / READY_UNIT, READY_UNIT_TEXT)
+    wants = _mkdirs(root, "etc/systemd/system/multi-user.target.wants")
     link = wants / READY_UNIT
     link.unlink(missing_ok=True)
     link.symlink_to(f"/etc/systemd/system/{READY_UNIT}")
 
 
 def _clean(root: Path) -> None:
+    """apt's caches emptied and the machine's identity cleared, every path resolved in the image: a link at
+    var/cache/apt/archives to a host directory must not have the host's files deleted."""
     for d in ("var/cache/apt/archives", "var/lib/apt/lists"):
-        base = root / d
-        for p in base.glob("*"):
-            if p.is_file() or p.is_symlink():
+        base = in_root(root, d)
+        if not base.is_dir():
+            continue
+        for p in base.iterdir():
+            if p.is_symlink() or p.is_file():
                 p.unlink()
-            elif p.name == "partial":
-                shutil.rmtree(p, ignore_errors=True)
+            elif p.name == "partial" and p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)  # rmtree never follows links inside the tree
+    cache = in_root(root, "var/cache/apt")
     for name in ("pkgcache.bin", "srcpkgcache.bin"):
-        (root / "var/cache/apt" / name).unlink(missing_ok=True)
+        (cache / name).unlink(missing_ok=True)
     # Every clone is its own machine: its id and (when cloud-init makes new ones at first boot) its SSH host
     # keys must not come from the build.
-    machine_id = root / "etc/machine-id"
-    if machine_id.exists():
-        machine_id.write_text("")
-    if (root / "usr/bin/cloud-init").exists():
-        for key in (root / "etc/ssh").glob("ssh_host_*"):
-            key.unlink()
+    machine_id = in_root(root, "etc", follow_last=True) / "machine-id"
+    if machine_id.exists() or machine_id.is_symlink():
+        _write_new(machine_id, "", 0o444)
+    if in_root(root, "usr/bin/cloud-init").exists():
+        ssh = in_root(root, "etc/ssh")
+        if ssh.is_dir():
+            for key in ssh.glob("ssh_host_*"):
+                key.unlink()
 
 
 async def customise_root(root: Path, packages: list[str], stamp: dict) -> None:
-    async with no_service_starts(root), chroot_mounts(root), host_resolver(root):
+    # No host /dev, /sys or /proc is mounted into the image: the sandbox (sandbox_argv) brings its own.
+    async with no_service_starts(root), host_resolver(root):
         await install(root, packages)
     await asyncio.to_thread(write_readiness_unit, root)
     blob = json.dumps({**stamp, "packages": packages}, sort_keys=True, indent=2) + "\n"
-    await asyncio.to_thread((root / STAMP_PATH).write_text, blob)
+    stamp_dir = await asyncio.to_thread(in_root, root, str(Path(STAMP_PATH).parent))
+    await asyncio.to_thread(_write_new, stamp_dir / Path(STAMP_PATH).name, blob)
     await asyncio.to_thread(_clean, root)
 
 
@@ -443,8 +509,10 @@ class ChrootCustomiser:
             opened = [f"qemu-img convert -O raw -S 4k {image} {raw}", f"losetup --offset <root partition> {raw}"]
         return [
             *opened,
-            "mount the root; bind /dev, /dev/pts, /sys; proc; host resolv.conf; policy-rc.d",
-            f"chroot apt-get update && apt-get install -y --no-install-recommends {pkgs}",
+            "mount the root; host resolv.conf; policy-rc.d",
+            "in bwrap (the root as /, its own /dev and proc, no /sys, capabilities cut): apt-get update, "
+            f"apt-get install --download-only {pkgs}, then without network apt-get install -y "
+            f"--no-install-recommends {pkgs}",
             f"install {READY_UNIT} (multi-user.target.wants) and /{GPU_REPORT_SCRIPT}, write /{STAMP_PATH}, apt clean",
             "unmount, detach" + (f", qemu-img convert -O qcow2 back to {image}" if method == "loop" else ""),
         ]
@@ -455,14 +523,12 @@ class ChrootCustomiser:
         if method == "virt-customize":
             await VirtCustomizeCustomiser().customise(image, packages, stamp)
             return
-        fmt = (await image_info(image)).get("format", "raw")
+        # The build's own qcow2 copy (every customiser is given one), opened as qcow2: never probed.
+        fmt = "qcow2"
         mnt = image.parent / f"chroot-{uuid.uuid4().hex[:8]}"
         if method == "nbd":
             async with nbd_device(image, fmt) as disk:
                 await self._on_disk(disk, mnt, packages, stamp)
-            return
-        if fmt == "raw":
-            await self._on_disk(image, mnt, packages, stamp)
             return
         raw = image.with_suffix(".chroot.raw")
         try:

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -39,9 +40,35 @@ class ImageToolError(RuntimeError):
     pass
 
 
-async def _run(*argv: str, on_output: Callable[[bytes], None] | None = None) -> bytes:
+@dataclass(frozen=True)
+class ToolLimits:
+    """What one image tool may use: a crafted image (a qcow2 with a huge L1 table, a refcount loop) must cost
+    the build host a failed build, not its memory or a core for ever. Applied with prlimit(1) (util-linux) on
+    the tool's own process, so the service itself is never limited."""
+
+    address_space_bytes: int = 8 << 30
+    cpu_seconds: int = 7200
+
+    def argv(self) -> list[str]:
+        return ["prlimit", f"--as={self.address_space_bytes}", f"--cpu={self.cpu_seconds}", "--"]
+
+
+DEFAULT_LIMITS = ToolLimits()
+
+# The only formats a build takes in: both are passed with -f, never probed (a probed "raw" file that looks like
+# a qcow2 or a vmdk would be opened as one, with whatever backing file its header names).
+SOURCE_FORMATS = ("raw", "qcow2")
+
+
+class ImageRefused(ImageToolError):
+    """One line starting with its reason code: image_format_refused, image_backing_file_refused,
+    image_data_file_refused, image_unreadable."""
+
+
+async def _run(*argv: str, on_output: Callable[[bytes], None] | None = None, limits: ToolLimits | None = None) -> bytes:
+    full = [*(limits.argv() if limits else []), *argv]
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=tool_env()
+        *full, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=tool_env()
     )
     assert proc.stdout and proc.stderr
     out = bytearray()
@@ -57,11 +84,48 @@ async def _run(*argv: str, on_output: Callable[[bytes], None] | None = None) -> 
     return bytes(out)
 
 
-async def image_info(path: Path) -> dict:
-    return json.loads(await _run("qemu-img", "info", "--output=json", str(path)))
+def _tool_path(path: Path) -> str:
+    """Absolute, so qemu-img never reads a file name as a protocol (`json:{...}`, `nbd://...`)."""
+    return str(path.absolute())
 
 
-async def convert_to_raw(src: Path, src_format: str, dst: Path, progress: Progress | None = None) -> None:
+async def image_info(path: Path, fmt: str, limits: ToolLimits = DEFAULT_LIMITS) -> dict:
+    """qemu-img's view of the image opened as `fmt` (never probed); qemu-img info opens no backing file."""
+    return json.loads(await _run("qemu-img", "info", "-f", fmt, "--output=json", _tool_path(path), limits=limits))
+
+
+def refusal(info: dict, fmt: str) -> str | None:
+    """Why an input image may not be read (None: it may). A backing file or an external data file names
+    a file of the build host, whose bytes a conversion would copy into the tenant's image."""
+    if fmt not in SOURCE_FORMATS or info.get("format") != fmt:
+        return f"image_format_refused: {fmt!r} is not one of {', '.join(SOURCE_FORMATS)}"
+    backing = info.get("backing-filename") or info.get("full-backing-filename")
+    if backing:
+        return f"image_backing_file_refused: the {fmt} image names a backing file ({str(backing)[:200]})"
+    data = ((info.get("format-specific") or {}).get("data") or {}).get("data-file")
+    if data:
+        return f"image_data_file_refused: the {fmt} image names an external data file ({str(data)[:200]})"
+    return None
+
+
+async def checked_input(path: Path, fmt: str, limits: ToolLimits = DEFAULT_LIMITS) -> dict:
+    """The image's info once it passed `refusal`; ImageRefused otherwise. Every build input goes through here
+    before any tool converts it."""
+    if fmt not in SOURCE_FORMATS:
+        raise ImageRefused(f"image_format_refused: {fmt!r} is not one of {', '.join(SOURCE_FORMATS)}")
+    try:
+        info = await image_info(path, fmt, limits)
+    except ImageToolError as exc:
+        last = str(exc).strip().splitlines()[-1:] or [""]
+        raise ImageRefused(f"image_unreadable: not a {fmt} image qemu-img can open: {last[0][:300]}") from None
+    if why := refusal(info, fmt):
+        raise ImageRefused(why)
+    return info
+
+
+async def convert_to_raw(
+    src: Path, src_format: str, dst: Path, progress: Progress | None = None, limits: ToolLimits = DEFAULT_LIMITS
+) -> None:
     """Sparse raw: `-S 4k` leaves every all-zero 4 KiB block a hole, which is what keeps the artifact small."""
 
     def on_output(tail: bytes) -> None:
@@ -71,8 +135,9 @@ async def convert_to_raw(src: Path, src_format: str, dst: Path, progress: Progre
 
     tmp = dst.with_name(dst.name + ".part")
     await _run(
-        "qemu-img", "convert", "-p", "-f", src_format, "-O", "raw", "-S", "4k", str(src), str(tmp), on_output=on_output
-    )
+        "qemu-img", "convert", "-p", "-f", src_format, "-O", "raw", "-S", "4k", _tool_path(src), str(tmp),
+        on_output=on_output, limits=limits,
+    )  # fmt: skip
     tmp.replace(dst)
 
 
@@ -159,10 +224,10 @@ class VirtCustomizeCustomiser:
 CUSTOMISERS: dict[str, Customiser] = {c.name: c for c in (NoCustomiser(), StampCustomiser(), VirtCustomizeCustomiser())}
 
 
-async def convert_to_qcow2(src: Path, src_format: str, dst: Path) -> None:
-    if src_format not in {"raw", "qcow2", "vmdk", "vdi", "vhdx", "vpc"}:
-        raise ImageToolError(f"unsupported source format {src_format!r}")
-    await _run("qemu-img", "convert", "-f", src_format, "-O", "qcow2", str(src), str(dst))
+async def convert_to_qcow2(src: Path, src_format: str, dst: Path, limits: ToolLimits = DEFAULT_LIMITS) -> None:
+    if src_format not in SOURCE_FORMATS:
+        raise ImageRefused(f"image_format_refused: {src_format!r} is not one of {', '.join(SOURCE_FORMATS)}")
+    await _run("qemu-img", "convert", "-f", src_format, "-O", "qcow2", _tool_path(src), str(dst), limits=limits)
 
 
 # Last: the chroot plug-in builds on this module and enters itself in CUSTOMISERS when imported.

@@ -86,10 +86,11 @@ class ImageRepository:
         )
 
     async def seed(self, seed: SeedImage) -> None:
-        # ON CONFLICT DO NOTHING: an existing row keeps its digest and status, whatever the seed says.
+        # ON CONFLICT DO NOTHING: an existing row keeps its digest and status, whatever the seed says. A slice
+        # image starts published: active only once the activation gate saw every slice host verify it.
         await self.conn.execute(
             "INSERT INTO os_images (slug, kind, status, driver_strategy, compatible_sku, source_uri, digest_sha256, "
-            "metadata) VALUES ($1, $2, 'active', $3, $4, $5, $6, $7) ON CONFLICT (slug) DO NOTHING",
+            "metadata) VALUES ($1, $2, $8, $3, $4, $5, $6, $7) ON CONFLICT (slug) DO NOTHING",
             seed.slug,
             seed.kind,
             seed.driver_strategy,
@@ -97,6 +98,7 @@ class ImageRepository:
             seed.source_uri,
             seed.digest_sha256,
             json.dumps({"image_path": seed.image_path}),
+            "published" if seed.kind == "slice" else "active",
         )
 
     async def amend(

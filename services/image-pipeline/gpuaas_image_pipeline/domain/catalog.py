@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -129,6 +131,11 @@ class BuildRequest(BaseModel):
     # list (SHA256SUMS format), in place of a local source.
     base_url: str | None = Field(default=None, max_length=4096, pattern=r"^https?://[^\s]+$")
     checksums_url: str | None = Field(default=None, max_length=4096, pattern=r"^https?://[^\s]+$")
+    # The base image's sha256 pinned by whoever names it: trusted in place of (or besides) a signed list.
+    base_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    # How the input image is opened: said, never probed (a probed format is the image's own choice, and
+    # with it the backing file its header names). raw or qcow2 only.
+    source_format: Literal["qcow2", "raw"] = "qcow2"
     # Virtual size the build's copy of the source is grown to (the guest grows its root into it).
     resize_gib: int | None = Field(default=None, ge=1, le=4096)
     reuse_build_id: str | None = None
@@ -142,13 +149,42 @@ class BuildRequest(BaseModel):
     compatible_sku: str = "h200-sxm-slice"
     driver_strategy: str = Field(default="preinstalled", pattern=r"^(preinstalled|cloud_init)$")
 
-    def check(self) -> None:
+    def check(self, *, loopback_http: bool = False) -> None:
+        """loopback_http: the lab's exception, plain http from a loopback host (the setting that names it)."""
         if sum(map(bool, (self.source, self.base_url, self.reuse_build_id))) != 1:
             raise ValueError("give exactly one of source or base_url (build) or reuse_build_id (republish an artifact)")
-        if bool(self.base_url) != bool(self.checksums_url):
-            raise ValueError("base_url and checksums_url go together")
+        if self.base_url and not (self.checksums_url or self.base_sha256):
+            raise ValueError("base_url needs checksums_url (a signed SHA256SUMS) or base_sha256 (a pinned digest)")
+        if (self.checksums_url or self.base_sha256) and not self.base_url:
+            raise ValueError("checksums_url and base_sha256 go with base_url")
+        for url in (self.base_url, self.checksums_url):
+            if url and (why := url_refusal(url, loopback_http=loopback_http)):
+                raise ValueError(why)
         if self.resize_gib and self.reuse_build_id:
             raise ValueError("resize_gib applies to a build, not to a republished artifact")
+
+
+def is_loopback_url(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def url_refusal(url: str, *, loopback_http: bool) -> str | None:
+    """Why a base or checksum URL may not be fetched (None: it may): https only, but for the lab's loopback
+    base when its setting allows it. Plain http lets anyone on the path hand over another image."""
+    parts = urlsplit(url)
+    if parts.scheme == "https" and parts.hostname:
+        return None
+    if parts.scheme == "http" and loopback_http and is_loopback_url(url):
+        return None
+    if parts.scheme == "http" and is_loopback_url(url):
+        return f"{url} is plain http: only the lab's loopback base may be (GPUAAS_IMAGE_BASE_LOOPBACK_LAB)"
+    return f"{url} is not an https URL"
 
 
 _MAAS_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"

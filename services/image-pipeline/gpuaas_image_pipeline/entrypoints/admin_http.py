@@ -21,6 +21,7 @@ from gpuaas_common import admin_http
 from gpuaas_common.admin_http import Call, Reply, Route, openapi, render_yaml
 from gpuaas_common.logging import get_logger
 
+from ..adapters import paths
 from ..adapters.host_image import (
     SITE_BOOTSTRAP,
     HostImage,
@@ -264,27 +265,41 @@ class AdminApi:
         """The build's checks of the request's tree and of where it writes, without writing: what a dry run
         answers and a build passes first. Returns the plan and the free bytes there; a refusal is a 4xx with
         its reason code."""
-        assert req.rootfs is not None  # the request model requires it for every mode that reads a tree
-        bootstrap = Path(req.site_bootstrap) if req.site_bootstrap else None
+        rootfs, bootstrap = self._tree_inputs(req)
         out_dir = Path(self.settings.host_image_dir)
         try:
-            plan = plan_rootfs(Path(req.rootfs), out_dir, bootstrap)
+            plan = plan_rootfs(rootfs, out_dir, bootstrap)
             free = check_out_dir(out_dir)
         except HostTreeError as exc:
             status = 409 if exc.code == "host_image_dir_unwritable" else 422
             raise CatalogError(status, exc.code, exc.message) from None
         return plan, free
 
+    def _tree_inputs(self, req: HostUploadRequest) -> tuple[Path, Path | None]:
+        """rootfs and site_bootstrap with their links resolved, inside GPUAAS_HOST_ROOTFS_DIRS (N15): a request
+        must not archive the pipeline host's own files into an image MAAS deploys."""
+        assert req.rootfs is not None  # the request model requires it for every mode that reads a tree
+        dirs = paths.dirs_setting(self.settings.host_rootfs_dirs)
+        try:
+            rootfs = paths.confined(req.rootfs, dirs, what="rootfs", code="path_refused")
+            bootstrap = (
+                paths.confined(req.site_bootstrap, dirs, what="site_bootstrap", code="path_refused")
+                if req.site_bootstrap
+                else None
+            )
+        except paths.PathRefused as exc:
+            raise CatalogError(422, "path_refused", str(exc)) from None
+        return rootfs, bootstrap
+
     def _build_host_tgz(self, slug: str, req: HostUploadRequest) -> HostImage:
-        assert req.rootfs is not None
         self._tree_plan(req)
-        bootstrap = Path(req.site_bootstrap) if req.site_bootstrap else None
+        rootfs, bootstrap = self._tree_inputs(req)
         out_dir = Path(self.settings.host_image_dir)
         # A private temporary name, then the content-addressed one: concurrent builds never share a file
         # and an upload still reading an older tgz keeps its bytes.
         tmp = out_dir / f".{slug}.{uuid.uuid4().hex}.tgz"
         try:
-            built = build_rootfs_tgz(Path(req.rootfs), tmp, bootstrap)
+            built = build_rootfs_tgz(rootfs, tmp, bootstrap)
             final = out_dir / host_tgz_name(slug, built.sha256)
             os.replace(tmp, final)
         except BaseException:

@@ -30,7 +30,7 @@ from gpuaas_common.db import DB_UNAVAILABLE
 from gpuaas_common.logging import bound_context, get_logger
 from gpuaas_common.unit_of_work import UnitOfWork
 
-from ..adapters import base_image, customise_chroot, qemu, registry, sparse
+from ..adapters import base_image, customise_chroot, paths, qemu, registry, sparse
 from ..adapters.repository import image_pipeline_repositories
 from ..domain.catalog import ArtifactRef, BuildRequest, ImageCreate, default_tag
 from ..settings import ImagePipelineSettings
@@ -69,6 +69,11 @@ class BuildRunner:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self.lease_s = lease_s
+        self.limits = qemu.ToolLimits(settings.image_tool_max_memory_mib << 20, settings.image_tool_max_cpu_s)
+        keyring = settings.image_base_keyring
+        self.fetch_policy = base_image.FetchPolicy(
+            keyring=Path(keyring) if keyring else None, loopback_lab=settings.image_base_loopback_lab
+        )
 
     def _uow(self, correlation_id: str | None = None) -> Uow:
         return UnitOfWork(self.pool, SCHEMA, SERVICE, image_pipeline_repositories, correlation_id=correlation_id)
@@ -91,6 +96,15 @@ class BuildRunner:
             except DB_UNAVAILABLE as exc:
                 log.warning("build_recovery_failed", error=repr(exc)[:300])
 
+    def source_path(self, source: str) -> Path:
+        """The request's source with its links resolved, inside GPUAAS_IMAGE_SOURCE_DIRS (N15), or a 422."""
+        try:
+            return paths.confined(
+                source, paths.dirs_setting(self.settings.image_source_dirs), what="source", code="source_refused"
+            )
+        except paths.PathRefused as exc:
+            raise CatalogError(422, "source_refused", str(exc)) from None
+
     # --- planning ---------------------------------------------------------------------------------
 
     def plan(self, slug: str, build_id: str, req: BuildRequest, reuse: Row | None) -> dict[str, Any]:
@@ -107,11 +121,17 @@ class BuildRunner:
             source = req.source
             if req.base_url:
                 source = f"{s.image_base_cache_dir.rstrip('/')}/sha256-<digest>"
+                trusted = [f"the pinned sha256 {req.base_sha256}"] if req.base_sha256 else []
+                if req.checksums_url:
+                    trusted.append(f"its entry in {req.checksums_url} (signature {req.checksums_url}.gpg)")
                 steps += [
                     f"fetch {req.base_url} unless {s.image_base_cache_dir} holds it; its sha256 must match "
-                    f"its entry in {req.checksums_url}"
+                    + " and ".join(trusted)
                 ]
-            steps += [f"qemu-img convert -O qcow2 {source} {workdir / 'work.qcow2'}"]
+            steps += [
+                f"qemu-img info -f {req.source_format} {source}: refused if it names a backing or data file",
+                f"qemu-img convert -f {req.source_format} -O qcow2 {source} {workdir / 'work.qcow2'}",
+            ]
             if req.resize_gib:
                 steps += [f"qemu-img resize -f qcow2 {workdir / 'work.qcow2'} {req.resize_gib}G"]
             steps += customiser.plan(workdir / "work.qcow2", packages)
@@ -169,9 +189,11 @@ class BuildRunner:
         """The build row, written in the caller's unit of work, and what starts the build: the caller
         calls it once that unit of work committed (a rolled-back request must not leave a build running)."""
         try:
-            req.check()
+            req.check(loopback_http=self.settings.image_base_loopback_lab)
         except ValueError as exc:
             raise CatalogError(422, "invalid_build", str(exc)) from None
+        if req.source:
+            self.source_path(req.source)
         if req.source and not req.dry_run and not await asyncio.to_thread(Path(req.source).is_file):
             raise CatalogError(422, "source_missing", f"source image {req.source} does not exist")
         if not self.settings.registry_host and not req.dry_run:
@@ -301,27 +323,32 @@ class BuildRunner:
         installed: dict[str, str] | None = None
         if reuse is None:
             work = workdir / "work.qcow2"
+            limits = self.limits
             if req.base_url:
-                assert req.checksums_url
+                assert req.checksums_url or req.base_sha256
                 await self._status(build_id, "customising")
                 fetched = await base_image.fetch_base_image(
                     req.base_url,
                     req.checksums_url,
                     Path(s.image_base_cache_dir),
+                    pinned_sha256=req.base_sha256,
+                    policy=self.fetch_policy,
                     progress=self._progress(build_id, slug, "fetch"),
                 )
                 self._progress(build_id, slug, "fetch")(1, 1, True)
                 log.info("image_base_fetched", sha256=fetched.sha256, downloaded=fetched.downloaded)
                 source = fetched.path
-                info = await qemu.image_info(source)
+                # Refused (a backing file, a data file, not the format named) before any tool converts it.
+                await qemu.checked_input(source, req.source_format, limits)
             else:
                 assert req.source
-                source = Path(req.source)
-                info = await qemu.image_info(source)
+                # Resolved again: a link swapped since the request was taken must not lead outside.
+                source = await asyncio.to_thread(self.source_path, req.source)
+                await qemu.checked_input(source, req.source_format, limits)
                 await self._status(build_id, "customising")
             self._progress(build_id, slug, "customise")(0, 1, True)
             # A private qcow2 copy: the source stays pristine and the customiser may write freely.
-            await qemu.convert_to_qcow2(source, info.get("format", "qcow2"), work)
+            await qemu.convert_to_qcow2(source, req.source_format, work, limits)
             if req.resize_gib:
                 await base_image.resize(work, "qcow2", req.resize_gib)
             customiser = qemu.CUSTOMISERS[plan["customise"]]
@@ -331,7 +358,7 @@ class BuildRunner:
             self._progress(build_id, slug, "customise")(1, 1, True)
             await self._status(build_id, "converting")
             raw = workdir / "image.raw"
-            await qemu.convert_to_raw(work, "qcow2", raw, self._progress(build_id, slug, "convert"))
+            await qemu.convert_to_raw(work, "qcow2", raw, self._progress(build_id, slug, "convert"), limits)
             work.unlink()
             if getattr(customiser, "installs_packages", False) and plan["packages"]:
                 # What the artifact holds, not what apt said: a package the install did not leave configured

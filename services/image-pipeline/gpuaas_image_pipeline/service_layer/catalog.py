@@ -283,9 +283,9 @@ async def enable_image(uow: Uow, slug: str) -> Row:
     if row["kind"] == "host" and maas and maas.get("status") != "uploaded":
         # A host image built here is deployable only once MAAS holds it complete.
         raise CatalogError(409, "not_uploaded", f"{slug} is {maas.get('status')} in MAAS, not uploaded")
-    if row["kind"] == "host" or not _meta(row).get("artifact_ref"):
-        # Host images live in MAAS and seed-style rows have no artifact to prewarm: nothing to gate on. The
-        # hosts still say whether they hold a seed-style slice image.
+    if row["kind"] == "host":
+        # Host images live in MAAS: nothing to gate on. A seed-style slice image (no artifact) passes the gate
+        # as a built one does, its hosts asked to check their caches.
         await emit_activated(uow, row)
         await prewarm_everywhere(uow, slug, cause=f"enable:{uuid.uuid4()}")
     else:

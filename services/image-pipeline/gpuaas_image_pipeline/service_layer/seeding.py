@@ -2,7 +2,8 @@
 
 A seeded slice image has no artifact: the hosts' provisioning puts it in their caches. Every known slice
 host is asked to check that it holds it (hosts enrolled later are asked on enrolment), so the catalog's
-cache view says where it really is instead of showing it absent everywhere.
+cache view says where it really is instead of showing it absent everywhere. It passes the activation gate as
+a built image does: `published` until every slice host verified its digest, never announced active before.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 
 from ..domain.catalog import SeedImage, activation_event_key
-from .catalog import Uow, prewarm_everywhere
+from .catalog import Uow, _meta, evaluate_gate, prewarm_everywhere
 
 
 async def apply_seed(uow: Uow, seeds: list[SeedImage]) -> list[str]:
@@ -37,6 +38,11 @@ async def apply_seed(uow: Uow, seeds: list[SeedImage]) -> list[str]:
             event_id=derived_event_id(activation_event_key(row["slug"], row["digest_sha256"]), "activated"),
         )
         activated.append(row["slug"])
-        if row["kind"] == "slice" and not meta.get("artifact_ref"):
-            await prewarm_everywhere(uow, row["slug"], cause=f"seed:{uuid.uuid4()}")
+    for seed in seeds:
+        row = await uow.repos.images.lock(seed.slug)
+        if row is not None and row["kind"] == "slice" and row["status"] in ("active", "published"):
+            if not _meta(row).get("artifact_ref"):
+                await prewarm_everywhere(uow, row["slug"], cause=f"seed:{uuid.uuid4()}")
+            if row["status"] == "published" and await evaluate_gate(uow, row["slug"]):
+                activated.append(row["slug"])
     return activated
