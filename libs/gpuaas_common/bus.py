@@ -40,7 +40,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from pydantic import BaseModel
 
-from .bus_dispatch import HANDLED, FirstLock, Handler, HandlerContext, Wanted, deliver, dispatch, retry_delay
+from .bus_dispatch import HANDLED, FirstLock, Handler, HandlerContext, Refuse, Wanted, deliver, dispatch, retry_delay
 from .bus_gate import TrafficGate
 from .bus_lanes import ORDERING_FIELDS, KeepAlive, KeyedLanes, lane_key, ordering_key
 from .bus_parsing import PermanentError, decode_body, parse_message
@@ -128,6 +128,7 @@ class Bus:
         concurrency: int | None = None,
         first_lock: FirstLock | None = None,
         wanted: Wanted | None = None,
+        refuse: Refuse | None = None,
     ) -> None:
         """`first_lock(payload)` names the advisory lock every handler of this consumer takes first (the
         aggregate's, where the service keeps no row to lock); it then travels with the BEGIN.
@@ -138,7 +139,11 @@ class Bus:
         `concurrency` > 1 keeps up to that many messages in flight at once, in order per aggregate
         (`ordering_key`: allocation, node, image, operation): one slow allocation holds up only itself. The
         pull loop asks for as many messages as there are free places; each message is handed to a task and
-        acked by it after the handler."""
+        acked by it after the handler.
+
+        `refuse(subject, decoded_body)` a reason: the message is refused before it is parsed (terminated, logged
+        and counted as `refused`, never dead-lettered): the node agent's check that a task came on its type's own
+        subject, whose senders the contract names."""
         if transactional and self.pool is None:
             raise ValueError("a transactional subscriber needs a database pool")
         if self.nc is None:
@@ -152,7 +157,7 @@ class Bus:
             try:
                 if turn is not None:
                     await turn  # the previous message of the same aggregate has been handled
-                await self.dispatch(spec, handlers, msg, transactional, first_lock, decoded, wanted)
+                await self.dispatch(spec, handlers, msg, transactional, first_lock, decoded, wanted, refuse)
             finally:
                 done()
 
@@ -216,9 +221,10 @@ class Bus:
         first_lock: FirstLock | None,
         decoded: Any,
         wanted: Wanted | None = None,
+        refuse: Refuse | None = None,
     ) -> None:
         """One message, whose body `decode_body` decoded at receipt (`bus_dispatch.dispatch`)."""
-        await dispatch(self, spec, handlers, msg, transactional, first_lock, decoded, wanted)
+        await dispatch(self, spec, handlers, msg, transactional, first_lock, decoded, wanted, refuse)
 
     def unit_of_work(self, envelope: Envelope | None = None) -> UnitOfWork[Any]:
         """A unit of work in this service's schema, its events caused by `envelope` (if any)."""

@@ -249,7 +249,7 @@ async def test_a_slice_host_renews_its_user_on_the_bus_and_keeps_its_durable(
         await eventually(lambda: time.time() > old.claims["exp"] + 1, timeout=10, what="the old user's expiry")
         # Its task durable and its own publishes still work, as the new user: a message that is not JSON is
         # pulled from the durable and dead-lettered by the host.
-        await ajs.publish(f"gpuaas.node.{node}.tasks", b"not json")
+        await ajs.publish(f"gpuaas.node.{node}.tasks.slice.vm_release", b"not json")
         await eventually(lambda: letters, what="the host's dead letter")
         assert link.nc is not None and link.nc.stats["reconnects"] == 1 and not link.nc.is_closed
         # The expired user left the host's entry on the bus: revocations pushed from it stay small.
