@@ -43,8 +43,6 @@ ACK_WAIT_S = 5.0
 PUBACK_TIMEOUT_S = 2.0
 
 
-
-
 def node_tasks_filter(node_id: str) -> str:
     """Every task subject of one host (`*`: of every host): one subject per task type under the host's tasks
     (contract.catalog.NODE_TASK_PREFIX), so a durable takes them all with one filter."""

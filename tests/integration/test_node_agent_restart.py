@@ -154,7 +154,9 @@ async def _send(js: Any, node_id: str, task_type: str, task: Any) -> None:
         task_type, task.model_dump(mode="json"), producer="allocator", correlation_id=str(task.allocation_id)
     )
     await js.publish(
-        spec_for(task_type).subject(node_id=node_id), envelope.model_dump_json().encode(), headers={"Nats-Msg-Id": envelope.event_id}
+        spec_for(task_type).subject(node_id=node_id),
+        envelope.model_dump_json().encode(),
+        headers={"Nats-Msg-Id": envelope.event_id},
     )
 
 
