@@ -6,7 +6,6 @@ import asyncio
 from typing import Any
 
 import asyncpg
-from prometheus_client import Counter
 
 from gpuaas_common.bus import PermanentError, parse_message
 from gpuaas_common.cancellation import stop_if_cancelled
@@ -18,7 +17,7 @@ from gpuaas_common.logging import get_logger
 from gpuaas_common.periodic import every
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
-from ..adapters.metrics import allocations_reading
+from ..adapters.metrics import QUERIES_REFUSED, allocations_reading
 from ..adapters.repository import AllocationRepository, count_images
 from ..service_layer.deadlines import sweep_deadlines
 from ..service_layer.handlers import Allocator, handlers_by_consumer
@@ -71,12 +70,6 @@ def build_register(settings: AllocatorSettings):
         await serve_terminal(rt, settings)
 
     return register
-
-
-QUERIES_REFUSED = Counter(
-    "gpuaas_allocator_queries_refused_total",
-    "allocation.query requests left unanswered because their reply subject is no asker's own inbox",
-)
 
 
 def answerable_reply(reply: str, *, open_server: bool) -> bool:
