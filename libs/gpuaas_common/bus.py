@@ -47,6 +47,7 @@ from .bus_dispatch import (
     Handler,
     HandlerContext,
     HeldDeadLetters,
+    Refuse,
     Wanted,
     deliver,
     dispatch,
@@ -151,6 +152,7 @@ class Bus:
         first_lock: FirstLock | None = None,
         wanted: Wanted | None = None,
         host_budget: HostBudget | None = None,
+        refuse: Refuse | None = None,
     ) -> None:
         """`first_lock(payload)` names the advisory lock every handler of this consumer takes first (the
         aggregate's, where the service keeps no row to lock); it then travels with the BEGIN.
@@ -164,7 +166,11 @@ class Bus:
         acked by it after the handler.
 
         `host_budget`: the durable reads host-produced subjects; a node's message over its budget is acked and
-        dropped at receipt, before it is parsed or takes a lane (`bus_budget`)."""
+        dropped at receipt, before it is parsed or takes a lane (`bus_budget`).
+
+        `refuse(subject, decoded_body)` a reason: the message is refused before it is parsed (terminated, logged
+        and counted as `refused`, never dead-lettered): the node agent's check that a task came on its type's own
+        subject, whose senders the contract names."""
         if transactional and self.pool is None:
             raise ValueError("a transactional subscriber needs a database pool")
         if self.nc is None:
@@ -178,7 +184,7 @@ class Bus:
             try:
                 if turn is not None:
                     await turn  # the previous message of the same aggregate has been handled
-                await self.dispatch(spec, handlers, msg, transactional, first_lock, decoded, wanted)
+                await self.dispatch(spec, handlers, msg, transactional, first_lock, decoded, wanted, refuse)
             finally:
                 done()
 
@@ -247,9 +253,10 @@ class Bus:
         first_lock: FirstLock | None,
         decoded: Any,
         wanted: Wanted | None = None,
+        refuse: Refuse | None = None,
     ) -> None:
         """One message, whose body `decode_body` decoded at receipt (`bus_dispatch.dispatch`)."""
-        await dispatch(self, spec, handlers, msg, transactional, first_lock, decoded, wanted)
+        await dispatch(self, spec, handlers, msg, transactional, first_lock, decoded, wanted, refuse)
 
     def unit_of_work(self, envelope: Envelope | None = None) -> UnitOfWork[Any]:
         """A unit of work in this service's schema, its events caused by `envelope` (if any)."""

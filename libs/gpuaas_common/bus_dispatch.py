@@ -74,6 +74,8 @@ Handler = Callable[[HandlerContext], Awaitable[None]]
 FirstLock = Callable[[Any], str | None]
 # Whether a parsed payload is the consumer's business at all (bus.subscribe's `wanted`).
 Wanted = Callable[[Any], bool]
+# Why a message (its subject, its decoded body) is refused before it is parsed, or None (bus.subscribe's `refuse`).
+Refuse = Callable[[str, Any], str | None]
 
 
 def retry_delay(delays: tuple[float, ...], num_delivered: int) -> float:
@@ -134,9 +136,13 @@ async def dispatch(
     first_lock: FirstLock | None,
     decoded: Any,
     wanted: Wanted | None = None,
+    refuse: Refuse | None = None,
 ) -> None:
     """One message, whose body `decode_body` decoded at receipt."""
     num_delivered = msg.metadata.num_delivered or 1
+    if refuse is not None and (why := refuse(msg.subject, decoded)) is not None:
+        await _refuse(spec, msg, why)
+        return
     try:
         envelope, payload = parse_message(msg.subject, msg.data, decoded)
     except PermanentError as exc:
@@ -185,6 +191,16 @@ async def _handle(
     else:
         log.info("duplicate_ignored")
         HANDLED.labels(ctx.consumer, "duplicate").inc()
+
+
+async def _refuse(spec: ConsumerSpec, msg: Msg, why: str) -> None:
+    """Refused unread: terminated (never redelivered), logged and counted, and not dead-lettered, since a letter
+    would store the refused body in the DLQ under this consumer's name for whoever sent it."""
+    md = msg.metadata
+    stream_seq = md.sequence.stream if md and md.sequence else None
+    log.warning("message_refused", consumer=spec.durable, subject=msg.subject, stream_seq=stream_seq, reason=why[:500])
+    await msg.term()
+    HANDLED.labels(spec.durable, "refused").inc()
 
 
 async def _reject(bus: DispatchingBus, spec: ConsumerSpec, msg: Msg, exc: PermanentError, num_delivered: int) -> None:

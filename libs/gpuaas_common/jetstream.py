@@ -25,7 +25,7 @@ from nats.js.api import (
 )
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
-from .contract.catalog import SCHEDULER_FOLLOWS, spec_for
+from .contract.catalog import NODE_TASK_PREFIX, SCHEDULER_FOLLOWS, spec_for
 from .logging import get_logger
 
 log = get_logger(__name__)
@@ -41,6 +41,12 @@ ACK_WAIT_S = 5.0
 # pending request when its connection drops) or waits for a Raft election. Waiting 5 s held the pipeline up to
 # 5 s past an election; the message is sent again under its Nats-Msg-Id, so a late PubAck costs nothing.
 PUBACK_TIMEOUT_S = 2.0
+
+
+def node_tasks_filter(node_id: str) -> str:
+    """Every task subject of one host (`*`: of every host): one subject per task type under the host's tasks
+    (contract.catalog.NODE_TASK_PREFIX), so a durable takes them all with one filter."""
+    return NODE_TASK_PREFIX.replace("{node_id}", node_id) + ">"
 
 
 MIB = 1024 * 1024
@@ -108,7 +114,7 @@ STREAMS: tuple[StreamSpec, ...] = (
         max_bytes=512 * MIB,
     ),
     StreamSpec("SCHEDULER", ("gpuaas.scheduler.>",), description="Placement results", max_bytes=256 * MIB),
-    StreamSpec("NODE_TASKS", ("gpuaas.node.*.tasks",), description="Per-host task queues", max_bytes=512 * MIB),
+    StreamSpec("NODE_TASKS", (node_tasks_filter("*"),), description="Per-host task queues", max_bytes=512 * MIB),
     StreamSpec(
         "NODE_REPORTS",
         ("gpuaas.node.*.report.>",),
@@ -255,7 +261,7 @@ CONSUMER_BY_NAME = {c.durable: c for c in CONSUMERS}
 FOLLOWERS: tuple[ConsumerSpec, ...] = (
     consumer("ops-view-allocations", "ALLOCATIONS", "gpuaas.allocation.event.>"),
     consumer("ops-view-scheduler", "SCHEDULER", "gpuaas.scheduler.>"),
-    consumer("ops-view-node-tasks", "NODE_TASKS", "gpuaas.node.*.tasks"),
+    consumer("ops-view-node-tasks", "NODE_TASKS", node_tasks_filter("*")),
     consumer("ops-view-node-reports", "NODE_REPORTS", "gpuaas.node.*.report.>"),
     consumer("ops-view-images", "IMAGES", "gpuaas.image.event.>"),
     consumer("ops-view-maas", "MAAS", "gpuaas.maas.>"),
@@ -267,7 +273,7 @@ def node_agent_consumer(node_id: str, max_deliver: int = 8, ack_wait_s: float = 
     return consumer(
         f"node-agent-{node_id}",
         "NODE_TASKS",
-        f"gpuaas.node.{node_id}.tasks",
+        node_tasks_filter(node_id),
         max_deliver=max_deliver,
         ack_wait_s=ack_wait_s,
         max_ack_pending=16,

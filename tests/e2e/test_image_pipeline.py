@@ -316,7 +316,9 @@ class InProcessAgent:
 
     async def start(self) -> "InProcessAgent":
         sub = await self.js.pull_subscribe(
-            f"gpuaas.node.{self.node_id}.tasks", durable=f"test-agent-{uuid.uuid4().hex[:8]}", stream="NODE_TASKS"
+            f"gpuaas.node.{self.node_id}.tasks.image.cache_prewarm",
+            durable=f"test-agent-{uuid.uuid4().hex[:8]}",
+            stream="NODE_TASKS",
         )
         self._task = asyncio.create_task(self._loop(sub))
         return self

@@ -37,7 +37,9 @@ async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_rec
         assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", silent) == "provisioning"
         resent = [
             json.loads(b)
-            for (b,) in await pool.fetch("SELECT body FROM outbox WHERE subject = 'gpuaas.node.n1.tasks' ORDER BY id")
+            for (b,) in await pool.fetch(
+                "SELECT body FROM outbox WHERE subject = 'gpuaas.node.n1.tasks.slice.vm_provision' ORDER BY id"
+            )
         ]
         again = [e for e in resent if e["payload"]["task_id"] == provision_task_id(allocator.settings, silent)]
         assert len(again) == 2 and again[0]["event_id"] != again[1]["event_id"]
@@ -93,7 +95,7 @@ async def test_overdue_tasks_fail_once_skip_locked_rows_and_late_answers_are_rec
     assert await pool.fetchval("SELECT state FROM allocations WHERE allocation_id = $1", silent) == "failed"
     sent = await pool.fetch("SELECT subject, body FROM outbox WHERE id > $1", outbox_before)
     assert [(r["subject"], json.loads(r["body"])["payload"]["task_id"]) for r in sent] == [
-        ("gpuaas.node.n1.tasks", release_task_id(allocator.settings, silent))
+        ("gpuaas.node.n1.tasks.slice.vm_release", release_task_id(allocator.settings, silent))
     ]
     late = await pool.fetchrow(
         "SELECT state, reason_code, detail FROM allocation_timeline WHERE allocation_id = $1 ORDER BY seq DESC", silent

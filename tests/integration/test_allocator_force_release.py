@@ -74,7 +74,7 @@ async def test_a_force_released_allocation_fails_with_cleanup_and_its_task_is_gi
     )
     assert late["reason_code"] == "late_task_result_ignored" and json.loads(late["detail"])["status"] == "succeeded"
     # The VM it built runs on slots ops released: it is torn down.
-    teardown = await pool.fetch("SELECT body FROM outbox WHERE subject = 'gpuaas.node.n1.tasks'")
+    teardown = await pool.fetch("SELECT body FROM outbox WHERE subject = 'gpuaas.node.n1.tasks.slice.vm_release'")
     released = [json.loads(r["body"]) for r in teardown if json.loads(r["body"])["type"] == "slice.vm_release"]
     assert [t["payload"]["task_id"] for t in released] == [release_task_id(allocator.settings, alloc)]
 

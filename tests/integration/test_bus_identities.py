@@ -27,6 +27,7 @@ from structlog.testing import capture_logs
 
 from gpuaas_allocator.entrypoints.main import query_responder, terminal_intake
 from gpuaas_allocator.service_layer.terminal import Session, TerminalHub
+from gpuaas_common.contract import ALL as ALL_SPECS
 from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.contract import messages as msgs
 from gpuaas_common.contract.asyncapi import default_validator
@@ -155,6 +156,23 @@ async def test_service_publishes_what_it_produces_and_nothing_else(clients: dict
         assert not await c.can_publish(_concrete(subject)), f"{service} may publish {subject}"
 
 
+@pytest.mark.parametrize("sender", ["image-pipeline", "scheduler"])
+async def test_a_service_may_send_only_its_own_node_task_types(clients: dict[str, Client], sender: str) -> None:
+    """N6: the image pipeline (prewarms) and the scheduler (discovery, parity, vfio) may not send a host the
+    allocator's VM release or terminal open: the server refuses the publish on that type's subject (before, every
+    task type shared `gpuaas.node.<id>.tasks`, which all three might publish)."""
+    for type_ in ("slice.vm_release", "slice.terminal_open", "slice.vm_provision"):
+        subject = spec_for(type_).subject(node_id="nx")  # a host no test reads tasks of
+        assert not await clients[sender].can_publish(subject), f"{sender} may send {type_}"
+        assert await clients["allocator"].can_publish(subject), f"the allocator may not send {type_}"
+    own = {s.type for s in ALL_SPECS if sender in s.producers and s.address and ".tasks." in s.address}
+    assert own, f"{sender} sends no node task at all"
+    for type_ in own:
+        ack = await clients[sender].nc.jetstream().publish(spec_for(type_).subject(node_id="nx"), b"{}", timeout=5)
+        assert ack.stream == "NODE_TASKS", type_
+        assert not await clients["allocator"].can_publish(spec_for(type_).subject(node_id="nx")), type_
+
+
 @pytest.mark.parametrize("service", SERVICES)
 async def test_service_reads_only_its_own_durables(clients: dict[str, Client], service: str) -> None:
     c = clients[service]
@@ -219,8 +237,8 @@ async def test_a_durable_with_several_filters_is_bound_never_created_by_its_serv
 
 async def test_node_agent_fetches_and_acks_only_its_own_tasks(clients: dict[str, Client]) -> None:
     admin_js = clients["admin"].nc.jetstream()
-    await admin_js.publish("gpuaas.node.n1.tasks", b"task-for-n1")
-    await admin_js.publish("gpuaas.node.n2.tasks", b"task-for-n2")
+    await admin_js.publish("gpuaas.node.n1.tasks.slice.vm_provision", b"task-for-n1")
+    await admin_js.publish("gpuaas.node.n2.tasks.slice.vm_provision", b"task-for-n2")
     n1 = clients["n1"]
     js = n1.nc.jetstream()
     sub = await js.pull_subscribe_bind("node-agent-n1", stream="NODE_TASKS", inbox_prefix=b"_INBOX_node-n1.")
@@ -251,8 +269,8 @@ async def test_node_agent_reports_only_as_itself(clients: dict[str, Client]) -> 
         "gpuaas.node.n2.report.task_result",
         "gpuaas.allocation.requested",
         "gpuaas.allocation.event.active",
-        "gpuaas.node.n1.tasks",
-        "gpuaas.node.n2.tasks",
+        "gpuaas.node.n1.tasks.slice.vm_provision",
+        "gpuaas.node.n2.tasks.slice.vm_release",
         "gpuaas.maas.command.deploy",
         "gpuaas.dlq.allocator-requested",
     ):
@@ -265,7 +283,7 @@ async def test_node_agent_cannot_administer_streams_or_read_others(clients: dict
         "$JS.API.STREAM.CREATE.X",
         "$JS.API.STREAM.UPDATE.NODE_TASKS",
         "$JS.API.STREAM.DELETE.NODE_TASKS",
-        "$JS.API.CONSUMER.CREATE.NODE_TASKS.spy.gpuaas.node.n2.tasks",
+        "$JS.API.CONSUMER.CREATE.NODE_TASKS.spy.gpuaas.node.n2.tasks.>",
         "$JS.API.CONSUMER.DURABLE.CREATE.NODE_TASKS.spy",
         "$JS.API.CONSUMER.CREATE.NODE_TASKS",
         "$JS.API.CONSUMER.DELETE.NODE_TASKS.node-agent-n1",
@@ -273,7 +291,7 @@ async def test_node_agent_cannot_administer_streams_or_read_others(clients: dict
         "$JS.API.DIRECT.GET.NODE_TASKS",
     ):
         assert not await n1.can_publish(forbidden), forbidden
-    for forbidden in ("gpuaas.node.n2.tasks", "gpuaas.>", "_INBOX.>", "_INBOX_node-n2.>", ">"):
+    for forbidden in ("gpuaas.node.n2.tasks.>", "gpuaas.>", "_INBOX.>", "_INBOX_node-n2.>", ">"):
         assert not await n1.can_subscribe(forbidden), forbidden
     assert await n1.can_subscribe("_INBOX_node-n1.x")
 
@@ -406,14 +424,14 @@ async def test_portal_requests_and_follows_the_lifecycle_only(clients: dict[str,
     assert await portal.can_subscribe("gpuaas.allocation.event.>")
     for forbidden in (
         "gpuaas.allocation.event.active",
-        "gpuaas.node.n1.tasks",
+        "gpuaas.node.n1.tasks.slice.vm_provision",
         "gpuaas.node.n1.report.task_result",
         "gpuaas.maas.command.deploy",
         "$JS.API.STREAM.CREATE.X",
         "$JS.API.CONSUMER.MSG.NEXT.ALLOCATIONS.allocator-requested",
     ):
         assert not await portal.can_publish(forbidden), forbidden
-    for forbidden in ("gpuaas.node.n1.tasks", "gpuaas.allocation.requested", "gpuaas.maas.>"):
+    for forbidden in ("gpuaas.node.n1.tasks.>", "gpuaas.allocation.requested", "gpuaas.maas.>"):
         assert not await portal.can_subscribe(forbidden), forbidden
 
 
@@ -424,13 +442,13 @@ async def test_ops_reads_lifecycle_and_reports_and_writes_nothing(clients: dict[
     for forbidden in (
         "gpuaas.allocation.requested",
         "gpuaas.allocation.release_requested",
-        "gpuaas.node.n1.tasks",
+        "gpuaas.node.n1.tasks.slice.topology_discover",
         "gpuaas.maas.command.release",
         "$JS.API.STREAM.INFO.ALLOCATIONS",
         "$JS.API.STREAM.CREATE.X",
     ):
         assert not await ops.can_publish(forbidden), forbidden
-    assert not await ops.can_subscribe("gpuaas.node.n1.tasks"), "tasks carry tenants' keys and plans"
+    assert not await ops.can_subscribe("gpuaas.node.n1.tasks.>"), "tasks carry tenants' keys and plans"
 
 
 # --- request/reply: allocation.query -------------------------------------------------------------------
@@ -489,6 +507,48 @@ async def test_portal_ops_and_scheduler_ask_allocation_queries_and_only_the_allo
     for role in ("portal", "ops", "scheduler", "n1"):
         # Subscribing would let it read others' queries and answer in the allocator's place.
         assert not await clients[role].can_subscribe(subject), f"{role} may take allocation queries"
+
+
+async def test_the_allocator_answers_queries_only_on_an_askers_inbox(clients: dict[str, Client], fresh_db: str) -> None:
+    """N9: an `ops` user that names a stream subject (`gpuaas.image.event.activated`) as its query's reply would
+    have had the allocator, under its `resp` right, write its answer into IMAGES; it is refused and counted, and
+    nothing is stored. The next query, on the asker's own inbox, is answered (the responder takes one query at a
+    time, in order, so the refused one was handled before this answer was sent)."""
+    subject = spec_for("allocation.query").subject()
+    conn = await asyncpg.connect(fresh_db)
+    await apply_migrations(conn, "allocator", "gpuaas_allocator.migrations")
+    await conn.close()
+    pool = await create_pool(fresh_db, "allocator", min_size=1, max_size=1)
+    allocator, ops, admin = clients["allocator"], clients["ops"], clients["admin"]
+    admin_js = admin.nc.jetstream()
+    answering = await allocator.nc.subscribe(subject, queue="allocator", cb=query_responder(pool))
+    refused_before = _sample("gpuaas_allocator_queries_refused_total")
+    images_before = (await admin_js.stream_info("IMAGES")).state.last_seq
+    try:
+        await allocator.nc.flush()
+        query = Envelope.wrap("allocation.query", {"state": "active"}, producer="ops", correlation_id="q-reflect")
+        body = query.model_dump_json().encode()
+        forged = ("gpuaas.image.event.activated", "gpuaas.scheduler.placement.placed", f"{inbox_prefix('ops')}x.1")
+        with capture_logs() as logs:
+            for reply in forged:
+                await ops.nc.publish(subject, body, reply=reply)
+            answer = await ops.nc.request(subject, body, timeout=10)
+        assert answer.subject.startswith(f"{inbox_prefix('ops')}.")
+        assert default_validator().validate(answer.subject, answer.data)["payload"]["status"] == "found"
+        # A message stored after the refused ones: had any reached IMAGES, it would come before this one.
+        marker = await admin_js.publish("gpuaas.image.event.published", b"marker", timeout=5)
+        assert marker.seq == images_before + 1, "the allocator's answer was stored in IMAGES"
+        assert _sample("gpuaas_allocator_queries_refused_total") - refused_before == len(forged)
+        assert [e["reply"] for e in logs if e["event"] == "allocation_query_refused"] == list(forged)
+    finally:
+        await answering.unsubscribe()
+        await pool.close()
+
+
+def _sample(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name) or 0.0
 
 
 # --- refused connections --------------------------------------------------------------------------------
@@ -698,7 +758,7 @@ async def test_a_flooding_host_fills_only_its_own_share_while_tasks_and_lifecycl
         await past_the_bound.wait()
         marker = uuid.uuid4().hex.encode()
         allocator = clients["allocator"].nc.jetstream()
-        task = await allocator.publish("gpuaas.node.quiet.tasks", b"task-" + marker, timeout=5)
+        task = await allocator.publish("gpuaas.node.quiet.tasks.slice.vm_provision", b"task-" + marker, timeout=5)
         event = await allocator.publish("gpuaas.allocation.event.active", b"event-" + marker, timeout=5)
         assert (task.stream, event.stream) == ("NODE_TASKS", "ALLOCATIONS")
         sub = await quiet.nc.jetstream().pull_subscribe_bind(

@@ -36,7 +36,7 @@ from gpuaas_dev.testing.servers import NatsServer
 NODES = ("n1", "n2")
 # Subjects a host may not publish on, each captured by a stream, and one no stream captures.
 FOREIGN = (
-    "gpuaas.node.n2.tasks",
+    "gpuaas.node.n2.tasks.slice.vm_release",
     "gpuaas.node.n2.report.task_result",
     "gpuaas.allocation.event.active",
     "gpuaas.scheduler.placement.placed",
@@ -103,7 +103,7 @@ async def test_a_hosts_reply_subject_makes_jetstream_publish_nowhere_but_to_the_
     # The admin sees every subject of the account the streams live in.
     watch = await admin.subscribe(">", cb=spy)
     await admin.flush()
-    await js.publish("gpuaas.node.n1.tasks", b"a task for n1")
+    await js.publish("gpuaas.node.n1.tasks.slice.vm_provision", b"a task for n1")
     before = await _stored(js)
 
     for reply in FOREIGN:
@@ -147,7 +147,7 @@ async def test_what_a_host_may_do_still_works_across_its_account(
     admin, _ = clients["admin"]
     n2, n2_errors = clients["n2"]
     admin_js = admin.jetstream()
-    await admin_js.publish("gpuaas.node.n2.tasks", b"task-for-n2", headers={"Nats-Msg-Id": "t-n2-1"})
+    await admin_js.publish("gpuaas.node.n2.tasks.slice.vm_provision", b"task-for-n2", headers={"Nats-Msg-Id": "t-n2-1"})
     js = n2.jetstream()
     ack = await js.publish("gpuaas.node.n2.report.parity", b"{}", headers={"Nats-Msg-Id": "r-n2-1"}, timeout=5)
     assert ack.stream == "NODE_REPORTS" and not ack.duplicate
@@ -157,7 +157,7 @@ async def test_what_a_host_may_do_still_works_across_its_account(
     assert stored.subject == "gpuaas.node.n2.report.parity" and stored.headers["Nats-Msg-Id"] == "r-n2-1"
     # Its durable's info, through the prefix HOSTS imports the JetStream API under (a HostLink's context).
     info = await n2.jetstream(prefix=HOST_JS_API).consumer_info("NODE_TASKS", "node-agent-n2")
-    assert info.config.filter_subject == "gpuaas.node.n2.tasks"
+    assert info.config.filter_subject == "gpuaas.node.n2.tasks.>"
     sub = await js.pull_subscribe_bind("node-agent-n2", stream="NODE_TASKS", inbox_prefix=b"_INBOX_node-n2.")
     msgs = await sub.fetch(1, timeout=5)
     assert msgs[0].data == b"task-for-n2"

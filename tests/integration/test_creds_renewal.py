@@ -252,7 +252,7 @@ async def test_a_slice_host_renews_its_user_on_the_bus_and_keeps_its_durable(
         # Its task durable and its own publishes still work, as the new user: a message that is not JSON is
         # pulled from the durable and held by the host (hosts keep their dead letters at home and count them),
         # and its report goes out on its own subject.
-        await ajs.publish(f"gpuaas.node.{node}.tasks", b"not json")
+        await ajs.publish(f"gpuaas.node.{node}.tasks.slice.vm_release", b"not json")
         held = bus.held_dead_letters
         assert held is not None
         await eventually(lambda: held.count == 1, what="the host's dead letter, held")

@@ -20,7 +20,7 @@ from typing import Any
 import nats
 import pytest
 
-from gpuaas_common.contract import Envelope, utcnow
+from gpuaas_common.contract import Envelope, spec_for, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import provision
 from gpuaas_dev.sim.dhcp_guest import SimulatedDhcpAndGuest
@@ -154,7 +154,9 @@ async def _send(js: Any, node_id: str, task_type: str, task: Any) -> None:
         task_type, task.model_dump(mode="json"), producer="allocator", correlation_id=str(task.allocation_id)
     )
     await js.publish(
-        f"gpuaas.node.{node_id}.tasks", envelope.model_dump_json().encode(), headers={"Nats-Msg-Id": envelope.event_id}
+        spec_for(task_type).subject(node_id=node_id),
+        envelope.model_dump_json().encode(),
+        headers={"Nats-Msg-Id": envelope.event_id},
     )
 
 

@@ -487,7 +487,7 @@ async def test_the_migration_derives_existing_hosts_modes(fresh_db):
 async def vfio_asks(pool, node=HOST) -> list[dict]:
     """The slice.vfio_apply tasks in the scheduler's outbox for `node`, each checked against the contract."""
     validator = default_validator()
-    subject = f"gpuaas.node.{node}.tasks"
+    subject = f"gpuaas.node.{node}.tasks.slice.vfio_apply"
     async with pool.acquire() as conn:
         rows = await conn.fetch("SELECT subject, body FROM outbox WHERE subject = $1 ORDER BY id", subject)
     out = [validator.validate(r["subject"], bytes(r["body"])) for r in rows]

@@ -90,7 +90,7 @@ async def test_parity_on_demand_goes_to_the_host_and_its_report_lands_on_the_nod
         "host looked odd",
     )
     [(subject, env)] = await commands(pool)
-    assert subject == f"gpuaas.node.{HOST}.tasks" and env["type"] == "slice.parity_check"
+    assert subject == f"gpuaas.node.{HOST}.tasks.slice.parity_check" and env["type"] == "slice.parity_check"
     assert env["payload"]["task_id"] == ask["action_id"] and env["payload"]["node_id"] == HOST
     # A second ask while the first is open would only race its report.
     status, refused = await post(api, f"/v1/nodes/{HOST}/parity")
@@ -202,7 +202,7 @@ async def test_the_scheduler_asks_parity_after_a_mode_change_once_across_replica
     results = await asyncio.gather(sweep(pool), sweep(pool))
     assert sum(r["parity_asked"] for r in results) == 1
     [(subject, env)] = await commands(pool)
-    assert subject == f"gpuaas.node.{HOST}.tasks" and env["type"] == "slice.parity_check"
+    assert subject == f"gpuaas.node.{HOST}.tasks.slice.parity_check" and env["type"] == "slice.parity_check"
     ask = (await node_doc(api))["actions"][0]
     assert ask["actor"] == "scheduler" and "mode changed" in ask["reason"]
     await answer_parity(pool, parity_report(ask["action_id"]))

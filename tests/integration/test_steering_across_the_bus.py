@@ -87,7 +87,9 @@ async def test_an_operators_parity_ask_is_answered_by_the_hosts_agent_and_closed
         assert resp.status == 200, await resp.json()
         task_id = (await resp.json())["action"]["action_id"]
         # The task as the outbox relay would publish it, taken by the agent's task handler.
-        row = await pool.fetchrow("SELECT subject, body FROM outbox WHERE subject = $1", f"gpuaas.node.{node_id}.tasks")
+        row = await pool.fetchrow(
+            "SELECT subject, body FROM outbox WHERE subject = $1", f"gpuaas.node.{node_id}.tasks.slice.parity_check"
+        )
         envelope, payload = parse_message(row["subject"], bytes(row["body"]))
         assert envelope.type == "slice.parity_check"
         await agent.on_parity_check(HandlerContext(envelope, payload, row["subject"], f"node-{node_id}", 1))

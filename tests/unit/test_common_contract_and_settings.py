@@ -2,23 +2,38 @@ import pytest
 from pydantic import ValidationError
 
 from gpuaas_common.bus import PermanentError, parse_message, retry_delay
-from gpuaas_common.contract import Envelope, derived_event_id, spec_for, types_for_subject
+from gpuaas_common.contract import ALL, Envelope, derived_event_id, spec_for, types_for_subject
+from gpuaas_common.contract.catalog import NODE_TASK_TYPES, node_task_subject
+from gpuaas_common.jetstream import node_agent_consumer, subject_matches
 from gpuaas_common.settings import ServiceSettings
 
 
 def test_subjects_are_built_from_validated_parameters():
     spec = spec_for("slice.vm_provision")
-    assert spec.subject(node_id="slice-01") == "gpuaas.node.slice-01.tasks"
+    assert spec.subject(node_id="slice-01") == "gpuaas.node.slice-01.tasks.slice.vm_provision"
     with pytest.raises(ValueError):
         spec.subject(node_id="a.b")  # a dot would escape into another subject level
     with pytest.raises(ValueError):
         spec.subject()
 
 
-def test_subject_lookup_finds_both_task_types():
-    types = {s.type for s in types_for_subject("gpuaas.node.slice-02.tasks")}
-    # The per-host task channel carries every node task type (slice lifecycle, discovery, cache prewarm, …).
-    assert {"slice.vm_provision", "slice.vm_release", "slice.topology_discover"} <= types
+def test_each_node_task_type_has_a_subject_of_its_own():
+    """N6: one subject per task type under the host's tasks, so the server's per-subject rights say which
+    service may send which type; no subject carries two task types, and none is outside the host's durable."""
+    assert {"slice.vm_provision", "slice.vm_release", "slice.terminal_open", "image.cache_prewarm"} <= set(
+        NODE_TASK_TYPES
+    )
+    for type_ in NODE_TASK_TYPES:
+        subject = node_task_subject(type_, "slice-02")
+        assert subject == f"gpuaas.node.slice-02.tasks.{type_}"
+        assert [s.type for s in types_for_subject(subject)] == [type_]
+        assert subject_matches(node_agent_consumer("slice-02").filter_subject, subject)
+    assert types_for_subject("gpuaas.node.slice-02.tasks") == [], "the old shared subject carries nothing now"
+    # Every message the agent consumes on its task durable is a node task: none is left on another subject.
+    on_durable = {s.type for s in ALL if "node-agent" in s.consumers and s.address and ".tasks" in s.address}
+    assert on_durable == set(NODE_TASK_TYPES)
+    with pytest.raises(KeyError):
+        node_task_subject("allocation.requested", "slice-02")
     assert types_for_subject("gpuaas.node.slice-02.report.topology")[0].type == "node.topology_reported"
 
 

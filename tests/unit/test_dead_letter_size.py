@@ -21,7 +21,9 @@ CASES = {
 
 @pytest.mark.parametrize("body", list(CASES.values()), ids=list(CASES))
 def test_a_letter_fits_a_hosts_payload_limit_and_says_when_its_body_was_cut(body: bytes) -> None:
-    raw = SimpleNamespace(data=body, subject="gpuaas.node.n1.tasks", headers={"Nats-Msg-Id": "m" * 5000})
+    raw = SimpleNamespace(
+        data=body, subject="gpuaas.node.n1.tasks.slice.vm_provision", headers={"Nats-Msg-Id": "m" * 5000}
+    )
     letter = _fitting_letter(node_agent_consumer("n1"), raw, "not_json", "body is not JSON", 1, 7)
     size = len(letter.model_dump_json())
     assert size <= LETTER_BUDGET < HOST_MAX_PAYLOAD

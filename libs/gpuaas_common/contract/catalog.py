@@ -75,6 +75,30 @@ _LIFECYCLE = {
 SCHEDULER_FOLLOWS = ("accepted", "provisioning", "active", "released", "failed")
 
 
+# Node tasks travel on a subject per task type, `gpuaas.node.<node_id>.tasks.<type>` (the type verbatim, its dot
+# included), never on one subject for all: NATS rights are per subject, so a service's right to publish is then
+# exactly the task types this catalog names it the producer of (identity.permissions.produced_subjects), and a
+# compromised image pipeline can send prewarms but no VM release or terminal. Per type rather than per producer:
+# one type, one address, one set of producers (topology_discover has two), and the agent can tell from the
+# subject alone whether a task came where its type's senders publish (NODE_TASK_PREFIX, node_task_subject).
+NODE_TASK_PREFIX = "gpuaas.node.{node_id}.tasks."
+NODE_TASKS_CHANNEL = "nodeTasks"
+
+
+def _node_task(type_: str, model: type[BaseModel], summary: str, producers: tuple[str, ...]) -> MessageSpec:
+    camel = "".join(part.capitalize() for part in re.split(r"[._]", type_))
+    return MessageSpec(
+        type_,
+        model,
+        f"{NODE_TASKS_CHANNEL}{camel}",
+        NODE_TASK_PREFIX + type_,
+        summary,
+        producers,
+        ("node-agent",),
+        NODE_ID,
+    )
+
+
 def _lifecycle_consumers(state: str) -> tuple[str, ...]:
     followers = ("scheduler",) if state in SCHEDULER_FOLLOWS else ()
     return (*followers, "portal", "ops")
@@ -197,25 +221,17 @@ ALL: tuple[MessageSpec, ...] = (
         ("scheduler",),
         ("allocator",),
     ),
-    MessageSpec(
+    _node_task(
         "slice.vm_provision",
         m.SliceVmProvision,
-        "nodeTasks",
-        "gpuaas.node.{node_id}.tasks",
         "Build and start a slice VM on the host.",
         ("allocator",),
-        ("node-agent",),
-        NODE_ID,
     ),
-    MessageSpec(
+    _node_task(
         "slice.vm_release",
         m.SliceVmRelease,
-        "nodeTasks",
-        "gpuaas.node.{node_id}.tasks",
         "Stop, undefine and wipe a slice VM.",
         ("allocator",),
-        ("node-agent",),
-        NODE_ID,
     ),
     MessageSpec(
         "node.task_progress",
@@ -247,45 +263,29 @@ ALL: tuple[MessageSpec, ...] = (
         ("allocator", "ops"),
         NODE_ID,
     ),
-    MessageSpec(
+    _node_task(
         "slice.topology_discover",
         m.SliceTopologyDiscover,
-        "nodeTasks",
-        "gpuaas.node.{node_id}.tasks",
         "Discover the host's GPUs, fabric devices and NVMe disks and suggest slot candidates.",
         ("scheduler", "ops"),
-        ("node-agent",),
-        NODE_ID,
     ),
-    MessageSpec(
+    _node_task(
         "slice.parity_check",
         m.SliceParityCheck,
-        "nodeTasks",
-        "gpuaas.node.{node_id}.tasks",
         "Run the slice host parity checks now and report them.",
         ("scheduler", "ops"),
-        ("node-agent",),
-        NODE_ID,
     ),
-    MessageSpec(
+    _node_task(
         "slice.vfio_apply",
         m.SliceVfioApply,
-        "nodeTasks",
-        "gpuaas.node.{node_id}.tasks",
         "Bind the approved slots' GPUs and fabric VFs to vfio-pci (entering slice mode) or release them (leaving).",
         ("scheduler",),
-        ("node-agent",),
-        NODE_ID,
     ),
-    MessageSpec(
+    _node_task(
         "slice.terminal_open",
         m.SliceTerminalOpen,
-        "nodeTasks",
-        "gpuaas.node.{node_id}.tasks",
         "Open an SSH PTY into a slice guest with the host's relay key and relay it to the control plane.",
         ("allocator",),
-        ("node-agent",),
-        NODE_ID,
     ),
     MessageSpec(
         "node.terminal_output",
@@ -524,15 +524,11 @@ ALL: tuple[MessageSpec, ...] = (
         ("image-pipeline",),
         ("scheduler", "ops"),
     ),
-    MessageSpec(
+    _node_task(
         "image.cache_prewarm",
         m.ImageCachePrewarm,
-        "nodeTasks",
-        "gpuaas.node.{node_id}.tasks",
         "Pull an image into the node-local cache and verify its digest.",
         ("image-pipeline",),
-        ("node-agent",),
-        NODE_ID,
     ),
     MessageSpec(
         "node.image_cache_reported",
@@ -596,3 +592,16 @@ def spec_for(type_: str) -> MessageSpec:
 
 def types_for_subject(subject: str) -> list[MessageSpec]:
     return [spec for spec in ALL if spec.subject_regex().match(subject)]
+
+
+# Every node task type (a spec on a NODE_TASK_PREFIX subject): what a host's durable carries.
+NODE_TASK_TYPES: tuple[str, ...] = tuple(
+    spec.type for spec in ALL if spec.address is not None and spec.address.startswith(NODE_TASK_PREFIX)
+)
+
+
+def node_task_subject(type_: str, node_id: str) -> str:
+    """The one subject a task of `type_` for `node_id` travels on; KeyError for a type that is no node task."""
+    if type_ not in NODE_TASK_TYPES:
+        raise KeyError(f"{type_!r} is no node task type")
+    return BY_TYPE[type_].subject(node_id=node_id)

@@ -6,6 +6,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+from gpuaas_common.contract.catalog import node_task_subject
 from gpuaas_common.contract.envelope import Envelope, utcnow
 
 from .lab import LabState
@@ -57,5 +58,7 @@ async def send(nc: Any, task_type: str, task: dict[str, Any]) -> None:
     """Publish as the allocator does: the contract envelope, its event id as Nats-Msg-Id."""
     env = Envelope.wrap(task_type, task, producer="allocator", correlation_id=task["allocation_id"])
     await nc.jetstream().publish(
-        f"gpuaas.node.{task['node_id']}.tasks", env.model_dump_json().encode(), headers={"Nats-Msg-Id": env.event_id}
+        node_task_subject(task_type, task["node_id"]),
+        env.model_dump_json().encode(),
+        headers={"Nats-Msg-Id": env.event_id},
     )

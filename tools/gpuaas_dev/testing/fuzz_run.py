@@ -15,7 +15,7 @@ import nats
 from nats.aio.client import Client as NatsClient
 
 from gpuaas_common.contract import Envelope
-from gpuaas_common.contract.catalog import ALL
+from gpuaas_common.contract.catalog import ALL, node_task_subject
 from gpuaas_common.contract.envelope import utcnow
 from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer
 
@@ -81,7 +81,7 @@ async def recover_fleet(stack: Stack, spy: BusSpy, admin: NatsClient) -> dict[st
                 producer="ops",
                 correlation_id=task_id,
             )
-            await js.publish(f"gpuaas.node.{node}.tasks", env.model_dump_json().encode())
+            await js.publish(node_task_subject(env.type, node), env.model_dump_json().encode())
             parity = await spy.wait_type("node.parity_reported", timeout=120, task_id=task_id)
             await spy.wait_type("node.topology_reported", timeout=120, task_id=task_id)
             out["parity_failures_after"][node] = parity["payload"]["failures"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from gpuaas_common.metrics import Family, Reading, Sample, seconds
 
@@ -65,3 +65,10 @@ def allocations_reading(pool: Any) -> Reading:
         return out
 
     return read
+
+
+# Queries whose reply subject is no asker's own inbox (entrypoints/main.py answerable_reply): left unanswered.
+QUERIES_REFUSED = Counter(
+    "gpuaas_allocator_queries_refused_total",
+    "allocation.query requests left unanswered because their reply subject is no asker's own inbox",
+)

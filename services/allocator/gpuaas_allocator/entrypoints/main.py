@@ -12,11 +12,12 @@ from gpuaas_common.cancellation import stop_if_cancelled
 from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.contract import messages as m
 from gpuaas_common.db import DB_UNAVAILABLE
+from gpuaas_common.identity.permissions import ADMIN, inbox_prefix
 from gpuaas_common.logging import get_logger
 from gpuaas_common.periodic import every
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
-from ..adapters.metrics import allocations_reading
+from ..adapters.metrics import QUERIES_REFUSED, allocations_reading
 from ..adapters.repository import AllocationRepository, count_images
 from ..service_layer.deadlines import sweep_deadlines
 from ..service_layer.handlers import Allocator, handlers_by_consumer
@@ -52,7 +53,8 @@ def build_register(settings: AllocatorSettings):
         # Reads for portals and ops: core request/reply, one queue group over every replica.
         assert rt.nc is not None
         pool = rt.pool
-        await rt.nc.subscribe(spec_for("allocation.query").subject(), queue="allocator", cb=query_responder(pool))
+        responder = query_responder(pool, open_server=not rt.identity.creds_file)
+        await rt.nc.subscribe(spec_for("allocation.query").subject(), queue="allocator", cb=responder)
 
         # The control plane owns node-task deadlines (a silent host fails its allocation) and placement deadlines
         # (a lost placement is asked for again): see deadlines.py and redrive.py. Every replica sweeps; the rows
@@ -74,13 +76,31 @@ def build_register(settings: AllocatorSettings):
     return register
 
 
-def query_responder(pool: asyncpg.Pool):
-    """Answer `allocation.query` on the request's reply subject; a request that breaks the contract gets an
-    `invalid` answer saying why, so the asker never waits for nothing."""
+def answerable_reply(reply: str, *, open_server: bool) -> bool:
+    """Whether `reply` is the inbox of an identity that may ask (`_INBOX_<asker>.…`: the contract's producers of
+    allocation.query, and the admin's break-glass CLI). The server lets us publish once to any reply subject we
+    were sent (our `resp` right), so an asker that names a stream subject as its reply (an `ops` user giving
+    `gpuaas.image.event.activated`) would have us write our answer into that stream. Only an identity can
+    subscribe to its own inbox prefix, so an answer there reaches the asker and nothing stores it. On an open
+    dev server (no identities) askers use the shared `_INBOX.` prefix."""
+    askers = (*spec_for("allocation.query").producers, ADMIN)
+    if any(reply.startswith(f"{inbox_prefix(name)}.") for name in askers):
+        return True
+    return open_server and reply.startswith("_INBOX.")
+
+
+def query_responder(pool: asyncpg.Pool, *, open_server: bool = False):
+    """Answer `allocation.query` on the request's reply subject, when that is an asker's own inbox
+    (`answerable_reply`; any other is refused: logged, counted, unanswered); a request that breaks the contract
+    gets an `invalid` answer saying why, so the asker never waits for nothing."""
 
     async def on_query(msg: Any) -> None:
         if not msg.reply:
             return  # nobody to answer: a publish, not a request
+        if not answerable_reply(msg.reply, open_server=open_server):
+            QUERIES_REFUSED.inc()
+            log.warning("allocation_query_refused", reply=msg.reply[:200], why="the reply subject is no asker's inbox")
+            return
         correlation, cause = "query", None
         try:
             envelope, query = parse_message(msg.subject, msg.data)

@@ -25,6 +25,7 @@ from ..adapters.libvirt_host import LibvirtHost
 from ..adapters.node_env import node_env_present
 from ..adapters.state_store import StateStore
 from ..domain.baremetal import choose_role
+from ..domain.task_routing import misrouted_task
 from ..service_layer.host_paths import HostPaths
 from ..service_layer.prewarm import ImagePrewarmer
 from ..service_layer.tasks import SliceHostAgent
@@ -148,7 +149,15 @@ async def run_slice_host(
     handlers["image.cache_prewarm"] = ImagePrewarmer(
         node_id, paths, store, bus.publish, image_cache_dir=settings.image_cache_dir
     ).on_task
-    bus.subscribe(spec, handlers, transactional=False, concurrency=settings.task_concurrency)
+    # A task refused for its subject (domain/task_routing.py) is terminated, logged and counted, never dead-lettered
+    # and never answered with a task result: its sender may not send that type, so nobody is waiting for one.
+    bus.subscribe(
+        spec,
+        handlers,
+        transactional=False,
+        concurrency=settings.task_concurrency,
+        refuse=lambda subject, body: misrouted_task(node_id, subject, body),
+    )
     # Recovery first: a task the previous run left half-done gets its one result before new evidence goes out.
     await agent.recover()
     await link.start()
