@@ -189,7 +189,7 @@ async def test_a_hosts_agent_keeps_its_dead_letters_at_home_and_counts_them(nats
     await link.start()
     try:
         spy.allow_invalid(b"{not json")
-        await bus.js.publish(f"gpuaas.node.{node_id}.tasks", b"{not json")
+        await bus.js.publish(f"gpuaas.node.{node_id}.tasks.slice.vm_release", b"{not json")
         assert bus.held_dead_letters is not None
         held = bus.held_dead_letters
         await eventually(lambda: held.count == 1, what="the unreadable task held")
