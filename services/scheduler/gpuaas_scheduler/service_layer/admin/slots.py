@@ -340,11 +340,12 @@ async def repair(conn: asyncpg.Connection, slot_id: str, body: RepairIn, *, even
             "a wipe proof is accepted only from the slot's own host over the bus; repair asks the host to wipe",
         )
     slot = await _lock_slot(conn, slot_id)
-    if slot["status"] not in ("cleanup_blocked", "disabled"):
+    if slot["status"] not in ("cleanup_blocked", "disabled", AWAITING_WIPE):
         raise AdminError(409, "slot_not_repairable", f"slot {slot_id} is {slot['status']}", {"status": slot["status"]})
     if slot["claimed"]:
         raise AdminError(409, "slot_in_use", f"slot {slot_id} still has a live claim")
-    if slot["status"] == "cleanup_blocked":
+    if slot["status"] in ("cleanup_blocked", AWAITING_WIPE):
+        # awaiting_wipe too: a wipe task lost or past its deadline is asked again, never skipped.
         return await _repair_blocked(conn, slot, body, events=events)
     if slot_id in await wipes_repo.open_slot_ids(conn, [slot_id]):
         raise AdminError(
@@ -384,7 +385,7 @@ async def _repair_blocked(conn: asyncpg.Connection, slot: dict, body: RepairIn, 
         raise AdminError(
             422,
             "typed_evidence_refused",
-            f"slot {slot_id} is cleanup_blocked: its disk is proven clean only by its host's wipe, "
+            f"slot {slot_id} is {slot['status']}: its disk is proven clean only by its host's wipe, "
             "not by typed evidence",
         )
     problems = binding_problems(slot)
