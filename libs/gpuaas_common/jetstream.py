@@ -67,9 +67,10 @@ UNLIMITED = -1
 # host permissions) and DLQ. A host flooding its subjects then pushes out only its own older messages.
 #
 # NODE_REPORTS: 256 per subject. A host's task results in flight are at most its task durable's 16 unacked
-# tasks; topology, parity, drift and image-cache reports each replace the one before. One host can so hold at
-# most 7 subjects x 256 x 64 KiB (identity.permissions.HOST_MAX_PAYLOAD) = 112 MiB; 1 GiB holds that beside a
-# hundred hosts' normal reports (7 x 256 x ~3 KiB each, 525 MiB). Past that the oldest go first, the ones
+# tasks; topology, parity, drift and image-cache reports each replace the one before, and slot-wipe reports
+# answer the scheduler's rare wipe tasks. One host can so hold at most 8 subjects x 256 x 64 KiB
+# (identity.permissions.HOST_MAX_PAYLOAD) = 128 MiB; 1 GiB holds that beside a hundred hosts' normal reports
+# (8 x 256 x ~3 KiB each, 600 MiB). Past that the oldest go first, the ones
 # consumers have long acknowledged.
 REPORTS_PER_SUBJECT = 256
 # DLQ: 1000 dead letters per durable await ops; a host's own DLQ subject then holds at most 64 MiB of its flood.
@@ -238,6 +239,7 @@ CONSUMERS: tuple[ConsumerSpec, ...] = (
     consumer("scheduler-node-parity", "NODE_REPORTS", "gpuaas.node.*.report.parity"),
     consumer("scheduler-node-topology", "NODE_REPORTS", "gpuaas.node.*.report.topology"),
     consumer("scheduler-node-drift", "NODE_REPORTS", "gpuaas.node.*.report.drift"),
+    consumer("scheduler-node-slot-wipes", "NODE_REPORTS", "gpuaas.node.*.report.slot_wipe"),
     consumer("scheduler-image-cache", "IMAGES", "gpuaas.image.event.node_cache_changed"),
     consumer("scheduler-slice-preflight", "MAAS", "gpuaas.maas.report.slice_preflight"),
     consumer("scheduler-maas-deploys", "MAAS", "gpuaas.maas.result.deploy"),

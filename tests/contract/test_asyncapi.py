@@ -197,6 +197,24 @@ SAMPLES: dict[str, dict[str, Any]] = {
             {"slot_id": "slice-01-s0", "gpu_pci_address": "0000:18:00.0", "fabric_vf_pci_address": "0000:29:00.2"}
         ],
     },
+    "slice.slot_wipe": {
+        "task_id": "wipe-1",
+        "node_id": "slice-01",
+        "deadline": "2030-01-01T00:00:00+00:00",
+        "slots": [{"slot_id": "slice-01-s0", "nvme_by_id": "/dev/disk/by-id/nvme-eui.01", "wipe_policy": "blkdiscard"}],
+    },
+    "node.slot_wipe_reported": {
+        "task_id": "wipe-1",
+        "node_id": "slice-01",
+        "outcomes": [
+            {
+                "slot_id": "slice-01-s0",
+                "device": "/dev/disk/by-id/nvme-eui.01",
+                "proof": {"device": "/dev/disk/by-id/nvme-eui.01", "method": "blkdiscard", "verified": True},
+            },
+            {"slot_id": "slice-01-s1", "device": "/dev/disk/by-id/nvme-eui.02", "reason_code": "disk_leased"},
+        ],
+    },
     "slice.terminal_open": {
         "task_id": "terminal-1",
         "session_id": "7d6f3c1e-3a9a-4e57-9f43-0c2e5d6b8a11",

@@ -7,6 +7,7 @@ admin API as `gpuaas-dev`."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
@@ -215,7 +216,35 @@ async def test_one_host_walks_from_slices_to_baremetal_and_back(stack, portal, d
         "SELECT slot_id, status, approved_by FROM scheduler.node_resource_slots WHERE node_id = $1", HOST
     )
     assert sorted(s["slot_id"] for s in slots) == sorted(walk["slots"]) and len(slots) == 4
-    assert {(s["status"], s["approved_by"]) for s in slots} == {("available", "scheduler")}
+    assert {s["approved_by"] for s in slots} == {"scheduler"}
+
+    # A baremetal tenant had every disk (issue 38): re-approved awaiting the host's own wipe proof, which the
+    # scheduler asked for (slice.slot_wipe) and the host's agent answered on its own report subject. Each slot is
+    # available only through that proof, judged against the site's policy.
+    async def wiped() -> list[Any] | None:
+        rows = await db.fetch(
+            "SELECT slot_id, status FROM scheduler.node_resource_slots WHERE node_id = $1 AND status = 'available'",
+            HOST,
+        )
+        return rows if len(rows) == 4 else None
+
+    await eventually(wiped, timeout=120, what=f"{HOST}'s slots freed by its wipe proofs")
+    for s in slots:
+        moves = await db.fetch(
+            "SELECT from_status, to_status, actor, detail FROM scheduler.slot_transitions WHERE slot_id = $1 "
+            "ORDER BY id",
+            s["slot_id"],
+        )
+        pairs = [(r["from_status"], r["to_status"]) for r in moves]
+        assert ("retired", "awaiting_wipe") in pairs and pairs[-1] == ("awaiting_wipe", "available"), pairs
+        freed = moves[-1]
+        assert freed["actor"] == f"node:{HOST}", freed
+        detail = json.loads(freed["detail"]) if isinstance(freed["detail"], str) else freed["detail"]
+        assert detail["proof"]["verified"] is True and detail["proof"]["signatures"] == [], detail
+        task = await portal.spy.wait_type("slice.slot_wipe", task_id=detail["wipe_task"], timeout=5)
+        assert s["slot_id"] in {w["slot_id"] for w in task["payload"]["slots"]}
+        report = await portal.spy.wait_type("node.slot_wipe_reported", task_id=detail["wipe_task"], timeout=5)
+        assert report["payload"]["node_id"] == HOST
 
     # Back in slice mode: the host binds exactly the re-approved slots' devices, and parity checks that set.
     async def rebound() -> dict[str, Any] | None:

@@ -373,7 +373,7 @@ async def test_a_baremetal_tenants_host_may_enrol_and_do_nothing_a_slice_host_do
     admin_js = clients["admin"].nc.jetstream()
     # A task durable for the node, as a slice host's (tasks queued before its mode change could sit there).
     await ensure_consumer(admin_js, node_agent_consumer(node))
-    await admin_js.publish(f"gpuaas.node.{node}.tasks", b"a task left from slice mode")
+    await admin_js.publish(f"gpuaas.node.{node}.tasks.slice.vfio_apply", b"a task left from slice mode")
     creds = authority.issuer().issue_node(node, ttl_s=600, allocation_id=str(uuid.uuid4()))
     bm = await connect(server, tls_files, creds)
     try:

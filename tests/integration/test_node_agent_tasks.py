@@ -727,3 +727,37 @@ async def test_a_task_asked_again_is_answered_again_under_a_new_message_id(env: 
     ids = [e["event_id"] for e in found]
     assert ids[0] != ids[1], "the answer to the second asking has a new id"
     assert ids[1] == ids[2], "a redelivery of the same asking is answered under the same id (deduplicated)"
+
+
+# --- slice.slot_wipe: the scheduler asks, the host proves (issue 38, point 1) ----------------------------------
+
+
+async def test_a_slot_wipe_zeroes_each_free_disk_and_refuses_a_leased_one_on_the_hosts_report_subject(env: Env) -> None:
+    from gpuaas_common.bus import HandlerContext
+
+    # A live allocation leases slot 0's disk; slot 1's disk holds a previous tenant's marker.
+    prov = env.provision(env.slots[:1])
+    assert (await env.agent.execute("slice.vm_provision", prov)).status == "succeeded"
+    free = env.slots[1]
+    _fill(env.disk(free.nvme_by_id))
+    task = m.SliceSlotWipe(
+        task_id=f"wipe-{uuid.uuid4().hex[:8]}",
+        node_id=env.node_id,
+        deadline=utcnow() + timedelta(seconds=60),
+        slots=[
+            m.WipeSlot(slot_id=s.slot_id, nvme_by_id=s.nvme_by_id, wipe_policy="blkdiscard")
+            for s in (env.slots[0], free)
+        ],
+    )
+    envelope = Envelope.wrap("slice.slot_wipe", task.model_dump(mode="json"), producer="scheduler", correlation_id="w")
+    await env.agent.on_slot_wipe(HandlerContext(envelope, task, "s", "c", 1))
+    report = await env.spy.wait_type("node.slot_wipe_reported", task_id=task.task_id)
+    # The report travels on this host's own report subject: the only one its identity may publish on.
+    subjects = {subj for subj, e in env.spy.messages if e.get("type") == "node.slot_wipe_reported"}
+    assert subjects == {f"gpuaas.node.{env.node_id}.report.slot_wipe"}
+    leased, wiped = report["payload"]["outcomes"]
+    assert (leased["slot_id"], leased["reason_code"], leased["proof"]) == (env.slots[0].slot_id, "disk_leased", None)
+    assert wiped["slot_id"] == free.slot_id and wiped["proof"]["verified"] and wiped["proof"]["signatures"] == []
+    assert MARKER not in env.disk(free.nvme_by_id).read_bytes()
+    # The leased disk still holds the tenant's VM's image: nothing was written to it.
+    assert env.disk(env.slots[0].nvme_by_id).read_bytes()[: len(IMAGE_PATTERN)] == IMAGE_PATTERN

@@ -8,11 +8,13 @@ import uuid
 import pytest
 
 from gpuaas_common.contract import messages as m
+from gpuaas_common.outbox import OutboxWriter
 from gpuaas_common.profiles import DEFAULT_PROFILE
 from gpuaas_scheduler.adapters import admin_slots, synthetic
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.domain.placement import rank_classes, rank_nodes
 from gpuaas_scheduler.domain.slots import InvalidSlotTransition
+from gpuaas_scheduler.service_layer import slot_wipe
 from gpuaas_scheduler.service_layer.evidence import record_slice_preflight, record_topology
 from gpuaas_scheduler.service_layer.handlers import EndedOutOfOrder, fail_allocation, release_allocation
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy
@@ -389,15 +391,23 @@ async def test_release_without_verified_proof_blocks_and_repair_returns_it(pool,
     for _ in range(7):
         p = (await run_place(pool, accepted(1))).placed
         assert p is None or p.slots[0].slot_id != blocked
-    # Its disk may hold tenant data: the repair needs a proof of the slot's wipe policy (blkdiscard here).
-    status, body = await post(api, f"/v1/slots/{blocked}/repair", {"actor": "alice", "reason": "nvme format verified"})
-    assert status == 409 and body["error"]["code"] == "wipe_proof_rejected"
-    proof = {"device": placed.slots[0].nvme_by_id, "method": "blkdiscard", "verified": True, "verification": "zeros"}
-    status, body = await post(
-        api, f"/v1/slots/{blocked}/repair", {"actor": "alice", "reason": "wiped by infra", "wipe_proof": proof}
+    # Its disk may hold tenant data: the repair asks the host for the slot's wipe (blkdiscard here) and the slot
+    # stays blocked until the host's own report proves it (issue 38; typed proofs are refused).
+    status, body = await post(api, f"/v1/slots/{blocked}/repair", {"actor": "alice", "reason": "reuse it"})
+    assert status == 200 and body["slot"]["status"] == "cleanup_blocked" and body["wipe_task"], body
+    device = placed.slots[0].nvme_by_id
+    proof = m.WipeProof(device=device, method="blkdiscard", verified=True, verification="zeros read back")
+    report = m.NodeSlotWipeReported(
+        task_id=body["wipe_task"],
+        node_id=placed.node_id,
+        outcomes=[m.SlotWipeOutcome(slot_id=blocked, device=device, proof=proof)],
     )
-    assert status == 200 and body["slot"]["status"] == "available"
-    assert body["transitions"][0]["actor"] == "alice" and body["transitions"][0]["detail"]["repair_reason"]
+    async with pool.acquire() as conn, conn.transaction():
+        subject = f"gpuaas.node.{placed.node_id}.report.slot_wipe"
+        await slot_wipe.wipe_reported(conn, OutboxWriter(conn, "scheduler", "scheduler"), subject, report)
+    body = await (await api.get(f"/v1/slots/{blocked}", headers=ADMIN_AUTH)).json()
+    assert body["slot"]["status"] == "available"
+    assert body["transitions"][0]["actor"] == f"node:{placed.node_id}"
     # A repair that would put a mounted disk back in service is refused and changes nothing.
     status, body = await post(api, f"/v1/slots/{blocked}/disable", {"actor": "alice", "reason": "check"})
     assert status == 200
@@ -506,12 +516,18 @@ async def test_approval_rewrites_an_idle_slot_and_refuses_any_other(api, pool, s
         logged = await conn.fetch("SELECT from_status, to_status FROM slot_transitions WHERE slot_id = 'n00001-s0'")
     if status in ("disabled", "available", "retired"):
         assert status_code == 200, body
-        assert body["results"] == [
-            {"candidate_id": "n00001-gpu0", "slot_id": "n00001-s0", "status": "available", "problems": []}
-        ]
-        assert after["status"] == "available" and after["candidate_id"] == "n00001-gpu0"
+        # A retired slot's disk may have served a baremetal tenant: back only through its host's wipe (issue 38).
+        to = "awaiting_wipe" if status == "retired" else "available"
+        [result] = body["results"]
+        assert {k: result[k] for k in ("candidate_id", "slot_id", "status", "problems")} == {
+            "candidate_id": "n00001-gpu0",
+            "slot_id": "n00001-s0",
+            "status": to,
+            "problems": [],
+        }
+        assert after["status"] == to and after["candidate_id"] == "n00001-gpu0"
         assert after["generation"] == before["generation"] + 1
-        assert [(r["from_status"], r["to_status"]) for r in logged] == [(status, "available")]
+        assert [(r["from_status"], r["to_status"]) for r in logged] == [(status, to)]
     else:
         assert status_code == 409 and body["error"]["code"] == "slot_in_use"
         assert body["error"]["details"] == {"slot_id": "n00001-s0", "status": status}

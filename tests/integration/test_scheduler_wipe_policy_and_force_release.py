@@ -178,22 +178,21 @@ async def test_repairing_a_cleanup_blocked_slot_needs_the_sites_proof(api, pool)
         "verified": True,
         "verification": "nvme sanitize --sanact=4 then 64 sampled blocks changed",
     }
-    for bad, problem in (
-        (None, "no wipe proof"),
-        ({**proof, "method": "blkdiscard"}, "does not satisfy site default's crypto_erase policy"),
-        ({**proof, "verified": False}, "not verified"),
-        ({**proof, "device": "/dev/disk/by-id/nvme-other"}, "no wipe proof"),
-    ):
-        body = {"actor": "alice", "reason": "wiped by infra"} | ({"wipe_proof": bad} if bad else {})
+    # Nobody types a proof (issue 38): refused whatever it says, and nothing changes.
+    for typed in (proof, {**proof, "method": "blkdiscard"}):
+        body = {"actor": "alice", "reason": "wiped by infra", "wipe_proof": typed}
         status, answer = await post(api, f"/v1/slots/{slot.slot_id}/repair", body)
-        assert status == 409 and answer["error"]["code"] == "wipe_proof_rejected", answer
-        assert problem in answer["error"]["details"]["problem"]
+        assert status == 422 and answer["error"]["code"] == "typed_wipe_proof_refused", answer
         assert (await slot_rows(pool, [slot.slot_id]))[slot.slot_id]["status"] == "cleanup_blocked"
-    status, answer = await post(
-        api, f"/v1/slots/{slot.slot_id}/repair", {"actor": "alice", "reason": "wiped by infra", "wipe_proof": proof}
-    )
-    assert status == 200 and answer["slot"]["status"] == "available", answer
-    assert answer["transitions"][0]["detail"]["wipe_proof"]["method"] == "crypto_erase"
+    # The repair asks the slot's host for the site's wipe; the slot stays blocked until the host proves it.
+    status, answer = await post(api, f"/v1/slots/{slot.slot_id}/repair", {"actor": "alice", "reason": "reuse"})
+    assert status == 200 and answer["slot"]["status"] == "cleanup_blocked" and answer["wipe_task"], answer
+    validator = default_validator()
+    async with pool.acquire() as conn:
+        rows = await conn.fetch("SELECT subject, body FROM outbox WHERE subject LIKE 'gpuaas.node.%.tasks'")
+    tasks = [validator.validate(r["subject"], bytes(r["body"])) for r in rows]
+    [wipe] = [t["payload"] for t in tasks if t["type"] == "slice.slot_wipe"]
+    assert wipe["slots"] == [{"slot_id": slot.slot_id, "nvme_by_id": slot.nvme_by_id, "wipe_policy": "crypto_erase"}]
 
 
 # --- force-release -----------------------------------------------------------------------------------------

@@ -219,10 +219,11 @@ async def test_a_wipe_proof_after_a_force_release_frees_nothing_and_a_repair_sti
         )
         assert {r["status"] for r in await _rows(pool, placed)} == {"cleanup_blocked"}
         slot = placed.slots[0]
-        status, body = await post(api, f"/v1/slots/{slot.slot_id}/repair", {"actor": "ops", "reason": "agent wiped"})
-        assert status == 409 and body["error"]["code"] == "wipe_proof_rejected"
+        # A repair takes no typed proof (issue 38): it asks the host to wipe, and the slot stays blocked.
         proof = _proofs(placed, "blkdiscard")[0].model_dump(exclude_none=True)
         status, body = await post(
             api, f"/v1/slots/{slot.slot_id}/repair", {"actor": "ops", "reason": "agent wiped", "wipe_proof": proof}
         )
-        assert status == 200 and body["slot"]["status"] == "available", body
+        assert status == 422 and body["error"]["code"] == "typed_wipe_proof_refused", body
+        status, body = await post(api, f"/v1/slots/{slot.slot_id}/repair", {"actor": "ops", "reason": "agent wiped"})
+        assert status == 200 and body["slot"]["status"] == "cleanup_blocked" and body["wipe_task"], body

@@ -20,7 +20,7 @@ def test_each_slot_status(status: str, force: bool) -> None:
     assert bool(plan.holders) is may_hold
     assert plan.refused is (may_hold and not force)
     # Wherever a slot goes, it is cleanup_blocked; a slot the table cannot move there is left and named.
-    movable = status in {"reserved", "provisioning", "active", "releasing", "cleanup"}
+    movable = status in {"reserved", "provisioning", "active", "releasing", "cleanup", "awaiting_wipe"}
     assert plan.block == (["h1-s0"] if movable else [])
     assert plan.untouched == ({} if movable else {"h1-s0": status})
     assert plan.drain == []

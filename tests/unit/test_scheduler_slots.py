@@ -84,11 +84,12 @@ def test_a_mover_naming_a_forbidden_move_is_refused(to, only_from, ok):
 
 
 # Approval is not a transition (see domain/slots.py): it rewrites an idle slot's binding, whatever its status.
-IDLE = {"available", "disabled", "retired"}
+# awaiting_wipe: re-approval keeps it awaiting its host's proof (domain/slot_wipe.py wipe_still_owed).
+IDLE = {"available", "disabled", "retired", "awaiting_wipe"}
 
 
 @pytest.mark.parametrize("current", [None, *SLOT_STATUSES])
-@pytest.mark.parametrize("new", ["available", "disabled"])
+@pytest.mark.parametrize("new", ["available", "disabled", "awaiting_wipe"])
 def test_approval_creates_a_slot_or_rewrites_only_an_idle_one(current, new):
     if current is None or current in IDLE:
         check_approval(current, new)
@@ -97,7 +98,7 @@ def test_approval_creates_a_slot_or_rewrites_only_an_idle_one(current, new):
             check_approval(current, new)
 
 
-@pytest.mark.parametrize("new", sorted(set(SLOT_STATUSES) - {"available", "disabled"}))
+@pytest.mark.parametrize("new", sorted(set(SLOT_STATUSES) - {"available", "disabled", "awaiting_wipe"}))
 def test_approval_makes_a_slot_available_or_disabled_only(new):
     with pytest.raises(InvalidSlotTransition):
         check_approval(None, new)

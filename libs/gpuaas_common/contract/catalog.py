@@ -282,6 +282,22 @@ ALL: tuple[MessageSpec, ...] = (
         ("scheduler",),
     ),
     _node_task(
+        "slice.slot_wipe",
+        m.SliceSlotWipe,
+        "Wipe and verify the disks of slots no tenant holds by the site's policy, before they become available.",
+        ("scheduler",),
+    ),
+    MessageSpec(
+        "node.slot_wipe_reported",
+        m.NodeSlotWipeReported,
+        "nodeSlotWipeReported",
+        "gpuaas.node.{node_id}.report.slot_wipe",
+        "The agent's wipe proofs (or refusals) for a slice.slot_wipe: the only proof that frees such a slot.",
+        ("node-agent",),
+        ("scheduler", "ops"),
+        NODE_ID,
+    ),
+    _node_task(
         "slice.terminal_open",
         m.SliceTerminalOpen,
         "Open an SSH PTY into a slice guest with the host's relay key and relay it to the control plane.",

@@ -370,11 +370,14 @@ SlotStatus = Literal[
     "releasing",
     "cleanup",
     "cleanup_blocked",
+    # Approved, but its disk may hold someone else's data (a host back from a baremetal tenancy, a re-approval,
+    # a new disk): placeable only once its own host's agent proves the site's wipe (node.slot_wipe_reported).
+    "awaiting_wipe",
     "retired",
 ]
 SlotHealth = Literal["unknown", "healthy", "degraded", "failed"]
 SlotsChangeCause = Literal[
-    "approval", "retire", "disable", "repair", "release", "failure", "force_release", "claim_audit"
+    "approval", "retire", "disable", "repair", "release", "failure", "force_release", "claim_audit", "wipe"
 ]
 
 
@@ -529,6 +532,53 @@ class SliceVfioApply(Payload):
     deadline: datetime
     action: Literal["bind", "unbind"]
     slots: list[VfioSlot] = Field(default_factory=list, max_length=64)
+
+
+class WipeSlot(Payload):
+    """A slot whose disk the agent must wipe by the site's policy, named by its stable by-id identity."""
+
+    slot_id: str = Identifier
+    nvme_by_id: str = Field(min_length=1, max_length=1024)
+    wipe_policy: WipePolicy
+
+
+class SliceSlotWipe(Payload):
+    """Wipe and verify the disks of slots no tenant holds, by the site's policy, and report each outcome
+    (node.slot_wipe_reported with this task id). The scheduler sends it before a slot whose disk may hold someone
+    else's data becomes available (the converting walk's re-approval, a re-approval after rediscovery, a repair
+    of a cleanup_blocked slot): a proof is accepted only from that host's own report subject, never typed in. The
+    agent refuses a disk a live allocation of the host leases, or one that fails its disk checks."""
+
+    task_id: str = Identifier
+    node_id: str = Identifier
+    deadline: datetime
+    slots: list[WipeSlot] = Field(min_length=1, max_length=64)
+
+
+class SlotWipeOutcome(Payload):
+    """One slot of a slice.slot_wipe: the proof of the wipe done, or why the agent did not wipe (nothing done)."""
+
+    slot_id: str = Identifier
+    device: str = Field(min_length=1, max_length=1024)
+    proof: WipeProof | None = None
+    reason_code: str | None = Field(default=None, max_length=64)
+    reason: str | None = Field(default=None, max_length=2000)
+
+    @model_validator(mode="after")
+    def _proof_or_reason(self) -> SlotWipeOutcome:
+        if (self.proof is None) == (self.reason_code is None):
+            raise ValueError("an outcome carries either a proof or a reason_code")
+        if self.proof is not None and self.proof.device != self.device:
+            raise ValueError("the proof is of another device")
+        return self
+
+
+class NodeSlotWipeReported(Payload):
+    """The agent's answer to a slice.slot_wipe: one outcome per slot it was asked to wipe."""
+
+    task_id: str = Identifier
+    node_id: str = Identifier
+    outcomes: list[SlotWipeOutcome] = Field(min_length=1, max_length=64)
 
 
 # --- slice terminal (allocator <-> node agent) ------------------------------------------------------

@@ -144,6 +144,7 @@ async def run_slice_host(
         "slice.topology_discover": agent.on_discover,
         "slice.parity_check": agent.on_parity_check,
         "slice.vfio_apply": agent.on_vfio_apply,
+        "slice.slot_wipe": agent.on_slot_wipe,
         "slice.terminal_open": terminal_relay(settings, node_id, paths, store, relay[0], ssh_port, bus).on_open,
     }
     handlers["image.cache_prewarm"] = ImagePrewarmer(

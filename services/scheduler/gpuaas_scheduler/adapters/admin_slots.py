@@ -27,7 +27,7 @@ STORAGE_FIELDS = ("storage_ownership", "storage_mode", "destructive_wipe_policy"
 # What an agent reports for a candidate, plus the runtime profile ops choose at approval.
 CANDIDATE_FIELDS = (*REPORTED_CANDIDATE_FIELDS, "profile")
 # `claimed`: a live claim names the slot, whatever its status says.
-_CLAIMED = (
+CLAIMED = (
     "EXISTS (SELECT 1 FROM allocation_resource_claims c WHERE c.slot_id = s.slot_id "
     "AND c.status <> 'released') AS claimed"
 )
@@ -226,7 +226,7 @@ async def lock_node_slots(
 ) -> list[asyncpg.Record]:
     """slot_id, status, claimed of the node's slots (only those named, when slot_ids is given), locked."""
     return await conn.fetch(
-        f"SELECT s.slot_id, s.status, {_CLAIMED} FROM node_resource_slots s WHERE s.node_id = $1 "
+        f"SELECT s.slot_id, s.status, {CLAIMED} FROM node_resource_slots s WHERE s.node_id = $1 "
         "AND ($2::text[] IS NULL OR s.slot_id = ANY($2::text[])) ORDER BY s.slot_id FOR UPDATE OF s",
         node_id,
         list(slot_ids) if slot_ids is not None else None,
@@ -240,7 +240,7 @@ async def slot_node(conn: asyncpg.Connection, slot_id: str) -> str | None:
 async def lock_slot(conn: asyncpg.Connection, slot_id: str) -> asyncpg.Record | None:
     """The whole slot row and `claimed`, locked (after its node: see the module's docstring)."""
     return await conn.fetchrow(
-        f"SELECT s.*, {_CLAIMED} FROM node_resource_slots s WHERE s.slot_id = $1 FOR UPDATE OF s",
+        f"SELECT s.*, {CLAIMED} FROM node_resource_slots s WHERE s.slot_id = $1 FOR UPDATE OF s",
         slot_id,
     )
 

@@ -20,7 +20,10 @@ _FACTS_SQL = (
     "   AS live_claims, "
     " (SELECT count(*) FROM node_resource_slots s WHERE s.node_id = n.node_id AND s.status <> 'retired')"
     "   AS unretired_slots, "
-    " (SELECT count(*) FROM node_resource_slots s WHERE s.node_id = n.node_id AND s.status = 'available' "
+    # awaiting_wipe counts as re-approved: the host may enter slice mode (and bind its devices) while its slots,
+    # placed nowhere meanwhile, wait for its own wipe proof (domain/slot_wipe.py).
+    " (SELECT count(*) FROM node_resource_slots s WHERE s.node_id = n.node_id "
+    "   AND s.status IN ('available', 'awaiting_wipe') "
     "   AND s.approved_at >= COALESCE(n.evidence_reset_at, '-infinity')) AS reapproved_slots, "
     " (SELECT count(*) FROM node_resource_slots s WHERE s.node_id = n.node_id AND s.status <> 'retired' "
     "   AND n.evidence_reset_at IS NOT NULL AND (s.approved_at IS NULL OR s.approved_at < n.evidence_reset_at))"

@@ -48,7 +48,8 @@ class HostFacts:
     # A topology report was applied since the evidence was last reset (the reset clears it, and
     # reports older than the reset are refused as stale).
     rediscovered: bool = False
-    # Slots `available` whose approval is newer than the last evidence reset.
+    # Slots `available` or `awaiting_wipe` (placed nowhere until the host proves their wipe) whose approval is
+    # newer than the last evidence reset.
     reapproved_slots: int = 0
     # Unretired slots approved before the last reset: they describe the host as it was before.
     stale_slots: int = 0

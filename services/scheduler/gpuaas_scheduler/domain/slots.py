@@ -124,6 +124,8 @@ SLOT_STATUSES = (
     "releasing",
     "cleanup",
     "cleanup_blocked",
+    # Approved, its disk owed a wipe proof from its own host (domain/slot_wipe.py): never placed meanwhile.
+    "awaiting_wipe",
     "retired",
 )
 # Statuses in which a tenant's VM may have written the disk.
@@ -142,8 +144,10 @@ SLOT_TRANSITIONS: dict[str, frozenset[str]] = {
     "active": frozenset({"releasing", "cleanup", "cleanup_blocked"}),
     "releasing": frozenset({"cleanup", "available", "cleanup_blocked"}),
     "cleanup": frozenset({"available", "cleanup_blocked"}),
-    # Tenant data may remain: only a repair with a verified wipe brings it back.
+    # Tenant data may remain: only the host's own verified wipe (a repair asks for it) brings it back.
     "cleanup_blocked": frozenset({"available"}),
+    # Someone else's data may remain: the host's passing wipe proof frees it, a failed or refused one blocks it.
+    "awaiting_wipe": frozenset({"available", "cleanup_blocked"}),
     "retired": frozenset(),
 }
 
@@ -185,7 +189,7 @@ IN_USE = frozenset({"reserved", "provisioning", "active", "releasing", "cleanup"
 # slot is among them: re-approval after rediscovery is the one way back from retired.
 APPROVAL_REPLACES = frozenset(SLOT_STATUSES) - IN_USE - {"cleanup_blocked"}
 # What approval makes of a candidate (see approval.approved_status).
-APPROVAL_RESULTS = frozenset({"available", "disabled"})
+APPROVAL_RESULTS = frozenset({"available", "disabled", "awaiting_wipe"})
 
 
 def check_approval(current: str | None, new: str) -> None:

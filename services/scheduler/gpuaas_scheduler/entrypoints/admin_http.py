@@ -193,7 +193,8 @@ ROUTES = [
         "POST",
         APPROVE_PATH,
         write_asking(ops.approve),
-        "turn candidates into slots (available only when every approval rule holds)",
+        "turn candidates into slots (available only when every approval rule holds; awaiting_wipe, with the host "
+        "asked to wipe, where the disk may hold someone else's data)",
         out.ApprovalOut,
         ops.ApproveIn,
     ),
@@ -211,7 +212,8 @@ ROUTES = [
         "POST",
         "/v1/slots/{slot_id}/repair",
         write_asking(ops.repair),
-        "cleanup_blocked (with a proof of the site's wipe) or disabled -> available, if the approval rules hold now",
+        "disabled -> available if the approval rules hold now; cleanup_blocked: asks the slot's host to wipe "
+        "(slice.slot_wipe), freed only by that host's passing proof; a typed wipe_proof is refused",
         out.SlotDetail,
         ops.RepairIn,
     ),

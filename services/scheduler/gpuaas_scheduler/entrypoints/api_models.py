@@ -131,6 +131,10 @@ class SlotList(BaseModel):
 class SlotDetail(BaseModel):
     slot: SlotView
     transitions: list[dict[str, Any]]
+    # The wipes asked of the slot's host (slice.slot_wipe), newest first, with what its report made of each.
+    wipes: list[dict[str, Any]] = []
+    # The slice.slot_wipe task a repair of a cleanup_blocked slot sent (the slot stays blocked until its proof).
+    wipe_task: str | None = None
 
 
 class CandidateView(Row):
@@ -147,6 +151,8 @@ class ApprovalResult(BaseModel):
     slot_id: str
     status: str
     problems: list[str]
+    # Why the slot's disk must be proven wiped by its host before it is placeable (status awaiting_wipe).
+    wipe_owed: list[str] | None = None
 
 
 class ApprovalOut(BaseModel):
@@ -157,6 +163,8 @@ class ApprovalOut(BaseModel):
     waived: list[WaiverView] | None = None
     # The slice.vfio_apply task that asks the host to bind the approved devices (absent outside slice mode).
     vfio_task: str | None = None
+    # The slice.slot_wipe task asking the host to wipe the disks of slots approved awaiting_wipe.
+    wipe_task: str | None = None
 
 
 class QuotaRow(Row):

@@ -25,7 +25,7 @@ from ..adapters import inventory as inv
 from ..adapters.repository import SchedulerRepositories, scheduler_repositories
 from ..domain.node_claims import ACTOR, NodeClaims
 from ..domain.node_claims import EndedOutOfOrder as EndedOutOfOrder  # raised by NodeClaims; the bus retries it
-from . import drift, evidence, host_modes, slot_announcements, steering
+from . import drift, evidence, host_modes, slot_announcements, slot_wipe, steering
 from .host_walk import HostWalker, WalkPolicy
 from .placement import PlacementPolicy, place
 
@@ -150,6 +150,10 @@ class Scheduler:
         ev: m.NodeDriftReported = ctx.payload
         counts = await drift.record_drift(ctx.conn, ev, ctx.envelope.event_id)
         log.info("drift_recorded", node_id=ev.node_id, reported=len(ev.drift), **counts)
+
+    async def on_slot_wipe(self, ctx: HandlerContext) -> None:
+        """A host's wipe proofs (service_layer/slot_wipe.py): taken from its own report subject only."""
+        await slot_wipe.wipe_reported(ctx.conn, ctx.outbox, ctx.subject, ctx.payload)
 
     async def on_slice_preflight(self, ctx: HandlerContext) -> None:
         ev: m.NodeSlicePreflightReported = ctx.payload
@@ -310,6 +314,7 @@ EVIDENCE_CONSUMERS = {
     "scheduler-image-cache": "image.node_cache_changed",
     "scheduler-slice-preflight": "node.slice_preflight_reported",
     "scheduler-node-drift": "node.drift_reported",
+    "scheduler-node-slot-wipes": "node.slot_wipe_reported",
 }
 
 
@@ -321,6 +326,7 @@ def evidence_handlers(scheduler: Scheduler) -> dict[str, dict]:
         "image.node_cache_changed": scheduler.on_image_cache,
         "node.slice_preflight_reported": scheduler.on_slice_preflight,
         "node.drift_reported": scheduler.on_drift,
+        "node.slot_wipe_reported": scheduler.on_slot_wipe,
     }
     return {durable: {type_: by_type[type_]} for durable, type_ in EVIDENCE_CONSUMERS.items()}
 

@@ -136,7 +136,8 @@ class SqlWalks:
                 problems += [
                     f"slot {r['slot_id']} would be {r['status']}: {'; '.join(r['problems'])}"
                     for r in out["results"]
-                    if r["status"] != "available"
+                    # awaiting_wipe: approved, freed once the host proves the site's wipe of its disk.
+                    if r["status"] not in ("available", "awaiting_wipe")
                 ]
         except AdminError as exc:
             problems = [exc.message]

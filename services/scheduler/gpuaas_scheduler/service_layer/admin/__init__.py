@@ -21,7 +21,6 @@ from .models import (
     RetireIn,
     SiteWipePolicyIn,
     WaiverIn,
-    WipeProofIn,
 )
 from .modes import get_mode, set_mode
 from .nodes import add_waiver, drain, get_node, list_nodes, undrain, upsert_node
@@ -56,7 +55,6 @@ __all__ = [
     "RetireIn",
     "SiteWipePolicyIn",
     "WaiverIn",
-    "WipeProofIn",
     "add_waiver",
     "approve",
     "disable",

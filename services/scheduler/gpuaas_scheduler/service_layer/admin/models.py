@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -115,22 +115,12 @@ class ApproveIn(Body):
     profile: str | None = Field(default=None, pattern=r"^h200_\d+g_\d+c_\d+g(_plain)?$", max_length=64)
 
 
-class WipeProofIn(Body):
-    """A wipe done and checked outside a release (an infra wipe, the runbook's manual path), as the agent
-    reports one: the method must satisfy the slot's policy and the verification must have passed."""
-
-    device: str = Field(min_length=1, max_length=1024)
-    method: str = Field(min_length=1, max_length=64)
-    verified: bool
-    verification: str = Field(min_length=1, max_length=1024)
-    signatures: list[str] = Field(default_factory=list, max_length=64)
-    detail: str | None = Field(default=None, max_length=2000)
-
-
 class RepairIn(Acted):
+    # Evidence for a disabled slot's repair; a cleanup_blocked slot's disk is proven clean only by its host.
     nvme_evidence: NvmeEvidence | None = None
-    # Required to repair a cleanup_blocked slot: its disk may hold tenant data until the site's wipe is proven.
-    wipe_proof: WipeProofIn | None = None
+    # Refused whatever it holds (issue 38): a wipe proof is taken only from the slot's own host over the bus. Kept
+    # as a field so that a caller who types one gets the reason, not a schema error.
+    wipe_proof: dict[str, Any] | None = None
 
 
 class SiteWipePolicyIn(Acted):

@@ -1,0 +1,85 @@
+"""The wipes asked of hosts and their outcomes (migrations/021_slot_wipes.sql): every statement on `slot_wipes`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import asyncpg
+
+from .admin_slots import CLAIMED
+from .wipe_policy import effective_policy_sql, policy_site_sql
+
+
+async def open_asks(
+    conn: asyncpg.Connection,
+    task_id: str,
+    node_id: str,
+    slots: Sequence[Mapping[str, Any]],
+    *,
+    cause: str,
+    why: str,
+    actor: str,
+) -> None:
+    """Record one ask per slot (`slot_id`, `nvme_by_id`, `wipe_policy`); an older open ask of a slot is superseded
+    first, so only the newest task's report can free it."""
+    ids = [s["slot_id"] for s in slots]
+    await conn.execute(
+        "UPDATE slot_wipes SET closed_at = now(), outcome = 'superseded', verdict = $2 "
+        "WHERE slot_id = ANY($1::text[]) AND closed_at IS NULL",
+        ids,
+        f"superseded by wipe task {task_id}",
+    )
+    await conn.executemany(
+        "INSERT INTO slot_wipes (task_id, slot_id, node_id, device, policy, cause, why, requested_by) "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        [(task_id, s["slot_id"], node_id, s["nvme_by_id"], s["wipe_policy"], cause, why[:2000], actor) for s in slots],
+    )
+
+
+async def open_slot_ids(conn: asyncpg.Connection, slot_ids: Sequence[str]) -> set[str]:
+    rows = await conn.fetch(
+        "SELECT slot_id FROM slot_wipes WHERE slot_id = ANY($1::text[]) AND closed_at IS NULL", list(slot_ids)
+    )
+    return {r["slot_id"] for r in rows}
+
+
+async def open_asks_of_task(conn: asyncpg.Connection, node_id: str, task_id: str) -> list[asyncpg.Record]:
+    """The task's open asks on this node, each with its slot as it is now (locked: the caller holds the node's
+    lock too) and the slot's effective wipe policy."""
+    return await conn.fetch(
+        "SELECT w.task_id, w.slot_id, w.device, w.policy, w.cause, s.status, s.nvme_by_id, s.node_id, "
+        "s.gpu_pci_address, s.mac, s.private_ip, s.fabric_claim_mode, s.fabric_vf_pci_address, s.emulated, "
+        f"{effective_policy_sql('s')} AS destructive_wipe_policy, {policy_site_sql('s')} AS wipe_policy_site, "
+        f"{CLAIMED} "
+        "FROM slot_wipes w JOIN node_resource_slots s ON s.slot_id = w.slot_id "
+        "WHERE w.task_id = $1 AND w.node_id = $2 AND s.node_id = $2 AND w.closed_at IS NULL "
+        "ORDER BY w.slot_id FOR UPDATE OF w, s",
+        task_id,
+        node_id,
+    )
+
+
+async def close(
+    conn: asyncpg.Connection, task_id: str, slot_id: str, *, outcome: str, verdict: str, report: Mapping[str, Any]
+) -> None:
+    await conn.execute(
+        "UPDATE slot_wipes SET closed_at = now(), outcome = $3, verdict = $4, report = $5::jsonb "
+        "WHERE task_id = $1 AND slot_id = $2 AND closed_at IS NULL",
+        task_id,
+        slot_id,
+        outcome,
+        verdict[:2000],
+        json.dumps(dict(report)),
+    )
+
+
+async def of_slot(conn: asyncpg.Connection, slot_id: str, limit: int = 20) -> list[asyncpg.Record]:
+    """The slot's wipe asks, newest first: what ops read beside its transitions."""
+    return await conn.fetch(
+        "SELECT task_id, device, policy, cause, why, requested_by, requested_at, closed_at, outcome, verdict, report "
+        "FROM slot_wipes WHERE slot_id = $1 ORDER BY requested_at DESC, task_id LIMIT $2",
+        slot_id,
+        limit,
+    )

@@ -1,0 +1,137 @@
+"""Every disk that changes tenant is proven clean by its own host (invariant 12). Pure: no I/O.
+
+Two rules, written as functions of one host's facts so that the Host aggregate a later issue brings can take
+them as its methods (`Host.approve` asks `wipe_owed` of each slot, `Host.wipe_reported` asks `judge_wipe`):
+
+- **When a wipe is owed** (`WIPE_OWED_RULES`, a table): approval never makes a slot `available` when its disk may
+  hold someone else's data: the host is `converting` (back from a baremetal tenancy, or redeployed by MAAS), the
+  slot was `retired` (its disk left slice service, a baremetal tenant may have had it), it still awaits a wipe,
+  or its disk is another one than the slot had (a new disk's past is unknown). Such a slot is `awaiting_wipe`,
+  placed nowhere, and the scheduler asks its host's agent for the site's wipe (`slice.slot_wipe`).
+- **What a host's wipe report makes of a slot** (`judge_wipe`): only an outcome that answers a wipe this
+  scheduler asked of that very host, for that slot's disk, and that passes the site's policy (approval.py
+  `wipe_verdict`) frees it. Anything else leaves it `cleanup_blocked` (an `awaiting_wipe` slot whose wipe failed
+  may hold data). A proof typed by a person is no input here at all: the report arrives on the host's own report
+  subject, which only that host's identity may publish.
+
+Runbooks: "every slot disk wiped and verified before reuse"; "Tenant isolation wipe policy: blkdiscard, nvme
+format, or site-specific secure erase path before any released slot can be reused".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .approval import wipe_verdict
+
+AWAITING_WIPE = "awaiting_wipe"
+CONVERTING = "converting"
+
+
+@dataclass(frozen=True)
+class DiskFacts:
+    """What approval knows about one slot's disk: the host's mode, the slot's status and disk before this approval
+    (None: the approval creates the slot), the disk it approves now, and whether a wipe is still open for it."""
+
+    host_mode: str
+    previous_status: str | None
+    previous_disk: str | None
+    disk: str | None
+    wipe_open: bool = False
+
+
+@dataclass(frozen=True)
+class WipeRule:
+    name: str
+    why: str
+    owed: Callable[[DiskFacts], bool]
+
+
+WIPE_OWED_RULES: tuple[WipeRule, ...] = (
+    WipeRule(
+        "host_converting",
+        "the host is converting (back from a baremetal tenancy or a MAAS redeploy): a tenant may have written "
+        "every disk",
+        lambda f: f.host_mode == CONVERTING,
+    ),
+    WipeRule(
+        "slot_retired",
+        "the slot was retired: its disk left slice service and may hold a baremetal tenant's data",
+        lambda f: f.previous_status == "retired",
+    ),
+    WipeRule(
+        "wipe_still_owed",
+        "the slot still awaits its host's wipe proof",
+        lambda f: f.previous_status == AWAITING_WIPE or f.wipe_open,
+    ),
+    WipeRule(
+        "disk_changed",
+        "the slot's disk is not the one it had: the new disk's past is unknown",
+        lambda f: f.previous_status is not None and f.previous_disk != f.disk,
+    ),
+)
+
+
+def wipe_owed(facts: DiskFacts) -> list[str]:
+    """Why this slot's disk must be proven wiped by its host before the slot is placeable (empty: it need not)."""
+    return [r.why for r in WIPE_OWED_RULES if r.owed(facts)]
+
+
+def approval_status(problems: list[str], owed: list[str]) -> tuple[str, str | None]:
+    """What approval makes of a candidate: `disabled` with every problem, else `awaiting_wipe` when a wipe is owed,
+    else `available`."""
+    if problems:
+        return "disabled", "; ".join(problems)[:2000]
+    if owed:
+        return AWAITING_WIPE, ("awaiting the host agent's wipe proof: " + "; ".join(owed))[:2000]
+    return "available", None
+
+
+# The statuses a host's passing proof frees (to `available`); the slot's binding rules must still hold. A
+# `disabled` slot's proof is recorded (it owes no wipe any more) but frees nothing: approval or repair decide it.
+FREED_BY_PROOF = frozenset({AWAITING_WIPE, "cleanup_blocked"})
+
+
+@dataclass(frozen=True)
+class WipeJudgement:
+    """`passed`: the host proved the site's wipe of the slot's disk; `to`: the slot's status after the report
+    (None: left as it is); `verdict`: why, for the log."""
+
+    passed: bool
+    to: str | None
+    verdict: str
+
+
+def judge_wipe(
+    slot: Mapping[str, Any],
+    requested_device: str,
+    outcome: Mapping[str, Any],
+    binding_problems: list[str],
+) -> WipeJudgement:
+    """One slot's outcome of a wipe this scheduler asked of the slot's own host. `slot`: the slot now (status,
+    nvme_by_id, destructive_wipe_policy, wipe_policy_site); `requested_device`: the disk the task named;
+    `binding_problems`: what keeps the slot from placement besides its disk (a live claim included)."""
+    status = slot.get("status")
+    device = slot.get("nvme_by_id")
+    failed_to = "cleanup_blocked" if status == AWAITING_WIPE else None
+    if device != requested_device or outcome.get("device") != requested_device:
+        # Re-approved onto another disk since the task was sent: the proof is of a disk the slot no longer has.
+        return WipeJudgement(
+            False, failed_to, f"the report is for {outcome.get('device')}; the slot's disk is {device}"
+        )
+    proof = outcome.get("proof")
+    if proof is None:
+        why = f"{outcome.get('reason_code')}: {outcome.get('reason') or 'no reason given'}"
+        return WipeJudgement(False, failed_to, f"the host did not wipe {device}: {why}")
+    verdict = wipe_verdict(slot, [proof])
+    if verdict is not None:
+        return WipeJudgement(False, failed_to, verdict)
+    proven = f"wipe of {device} by {proof.get('method')} proven by the host"
+    if status not in FREED_BY_PROOF:
+        return WipeJudgement(True, None, f"{proven}; the slot is {status}, which a wipe does not free")
+    if binding_problems:
+        # Wiped, but not a slot placement may use: it stays where it is, its disk clean.
+        return WipeJudgement(True, None, f"{proven}; the slot still fails approval: " + "; ".join(binding_problems))
+    return WipeJudgement(True, "available", proven)

@@ -1,0 +1,137 @@
+"""The host's own wipe proof before a slot whose disk may hold someone else's data is placeable (domain/slot_wipe.py).
+
+- `ask_wipe`: a `slice.slot_wipe` task to the slot's host, in the transaction that made the slot owe it (an
+  approval that left it `awaiting_wipe`, a repair of a `cleanup_blocked` one): a committed change always has its
+  ask, a rolled-back one never does.
+- `wipe_reported`: the host's `node.slot_wipe_reported`, read from its own report subject (only that host's
+  identity may publish there). It is taken only for the open asks of its task on that node; each slot is judged
+  against the site's policy and freed, blocked or left as it is, logged with the proof and announced.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+
+from gpuaas_common.bus import PermanentError
+from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import messages as m
+from gpuaas_common.logging import get_logger
+from gpuaas_common.outbox import EventCollector
+
+from ..adapters import admin_nodes as nodes_repo
+from ..adapters import inventory as inv
+from ..adapters import slot_wipes as repo
+from ..domain.approval import binding_problems
+from ..domain.slot_wipe import judge_wipe
+from .slot_announcements import announce_nodes
+
+log = get_logger(__name__)
+
+# A wipe by the slowest accepted method (a zero-out of a large NVMe disk) takes hours; past this the agent drops
+# the task as stale, and the slot waits for a repair, which asks again.
+WIPE_TASK_DEADLINE_S = 6 * 3600.0
+
+
+async def ask_wipe(
+    conn: asyncpg.Connection,
+    events: EventCollector,
+    node_id: str,
+    slots: Sequence[Mapping[str, Any]],
+    *,
+    cause: str,
+    why: str,
+    actor: str,
+) -> str | None:
+    """Ask the host to wipe these slots' disks (`slot_id`, `nvme_by_id`, `wipe_policy`: the effective one); the
+    task id, or None for no slot."""
+    if not slots:
+        return None
+    task_id = f"wipe-{uuid.uuid4().hex}"
+    await repo.open_asks(conn, task_id, node_id, slots, cause=cause, why=why, actor=actor)
+    task = m.SliceSlotWipe(
+        task_id=task_id,
+        node_id=node_id,
+        deadline=utcnow() + timedelta(seconds=WIPE_TASK_DEADLINE_S),
+        slots=[
+            m.WipeSlot(slot_id=s["slot_id"], nvme_by_id=s["nvme_by_id"], wipe_policy=s["wipe_policy"]) for s in slots
+        ],
+    )
+    await events.add(
+        "slice.slot_wipe",
+        task,
+        aggregate_id=node_id,
+        correlation_id=task_id,
+        event_id=derived_event_id(task_id, "slot-wipe"),
+        node_id=node_id,
+    )
+    log.info("slot_wipe_asked", node_id=node_id, task_id=task_id, cause=cause, slots=[s["slot_id"] for s in slots])
+    return task_id
+
+
+def subject_node(subject: str) -> str | None:
+    """The node a report subject belongs to (gpuaas.node.<node_id>.report.<kind>), None for any other subject."""
+    parts = subject.split(".")
+    if len(parts) == 5 and parts[:2] == ["gpuaas", "node"] and parts[3] == "report":
+        return parts[2]
+    return None
+
+
+async def wipe_reported(
+    conn: asyncpg.Connection, events: EventCollector, subject: str, ev: m.NodeSlotWipeReported
+) -> dict[str, int]:
+    """Judge each slot of the report's task; counts of slots freed, blocked, kept and of outcomes ignored."""
+    sender = subject_node(subject)
+    if sender != ev.node_id:
+        # The subject is the sender's identity (a host may publish only its own): a body naming another node is
+        # a forgery or a bug, and frees nothing.
+        raise PermanentError(
+            "foreign_wipe_report", f"a wipe report for {ev.node_id} arrived on {subject}: taken only from its own host"
+        )
+    if await nodes_repo.lock_node(conn, ev.node_id) is None:
+        raise PermanentError("unknown_node", f"no node {ev.node_id}")
+    asks = await repo.open_asks_of_task(conn, ev.node_id, ev.task_id)
+    outcomes = {o.slot_id: o for o in ev.outcomes}
+    counts = {"freed": 0, "blocked": 0, "kept": 0, "ignored": len(set(outcomes) - {a["slot_id"] for a in asks})}
+    actor = f"node:{ev.node_id}"
+    for ask in asks:
+        slot = dict(ask)
+        outcome = outcomes.get(slot["slot_id"])
+        reported = outcome.model_dump(mode="json") if outcome else {"device": slot["device"], "proof": None}
+        if outcome is None:
+            reported |= {"reason_code": "not_reported", "reason": "the host's report names no outcome for this slot"}
+        problems = binding_problems(slot)
+        if slot["claimed"]:
+            problems.append("a live claim holds the slot")
+        judgement = judge_wipe(slot, slot["device"], reported, problems)
+        await repo.close(
+            conn,
+            ev.task_id,
+            slot["slot_id"],
+            outcome="passed" if judgement.passed else "failed",
+            verdict=judgement.verdict,
+            report=reported,
+        )
+        if judgement.to is None:
+            counts["kept"] += 1
+            continue
+        await inv.move_slots(
+            conn,
+            [slot["slot_id"]],
+            judgement.to,
+            None if judgement.to == "available" else judgement.verdict[:500],
+            actor=actor,
+            only_from=[slot["status"]],
+            detail={"wipe_task": ev.task_id, "cause": slot["cause"], "verdict": judgement.verdict, **reported},
+            health=("healthy", judgement.verdict[:500]) if judgement.to == "available" else None,
+        )
+        counts["freed" if judgement.to == "available" else "blocked"] += 1
+    if asks:
+        await inv.refresh_nodes(conn, [ev.node_id])
+        await announce_nodes(conn, events, [ev.node_id], "wipe", actor)
+    log.info("slot_wipe_reported", node_id=ev.node_id, task_id=ev.task_id, **counts)
+    return counts
