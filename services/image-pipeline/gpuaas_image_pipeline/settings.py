@@ -52,6 +52,7 @@ class ImagePipelineSettings(ServiceSettings):
     image_base_loopback_lab: bool = False
     # Limits of each qemu-img run on an input image (prlimit): address space and CPU time.
     image_tool_max_memory_mib: int = Field(default=8192, ge=256)
+    # CPU seconds one qemu-img run on an input image may use before the kernel stops it.
     image_tool_max_cpu_s: int = Field(default=7200, ge=10)
     # MAAS host images (rootfs tgz) are written here and uploaded by the MAAS gateway, which reads the file
     # by its path: the gateway must see this directory at the same path (same host or a shared volume).

@@ -27,7 +27,9 @@ from .admin_http import admin_api
 log = get_logger(__name__)
 
 # The durables fed by hosts (gpuaas.node.<id>.report.*): each node's messages have a budget (bus_budget).
-HOST_FED = frozenset({"scheduler-node-parity", "scheduler-node-topology", "scheduler-node-drift"})
+HOST_FED = frozenset(
+    {"scheduler-node-parity", "scheduler-node-topology", "scheduler-node-drift", "scheduler-node-slot-wipes"}
+)
 # Tables a host's messages grow: pruned by age and capped per host (retention.py). The drift itself (node_drift)
 # is state, kept; each report is history.
 HOST_ROWS = (HostRows("node_drift_reports", "checked_at", "t.node_id"),)
