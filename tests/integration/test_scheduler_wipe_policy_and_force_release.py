@@ -189,7 +189,7 @@ async def test_repairing_a_cleanup_blocked_slot_needs_the_sites_proof(api, pool)
     assert status == 200 and answer["slot"]["status"] == "cleanup_blocked" and answer["wipe_task"], answer
     validator = default_validator()
     async with pool.acquire() as conn:
-        rows = await conn.fetch("SELECT subject, body FROM outbox WHERE subject LIKE 'gpuaas.node.%.tasks'")
+        rows = await conn.fetch("SELECT subject, body FROM outbox WHERE subject LIKE 'gpuaas.node.%.tasks.%'")
     tasks = [validator.validate(r["subject"], bytes(r["body"])) for r in rows]
     [wipe] = [t["payload"] for t in tasks if t["type"] == "slice.slot_wipe"]
     assert wipe["slots"] == [{"slot_id": slot.slot_id, "nvme_by_id": slot.nvme_by_id, "wipe_policy": "crypto_erase"}]
