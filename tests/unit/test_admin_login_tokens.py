@@ -112,3 +112,17 @@ def test_a_person_assertion_opens_its_one_request_for_a_minute() -> None:
     assert verify_person("console-secret", token, **request, now=NOW + 60) is None  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         assert_person("console-secret", "alice", "billing", **request)  # type: ignore[arg-type]
+
+
+def test_a_person_assertion_names_the_path_however_the_client_quoted_it() -> None:
+    """The console quotes a slot id (`slice-01-0000:18:00.0` as `%3A`) and its HTTP client may send it unquoted:
+    the assertion is made and checked on the decoded path, so the same request verifies either way."""
+    from gpuaas_common.admin_http.principals import assert_person, verify_person
+
+    request = {"method": "POST", "body": b"{}", "idempotency_key": "k1"}
+    token = assert_person(
+        "console-secret", "alice", "ops-admin", path="/v1/slots/slice-01-0000%3A18%3A00.0/disable", **request, now=NOW
+    )  # type: ignore[arg-type]
+    assert verify_person(
+        "console-secret", token, path="/v1/slots/slice-01-0000:18:00.0/disable", **request, now=NOW
+    ) == ("alice", "ops-admin")  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ the person its assertion names.
 from __future__ import annotations
 
 import hashlib
+from urllib.parse import unquote
 
 from pydantic import SecretStr
 
@@ -40,8 +41,9 @@ def rights_of(principal: str) -> frozenset[str]:
 
 
 def _purpose(method: str, path: str, body: bytes, key: str) -> str:
-    # The request itself goes into the key: an assertion for one change opens no other.
-    return "person\0" + "\0".join([method.upper(), path, hashlib.sha256(body).hexdigest(), key])
+    # The request itself goes into the key: an assertion for one change opens no other. The path is taken
+    # decoded: a slot id's ':' may be sent quoted and arrive unquoted (the client's URL normalisation).
+    return "person\0" + "\0".join([method.upper(), unquote(path), hashlib.sha256(body).hexdigest(), key])
 
 
 def assert_person(
