@@ -15,6 +15,7 @@ from gpuaas_allocator.entrypoints.main import terminal_intake
 from gpuaas_allocator.service_layer.terminal import Session, TerminalHub, TerminalLimits
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
+from gpuaas_dev.testing.waiting import eventually
 
 ALLOC = uuid.uuid4()
 
@@ -179,7 +180,8 @@ async def test_a_host_flooding_terminal_input_creates_no_task_for_unknown_sessio
     assert hub.dropped["unknown_session"] == 2000 and hub.dropped["invalid"] == 2000
     for _ in range(2000):
         await intake(_ask("n1", session.session_id))
-    await asyncio.sleep(0)  # let the admitted answers start
+    # The admitted answers started: the first one marks the session seen by its host before it holds.
+    await asyncio.wait_for(session.agent_seen.wait(), 5)
     answers = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__.endswith("._answer")]  # type: ignore[union-attr]
     assert len(answers) == 4 and sum(hub.answering.values()) == 4
     assert len(asyncio.all_tasks()) - before <= 2 * 4  # each answer, and the hold's wait_for inside it
@@ -188,11 +190,7 @@ async def test_a_host_flooding_terminal_input_creates_no_task_for_unknown_sessio
     await intake(_ask("n2", session.session_id))
     assert hub.dropped["unknown_session"] == 2001
     hub.type(session, b"ls\n")  # the tenant types: the held asks are answered, the slots given back
-    for _ in range(100):
-        if not hub.answering:
-            break
-        await asyncio.sleep(0)
-    assert not hub.answering
+    await eventually(lambda: not hub.answering, timeout=5, what="the held answers' slots given back")
 
 
 def test_a_portal_assertion_opens_only_its_tenant_and_only_signed_and_unexpired() -> None:
