@@ -185,20 +185,27 @@ async def live_node_users(js: Any, node_id: str) -> list[str]:
     return [u for u in users if u not in revoked]
 
 
+async def _entry_at(kv: Any, key: str) -> tuple[dict[str, int | None], int | None]:
+    """A host or node entry's users and the revision a compare-and-set writes against (None: no entry yet)."""
+    from nats.js.errors import KeyNotFoundError
+
+    try:
+        entry = await _through_account_updates(lambda: kv.get(key))
+    except KeyNotFoundError:
+        return {}, None
+    return _host_entry(entry.value), entry.revision
+
+
 async def claim_node(js: Any, node_id: str, user_public: str, expires_at: int, *, attempts: int = 20) -> None:
     """Record `user_public` as the node's one live user, by compare-and-set on the node's entry: raises
     NodeHasLiveUser (nothing written) where the node has a live user already, its onboarded or renewed slice
     users included. Two mints racing for a node: one writes, the other reads again and is refused."""
-    from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+    from nats.js.errors import KeyWrongLastSequenceError
 
     key = node_users_key(node_id)
     kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
     for _ in range(attempts):
-        try:
-            entry = await _through_account_updates(lambda: kv.get(key))
-            users, revision = _host_entry(entry.value), entry.revision
-        except KeyNotFoundError:
-            users, revision = {}, None
+        users, revision = await _entry_at(kv, key)
         users = _live(users, time.time())
         revoked = await revoked_users(js)
         live = [u for u in dict.fromkeys([*users, *await host_users(js, node_id)]) if u not in revoked]
@@ -277,15 +284,11 @@ async def _users_at(js: Any, key: str) -> list[str]:
 async def _record_users(
     js: Any, key: str, user_publics: list[str], *, expiry: dict[str, int] | None, attempts: int = 20
 ) -> list[str]:
-    from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+    from nats.js.errors import KeyWrongLastSequenceError
 
     kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
     for _ in range(attempts):
-        try:
-            entry = await _through_account_updates(lambda: kv.get(key))
-            users, revision = _host_entry(entry.value), entry.revision
-        except KeyNotFoundError:
-            users, revision = {}, None
+        users, revision = await _entry_at(kv, key)
         users.update({u: (expiry or {}).get(u) for u in user_publics if u not in users or users[u] is None})
         users = _live(users, time.time())
         data = json.dumps(users).encode()
