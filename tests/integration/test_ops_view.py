@@ -28,6 +28,8 @@ from gpuaas_dev.testing.waiting import eventually
 from gpuaas_ops_view.entrypoints.admin_http import ops_api
 from gpuaas_ops_view.entrypoints.follow import StreamFollower
 
+from ..bounded import bounded
+
 TOKEN = "ops-view-test-token-0123456789"
 # The billing principal's: the usage records and nothing else.
 BILLING_TOKEN = "ops-view-billing-token-0123456789"
@@ -112,7 +114,7 @@ async def nc(nats_server) -> AsyncIterator[nats.NATS]:
 
     await provision(client.jetstream())
     yield client
-    await client.drain()
+    await bounded("the connection drains", client.drain())
 
 
 @pytest.fixture
