@@ -119,14 +119,7 @@ CHANGES = [
     (f"/console/fleet/{NODE}/waiver", {"gate": "parity", "expires_at": "2099-01-01T00:00:00Z", "reason": "x"}),
     (f"/console/fleet/{NODE}/approve", {"reason": "x"}),
     (f"/console/fleet/{NODE}/disable", {"slot_id": f"{NODE}-gpu0", "reason": "x"}),
-    (
-        f"/console/fleet/{NODE}/repair",
-        {
-            "slot_id": f"{NODE}-gpu0",
-            "reason": "x",
-            "wipe_proof": json.dumps({"device": "/dev/disk/by-id/nvme-x", "method": "blkdiscard", "verified": True}),
-        },
-    ),
+    (f"/console/fleet/{NODE}/repair", {"slot_id": f"{NODE}-gpu0", "reason": "x"}),
 ]
 
 

@@ -475,13 +475,6 @@ def _json_file(path: Optional[Path], option: str) -> Optional[dict[str, Any]]:
 def slots_repair(
     slot_id: SlotArg,
     reason: ReasonOpt,
-    wipe_proof: Annotated[
-        Optional[Path],
-        typer.Option(
-            "--wipe-proof",
-            help="JSON file: {device, method, verified, verification, …}; needed for a cleanup_blocked slot.",
-        ),
-    ] = None,
     nvme_evidence: Annotated[
         Optional[Path],
         typer.Option("--nvme-evidence", help="JSON file: {mounted, mounted_children, signatures, is_os_disk}."),
@@ -494,15 +487,15 @@ def slots_repair(
     timeout: ApiTimeoutOpt = 10.0,
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
 ) -> None:
-    """Return a cleanup_blocked (with a proof of the site's wipe) or disabled slot to available, if the approval
-    rules hold now.
+    """Return a disabled or cleanup_blocked slot to service, if the approval rules hold now. A cleanup_blocked slot
+    is not freed by anything typed here: the scheduler asks its host for the site's wipe, and the host's own proof
+    frees it.
 
-    Example: gpuaas slots repair slice-01-0000:18:00.0 --reason "wiped by hand" --wipe-proof proof.json"""
+    Example: gpuaas slots repair slice-01-0000:18:00.0 --reason "NVMe replaced" -o yaml"""
     body: dict[str, Any] = {"actor": actor_name(actor), "reason": reason}
-    for key, value in (("wipe_proof", _json_file(wipe_proof, "--wipe-proof")),
-                       ("nvme_evidence", _json_file(nvme_evidence, "--nvme-evidence"))):  # fmt: skip
-        if value is not None:
-            body[key] = value
+    evidence = _json_file(nvme_evidence, "--nvme-evidence")
+    if evidence is not None:
+        body["nvme_evidence"] = evidence
     ep = _ep(admin_url, token, run_dir, timeout)
     doc = call(ep, "POST", f"/v1/slots/{quote(slot_id)}/repair", body=body, key=idempotency_key,
                missing=("slot", slot_id))  # fmt: skip

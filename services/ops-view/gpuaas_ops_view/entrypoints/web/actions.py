@@ -5,7 +5,6 @@ parses (a quota, a waiver's expiry) travels as typed and its refusal is the API'
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from dataclasses import dataclass
@@ -78,16 +77,6 @@ def number_or_text(text: str) -> int | str:
         return int(text)
     except ValueError:
         return text
-
-
-def json_or_problem(field: str, text: str) -> tuple[Any, str | None]:
-    """A JSON document typed into a field (None when empty), or what is wrong with it."""
-    if not text:
-        return None, None
-    try:
-        return json.loads(text), None
-    except ValueError as exc:
-        return None, f"{field} is not JSON: {exc}"
 
 
 async def ask(

@@ -228,10 +228,8 @@ class Console:
         else:
             slot_id = fields.get("slot_id", "")
             problem = problem or actions.id_problem("slot_id", slot_id)
-            if action == "repair":
-                proof, bad = actions.json_or_problem("wipe_proof", fields.get("wipe_proof", ""))
-                problem = problem or bad
-                body["wipe_proof"] = proof
+            # A repair sends no proof: the scheduler asks the slot's host for its wipe and frees the slot on the
+            # host's own report (a proof typed here would be refused, 422 typed_wipe_proof_refused).
             method_path = self.scheduler.slot_path(slot_id, action)
         if problem is not None:
             return await self.host(request, action_error=problem, status=400)
