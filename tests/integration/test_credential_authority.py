@@ -39,7 +39,7 @@ from gpuaas_common.identity.authority import (
     record_host_users,
     revoked_users,
 )
-from gpuaas_common.identity.permissions import ADMIN, ROLE_PERMISSIONS
+from gpuaas_common.identity.permissions import ADMIN, AUTHORITY, ROLE_PERMISSIONS
 from gpuaas_common.identity.rotation import host_files
 from gpuaas_common.identity.signed_request import HEADER, sign
 from gpuaas_common.identity.tls import TlsFiles, client_context
@@ -313,6 +313,34 @@ async def test_an_old_deploy_command_mints_nothing(
         with pytest.raises(AuthorityRefused, match="403 deploy_command_expired"):
             await client.mint(NODE, allocation, 3600, deploy_command_seq=seq)
     assert await node_users(js, NODE) == [] and await allocation_users(js, allocation) == []
+
+
+async def test_the_authority_reads_a_maas_message_by_its_sequence_and_nothing_more_of_the_bus(
+    server: NatsServer, tls_files: TlsFiles, authority: Authority, admin: nats.NATS, deploys: Deploys
+) -> None:
+    """Its one right beyond the ledger: no other stream's messages, no command of its own on the MAAS subjects."""
+    seq = await deploys.tenant(NODE, str(uuid.uuid4()))
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    nc = await connect(
+        server, tls_files, authority.issue_user(AUTHORITY, ROLE_PERMISSIONS[AUTHORITY]), error_cb=on_error
+    )
+    try:
+        js = nc.jetstream(timeout=1)
+        assert (await js.get_msg("MAAS", seq)).subject == "gpuaas.maas.command.deploy"
+        # Refused by the server (a permissions violation, reported asynchronously), so nothing answers.
+        with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError)):
+            await js.get_msg("ALLOCATIONS", 1)
+        with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError)):
+            await js.publish("gpuaas.maas.command.deploy", b"{}", timeout=1)
+        await nc.flush()
+    finally:
+        await nc.close()
+    violations = [e for e in errors if "permissions violation" in str(e).lower()]
+    assert len(violations) == 2, errors
 
 
 async def _post(url: str, path: str, body: bytes, header: str | None, tls_files: TlsFiles) -> tuple[int, dict]:
