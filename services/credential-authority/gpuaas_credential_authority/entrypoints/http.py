@@ -29,6 +29,7 @@ from gpuaas_common.identity.authority import NodeHasLiveUser
 from gpuaas_common.identity.signed_request import HEADER, NonceCache, RequestRefused, Trust, verify
 from gpuaas_common.logging import get_logger
 
+from ..adapters.deploy_commands import StreamUnreadable
 from ..domain.deploy_commands import DeployCommandRefused
 from ..domain.grants import GrantRefused, allocation_id, host_user_grant, node_id, slice_host_grant
 from ..service_layer.host_users import HostUsers
@@ -106,6 +107,12 @@ class AuthorityApi:
             # No deploy on the bus asks for this host user: the caller's word alone mints nothing.
             log.warning("authority_request_refused", reason=refused.code, detail=str(refused), path=request.path)
             return _error(403, refused.code, str(refused))
+        except StreamUnreadable as exc:
+            # Not a refusal: the gateway's deploy asks again at its next step.
+            log.warning(
+                "authority_request_failed", reason="deploy_command_unreadable", detail=str(exc), path=request.path
+            )
+            return _error(503, "deploy_command_unreadable", str(exc))
 
     async def _mint(self, request: web.Request) -> web.Response:
         grant = host_user_grant(_json(request), max_ttl_s=self.max_host_ttl_s)
