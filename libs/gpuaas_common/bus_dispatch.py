@@ -32,7 +32,9 @@ HANDLED = Counter("gpuaas_messages_total", "Messages handled", ["consumer", "out
 
 @dataclass
 class HandlerContext:
-    """One message as a handler sees it; `uow` is the unit of work it runs in (transactional consumers)."""
+    """One message as a handler sees it; `uow` is the unit of work it runs in (transactional consumers).
+    `stream_seq`: the message's place in its stream, by which another process can read the same message back
+    (the credential authority reads a deploy command the gateway names); None where no stream delivered it."""
 
     envelope: Envelope
     payload: Any
@@ -40,6 +42,7 @@ class HandlerContext:
     consumer: str
     num_delivered: int
     uow: Any = None  # UnitOfWork | FakeUnitOfWork
+    stream_seq: int | None = None
 
     @property
     def conn(self) -> asyncpg.Connection:
@@ -155,7 +158,9 @@ async def dispatch(
         await msg.ack()
         HANDLED.labels(spec.durable, "ignored").inc()
         return
-    ctx = HandlerContext(envelope, payload, msg.subject, spec.durable, num_delivered)
+    md = msg.metadata
+    stream_seq = md.sequence.stream if md and md.sequence else None
+    ctx = HandlerContext(envelope, payload, msg.subject, spec.durable, num_delivered, stream_seq=stream_seq)
     with bound_context(consumer=spec.durable, **_log_ids(envelope, payload)):
         try:
             await _handle(bus, handler, ctx, transactional, first_lock)

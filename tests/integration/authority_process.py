@@ -20,7 +20,13 @@ from gpuaas_dev.stack.processes import _Proc, bin_path, spawn, wait_until_ready
 
 @contextmanager
 def authority_process(
-    authority: Authority, tls: TlsFiles, nats_url: str, work: Path, *, callers: str = "maas-gateway"
+    authority: Authority,
+    tls: TlsFiles,
+    nats_url: str,
+    work: Path,
+    *,
+    callers: str = "maas-gateway",
+    deploy_command_max_age_s: float | None = None,
 ) -> Iterator[str]:
     """Runs the authority until the block ends; yields its https:// URL."""
     keys, creds = work / "keys", work / "creds"
@@ -40,6 +46,8 @@ def authority_process(
         "GPUAAS_READY_FILE": str(ready),
         "GPUAAS_LOG_LEVEL": "INFO",
     }
+    if deploy_command_max_age_s is not None:
+        env["GPUAAS_DEPLOY_COMMAND_MAX_AGE_S"] = str(deploy_command_max_age_s)
     # Spawned and awaited as the dev stack does its processes: ready once its ready file names it and /readyz says so.
     proc = _Proc(AUTHORITY, [bin_path("gpuaas-credential-authority")], env, work / "authority.log", ready, "/readyz")
     spawn(proc, work)

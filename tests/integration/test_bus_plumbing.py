@@ -434,11 +434,13 @@ class _Probe:
         self.effects: list[str] = []
         self.fail_times: dict[str, int] = {}
         self.attempts: dict[str, int] = {}
+        self.stream_seqs: dict[str, list[int | None]] = {}
         self.done = asyncio.Event()
 
     async def handle(self, ctx: HandlerContext) -> None:
         alloc = str(ctx.payload.allocation_id)
         self.attempts[alloc] = self.attempts.get(alloc, 0) + 1
+        self.stream_seqs.setdefault(alloc, []).append(ctx.stream_seq)
         if ctx.payload.reason == "permanent":
             raise PermanentError("schema_invalid", "scripted permanent failure")
         if self.attempts[alloc] <= self.fail_times.get(alloc, 0):
@@ -468,9 +470,9 @@ async def probe_bus(js, outbox_db, nats_server):
     await dlq.stop()
 
 
-async def _publish(js, body: bytes, msg_id: str | None = None) -> None:
+async def _publish(js, body: bytes, msg_id: str | None = None):
     headers = {"Nats-Msg-Id": msg_id} if msg_id else None
-    await js.publish("gpuaas.allocation.release_requested", body, headers=headers)
+    return await js.publish("gpuaas.allocation.release_requested", body, headers=headers)
 
 
 def _event(alloc: uuid.UUID, reason: str = "ok", event_id: str | None = None) -> tuple[str, bytes]:
@@ -536,9 +538,11 @@ async def test_transient_failures_are_retried_and_take_effect_once(probe_bus, js
     probe, pool, dlq = probe_bus
     alloc = uuid.uuid4()
     probe.fail_times[str(alloc)] = 2
-    await _publish(js, _event(alloc)[1])
+    ack = await _publish(js, _event(alloc)[1])
     await asyncio.wait_for(probe.done.wait(), 10)
     assert probe.attempts[str(alloc)] == 3
+    # Each delivery names the message's place in its stream, by which another process can read it back.
+    assert probe.stream_seqs[str(alloc)] == [ack.seq] * 3
 
     # The handler signals before its transaction commits; wait for the committed effect itself.
     async def committed() -> bool:

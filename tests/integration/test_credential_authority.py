@@ -7,6 +7,10 @@ authority as its own process (`gpuaas-credential-authority`).
 - Every refusal is named: unsigned, foreign-signed, another role, replayed, altered, revoked or expired caller;
   nothing is minted, the refusal is logged once without the JWT, and the authority keeps serving.
 - The system-account users the authority mints for a push may read and replace account JWTs and nothing else.
+- A host user is minted only for what a deploy command on the bus asks (issue 38, point 4): the request names the
+  command's MAAS stream sequence, and the authority reads it itself. A mint for another node, another allocation,
+  from the wrong producer, for a release command, a made-up sequence or an old command is refused with its code,
+  logged once, and writes nothing to the ledger.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import aiohttp
@@ -30,10 +35,11 @@ from gpuaas_common.identity.authority import (
     HOST_USER_TTL_S,
     allocation_users,
     host_users,
+    node_users,
     record_host_users,
     revoked_users,
 )
-from gpuaas_common.identity.permissions import ADMIN, ROLE_PERMISSIONS
+from gpuaas_common.identity.permissions import ADMIN, AUTHORITY, ROLE_PERMISSIONS
 from gpuaas_common.identity.rotation import host_files
 from gpuaas_common.identity.signed_request import HEADER, sign
 from gpuaas_common.identity.tls import TlsFiles, client_context
@@ -43,6 +49,7 @@ from gpuaas_dev.testing.servers import NatsServer
 from gpuaas_maas_gateway.adapters.credential_authority import AuthorityClient, AuthorityRefused
 
 from .authority_process import authority_process, log_of
+from .deploy_commands import Deploys
 
 NODE = "bm:01"
 
@@ -71,6 +78,15 @@ async def admin(server: NatsServer, tls_files: TlsFiles, authority: Authority) -
     await nc.close()
 
 
+@pytest_asyncio.fixture
+async def deploys(
+    admin: nats.NATS, server: NatsServer, tls_files: TlsFiles, authority: Authority
+) -> AsyncIterator[Deploys]:
+    publishers = await Deploys.connect(server.url, tls_files, authority)
+    yield publishers
+    await publishers.close()
+
+
 @pytest.fixture
 def authority_url(
     admin: nats.NATS, server: NatsServer, tls_files: TlsFiles, authority: Authority, tmp_path: Path
@@ -86,12 +102,18 @@ def gateway_creds(authority: Authority, tmp_path: Path, role: str = "maas-gatewa
 
 
 async def test_the_gateway_mints_and_ends_a_baremetal_hosts_user_through_the_authority(
-    authority_url: str, authority: Authority, server: NatsServer, tls_files: TlsFiles, admin: nats.NATS, tmp_path: Path
+    authority_url: str,
+    authority: Authority,
+    server: NatsServer,
+    tls_files: TlsFiles,
+    admin: nats.NATS,
+    deploys: Deploys,
+    tmp_path: Path,
 ) -> None:
     client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
     allocation = str(uuid.uuid4())
 
-    minted = await client.mint(NODE, allocation, ttl_s=3600)
+    minted = await client.mint(NODE, allocation, ttl_s=3600, deploy_command_seq=await deploys.tenant(NODE, allocation))
 
     host = creds_files.parse(minted.creds)
     assert host.claims["sub"] == minted.user
@@ -130,14 +152,22 @@ async def test_a_slice_hosts_identity_ends_through_the_authority(
 
 
 async def test_a_redeployed_slice_host_gets_a_slice_hosts_own_user_which_ends_like_an_onboarded_ones(
-    authority_url: str, authority: Authority, server: NatsServer, tls_files: TlsFiles, admin: nats.NATS, tmp_path: Path
+    authority_url: str,
+    authority: Authority,
+    server: NatsServer,
+    tls_files: TlsFiles,
+    admin: nats.NATS,
+    deploys: Deploys,
+    tmp_path: Path,
 ) -> None:
     """The scheduler's walk redeploys a converting host with the slice-host profile: its user is a slice host's (no
     allocation, the host lifetime, recorded as the host's), so renewal takes it like an onboarded host's file and
     the host's slice identity ends with it before a tenant's deploy."""
     client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
 
-    minted = await client.mint_slice_host(NODE)
+    walk = str(uuid.uuid4())
+
+    minted = await client.mint_slice_host(NODE, walk, deploy_command_seq=await deploys.walk(NODE, walk))
 
     host = creds_files.parse(minted.creds)
     tags = host.claims["nats"]["tags"]
@@ -154,22 +184,33 @@ async def test_a_redeployed_slice_host_gets_a_slice_hosts_own_user_which_ends_li
 
 
 async def test_no_second_live_user_is_minted_for_a_node_until_its_users_are_ended(
-    authority_url: str, authority: Authority, server: NatsServer, tls_files: TlsFiles, admin: nats.NATS, tmp_path: Path
+    authority_url: str,
+    authority: Authority,
+    server: NatsServer,
+    tls_files: TlsFiles,
+    admin: nats.NATS,
+    deploys: Deploys,
+    tmp_path: Path,
 ) -> None:
     """Issue 38 (N4): a node has one live host user at most. Before, the authority minted another user for any
     node the gateway named, beside the one the host runs with (a compromised gateway became that host). The
     gateway's flow keeps working: it ends the node's users before each deploy, and the deploy's mint follows."""
     client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
     js = admin.jetstream()
-    first, second, third = (str(uuid.uuid4()) for _ in range(3))
-    minted = await client.mint(NODE, first, ttl_s=3600)
+    first, second, third, walk = (str(uuid.uuid4()) for _ in range(4))
+    first_seq, second_seq, walk_seq = (
+        await deploys.tenant(NODE, first),
+        await deploys.tenant(NODE, second),
+        await deploys.walk(NODE, walk),
+    )
+    minted = await client.mint(NODE, first, ttl_s=3600, deploy_command_seq=first_seq)
 
     with pytest.raises(AuthorityRefused, match="409 node_has_live_user"):
-        await client.mint(NODE, second, ttl_s=3600)  # another allocation on the tenant's node
+        await client.mint(NODE, second, ttl_s=3600, deploy_command_seq=second_seq)  # another allocation on the node
     with pytest.raises(AuthorityRefused, match="409 node_has_live_user"):
-        await client.mint(NODE, first, ttl_s=3600)  # the same allocation, a second user beside the first
+        await client.mint(NODE, first, ttl_s=3600, deploy_command_seq=first_seq)  # a second user beside the first
     with pytest.raises(AuthorityRefused, match="409 node_has_live_user"):
-        await client.mint_slice_host(NODE)  # a slice host's user on the tenant's node
+        await client.mint_slice_host(NODE, walk, deploy_command_seq=walk_seq)  # a slice host's user on the node
     assert await allocation_users(js, second) == [] and await allocation_users(js, first) == [minted.user]
     assert await host_users(js, NODE) == []  # nothing minted by a refused one
 
@@ -177,20 +218,129 @@ async def test_no_second_live_user_is_minted_for_a_node_until_its_users_are_ende
     onboarded = authority.issue_host("slice-03")
     await record_host_users(js, "slice-03", [str(onboarded.claims["sub"])])
     with pytest.raises(AuthorityRefused, match="409 node_has_live_user"):
-        await client.mint("slice-03", third, ttl_s=3600)
+        await client.mint("slice-03", third, ttl_s=3600, deploy_command_seq=await deploys.tenant("slice-03", third))
 
     # Revoke, then mint: the gateway's deploy ends the node's users (the tenant's from the earlier deploy too).
     assert await client.end_slice_identity(NODE) == 1
-    again = await client.mint(NODE, second, ttl_s=3600)
+    again = await client.mint(NODE, second, ttl_s=3600, deploy_command_seq=second_seq)
     with pytest.raises(Exception, match="(?i)authorization violation"):
         await connect(server, tls_files, creds_files.parse(minted.creds))
     conn = await connect(server, tls_files, creds_files.parse(again.creds))
     await conn.close()
     assert await client.revoke_allocation(second) == 1  # the release ends it; the next deploy mints again
-    await client.mint_slice_host(NODE)
+    await client.mint_slice_host(NODE, walk, deploy_command_seq=walk_seq)
     log = log_of(tmp_path / "authority")
     refusals = [json.loads(line) for line in log.splitlines() if '"authority_request_refused"' in line]
     assert [r["reason"] for r in refusals] == ["node_has_live_user"] * 4
+
+
+async def test_a_host_user_is_minted_only_for_the_deploy_command_that_asks_for_it(
+    authority_url: str, authority: Authority, tls_files: TlsFiles, admin: nats.NATS, deploys: Deploys, tmp_path: Path
+) -> None:
+    """Issue 38 (point 4): before, the authority minted a host user for whatever node and allocation the gateway
+    named, so a compromised gateway could become any machine's host. Now the request names a deploy command by
+    its MAAS stream sequence, and the authority reads that command itself: only the allocator's deploy of that
+    node for that allocation gives a tenant's host user, only the scheduler's slice-host redeploy of that node in
+    that walk a slice host's."""
+    client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
+    js = admin.jetstream()
+    allocation, other_allocation, walk, other_walk = (str(uuid.uuid4()) for _ in range(4))
+    tenant_seq = await deploys.tenant(NODE, allocation)
+    walk_seq = await deploys.walk(NODE, walk)
+    release_seq = await deploys.release(NODE, allocation)
+    refused: dict[str, tuple[Callable[[], Awaitable[object]], str]] = {
+        "another node": (
+            lambda: client.mint("bm:02", allocation, 3600, deploy_command_seq=tenant_seq),
+            "deploy_command_mismatch",
+        ),
+        "another allocation": (
+            lambda: client.mint(NODE, other_allocation, 3600, deploy_command_seq=tenant_seq),
+            "deploy_command_mismatch",
+        ),
+        "a host user for the scheduler's walk": (
+            lambda: client.mint(NODE, walk, 3600, deploy_command_seq=walk_seq),
+            "deploy_command_mismatch",
+        ),
+        "a slice host's user for the allocator's deploy": (
+            lambda: client.mint_slice_host(NODE, allocation, deploy_command_seq=tenant_seq),
+            "deploy_command_mismatch",
+        ),
+        "a slice host's user for another walk": (
+            lambda: client.mint_slice_host(NODE, other_walk, deploy_command_seq=walk_seq),
+            "deploy_command_mismatch",
+        ),
+        "a release command": (
+            lambda: client.mint(NODE, allocation, 3600, deploy_command_seq=release_seq),
+            "no_deploy_command",
+        ),
+        "a made-up sequence": (
+            lambda: client.mint(NODE, allocation, 3600, deploy_command_seq=release_seq + 1000),
+            "no_deploy_command",
+        ),
+    }
+    for case, (mint, code) in refused.items():
+        with pytest.raises(AuthorityRefused) as refusal:
+            await mint()
+        assert (refusal.value.status, refusal.value.code) == (403, code), case
+
+    for node in (NODE, "bm:02"):  # nothing claimed, nothing recorded
+        assert await node_users(js, node) == [] and await host_users(js, node) == []
+    for aggregate in (allocation, other_allocation, walk, other_walk):
+        assert await allocation_users(js, aggregate) == []
+    log = log_of(tmp_path / "authority")
+    refusals = [json.loads(line) for line in log.splitlines() if '"authority_request_refused"' in line]
+    assert [r["reason"] for r in refusals] == [code for _, code in refused.values()]  # each logged once
+
+    # The command that asks for it mints (the node was claimed by none of the refused ones).
+    minted = await client.mint(NODE, allocation, 3600, deploy_command_seq=tenant_seq)
+    assert await allocation_users(js, allocation) == [minted.user]
+    assert await node_users(js, NODE) == [minted.user]
+
+
+async def test_an_old_deploy_command_mints_nothing(
+    server: NatsServer, authority: Authority, tls_files: TlsFiles, admin: nats.NATS, deploys: Deploys, tmp_path: Path
+) -> None:
+    """A deploy's user-data is minted soon after its command: one named long after is a replay."""
+    js = admin.jetstream()
+    with authority_process(authority, tls_files, server.url, tmp_path / "authority", deploy_command_max_age_s=1) as url:
+        client = AuthorityClient(url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
+        allocation = str(uuid.uuid4())
+        seq = await deploys.tenant(NODE, allocation)
+        stored = await js.get_msg("MAAS", seq)
+        assert stored.time is not None
+        # What this waits for is the wall clock itself (the command older than the authority's limit), no event.
+        await asyncio.sleep(max(0.0, (stored.time + timedelta(seconds=1.5) - datetime.now(UTC)).total_seconds()))
+        with pytest.raises(AuthorityRefused, match="403 deploy_command_expired"):
+            await client.mint(NODE, allocation, 3600, deploy_command_seq=seq)
+    assert await node_users(js, NODE) == [] and await allocation_users(js, allocation) == []
+
+
+async def test_the_authority_reads_a_maas_message_by_its_sequence_and_nothing_more_of_the_bus(
+    server: NatsServer, tls_files: TlsFiles, authority: Authority, admin: nats.NATS, deploys: Deploys
+) -> None:
+    """Its one right beyond the ledger: no other stream's messages, no command of its own on the MAAS subjects."""
+    seq = await deploys.tenant(NODE, str(uuid.uuid4()))
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    nc = await connect(
+        server, tls_files, authority.issue_user(AUTHORITY, ROLE_PERMISSIONS[AUTHORITY]), error_cb=on_error
+    )
+    try:
+        js = nc.jetstream(timeout=1)
+        assert (await js.get_msg("MAAS", seq)).subject == "gpuaas.maas.command.deploy"
+        # Refused by the server (a permissions violation, reported asynchronously), so nothing answers.
+        with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError)):
+            await js.get_msg("ALLOCATIONS", 1)
+        with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError)):
+            await js.publish("gpuaas.maas.command.deploy", b"{}", timeout=1)
+        await nc.flush()
+    finally:
+        await nc.close()
+    violations = [e for e in errors if "permissions violation" in str(e).lower()]
+    assert len(violations) == 2, errors
 
 
 async def _post(url: str, path: str, body: bytes, header: str | None, tls_files: TlsFiles) -> tuple[int, dict]:
@@ -206,11 +356,13 @@ async def test_every_refusal_is_named_nothing_is_minted_and_the_authority_keeps_
     server: NatsServer,
     tls_files: TlsFiles,
     admin: nats.NATS,
+    deploys: Deploys,
     tmp_path: Path,
 ) -> None:
     allocation = str(uuid.uuid4())
     path = "/v1/host-users"
-    body = json.dumps({"node_id": NODE, "allocation_id": allocation, "ttl_s": 600}).encode()
+    seq = await deploys.tenant(NODE, allocation)
+    body = json.dumps({"node_id": NODE, "allocation_id": allocation, "ttl_s": 600, "deploy_command_seq": seq}).encode()
     gateway = creds_files.read(gateway_creds(authority, tmp_path))
     revoked = authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"])
     await authority.issuer().revoke(
@@ -223,7 +375,9 @@ async def test_every_refusal_is_named_nothing_is_minted_and_the_authority_keeps_
     stranger = Authority.create().issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"])
     scheduler = authority.issue_user("scheduler", ROLE_PERMISSIONS["scheduler"])
     expired = authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"], ttl_s=-10)
-    altered = json.dumps({"node_id": "slice-09", "allocation_id": allocation, "ttl_s": 600}).encode()
+    altered = json.dumps(
+        {"node_id": "slice-09", "allocation_id": allocation, "ttl_s": 600, "deploy_command_seq": seq}
+    ).encode()
     cases: dict[str, tuple[bytes, str | None]] = {
         "unsigned": (body, None),
         "foreign_jwt": (body, sign(stranger, "POST", path, body)),
@@ -240,7 +394,11 @@ async def test_every_refusal_is_named_nothing_is_minted_and_the_authority_keeps_
 
     assert await allocation_users(admin.jetstream(), allocation) == [minted]  # nothing minted by a refused one
     # And it keeps serving (another node: this one has its live user, issue 38).
-    other = json.dumps({"node_id": "bm:02", "allocation_id": str(uuid.uuid4()), "ttl_s": 600}).encode()
+    other_allocation = str(uuid.uuid4())
+    other_seq = await deploys.tenant("bm:02", other_allocation)
+    other = json.dumps(
+        {"node_id": "bm:02", "allocation_id": other_allocation, "ttl_s": 600, "deploy_command_seq": other_seq}
+    ).encode()
     status, _ = await _post(authority_url, path, other, sign(gateway, "POST", path, other), tls_files)
     assert status == 201
     log = log_of(tmp_path / "authority")
@@ -251,25 +409,33 @@ async def test_every_refusal_is_named_nothing_is_minted_and_the_authority_keeps_
 
 
 async def test_bad_grants_are_refused_with_the_field_named(
-    authority_url: str, authority: Authority, tls_files: TlsFiles, tmp_path: Path
+    authority_url: str, authority: Authority, tls_files: TlsFiles, deploys: Deploys, tmp_path: Path
 ) -> None:
+    """Refused before the bus is read: a request that could not name a host user names no deploy either."""
     client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
+    seq = await deploys.tenant(NODE, str(uuid.uuid4()))
     for node, allocation, field in (
         ("a.b", str(uuid.uuid4()), "node_id"),  # a '.' would split the host template's subject tokens
         ("*", str(uuid.uuid4()), "node_id"),
         (NODE, "not-a-uuid", "allocation_id"),
     ):
         with pytest.raises(AuthorityRefused, match=f"400 invalid: {field}"):
-            await client.mint(node, allocation, ttl_s=600)
+            await client.mint(node, allocation, ttl_s=600, deploy_command_seq=seq)
     with pytest.raises(AuthorityRefused, match="400 invalid: ttl_s"):
-        await client.mint(NODE, str(uuid.uuid4()), ttl_s=1)
+        await client.mint(NODE, str(uuid.uuid4()), ttl_s=1, deploy_command_seq=seq)
+    with pytest.raises(AuthorityRefused, match="400 invalid: deploy_command_seq"):
+        await client.mint(NODE, str(uuid.uuid4()), ttl_s=600, deploy_command_seq=0)
+    with pytest.raises(AuthorityRefused, match="400 invalid: walk_id"):
+        await client.mint_slice_host(NODE, "walk-1", deploy_command_seq=seq)
 
 
 async def test_a_minted_lifetime_is_capped_whatever_the_caller_asks(
-    authority_url: str, authority: Authority, tls_files: TlsFiles, tmp_path: Path
+    authority_url: str, authority: Authority, tls_files: TlsFiles, deploys: Deploys, tmp_path: Path
 ) -> None:
     client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
-    minted = await client.mint(NODE, str(uuid.uuid4()), ttl_s=10 * 365 * 86400)
+    allocation = str(uuid.uuid4())
+    seq = await deploys.tenant(NODE, allocation)
+    minted = await client.mint(NODE, allocation, ttl_s=10 * 365 * 86400, deploy_command_seq=seq)
     claims = creds_files.parse(minted.creds).claims
     assert claims["exp"] - claims["iat"] <= 7 * 86400
 

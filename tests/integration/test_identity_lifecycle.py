@@ -4,6 +4,8 @@
   the preloaded account JWT must never replace the one that carries the ledger.
 - A slice host's users end before the gateway deploys the host for a baremetal tenant (who gets root on the disk
   that holds their creds file), asked of the credential authority, and the deploy waits while they cannot be ended.
+- The deploy's host user is minted for the allocator's command as the MAAS stream holds it (issue 38): a command
+  that asks for another node fails the deploy with the authority's reason, and MAAS is never called.
 - Admin lives hours; the other roles and hosts no longer than the ledger remembers a revocation.
 """
 
@@ -30,6 +32,7 @@ from gpuaas_common.identity.authority import (
     ADMIN_USER_TTL_S,
     MAX_USER_TTL_S,
     host_users,
+    node_users,
     record_host_users,
     revoked_users,
 )
@@ -51,10 +54,12 @@ from gpuaas_maas_gateway.service_layer.worker import OperationWorker
 from gpuaas_maas_gateway.settings import GatewaySettings, SiteProfile
 
 from .authority_process import authority_process
+from .deploy_commands import publish_command
 
 KEY = "Gw7sQ2mZp9LxVb3Nq4:Gt8wR1nYc6HjDf2Gs5:Gs3vB9mQ7pL2kJ8hG4fD1sA6zX0cV5bN"
 NODE = "bm:01"  # a ':' as node ids may have and KV keys may not
 MACHINE = "bm-01"  # the simulator's one machine
+ALLOCATION = str(uuid.uuid4())
 
 
 @pytest.fixture
@@ -149,18 +154,19 @@ def gateway_settings(port: int) -> GatewaySettings:
     )
 
 
-async def record_deploy(pool: asyncpg.Pool, settings: GatewaySettings, op_id: str) -> None:
+async def record_deploy(pool: asyncpg.Pool, settings: GatewaySettings, op_id: str, command_seq: int | None) -> None:
+    """The gateway's command handler takes the deploy (`command_seq`: where the bus holds its command)."""
     type_ = "maas.deploy_requested"
     model = spec_for(type_).model(
         operation_id=op_id,
-        allocation_id=uuid.uuid4(),
+        allocation_id=ALLOCATION,
         site="default",
         system_id=system_id_for(MACHINE),
         node_id=NODE,
         profile="h200-baremetal",
     )
     env = Envelope.wrap(type_, model.model_dump(mode="json"), producer="allocator", correlation_id=op_id)
-    ctx = HandlerContext(env, model, spec_for(type_).address, "maas-gateway-commands", 1)
+    ctx = HandlerContext(env, model, spec_for(type_).address, "maas-gateway-commands", 1, stream_seq=command_seq)
     assert await deliver(
         OperationHandlers(settings).on_command,
         ctx,
@@ -176,17 +182,30 @@ def gateway_client(authority: Authority, tls_files: TlsFiles, url: str, tmp_path
     return AuthorityClient(url, str(tls_files.ca), str(creds))
 
 
-async def run_deploy(pool: asyncpg.Pool, port: int, client: AuthorityClient) -> asyncpg.Record:
+async def allocators_deploy(server: NatsServer, tls_files: TlsFiles, authority: Authority, node_id: str = NODE) -> int:
+    """The allocator's deploy command on the bus (its own identity); its MAAS stream sequence."""
+    nc = await connect(server, tls_files, authority.issue_user("allocator", ROLE_PERMISSIONS["allocator"]))
+    try:
+        return await publish_command(
+            nc, "maas.deploy_requested", producer="allocator", node_id=node_id, allocation_id=ALLOCATION
+        )
+    finally:
+        await nc.close()
+
+
+async def run_deploy(pool: asyncpg.Pool, port: int, client: AuthorityClient, command_seq: int) -> asyncpg.Record:
     settings = gateway_settings(port)
     creds = HostCredentials(client, unit_of_work_factory(pool), ttl_s=3600)
     worker = OperationWorker(settings, pool, build_clients(settings), host_credentials=creds)
     try:
-        await record_deploy(pool, settings, "deploy-1")
+        await record_deploy(pool, settings, "deploy-1", command_seq)
         await worker.step("deploy-1")
     finally:
         for site in worker.sites.values():
             await site.client.close()
-    return await pool.fetchrow("SELECT state, maas_calls FROM maas_operations WHERE operation_id = 'deploy-1'")
+    return await pool.fetchrow(
+        "SELECT state, maas_calls, reason_code, status_message FROM maas_operations WHERE operation_id = 'deploy-1'"
+    )
 
 
 async def test_a_slice_host_is_revoked_before_it_is_deployed_for_a_tenant(
@@ -210,9 +229,10 @@ async def test_a_slice_host_is_revoked_before_it_is_deployed_for_a_tenant(
 
     host = await connect(server, tls_files, slice_creds, closed_cb=on_closed)
 
+    seq = await allocators_deploy(server, tls_files, authority)
     with authority_process(authority, tls_files, server.url, tmp_path / "authority") as url:
         client = gateway_client(authority, tls_files, url, tmp_path)
-        row = await run_deploy(pool, port, client)
+        row = await run_deploy(pool, port, client, seq)
         # A second deploy of the host ends the tenant's user the first one minted (issue 38: a node has one live
         # host user, so the next deploy's mint follows), and then nothing more is pushed.
         assert await client.end_slice_identity(NODE) == 1
@@ -243,13 +263,38 @@ async def test_the_deploy_waits_while_the_slice_identity_cannot_be_ended(
     await record_host_users(admin.jetstream(), NODE, authority.issued_hosts[NODE])
     # The credential authority is down (nothing listens at its address): no revocation can be pushed.
     row = await run_deploy(
-        pool, port, gateway_client(authority, tls_files, f"https://127.0.0.1:{free_port()}", tmp_path)
+        pool,
+        port,
+        gateway_client(authority, tls_files, f"https://127.0.0.1:{free_port()}", tmp_path),
+        await allocators_deploy(server, tls_files, authority),
     )
 
     assert (row["state"], row["maas_calls"]) == ("pending", 0)
     assert state.call_count("deploy", system_id_for(MACHINE)) == 0  # type: ignore[attr-defined]
     host = await connect(server, tls_files, slice_creds)  # still the slice host's, and nothing was deployed
     await host.close()
+
+
+async def test_a_deploy_whose_command_asks_for_another_host_fails_with_the_authoritys_reason(
+    pool: asyncpg.Pool,
+    sim: tuple[object, int],
+    server: NatsServer,
+    tls_files: TlsFiles,
+    authority: Authority,
+    admin: nats.NATS,
+    tmp_path: Path,
+) -> None:
+    """The operation names a command the bus holds for another node: a gateway (or its database) that says
+    otherwise gets no host user. The deploy fails at once with the reason, not retried, and MAAS is never called."""
+    state, port = sim
+    seq = await allocators_deploy(server, tls_files, authority, node_id="bm-99")
+    with authority_process(authority, tls_files, server.url, tmp_path / "authority") as url:
+        row = await run_deploy(pool, port, gateway_client(authority, tls_files, url, tmp_path), seq)
+
+    assert (row["state"], row["maas_calls"], row["reason_code"]) == ("failed", 0, "deploy_command_mismatch")
+    assert "bm-99" in row["status_message"]
+    assert state.call_count("deploy", system_id_for(MACHINE)) == 0  # type: ignore[attr-defined]
+    assert await node_users(admin.jetstream(), NODE) == []  # nothing minted for the node
 
 
 async def test_host_users_are_recorded_by_compare_and_set(admin: nats.NATS) -> None:

@@ -49,7 +49,7 @@ class MeetingCredentials:
     def __init__(self, barrier: asyncio.Barrier) -> None:
         self.barrier = barrier
 
-    async def issue(self, allocation_id: str, node_id: str, *, slice_host: bool = False) -> str:
+    async def issue(self, allocation_id: str, node_id: str, *, command_seq: int, slice_host: bool = False) -> str:
         # Bounded, so a worker that never arrives fails the test instead of hanging it.
         await asyncio.wait_for(self.barrier.wait(), timeout=10)
         return "-----BEGIN NATS USER JWT-----\nx\n------END NATS USER JWT------\n"
@@ -72,7 +72,8 @@ async def record_deploy(pool: asyncpg.Pool, settings: GatewaySettings, op_id: st
         profile="h200-baremetal",
     )
     env = Envelope.wrap(type_, model.model_dump(mode="json"), producer="test", correlation_id=op_id)
-    ctx = HandlerContext(env, model, spec_for(type_).address, "maas-gateway-commands", 1)
+    # A stream position as the bus gives it: the deploy's mint names its command by it.
+    ctx = HandlerContext(env, model, spec_for(type_).address, "maas-gateway-commands", 1, stream_seq=1)
     assert await deliver(
         OperationHandlers(settings).on_command,
         ctx,

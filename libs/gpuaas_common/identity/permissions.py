@@ -181,7 +181,9 @@ def consumer_rights(spec: ConsumerSpec, *, may_create: bool, dead_letters: bool 
 
 # The credential authority (services/credential-authority) is the one process that holds the signing keys. On
 # the bus it keeps the identity ledger (a KV bucket): the revocation list, each slice host's users and each
-# baremetal allocation's, read and written by compare-and-set; nothing else of JetStream, no stream subject.
+# baremetal allocation's, read and written by compare-and-set. And it reads one message of the MAAS stream by its
+# sequence: the deploy command a mint request names (it mints only for what the allocator's or the scheduler's
+# own command asked). No consumer, no stream subject, nothing else of JetStream.
 AUTHORITY = "credential-authority"
 _KV = f"KV_{IDENTITY_BUCKET}"
 IDENTITY_LEDGER_RIGHTS = (
@@ -192,6 +194,7 @@ IDENTITY_LEDGER_RIGHTS = (
     f"$KV.{IDENTITY_BUCKET}.allocs.*",
     f"$KV.{IDENTITY_BUCKET}.nodes.*",
 )
+DEPLOY_COMMAND_READ = "$JS.API.STREAM.MSG.GET.MAAS"
 
 
 def service_permissions(service: str) -> Permissions:
@@ -327,7 +330,9 @@ ROLE_PERMISSIONS: dict[str, Permissions] = {
         max_subs=CLIENT_MAX_SUBS,
     ),
     AUTHORITY: Permissions(
-        pub_allow=IDENTITY_LEDGER_RIGHTS, sub_allow=(f"{inbox_prefix(AUTHORITY)}.>",), max_subs=CLIENT_MAX_SUBS
+        pub_allow=(*IDENTITY_LEDGER_RIGHTS, DEPLOY_COMMAND_READ),
+        sub_allow=(f"{inbox_prefix(AUTHORITY)}.>",),
+        max_subs=CLIENT_MAX_SUBS,
     ),
     # Break-glass: provisions streams and per-host consumers, issues ops commands. Never used by a service.
     ADMIN: Permissions(pub_allow=(">",), sub_allow=(">",)),
@@ -381,7 +386,8 @@ def render_table() -> str:
     )
     rows.append(
         f"| `{AUTHORITY}` (holds the signing keys; mints, renews and revokes) | "
-        f"{code(ROLE_PERMISSIONS[AUTHORITY].pub_allow)} (the identity ledger) | nothing | "
+        f"{code(ROLE_PERMISSIONS[AUTHORITY].pub_allow)} (the identity ledger; the deploy command a mint names, "
+        "read by its MAAS stream sequence) | nothing | "
         f"{code(ROLE_PERMISSIONS[AUTHORITY].sub_allow)} |"
     )
     rows.append(f"| `{ADMIN}` (break-glass: provisioning, tests) | everything | everything | everything |")

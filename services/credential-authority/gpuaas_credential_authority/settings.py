@@ -20,6 +20,10 @@ class AuthoritySettings(ServiceSettings):
     # The longest a minted baremetal host user may live, whatever a caller asks: the ledger forgets revocations
     # after a year, and a host user outliving its allocation must stay revocable.
     max_host_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, le=365 * 24 * 3600.0)
+    # How long after its deploy command (as the MAAS stream stored it) a host user may be minted for it: a deploy's
+    # user-data is minted soon after (within the gateway's operation deadline, 30 min by default); an older
+    # command named again is a replay.
+    deploy_command_max_age_s: float = Field(default=3 * 3600.0, gt=0, le=7 * 24 * 3600.0)
     # Renewal of every role's creds file past half-life in this directory (unset: none, as in the dev stack, whose
     # supervisor renews its own run directory).
     renew_creds_dir: str | None = None

@@ -1,8 +1,9 @@
 """What a caller may ask of the authority, decided before any key is touched.
 
-A request names a host and an allocation and a lifetime; the authority mints nothing but a host user of the fixed
-host template (the scoped key's), bound to that allocation. These rules keep a caller from widening that: ids that
-could not be a node or an allocation are refused, and a lifetime is capped, never trusted.
+A request names a host, an allocation, a lifetime and the deploy command that asked for the host (by its sequence
+in the MAAS stream, which the authority reads itself: domain/deploy_commands.py); the authority mints nothing but
+a host user of the fixed host template (the scoped key's), bound to that allocation. These rules keep a caller from
+widening that: ids that could not be a node or an allocation are refused, and a lifetime is capped, never trusted.
 """
 
 from __future__ import annotations
@@ -37,18 +38,53 @@ def allocation_id(value: object) -> str:
     return value.lower()
 
 
+def deploy_command_seq(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GrantRefused("deploy_command_seq", "the deploy command's sequence in the MAAS stream (an integer >= 1)")
+    return value
+
+
+def _object(body: object) -> dict[str, object]:
+    if not isinstance(body, dict):
+        raise GrantRefused("body", "a JSON object is expected")
+    return body
+
+
 @dataclass(frozen=True)
 class HostUserGrant:
     node_id: str
     allocation_id: str
     ttl_s: float
+    deploy_command_seq: int
+
+
+@dataclass(frozen=True)
+class SliceHostGrant:
+    node_id: str
+    # The scheduler's host walk that redeploys the node as a slice host (its deploy command's allocation_id).
+    walk_id: str
+    deploy_command_seq: int
 
 
 def host_user_grant(body: object, *, max_ttl_s: float) -> HostUserGrant:
     """The grant a mint request asks for, with its lifetime capped at `max_ttl_s`."""
-    if not isinstance(body, dict):
-        raise GrantRefused("body", "a JSON object is expected")
-    ttl = body.get("ttl_s", max_ttl_s)
+    fields = _object(body)
+    ttl = fields.get("ttl_s", max_ttl_s)
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl < MIN_TTL_S:
         raise GrantRefused("ttl_s", f"a number of seconds, at least {MIN_TTL_S:g}")
-    return HostUserGrant(node_id(body.get("node_id")), allocation_id(body.get("allocation_id")), min(ttl, max_ttl_s))
+    return HostUserGrant(
+        node_id(fields.get("node_id")),
+        allocation_id(fields.get("allocation_id")),
+        min(ttl, max_ttl_s),
+        deploy_command_seq(fields.get("deploy_command_seq")),
+    )
+
+
+def slice_host_grant(node: object, body: object) -> SliceHostGrant:
+    """A slice host's own user for `node` (from the path), redeployed by the walk the body names."""
+    fields = _object(body)
+    try:
+        walk = allocation_id(fields.get("walk_id"))
+    except GrantRefused:
+        raise GrantRefused("walk_id", "not a host walk's id (a UUID)") from None
+    return SliceHostGrant(node_id(node), walk, deploy_command_seq(fields.get("deploy_command_seq")))

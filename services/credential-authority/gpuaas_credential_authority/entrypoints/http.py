@@ -3,13 +3,17 @@
 Not the admin HTTP stack of the other services: no bearer token (the caller proves itself with its own bus
 identity), no database (nothing here is a resource with idempotency keys: minting twice for a node is refused while its
 first user lives; revoking twice revokes nothing the second time), and no OpenAPI page to browse.
-A mint for a node that has a live host user is refused (409 node_has_live_user) and mints nothing.
+A mint for a node that has a live host user is refused (409 node_has_live_user) and mints nothing. A mint names
+the deploy command that asked for the host, by its sequence in the MAAS stream; one the bus holds no such command
+for is refused (403 no_deploy_command, deploy_command_invalid, deploy_command_mismatch, deploy_command_expired) and
+mints nothing (service_layer/host_users.py).
 Every refusal is one JSON error with a stable code, logged once, without the request's signature or JWT.
 
-    POST /v1/host-users  {"node_id", "allocation_id", "ttl_s"} -> 201 {"creds", "user", "expires_at"}
+    POST /v1/host-users  {"node_id", "allocation_id", "ttl_s", "deploy_command_seq"}
+        -> 201 {"creds", "user", "expires_at"}
     POST /v1/allocations/{allocation_id}/revoke -> 200 {"revoked": n}
     POST /v1/nodes/{node_id}/end-slice-identity -> 200 {"revoked": n}
-    POST /v1/nodes/{node_id}/slice-host-user -> 201 {"creds", "user", "expires_at"}
+    POST /v1/nodes/{node_id}/slice-host-user  {"walk_id", "deploy_command_seq"} -> 201 {"creds", "user", "expires_at"}
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from gpuaas_common.identity.authority import NodeHasLiveUser
 from gpuaas_common.identity.signed_request import HEADER, NonceCache, RequestRefused, Trust, verify
 from gpuaas_common.logging import get_logger
 
-from ..domain.grants import GrantRefused, allocation_id, host_user_grant, node_id
+from ..adapters.deploy_commands import StreamUnreadable
+from ..domain.deploy_commands import DeployCommandRefused
+from ..domain.grants import GrantRefused, allocation_id, host_user_grant, node_id, slice_host_grant
 from ..service_layer.host_users import HostUsers
 
 log = get_logger(__name__)
@@ -36,6 +42,13 @@ Revoked = Callable[[], Awaitable[dict[str, int]]]
 
 def _error(status: int, code: str, message: str) -> web.Response:
     return web.json_response({"error": {"code": code, "message": message}}, status=status)
+
+
+def _json(request: web.Request) -> Any:
+    try:
+        return json.loads(request["body"] or b"null")
+    except ValueError:
+        raise GrantRefused("body", "not JSON") from None
 
 
 class AuthorityApi:
@@ -90,13 +103,19 @@ class AuthorityApi:
                 "authority_request_refused", reason="node_has_live_user", node_id=refused.node_id, path=request.path
             )
             return _error(409, "node_has_live_user", str(refused))
+        except DeployCommandRefused as refused:
+            # No deploy on the bus asks for this host user: the caller's word alone mints nothing.
+            log.warning("authority_request_refused", reason=refused.code, detail=str(refused), path=request.path)
+            return _error(403, refused.code, str(refused))
+        except StreamUnreadable as exc:
+            # Not a refusal: the gateway's deploy asks again at its next step.
+            log.warning(
+                "authority_request_failed", reason="deploy_command_unreadable", detail=str(exc), path=request.path
+            )
+            return _error(503, "deploy_command_unreadable", str(exc))
 
     async def _mint(self, request: web.Request) -> web.Response:
-        try:
-            body: Any = json.loads(request["body"] or b"null")
-        except ValueError:
-            raise GrantRefused("body", "not JSON") from None
-        grant = host_user_grant(body, max_ttl_s=self.max_host_ttl_s)
+        grant = host_user_grant(_json(request), max_ttl_s=self.max_host_ttl_s)
         minted = await self.host_users.mint(grant, request["caller"])
         return web.json_response(
             {"creds": minted.creds, "user": minted.user, "expires_at": minted.expires_at}, status=201
@@ -111,8 +130,8 @@ class AuthorityApi:
         return web.json_response({"revoked": await self.host_users.end_slice_identity(node, request["caller"])})
 
     async def _mint_slice_host(self, request: web.Request) -> web.Response:
-        node = node_id(request.match_info["node_id"])
-        minted = await self.host_users.mint_slice_host(node, request["caller"])
+        grant = slice_host_grant(request.match_info["node_id"], _json(request))
+        minted = await self.host_users.mint_slice_host(grant, request["caller"])
         return web.json_response(
             {"creds": minted.creds, "user": minted.user, "expires_at": minted.expires_at}, status=201
         )

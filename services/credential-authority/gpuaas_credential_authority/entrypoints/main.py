@@ -1,8 +1,9 @@
 """`gpuaas-credential-authority`: the one process that holds the bus's signing keys.
 
-It mints baremetal hosts' users for the MAAS gateway, revokes them, ends slice hosts' identities, and (where
-configured) renews the deployment's creds files. On the bus it is an identity like any other, allowed only the
-identity ledger; its system-account users are minted per revocation and may only read and replace account JWTs.
+It mints baremetal hosts' users for the MAAS gateway, each for a deploy command it reads on the bus itself, revokes
+them, ends slice hosts' identities, and (where configured) renews the deployment's creds files. On the bus it is an
+identity like any other, allowed only the identity ledger and reading a MAAS stream message by its sequence; its
+system-account users are minted per revocation and may only read and replace account JWTs.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from gpuaas_common.logging import get_logger
 from gpuaas_common.runtime import ServiceRuntime, run_service
 from gpuaas_common.startup import StartupFailed
 
+from ..adapters.deploy_commands import DeployCommands
 from ..adapters.ledger import Ledger
 from ..service_layer.host_users import HostUsers
 from ..service_layer.renewal import renew_forever
@@ -52,7 +54,10 @@ def build_register(settings: AuthoritySettings):
             issuers=frozenset({authority.account_signing.public}),
             callers=frozenset(settings.callers.split(",")),
         )
-        api = AuthorityApi(HostUsers(authority, ledger), trust, ledger.revoked, max_host_ttl_s=settings.max_host_ttl_s)
+        host_users = HostUsers(
+            authority, ledger, DeployCommands(rt.js), max_command_age_s=settings.deploy_command_max_age_s
+        )
+        api = AuthorityApi(host_users, trust, ledger.revoked, max_host_ttl_s=settings.max_host_ttl_s)
         rt.ready_info["api_port"] = await api.start(settings.api_host, settings.api_port, tls)
         log.info(
             "authority_api_listening",

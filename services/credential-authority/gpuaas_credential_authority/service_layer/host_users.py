@@ -10,17 +10,26 @@ A node has one live host user at most: a mint claims the node in the ledger (com
 leaves, and is refused while any user of the node (minted here, onboarded or renewed) is unexpired and unrevoked.
 So a caller cannot hold a second identity of a host beside the one the host runs with; the gateway ends the
 node's users before each deploy (`end_slice_identity`), and the deploy's mint follows.
+
+And a mint follows a deploy command on the bus (issue 38): the request names the command's sequence in the MAAS
+stream, the authority reads it there, and mints only for the node and allocation (or host walk) it names, from the
+producer that may ask for that user, while it is recent (domain/deploy_commands.py). Checked before the node is
+claimed: a refused mint writes nothing to the ledger.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from gpuaas_common.identity import Authority
 from gpuaas_common.logging import get_logger
 
+from ..adapters.deploy_commands import DeployCommands
 from ..adapters.ledger import Ledger
-from ..domain.grants import HostUserGrant
+from ..domain.deploy_commands import MintAsked, Minting, check_deploy_command
+from ..domain.grants import HostUserGrant, SliceHostGrant
 
 log = get_logger(__name__)
 
@@ -33,11 +42,28 @@ class MintedUser:
 
 
 class HostUsers:
-    def __init__(self, authority: Authority, ledger: Ledger) -> None:
+    def __init__(
+        self,
+        authority: Authority,
+        ledger: Ledger,
+        commands: DeployCommands,
+        *,
+        max_command_age_s: float,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
         self.authority = authority
         self.ledger = ledger
+        self.commands = commands
+        self.max_command_age_s = max_command_age_s
+        self.clock = clock
+
+    async def _deployed(self, asked: MintAsked) -> None:
+        """Returns when the named deploy command asks for this mint; DeployCommandRefused otherwise."""
+        stored = await self.commands.at(asked.deploy_command_seq)
+        check_deploy_command(stored, asked, now=self.clock(), max_age_s=self.max_command_age_s)
 
     async def mint(self, grant: HostUserGrant, caller: str) -> MintedUser:
+        await self._deployed(MintAsked(Minting.HOST_USER, grant.node_id, grant.allocation_id, grant.deploy_command_seq))
         creds = self.authority.issuer().issue_node(grant.node_id, ttl_s=grant.ttl_s, allocation_id=grant.allocation_id)
         user, expires_at = str(creds.claims["sub"]), int(creds.claims["exp"])
         # The node first (refused: nothing leaves, nothing else is recorded), then the allocation: recorded
@@ -51,18 +77,29 @@ class HostUsers:
             user=user,
             expires_at=expires_at,
             caller=caller,
+            deploy_command_seq=grant.deploy_command_seq,
         )
         return MintedUser(creds.render(), user, expires_at)
 
-    async def mint_slice_host(self, node_id: str, caller: str) -> MintedUser:
+    async def mint_slice_host(self, grant: SliceHostGrant, caller: str) -> MintedUser:
         """A slice host's own user, as onboarding issues it (no allocation; the host template; 72 h, renewed at
         half-life where its file is renewed): recorded as the host's before it leaves, so the host's slice identity
-        ends with the others' before a tenant's deploy."""
+        ends with the others' before a tenant's deploy. Only for the scheduler's slice-host redeploy of the node."""
+        node_id = grant.node_id
+        await self._deployed(MintAsked(Minting.SLICE_HOST_USER, node_id, grant.walk_id, grant.deploy_command_seq))
         creds = self.authority.issue_host(node_id)
         user, expires_at = str(creds.claims["sub"]), int(creds.claims["exp"])
         await self.ledger.claim_node(node_id, user, expires_at)
         await self.ledger.record_host_user(node_id, user, expires_at)
-        log.info("slice_host_user_minted", node_id=node_id, user=user, expires_at=expires_at, caller=caller)
+        log.info(
+            "slice_host_user_minted",
+            node_id=node_id,
+            walk_id=grant.walk_id,
+            user=user,
+            expires_at=expires_at,
+            caller=caller,
+            deploy_command_seq=grant.deploy_command_seq,
+        )
         return MintedUser(creds.render(), user, expires_at)
 
     async def revoke_allocation(self, allocation_id: str, caller: str) -> int:

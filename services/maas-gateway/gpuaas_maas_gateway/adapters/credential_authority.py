@@ -2,7 +2,8 @@
 pinned, each request signed with the gateway's own bus identity (`gpuaas_common.identity.signed_request`). The
 gateway holds no signing key: it can ask for a baremetal host's user for an allocation, the revocation of what was
 minted for an allocation, a slice host's own user (a slice-host redeploy), and the end of a slice host's identity,
-and nothing else."""
+and nothing else. A mint names the deploy command it is for by its MAAS stream sequence: the authority reads that
+command itself and mints only what it asks for."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ TIMEOUT_S = 15.0
 class AuthorityRefused(RuntimeError):
     """The authority answered with an error (its code and message; never a secret)."""
 
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
 
 @dataclass(frozen=True)
 class Minted:
@@ -38,12 +45,14 @@ class AuthorityClient:
         # Read at each request: the file is renewed in place while the gateway runs.
         self.creds_file = Path(creds_file)
 
-    async def mint(self, node_id: str, allocation_id: str, ttl_s: float) -> Minted:
-        out = await self._post("/v1/host-users", {"node_id": node_id, "allocation_id": allocation_id, "ttl_s": ttl_s})
+    async def mint(self, node_id: str, allocation_id: str, ttl_s: float, *, deploy_command_seq: int) -> Minted:
+        body = {"node_id": node_id, "allocation_id": allocation_id, "ttl_s": ttl_s}
+        out = await self._post("/v1/host-users", body | {"deploy_command_seq": deploy_command_seq})
         return Minted(str(out["creds"]), str(out["user"]), int(out["expires_at"]))
 
-    async def mint_slice_host(self, node_id: str) -> Minted:
-        out = await self._post(f"/v1/nodes/{node_id}/slice-host-user", None)
+    async def mint_slice_host(self, node_id: str, walk_id: str, *, deploy_command_seq: int) -> Minted:
+        body = {"walk_id": walk_id, "deploy_command_seq": deploy_command_seq}
+        out = await self._post(f"/v1/nodes/{node_id}/slice-host-user", body)
         return Minted(str(out["creds"]), str(out["user"]), int(out["expires_at"]))
 
     async def revoke_allocation(self, allocation_id: str) -> int:
@@ -65,5 +74,5 @@ class AuthorityClient:
                 answer = await resp.json(content_type=None)
                 if resp.status >= 300:
                     error = (answer or {}).get("error") or {}
-                    raise AuthorityRefused(f"{resp.status} {error.get('code')}: {error.get('message')}")
+                    raise AuthorityRefused(resp.status, str(error.get("code")), str(error.get("message")))
                 return dict(answer)

@@ -33,15 +33,16 @@ class HostCredentials:
         self.unit_of_work = unit_of_work
         self.ttl_s = ttl_s
 
-    async def issue(self, allocation_id: str, node_id: str, *, slice_host: bool = False) -> str:
+    async def issue(self, allocation_id: str, node_id: str, *, command_seq: int, slice_host: bool = False) -> str:
         """A fresh creds file text for the host; its public key is recorded before it can be used. A slice-host
         redeploy (`slice_host`) gets a slice host's own user, as onboarding gives one: recorded by the authority
-        as the host's, renewed like an onboarded host's, ended before its next tenant's deploy."""
+        as the host's, renewed like an onboarded host's, ended before its next tenant's deploy. `command_seq`: the
+        deploy command's place in the MAAS stream, which the authority reads to see that it asks for this user."""
         if slice_host:
-            minted = await self.authority.mint_slice_host(node_id)
+            minted = await self.authority.mint_slice_host(node_id, allocation_id, deploy_command_seq=command_seq)
             log.info("slice_host_credentials_issued", node_id=node_id, walk_id=allocation_id, user=minted.user)
             return minted.creds
-        minted = await self.authority.mint(node_id, allocation_id, self.ttl_s)
+        minted = await self.authority.mint(node_id, allocation_id, self.ttl_s, deploy_command_seq=command_seq)
         expires = datetime.fromtimestamp(minted.expires_at, UTC)
         async with self.unit_of_work() as uow:
             await uow.repos.host_credentials.record(minted.user, allocation_id, node_id, expires)

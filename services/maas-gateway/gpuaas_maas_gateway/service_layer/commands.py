@@ -41,6 +41,11 @@ class OperationHandlers:
         cmd = ctx.payload
         kind = COMMAND_KINDS[ctx.envelope.type]
         fields = cmd.model_dump(mode="json")
+        params = {k: v for k, v in fields.items() if k not in _COLUMNS}
+        if kind == "deploy":
+            # Where the command lies in the MAAS stream: the credential authority reads it there and mints the
+            # host's user only for what it asks (issue 38). Kept with the operation, as the worker mints later.
+            params["command_seq"] = ctx.stream_seq
         inserted = await ctx.uow.repos.operations.record(
             operation_id=cmd.operation_id,
             kind=kind,
@@ -50,7 +55,7 @@ class OperationHandlers:
             node_id=getattr(cmd, "node_id", None),
             profile=getattr(cmd, "profile", None),
             erase=getattr(cmd, "erase", None),
-            params={k: v for k, v in fields.items() if k not in _COLUMNS},
+            params=params,
             deadline_at=datetime.now(UTC) + timedelta(seconds=self.settings.maas_deadline_s),
         )
         log.info("operation_recorded" if inserted else "operation_already_known", kind=kind, site=cmd.site)

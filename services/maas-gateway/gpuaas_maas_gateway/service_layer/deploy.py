@@ -9,6 +9,8 @@ import asyncpg
 
 from gpuaas_common.enrolment import enrolment_token
 
+from ..adapters.credential_authority import AuthorityRefused
+from ..adapters.host_credentials import HostCredentials
 from ..domain.operations import normalise_distro_series
 from .cloud_init import BootstrapNotCloudConfig, render_user_data
 from .machine import machine_step
@@ -27,9 +29,7 @@ async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[
     )
     creds = None
     if ops.host_credentials is not None:
-        creds = await ops.host_credentials.issue(
-            str(row["allocation_id"]), row["node_id"], slice_host=profile.slice_host
-        )
+        creds = await _host_creds(ops.host_credentials, row, slice_host=profile.slice_host)
     try:
         user_data = render_user_data(
             profile.bootstrap_user_data,
@@ -64,6 +64,25 @@ async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[
         )
 
     return submit
+
+
+async def _host_creds(host_credentials: HostCredentials, row: asyncpg.Record, *, slice_host: bool) -> str:
+    """The host's user for this deploy, minted by the authority for the deploy command the operation came from.
+    A refusal (no such command on the bus, or one that asks for something else) fails the deploy: asking again
+    would be refused again."""
+    seq = as_dict(row["params"]).get("command_seq")
+    if not isinstance(seq, int):
+        raise Unresolvable(
+            "no_deploy_command", "the operation has no deploy command's stream sequence, so no host user can be minted"
+        )
+    try:
+        return await host_credentials.issue(
+            str(row["allocation_id"]), row["node_id"], command_seq=seq, slice_host=slice_host
+        )
+    except AuthorityRefused as refused:
+        if refused.status != 403:
+            raise
+        raise Unresolvable(refused.code, f"the credential authority refused the host user: {refused.message}") from None
 
 
 step = machine_step(prepare)
