@@ -279,8 +279,9 @@ def result_event(
             return "maas.deploy_result", m.MaasDeployResult(
                 status="deployed" if outcome == "succeeded" else "failed", **common, **login
             )
+        erase = {k: result[k] for k in ("erase_mode", "erase_outcome") if result.get(k) is not None}
         return "maas.release_result", m.MaasReleaseResult(
-            status="released" if outcome == "succeeded" else "failed", **common
+            status="released" if outcome == "succeeded" else "failed", **common, **erase
         )
     common = {
         "operation_id": row["operation_id"],
@@ -312,3 +313,12 @@ def as_dict(value: Any) -> dict[str, Any]:
 
 def params(row: asyncpg.Record) -> dict[str, Any]:
     return as_dict(row["params"])
+
+
+# An older allocator's release names no erase: the full overwrite, which destroys the data on every drive.
+DEFAULT_ERASE_MODE = "full"
+
+
+def release_erase_mode(row: asyncpg.Record) -> str:
+    """The erase a release command asked for (kept in its params)."""
+    return str(params(row).get("erase_mode") or DEFAULT_ERASE_MODE)
