@@ -279,7 +279,10 @@ def result_event(
             return "maas.deploy_result", m.MaasDeployResult(
                 status="deployed" if outcome == "succeeded" else "failed", **common, **login
             )
-        erase = {k: result[k] for k in ("erase_mode", "erase_outcome") if result.get(k) is not None}
+        # The erase asked is the command's whatever the end (a deadline too); its outcome only once MAAS showed one.
+        erase = {"erase_mode": result.get("erase_mode") or release_erase_mode(row)}
+        if result.get("erase_outcome") is not None:
+            erase["erase_outcome"] = result["erase_outcome"]
         return "maas.release_result", m.MaasReleaseResult(
             status="released" if outcome == "succeeded" else "failed", **common, **erase
         )
