@@ -300,10 +300,16 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "site": "default",
         "system_id": "n0p09j",
         "node_id": "bm-01",
-        "erase": True,
+        "erase_mode": "secure",
     },
     "maas.deploy_result": {**MAAS_RESULT, "status": "deployed", "maas_status_name": "Deployed"},
-    "maas.release_result": {**MAAS_RESULT, "status": "released", "maas_status_name": "Ready"},
+    "maas.release_result": {
+        **MAAS_RESULT,
+        "status": "released",
+        "maas_status_name": "Ready",
+        "erase_mode": "secure",
+        "erase_outcome": "erased",
+    },
     "maas.commission_requested": {
         "operation_id": "op-3",
         "site": "default",

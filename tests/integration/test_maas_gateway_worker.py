@@ -108,7 +108,7 @@ class Gateway:
             profile="h200-baremetal",
         )
 
-    async def release(self, system_id: str, op_id: str) -> str:
+    async def release(self, system_id: str, op_id: str, erase_mode: str | None = None) -> str:
         return await self.command(
             "maas.release_requested",
             operation_id=op_id,
@@ -116,6 +116,7 @@ class Gateway:
             site="default",
             system_id=system_id,
             node_id=f"node-{system_id}",
+            erase_mode=erase_mode,
         )
 
     async def op(self, op_id: str) -> dict[str, Any]:
@@ -163,7 +164,7 @@ async def pool(fresh_db: str) -> AsyncIterator[asyncpg.Pool]:
     await p.close()
 
 
-async def start_sim(machines: int, port: int = 0, **timers: float) -> tuple[Any, int]:
+async def start_sim(machines: int | list[dict[str, Any]], port: int = 0, **timers: float) -> tuple[Any, int]:
     config = SimConfig(machines=machines, api_key=KEY, seed=7)
     config.timers = config.timers.updated(
         **{"deploying": 0.05, "releasing": 0.03, "disk_erasing": 0.03, "commissioning": 0.05, "testing": 0.05, **timers}
@@ -575,7 +576,7 @@ async def test_upload_image_then_switch_profile_and_back(pool: asyncpg.Pool, tmp
             assert "GPUAAS_ENROLMENT_TOKEN=" in user_data
             assert yaml.safe_load(user_data)["runcmd"] == ["site-bootstrap"]
             assert (await gw.finished(await gw.release(sid, "rel-custom")))["state"] == "succeeded"
-            assert sim.machines[sid].history[-2].to_status.label == "Disk erasing"  # the profile erases
+            assert sim.machines[sid].history[-2].to_status.label == "Disk erasing"  # every release erases
 
             back = await gw.command(
                 "maas.profile_image_set_requested",

@@ -13,7 +13,7 @@ import pytest
 from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_scheduler.adapters import synthetic
-from gpuaas_scheduler.service_layer.handlers import release_allocation
+from gpuaas_scheduler.service_layer.handlers import fail_allocation, release_allocation
 
 from .scheduler_db import (
     accepted,
@@ -298,6 +298,27 @@ async def test_force_release_of_a_whole_node_claim_drains_the_node(api, pool):
     async with pool.acquire() as conn:
         node = await conn.fetchrow("SELECT draining, drain_reason FROM nodes WHERE node_id = $1", placed.node_id)
     assert node["draining"] and "force-released" in node["drain_reason"]
+
+
+async def test_a_node_held_whole_is_placed_with_its_sites_policy_for_the_machines_erase(api, pool):
+    # The allocator derives the MAAS erase of the machine's release from it: the default without a site policy.
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=0, baremetal_hosts=1)
+    first = (await run_place(pool, accepted(8, shape="baremetal", sku="h200-sxm"))).placed
+    assert first is not None and (first.claim_mode, first.wipe_policy) == ("node_exclusive", "blkdiscard")
+    await _release(pool, first, "blkdiscard")
+    assert (await _set_site(api, "crypto_erase"))[0] == 200
+    second = (await run_place(pool, accepted(8, shape="baremetal", sku="h200-sxm"))).placed
+    assert second is not None and (second.node_id, second.wipe_policy) == (first.node_id, "crypto_erase")
+
+    # Its MAAS erase failed (the allocator fails the allocation, cleanup required): the node is drained, so nothing
+    # is placed on it again until ops have seen it.
+    async with pool.acquire() as conn, conn.transaction():
+        await fail_allocation(conn, second.allocation_id, True, "disk_erase_failed: MAAS Failed disk erasing")
+    async with pool.acquire() as conn:
+        node = await conn.fetchrow("SELECT draining, drain_reason FROM nodes WHERE node_id = $1", first.node_id)
+    assert node["draining"] and "disk_erase_failed" in node["drain_reason"]
+    assert (await run_place(pool, accepted(8, shape="baremetal", sku="h200-sxm"))).placed is None
 
 
 async def test_force_release_validates_its_input(api, pool):

@@ -205,7 +205,7 @@ class World:
         )
         return alloc
 
-    async def place(self, alloc: uuid.UUID, shape: str = "gpu_slice") -> None:
+    async def place(self, alloc: uuid.UUID, shape: str = "gpu_slice", wipe_policy: str | None = None) -> None:
         slots = (
             [
                 m.SlotBinding(
@@ -232,6 +232,7 @@ class World:
                 slots=slots,
                 fencing_epoch=1,
                 maas_system_id=None if slots else "abc123",
+                wipe_policy=wipe_policy,  # type: ignore[arg-type]
             ),
         )
 
@@ -297,9 +298,9 @@ def _enrolled(alloc: uuid.UUID, secret: str = SECRET, machine: str = "abc123") -
     )
 
 
-async def _deployed_baremetal(world: World) -> uuid.UUID:
+async def _deployed_baremetal(world: World, wipe_policy: str | None = None) -> uuid.UUID:
     alloc = await world.request("baremetal")
-    await world.place(alloc, "baremetal")
+    await world.place(alloc, "baremetal", wipe_policy)
     op = world.sent("maas.deploy_requested")[-1]
     await world.send(
         world.allocator.on_maas_result,
@@ -973,3 +974,75 @@ async def test_a_host_that_knows_an_allocation_id_can_neither_answer_its_task_no
     other = provision_task_id(AllocatorSettings(enrolment_secret="another-enrolment-secret"), alloc)
     assert other != task["task_id"]
     assert derived_event_id(task["task_id"], "result") != derived_event_id(guessed, "result")
+
+
+async def _released_baremetal(world: World, wipe_policy: str | None) -> tuple[uuid.UUID, dict[str, Any]]:
+    alloc = await _deployed_baremetal(world, wipe_policy)
+    await world.send(world.allocator.on_enrolled, "node.enrolled", _enrolled(alloc, SECRET, "abc123"))
+    await world.send(
+        world.allocator.on_release_requested,
+        "allocation.release_requested",
+        m.AllocationReleaseRequested(allocation_id=alloc),
+    )
+    return alloc, world.sent("maas.release_requested")[-1]
+
+
+@pytest.mark.parametrize(
+    "wipe_policy, erase_mode",
+    [("nvme_format", "secure"), ("crypto_erase", "secure"), ("blkdiscard", "full"), (None, "full")],
+)
+async def test_the_machine_release_asks_the_erase_of_the_sites_wipe_policy_kept_from_placement(
+    world: World, wipe_policy: str | None, erase_mode: str
+) -> None:
+    alloc, release = await _released_baremetal(world, wipe_policy)
+    assert release["erase_mode"] == erase_mode
+    await world.send(
+        world.allocator.on_maas_result,
+        "maas.release_result",
+        m.MaasReleaseResult(
+            operation_id=release["operation_id"],
+            allocation_id=alloc,
+            system_id="abc123",
+            node_id="n1",
+            status="released",
+            resolution="direct",
+            maas_status_name="Ready",
+            attempts=1,
+            erase_mode=erase_mode,  # type: ignore[arg-type]
+            erase_outcome="erased",
+        ),
+    )
+    released = world.sent("allocation.released")[-1]
+    assert released["machine_erase"] == {
+        "operation_id": release["operation_id"],
+        "mode": erase_mode,
+        "outcome": "erased",
+        "maas_status_name": "Ready",
+    }
+
+
+async def test_a_failed_erase_fails_the_allocation_with_cleanup_required_and_keeps_the_erase(world: World) -> None:
+    alloc, release = await _released_baremetal(world, "crypto_erase")
+    await world.send(
+        world.allocator.on_maas_result,
+        "maas.release_result",
+        m.MaasReleaseResult(
+            operation_id=release["operation_id"],
+            allocation_id=alloc,
+            system_id="abc123",
+            node_id="n1",
+            status="failed",
+            resolution="polled",
+            maas_status_name="Failed disk erasing",
+            status_message="Failed to erase disks",
+            reason_code="disk_erase_failed",
+            attempts=1,
+            erase_mode="secure",
+            erase_outcome="failed",
+        ),
+    )
+    failed = world.sent("allocation.failed")[-1]
+    # cleanup_required on a node held whole: the scheduler drains the node, so it is not placed again as if clean.
+    assert (failed["reason_code"], failed["cleanup_required"]) == ("disk_erase_failed", True)
+    assert (failed["machine_erase"]["mode"], failed["machine_erase"]["outcome"]) == ("secure", "failed")
+    assert not world.sent("allocation.released")

@@ -153,13 +153,34 @@ def test_release_goes_through_releasing_to_ready(status: NodeStatus) -> None:
     assert (m.status, m.owner, m.agent_name, m.power_state) == (S.READY, None, "", "off")
 
 
-@pytest.mark.parametrize("flag", ["erase", "quick_erase", "secure_erase"])
-def test_release_with_erase_goes_through_disk_erasing(flag: str) -> None:
+# MAAS's release: only `erase` erases; `secure_erase` uses the drive's own erase where it has one and otherwise
+# falls back to the full overwrite, or to the quick erase when that was asked too.
+@pytest.mark.parametrize(
+    "flags, secure_supported, mode",
+    [
+        ({"erase": True}, True, "full"),
+        ({"erase": True, "secure_erase": True}, True, "secure"),
+        ({"erase": True, "secure_erase": True}, False, "full"),
+        ({"erase": True, "secure_erase": True, "quick_erase": True}, False, "quick"),
+        ({"erase": True, "secure_erase": True, "quick_erase": True}, True, "secure"),
+        ({"erase": True, "quick_erase": True}, True, "quick"),
+        ({"secure_erase": True}, True, None),
+        ({"quick_erase": True}, True, None),
+    ],
+)
+def test_release_erases_as_maas_does_for_its_parameters(
+    flags: dict[str, bool], secure_supported: bool, mode: str | None
+) -> None:
     m = machine_in(S.DEPLOYED)
-    m.release(T0, TIMERS, **{flag: True})
-    assert m.status is S.DISK_ERASING
+    m.secure_erase_supported = secure_supported
+    m.release(T0, TIMERS, **flags)
+    assert (m.status, m.erase_mode) == ((S.DISK_ERASING, mode) if mode else (S.RELEASING, None))
+    assert m.last_release is not None and m.last_release["erase_mode"] == mode
     m.advance(T0 + 1.5, TIMERS)
     assert m.status is S.READY
+    # What the release asked stays readable once the machine is Ready again.
+    assert {k: m.last_release[k] for k in flags} == flags
+    assert m.erase_exit_status == (0 if mode else None)
 
 
 def test_erase_can_fail() -> None:
@@ -168,6 +189,7 @@ def test_erase_can_fail() -> None:
     m.release(T0, TIMERS, erase=True)
     m.advance(T0 + 10, TIMERS)
     assert m.status is S.FAILED_DISK_ERASING
+    assert m.erase_exit_status == 1
     m.release(T0 + 11, TIMERS)  # Failed disk erasing is releasable again.
     assert m.status is S.RELEASING
 

@@ -41,6 +41,13 @@ WipePolicy = Literal["blkdiscard", "nvme_format", "crypto_erase"]
 # How an image's guest gets its NVIDIA driver (slice-image-pipeline): baked into the image, or installed by
 # cloud-init at first boot. The catalog's default is preinstalled, and so is an older producer's silence.
 DriverStrategy = Literal["preinstalled", "cloud_init"]
+# How MAAS erases a released machine's disks (its release's `secure_erase`; never `quick_erase`, which wipes only
+# 2 MiB at each end of a disk and leaves the tenant's data readable): `secure` asks for the drive's own secure
+# erase, `full` overwrites every block. The allocator derives it from the site's wipe policy (domain/erase.py).
+EraseMode = Literal["secure", "full"]
+# What MAAS showed of the erase: `erased` (the machine went through Disk erasing to Ready), `failed` (Failed disk
+# erasing), `unconfirmed` (Ready, but no poll or answer ever showed Disk erasing: nothing proves the erase ran).
+EraseOutcome = Literal["erased", "failed", "unconfirmed"]
 
 
 class Payload(BaseModel):
@@ -125,6 +132,15 @@ class CleanupReport(Payload):
     verified: bool
     wipe_proofs: list[WipeProof] = Field(default_factory=list)
     reason: str | None = None
+
+
+class MachineErase(Payload):
+    """A baremetal release's MAAS erase, as the gateway's result reported it: kept on the allocation's timeline."""
+
+    operation_id: str = Identifier
+    mode: EraseMode | None = None
+    outcome: EraseOutcome | None = None
+    maas_status_name: str | None = None
 
 
 class AccessInfo(Payload):
@@ -306,6 +322,8 @@ class AllocationReleasing(AllocationEvent):
 class AllocationReleased(AllocationEvent):
     node_id: str | None = None
     cleanup: CleanupReport
+    # A baremetal machine's MAAS release: the erase asked and what MAAS showed of it. None for a slice.
+    machine_erase: MachineErase | None = None
 
 
 class AllocationFailed(AllocationEvent):
@@ -317,6 +335,8 @@ class AllocationFailed(AllocationEvent):
     cleanup_required: bool
     # Wipes the host made before giving up (a provision a restart interrupted), passed on unjudged.
     wipe_proofs: list[WipeProof] = Field(default_factory=list)
+    # A failed MAAS release of the machine (its erase failed or is unproven): the erase asked and what MAAS showed.
+    machine_erase: MachineErase | None = None
 
 
 # --- scheduler -> allocator ----------------------------------------------------------------------
@@ -331,6 +351,10 @@ class PlacementPlaced(Payload):
     maas_system_id: str | None = None
     # The Fabric Manager partition the slots form, which the node agent activates before the VM starts.
     nvlink_partition: int | None = NvlinkPartition
+    # A node held whole: its site's wipe policy at placement (the scheduler's default when the site sets none),
+    # which the machine's MAAS erase at release follows. None from older schedulers and on a slice placement,
+    # whose slots carry their own.
+    wipe_policy: WipePolicy | None = None
 
 
 class PlacementForceReleased(Payload):
@@ -820,7 +844,8 @@ class MaasReleaseRequested(Payload):
     site: str = Identifier
     system_id: str = Identifier
     node_id: str = Identifier
-    erase: bool | None = None
+    # How MAAS must erase the disks; None from an older allocator, when the gateway erases `full`.
+    erase_mode: EraseMode | None = None
 
 
 class MaasOperationResult(Payload):
@@ -845,6 +870,10 @@ class MaasDeployResult(MaasOperationResult):
 
 class MaasReleaseResult(MaasOperationResult):
     status: Literal["released", "failed"]
+    # The erase asked of MAAS and what MAAS showed of it; None from older gateways. A release is `released` only
+    # with the erase `erased`; `failed` with `failed` (reason_code disk_erase_failed) or `unconfirmed`.
+    erase_mode: EraseMode | None = None
+    erase_outcome: EraseOutcome | None = None
 
 
 # MAAS lifecycle beyond allocations: ops commands, each resolved like a deploy and answered with a result.

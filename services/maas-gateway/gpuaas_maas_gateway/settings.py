@@ -13,8 +13,6 @@ class SiteProfile(BaseModel):
     # with a set_distro_series command (stored per site, this is the default).
     distro_series: str = "noble"
     hwe_kernel: str | None = None
-    erase_on_release: bool = True
-    quick_erase: bool = True
     bootstrap_user_data: str = ""
     # MAAS storage layout set before each deploy (`flat` for a tgz host image: MAAS owns the partitions and the
     # ESP, maas-host-image-pipeline); None leaves the machine's layout as MAAS has it.

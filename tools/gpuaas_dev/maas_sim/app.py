@@ -122,10 +122,11 @@ async def _run_operation(request: web.Request, state: SimState, operation: Opera
         if response is not None:
             return response
 
-    if operation.name == "deploy":
-        for fault in after:
-            if fault.kind == "failed_deployment":
-                call.machine.inject_failure("deploying", fault.status_message)
+    failing = {("deploy", "failed_deployment"): "deploying", ("release", "failed_disk_erasing"): "disk_erasing"}
+    for fault in after:
+        phase = failing.get((operation.name, fault.kind))
+        if phase is not None:
+            call.machine.inject_failure(phase, fault.status_message or "")
     result = operation.fn(call)
     if operation.name == "deploy" and any(f.kind == "altered_user_data" for f in after):
         alter_user_data(call.machine)

@@ -21,6 +21,8 @@ class MachineSpec:
     hostname: str
     system_id: str | None = None
     tags: tuple[str, ...] = ()
+    # Whether the machine's drives have a secure erase of their own.
+    secure_erase: bool = True
 
     @property
     def resolved_system_id(self) -> str:
@@ -32,6 +34,7 @@ class MachineSpec:
             hostname=str(data["hostname"]),
             system_id=data.get("system_id") or None,
             tags=tuple(data.get("tags") or ()),
+            secure_erase=bool(data.get("secure_erase", True)),
         )
 
 

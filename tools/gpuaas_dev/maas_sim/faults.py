@@ -8,7 +8,8 @@ Faults that model MAAS answering after it committed (`lost_after_commit`, and by
 `unavailable`, `gateway_timeout`, `server_error` and `latency`) run the operation first; `conflict`
 (a rolled-back serialization failure) never commits. Set `commit` to override. `altered_user_data` (on `deploy`)
 hands the machine user-data other than what the deploy sent: its enrolment token changed, as a tampering hop or a
-broken metadata service would.
+broken metadata service would. `failed_deployment` (on `deploy`) and `failed_disk_erasing` (on `release`) make the
+phase the call starts end in its failed state, with `status_message`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ FaultKind = Literal[
     "gateway_timeout",
     "server_error",
     "failed_deployment",
+    "failed_disk_erasing",
     "altered_user_data",
 ]
 FAULT_KINDS: tuple[str, ...] = FaultKind.__args__  # type: ignore[attr-defined]
@@ -38,7 +40,13 @@ _COMMITS_BY_DEFAULT = {
     "gateway_timeout": True,
     "server_error": True,
     "failed_deployment": True,
+    "failed_disk_erasing": True,
     "altered_user_data": True,
+}
+
+_MESSAGES_BY_DEFAULT = {
+    "failed_deployment": "Failed deployment: curtin installation failed",
+    "failed_disk_erasing": "Failed to erase disks: wipe-disks exited 1",
 }
 
 _ids = itertools.count(1)
@@ -56,7 +64,8 @@ class Fault:
     # lost_after_commit: "hold" keeps the socket open past any client timeout; "close" drops it.
     mode: str = "hold"
     hold_seconds: float = 600.0
-    status_message: str = "Failed deployment: curtin installation failed"
+    # None: the kind's own (failed_deployment's curtin failure, failed_disk_erasing's wipe failure).
+    status_message: str | None = None
     # Retry-After of a conflict (MAAS: 5) or unavailable (MAAS: 10) answer; tests shorten it.
     retry_after: float | None = None
     fired: int = 0
@@ -71,6 +80,8 @@ class Fault:
             raise ValueError("probability is between 0 and 1")
         if self.commit is None:
             self.commit = _COMMITS_BY_DEFAULT[self.kind]
+        if self.status_message is None:
+            self.status_message = _MESSAGES_BY_DEFAULT.get(self.kind, "")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Fault:

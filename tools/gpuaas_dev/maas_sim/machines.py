@@ -105,6 +105,17 @@ _PHASE_OUTCOME: dict[NodeStatus, tuple[NodeStatus, NodeStatus]] = {
 _ALNUM = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
+def erase_mode_of(erase: bool, secure_erase: bool, quick_erase: bool, secure_supported: bool) -> str | None:
+    """The erase MAAS runs for a release's parameters (its release operation's documented rules): none without
+    `erase`; the drive's secure erase where asked and the drive has one; where it has none, the quick erase when
+    that was asked too, else the full overwrite; the quick erase when asked alone; else the full overwrite."""
+    if not erase:
+        return None
+    if secure_erase and secure_supported:
+        return "secure"
+    return "quick" if quick_erase else "full"
+
+
 def system_id_for(hostname: str) -> str:
     """Deterministic 6-char lowercase alphanumeric system_id, so fixtures and logs are stable."""
     n = int.from_bytes(hashlib.sha256(hostname.encode("utf-8")).digest()[:8], "big")
@@ -184,7 +195,17 @@ class Machine:
     phase_deadline: float | None = None
     pending_failures: dict[NodeStatus, str] = field(default_factory=dict)
     erase_mode: str | None = None
+    # Whether the machine's drives have a secure erase of their own (ATA secure erase / NVMe format); MAAS falls
+    # back to another erase where they do not.
+    secure_erase_supported: bool = True
     last_deploy: dict[str, Any] | None = None
+    # The last release MAAS took, as asked (erase, secure_erase, quick_erase) and the erase it ran: kept after the
+    # machine is Ready again, so a checker reads what a release asked for.
+    last_release: dict[str, Any] | None = None
+    # MAAS runs the erase as the `wipe-disks` release script: the id of the result set of the last one, and its
+    # exit status once the erase ended (0: Ready after it, 1: Failed disk erasing; None while it runs).
+    current_release_result_id: int = 0
+    erase_exit_status: int | None = None
     history: list[Transition] = field(default_factory=list)
     # Every deploy MAAS committed (its agent_name and time): a checker counts deploys per allocation.
     deploys: list[dict[str, Any]] = field(default_factory=list)
@@ -258,6 +279,7 @@ class Machine:
             self.phase_deadline = None
             ok_status, failed_status = _PHASE_OUTCOME[phase]
             failure = self.pending_failures.pop(phase, None)
+            self._erase_ended(phase, failure)
             if failure is not None:
                 self._move(deadline, failed_status, "timer", failure)
                 continue
@@ -281,6 +303,7 @@ class Machine:
         if token != len(self.history) or phase not in _PHASE_OUTCOME or self.phase_deadline is not None:
             return False  # released or aborted meanwhile: the driver's outcome no longer applies
         ok_status, failed_status = _PHASE_OUTCOME[phase]
+        self._erase_ended(phase, failure)
         if failure is not None:
             self._move(now, failed_status, "power", failure)
             return True
@@ -288,6 +311,10 @@ class Machine:
             self._clear_ownership()
         self._move(now, ok_status, "power")
         return True
+
+    def _erase_ended(self, phase: NodeStatus, failure: str | None) -> None:
+        if phase is NodeStatus.DISK_ERASING:
+            self.erase_exit_status = 1 if failure is not None else 0
 
     def _clear_ownership(self) -> None:
         self.owner = None
@@ -357,8 +384,19 @@ class Machine:
         self.phase_deadline = None
         # MAAS drops the deploy's failure plan too: a release is a fresh start.
         self.pending_failures.pop(NodeStatus.DEPLOYING, None)
-        if erase or quick_erase or secure_erase:
-            self.erase_mode = "secure" if secure_erase else "quick" if quick_erase else "full"
+        # As MAAS: only `erase` erases (this simulator's enable_disk_erasing_on_release is off); `secure_erase` and
+        # `quick_erase` choose how.
+        self.erase_mode = erase_mode_of(erase, secure_erase, quick_erase, self.secure_erase_supported)
+        self.last_release = {
+            "at": now,
+            "erase": erase,
+            "secure_erase": secure_erase,
+            "quick_erase": quick_erase,
+            "erase_mode": self.erase_mode,
+            "comment": comment,
+        }
+        if self.erase_mode is not None:
+            self.erase_exit_status = None
             self._start_phase(now, timers, NodeStatus.DISK_ERASING, "release")
         else:
             self._start_phase(now, timers, NodeStatus.RELEASING, "release")
@@ -386,6 +424,7 @@ class Machine:
                 f"Cannot abort in current state: node {self.system_id} is in state {self.status.label}."
             )
         self.pending_failures.pop(self.status, None)
+        self._erase_ended(self.status, "aborted")
         self.phase_deadline = None
         self._move(now, target, "abort")
 

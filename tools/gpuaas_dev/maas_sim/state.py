@@ -32,7 +32,11 @@ class SimState:
             if system_id in self.machines:
                 raise ValueError(f"duplicate system_id {system_id} ({spec.hostname})")
             self.machines[system_id] = Machine(
-                system_id=system_id, hostname=spec.hostname, index=index, tags=set(spec.tags)
+                system_id=system_id,
+                hostname=spec.hostname,
+                index=index,
+                tags=set(spec.tags),
+                secure_erase_supported=spec.secure_erase,
             )
             for tag in spec.tags:
                 self.ensure_tag(tag)
@@ -103,6 +107,15 @@ class SimState:
             "agent_name": machine.agent_name,
             "owner": machine.owner,
             "erase_mode": machine.erase_mode,
+            "secure_erase_supported": machine.secure_erase_supported,
+            "last_release": (
+                {
+                    **{k: v for k, v in machine.last_release.items() if k != "at"},
+                    "ago_seconds": now - machine.last_release["at"],
+                }
+                if machine.last_release is not None
+                else None
+            ),
             "power_driver": "virsh" if machine.virsh is not None else None,
             "storage_layout": machine.storage_layout,
             "mac_address": machine.mac_address,

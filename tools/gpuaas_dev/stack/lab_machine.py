@@ -69,8 +69,6 @@ def gateway_profiles(stack: Stack, slug: str) -> str:
     assert stack.ca_file is not None
     profile = {
         "distro_series": slug,
-        "erase_on_release": True,
-        "quick_erase": True,
         "storage_layout": "flat",
         # The lab's host image is Debian's: cloud-init's default user there is `debian`.
         "login_user": "debian",

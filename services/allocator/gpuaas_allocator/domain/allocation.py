@@ -44,6 +44,7 @@ from .commands import (
     provision_task,
     release_task,
 )
+from .erase import erase_mode_for
 from .model import ActiveImage, check_transition, release_refusal
 
 log = get_logger(__name__)
@@ -672,11 +673,26 @@ class Allocation:
 
     def _apply_machine_release_result(self, res: m.MaasReleaseResult) -> None:
         self._set(awaiting_result=False)
+        erase = _machine_erase(res)
         if res.status == "released":
             cleanup = m.CleanupReport(required=True, verified=True, reason=f"MAAS {res.maas_status_name}")
-            self._transition("released", node_id=self.node_id, cleanup=cleanup)
+            self._transition(
+                "released",
+                detail={"machine_erase": erase.model_dump(mode="json")},
+                node_id=self.node_id,
+                cleanup=cleanup,
+                machine_erase=erase,
+            )
         else:
-            self.fail(res.reason_code or "release_failed", res.status_message, self.node_id)
+            # Failed: the scheduler drains the node (cleanup required, a node held whole), so a machine whose disks
+            # may still hold the tenant's data is placed again only once ops have seen it and undrained it.
+            self.fail(
+                res.reason_code or "release_failed",
+                res.status_message,
+                self.node_id,
+                detail={"machine_erase": erase.model_dump(mode="json")},
+                machine_erase=erase,
+            )
 
     # A baremetal allocation fails after its deploy was sent when MAAS reports Failed deployment, when the
     # deployed host never enrols, or when ops force-release it. The machine may then run the tenant's image with
@@ -708,6 +724,8 @@ class Allocation:
             "reason_code": res.reason_code,
             "status_message": res.status_message,
         }
+        if isinstance(res, m.MaasReleaseResult):
+            detail["machine_erase"] = _machine_erase(res).model_dump(mode="json")
         self.note(code, detail, answered=True)
         (log.error if code == MACHINE_RELEASE_AFTER_FAILURE_FAILED else log.info)(
             code, operation_id=res.operation_id, system_id=res.system_id, status=res.status
@@ -840,7 +858,9 @@ class Allocation:
         assert self.maas_system_id is not None and self.node_id is not None
         args = (self._policy, self.allocation_id)
         if self.release_operation_id:
-            return machine_release_command(*args, self.release_operation_id, self.maas_system_id, self.node_id)
+            # The placement kept the site's wipe policy (the scheduler's at placement time): the erase follows it.
+            erase = erase_mode_for((self.placement or {}).get("wipe_policy"))
+            return machine_release_command(*args, self.release_operation_id, self.maas_system_id, self.node_id, erase)
         assert self.operation_id is not None
         keys = list(self.request.get("ssh_public_keys") or [])
         return deploy_command(*args, self.operation_id, self.maas_system_id, self.node_id, keys)
@@ -856,6 +876,7 @@ class Allocation:
         cleanup_required: bool = True,
         wipe_proofs: list[m.WipeProof] | None = None,
         detail: dict[str, Any] | None = None,
+        machine_erase: m.MachineErase | None = None,
     ) -> None:
         """The allocation failed; unless told the disk was never touched, it needs cleanup. Wipe proofs the host
         made are passed on for the scheduler, which owns the slots, to judge against the site's policy."""
@@ -868,6 +889,7 @@ class Allocation:
             node_id=node_id,
             cleanup_required=cleanup_required,
             wipe_proofs=wipe_proofs or [],
+            machine_erase=machine_erase,
         )
 
     def note(self, reason_code: str, detail: dict[str, Any], *, answered: bool = False) -> None:
@@ -1004,6 +1026,15 @@ def _answer(res: m.NodeTaskResult) -> dict[str, Any]:
 
 def _task_type(task: m.SliceVmProvision | m.SliceVmRelease) -> str:
     return "slice.vm_release" if isinstance(task, m.SliceVmRelease) else "slice.vm_provision"
+
+
+def _machine_erase(res: m.MaasReleaseResult) -> m.MachineErase:
+    return m.MachineErase(
+        operation_id=res.operation_id,
+        mode=res.erase_mode,
+        outcome=res.erase_outcome,
+        maas_status_name=res.maas_status_name,
+    )
 
 
 def _command_type(cmd: m.MaasDeployRequested | m.MaasReleaseRequested) -> str:

@@ -120,7 +120,12 @@ def deploy_command(
 
 
 def machine_release_command(
-    policy: Policy, allocation_id: uuid.UUID, operation_id: str, system_id: str, node_id: str
+    policy: Policy,
+    allocation_id: uuid.UUID,
+    operation_id: str,
+    system_id: str,
+    node_id: str,
+    erase_mode: m.EraseMode,
 ) -> m.MaasReleaseRequested:
     return m.MaasReleaseRequested(
         operation_id=operation_id,
@@ -128,4 +133,5 @@ def machine_release_command(
         site=policy.maas_site,
         system_id=system_id,
         node_id=node_id,
+        erase_mode=erase_mode,
     )

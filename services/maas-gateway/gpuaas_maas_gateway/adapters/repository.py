@@ -79,7 +79,6 @@ class OperationRepository:
         system_id: str | None,
         node_id: str | None,
         profile: str | None,
-        erase: bool | None,
         params: dict[str, Any],
         deadline_at: datetime,
     ) -> bool:
@@ -87,7 +86,7 @@ class OperationRepository:
         return bool(
             await self.conn.fetchval(
                 "INSERT INTO maas_operations (operation_id, kind, allocation_id, site, system_id, node_id, profile, "
-                "erase, params, state, deadline_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, 'pending', $10) "
+                "params, state, deadline_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, 'pending', $9) "
                 "ON CONFLICT (operation_id) DO NOTHING RETURNING 1",
                 operation_id,
                 kind,
@@ -96,7 +95,6 @@ class OperationRepository:
                 system_id,
                 node_id,
                 profile,
-                erase,
                 json.dumps(params),
                 deadline_at,
             )
@@ -260,13 +258,6 @@ class OperationRepository:
             message,
             json.dumps(result),
             reason_code,
-        )
-
-    async def deployed_with_profile(self, allocation_id: Any) -> str | None:
-        return await self.conn.fetchval(
-            "SELECT profile FROM maas_operations WHERE allocation_id = $1 AND kind = 'deploy' "
-            "ORDER BY created_at DESC LIMIT 1",
-            allocation_id,
         )
 
 

@@ -7,6 +7,7 @@ was accepted, failed, or (only after a grace period of looking untouched) may be
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 # Status names as MAAS reports them (status_name).
 DEPLOYED, DEPLOYING, FAILED_DEPLOYMENT = "Deployed", "Deploying", "Failed deployment"
@@ -89,3 +90,38 @@ def decide_commission(
 def image_name(name: str) -> str:
     """The name MAAS lists an uploaded boot resource under (`custom/` is not stored)."""
     return name.removeprefix("custom/")
+
+
+# MAAS erases a released machine's disks with its `wipe-disks` release script; the run's result set (type
+# Release) is the read-back of the erase, which the machine's status alone is not: a release without erase also
+# ends Ready, and a poll can miss the Disk erasing phase between two looks.
+ERASE_PASSED = frozenset({"Passed"})
+ERASE_FAILED = frozenset({"Failed", "Timed out", "Aborted", "Failed installing dependencies"})
+ERASE_RUNNING = frozenset({"Pending", "Running", "Installing dependencies"})
+
+
+@dataclass(frozen=True)
+class ReleaseVerdict:
+    released: bool
+    erase_outcome: str  # erased | failed | unconfirmed (the contract's EraseOutcome)
+    reason_code: str | None
+    message: str
+
+
+def release_verdict(status_name: str, erase_set_status: str | None) -> ReleaseVerdict | None:
+    """A finished release judged with its erase's result set (the newest release set started after the submit;
+    None when there is none). Ready is a release only with the erase proven; Failed disk erasing (or a failed
+    set) is a failed erase; Ready with no finished erase run is unconfirmed, so a failed release as well: nothing
+    shows the disks were erased. None: the set still runs, look again."""
+    if erase_set_status in ERASE_RUNNING and status_name != FAILED_DISK_ERASING:
+        return None
+    if status_name == FAILED_DISK_ERASING or erase_set_status in ERASE_FAILED:
+        return ReleaseVerdict(False, "failed", "disk_erase_failed", f"MAAS disk erase failed (machine {status_name})")
+    if status_name == READY and erase_set_status in ERASE_PASSED:
+        return ReleaseVerdict(True, "erased", None, "disks erased")
+    if status_name == READY:
+        return ReleaseVerdict(
+            False, "unconfirmed", "disk_erase_unconfirmed", "machine is Ready but MAAS shows no finished disk erase"
+        )
+    erased = "erased" if erase_set_status in ERASE_PASSED else "unconfirmed"
+    return ReleaseVerdict(False, erased, "maas_failed", f"machine is {status_name}")

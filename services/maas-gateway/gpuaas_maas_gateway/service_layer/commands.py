@@ -27,7 +27,7 @@ COMMAND_KINDS = {
     "maas.profile_image_set_requested": "set_distro_series",
 }
 # Fields with their own column; everything else of a command is kept in `params`.
-_COLUMNS = ("operation_id", "allocation_id", "site", "system_id", "node_id", "profile", "erase")
+_COLUMNS = ("operation_id", "allocation_id", "site", "system_id", "node_id", "profile")
 
 
 class OperationHandlers:
@@ -54,7 +54,6 @@ class OperationHandlers:
             system_id=getattr(cmd, "system_id", None),
             node_id=getattr(cmd, "node_id", None),
             profile=getattr(cmd, "profile", None),
-            erase=getattr(cmd, "erase", None),
             params=params,
             deadline_at=datetime.now(UTC) + timedelta(seconds=self.settings.maas_deadline_s),
         )

@@ -17,10 +17,10 @@ import asyncpg
 from gpuaas_common.logging import get_logger
 
 from ..adapters.maas_errors import MaasConflict, MaasError, MaasUnreachable
-from ..domain.operations import Decision, decide, decide_commission
+from ..domain.operations import Decision, decide, decide_commission, release_verdict
 from . import slice_preflight
 from .metrics import MAAS_CALLS, RESUBMITS, UNKNOWN_OUTCOMES, UNKNOWN_RESOLUTION
-from .shared import Operations, Site, as_dict, now
+from .shared import Operations, Site, as_dict, now, release_erase_mode
 
 log = get_logger(__name__)
 
@@ -149,7 +149,9 @@ async def observe(ops: Operations, site: Site, row: asyncpg.Record) -> None:
             return
         log.info("slice_preflight_judged", status=report.status, reasons=len(report.reasons))
         extra = (("node.slice_preflight_reported", report, "slice_preflight"),)
-    if decision is Decision.SUCCEEDED:
+    if kind == "release" and decision in (Decision.SUCCEEDED, Decision.FAILED):
+        await _finish_release(ops, site, row, machine)
+    elif decision is Decision.SUCCEEDED:
         await ops.finish(
             row,
             "succeeded",
@@ -175,3 +177,40 @@ async def observe(ops: Operations, site: Site, row: asyncpg.Record) -> None:
         await ops.set(op_id, state="accepted", last_status=machine.status_name, delay=ops.settings.maas_poll_interval_s)
     else:
         await ops.set(op_id, last_status=machine.status_name, delay=ops.settings.maas_poll_interval_s)
+
+
+async def _finish_release(ops: Operations, site: Site, row: asyncpg.Record, machine: Any) -> None:
+    """A release ends with its erase read back: the wipe-disks result set MAAS started after the submit
+    (domain/operations.py `release_verdict`)."""
+    op_id = row["operation_id"]
+    try:
+        sets = await ops.maas(
+            site,
+            lambda: site.client.list_results(row["system_id"], result_type="release", include_output=False),
+        )
+    except MaasError as exc:
+        await ops.set(op_id, last_error=str(exc)[:500], delay=ops.retry_delay(exc))
+        return
+    baseline = int(as_dict(row["progress"]).get("erase_baseline_set_id") or 0)
+    newer = [s for s in sets if int(s.get("id") or 0) > baseline]
+    erase_set = max(newer, key=lambda s: int(s.get("id") or 0)) if newer else None
+    mode = release_erase_mode(row)
+    verdict = release_verdict(machine.status_name, erase_set.get("status_name") if erase_set else None)
+    if verdict is None:
+        await ops.set(op_id, last_status=machine.status_name, delay=ops.settings.maas_poll_interval_s)
+        return
+    log.info(
+        "maas_release_judged",
+        erase_mode=mode,
+        erase_outcome=verdict.erase_outcome,
+        status=machine.status_name,
+        result_set_id=erase_set.get("id") if erase_set else None,
+    )
+    await ops.finish(
+        row,
+        "succeeded" if verdict.released else "failed",
+        status=machine.status_name,
+        reason_code=verdict.reason_code,
+        message=machine.status_message or verdict.message,
+        result={"erase_mode": mode, "erase_outcome": verdict.erase_outcome},
+    )

@@ -1,4 +1,6 @@
-"""Release: the host's bus identity is revoked first, then MAAS takes the machine back (and erases it)."""
+"""Release: the host's bus identity is revoked first, then MAAS takes the machine back and erases its disks as the
+command says (the site's wipe policy, mapped by the allocator): `secure` is MAAS's `secure_erase` (a drive without
+one gets MAAS's full overwrite, as `quick_erase` is never sent), `full` is `erase` alone, the overwrite."""
 
 from __future__ import annotations
 
@@ -8,22 +10,24 @@ from typing import Any
 import asyncpg
 
 from .machine import machine_step
-from .shared import Operations, Site
+from .shared import Operations, Site, release_erase_mode
 
 
 async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[[], Awaitable[Any]] | None:
     # The host's bus identity ends before MAAS takes the machine back: the tenant still has root.
     if not await ops.revoke_host_credentials(row):
         return None
-    # The erase policy is the profile's the machine was deployed with.
-    deployed_with = await ops.read.operations.deployed_with_profile(row["allocation_id"])
-    profile = ops.settings.site_profiles.get(deployed_with or "") or next(
-        iter(ops.settings.site_profiles.values()), None
+    # The newest erase run before asking: the one that answers this release is a later one.
+    sets = await ops.maas(
+        site, lambda: site.client.list_results(row["system_id"], result_type="release", include_output=False)
     )
-    erase = row["erase"] if row["erase"] is not None else (profile.erase_on_release if profile else True)
-    quick = bool(profile and profile.quick_erase)
+    baseline = max((int(s.get("id") or 0) for s in sets), default=0)
+    await ops.write(
+        lambda repos: repos.operations.merge_progress(row["operation_id"], {"erase_baseline_set_id": baseline})
+    )
+    secure = release_erase_mode(row) == "secure"
     return lambda: site.client.release(
-        row["system_id"], erase=erase, quick_erase=erase and quick, comment=f"gpuaas release {row['allocation_id']}"
+        row["system_id"], erase=True, secure_erase=secure, comment=f"gpuaas release {row['allocation_id']}"
     )
 
 

@@ -279,8 +279,12 @@ def result_event(
             return "maas.deploy_result", m.MaasDeployResult(
                 status="deployed" if outcome == "succeeded" else "failed", **common, **login
             )
+        # The erase asked is the command's whatever the end (a deadline too); its outcome only once MAAS showed one.
+        erase = {"erase_mode": result.get("erase_mode") or release_erase_mode(row)}
+        if result.get("erase_outcome") is not None:
+            erase["erase_outcome"] = result["erase_outcome"]
         return "maas.release_result", m.MaasReleaseResult(
-            status="released" if outcome == "succeeded" else "failed", **common
+            status="released" if outcome == "succeeded" else "failed", **common, **erase
         )
     common = {
         "operation_id": row["operation_id"],
@@ -312,3 +316,12 @@ def as_dict(value: Any) -> dict[str, Any]:
 
 def params(row: asyncpg.Record) -> dict[str, Any]:
     return as_dict(row["params"])
+
+
+# An older allocator's release names no erase: the full overwrite, which destroys the data on every drive.
+DEFAULT_ERASE_MODE = "full"
+
+
+def release_erase_mode(row: asyncpg.Record) -> str:
+    """The erase a release command asked for (kept in its params)."""
+    return str(params(row).get("erase_mode") or DEFAULT_ERASE_MODE)

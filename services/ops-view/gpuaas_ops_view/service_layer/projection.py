@@ -164,6 +164,7 @@ _TIMELINE_DETAIL = (
     "cleanup_required",
     "wipe_proofs",
     "maas_system_id",
+    "machine_erase",
 )
 
 

@@ -208,6 +208,7 @@ class BaremetalSearch:
             claim_mode="node_exclusive",
             fencing_epoch=got["epoch"],
             maas_system_id=got["maas_system_id"],
+            wipe_policy=got["wipe_policy"],
         )
         return True
 

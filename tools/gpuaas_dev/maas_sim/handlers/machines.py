@@ -173,8 +173,28 @@ def release(call: Call) -> Any:
         secure_erase=params.flag("secure_erase"),
         comment=params.get("comment"),
     )
+    if machine.erase_mode is not None and machine.status is NodeStatus.DISK_ERASING:
+        _record_erase_run(call.state, machine)
     after_release(call.state, machine)
     return machine.to_json(API_ROOT)
+
+
+# MAAS erases a released machine's disks with this builtin release script; its result set (type Release) says
+# how the erase ended.
+WIPE_DISKS_SCRIPT = "wipe-disks"
+_ERASE_WORDS = {
+    "secure": "secure erase (the drives' own)",
+    "full": "full overwrite with zeros",
+    "quick": "quick erase (2 MiB at each end)",
+}
+
+
+def _record_erase_run(state: SimState, machine: Machine) -> None:
+    _settle(state, machine)  # an earlier erase's set ends before this one starts
+    rset = state.results.new_set(machine.system_id, 3, state.config.wall_clock())
+    machine.current_release_result_id = rset.id
+    words = _ERASE_WORDS[machine.erase_mode or "full"]
+    state.results.add(rset, WIPE_DISKS_SCRIPT, None, f"{WIPE_DISKS_SCRIPT} on {machine.hostname}: {words}\n")
 
 
 # MAAS 3.x's layouts; `flat` is the one the host-image runbook deploys its tgz with.
@@ -252,13 +272,21 @@ def _current_ids(machine: Machine) -> dict[str, int | None]:
 
 
 def _settle(state: SimState, machine: Machine) -> None:
-    """A set runs while its machine is still commissioning it."""
+    """A set runs while its machine is still commissioning it, or still erasing for it (its wipe-disks result
+    then takes the erase's exit status)."""
     for rset in state.results.for_node(machine.system_id):
-        if rset.running and not (
-            machine.status is NodeStatus.COMMISSIONING and machine.current_commissioning_result_id == rset.id
-        ):
-            rset.running = False
-            rset.ended = state.config.wall_clock()
+        if not rset.running:
+            continue
+        if rset.result_type == 3:
+            if rset.id == machine.current_release_result_id and machine.erase_exit_status is None:
+                continue
+            exit_status = machine.erase_exit_status if rset.id == machine.current_release_result_id else 1
+            for result in rset.results:
+                result.exit_status = exit_status if exit_status is not None else 1
+        elif machine.status is NodeStatus.COMMISSIONING and machine.current_commissioning_result_id == rset.id:
+            continue
+        rset.running = False
+        rset.ended = state.config.wall_clock()
 
 
 def _output_params(call: Call) -> tuple[bool, tuple[str, ...]]:

@@ -9,6 +9,7 @@ from typing import Any
 
 import asyncpg
 
+from ...domain.approval import DEFAULT_WIPE_POLICY
 from ...domain.placement import NodeCandidate, Request, SlotView
 from ..wipe_policy import effective_policy_sql
 from .node_sql import BAREMETAL_NODE_SQL, SLICE_CANDIDATE, SLICE_LOCKED, rules_sql
@@ -144,8 +145,9 @@ async def try_claim_baremetal(
 ) -> Any:
     skip = "" if wait else " SKIP LOCKED"
     node = await conn.fetchrow(
-        f"SELECT n.node_id, n.maas_system_id, n.gpu_count FROM nodes n WHERE n.node_id = $1 AND {BAREMETAL_NODE_SQL} "
-        f"FOR UPDATE{skip}",
+        "SELECT n.node_id, n.maas_system_id, n.gpu_count, (SELECT sp.destructive_wipe_policy FROM site_wipe_policies "
+        f"sp WHERE sp.region = n.region) AS wipe_policy FROM nodes n WHERE n.node_id = $1 AND {BAREMETAL_NODE_SQL} "
+        f"FOR UPDATE OF n{skip}",
         node_id,
     )
     if node is None:
@@ -166,7 +168,14 @@ async def try_claim_baremetal(
         node["gpu_count"],
     )
     await conn.execute("UPDATE nodes SET sliced = true WHERE node_id = $1", node_id)
-    return {"node_id": node_id, "maas_system_id": node["maas_system_id"], "epoch": epoch}
+    # The machine's MAAS erase at release follows the site's policy; a site that set none has the default, as its
+    # slots do (domain/approval.py).
+    return {
+        "node_id": node_id,
+        "maas_system_id": node["maas_system_id"],
+        "epoch": epoch,
+        "wipe_policy": node["wipe_policy"] or DEFAULT_WIPE_POLICY,
+    }
 
 
 # --- quota -------------------------------------------------------------------------------------------
