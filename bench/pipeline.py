@@ -249,10 +249,11 @@ class Cycles:
             self.done.set()
 
 
-async def settle(js: Any, db: ServiceDatabases, timeout_s: float) -> dict:
+async def settle(js: Any, db: ServiceDatabases, timeout_s: float, skip: frozenset[str] = frozenset()) -> dict:
     """Every durable drained and every outbox empty: nothing of the last load is still being worked on. One
     CONSUMER.LIST per stream and round (not one request per durable: the fleet has hundreds), so that the
-    bench's own polling stays a small part of what it measures."""
+    bench's own polling stays a small part of what it measures. Consumers named in `skip` are not waited on
+    (bench/hostile_host.py: those a flood keeps busy for as long as it lasts)."""
     streams = sorted({c.stream for c in CONSUMERS} | {node_agent_consumer("x").stream})
     deadline = time.monotonic() + timeout_s
     while True:
@@ -263,7 +264,7 @@ async def settle(js: Any, db: ServiceDatabases, timeout_s: float) -> dict:
                 infos = await js.consumers_info(stream, offset=offset or None)
                 for info in infos:
                     pending, unacked = info.num_pending or 0, info.num_ack_pending or 0
-                    if pending or unacked:
+                    if (pending or unacked) and info.name not in skip:
                         busy[info.name] = {"pending": pending, "ack_pending": unacked}
                 if len(infos) < 256:
                     break
@@ -275,7 +276,14 @@ async def settle(js: Any, db: ServiceDatabases, timeout_s: float) -> dict:
 
 
 async def sweep_point(
-    stack: Stack, pids: dict[str, list[int]], rate: float, duration: float, gpus: int, idle_s: float
+    stack: Stack,
+    pids: dict[str, list[int]],
+    rate: float,
+    duration: float,
+    gpus: int,
+    idle_s: float,
+    settle_skip: frozenset[str] = frozenset(),
+    keep_latencies: bool = False,
 ) -> dict:
     nc = await nats.connect(**stack.nats_options("portal"))
     js = nc.jetstream()
@@ -285,14 +293,14 @@ async def sweep_point(
     total = max(1, int(rate * duration))
 
     # Idle: what the stack burns with no load (heartbeats, pollers, fetch loops); charged to no allocation.
-    await settle(admin_js, db, 120)
+    await settle(admin_js, db, 120, settle_skip)
     before = cpu_snapshot(pids)
     await asyncio.sleep(idle_s)
     idle = {k: v / idle_s for k, v in cpu_delta(before, cpu_snapshot(pids)).items()}
 
     raw_js = await raw_jetstream(stack, pids, rate, max(50, min(total, int(rate * 3))), idle)
     raw_pg = await raw_postgres(stack, 1.0)
-    await settle(admin_js, db, 60)
+    await settle(admin_js, db, 60, settle_skip)
 
     c = Cycles()
 
@@ -350,7 +358,7 @@ async def sweep_point(
         await asyncio.wait_for(c.done.wait(), timeout=max(120.0, duration * 10))
     except TimeoutError:
         timed_out = True
-    left = await settle(admin_js, db, 120)
+    left = await settle(admin_js, db, 120, settle_skip)
     window_s = time.perf_counter() - t0
     cpu = cpu_delta(before, cpu_snapshot(pids))
     await nc.drain()
@@ -389,6 +397,7 @@ async def sweep_point(
         "p50_over_raw_commit_p50": _ratio(p50, raw_pg["p50_ms"]),
         "nats_cpu_over_raw_message": _ratio(net.get("nats-server"), raw_js["nats_server_cpu_ms_per_msg"]),
         "left_after_window": left,
+        **({"latencies_ms": latencies} if keep_latencies else {}),
     }
 
 
@@ -505,6 +514,7 @@ def _stack(
     log_level: str,
     profile_dir: str,
     event_loop: str | None = None,
+    baremetal_hosts: int = 0,
 ) -> Stack:
     overrides: dict = {"GPUAAS_LOG_LEVEL": log_level}
     if event_loop:
@@ -524,7 +534,7 @@ def _stack(
         run_dir,
         slice_hosts=hosts,
         slots_per_host=8,
-        baremetal_hosts=0,
+        baremetal_hosts=baremetal_hosts,
         env_overrides=overrides,
         auth=auth,
         **kwargs,

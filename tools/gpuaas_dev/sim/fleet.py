@@ -249,7 +249,11 @@ async def _run_instant_host(settings: SimFleetSettings, node: FleetNode, link: H
     instant = InstantSliceHost(node.node_id, bus.publish)
     bus.subscribe(
         spec,
-        {"slice.vm_provision": instant.on_task, "slice.vm_release": instant.on_task},
+        {
+            "slice.vm_provision": instant.on_task,
+            "slice.vm_release": instant.on_task,
+            "image.cache_prewarm": instant.on_prewarm,
+        },
         transactional=False,
         concurrency=settings.task_concurrency,
     )

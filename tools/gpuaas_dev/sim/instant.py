@@ -1,6 +1,6 @@
 """An instant simulated slice host, for benchmarks of the control plane only.
 
-It answers provision and release tasks at once, without disks, libvirt or DHCP, so a benchmark
+It answers provision, release and image prewarm tasks at once, without disks, libvirt or DHCP, so a benchmark
 measures the services and the bus rather than qemu-img and zero-fill on a 2-core machine. Its wipe
 proofs say `method="simulated-instant"`, never a real method, its parity check is named
 `simulated_instant_host`, and it runs only in a simulated fleet.
@@ -26,6 +26,28 @@ class InstantSliceHost:
     def __init__(self, node_id: str, publish: Publish) -> None:
         self.node_id = node_id
         self.publish = publish
+
+    async def on_prewarm(self, ctx: HandlerContext) -> None:
+        """Its cache holds every image at the catalog digest: a slice image passes the activation gate only once
+        every slice host verified it, so a fleet of instant hosts must answer the gate's prewarm tasks."""
+        task = ctx.payload
+        report = m.NodeImageCacheReported(
+            task_id=task.task_id,
+            node_id=self.node_id,
+            slug=task.slug,
+            status="verified",
+            expected_digest=task.digest_sha256,
+            digest_sha256=task.digest_sha256,
+            local_path=task.image_path,
+        )
+        await self.publish(
+            "node.image_cache_reported",
+            report,
+            correlation_id=task.task_id,
+            causation_id=ctx.envelope.event_id,
+            event_id=derived_event_id(task.task_id, f"cache:verified:{task.digest_sha256}"),
+            node_id=self.node_id,
+        )
 
     async def on_task(self, ctx: HandlerContext) -> None:
         task = ctx.payload
