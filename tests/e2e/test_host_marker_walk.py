@@ -92,6 +92,15 @@ async def sim_hosts(stack: Stack) -> dict[str, Any]:
             return await resp.json()
 
 
+async def ops_host(stack: Stack) -> dict[str, Any]:
+    """The host as the ops API (ops-view's read models) shows it."""
+    headers = {"Authorization": f"Bearer {stack.admin_token('ops-view')}"}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        async with http.get(f"{stack.admin_url('ops-view')}/v1/hosts/{HOST}") as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+
 async def converted_and_held_by_a_baremetal_tenant(stack: Stack, portal) -> tuple[uuid.UUID, str]:
     """Ops make HOST convertible, drain it, retire its slots and give it to a baremetal tenant: the allocation is
     active on it. Returns the allocation and HOST's MAAS system id."""
@@ -158,6 +167,7 @@ async def test_a_baremetal_tenants_marker_on_every_slot_disk_is_read_by_no_slice
         return rows if len(rows) == SLOTS else None
 
     await eventually(all_available, timeout=300, what=f"{HOST}'s walk back and its slots' wipe proofs")
+    freed_by: dict[str, dict[str, Any]] = {}
     for slot_id, by_id in slots.items():
         moves = await db.fetch(
             "SELECT from_status, to_status, actor, detail, at FROM scheduler.slot_transitions WHERE slot_id = $1 "
@@ -171,6 +181,7 @@ async def test_a_baremetal_tenants_marker_on_every_slot_disk_is_read_by_no_slice
         freed = moves[-1]
         detail = json.loads(freed["detail"]) if isinstance(freed["detail"], str) else freed["detail"]
         assert freed["actor"] == f"node:{HOST}" and detail["proof"]["verified"] is True, detail
+        freed_by[slot_id] = detail
         # The proof is the host's answer to the wipe the scheduler asked of it for this disk.
         task = await portal.spy.wait_type("slice.slot_wipe", task_id=detail["wipe_task"], timeout=5)
         assert {"slot_id": slot_id, "nvme_by_id": by_id} in [
@@ -184,6 +195,20 @@ async def test_a_baremetal_tenants_marker_on_every_slot_disk_is_read_by_no_slice
         last = doc["wipes"][0]
         assert last["outcome"] == "passed" and last["device"] == by_id, last
         assert last["report"]["proof"]["method"] in ("blkdiscard", "zero_fill") and last["report"]["proof"]["verified"]
+
+    # The host's timeline (ops API) shows each slot's proof as its host reported it: device, method, verified.
+    wipe_tasks = {proof["wipe_task"] for proof in freed_by.values()}
+
+    async def on_timeline() -> list[dict[str, Any]] | None:
+        tasks = [t for t in (await ops_host(stack))["tasks"] if t["task_id"] in wipe_tasks]
+        return tasks if len(tasks) == len(wipe_tasks) and all(t["phases"] for t in tasks) else None
+
+    timeline = await eventually(on_timeline, timeout=30, what=f"{HOST}'s wipes on the ops timeline")
+    said = " ".join(p["detail"] for t in timeline for p in t["phases"] if p["phase"] == "wipe_reported")
+    assert {t["status"] for t in timeline} == {"succeeded"}, timeline
+    for slot_id, by_id in slots.items():
+        method = freed_by[slot_id]["proof"]["method"]
+        assert f"{slot_id} {by_id}: {method}, verified" in said, said
 
     # Back in slice mode, the host binds the slots' devices again; slices land once that binding passed parity.
     async def rebound() -> dict[str, Any] | None:
