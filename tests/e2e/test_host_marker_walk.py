@@ -3,7 +3,11 @@ converted host writes a random marker at the start, the middle and the end of ev
 disk's own backing file, the one the host's agent wipes and hands to VMs), releases; the host walks back to slice
 mode; every slot is freed only by its host's wipe proof; then a slice allocation on each slot, and the disk its VM
 was given holds no marker anywhere. The marker is read by the same path right after the release, before any wipe
-was asked, and is there: a skipped wipe would have shown.
+was asked, and is there: a skipped wipe would have shown. (A slice's image is cloned over the first MiBs of its
+disk, which would bury the start marker anyway; the middle and end ones go only with the wipe.) "No slot placeable
+before its proof": no slice lands while the host converts, and each slot's history since it was retired is exactly
+retired -> awaiting_wipe -> available, the last step its host's proof (the awaiting window itself, held open, is
+tests/integration/test_scheduler_slot_wipe.py's).
 
 The host walk itself (every step, its MAAS deploys, its VFIO binding) is test_host_mode_walk.py's; here the walk is
 driven only as far as the disks need."""
