@@ -9,6 +9,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime, timedelta, timezone
 
 import aiohttp
 import asyncpg
@@ -20,9 +21,11 @@ from pydantic import SecretStr
 from gpuaas_common.admin_http import login_link
 from gpuaas_common.admin_http.login import LOGIN, SESSION, mint
 from gpuaas_common.bus import Bus
+from gpuaas_common.contract import messages as m
 from gpuaas_common.db import create_pool
 from gpuaas_common.jetstream import FOLLOWERS
 from gpuaas_common.migrations import apply_migrations
+from gpuaas_dev.testing.waiting import eventually
 from gpuaas_ops_view.adapters.changes import Changes
 from gpuaas_ops_view.adapters.scheduler_admin import SchedulerAdmin
 from gpuaas_ops_view.entrypoints.admin_http import ops_api
@@ -39,6 +42,7 @@ from .test_ops_view import (  # noqa: F401  (nc: the fixture)
     nc,
     publish,
     slots_changed,
+    wipe_report,
 )
 
 # The console's login-link key: its own, not the ops token (that one only reads the API).
@@ -272,6 +276,26 @@ async def test_a_login_link_opens_the_pages_and_only_them(nc: nats.NATS, console
             # A slot never placed, with its health and why, as the scheduler announced it.
             assert f'data-slot="{node}-s5" data-status="cleanup_blocked" data-health="failed"' in body, body
             assert "no blkdiscard proof of the disk" in body
+
+        # The host's slot wipe (its own task, no allocation's) is on its page with each slot's proof.
+        wipe = m.SliceSlotWipe(
+            task_id=f"wipe-{node}",
+            node_id=node,
+            deadline=datetime.now(timezone.utc) + timedelta(minutes=10),
+            slots=[
+                m.WipeSlot(slot_id=f"{node}-s5", nvme_by_id=f"/dev/disk/by-id/nvme-{node}-5", wipe_policy="blkdiscard")
+            ],
+        )
+        await publish(nc, "slice.slot_wipe", wipe, node_id=node)
+        await publish(nc, "node.slot_wipe_reported", wipe_report(wipe), node_id=node)
+
+        async def wipe_on_page() -> str | None:
+            async with http.get(f"{console.url}/console/fleet/{node}") as resp:
+                body = await resp.text()
+            return body if f'data-task="{wipe.task_id}" data-status="succeeded"' in body else None
+
+        body = await eventually(wipe_on_page, 20, what="the host's wipe on its page")
+        assert f"wipe_reported: {node}-s5 /dev/disk/by-id/nvme-{node}-5: blkdiscard, verified" in body, body
         async with http.get(f"{console.url}/console/fleet/-bad") as resp:
             assert resp.status == 400 and "node_id must be an identifier" in await resp.text()
         # The fleet without the scheduler's admin API: the evidence from the streams, no drain.

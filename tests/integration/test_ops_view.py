@@ -670,6 +670,63 @@ async def test_slots_health_and_never_placed_slots_come_from_the_schedulers_anno
     assert "already has announcement 2 from event" in letter["reason"] and clash in letter["reason"]
 
 
+def wipe_report(task: m.SliceSlotWipe, *, refuse: str | None = None) -> m.NodeSlotWipeReported:
+    """The host's answer to `task`: every slot proven wiped, but `refuse` (a slot id), which its agent refused."""
+    outcomes = []
+    for s in task.slots:
+        if s.slot_id == refuse:
+            outcomes.append(
+                m.SlotWipeOutcome(
+                    slot_id=s.slot_id, device=s.nvme_by_id, reason_code="disk_leased", reason="leased by a live VM"
+                )
+            )
+            continue
+        proof = m.WipeProof(device=s.nvme_by_id, method="blkdiscard", verified=True, verification="zeros read back")
+        outcomes.append(m.SlotWipeOutcome(slot_id=s.slot_id, device=s.nvme_by_id, proof=proof))
+    return m.NodeSlotWipeReported(task_id=task.task_id, node_id=task.node_id, outcomes=outcomes)
+
+
+async def test_a_hosts_slot_wipes_are_on_its_timeline_with_each_slots_proof(
+    nc: nats.NATS, view: View, http: aiohttp.ClientSession
+) -> None:
+    node = f"n-{uuid.uuid4().hex[:8]}"
+    await fleet(nc, node)
+    disks = {f"{node}-s{i}": f"/dev/disk/by-id/nvme-eui.{node}-{i}" for i in (1, 2)}
+    tasks = [
+        m.SliceSlotWipe(
+            task_id=f"wipe-{node}-{n}",
+            node_id=node,
+            deadline=datetime.now(timezone.utc) + timedelta(minutes=10),
+            slots=[m.WipeSlot(slot_id=k, nvme_by_id=v, wipe_policy="blkdiscard") for k, v in disks.items()],
+        )
+        for n in (1, 2)
+    ]
+    # The first: one disk refused by the host; the second, asked again, proves both.
+    await publish(nc, "slice.slot_wipe", tasks[0], node_id=node)
+    await publish(nc, "node.slot_wipe_reported", wipe_report(tasks[0], refuse=f"{node}-s2"), node_id=node)
+    await publish(nc, "slice.slot_wipe", tasks[1], node_id=node)
+    await publish(nc, "node.slot_wipe_reported", wipe_report(tasks[1]), node_id=node)
+    await caught_up(http, view)
+
+    status, h = await get(http, f"{view.url}/v1/hosts/{node}")
+    assert status == 200, h
+    wipes = {t["task_id"]: t for t in h["tasks"] if t["task_type"] == "slice.slot_wipe"}
+    assert sorted(wipes) == sorted(t.task_id for t in tasks)
+    first, second = wipes[tasks[0].task_id], wipes[tasks[1].task_id]
+    assert (first["status"], first["reason_code"]) == ("failed", "wipe_not_proven"), first
+    assert first["reason"] == f"no verified proof for {node}-s2" and first["sent_at"] and first["finished_at"]
+    [said] = [p["detail"] for p in first["phases"] if p["phase"] == "wipe_reported"]
+    assert said == (
+        f"{node}-s1 {disks[f'{node}-s1']}: blkdiscard, verified; "
+        f"{node}-s2 {disks[f'{node}-s2']}: refused (disk_leased): leased by a live VM"
+    )
+    assert (second["status"], second["reason_code"]) == ("succeeded", None), second
+    [said] = [p["detail"] for p in second["phases"] if p["phase"] == "wipe_reported"]
+    assert all(f"{k} {v}: blkdiscard, verified" in said for k, v in disks.items()), said
+    # No allocation's timeline holds a host's wipe.
+    assert all(t["allocation_id"] is None for t in h["tasks"])
+
+
 async def _dump(pool: asyncpg.Pool) -> dict[str, list[tuple]]:
     out = {}
     async with pool.acquire() as conn:

@@ -101,13 +101,33 @@ async def claims(conn: asyncpg.Connection, *, allocation_id: uuid.UUID | None = 
     return [_row(r) for r in rows]
 
 
+_TASKS_WITH_PHASES = (
+    "SELECT t.*, COALESCE((SELECT jsonb_agg(jsonb_build_object('phase', p.phase, 'detail', p.detail, 'at', p.at) "
+    "ORDER BY p.stream_seq) FROM node_task_phases p WHERE p.task_id = t.task_id), '[]') AS phases "
+    "FROM node_tasks t "
+)
+
+
 async def tasks(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[dict[str, Any]]:
     rows = await conn.fetch(
-        "SELECT t.*, COALESCE((SELECT jsonb_agg(jsonb_build_object('phase', p.phase, 'detail', p.detail, 'at', p.at) "
-        "ORDER BY p.stream_seq) FROM node_task_phases p WHERE p.task_id = t.task_id), '[]') AS phases "
-        "FROM node_tasks t WHERE t.allocation_id = $1 ORDER BY COALESCE(t.sent_at, t.updated_at), t.task_id",
+        _TASKS_WITH_PHASES + "WHERE t.allocation_id = $1 ORDER BY COALESCE(t.sent_at, t.updated_at), t.task_id",
         allocation_id,
     )
+    return _with_phases(rows)
+
+
+async def host_tasks(conn: asyncpg.Connection, node_id: str, limit: int = 50) -> list[dict[str, Any]]:
+    """The host's own tasks (no allocation's: its slot wipes), newest first."""
+    rows = await conn.fetch(
+        _TASKS_WITH_PHASES + "WHERE t.node_id = $1 AND t.allocation_id IS NULL "
+        "ORDER BY COALESCE(t.sent_at, t.updated_at) DESC, t.task_id LIMIT $2",
+        node_id,
+        limit,
+    )
+    return _with_phases(rows)
+
+
+def _with_phases(rows: list[asyncpg.Record]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         row = _row(r)

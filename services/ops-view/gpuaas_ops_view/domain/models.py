@@ -94,6 +94,25 @@ def task_status(current: str | None, incoming: str) -> str:
     return "running" if incoming != "queued" else current
 
 
+def wipe_outcome_text(outcome: dict[str, Any]) -> str:
+    """One slot's outcome of a host's wipe, as ops read it on the host's timeline."""
+    head = f"{outcome['slot_id']} {outcome['device']}: "
+    proof = outcome.get("proof")
+    if proof is None:
+        reason = outcome.get("reason")
+        return head + f"refused ({outcome.get('reason_code')})" + (f": {reason}" if reason else "")
+    said = f"{proof['method']}, " + ("verified" if proof["verified"] else "NOT verified")
+    if proof.get("signatures"):
+        said += ", signatures remain: " + ", ".join(proof["signatures"])
+    if not proof["verified"] and proof.get("detail"):
+        said += f" ({proof['detail']})"
+    return head + said
+
+
+def wipe_outcomes_text(outcomes: list[dict[str, Any]]) -> str:
+    return "; ".join(wipe_outcome_text(o) for o in outcomes)
+
+
 def failing_checks(checks: list[dict[str, Any]]) -> list[dict[str, str]]:
     return [
         {"check": c["check"], "status": c["status"], "detail": c["detail"]} for c in checks if c["status"] != "PASS"

@@ -153,6 +153,9 @@ class HostDetail(Host):
     slots: list[Slot]
     claims: list[Claim]
     mode_history: list[ModeChange] = []
+    # The host's own tasks (no allocation's), newest first: its slot wipes, each phase naming every slot's proof
+    # (device, method, verified) as the host reported it.
+    tasks: list[NodeTask] = []
 
 
 class ImageCache(BaseModel):

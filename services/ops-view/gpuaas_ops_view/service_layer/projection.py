@@ -21,6 +21,7 @@ from ..domain.models import (
     place_announcement,
     place_transition,
     task_status,
+    wipe_outcomes_text,
 )
 from ..domain.usage import ENDS, usage_of
 
@@ -257,6 +258,30 @@ async def on_task_result(repo: Projection, ev: Event) -> None:
     )
 
 
+async def on_slot_wipe_reported(repo: Projection, ev: Event) -> None:
+    """A host's answer to a slice.slot_wipe (no allocation's task: the host's own timeline): the task finishes,
+    succeeded only when every slot's disk was proven wiped, and its phase names each slot's outcome (device, method,
+    verified, or why not) as ops read it beside the scheduler's verdict."""
+    p = ev.payload
+    current = await repo.task_status(p["task_id"])
+    outcomes = p["outcomes"]
+    unproven = [o["slot_id"] for o in outcomes if not (o.get("proof") and o["proof"]["verified"])]
+    await repo.upsert_task(
+        {
+            "task_id": p["task_id"],
+            "allocation_id": None,
+            "node_id": p["node_id"],
+            "task_type": "slice.slot_wipe",
+            "status": task_status(current, "failed" if unproven else "succeeded"),
+            "reason_code": "wipe_not_proven" if unproven else None,
+            "reason": ("no verified proof for " + ", ".join(unproven))[:2000] if unproven else None,
+            "finished_at": ev.at,
+            "updated_at": ev.at,
+        }
+    )
+    await repo.add_phase(p["task_id"], ev.message.seq, "wipe_reported", wipe_outcomes_text(outcomes), ev.at)
+
+
 # --- fleet ---------------------------------------------------------------------------------------------
 
 
@@ -422,6 +447,8 @@ HANDLERS: dict[str, Handler] = {
     "slice.vm_release": on_task_sent,
     "slice.topology_discover": on_task_sent,
     "image.cache_prewarm": on_task_sent,
+    "slice.slot_wipe": on_task_sent,
+    "node.slot_wipe_reported": on_slot_wipe_reported,
     "node.task_progress": on_task_progress,
     "node.task_result": on_task_result,
     "node.enrolled": on_enrolled,
@@ -448,4 +475,4 @@ HANDLERS: dict[str, Handler] = {
 # The handlers that read or write an allocation's rows: a batch reads what it needs of all theirs at once.
 _READS_ALLOCATION = (on_lifecycle, on_rejected)
 # And those that read a node task's.
-_READS_TASK = (on_task_sent, on_task_progress, on_task_result)
+_READS_TASK = (on_task_sent, on_task_progress, on_task_result, on_slot_wipe_reported)

@@ -98,7 +98,8 @@ async def get_host(conn: asyncpg.Connection, node_id: str) -> dict[str, Any]:
         )
         slots.append({**slot, "status": status, "held_by": holder, "drift": drifted.get(slot["slot_id"], [])})
     history = await q.mode_history(conn, node_id)
-    return {**view, "slots": slots, "claims": [c for c in claims if c["released_at"] is None], "mode_history": history}
+    live = [c for c in claims if c["released_at"] is None]
+    return {**view, "slots": slots, "claims": live, "mode_history": history, "tasks": await q.host_tasks(conn, node_id)}
 
 
 async def list_images(conn: asyncpg.Connection) -> dict[str, Any]:
