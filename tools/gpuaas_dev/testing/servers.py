@@ -122,6 +122,10 @@ class NatsServer:
             f"{'https' if self.tls else 'http'}: 127.0.0.1:{self.monitor_port}",
             # A service's user JWT lists every subject it may use and travels in the CONNECT line.
             "max_control_line: 65536",
+            # The server logs a line per refused publish: a hostile host's flood wrote 0.9 MB/s of them
+            # (bench/hostile_host.py). Rotated at a size, a few files kept: the log is bounded, never off.
+            "logfile_size_limit: 64MB",
+            "logfile_max_num: 4",
             "jetstream {",
             *js,
             "}",
