@@ -598,17 +598,8 @@ async def main_async(args: argparse.Namespace) -> dict:
     configure_logging("bench", "WARNING", stream=sys.stderr)
     args.hosts = args.hosts or pipeline.fleet_for(args.rate, args.window, 1)
     run_dir = Path(tempfile.mkdtemp(prefix="gpuaas-hostile-"))
-    stack = pipeline._stack(  # noqa: SLF001 - the pipeline's stack, with one baremetal machine for the tenant
-        run_dir,
-        args.hosts,
-        True,
-        auth=True,
-        nats_cluster=1,
-        replicas=1,
-        log_level=args.service_log_level,
-        profile_dir="",
-        baremetal_hosts=1,
-    )
+    # The pipeline's stack, with one baremetal machine for the tenant.
+    stack = pipeline.side_stack(run_dir, args.hosts, args.service_log_level, baremetal_hosts=1)
     started = time.perf_counter()
     result = await pipeline._with_stack(stack, lambda s: run(s, args), args.keep_run_dir)  # noqa: SLF001
     result["wall_s"] = round(time.perf_counter() - started, 1)

@@ -541,6 +541,22 @@ def _stack(
     )
 
 
+def side_stack(run_dir: Path, hosts: int, log_level: str, *, baremetal_hosts: int = 0) -> Stack:
+    """The stack a bench beside this one measures on: instant slice hosts, one NATS server, one replica of each
+    service, identities on, no profiling (read_model_lag.py, hostile_host.py)."""
+    return _stack(
+        run_dir,
+        hosts,
+        True,
+        auth=True,
+        nats_cluster=1,
+        replicas=1,
+        log_level=log_level,
+        profile_dir="",
+        baremetal_hosts=baremetal_hosts,
+    )
+
+
 async def _with_stack(stack: Stack, fn, keep_run_dir: bool = False, without: tuple[str, ...] = ()):
     try:
         await asyncio.get_running_loop().run_in_executor(None, stack.start)

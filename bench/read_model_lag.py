@@ -247,16 +247,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     configure_logging("bench", "WARNING", stream=sys.stderr)
     started = time.perf_counter()
     hosts = args.hosts or pipeline.fleet_for(args.rate, args.duration, args.gpus)
-    stack = pipeline._stack(
-        Path(tempfile.mkdtemp(prefix="gpuaas-bench-")),
-        hosts,
-        True,
-        auth=True,
-        nats_cluster=1,
-        replicas=1,
-        log_level=args.service_log_level,
-        profile_dir="",
-    )
+    stack = pipeline.side_stack(Path(tempfile.mkdtemp(prefix="gpuaas-bench-")), hosts, args.service_log_level)
     result = await pipeline._with_stack(
         stack, lambda s: measure(s, args.rate, args.duration, args.gpus, args.idle_s), args.keep_run_dir
     )

@@ -18,6 +18,7 @@ from gpuaas_dev.maas_sim.control import sim_user_data_headers
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.databases import ServiceDatabases
+from gpuaas_dev.testing.servers import NatsServer
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +99,14 @@ class Portal:
 
 
 @pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """A bare nats-server for the lab tests that drive one agent without the stack."""
+    server = NatsServer(tmp_path_factory.mktemp("lab-nats")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 async def portal(stack: Stack) -> AsyncIterator[Portal]:
     # The tests watch everything and inject hostile input, so they act as the break-glass admin; the
     # services and hosts under test run as their own least-privilege identities.
@@ -126,3 +135,22 @@ async def maas_sim(stack: Stack, method: str, path: str, body: Any = None) -> An
             text = await resp.text()
             assert resp.status < 400, text
             return json.loads(text)
+
+
+async def scheduler_admin(
+    stack: Stack, method: str, path: str, body: Any = None, actor: str = "ops"
+) -> tuple[int, Any]:
+    """The scheduler's admin API as ops call it (a write carries an idempotency key and the actor): status, body."""
+    headers = {"Authorization": f"Bearer {stack.scheduler_admin_token}"}
+    if method != "GET":
+        headers |= {"Idempotency-Key": uuid.uuid4().hex, "X-Actor": actor}
+    async with aiohttp.ClientSession() as http:
+        async with http.request(method, stack.scheduler_admin_url + path, json=body, headers=headers) as resp:
+            return resp.status, await resp.json()
+
+
+async def scheduler_ok(stack: Stack, method: str, path: str, body: Any = None) -> Any:
+    """`scheduler_admin` that must answer 200: its body."""
+    status, answer = await scheduler_admin(stack, method, path, body)
+    assert status == 200, answer
+    return answer

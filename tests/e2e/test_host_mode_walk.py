@@ -8,18 +8,18 @@ admin API as `gpuaas-dev`."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
-import aiohttp
 import pytest
 
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.testing.waiting import eventually
 
 from .conftest import maas_sim
+from .conftest import scheduler_admin as admin
+from .conftest import scheduler_ok as ok
 
 pytestmark = pytest.mark.e2e
 
@@ -38,21 +38,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.start()
     yield s
     s.stop()
-
-
-async def admin(stack: Stack, method: str, path: str, body: Any = None, actor: str = "ops") -> tuple[int, Any]:
-    headers = {"Authorization": f"Bearer {stack.scheduler_admin_token}"}
-    if method != "GET":
-        headers |= {"Idempotency-Key": uuid.uuid4().hex, "X-Actor": actor}
-    async with aiohttp.ClientSession() as http:
-        async with http.request(method, stack.scheduler_admin_url + path, json=body, headers=headers) as resp:
-            return resp.status, await resp.json()
-
-
-async def ok(stack: Stack, method: str, path: str, body: Any = None) -> Any:
-    status, answer = await admin(stack, method, path, body)
-    assert status == 200, answer
-    return answer
 
 
 async def node(stack: Stack) -> dict[str, Any]:

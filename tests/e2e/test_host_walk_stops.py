@@ -6,18 +6,18 @@ redeploy as a host whose firmware lost VT-x would."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from gpuaas_dev.cli.inventory import _node_detail_text
 from gpuaas_dev.stack import Stack
 from gpuaas_dev.testing.waiting import eventually
 from gpuaas_node_agent.service_layer.host_paths import HostPaths
+
+from .conftest import scheduler_ok as ok
 
 pytestmark = pytest.mark.e2e
 
@@ -31,17 +31,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s.start()
     yield s
     s.stop()
-
-
-async def ok(stack: Stack, method: str, path: str, body: Any = None) -> Any:
-    headers = {"Authorization": f"Bearer {stack.scheduler_admin_token}"}
-    if method != "GET":
-        headers |= {"Idempotency-Key": uuid.uuid4().hex, "X-Actor": "ops"}
-    async with aiohttp.ClientSession() as http:
-        async with http.request(method, stack.scheduler_admin_url + path, json=body, headers=headers) as resp:
-            answer = await resp.json()
-            assert resp.status == 200, answer
-            return answer
 
 
 async def test_a_parity_failure_after_the_redeploy_stops_the_walk_with_the_failing_check(stack, portal, db):

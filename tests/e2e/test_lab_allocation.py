@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from gpuaas_dev.lab.agent import host_prefix
@@ -37,6 +36,7 @@ from gpuaas_dev.stack import Stack
 from gpuaas_dev.stack.lab_host import LAB_NODE, LAB_SKU, restart_lab_agent
 from gpuaas_dev.testing.waiting import eventually
 
+from .conftest import scheduler_ok
 from .lab_checks import domains, lab_only, run, virsh, zeros_sampled
 
 pytestmark = lab_only  # why this is no skip left to rot: lab_checks.lab_only
@@ -93,14 +93,6 @@ def _files(directory: str) -> list[str]:
     return sorted(p.name for p in Path(directory).iterdir())
 
 
-async def _scheduler(stack: Stack, path: str) -> Any:
-    headers = {"Authorization": f"Bearer {stack.scheduler_admin_token}"}
-    async with aiohttp.ClientSession(base_url=stack.scheduler_admin_url, headers=headers) as http:
-        async with http.get(path) as resp:
-            assert resp.status == 200, await resp.text()
-            return await resp.json()
-
-
 @pytest.mark.timeout(1500)
 async def test_slices_allocated_through_the_stack_run_on_real_vms_isolated_and_come_back(
     stack: Stack, portal, db, tmp_path
@@ -109,14 +101,14 @@ async def test_slices_allocated_through_the_stack_run_on_real_vms_isolated_and_c
     st = lab.state
     assert st is not None and stack.lab_image is not None
     # Onboarded as a GPU host is: commissioned, parity of the emulated profile passed, the slots approved.
-    node = (await _scheduler(stack, f"/v1/nodes/{LAB_NODE}"))["node"]
+    node = (await scheduler_ok(stack, "GET", f"/v1/nodes/{LAB_NODE}"))["node"]
     assert node["parity_failures"] == 0 and node["mode"] == "slice"
     evidence = await db.fetchrow(
         "SELECT preflight_status, parity_detail FROM scheduler.nodes WHERE node_id = $1", LAB_NODE
     )
     assert evidence["preflight_status"] == "passed"
     assert json.loads(evidence["parity_detail"])["profile"] == "emulated"
-    approved = {s["nvme_by_id"]: s for s in (await _scheduler(stack, f"/v1/nodes/{LAB_NODE}/slots"))["slots"]}
+    approved = {s["nvme_by_id"]: s for s in (await scheduler_ok(stack, "GET", f"/v1/nodes/{LAB_NODE}/slots"))["slots"]}
     assert set(approved) == {slot.by_id for slot in st.slots}
     assert all(s["emulated"] and s["gpu_pci_address"] is None and s["status"] == "available" for s in approved.values())
 
@@ -248,7 +240,7 @@ async def test_slices_allocated_through_the_stack_run_on_real_vms_isolated_and_c
     assert all(zeros_sampled(slot.loop_device, slot.size_bytes) for slot in st.slots)
 
     async def slots_available() -> bool:
-        slots = (await _scheduler(stack, f"/v1/nodes/{LAB_NODE}/slots"))["slots"]
+        slots = (await scheduler_ok(stack, "GET", f"/v1/nodes/{LAB_NODE}/slots"))["slots"]
         return all(s["status"] == "available" for s in slots)
 
     await eventually(slots_available, 60, 0.2, "the wiped slots back in service")

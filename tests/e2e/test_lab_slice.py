@@ -41,13 +41,6 @@ BOOT_S = 600.0
 
 
 @pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory):
-    server = NatsServer(tmp_path_factory.mktemp("lab-nats")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def lab(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory):
     made = Lab(tmp_path_factory.mktemp("lab"), slots=1)
     made.up(forwards={"nats": nats_server.port})

@@ -51,13 +51,6 @@ GUEST_DISK = ("virtio-disk0", "/machine/peripheral/virtio-disk0/virtio-backend")
 
 
 @pytest.fixture(scope="module")
-def nats_server(tmp_path_factory: pytest.TempPathFactory):
-    server = NatsServer(tmp_path_factory.mktemp("lab-nats")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def lab(nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory):
     # A 1 GiB slot: the host-side scan reads every byte of it.
     made = Lab(tmp_path_factory.mktemp("lab"), slots=1, slot_disk_gib=1)

@@ -12,25 +12,14 @@ import pytest
 
 from gpuaas_dev.testing.waiting import eventually
 
-from .conftest import maas_sim
+from .conftest import maas_sim, scheduler_ok
 
 pytestmark = pytest.mark.e2e
 
 
-async def _scheduler(stack, method: str, path: str, body=None):
-    headers = {"Authorization": f"Bearer {stack.scheduler_admin_token}"}
-    if method != "GET":
-        headers |= {"Idempotency-Key": uuid.uuid4().hex, "X-Actor": "ops"}
-    async with aiohttp.ClientSession() as http:
-        async with http.request(method, stack.scheduler_admin_url + path, json=body, headers=headers) as resp:
-            answer = await resp.json()
-            assert resp.status == 200, answer
-            return answer
-
-
 async def _site_policy(stack, policy: str) -> None:
     body = {"destructive_wipe_policy": policy, "actor": "ops", "reason": "erase e2e"}
-    await _scheduler(stack, "PUT", "/v1/sites/default/wipe-policy", body)
+    await scheduler_ok(stack, "PUT", "/v1/sites/default/wipe-policy", body)
 
 
 async def _ops_timeline_erase(stack, alloc: uuid.UUID, state: str) -> dict:
