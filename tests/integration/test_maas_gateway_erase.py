@@ -35,11 +35,17 @@ async def _result(gw: Gateway, op: str) -> dict[str, Any]:
     return found[0].model_dump(mode="json")
 
 
+# A region whose global settings erase quickly (and securely) by default: a flag the gateway left out would be
+# taken from them, so a full erase would run quick and still report Passed.
+QUICK_BY_DEFAULT = {"disk_erase_with_quick_erase": True, "disk_erase_with_secure_erase": True}
+
+
+@pytest.mark.parametrize("region", [{}, QUICK_BY_DEFAULT], ids=["fresh-region", "quick-by-default-region"])
 @pytest.mark.parametrize(
     "sid, mode, asked, ran",
     [
         (SECURE, "secure", {"erase": True, "secure_erase": True, "quick_erase": False}, "secure"),
-        # A drive without secure erase: MAAS falls back to the full overwrite, as quick_erase is not sent.
+        # A drive without secure erase: MAAS falls back to the full overwrite, as quick_erase is false.
         (NO_SECURE, "secure", {"erase": True, "secure_erase": True, "quick_erase": False}, "full"),
         (SECURE, "full", {"erase": True, "secure_erase": False, "quick_erase": False}, "full"),
         # An older allocator's command names no erase: the full overwrite.
@@ -52,9 +58,11 @@ async def test_a_release_asks_maas_the_commands_erase_and_is_released_once_the_e
     mode: str | None,
     asked: dict[str, bool],
     ran: str,
+    region: dict[str, bool],
 ) -> None:
     runner, port = await start_sim(MACHINES, disk_erasing=0.2)
     sim = state_of(runner)
+    sim.config.erase_settings.update(region)
     try:
         async with Gateway(pool, settings_for(url(port))) as gw:
             await _deployed(gw, sid, "dep")

@@ -172,6 +172,42 @@ async def test_python_libmaas_lists_reads_deploys_and_releases(sim: Sim, http: a
     await eventually(ready)
 
 
+async def test_a_release_takes_each_flag_it_is_not_given_from_the_regions_settings(
+    sim: Sim, http: aiohttp.ClientSession
+) -> None:
+    """As MAAS: python-libmaas sets the region's erase settings, and a release that leaves a flag out runs what
+    they say (here a quick erase), while one that sends every flag runs what it asked (the full overwrite)."""
+    from maas.client import connect
+
+    def configure() -> tuple[Any, Any]:
+        client = connect(sim.maas, apikey=KEY)
+        client.maas.set_config("enable_disk_erasing_on_release", True)
+        client.maas.set_config("disk_erase_with_quick_erase", True)
+        return client.maas.get_config("disk_erase_with_quick_erase"), client.maas.get_config(
+            "disk_erase_with_secure_erase"
+        )
+
+    assert await in_libmaas_thread(configure) == (True, False)
+    alloc = sim.api + "machines/?op=allocate"
+    ran = {}
+    for hostname, form in (
+        ("bm-01", {}),
+        ("bm-02", {"erase": "true", "quick_erase": "false", "secure_erase": "false"}),
+    ):
+        sid = system_id_for(hostname)
+        async with http.post(alloc, headers=signed(alloc, "POST"), data={"system_id": sid}) as r:
+            assert r.status == 200
+        url = sim.api + f"machines/{sid}/?op=release"
+        async with http.post(url, headers=signed(url, "POST"), data=form) as r:
+            assert r.status == 200 and (await r.json())["status_name"] == "Disk erasing"
+        ran[hostname] = (await sim_machine(http, sim, sid))["_sim"]["last_release"]["erase_mode"]
+    assert ran == {"bm-01": "quick", "bm-02": "full"}
+
+    url = sim.api + "maas/?op=set_config"
+    async with http.post(url, headers=signed(url, "POST"), data={"name": "disk_erase_with_quick_erase"}) as r:
+        assert r.status == 400, await r.text()
+
+
 # ---- raw HTTP ---------------------------------------------------------------------------------------
 
 

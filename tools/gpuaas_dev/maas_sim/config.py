@@ -14,6 +14,17 @@ from .machines import Timers, system_id_for
 
 UBUNTU_SERIES = ("focal", "jammy", "noble")
 DEFAULT_CUSTOM_IMAGES = ("gpuaas-h200-host-ubuntu2404",)
+# A release flag left out takes MAAS's global setting of that name; a fresh MAAS has every one off.
+ERASE_SETTINGS = {
+    "enable_disk_erasing_on_release": False,
+    "disk_erase_with_secure_erase": False,
+    "disk_erase_with_quick_erase": False,
+}
+RELEASE_FLAG_SETTINGS = {
+    "erase": "enable_disk_erasing_on_release",
+    "secure_erase": "disk_erase_with_secure_erase",
+    "quick_erase": "disk_erase_with_quick_erase",
+}
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,9 @@ class SimConfig:
     seed: int = 0
     maas_version: str = "3.5.4"
     owner: str = "admin"
+    # MAAS's global settings a release reads for each erase flag it is not given (all off in a fresh MAAS);
+    # `maas/?op=set_config` changes them as on a real region.
+    erase_settings: dict[str, bool] = field(default_factory=lambda: dict(ERASE_SETTINGS))
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
 

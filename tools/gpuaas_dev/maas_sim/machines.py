@@ -384,8 +384,8 @@ class Machine:
         self.phase_deadline = None
         # MAAS drops the deploy's failure plan too: a release is a fresh start.
         self.pending_failures.pop(NodeStatus.DEPLOYING, None)
-        # As MAAS: only `erase` erases (this simulator's enable_disk_erasing_on_release is off); `secure_erase` and
-        # `quick_erase` choose how.
+        # As MAAS: only `erase` erases; `secure_erase` and `quick_erase` choose how (the handler has put the
+        # region's global settings in for the flags the caller left out).
         self.erase_mode = erase_mode_of(erase, secure_erase, quick_erase, self.secure_erase_supported)
         self.last_release = {
             "at": now,

@@ -1,6 +1,8 @@
 """Release: the host's bus identity is revoked first, then MAAS takes the machine back and erases its disks as the
 command says (the site's wipe policy, mapped by the allocator): `secure` is MAAS's `secure_erase` (a drive without
-one gets MAAS's full overwrite, as `quick_erase` is never sent), `full` is `erase` alone, the overwrite."""
+one gets MAAS's full overwrite, as `quick_erase` is false), `full` is `erase` alone, the overwrite. Every flag is
+sent, false ones too: a flag left out is MAAS's global setting, and a site whose "quick erase by default" is on
+would turn either mode into a quick erase that still reports Passed."""
 
 from __future__ import annotations
 
@@ -27,7 +29,11 @@ async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[
     )
     secure = release_erase_mode(row) == "secure"
     return lambda: site.client.release(
-        row["system_id"], erase=True, secure_erase=secure, comment=f"gpuaas release {row['allocation_id']}"
+        row["system_id"],
+        erase=True,
+        secure_erase=secure,
+        quick_erase=False,
+        comment=f"gpuaas release {row['allocation_id']}",
     )
 
 

@@ -6,6 +6,7 @@ import base64
 import binascii
 from typing import Any
 
+from ..config import RELEASE_FLAG_SETTINGS
 from ..errors import BadRequest, NoMachineAvailable
 from ..machines import Machine, NodeStatus
 from ..power import after_deploy, after_release
@@ -165,14 +166,13 @@ def deploy(call: Call) -> Any:
 
 def release(call: Call) -> Any:
     machine, params = call.machine, call.params
-    machine.release(
-        call.state.now(),
-        call.state.timers,
-        erase=params.flag("erase"),
-        quick_erase=params.flag("quick_erase"),
-        secure_erase=params.flag("secure_erase"),
-        comment=params.get("comment"),
-    )
+    # As MAAS: a flag the caller leaves out is the region's global setting for it.
+    settings = call.state.config.erase_settings
+    flags = {
+        flag: params.flag(flag) if flag in params else settings[setting]
+        for flag, setting in RELEASE_FLAG_SETTINGS.items()
+    }
+    machine.release(call.state.now(), call.state.timers, **flags, comment=params.get("comment"))
     if machine.erase_mode is not None and machine.status is NodeStatus.DISK_ERASING:
         _record_erase_run(call.state, machine)
     after_release(call.state, machine)

@@ -11,6 +11,7 @@ from .boot_resources import (
     read_boot_resource,
     upload_boot_resource_file,
 )
+from .maas_config import get_config, set_config
 from .machines import (
     abort,
     allocate,
@@ -55,6 +56,15 @@ ROUTES: tuple[Route, ...] = (
         (Operation("version", "GET", None, version, False, "Version and capabilities of MAAS."),),
         anon=True,
         doc="Information about this MAAS instance.",
+    ),
+    Route(
+        "MaasHandler",
+        "maas/",
+        (
+            Operation("maas.get_config", "GET", "get_config", get_config, False, "Get a config value."),
+            Operation("maas.set_config", "POST", "set_config", set_config, True, "Set a config value."),
+        ),
+        doc="Manage the MAAS server.",
     ),
     Route(
         "MachinesHandler",

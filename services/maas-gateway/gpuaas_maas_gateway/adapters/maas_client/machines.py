@@ -107,19 +107,17 @@ class MachineCalls(MaasTransport):
     async def release(
         self,
         system_id: str,
-        erase: bool = False,
-        quick_erase: bool = False,
-        secure_erase: bool = False,
+        erase: bool | None = None,
+        quick_erase: bool | None = None,
+        secure_erase: bool | None = None,
         comment: str | None = None,
         *,
         timeout: float | None = None,
     ) -> Machine:
-        form = {
-            "erase": erase or None,
-            "quick_erase": quick_erase or None,
-            "secure_erase": secure_erase or None,
-            "comment": comment,
-        }
+        # None leaves a flag out, and MAAS then takes its global setting for it (enable_disk_erasing_on_release,
+        # disk_erase_with_secure_erase, disk_erase_with_quick_erase): a caller that must know which erase runs
+        # sends every flag, false included.
+        form = {"erase": erase, "quick_erase": quick_erase, "secure_erase": secure_erase, "comment": comment}
         data = await self._call(
             "POST",
             f"machines/{system_id}/",
