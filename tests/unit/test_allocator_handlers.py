@@ -868,9 +868,14 @@ async def test_a_transition_made_again_after_a_lost_commit_is_a_new_event_and_a_
     assert reasked.event_id != first.event_id
 
 
-def _maas_result(alloc: uuid.UUID, kind: str, operation_id: str, status: str) -> tuple[str, m.Payload]:
+def _maas_result(
+    alloc: uuid.UUID, kind: str, operation_id: str, status: str, *, erase_outcome: str | None = "erased"
+) -> tuple[str, m.Payload]:
     model = m.MaasDeployResult if kind == "deploy" else m.MaasReleaseResult
+    # A gateway's release result says which erase ran and how MAAS read it back.
+    erase = {"erase_mode": "full", "erase_outcome": erase_outcome} if kind == "release" else {}
     return f"maas.{kind}_result", model(
+        **erase,
         operation_id=operation_id,
         allocation_id=alloc,
         system_id="abc123",
@@ -929,6 +934,27 @@ async def test_a_failed_slice_allocation_sends_no_machine_release(world: World) 
     await world.place(alloc)
     await world.send(world.allocator.on_task_result, "node.task_result", _result(alloc, _prov(alloc), status="failed"))
     assert world.state(alloc) == "failed" and world.sent("maas.release_requested") == []
+
+
+@pytest.mark.parametrize("outcome", [None, "unconfirmed"])
+async def test_a_machine_released_without_a_confirmed_erase_fails_the_release_and_stays_drained(
+    world: World, outcome: str | None
+) -> None:
+    """`released` alone (an older or a compromised gateway, no erase read back) never frees the machine."""
+    alloc = await _deployed_baremetal(world)
+    await world.send(world.allocator.on_enrolled, "node.enrolled", _enrolled(alloc))
+    await world.send(
+        world.allocator.on_release_requested,
+        "allocation.release_requested",
+        m.AllocationReleaseRequested(allocation_id=alloc),
+    )
+    operation = world.sent("maas.release_requested")[0]["operation_id"]
+    result = _maas_result(alloc, "release", operation, "released", erase_outcome=outcome)
+    await world.send(world.allocator.on_maas_result, *result)
+    assert world.state(alloc) == "failed"
+    (failed,) = world.sent("allocation.failed")
+    assert (failed["reason_code"], failed["cleanup_required"]) == ("disk_erase_unconfirmed", True)
+    assert world.sent("allocation.released") == []
 
 
 async def test_a_release_answered_twice_is_applied_once_and_the_repeat_acknowledged(world: World) -> None:

@@ -674,7 +674,18 @@ class Allocation:
     def _apply_machine_release_result(self, res: m.MaasReleaseResult) -> None:
         self._set(awaiting_result=False)
         erase = _machine_erase(res)
-        if res.status == "released":
+        if res.status == "released" and res.erase_outcome != "erased":
+            # Released is not enough: the machine goes back to the pool only with its erase confirmed by MAAS. An
+            # older (or a compromised) gateway's `released` without one fails the release, so the node is drained.
+            self.fail(
+                "disk_erase_unconfirmed",
+                f"MAAS released the machine ({res.maas_status_name}) with no confirmed disk erase "
+                f"(erase_outcome {res.erase_outcome!r})",
+                self.node_id,
+                detail={"machine_erase": erase.model_dump(mode="json")},
+                machine_erase=erase,
+            )
+        elif res.status == "released":
             cleanup = m.CleanupReport(required=True, verified=True, reason=f"MAAS {res.maas_status_name}")
             self._transition(
                 "released",
