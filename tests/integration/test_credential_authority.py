@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -34,9 +35,12 @@ from nats.js import JetStreamContext
 from gpuaas_common.identity import Authority, Creds
 from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.authority import (
+    ENDED_ALLOCATIONS_KEY,
     HOST_USER_TTL_S,
     allocation_users,
+    ended_allocations,
     host_users,
+    live_node_users,
     node_users,
     record_host_users,
     revoked_users,
@@ -46,6 +50,11 @@ from gpuaas_common.identity.rotation import host_files
 from gpuaas_common.identity.signed_request import HEADER, sign
 from gpuaas_common.identity.tls import TlsFiles, client_context
 from gpuaas_common.jetstream import IDENTITY_BUCKET, provision
+from gpuaas_credential_authority.adapters.deploy_commands import DeployCommands
+from gpuaas_credential_authority.adapters.ledger import Ledger
+from gpuaas_credential_authority.domain.deploy_commands import DeployCommandRefused
+from gpuaas_credential_authority.domain.grants import HostUserGrant
+from gpuaas_credential_authority.service_layer.host_users import HostUsers
 from gpuaas_dev.testing.nats_clients import connect_as
 from gpuaas_dev.testing.servers import NatsServer
 from gpuaas_maas_gateway.adapters.credential_authority import AuthorityClient, AuthorityRefused
@@ -315,6 +324,101 @@ async def test_a_host_user_is_minted_only_for_the_deploy_command_that_asks_for_i
     minted = await client.mint(NODE, allocation, 3600, deploy_command_seq=tenant_seq)
     assert await allocation_users(js, allocation) == [minted.user]
     assert await node_users(js, NODE) == [minted.user]
+
+
+async def ledger_entries(js: JetStreamContext) -> dict[str, tuple[bytes | None, int | None]]:
+    """Every entry of the identity ledger as it stands (value, revision)."""
+    kv = await js.key_value(IDENTITY_BUCKET)
+    entries = {}
+    for key in await kv.keys():
+        entry = await kv.get(key)
+        entries[key] = (entry.value, entry.revision)
+    return entries
+
+
+async def test_a_released_allocations_deploy_command_mints_it_no_host_user_again(bench: Bench) -> None:
+    """Issue 38: before, the deploy command named again within its age limit gave the allocation a host user after
+    its release had revoked the last one (once the node's claim was free). Now the release ends the allocation in
+    the ledger, and its mint is refused with nothing written. The gateway's retries of a deploy still mint: each
+    ends the node's users first, which ends no allocation."""
+    client, js = bench.client(), bench.js
+    allocation = str(uuid.uuid4())
+    seq = await bench.deploys.tenant(NODE, allocation)
+    first = await client.mint(NODE, allocation, 3600, deploy_command_seq=seq)
+    # The deploy tried again (its first try never reached MAAS): the node's users end, the same command mints.
+    assert await client.end_slice_identity(NODE) == 1
+    retried = await client.mint(NODE, allocation, 3600, deploy_command_seq=seq)
+    assert sorted(await allocation_users(js, allocation)) == sorted([first.user, retried.user])
+    assert await ended_allocations(js) == {}
+
+    assert await client.revoke_allocation(allocation) == 1  # the release
+    assert list(await ended_allocations(js)) == [allocation]
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await connect(bench.server, bench.tls_files, creds_files.parse(retried.creds))
+    before = await ledger_entries(js)
+    with pytest.raises(AuthorityRefused) as refusal:
+        await client.mint(NODE, allocation, 3600, deploy_command_seq=seq)
+    assert (refusal.value.status, refusal.value.code) == (403, "allocation_ended")
+    assert await ledger_entries(js) == before  # nothing claimed, nothing recorded, nothing revoked
+    assert bench.refusals() == ["allocation_ended"]  # logged once
+    # Refused for the allocation's end, not the node's: the node's next allocation mints.
+    following = str(uuid.uuid4())
+    await client.mint(NODE, following, 3600, deploy_command_seq=await bench.deploys.tenant(NODE, following))
+
+
+async def test_a_revoke_with_no_user_left_still_ends_the_allocation_and_old_ends_are_pruned(bench: Bench) -> None:
+    """A revoke ends the allocation even when it finds nothing to revoke (a deploy that failed before its mint). The
+    marks it keeps are the allocations ended within the command age limit (3 h here) and a margin: an older one
+    refuses nothing an old command's refusal would not, so it goes at the next revoke."""
+    client, js = bench.client(), bench.js
+    allocation, long_ago, lately = (str(uuid.uuid4()) for _ in range(3))
+    seq = await bench.deploys.tenant(NODE, allocation)
+    kv = await js.key_value(IDENTITY_BUCKET)
+    now = int(time.time())
+    await kv.put(ENDED_ALLOCATIONS_KEY, json.dumps({long_ago: now - 4 * 3600, lately: now - 3600}).encode())
+
+    assert await client.revoke_allocation(allocation) == 0
+
+    assert set(await ended_allocations(js)) == {lately, allocation}
+    with pytest.raises(AuthorityRefused, match="403 allocation_ended"):
+        await client.mint(NODE, allocation, 3600, deploy_command_seq=seq)
+    assert await node_users(js, NODE) == [] and await allocation_users(js, allocation) == []
+
+
+class ReleasedMeanwhile(Ledger):
+    """The ledger, with the allocation's release run between a mint's check of the allocation and its record of
+    the user: another replica serving the release while this one mints."""
+
+    release: Callable[[], Awaitable[int]]
+    released: int | None = None
+
+    async def record_allocation_user(self, allocation_id: str, user: str, expires_at: int) -> None:
+        self.released = await self.release()
+        await super().record_allocation_user(allocation_id, user, expires_at)
+
+
+async def test_a_mint_that_a_release_overtakes_revokes_its_own_user(bench: Bench) -> None:
+    """The release marks the allocation ended before it reads the allocation's users; the mint reads the mark
+    again once its user is recorded. So one of them sees the other: here the release found no user yet, and the
+    mint revokes the user it had not handed out, and is refused."""
+    allocation = str(uuid.uuid4())
+    seq = await bench.deploys.tenant(NODE, allocation)
+    nc = await connect(
+        bench.server, bench.tls_files, bench.authority.issue_user(AUTHORITY, ROLE_PERMISSIONS[AUTHORITY])
+    )
+    try:
+        ledger = ReleasedMeanwhile(nc.jetstream(), [bench.server.url], client_context(bench.tls_files.ca))
+        service = HostUsers(bench.authority, ledger, DeployCommands(nc.jetstream()), max_command_age_s=3600)
+        ledger.release = lambda: service.revoke_allocation(allocation, "maas-gateway")
+        with pytest.raises(DeployCommandRefused) as refused:
+            await service.mint(HostUserGrant(NODE, allocation, 3600, seq), "maas-gateway")
+    finally:
+        await nc.close()
+    assert refused.value.code == "allocation_ended"
+    assert ledger.released == 0  # the release came before the user was recorded
+    [user] = await allocation_users(bench.js, allocation)
+    assert user in await revoked_users(bench.js)
+    assert await live_node_users(bench.js, NODE) == []  # the node is free
 
 
 async def test_an_old_deploy_command_mints_nothing(
