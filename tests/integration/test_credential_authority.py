@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -28,13 +30,17 @@ import nats.errors
 import nats.js.errors
 import pytest
 import pytest_asyncio
+from nats.js import JetStreamContext
 
 from gpuaas_common.identity import Authority, Creds
 from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.authority import (
+    ENDED_ALLOCATIONS_KEY,
     HOST_USER_TTL_S,
     allocation_users,
+    ended_allocations,
     host_users,
+    live_node_users,
     node_users,
     record_host_users,
     revoked_users,
@@ -44,6 +50,11 @@ from gpuaas_common.identity.rotation import host_files
 from gpuaas_common.identity.signed_request import HEADER, sign
 from gpuaas_common.identity.tls import TlsFiles, client_context
 from gpuaas_common.jetstream import IDENTITY_BUCKET, provision
+from gpuaas_credential_authority.adapters.deploy_commands import DeployCommands
+from gpuaas_credential_authority.adapters.ledger import Ledger
+from gpuaas_credential_authority.domain.deploy_commands import DeployCommandRefused
+from gpuaas_credential_authority.domain.grants import HostUserGrant
+from gpuaas_credential_authority.service_layer.host_users import HostUsers
 from gpuaas_dev.testing.nats_clients import connect_as
 from gpuaas_dev.testing.servers import NatsServer
 from gpuaas_maas_gateway.adapters.credential_authority import AuthorityClient, AuthorityRefused
@@ -95,13 +106,35 @@ def authority_url(
         yield url
 
 
-def gateway_creds(authority: Authority, tmp_path: Path, role: str = "maas-gateway", **kw: float) -> Path:
-    return creds_files.write(
-        tmp_path / f"{role}-{uuid.uuid4().hex[:6]}.creds", authority.issue_user(role, ROLE_PERMISSIONS[role], **kw)
-    )
+@dataclass(frozen=True)
+class Bench:
+    """What the tests of the authority as the gateway asks it share: the bus, its keys, the authority's process, the
+    allocator's and the scheduler's deploy commands."""
+
+    url: str
+    authority: Authority
+    server: NatsServer
+    tls_files: TlsFiles
+    admin: nats.NATS
+    deploys: Deploys
+    tmp_path: Path
+
+    @property
+    def js(self) -> JetStreamContext:
+        return self.admin.jetstream()
+
+    def client(self) -> AuthorityClient:
+        """The gateway's client, signing with a gateway identity of its own."""
+        return AuthorityClient(self.url, str(self.tls_files.ca), str(gateway_creds(self.authority, self.tmp_path)))
+
+    def refusals(self) -> list[str]:
+        """The reason of each refusal the authority logged, in order."""
+        log = log_of(self.tmp_path / "authority")
+        return [json.loads(line)["reason"] for line in log.splitlines() if '"authority_request_refused"' in line]
 
 
-async def test_the_gateway_mints_and_ends_a_baremetal_hosts_user_through_the_authority(
+@pytest.fixture
+def bench(
     authority_url: str,
     authority: Authority,
     server: NatsServer,
@@ -109,27 +142,41 @@ async def test_the_gateway_mints_and_ends_a_baremetal_hosts_user_through_the_aut
     admin: nats.NATS,
     deploys: Deploys,
     tmp_path: Path,
-) -> None:
-    client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
+) -> Bench:
+    return Bench(authority_url, authority, server, tls_files, admin, deploys, tmp_path)
+
+
+def gateway_creds(authority: Authority, tmp_path: Path, role: str = "maas-gateway", **kw: float) -> Path:
+    return creds_files.write(
+        tmp_path / f"{role}-{uuid.uuid4().hex[:6]}.creds", authority.issue_user(role, ROLE_PERMISSIONS[role], **kw)
+    )
+
+
+async def test_the_gateway_mints_and_ends_a_baremetal_hosts_user_through_the_authority(bench: Bench) -> None:
+    client = bench.client()
     allocation = str(uuid.uuid4())
 
-    minted = await client.mint(NODE, allocation, ttl_s=3600, deploy_command_seq=await deploys.tenant(NODE, allocation))
+    minted = await client.mint(
+        NODE, allocation, ttl_s=3600, deploy_command_seq=await bench.deploys.tenant(NODE, allocation)
+    )
 
     host = creds_files.parse(minted.creds)
     assert host.claims["sub"] == minted.user
     assert f"allocation:{allocation}" in host.claims["nats"]["tags"] and f"node:{NODE}" in host.claims["nats"]["tags"]
-    assert host.claims["iss"] == authority.baremetal_signing.public  # the baremetal key: its template, nothing more
-    assert await allocation_users(admin.jetstream(), allocation) == [minted.user]  # recorded before it left
+    assert (
+        host.claims["iss"] == bench.authority.baremetal_signing.public
+    )  # the baremetal key: its template, nothing more
+    assert await allocation_users(bench.js, allocation) == [minted.user]  # recorded before it left
     closed = asyncio.Event()
 
     async def on_closed() -> None:
         closed.set()
 
-    conn = await connect(server, tls_files, host, closed_cb=on_closed)
+    conn = await connect(bench.server, bench.tls_files, host, closed_cb=on_closed)
     assert await client.revoke_allocation(allocation) == 1
     await asyncio.wait_for(closed.wait(), timeout=5)  # its live connection ends with the revocation
     with pytest.raises(Exception, match="(?i)authorization violation"):
-        await connect(server, tls_files, host)
+        await connect(bench.server, bench.tls_files, host)
     assert conn.is_closed
     assert await client.revoke_allocation(allocation) == 0  # nothing left: nothing pushed again
 
@@ -152,56 +199,42 @@ async def test_a_slice_hosts_identity_ends_through_the_authority(
 
 
 async def test_a_redeployed_slice_host_gets_a_slice_hosts_own_user_which_ends_like_an_onboarded_ones(
-    authority_url: str,
-    authority: Authority,
-    server: NatsServer,
-    tls_files: TlsFiles,
-    admin: nats.NATS,
-    deploys: Deploys,
-    tmp_path: Path,
+    bench: Bench,
 ) -> None:
     """The scheduler's walk redeploys a converting host with the slice-host profile: its user is a slice host's (no
     allocation, the host lifetime, recorded as the host's), so renewal takes it like an onboarded host's file and
     the host's slice identity ends with it before a tenant's deploy."""
-    client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
+    client = bench.client()
 
     walk = str(uuid.uuid4())
 
-    minted = await client.mint_slice_host(NODE, walk, deploy_command_seq=await deploys.walk(NODE, walk))
+    minted = await client.mint_slice_host(NODE, walk, deploy_command_seq=await bench.deploys.walk(NODE, walk))
 
     host = creds_files.parse(minted.creds)
     tags = host.claims["nats"]["tags"]
     assert f"node:{NODE}" in tags and not [t for t in tags if t.startswith("allocation:")]
     assert host.claims["exp"] - host.claims["iat"] == HOST_USER_TTL_S
-    assert await host_users(admin.jetstream(), NODE) == [minted.user]
-    path = creds_files.write(tmp_path / "hosts" / f"node-{NODE}.creds", host)
-    assert host_files(tmp_path / "hosts") == {NODE: path}  # renewed as a slice host's
-    conn = await connect(server, tls_files, host)
+    assert await host_users(bench.js, NODE) == [minted.user]
+    path = creds_files.write(bench.tmp_path / "hosts" / f"node-{NODE}.creds", host)
+    assert host_files(bench.tmp_path / "hosts") == {NODE: path}  # renewed as a slice host's
+    conn = await connect(bench.server, bench.tls_files, host)
     await conn.close()
     assert await client.end_slice_identity(NODE) == 1
     with pytest.raises(Exception, match="(?i)authorization violation"):
-        await connect(server, tls_files, host)
+        await connect(bench.server, bench.tls_files, host)
 
 
-async def test_no_second_live_user_is_minted_for_a_node_until_its_users_are_ended(
-    authority_url: str,
-    authority: Authority,
-    server: NatsServer,
-    tls_files: TlsFiles,
-    admin: nats.NATS,
-    deploys: Deploys,
-    tmp_path: Path,
-) -> None:
+async def test_no_second_live_user_is_minted_for_a_node_until_its_users_are_ended(bench: Bench) -> None:
     """Issue 38 (N4): a node has one live host user at most. Before, the authority minted another user for any
     node the gateway named, beside the one the host runs with (a compromised gateway became that host). The
     gateway's flow keeps working: it ends the node's users before each deploy, and the deploy's mint follows."""
-    client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
-    js = admin.jetstream()
+    client = bench.client()
+    js = bench.js
     first, second, third, walk = (str(uuid.uuid4()) for _ in range(4))
     first_seq, second_seq, walk_seq = (
-        await deploys.tenant(NODE, first),
-        await deploys.tenant(NODE, second),
-        await deploys.walk(NODE, walk),
+        await bench.deploys.tenant(NODE, first),
+        await bench.deploys.tenant(NODE, second),
+        await bench.deploys.walk(NODE, walk),
     )
     minted = await client.mint(NODE, first, ttl_s=3600, deploy_command_seq=first_seq)
 
@@ -215,39 +248,37 @@ async def test_no_second_live_user_is_minted_for_a_node_until_its_users_are_ende
     assert await host_users(js, NODE) == []  # nothing minted by a refused one
 
     # An onboarded slice host's user (recorded by onboarding, not by the authority) counts too.
-    onboarded = authority.issue_host("slice-03")
+    onboarded = bench.authority.issue_host("slice-03")
     await record_host_users(js, "slice-03", [str(onboarded.claims["sub"])])
     with pytest.raises(AuthorityRefused, match="409 node_has_live_user"):
-        await client.mint("slice-03", third, ttl_s=3600, deploy_command_seq=await deploys.tenant("slice-03", third))
+        await client.mint(
+            "slice-03", third, ttl_s=3600, deploy_command_seq=await bench.deploys.tenant("slice-03", third)
+        )
 
     # Revoke, then mint: the gateway's deploy ends the node's users (the tenant's from the earlier deploy too).
     assert await client.end_slice_identity(NODE) == 1
     again = await client.mint(NODE, second, ttl_s=3600, deploy_command_seq=second_seq)
     with pytest.raises(Exception, match="(?i)authorization violation"):
-        await connect(server, tls_files, creds_files.parse(minted.creds))
-    conn = await connect(server, tls_files, creds_files.parse(again.creds))
+        await connect(bench.server, bench.tls_files, creds_files.parse(minted.creds))
+    conn = await connect(bench.server, bench.tls_files, creds_files.parse(again.creds))
     await conn.close()
     assert await client.revoke_allocation(second) == 1  # the release ends it; the next deploy mints again
     await client.mint_slice_host(NODE, walk, deploy_command_seq=walk_seq)
-    log = log_of(tmp_path / "authority")
-    refusals = [json.loads(line) for line in log.splitlines() if '"authority_request_refused"' in line]
-    assert [r["reason"] for r in refusals] == ["node_has_live_user"] * 4
+    assert bench.refusals() == ["node_has_live_user"] * 4
 
 
-async def test_a_host_user_is_minted_only_for_the_deploy_command_that_asks_for_it(
-    authority_url: str, authority: Authority, tls_files: TlsFiles, admin: nats.NATS, deploys: Deploys, tmp_path: Path
-) -> None:
+async def test_a_host_user_is_minted_only_for_the_deploy_command_that_asks_for_it(bench: Bench) -> None:
     """Issue 38 (point 4): before, the authority minted a host user for whatever node and allocation the gateway
     named, so a compromised gateway could become any machine's host. Now the request names a deploy command by
     its MAAS stream sequence, and the authority reads that command itself: only the allocator's deploy of that
     node for that allocation gives a tenant's host user, only the scheduler's slice-host redeploy of that node in
     that walk a slice host's."""
-    client = AuthorityClient(authority_url, str(tls_files.ca), str(gateway_creds(authority, tmp_path)))
-    js = admin.jetstream()
+    client = bench.client()
+    js = bench.js
     allocation, other_allocation, walk, other_walk = (str(uuid.uuid4()) for _ in range(4))
-    tenant_seq = await deploys.tenant(NODE, allocation)
-    walk_seq = await deploys.walk(NODE, walk)
-    release_seq = await deploys.release(NODE, allocation)
+    tenant_seq = await bench.deploys.tenant(NODE, allocation)
+    walk_seq = await bench.deploys.walk(NODE, walk)
+    release_seq = await bench.deploys.release(NODE, allocation)
     refused: dict[str, tuple[Callable[[], Awaitable[object]], str]] = {
         "another node": (
             lambda: client.mint("bm:02", allocation, 3600, deploy_command_seq=tenant_seq),
@@ -287,14 +318,107 @@ async def test_a_host_user_is_minted_only_for_the_deploy_command_that_asks_for_i
         assert await node_users(js, node) == [] and await host_users(js, node) == []
     for aggregate in (allocation, other_allocation, walk, other_walk):
         assert await allocation_users(js, aggregate) == []
-    log = log_of(tmp_path / "authority")
-    refusals = [json.loads(line) for line in log.splitlines() if '"authority_request_refused"' in line]
-    assert [r["reason"] for r in refusals] == [code for _, code in refused.values()]  # each logged once
+    assert bench.refusals() == [code for _, code in refused.values()]  # each logged once
 
     # The command that asks for it mints (the node was claimed by none of the refused ones).
     minted = await client.mint(NODE, allocation, 3600, deploy_command_seq=tenant_seq)
     assert await allocation_users(js, allocation) == [minted.user]
     assert await node_users(js, NODE) == [minted.user]
+
+
+async def ledger_entries(js: JetStreamContext) -> dict[str, tuple[bytes | None, int | None]]:
+    """Every entry of the identity ledger as it stands (value, revision)."""
+    kv = await js.key_value(IDENTITY_BUCKET)
+    entries = {}
+    for key in await kv.keys():
+        entry = await kv.get(key)
+        entries[key] = (entry.value, entry.revision)
+    return entries
+
+
+async def test_a_released_allocations_deploy_command_mints_it_no_host_user_again(bench: Bench) -> None:
+    """Issue 38: before, the deploy command named again within its age limit gave the allocation a host user after
+    its release had revoked the last one (once the node's claim was free). Now the release ends the allocation in
+    the ledger, and its mint is refused with nothing written. The gateway's retries of a deploy still mint: each
+    ends the node's users first, which ends no allocation."""
+    client, js = bench.client(), bench.js
+    allocation = str(uuid.uuid4())
+    seq = await bench.deploys.tenant(NODE, allocation)
+    first = await client.mint(NODE, allocation, 3600, deploy_command_seq=seq)
+    # The deploy tried again (its first try never reached MAAS): the node's users end, the same command mints.
+    assert await client.end_slice_identity(NODE) == 1
+    retried = await client.mint(NODE, allocation, 3600, deploy_command_seq=seq)
+    assert sorted(await allocation_users(js, allocation)) == sorted([first.user, retried.user])
+    assert await ended_allocations(js) == {}
+
+    assert await client.revoke_allocation(allocation) == 1  # the release
+    assert list(await ended_allocations(js)) == [allocation]
+    with pytest.raises(Exception, match="(?i)authorization violation"):
+        await connect(bench.server, bench.tls_files, creds_files.parse(retried.creds))
+    before = await ledger_entries(js)
+    with pytest.raises(AuthorityRefused) as refusal:
+        await client.mint(NODE, allocation, 3600, deploy_command_seq=seq)
+    assert (refusal.value.status, refusal.value.code) == (403, "allocation_ended")
+    assert await ledger_entries(js) == before  # nothing claimed, nothing recorded, nothing revoked
+    assert bench.refusals() == ["allocation_ended"]  # logged once
+    # Refused for the allocation's end, not the node's: the node's next allocation mints.
+    following = str(uuid.uuid4())
+    await client.mint(NODE, following, 3600, deploy_command_seq=await bench.deploys.tenant(NODE, following))
+
+
+async def test_a_revoke_with_no_user_left_still_ends_the_allocation_and_old_ends_are_pruned(bench: Bench) -> None:
+    """A revoke ends the allocation even when it finds nothing to revoke (a deploy that failed before its mint). The
+    marks it keeps are the allocations ended within the command age limit (3 h here) and a margin: an older one
+    refuses nothing an old command's refusal would not, so it goes at the next revoke."""
+    client, js = bench.client(), bench.js
+    allocation, long_ago, lately = (str(uuid.uuid4()) for _ in range(3))
+    seq = await bench.deploys.tenant(NODE, allocation)
+    kv = await js.key_value(IDENTITY_BUCKET)
+    now = int(time.time())
+    await kv.put(ENDED_ALLOCATIONS_KEY, json.dumps({long_ago: now - 4 * 3600, lately: now - 3600}).encode())
+
+    assert await client.revoke_allocation(allocation) == 0
+
+    assert set(await ended_allocations(js)) == {lately, allocation}
+    with pytest.raises(AuthorityRefused, match="403 allocation_ended"):
+        await client.mint(NODE, allocation, 3600, deploy_command_seq=seq)
+    assert await node_users(js, NODE) == [] and await allocation_users(js, allocation) == []
+
+
+class ReleasedMeanwhile(Ledger):
+    """The ledger, with the allocation's release run between a mint's check of the allocation and its record of
+    the user: another replica serving the release while this one mints."""
+
+    release: Callable[[], Awaitable[int]]
+    released: int | None = None
+
+    async def record_allocation_user(self, allocation_id: str, user: str, expires_at: int) -> None:
+        self.released = await self.release()
+        await super().record_allocation_user(allocation_id, user, expires_at)
+
+
+async def test_a_mint_that_a_release_overtakes_revokes_its_own_user(bench: Bench) -> None:
+    """The release marks the allocation ended before it reads the allocation's users; the mint reads the mark
+    again once its user is recorded. So one of them sees the other: here the release found no user yet, and the
+    mint revokes the user it had not handed out, and is refused."""
+    allocation = str(uuid.uuid4())
+    seq = await bench.deploys.tenant(NODE, allocation)
+    nc = await connect(
+        bench.server, bench.tls_files, bench.authority.issue_user(AUTHORITY, ROLE_PERMISSIONS[AUTHORITY])
+    )
+    try:
+        ledger = ReleasedMeanwhile(nc.jetstream(), [bench.server.url], client_context(bench.tls_files.ca))
+        service = HostUsers(bench.authority, ledger, DeployCommands(nc.jetstream()), max_command_age_s=3600)
+        ledger.release = lambda: service.revoke_allocation(allocation, "maas-gateway")
+        with pytest.raises(DeployCommandRefused) as refused:
+            await service.mint(HostUserGrant(NODE, allocation, 3600, seq), "maas-gateway")
+    finally:
+        await nc.close()
+    assert refused.value.code == "allocation_ended"
+    assert ledger.released == 0  # the release came before the user was recorded
+    [user] = await allocation_users(bench.js, allocation)
+    assert user in await revoked_users(bench.js)
+    assert await live_node_users(bench.js, NODE) == []  # the node is free
 
 
 async def test_an_old_deploy_command_mints_nothing(
@@ -350,31 +474,23 @@ async def _post(url: str, path: str, body: bytes, header: str | None, tls_files:
             return resp.status, await resp.json(content_type=None)
 
 
-async def test_every_refusal_is_named_nothing_is_minted_and_the_authority_keeps_serving(
-    authority_url: str,
-    authority: Authority,
-    server: NatsServer,
-    tls_files: TlsFiles,
-    admin: nats.NATS,
-    deploys: Deploys,
-    tmp_path: Path,
-) -> None:
+async def test_every_refusal_is_named_nothing_is_minted_and_the_authority_keeps_serving(bench: Bench) -> None:
     allocation = str(uuid.uuid4())
     path = "/v1/host-users"
-    seq = await deploys.tenant(NODE, allocation)
+    seq = await bench.deploys.tenant(NODE, allocation)
     body = json.dumps({"node_id": NODE, "allocation_id": allocation, "ttl_s": 600, "deploy_command_seq": seq}).encode()
-    gateway = creds_files.read(gateway_creds(authority, tmp_path))
-    revoked = authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"])
-    await authority.issuer().revoke(
-        [server.url], [str(revoked.claims["sub"])], js=admin.jetstream(), tls=client_context(tls_files.ca)
+    gateway = creds_files.read(gateway_creds(bench.authority, bench.tmp_path))
+    revoked = bench.authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"])
+    await bench.authority.issuer().revoke(
+        [bench.server.url], [str(revoked.claims["sub"])], js=bench.js, tls=client_context(bench.tls_files.ca)
     )
     first = sign(gateway, "POST", path, body)
-    status, answer = await _post(authority_url, path, body, first, tls_files)
+    status, answer = await _post(bench.url, path, body, first, bench.tls_files)
     assert status == 201
     minted = answer["user"]
     stranger = Authority.create().issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"])
-    scheduler = authority.issue_user("scheduler", ROLE_PERMISSIONS["scheduler"])
-    expired = authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"], ttl_s=-10)
+    scheduler = bench.authority.issue_user("scheduler", ROLE_PERMISSIONS["scheduler"])
+    expired = bench.authority.issue_user("maas-gateway", ROLE_PERMISSIONS["maas-gateway"], ttl_s=-10)
     altered = json.dumps(
         {"node_id": "slice-09", "allocation_id": allocation, "ttl_s": 600, "deploy_command_seq": seq}
     ).encode()
@@ -389,21 +505,20 @@ async def test_every_refusal_is_named_nothing_is_minted_and_the_authority_keeps_
         "stale": (body, sign(gateway, "POST", path, body, now=1_000_000_000)),
     }
     for reason, (sent, header) in cases.items():
-        status, answer = await _post(authority_url, path, sent, header, tls_files)
+        status, answer = await _post(bench.url, path, sent, header, bench.tls_files)
         assert (status, answer["error"]["code"]) == (403 if reason == "not_allowed" else 401, reason), answer
 
-    assert await allocation_users(admin.jetstream(), allocation) == [minted]  # nothing minted by a refused one
+    assert await allocation_users(bench.js, allocation) == [minted]  # nothing minted by a refused one
     # And it keeps serving (another node: this one has its live user, issue 38).
     other_allocation = str(uuid.uuid4())
-    other_seq = await deploys.tenant("bm:02", other_allocation)
+    other_seq = await bench.deploys.tenant("bm:02", other_allocation)
     other = json.dumps(
         {"node_id": "bm:02", "allocation_id": other_allocation, "ttl_s": 600, "deploy_command_seq": other_seq}
     ).encode()
-    status, _ = await _post(authority_url, path, other, sign(gateway, "POST", path, other), tls_files)
+    status, _ = await _post(bench.url, path, other, sign(gateway, "POST", path, other), bench.tls_files)
     assert status == 201
-    log = log_of(tmp_path / "authority")
-    refusals = [json.loads(line) for line in log.splitlines() if '"authority_request_refused"' in line]
-    assert sorted(r["reason"] for r in refusals) == sorted(cases)  # each logged once
+    assert sorted(bench.refusals()) == sorted(cases)  # each logged once
+    log = log_of(bench.tmp_path / "authority")
     for creds in (gateway, stranger, scheduler, expired, revoked):
         assert creds.jwt not in log and creds.seed.decode() not in log
 

@@ -5,7 +5,8 @@
 - A slice host's users end before the gateway deploys the host for a baremetal tenant (who gets root on the disk
   that holds their creds file), asked of the credential authority, and the deploy waits while they cannot be ended.
 - The deploy's host user is minted for the allocator's command as the MAAS stream holds it (issue 38): a command
-  that asks for another node fails the deploy with the authority's reason, and MAAS is never called.
+  that asks for another node, or one of an allocation already ended, fails the deploy with the authority's reason,
+  and MAAS is never called.
 - Admin lives hours; the other roles and hosts no longer than the ledger remembers a revocation.
 """
 
@@ -293,6 +294,30 @@ async def test_a_deploy_whose_command_asks_for_another_host_fails_with_the_autho
 
     assert (row["state"], row["maas_calls"], row["reason_code"]) == ("failed", 0, "deploy_command_mismatch")
     assert "bm-99" in row["status_message"]
+    assert state.call_count("deploy", system_id_for(MACHINE)) == 0  # type: ignore[attr-defined]
+    assert await node_users(admin.jetstream(), NODE) == []  # nothing minted for the node
+
+
+async def test_a_deploy_of_an_allocation_already_ended_fails_with_the_authoritys_reason(
+    pool: asyncpg.Pool,
+    sim: tuple[object, int],
+    server: NatsServer,
+    tls_files: TlsFiles,
+    authority: Authority,
+    admin: nats.NATS,
+    tmp_path: Path,
+) -> None:
+    """The allocation's users were revoked (its release) before the deploy's mint: the command, however recent, gets
+    it no host user. The deploy fails at once with the reason, and MAAS is never called."""
+    state, port = sim
+    seq = await allocators_deploy(server, tls_files, authority)
+    with authority_process(authority, tls_files, server.url, tmp_path / "authority") as url:
+        client = gateway_client(authority, tls_files, url, tmp_path)
+        assert await client.revoke_allocation(ALLOCATION) == 0  # as the release asks it
+        row = await run_deploy(pool, port, client, seq)
+
+    assert (row["state"], row["maas_calls"], row["reason_code"]) == ("failed", 0, "allocation_ended")
+    assert ALLOCATION in row["status_message"]
     assert state.call_count("deploy", system_id_for(MACHINE)) == 0  # type: ignore[attr-defined]
     assert await node_users(admin.jetstream(), NODE) == []  # nothing minted for the node
 

@@ -1,5 +1,6 @@
 """A host user is minted only for what a deploy command on the bus asks (issue 38, point 4): the rule
-(`gpuaas_credential_authority.domain.deploy_commands`), one row per refusal and per accepted mint."""
+(`gpuaas_credential_authority.domain.deploy_commands`), one row per refusal and per accepted mint; and none for an
+allocation that has ended."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gpuaas_credential_authority.domain.deploy_commands import (
     MintAsked,
     Minting,
     StoredMessage,
+    check_allocation_open,
     check_deploy_command,
 )
 
@@ -119,3 +121,15 @@ def test_a_mint_no_deploy_command_asks_for_is_refused_with_a_stable_code(
 )
 def test_the_deploy_command_that_asks_for_the_mint_lets_it_through(message: StoredMessage, asked: MintAsked) -> None:
     check_deploy_command(message, asked, now=NOW, max_age_s=MAX_AGE_S)
+
+
+def test_a_mint_for_an_ended_allocation_is_refused_whatever_its_ids_case() -> None:
+    ended_at = int(NOW.timestamp())
+    with pytest.raises(DeployCommandRefused) as refused:
+        check_allocation_open(ALLOCATION.upper(), {ALLOCATION.lower(): ended_at, str(uuid.uuid4()): ended_at})
+    assert refused.value.code == "allocation_ended"
+    assert NOW.isoformat() in str(refused.value)  # when it ended
+
+
+def test_a_mint_for_an_allocation_not_ended_goes_on() -> None:
+    check_allocation_open(ALLOCATION, {str(uuid.uuid4()): int(NOW.timestamp())})

@@ -156,6 +156,14 @@ def allocation_users_key(allocation_id: str) -> str:
     return ALLOCATION_USERS_PREFIX + base64.urlsafe_b64encode(allocation_id.lower().encode()).decode().rstrip("=")
 
 
+# Baremetal allocations whose host users the credential authority revoked (released, or their deploy failed):
+# allocation id → ended at (unix seconds), one entry written by compare-and-set. A mint for an ended allocation is
+# refused. Marks are pruned at each write once older than the writer's `keep_s`: past the deploy command age limit
+# every command of an allocation that ended is refused as old anyway, so the entry holds only the allocations ended
+# within that limit.
+ENDED_ALLOCATIONS_KEY = "ended-allocations"
+
+
 # Every host user the credential authority minted for a node, per node (baremetal and slice-host alike): the one
 # key a mint claims the node by (compare-and-set), so no two live users of a node are minted, whichever replica.
 NODE_USERS_PREFIX = "nodes."
@@ -268,6 +276,48 @@ async def record_allocation_users(
     """Recorded by the credential authority before a minted user leaves it: what it may revoke for the allocation
     is what it minted for it, never a key a caller names."""
     return await _record_users(js, allocation_users_key(allocation_id), user_publics, expiry=expiry)
+
+
+async def ended_allocations(js: Any) -> dict[str, int]:
+    """The allocations marked ended (`end_allocation`) and not yet pruned: allocation id → ended at."""
+    from nats.js.errors import KeyNotFoundError
+
+    kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
+    try:
+        entry = await _through_account_updates(lambda: kv.get(ENDED_ALLOCATIONS_KEY))
+    except KeyNotFoundError:
+        return {}
+    return dict(json.loads(entry.value or b"{}"))
+
+
+async def end_allocation(js: Any, allocation_id: str, *, keep_s: float, attempts: int = 20) -> bool:
+    """Mark `allocation_id` ended, by compare-and-set (two revokers lose nothing), pruning the marks older than
+    `keep_s`. An allocation marked already keeps its first time and nothing is written. True when written now."""
+    from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+    allocation = allocation_id.lower()
+    kv = await _through_account_updates(lambda: js.key_value(REVOCATIONS_BUCKET))
+    for _ in range(attempts):
+        try:
+            entry = await _through_account_updates(lambda: kv.get(ENDED_ALLOCATIONS_KEY))
+            ended, revision = dict(json.loads(entry.value or b"{}")), entry.revision
+        except KeyNotFoundError:
+            ended, revision = {}, None
+        if allocation in ended:
+            return False
+        now = int(time.time())
+        ended = {a: at for a, at in ended.items() if at >= now - keep_s}
+        ended[allocation] = now
+        data = json.dumps(ended, sort_keys=True).encode()
+        try:
+            if revision is None:
+                await _through_account_updates(lambda d=data: kv.create(ENDED_ALLOCATIONS_KEY, d))
+            else:
+                await _through_account_updates(lambda d=data, r=revision: kv.update(ENDED_ALLOCATIONS_KEY, d, last=r))
+            return True
+        except KeyWrongLastSequenceError:
+            continue
+    raise AuthorityError(f"could not mark allocation {allocation} ended: too much contention")
 
 
 async def _users_at(js: Any, key: str) -> list[str]:

@@ -180,10 +180,10 @@ def consumer_rights(spec: ConsumerSpec, *, may_create: bool, dead_letters: bool 
 
 
 # The credential authority (services/credential-authority) is the one process that holds the signing keys. On
-# the bus it keeps the identity ledger (a KV bucket): the revocation list, each slice host's users and each
-# baremetal allocation's, read and written by compare-and-set. And it reads one message of the MAAS stream by its
-# sequence: the deploy command a mint request names (it mints only for what the allocator's or the scheduler's
-# own command asked). No consumer, no stream subject, nothing else of JetStream.
+# the bus it keeps the identity ledger (a KV bucket): the revocation list, each slice host's users, each
+# baremetal allocation's and the allocations that ended, read and written by compare-and-set. And it reads one
+# message of the MAAS stream by its sequence: the deploy command a mint request names (it mints only for what the
+# allocator's or the scheduler's own command asked). No consumer, no stream subject, nothing else of JetStream.
 AUTHORITY = "credential-authority"
 _KV = f"KV_{IDENTITY_BUCKET}"
 IDENTITY_LEDGER_RIGHTS = (
@@ -193,6 +193,7 @@ IDENTITY_LEDGER_RIGHTS = (
     f"$KV.{IDENTITY_BUCKET}.hosts.*",
     f"$KV.{IDENTITY_BUCKET}.allocs.*",
     f"$KV.{IDENTITY_BUCKET}.nodes.*",
+    f"$KV.{IDENTITY_BUCKET}.ended-allocations",
 )
 DEPLOY_COMMAND_READ = "$JS.API.STREAM.MSG.GET.MAAS"
 

@@ -1,6 +1,7 @@
 """The identity ledger on the bus (a JetStream KV bucket in the GPUAAS account), as this process uses it: the
-revocation list, each slice host's users and each baremetal allocation's. Every write is compare-and-set
-(`gpuaas_common.identity.authority`), so replicas of this process, or a one-shot admin step, lose nothing."""
+revocation list, each slice host's users, each baremetal allocation's and the allocations that ended. Every write
+is compare-and-set (`gpuaas_common.identity.authority`), so replicas of this process, or a one-shot admin step, lose
+nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from gpuaas_common.identity import Authority
 from gpuaas_common.identity.authority import (
     allocation_users,
     claim_node,
+    end_allocation,
+    ended_allocations,
     record_allocation_users,
     record_host_users,
     revoked_users,
@@ -38,6 +41,13 @@ class Ledger:
 
     async def allocation_users(self, allocation_id: str) -> list[str]:
         return await allocation_users(self.js, allocation_id)
+
+    async def ended_allocations(self) -> dict[str, int]:
+        return await ended_allocations(self.js)
+
+    async def end_allocation(self, allocation_id: str, *, keep_s: float) -> None:
+        """Marked for good (pruned once older than `keep_s`); marking an ended allocation again writes nothing."""
+        await end_allocation(self.js, allocation_id, keep_s=keep_s)
 
     async def revoke(self, authority: Authority, users: list[str]) -> None:
         # A system user minted for this push alone (an hour, account claims only): none is kept on disk.

@@ -8,12 +8,15 @@ may publish on the deploy subject (identity/permissions.py), and the envelope's 
 
 A command is good for a while only: a deploy's user-data is minted soon after its command, and an old command
 named again is a replay, not a deploy. The time is the stream's (when the server stored it), not the envelope's.
+And a tenant's command asks for nothing once its allocation has ended (its host users revoked: released, or its
+deploy failed), however recent: named again after the release, it would give the allocation a host user back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import Enum
 
 from gpuaas_common.bus_parsing import PermanentError, parse_message
@@ -87,4 +90,15 @@ def check_deploy_command(stored: StoredMessage | None, asked: MintAsked, *, now:
         raise DeployCommandRefused(
             "deploy_command_expired",
             f"message {seq} is {age:.0f} s old; a mint follows its command within {max_age_s:g} s",
+        )
+
+
+def check_allocation_open(allocation_id: str, ended: Mapping[str, int]) -> None:
+    """Returns while the allocation has not ended (`ended`: the ledger's marks, id → ended at, unix seconds), else
+    DeployCommandRefused."""
+    at = ended.get(allocation_id.lower())
+    if at is not None:
+        when = datetime.fromtimestamp(at, UTC).isoformat()
+        raise DeployCommandRefused(
+            "allocation_ended", f"allocation {allocation_id} ended at {when} (its host users revoked): none is minted"
         )

@@ -6,12 +6,13 @@ first user lives; revoking twice revokes nothing the second time), and no OpenAP
 A mint for a node that has a live host user is refused (409 node_has_live_user) and mints nothing. A mint names
 the deploy command that asked for the host, by its sequence in the MAAS stream; one the bus holds no such command
 for is refused (403 no_deploy_command, deploy_command_invalid, deploy_command_mismatch, deploy_command_expired) and
-mints nothing (service_layer/host_users.py).
+mints nothing, as is a tenant's mint for an allocation that has ended (403 allocation_ended: its users were revoked)
+(service_layer/host_users.py).
 Every refusal is one JSON error with a stable code, logged once, without the request's signature or JWT.
 
     POST /v1/host-users  {"node_id", "allocation_id", "ttl_s", "deploy_command_seq"}
         -> 201 {"creds", "user", "expires_at"}
-    POST /v1/allocations/{allocation_id}/revoke -> 200 {"revoked": n}
+    POST /v1/allocations/{allocation_id}/revoke -> 200 {"revoked": n}  (and the allocation ends: no mint after)
     POST /v1/nodes/{node_id}/end-slice-identity -> 200 {"revoked": n}
     POST /v1/nodes/{node_id}/slice-host-user  {"walk_id", "deploy_command_seq"} -> 201 {"creds", "user", "expires_at"}
 """
@@ -104,7 +105,7 @@ class AuthorityApi:
             )
             return _error(409, "node_has_live_user", str(refused))
         except DeployCommandRefused as refused:
-            # No deploy on the bus asks for this host user: the caller's word alone mints nothing.
+            # No deploy on the bus asks for this host user (or its allocation ended): the caller's word mints nothing.
             log.warning("authority_request_refused", reason=refused.code, detail=str(refused), path=request.path)
             return _error(403, refused.code, str(refused))
         except StreamUnreadable as exc:

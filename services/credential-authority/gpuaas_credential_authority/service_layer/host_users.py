@@ -15,6 +15,13 @@ And a mint follows a deploy command on the bus (issue 38): the request names the
 stream, the authority reads it there, and mints only for the node and allocation (or host walk) it names, from the
 producer that may ask for that user, while it is recent (domain/deploy_commands.py). Checked before the node is
 claimed: a refused mint writes nothing to the ledger.
+
+A revoke by allocation ends the allocation for good, even when no user of it is left: it is marked ended in the
+ledger before its users are revoked (a crash in between leaves it ended, and the gateway's retried revoke finds the
+users), and a tenant's mint for an ended allocation is refused (allocation_ended), so its deploy command, named
+again within its age limit, gives it no host user back. The gateway's retries of a deploy still mint: before each it ends
+the node's users (`end_slice_identity`), which ends no allocation. The marks are pruned at each revoke once older
+than the command age limit (and a margin): past it the commands they would refuse are refused as old anyway.
 """
 
 from __future__ import annotations
@@ -28,10 +35,20 @@ from gpuaas_common.logging import get_logger
 
 from ..adapters.deploy_commands import DeployCommands
 from ..adapters.ledger import Ledger
-from ..domain.deploy_commands import MintAsked, Minting, check_deploy_command
+from ..domain.deploy_commands import (
+    DeployCommandRefused,
+    MintAsked,
+    Minting,
+    check_allocation_open,
+    check_deploy_command,
+)
 from ..domain.grants import HostUserGrant, SliceHostGrant
 
 log = get_logger(__name__)
+
+# How much longer than the command age limit an allocation's end is kept: a command's age is the server's clock,
+# the end's this process's, and the two may differ by a little.
+ENDED_KEPT_PAST_MAX_AGE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -62,14 +79,29 @@ class HostUsers:
         stored = await self.commands.at(asked.deploy_command_seq)
         check_deploy_command(stored, asked, now=self.clock(), max_age_s=self.max_command_age_s)
 
+    async def _open(self, allocation_id: str) -> None:
+        check_allocation_open(allocation_id, await self.ledger.ended_allocations())
+
+    async def _still_open(self, allocation_id: str, user: str) -> None:
+        """After the user is recorded: a revoke that ran since `_open` marked the allocation ended before it read
+        the allocation's users, maybe before this one was recorded. Then this user, which has not left, is revoked
+        here and the mint refused like any other for an ended allocation."""
+        try:
+            await self._open(allocation_id)
+        except DeployCommandRefused:
+            await self.ledger.revoke(self.authority, [user])
+            raise
+
     async def mint(self, grant: HostUserGrant, caller: str) -> MintedUser:
         await self._deployed(MintAsked(Minting.HOST_USER, grant.node_id, grant.allocation_id, grant.deploy_command_seq))
+        await self._open(grant.allocation_id)
         creds = self.authority.issuer().issue_node(grant.node_id, ttl_s=grant.ttl_s, allocation_id=grant.allocation_id)
         user, expires_at = str(creds.claims["sub"]), int(creds.claims["exp"])
         # The node first (refused: nothing leaves, nothing else is recorded), then the allocation: recorded
         # before it leaves, as a user the ledger does not hold could not be revoked by allocation.
         await self.ledger.claim_node(grant.node_id, user, expires_at)
         await self.ledger.record_allocation_user(grant.allocation_id, user, expires_at)
+        await self._still_open(grant.allocation_id, user)
         log.info(
             "host_user_minted",
             node_id=grant.node_id,
@@ -103,7 +135,9 @@ class HostUsers:
         return MintedUser(creds.render(), user, expires_at)
 
     async def revoke_allocation(self, allocation_id: str, caller: str) -> int:
-        """Revoke the allocation's users not yet revoked; 0 when none is left (nothing is pushed then)."""
+        """End the allocation (marked first, even with no user left) and revoke its users not yet revoked; 0 when
+        none is left (nothing is pushed then)."""
+        await self.ledger.end_allocation(allocation_id, keep_s=self.max_command_age_s + ENDED_KEPT_PAST_MAX_AGE_S)
         revoked = await self.ledger.revoked()
         live = [u for u in await self.ledger.allocation_users(allocation_id) if u not in revoked]
         if live:

@@ -1,9 +1,9 @@
 """The credential authority as the gateway asks it (services/credential-authority): HTTPS with the deployment's CA
 pinned, each request signed with the gateway's own bus identity (`gpuaas_common.identity.signed_request`). The
 gateway holds no signing key: it can ask for a baremetal host's user for an allocation, the revocation of what was
-minted for an allocation, a slice host's own user (a slice-host redeploy), and the end of a slice host's identity,
-and nothing else. A mint names the deploy command it is for by its MAAS stream sequence: the authority reads that
-command itself and mints only what it asks for."""
+minted for an allocation (which ends the allocation: no host user is minted for it after), a slice host's own user
+(a slice-host redeploy), and the end of a slice host's identity, and nothing else. A mint names the deploy command
+it is for by its MAAS stream sequence: the authority reads that command itself and mints only what it asks for."""
 
 from __future__ import annotations
 

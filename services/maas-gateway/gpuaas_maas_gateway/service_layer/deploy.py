@@ -68,8 +68,9 @@ async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[
 
 async def _host_creds(host_credentials: HostCredentials, row: asyncpg.Record, *, slice_host: bool) -> str:
     """The host's user for this deploy, minted by the authority for the deploy command the operation came from.
-    A refusal (no such command on the bus, or one that asks for something else) fails the deploy: asking again
-    would be refused again."""
+    A refusal (no such command on the bus, one that asks for something else, or an allocation already ended: its
+    users revoked by a release or a failed deploy) fails the deploy with the authority's code: asking again would be
+    refused again."""
     seq = as_dict(row["params"]).get("command_seq")
     if not isinstance(seq, int):
         raise Unresolvable(
