@@ -69,7 +69,6 @@ async def test_the_agent_reports_binding_drift_and_the_scheduler_stops_placing_o
         store,
         libvirt,
         publish,
-        image_cache_dir="/var/lib/gpuaas/slice-images",
         hostsdir="/etc/gpuaas/dnsmasq-hosts",
         lease_file="/var/lib/misc/dnsmasq.leases",
         seed_dir="/var/lib/gpuaas/seeds",

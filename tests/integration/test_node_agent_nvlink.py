@@ -7,6 +7,8 @@ partition active with no VM behind it."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -20,9 +22,8 @@ from gpuaas_node_agent.adapters.fabric_manager import (
     fabric_manager_for,
 )
 from gpuaas_node_agent.adapters.host import Host
-from gpuaas_node_agent.service_layer.tasks import nvlink
 
-from .test_node_agent_tasks import Env, _fill, env, publish, spy  # noqa: F401 (fixtures)
+from .test_node_agent_tasks import Env, _fill, _make_env, publish, spy  # noqa: F401 (fixtures)
 
 # Module IDs of the fixture board in slot order (pairs behind one PCIe switch): slots 0 and 1 are modules 1 and 3.
 MODULES = (1, 3, 2, 4, 5, 7, 6, 8)
@@ -36,9 +37,25 @@ class Clock:
         return self.now
 
 
-def fabric(e: Env, clock: Clock | None = None) -> SimulatedFabricManager:
-    fm = SimulatedFabricManager(e.root / "var/lib/gpuaas/fm.json", clock=clock or Clock())
-    e.agent.fabric_manager = fm  # type: ignore[attr-defined]
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+async def env(tmp_path: Path, publish, spy, clock: Clock) -> AsyncIterator[Env]:  # noqa: F811
+    """The agent of test_node_agent_tasks, given a simulated Fabric Manager on the test's clock."""
+
+    def simulated(root: Path) -> SimulatedFabricManager:
+        return SimulatedFabricManager(root / "var/lib/gpuaas/fm.json", clock=clock)
+
+    async for e in _make_env(tmp_path, publish, spy, fabric_manager=simulated):
+        yield e
+
+
+def fabric(e: Env) -> SimulatedFabricManager:
+    fm = e.agent.nvlink.fabric()
+    assert isinstance(fm, SimulatedFabricManager)
     return fm
 
 
@@ -64,7 +81,7 @@ async def test_activation_precedes_the_vm_and_deactivation_follows_its_shutdown(
     assert result.status == "succeeded", result
     gpus = [s.gpu_pci_address for s in prov.slots]
     assert fm.events == [("reset", gpus[0]), ("reset", gpus[1]), ("activate", 3), ("vm_start", None)]
-    assert await fm.active() == [3] and nvlink.held(env.agent) == {prov.vm_name: 3}
+    assert await fm.active() == [3] and env.agent.nvlink.held() == {prov.vm_name: 3}
     fm.events.clear()
     shut = env.agent.libvirt.undefine
 
@@ -76,7 +93,7 @@ async def test_activation_precedes_the_vm_and_deactivation_follows_its_shutdown(
     released = await env.agent.execute("slice.vm_release", env.release(prov))
     assert released.status == "succeeded", released
     assert fm.events == [("vm_gone", prov.vm_name), ("deactivate", 3), ("reset", gpus[0]), ("reset", gpus[1])]
-    assert await fm.active() == [] and nvlink.held(env.agent) == {}
+    assert await fm.active() == [] and env.agent.nvlink.held() == {}
 
 
 async def test_an_in_use_partition_refuses_the_task_before_the_disk(env: Env) -> None:  # noqa: F811
@@ -93,12 +110,11 @@ async def test_an_in_use_partition_refuses_the_task_before_the_disk(env: Env) ->
     assert env.agent.store.leased_resources() == {} and await fm.active() == [1]
 
 
-async def test_after_a_restart_the_active_list_is_resent_within_the_window(env: Env) -> None:  # noqa: F811
-    clock = Clock()
-    fm = fabric(env, clock)
+async def test_after_a_restart_the_active_list_is_resent_within_the_window(env: Env, clock: Clock) -> None:
+    fm = fabric(env)
     prov = env.provision(slots(env, 4, 5)).model_copy(update={"nvlink_partition": 5})
     assert (await env.agent.execute("slice.vm_provision", prov)).status == "succeeded"
-    seen = await nvlink.resend_if_restarted(env.agent, None)
+    seen = await env.agent.nvlink.resend_if_restarted(None)
     fm.restart()
     # Inside the window nothing may be activated or deactivated until the list comes.
     try:
@@ -107,7 +123,7 @@ async def test_after_a_restart_the_active_list_is_resent_within_the_window(env: 
     except FabricManagerError as exc:
         assert exc.code == NOT_READY
     clock.now += 30
-    await nvlink.resend_if_restarted(env.agent, seen)
+    await env.agent.nvlink.resend_if_restarted(seen)
     assert fm.events[-1] == ("set_activated", (5,)) and await fm.active() == [5]
     await fm.activate(6)  # accepted again
     # Without the list Fabric Manager exits once the 60 seconds are up.

@@ -173,7 +173,7 @@ async def test_a_stale_domain_is_left_alone_while_its_vm_lock_is_held(env: Env) 
     # A released VM's domain back (as a crash between define and the record would leave it), while a task
     # for that VM holds its lock: the reconciler must wait for another pass.
     await env.libvirt.define_and_start(_minimal_domain(prov.vm_name))
-    lock = env.agent._vm_locks.setdefault(prov.vm_name, asyncio.Lock())
+    lock = env.agent.locks.vm(prov.vm_name)
     async with lock:
         await env.agent.reconcile_host()
         assert await env.libvirt.exists(prov.vm_name)

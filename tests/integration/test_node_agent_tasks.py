@@ -8,7 +8,7 @@ import asyncio
 import hashlib
 import uuid
 import xml.etree.ElementTree as ET
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from gpuaas_dev.sim.fixture_host import build_host_root, xe9680l
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.servers import free_port
 from gpuaas_node_agent.adapters.discovery import stable_ids
+from gpuaas_node_agent.adapters.fabric_manager import FabricManager
 from gpuaas_node_agent.adapters.host import HostFs
 from gpuaas_node_agent.adapters.libvirt_host import LibvirtHost
 from gpuaas_node_agent.adapters.state_store import StateStore
@@ -174,8 +175,17 @@ async def publish(nats_server):
 
 
 async def _make_env(
-    tmp_path: Path, publish, spy: BusSpy, *, dhcp: bool = True, shutdown_timeout_s: float = 5.0, **host: Any
+    tmp_path: Path,
+    publish,
+    spy: BusSpy,
+    *,
+    dhcp: bool = True,
+    shutdown_timeout_s: float = 5.0,
+    readiness_timeout_s: float = 30,
+    fabric_manager: Callable[[Path], FabricManager] | None = None,
+    **host: Any,
 ) -> AsyncIterator[Env]:
+    """`fabric_manager`: made from the host root, for an agent that uses it in place of the host's own."""
     node_id = f"it-{uuid.uuid4().hex[:2]}"
     root = build_host_root(tmp_path / "host", xe9680l(node_id, disk_file_bytes=4 * MIB, **host))
     image = root / IMAGE_PATH.lstrip("/")
@@ -201,15 +211,15 @@ async def _make_env(
         store,
         libvirt,
         publish,
-        image_cache_dir="/var/lib/gpuaas/slice-images",
         hostsdir="/etc/gpuaas/dnsmasq-hosts",
         lease_file="/var/lib/misc/dnsmasq.leases",
         seed_dir="/var/lib/gpuaas/seeds",
         ssh_port=port,
-        readiness_timeout_s=30,
+        readiness_timeout_s=readiness_timeout_s,
         shutdown_timeout_s=shutdown_timeout_s,
         relay_public_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHJlbGF5 relay@node",
         guest_login=sim.login,
+        fabric_manager=fabric_manager(root) if fabric_manager else None,
     )
     paths.host("/var/lib/gpuaas/seeds").mkdir(parents=True, exist_ok=True)
     env = Env(root, node_id, agent, spy, digest, port, libvirt, sim)
@@ -250,13 +260,13 @@ async def test_provision_then_release_clones_boots_and_wipes_with_proof(env: Env
     # The host's terminal relay key is authorised in the guest for the console user alone, no sudo (issue 26,
     # point 8; issue 38, point 7): the slice terminal logs in with it.
     _label, seed_files, _joliet = read_seed_iso(env.root / "var/lib/gpuaas/seeds" / f"{prov.vm_name}.iso")
-    assert env.agent.relay_public_key and env.agent.relay_public_key in seed_files["user-data"]
+    assert env.agent.provision.relay_public_key and env.agent.provision.relay_public_key in seed_files["user-data"]
     holders = [
         u["name"]
         for u in yaml.safe_load(seed_files["user-data"])["users"]
-        if isinstance(u, dict) and env.agent.relay_public_key in u.get("ssh_authorized_keys", [])
+        if isinstance(u, dict) and env.agent.provision.relay_public_key in u.get("ssh_authorized_keys", [])
     ]
-    assert holders == [env.agent.console_user]
+    assert holders == [env.agent.provision.console_user]
     assert await env.libvirt.exists(prov.vm_name)
     xml = ET.fromstring(env.libvirt._connection().lookupByName(prov.vm_name).XMLDesc())
     sources = [s.get("file") or s.get("dev") for s in xml.iter("source") if s.get("file") or s.get("dev")]
@@ -340,12 +350,12 @@ async def test_the_driver_strategy_decides_whether_a_guest_without_a_driver_is_r
     )
 
 
-async def test_a_guest_that_never_reports_its_gpus_is_not_ready(env: Env) -> None:
-    env.agent.readiness_timeout_s = 1.5
-    prov = env.provision(env.slots[:1])
-    env.guests.faults[prov.vm_name] = GuestFault(no_report=True)
-    result = await _failed_after_boot(env, prov, "guest_report_missing")
-    assert "the guest did not report its GPUs within 2s" in (result.reason or "")
+async def test_a_guest_that_never_reports_its_gpus_is_not_ready(tmp_path: Path, publish, spy) -> None:
+    async for env in _make_env(tmp_path, publish, spy, readiness_timeout_s=1.5):
+        prov = env.provision(env.slots[:1])
+        env.guests.faults[prov.vm_name] = GuestFault(no_report=True)
+        result = await _failed_after_boot(env, prov, "guest_report_missing")
+        assert "the guest did not report its GPUs within 2s" in (result.reason or "")
 
 
 async def test_duplicated_task_is_answered_from_its_record_not_run_again(env: Env) -> None:

@@ -70,7 +70,6 @@ async def test_an_operators_parity_ask_is_answered_by_the_hosts_agent_and_closed
         store,
         libvirt,
         publish,
-        image_cache_dir="/var/lib/gpuaas/slice-images",
         hostsdir="/etc/gpuaas/dnsmasq-hosts",
         lease_file="/var/lib/misc/dnsmasq.leases",
         seed_dir="/var/lib/gpuaas/seeds",

@@ -29,7 +29,7 @@ from ..domain.task_routing import misrouted_task
 from ..service_layer.host_paths import HostPaths
 from ..service_layer.prewarm import ImagePrewarmer
 from ..service_layer.tasks import SliceHostAgent
-from ..service_layer.tasks.core import GuestLogin
+from ..service_layer.tasks.context import GuestLogin
 from ..service_layer.terminal import Ask, TerminalRelay
 from ..settings import AgentSettings, parse_path_map
 
@@ -116,7 +116,6 @@ async def run_slice_host(
         store,
         libvirt or LibvirtHost(settings.libvirt_uri),
         bus.publish,
-        image_cache_dir=settings.image_cache_dir,
         hostsdir=settings.dnsmasq_hostsdir,
         lease_file=settings.dnsmasq_lease_file,
         seed_dir=settings.seed_dir,
@@ -131,13 +130,13 @@ async def run_slice_host(
         readiness_key=readiness_key,
         guest_login=guest_login,
         relay_public_key=relay[1],
+        held_dead_letters=bus.held_dead_letters,
+        gpu_bridge=settings.gpu_bridge,
+        emulated_slot_disks=tuple(settings.emulated_slot_disks),
+        require_bf3_management=settings.parity_require_bf3_management,
     )
-    agent.held_dead_letters = bus.held_dead_letters
-    agent.gpu_bridge = settings.gpu_bridge
-    agent.emulated_slot_disks = tuple(settings.emulated_slot_disks)
-    agent.require_bf3_management = settings.parity_require_bf3_management
-    if agent.emulated_slot_disks:
-        log.info("emulated_slots", node_id=node_id, disks=list(agent.emulated_slot_disks))
+    if settings.emulated_slot_disks:
+        log.info("emulated_slots", node_id=node_id, disks=list(settings.emulated_slot_disks))
     handlers = {
         "slice.vm_provision": agent.on_task,
         "slice.vm_release": agent.on_task,

@@ -11,17 +11,37 @@ from gpuaas_common.contract import messages as m
 
 from ...adapters.discovery import discover
 from ...adapters.parity import ParityChecker
-from .core import AgentCore, log
+from .context import HostContext, log
 
 
-class HostEvidence(AgentCore):
-    # What discovery and parity look at besides the host itself: the GPU bridge by name, and the disks the site
-    # declared as emulated slots (a lab host; none on a GPU host). Set from the settings after construction.
-    gpu_bridge: str = "ovsbr0"
-    emulated_slot_disks: tuple[str, ...] = ()
-    require_bf3_management: bool = False
+def evidence_task_due(node_id: str, task: m.SliceTopologyDiscover | m.SliceParityCheck | m.SliceVfioApply) -> bool:
+    if task.node_id != node_id:
+        raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {node_id}")
+    if task.deadline <= utcnow():
+        log.warning("task_refused", task_id=task.task_id, reason_code="deadline_passed")
+        return False
+    return True
 
-    # --- topology and parity -----------------------------------------------------------------------
+
+class HostEvidence:
+    """What discovery and parity look at besides the host itself: the GPU bridge by name and its address, the
+    disks the site declared as emulated slots (a lab host; none on a GPU host), and whether the BF3's management
+    interface is required."""
+
+    def __init__(
+        self,
+        ctx: HostContext,
+        *,
+        bridge_cidr: str = "10.100.0.1/24",
+        gpu_bridge: str = "ovsbr0",
+        emulated_slot_disks: tuple[str, ...] = (),
+        require_bf3_management: bool = False,
+    ) -> None:
+        self.ctx = ctx
+        self.bridge_cidr = bridge_cidr
+        self.gpu_bridge = gpu_bridge
+        self.emulated_slot_disks = emulated_slot_disks
+        self.require_bf3_management = require_bf3_management
 
     async def report_host_state(
         self, *, task_id: str | None = None
@@ -40,26 +60,26 @@ class HostEvidence(AgentCore):
         return parity
 
     async def _report(self, type_: str, payload: m.Payload, task_id: str | None) -> None:
-        await self.publish(
+        await self.ctx.publish(
             type_,
             payload,
-            correlation_id=task_id or self.node_id,
+            correlation_id=task_id or self.ctx.node_id,
             event_id=derived_event_id(task_id, type_) if task_id else None,
-            node_id=self.node_id,
+            node_id=self.ctx.node_id,
         )
 
     async def host_state(self, task_id: str | None) -> tuple[m.NodeTopologyReported, m.NodeParityReported]:
-        leased = [r.removeprefix("nvme:") for r in self.store.leased_resources() if r.startswith("nvme:")]
+        leased = [r.removeprefix("nvme:") for r in self.ctx.store.leased_resources() if r.startswith("nvme:")]
         topology = await discover(
-            self.host,
-            self.node_id,
+            self.ctx.host,
+            self.ctx.node_id,
             task_id=task_id,
             ovs_bridge=self.gpu_bridge,
             leased_by_id=leased,
             emulated_disks=self.emulated_slot_disks,
         )
         parity = await ParityChecker(
-            self.host,
+            self.ctx.host,
             bridge=self.gpu_bridge,
             bridge_cidr=self.bridge_cidr,
             agent_running=True,
@@ -67,47 +87,39 @@ class HostEvidence(AgentCore):
             emulated=bool(self.emulated_slot_disks),
             libvirt_alive=self.libvirt_alive,
             require_bf3_management=self.require_bf3_management,
-            approved_slots=self.store.approved_slots(),
-            released=self.store.binding_released(),
-        ).run(self.node_id, task_id=task_id)
+            approved_slots=self.ctx.store.approved_slots(),
+            released=self.ctx.store.binding_released(),
+        ).run(self.ctx.node_id, task_id=task_id)
         return topology, parity
 
     async def libvirt_alive(self) -> bool:
         """The hypervisor answers on the agent's own connection: behaviour, where a unit name says only how it
         was started (the lab's libvirtd is no systemd unit)."""
         try:
-            await self.libvirt.list_domains()
+            await self.ctx.libvirt.list_domains()
         except Exception:  # any refusal of the connection is the answer
-            return False
-        return True
-
-    def _evidence_task_due(self, task: m.SliceTopologyDiscover | m.SliceParityCheck | m.SliceVfioApply) -> bool:
-        if task.node_id != self.node_id:
-            raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {self.node_id}")
-        if task.deadline <= utcnow():
-            log.warning("task_refused", task_id=task.task_id, reason_code="deadline_passed")
             return False
         return True
 
     async def on_discover(self, ctx: HandlerContext) -> None:
         task: m.SliceTopologyDiscover = ctx.payload
-        if not self._evidence_task_due(task):
+        if not evidence_task_due(self.ctx.node_id, task):
             return
         # Read-only and cheap: a redelivery simply discovers again; the event ids derive from the task id,
         # so JetStream drops the repeat within its duplicate window.
-        self.store.start_task(task.task_id, "slice.topology_discover", "")
+        self.ctx.store.start_task(task.task_id, "slice.topology_discover", "")
         async with asyncio.timeout((task.deadline - utcnow()).total_seconds()):
             topology, parity = await self.report_host_state(task_id=task.task_id)
-        self.store.finish_task(
+        self.ctx.store.finish_task(
             task.task_id, "succeeded", {"candidates": len(topology.candidate_slots), "parity_failures": parity.failures}
         )
 
     async def on_parity_check(self, ctx: HandlerContext) -> None:
         task: m.SliceParityCheck = ctx.payload
-        if not self._evidence_task_due(task):
+        if not evidence_task_due(self.ctx.node_id, task):
             return
         # Read-only like discovery: a redelivery checks again and its report's event id is the same.
-        self.store.start_task(task.task_id, "slice.parity_check", "")
+        self.ctx.store.start_task(task.task_id, "slice.parity_check", "")
         async with asyncio.timeout((task.deadline - utcnow()).total_seconds()):
             parity = await self.report_parity(task_id=task.task_id)
-        self.store.finish_task(task.task_id, "succeeded", {"parity_failures": parity.failures})
+        self.ctx.store.finish_task(task.task_id, "succeeded", {"parity_failures": parity.failures})

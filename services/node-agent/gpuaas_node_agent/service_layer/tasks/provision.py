@@ -1,7 +1,8 @@
-"""slice.vm_provision: preflight the host, verify the cached image and the disks, take the leases, then seed,
-clone, reserve DHCP, define and wait for the VM to be reachable: its lease, then a login that matches the host
-key the seed planted, with cloud-init done, that reads what the guest sees of its GPUs; the guest must see the
-GPUs its slot group passed through. Each phase's time goes on the result and into a histogram."""
+"""slice.vm_provision: preflight the host, verify the cached image (both in preflight.py) and the disks, take
+the leases, then seed, clone, reserve DHCP, define and wait for the VM to be reachable: its lease, then a login
+that matches the host key the seed planted, with cloud-init done, that reads what the guest sees of its GPUs;
+the guest must see the GPUs its slot group passed through. Each phase's time goes on the result and into a
+histogram."""
 
 from __future__ import annotations
 
@@ -14,19 +15,18 @@ from typing import Any
 from prometheus_client import Histogram
 
 from gpuaas_common.contract import messages as m
-from gpuaas_common.digests import sha256_file
 
-from ...adapters import disk, dnsmasq, driverctl, guest_ssh, ovs, readiness, seed_iso
-from ...adapters.discovery import HUGEPAGES_1G_FREE, hugepages_1g
-from ...adapters.libvirt_host import DomainState
-from ...adapters.parity import ParityChecker
-from ...domain.device_binding import wrong_bindings
+from ...adapters import disk, dnsmasq, guest_ssh, ovs, readiness, seed_iso
+from ...adapters.discovery import HUGEPAGES_1G_FREE
+from ...adapters.libvirt_host import DomainState, LibvirtHostError
 from ...domain.domain_xml import render_domain_xml, tap_name
 from ...domain.guest_gpus import ReportInvalid, judge, parse_report
-from ...domain.profiles import hugepages_1g_needed, vm_resources
+from ...domain.profiles import vm_resources
 from ...domain.vm_spec import SliceVmSpec
-from . import nvlink
-from .core import AgentCore, Refused, TaskFailed, log
+from . import phases, preflight
+from .context import GuestLogin, HostContext, Refused, TaskFailed, log
+from .disks import check_disk
+from .nvlink import NvlinkPartitions
 
 __all__ = ["HUGEPAGES_1G_FREE", "PHASE_SECONDS", "ProvisionTask", "slot_lease"]
 
@@ -63,93 +63,86 @@ class _Clock:
         self._phase, self._since = phase, now
 
 
-class ProvisionTask(AgentCore):
-    async def _verify_image(self, image: m.ImageRef) -> Path:
-        path = self.paths.host(image.image_path)
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise Refused(
-                "image_not_cached", f"image {image.slug} is not in the node cache at {image.image_path}"
-            ) from None
-        cached = self.store.verified_digest(str(path), st.st_size, st.st_mtime)
-        digest = cached or await asyncio.to_thread(sha256_file, path)
-        if digest != image.digest_sha256:
-            raise Refused(
-                "image_unverified", f"cached {image.slug} has digest {digest}, expected {image.digest_sha256}"
+class ProvisionTask:
+    """slice.vm_provision on this host: the VM's shape (domain and bridge kind), the guest's users and keys,
+    and how its readiness is checked come with the constructor; the partitions of its NVLinks from `nvlink`."""
+
+    def __init__(
+        self,
+        ctx: HostContext,
+        nvlink: NvlinkPartitions,
+        *,
+        ssh_port: int,
+        readiness_timeout_s: float,
+        relay_public_key: str | None = None,
+        domain_type: str = "kvm",
+        bridge_kind: str = "openvswitch",
+        guest_user: str = "gpuaas",
+        console_user: str = "gpuaas-console",
+        readiness_key: tuple[Path, str] | None = None,
+        guest_login: GuestLogin | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.nvlink = nvlink
+        self.ssh_port = ssh_port
+        self.readiness_timeout_s = readiness_timeout_s
+        self.relay_public_key = relay_public_key
+        self.domain_type = domain_type
+        self.bridge_kind = bridge_kind
+        self.guest_user = guest_user
+        # The guest user the terminal relay key is authorised for: no sudo, not the tenant's login.
+        self.console_user = console_user
+        # The agent's login key (path, public line): with it readiness is a real login against the host key the
+        # seed planted; without it (the simulated fleet, whose guests are not machines) an SSH banner only.
+        self.readiness_key = readiness_key
+        # The simulated fleet's stand-in for that login: its guests answer with the GPU report a real one writes.
+        # With neither, readiness is the banner and the guest's GPUs go unchecked (an agent whose guests are
+        # simulated by another process, which only tests run).
+        self.guest_login = guest_login
+
+    async def run(self, task: m.SliceVmProvision, left_running: dict[str, Any] | None) -> m.NodeTaskResult:
+        """`left_running`: the task's record when a killed agent left it running; its domain is resumed if it
+        still runs, else torn down and made again."""
+        domain_kept = left_running is not None and await self.can_resume_domain(task, left_running)
+        if left_running is not None:
+            log.warning(
+                "task_resuming",
+                task_id=task.task_id,
+                allocation_id=str(task.allocation_id),
+                domain_kept=domain_kept,
             )
-        if not cached:
-            self.store.remember_digest(str(path), digest, st.st_size, st.st_mtime)
-        return path
+            if not domain_kept:
+                await self.tear_down(task)
+        return await self._provision(task, resume=domain_kept)
 
-    async def _preflight_host(self, task: m.SliceVmProvision) -> None:
-        fs = self.host.fs
-        parity = ParityChecker(self.host)
-        passthrough = any(s.gpu_pci_address or s.fabric_vf_pci_address for s in task.slots)
-        if passthrough and self.domain_type != "kvm":
-            raise Refused("passthrough_needs_kvm", f"slots pass PCI devices through; domain type is {self.domain_type}")
-        checks = [parity.kvm] if self.domain_type == "kvm" else []
-        # IOMMU and VFIO matter only to devices passed through; a lab slot has none and says so.
-        checks += [parity.iommu_groups, parity.vfio_modules] if passthrough else []
-        for check in checks:
-            result = await check()
-            if result.status != "PASS":
-                raise Refused("host_not_ready", f"{result.check}: {result.detail}")
-        for bridge in sorted({s.ovs_bridge for s in task.slots}):
-            if not fs.exists(f"/sys/class/net/{bridge}"):
-                raise Refused("ovs_bridge_missing", f"OVS bridge {bridge} does not exist on this host")
-        for slot in task.slots:
-            for address in filter(None, (slot.gpu_pci_address, slot.fabric_vf_pci_address)):
-                if not fs.exists(f"/sys/bus/pci/devices/{address}"):
-                    raise Refused("device_missing", f"PCI device {address} of slot {slot.slot_id} is not on this host")
-        # Domains use managed='no': libvirt will not rebind anything, so every device must already sit on
-        # vfio-pci (driverctl overrides from slice mode) and no host GPU service may hold it.
-        bound = {
-            address: driverctl.bound_driver(self.host, address)
-            for slot in task.slots
-            for address in filter(None, (slot.gpu_pci_address, slot.fabric_vf_pci_address))
-        }
-        wrong = wrong_bindings(bound)
-        if wrong:
-            raise Refused("device_not_vfio", "; ".join(wrong))
-        for check in (parity.nvidia_persistenced, parity.nvidia_fabricmanager) if passthrough else ():
-            result = await check()
-            if result.status != "PASS":
-                raise Refused("host_gpu_services_active", f"{result.check}: {result.detail}")
+    async def tear_down(self, task: Any) -> None:
+        """Never leave a half-provisioned VM defined or running: it would hold the GPUs and the disk."""
+        ctx = self.ctx
         try:
-            need = hugepages_1g_needed(task.slots[0].profile, len(task.slots))
-        except ValueError as exc:
-            raise Refused("unknown_profile", str(exc)) from exc
-        if need:
-            # The scheduler placed this on reported capacity; the pages free now are what counts.
-            _, free = hugepages_1g(fs)
-            if free is None or free < need:
-                raise Refused(
-                    "hugepages_insufficient", f"profile needs {need} free 1 GiB hugepages, host has {free or 0}"
+            if await ctx.libvirt.exists(task.vm_name):
+                await ctx.libvirt.shutdown(task.vm_name, 0)
+                await ctx.libvirt.undefine(task.vm_name)
+                log.warning(
+                    "libvirt_domain_torn_down",
+                    task_id=task.task_id,
+                    allocation_id=str(task.allocation_id),
+                    domain=task.vm_name,
                 )
+            dnsmasq.remove_reservation(ctx.hostsdir, task.vm_name)
+            await self.nvlink.deactivate_quietly(task)
+        except (LibvirtHostError, OSError) as exc:
+            log.error("libvirt_domain_teardown_failed", task_id=task.task_id, domain=task.vm_name, error=str(exc))
 
-    async def _validate_xml(self, xml: str) -> None:
-        if self.host.run.which("virt-xml-validate") is None:
-            return
-        path = self.seed_dir / f".validate-{uuid.uuid4().hex}.xml"
-        path.write_text(xml)
-        try:
-            res = await self.host.run.run("virt-xml-validate", str(path), "domain")
-        finally:
-            path.unlink(missing_ok=True)
-        if not res.ok:
-            raise Refused("domain_xml_invalid", (res.stderr or res.stdout)[:1000])
-
-    async def _can_resume_domain(self, task: m.SliceVmProvision, record: dict[str, Any] | None) -> bool:
+    async def can_resume_domain(self, task: m.SliceVmProvision, record: dict[str, Any] | None) -> bool:
         """A provision interrupted after it defined its domain resumes that domain when it still runs: the agent
         restarted, the guest did not. Anything else is torn down and made again."""
         if not record or record.get("phase") not in _DOMAIN_MADE:
             return False
-        state = await self.libvirt.state(task.vm_name)
+        state = await self.ctx.libvirt.state(task.vm_name)
         return state in (DomainState.RUNNING, DomainState.BLOCKED) and self._host_key_path(task).exists()
 
     def _host_key_path(self, task: m.SliceVmProvision) -> Path:
-        return self.seed_dir / f"{task.vm_name}.hostkey"
+        return self.ctx.seed_dir / f"{task.vm_name}.hostkey"
 
     async def _host_key(self, task: m.SliceVmProvision) -> guest_ssh.HostKey:
         """The guest's host key, made once per VM and kept (its private half, 0600, beside the seed) so that a
@@ -217,21 +210,21 @@ class ProvisionTask(AgentCore):
 
         async def phase(name: str, **kw: Any) -> None:
             clock.enter(name)
-            await self._phase(task, t, name, **kw)
+            await phases.enter(self.ctx, task, t, name, **kw)
 
         await phase("preflight")
-        await self._preflight_host(task)
-        disks = [self._check_disk(s.nvme_by_id) for s in task.slots]
-        image_path = await self._verify_image(task.image)
+        await preflight.check_host(self.ctx.host, self.domain_type, task)
+        disks = [check_disk(self.ctx.host, s.nvme_by_id) for s in task.slots]
+        image_path = await preflight.verify_image(self.ctx.paths, self.ctx.store, task.image)
         resources = [f"gpu:{s.gpu_pci_address}" for s in task.slots if s.gpu_pci_address]
         resources += [f"nvme:{s.nvme_by_id}" for s in task.slots]
         resources += [f"vf:{s.fabric_vf_pci_address}" for s in task.slots if s.fabric_vf_pci_address]
-        conflict = self.store.take_leases(resources, str(task.allocation_id))
+        conflict = self.ctx.store.take_leases(resources, str(task.allocation_id))
         if conflict:
             raise Refused("resource_leased", conflict)
         # `resume`: the runner found this task's own domain still running from before a restart.
-        resumed = resume and await self.libvirt.state(task.vm_name) in (DomainState.RUNNING, DomainState.BLOCKED)
-        if not resumed and await self.libvirt.exists(task.vm_name):
+        resumed = resume and await self.ctx.libvirt.state(task.vm_name) in (DomainState.RUNNING, DomainState.BLOCKED)
+        if not resumed and await self.ctx.libvirt.exists(task.vm_name):
             raise Refused("domain_exists", f"a domain named {task.vm_name} is already defined")
         primary = task.slots[0]
         try:
@@ -246,19 +239,19 @@ class ProvisionTask(AgentCore):
                 gpus=[s.gpu_pci_address for s in task.slots if s.gpu_pci_address],
                 fabric_vfs=[s.fabric_vf_pci_address for s in task.slots if s.fabric_vf_pci_address],
                 nvme_by_id=[str(d) for d in disks],
-                seed_iso_path=str(self.seed_dir / f"{task.vm_name}.iso"),
+                seed_iso_path=str(self.ctx.seed_dir / f"{task.vm_name}.iso"),
                 mac=primary.mac,
                 bridge=primary.ovs_bridge,
                 bridge_kind=self.bridge_kind,
                 domain_type=self.domain_type,
-                console_log_path=str(self.seed_dir / f"{task.vm_name}.console.log"),
+                console_log_path=str(self.ctx.seed_dir / f"{task.vm_name}.console.log"),
             )
         except ValueError as exc:
             raise Refused("invalid_vm_spec", str(exc)[:1000]) from exc
         xml = render_domain_xml(spec)
-        await self._validate_xml(xml)
+        await preflight.validate_xml(self.ctx.host, self.ctx.seed_dir, xml)
         # After every other refusal and before the disk is touched: FM_ST_IN_USE refuses with nothing written.
-        await nvlink.activate(self, task)
+        await self.nvlink.activate(task)
         login_key = self.readiness_key
         try:
             host_key = await self._host_key(task) if login_key else None
@@ -267,7 +260,7 @@ class ProvisionTask(AgentCore):
             else:
                 # The seed is rendered before the disk is touched: bad input must fail with nothing to clean.
                 await phase("seed")
-                seed_path = self.seed_dir / f"{task.vm_name}.iso"
+                seed_path = self.ctx.seed_dir / f"{task.vm_name}.iso"
                 # The relay key goes to the console user alone (seed_iso): never beside the tenant's sudo login.
                 keys = list(task.ssh_public_keys) + ([login_key[1]] if login_key else [])
                 try:
@@ -287,14 +280,16 @@ class ProvisionTask(AgentCore):
                 await disk.clone_image(str(image_path), "raw", str(disks[0]))
                 # Reserved before the guest exists, so its first DHCP request already finds its address.
                 await phase("dhcp_reservation")
-                dnsmasq.write_reservation(self.hostsdir, task.vm_name, primary.mac, primary.private_ip, task.hostname)
+                dnsmasq.write_reservation(
+                    self.ctx.hostsdir, task.vm_name, primary.mac, primary.private_ip, task.hostname
+                )
                 await phase("define")
-                await self.libvirt.define_and_start(xml)
+                await self.ctx.libvirt.define_and_start(xml)
                 if self.bridge_kind == "openvswitch":
                     # Before the guest can send its first frame past DHCP: slices never reach each other.
                     await phase("isolate")
                     try:
-                        await ovs.protect_port(self.host, tap_name(task.vm_name))
+                        await ovs.protect_port(self.ctx.host, tap_name(task.vm_name))
                     except ovs.OvsError as exc:
                         raise TaskFailed("isolation_failed", str(exc)) from exc
                 await phase("wait_ready")
@@ -304,7 +299,7 @@ class ProvisionTask(AgentCore):
                     ip, self.ssh_port, self.guest_user, login_key[0], host_key.public_line
                 )
             ready = await readiness.wait_ready(
-                self.lease_file,
+                self.ctx.lease_file,
                 primary.mac,
                 primary.private_ip,
                 self.ssh_port,
@@ -333,5 +328,5 @@ class ProvisionTask(AgentCore):
             phase_seconds=seconds,
             guest_gpus=guest_gpus,
         )
-        await self._phase(task, t, "ready", detail=" ".join(f"{k}={v:.1f}s" for k, v in seconds.items()))
-        return self._result(task, t, "succeeded", readiness_=readiness_ev)
+        await phases.enter(self.ctx, task, t, "ready", detail=" ".join(f"{k}={v:.1f}s" for k, v in seconds.items()))
+        return phases.result(self.ctx, task, t, "succeeded", readiness_=readiness_ev)

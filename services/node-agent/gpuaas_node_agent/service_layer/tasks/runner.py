@@ -1,33 +1,53 @@
-"""Running one task: per-slot locks, replay by task id, the fencing epoch and deadline checks, dispatch to
-provision or release, and the refused/failed bookkeeping that decides `cleanup_required`."""
+"""Running one task: per-slot locks, replay by task id, the fencing epoch and deadline checks, dispatch to the
+task object of its type (provision or release), and the refused/failed bookkeeping that decides
+`cleanup_required`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Any, Protocol
 
 from gpuaas_common.bus import HandlerContext, PermanentError
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 
-from ...adapters import disk, dnsmasq
-from ...adapters.libvirt_host import LibvirtHostError
-from . import nvlink
-from .core import Refused, TaskFailed, log
+from ...adapters import disk
+from . import phases
+from .context import HostContext, Refused, TaskFailed, TaskLocks, log
+from .disks import check_disk, wipe_proof
+from .nvlink import NvlinkPartitions
 from .provision import ProvisionTask, slot_lease
 from .release import ReleaseTask
 
 SLICE_TASKS = ("slice.vm_provision", "slice.vm_release")
 
 
-class TaskRunner(ProvisionTask, ReleaseTask):
+class SliceTask(Protocol):
+    async def run(self, task: Any, left_running: dict[str, Any] | None) -> m.NodeTaskResult: ...
+
+
+class TaskRunner:
+    def __init__(
+        self,
+        ctx: HostContext,
+        locks: TaskLocks,
+        nvlink: NvlinkPartitions,
+        provision: ProvisionTask,
+        release: ReleaseTask,
+    ) -> None:
+        self.ctx = ctx
+        self.locks = locks
+        self.nvlink = nvlink
+        self.provision = provision
+        self._tasks: dict[str, SliceTask] = {"slice.vm_provision": provision, "slice.vm_release": release}
+
     # --- bus entry ----------------------------------------------------------------------------
 
     async def on_task(self, ctx: HandlerContext) -> None:
         task = ctx.payload
-        if task.node_id != self.node_id:
-            raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {self.node_id}")
+        if task.node_id != self.ctx.node_id:
+            raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {self.ctx.node_id}")
         slot_ids = [s.slot_id for s in getattr(task, "slots", ())]
         if len(set(slot_ids)) != len(slot_ids):
             # One slot named twice: its lock would be taken twice and the task would wait on itself for good
@@ -38,27 +58,27 @@ class TaskRunner(ProvisionTask, ReleaseTask):
     async def execute(self, task_type: str, task: Any, *, causation_id: str | None = None) -> m.NodeTaskResult:
         async with contextlib.AsyncExitStack() as stack:
             for slot_id in sorted({s.slot_id for s in task.slots}):
-                await stack.enter_async_context(self._slot_locks.setdefault(slot_id, asyncio.Lock()))
-            await stack.enter_async_context(self._vm_locks.setdefault(task.vm_name, asyncio.Lock()))
+                await stack.enter_async_context(self.locks.slot(slot_id))
+            await stack.enter_async_context(self.locks.vm(task.vm_name))
             result = await self.run(task_type, task)
         # The answer to the first message that asked (and to its redeliveries, and to a resume after a restart)
         # has one id, so JetStream keeps one copy. A task asked again by a new message (the control plane lost
         # its commit of the first answer) is answered again under a new id: under the first one JetStream would
         # drop it and the asker would never hear it.
-        again = causation_id is not None and self.store.first_asker(task.task_id, causation_id) != causation_id
+        again = causation_id is not None and self.ctx.store.first_asker(task.task_id, causation_id) != causation_id
         purpose = f"result:{causation_id}" if again else "result"
-        await self.publish(
+        await self.ctx.publish(
             "node.task_result",
             result,
             correlation_id=str(task.allocation_id),
             causation_id=causation_id,
             event_id=derived_event_id(task.task_id, purpose),
-            node_id=self.node_id,
+            node_id=self.ctx.node_id,
         )
         return result
 
     async def run(self, task_type: str, task: Any) -> m.NodeTaskResult:
-        record = self.store.task(task.task_id)
+        record = self.ctx.store.task(task.task_id)
         if record and record["status"] != "running" and record["result"]:
             log.info(
                 "task_replayed", task_id=task.task_id, allocation_id=str(task.allocation_id), status=record["status"]
@@ -68,13 +88,13 @@ class TaskRunner(ProvisionTask, ReleaseTask):
         # provision and release is idempotent (clone again, re-render the seed, redefine, re-check readiness).
         resuming = bool(record and record["status"] == "running")
         touched_before = bool(record and record["disk_touched"])
-        self.store.start_task(
+        self.ctx.store.start_task(
             task.task_id, task_type, str(task.allocation_id), vm_name=task.vm_name, payload=task.model_dump(mode="json")
         )
         try:
             slot_ids = [s.slot_id for s in task.slots]
             # Fencing first: a newer claim on the slot owns its disk, so nothing here may touch it any more.
-            stale = self.store.check_and_record_epochs(slot_ids, task.fencing_epoch)
+            stale = self.ctx.store.check_and_record_epochs(slot_ids, task.fencing_epoch)
             if stale and not self._releases_its_own_leases(task_type, task):
                 raise Refused("stale_epoch", stale)
             remaining = (task.deadline - utcnow()).total_seconds()
@@ -83,22 +103,10 @@ class TaskRunner(ProvisionTask, ReleaseTask):
             deadline = asyncio.timeout(remaining)
             try:
                 async with deadline:
-                    if task_type == "slice.vm_provision":
-                        domain_kept = resuming and await self._can_resume_domain(task, record)
-                        if resuming:
-                            log.warning(
-                                "task_resuming",
-                                task_id=task.task_id,
-                                allocation_id=str(task.allocation_id),
-                                domain_kept=domain_kept,
-                            )
-                            if not domain_kept:
-                                await self._teardown_domain(task)
-                        result = await self._provision(task, resume=domain_kept)
-                    elif task_type == "slice.vm_release":
-                        result = await self._release(task)
-                    else:
+                    handler = self._tasks.get(task_type)
+                    if handler is None:
                         raise Refused("unsupported_task", task_type)
+                    result = await handler.run(task, record if resuming else None)
             except TimeoutError:
                 if not deadline.expired():
                     # A timeout of some call inside (NATS, libvirt), not the task's deadline: not this task's
@@ -111,10 +119,10 @@ class TaskRunner(ProvisionTask, ReleaseTask):
             if resuming and touched_before and task_type == "slice.vm_provision" and exc.code != "stale_epoch":
                 # The interrupted provision cannot go on, and the disk was written: wipe it here, with proof.
                 result = await self._wipe_interrupted(task, exc.code, exc.reason)
-                self.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
+                self.ctx.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
                 return result
             result = await self._settle(task, task_type, exc)
-        self.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
+        self.ctx.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
         return result
 
     def _releases_its_own_leases(self, task_type: str, task: Any) -> bool:
@@ -124,7 +132,7 @@ class TaskRunner(ProvisionTask, ReleaseTask):
         GPUs are still leased to its allocation, so no newer claim ever touched them, and without the release
         the VM would run for nobody (a chaos run found one)."""
         held = [slot_lease(s) for s in task.slots]
-        return task_type == "slice.vm_release" and self.store.holds_leases(str(task.allocation_id), held)
+        return task_type == "slice.vm_release" and self.ctx.store.holds_leases(str(task.allocation_id), held)
 
     async def _settle(self, task: Any, task_type: str, exc: Refused | TaskFailed) -> m.NodeTaskResult:
         """The refused or failed result, with the bookkeeping that decides `cleanup_required`."""
@@ -137,18 +145,20 @@ class TaskRunner(ProvisionTask, ReleaseTask):
                 reason=exc.reason,
             )
             if task_type == "slice.vm_provision":
-                await nvlink.deactivate_quietly(self, task)
-                self.store.drop_leases(str(task.allocation_id))
+                await self.nvlink.deactivate_quietly(task)
+                self.ctx.store.drop_leases(str(task.allocation_id))
             # A release that refused to wipe a disk leaves tenant data on it: the slot still needs cleanup.
             unwiped = task_type == "slice.vm_release" and exc.code.startswith("disk_")
-            return self._result(task, task_type, "refused", code=exc.code, reason=exc.reason, cleanup_required=unwiped)
-        record = self.store.task(task.task_id)
+            return phases.result(
+                self.ctx, task, task_type, "refused", code=exc.code, reason=exc.reason, cleanup_required=unwiped
+            )
+        record = self.ctx.store.task(task.task_id)
         touched = bool(record and record["disk_touched"])
         if task_type == "slice.vm_provision":
             # Never leave a half-provisioned VM defined or running: it would hold the GPUs and the disk.
-            await self._teardown_domain(task)
+            await self.provision.tear_down(task)
         if not touched:
-            self.store.drop_leases(str(task.allocation_id))
+            self.ctx.store.drop_leases(str(task.allocation_id))
         log.error(
             "task_failed",
             task_id=task.task_id,
@@ -157,7 +167,9 @@ class TaskRunner(ProvisionTask, ReleaseTask):
             reason=exc.reason,
             cleanup_required=touched,
         )
-        return self._result(task, task_type, "failed", code=exc.code, reason=exc.reason, cleanup_required=touched)
+        return phases.result(
+            self.ctx, task, task_type, "failed", code=exc.code, reason=exc.reason, cleanup_required=touched
+        )
 
     async def _wipe_interrupted(self, task: Any, code: str, reason: str) -> m.NodeTaskResult:
         """A provision a restart interrupted after the disk was written, that cannot be resumed: tear the VM down,
@@ -165,26 +177,17 @@ class TaskRunner(ProvisionTask, ReleaseTask):
         to service only if the scheduler finds them to satisfy the site's policy. A wipe that cannot be done or
         verified also says `cleanup_required`, and the leases stay."""
         t = "slice.vm_provision"
-        await self._teardown_domain(task)
-        (self.seed_dir / f"{task.vm_name}.iso").unlink(missing_ok=True)
+        await self.provision.tear_down(task)
+        (self.ctx.seed_dir / f"{task.vm_name}.iso").unlink(missing_ok=True)
         proofs: list[m.WipeProof] = []
         problem = None
         try:
-            paths = [(slot, self._check_disk(slot.nvme_by_id)) for slot in task.slots]
-            await self._phase(task, t, "wipe", disk_touched=True)
+            paths = [(slot, check_disk(self.ctx.host, slot.nvme_by_id)) for slot in task.slots]
+            await phases.enter(self.ctx, task, t, "wipe", disk_touched=True)
             for slot, path in paths:
                 # The site's policy came with the slot from placement; an older scheduler sends none.
                 proof = await disk.wipe_and_verify(str(path), slot.wipe_policy)
-                proofs.append(
-                    m.WipeProof(
-                        device=slot.nvme_by_id,
-                        method=proof.method,
-                        verified=proof.verified,
-                        signatures=[str(sig) for sig in proof.signatures],
-                        detail=proof.detail,
-                        verification=proof.verification,
-                    )
-                )
+                proofs.append(wipe_proof(slot.nvme_by_id, proof))
         except Refused as exc:
             problem = f"{exc.code}: {exc.reason}"
         except Exception as exc:
@@ -194,7 +197,7 @@ class TaskRunner(ProvisionTask, ReleaseTask):
             problem = "; ".join(f"{p.device}: {p.detail or 'not verified'}" for p in unverified)
         verified = problem is None
         if verified:
-            self.store.drop_leases(str(task.allocation_id))
+            self.ctx.store.drop_leases(str(task.allocation_id))
         log.error(
             "task_interrupted_wiped" if verified else "task_interrupted_wipe_unverified",
             task_id=task.task_id,
@@ -206,22 +209,6 @@ class TaskRunner(ProvisionTask, ReleaseTask):
         detail = f"resume after restart impossible ({code}: {reason}); " + (
             "disk wiped and verified by the agent" if verified else f"wipe not verified: {problem}"
         )
-        return self._result(
-            task, t, "failed", code=code, reason=detail[:2000], cleanup_required=not verified, proofs=proofs
+        return phases.result(
+            self.ctx, task, t, "failed", code=code, reason=detail[:2000], cleanup_required=not verified, proofs=proofs
         )
-
-    async def _teardown_domain(self, task: Any) -> None:
-        try:
-            if await self.libvirt.exists(task.vm_name):
-                await self.libvirt.shutdown(task.vm_name, 0)
-                await self.libvirt.undefine(task.vm_name)
-                log.warning(
-                    "libvirt_domain_torn_down",
-                    task_id=task.task_id,
-                    allocation_id=str(task.allocation_id),
-                    domain=task.vm_name,
-                )
-            dnsmasq.remove_reservation(self.hostsdir, task.vm_name)
-            await nvlink.deactivate_quietly(self, task)
-        except (LibvirtHostError, OSError) as exc:
-            log.error("libvirt_domain_teardown_failed", task_id=task.task_id, domain=task.vm_name, error=str(exc))

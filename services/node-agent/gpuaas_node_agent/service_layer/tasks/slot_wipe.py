@@ -12,31 +12,35 @@ from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 
 from ...adapters import disk
-from .core import AgentCore, Refused, log
+from .context import HostContext, Refused, log
+from .disks import check_disk, wipe_proof
 
 
-class SlotWiper(AgentCore):
+class SlotWiper:
+    def __init__(self, ctx: HostContext) -> None:
+        self.ctx = ctx
+
     async def on_slot_wipe(self, ctx: HandlerContext) -> None:
         task: m.SliceSlotWipe = ctx.payload
-        if task.node_id != self.node_id:
-            raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {self.node_id}")
+        if task.node_id != self.ctx.node_id:
+            raise PermanentError("schema_invalid", f"task for {task.node_id} delivered to {self.ctx.node_id}")
         if task.deadline <= utcnow():
             log.warning("task_refused", task_id=task.task_id, reason_code="deadline_passed")
             return
-        self.store.start_task(task.task_id, "slice.slot_wipe", "")
+        self.ctx.store.start_task(task.task_id, "slice.slot_wipe", "")
         async with asyncio.timeout((task.deadline - utcnow()).total_seconds()):
             outcomes = [await self._wipe_slot(s) for s in task.slots]
-        report = m.NodeSlotWipeReported(task_id=task.task_id, node_id=self.node_id, outcomes=outcomes)
+        report = m.NodeSlotWipeReported(task_id=task.task_id, node_id=self.ctx.node_id, outcomes=outcomes)
         # A redelivery wipes again (harmless on a disk nobody holds); its report's event id is the same.
-        await self.publish(
+        await self.ctx.publish(
             "node.slot_wipe_reported",
             report,
             correlation_id=task.task_id,
             event_id=derived_event_id(task.task_id, "node.slot_wipe_reported"),
-            node_id=self.node_id,
+            node_id=self.ctx.node_id,
         )
         proven = sum(1 for o in outcomes if o.proof is not None and o.proof.verified)
-        self.store.finish_task(task.task_id, "succeeded", {"slots": len(outcomes), "proven": proven})
+        self.ctx.store.finish_task(task.task_id, "succeeded", {"slots": len(outcomes), "proven": proven})
         log.info("slot_wipe_reported", task_id=task.task_id, slots=len(outcomes), proven=proven)
 
     async def _wipe_slot(self, slot: m.WipeSlot) -> m.SlotWipeOutcome:
@@ -46,10 +50,10 @@ class SlotWiper(AgentCore):
                 slot_id=slot.slot_id, device=slot.nvme_by_id, reason_code=code, reason=reason[:2000]
             )
 
-        if f"nvme:{slot.nvme_by_id}" in self.store.leased_resources():
+        if f"nvme:{slot.nvme_by_id}" in self.ctx.store.leased_resources():
             return refused("disk_leased", f"{slot.nvme_by_id} is leased by a live allocation of this host")
         try:
-            path = self._check_disk(slot.nvme_by_id)
+            path = check_disk(self.ctx.host, slot.nvme_by_id)
             proof = await disk.wipe_and_verify(str(path), slot.wipe_policy)
         except Refused as exc:
             return refused(exc.code, exc.reason)
@@ -58,12 +62,5 @@ class SlotWiper(AgentCore):
         return m.SlotWipeOutcome(
             slot_id=slot.slot_id,
             device=slot.nvme_by_id,
-            proof=m.WipeProof(
-                device=slot.nvme_by_id,
-                method=proof.method,
-                verified=proof.verified,
-                signatures=[str(sig) for sig in proof.signatures],
-                detail=proof.detail,
-                verification=proof.verification,
-            ),
+            proof=wipe_proof(slot.nvme_by_id, proof),
         )
