@@ -13,9 +13,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import asyncpg
@@ -195,11 +197,16 @@ async def allocators_deploy(server: NatsServer, tls_files: TlsFiles, authority: 
 
 
 async def run_deploy(pool: asyncpg.Pool, port: int, client: AuthorityClient, command_seq: int) -> asyncpg.Record:
+    await record_deploy(pool, gateway_settings(port), "deploy-1", command_seq)
+    return await step_deploy(pool, port, client)
+
+
+async def step_deploy(pool: asyncpg.Pool, port: int, client: AuthorityClient) -> asyncpg.Record:
+    """One step of the gateway's worker on the recorded deploy; the operation's row after it."""
     settings = gateway_settings(port)
     creds = HostCredentials(client, unit_of_work_factory(pool), ttl_s=3600)
     worker = OperationWorker(settings, pool, build_clients(settings), host_credentials=creds)
     try:
-        await record_deploy(pool, settings, "deploy-1", command_seq)
         await worker.step("deploy-1")
     finally:
         for site in worker.sites.values():
@@ -320,6 +327,40 @@ async def test_a_deploy_of_an_allocation_already_ended_fails_with_the_authoritys
     assert ALLOCATION in row["status_message"]
     assert state.call_count("deploy", system_id_for(MACHINE)) == 0  # type: ignore[attr-defined]
     assert await node_users(admin.jetstream(), NODE) == []  # nothing minted for the node
+
+
+async def test_a_deploy_asked_again_mints_for_its_newest_command(
+    pool: asyncpg.Pool,
+    sim: tuple[object, int],
+    server: NatsServer,
+    tls_files: TlsFiles,
+    authority: Authority,
+    admin: nats.NATS,
+    tmp_path: Path,
+) -> None:
+    """The allocator asks an open deploy again while it waits, and the gateway keeps the newest asking's place in the
+    stream: a deploy whose first command is past the authority's age limit still mints, from the newer one. A late
+    redelivery of the older asking never moves it back."""
+    state, port = sim
+    settings = gateway_settings(port)
+    with authority_process(authority, tls_files, server.url, tmp_path / "authority", deploy_command_max_age_s=3) as url:
+        first = await allocators_deploy(server, tls_files, authority)
+        await record_deploy(pool, settings, "deploy-1", first)
+        stored = await admin.jetstream().get_msg("MAAS", first)
+        assert stored.time is not None
+        # What this waits for is the wall clock itself (the first command older than the limit), no event.
+        await asyncio.sleep(max(0.0, (stored.time + timedelta(seconds=3.2) - datetime.now(UTC)).total_seconds()))
+        again = await allocators_deploy(server, tls_files, authority)
+        await record_deploy(pool, settings, "deploy-1", again)
+        await record_deploy(pool, settings, "deploy-1", first)
+        params = await pool.fetchval("SELECT params FROM maas_operations WHERE operation_id = 'deploy-1'")
+        assert json.loads(params)["command_seq"] == again
+        row = await step_deploy(pool, port, gateway_client(authority, tls_files, url, tmp_path))
+
+    assert (row["state"], row["maas_calls"], row["reason_code"]) != ("failed", 0, "deploy_command_expired"), row
+    assert row["maas_calls"] == 1, row
+    assert state.call_count("deploy", system_id_for(MACHINE)) == 1  # type: ignore[attr-defined]
+    assert len(await node_users(admin.jetstream(), NODE)) == 1
 
 
 async def test_host_users_are_recorded_by_compare_and_set(admin: nats.NATS) -> None:

@@ -21,9 +21,10 @@ class AuthoritySettings(ServiceSettings):
     # after a year, and a host user outliving its allocation must stay revocable.
     max_host_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, le=365 * 24 * 3600.0)
     # How long after its deploy command (as the MAAS stream stored it) a host user may be minted for it: a deploy's
-    # user-data is minted soon after (within the gateway's operation deadline, 30 min by default); an older
-    # command named again is a replay.
-    deploy_command_max_age_s: float = Field(default=3 * 3600.0, gt=0, le=7 * 24 * 3600.0)
+    # user-data is minted within the gateway's operation deadline (30 min by default) of its command, and the
+    # allocator asks an open deploy again every 5 min (the gateway then names the newest asking); an older command
+    # named again is a replay. 45 min: the deadline and a gateway that took its command 15 min late.
+    deploy_command_max_age_s: float = Field(default=45 * 60.0, gt=0, le=7 * 24 * 3600.0)
     # Renewal of every role's creds file past half-life in this directory (unset: none, as in the dev stack, whose
     # supervisor renews its own run directory).
     renew_creds_dir: str | None = None

@@ -100,6 +100,19 @@ class OperationRepository:
             )
         )
 
+    async def refresh_command_seq(self, operation_id: str, seq: int) -> bool:
+        """An open deploy asked again: from now on its mints name this newer command (the credential authority
+        mints only for a recent one). Never moves back to an older command; False when nothing changed."""
+        status = await self.conn.execute(
+            "UPDATE maas_operations SET params = jsonb_set(params, '{command_seq}', to_jsonb($2::bigint)) "
+            "WHERE operation_id = $1 AND kind = 'deploy' AND state = ANY($3::text[]) "
+            "AND COALESCE((params->>'command_seq')::bigint, 0) < $2",
+            operation_id,
+            seq,
+            list(OPEN_STATES),
+        )
+        return status == "UPDATE 1"
+
     async def claim_due(
         self, owner: str, lease_s: float, limit: int, stepping: list[str] | tuple[str, ...] = ()
     ) -> list[asyncpg.Record]:

@@ -58,6 +58,11 @@ class OperationHandlers:
             deadline_at=datetime.now(UTC) + timedelta(seconds=self.settings.maas_deadline_s),
         )
         log.info("operation_recorded" if inserted else "operation_already_known", kind=kind, site=cmd.site)
+        if not inserted and kind == "deploy" and ctx.stream_seq is not None:
+            # The allocator asks an open deploy again while it waits: the newest asking is what later mints name,
+            # so the authority's age limit can stay short (a released allocation is asked no more).
+            if await ctx.uow.repos.operations.refresh_command_seq(cmd.operation_id, ctx.stream_seq):
+                log.info("deploy_command_refreshed", operation_id=cmd.operation_id, command_seq=ctx.stream_seq)
         if not inserted:
             await self._answer_again(ctx, cmd.operation_id)
 
