@@ -250,10 +250,11 @@ async def test_the_rows_hosts_make_are_pruned_by_age_and_capped_per_host(fresh_d
         await conn.execute(
             "INSERT INTO node_tasks (task_id, node_id, status, updated_at) VALUES ('t-1', 'n1', 'sent', now())"
         )
-        phases = [("t-1", i) for i in range(20)] + [(f"forged-{i}", 100 + i) for i in range(20)]
+        # A phase names the host that reported it; those written before it did and whose task no row holds, none.
+        phases = [("t-1", i, "n1") for i in range(20)] + [(f"forged-{i}", 100 + i, None) for i in range(20)]
         await conn.executemany(
-            "INSERT INTO node_task_phases (task_id, stream_seq, phase, at) VALUES ($1, $2, 'boot', $3)",
-            [(task, seq, now - timedelta(seconds=seq)) for task, seq in phases],
+            "INSERT INTO node_task_phases (task_id, stream_seq, phase, at, node_id) VALUES ($1, $2, 'boot', $3, $4)",
+            [(task, seq, now - timedelta(seconds=seq), node) for task, seq, node in phases],
         )
         await conn.executemany(
             "INSERT INTO dead_letters (dlq_seq, subject, consumer, stream, origin_subject, reason_code, reason, at) "
@@ -273,5 +274,5 @@ async def test_the_rows_hosts_make_are_pruned_by_age_and_capped_per_host(fresh_d
         left = await conn.fetch("SELECT task_id, stream_seq FROM node_task_phases ORDER BY stream_seq")
         letters = await conn.fetch("SELECT consumer, dlq_seq FROM dead_letters ORDER BY dlq_seq")
     assert [tuple(r) for r in letters] == [(f"c{i % 2}", i) for i in range(10)]  # the newest 5 of each consumer
-    # The host's task keeps its newest 5; the phases of tasks nobody sent share one cap of 5.
+    # The host keeps its newest 5 phases; those naming no host share one cap of 5.
     assert [tuple(r) for r in left] == [("t-1", i) for i in range(5)] + [(f"forged-{i}", 100 + i) for i in range(5)]

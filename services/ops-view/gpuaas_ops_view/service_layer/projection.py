@@ -237,7 +237,7 @@ async def on_task_progress(repo: Projection, ev: Event) -> None:
             "updated_at": ev.at,
         }
     )
-    await repo.add_phase(p["task_id"], ev.message.seq, p["phase"], p.get("detail"), ev.at)
+    await repo.add_phase(p["task_id"], p["node_id"], ev.message.seq, p["phase"], p.get("detail"), ev.at)
 
 
 async def on_task_result(repo: Projection, ev: Event) -> None:
@@ -279,7 +279,9 @@ async def on_slot_wipe_reported(repo: Projection, ev: Event) -> None:
             "updated_at": ev.at,
         }
     )
-    await repo.add_phase(p["task_id"], ev.message.seq, "wipe_reported", wipe_outcomes_text(outcomes), ev.at)
+    await repo.add_phase(
+        p["task_id"], p["node_id"], ev.message.seq, "wipe_reported", wipe_outcomes_text(outcomes), ev.at
+    )
 
 
 # --- fleet ---------------------------------------------------------------------------------------------
