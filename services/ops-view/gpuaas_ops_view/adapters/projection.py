@@ -518,6 +518,8 @@ class Projection:
             "attempts",
             "requested_at",
             "resolved_at",
+            "erase_mode",
+            "erase_outcome",
             "updated_at",
         )
         fill = ", ".join(

@@ -399,6 +399,7 @@ async def on_maas_command(repo: Projection, ev: Event) -> None:
             "node_id": p.get("node_id"),
             "system_id": p.get("system_id"),
             "status": maas_status(current, "requested"),
+            "erase_mode": p.get("erase_mode"),
             "requested_at": ev.at,
             "updated_at": ev.at,
         }
@@ -420,6 +421,9 @@ async def on_maas_result(repo: Projection, ev: Event) -> None:
             "reason_code": p.get("reason_code"),
             "status_message": p.get("status_message"),
             "attempts": p.get("attempts"),
+            # A release's erase (None for the other operations): the mode applied and what MAAS showed of it.
+            "erase_mode": p.get("erase_mode"),
+            "erase_outcome": p.get("erase_outcome"),
             "resolved_at": ev.at,
             "updated_at": ev.at,
         }
