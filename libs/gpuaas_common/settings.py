@@ -98,8 +98,8 @@ class ServiceSettings(BaseSettings):
     host_budget_messages_per_min: float = Field(default=600.0, gt=0)
     # The same budget in bytes of message bodies a minute, per node, consumer and replica.
     host_budget_bytes_per_min: float = Field(default=8 * 1024 * 1024.0, gt=0)
-    # How long rows a host's messages make (drift reports, task phases, dead letters: retention.HostRows) are kept;
-    # each host's newest stays.
+    # How long rows a host's messages make (drift reports, node tasks and phases, dead letters: retention.HostRows)
+    # are kept; each host's newest stays.
     host_rows_retention_s: float = Field(default=30 * 24 * 3600.0, gt=0)
     # Such rows kept per host (each service's HOST_ROWS says what a host is for each table), the newest; the older
     # go at the next retention sweep, or (ops-view's, adapters/host_rows.py) in the transaction that inserted them.
