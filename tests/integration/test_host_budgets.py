@@ -83,13 +83,16 @@ async def test_a_flooding_host_leaves_the_scheduler_as_many_drift_rows_as_its_bu
         bus = Bus(bus_nc, nc_.jetstream(), service="scheduler", schema="scheduler", pool=spool, retry_delays_s=(0.05,))
         bus.subscribe(spec, evidence_handlers(Scheduler())["scheduler-node-drift"], host_budget=budget)
         await bus.start()
+        sent: list[str] = []
         try:
             for i in range(40):  # each report newer by a second: each would be a row of its own
                 report = m.NodeDriftReported(node_id=flooder, checked_at=T0 + timedelta(seconds=i))
-                await publish("node.drift_reported", report, correlation_id=flooder, node_id=flooder)
+                env = await publish("node.drift_reported", report, correlation_id=flooder, node_id=flooder)
+                sent.append(env.event_id)
             for i in range(2):
                 report = m.NodeDriftReported(node_id=quiet, checked_at=T0 + timedelta(seconds=i))
-                await publish("node.drift_reported", report, correlation_id=quiet, node_id=quiet)
+                env = await publish("node.drift_reported", report, correlation_id=quiet, node_id=quiet)
+                sent.append(env.event_id)
 
             async def settled() -> bool:
                 info = await nc_.jetstream().consumer_info(spec.stream, spec.durable)
@@ -100,7 +103,12 @@ async def test_a_flooding_host_leaves_the_scheduler_as_many_drift_rows_as_its_bu
                 rows = dict(
                     await conn.fetch("SELECT node_id, count(*) FROM node_drift_reports GROUP BY node_id ORDER BY 1")
                 )
-                inbox = await conn.fetchval("SELECT count(*) FROM inbox WHERE consumer = $1", spec.durable)
+                # This test's reports only: the stream also holds reports earlier tests sent other hosts.
+                inbox = await conn.fetchval(
+                    "SELECT count(*) FROM inbox WHERE consumer = $1 AND message_id = ANY($2::text[])",
+                    spec.durable,
+                    sent,
+                )
         finally:
             await bus.stop()
             await bus_nc.close()
