@@ -9,10 +9,10 @@ How long to keep them: an inbox row must outlive every way the same message can 
 The last is the longest, so the default (`GPUAAS_INBOX_RETENTION_S`, 8 days) covers the stream age with a
 day to spare; past it no copy of the message exists anywhere to be redelivered.
 
-Rows a host's messages make (`HostRows`: drift reports, task phases, dead letters) are history, not state, and a
-host decides how many there are: each such table is pruned by age (`GPUAAS_HOST_ROWS_RETENTION_S`) and capped
-per host (`GPUAAS_HOST_ROWS_PER_NODE`, the newest kept). A group's newest row outlives the age, so a host that went
-quiet still shows its last report.
+Rows a host's messages make (`HostRows`: drift reports, node tasks and phases, dead letters) are history, not
+state, and a host decides how many there are: each such table is pruned by age (`GPUAAS_HOST_ROWS_RETENTION_S`)
+and capped per host (`GPUAAS_HOST_ROWS_PER_NODE`, the newest kept; ops-view holds its cap at insert time too). A
+group's newest row outlives the age, so a host that went quiet still shows its last report.
 """
 
 from __future__ import annotations

@@ -98,11 +98,11 @@ class ServiceSettings(BaseSettings):
     host_budget_messages_per_min: float = Field(default=600.0, gt=0)
     # The same budget in bytes of message bodies a minute, per node, consumer and replica.
     host_budget_bytes_per_min: float = Field(default=8 * 1024 * 1024.0, gt=0)
-    # How long rows a host's messages make (drift reports, task phases, dead letters: retention.HostRows) are kept;
-    # each host's newest stays.
+    # How long rows a host's messages make (drift reports, node tasks and phases, dead letters: retention.HostRows)
+    # are kept; each host's newest stays.
     host_rows_retention_s: float = Field(default=30 * 24 * 3600.0, gt=0)
     # Such rows kept per host (each service's HOST_ROWS says what a host is for each table), the newest; the older
-    # go at the next retention sweep.
+    # go at the next retention sweep, or (ops-view's, adapters/host_rows.py) in the transaction that inserted them.
     host_rows_per_node: int = Field(default=1000, ge=1)
     # The asyncio event loop: `uvloop` (libuv: the loop, its TLS and socket calls in compiled code; 3-9 % less CPU
     # per allocation in bench/pipeline.py at 50/s on 2 cores) or Python's own `asyncio`.

@@ -83,13 +83,16 @@ async def test_a_flooding_host_leaves_the_scheduler_as_many_drift_rows_as_its_bu
         bus = Bus(bus_nc, nc_.jetstream(), service="scheduler", schema="scheduler", pool=spool, retry_delays_s=(0.05,))
         bus.subscribe(spec, evidence_handlers(Scheduler())["scheduler-node-drift"], host_budget=budget)
         await bus.start()
+        sent: list[str] = []
         try:
             for i in range(40):  # each report newer by a second: each would be a row of its own
                 report = m.NodeDriftReported(node_id=flooder, checked_at=T0 + timedelta(seconds=i))
-                await publish("node.drift_reported", report, correlation_id=flooder, node_id=flooder)
+                env = await publish("node.drift_reported", report, correlation_id=flooder, node_id=flooder)
+                sent.append(env.event_id)
             for i in range(2):
                 report = m.NodeDriftReported(node_id=quiet, checked_at=T0 + timedelta(seconds=i))
-                await publish("node.drift_reported", report, correlation_id=quiet, node_id=quiet)
+                env = await publish("node.drift_reported", report, correlation_id=quiet, node_id=quiet)
+                sent.append(env.event_id)
 
             async def settled() -> bool:
                 info = await nc_.jetstream().consumer_info(spec.stream, spec.durable)
@@ -100,7 +103,12 @@ async def test_a_flooding_host_leaves_the_scheduler_as_many_drift_rows_as_its_bu
                 rows = dict(
                     await conn.fetch("SELECT node_id, count(*) FROM node_drift_reports GROUP BY node_id ORDER BY 1")
                 )
-                inbox = await conn.fetchval("SELECT count(*) FROM inbox WHERE consumer = $1", spec.durable)
+                # This test's reports only: the stream also holds reports earlier tests sent other hosts.
+                inbox = await conn.fetchval(
+                    "SELECT count(*) FROM inbox WHERE consumer = $1 AND message_id = ANY($2::text[])",
+                    spec.durable,
+                    sent,
+                )
         finally:
             await bus.stop()
             await bus_nc.close()
@@ -250,10 +258,11 @@ async def test_the_rows_hosts_make_are_pruned_by_age_and_capped_per_host(fresh_d
         await conn.execute(
             "INSERT INTO node_tasks (task_id, node_id, status, updated_at) VALUES ('t-1', 'n1', 'sent', now())"
         )
-        phases = [("t-1", i) for i in range(20)] + [(f"forged-{i}", 100 + i) for i in range(20)]
+        # A phase names the host that reported it; those written before it did and whose task no row holds, none.
+        phases = [("t-1", i, "n1") for i in range(20)] + [(f"forged-{i}", 100 + i, None) for i in range(20)]
         await conn.executemany(
-            "INSERT INTO node_task_phases (task_id, stream_seq, phase, at) VALUES ($1, $2, 'boot', $3)",
-            [(task, seq, now - timedelta(seconds=seq)) for task, seq in phases],
+            "INSERT INTO node_task_phases (task_id, stream_seq, phase, at, node_id) VALUES ($1, $2, 'boot', $3, $4)",
+            [(task, seq, now - timedelta(seconds=seq), node) for task, seq, node in phases],
         )
         await conn.executemany(
             "INSERT INTO dead_letters (dlq_seq, subject, consumer, stream, origin_subject, reason_code, reason, at) "
@@ -273,5 +282,5 @@ async def test_the_rows_hosts_make_are_pruned_by_age_and_capped_per_host(fresh_d
         left = await conn.fetch("SELECT task_id, stream_seq FROM node_task_phases ORDER BY stream_seq")
         letters = await conn.fetch("SELECT consumer, dlq_seq FROM dead_letters ORDER BY dlq_seq")
     assert [tuple(r) for r in letters] == [(f"c{i % 2}", i) for i in range(10)]  # the newest 5 of each consumer
-    # The host's task keeps its newest 5; the phases of tasks nobody sent share one cap of 5.
+    # The host keeps its newest 5 phases; those naming no host share one cap of 5.
     assert [tuple(r) for r in left] == [("t-1", i) for i in range(5)] + [(f"forged-{i}", 100 + i) for i in range(5)]

@@ -448,3 +448,64 @@ async def test_the_admin_apis_audit_records_are_listed_by_the_api_and_the_consol
             assert other.request_id not in body
         async with http.get(f"{console.url}/console/audit", params={"actor": "no spaces"}) as resp:
             assert resp.status == 400 and "actor must be an actor name" in await resp.text()
+
+
+async def test_a_machine_releases_erase_is_kept_and_shown_with_its_operation(
+    nc: nats.NATS,  # noqa: F811
+    console: Console_,
+) -> None:
+    """maas.release_requested names the erase asked, maas.release_result the erase applied and what MAAS showed of
+    it: the operation keeps both (the API and the console's MAAS page show them), one MAAS left unconfirmed marked
+    for ops; a deploy has none."""
+    node = f"n-{uuid.uuid4().hex[:6]}"
+    alloc = uuid.uuid4()
+    erased, unconfirmed, deploy = (f"op-{uuid.uuid4().hex[:8]}" for _ in range(3))
+    common = {"allocation_id": alloc, "system_id": "abc123", "node_id": node}
+    for op in (erased, unconfirmed):
+        requested = m.MaasReleaseRequested(operation_id=op, site="s1", erase_mode="secure", **common)
+        await publish(nc, "maas.release_requested", requested)
+    await publish(
+        nc, "maas.deploy_requested", m.MaasDeployRequested(operation_id=deploy, site="s1", profile="bm", **common)
+    )
+    results = (
+        (erased, "released", "erased", None),
+        (unconfirmed, "failed", "unconfirmed", "disk_erase_unconfirmed"),
+    )
+    for op, status, outcome, code in results:
+        result = m.MaasReleaseResult(
+            operation_id=op,
+            resolution="polled",
+            attempts=3,
+            status=status,  # type: ignore[arg-type]
+            erase_mode="secure",
+            erase_outcome=outcome,  # type: ignore[arg-type]
+            reason_code=code,
+            **common,
+        )
+        await publish(nc, "maas.release_result", result)
+    async with console.pool.acquire() as conn:
+        with console.changes.subscribe() as notices:
+            while await conn.fetchval(
+                "SELECT count(*) FROM maas_operations WHERE node_id = $1 AND resolved_at IS NOT NULL", node
+            ) < 2 or not await conn.fetchval("SELECT 1 FROM maas_operations WHERE operation_id = $1", deploy):
+                await asyncio.wait_for(notices.get(), 20)
+
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        async with http.get(f"{console.url}/v1/maas/operations", params={"node": node}) as resp:
+            page = await resp.json()
+            assert resp.status == 200, page
+    ops = {o["operation_id"]: (o["op"], o["status"], o["erase_mode"], o["erase_outcome"]) for o in page["items"]}
+    assert ops == {
+        erased: ("release", "released", "secure", "erased"),
+        unconfirmed: ("release", "failed", "secure", "unconfirmed"),
+        deploy: ("deploy", "requested", None, None),
+    }
+    async with _browser() as http:
+        await _signed_in(console, http)
+        async with http.get(f"{console.url}/console/maas", params={"node": node}) as resp:
+            body = await resp.text()
+            assert resp.status == 200, body
+    assert f'data-operation="{erased}" data-status="released" data-erase="secure:erased"' in body, body
+    assert f'data-operation="{unconfirmed}" data-status="failed" data-erase="secure:unconfirmed"' in body, body
+    assert 'secure · <span class="warn">unconfirmed</span>' in body and "secure · erased" in body, body
+    assert f'data-operation="{deploy}" data-status="requested">' in body, body

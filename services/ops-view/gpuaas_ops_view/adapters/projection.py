@@ -16,6 +16,7 @@ from gpuaas_common.outbox import EventCollector, PendingEvent, pending_statement
 
 from ..domain.models import TASK_FINAL, task_status
 from ..domain.usage import Move, Usage
+from .host_rows import DEAD_LETTERS, NODE_TASK_PHASES, NODE_TASKS, Capped, trim
 
 # The models' own schema: its outbox carries the events ops-view publishes (usage.recorded), relayed by the
 # service's outbox relay like every other service's.
@@ -184,7 +185,7 @@ _UPSERT_TASK = (
     "updated_at = GREATEST(t.updated_at, EXCLUDED.updated_at)"
 )
 _ADD_PHASE = (
-    "INSERT INTO node_task_phases (task_id, stream_seq, phase, detail, at) VALUES ($1, $2, $3, $4, $5) "
+    "INSERT INTO node_task_phases (task_id, stream_seq, phase, detail, at, node_id) VALUES ($1, $2, $3, $4, $5, $6) "
     "ON CONFLICT DO NOTHING"
 )
 
@@ -262,6 +263,18 @@ async def _pending(
 class Projection:
     def __init__(self, conn: asyncpg.Connection) -> None:
         self.conn = conn
+        # The groups of the host-fed tables (host_rows.CAPPED) this transaction inserted into: `cap_host_rows`
+        # trims them before its commit.
+        self._grown: dict[Capped, set[str]] = {}
+
+    def _grew(self, table: Capped, group: str) -> None:
+        self._grown.setdefault(table, set()).add(group)
+
+    async def cap_host_rows(self, per_group: int) -> dict[str, int]:
+        """Keep each group this transaction grew at its newest `per_group` rows (host_rows.py); the rows deleted
+        per table. After the transaction's last write of those tables, before its commit."""
+        grown, self._grown = self._grown, {}
+        return await trim(self.conn, grown, per_group)
 
     # --- positions --------------------------------------------------------------------------------------
 
@@ -367,9 +380,14 @@ class Projection:
 
     async def upsert_task(self, row: dict[str, Any]) -> None:
         await self.conn.execute(_UPSERT_TASK, *_task_values(row))
+        self._grew(NODE_TASKS, row["node_id"])
 
-    async def add_phase(self, task_id: str, stream_seq: int, phase: str, detail: str | None, at: datetime) -> None:
-        await self.conn.execute(_ADD_PHASE, task_id, stream_seq, phase, detail, at)
+    async def add_phase(
+        self, task_id: str, node_id: str, stream_seq: int, phase: str, detail: str | None, at: datetime
+    ) -> None:
+        """A phase the host `node_id` reported of its task."""
+        await self.conn.execute(_ADD_PHASE, task_id, stream_seq, phase, detail, at, node_id)
+        self._grew(NODE_TASK_PHASES, node_id)
 
     # --- fleet --------------------------------------------------------------------------------------------
 
@@ -500,6 +518,8 @@ class Projection:
             "attempts",
             "requested_at",
             "resolved_at",
+            "erase_mode",
+            "erase_outcome",
             "updated_at",
         )
         fill = ", ".join(
@@ -554,6 +574,7 @@ class Projection:
             body[:16_384] if body is not None else None,
             at,
         )
+        self._grew(DEAD_LETTERS, p["consumer"])
 
 
 @dataclass
@@ -720,6 +741,10 @@ class BatchProjection(Projection):
         # The status _UPSERT_TASK's merge leaves (domain.models.task_status: the same rule).
         self._task_status[row["task_id"]] = task_status(await self.task_status(row["task_id"]), row["status"])
         self._tasks.append(_task_values(row))
+        self._grew(NODE_TASKS, row["node_id"])
 
-    async def add_phase(self, task_id: str, stream_seq: int, phase: str, detail: str | None, at: datetime) -> None:
-        self._phases.append((task_id, stream_seq, phase, detail, at))
+    async def add_phase(
+        self, task_id: str, node_id: str, stream_seq: int, phase: str, detail: str | None, at: datetime
+    ) -> None:
+        self._phases.append((task_id, stream_seq, phase, detail, at, node_id))
+        self._grew(NODE_TASK_PHASES, node_id)

@@ -198,6 +198,10 @@ class MaasOperation(BaseModel):
     reason_code: str | None = None
     status_message: str | None = None
     attempts: int | None = None
+    # A release's erase: the mode asked or applied (secure, full) and what MAAS showed of it (erased, failed,
+    # unconfirmed); None for other operations and until the result is read.
+    erase_mode: str | None = None
+    erase_outcome: str | None = None
     requested_at: datetime | None = None
     resolved_at: datetime | None = None
     updated_at: datetime

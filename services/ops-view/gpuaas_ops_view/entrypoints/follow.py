@@ -35,6 +35,7 @@ from gpuaas_common.bus_dispatch import dead_letter
 from gpuaas_common.jetstream import ConsumerSpec
 from gpuaas_common.logging import get_logger
 from gpuaas_common.pull import PullLoop
+from gpuaas_common.settings import ServiceSettings
 
 from ..adapters.projection import BatchProjection, Projection
 from ..service_layer.projection import Message, apply, apply_batch
@@ -54,6 +55,8 @@ POSITION = Gauge("gpuaas_ops_view_position", "Last stream sequence the read mode
 INACTIVE_S = 30.0
 # Between attempts after a failure, growing to the last.
 BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+# Rows of a host-fed table kept per host (adapters/host_rows.py) unless the service says otherwise.
+HOST_ROWS_PER_NODE: int = ServiceSettings.model_fields["host_rows_per_node"].default
 # A handler bug or a value the models' columns cannot hold is that message's problem, not the stream's.
 _UNPLACEABLE_DB = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
 
@@ -78,9 +81,11 @@ class StreamFollower:
         dead_letters: Bus,
         batch: int,
         budget: HostBudget | None = None,
+        host_rows_per_node: int = HOST_ROWS_PER_NODE,
     ) -> None:
         """`budget`: the stream carries hosts' messages; a node's over its budget advance the position and are
-        applied to nothing (bus_budget)."""
+        applied to nothing (bus_budget). `host_rows_per_node`: the cap each batch's transaction holds the
+        host-fed tables' groups it grew at (adapters/host_rows.py)."""
         self.nc, self.js, self.pool = nc, js, pool
         self.stream = spec.stream
         self.filter = spec.filter_subject
@@ -89,6 +94,7 @@ class StreamFollower:
         self.dead_letters = dead_letters
         self.batch = batch
         self.budget = budget
+        self.host_rows_per_node = host_rows_per_node
         self.position = 0
         self._consumer_seq = 0
 
@@ -200,6 +206,7 @@ class StreamFollower:
                 repo = BatchProjection(conn)
                 if messages and await _failure(apply_batch(repo, messages)) is not None:
                     raise _Unplaced()
+            await repo.cap_host_rows(self.host_rows_per_node)
             last = msgs[-1].metadata
             await repo.advance(self.stream, last.sequence.stream, last.timestamp)
             # Before the commit: a crash after it would lose them. Published again after a crash before it,

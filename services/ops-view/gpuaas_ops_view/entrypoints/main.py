@@ -11,10 +11,10 @@ from gpuaas_common.bus_budget import HostBudget
 from gpuaas_common.jetstream import FOLLOWERS
 from gpuaas_common.logging import get_logger
 from gpuaas_common.metrics import consumer_reading
-from gpuaas_common.retention import HostRows
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.changes import Changes
+from ..adapters.host_rows import HOST_ROWS
 from ..adapters.metrics import dead_letters_reading, dlq_reading
 from ..adapters.scheduler_admin import SchedulerAdmin
 from ..settings import OpsViewSettings
@@ -24,18 +24,12 @@ from .web.pages import Console
 
 log = get_logger(__name__)
 
-# Tables a host's messages grow: pruned by age and capped per host (retention.py). A task phase names its task
-# only: its host is the task's (phases of tasks nobody sent share one group, and one cap). Dead letters come from
-# services only now (hosts' are refused), capped per consumer all the same.
-HOST_ROWS = (
-    HostRows("node_task_phases", "at", "(SELECT nt.node_id FROM node_tasks nt WHERE nt.task_id = t.task_id)"),
-    HostRows("dead_letters", "at", "t.consumer"),
-)
-
 
 def build_register(settings: OpsViewSettings):
     async def register(rt: ServiceRuntime) -> None:
         assert rt.nc is not None and rt.js is not None and rt.pool is not None
+        # Tables a host's messages grow (node tasks, their phases, dead letters: adapters/host_rows.py): pruned by
+        # age by the retention sweep, capped per host by each follower transaction that inserts into them.
         rt.host_rows.extend(HOST_ROWS)
         # Dead letters go out directly (no outbox): the follower publishes them before its commit.
         letters = Bus(rt.nc, rt.js, service="ops-view", schema=None, pool=None)
@@ -56,6 +50,7 @@ def build_register(settings: OpsViewSettings):
                 dead_letters=letters,
                 batch=settings.follow_batch,
                 budget=budget(spec.stream, name),
+                host_rows_per_node=settings.host_rows_per_node,
             )
             for spec in FOLLOWERS
             for name in (spec.durable.replace("ops-view", settings.follower_prefix, 1),)

@@ -237,7 +237,7 @@ async def on_task_progress(repo: Projection, ev: Event) -> None:
             "updated_at": ev.at,
         }
     )
-    await repo.add_phase(p["task_id"], ev.message.seq, p["phase"], p.get("detail"), ev.at)
+    await repo.add_phase(p["task_id"], p["node_id"], ev.message.seq, p["phase"], p.get("detail"), ev.at)
 
 
 async def on_task_result(repo: Projection, ev: Event) -> None:
@@ -279,7 +279,9 @@ async def on_slot_wipe_reported(repo: Projection, ev: Event) -> None:
             "updated_at": ev.at,
         }
     )
-    await repo.add_phase(p["task_id"], ev.message.seq, "wipe_reported", wipe_outcomes_text(outcomes), ev.at)
+    await repo.add_phase(
+        p["task_id"], p["node_id"], ev.message.seq, "wipe_reported", wipe_outcomes_text(outcomes), ev.at
+    )
 
 
 # --- fleet ---------------------------------------------------------------------------------------------
@@ -397,6 +399,7 @@ async def on_maas_command(repo: Projection, ev: Event) -> None:
             "node_id": p.get("node_id"),
             "system_id": p.get("system_id"),
             "status": maas_status(current, "requested"),
+            "erase_mode": p.get("erase_mode"),
             "requested_at": ev.at,
             "updated_at": ev.at,
         }
@@ -418,6 +421,9 @@ async def on_maas_result(repo: Projection, ev: Event) -> None:
             "reason_code": p.get("reason_code"),
             "status_message": p.get("status_message"),
             "attempts": p.get("attempts"),
+            # A release's erase (None for the other operations): the mode applied and what MAAS showed of it.
+            "erase_mode": p.get("erase_mode"),
+            "erase_outcome": p.get("erase_outcome"),
             "resolved_at": ev.at,
             "updated_at": ev.at,
         }
