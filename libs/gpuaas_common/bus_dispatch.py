@@ -9,12 +9,13 @@ from __future__ import annotations
 import base64
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol
 
 import asyncpg
 from nats.aio.msg import Msg
 from prometheus_client import Counter
 from pydantic import BaseModel
+from typing_extensions import TypeVar
 
 from .bus_parsing import PermanentError, parse_message
 from .contract import Envelope, derived_event_id
@@ -30,25 +31,43 @@ log = get_logger("gpuaas_common.bus")
 HANDLED = Counter("gpuaas_messages_total", "Messages handled", ["consumer", "outcome"])
 
 
+class HandlerWork(Protocol):
+    """What the context needs of any unit of work a handler runs in: its outbox."""
+
+    @property
+    def events(self) -> EventCollector: ...
+
+
+# A handler names its message's payload and its service's unit of work (a port, service_layer/ports.py) as
+# `HandlerContext[Payload, UnitOfWorkPort]`, so a type checker follows its repository calls; a bare
+# `HandlerContext` is `HandlerContext[Any, Any]`, as every context was before.
+P = TypeVar("P", default=Any)
+U = TypeVar("U", bound=HandlerWork, default=Any)
+
+
 @dataclass
-class HandlerContext:
-    """One message as a handler sees it; `uow` is the unit of work it runs in (transactional consumers).
-    `stream_seq`: the message's place in its stream, by which another process can read the same message back
-    (the credential authority reads a deploy command the gateway names); None where no stream delivered it."""
+class HandlerContext(Generic[P, U]):
+    """One message as a handler sees it; `uow` is the unit of work it runs in (transactional consumers; `deliver`
+    sets it, so a handler of such a consumer never sees it None). `stream_seq`: the message's place in its
+    stream, by which another process can read the same message back (the credential authority reads a deploy
+    command the gateway names); None where no stream delivered it."""
 
     envelope: Envelope
-    payload: Any
+    payload: P
     subject: str
     consumer: str
     num_delivered: int
-    uow: Any = None  # UnitOfWork | FakeUnitOfWork
+    uow: U = None  # type: ignore[assignment]  # UnitOfWork | FakeUnitOfWork, once `deliver` opened it
     stream_seq: int | None = None
 
     @property
     def conn(self) -> asyncpg.Connection:
         if self.uow is None:
             raise RuntimeError(f"{self.consumer} is not transactional: it has no database connection")
-        return self.uow.conn
+        # Not every unit of work has a connection (a fake's raises): asked for untyped, as before.
+        work: Any = self.uow
+        conn: asyncpg.Connection = work.conn
+        return conn
 
     @property
     def outbox(self) -> EventCollector:

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from gpuaas_allocator.adapters.repository import AllocationStore
 from gpuaas_allocator.domain.allocation import HOST_NOTES_PER_ALLOCATION
 from gpuaas_allocator.domain.model import ActiveImage
 from gpuaas_allocator.service_layer.commands import provision_task_id, release_task_id
@@ -21,6 +20,7 @@ from gpuaas_common.contract import Envelope, derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.enrolment import enrolment_proof
 from gpuaas_common.unit_of_work import FakeUnitOfWork
+from tests.fakes.allocator import FakeAllocationRepository
 
 SLICE_IMAGE = ActiveImage("ubuntu-slice", "slice", "h200-sxm-slice", "a" * 64, "/img/slice.raw")
 HOST_IMAGE = ActiveImage("ubuntu-host", "host", "h200-sxm", "b" * 64, "custom/ubuntu-host")
@@ -35,125 +35,11 @@ def _rel(alloc: uuid.UUID) -> str:
     return release_task_id(AllocatorSettings(enrolment_secret=SECRET), alloc)
 
 
-class FakeAllocationRepository(AllocationStore):
-    """Same surface as adapters.repository.AllocationRepository, in dicts."""
-
-    def __init__(self) -> None:
-        self.allocations: dict[uuid.UUID, dict[str, Any]] = {}
-        self.timeline: list[tuple[uuid.UUID, str]] = []
-        self.entries: list[dict[str, Any]] = []  # the timeline rows in full
-        self.images = {i.slug: i for i in (SLICE_IMAGE, HOST_IMAGE)}
-        self.image_clock: dict[str, datetime] = {}
-        self.early: dict[tuple[uuid.UUID, str], dict[str, Any]] = {}
-
-    async def lock(self, allocation_id: uuid.UUID) -> dict[str, Any] | None:
-        row = self.allocations.get(allocation_id)
-        return copy.deepcopy(row) if row else None
-
-    def last_seq(self, allocation_id: uuid.UUID) -> int:
-        return sum(1 for a, _s in self.timeline if a == allocation_id)
-
-    async def insert(self, **fields: Any) -> None:
-        row = {
-            "node_id": None,
-            "maas_system_id": None,
-            "placement": None,
-            "task_id": None,
-            "release_task_id": None,
-            "operation_id": None,
-            "release_operation_id": None,
-            "awaiting_result": False,
-            "deployed": False,
-            "enrolled": False,
-            "access": None,
-            "phase_marks": None,
-            "created_at": datetime.now(timezone.utc),  # the column's default
-            "task_deadline_at": None,
-            "timed_out_task_id": None,
-            "placement_asks": 0,
-        }
-        row.update(fields)
-        self.allocations[fields["allocation_id"]] = row
-
-    async def update(self, allocation_id: uuid.UUID, **fields: Any) -> None:
-        self.allocations[allocation_id].update(copy.deepcopy(fields))
-
-    async def lock_machine_holders(self, node_id: str) -> list[dict[str, Any]]:
-        return [
-            copy.deepcopy(r)
-            for r in self.allocations.values()
-            if r["shape"] == "baremetal"
-            and r["node_id"] == node_id
-            and r["operation_id"] is not None
-            and (
-                r["state"] in ("provisioning", "active", "releasing")
-                or (r["state"] == "failed" and (r["release_operation_id"] is None or r["awaiting_result"]))
-            )
-        ]
-
-    async def accepted_seq(self, allocation_id: uuid.UUID) -> int | None:
-        mine = [state for a, state in self.timeline if a == allocation_id]
-        return mine.index("accepted") + 1 if "accepted" in mine else None
-
-    async def keep_early_result(
-        self, allocation_id: uuid.UUID, task_id: str, node_id: str, result: Any, event_id: str
-    ) -> bool:
-        if (allocation_id, task_id) in self.early:
-            return False
-        self.early[(allocation_id, task_id)] = {"node_id": node_id, "result": copy.deepcopy(result)}
-        return True
-
-    async def take_early_result(self, allocation_id: uuid.UUID, task_id: str) -> dict[str, Any] | None:
-        return self.early.pop((allocation_id, task_id), None)
-
-    async def lock_overdue(self, grace_s: float, limit: int) -> list[dict[str, Any]]:
-        now = datetime.now(timezone.utc)
-        rows = [
-            copy.deepcopy(r)
-            for r in self.allocations.values()
-            if r["awaiting_result"]
-            and r["task_deadline_at"] is not None
-            and (r["state"] in ("provisioning", "releasing") or (r["state"] == "failed" and r["release_task_id"]))
-            and r["task_deadline_at"] + timedelta(seconds=grace_s) < now
-        ]
-        return sorted(rows, key=lambda r: r["task_deadline_at"])[:limit]
-
-    async def append_timeline(
-        self, allocation_id: uuid.UUID, state: str, previous_state: str | None, **fields: Any
-    ) -> int:
-        self.timeline.append((allocation_id, state))
-        self.entries.append(
-            {"allocation_id": allocation_id, "state": state, "previous_state": previous_state, **fields}
-        )
-        return sum(1 for a, _s in self.timeline if a == allocation_id)
-
-    async def change_state(
-        self, allocation_id: uuid.UUID, state: str, previous_state: str, *, fields: dict[str, Any], **timeline: Any
-    ) -> int:
-        await self.update(allocation_id, state=state, **fields)
-        return await self.append_timeline(allocation_id, state, previous_state, **timeline)
-
-    async def get_image(self, slug: str) -> ActiveImage | None:
-        return self.images.get(slug)
-
-    async def upsert_image(self, image: ActiveImage) -> None:
-        self.images[image.slug] = image
-
-    async def advance_image_clock(self, slug: str, occurred_at: datetime) -> bool:
-        if self.image_clock.get(slug, occurred_at - timedelta(seconds=1)) >= occurred_at:
-            return False
-        self.image_clock[slug] = occurred_at
-        return True
-
-    async def delete_image(self, slug: str) -> None:
-        self.images.pop(slug, None)
-
-
 class World:
     """One allocator, one fake repository, and every event it committed, message by message."""
 
     def __init__(self) -> None:
-        self.repo = FakeAllocationRepository()
+        self.repo = FakeAllocationRepository(SLICE_IMAGE, HOST_IMAGE)
         self.allocator = Allocator(AllocatorSettings(enrolment_secret=SECRET))
         self.inbox: set[tuple[str, str]] = set()
         self.events: list[Envelope] = []
@@ -1013,6 +899,22 @@ async def _released_baremetal(world: World, wipe_policy: str | None) -> tuple[uu
     return alloc, world.sent("maas.release_requested")[-1]
 
 
+async def _machine_released(world: World, alloc: uuid.UUID, release: dict[str, Any], **outcome: Any) -> None:
+    """MAAS's answer to the allocation's release command, on `abc123` (bm `n1`), with `outcome`'s fields."""
+    await world.send(
+        world.allocator.on_maas_result,
+        "maas.release_result",
+        m.MaasReleaseResult(
+            operation_id=release["operation_id"],
+            allocation_id=alloc,
+            system_id="abc123",
+            node_id="n1",
+            attempts=1,
+            **outcome,
+        ),
+    )
+
+
 @pytest.mark.parametrize(
     "wipe_policy, erase_mode",
     [("nvme_format", "secure"), ("crypto_erase", "secure"), ("blkdiscard", "full"), (None, "full")],
@@ -1022,21 +924,15 @@ async def test_the_machine_release_asks_the_erase_of_the_sites_wipe_policy_kept_
 ) -> None:
     alloc, release = await _released_baremetal(world, wipe_policy)
     assert release["erase_mode"] == erase_mode
-    await world.send(
-        world.allocator.on_maas_result,
-        "maas.release_result",
-        m.MaasReleaseResult(
-            operation_id=release["operation_id"],
-            allocation_id=alloc,
-            system_id="abc123",
-            node_id="n1",
-            status="released",
-            resolution="direct",
-            maas_status_name="Ready",
-            attempts=1,
-            erase_mode=erase_mode,  # type: ignore[arg-type]
-            erase_outcome="erased",
-        ),
+    await _machine_released(
+        world,
+        alloc,
+        release,
+        status="released",
+        resolution="direct",
+        maas_status_name="Ready",
+        erase_mode=erase_mode,
+        erase_outcome="erased",
     )
     released = world.sent("allocation.released")[-1]
     assert released["machine_erase"] == {
@@ -1049,23 +945,17 @@ async def test_the_machine_release_asks_the_erase_of_the_sites_wipe_policy_kept_
 
 async def test_a_failed_erase_fails_the_allocation_with_cleanup_required_and_keeps_the_erase(world: World) -> None:
     alloc, release = await _released_baremetal(world, "crypto_erase")
-    await world.send(
-        world.allocator.on_maas_result,
-        "maas.release_result",
-        m.MaasReleaseResult(
-            operation_id=release["operation_id"],
-            allocation_id=alloc,
-            system_id="abc123",
-            node_id="n1",
-            status="failed",
-            resolution="polled",
-            maas_status_name="Failed disk erasing",
-            status_message="Failed to erase disks",
-            reason_code="disk_erase_failed",
-            attempts=1,
-            erase_mode="secure",
-            erase_outcome="failed",
-        ),
+    await _machine_released(
+        world,
+        alloc,
+        release,
+        status="failed",
+        resolution="polled",
+        maas_status_name="Failed disk erasing",
+        status_message="Failed to erase disks",
+        reason_code="disk_erase_failed",
+        erase_mode="secure",
+        erase_outcome="failed",
     )
     failed = world.sent("allocation.failed")[-1]
     # cleanup_required on a node held whole: the scheduler drains the node, so it is not placed again as if clean.

@@ -6,7 +6,8 @@ import abc
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import datetime
 from typing import Any
 
@@ -19,6 +20,7 @@ from ..domain.allocation import Allocation, TimelineEntry
 from ..domain.commands import Policy
 from ..domain.model import ActiveImage
 from .metrics import STATE_ENTERED_SQL, TIME_IN_STATE
+from .terminal_sessions import TerminalSessionRepository
 
 
 class AllocationStore(abc.ABC):
@@ -131,6 +133,8 @@ class AllocationRepository(AllocationStore):
         self._early: dict[uuid.UUID, bool] = {}
         # When each allocation this unit of work locked entered its current state (time.monotonic()).
         self._entered: dict[uuid.UUID, float] = {}
+        # Through the flushing connection too, so its statements keep their order with the held writes.
+        self.terminal = TerminalSessionRepository(self.conn)
 
     async def lock(self, allocation_id: uuid.UUID) -> dict[str, Any] | None:
         """The allocation, locked until the unit of work ends: messages about one allocation serialise here."""
@@ -472,38 +476,54 @@ def _decoded(row: asyncpg.Record) -> dict[str, Any]:
     return out
 
 
-async def find_allocations(
-    conn: asyncpg.Connection,
-    *,
-    allocation_id: uuid.UUID | None = None,
-    tenant_id: str | None = None,
-    state: str | None = None,
-    node_id: str | None = None,
-    allocation_ids: list[uuid.UUID] | None = None,
-    limit: int = 100,
-) -> list[dict[str, Any]]:
-    """Allocations matching every filter given, newest first; at most `limit` + 1 rows, so the caller can
-    tell that more matched."""
-    rows = await conn.fetch(
-        f"SELECT {_SUMMARY_COLUMNS} FROM allocations "
-        "WHERE ($1::uuid IS NULL OR allocation_id = $1) AND ($2::text IS NULL OR tenant_id = $2) "
-        "AND ($3::text IS NULL OR state = $3) AND ($4::text IS NULL OR node_id = $4) "
-        "AND ($6::uuid[] IS NULL OR allocation_id = ANY($6::uuid[])) "
-        "ORDER BY created_at DESC, allocation_id LIMIT $5",
-        allocation_id,
-        tenant_id,
-        state,
-        node_id,
-        limit + 1,
-        allocation_ids,
-    )
-    return [_decoded(r) for r in rows]
+class AllocationReader:
+    """The query reads on one connection (service_layer/ports.py: `AllocationReads`)."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def find_allocations(
+        self,
+        *,
+        allocation_id: uuid.UUID | None = None,
+        tenant_id: str | None = None,
+        state: str | None = None,
+        node_id: str | None = None,
+        allocation_ids: list[uuid.UUID] | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        """Allocations matching every filter given, newest first; at most `limit` + 1 rows, so the caller can
+        tell that more matched."""
+        rows = await self.conn.fetch(
+            f"SELECT {_SUMMARY_COLUMNS} FROM allocations "
+            "WHERE ($1::uuid IS NULL OR allocation_id = $1) AND ($2::text IS NULL OR tenant_id = $2) "
+            "AND ($3::text IS NULL OR state = $3) AND ($4::text IS NULL OR node_id = $4) "
+            "AND ($6::uuid[] IS NULL OR allocation_id = ANY($6::uuid[])) "
+            "ORDER BY created_at DESC, allocation_id LIMIT $5",
+            allocation_id,
+            tenant_id,
+            state,
+            node_id,
+            limit + 1,
+            allocation_ids,
+        )
+        return [_decoded(r) for r in rows]
+
+    async def timeline_of(self, allocation_id: uuid.UUID) -> list[dict[str, Any]]:
+        rows = await self.conn.fetch(
+            "SELECT seq, state, previous_state, reason_code, at, detail FROM allocation_timeline "
+            "WHERE allocation_id = $1 ORDER BY seq",
+            allocation_id,
+        )
+        return [_decoded(r) for r in rows]
 
 
-async def timeline_of(conn: asyncpg.Connection, allocation_id: uuid.UUID) -> list[dict[str, Any]]:
-    rows = await conn.fetch(
-        "SELECT seq, state, previous_state, reason_code, at, detail FROM allocation_timeline "
-        "WHERE allocation_id = $1 ORDER BY seq",
-        allocation_id,
-    )
-    return [_decoded(r) for r in rows]
+def allocation_reads(pool: asyncpg.Pool) -> Callable[[], AbstractAsyncContextManager[AllocationReader]]:
+    """A reader on a connection of `pool`, held for one answer (both its reads on one connection)."""
+
+    @asynccontextmanager
+    async def reading() -> AsyncIterator[AllocationReader]:
+        async with pool.acquire() as conn:
+            yield AllocationReader(conn)
+
+    return reading

@@ -18,7 +18,7 @@ from gpuaas_common.periodic import every
 from gpuaas_common.runtime import ServiceRuntime, run_service
 
 from ..adapters.metrics import QUERIES_REFUSED, allocations_reading
-from ..adapters.repository import AllocationRepository, count_images
+from ..adapters.repository import AllocationRepository, allocation_reads, count_images
 from ..service_layer.deadlines import sweep_deadlines
 from ..service_layer.handlers import Allocator, handlers_by_consumer
 from ..service_layer.queries import answer_query
@@ -93,6 +93,7 @@ def query_responder(pool: asyncpg.Pool, *, open_server: bool = False):
     """Answer `allocation.query` on the request's reply subject, when that is an asker's own inbox
     (`answerable_reply`; any other is refused: logged, counted, unanswered); a request that breaks the contract
     gets an `invalid` answer saying why, so the asker never waits for nothing."""
+    reads = allocation_reads(pool)
 
     async def on_query(msg: Any) -> None:
         if not msg.reply:
@@ -105,7 +106,7 @@ def query_responder(pool: asyncpg.Pool, *, open_server: bool = False):
         try:
             envelope, query = parse_message(msg.subject, msg.data)
             correlation, cause = envelope.correlation_id, envelope.event_id
-            result = await answer_query(pool, query)  # type: ignore[arg-type]
+            result = await answer_query(reads, query)  # type: ignore[arg-type]
         except PermanentError as exc:
             result = m.AllocationQueryResult(status="invalid", reason=exc.reason[:2048])
         except DB_UNAVAILABLE as exc:

@@ -4,13 +4,12 @@ domain/commands.py, from the allocation's record, whether sent first or asked ag
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import Histogram
 
 from ..domain.allocation import PROVISION_PHASE, Allocation
 from ..domain.commands import Policy, provision_task_id, release_task_id
 from ..settings import AllocatorSettings
+from .ports import AllocatorUnitOfWork
 
 __all__ = ["policy_of", "provision_task_id", "release_task_id", "save"]
 
@@ -37,7 +36,7 @@ PHASE_SECONDS = Histogram(
 )
 
 
-async def save(uow: Any, alloc: Allocation) -> None:
+async def save(uow: AllocatorUnitOfWork, alloc: Allocation) -> None:
     """Write the allocation and queue its messages, in `uow` (a handler's or a sweep's unit of work)."""
     for entry in alloc.timeline:
         if entry.reason_code == PROVISION_PHASE and entry.detail:

@@ -17,19 +17,17 @@ per batch, so a row is timed out once and never while a handler holds it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from ..domain.allocation import ENROLMENT_TIMEOUT, TASK_DEADLINE_PASSED, Allocation
 from ..settings import AllocatorSettings
 from .commands import policy_of
+from .ports import AllocatorUnitOfWork, UnitOfWorkFactory
 from .redrive import reask_stalled_placements
 from .sweeps import sweep_in_batches
 
 __all__ = ["ENROLMENT_TIMEOUT", "TASK_DEADLINE_PASSED", "sweep_deadlines"]
 
 
-async def sweep_deadlines(uow_factory: Callable[[], Any], settings: AllocatorSettings) -> None:
+async def sweep_deadlines(uow_factory: UnitOfWorkFactory, settings: AllocatorSettings) -> None:
     """Every deadline the allocator owns: node tasks past theirs are asked again, then fail; placements and
     MAAS commands past theirs are asked again; deployed hosts that never enrolled fail."""
     await expire_overdue_tasks(uow_factory, settings)
@@ -39,14 +37,14 @@ async def sweep_deadlines(uow_factory: Callable[[], Any], settings: AllocatorSet
 
 
 async def expire_unenrolled_hosts(
-    uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50
+    uow_factory: UnitOfWorkFactory, settings: AllocatorSettings, *, batch: int = 50
 ) -> int:
     """Fail every baremetal allocation whose deployed host never enrolled within `enrolment_deadline_s`. Nobody
     can be asked again here: only the host enrols, and one that has not by then (no network, a broken image,
     credentials refused) needs ops, so the scheduler drains the node (cleanup required: the image is on it) and
     the machine is released through MAAS."""
 
-    async def expire(uow: Any, alloc: Allocation) -> None:
+    async def expire(uow: AllocatorUnitOfWork, alloc: Allocation) -> None:
         alloc.expire_enrolment(settings.enrolment_deadline_s)
 
     return await sweep_in_batches(
@@ -59,13 +57,13 @@ async def expire_unenrolled_hosts(
 
 
 async def reask_stalled_maas_commands(
-    uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50
+    uow_factory: UnitOfWorkFactory, settings: AllocatorSettings, *, batch: int = 50
 ) -> int:
     """Send again the MAAS command of every baremetal allocation that waited `maas_reask_after_s` for its result.
     The gateway's own operation deadline ends every operation with a result; this only recovers a result whose
     commit was lost here (it was consumed, so JetStream will not deliver it again)."""
 
-    async def reask(uow: Any, alloc: Allocation) -> None:
+    async def reask(uow: AllocatorUnitOfWork, alloc: Allocation) -> None:
         alloc.reask_maas_command()
 
     return await sweep_in_batches(
@@ -77,10 +75,10 @@ async def reask_stalled_maas_commands(
     )
 
 
-async def expire_overdue_tasks(uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50) -> int:
+async def expire_overdue_tasks(uow_factory: UnitOfWorkFactory, settings: AllocatorSettings, *, batch: int = 50) -> int:
     """Ask every overdue task once more, or time it out, batch by batch; how many were acted on."""
 
-    async def expire(uow: Any, alloc: Allocation) -> None:
+    async def expire(uow: AllocatorUnitOfWork, alloc: Allocation) -> None:
         alloc.expire_task()
 
     return await sweep_in_batches(

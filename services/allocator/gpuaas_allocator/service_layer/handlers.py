@@ -9,9 +9,10 @@ allocation whose placement was lost.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
-from gpuaas_common.bus import HandlerContext, PermanentError
+from gpuaas_common.bus import Handler, PermanentError
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
@@ -27,6 +28,7 @@ from ..domain.allocation import (
 from ..domain.model import ActiveImage, release_refusal, request_fingerprint, validate_request
 from ..settings import AllocatorSettings
 from .commands import policy_of, save
+from .ports import AllocatorContext
 from .redrive import hold_early_result
 
 __all__ = ["FORCE_RELEASED", "RELEASE_COMMIT_LOST", "Allocator", "PlacementNotSeenYet", "handlers_by_consumer"]
@@ -39,14 +41,13 @@ class Allocator:
         self.settings = settings
         self.policy = policy_of(settings)
 
-    async def _load(self, ctx: HandlerContext, allocation_id: Any) -> Allocation | None:
-        alloc: Allocation | None = await ctx.uow.repos.get(allocation_id, self.policy, ctx.envelope)
-        return alloc
+    async def _load(self, ctx: AllocatorContext[Any], allocation_id: uuid.UUID) -> Allocation | None:
+        return await ctx.uow.repos.get(allocation_id, self.policy, ctx.envelope)
 
     # --- portal input ----------------------------------------------------------------------------
 
-    async def on_requested(self, ctx: HandlerContext) -> None:
-        req: m.AllocationRequested = ctx.payload
+    async def on_requested(self, ctx: AllocatorContext[m.AllocationRequested]) -> None:
+        req = ctx.payload
         fingerprint = request_fingerprint(req)
         existing = await ctx.uow.repos.lock(req.allocation_id)
         if existing is not None:
@@ -63,7 +64,7 @@ class Allocator:
         assert image is not None
         await save(ctx.uow, Allocation.request_accepted(req, image, fingerprint, self.policy, ctx.envelope))
 
-    async def _reject(self, ctx: HandlerContext, req: m.AllocationRequested, code: str, reason: str) -> None:
+    async def _reject(self, ctx: AllocatorContext[Any], req: m.AllocationRequested, code: str, reason: str) -> None:
         log.info("request_rejected", reason_code=code, reason=reason)
         await ctx.outbox.add(
             "allocation.rejected",
@@ -78,8 +79,8 @@ class Allocator:
             event_id=derived_event_id(ctx.envelope.event_id, "rejected"),
         )
 
-    async def on_release_requested(self, ctx: HandlerContext) -> None:
-        req: m.AllocationReleaseRequested = ctx.payload
+    async def on_release_requested(self, ctx: AllocatorContext[m.AllocationReleaseRequested]) -> None:
+        req = ctx.payload
         alloc = await self._load(ctx, req.allocation_id)
         if alloc is None:
             refusal = release_refusal(None)
@@ -98,8 +99,8 @@ class Allocator:
 
     # --- placement --------------------------------------------------------------------------------
 
-    async def on_placed(self, ctx: HandlerContext) -> None:
-        ev: m.PlacementPlaced = ctx.payload
+    async def on_placed(self, ctx: AllocatorContext[m.PlacementPlaced]) -> None:
+        ev = ctx.payload
         alloc = await self._load(ctx, ev.allocation_id)
         if alloc is None or not alloc.awaits_placement:
             log.warning("placement_unexpected", state=alloc.state if alloc else None)
@@ -111,16 +112,16 @@ class Allocator:
         alloc.place(ev, early)
         await save(ctx.uow, alloc)
 
-    async def on_unschedulable(self, ctx: HandlerContext) -> None:
-        ev: m.PlacementUnschedulable = ctx.payload
+    async def on_unschedulable(self, ctx: AllocatorContext[m.PlacementUnschedulable]) -> None:
+        ev = ctx.payload
         alloc = await self._load(ctx, ev.allocation_id)
         if alloc is None:
             return
         alloc.mark_unschedulable(ev)
         await save(ctx.uow, alloc)
 
-    async def on_force_released(self, ctx: HandlerContext) -> None:
-        ev: m.PlacementForceReleased = ctx.payload
+    async def on_force_released(self, ctx: AllocatorContext[m.PlacementForceReleased]) -> None:
+        ev = ctx.payload
         alloc = await self._load(ctx, ev.allocation_id)
         if alloc is None:
             log.info("force_release_noop", state=None)
@@ -130,8 +131,8 @@ class Allocator:
 
     # --- results from node agents and MAAS ----------------------------------------------------------
 
-    async def on_task_result(self, ctx: HandlerContext) -> None:
-        res: m.NodeTaskResult = ctx.payload
+    async def on_task_result(self, ctx: AllocatorContext[m.NodeTaskResult]) -> None:
+        res = ctx.payload
         alloc = await self._load(ctx, res.allocation_id)
         if alloc is not None and alloc.answers_unplaced_provision(res):
             # Kept in the database, not on the allocation: the placement's answer takes it (redrive.py).
@@ -145,8 +146,8 @@ class Allocator:
             raise PermanentError(exc.code, exc.reason) from None
         await save(ctx.uow, alloc)
 
-    async def on_enrolled(self, ctx: HandlerContext) -> None:
-        ev: m.NodeEnrolled = ctx.payload
+    async def on_enrolled(self, ctx: AllocatorContext[m.NodeEnrolled]) -> None:
+        ev = ctx.payload
         if ev.kind == "slice_host":
             # A tenant's machine offering itself for slices: refused on the timeline of the allocation that
             # holds it (the image pipeline refuses it on its own side); a slice host's enrolment is no
@@ -165,8 +166,8 @@ class Allocator:
         alloc.enrol(ev)
         await save(ctx.uow, alloc)
 
-    async def on_maas_result(self, ctx: HandlerContext) -> None:
-        res: m.MaasDeployResult | m.MaasReleaseResult = ctx.payload
+    async def on_maas_result(self, ctx: AllocatorContext[m.MaasDeployResult | m.MaasReleaseResult]) -> None:
+        res = ctx.payload
         alloc = await self._load(ctx, res.allocation_id)
         if alloc is None:
             return
@@ -180,8 +181,8 @@ class Allocator:
     # theirs (its replicas' clocks agreeing to within the time between the two); the slug's clock row
     # serialises our handlers and turns the older of the two into a stale event, acknowledged unapplied.
 
-    async def on_image_activated(self, ctx: HandlerContext) -> None:
-        ev: m.ImageActivated = ctx.payload
+    async def on_image_activated(self, ctx: AllocatorContext[m.ImageActivated]) -> None:
+        ev = ctx.payload
         if not await ctx.uow.repos.advance_image_clock(ev.slug, ctx.envelope.occurred_at):
             log.info("stale_image_event_ignored", slug=ev.slug, type=ctx.envelope.type)
             return
@@ -191,7 +192,7 @@ class Allocator:
             )
         )
 
-    async def on_image_deactivated(self, ctx: HandlerContext) -> None:
+    async def on_image_deactivated(self, ctx: AllocatorContext[m.ImageDeactivated]) -> None:
         slug = ctx.payload.slug
         if not await ctx.uow.repos.advance_image_clock(slug, ctx.envelope.occurred_at):
             log.info("stale_image_event_ignored", slug=slug, type=ctx.envelope.type)
@@ -199,7 +200,7 @@ class Allocator:
         await ctx.uow.repos.delete_image(slug)
 
 
-def handlers_by_consumer(allocator: Allocator) -> dict[str, dict[str, Any]]:
+def handlers_by_consumer(allocator: Allocator) -> dict[str, dict[str, Handler]]:
     return {
         "allocator-requested": {"allocation.requested": allocator.on_requested},
         "allocator-release-requested": {"allocation.release_requested": allocator.on_release_requested},

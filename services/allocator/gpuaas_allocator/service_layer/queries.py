@@ -8,17 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import asyncpg
-
 from gpuaas_common.contract import messages as m
 
-from ..adapters.repository import find_allocations, timeline_of
+from .ports import ReadsFactory
 
 
-async def answer_query(pool: asyncpg.Pool, query: m.AllocationQuery) -> m.AllocationQueryResult:
-    async with pool.acquire() as conn:
-        rows = await find_allocations(
-            conn,
+async def answer_query(reads: ReadsFactory, query: m.AllocationQuery) -> m.AllocationQueryResult:
+    """`reads`: both reads of one answer on one connection (adapters/repository.py, `allocation_reads`)."""
+    async with reads() as reader:
+        rows = await reader.find_allocations(
             allocation_id=query.allocation_id,
             tenant_id=query.tenant_id,
             state=query.state,
@@ -30,7 +28,7 @@ async def answer_query(pool: asyncpg.Pool, query: m.AllocationQuery) -> m.Alloca
             return m.AllocationQueryResult(status="not_found", reason=f"no allocation {query.allocation_id}")
         timeline: list[dict[str, Any]] = []
         if query.allocation_id is not None:
-            timeline = await timeline_of(conn, query.allocation_id)
+            timeline = await reader.timeline_of(query.allocation_id)
     return m.AllocationQueryResult(
         status="found",
         allocations=[m.AllocationSummary.model_validate(r) for r in rows[: query.limit]],

@@ -16,15 +16,13 @@ when the placement answer is applied and the task is known again, `Allocator.on_
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
 from ..domain.allocation import EARLY_RESULT_MISMATCH, EARLY_TASK_RESULT, PLACEMENT_REASKED, Allocation
 from ..settings import AllocatorSettings
 from .commands import policy_of, save
+from .ports import AllocatorUnitOfWork, UnitOfWorkFactory
 from .sweeps import sweep_in_batches
 
 __all__ = ["EARLY_RESULT_MISMATCH", "EARLY_TASK_RESULT", "PLACEMENT_REASKED", "hold_early_result"]
@@ -33,11 +31,11 @@ log = get_logger(__name__)
 
 
 async def reask_stalled_placements(
-    uow_factory: Callable[[], Any], settings: AllocatorSettings, *, batch: int = 50
+    uow_factory: UnitOfWorkFactory, settings: AllocatorSettings, *, batch: int = 50
 ) -> int:
     """Re-ask every placement overdue by `placement_reask_after_s`; how many were re-asked."""
 
-    async def reask(uow: Any, alloc: Allocation) -> None:
+    async def reask(uow: AllocatorUnitOfWork, alloc: Allocation) -> None:
         alloc.reask_placement(await uow.repos.accepted_seq(alloc.allocation_id))
 
     return await sweep_in_batches(
@@ -49,7 +47,7 @@ async def reask_stalled_placements(
     )
 
 
-async def hold_early_result(uow: Any, alloc: Allocation, res: m.NodeTaskResult, event_id: str) -> None:
+async def hold_early_result(uow: AllocatorUnitOfWork, alloc: Allocation, res: m.NodeTaskResult, event_id: str) -> None:
     """Keep a result for a provision task the allocation does not know yet, and re-ask its placement now.
     `event_id`: the result's message."""
     kept = await uow.repos.keep_early_result(

@@ -4,18 +4,21 @@ commit per batch."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from ..domain.allocation import Allocation
 from ..domain.commands import Policy
 from .commands import save
+from .ports import AllocatorRepositories, AllocatorUnitOfWork, Row, UnitOfWorkFactory
+
+# One allocation's turn in a sweep, in the batch's unit of work.
+Act = Callable[[AllocatorUnitOfWork, Allocation], Awaitable[None]]
 
 
 async def sweep_in_batches(
-    uow_factory: Callable[[], Any],
+    uow_factory: UnitOfWorkFactory,
     policy: Policy,
-    lock_due: Callable[[Any, int], Awaitable[list[dict[str, Any]]]],
-    act: Callable[[Any, Allocation], Awaitable[None]],
+    lock_due: Callable[[AllocatorRepositories, int], Awaitable[list[Row]]],
+    act: Act,
     *,
     batch: int = 50,
 ) -> int:

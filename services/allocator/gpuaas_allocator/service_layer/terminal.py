@@ -24,16 +24,15 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 from gpuaas_common.metrics import Family, Sample
-from gpuaas_common.unit_of_work import UnitOfWork
 
-from ..adapters import terminal_sessions as sql
 from ..domain.terminal import InputWindowFull, Stream, TerminalRefusal, session_refusal, terminal_refusal
+from .ports import UnitOfWorkFactory
 
 log = get_logger(__name__)
 
@@ -149,7 +148,7 @@ class TerminalHub:
 
     def __init__(
         self,
-        unit_of_work: Callable[[], UnitOfWork[Any]],
+        unit_of_work: UnitOfWorkFactory,
         *,
         session_max_s: float,
         input_hold_s: float,
@@ -181,22 +180,22 @@ class TerminalHub:
         session_id = uuid.uuid4()
         task_id = f"terminal-{session_id}"
         async with self._uow() as uow:
-            row = await sql.lock_allocation(uow.conn, allocation_id)
+            sessions = uow.repos.terminal
+            row = await sessions.lock_allocation(allocation_id)
             refusal = terminal_refusal(row, allocation_id, tenant_id)
             if refusal is not None:
                 log.info("terminal_refused", allocation_id=str(allocation_id), code=refusal.code, actor=actor)
                 raise Refused(refusal)
             assert row is not None
             node_id = row["node_id"]
-            await sql.lock_tenant(uow.conn, tenant_id)
-            await sql.end_stale_sessions(uow.conn, tenant_id, self.limits.claim_stale_s)
-            here, of_tenant = await sql.live_counts(uow.conn, tenant_id, allocation_id)
+            await sessions.lock_tenant(tenant_id)
+            await sessions.end_stale_sessions(tenant_id, self.limits.claim_stale_s)
+            here, of_tenant = await sessions.live_counts(tenant_id, allocation_id)
             refusal = session_refusal(here, of_tenant, self.limits.per_tenant)
             if refusal is not None:
                 log.info("terminal_refused", allocation_id=str(allocation_id), code=refusal.code, actor=actor)
                 raise Refused(refusal)
-            await sql.insert_session(
-                uow.conn,
+            await sessions.insert_session(
                 session_id=session_id,
                 allocation_id=allocation_id,
                 tenant_id=tenant_id,
@@ -267,8 +266,7 @@ class TerminalHub:
         while len(self._ended) > ENDED_KEPT:
             self._ended.popitem(last=False)
         async with self._uow() as uow:
-            await sql.end_session(
-                uow.conn,
+            await uow.repos.terminal.end_session(
                 session.session_id,
                 reason=session.end_reason,
                 bytes_to_guest=session.to_guest.total,
@@ -289,7 +287,7 @@ class TerminalHub:
         if not self.sessions:
             return
         async with self._uow() as uow:
-            await sql.renew_claims(uow.conn, list(self.sessions))
+            await uow.repos.terminal.renew_claims(list(self.sessions))
             await uow.commit()
 
     # --- the host's side ----------------------------------------------------------------------------
@@ -373,7 +371,7 @@ class TerminalHub:
                 await asyncio.wait_for(session.drained.wait(), self.limits.output_ack_wait_s)
             except TimeoutError:
                 return None  # unanswered: the host sends the same chunk again, which is counted once
-        status = "closed" if session.closed else "open"
+        status: Literal["open", "closed"] = "closed" if session.closed else "open"
         return m.TerminalOutputAck(session_id=req.session_id, status=status, received=session.from_guest.total)
 
     async def on_input(self, req: m.NodeTerminalInput) -> m.TerminalInput | None:
@@ -396,7 +394,9 @@ class TerminalHub:
             log.warning("terminal_input_gap", session_id=str(req.session_id), error=str(exc))
             await self.close(session, "agent_gone", str(exc))
             offset, data = session.to_guest.total, b""
-        status = "closed" if session.closed and offset + len(data) >= session.to_guest.total else "open"
+        status: Literal["open", "closed"] = (
+            "closed" if session.closed and offset + len(data) >= session.to_guest.total else "open"
+        )
         return m.TerminalInput(
             session_id=req.session_id, status=status, offset=offset, data=base64.b64encode(data).decode()
         )
