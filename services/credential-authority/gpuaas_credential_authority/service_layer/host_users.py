@@ -19,8 +19,8 @@ claimed: a refused mint writes nothing to the ledger.
 A revoke by allocation ends the allocation for good, even when no user of it is left: it is marked ended in the
 ledger before its users are revoked (a crash in between leaves it ended, and the gateway's retried revoke finds the
 users), and a tenant's mint for an ended allocation is refused (allocation_ended), so its deploy command, named
-again within its age limit, gives it no host user back. The gateway's retries of a deploy still mint: before each it ends
-the node's users (`end_slice_identity`), which ends no allocation. The marks are pruned at each revoke once older
+again within its age limit, gives it no host user back. The gateway's retries of a deploy still mint: before each it
+ends the node's users (`end_slice_identity`), which ends no allocation. The marks are pruned at each revoke once older
 than the command age limit (and a margin): past it the commands they would refuse are refused as old anyway.
 """
 
