@@ -49,7 +49,7 @@ async def _active_baremetal(portal) -> tuple[uuid.UUID, dict]:
 
 @pytest.mark.parametrize(
     "policy, mode",
-    [("crypto_erase", "secure"), ("nvme_format", "secure"), ("blkdiscard", "full")],
+    [("crypto_erase", "secure"), ("nvme_format", "secure"), ("blkdiscard", "secure")],
 )
 async def test_a_baremetal_release_erases_as_the_site_policy_says_and_the_outcome_reaches_the_ops_timeline(
     portal, stack, db, policy, mode

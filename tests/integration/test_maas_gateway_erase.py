@@ -133,3 +133,21 @@ async def test_a_release_maas_took_without_erasing_is_not_a_release(pool: asyncp
             assert (payload["status"], payload["erase_outcome"]) == ("failed", "unconfirmed")
     finally:
         await runner.cleanup()
+
+
+async def test_a_release_waits_for_its_erase_as_long_as_its_own_deadline_says(pool: asyncpg.Pool) -> None:  # noqa: F811
+    """A full overwrite takes hours: a release's deadline is its own, a deploy's the operations' one."""
+    runner, port = await start_sim(MACHINES, disk_erasing=0.2)
+    try:
+        settings = settings_for(url(port), maas_deadline_s=30.0, maas_release_deadline_s=7200.0)
+        async with Gateway(pool, settings) as gw:
+            await _deployed(gw, SECURE, "dep")
+            await gw.release(SECURE, "rel", erase_mode="secure")
+            rows = await pool.fetch(
+                "SELECT operation_id, EXTRACT(EPOCH FROM deadline_at - created_at) AS s FROM maas_operations "
+                "WHERE operation_id IN ('dep', 'rel')"
+            )
+            allowed = {r["operation_id"]: float(r["s"]) for r in rows}
+            assert allowed["dep"] == pytest.approx(30.0, abs=5) and allowed["rel"] == pytest.approx(7200.0, abs=5)
+    finally:
+        await runner.cleanup()

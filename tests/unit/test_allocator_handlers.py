@@ -917,7 +917,7 @@ async def _machine_released(world: World, alloc: uuid.UUID, release: dict[str, A
 
 @pytest.mark.parametrize(
     "wipe_policy, erase_mode",
-    [("nvme_format", "secure"), ("crypto_erase", "secure"), ("blkdiscard", "full"), (None, "full")],
+    [("nvme_format", "secure"), ("crypto_erase", "secure"), ("blkdiscard", "secure"), (None, "secure")],
 )
 async def test_the_machine_release_asks_the_erase_of_the_sites_wipe_policy_kept_from_placement(
     world: World, wipe_policy: str | None, erase_mode: str

@@ -14,9 +14,11 @@ from gpuaas_maas_gateway.domain.operations import release_verdict
     [
         ("nvme_format", "secure"),
         ("crypto_erase", "secure"),
-        ("blkdiscard", "full"),
+        ("blkdiscard", "secure"),
         # An older scheduler's placement names none: the scheduler's default, blkdiscard.
-        (None, "full"),
+        (None, "secure"),
+        # A policy this allocator does not know: the overwrite alone.
+        ("something_newer", "full"),
     ],
 )
 def test_a_site_wipe_policy_maps_to_a_maas_erase_that_is_never_quick(policy: str | None, mode: str) -> None:

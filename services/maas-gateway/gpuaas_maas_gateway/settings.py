@@ -66,8 +66,11 @@ class GatewaySettings(ServiceSettings):
     maas_poll_interval_s: float = Field(default=1.0, gt=0)
     # How long a machine may still look untouched before an unknown submit counts as not accepted.
     maas_grace_s: float = Field(default=5.0, ge=0)
-    # How long one MAAS operation (deploy, release, commission, upload) may take before it fails.
+    # How long one MAAS operation (deploy, commission, upload) may take before it fails.
     maas_deadline_s: float = Field(default=1800.0, gt=0)
+    # And a release: a drive without its own secure erase gets MAAS's full overwrite, hours for a host's NVMe disks
+    # (tens of TB at a few GB/s, disk after disk); past it the release fails and the node stays drained for ops.
+    maas_release_deadline_s: float = Field(default=12 * 3600.0, gt=0)
     # MAAS calls in flight per site, unless the site sets its own max_concurrency.
     maas_max_concurrency: int = Field(default=8, ge=1)
     # Retry-After is honoured up to this many seconds, so one odd header cannot park work for hours.

@@ -10,11 +10,13 @@ MAAS's release takes `erase`, `secure_erase` and `quick_erase` (the MAAS API's m
 So a tenant release never sets `quick_erase`: with `secure_erase` alone, a drive lacking secure erase still
 gets the full overwrite, the fallback that destroys the data.
 
-The policies map to the strongest MAAS erase that does what they ask:
+Every policy maps to `secure`: the drive's own erase where it has one, the full overwrite where it has none.
 - `nvme_format` and `crypto_erase` are the drive's own erase (the NVMe format with secure erase setting 1 or 2):
-  MAAS's secure erase is exactly that call on each drive, so `secure`;
-- `blkdiscard` asks that no block reads back the tenant's data; MAAS cannot discard, and its strongest erase
-  short of the drive's own is the full overwrite, so `full`.
+  MAAS's secure erase is exactly that call on each drive;
+- `blkdiscard` asks that no block reads back the tenant's data. MAAS cannot discard; the drive's own erase does
+  what it asks in seconds to minutes, where the full overwrite of a host's NVMe disks (tens of TB) takes hours,
+  longer than a release may wait, and the overwrite is still what a drive without one gets.
+A policy this allocator does not know gets the full overwrite alone: it trusts no drive's firmware for it.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from gpuaas_common.contract import messages as m
 ERASE_MODES: dict[str, m.EraseMode] = {
     "nvme_format": "secure",
     "crypto_erase": "secure",
-    "blkdiscard": "full",
+    "blkdiscard": "secure",
 }
 # The scheduler's default wipe policy (its domain/approval.py): what a placement from a scheduler that did not
 # say stands for.

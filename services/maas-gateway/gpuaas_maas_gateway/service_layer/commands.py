@@ -55,7 +55,7 @@ class OperationHandlers:
             node_id=getattr(cmd, "node_id", None),
             profile=getattr(cmd, "profile", None),
             params=params,
-            deadline_at=datetime.now(UTC) + timedelta(seconds=self.settings.maas_deadline_s),
+            deadline_at=datetime.now(UTC) + timedelta(seconds=self._deadline_s(kind)),
         )
         log.info("operation_recorded" if inserted else "operation_already_known", kind=kind, site=cmd.site)
         if not inserted and kind == "deploy" and ctx.stream_seq is not None:
@@ -65,6 +65,11 @@ class OperationHandlers:
                 log.info("deploy_command_refreshed", operation_id=cmd.operation_id, command_seq=ctx.stream_seq)
         if not inserted:
             await self._answer_again(ctx, cmd.operation_id)
+
+    def _deadline_s(self, kind: str) -> float:
+        if kind == "release":
+            return self.settings.maas_release_deadline_s
+        return self.settings.maas_deadline_s
 
     async def _answer_again(self, ctx: HandlerContext, operation_id: str) -> None:
         """A command for an operation that already finished is asked again (the asker lost its commit of the
