@@ -3,6 +3,9 @@
 - `ask_wipe`: a `slice.slot_wipe` task to the slot's host, in the transaction that made the slot owe it (an
   approval that left it `awaiting_wipe`, a repair of a `cleanup_blocked` one): a committed change always has its
   ask, a rolled-back one never does.
+- `wipe_after_maintenance`: a host's undrain out of maintenance asks the wipe of every slot disk that
+  `MAINTENANCE_RETURN_RULES` says owes one, its available slots `awaiting_wipe` meanwhile, in the undrain's
+  transaction.
 - `wipe_reported`: the host's `node.slot_wipe_reported`, read from its own report subject (only that host's
   identity may publish there). It is taken only for the open asks of its task on that node; each slot is judged
   against the site's policy and freed, blocked or left as it is, logged with the proof and announced.
@@ -26,8 +29,8 @@ from gpuaas_common.outbox import EventCollector
 from ..adapters import admin_nodes as nodes_repo
 from ..adapters import inventory as inv
 from ..adapters import slot_wipes as repo
-from ..domain.approval import binding_problems
-from ..domain.slot_wipe import judge_wipe
+from ..domain.approval import DEFAULT_WIPE_POLICY, binding_problems
+from ..domain.slot_wipe import ReturnFacts, judge_wipe, wipe_on_return
 from .slot_announcements import announce_nodes
 
 log = get_logger(__name__)
@@ -71,6 +74,44 @@ async def ask_wipe(
     )
     log.info("slot_wipe_asked", node_id=node_id, task_id=task_id, cause=cause, slots=[s["slot_id"] for s in slots])
     return task_id
+
+
+async def wipe_after_maintenance(
+    conn: asyncpg.Connection, events: EventCollector, node_id: str, *, actor: str, reason: str
+) -> dict[str, Any]:
+    """The host's maintenance ends (the caller holds the node's lock): its slots' disks owe the host's wipe proof.
+    The task id, the slots moved to `awaiting_wipe` and every slot asked."""
+    to_wipe: list[dict[str, Any]] = []
+    to_move: dict[tuple[str, str, str], list[str]] = {}  # (from, to, why): slots
+    whys: set[str] = set()
+    for slot in await repo.lock_node_slots(conn, node_id):
+        decision = wipe_on_return(ReturnFacts(slot["status"], slot["claimed"], slot["wipe_open"]))
+        # A disk without a stable identity is no disk the agent may wipe; the binding rules keep it disabled.
+        if not decision.ask or "/by-id/" not in (slot["nvme_by_id"] or ""):
+            continue
+        whys.add(decision.why)
+        policy = slot["wipe_policy"] or DEFAULT_WIPE_POLICY
+        to_wipe.append({"slot_id": slot["slot_id"], "nvme_by_id": slot["nvme_by_id"], "wipe_policy": policy})
+        if decision.to is not None:
+            to_move.setdefault((slot["status"], decision.to, decision.why), []).append(slot["slot_id"])
+    why = f"undrain by {actor} after maintenance: {reason}; " + "; ".join(sorted(whys))
+    task_id = await ask_wipe(conn, events, node_id, to_wipe, cause="maintenance", why=why, actor=actor)
+    moved: list[str] = []
+    for (came_from, to, decision_why), ids in sorted(to_move.items()):
+        rows = await inv.move_slots(
+            conn,
+            ids,
+            to,
+            ("awaiting the host agent's wipe proof: " + decision_why)[:500],
+            actor=actor,
+            only_from=[came_from],
+            detail={"cause": "maintenance", "wipe_task": task_id, "undrain_reason": reason},
+        )
+        moved += [r["slot_id"] for r in rows]
+    if moved:
+        await inv.refresh_nodes(conn, [node_id])
+        await announce_nodes(conn, events, [node_id], "maintenance", actor)
+    return {"wipe_task": task_id, "awaiting_wipe": moved, "wipe_asked": [w["slot_id"] for w in to_wipe]}
 
 
 def subject_node(subject: str) -> str | None:
