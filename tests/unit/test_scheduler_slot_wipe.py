@@ -1,6 +1,6 @@
 """The wipe rule of domain/slot_wipe.py, table-driven (issue 38, point 1): when approval owes a slot its host's
-wipe proof, what a host's return from maintenance owes each of its slots, and what a host's outcome makes of
-the slot."""
+wipe proof, what a host's return from maintenance owes each of its slots, which slots a lost ask is asked again
+for, and what a host's outcome makes of the slot."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from gpuaas_scheduler.domain.slot_wipe import (
     ReturnFacts,
     approval_status,
     judge_wipe,
+    reasked_when_overdue,
     wipe_on_return,
     wipe_owed,
 )
@@ -116,3 +117,21 @@ def test_every_slot_status_has_a_return_rule_and_its_move_is_legal(status, claim
         check_slot_transition(status, decision.to)
     # No slot leaves maintenance placeable without a wipe asked, unless a claim or a later repair covers it.
     assert decision.to != "available"
+
+
+@pytest.mark.parametrize(
+    ("status", "claimed", "reasked"),
+    [
+        # Nothing but the host's proof moves these: a lost ask is asked again.
+        (AWAITING_WIPE, False, True),
+        ("disabled", False, True),
+        # A repair asks again; a claim's release is what wipes the disk; a free slot owes nothing.
+        ("cleanup_blocked", False, False),
+        ("available", False, False),
+        ("retired", False, False),
+        (AWAITING_WIPE, True, False),
+        ("releasing", True, False),
+    ],
+)
+def test_which_slots_a_lost_wipe_ask_is_asked_again_for(status, claimed, reasked):
+    assert reasked_when_overdue(status, claimed) is reasked

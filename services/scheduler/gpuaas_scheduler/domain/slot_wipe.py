@@ -12,6 +12,8 @@ them as its methods (`Host.approve` asks `wipe_owed` of each slot, `Host.wipe_re
   touched any of its disks, so its undrain moves each unclaimed `available` slot to `awaiting_wipe` and asks the
   host to wipe it; a `disabled` or still-awaiting slot is asked again where it is (an earlier proof predates the
   maintenance). In-use slots are wiped at their release, retired and blocked ones at their re-approval or repair.
+- **An ask past its deadline** (`reasked_when_overdue`): an awaiting or disabled slot is asked again (the old ask
+  closed `expired`), so a lost task never waits for an operator.
 - **What a host's wipe report makes of a slot** (`judge_wipe`): only an outcome that answers a wipe this
   scheduler asked of that very host, for that slot's disk, and that passes the site's policy (approval.py
   `wipe_verdict`) frees it. Anything else leaves it `cleanup_blocked` (an `awaiting_wipe` slot whose wipe failed
@@ -183,6 +185,20 @@ def wipe_on_return(facts: ReturnFacts) -> ReturnWipe:
         if r.applies(facts):
             return ReturnWipe(r.name, r.ask, r.to, r.why)
     return ReturnWipe("none", False, None, f"no rule for a {facts.status} slot")
+
+
+# --- an ask past its deadline ------------------------------------------------------------------------------
+
+# Where an open ask is the slot's only way back, so a lost one (the host down past the task's deadline, the task
+# dropped as stale) is asked again by the scheduler itself rather than left to an operator: an awaiting slot
+# waits for nothing else, and a disabled one's repair is refused while its wipe is owed. A blocked slot's repair
+# asks again anyway; a claimed slot is its release's business.
+REASKED_WHEN_OVERDUE = frozenset({AWAITING_WIPE, "disabled"})
+
+
+def reasked_when_overdue(status: str, claimed: bool) -> bool:
+    """Whether a slot whose open wipe ask passed its deadline unanswered is asked again."""
+    return not claimed and status in REASKED_WHEN_OVERDUE
 
 
 # The statuses a host's passing proof frees (to `available`); the slot's binding rules must still hold. A

@@ -6,6 +6,8 @@
 - `wipe_after_maintenance`: a host's undrain out of maintenance asks the wipe of every slot disk that
   `MAINTENANCE_RETURN_RULES` says owes one, its available slots `awaiting_wipe` meanwhile, in the undrain's
   transaction.
+- `reask_overdue`: the steering sweep's re-ask of the open asks past their deadline (REASKED_WHEN_OVERDUE), the
+  old ask closed `expired`, bounded per sweep.
 - `wipe_reported`: the host's `node.slot_wipe_reported`, read from its own report subject (only that host's
   identity may publish there). It is taken only for the open asks of its task on that node; each slot is judged
   against the site's policy and freed, blocked or left as it is, logged with the proof and announced.
@@ -30,14 +32,16 @@ from ..adapters import admin_nodes as nodes_repo
 from ..adapters import inventory as inv
 from ..adapters import slot_wipes as repo
 from ..domain.approval import DEFAULT_WIPE_POLICY, binding_problems
-from ..domain.slot_wipe import ReturnFacts, judge_wipe, wipe_on_return
+from ..domain.slot_wipe import REASKED_WHEN_OVERDUE, ReturnFacts, judge_wipe, wipe_on_return
 from .slot_announcements import announce_nodes
 
 log = get_logger(__name__)
 
 # A wipe by the slowest accepted method (a zero-out of a large NVMe disk) takes hours; past this the agent drops
-# the task as stale, and the slot waits for a repair, which asks again.
+# the task as stale, and the steering sweep asks again (`reask_overdue`; a repair may sooner).
 WIPE_TASK_DEADLINE_S = 6 * 3600.0
+# A report sent just before the deadline may still be on its way; asking again that soon would cost a wipe.
+WIPE_REASK_GRACE_S = 300.0
 
 
 async def ask_wipe(
@@ -112,6 +116,36 @@ async def wipe_after_maintenance(
         await inv.refresh_nodes(conn, [node_id])
         await announce_nodes(conn, events, [node_id], "maintenance", actor)
     return {"wipe_task": task_id, "awaiting_wipe": moved, "wipe_asked": [w["slot_id"] for w in to_wipe]}
+
+
+async def reask_overdue(conn: asyncpg.Connection, events: EventCollector, *, limit: int) -> list[str]:
+    """Ask again each wipe whose ask passed its deadline unanswered (at most `limit` slots a sweep): the old ask
+    closed `expired`, one new task per node and cause. The new tasks' ids."""
+    overdue = await repo.lock_overdue(
+        conn, WIPE_TASK_DEADLINE_S + WIPE_REASK_GRACE_S, sorted(REASKED_WHEN_OVERDUE), limit
+    )
+    by_task: dict[tuple[str, str, str], list[asyncpg.Record]] = {}
+    for row in overdue:
+        by_task.setdefault((row["node_id"], row["cause"], row["task_id"]), []).append(row)
+    asked: list[str] = []
+    for (node_id, cause, old_task), rows in sorted(by_task.items()):
+        ids = [r["slot_id"] for r in rows]
+        await repo.expire(conn, old_task, ids, "no report by the task's deadline: asked again")
+        slots = [
+            {
+                "slot_id": r["slot_id"],
+                "nvme_by_id": r["nvme_by_id"],
+                "wipe_policy": r["wipe_policy"] or DEFAULT_WIPE_POLICY,
+            }
+            for r in rows
+            if "/by-id/" in (r["nvme_by_id"] or "")
+        ]
+        why = f"wipe task {old_task} passed its deadline unanswered ({cause}): asked again"
+        task_id = await ask_wipe(conn, events, node_id, slots, cause=cause, why=why, actor="scheduler")
+        if task_id:
+            asked.append(task_id)
+        log.warning("slot_wipe_reasked", node_id=node_id, expired_task=old_task, task_id=task_id, slots=ids)
+    return asked
 
 
 def subject_node(subject: str) -> str | None:
