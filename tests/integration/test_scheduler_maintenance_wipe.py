@@ -27,6 +27,7 @@ from gpuaas_common.bus import Bus
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import CONSUMER_BY_NAME, ensure_consumer
 from gpuaas_common.outbox import OutboxRelay
+from gpuaas_dev.cli.inventory import _node_detail_text
 from gpuaas_dev.testing.bus_spy import BusSpy
 from gpuaas_dev.testing.waiting import eventually
 from gpuaas_scheduler.adapters import synthetic
@@ -131,6 +132,9 @@ async def test_a_host_back_from_maintenance_serves_slices_again_only_on_its_wipe
     assert {now[s] for s in free} == {"awaiting_wipe"}
     assert now[disabled] == "disabled" and {now[s] for s in in_use} == {"releasing"}
     assert body["node"]["free_slots"] == 0
+    # `gpuaas nodes undrain` says so.
+    text = _node_detail_text(body, "table", False)
+    assert f"wipe asked of the host: task {task_id}" in text and f"awaiting_wipe: {', '.join(free)}" in text
     u = (await run_place(pool, accepted(1))).unschedulable
     assert u is not None and u.free_gpus == 0, u
     # Recorded: each move in the slot's history with its task, the asks, the undrain's audit row.
