@@ -200,8 +200,10 @@ async def test_idempotency_key_replays_the_stored_response(api, pool):
         assert await conn.fetchval("SELECT count(*) FROM admin_audit WHERE action = 'node.drain'") == 1
     u = await run_place(pool, accepted())
     assert u.unschedulable.reason_code == "no_eligible_node" and u.unschedulable.filtered == {"maintenance": 1}
-    status, _ = await post(api, "/v1/nodes/n00001/undrain", {"actor": "ops", "reason": "done"})
-    assert status == 200 and (await run_place(pool, accepted())).placed
+    status, undrained = await post(api, "/v1/nodes/n00001/undrain", {"actor": "ops", "reason": "done"})
+    # Back from maintenance, its slots await the host's wipe proof (test_scheduler_maintenance_wipe.py).
+    assert status == 200 and len(undrained["awaiting_wipe"]) == 8, undrained
+    assert (await run_place(pool, accepted())).unschedulable
 
 
 # Hand edits that bypass the approval API: the row still says 'available', placement must ignore it.

@@ -6,7 +6,9 @@ scheduler's admin HTTP API and its bus handler with a real unit of work:
 (b) a wipe proof typed into a repair body is refused with one problem detail and changes nothing;
 (c) repair of a cleanup_blocked slot sends the host a `slice.slot_wipe` task and frees the slot only on that
     host's passing proof; a failing proof, a report from another host's subject, or one for an older task, frees
-    nothing.
+    nothing;
+(d) a wipe task past its deadline unanswered is asked again by the steering sweep, a bounded number of slots a
+    round, the old ask closed `expired` (its late report frees nothing).
 Every task the scheduler sends and every report it takes is validated against the contract."""
 
 # ruff: noqa: F811 - the host-mode tests' fixtures, imported by name, are parameters here
@@ -26,8 +28,10 @@ from gpuaas_common.contract.envelope import Envelope
 from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.adapters.repository import scheduler_repositories
-from gpuaas_scheduler.service_layer import evidence
+from gpuaas_scheduler.service_layer import evidence, steering
 from gpuaas_scheduler.service_layer.handlers import Scheduler
+from gpuaas_scheduler.service_layer.slot_wipe import WIPE_REASK_GRACE_S, WIPE_TASK_DEADLINE_S
+from gpuaas_scheduler.service_layer.steering import SteeringPolicy
 
 from .scheduler_db import place_and_activate, post, slot_rows
 from .test_scheduler_host_modes import (  # noqa: F401 - the fixtures of the host-mode tests
@@ -217,3 +221,60 @@ async def test_repair_asks_the_host_to_wipe_and_frees_the_slot_only_on_its_passi
     assert await statuses(pool, [slot.slot_id]) == {"available"}
     status, detail = await api_get(api, f"/v1/slots/{slot.slot_id}")
     assert [w["outcome"] for w in detail["wipes"]] == ["passed", "failed", "superseded"]
+
+
+# --- (d) a wipe ask past its deadline ----------------------------------------------------------------------------
+
+
+async def steering_sweep(pool, batch: int) -> dict[str, int]:
+    policy = SteeringPolicy(sweep_batch=batch)
+    return await steering.sweep(lambda: UnitOfWork(pool, "scheduler", "scheduler", scheduler_repositories), policy)
+
+
+async def overdue(pool, slot_ids, seconds: float) -> None:
+    """The open asks of these slots as though asked `seconds` ago (the host has been silent that long)."""
+    async with pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE slot_wipes SET requested_at = now() - make_interval(secs => $2) "
+            "WHERE slot_id = ANY($1::text[]) AND closed_at IS NULL",
+            list(slot_ids),
+            seconds,
+        )
+
+
+async def test_the_sweep_asks_again_a_wipe_past_its_deadline_a_few_slots_a_round(pool, api):
+    async with pool.acquire() as conn:
+        await synthetic.build(conn, slice_hosts=1)
+    status, body = await post(api, "/v1/slots/n00001-s7/disable", {"actor": "ops", "reason": "fan"})
+    assert status == 200, body
+    await post(api, f"/v1/nodes/{HOST}/drain", {"actor": "ops", "reason": "disk bay", "maintenance": True})
+    status, body = await post(api, f"/v1/nodes/{HOST}/undrain", {"actor": "ops", "reason": "done"})
+    assert status == 200 and len(body["wipe_asked"]) == 8, body
+    [lost] = await wipe_tasks(pool)
+    ids = sorted(body["wipe_asked"])
+    # Within the deadline (and its grace) nothing is asked again, however long the wipe takes.
+    await overdue(pool, ids, WIPE_TASK_DEADLINE_S)
+    assert (await steering_sweep(pool, batch=5))["wipes_reasked"] == 0
+    assert len(await wipe_tasks(pool)) == 1
+
+    # Past it: the host dropped the task as stale. Five slots this round, the other three the next.
+    await overdue(pool, ids, WIPE_TASK_DEADLINE_S + WIPE_REASK_GRACE_S + 60)
+    assert (await steering_sweep(pool, batch=5))["wipes_reasked"] == 1
+    assert (await steering_sweep(pool, batch=5))["wipes_reasked"] == 1
+    assert (await steering_sweep(pool, batch=5))["wipes_reasked"] == 0
+    first, second = (await wipe_tasks(pool))[1:]
+    assert [s["slot_id"] for s in first["slots"]] == ids[:5] and [s["slot_id"] for s in second["slots"]] == ids[5:]
+    assert {s["wipe_policy"] for s in first["slots"] + second["slots"]} == {"blkdiscard"}
+    async with pool.acquire() as conn:
+        asks = await conn.fetch("SELECT task_id, slot_id, cause, outcome, requested_by FROM slot_wipes ORDER BY 2, 1")
+    old = [a for a in asks if a["task_id"] == lost["task_id"]]
+    assert [a["outcome"] for a in old] == ["expired"] * 8
+    new = [a for a in asks if a["task_id"] != lost["task_id"]]
+    assert {(a["cause"], a["outcome"], a["requested_by"]) for a in new} == {("maintenance", None, "scheduler")}
+    # The lost task's late report frees nothing; the new tasks' proofs do (the disabled slot stays disabled).
+    assert await host_reports(pool, report_of(lost))
+    assert await statuses(pool, ids) == {"awaiting_wipe", "disabled"}
+    for task in (first, second):
+        assert await host_reports(pool, report_of(task))
+    assert await statuses(pool, ids[:7]) == {"available"} and await statuses(pool, ids[7:]) == {"disabled"}
+    assert (await steering_sweep(pool, batch=5))["wipes_reasked"] == 0

@@ -191,7 +191,7 @@ async def test_commissioning_goes_to_the_maas_gateway_and_the_preflight_closes_i
 
 
 async def test_the_scheduler_asks_parity_after_a_mode_change_once_across_replicas(pool, api) -> None:
-    assert await sweep(pool) == {"expired": 0, "parity_asked": 0}  # nothing changed since seeding
+    assert await sweep(pool) == {"expired": 0, "parity_asked": 0, "wipes_reasked": 0}  # nothing changed since seeding
     resp = await api.post(
         f"/v1/nodes/{HOST}/mode",
         json={"actor": "ops", "mode": "drained", "reason": "maintenance window"},

@@ -1,5 +1,6 @@
 """The wipe rule of domain/slot_wipe.py, table-driven (issue 38, point 1): when approval owes a slot its host's
-wipe proof, and what a host's outcome makes of the slot."""
+wipe proof, what a host's return from maintenance owes each of its slots, which slots a lost ask is asked again
+for, and what a host's outcome makes of the slot."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from gpuaas_scheduler.domain.slot_wipe import (
     AWAITING_WIPE,
     WIPE_OWED_RULES,
     DiskFacts,
+    ReturnFacts,
     approval_status,
     judge_wipe,
+    reasked_when_overdue,
+    wipe_on_return,
     wipe_owed,
 )
+from gpuaas_scheduler.domain.slots import SLOT_STATUSES, check_slot_transition
 
 DISK = "/dev/disk/by-id/nvme-eui.0001"
 OTHER = "/dev/disk/by-id/nvme-eui.0002"
@@ -75,3 +80,58 @@ def _proof(method="blkdiscard", verified=True, signatures=(), device=DISK):
 def test_what_a_hosts_outcome_makes_of_the_slot(slot, outcome, problems, passed, to):
     judged = judge_wipe(slot, DISK, outcome, problems)
     assert (judged.passed, judged.to) == (passed, to), judged.verdict
+
+
+@pytest.mark.parametrize(
+    ("facts", "rule", "ask", "to"),
+    [
+        # Free: placeable no more until the host proves the wipe of the disk it has now.
+        (ReturnFacts("available", claimed=False), "available", True, AWAITING_WIPE),
+        (ReturnFacts("available", claimed=False, wipe_open=True), "available", True, AWAITING_WIPE),
+        # Not placeable anyway: asked where it is, so a later repair or report finds the proof owed.
+        (ReturnFacts("disabled", claimed=False), "disabled", True, None),
+        (ReturnFacts(AWAITING_WIPE, claimed=False, wipe_open=True), "awaiting_wipe", True, None),
+        (ReturnFacts(AWAITING_WIPE, claimed=False), "awaiting_wipe", True, None),
+        (ReturnFacts("cleanup_blocked", claimed=False, wipe_open=True), "blocked_wipe_open", True, None),
+        # Its repair asks; an operator decides when.
+        (ReturnFacts("cleanup_blocked", claimed=False), "blocked", False, None),
+        (ReturnFacts("retired", claimed=False), "retired", False, None),
+        # Under a claim: the release's cleanup proves the wipe; a claim on an available row counts as in use.
+        *[(ReturnFacts(st, claimed=True), "in_use", False, None) for st in ("reserved", "active", "cleanup")],
+        (ReturnFacts("provisioning", claimed=False), "in_use", False, None),
+        (ReturnFacts("releasing", claimed=False), "in_use", False, None),
+        (ReturnFacts("available", claimed=True), "in_use", False, None),
+    ],
+)
+def test_what_a_return_from_maintenance_owes_each_slot(facts, rule, ask, to):
+    decision = wipe_on_return(facts)
+    assert (decision.rule, decision.ask, decision.to) == (rule, ask, to)
+
+
+@pytest.mark.parametrize("status", SLOT_STATUSES)
+@pytest.mark.parametrize("claimed", [False, True])
+def test_every_slot_status_has_a_return_rule_and_its_move_is_legal(status, claimed):
+    decision = wipe_on_return(ReturnFacts(status, claimed))
+    assert decision.rule != "none", status
+    if decision.to is not None:
+        check_slot_transition(status, decision.to)
+    # No slot leaves maintenance placeable without a wipe asked, unless a claim or a later repair covers it.
+    assert decision.to != "available"
+
+
+@pytest.mark.parametrize(
+    ("status", "claimed", "reasked"),
+    [
+        # Nothing but the host's proof moves these: a lost ask is asked again.
+        (AWAITING_WIPE, False, True),
+        ("disabled", False, True),
+        # A repair asks again; a claim's release is what wipes the disk; a free slot owes nothing.
+        ("cleanup_blocked", False, False),
+        ("available", False, False),
+        ("retired", False, False),
+        (AWAITING_WIPE, True, False),
+        ("releasing", True, False),
+    ],
+)
+def test_which_slots_a_lost_wipe_ask_is_asked_again_for(status, claimed, reasked):
+    assert reasked_when_overdue(status, claimed) is reasked

@@ -401,7 +401,17 @@ SlotStatus = Literal[
 ]
 SlotHealth = Literal["unknown", "healthy", "degraded", "failed"]
 SlotsChangeCause = Literal[
-    "approval", "retire", "disable", "repair", "release", "failure", "force_release", "claim_audit", "wipe"
+    "approval",
+    "retire",
+    "disable",
+    "repair",
+    "release",
+    "failure",
+    "force_release",
+    "claim_audit",
+    "wipe",
+    # A host back from maintenance: its free slots await its wipe proof.
+    "maintenance",
 ]
 
 
@@ -422,8 +432,9 @@ class SlotState(Payload):
 
 
 class SlotsChanged(Payload):
-    """A host's slots changed outside placement (approval, retire, disable, repair; a release or failure that
-    left a slot `cleanup_blocked`; a force-release; the claim audit): every slot of the host as it is now. The
+    """A host's slots changed outside placement (approval, retire, disable, repair, a return from maintenance; a
+    release or failure that left a slot `cleanup_blocked`; a force-release; the claim audit; a host's wipe
+    report): every slot of the host as it is now. The
     scheduler numbers each host's announcements (`generation`, growing by one each): a reader keeps the highest
     it has read and ignores an older one. Claims and releases of a healthy slot are not announced here; the
     lifecycle events carry them."""

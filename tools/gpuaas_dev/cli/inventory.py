@@ -125,6 +125,11 @@ def _node_detail_text(doc: dict[str, Any], output: str, compact: bool) -> str:
                 lines.append(
                     f"    {st.get('at')} {st.get('from_state') or '-'} -> {st.get('to_state')}: {st.get('reason')}"
                 )
+    if doc.get("wipe_task"):
+        # An undrain out of maintenance: these slots are placed nowhere until the host proves the wipe.
+        lines.append(f"wipe asked of the host: task {doc['wipe_task']}")
+        lines.append(f"  awaiting_wipe: {', '.join(doc.get('awaiting_wipe') or []) or '-'}")
+        lines.append(f"  asked: {', '.join(doc.get('wipe_asked') or [])}")
     waivers = doc.get("waivers") or []
     if waivers:
         # Approval went, or may go, past a failing gate on these: who, why and until when stay in view.
@@ -222,7 +227,7 @@ def nodes_undrain(
     timeout: ApiTimeoutOpt = 10.0,
     run_dir: RunDirOpt = DEFAULT_RUN_DIR,
 ) -> None:
-    """Let a drained node take placements again.
+    """Let a drained node take placements again; out of maintenance, its free slots first await the host's wipe proof.
 
     Example: gpuaas nodes undrain slice-01 --reason "PSU replaced" -o json"""
     ep = _ep(admin_url, token, run_dir, timeout)

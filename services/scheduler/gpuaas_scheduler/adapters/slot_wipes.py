@@ -83,3 +83,45 @@ async def of_slot(conn: asyncpg.Connection, slot_id: str, limit: int = 20) -> li
         slot_id,
         limit,
     )
+
+
+async def lock_node_slots(conn: asyncpg.Connection, node_id: str) -> list[asyncpg.Record]:
+    """Every slot of the node, locked (the caller holds the node's lock), with its disk, its effective wipe
+    policy, whether a live claim holds it and whether a wipe ask is open for it."""
+    return await conn.fetch(
+        f"SELECT s.slot_id, s.status, s.nvme_by_id, {effective_policy_sql('s')} AS wipe_policy, {CLAIMED}, "
+        "EXISTS (SELECT 1 FROM slot_wipes w WHERE w.slot_id = s.slot_id AND w.closed_at IS NULL) AS wipe_open "
+        "FROM node_resource_slots s WHERE s.node_id = $1 ORDER BY s.slot_id FOR UPDATE OF s",
+        node_id,
+    )
+
+
+async def lock_overdue(
+    conn: asyncpg.Connection, older_than_s: float, statuses: Sequence[str], limit: int
+) -> list[asyncpg.Record]:
+    """Open asks older than `older_than_s` of unclaimed slots in `statuses`, in node order, with the slot's
+    disk and effective policy now; locked with their node and slot, skipping nodes another transaction holds (a
+    report being judged, another replica's sweep)."""
+    return await conn.fetch(
+        "SELECT w.task_id, w.slot_id, w.node_id, w.cause, s.status, s.nvme_by_id, "
+        f"{effective_policy_sql('s')} AS wipe_policy "
+        "FROM slot_wipes w JOIN node_resource_slots s ON s.slot_id = w.slot_id AND s.node_id = w.node_id "
+        "JOIN nodes n ON n.node_id = w.node_id "
+        "WHERE w.closed_at IS NULL AND w.requested_at < now() - make_interval(secs => $1) "
+        "AND s.status = ANY($2::text[]) AND NOT EXISTS (SELECT 1 FROM allocation_resource_claims c "
+        "  WHERE c.slot_id = s.slot_id AND c.status <> 'released') "
+        "ORDER BY w.node_id, w.slot_id LIMIT $3 FOR UPDATE OF n, w, s SKIP LOCKED",
+        older_than_s,
+        list(statuses),
+        limit,
+    )
+
+
+async def expire(conn: asyncpg.Connection, task_id: str, slot_ids: Sequence[str], verdict: str) -> None:
+    await conn.execute(
+        "UPDATE slot_wipes SET closed_at = now(), outcome = 'expired', verdict = $3 "
+        "WHERE task_id = $1 AND slot_id = ANY($2::text[]) AND closed_at IS NULL",
+        task_id,
+        list(slot_ids),
+        verdict[:2000],
+    )

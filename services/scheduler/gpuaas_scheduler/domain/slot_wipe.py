@@ -8,6 +8,12 @@ them as its methods (`Host.approve` asks `wipe_owed` of each slot, `Host.wipe_re
   slot was `retired` (its disk left slice service, a baremetal tenant may have had it), it still awaits a wipe,
   or its disk is another one than the slot had (a new disk's past is unknown). Such a slot is `awaiting_wipe`,
   placed nowhere, and the scheduler asks its host's agent for the site's wipe (`slice.slot_wipe`).
+- **A host back from maintenance** (`MAINTENANCE_RETURN_RULES`, a table): a technician may have swapped or
+  touched any of its disks, so its undrain moves each unclaimed `available` slot to `awaiting_wipe` and asks the
+  host to wipe it; a `disabled` or still-awaiting slot is asked again where it is (an earlier proof predates the
+  maintenance). In-use slots are wiped at their release, retired and blocked ones at their re-approval or repair.
+- **An ask past its deadline** (`reasked_when_overdue`): an awaiting or disabled slot is asked again (the old ask
+  closed `expired`), so a lost task never waits for an operator.
 - **What a host's wipe report makes of a slot** (`judge_wipe`): only an outcome that answers a wipe this
   scheduler asked of that very host, for that slot's disk, and that passes the site's policy (approval.py
   `wipe_verdict`) frees it. Anything else leaves it `cleanup_blocked` (an `awaiting_wipe` slot whose wipe failed
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .approval import wipe_verdict
+from .slots import IN_USE
 
 AWAITING_WIPE = "awaiting_wipe"
 CONVERTING = "converting"
@@ -87,6 +94,111 @@ def approval_status(problems: list[str], owed: list[str]) -> tuple[str, str | No
     if owed:
         return AWAITING_WIPE, ("awaiting the host agent's wipe proof: " + "; ".join(owed))[:2000]
     return "available", None
+
+
+# --- a host back from maintenance ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReturnFacts:
+    """One slot of a host whose maintenance ends (its undrain): its status, whether a live claim holds it and
+    whether a wipe ask is open for it."""
+
+    status: str
+    claimed: bool
+    wipe_open: bool = False
+
+
+@dataclass(frozen=True)
+class ReturnRule:
+    name: str
+    applies: Callable[[ReturnFacts], bool]
+    # Ask the host's wipe of the slot's disk; the status it moves to meanwhile (None: it stays).
+    ask: bool
+    to: str | None
+    why: str
+
+
+@dataclass(frozen=True)
+class ReturnWipe:
+    rule: str
+    ask: bool
+    to: str | None
+    why: str
+
+
+# A technician may have swapped or touched any disk during maintenance, so no slot is placeable again before its
+# host proves the site's wipe of the disk it has now. First rule that applies wins.
+MAINTENANCE_RETURN_RULES: tuple[ReturnRule, ...] = (
+    ReturnRule(
+        "in_use",
+        lambda f: f.claimed or f.status in IN_USE,
+        False,
+        None,
+        "in use: its release's cleanup proves the wipe before it is placed again",
+    ),
+    ReturnRule(
+        "retired", lambda f: f.status == "retired", False, None, "retired: its re-approval owes the wipe (slot_retired)"
+    ),
+    ReturnRule(
+        "available",
+        lambda f: f.status == "available",
+        True,
+        AWAITING_WIPE,
+        "back from maintenance: its disk may have been swapped or touched",
+    ),
+    ReturnRule(
+        "disabled",
+        lambda f: f.status == "disabled",
+        True,
+        None,
+        "back from maintenance: its disk may have been swapped or touched; a repair waits for the proof",
+    ),
+    ReturnRule(
+        "awaiting_wipe",
+        lambda f: f.status == AWAITING_WIPE,
+        True,
+        None,
+        "back from maintenance: a wipe done before it says nothing of the disk now, so the host is asked again",
+    ),
+    ReturnRule(
+        "blocked_wipe_open",
+        lambda f: f.status == "cleanup_blocked" and f.wipe_open,
+        True,
+        None,
+        "back from maintenance: a wipe done before it says nothing of the disk now, so the host is asked again",
+    ),
+    ReturnRule(
+        "blocked",
+        lambda f: f.status == "cleanup_blocked",
+        False,
+        None,
+        "cleanup_blocked: its repair asks the host's wipe",
+    ),
+)
+
+
+def wipe_on_return(facts: ReturnFacts) -> ReturnWipe:
+    """What a host's return from maintenance makes of one slot: whether its disk owes a wipe proof and where the
+    slot waits for it. A status no rule names is left alone (and is a gap the unit test catches)."""
+    for r in MAINTENANCE_RETURN_RULES:
+        if r.applies(facts):
+            return ReturnWipe(r.name, r.ask, r.to, r.why)
+    return ReturnWipe("none", False, None, f"no rule for a {facts.status} slot")
+
+
+# --- an ask past its deadline ------------------------------------------------------------------------------
+
+# Where an open ask is the slot's only way back, so a lost one (the host down past the task's deadline, the task
+# dropped as stale) is asked again by the scheduler itself rather than left to an operator: an awaiting slot
+# waits for nothing else, and a disabled one's repair is refused while its wipe is owed. A blocked slot's repair
+# asks again anyway; a claimed slot is its release's business.
+REASKED_WHEN_OVERDUE = frozenset({AWAITING_WIPE, "disabled"})
+
+
+def reasked_when_overdue(status: str, claimed: bool) -> bool:
+    """Whether a slot whose open wipe ask passed its deadline unanswered is asked again."""
+    return not claimed and status in REASKED_WHEN_OVERDUE
 
 
 # The statuses a host's passing proof frees (to `available`); the slot's binding rules must still hold. A

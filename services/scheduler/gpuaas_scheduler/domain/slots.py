@@ -134,8 +134,9 @@ TOUCHED = frozenset({"provisioning", "active", "releasing", "cleanup"})
 SLOT_TRANSITIONS: dict[str, frozenset[str]] = {
     # Repaired, re-approved or retired by ops.
     "disabled": frozenset({"available", "retired"}),
-    # Claimed by placement; disabled or retired by ops.
-    "available": frozenset({"reserved", "disabled", "retired"}),
+    # Claimed by placement; disabled or retired by ops. Owed a wipe when its host comes back from maintenance:
+    # a technician may have swapped or touched its disk, whose past is then unknown (slot_wipe.py).
+    "available": frozenset({"reserved", "disabled", "retired", "awaiting_wipe"}),
     # A claim moves on, or ends before anything was written (back to available) or fails.
     "reserved": frozenset({"provisioning", "releasing", "available", "cleanup", "cleanup_blocked"}),
     # From here the disk may have been written: back to available only when the attempt provably

@@ -132,7 +132,14 @@ ROUTES = [
         out.NodeDetail,
         ops.DrainIn,
     ),
-    _r("POST", "/v1/nodes/{node_id}/undrain", write(ops.undrain), "accept placements again", out.NodeDetail, ops.Acted),
+    _r(
+        "POST",
+        "/v1/nodes/{node_id}/undrain",
+        write_asking(ops.undrain),
+        "accept placements again; out of maintenance, its free slots await the host's wipe proof first",
+        out.UndrainOut,
+        ops.Acted,
+    ),
     _r(
         "GET",
         "/v1/nodes/{node_id}/drift",

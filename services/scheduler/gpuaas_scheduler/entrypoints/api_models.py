@@ -74,6 +74,14 @@ class NodeDetail(BaseModel):
     actions: list[ActionView] = []
 
 
+class UndrainOut(NodeDetail):
+    # Out of maintenance only: the host's wipe task (none when no slot disk owed one), the slots it moved to
+    # awaiting_wipe, and every slot whose disk it asked wiped (disabled and still-awaiting ones stay as they are).
+    wipe_task: str | None = None
+    awaiting_wipe: list[str] = []
+    wipe_asked: list[str] = []
+
+
 class SteerOut(NodeDetail):
     # The ask just recorded.
     action: ActionView

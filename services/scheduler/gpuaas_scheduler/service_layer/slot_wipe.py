@@ -3,6 +3,11 @@
 - `ask_wipe`: a `slice.slot_wipe` task to the slot's host, in the transaction that made the slot owe it (an
   approval that left it `awaiting_wipe`, a repair of a `cleanup_blocked` one): a committed change always has its
   ask, a rolled-back one never does.
+- `wipe_after_maintenance`: a host's undrain out of maintenance asks the wipe of every slot disk that
+  `MAINTENANCE_RETURN_RULES` says owes one, its available slots `awaiting_wipe` meanwhile, in the undrain's
+  transaction.
+- `reask_overdue`: the steering sweep's re-ask of the open asks past their deadline (REASKED_WHEN_OVERDUE), the
+  old ask closed `expired`, bounded per sweep.
 - `wipe_reported`: the host's `node.slot_wipe_reported`, read from its own report subject (only that host's
   identity may publish there). It is taken only for the open asks of its task on that node; each slot is judged
   against the site's policy and freed, blocked or left as it is, logged with the proof and announced.
@@ -26,15 +31,17 @@ from gpuaas_common.outbox import EventCollector
 from ..adapters import admin_nodes as nodes_repo
 from ..adapters import inventory as inv
 from ..adapters import slot_wipes as repo
-from ..domain.approval import binding_problems
-from ..domain.slot_wipe import judge_wipe
+from ..domain.approval import DEFAULT_WIPE_POLICY, binding_problems
+from ..domain.slot_wipe import REASKED_WHEN_OVERDUE, ReturnFacts, judge_wipe, wipe_on_return
 from .slot_announcements import announce_nodes
 
 log = get_logger(__name__)
 
 # A wipe by the slowest accepted method (a zero-out of a large NVMe disk) takes hours; past this the agent drops
-# the task as stale, and the slot waits for a repair, which asks again.
+# the task as stale, and the steering sweep asks again (`reask_overdue`; a repair may sooner).
 WIPE_TASK_DEADLINE_S = 6 * 3600.0
+# A report sent just before the deadline may still be on its way; asking again that soon would cost a wipe.
+WIPE_REASK_GRACE_S = 300.0
 
 
 async def ask_wipe(
@@ -71,6 +78,74 @@ async def ask_wipe(
     )
     log.info("slot_wipe_asked", node_id=node_id, task_id=task_id, cause=cause, slots=[s["slot_id"] for s in slots])
     return task_id
+
+
+async def wipe_after_maintenance(
+    conn: asyncpg.Connection, events: EventCollector, node_id: str, *, actor: str, reason: str
+) -> dict[str, Any]:
+    """The host's maintenance ends (the caller holds the node's lock): its slots' disks owe the host's wipe proof.
+    The task id, the slots moved to `awaiting_wipe` and every slot asked."""
+    to_wipe: list[dict[str, Any]] = []
+    to_move: dict[tuple[str, str, str], list[str]] = {}  # (from, to, why): slots
+    whys: set[str] = set()
+    for slot in await repo.lock_node_slots(conn, node_id):
+        decision = wipe_on_return(ReturnFacts(slot["status"], slot["claimed"], slot["wipe_open"]))
+        # A disk without a stable identity is no disk the agent may wipe; the binding rules keep it disabled.
+        if not decision.ask or "/by-id/" not in (slot["nvme_by_id"] or ""):
+            continue
+        whys.add(decision.why)
+        policy = slot["wipe_policy"] or DEFAULT_WIPE_POLICY
+        to_wipe.append({"slot_id": slot["slot_id"], "nvme_by_id": slot["nvme_by_id"], "wipe_policy": policy})
+        if decision.to is not None:
+            to_move.setdefault((slot["status"], decision.to, decision.why), []).append(slot["slot_id"])
+    why = f"undrain by {actor} after maintenance: {reason}; " + "; ".join(sorted(whys))
+    task_id = await ask_wipe(conn, events, node_id, to_wipe, cause="maintenance", why=why, actor=actor)
+    moved: list[str] = []
+    for (came_from, to, decision_why), ids in sorted(to_move.items()):
+        rows = await inv.move_slots(
+            conn,
+            ids,
+            to,
+            ("awaiting the host agent's wipe proof: " + decision_why)[:500],
+            actor=actor,
+            only_from=[came_from],
+            detail={"cause": "maintenance", "wipe_task": task_id, "undrain_reason": reason},
+        )
+        moved += [r["slot_id"] for r in rows]
+    if moved:
+        await inv.refresh_nodes(conn, [node_id])
+        await announce_nodes(conn, events, [node_id], "maintenance", actor)
+    return {"wipe_task": task_id, "awaiting_wipe": moved, "wipe_asked": [w["slot_id"] for w in to_wipe]}
+
+
+async def reask_overdue(conn: asyncpg.Connection, events: EventCollector, *, limit: int) -> list[str]:
+    """Ask again each wipe whose ask passed its deadline unanswered (at most `limit` slots a sweep): the old ask
+    closed `expired`, one new task per node and cause. The new tasks' ids."""
+    overdue = await repo.lock_overdue(
+        conn, WIPE_TASK_DEADLINE_S + WIPE_REASK_GRACE_S, sorted(REASKED_WHEN_OVERDUE), limit
+    )
+    by_task: dict[tuple[str, str, str], list[asyncpg.Record]] = {}
+    for row in overdue:
+        by_task.setdefault((row["node_id"], row["cause"], row["task_id"]), []).append(row)
+    asked: list[str] = []
+    for (node_id, cause, old_task), rows in sorted(by_task.items()):
+        ids = [r["slot_id"] for r in rows]
+        await repo.expire(conn, old_task, ids, "no report by the task's deadline: asked again")
+        slots = [
+            {
+                "slot_id": r["slot_id"],
+                "nvme_by_id": r["nvme_by_id"],
+                "wipe_policy": r["wipe_policy"] or DEFAULT_WIPE_POLICY,
+            }
+            for r in rows
+            if "/by-id/" in (r["nvme_by_id"] or "")
+        ]
+        why = f"wipe task {old_task} passed its deadline unanswered ({cause}): asked again"
+        task_id = await ask_wipe(conn, events, node_id, slots, cause=cause, why=why, actor="scheduler")
+        if task_id:
+            asked.append(task_id)
+        log.warning("slot_wipe_reasked", node_id=node_id, expired_task=old_task, task_id=task_id, slots=ids)
+    return asked
 
 
 def subject_node(subject: str) -> str | None:

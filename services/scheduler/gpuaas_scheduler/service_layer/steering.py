@@ -9,6 +9,7 @@ derives from it; and a report closes the ask only when it names that id and come
 Parity is asked by the scheduler itself too (`sweep`): after every mode change of a slice host, and, with
 `parity_interval_s`, whenever its last report or ask is older than that. Both are read from the database, so a
 replica that died between a mode change and the ask leaves nothing owed: the next sweep of any replica asks.
+The same sweep asks a host again for a slot wipe whose task passed its deadline unanswered.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from gpuaas_common.outbox import EventCollector
 from ..adapters import node_actions as repo
 from ..domain import steering as rules
 from ..domain.steering import COMMISSION, DECIDED_BY, PARITY, REDISCOVER, Verdict
+from .slot_wipe import reask_overdue
 
 log = get_logger(__name__)
 PREFLIGHT_SCRIPT = "50-gpuaas-slice-firmware-preflight"
@@ -173,7 +175,8 @@ async def preflight_answered(conn: asyncpg.Connection, ev: m.NodeSlicePreflightR
 
 async def sweep(unit_of_work: Callable[[], Any], policy: SteeringPolicy) -> dict[str, int]:
     """Close overdue asks; ask parity of every slice host owed one. One transaction, so an ask and its task
-    commit together; nodes another replica holds are skipped this round."""
+    commit together; nodes another replica holds are skipped this round. Then ask again the slot wipes whose
+    task passed its deadline unanswered (service_layer/slot_wipe.py)."""
     async with unit_of_work() as uow:
         expired = await repo.expire_overdue(uow.conn, {k: rules.expired_outcome(k) for k in rules.KINDS})
         for r in expired:
@@ -187,7 +190,11 @@ async def sweep(unit_of_work: Callable[[], Any], policy: SteeringPolicy) -> dict
             except (AskRefused, UnknownNode) as exc:  # the node changed since it was read; next round
                 log.info("parity_ask_skipped", node_id=node_id, why=str(exc))
         await uow.commit()
-    return {"expired": len(expired), "parity_asked": asked}
+    # Its own transaction: a slot wipe's re-ask never waits on, nor rolls back, the parity asks.
+    async with unit_of_work() as uow:
+        reasked = await reask_overdue(uow.conn, uow.events, limit=policy.sweep_batch)
+        await uow.commit()
+    return {"expired": len(expired), "parity_asked": asked, "wipes_reasked": len(reasked)}
 
 
 def _why_due(policy: SteeringPolicy) -> str:

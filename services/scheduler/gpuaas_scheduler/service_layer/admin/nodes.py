@@ -1,11 +1,16 @@
-"""Nodes: registration (its first mode only), approval-gate waivers, drain and undrain.
+"""Nodes: registration (its first mode only), approval-gate waivers, drain and undrain (out of maintenance: the
+host's wipe proof owed for its slots' disks, service_layer/slot_wipe.py).
 
 There is no way to write a node's parity or preflight by hand: they are the host's evidence, from its agent and
 from MAAS commissioning. An operator who must approve slots past a failing gate records a waiver instead."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import asyncpg
+
+from gpuaas_common.outbox import EventCollector
 
 from ...adapters import admin_nodes as repo
 from ...adapters import host_modes as mode_repo
@@ -13,6 +18,7 @@ from ...adapters import host_walk as walk_repo
 from ...adapters import inventory as inv
 from ...adapters import node_actions as actions_repo
 from ...domain.readiness_gate import waiver_problems
+from ..slot_wipe import wipe_after_maintenance
 from .common import action_view, jsonable, lock_node
 from .models import Acted, AdminError, DrainIn, NodeIn, WaiverIn
 
@@ -100,8 +106,21 @@ async def drain(conn: asyncpg.Connection, node_id: str, body: DrainIn) -> dict:
     return await get_node(conn, node_id)
 
 
-async def undrain(conn: asyncpg.Connection, node_id: str, body: Acted) -> dict:
-    await lock_node(conn, node_id)
+async def undrain(conn: asyncpg.Connection, node_id: str, body: Acted, *, events: EventCollector) -> dict:
+    """Placements again. A node back from maintenance first owes its host's wipe proof for its slots' disks (a
+    technician may have swapped or touched them): its free slots wait `awaiting_wipe`, asked in this transaction."""
+    node = await lock_node(conn, node_id)
+    wipes: dict[str, Any] = {}
+    if node["maintenance"]:
+        wipes = await wipe_after_maintenance(conn, events, node_id, actor=body.actor, reason=body.reason)
     await repo.undrain(conn, node_id)
-    await repo.audit(conn, body.actor, "node.undrain", node_id, body.reason)
-    return await get_node(conn, node_id)
+    await repo.audit(
+        conn,
+        body.actor,
+        "node.undrain",
+        node_id,
+        body.reason,
+        {"maintenance": True, **wipes} if node["maintenance"] else None,
+    )
+    out = await get_node(conn, node_id)
+    return out | wipes if node["maintenance"] else out
