@@ -1,8 +1,8 @@
 """Placement as small pure functions, in the style of the Kubernetes scheduler framework, one concern a module:
 
 - `request`: the request's facts, decided once before any node is looked at (`Request`, `image_gate`);
-- `fit`: which slots of a host a slice takes (`choose`, NVLink partitions), the host's capacity summary, and the
-  scores that rank hosts;
+- `fit`: which slots of a host a slice takes (`choose`, NVLink partitions), the host's capacity summary, the
+  scores that rank hosts, and the search's final choice (`pick_slots`);
 - `rules`: the named node rules a node must pass (`SLICE_RULES`, `BAREMETAL_RULES`), each with its SQL twin in
   adapters/inventory/node_sql.py;
 - `explain`: the why-not answer's reason code and sentence.
@@ -21,6 +21,7 @@ from .fit import (
     TIER_SWITCH,
     Choice,
     NodeCandidate,
+    SlotPick,
     SlotView,
     best_tier,
     choose,
@@ -32,6 +33,7 @@ from .fit import (
     numa_span_needed,
     partition_tier,
     partitioned,
+    pick_slots,
     rank_classes,
     rank_nodes,
     score_fit,
@@ -75,6 +77,7 @@ __all__ = [
     "NodeFacts",
     "NodeRule",
     "Request",
+    "SlotPick",
     "SlotView",
     "best_tier",
     "choose",
@@ -97,6 +100,7 @@ __all__ = [
     "partition_summary",
     "partition_tier",
     "partitioned",
+    "pick_slots",
     "rank_classes",
     "rank_nodes",
     "rules_for",

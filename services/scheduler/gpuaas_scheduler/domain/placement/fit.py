@@ -26,6 +26,9 @@ largest free partition of at most 2 GPUs stands for its PCIe-switch group, of at
 and each half's largest free partition for that node's free slots (a half is its NUMA node). A host whose
 slots carry no module IDs (emulated lab slots, slots approved from older evidence) keeps the PCIe-switch and
 NUMA rules.
+
+The search ends on `pick_slots`: the group chosen on the locked host and the host's summary once it is taken,
+one value (`SlotPick`) for whatever records the claim.
 """
 
 from __future__ import annotations
@@ -244,6 +247,34 @@ def choose(slots: Iterable[SlotView], gpus: int, numa_capacity: int | None = Non
 def choose_slots(slots: Iterable[SlotView], count: int, numa_capacity: int | None = None) -> list[SlotView] | None:
     choice = choose(slots, count, numa_capacity)
     return list(choice.slots) if choice else None
+
+
+@dataclass(frozen=True)
+class SlotPick:
+    """The search's final choice on one locked host: the group a slice takes there and the host's capacity
+    summary once it holds it. One value for whatever records the claim: the slot claims today
+    (`inventory.claim_slots`), a Host aggregate's `reserve` once the host owns its claims."""
+
+    node_id: str
+    choice: Choice
+    after: NodeCandidate
+
+    @property
+    def slots(self) -> tuple[SlotView, ...]:
+        return self.choice.slots
+
+
+def pick_slots(
+    node_id: str, free: Sequence[SlotView], gpus: int, total_slots: int, numa_capacity: int
+) -> SlotPick | None:
+    """The best group of a locked host's free slots for `gpus` (`choose`), or None when it has none."""
+    choice = choose(free, gpus, numa_capacity)
+    if choice is None:
+        return None
+    chosen = {s.slot_id for s in choice.slots}
+    rest = [s for s in free if s.slot_id not in chosen]
+    # The host holds at least this claim now, so its summary is a sliced host's whatever it held before.
+    return SlotPick(node_id, choice, summarize(node_id, rest, total_slots, 1, numa_capacity))
 
 
 # --- capacity summary -----------------------------------------------------------------------------
