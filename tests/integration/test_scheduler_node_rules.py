@@ -1,4 +1,4 @@
-"""The node rules, defined once in domain/placement.py (`SLICE_RULES`, `BAREMETAL_RULES`), mean the same in
+"""The node rules, defined once in domain/placement/rules.py (`SLICE_RULES`, `BAREMETAL_RULES`), mean the same in
 Python and in the placement SQL (adapters/inventory/node_sql.py): on one fleet of real rows, a good node and one
 node per violated rule, every rule is evaluated both ways, Python on the facts the why-not answer reads and SQL
 on the rows they come from, for several requests."""

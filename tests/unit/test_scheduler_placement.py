@@ -17,6 +17,7 @@ from gpuaas_scheduler.domain.placement import (
     choose_slots,
     clean_node_allowed,
     node_filter,
+    pick_slots,
     rank_classes,
     rank_nodes,
     summarize,
@@ -76,6 +77,19 @@ def test_one_gpu_prefers_the_emptier_numa_node_among_broken_pairs():
 
 def test_not_enough_slots_gives_none():
     assert choose_slots(host([0, 1]), 4, 4) is None
+
+
+def test_the_pick_on_a_clean_host_is_its_group_and_the_sliced_summary_left_behind():
+    pick = pick_slots("n", host(range(8)), 2, 8, 4)
+    assert pick.node_id == "n" and pick.choice == choose(host(range(8)), 2, 4)
+    assert [s.slot_id for s in pick.slots] == ["s0", "s1"]
+    # What the claim records on the node row: the summary of the six slots left, with one live claim at least.
+    assert pick.after == summarize("n", host(range(2, 8)), 8, 1, 4)
+    assert pick.after.sliced and pick.after.max_switch_free == 2 and pick.after.numa_free == (4, 2)
+
+
+def test_no_pick_where_no_topology_safe_group_is_free():
+    assert pick_slots("n", host([0, 1, 4, 5]), 4, 8, 4) is None
 
 
 def test_duplicated_fabric_devices_never_share_a_group():

@@ -12,7 +12,7 @@
   `preflight_failed` / `preflight_missing` filters gate on. The machine is mapped to its node by
   `maas_system_id`; a report for a machine no node carries is kept with no node.
 - `image.node_cache_changed` -> `node_image_readiness`, read by the image cache gate of slice
-  placement (see `domain.placement.image_gate`).
+  placement (see `domain.placement.request.image_gate`).
 
 Each runs inside the bus handler's transaction, with the inbox row that makes a redelivery a no-op.
 Reports are applied only when newer than the last one applied, so a late redelivery of an old report

@@ -30,15 +30,14 @@ from ..domain.placement import (
     NodeCandidate,
     Request,
     SlotView,
-    choose,
     clean_node_allowed,
     fabric_manager_note,
     hugepage_note,
     image_gate,
     node_filter,
     partition_summary,
+    pick_slots,
     rank_classes,
-    summarize,
     unschedulable_summary,
 )
 
@@ -320,17 +319,16 @@ class SliceSearch:
 
     async def _take(self, node_id: str, node: asyncpg.Record, free: list[SlotView]) -> bool:
         """Claim the node's best group of its locked free slots; False when it has none for the request."""
-        choice = choose(free, self.ctx.req.gpus, node["numa_capacity"])
-        if choice is None:
-            return False
-        chosen = {s.slot_id for s in choice.slots}
-        after = summarize(
-            node_id, [s for s in free if s.slot_id not in chosen], node["total_slots"], 1, node["numa_capacity"]
-        )
         ctx = self.ctx
+        pick = pick_slots(node_id, free, ctx.req.gpus, node["total_slots"], node["numa_capacity"])
+        if pick is None:
+            return False
+        # The pick is all the claim reads of the search (slots, summary after), so a Host aggregate's `reserve`
+        # can take it unchanged.
         epoch, rows = await inv.claim_slots(
-            self.conn, node_id, ctx.allocation_id, ctx.req.tenant_id, choice.slots, after
+            self.conn, node_id, ctx.allocation_id, ctx.req.tenant_id, pick.slots, pick.after
         )
+        choice = pick.choice
         self.out.placed = m.PlacementPlaced(
             allocation_id=ctx.allocation_id,
             node_id=node_id,

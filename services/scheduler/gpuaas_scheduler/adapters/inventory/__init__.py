@@ -9,7 +9,7 @@ it. The DB unique indexes on live claims are the last line of defence either way
 The package re-exports every name below, so callers keep `from ..adapters import inventory as inv`:
 
 - `predicates`: the shared SQL fragments (counted and free slot, image gate, hugepages, tiers) and row mappers;
-- `node_sql`: the node rules of domain/placement.py as SQL, one predicate per rule, and which rules each
+- `node_sql`: the node rules of domain/placement/rules.py as SQL, one predicate per rule, and which rules each
   placement query checks;
 - `seeding`: nodes and slots from the fleet file;
 - `capacity`: the per-node capacity summary and the fleet's shape;

@@ -65,7 +65,7 @@ async def refresh_nodes(conn: asyncpg.Connection, node_ids: Iterable[str] | None
 
 async def fleet_shape(conn: asyncpg.Connection) -> tuple[int | None, int | None, int | None]:
     """The largest number of approved slots behind one PCIe switch and on one NUMA node, fleet-wide. A host
-    placed on NVLink partitions counts its pairs as switch groups (domain/placement.py), whatever its PCIe
+    placed on NVLink partitions counts its pairs as switch groups (domain/placement/fit.py), whatever its PCIe
     layout."""
     row = await conn.fetchrow(
         f"SELECT (SELECT max(k) FROM (SELECT count(*) AS k FROM node_resource_slots WHERE {COUNTED_SLOT_SQL} "

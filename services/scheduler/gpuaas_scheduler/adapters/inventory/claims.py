@@ -185,7 +185,7 @@ async def try_claim_baremetal(
 class Prelude:
     already_placed: bool  # the allocation holds claims (any status): the answer was given before
     tenant_quota: int | None  # the tenant's own GPU quota, None when it has none
-    image_reported: bool  # some host reported its cache of the image (see `domain.placement.image_gate`)
+    image_reported: bool  # some host reported its cache of the image (see `domain.placement.request.image_gate`)
 
 
 async def prelude(

@@ -1,4 +1,4 @@
-"""The node rules of domain/placement.py (`SLICE_RULES`, `BAREMETAL_RULES`) as SQL over `nodes n`.
+"""The node rules of domain/placement/rules.py (`SLICE_RULES`, `BAREMETAL_RULES`) as SQL over `nodes n`.
 
 One predicate per rule *name* and shape; importing this module fails if a rule has no predicate or a predicate
 no rule, and tests/integration/test_scheduler_node_rules.py evaluates every rule both ways, Python on the facts
@@ -14,7 +14,7 @@ import string
 from collections.abc import Iterable
 
 from ...domain import nvlink_partitions as nvl
-from ...domain.placement import BAREMETAL_RULES, SLICE_RULES, NodeRule
+from ...domain.placement.rules import BAREMETAL_RULES, SLICE_RULES, NodeRule
 from .predicates import (
     FREE_SLOT_SQL,
     SLOT_DRIFT_SQL,
