@@ -217,3 +217,34 @@ async def test_the_live_followers_hold_the_cap_at_every_commit(nc, pool) -> None
     assert len(rows["node_task_phases"][flood]) == CAP
     assert rows["node_tasks"][quiet] == [f"{quiet}-0", f"{quiet}-1"]
     assert len(rows["node_task_phases"][quiet]) == 2
+
+
+async def test_a_host_reporting_another_hosts_task_changes_nothing_of_it(nc, pool) -> None:  # noqa: F811
+    """A task is its node's: `intruder`'s report naming `owner`'s task id (the subject is the intruder's own, as
+    its identity allows) neither moves the task nor adds a phase to it; the intruder's own report still lands."""
+    follower = _follower(nc, pool, "NODE_REPORTS")
+    feed = Feed("NODE_REPORTS")
+    await follower._apply([feed.message("node.task_progress", _progress("owner", "t-owned"), 0, node_id="owner")])
+    before = await pool.fetchrow("SELECT node_id, status, updated_at FROM node_tasks WHERE task_id = 't-owned'")
+    forged = m.NodeTaskResult(
+        task_id="t-owned",
+        allocation_id=uuid.uuid4(),
+        node_id="intruder",
+        task_type="slice.vm_provision",
+        status="succeeded",
+        disk_touched=False,
+    )
+    await follower._apply(
+        [
+            feed.message("node.task_progress", _progress("intruder", "t-owned"), 1, node_id="intruder"),
+            feed.message("node.task_result", forged, 2, node_id="intruder"),
+            feed.message("node.task_progress", _progress("intruder", "t-own"), 3, node_id="intruder"),
+        ]
+    )
+    after = await pool.fetchrow("SELECT node_id, status, updated_at FROM node_tasks WHERE task_id = 't-owned'")
+    assert dict(after) == dict(before)
+    phases = await pool.fetch("SELECT node_id FROM node_task_phases WHERE task_id = 't-owned'")
+    assert [p["node_id"] for p in phases] == ["owner"]
+    rows = await _rows(pool)
+    assert rows["node_tasks"]["intruder"] == ["t-own"]
+    assert follower.position == feed.seq

@@ -182,10 +182,15 @@ _UPSERT_TASK = (
     "reason_code = COALESCE(t.reason_code, EXCLUDED.reason_code), "
     "reason = COALESCE(t.reason, EXCLUDED.reason), "
     "finished_at = COALESCE(t.finished_at, EXCLUDED.finished_at), "
-    "updated_at = GREATEST(t.updated_at, EXCLUDED.updated_at)"
+    "updated_at = GREATEST(t.updated_at, EXCLUDED.updated_at) "
+    # A task is its node's: a report from another host naming its id (a host may publish only its own reports,
+    # never another's task) changes nothing of it.
+    "WHERE t.node_id IS NOT DISTINCT FROM EXCLUDED.node_id"
 )
 _ADD_PHASE = (
-    "INSERT INTO node_task_phases (task_id, stream_seq, phase, detail, at, node_id) VALUES ($1, $2, $3, $4, $5, $6) "
+    "INSERT INTO node_task_phases (task_id, stream_seq, phase, detail, at, node_id) "
+    "SELECT $1, $2, $3, $4, $5, $6 WHERE NOT EXISTS "
+    "(SELECT 1 FROM node_tasks WHERE task_id = $1 AND node_id IS DISTINCT FROM $6) "
     "ON CONFLICT DO NOTHING"
 )
 
