@@ -189,3 +189,19 @@ async def test_drift_of_an_unknown_node_is_ignored(pool, scheduler):
     async with pool.acquire() as conn:
         assert await conn.fetchval("SELECT count(*) FROM node_drift") == 0
         assert await conn.fetchval("SELECT count(*) FROM node_drift_reports") == 0
+
+
+async def test_a_hosts_drift_reports_stay_at_the_cap_as_each_one_is_written(pool):
+    """Each applied report is kept as evidence, but a host keeps only its newest `drift_reports_kept` right after
+    each one, whatever the hourly sweep has not yet done."""
+    capped = Scheduler(PlacementPolicy(), drift_reports_kept=3)
+    sent: list[datetime] = []
+    for i in range(5):
+        at = T0 + timedelta(minutes=i)
+        await deliver(pool, capped, "node.drift_reported", report(at, dirty_disk(1)))
+        sent.append(at)
+        async with pool.acquire() as conn:
+            kept = await conn.fetch(
+                "SELECT checked_at FROM node_drift_reports WHERE node_id = $1 ORDER BY checked_at", NODE
+            )
+        assert [r["checked_at"] for r in kept] == sent[-3:], f"after report {i}"

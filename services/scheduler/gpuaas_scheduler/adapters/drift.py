@@ -45,6 +45,17 @@ async def insert_report(
     )
 
 
+async def trim_reports(conn: asyncpg.Connection, node_id: str, keep: int) -> int:
+    """Delete the node's reports beyond its `keep` newest (through node_drift_reports_node); how many went."""
+    status = await conn.execute(
+        "DELETE FROM node_drift_reports WHERE event_id IN (SELECT event_id FROM node_drift_reports "
+        "WHERE node_id = $1 ORDER BY checked_at DESC, event_id DESC OFFSET $2)",
+        node_id,
+        keep,
+    )
+    return int(status.split()[-1])
+
+
 async def node_slots(conn: asyncpg.Connection, node_id: str) -> list[dict[str, Any]]:
     rows = await conn.fetch(
         f"SELECT slot_id, {', '.join(SLOT_DEVICE_FIELDS)} FROM node_resource_slots WHERE node_id = $1 ORDER BY slot_id",

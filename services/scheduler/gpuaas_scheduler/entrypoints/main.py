@@ -64,7 +64,7 @@ def build_register(settings: SchedulerSettings):
             steering=steering_policy(settings),
         )
         walker = HostWalker(walks)
-        scheduler = Scheduler(policy, walker)
+        scheduler = Scheduler(policy, walker, drift_reports_kept=settings.host_rows_per_node)
         rt.bus.subscribe(
             rt.consumer_spec("scheduler-allocation-events"),
             handlers(scheduler),

@@ -18,13 +18,17 @@ from ..domain.drift import current_items, reconcile
 from ..domain.evidence_clock import as_received
 
 
-async def record_drift(conn: asyncpg.Connection, ev: m.NodeDriftReported, event_id: str) -> dict[str, int | str]:
-    """{'outcome': 'applied' | 'stale' | 'unknown_node', 'opened', 'resolved', 'held'}."""
+async def record_drift(
+    conn: asyncpg.Connection, ev: m.NodeDriftReported, event_id: str, *, keep: int = 1000
+) -> dict[str, int | str]:
+    """{'outcome': 'applied' | 'stale' | 'unknown_node', 'opened', 'resolved', 'held'}; the node keeps its `keep`
+    newest reports (the report is taken under the node's row lock, so two replicas never trim at once)."""
     ev = ev.model_copy(update={"checked_at": as_received(ev.checked_at)})
     if not await repo.take_report(conn, ev.node_id, ev.checked_at):
         known = await evidence_repo.node_exists(conn, ev.node_id)
         return {"outcome": "stale" if known else "unknown_node"}
     await repo.insert_report(conn, event_id, ev.node_id, ev.checked_at, [d.model_dump(mode="json") for d in ev.drift])
+    await repo.trim_reports(conn, ev.node_id, keep)
     slots = await repo.node_slots(conn, ev.node_id)
     reported = current_items(((d.kind, d.subject, d.detail, d.swept, d.slot_ids, d.devices) for d in ev.drift), slots)
     change = reconcile(await repo.held_keys(conn, ev.node_id), reported)

@@ -59,8 +59,13 @@ async def _lock_allocation(ctx: HandlerContext, allocation_id: uuid.UUID) -> Sch
 
 
 class Scheduler:
-    def __init__(self, policy: PlacementPolicy | None = None, walker: HostWalker | None = None) -> None:
+    def __init__(
+        self, policy: PlacementPolicy | None = None, walker: HostWalker | None = None, *, drift_reports_kept: int = 1000
+    ) -> None:
         self.policy = policy or PlacementPolicy()
+        # Each host's drift reports kept at most (the newest), held as each one is written: the hourly sweep
+        # alone let a host at its budget grow the table for an hour.
+        self.drift_reports_kept = drift_reports_kept
         self.walker = walker or HostWalker(WalkPolicy(allow_emulated=self.policy.allow_emulated_slots))
 
     async def on_accepted(self, ctx: HandlerContext) -> None:
@@ -148,7 +153,7 @@ class Scheduler:
 
     async def on_drift(self, ctx: HandlerContext) -> None:
         ev: m.NodeDriftReported = ctx.payload
-        counts = await drift.record_drift(ctx.conn, ev, ctx.envelope.event_id)
+        counts = await drift.record_drift(ctx.conn, ev, ctx.envelope.event_id, keep=self.drift_reports_kept)
         log.info("drift_recorded", node_id=ev.node_id, reported=len(ev.drift), **counts)
 
     async def on_slot_wipe(self, ctx: HandlerContext) -> None:
