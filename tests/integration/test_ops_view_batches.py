@@ -53,6 +53,35 @@ TABLES = (
 )
 
 
+def stream_message(
+    stream: str,
+    seq: int,
+    type_: str,
+    payload: BaseModel,
+    minute: float,
+    producer: str,
+    *,
+    body: bytes | None = None,
+    **params: str,
+) -> Message:
+    """One message as `stream` holds it at `seq`, `minute` after T0, checked against the contract (`body`, when
+    given, stands for a broken one as it came)."""
+    env = Envelope(
+        event_id=str(uuid.uuid4()),
+        type=type_,
+        schema_version=1,
+        occurred_at=T0 + timedelta(minutes=minute),
+        correlation_id=str(uuid.uuid4()),
+        producer=producer,
+        payload=payload.model_dump(mode="json"),
+    )
+    subject = spec_for(type_).subject(**params)
+    data = env.model_dump_json().encode() if body is None else body
+    if body is None:
+        parse_message(subject, data)
+    return Message(stream, seq, subject, data)
+
+
 @dataclass
 class Stream:
     """Messages as the ALLOCATIONS stream holds them, numbered from 1."""
@@ -60,20 +89,8 @@ class Stream:
     messages: list[Message] = field(default_factory=list)
 
     def add(self, type_: str, payload: BaseModel, minute: int, *, body: bytes | None = None, **params: str) -> None:
-        env = Envelope(
-            event_id=str(uuid.uuid4()),
-            type=type_,
-            schema_version=1,
-            occurred_at=T0 + timedelta(minutes=minute),
-            correlation_id=str(uuid.uuid4()),
-            producer="allocator",
-            payload=payload.model_dump(mode="json"),
-        )
-        subject = spec_for(type_).subject(**params)
-        data = env.model_dump_json().encode() if body is None else body
-        if body is None:
-            parse_message(subject, data)
-        self.messages.append(Message(STREAM, len(self.messages) + 1, subject, data))
+        seq = len(self.messages) + 1
+        self.messages.append(stream_message(STREAM, seq, type_, payload, minute, "allocator", body=body, **params))
 
     def move(self, alloc: uuid.UUID, state: str, seq: int, minute: int, *, mode: str = "slots", **extra: Any) -> None:
         node = f"n-{alloc.hex[:8]}"

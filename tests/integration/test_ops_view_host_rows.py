@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import timedelta
 from typing import Any
 
 import asyncpg
@@ -16,17 +15,15 @@ import nats
 from pydantic import BaseModel
 
 from gpuaas_common.bus import Bus, parse_message
-from gpuaas_common.contract import Envelope, spec_for
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import FOLLOWERS
 from gpuaas_dev.testing.waiting import eventually
 from gpuaas_ops_view.adapters.projection import CHANGED_CHANNEL
 from gpuaas_ops_view.entrypoints.follow import StreamFollower
-from gpuaas_ops_view.service_layer.projection import Message
 
 from ..bounded import bounded
 from .test_ops_view import publish
-from .test_ops_view_batches import T0, _msg, nc, pool  # noqa: F401  (fixtures)
+from .test_ops_view_batches import _msg, nc, pool, stream_message  # noqa: F401  (fixtures)
 
 CAP = 5
 
@@ -48,20 +45,7 @@ class Feed:
 
     def message(self, type_: str, payload: BaseModel, minute: float, *, body: bytes | None = None, **params: str):
         self.seq += 1
-        env = Envelope(
-            event_id=str(uuid.uuid4()),
-            type=type_,
-            schema_version=1,
-            occurred_at=T0 + timedelta(minutes=minute),
-            correlation_id=str(uuid.uuid4()),
-            producer="test",
-            payload=payload.model_dump(mode="json"),
-        )
-        subject = spec_for(type_).subject(**params)
-        data = env.model_dump_json().encode() if body is None else body
-        if body is None:
-            parse_message(subject, data)
-        return _msg(Message(self.stream, self.seq, subject, data))
+        return _msg(stream_message(self.stream, self.seq, type_, payload, minute, "test", body=body, **params))
 
 
 def _progress(node: str, task: str) -> m.NodeTaskProgress:
