@@ -194,8 +194,10 @@ async def test_baremetal_allocation_boots_the_host_image_on_a_vm_and_the_agent_e
     assert [h["to"] for h in machine["_sim"]["history"]][-2:] == ["Disk erasing", "Ready"]
     assert _virsh(stack, "domstate", f"maas-{LAB_MACHINE}") == "shut off"
     disk = work / "disk.img"
-    # The site's default wipe policy (blkdiscard): MAAS's full overwrite, never the quick erase of 2 MiB at each end.
-    assert machine["_sim"]["last_release"]["erase_mode"] == "full"
+    # The site's default wipe policy (blkdiscard): MAAS's secure erase (the lab machine's disk has one), never the
+    # quick erase of 2 MiB at each end; every flag was sent, so the region's own defaults chose nothing.
+    asked = machine["_sim"]["last_release"]
+    assert (asked["erase_mode"], asked["secure_erase"], asked["quick_erase"]) == ("secure", True, False)
     with disk.open("rb") as f:
         head = f.read(4 * QUICK_ERASE_BYTES)
         assert head.count(0) == len(head)
