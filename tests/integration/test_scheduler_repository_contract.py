@@ -1,14 +1,17 @@
-"""The scheduler's claims and slots repositories (adapters/repository.py: ClaimRepository, SlotRepository), one
-contract test each, run against the handler tests' fakes (tests/fakes/scheduler.py) and Postgres alike, through
-one parametrised fixture, as the allocator's are (test_allocator_repository_contract.py). The scheduler's rows
-are arranged by each backend's own hands (a node, its slots, an allocation's claims), since placement, which
-writes them in production, is no repository's; what is read back goes through the repositories."""
+"""The scheduler's repositories (adapters/repository.py: ClaimRepository, SlotRepository, AuditRepository;
+adapters/hosts.py: HostRepository, the `Host` aggregate), one contract test each, run against the handler tests'
+fakes (tests/fakes/scheduler.py) and Postgres alike, through one parametrised fixture, as the allocator's are
+(test_allocator_repository_contract.py). The scheduler's rows are arranged by each backend's own hands (a node, its
+columns, its slots, an allocation's claims), since placement, which writes them in production, is no
+repository's; what is read back goes through the repositories."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import asyncpg
@@ -16,8 +19,10 @@ import pytest
 
 from gpuaas_common.unit_of_work import FakeUnitOfWork, UnitOfWork
 from gpuaas_scheduler.adapters.repository import scheduler_repositories
+from gpuaas_scheduler.domain.host import HostSlot
+from gpuaas_scheduler.domain.host_mode import HostFacts, ModeRefused
 from gpuaas_scheduler.domain.node_claims import HeldClaim, NodeDrained, SlotsMoved
-from tests.fakes.scheduler import Claim, FakeClaims, FakeNodes, FakeRepositories, FakeSlots, Slot, World
+from tests.fakes.scheduler import Claim, Slot, World, fake_repositories
 
 from .scheduler_db import scheduler_pool
 
@@ -35,6 +40,16 @@ class Backend:
     slot_status: Callable[[str], Awaitable[str]]
     log: Callable[[uuid.UUID], Awaitable[list[tuple[str, str, str]]]]  # (slot, from, to) in order
     drain_reason: Callable[[str], Awaitable[str | None]]
+    # The host's: its node row's columns, a slot with its approval and devices, and what no `get` reads back.
+    set_node: Callable[..., Awaitable[None]]  # node, column=value...
+    add_host_slot: Callable[..., Awaitable[None]]  # slot, node, status, approved_at=, gpu_pci_address=
+    drain_row: Callable[[str], Awaitable[tuple[Any, ...]]]  # draining, reason, by, maintenance, maintenance reason
+    wipe_asks: Callable[[str], Awaitable[list[tuple[Any, ...]]]]  # task, slot, device, policy, cause, by, open
+    mode_history: Callable[[str], Awaitable[list[tuple[Any, ...]]]]  # from, to, actor, reason, evidence reset
+    audit: Callable[[str], Awaitable[list[tuple[Any, ...]]]]  # actor, action, reason, detail
+
+
+_TAGS = {"accepts_slices": "gpuaas-profile-slice-vm", "accepts_baremetal": "gpuaas-profile-baremetal"}
 
 
 def _disk(slot_id: str) -> str:
@@ -43,7 +58,7 @@ def _disk(slot_id: str) -> str:
 
 def _fake() -> Backend:
     world = World()
-    repos = FakeRepositories(FakeNodes(world), FakeSlots(world), FakeClaims(world))
+    repos = fake_repositories(world)
 
     async def add_node(node: str) -> None:
         world.nodes.add(node)
@@ -63,6 +78,30 @@ def _fake() -> Backend:
     async def drain_reason(node: str) -> str | None:
         return world.drained.get(node)
 
+    async def set_node(node: str, **cols: Any) -> None:
+        for k, v in cols.items():
+            setattr(world.row(node), k, v)
+
+    async def add_host_slot(slot: str, node: str, status: str, **cols: Any) -> None:
+        world.slots[slot] = Slot(slot, node, status, _disk(slot), **cols)
+
+    async def drain_row(node: str) -> tuple[Any, ...]:
+        r = world.row(node)
+        return (r.draining, r.drain_reason, r.drained_by, r.maintenance, r.maintenance_reason)
+
+    async def wipe_asks(node: str) -> list[tuple[Any, ...]]:
+        return [
+            (w.task_id, w.slot_id, w.device, w.policy, w.cause, w.requested_by, w.outcome is None)
+            for w in world.wipes
+            if w.node_id == node
+        ]
+
+    async def mode_history(node: str) -> list[tuple[Any, ...]]:
+        return [(h.from_mode, h.to_mode, h.actor, h.reason, h.resets_evidence) for h in world.row(node).history]
+
+    async def audit(target: str) -> list[tuple[Any, ...]]:
+        return [(a, act, why, detail) for a, act, t, why, detail in world.audit if t == target]
+
     return Backend(
         "fake",
         lambda: FakeUnitOfWork(repos, "scheduler"),
@@ -72,6 +111,12 @@ def _fake() -> Backend:
         slot_status,
         log,
         drain_reason,
+        set_node,
+        add_host_slot,
+        drain_row,
+        wipe_asks,
+        mode_history,
+        audit,
     )
 
 
@@ -115,6 +160,52 @@ def _postgres(pool: asyncpg.Pool) -> Backend:
     async def drain_reason(node: str) -> str | None:
         return await pool.fetchval("SELECT drain_reason FROM nodes WHERE node_id = $1 AND draining", node)
 
+    async def set_node(node: str, **cols: Any) -> None:
+        tags = [t for k, t in _TAGS.items() if cols.pop(k, False)]
+        if tags:
+            cols["maas_tags"] = tags
+        if "topology_reported" in cols:
+            cols["topology_reported_at"] = datetime.now(timezone.utc) if cols.pop("topology_reported") else None
+        sets = ", ".join(f"{k} = ${i + 2}" for i, k in enumerate(cols))
+        await pool.execute(f"UPDATE nodes SET {sets} WHERE node_id = $1", node, *cols.values())
+
+    async def add_host_slot(slot: str, node: str, status: str, **cols: Any) -> None:
+        await add_slot(slot, node, status)
+        if cols:
+            sets = ", ".join(f"{k} = ${i + 2}" for i, k in enumerate(cols))
+            await pool.execute(f"UPDATE node_resource_slots SET {sets} WHERE slot_id = $1", slot, *cols.values())
+
+    async def drain_row(node: str) -> tuple[Any, ...]:
+        return tuple(
+            await pool.fetchrow(
+                "SELECT draining, drain_reason, drained_by, maintenance, maintenance_reason FROM nodes "
+                "WHERE node_id = $1",
+                node,
+            )
+        )
+
+    async def wipe_asks(node: str) -> list[tuple[Any, ...]]:
+        rows = await pool.fetch(
+            "SELECT task_id, slot_id, device, policy, cause, requested_by, closed_at IS NULL FROM slot_wipes "
+            "WHERE node_id = $1 ORDER BY requested_at, slot_id",
+            node,
+        )
+        return [tuple(r) for r in rows]
+
+    async def mode_history(node: str) -> list[tuple[Any, ...]]:
+        rows = await pool.fetch(
+            "SELECT from_mode, to_mode, actor, reason, (detail->>'evidence_reset')::boolean FROM node_mode_history "
+            "WHERE node_id = $1 ORDER BY id",
+            node,
+        )
+        return [tuple(r) for r in rows]
+
+    async def audit(target: str) -> list[tuple[Any, ...]]:
+        rows = await pool.fetch(
+            "SELECT actor, action, reason, detail FROM admin_audit WHERE target = $1 ORDER BY id", target
+        )
+        return [(r["actor"], r["action"], r["reason"], json.loads(r["detail"]) if r["detail"] else None) for r in rows]
+
     return Backend(
         "postgres",
         lambda: UnitOfWork(pool, "scheduler", "scheduler", scheduler_repositories),
@@ -124,6 +215,12 @@ def _postgres(pool: asyncpg.Pool) -> Backend:
         slot_status,
         log,
         drain_reason,
+        set_node,
+        add_host_slot,
+        drain_row,
+        wipe_asks,
+        mode_history,
+        audit,
     )
 
 
@@ -234,3 +331,110 @@ async def test_a_hosts_announcements_are_numbered_and_carry_every_slot(backend: 
         (s.slot_id, s.status, s.status_reason, s.health_state, s.health_detail, s.profile, s.nvme_by_id)
         for s in first.slots
     ] == [(f"n1-s{i}", "available", None, "healthy", None, "h200_1g", _disk(f"n1-s{i}")) for i in (0, 1)]
+
+
+# --- hosts -----------------------------------------------------------------------------------------------------
+
+RESET = datetime(2026, 1, 1, tzinfo=timezone.utc)
+GPU = "0000:1b:00.0"
+
+
+async def _drained_host(backend: Backend) -> uuid.UUID:
+    """A drained slice host after an evidence reset: a re-approved available slot (its GPU passed through), a
+    disabled one approved before the reset, a retired one, and one a live claim holds."""
+    await backend.add_node("h1")
+    await backend.set_node(
+        "h1", mode="drained", accepts_slices=True, parity_failures=0, topology_reported=True, evidence_reset_at=RESET
+    )
+    later, earlier = RESET + timedelta(hours=1), RESET - timedelta(hours=1)
+    await backend.add_host_slot("h1-s0", "h1", "available", approved_at=later, gpu_pci_address=GPU)
+    await backend.add_host_slot("h1-s1", "h1", "disabled", approved_at=earlier)
+    await backend.add_host_slot("h1-s2", "h1", "retired")
+    await backend.add_host_slot("h1-s3", "h1", "active", approved_at=later)
+    alloc = uuid.uuid4()
+    await backend.add_claim(alloc, "h1", "h1-s3")
+    return alloc
+
+
+def _slot(slot_id: str, status: str, *, claimed: bool = False, wipe_open: bool = False, gpu: str | None = None):
+    return HostSlot(slot_id, status, _disk(slot_id), "blkdiscard", claimed, wipe_open, gpu, None)
+
+
+async def test_a_host_loads_with_its_mode_facts_its_drain_and_every_slot(backend: Backend) -> None:
+    await _drained_host(backend)
+    async with backend.unit_of_work() as uow:
+        host = await uow.repos.hosts.get("h1")
+        assert await uow.repos.hosts.get("no-such-node") is None
+        await uow.commit()
+    assert host is not None
+    assert host.facts == HostFacts(
+        node_id="h1",
+        mode="drained",
+        accepts_slices=True,
+        accepts_baremetal=False,
+        live_claims=1,
+        unretired_slots=3,
+        parity_failures=0,
+        rediscovered=True,
+        reapproved_slots=1,
+        stale_slots=1,
+    )
+    assert (host.draining, host.maintenance, host.changes) == (False, False, [])
+    assert host.slots == (
+        _slot("h1-s0", "available", gpu=GPU),
+        _slot("h1-s1", "disabled"),
+        _slot("h1-s2", "retired"),
+        _slot("h1-s3", "active", claimed=True),
+    )
+    assert host.now.tzinfo is not None
+
+
+async def test_a_saved_host_writes_its_drain_its_wipe_asks_and_its_slots_moves(backend: Backend) -> None:
+    await _drained_host(backend)
+    async with backend.unit_of_work() as uow:
+        host = await uow.repos.hosts.get("h1")
+        assert host is not None
+        host.drain("disk swap", actor="ops", maintenance=True)
+        assert len(await uow.repos.hosts.save(host)) == 1 and host.changes == []
+        await uow.commit()
+    assert await backend.drain_row("h1") == (True, "disk swap", "ops", True, "disk swap")
+    async with backend.unit_of_work() as uow:
+        host = await uow.repos.hosts.get("h1")
+        assert host is not None and (host.draining, host.maintenance) == (True, True)
+        ended = host.undrain("swapped", actor="ops", wipe_task="wipe-t1")
+        await uow.repos.hosts.save(host)
+        await uow.repos.audit.record("ops", "node.undrain", "h1", "swapped", {"wipe_task": "wipe-t1"})
+        again = await uow.repos.hosts.get("h1")
+        await uow.commit()
+    assert ended is not None and ended.view() == {
+        "wipe_task": "wipe-t1",
+        "awaiting_wipe": ["h1-s0"],
+        "wipe_asked": ["h1-s0", "h1-s1"],
+    }
+    assert await backend.drain_row("h1") == (False, None, None, False, None)
+    assert again is not None and (again.draining, again.maintenance) == (False, False)
+    assert again.slots[:2] == (
+        _slot("h1-s0", "awaiting_wipe", wipe_open=True, gpu=GPU),
+        _slot("h1-s1", "disabled", wipe_open=True),
+    )
+    assert await backend.wipe_asks("h1") == [
+        ("wipe-t1", s, _disk(s), "blkdiscard", "maintenance", "ops", True) for s in ("h1-s0", "h1-s1")
+    ]
+    assert await backend.audit("h1") == [("ops", "node.undrain", "swapped", {"wipe_task": "wipe-t1"})]
+
+
+async def test_a_saved_mode_change_writes_the_mode_its_history_and_its_evidence_reset(backend: Backend) -> None:
+    await backend.add_node("h2")
+    await backend.set_node("h2", mode="retired", accepts_slices=True, parity_failures=0, topology_reported=True)
+    async with backend.unit_of_work() as uow:
+        host = await uow.repos.hosts.get("h2")
+        assert host is not None
+        with pytest.raises(ModeRefused):
+            host.change_mode("slice", actor="ops", reason="no such transition")
+        host.change_mode("converting", actor="ops", reason="back to slices")
+        await uow.repos.hosts.save(host)
+        again = await uow.repos.hosts.get("h2")
+        await uow.commit()
+    assert again is not None
+    assert (again.mode, again.facts.parity_failures, again.facts.rediscovered) == ("converting", None, False)
+    assert await backend.mode_history("h2") == [("retired", "converting", "ops", "back to slices", True)]

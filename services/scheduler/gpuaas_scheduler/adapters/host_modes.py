@@ -58,31 +58,37 @@ async def save(conn: asyncpg.Connection, host: Host) -> list[ModeChange]:
     """Persist the changes the aggregate recorded (mode, who/why/when, history) and forget them."""
     saved = list(host.changes)
     for ch in saved:
-        await conn.execute(
-            "UPDATE nodes SET mode = $2, mode_changed_at = $3, mode_changed_by = $4, mode_reason = $5, "
-            "updated_at = now() WHERE node_id = $1",
-            ch.node_id,
-            ch.to_mode,
-            ch.at,
-            ch.actor,
-            ch.reason,
-        )
-        if ch.resets_evidence:
-            await reset_evidence(conn, ch.node_id, ch.at)
-        await conn.execute(
-            "INSERT INTO node_mode_history (node_id, from_mode, to_mode, actor, reason, allocation_id, detail, at) "
-            "VALUES ($1, $2, $3, $4, $5, $6::uuid, $7::jsonb, $8)",
-            ch.node_id,
-            ch.from_mode,
-            ch.to_mode,
-            ch.actor,
-            ch.reason,
-            ch.allocation_id,
-            json.dumps({"evidence_reset": ch.resets_evidence}),
-            ch.at,
-        )
+        await write_change(conn, ch)
     host.changes.clear()
     return saved
+
+
+async def write_change(conn: asyncpg.Connection, ch: ModeChange) -> None:
+    """One mode change: the node's mode with who/why/when, its evidence reset where it calls for one, a history
+    row."""
+    await conn.execute(
+        "UPDATE nodes SET mode = $2, mode_changed_at = $3, mode_changed_by = $4, mode_reason = $5, "
+        "updated_at = now() WHERE node_id = $1",
+        ch.node_id,
+        ch.to_mode,
+        ch.at,
+        ch.actor,
+        ch.reason,
+    )
+    if ch.resets_evidence:
+        await reset_evidence(conn, ch.node_id, ch.at)
+    await conn.execute(
+        "INSERT INTO node_mode_history (node_id, from_mode, to_mode, actor, reason, allocation_id, detail, at) "
+        "VALUES ($1, $2, $3, $4, $5, $6::uuid, $7::jsonb, $8)",
+        ch.node_id,
+        ch.from_mode,
+        ch.to_mode,
+        ch.actor,
+        ch.reason,
+        ch.allocation_id,
+        json.dumps({"evidence_reset": ch.resets_evidence}),
+        ch.at,
+    )
 
 
 async def reset_evidence(conn: asyncpg.Connection, node_id: str, at: datetime) -> None:

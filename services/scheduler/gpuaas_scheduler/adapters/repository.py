@@ -6,7 +6,8 @@ modes, each on the unit of work's connection, so handlers go through them and ne
 - `slots`: the lifecycle moves of an allocation's slots, one guarded statement each, and a host's slots as they
   are announced (scheduler.slots_changed);
 - `nodes`: node locks, drains and the capacity summary;
-- `hosts`: the `Host` aggregate of domain/host_mode.py.
+- `hosts`: the `Host` aggregate of domain/host.py (adapters/hosts.py);
+- `audit`: the admin trail.
 
 Placement's search (service_layer/placement.py) runs its own statements and savepoints on `conn`: it is one
 search inside one transaction, not an aggregate to load and save.
@@ -17,17 +18,16 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from typing import Any
 
 import asyncpg
 
 from gpuaas_common.contract import messages as m
 
-from ..domain.host_mode import Host, ModeChange
 from ..domain.node_claims import HeldClaim, NodeClaims, NodeDrained, SlotsMoved
-from . import host_modes as host_sql
+from . import admin_nodes, slot_announcements
 from . import inventory as inv
-from . import slot_announcements
+from .hosts import HostRepository
 from .inventory.held import held_placement
 from .wipe_policy import effective_policy_sql, policy_site_sql
 
@@ -113,15 +113,16 @@ class NodeRepository:
         await inv.refresh_nodes(self.conn, list(node_ids))
 
 
-class HostRepository:
+class AuditRepository:
+    """The admin trail (admin_audit): who did what to which target, why, with what detail."""
+
     def __init__(self, conn: asyncpg.Connection) -> None:
         self.conn = conn
 
-    async def load(self, node_id: str) -> tuple[Host, datetime] | None:
-        return await host_sql.load_host(self.conn, node_id)
-
-    async def save(self, host: Host) -> list[ModeChange]:
-        return await host_sql.save(self.conn, host)
+    async def record(
+        self, actor: str, action: str, target: str, reason: str | None, detail: dict[str, Any] | None = None
+    ) -> None:
+        await admin_nodes.audit(self.conn, actor, action, target, reason, detail)
 
 
 @dataclass
@@ -131,10 +132,16 @@ class SchedulerRepositories:
     slots: SlotRepository
     claims: ClaimRepository
     hosts: HostRepository
+    audit: AuditRepository
 
 
 def scheduler_repositories(conn: asyncpg.Connection) -> SchedulerRepositories:
     """The factory a UnitOfWork (the bus's, the benchmark's, the tests') builds `uow.repos` with."""
     return SchedulerRepositories(
-        conn, NodeRepository(conn), SlotRepository(conn), ClaimRepository(conn), HostRepository(conn)
+        conn,
+        NodeRepository(conn),
+        SlotRepository(conn),
+        ClaimRepository(conn),
+        HostRepository(conn),
+        AuditRepository(conn),
     )

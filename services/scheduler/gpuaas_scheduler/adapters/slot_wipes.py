@@ -85,17 +85,6 @@ async def of_slot(conn: asyncpg.Connection, slot_id: str, limit: int = 20) -> li
     )
 
 
-async def lock_node_slots(conn: asyncpg.Connection, node_id: str) -> list[asyncpg.Record]:
-    """Every slot of the node, locked (the caller holds the node's lock), with its disk, its effective wipe
-    policy, whether a live claim holds it and whether a wipe ask is open for it."""
-    return await conn.fetch(
-        f"SELECT s.slot_id, s.status, s.nvme_by_id, {effective_policy_sql('s')} AS wipe_policy, {CLAIMED}, "
-        "EXISTS (SELECT 1 FROM slot_wipes w WHERE w.slot_id = s.slot_id AND w.closed_at IS NULL) AS wipe_open "
-        "FROM node_resource_slots s WHERE s.node_id = $1 ORDER BY s.slot_id FOR UPDATE OF s",
-        node_id,
-    )
-
-
 async def lock_overdue(
     conn: asyncpg.Connection, older_than_s: float, statuses: Sequence[str], limit: int
 ) -> list[asyncpg.Record]:

@@ -162,6 +162,17 @@ def transition_problems(facts: HostFacts, target: str) -> list[str]:
     return [p for p in (g(facts) for g in guards) if p is not None]
 
 
+def changed(facts: HostFacts, target: str) -> HostFacts:
+    """The facts after an allowed change to `target`."""
+    after = replace(facts, mode=target)
+    if target in RESETS_EVIDENCE:
+        # Unknown, not failed: the evidence has to be gathered again.
+        after = replace(
+            after, parity_failures=None, rediscovered=False, reapproved_slots=0, stale_slots=after.unretired_slots
+        )
+    return after
+
+
 @dataclass(frozen=True)
 class ModeChange:
     node_id: str
@@ -202,13 +213,7 @@ class Host:
             raise ModeRefused(self.facts.node_id, self.facts.mode, target, problems)
         resets = target in RESETS_EVIDENCE
         change = ModeChange(self.facts.node_id, self.facts.mode, target, actor, reason, at, resets, allocation_id)
-        facts = replace(self.facts, mode=target)
-        if resets:
-            # Unknown, not failed: the evidence has to be gathered again.
-            facts = replace(
-                facts, parity_failures=None, rediscovered=False, reapproved_slots=0, stale_slots=facts.unretired_slots
-            )
-        self.facts = facts
+        self.facts = changed(self.facts, target)
         self.changes.append(change)
         return change
 

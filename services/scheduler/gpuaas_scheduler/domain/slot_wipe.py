@@ -1,7 +1,8 @@
 """Every disk that changes tenant is proven clean by its own host (invariant 12). Pure: no I/O.
 
-Two rules, written as functions of one host's facts so that the Host aggregate a later issue brings can take
-them as its methods (`Host.approve` asks `wipe_owed` of each slot, `Host.wipe_reported` asks `judge_wipe`):
+The rules, written as functions of one host's facts so that the Host aggregate (domain/host.py) applies them in
+its methods (`Host.undrain` asks `wipe_on_return` of each slot; approval's `wipe_owed` and a report's `judge_wipe`
+join it as `Host.approve` and `Host.wipe_reported` move there):
 
 - **When a wipe is owed** (`WIPE_OWED_RULES`, a table): approval never makes a slot `available` when its disk may
   hold someone else's data: the host is `converting` (back from a baremetal tenancy, or redeployed by MAAS), the

@@ -19,6 +19,7 @@ from pydantic import BaseModel, SecretStr
 
 from gpuaas_common.admin_http import AdminApi, Call, Route, openapi, render_yaml
 
+from ..adapters.repository import scheduler_repositories
 from ..service_layer import admin as ops
 from ..service_layer.admin import drift as drift_ops
 from ..service_layer.steering import SteeringPolicy
@@ -49,6 +50,21 @@ def write_asking(fn: Callable[..., Awaitable[dict]]) -> Callable[[Call], Awaitab
     async def handler(call: Call) -> dict:
         assert call.uow is not None
         return await fn(call.conn, *call.params.values(), call.body, events=call.uow.events)
+
+    return handler
+
+
+def command(
+    fn: Callable[..., Awaitable[dict]], view: Callable[..., Awaitable[dict]]
+) -> Callable[[Call], Awaitable[dict]]:
+    """A command on the unit of work's repositories (load, one method, save), answered with what `view` reads
+    after it and what the command adds to that."""
+
+    async def handler(call: Call) -> dict:
+        assert call.uow is not None
+        params = list(call.params.values())
+        added = await fn(call.uow, *params, call.body)
+        return await view(call.conn, *params) | added
 
     return handler
 
@@ -127,7 +143,7 @@ ROUTES = [
     _r(
         "POST",
         "/v1/nodes/{node_id}/drain",
-        write(ops.drain),
+        command(ops.drain, ops.get_node),
         "stop new placements on a node",
         out.NodeDetail,
         ops.DrainIn,
@@ -135,7 +151,7 @@ ROUTES = [
     _r(
         "POST",
         "/v1/nodes/{node_id}/undrain",
-        write_asking(ops.undrain),
+        command(ops.undrain, ops.get_node),
         "accept placements again; out of maintenance, its free slots await the host's wipe proof first",
         out.UndrainOut,
         ops.Acted,
@@ -166,7 +182,7 @@ ROUTES = [
     _r(
         "POST",
         "/v1/nodes/{node_id}/mode",
-        write_asking(ops.set_mode),
+        command(ops.set_mode, ops.get_mode),
         "change the host mode (guarded)",
         out.ModeView,
         ops.ModeIn,
@@ -284,6 +300,7 @@ def admin_api(
         pool=pool,
         tokens={"ops-admin": token, "ops-console": console_token},
         routes=routes,
+        repositories=scheduler_repositories,
         document=openapi_document,
         # Every mutation's audit record also goes to the bus, for ops (ops-view's audit model).
         audit_event="scheduler.admin_request_recorded",

@@ -1,12 +1,11 @@
-"""Host mode changes inside the caller's transaction, under the node's row lock: an operator's request
-(admin API), the return of a host from a baremetal allocation (release), and the end of a conversion
-once rediscovery, parity and re-approval are all in (slot approval)."""
+"""Host mode changes inside the caller's transaction, under the node's row lock: the return of a host from a
+baremetal allocation (release), the end of a conversion once rediscovery, parity and re-approval are all in (slot
+approval), and their announcement. An operator's request is `Host.change_mode` (admin/modes.py)."""
 
 from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Protocol
 
 import asyncpg
 
@@ -17,20 +16,13 @@ from gpuaas_common.outbox import EventCollector
 
 from ..adapters import host_modes as repo
 from ..domain.host_mode import CONVERTING, SLICE, Host, ModeChange, ModeRefused
+from .ports import Hosts
 
 log = get_logger(__name__)
 
 
 class UnknownNode(Exception):
     pass
-
-
-class HostStore(Protocol):
-    """Loads and saves `Host` aggregates (adapters.repository.HostRepository on `uow.repos.hosts`)."""
-
-    async def load(self, node_id: str) -> tuple[Host, datetime] | None: ...
-
-    async def save(self, host: Host) -> list[ModeChange]: ...
 
 
 async def _load(conn: asyncpg.Connection, node_id: str) -> tuple[Host, datetime]:
@@ -40,26 +32,15 @@ async def _load(conn: asyncpg.Connection, node_id: str) -> tuple[Host, datetime]
     return loaded
 
 
-async def change_mode(conn: asyncpg.Connection, node_id: str, target: str, *, actor: str, reason: str) -> ModeChange:
-    """Raises ModeRefused (nothing written) or UnknownNode. The caller holds the node lock."""
-    host, now = await _load(conn, node_id)
-    change = host.change_mode(target, actor=actor, reason=reason, at=now)
-    await repo.save(conn, host)
-    log.info("host_mode_changed", node_id=node_id, from_mode=change.from_mode, to_mode=target, actor=actor)
-    return change
-
-
-async def return_from_baremetal(hosts: HostStore, node_id: str, allocation_id: uuid.UUID) -> str:
+async def return_from_baremetal(hosts: Hosts, node_id: str, allocation_id: uuid.UUID) -> str:
     """After the node's baremetal claim was released (the caller holds the node lock): the mode it is
     in now."""
-    loaded = await hosts.load(node_id)
-    if loaded is None:
+    host = await hosts.get(node_id)
+    if host is None:
         raise UnknownNode(node_id)
-    host, now = loaded
     try:
         change = host.return_from_baremetal(
             actor="scheduler",
-            at=now,
             allocation_id=str(allocation_id),
             reason=f"baremetal allocation {allocation_id} released: MAAS redeployed the host, its slice bootstrap, "
             "parity and topology must be established again",

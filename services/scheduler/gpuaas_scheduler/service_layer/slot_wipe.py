@@ -3,9 +3,8 @@
 - `ask_wipe`: a `slice.slot_wipe` task to the slot's host, in the transaction that made the slot owe it (an
   approval that left it `awaiting_wipe`, a repair of a `cleanup_blocked` one): a committed change always has its
   ask, a rolled-back one never does.
-- `wipe_after_maintenance`: a host's undrain out of maintenance asks the wipe of every slot disk that
-  `MAINTENANCE_RETURN_RULES` says owes one, its available slots `awaiting_wipe` meanwhile, in the undrain's
-  transaction.
+- `raise_task`: the task of asks a `Host` recorded (its undrain out of maintenance, domain/host.py: every slot
+  disk `MAINTENANCE_RETURN_RULES` says owes a wipe), raised in the transaction that saved them.
 - `reask_overdue`: the steering sweep's re-ask of the open asks past their deadline (REASKED_WHEN_OVERDUE), the
   old ask closed `expired`, bounded per sweep.
 - `wipe_reported`: the host's `node.slot_wipe_reported`, read from its own report subject (only that host's
@@ -32,7 +31,7 @@ from ..adapters import admin_nodes as nodes_repo
 from ..adapters import inventory as inv
 from ..adapters import slot_wipes as repo
 from ..domain.approval import DEFAULT_WIPE_POLICY, binding_problems
-from ..domain.slot_wipe import REASKED_WHEN_OVERDUE, ReturnFacts, judge_wipe, wipe_on_return
+from ..domain.slot_wipe import REASKED_WHEN_OVERDUE, judge_wipe
 from .slot_announcements import announce_nodes
 
 log = get_logger(__name__)
@@ -42,6 +41,10 @@ log = get_logger(__name__)
 WIPE_TASK_DEADLINE_S = 6 * 3600.0
 # A report sent just before the deadline may still be on its way; asking again that soon would cost a wipe.
 WIPE_REASK_GRACE_S = 300.0
+
+
+def new_task_id() -> str:
+    return f"wipe-{uuid.uuid4().hex}"
 
 
 async def ask_wipe(
@@ -58,15 +61,23 @@ async def ask_wipe(
     task id, or None for no slot."""
     if not slots:
         return None
-    task_id = f"wipe-{uuid.uuid4().hex}"
+    task_id = new_task_id()
     await repo.open_asks(conn, task_id, node_id, slots, cause=cause, why=why, actor=actor)
+    await raise_task(
+        events, task_id, node_id, [(s["slot_id"], s["nvme_by_id"], s["wipe_policy"]) for s in slots], cause
+    )
+    return task_id
+
+
+async def raise_task(
+    events: EventCollector, task_id: str, node_id: str, slots: Sequence[tuple[str, str, str]], cause: str
+) -> None:
+    """The `slice.slot_wipe` task of asks already recorded (slot, disk, policy each), in their transaction."""
     task = m.SliceSlotWipe(
         task_id=task_id,
         node_id=node_id,
         deadline=utcnow() + timedelta(seconds=WIPE_TASK_DEADLINE_S),
-        slots=[
-            m.WipeSlot(slot_id=s["slot_id"], nvme_by_id=s["nvme_by_id"], wipe_policy=s["wipe_policy"]) for s in slots
-        ],
+        slots=[m.WipeSlot(slot_id=s, nvme_by_id=d, wipe_policy=p) for s, d, p in slots],  # type: ignore[arg-type]
     )
     await events.add(
         "slice.slot_wipe",
@@ -76,46 +87,7 @@ async def ask_wipe(
         event_id=derived_event_id(task_id, "slot-wipe"),
         node_id=node_id,
     )
-    log.info("slot_wipe_asked", node_id=node_id, task_id=task_id, cause=cause, slots=[s["slot_id"] for s in slots])
-    return task_id
-
-
-async def wipe_after_maintenance(
-    conn: asyncpg.Connection, events: EventCollector, node_id: str, *, actor: str, reason: str
-) -> dict[str, Any]:
-    """The host's maintenance ends (the caller holds the node's lock): its slots' disks owe the host's wipe proof.
-    The task id, the slots moved to `awaiting_wipe` and every slot asked."""
-    to_wipe: list[dict[str, Any]] = []
-    to_move: dict[tuple[str, str, str], list[str]] = {}  # (from, to, why): slots
-    whys: set[str] = set()
-    for slot in await repo.lock_node_slots(conn, node_id):
-        decision = wipe_on_return(ReturnFacts(slot["status"], slot["claimed"], slot["wipe_open"]))
-        # A disk without a stable identity is no disk the agent may wipe; the binding rules keep it disabled.
-        if not decision.ask or "/by-id/" not in (slot["nvme_by_id"] or ""):
-            continue
-        whys.add(decision.why)
-        policy = slot["wipe_policy"] or DEFAULT_WIPE_POLICY
-        to_wipe.append({"slot_id": slot["slot_id"], "nvme_by_id": slot["nvme_by_id"], "wipe_policy": policy})
-        if decision.to is not None:
-            to_move.setdefault((slot["status"], decision.to, decision.why), []).append(slot["slot_id"])
-    why = f"undrain by {actor} after maintenance: {reason}; " + "; ".join(sorted(whys))
-    task_id = await ask_wipe(conn, events, node_id, to_wipe, cause="maintenance", why=why, actor=actor)
-    moved: list[str] = []
-    for (came_from, to, decision_why), ids in sorted(to_move.items()):
-        rows = await inv.move_slots(
-            conn,
-            ids,
-            to,
-            ("awaiting the host agent's wipe proof: " + decision_why)[:500],
-            actor=actor,
-            only_from=[came_from],
-            detail={"cause": "maintenance", "wipe_task": task_id, "undrain_reason": reason},
-        )
-        moved += [r["slot_id"] for r in rows]
-    if moved:
-        await inv.refresh_nodes(conn, [node_id])
-        await announce_nodes(conn, events, [node_id], "maintenance", actor)
-    return {"wipe_task": task_id, "awaiting_wipe": moved, "wipe_asked": [w["slot_id"] for w in to_wipe]}
+    log.info("slot_wipe_asked", node_id=node_id, task_id=task_id, cause=cause, slots=[s for s, _d, _p in slots])
 
 
 async def reask_overdue(conn: asyncpg.Connection, events: EventCollector, *, limit: int) -> list[str]:

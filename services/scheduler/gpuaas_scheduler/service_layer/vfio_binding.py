@@ -5,6 +5,7 @@ rolled-back one never does."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
 
 import asyncpg
@@ -15,7 +16,7 @@ from gpuaas_common.logging import get_logger
 from gpuaas_common.outbox import EventCollector
 
 from ..adapters.vfio_binding import slot_devices
-from ..domain.vfio_binding import binding_change
+from ..domain.vfio_binding import SlotDevices, binding_change
 
 log = get_logger(__name__)
 
@@ -28,7 +29,15 @@ async def ask_binding(
     conn: asyncpg.Connection, events: EventCollector, node_id: str, from_mode: str, to_mode: str
 ) -> str | None:
     """Queue the binding the change calls for; its task id, or None when it calls for none."""
-    change = binding_change(from_mode, to_mode, await slot_devices(conn, node_id))
+    return await raise_binding(
+        events, node_id, to_mode, binding_change(from_mode, to_mode, await slot_devices(conn, node_id))
+    )
+
+
+async def raise_binding(
+    events: EventCollector, node_id: str, to_mode: str, change: tuple[str, Sequence[SlotDevices]] | None
+) -> str | None:
+    """The `slice.vfio_apply` task of a binding `binding_change` called for (None: none); its task id."""
     if change is None:
         return None
     action, slots = change

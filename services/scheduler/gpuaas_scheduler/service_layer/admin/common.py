@@ -9,6 +9,8 @@ from typing import Any
 import asyncpg
 
 from ...adapters import admin_nodes as nodes_repo
+from ...domain.host import Host
+from ..ports import HostUnitOfWork
 from .models import AdminError
 
 
@@ -39,6 +41,14 @@ async def lock_node(conn: asyncpg.Connection, node_id: str) -> asyncpg.Record:
     if row is None:
         raise AdminError(404, "node_not_found", f"no node {node_id!r}")
     return row
+
+
+async def load_host(uow: HostUnitOfWork, node_id: str) -> Host:
+    """The node's `Host`, locked; 404 for no such node."""
+    host = await uow.repos.hosts.get(node_id)
+    if host is None:
+        raise AdminError(404, "node_not_found", f"no node {node_id!r}")
+    return host
 
 
 def require_all(asked: list[str] | None, found: Iterable[Mapping[str, Any]], key: str, code: str, message: str) -> None:

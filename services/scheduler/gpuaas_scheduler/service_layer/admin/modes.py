@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncpg
 
-from gpuaas_common.outbox import EventCollector
+from gpuaas_common.logging import get_logger
 
 from ...adapters import admin_nodes as repo
 from ...adapters import host_modes as mode_repo
-from ...domain.host_mode import TRANSITIONS, ModeRefused
-from .. import host_modes
-from ..vfio_binding import ask_binding
-from .common import jsonable, lock_node
+from ...domain.host_mode import TRANSITIONS, ModeRefused, allowed_targets
+from ..hosts import publish
+from ..ports import HostUnitOfWork
+from .common import jsonable, load_host
 from .models import AdminError, ModeIn
+
+log = get_logger(__name__)
 
 
 async def get_mode(conn: asyncpg.Connection, node_id: str) -> dict:
@@ -33,37 +35,22 @@ async def get_mode(conn: asyncpg.Connection, node_id: str) -> dict:
     }
 
 
-async def set_mode(conn: asyncpg.Connection, node_id: str, body: ModeIn, *, events: EventCollector) -> dict:
+async def set_mode(uow: HostUnitOfWork, node_id: str, body: ModeIn) -> dict:
     """A guarded change; entering slice mode asks the host to bind its approved devices, leaving the modes that
     keep slices asks it to release them (in the same transaction: vfio_binding.py)."""
-    await lock_node(conn, node_id)
+    host = await load_host(uow, node_id)
     try:
-        change = await host_modes.change_mode(conn, node_id, body.mode, actor=body.actor, reason=body.reason)
+        change = host.change_mode(body.mode, actor=body.actor, reason=body.reason)
     except ModeRefused as exc:
         raise AdminError(
             409,
             "mode_transition_refused",
             str(exc),
-            {
-                "from": exc.current,
-                "to": exc.target,
-                "problems": exc.problems,
-                "allowed": [to for (frm, to) in TRANSITIONS if frm == exc.current],
-            },
+            {"from": exc.current, "to": exc.target, "problems": exc.problems, "allowed": allowed_targets(exc.current)},
         ) from None
-    vfio_task = await ask_binding(conn, events, node_id, change.from_mode, change.to_mode)
-    await host_modes.announce(events, change)
-    await repo.audit(
-        conn,
-        body.actor,
-        "node.mode",
-        node_id,
-        body.reason,
-        {
-            "from": change.from_mode,
-            "to": change.to_mode,
-            "evidence_reset": change.resets_evidence,
-            **({"vfio_task": vfio_task} if vfio_task else {}),
-        },
-    )
-    return await get_mode(conn, node_id)
+    published = await publish(uow, node_id, await uow.repos.hosts.save(host))
+    log.info("host_mode_changed", node_id=node_id, from_mode=change.from_mode, to_mode=change.to_mode, actor=body.actor)
+    vfio = {"vfio_task": published.vfio_task} if published.vfio_task else {}
+    detail = {"from": change.from_mode, "to": change.to_mode, "evidence_reset": change.resets_evidence, **vfio}
+    await uow.repos.audit.record(body.actor, "node.mode", node_id, body.reason, detail)
+    return {}

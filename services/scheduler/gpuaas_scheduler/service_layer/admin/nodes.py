@@ -1,16 +1,12 @@
 """Nodes: registration (its first mode only), approval-gate waivers, drain and undrain (out of maintenance: the
-host's wipe proof owed for its slots' disks, service_layer/slot_wipe.py).
+host's wipe proof owed for its slots' disks): each a command on the node's `Host` (domain/host.py).
 
 There is no way to write a node's parity or preflight by hand: they are the host's evidence, from its agent and
 from MAAS commissioning. An operator who must approve slots past a failing gate records a waiver instead."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import asyncpg
-
-from gpuaas_common.outbox import EventCollector
 
 from ...adapters import admin_nodes as repo
 from ...adapters import host_modes as mode_repo
@@ -18,8 +14,10 @@ from ...adapters import host_walk as walk_repo
 from ...adapters import inventory as inv
 from ...adapters import node_actions as actions_repo
 from ...domain.readiness_gate import waiver_problems
-from ..slot_wipe import wipe_after_maintenance
-from .common import action_view, jsonable, lock_node
+from ..hosts import publish
+from ..ports import HostUnitOfWork
+from ..slot_wipe import new_task_id
+from .common import action_view, jsonable, load_host, lock_node
 from .models import Acted, AdminError, DrainIn, NodeIn, WaiverIn
 
 
@@ -99,28 +97,22 @@ async def add_waiver(conn: asyncpg.Connection, node_id: str, body: WaiverIn) -> 
     return await get_node(conn, node_id)
 
 
-async def drain(conn: asyncpg.Connection, node_id: str, body: DrainIn) -> dict:
-    await lock_node(conn, node_id)
-    await repo.drain(conn, node_id, reason=body.reason, actor=body.actor, maintenance=body.maintenance)
-    await repo.audit(conn, body.actor, "node.drain", node_id, body.reason, {"maintenance": body.maintenance})
-    return await get_node(conn, node_id)
+async def drain(uow: HostUnitOfWork, node_id: str, body: DrainIn) -> dict:
+    host = await load_host(uow, node_id)
+    host.drain(body.reason, actor=body.actor, maintenance=body.maintenance)
+    await uow.repos.hosts.save(host)
+    await uow.repos.audit.record(body.actor, "node.drain", node_id, body.reason, {"maintenance": body.maintenance})
+    return {}
 
 
-async def undrain(conn: asyncpg.Connection, node_id: str, body: Acted, *, events: EventCollector) -> dict:
+async def undrain(uow: HostUnitOfWork, node_id: str, body: Acted) -> dict:
     """Placements again. A node back from maintenance first owes its host's wipe proof for its slots' disks (a
-    technician may have swapped or touched them): its free slots wait `awaiting_wipe`, asked in this transaction."""
-    node = await lock_node(conn, node_id)
-    wipes: dict[str, Any] = {}
-    if node["maintenance"]:
-        wipes = await wipe_after_maintenance(conn, events, node_id, actor=body.actor, reason=body.reason)
-    await repo.undrain(conn, node_id)
-    await repo.audit(
-        conn,
-        body.actor,
-        "node.undrain",
-        node_id,
-        body.reason,
-        {"maintenance": True, **wipes} if node["maintenance"] else None,
-    )
-    out = await get_node(conn, node_id)
-    return out | wipes if node["maintenance"] else out
+    technician may have swapped or touched them): its free slots wait `awaiting_wipe`, asked in this transaction.
+    What the response adds to the node's view: the wipe asked, out of maintenance."""
+    host = await load_host(uow, node_id)
+    ended = host.undrain(body.reason, actor=body.actor, wipe_task=new_task_id())
+    await publish(uow, node_id, await uow.repos.hosts.save(host), slots_cause="maintenance")
+    wipes = ended.view() if ended is not None else {}
+    detail = {"maintenance": True, **wipes} if ended is not None else None
+    await uow.repos.audit.record(body.actor, "node.undrain", node_id, body.reason, detail)
+    return wipes

@@ -1,0 +1,73 @@
+"""The `Host` aggregate (domain/host.py) in Postgres: loaded under its node's row lock, its slots locked with it
+(inventory's locking protocol: the node first), and saved from what its methods recorded."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from ..domain.host import Change, Drained, Host, HostSlot, ModeChanged, Undrained, WipeAsked
+from ..domain.node_claims import SlotsMoved
+from . import admin_nodes, slot_wipes
+from . import host_modes as mode_sql
+from . import inventory as inv
+from .admin_slots import CLAIMED
+from .wipe_policy import effective_policy_sql
+
+# A statement of its own after the lock: read at READ COMMITTED after the lock is granted, it sees every slot and
+# claim committed by whoever held the node before.
+_LOCK_SQL = "SELECT draining, maintenance FROM nodes WHERE node_id = $1 FOR UPDATE"
+_SLOTS_SQL = (
+    f"SELECT s.slot_id, s.status, s.nvme_by_id, {effective_policy_sql('s')} AS wipe_policy, {CLAIMED}, "
+    "EXISTS (SELECT 1 FROM slot_wipes w WHERE w.slot_id = s.slot_id AND w.closed_at IS NULL) AS wipe_open, "
+    "s.gpu_pci_address, s.fabric_vf_pci_address "
+    "FROM node_resource_slots s WHERE s.node_id = $1 ORDER BY s.slot_id FOR UPDATE OF s"
+)
+
+
+class HostRepository:
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def get(self, node_id: str) -> Host | None:
+        """The node locked FOR UPDATE, with its mode's facts and its slots (locked too); None: no such node."""
+        node = await self.conn.fetchrow(_LOCK_SQL, node_id)
+        if node is None:
+            return None
+        loaded = await mode_sql.load_host(self.conn, node_id)
+        assert loaded is not None  # the row is locked: nobody deleted it since
+        modes, now = loaded
+        slots = tuple(HostSlot(**dict(r)) for r in await self.conn.fetch(_SLOTS_SQL, node_id))
+        return Host(modes.facts, now, draining=node["draining"], maintenance=node["maintenance"], slots=slots)
+
+    async def save(self, host: Host) -> list[Change]:
+        """Write what the aggregate recorded, in order, and forget it; what was written."""
+        saved, host.changes = list(host.changes), []
+        moved = False
+        for ch in saved:
+            if isinstance(ch, ModeChanged):
+                await mode_sql.write_change(self.conn, ch.change)
+            elif isinstance(ch, Drained):
+                await admin_nodes.drain(
+                    self.conn, ch.node_id, reason=ch.reason, actor=ch.actor, maintenance=ch.maintenance
+                )
+            elif isinstance(ch, Undrained):
+                await admin_nodes.undrain(self.conn, ch.node_id)
+            elif isinstance(ch, WipeAsked):
+                slots = [{"slot_id": s, "nvme_by_id": d, "wipe_policy": p} for s, d, p in ch.slots]
+                await slot_wipes.open_asks(
+                    self.conn, ch.task_id, ch.node_id, slots, cause=ch.cause, why=ch.why, actor=ch.actor
+                )
+            elif isinstance(ch, SlotsMoved):
+                rows = await inv.move_slots(
+                    self.conn,
+                    ch.slot_ids,
+                    ch.status,
+                    ch.reason,
+                    actor=ch.actor,
+                    only_from=ch.only_from,
+                    detail=ch.detail,
+                )
+                moved = moved or bool(rows)
+        if moved:
+            await inv.refresh_nodes(self.conn, [host.node_id])
+        return saved
