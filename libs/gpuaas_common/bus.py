@@ -57,6 +57,7 @@ from .bus_gate import TrafficGate
 from .bus_lanes import ORDERING_FIELDS, KeepAlive, KeyedLanes, lane_key, ordering_key
 from .bus_parsing import PermanentError, decode_body, parse_message
 from .contract import Envelope, spec_for
+from .inbox import HostInbox
 from .jetstream import PUBACK_TIMEOUT_S, ConsumerSpec
 from .logging import get_logger
 from .pull import PULL_EXPIRES_S, PullLoop
@@ -166,7 +167,8 @@ class Bus:
         acked by it after the handler.
 
         `host_budget`: the durable reads host-produced subjects; a node's message over its budget is acked and
-        dropped at receipt, before it is parsed or takes a lane (`bus_budget`).
+        dropped at receipt, before it is parsed or takes a lane (`bus_budget`); one within it has its inbox row
+        kept among its node's newest (`HostBudget.inbox_of`).
 
         `refuse(subject, decoded_body)` a reason: the message is refused before it is parsed (terminated, logged
         and counted as `refused`, never dead-lettered): the node agent's check that a task came on its type's own
@@ -180,18 +182,28 @@ class Bus:
         self.consumers.append(spec)
         lanes = KeyedLanes()
 
-        async def run(msg: Msg, decoded: Any, keep: KeepAlive, turn: "asyncio.Future[None] | None", done: Any) -> None:
+        async def run(
+            msg: Msg,
+            decoded: Any,
+            keep: KeepAlive,
+            turn: "asyncio.Future[None] | None",
+            done: Any,
+            host: HostInbox | None,
+        ) -> None:
             try:
                 if turn is not None:
                     await turn  # the previous message of the same aggregate has been handled
-                await self.dispatch(spec, handlers, msg, transactional, first_lock, decoded, wanted, refuse)
+                await self.dispatch(spec, handlers, msg, transactional, first_lock, decoded, wanted, refuse, host)
             finally:
                 done()
 
         def start(msg: Msg, free_place: Callable[[], None]) -> None:
-            if host_budget is not None and not host_budget.admit(msg.subject, len(msg.data)):
-                self._track(asyncio.create_task(_drop(spec, msg, free_place)))
-                return
+            host = None
+            if host_budget is not None:
+                if not host_budget.admit(msg.subject, len(msg.data)):
+                    self._track(asyncio.create_task(_drop(spec, msg, free_place)))
+                    return
+                host = host_budget.inbox_of(msg.subject)
             # From receipt: a message waiting for its turn is in flight too.
             keep = KeepAlive(msg, spec.ack_wait_s)
             decoded = decode_body(msg.data)
@@ -202,7 +214,7 @@ class Bus:
                 keep.stop()
                 free_place()
 
-            self._track(asyncio.create_task(run(msg, decoded, keep, turn, done)))
+            self._track(asyncio.create_task(run(msg, decoded, keep, turn, done, host)))
 
         places = concurrency or self.default_concurrency
         self._loops.append(PullLoop(self.nc, spec, start, places, expires_s=self.pull_expires_s, gate=self.gate))
@@ -254,9 +266,10 @@ class Bus:
         decoded: Any,
         wanted: Wanted | None = None,
         refuse: Refuse | None = None,
+        host: HostInbox | None = None,
     ) -> None:
         """One message, whose body `decode_body` decoded at receipt (`bus_dispatch.dispatch`)."""
-        await dispatch(self, spec, handlers, msg, transactional, first_lock, decoded, wanted, refuse)
+        await dispatch(self, spec, handlers, msg, transactional, first_lock, decoded, wanted, refuse, host)
 
     def unit_of_work(self, envelope: Envelope | None = None) -> UnitOfWork[Any]:
         """A unit of work in this service's schema, its events caused by `envelope` (if any)."""

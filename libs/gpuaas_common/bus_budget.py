@@ -10,6 +10,11 @@ Each drop is counted (`gpuaas_host_messages_dropped_total` by consumer) and logg
 (`host_over_budget` at the window's first drop, with the previous window's count and the node's total), so a
 flood costs one log line a minute, not one a message.
 
+What a node's admitted messages leave behind is capped too: each one's inbox row names the node (`inbox_of`),
+and the consumer keeps that node's newest `inbox_rows_per_node` (`inbox.HostInbox`). The budget bounds how fast a
+host grows the inbox, the cap how far: however long it keeps sending, one consumer holds at most that many rows
+of it (one cap for all replicas: the rows are shared), where an inbox row otherwise lives 8 days.
+
 Replicas: the buckets live in each process. Replicas of a service share a durable, so each sees part of a
 node's messages and the budget a node has with a service is the per-replica budget times its replica count.
 Size the settings as (the budget wanted) / (replicas) where that matters; a budget is a bound on the damage,
@@ -24,7 +29,9 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
+from .inbox import HostInbox
 from .logging import get_logger
+from .settings import ServiceSettings
 
 log = get_logger(__name__)
 
@@ -42,6 +49,8 @@ HOST_DLQ_PREFIX = "gpuaas.dlq.node-agent-"
 # forged node ids in subjects cannot grow the process either. Hosts publish only on their own subjects, so in
 # practice this is the fleet size.
 MAX_TRACKED_NODES = 100_000
+# The deployment's `GPUAAS_HOST_ROWS_PER_NODE` where no runtime sets it (tests, tools).
+HOST_ROWS_PER_NODE: int = ServiceSettings.model_fields["host_rows_per_node"].default
 
 
 def host_of(subject: str) -> str | None:
@@ -79,9 +88,13 @@ class HostBudget:
         bytes_per_min: float,
         window_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        inbox_rows_per_node: int = HOST_ROWS_PER_NODE,
     ) -> None:
         if messages_per_min < 0 or bytes_per_min < 0:
             raise ValueError("a host budget cannot be negative")
+        if inbox_rows_per_node < 1:
+            raise ValueError("a host's inbox group keeps at least one row")
+        self.inbox_rows_per_node = inbox_rows_per_node
         self.consumer = consumer
         self.messages_per_min = float(messages_per_min)
         self.bytes_per_min = float(bytes_per_min)
@@ -114,6 +127,11 @@ class HostBudget:
             return True
         self._drop(node, bucket, now, size)
         return False
+
+    def inbox_of(self, subject: str) -> HostInbox | None:
+        """Where an admitted message's inbox row goes: its node's capped group; None for a subject not a host's."""
+        node = host_of(subject)
+        return None if node is None else HostInbox(node, self.inbox_rows_per_node)
 
     def _refill(self, bucket: _Bucket, now: float) -> None:
         elapsed = max(now - bucket.at, 0.0)

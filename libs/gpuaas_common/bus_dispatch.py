@@ -20,6 +20,7 @@ from typing_extensions import TypeVar
 from .bus_parsing import PermanentError, parse_message
 from .contract import Envelope, derived_event_id
 from .contract.messages import DeadLetter
+from .inbox import HostInbox
 from .jetstream import ConsumerSpec
 from .logging import bound_context, get_logger
 from .outbox import EventCollector
@@ -76,13 +77,16 @@ class HandlerContext(Generic[P, U]):
         return self.uow.events
 
 
-async def deliver(handler: "Handler", ctx: HandlerContext, uow: Any, first_lock: str | None = None) -> bool:
+async def deliver(
+    handler: "Handler", ctx: HandlerContext, uow: Any, first_lock: str | None = None, host: HostInbox | None = None
+) -> bool:
     """Run one message's handler in its unit of work: inbox row, effects and events commit together.
     False when the consumer had already processed it (a redelivery or a republish): nothing happens.
-    `first_lock`: the aggregate's advisory lock, taken with the BEGIN (`UnitOfWork.lock_first`)."""
+    `first_lock`: the aggregate's advisory lock, taken with the BEGIN (`UnitOfWork.lock_first`). `host`: a
+    host-fed consumer's message, whose inbox row joins its node's capped group (`inbox.HostInbox`)."""
     if first_lock is not None:
         uow.lock_first(first_lock)
-    uow.expect_inbox(ctx.consumer, ctx.envelope.event_id)
+    uow.expect_inbox(ctx.consumer, ctx.envelope.event_id, host)
     async with uow:
         if await uow.seen(ctx.consumer, ctx.envelope.event_id):
             return False
@@ -159,8 +163,9 @@ async def dispatch(
     decoded: Any,
     wanted: Wanted | None = None,
     refuse: Refuse | None = None,
+    host: HostInbox | None = None,
 ) -> None:
-    """One message, whose body `decode_body` decoded at receipt."""
+    """One message, whose body `decode_body` decoded at receipt; `host`: where a host-fed one's inbox row goes."""
     num_delivered = msg.metadata.num_delivered or 1
     if refuse is not None and (why := refuse(msg.subject, decoded)) is not None:
         await _refuse(spec, msg, why)
@@ -182,7 +187,7 @@ async def dispatch(
     ctx = HandlerContext(envelope, payload, msg.subject, spec.durable, num_delivered, stream_seq=stream_seq)
     with bound_context(consumer=spec.durable, **_log_ids(envelope, payload)):
         try:
-            await _handle(bus, handler, ctx, transactional, first_lock)
+            await _handle(bus, handler, ctx, transactional, first_lock, host)
         except PermanentError as exc:
             await _reject(bus, spec, msg, exc, num_delivered)
             return
@@ -203,14 +208,19 @@ def _log_ids(envelope: Envelope, payload: Any) -> dict[str, Any]:
 
 
 async def _handle(
-    bus: DispatchingBus, handler: Handler, ctx: HandlerContext, transactional: bool, first_lock: FirstLock | None
+    bus: DispatchingBus,
+    handler: Handler,
+    ctx: HandlerContext,
+    transactional: bool,
+    first_lock: FirstLock | None,
+    host: HostInbox | None,
 ) -> None:
     if not transactional:
         await handler(ctx)
         HANDLED.labels(ctx.consumer, "ok").inc()
         return
     lock = first_lock(ctx.payload) if first_lock is not None else None
-    if await deliver(handler, ctx, bus.unit_of_work(ctx.envelope), lock):
+    if await deliver(handler, ctx, bus.unit_of_work(ctx.envelope), lock, host):
         HANDLED.labels(ctx.consumer, "ok").inc()
     else:
         log.info("duplicate_ignored")

@@ -40,6 +40,33 @@ COMMON_MIGRATIONS: tuple[tuple[str, str], ...] = (
     ),
     # The retention sweep (retention.py) finds expired rows by age.
     ("000_inbox_received_at", "CREATE INDEX inbox_received_at ON inbox (received_at);"),
+    # A host-fed consumer's rows name their node and their place among its rows (`node_seq`: 1, 2, ...), and each
+    # (consumer, node) keeps its newest `keep` (inbox.claim_statement). The claim's trim lives in a function so its
+    # statements are planned once a connection, not at every message. The columns have no default, so adding them
+    # rewrites nothing; the index holds host-fed rows only.
+    (
+        "000_inbox_node",
+        """
+        ALTER TABLE inbox ADD COLUMN node_id text, ADD COLUMN node_seq bigint;
+        CREATE INDEX inbox_node ON inbox (consumer, node_id, node_seq) WHERE node_id IS NOT NULL;
+        CREATE FUNCTION inbox_node_seq(p_consumer text, p_message_id text, p_node_id text, p_keep integer)
+        RETURNS bigint LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT AS $$
+        DECLARE
+            next_seq bigint;
+        BEGIN
+            -- The group's turn, to the commit: the statements below see every earlier claim of it committed.
+            PERFORM pg_advisory_xact_lock(hashtext(p_consumer), hashtext(p_node_id));
+            SELECT coalesce(max(node_seq), 0) + 1 INTO next_seq
+              FROM inbox WHERE consumer = p_consumer AND node_id = p_node_id;
+            IF NOT EXISTS (SELECT 1 FROM inbox WHERE consumer = p_consumer AND message_id = p_message_id) THEN
+                DELETE FROM inbox
+                 WHERE consumer = p_consumer AND node_id = p_node_id AND node_seq = next_seq - p_keep;
+            END IF;
+            RETURN next_seq;
+        END
+        $$;
+        """,
+    ),
 )
 
 

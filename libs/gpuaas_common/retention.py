@@ -12,7 +12,8 @@ day to spare; past it no copy of the message exists anywhere to be redelivered.
 Rows a host's messages make (`HostRows`: drift reports, node tasks and phases, dead letters) are history, not
 state, and a host decides how many there are: each such table is pruned by age (`GPUAAS_HOST_ROWS_RETENTION_S`)
 and capped per host (`GPUAAS_HOST_ROWS_PER_NODE`, the newest kept; ops-view holds its cap at insert time too). A
-group's newest row outlives the age, so a host that went quiet still shows its last report.
+group's newest row outlives the age, so a host that went quiet still shows its last report. A host-fed consumer's
+inbox rows are capped per node as each is claimed (`inbox.HostInbox`); here they only age out like any inbox row.
 """
 
 from __future__ import annotations

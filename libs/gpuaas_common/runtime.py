@@ -275,11 +275,13 @@ class ServiceRuntime:
         log.info("service_ready", health_port=self.health.port, event_loop=loop.__module__, **self.ready_info)
 
     def host_budget(self, consumer: str) -> HostBudget:
-        """The per-node budget of a host-fed consumer (`bus_budget`), from this deployment's settings."""
+        """The per-node budget of a host-fed consumer (`bus_budget`), from this deployment's settings: its rate,
+        and the inbox rows each node's messages may leave (`GPUAAS_HOST_ROWS_PER_NODE`, as for its other rows)."""
         return HostBudget(
             consumer,
             messages_per_min=self.settings.host_budget_messages_per_min,
             bytes_per_min=self.settings.host_budget_bytes_per_min,
+            inbox_rows_per_node=self.settings.host_rows_per_node,
         )
 
     def consumer_spec(self, durable: str) -> ConsumerSpec:

@@ -103,7 +103,7 @@ class ServiceSettings(BaseSettings):
     host_rows_retention_s: float = Field(default=30 * 24 * 3600.0, gt=0)
     # Such rows kept per host (each service's HOST_ROWS says what a host is for each table), the newest; the older
     # go in the transaction that inserted them (ops-view's, adapters/host_rows.py; the scheduler's drift reports),
-    # else at the next retention sweep.
+    # else at the next retention sweep. Each host-fed consumer's inbox rows too, per node, capped as each is added.
     host_rows_per_node: int = Field(default=1000, ge=1)
     # The asyncio event loop: `uvloop` (libuv: the loop, its TLS and socket calls in compiled code; 3-9 % less CPU
     # per allocation in bench/pipeline.py at 50/s on 2 cores) or Python's own `asyncio`.

@@ -64,6 +64,7 @@ class UnitOfWork(Generic[R]):
         self._repositories = repositories
         self._conn: asyncpg.Connection | None = None
         self._inbox_key: tuple[str, str] | None = None
+        self._inbox_host: inbox.HostInbox | None = None
         self._inbox_fresh: bool | None = None
         self._first_lock: str | None = None
         self.committed = False
@@ -74,9 +75,11 @@ class UnitOfWork(Generic[R]):
             raise RuntimeError("the unit of work is not open (use `async with`)")
         return self._conn
 
-    def expect_inbox(self, consumer: str, message_id: str) -> None:
-        """Claim this inbox row with the BEGIN (before `async with`); `seen` then answers without a query."""
+    def expect_inbox(self, consumer: str, message_id: str, host: inbox.HostInbox | None = None) -> None:
+        """Claim this inbox row with the BEGIN (before `async with`); `seen` then answers without a query.
+        `host`: a host-fed consumer's message, its row kept among its node's newest (`inbox.HostInbox`)."""
         self._inbox_key = (consumer, message_id)
+        self._inbox_host = host
 
     def lock_first(self, key: str) -> None:
         """Take the transaction-scoped advisory lock `hashtext(key)` with the BEGIN, before the inbox claim
@@ -115,7 +118,7 @@ class UnitOfWork(Generic[R]):
         if self._first_lock is not None:
             statements.append(f"SELECT pg_advisory_xact_lock(hashtext({text_literal(self._first_lock)}))")
         if self._inbox_key is not None:
-            statements.append(inbox.claim_statement(*self._inbox_key))
+            statements.append(inbox.claim_statement(*self._inbox_key, self._inbox_host))
         status = await self.conn.execute("; ".join(statements))
         if self._inbox_key is not None:
             self._inbox_fresh = inbox.claimed(status)
@@ -172,8 +175,8 @@ class FakeUnitOfWork(Generic[R]):
     def conn(self) -> Any:
         raise RuntimeError("a fake unit of work has no connection: go through the repositories")
 
-    def expect_inbox(self, consumer: str, message_id: str) -> None:
-        """Nothing to fold: `seen` answers from memory."""
+    def expect_inbox(self, consumer: str, message_id: str, host: inbox.HostInbox | None = None) -> None:
+        """Nothing to fold: `seen` answers from memory (and keeps every row: the cap is Postgres's)."""
 
     def lock_first(self, key: str) -> None:
         self._locks.add(key)

@@ -8,6 +8,7 @@ The budgets' clock stands still in these tests: no token comes back during a run
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -119,6 +120,83 @@ async def test_a_flooding_host_leaves_the_scheduler_as_many_drift_rows_as_its_bu
     assert budget.dropped == {flooder: 35}
     assert _dropped(spec.durable) - before == 35
     assert len(spy.of_type("node.drift_reported", node_id=flooder)) == 40
+
+
+async def test_a_hosts_inbox_rows_at_a_host_fed_consumer_stay_within_the_cap_the_newest_kept(
+    fresh_db,
+    nats_server,
+    publish,  # noqa: F811
+    spy,  # noqa: F811
+) -> None:
+    """Issue 38: each admitted message left an inbox row for the 8 days rows live (a hostile host: +1900 rows in
+    10 minutes at one consumer). Now a host-fed durable's row names the node and the claim keeps that (consumer,
+    node)'s newest `inbox_rows_per_node`: right after each of a flooding host's messages its group holds at most
+    the cap, the newest stay; another host's rows, and every row of a durable without a budget, stay as they were."""
+    cap, flood = 4, 11
+    tag = uuid.uuid4().hex[:6]
+    spec = dataclasses.replace(CONSUMER_BY_NAME["scheduler-node-drift"], durable=f"hb-inbox-{tag}")
+    unbudgeted = dataclasses.replace(spec, durable=f"hb-inbox-plain-{tag}")
+    budget = HostBudget(spec.durable, messages_per_min=1e6, bytes_per_min=1e9, inbox_rows_per_node=cap)
+    async with scheduler_pool(fresh_db) as spool:
+        async with spool.acquire() as conn:
+            await synthetic.build(conn, slice_hosts=2, prefix=f"i{tag[:4]}")
+            flooder, quiet = [r["node_id"] for r in await conn.fetch("SELECT node_id FROM nodes ORDER BY node_id")]
+        bus_nc = await nats.connect(nats_server.url)
+        nc_ = await nats.connect(nats_server.url)
+        for durable in (spec, unbudgeted):
+            await ensure_consumer(nc_.jetstream(), durable)
+        bus = Bus(bus_nc, nc_.jetstream(), service="scheduler", schema="scheduler", pool=spool, retry_delays_s=(0.05,))
+        handlers = evidence_handlers(Scheduler())["scheduler-node-drift"]
+        bus.subscribe(spec, handlers, host_budget=budget)
+        bus.subscribe(unbudgeted, handlers)
+        await bus.start()
+
+        async def group(consumer: str, node: str | None) -> list[str]:
+            rows = await spool.fetch(
+                "SELECT message_id FROM inbox WHERE consumer = $1 AND node_id IS NOT DISTINCT FROM $2 "
+                "ORDER BY received_at",
+                consumer,
+                node,
+            )
+            return [r["message_id"] for r in rows]
+
+        async def report(node: str, i: int) -> str:
+            env = await publish(
+                "node.drift_reported",
+                m.NodeDriftReported(node_id=node, checked_at=T0 + timedelta(seconds=i)),
+                correlation_id=node,
+                node_id=node,
+            )
+            for consumer in (spec.durable, unbudgeted.durable):
+                await eventually(
+                    lambda c=consumer: spool.fetchval(
+                        "SELECT 1 FROM inbox WHERE consumer = $1 AND message_id = $2", c, env.event_id
+                    ),
+                    what=f"{consumer} handled {env.event_id}",
+                )
+            return env.event_id
+
+        try:
+            quiet_sent = [await report(quiet, i) for i in range(2)]
+            flooder_sent: list[str] = []
+            for i in range(flood):
+                flooder_sent.append(await report(flooder, i))
+                assert await group(spec.durable, flooder) == flooder_sent[-cap:]  # right after each message
+            kept_flooder = await group(spec.durable, flooder)
+            kept_quiet = await group(spec.durable, quiet)
+            plain = set(await group(unbudgeted.durable, None))
+            plain_with_node = await spool.fetchval(
+                "SELECT count(*) FROM inbox WHERE consumer = $1 AND node_id IS NOT NULL", unbudgeted.durable
+            )
+        finally:
+            await bus.stop()
+            await bus_nc.close()
+            await nc_.drain()
+    assert kept_flooder == flooder_sent[-cap:] and len(flooder_sent) == flood
+    assert kept_quiet == quiet_sent
+    # Without a budget the durable is not host-fed: its rows name no node and none went.
+    assert set(quiet_sent + flooder_sent) <= plain and plain_with_node == 0
+    assert budget.dropped == {}
 
 
 def _host_message(seq: int, type_: str, payload: Any, subject: str) -> Message:

@@ -8,7 +8,9 @@ import uuid
 import asyncpg
 import pytest
 
-from gpuaas_common.migrations import apply_migrations
+from gpuaas_common import inbox
+from gpuaas_common.inbox import HostInbox
+from gpuaas_common.migrations import COMMON_MIGRATIONS, apply_migrations
 
 
 async def test_services_get_their_own_schema_and_reapplying_is_a_noop(fresh_db):
@@ -44,6 +46,31 @@ async def test_two_replicas_starting_together_apply_each_migration_once(fresh_db
     finally:
         for c in conns:
             await c.close()
+
+
+async def test_the_inbox_gains_its_node_under_the_rows_already_there(fresh_db):
+    """000_inbox_node on a deployment from before it: the rows its inbox holds stay, naming no node (no host's
+    group, so no trim takes them), and a host-fed claim works at once."""
+    conn = await asyncpg.connect(fresh_db)
+    try:
+        await conn.execute("CREATE SCHEMA upgraded")
+        await conn.execute(
+            "CREATE TABLE upgraded.schema_migrations (version text PRIMARY KEY, applied_at timestamptz DEFAULT now())"
+        )
+        async with conn.transaction():
+            await conn.execute("SET LOCAL search_path TO upgraded")
+            for version, sql in COMMON_MIGRATIONS:
+                if version != "000_inbox_node":
+                    await conn.execute(sql)
+                    await conn.execute("INSERT INTO schema_migrations (version) VALUES ($1)", version)
+            await conn.execute("INSERT INTO inbox (consumer, message_id) VALUES ('c', 'old-1'), ('c', 'old-2')")
+        assert await apply_migrations(conn, "upgraded", None) == ["000_inbox_node"]
+        await conn.execute("SET search_path TO upgraded")
+        assert await inbox.claim(conn, "c", "new", HostInbox("n1", 1))
+        rows = await conn.fetch("SELECT message_id, node_id FROM inbox ORDER BY message_id")
+        assert [tuple(r) for r in rows] == [("new", "n1"), ("old-1", None), ("old-2", None)]
+    finally:
+        await conn.close()
 
 
 async def test_invalid_schema_names_are_refused(fresh_db):
