@@ -58,7 +58,10 @@ status:
 
 DOMAINS := $(wildcard services/*/gpuaas_*/domain)
 # Service layers typed against their ports (service_layer/ports.py), checked with the shared library in view.
-TYPED_SERVICE_LAYERS := services/allocator/gpuaas_allocator/service_layer
+TYPED_SERVICE_LAYERS := services/allocator/gpuaas_allocator/service_layer \
+	services/image-pipeline/gpuaas_image_pipeline/service_layer \
+	services/maas-gateway/gpuaas_maas_gateway/service_layer \
+	services/ops-view/gpuaas_ops_view/service_layer
 CODE    := libs services tools tests bench
 
 test: setup check

@@ -43,7 +43,7 @@ from gpuaas_common.contract import spec_for
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_dev.testing.servers import PostgresServer
 from gpuaas_image_pipeline.entrypoints.admin_http import AdminApi as ImageAdmin
-from gpuaas_image_pipeline.service_layer.builds import BuildRunner
+from gpuaas_image_pipeline.entrypoints.build_runner import build_runner
 from gpuaas_image_pipeline.settings import ImagePipelineSettings
 from gpuaas_scheduler.adapters import synthetic
 from gpuaas_scheduler.entrypoints.admin_http import admin_api as scheduler_admin
@@ -265,7 +265,7 @@ def test_image_admin_api_holds_to_its_spec(pg: PostgresServer, tmp_path: Path) -
         await conn.execute("INSERT INTO slice_hosts (node_id, hostname) VALUES ('n1', 'n1.example')")
 
     def make_app(pool: asyncpg.Pool) -> web.Application:
-        return ImageAdmin(pool, BuildRunner(pool, None, settings_), settings_).app()
+        return ImageAdmin(pool, build_runner(pool, None, settings_), settings_).app()
 
     with LiveApi(pg, "image_pipeline", "gpuaas_image_pipeline.migrations", seed, make_app) as api:
         # host-upload archives a server-side directory the request names: fuzzing it would archive "/".

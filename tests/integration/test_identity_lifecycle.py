@@ -49,10 +49,9 @@ from gpuaas_dev.testing.nats_clients import connect_as
 from gpuaas_dev.testing.servers import NatsServer, free_port
 from gpuaas_maas_gateway.adapters.credential_authority import AuthorityClient
 from gpuaas_maas_gateway.adapters.host_credentials import HostCredentials
-from gpuaas_maas_gateway.adapters.repository import gateway_repositories
+from gpuaas_maas_gateway.adapters.repository import PostgresGateway, gateway_repositories, unit_of_work_factory
 from gpuaas_maas_gateway.entrypoints.main import build_clients
 from gpuaas_maas_gateway.service_layer.commands import OperationHandlers
-from gpuaas_maas_gateway.service_layer.shared import unit_of_work_factory
 from gpuaas_maas_gateway.service_layer.worker import OperationWorker
 from gpuaas_maas_gateway.settings import GatewaySettings, SiteProfile
 
@@ -205,7 +204,7 @@ async def step_deploy(pool: asyncpg.Pool, port: int, client: AuthorityClient) ->
     """One step of the gateway's worker on the recorded deploy; the operation's row after it."""
     settings = gateway_settings(port)
     creds = HostCredentials(client, unit_of_work_factory(pool), ttl_s=3600)
-    worker = OperationWorker(settings, pool, build_clients(settings), host_credentials=creds)
+    worker = OperationWorker(settings, PostgresGateway(pool), build_clients(settings), host_credentials=creds)
     try:
         await worker.step("deploy-1")
     finally:

@@ -17,7 +17,7 @@ from gpuaas_common.migrations import apply_migrations
 from gpuaas_dev.testing.waiting import eventually
 from gpuaas_image_pipeline.adapters import qemu
 from gpuaas_image_pipeline.domain.catalog import BuildRequest
-from gpuaas_image_pipeline.service_layer.builds import BuildRunner
+from gpuaas_image_pipeline.entrypoints.build_runner import build_runner
 from gpuaas_image_pipeline.settings import ImagePipelineSettings
 
 
@@ -62,7 +62,7 @@ async def test_a_starting_replica_fails_only_builds_whose_replica_is_gone(
         image_source_dirs=str(tmp_path),
         image_customise="none",
     )
-    running = BuildRunner(pool, None, settings, lease_s=1.0)
+    running = build_runner(pool, None, settings, lease_s=1.0)
     build = await running.start("slice-replica-test", BuildRequest(source=str(source)))
     build_id = build["build_id"]
     await asyncio.wait_for(held.entered.wait(), timeout=30)
@@ -71,7 +71,7 @@ async def test_a_starting_replica_fails_only_builds_whose_replica_is_gone(
         return str(await pool.fetchval("SELECT status FROM builds WHERE build_id = $1", build_id))
 
     # A second replica starts while the build runs: the build is live (its lease is renewed), left alone.
-    starting = BuildRunner(pool, None, settings, lease_s=1.0)
+    starting = build_runner(pool, None, settings, lease_s=1.0)
     assert await starting.recover() == 0
     assert await status() == "customising"
     lease_until = await pool.fetchval("SELECT lease_until FROM builds WHERE build_id = $1", build_id)
@@ -116,10 +116,10 @@ async def test_a_build_that_ends_gives_its_lease_back(
         image_source_dirs=str(tmp_path),
         image_customise="none",
     )
-    runner = BuildRunner(pool, None, settings, lease_s=1.0)
+    runner = build_runner(pool, None, settings, lease_s=1.0)
     build = await runner.start("slice-replica-test", BuildRequest(source=str(source)))
     await asyncio.wait_for(runner.tasks[build["build_id"]], timeout=60)
     row = await pool.fetchrow("SELECT * FROM builds WHERE build_id = $1", build["build_id"])
     assert row["status"] == "failed" and "customise failed on purpose" in row["error"], row["error"]
     assert (row["lease_owner"], row["lease_until"]) == (None, None)
-    assert await BuildRunner(pool, None, settings, lease_s=1.0).recover() == 0
+    assert await build_runner(pool, None, settings, lease_s=1.0).recover() == 0

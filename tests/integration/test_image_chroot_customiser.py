@@ -26,6 +26,7 @@ from gpuaas_dev.testing.servers import RegistryServer
 from gpuaas_image_pipeline.adapters import customise_chroot, qemu
 from gpuaas_image_pipeline.adapters.customise_chroot import CustomiseError, installed_versions
 from gpuaas_image_pipeline.domain.catalog import BuildRequest
+from gpuaas_image_pipeline.entrypoints.build_runner import build_runner
 from gpuaas_image_pipeline.service_layer.builds import BuildRunner
 from gpuaas_image_pipeline.settings import ImagePipelineSettings
 
@@ -171,11 +172,11 @@ async def _tags(registry: RegistryServer, slug: str) -> list[str]:
     return sorted(tags)
 
 
-async def _build(runner: BuildRunner, slug: str, req: BuildRequest) -> asyncpg.Record:
+async def _build(pool: asyncpg.Pool, runner: BuildRunner, slug: str, req: BuildRequest) -> asyncpg.Record:
     build = await runner.start(slug, req)
     # The build's own task: awaited, not polled.
     await runner.tasks[build["build_id"]]
-    return await runner.pool.fetchrow("SELECT * FROM builds WHERE build_id = $1", build["build_id"])
+    return await pool.fetchrow("SELECT * FROM builds WHERE build_id = $1", build["build_id"])
 
 
 @pytest.mark.timeout(1500)
@@ -192,7 +193,7 @@ async def test_a_build_from_a_published_base_installs_verifies_and_publishes(
         # The lab base is served from this machine over plain http with an unsigned list: the named exception.
         image_base_loopback_lab=True,
     )
-    runner = BuildRunner(pool, None, settings)
+    runner = build_runner(pool, None, settings)
     req = BuildRequest(
         base_url=base_url, checksums_url=sums_url, resize_gib=4, customise="chroot", packages=["openssh-server"]
     )
@@ -204,7 +205,7 @@ async def test_a_build_from_a_published_base_installs_verifies_and_publishes(
     assert "apt-get install -y --no-install-recommends openssh-server" in steps
     assert "read var/lib/dpkg/status back" in steps
 
-    row = await _build(runner, "lab-slice", req)
+    row = await _build(pool, runner, "lab-slice", req)
     assert row["status"] == "published", row["error"]
     assert row["source"] == base_url and row["virtual_size"] == 4 << 30
     image = await pool.fetchrow("SELECT * FROM os_images WHERE slug = 'lab-slice'")
@@ -216,7 +217,7 @@ async def test_a_build_from_a_published_base_installs_verifies_and_publishes(
     # A package the archive does not have fails the build with its reason; nothing stays attached, and
     # the base fetched for the first build is reused, not fetched again.
     bad = await _build(
-        runner, "lab-slice", req.model_copy(update={"packages": ["openssh-server", "gpuaas-no-such-package-x1"]})
+        pool, runner, "lab-slice", req.model_copy(update={"packages": ["openssh-server", "gpuaas-no-such-package-x1"]})
     )
     assert bad["status"] == "failed"
     assert bad["error"] == "CustomiseError: package_not_in_archive: gpuaas-no-such-package-x1"
@@ -236,6 +237,7 @@ async def test_a_build_from_a_published_base_installs_verifies_and_publishes(
     url, stop = serve_directory(wrong)
     try:
         refused = await _build(
+            pool,
             runner,
             "lab-slice-unlisted",
             BuildRequest(base_url=url + "base.qcow2", checksums_url=url + "SHA256SUMS", customise="chroot"),

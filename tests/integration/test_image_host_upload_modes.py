@@ -28,7 +28,7 @@ from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.db import create_pool
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_image_pipeline.entrypoints.admin_http import AdminApi
-from gpuaas_image_pipeline.service_layer.builds import BuildRunner
+from gpuaas_image_pipeline.entrypoints.build_runner import build_runner
 from gpuaas_image_pipeline.settings import ImagePipelineSettings
 
 TOKEN = "host-modes-token"
@@ -60,7 +60,9 @@ async def api(pool: asyncpg.Pool, host_dir: Path, tmp_path: Path) -> AsyncIterat
         host_image_dir=str(host_dir),
         host_rootfs_dirs=str(tmp_path),
     )
-    client = TestClient(TestServer(AdminApi(pool, BuildRunner(pool, None, settings), settings).app(), host="127.0.0.1"))
+    client = TestClient(
+        TestServer(AdminApi(pool, build_runner(pool, None, settings), settings).app(), host="127.0.0.1")
+    )
     await client.start_server()
     yield client
     await client.close()

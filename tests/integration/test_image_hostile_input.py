@@ -16,7 +16,7 @@ from gpuaas_common.db import create_pool
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_image_pipeline.adapters import qemu
 from gpuaas_image_pipeline.domain.catalog import BuildRequest
-from gpuaas_image_pipeline.service_layer.builds import BuildRunner
+from gpuaas_image_pipeline.entrypoints.build_runner import build_runner
 from gpuaas_image_pipeline.settings import ImagePipelineSettings
 
 # What a host file holds: a build that copied it would carry these bytes into the image.
@@ -58,7 +58,7 @@ async def _build(pool: asyncpg.Pool, tmp_path: Path, req: BuildRequest) -> async
         image_source_dirs=str(tmp_path / "sources"),
         image_customise="none",
     )
-    runner = BuildRunner(pool, None, settings, lease_s=5.0)
+    runner = build_runner(pool, None, settings, lease_s=5.0)
     build = await runner.start("slice-hostile", req)
     await asyncio.wait_for(runner.tasks[build["build_id"]], timeout=60)
     row = await pool.fetchrow("SELECT * FROM builds WHERE build_id = $1", build["build_id"])

@@ -8,6 +8,7 @@ import asyncpg
 from pydantic import SecretStr
 
 from gpuaas_dev.maas_sim import SimConfig, start, state_of, system_id_for
+from gpuaas_maas_gateway.adapters.repository import PostgresGateway
 from gpuaas_maas_gateway.entrypoints.main import build_clients
 from gpuaas_maas_gateway.service_layer.worker import OperationWorker
 from gpuaas_maas_gateway.settings import GatewaySettings, SiteProfile
@@ -22,7 +23,7 @@ async def test_a_shell_script_bootstrap_fails_the_deploy_without_calling_maas(po
         maas_api_key=SecretStr(KEY),
         site_profiles={"h200-baremetal": SiteProfile(bootstrap_user_data="#!/bin/sh\necho site\n")},
     )
-    worker = OperationWorker(settings, pool, build_clients(settings))
+    worker = OperationWorker(settings, PostgresGateway(pool), build_clients(settings))
     try:
         await record_deploy(pool, settings, "deploy-a", sid)
         await worker.step("deploy-a")

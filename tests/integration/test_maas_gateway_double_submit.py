@@ -23,7 +23,7 @@ from gpuaas_common.db import create_pool
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_dev.maas_sim import SimConfig, start, state_of, system_id_for
-from gpuaas_maas_gateway.adapters.repository import gateway_repositories
+from gpuaas_maas_gateway.adapters.repository import PostgresGateway, gateway_repositories
 from gpuaas_maas_gateway.entrypoints.main import build_clients
 from gpuaas_maas_gateway.service_layer.commands import OperationHandlers
 from gpuaas_maas_gateway.service_layer.worker import OperationWorker
@@ -98,7 +98,9 @@ async def test_two_workers_never_both_submit_to_one_machine(pool: asyncpg.Pool) 
     )
     barrier = asyncio.Barrier(2)
     workers = [
-        OperationWorker(settings, pool, build_clients(settings), host_credentials=MeetingCredentials(barrier))
+        OperationWorker(
+            settings, PostgresGateway(pool), build_clients(settings), host_credentials=MeetingCredentials(barrier)
+        )
         for _ in range(2)
     ]
     try:

@@ -24,6 +24,7 @@ from gpuaas_dev.maas_sim import Fault, state_of, system_id_for
 from gpuaas_dev.maas_sim.handlers.routes import ROUTES
 from gpuaas_dev.testing.waiting import eventually
 from gpuaas_maas_gateway.adapters.maas_client import MaasClient
+from gpuaas_maas_gateway.adapters.repository import PostgresGateway
 from gpuaas_maas_gateway.service_layer.worker import OperationWorker
 
 from .test_maas_gateway_worker import KEY, Gateway, pool, settings_for, start_sim, url  # noqa: F401 (fixture)
@@ -106,6 +107,7 @@ async def test_two_workers_make_each_maas_call_once(pool: asyncpg.Pool, tmp_path
 WORKER = """
 import asyncio, json, os, sys
 from gpuaas_common.db import create_pool
+from gpuaas_maas_gateway.adapters.repository import PostgresGateway
 from gpuaas_maas_gateway.entrypoints.main import build_clients
 from gpuaas_maas_gateway.service_layer.worker import OperationWorker
 from gpuaas_maas_gateway.settings import GatewaySettings
@@ -113,7 +115,7 @@ from gpuaas_maas_gateway.settings import GatewaySettings
 async def main():
     settings = GatewaySettings(**json.loads(os.environ["TEST_GATEWAY_SETTINGS"]))
     pool = await create_pool(os.environ["TEST_GATEWAY_DSN"], "maas_gateway", min_size=1, max_size=4)
-    await OperationWorker(settings, pool, build_clients(settings)).run()
+    await OperationWorker(settings, PostgresGateway(pool), build_clients(settings)).run()
 
 asyncio.run(main())
 """
@@ -156,7 +158,7 @@ async def test_a_killed_workers_call_is_taken_over_after_its_lease_and_resolved_
         lease_until = row["lease_until"]
 
         # Another worker starts; the call stays the dead worker's until its lease runs out.
-        survivor = OperationWorker(settings, pool, gw.clients)
+        survivor = OperationWorker(settings, PostgresGateway(pool), gw.clients)
         task = asyncio.ensure_future(survivor.run())
         try:
             row = await gw.finished(op, timeout=30)
@@ -215,7 +217,7 @@ async def test_a_starting_worker_leaves_a_live_workers_call_alone(pool: asyncpg.
     settings = settings_for(url(port), maas_grace_s=0.05)
     door = asyncio.Event()
     held = HeldDeploys(url(port), KEY, timeout=settings.maas_timeout_s, door=door)
-    live = OperationWorker(settings, pool, {"default": held})
+    live = OperationWorker(settings, PostgresGateway(pool), {"default": held})
     tasks: list[asyncio.Task[None]] = []
     starting: CountingWorker | None = None
 
@@ -229,7 +231,7 @@ async def test_a_starting_worker_leaves_a_live_workers_call_alone(pool: asyncpg.
         await eventually(lambda: held.waiting == 1, timeout=10, interval=0.01, what="the live worker's call")
         assert (await gw.op(op))["state"] == "submitting"
 
-        starting = CountingWorker(settings, pool, gw.clients)
+        starting = CountingWorker(settings, PostgresGateway(pool), gw.clients)
         await spawn(starting.run)
         await eventually(lambda: starting.ticks >= 5, timeout=10, interval=0.01, what="five ticks of a new worker")
         row = await gw.op(op)

@@ -31,7 +31,7 @@ from gpuaas_common.migrations import apply_migrations
 from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_dev.maas_sim import Fault, SimConfig, start, state_of, system_id_for
 from gpuaas_dev.testing.waiting import eventually
-from gpuaas_maas_gateway.adapters.repository import gateway_repositories
+from gpuaas_maas_gateway.adapters.repository import PostgresGateway, gateway_repositories
 from gpuaas_maas_gateway.domain.breaker import BreakerState
 from gpuaas_maas_gateway.entrypoints.main import build_clients
 from gpuaas_maas_gateway.service_layer.commands import OperationHandlers
@@ -73,7 +73,7 @@ class Gateway:
         self.settings = settings
         self.handlers = OperationHandlers(settings)
         self.clients = build_clients(settings)
-        self.worker = OperationWorker(settings, pool, self.clients)
+        self.worker = OperationWorker(settings, PostgresGateway(pool), self.clients)
         self.task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Gateway:

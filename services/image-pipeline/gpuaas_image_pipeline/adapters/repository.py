@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import asyncpg
+
+from gpuaas_common.unit_of_work import UnitOfWork
 
 from ..domain.catalog import SeedImage
 
@@ -458,3 +461,26 @@ def image_pipeline_repositories(conn: asyncpg.Connection) -> ImagePipelineReposi
         MaasRequestRepository(conn),
         TenancyRepository(conn),
     )
+
+
+SCHEMA, SERVICE = "image_pipeline", "image-pipeline"
+
+
+def unit_of_work(pool: asyncpg.Pool) -> Callable[[str | None], UnitOfWork[ImagePipelineRepositories]]:
+    """The build runner's units of work on `pool`, one per step, each named by the build it works for."""
+
+    def open_one(correlation_id: str | None = None) -> UnitOfWork[ImagePipelineRepositories]:
+        return UnitOfWork(pool, SCHEMA, SERVICE, image_pipeline_repositories, correlation_id=correlation_id)
+
+    return open_one
+
+
+class PoolLeases:
+    """Build leases renewed on a pooled connection, outside any transaction: the renewal writes nothing else."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+
+    async def renew(self, build_id: str, owner: str, lease_s: float) -> bool:
+        async with self.pool.acquire() as conn:
+            return await BuildRepository(conn).renew(build_id, owner, lease_s)

@@ -17,10 +17,10 @@ from ..adapters.metrics import catalog_reading
 from ..adapters.repository import image_pipeline_repositories
 from ..domain.catalog import SeedImage
 from ..service_layer import catalog, host_images, tenancy
-from ..service_layer.builds import BuildRunner
 from ..service_layer.seeding import apply_seed
 from ..settings import ImagePipelineSettings
 from .admin_http import AdminApi
+from .build_runner import build_runner
 
 log = get_logger(__name__)
 
@@ -40,7 +40,7 @@ def build_register(settings: ImagePipelineSettings):
             await uow.commit()
         log.info("catalog_seeded", active=activated)
 
-        runner = BuildRunner(rt.pool, rt.bus, settings)
+        runner = build_runner(rt.pool, rt.bus, settings)
         interrupted = await runner.recover()
         if interrupted:
             log.warning("builds_interrupted", count=interrupted)

@@ -16,29 +16,25 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-
-import asyncpg
 
 from gpuaas_common.bus import Bus
 from gpuaas_common.cancellation import stop_if_cancelled
 from gpuaas_common.contract import messages as m
 from gpuaas_common.db import DB_UNAVAILABLE
 from gpuaas_common.logging import bound_context, get_logger
-from gpuaas_common.unit_of_work import UnitOfWork
 
 from ..adapters import base_image, customise_chroot, paths, qemu, registry, sparse
-from ..adapters.repository import image_pipeline_repositories
 from ..domain.catalog import ArtifactRef, BuildRequest, ImageCreate, default_tag
 from ..settings import ImagePipelineSettings
 from . import catalog
-from .catalog import CatalogError, Row, Uow
+from .catalog import CatalogError, Uow
+from .ports import BuildLeases, Row, UnitOfWorkFactory
 
 log = get_logger(__name__)
-SCHEMA, SERVICE = "image_pipeline", "image-pipeline"
 RUNNING = ("queued", "customising", "converting", "packing", "pushing")
 PROGRESS_INTERVAL_S = 0.25
 # A build's lease: renewed every quarter of it while the build runs, so only a process that is gone (or
@@ -60,10 +56,20 @@ def build_dict(row: Row) -> dict[str, Any]:
 
 
 class BuildRunner:
+    """`uows`: a unit of work for each of a build's steps; `leases`: where a running build's lease is renewed
+    (adapters/repository.py's `unit_of_work` and `PoolLeases`, wired by entrypoints/build_runner.py)."""
+
     def __init__(
-        self, pool: asyncpg.Pool, bus: Bus | None, settings: ImagePipelineSettings, *, lease_s: float = BUILD_LEASE_S
+        self,
+        uows: UnitOfWorkFactory,
+        leases: BuildLeases,
+        bus: Bus | None,
+        settings: ImagePipelineSettings,
+        *,
+        lease_s: float = BUILD_LEASE_S,
     ) -> None:
-        self.pool = pool
+        self._uows = uows
+        self.leases = leases
         self.bus = bus
         self.settings = settings
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -76,7 +82,7 @@ class BuildRunner:
         )
 
     def _uow(self, correlation_id: str | None = None) -> Uow:
-        return UnitOfWork(self.pool, SCHEMA, SERVICE, image_pipeline_repositories, correlation_id=correlation_id)
+        return self._uows(correlation_id)
 
     async def recover(self) -> int:
         """Fail the running builds whose lease has run out; how many."""
@@ -251,15 +257,14 @@ class BuildRunner:
             except TimeoutError:
                 pass  # still building: time to renew
             try:
-                async with self.pool.acquire() as conn:
-                    if not await image_pipeline_repositories(conn).builds.renew(build_id, self.owner, self.lease_s):
-                        log.warning("image_build_lease_lost")
-                        return
+                if not await self.leases.renew(build_id, self.owner, self.lease_s):
+                    log.warning("image_build_lease_lost")
+                    return
             except DB_UNAVAILABLE as exc:
                 # Tried again at the next beat; should the lease run out meanwhile, the fence holds.
                 log.warning("image_build_lease_renew_failed", error=repr(exc)[:300])
 
-    def _progress(self, build_id: str, slug: str, phase: str):
+    def _progress(self, build_id: str, slug: str, phase: str) -> Callable[..., None]:
         loop = asyncio.get_running_loop()
         last = [0.0]
 
@@ -402,9 +407,11 @@ class BuildRunner:
                 blob_size=blob_size,
             )
         ref = ArtifactRef.parse(plan["artifact_ref"])
+        push_host = s.registry_push_host or s.registry_host
+        assert push_host is not None  # begin() refuses a build when no registry is configured
         pushed = await asyncio.to_thread(
             registry.push_artifact,
-            push_host=s.registry_push_host or s.registry_host,
+            push_host=push_host,
             repository=ref.repository,
             tag=ref.tag,
             tls_mode=s.registry_tls_mode,
@@ -509,7 +516,7 @@ class BuildRunner:
         log.info("image_catalogued", digest=raw_sha256, ref=artifact_ref, prewarm_tasks=sent, activated=activated)
 
 
-async def _quiet(coro) -> None:
+async def _quiet(coro: Awaitable[Any]) -> None:
     try:
         await coro
     except Exception as exc:  # progress is best effort; the build row is the record

@@ -16,9 +16,7 @@ from gpuaas_common.bus import PermanentError
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
-from gpuaas_common.unit_of_work import UnitOfWork
 
-from ..adapters.repository import ImagePipelineRepositories
 from ..domain.catalog import (
     PROTECTED_METADATA,
     ImageCreate,
@@ -28,16 +26,17 @@ from ..domain.catalog import (
     node_schedulable,
 )
 from ..domain.tenancy import REFUSED_ENROLMENT, refusal_reason
+from .ports import ImagePipelineRepositories, ImagePipelineUnitOfWork, Row
 
 log = get_logger(__name__)
-Uow = UnitOfWork[ImagePipelineRepositories]  # or a FakeUnitOfWork with the same repositories, in unit tests
-Row = dict[str, Any]
+# gpuaas_common's UnitOfWork over adapters/repository.py's repositories, or a FakeUnitOfWork in unit tests.
+Uow = ImagePipelineUnitOfWork
 
 
 class CatalogError(ApiError):
     """A catalog operation's refusal (see gpuaas_common.api_error)."""
 
-    def __init__(self, status: int, code: str, reason: str, details: dict | None = None) -> None:
+    def __init__(self, status: int, code: str, reason: str, details: dict[str, Any] | None = None) -> None:
         super().__init__(status, code, reason, details)
         self.reason = reason
 
@@ -151,7 +150,7 @@ async def set_cache(
             m.ImageNodeCacheChanged(
                 node_id=node_id,
                 slug=slug,
-                status=status,
+                status=status,  # type: ignore[arg-type]  # one of the contract's, which the model checks
                 digest_sha256=digest,
                 schedulable=node_schedulable(catalog_digest, (status, digest)),
             ),
@@ -268,7 +267,7 @@ async def update_image(uow: Uow, slug: str, req: ImageUpdate) -> Row:
     if row["status"] == "active":
         await emit_activated(uow, row)  # consumers learn the new SKU / strategy
         row = await uow.repos.images.lock(slug)
-    return row
+    return row  # type: ignore[return-value]  # locked above, so still there
 
 
 async def enable_image(uow: Uow, slug: str) -> Row:

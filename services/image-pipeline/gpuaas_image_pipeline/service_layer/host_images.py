@@ -28,7 +28,8 @@ from ..domain.catalog import (
     record_host_build,
 )
 from . import catalog
-from .catalog import CatalogError, Row, Uow
+from .catalog import CatalogError, Uow
+from .ports import Row
 
 log = get_logger(__name__)
 

@@ -39,10 +39,10 @@ async def apply_seed(uow: Uow, seeds: list[SeedImage]) -> list[str]:
         )
         activated.append(row["slug"])
     for seed in seeds:
-        row = await uow.repos.images.lock(seed.slug)
-        if row is not None and row["kind"] == "slice" and row["status"] in ("active", "published"):
-            if not _meta(row).get("artifact_ref"):
-                await prewarm_everywhere(uow, row["slug"], cause=f"seed:{uuid.uuid4()}")
-            if row["status"] == "published" and await evaluate_gate(uow, row["slug"]):
-                activated.append(row["slug"])
+        locked = await uow.repos.images.lock(seed.slug)
+        if locked is not None and locked["kind"] == "slice" and locked["status"] in ("active", "published"):
+            if not _meta(locked).get("artifact_ref"):
+                await prewarm_everywhere(uow, locked["slug"], cause=f"seed:{uuid.uuid4()}")
+            if locked["status"] == "published" and await evaluate_gate(uow, locked["slug"]):
+                activated.append(locked["slug"])
     return activated

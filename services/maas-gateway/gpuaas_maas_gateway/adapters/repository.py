@@ -1,4 +1,5 @@
-"""Every SQL statement of the gateway. The service layer reaches Postgres only through these classes.
+"""Every SQL statement of the gateway. The service layer reaches Postgres only through these classes (its ports,
+service_layer/ports.py); rows come out as plain dicts.
 
 They run on whatever they are given: a unit of work's connection for writes (so the state change, its
 side rows and its outbox rows commit together), or the pool for the worker's reads, which decide
@@ -13,11 +14,14 @@ changes nothing and raises LeaseLost, so a stalled worker cannot overwrite its s
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import asyncpg
+
+from gpuaas_common.unit_of_work import UnitOfWork
 
 # An asyncpg Pool has the same fetch/execute surface as a Connection (one statement, autocommit).
 Executor = asyncpg.Connection | asyncpg.Pool
@@ -50,6 +54,10 @@ class LeaseLost(Exception):
 
 def _changed(status: str) -> int:
     return int(status.split()[-1])
+
+
+def _row(record: asyncpg.Record | None) -> dict[str, Any] | None:
+    return None if record is None else dict(record)
 
 
 class OperationRepository:
@@ -115,12 +123,12 @@ class OperationRepository:
 
     async def claim_due(
         self, owner: str, lease_s: float, limit: int, stepping: list[str] | tuple[str, ...] = ()
-    ) -> list[asyncpg.Record]:
+    ) -> list[dict[str, Any]]:
         """Lease up to `limit` due operations to `owner`: those whose lease is free or has expired, except
         the ones `owner` is stepping right now (a renewal that came late must not turn its own call into
         an unknown one). SKIP LOCKED lets replicas claim at once without waiting on each other or taking
         the same row."""
-        return await self.conn.fetch(
+        rows = await self.conn.fetch(
             f"UPDATE maas_operations o SET {_TAKE_LEASE} FROM ("
             "SELECT operation_id FROM maas_operations WHERE state = ANY($1::text[]) AND next_attempt_at <= now() "
             "AND (lease_until IS NULL OR lease_until < now()) AND operation_id <> ALL($5::text[]) "
@@ -132,17 +140,20 @@ class OperationRepository:
             limit,
             list(stepping),
         )
+        return [dict(r) for r in rows]
 
-    async def claim(self, operation_id: str, owner: str, lease_s: float) -> asyncpg.Record | None:
+    async def claim(self, operation_id: str, owner: str, lease_s: float) -> dict[str, Any] | None:
         """Lease one operation to `owner` (already ours, free or expired), whatever its next attempt time;
         None when it is closed or another worker holds it."""
-        return await self.conn.fetchrow(
-            f"UPDATE maas_operations o SET {_TAKE_LEASE} WHERE o.operation_id = $1 AND o.state = ANY($4::text[]) "
-            "AND (o.lease_owner = $2 OR o.lease_until IS NULL OR o.lease_until < now()) RETURNING o.*",
-            operation_id,
-            owner,
-            float(lease_s),
-            list(OPEN_STATES),
+        return _row(
+            await self.conn.fetchrow(
+                f"UPDATE maas_operations o SET {_TAKE_LEASE} WHERE o.operation_id = $1 AND o.state = ANY($4::text[]) "
+                "AND (o.lease_owner = $2 OR o.lease_until IS NULL OR o.lease_until < now()) RETURNING o.*",
+                operation_id,
+                owner,
+                float(lease_s),
+                list(OPEN_STATES),
+            )
         )
 
     async def renew(self, operation_id: str, owner: str, lease_s: float) -> bool:
@@ -164,12 +175,12 @@ class OperationRepository:
             owner,
         )
 
-    async def get(self, operation_id: str) -> asyncpg.Record | None:
-        return await self.conn.fetchrow("SELECT * FROM maas_operations WHERE operation_id = $1", operation_id)
+    async def get(self, operation_id: str) -> dict[str, Any] | None:
+        return _row(await self.conn.fetchrow("SELECT * FROM maas_operations WHERE operation_id = $1", operation_id))
 
-    async def lock(self, operation_id: str) -> asyncpg.Record | None:
-        return await self.conn.fetchrow(
-            "SELECT * FROM maas_operations WHERE operation_id = $1 FOR UPDATE", operation_id
+    async def lock(self, operation_id: str) -> dict[str, Any] | None:
+        return _row(
+            await self.conn.fetchrow("SELECT * FROM maas_operations WHERE operation_id = $1 FOR UPDATE", operation_id)
         )
 
     async def machine_busy(self, site: str, system_id: str, operation_id: str) -> bool:
@@ -382,3 +393,32 @@ def gateway_repositories(
         SiteCatalogRepository(conn),
         HostCredentialRepository(conn),
     )
+
+
+SCHEMA, SERVICE = "maas_gateway", "maas-gateway"
+
+
+def unit_of_work_factory(
+    pool: asyncpg.Pool, *, lease_owner: str | None = None, lease_s: float = 0.0
+) -> Callable[..., UnitOfWork[GatewayRepositories]]:
+    """Units of work on `pool`; with `lease_owner`, each of their writes is fenced on that worker's lease."""
+
+    def repositories(conn: Any) -> GatewayRepositories:
+        return gateway_repositories(conn, lease_owner=lease_owner, lease_s=lease_s)
+
+    def factory(**kwargs: Any) -> UnitOfWork[GatewayRepositories]:
+        return UnitOfWork(pool, SCHEMA, SERVICE, repositories, **kwargs)
+
+    return factory
+
+
+class PostgresGateway:
+    """The worker's database (service_layer/ports.py `GatewayDatabase`) on the service's pool."""
+
+    def __init__(self, pool: asyncpg.Pool) -> None:
+        self.pool = pool
+        # An asyncpg Pool runs each statement on a connection of its own, outside any transaction.
+        self.reads = gateway_repositories(pool)
+
+    def units_of_work(self, *, lease_owner: str, lease_s: float) -> Callable[..., UnitOfWork[GatewayRepositories]]:
+        return unit_of_work_factory(self.pool, lease_owner=lease_owner, lease_s=lease_s)

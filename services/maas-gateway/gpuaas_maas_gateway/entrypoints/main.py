@@ -10,9 +10,8 @@ from ..adapters.credential_authority import AuthorityClient
 from ..adapters.host_credentials import HostCredentials
 from ..adapters.maas_client import MaasClient
 from ..adapters.metrics import operations_reading
-from ..adapters.repository import gateway_repositories
+from ..adapters.repository import PostgresGateway, gateway_repositories, unit_of_work_factory
 from ..service_layer.commands import OperationHandlers
-from ..service_layer.shared import unit_of_work_factory
 from ..service_layer.worker import OperationWorker
 from ..settings import GatewaySettings
 
@@ -67,9 +66,8 @@ def build_register(settings: GatewaySettings):
             )
         # /metrics: operations by kind and state, unknown outcomes' age and deadline (adapters/metrics.py).
         rt.add_reading("maas-operations", operations_reading(rt.pool))
-        rt.spawn(
-            OperationWorker(settings, rt.pool, clients, host_credentials=host_credentials).run(), "maas-operations"
-        )
+        worker = OperationWorker(settings, PostgresGateway(rt.pool), clients, host_credentials=host_credentials)
+        rt.spawn(worker.run(), "maas-operations")
 
     return register
 

@@ -41,7 +41,7 @@ class BootstrapNotCloudConfig(ValueError):
     pass
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML has no type stubs here
     """Safe dumping, with multi-line strings as literal blocks: files stay readable as files (and the
     agent's env lines stay one per line, which is how a host reads them back)."""
 

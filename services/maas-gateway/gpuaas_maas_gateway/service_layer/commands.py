@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
-from gpuaas_common.bus import HandlerContext
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.logging import get_logger
 
 from ..settings import GatewaySettings
+from .ports import GatewayContext
 from .shared import result_event
 
 log = get_logger(__name__)
@@ -34,10 +35,10 @@ class OperationHandlers:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
 
-    def handlers(self) -> dict[str, Callable[[HandlerContext], Awaitable[None]]]:
+    def handlers(self) -> dict[str, Callable[[GatewayContext[Any]], Awaitable[None]]]:
         return {type_: self.on_command for type_ in COMMAND_KINDS}
 
-    async def on_command(self, ctx: HandlerContext) -> None:
+    async def on_command(self, ctx: GatewayContext[Any]) -> None:
         cmd = ctx.payload
         kind = COMMAND_KINDS[ctx.envelope.type]
         fields = cmd.model_dump(mode="json")
@@ -71,7 +72,7 @@ class OperationHandlers:
             return self.settings.maas_release_deadline_s
         return self.settings.maas_deadline_s
 
-    async def _answer_again(self, ctx: HandlerContext, operation_id: str) -> None:
+    async def _answer_again(self, ctx: GatewayContext[Any], operation_id: str) -> None:
         """A command for an operation that already finished is asked again (the asker lost its commit of the
         result, e.g. a database crash without synchronous commit): send the result again, under an id of this
         asking's own — under the first one JetStream would drop it as a duplicate. Nothing is called again."""

@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import asyncpg
-
 from ..adapters.maas_errors import MaasBadRequest, MaasNotFound
 from .machine import machine_step
+from .ports import Row
 from .shared import Operations, Site, Unresolvable, params
 
 
-async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[[], Awaitable[Any]]:
+async def prepare(ops: Operations, site: Site, row: Row) -> Callable[[], Awaitable[Any]]:
     p = params(row)
     for script in p.get("scripts") or ():
         await _ensure_script(ops, site, script)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import asyncpg
-
 from gpuaas_common.enrolment import enrolment_token
 
 from ..adapters.credential_authority import AuthorityRefused
@@ -14,10 +12,11 @@ from ..adapters.host_credentials import HostCredentials
 from ..domain.operations import normalise_distro_series
 from .cloud_init import BootstrapNotCloudConfig, render_user_data
 from .machine import machine_step
+from .ports import Row
 from .shared import Operations, Site, Unresolvable, as_dict
 
 
-async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[[], Awaitable[Any]] | None:
+async def prepare(ops: Operations, site: Site, row: Row) -> Callable[[], Awaitable[Any]] | None:
     _, profile = await ops.profile(row["site"], row["profile"])
     # A host that served slices keeps its agent's creds file on a disk the tenant will own: MAAS erase leaves
     # most blocks in place, so those users must be dead before the machine is the tenant's. A slice-host
@@ -66,7 +65,7 @@ async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[
     return submit
 
 
-async def _host_creds(host_credentials: HostCredentials, row: asyncpg.Record, *, slice_host: bool) -> str:
+async def _host_creds(host_credentials: HostCredentials, row: Row, *, slice_host: bool) -> str:
     """The host's user for this deploy, minted by the authority for the deploy command the operation came from.
     A refusal (no such command on the bus, one that asks for something else, or an allocation already ended: its
     users revoked by a release or a failed deploy) fails the deploy with the authority's code: asking again would be

@@ -12,24 +12,23 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import asyncpg
-
 from gpuaas_common.logging import get_logger
 
 from ..adapters.maas_errors import MaasConflict, MaasError, MaasUnreachable
 from ..domain.operations import Decision, decide, decide_commission, release_verdict
 from . import slice_preflight
 from .metrics import MAAS_CALLS, RESUBMITS, UNKNOWN_OUTCOMES, UNKNOWN_RESOLUTION
+from .ports import Row
 from .shared import Operations, Site, as_dict, now, release_erase_mode
 
 log = get_logger(__name__)
 
 # Builds the MAAS call for a pending operation; None means "not now, look again later".
-Prepare = Callable[[Operations, Site, asyncpg.Record], Awaitable[Callable[[], Awaitable[Any]] | None]]
+Prepare = Callable[[Operations, Site, Row], Awaitable[Callable[[], Awaitable[Any]] | None]]
 
 
-def machine_step(prepare: Prepare) -> Callable[[Operations, Site, asyncpg.Record], Awaitable[None]]:
-    async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
+def machine_step(prepare: Prepare) -> Callable[[Operations, Site, Row], Awaitable[None]]:
+    async def step(ops: Operations, site: Site, row: Row) -> None:
         if row["state"] == "pending":
             await submit(ops, site, row, prepare)
         else:
@@ -38,7 +37,7 @@ def machine_step(prepare: Prepare) -> Callable[[Operations, Site, asyncpg.Record
     return step
 
 
-async def submit(ops: Operations, site: Site, row: asyncpg.Record, prepare: Prepare) -> None:
+async def submit(ops: Operations, site: Site, row: Row, prepare: Prepare) -> None:
     op_id, kind = row["operation_id"], row["kind"]
     # Another operation on this machine whose outcome is not known yet: submitting now could double a
     # mutation MAAS may already have taken. This read only spares work; the index below decides.
@@ -98,7 +97,7 @@ async def submit(ops: Operations, site: Site, row: asyncpg.Record, prepare: Prep
     await ops.set(op_id, state="accepted", last_status=machine.status_name, delay=ops.settings.maas_poll_interval_s)
 
 
-def _login(ops: Operations, row: asyncpg.Record, machine: Any) -> dict[str, Any]:
+def _login(ops: Operations, row: Row, machine: Any) -> dict[str, Any]:
     """Where the tenant logs in to a Deployed machine: MAAS's addresses for it, as the profile's image's default
     user (whom the deploy's user-data gave the tenant's keys)."""
     profile = ops.settings.site_profiles.get(row["profile"] or "")
@@ -108,14 +107,14 @@ def _login(ops: Operations, row: asyncpg.Record, machine: Any) -> dict[str, Any]
     }
 
 
-async def _deployed_by_us(ops: Operations, site: Site, row: asyncpg.Record) -> bool:
+async def _deployed_by_us(ops: Operations, site: Site, row: Row) -> bool:
     mine = await ops.maas(
         site, lambda: site.client.list_machines(id=row["system_id"], agent_name=str(row["allocation_id"]))
     )
     return any(mm.status_name in ("Deploying", "Deployed") for mm in mine)
 
 
-async def observe(ops: Operations, site: Site, row: asyncpg.Record) -> None:
+async def observe(ops: Operations, site: Site, row: Row) -> None:
     op_id, kind = row["operation_id"], row["kind"]
     try:
         machine = await ops.maas(site, lambda: site.client.read_machine(row["system_id"]))
@@ -179,7 +178,7 @@ async def observe(ops: Operations, site: Site, row: asyncpg.Record) -> None:
         await ops.set(op_id, last_status=machine.status_name, delay=ops.settings.maas_poll_interval_s)
 
 
-async def _finish_release(ops: Operations, site: Site, row: asyncpg.Record, machine: Any) -> None:
+async def _finish_release(ops: Operations, site: Site, row: Row, machine: Any) -> None:
     """A release ends with its erase read back: the wipe-disks result set MAAS started after the submit
     (domain/operations.py `release_verdict`)."""
     op_id = row["operation_id"]

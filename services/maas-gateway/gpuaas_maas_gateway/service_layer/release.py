@@ -9,13 +9,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import asyncpg
-
 from .machine import machine_step
+from .ports import Row
 from .shared import Operations, Site, release_erase_mode
 
 
-async def prepare(ops: Operations, site: Site, row: asyncpg.Record) -> Callable[[], Awaitable[Any]] | None:
+async def prepare(ops: Operations, site: Site, row: Row) -> Callable[[], Awaitable[Any]] | None:
     # The host's bus identity ends before MAAS takes the machine back: the tenant still has root.
     if not await ops.revoke_host_credentials(row):
         return None

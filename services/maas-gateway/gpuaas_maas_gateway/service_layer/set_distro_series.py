@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncpg
-
 from gpuaas_common.logging import get_logger
 
-from ..adapters.repository import GatewayRepositories
 from ..domain.operations import image_name, normalise_distro_series
+from .ports import GatewayRepositories, Row
 from .shared import Operations, Site, Unresolvable, params
 
 log = get_logger(__name__)
 
 
-async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
+async def step(ops: Operations, site: Site, row: Row) -> None:
     profile_name, profile = await ops.profile(row["site"], row["profile"])
     wanted = params(row)["distro_series"]
     uploaded = await ops.uploaded(row["site"])

@@ -17,24 +17,21 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-import asyncpg
-
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
-from gpuaas_common.unit_of_work import UnitOfWork
 
 from ..adapters.host_credentials import HostCredentials
 from ..adapters.maas_client import MaasClient
 from ..adapters.maas_errors import MaasError, MaasNoResponse, MaasUnreachable
-from ..adapters.repository import OPEN_STATES, GatewayRepositories, LeaseLost, gateway_repositories
+from ..adapters.repository import OPEN_STATES, LeaseLost
 from ..domain.breaker import CircuitBreaker
 from ..settings import GatewaySettings, SiteProfile
 from .metrics import BREAKER_OPENED, BREAKER_STATE, OP_DURATION
+from .ports import GatewayDatabase, GatewayRepositories, Row
 
 log = get_logger(__name__)
 
-SCHEMA, SERVICE = "maas_gateway", "maas-gateway"
 T = TypeVar("T")
 
 
@@ -69,18 +66,6 @@ class Site:
         BREAKER_STATE.labels(self.name).set(int(self.breaker.state))
 
 
-def unit_of_work_factory(
-    pool: asyncpg.Pool, *, lease_owner: str | None = None, lease_s: float = 0.0
-) -> Callable[..., UnitOfWork[GatewayRepositories]]:
-    def repositories(conn: Any) -> GatewayRepositories:
-        return gateway_repositories(conn, lease_owner=lease_owner, lease_s=lease_s)
-
-    def factory(**kwargs: Any) -> UnitOfWork[GatewayRepositories]:
-        return UnitOfWork(pool, SCHEMA, SERVICE, repositories, **kwargs)
-
-    return factory
-
-
 def lease_seconds(settings: GatewaySettings) -> float:
     """How long an operation's lease lasts unless renewed: longer than any one MAAS call may take (every
     call is bounded by maas_timeout_s), so a call the holder started has timed out before anybody else
@@ -89,26 +74,27 @@ def lease_seconds(settings: GatewaySettings) -> float:
 
 
 class Operations:
+    """`db`: the operations' state (adapters/repository.py's `PostgresGateway` on the service's pool)."""
+
     def __init__(
         self,
         settings: GatewaySettings,
-        pool: asyncpg.Pool,
+        db: GatewayDatabase,
         clients: MaasClient | Mapping[str, MaasClient],
         *,
         clock: Callable[[], float] = time.monotonic,
         host_credentials: HostCredentials | None = None,
     ) -> None:
         self.settings = settings
-        self.pool = pool
         # This worker's name on the leases it takes: one per worker object, so a restarted process (or a
         # second worker in one) never mistakes a lease of its predecessor for its own.
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         self.lease_s = lease_seconds(settings)
         # Every write of a step is fenced on this worker's lease of the operation.
-        self.unit_of_work = unit_of_work_factory(pool, lease_owner=self.owner, lease_s=self.lease_s)
+        self.unit_of_work = db.units_of_work(lease_owner=self.owner, lease_s=self.lease_s)
         # Reads outside a transaction: they only choose what to try; every write re-checks in Postgres.
         # The worker's lease statements (claim, renew, release) go this way too: one statement each.
-        self.read = gateway_repositories(pool)
+        self.read = db.reads
         self.clock = clock
         self.host_credentials = host_credentials
         if isinstance(clients, MaasClient):
@@ -169,7 +155,7 @@ class Operations:
     async def uploaded(self, site: str) -> frozenset[str]:
         return frozenset(self.settings.maas_uploaded_images) | await self.read.catalog.uploaded_images(site)
 
-    async def end_slice_identity(self, row: asyncpg.Record) -> bool:
+    async def end_slice_identity(self, row: Row) -> bool:
         """False while the host's slice-host users could not be revoked: the deploy waits, it does not skip this."""
         if self.host_credentials is None:
             return True
@@ -180,7 +166,7 @@ class Operations:
             log.warning("slice_host_revoke_failed", node_id=row["node_id"], error=str(exc)[:300])
             return False
 
-    async def revoke_host_credentials(self, row: asyncpg.Record) -> bool:
+    async def revoke_host_credentials(self, row: Row) -> bool:
         if self.host_credentials is None or row["allocation_id"] is None:
             return True
         try:
@@ -204,7 +190,7 @@ class Operations:
 
     async def finish(
         self,
-        row: asyncpg.Record,
+        row: Row,
         outcome: str,
         *,
         status: str | None = None,
@@ -254,7 +240,7 @@ class Operations:
 
 
 def result_event(
-    row: asyncpg.Record,
+    row: Row,
     outcome: str,
     status: str | None,
     reason_code: str | None,
@@ -280,7 +266,7 @@ def result_event(
                 status="deployed" if outcome == "succeeded" else "failed", **common, **login
             )
         # The erase asked is the command's whatever the end (a deadline too); its outcome only once MAAS showed one.
-        erase = {"erase_mode": result.get("erase_mode") or release_erase_mode(row)}
+        erase: dict[str, Any] = {"erase_mode": result.get("erase_mode") or release_erase_mode(row)}
         if result.get("erase_outcome") is not None:
             erase["erase_outcome"] = result["erase_outcome"]
         return "maas.release_result", m.MaasReleaseResult(
@@ -314,7 +300,7 @@ def as_dict(value: Any) -> dict[str, Any]:
     return json.loads(value) if isinstance(value, str) else dict(value)
 
 
-def params(row: asyncpg.Record) -> dict[str, Any]:
+def params(row: Row) -> dict[str, Any]:
     return as_dict(row["params"])
 
 
@@ -322,6 +308,6 @@ def params(row: asyncpg.Record) -> dict[str, Any]:
 DEFAULT_ERASE_MODE = "full"
 
 
-def release_erase_mode(row: asyncpg.Record) -> str:
+def release_erase_mode(row: Row) -> str:
     """The erase a release command asked for (kept in its params)."""
     return str(params(row).get("erase_mode") or DEFAULT_ERASE_MODE)

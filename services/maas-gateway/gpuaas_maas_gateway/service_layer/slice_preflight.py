@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import asyncpg
-
 from gpuaas_common.contract import messages as m
 
 from ..adapters.maas_client import decode_output
 from ..adapters.maas_models import Machine
 from ..domain import slice_preflight as pre
+from .ports import Row
 from .shared import Operations, Site, now
 
 
@@ -30,7 +29,7 @@ def _current_set(sets: list[dict[str, Any]], current_id: Any) -> dict[str, Any] 
 
 
 def preflight_event(
-    row: asyncpg.Record, site: str, script: str, sets: list[dict[str, Any]], current_id: Any
+    row: Row, site: str, script: str, sets: list[dict[str, Any]], current_id: Any
 ) -> m.NodeSlicePreflightReported:
     result_set = _current_set(sets, current_id)
     result = next((r for r in (result_set or {}).get("results") or () if r.get("name") == script), None)
@@ -56,8 +55,8 @@ def preflight_event(
         checks=[
             m.SlicePreflightCheck(
                 check=c.check[:128],
-                status=c.status,
-                detail=c.detail[:2048],  # type: ignore[arg-type]
+                status=c.status,  # type: ignore[arg-type]
+                detail=c.detail[:2048],
                 remediation=c.remediation[:2048],
             )
             for c in (parsed.checks if parsed else [])[:512]
@@ -80,7 +79,7 @@ def preflight_event(
     )
 
 
-async def fetch(ops: Operations, site: Site, row: asyncpg.Record, machine: Machine) -> m.NodeSlicePreflightReported:
+async def fetch(ops: Operations, site: Site, row: Row, machine: Machine) -> m.NodeSlicePreflightReported:
     """Raises MaasError when MAAS cannot answer; the caller looks again on its next poll."""
     script = ops.settings.maas_slice_preflight_script
     sets = await ops.maas(site, lambda: site.client.list_results(row["system_id"], filters=[script]))

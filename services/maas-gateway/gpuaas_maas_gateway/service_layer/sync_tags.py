@@ -4,17 +4,17 @@ unknown outcome is simply run again."""
 from __future__ import annotations
 
 import re
-
-import asyncpg
+from functools import partial
 
 from ..adapters.maas_errors import MaasBadRequest, MaasError, MaasUnreachable
 from .metrics import UNKNOWN_OUTCOMES
+from .ports import Row
 from .shared import Operations, Site, Unresolvable, now, params
 
 TAG_NAME = re.compile(r"^[a-zA-Z0-9_-]+$")
 
 
-async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
+async def step(ops: Operations, site: Site, row: Row) -> None:
     _, profile = await ops.profile(row["site"], row["profile"])
     bad = [t for t in profile.tags if not TAG_NAME.match(t)]
     if bad:
@@ -29,7 +29,7 @@ async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
                 try:
                     await ops.maas(
                         site,
-                        lambda tag=tag: site.client.create_tag(tag, comment=f"gpuaas site profile {row['profile']}"),
+                        partial(site.client.create_tag, tag, comment=f"gpuaas site profile {row['profile']}"),
                     )
                 except MaasBadRequest as exc:
                     if "already exists" not in exc.body:
@@ -37,8 +37,11 @@ async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
             if p.get("add_system_ids") or p.get("remove_system_ids"):
                 counts = await ops.maas(
                     site,
-                    lambda tag=tag: site.client.update_tag_nodes(
-                        tag, add=p.get("add_system_ids") or (), remove=p.get("remove_system_ids") or ()
+                    partial(
+                        site.client.update_tag_nodes,
+                        tag,
+                        add=p.get("add_system_ids") or (),
+                        remove=p.get("remove_system_ids") or (),
                     ),
                 )
                 added += int(counts.get("added", 0))

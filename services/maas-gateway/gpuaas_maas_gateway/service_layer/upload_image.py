@@ -8,16 +8,15 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
-
-import asyncpg
 
 from gpuaas_common.logging import get_logger
 
 from ..adapters.maas_errors import MaasError, MaasUnreachable
-from ..adapters.repository import GatewayRepositories
 from ..domain.operations import image_name
 from .metrics import MAAS_CALLS, UNKNOWN_OUTCOMES
+from .ports import GatewayRepositories, Row
 from .shared import Operations, Site, Unresolvable, as_dict, now, params
 
 log = get_logger(__name__)
@@ -30,7 +29,7 @@ class _Upload:
 
     ops: Operations
     site: Site
-    row: asyncpg.Record
+    row: Row
     params: dict[str, Any]
     progress: dict[str, Any]
     name: str
@@ -54,7 +53,7 @@ class _Upload:
         return str(self.params.get("filetype") or "tgz")
 
 
-async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
+async def step(ops: Operations, site: Site, row: Row) -> None:
     """Every step starts from what MAAS shows: a resource with our sha256 that is complete means done
     (even if the answer to the last chunk was lost); an incomplete one is resumed at the byte offset its
     progress reports; none means the create has to be (re)sent, but only once a lost create has had its
@@ -86,7 +85,7 @@ async def step(ops: Operations, site: Site, row: asyncpg.Record) -> None:
     await _record(upload, found[0])
 
 
-async def _hashed(ops: Operations, site: Site, row: asyncpg.Record) -> _Upload:
+async def _hashed(ops: Operations, site: Site, row: Row) -> _Upload:
     """The upload, its file's size and sha256 read once and kept in the progress: later steps trust them."""
     p = params(row)
     progress = as_dict(row["progress"])
@@ -147,7 +146,7 @@ async def _send_chunks(upload: _Upload, found: tuple[int, dict[str, Any]]) -> No
         if not chunk:
             raise Unresolvable("source_unreadable", "the image file shrank during the upload")
         MAAS_CALLS.labels("upload_image").inc()
-        await ops.maas(site, lambda chunk=chunk: site.client.upload_chunk(rfile["upload_uri"], chunk))
+        await ops.maas(site, partial(site.client.upload_chunk, rfile["upload_uri"], chunk))
         offset += len(chunk)
         await ops.set(upload.op_id, delay=0, progress=json.dumps({**upload.progress, "uploaded": offset}))
 
@@ -211,7 +210,7 @@ async def _find_resource_file(
     listed = await ops.maas(site, site.client.list_boot_resources)
     for item in listed:
         if image_name(item.get("name", "")) == name and item.get("architecture") == arch:
-            full = await ops.maas(site, lambda item=item: site.client.read_boot_resource(item["id"]))
+            full = await ops.maas(site, partial(site.client.read_boot_resource, item["id"]))
             found = file_in(full, digest)
             if found is not None:
                 return found

@@ -21,8 +21,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import asyncpg
-
 from gpuaas_common.cancellation import stop_if_cancelled
 from gpuaas_common.db import DB_UNAVAILABLE
 from gpuaas_common.logging import bound_context, get_logger
@@ -30,11 +28,12 @@ from gpuaas_common.logging import bound_context, get_logger
 from ..adapters.maas_errors import MaasError
 from ..adapters.repository import OPEN_STATES, LeaseLost
 from . import commission, deploy, release, set_distro_series, sync_tags, upload_image
+from .ports import Row
 from .shared import BreakerOpen, Operations, Site, Unresolvable, now
 
 log = get_logger(__name__)
 
-STEPS: dict[str, Callable[[Operations, Site, asyncpg.Record], Awaitable[None]]] = {
+STEPS: dict[str, Callable[[Operations, Site, Row], Awaitable[None]]] = {
     "deploy": deploy.step,
     "release": release.step,
     "commission": commission.step,

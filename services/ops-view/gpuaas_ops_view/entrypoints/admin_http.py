@@ -20,6 +20,7 @@ from pydantic import BaseModel, SecretStr
 
 from gpuaas_common.admin_http import USAGE, AdminApi, Call, Route, openapi, render_yaml
 
+from ..adapters.queries import ReadModels
 from ..service_layer import queries
 from . import api_models as out
 
@@ -50,14 +51,14 @@ ConsumerState = Callable[[], Awaitable[dict[str, tuple[int, int] | None]]]
 def _query(fn, model: type[BaseModel]) -> Callable[[Call], Awaitable[dict]]:
     async def handler(call: Call) -> dict:
         # Through the documented model: the answer is what the OpenAPI document says, in JSON types.
-        return model.model_validate(await fn(call.conn, call.query)).model_dump(mode="json")
+        return model.model_validate(await fn(ReadModels(call.conn), call.query)).model_dump(mode="json")
 
     return handler
 
 
 def _one(fn, model: type[BaseModel]) -> Callable[[Call], Awaitable[dict]]:
     async def handler(call: Call) -> dict:
-        return model.model_validate(await fn(call.conn, *call.params.values())).model_dump(mode="json")
+        return model.model_validate(await fn(ReadModels(call.conn), *call.params.values())).model_dump(mode="json")
 
     return handler
 
@@ -65,7 +66,9 @@ def _one(fn, model: type[BaseModel]) -> Callable[[Call], Awaitable[dict]]:
 def routes(consumer_state: ConsumerState | None = None) -> list[Route]:
     async def streams(call: Call) -> dict[str, Any]:
         state = await consumer_state() if consumer_state is not None else {}
-        return out.StreamPositions.model_validate(await queries.streams(call.conn, state)).model_dump(mode="json")
+        return out.StreamPositions.model_validate(await queries.streams(ReadModels(call.conn), state)).model_dump(
+            mode="json"
+        )
 
     return [
         Route(

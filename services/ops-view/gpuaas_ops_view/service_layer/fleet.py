@@ -5,17 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import asyncpg
-
 from . import queries
+from .ports import OpsReads
 
 
 async def fleet(
-    conn: asyncpg.Connection, query: dict[str, str | None], admin: dict[str, dict[str, Any]] | None
+    reads: OpsReads, query: dict[str, str | None], admin: dict[str, dict[str, Any]] | None
 ) -> dict[str, Any]:
     """A page of hosts, each with `admin` (the scheduler's node view, or None when it has none or could not be
     asked), and `unseen`: nodes the scheduler has that the streams have not described yet (first page only)."""
-    page = await queries.list_hosts(conn, query)
+    page = await queries.list_hosts(reads, query)
     for host in page["items"]:
         host["admin"] = (admin or {}).get(host["node_id"])
     seen = {h["node_id"] for h in page["items"]}

@@ -13,7 +13,6 @@ from gpuaas_common.bus import PermanentError, parse_message
 from gpuaas_common.contract import Envelope, derived_event_id
 from gpuaas_common.contract import messages as m
 
-from ..adapters.projection import BatchProjection, Projection
 from ..domain.models import (
     claim_outcome,
     failing_checks,
@@ -24,6 +23,7 @@ from ..domain.models import (
     wipe_outcomes_text,
 )
 from ..domain.usage import ENDS, usage_of
+from .ports import BatchProjection, Projection
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from gpuaas_common.logging import get_logger
 
 from ...adapters import login_links
 from ...adapters.changes import Changes
+from ...adapters.queries import ReadModels
 from ...adapters.scheduler_admin import SchedulerAdmin, SchedulerUnavailable
 from ...domain.filters import ALLOCATION_STATES, AUDITED_SERVICES
 from ...service_layer import queries
@@ -128,7 +129,7 @@ class Console:
         field (400) and no rows."""
         try:
             async with self.pool.acquire() as conn:
-                data = await fetch(conn)
+                data = await fetch(ReadModels(conn))
         except ApiError as exc:
             if exc.status != 400:
                 raise
@@ -159,7 +160,7 @@ class Console:
             request,
             "fleet.html",
             "fleet",
-            lambda conn: fleet_view(conn, query, admin),
+            lambda reads: fleet_view(reads, query, admin),
             admin_error=admin_error,
             action_error=action_error,
             acted=request.query.get("acted"),
@@ -202,7 +203,7 @@ class Console:
         }
         async with self.pool.acquire() as conn:
             try:
-                found = await queries.get_host(conn, node_id)
+                found = await queries.get_host(ReadModels(conn), node_id)
             except ApiError as exc:
                 ctx = self._context(request, "fleet", host=None, error=exc.message, **more)
                 return page(request, "host.html", exc.status, **ctx)
@@ -347,7 +348,7 @@ class Console:
             request,
             "allocations.html",
             "allocations",
-            lambda conn: queries.list_allocations(conn, query),
+            lambda reads: queries.list_allocations(reads, query),
             states=ALLOCATION_STATES,
         )
 
@@ -362,7 +363,7 @@ class Console:
         }
         async with self.pool.acquire() as conn:
             try:
-                found = await queries.get_allocation(conn, request.match_info["allocation_id"])
+                found = await queries.get_allocation(ReadModels(conn), request.match_info["allocation_id"])
             except ApiError as exc:
                 ctx = self._context(request, "allocations", alloc=None, error=exc.message, **actions_ctx)
                 return page(request, "allocation.html", exc.status, **ctx)
@@ -375,7 +376,7 @@ class Console:
     async def image(self, request: web.Request) -> web.Response:
         async with self.pool.acquire() as conn:
             try:
-                found = await queries.get_image(conn, request.match_info["slug"])
+                found = await queries.get_image(ReadModels(conn), request.match_info["slug"])
             except ApiError as exc:
                 ctx = self._context(request, "images", image=None, error=exc.message)
                 return page(request, "image.html", exc.status, **ctx)
@@ -383,12 +384,12 @@ class Console:
 
     async def maas(self, request: web.Request) -> web.Response:
         query = self._query(request, "status", "node", "since", "until", "limit", "cursor")
-        return await self._list(request, "maas.html", "maas", lambda conn: queries.list_maas(conn, query))
+        return await self._list(request, "maas.html", "maas", lambda reads: queries.list_maas(reads, query))
 
     async def dead_letters(self, request: web.Request) -> web.Response:
         query = self._query(request, "consumer", "reason_code", "since", "until", "limit", "cursor")
         return await self._list(
-            request, "dead_letters.html", "dead-letters", lambda conn: queries.list_dead_letters(conn, query)
+            request, "dead_letters.html", "dead-letters", lambda reads: queries.list_dead_letters(reads, query)
         )
 
     async def usage(self, request: web.Request) -> web.Response:
@@ -396,13 +397,13 @@ class Console:
         if not query["month"]:
             query["month"] = datetime.now(timezone.utc).strftime("%Y-%m")
         return await self._list(
-            request, "usage.html", "usage", lambda conn: queries.usage(conn, query), month=query["month"]
+            request, "usage.html", "usage", lambda reads: queries.usage(reads, query), month=query["month"]
         )
 
     async def audit(self, request: web.Request) -> web.Response:
         query = self._query(request, "actor", "service", "request_id", "since", "until", "limit", "cursor")
         return await self._list(
-            request, "audit.html", "audit", lambda conn: queries.list_audit(conn, query), services=AUDITED_SERVICES
+            request, "audit.html", "audit", lambda reads: queries.list_audit(reads, query), services=AUDITED_SERVICES
         )
 
 
