@@ -33,6 +33,7 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from gpuaas_common.admin_http import login_link
+from gpuaas_common.contract import AllocationState as A
 from gpuaas_common.db import create_pool
 from gpuaas_common.logging import configure_logging
 from gpuaas_common.migrations import apply_migrations
@@ -47,8 +48,8 @@ SCHEMA = "ops_view"
 TOKEN = "bench-console-token-0123456789"
 LOGIN_SECRET = "bench-console-login-secret-0123"
 GOAL_MS = 300.0
-STATES = ("active",) * 6 + ("released",) * 2 + ("provisioning", "unschedulable", "failed", "placed")
-TIMELINE = ("accepted", "placed", "provisioning", "active", "releasing", "released")
+STATES = (A.ACTIVE,) * 6 + (A.RELEASED,) * 2 + (A.PROVISIONING, A.UNSCHEDULABLE, A.FAILED, A.PLACED)
+TIMELINE = (A.ACCEPTED, A.PLACED, A.PROVISIONING, A.ACTIVE, A.RELEASING, A.RELEASED)
 
 
 def _allocation_rows(count: int, hosts: list[str], now: datetime) -> tuple[list[tuple], list[tuple], list[tuple]]:
@@ -73,7 +74,7 @@ def _allocation_rows(count: int, hosts: list[str], now: datetime) -> tuple[list[
         for seq, (before, step) in enumerate(zip((None, *steps), steps, strict=False), start=1):
             at = created + timedelta(milliseconds=seq)
             timeline.append((alloc, seq, step, before, f"ev-{alloc}-{seq}", at, "{}"))
-        if state in ("active", "released"):
+        if state in (A.ACTIVE, A.RELEASED):
             stopped = created + timedelta(seconds=600) if state == "released" else None
             usage.append(
                 (alloc, f"tenant-{i % 97}", "gpu_slice", "h200-sxm-slice", 2, "default", node,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from . import messages as m
+from .vocabulary import TaskType
 
 # Replies travel on the asker's own inbox (`_INBOX_<identity>.…`, or `_INBOX.…` anonymously), not on a
 # subject of ours: a reply spec has no address, and this is what its subject looks like.
@@ -85,7 +86,8 @@ NODE_TASK_PREFIX = "gpuaas.node.{node_id}.tasks."
 NODE_TASKS_CHANNEL = "nodeTasks"
 
 
-def _node_task(type_: str, model: type[BaseModel], summary: str, producers: tuple[str, ...]) -> MessageSpec:
+def _node_task(task: TaskType, model: type[BaseModel], summary: str, producers: tuple[str, ...]) -> MessageSpec:
+    type_ = task.value  # a plain str: the spec renders into the contract
     camel = "".join(part.capitalize() for part in re.split(r"[._]", type_))
     return MessageSpec(
         type_,
@@ -222,13 +224,13 @@ ALL: tuple[MessageSpec, ...] = (
         ("allocator",),
     ),
     _node_task(
-        "slice.vm_provision",
+        TaskType.SLICE_VM_PROVISION,
         m.SliceVmProvision,
         "Build and start a slice VM on the host.",
         ("allocator",),
     ),
     _node_task(
-        "slice.vm_release",
+        TaskType.SLICE_VM_RELEASE,
         m.SliceVmRelease,
         "Stop, undefine and wipe a slice VM.",
         ("allocator",),
@@ -264,25 +266,25 @@ ALL: tuple[MessageSpec, ...] = (
         NODE_ID,
     ),
     _node_task(
-        "slice.topology_discover",
+        TaskType.SLICE_TOPOLOGY_DISCOVER,
         m.SliceTopologyDiscover,
         "Discover the host's GPUs, fabric devices and NVMe disks and suggest slot candidates.",
         ("scheduler", "ops"),
     ),
     _node_task(
-        "slice.parity_check",
+        TaskType.SLICE_PARITY_CHECK,
         m.SliceParityCheck,
         "Run the slice host parity checks now and report them.",
         ("scheduler", "ops"),
     ),
     _node_task(
-        "slice.vfio_apply",
+        TaskType.SLICE_VFIO_APPLY,
         m.SliceVfioApply,
         "Bind the approved slots' GPUs and fabric VFs to vfio-pci (entering slice mode) or release them (leaving).",
         ("scheduler",),
     ),
     _node_task(
-        "slice.slot_wipe",
+        TaskType.SLICE_SLOT_WIPE,
         m.SliceSlotWipe,
         "Wipe and verify the disks of slots no tenant holds by the site's policy, before they become available.",
         ("scheduler",),
@@ -298,7 +300,7 @@ ALL: tuple[MessageSpec, ...] = (
         NODE_ID,
     ),
     _node_task(
-        "slice.terminal_open",
+        TaskType.SLICE_TERMINAL_OPEN,
         m.SliceTerminalOpen,
         "Open an SSH PTY into a slice guest with the host's relay key and relay it to the control plane.",
         ("allocator",),
@@ -541,7 +543,7 @@ ALL: tuple[MessageSpec, ...] = (
         ("scheduler", "ops"),
     ),
     _node_task(
-        "image.cache_prewarm",
+        TaskType.IMAGE_CACHE_PREWARM,
         m.ImageCachePrewarm,
         "Pull an image into the node-local cache and verify its digest.",
         ("image-pipeline",),

@@ -17,6 +17,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from gpuaas_common.contract import AllocationState as A
+from gpuaas_common.contract import Shape
+
 from .bus import ALLOCATION_EVENTS, bus_identity, connect, describe_event, resolve_nats_url
 from .common import (
     DEFAULT_RUN_DIR,
@@ -42,8 +45,9 @@ allocations_app = typer.Typer(
 
 LegacyJsonOpt = Annotated[bool, typer.Option("--json", help="The same as -o json.")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for the allocator's answer.")]
-STATES = ("accepted", "placed", "provisioning", "active", "releasing", "released", "unschedulable", "failed")
-SHORT_SHAPE = {"gpu_slice": "slice", "baremetal": "bm"}
+# The states an allocation is answered in (`requested` never leaves the allocator's transaction).
+STATES = tuple(s.value for s in A if s != A.REQUESTED)
+SHORT_SHAPE = {Shape.GPU_SLICE: "slice", Shape.BAREMETAL: "bm"}
 # The table's columns, one space apart, each as wide as its widest cell but no wider than this (the full id, so
 # it can be pasted; a longer tenant or node is cut with …). The usual rows (an 8-letter tenant and node) fit 80
 # columns in every state; the widest a row can be is 84.
@@ -272,12 +276,12 @@ def allocations_show(
     typer.echo(show_text(fetch(), fmt))
 
 
-Target = choices("Target", ("active", "released"))
+Target = choices("Target", (A.ACTIVE.value, A.RELEASED.value))
 # What ends a wait, per target: the states that answer it, and those that mean it will never come.
-WAIT_OK = {"active": {"active"}, "released": {"released"}}
+WAIT_OK = {A.ACTIVE: {A.ACTIVE}, A.RELEASED: {A.RELEASED}}
 WAIT_FAIL = {
-    "active": {"rejected", "unschedulable", "failed", "releasing", "released"},
-    "released": {"rejected", "unschedulable", "failed"},
+    A.ACTIVE: {"rejected", A.UNSCHEDULABLE, A.FAILED, A.RELEASING, A.RELEASED},
+    A.RELEASED: {"rejected", A.UNSCHEDULABLE, A.FAILED},
 }
 
 

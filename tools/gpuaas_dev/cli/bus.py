@@ -4,6 +4,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from gpuaas_common.contract import AllocationState
 from gpuaas_common.natsconn import split_servers
 
 from ..identity_cli import cli_identity
@@ -145,7 +146,7 @@ def describe_event(kind: str, payload: dict[str, Any]) -> str:
         color = "yellow" if p.get("reason_code") == "already_releasing" else "red"
         state = f" (state {p['state']})" if p.get("state") else ""
         return f"[{color}]release rejected[/]: {p.get('reason_code')}: {p.get('reason')}{state}"
-    if kind in ("rejected", "unschedulable", "failed"):
+    if kind in ("rejected", AllocationState.UNSCHEDULABLE, AllocationState.FAILED):
         # Free GPUs say why there was no room; a quota refusal already says what the tenant holds and asked.
         room = kind == "unschedulable" and p.get("reason_code") != "quota_exceeded"
         extra = f" (free GPUs {p.get('free_gpus')}, asked {p.get('requested_gpus')})" if room else ""

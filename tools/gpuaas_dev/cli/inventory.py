@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Optional, get_args
+from typing import Annotated, Any, Optional
 
 import typer
 
-from gpuaas_common.contract.messages import SlotStatus
+from gpuaas_common.contract import HostMode, SlotStatus, WipePolicy
 
 from .admin_api import (
     ActorOpt,
@@ -37,12 +37,12 @@ quota_app = typer.Typer(no_args_is_help=True, help="Tenant GPU quotas (admin API
 wipe_policy_app = typer.Typer(no_args_is_help=True, help="A site's destructive wipe policy (admin API).")
 api_app = typer.Typer(no_args_is_help=True, help="The admin HTTP APIs themselves.")
 
-WIPE_POLICIES = ("blkdiscard", "nvme_format", "crypto_erase")
-MODES = ("slice", "baremetal", "converting", "drained", "retired")
+WIPE_POLICIES = tuple(p.value for p in WipePolicy)
+MODES = tuple(m.value for m in HostMode)
 WipePolicy = choices("WipePolicy", WIPE_POLICIES)
 Mode = choices("Mode", MODES)
 # The statuses a slot can have, as the contract carries them (scheduler.slots_changed).
-SLOT_STATUSES: tuple[str, ...] = get_args(SlotStatus)
+SLOT_STATUSES: tuple[str, ...] = tuple(s.value for s in SlotStatus)
 
 NodeArg = Annotated[str, typer.Argument(help="The node's id (`gpuaas nodes list`).")]
 SlotArg = Annotated[str, typer.Argument(help="The slot's id (`gpuaas slots list`).")]

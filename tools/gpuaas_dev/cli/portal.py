@@ -7,6 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
+from gpuaas_common.contract import AllocationState as A
+from gpuaas_common.contract import Shape
+
 from .bus import bus_identity, resolve_nats_url
 from .common import (
     DEFAULT_RUN_DIR,
@@ -22,8 +25,8 @@ from .common import (
 from .follow import publish_and_follow
 
 DEFAULTS = {
-    "gpu_slice": {"sku": "h200-sxm-slice", "image": "ubuntu-24.04-h200-slice", "gpus": 1},
-    "baremetal": {"sku": "h200-sxm", "image": "ubuntu-24.04-h200-host", "gpus": 8},
+    Shape.GPU_SLICE: {"sku": "h200-sxm-slice", "image": "ubuntu-24.04-h200-slice", "gpus": 1},
+    Shape.BAREMETAL: {"sku": "h200-sxm", "image": "ubuntu-24.04-h200-host", "gpus": 8},
 }
 
 # Used when no --ssh-key is given and the developer has no key of their own: the simulated guests
@@ -75,7 +78,7 @@ def _either(values: Sequence[object]) -> str:
 
 def _lab_image(shape: str, run_dir: Path) -> Optional[str]:
     """On a stack started with --lab, slices go to the lab host's image (the only one it verified)."""
-    stack = read_stack_json(run_dir) if shape == "gpu_slice" else None
+    stack = read_stack_json(run_dir) if shape == Shape.GPU_SLICE else None
     lab = (stack or {}).get("lab") or {}
     return (lab.get("image") or {}).get("slug")
 
@@ -140,7 +143,7 @@ def allocate(
     except (ValidationError, ValueError, OSError) as exc:
         raise fail(f"[red]invalid request[/]: {_one_line(exc)}", EXIT_USAGE) from None
     url = resolve_nats_url(nats_url, run_dir)
-    failure = {"rejected", "unschedulable", "failed", "releasing", "released"}
+    failure = {"rejected", A.UNSCHEDULABLE, A.FAILED, A.RELEASING, A.RELEASED}
     publish_and_follow(
         bus_identity(url, creds, run_dir, "portal"),
         "allocation.requested",

@@ -21,7 +21,7 @@ from typing import Any
 
 import nats
 
-from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import AllocationState, Envelope
 
 from ..stack import Stack
 from ..stack.lab_host import LAB_NODE, LAB_SKU
@@ -58,7 +58,7 @@ class _Follower:
             self.line(
                 f"allocation {state}{where}" + (f": {p['reason_code']}: {p['reason']}" if "reason_code" in p else "")
             )
-            if state in wanted or state in ("failed", "unschedulable", "rejected"):
+            if state in wanted or state in (AllocationState.FAILED, AllocationState.UNSCHEDULABLE, "rejected"):
                 return env
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gpuaas_common.contract import TaskType
 from gpuaas_common.fleet import Fleet, FleetNode
 from gpuaas_common.identity import creds as creds_files
 from gpuaas_common.identity.permissions import node_user_name
@@ -250,9 +251,9 @@ async def _run_instant_host(settings: SimFleetSettings, node: FleetNode, link: H
     bus.subscribe(
         spec,
         {
-            "slice.vm_provision": instant.on_task,
-            "slice.vm_release": instant.on_task,
-            "image.cache_prewarm": instant.on_prewarm,
+            TaskType.SLICE_VM_PROVISION: instant.on_task,
+            TaskType.SLICE_VM_RELEASE: instant.on_task,
+            TaskType.IMAGE_CACHE_PREWARM: instant.on_prewarm,
         },
         transactional=False,
         concurrency=settings.task_concurrency,

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpuaas_common.bus import HandlerContext
-from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import TaskType, derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.fleet import FleetNode
 
@@ -58,7 +58,7 @@ class InstantSliceHost:
             task_type=ctx.envelope.type,
             status="succeeded",
         )
-        if ctx.envelope.type == "slice.vm_provision":
+        if ctx.envelope.type == TaskType.SLICE_VM_PROVISION:
             primary = task.slots[0]
             gpus = sum(1 for s in task.slots if s.gpu_pci_address)
             result = m.NodeTaskResult(

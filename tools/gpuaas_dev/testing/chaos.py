@@ -33,6 +33,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
+from gpuaas_common.contract import AllocationState as A
 from gpuaas_common.contract import Envelope
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer
@@ -89,7 +90,7 @@ REPLICATED = ("allocator", "scheduler", "image-pipeline", "maas-gateway")
 # (4-9 s, constants in server/raft.go). `nats_stop` stops one the way a rolling upgrade does (SIGTERM: the server
 # steps down every Raft leader it holds before it exits) and starts it again.
 FAULT_KINDS = ("kill", "pause", "nats", "nats_stop", "pg_fast", "pg_immediate", "pg_async_immediate", "maas")
-TRANSIENT = ("requested", "accepted", "placed", "provisioning", "releasing")
+TRANSIENT = (A.REQUESTED, A.ACCEPTED, A.PLACED, A.PROVISIONING, A.RELEASING)
 SSH_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDev tenant@example"
 
 

@@ -15,7 +15,7 @@ import aiohttp
 import nats
 from nats.aio.client import Client as NatsClient
 
-from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import Envelope, TaskType
 from gpuaas_common.contract.catalog import ALL, node_task_subject
 from gpuaas_common.contract.envelope import utcnow
 from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer
@@ -77,7 +77,7 @@ async def recover_fleet(stack: Stack, spy: BusSpy, admin: NatsClient) -> dict[st
                 out["drift_acknowledged"][node] = resp.status
             task_id = f"rediscover-{uuid.uuid4().hex[:12]}"
             env = Envelope.wrap(
-                "slice.topology_discover",
+                TaskType.SLICE_TOPOLOGY_DISCOVER,
                 {"task_id": task_id, "node_id": node, "deadline": (utcnow() + timedelta(minutes=5)).isoformat()},
                 producer="ops",
                 correlation_id=task_id,

@@ -14,14 +14,14 @@ import asyncpg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import AllocationState, Envelope, SlotStatus
 from gpuaas_common.contract.messages import DeadLetter
 
 from .databases import ServiceDatabases
 from .waiting import eventually
 
-TERMINAL = ("released", "failed", "rejected", "unschedulable")
-LIVE_SLOT_STATUSES = ("reserved", "provisioning", "active", "releasing")
+TERMINAL = (AllocationState.RELEASED, AllocationState.FAILED, "rejected", AllocationState.UNSCHEDULABLE)
+LIVE_SLOT_STATUSES = (SlotStatus.RESERVED, SlotStatus.PROVISIONING, SlotStatus.ACTIVE, SlotStatus.RELEASING)
 
 
 async def database_violations(conn: ServiceDatabases) -> list[str]:

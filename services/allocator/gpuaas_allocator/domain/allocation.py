@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from gpuaas_common.contract import Envelope, caused_event_id, derived_event_id, utcnow
+from gpuaas_common.contract import AllocationState, Envelope, Shape, TaskType, caused_event_id, derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.enrolment import enrolment_proof
 from gpuaas_common.logging import get_logger
@@ -50,16 +50,18 @@ from .model import ActiveImage, check_transition, release_refusal
 log = get_logger(__name__)
 
 LIFECYCLE_MODELS: dict[str, type[m.AllocationEvent]] = {
-    "accepted": m.AllocationAccepted,
-    "placed": m.AllocationPlaced,
-    "unschedulable": m.AllocationUnschedulable,
-    "provisioning": m.AllocationProvisioning,
-    "active": m.AllocationActive,
-    "releasing": m.AllocationReleasing,
-    "released": m.AllocationReleased,
-    "failed": m.AllocationFailed,
+    AllocationState.ACCEPTED: m.AllocationAccepted,
+    AllocationState.PLACED: m.AllocationPlaced,
+    AllocationState.UNSCHEDULABLE: m.AllocationUnschedulable,
+    AllocationState.PROVISIONING: m.AllocationProvisioning,
+    AllocationState.ACTIVE: m.AllocationActive,
+    AllocationState.RELEASING: m.AllocationReleasing,
+    AllocationState.RELEASED: m.AllocationReleased,
+    AllocationState.FAILED: m.AllocationFailed,
 }
-TERMINAL = ("released", "failed", "unschedulable")
+TERMINAL = (AllocationState.RELEASED, AllocationState.FAILED, AllocationState.UNSCHEDULABLE)
+# Not placed yet: waiting for the scheduler's answer, or released before it came.
+UNPLACED = (AllocationState.ACCEPTED, AllocationState.RELEASING)
 
 # Timeline reason codes.
 FORCE_RELEASED = "force_released"
@@ -223,14 +225,14 @@ class Allocation:
 
     @property
     def awaits_placement(self) -> bool:
-        return self.state in ("accepted", "releasing") and self.node_id is None
+        return self.state in UNPLACED and self.node_id is None
 
     def answers_unplaced_provision(self, res: m.NodeTaskResult) -> bool:
         """The provision task this allocation would be sent, but it is not placed: the commits that placed it
         were lost after the task went out."""
         return (
             self.task_id is None
-            and self.state in ("accepted", "releasing")
+            and self.state in UNPLACED
             and res.task_id == self._policy.provision_task_id(self.allocation_id)
         )
 
@@ -262,10 +264,10 @@ class Allocation:
         """Whether this late answer says a VM now runs that no allocation holds: a slice provision that succeeded
         for an allocation that failed before it heard so, and no teardown sent for it yet."""
         return (
-            self.shape == "gpu_slice"
+            self.shape == Shape.GPU_SLICE
             and self.state == "failed"
             and res.task_id == self.task_id
-            and res.task_type == "slice.vm_provision"
+            and res.task_type == TaskType.SLICE_VM_PROVISION
             and res.status == "succeeded"
             and self.release_task_id is None
         )
@@ -274,7 +276,7 @@ class Allocation:
     def machine_may_be_deployed(self) -> bool:
         """A failed baremetal allocation whose deploy went out and whose machine was not released yet."""
         return (
-            self.shape == "baremetal"
+            self.shape == Shape.BAREMETAL
             and self.operation_id is not None
             and self.release_operation_id is None
             and self.maas_system_id is not None
@@ -333,7 +335,7 @@ class Allocation:
                 cleanup=m.CleanupReport(required=False, verified=True, reason="released before provisioning"),
             )
             return
-        if self.shape == "baremetal":
+        if self.shape == Shape.BAREMETAL:
             self._mark(placed=utcnow().isoformat())
         self._transition(
             "placed",
@@ -365,7 +367,7 @@ class Allocation:
         return None
 
     def mark_unschedulable(self, ev: m.PlacementUnschedulable) -> None:
-        if self.state not in ("accepted", "releasing"):
+        if self.state not in UNPLACED:
             return
         if self.state == "releasing":
             self._transition("released", cleanup=m.CleanupReport(required=False, verified=True, reason="never placed"))
@@ -554,7 +556,7 @@ class Allocation:
         announcement with a wrong proof (user-data that is not what the gateway sent) is not retried by anyone:
         waiting for its deadline would only leave a tenant's machine up for nobody, so it fails now and the
         machine is released."""
-        if self.shape != "baremetal" or self.node_id != ev.node_id or self.maas_system_id != ev.maas_system_id:
+        if self.shape != Shape.BAREMETAL or self.node_id != ev.node_id or self.maas_system_id != ev.maas_system_id:
             log.warning("enrolment_unmatched", node_id=ev.node_id, system_id=ev.maas_system_id)
             self._host_note(
                 ENROLMENT_REFUSED,
@@ -749,7 +751,7 @@ class Allocation:
 
     def expire_task(self) -> None:
         """The node task is past its deadline plus the grace: asked once more, then given up on."""
-        if self.task_reasked_at is None and self.shape == "gpu_slice":
+        if self.task_reasked_at is None and self.shape == Shape.GPU_SLICE:
             self.reask_task()
             return
         if self.state == "failed":
@@ -815,12 +817,12 @@ class Allocation:
     def _start_provisioning(self) -> None:
         alloc_id = str(self.allocation_id)
         assert self.node_id is not None
-        if self.shape == "gpu_slice":
+        if self.shape == Shape.GPU_SLICE:
             task_id = self._policy.provision_task_id(alloc_id)
             deadline = utcnow() + timedelta(seconds=self._policy.task_deadline_s)
             self._set(task_id=task_id, awaiting_result=True, task_deadline_at=deadline)
             self._emit(
-                "slice.vm_provision",
+                TaskType.SLICE_VM_PROVISION,
                 self._node_task(),
                 derived_event_id(alloc_id, "provision-task"),
                 node_id=self.node_id,
@@ -835,7 +837,7 @@ class Allocation:
 
     def _start_teardown(self) -> None:
         alloc_id = str(self.allocation_id)
-        if self.shape == "gpu_slice":
+        if self.shape == Shape.GPU_SLICE:
             assert self.node_id is not None
             # A re-ask of the provision task does not use up the teardown's own.
             self._set(
@@ -847,7 +849,10 @@ class Allocation:
             # A release asked again after this commit was lost is a new message the agent answers from its
             # record (caused_event_id), not a duplicate JetStream drops.
             self._emit(
-                "slice.vm_release", self._node_task(), self._caused(alloc_id, "release-task"), node_id=self.node_id
+                TaskType.SLICE_VM_RELEASE,
+                self._node_task(),
+                self._caused(alloc_id, "release-task"),
+                node_id=self.node_id,
             )
             return
         self._set(release_operation_id=f"release-{alloc_id}", awaiting_result=True)
@@ -1036,7 +1041,7 @@ def _answer(res: m.NodeTaskResult) -> dict[str, Any]:
 
 
 def _task_type(task: m.SliceVmProvision | m.SliceVmRelease) -> str:
-    return "slice.vm_release" if isinstance(task, m.SliceVmRelease) else "slice.vm_provision"
+    return TaskType.SLICE_VM_RELEASE if isinstance(task, m.SliceVmRelease) else TaskType.SLICE_VM_PROVISION
 
 
 def _machine_erase(res: m.MaasReleaseResult) -> m.MachineErase:

@@ -21,16 +21,17 @@ A policy this allocator does not know gets the full overwrite alone: it trusts n
 
 from __future__ import annotations
 
+from gpuaas_common.contract import WipePolicy
 from gpuaas_common.contract import messages as m
 
 ERASE_MODES: dict[str, m.EraseMode] = {
-    "nvme_format": "secure",
-    "crypto_erase": "secure",
-    "blkdiscard": "secure",
+    WipePolicy.NVME_FORMAT: "secure",
+    WipePolicy.CRYPTO_ERASE: "secure",
+    WipePolicy.BLKDISCARD: "secure",
 }
 # The scheduler's default wipe policy (its domain/approval.py): what a placement from a scheduler that did not
 # say stands for.
-DEFAULT_WIPE_POLICY = "blkdiscard"
+DEFAULT_WIPE_POLICY = WipePolicy.BLKDISCARD
 
 
 def erase_mode_for(wipe_policy: str | None) -> m.EraseMode:

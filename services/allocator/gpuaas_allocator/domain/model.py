@@ -6,25 +6,27 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from gpuaas_common.contract import AllocationState as S
+from gpuaas_common.contract import Shape
 from gpuaas_common.contract.messages import AllocationRequested
 
 # SKU -> (shape, allowed GPU counts). Slices are whole GPUs on one host; baremetal is the whole host.
 SKUS: dict[str, tuple[str, frozenset[int]]] = {
-    "h200-sxm": ("baremetal", frozenset({8})),
-    "h200-sxm-slice": ("gpu_slice", frozenset({1, 2, 4, 8})),
+    "h200-sxm": (Shape.BAREMETAL, frozenset({8})),
+    "h200-sxm-slice": (Shape.GPU_SLICE, frozenset({1, 2, 4, 8})),
 }
-IMAGE_KIND_FOR_SHAPE = {"gpu_slice": "slice", "baremetal": "host"}
+IMAGE_KIND_FOR_SHAPE = {Shape.GPU_SLICE: "slice", Shape.BAREMETAL: "host"}
 
 TRANSITIONS: dict[str, frozenset[str]] = {
-    "requested": frozenset({"accepted"}),
-    "accepted": frozenset({"placed", "unschedulable", "releasing"}),
-    "placed": frozenset({"provisioning", "releasing", "failed"}),
-    "provisioning": frozenset({"active", "failed", "releasing"}),
-    "active": frozenset({"releasing", "failed"}),
-    "releasing": frozenset({"released", "failed"}),
-    "released": frozenset(),
-    "failed": frozenset(),
-    "unschedulable": frozenset(),
+    S.REQUESTED: frozenset({S.ACCEPTED}),
+    S.ACCEPTED: frozenset({S.PLACED, S.UNSCHEDULABLE, S.RELEASING}),
+    S.PLACED: frozenset({S.PROVISIONING, S.RELEASING, S.FAILED}),
+    S.PROVISIONING: frozenset({S.ACTIVE, S.FAILED, S.RELEASING}),
+    S.ACTIVE: frozenset({S.RELEASING, S.FAILED}),
+    S.RELEASING: frozenset({S.RELEASED, S.FAILED}),
+    S.RELEASED: frozenset(),
+    S.FAILED: frozenset(),
+    S.UNSCHEDULABLE: frozenset(),
 }
 
 
@@ -79,7 +81,7 @@ def validate_request(req: AllocationRequested, image: ActiveImage | None) -> Rej
     offer = validate_offer(req.shape, req.sku, req.gpu_count)
     if offer is not None:
         return offer
-    if req.shape == "gpu_slice" and not req.ssh_public_keys:
+    if req.shape == Shape.GPU_SLICE and not req.ssh_public_keys:
         return Rejection("ssh_key_required", "a slice VM has no password login: give at least one SSH public key")
     if image is None:
         return Rejection("image_not_active", f"image {req.image!r} is not active")

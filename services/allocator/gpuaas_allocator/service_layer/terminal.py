@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal, Protocol
 
-from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import TaskType, derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 from gpuaas_common.metrics import Family, Sample
@@ -214,7 +214,7 @@ class TerminalHub:
                 rows=rows,
             )
             await uow.events.add(
-                "slice.terminal_open",
+                TaskType.SLICE_TERMINAL_OPEN,
                 task,
                 aggregate_id=str(allocation_id),
                 event_id=derived_event_id(task_id, "open"),

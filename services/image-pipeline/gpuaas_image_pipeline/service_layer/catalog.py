@@ -13,7 +13,7 @@ from typing import Any
 
 from gpuaas_common.api_error import ApiError
 from gpuaas_common.bus import PermanentError
-from gpuaas_common.contract import derived_event_id
+from gpuaas_common.contract import HostMode, TaskType, derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
@@ -209,7 +209,7 @@ async def send_prewarm(uow: Uow, row: Row, node_id: str, cause: str, *, recheck:
             total=meta["blob_size"],
         )
     await uow.events.add(
-        "image.cache_prewarm",
+        TaskType.IMAGE_CACHE_PREWARM,
         task,
         aggregate_id=f"node:{node_id}",
         event_id=derived_event_id(task_id, "prewarm"),
@@ -382,7 +382,7 @@ async def on_cache_reported(uow: Uow, ev: m.NodeImageCacheReported) -> None:
 # Modes in which a host is no slice host the activation gate waits for: retired (out of the fleet: a dead host
 # would block every activation for good) or serving baremetal tenants. It joins again when its agent enrols as a
 # slice host (prewarmed then, and placed on an image only once its cache verified it).
-GATE_LEAVING_MODES = ("retired", "baremetal")
+GATE_LEAVING_MODES = (HostMode.RETIRED, HostMode.BAREMETAL)
 
 
 async def on_host_mode_changed(uow: Uow, ev: m.HostModeChanged) -> bool:

@@ -18,14 +18,15 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from gpuaas_common.contract import WipePolicy as Policy
+from gpuaas_common.contract.messages import WipePolicy
 from gpuaas_common.logging import get_logger
 
 log = get_logger(__name__)
 
 _ZERO_CHUNK = 4 << 20
 _FORMAT_TIMEOUT_S = 600.0
-WipePolicy = Literal["blkdiscard", "nvme_format", "crypto_erase"]
-WIPE_POLICIES: tuple[WipePolicy, ...] = ("blkdiscard", "nvme_format", "crypto_erase")
+WIPE_POLICIES: tuple[str, ...] = tuple(Policy)
 
 
 class DiskError(Exception):
@@ -192,7 +193,7 @@ async def wipe(dst: str | os.PathLike[str], policy: WipePolicy | None = None) ->
         raise DiskError("wipe_policy_unknown", f"unknown wipe policy {policy!r}")
     if kind == "file":
         method = await asyncio.to_thread(_erase_file, path, policy)
-    elif policy in (None, "blkdiscard"):
+    elif policy in (None, Policy.BLKDISCARD):
         method = await _wipe_block(path)
     else:
         method = await _nvme_format(path, policy)
@@ -234,19 +235,19 @@ def _random_fill(path: Path) -> None:
 
 
 def _erase_file(path: Path, policy: WipePolicy | None) -> str:
-    if policy == "blkdiscard" and _punch_hole(path):
+    if policy == Policy.BLKDISCARD and _punch_hole(path):
         return "blkdiscard"
-    if policy == "crypto_erase":
+    if policy == Policy.CRYPTO_ERASE:
         _random_fill(path)
         return "crypto_erase"
     _zero_fill(path)
     # A zero fill satisfies the blkdiscard policy too (nothing of the tenant's data remains readable).
-    return "nvme_format" if policy == "nvme_format" else "zero_fill"
+    return "nvme_format" if policy == Policy.NVME_FORMAT else "zero_fill"
 
 
 async def _nvme_format(dev: Path, policy: WipePolicy) -> str:
     """`nvme format` of the namespace: secure erase setting 1 (user data erase) or 2 (cryptographic erase)."""
-    ses = "1" if policy == "nvme_format" else "2"
+    ses = "1" if policy == Policy.NVME_FORMAT else "2"
     try:
         res = await run_tool("nvme", "format", str(dev), f"--ses={ses}", "--force", timeout_s=_FORMAT_TIMEOUT_S)
     except FileNotFoundError:

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from gpuaas_common.contract import TaskType
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tasks (
     task_id       TEXT PRIMARY KEY,
@@ -147,8 +149,8 @@ class StateStore:
         return {
             a
             for a, (t, s) in latest.items()
-            if (t == "slice.vm_provision" and s in ("running", "succeeded"))
-            or (t == "slice.vm_release" and s != "succeeded")
+            if (t == TaskType.SLICE_VM_PROVISION and s in ("running", "succeeded"))
+            or (t == TaskType.SLICE_VM_RELEASE and s != "succeeded")
         }
 
     def running_guest(self, allocation_id: str) -> dict[str, Any] | None:
@@ -159,7 +161,7 @@ class StateStore:
             "ORDER BY updated_at DESC, rowid DESC LIMIT 1",
             (allocation_id,),
         ).fetchone()
-        if row is None or row[0] != "slice.vm_provision" or row[1] != "succeeded" or not row[2] or not row[3]:
+        if row is None or row[0] != TaskType.SLICE_VM_PROVISION or row[1] != "succeeded" or not row[2] or not row[3]:
             return None
         return {"vm_name": row[2], "payload": json.loads(row[3])}
 

@@ -12,7 +12,7 @@ from typing import Any
 import nats.errors
 
 from gpuaas_common.bus import Bus, parse_message
-from gpuaas_common.contract import Envelope, spec_for
+from gpuaas_common.contract import Envelope, TaskType, spec_for
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import ConsumerSpec, node_agent_consumer, provision
 from gpuaas_common.logging import get_logger
@@ -138,15 +138,15 @@ async def run_slice_host(
     if settings.emulated_slot_disks:
         log.info("emulated_slots", node_id=node_id, disks=list(settings.emulated_slot_disks))
     handlers = {
-        "slice.vm_provision": agent.on_task,
-        "slice.vm_release": agent.on_task,
-        "slice.topology_discover": agent.on_discover,
-        "slice.parity_check": agent.on_parity_check,
-        "slice.vfio_apply": agent.on_vfio_apply,
-        "slice.slot_wipe": agent.on_slot_wipe,
-        "slice.terminal_open": terminal_relay(settings, node_id, paths, store, relay[0], ssh_port, bus).on_open,
+        TaskType.SLICE_VM_PROVISION: agent.on_task,
+        TaskType.SLICE_VM_RELEASE: agent.on_task,
+        TaskType.SLICE_TOPOLOGY_DISCOVER: agent.on_discover,
+        TaskType.SLICE_PARITY_CHECK: agent.on_parity_check,
+        TaskType.SLICE_VFIO_APPLY: agent.on_vfio_apply,
+        TaskType.SLICE_SLOT_WIPE: agent.on_slot_wipe,
+        TaskType.SLICE_TERMINAL_OPEN: terminal_relay(settings, node_id, paths, store, relay[0], ssh_port, bus).on_open,
     }
-    handlers["image.cache_prewarm"] = ImagePrewarmer(
+    handlers[TaskType.IMAGE_CACHE_PREWARM] = ImagePrewarmer(
         node_id, paths, store, bus.publish, image_cache_dir=settings.image_cache_dir
     ).on_task
     # A task refused for its subject (domain/task_routing.py) is terminated, logged and counted, never dead-lettered

@@ -9,6 +9,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime
 
+from gpuaas_common.contract import AllocationState
+
 from .usage import month_bounds
 
 IDENTIFIER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -16,17 +18,9 @@ SLUG = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 # Who acted, as the admin APIs take it (X-Actor, a login link's name): an identifier that may hold an @.
 ACTOR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 AUDITED_SERVICES = ("scheduler", "image-pipeline")
-ALLOCATION_STATES = (
-    "accepted",
-    "placed",
-    "provisioning",
-    "active",
-    "releasing",
-    "released",
-    "unschedulable",
-    "failed",
-    "rejected",
-)
+# The states lifecycle events carry (not `requested`: it never leaves the allocator), and the read model's own
+# `rejected` (an allocation.rejected: refused before it was ever accepted).
+ALLOCATION_STATES: tuple[str, ...] = (*(s for s in AllocationState if s != AllocationState.REQUESTED), "rejected")
 DEFAULT_LIMIT, MAX_LIMIT = 50, 500
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+from gpuaas_common.contract import SlotStatus
+
 Placement = Literal["newer", "older", "repeat", "conflict"]
 
 
@@ -51,7 +53,7 @@ def slot_status(claims: list[dict[str, Any]]) -> str:
 
 # The statuses the scheduler gives a slot only while a claim holds it: an announcement made meanwhile says nothing
 # of them that the lifecycle events (the claims) do not say better.
-CLAIMED = ("reserved", "provisioning", "active", "releasing", "cleanup")
+CLAIMED = (SlotStatus.RESERVED, SlotStatus.PROVISIONING, SlotStatus.ACTIVE, SlotStatus.RELEASING, SlotStatus.CLEANUP)
 
 
 def slot_view_status(claims: list[dict[str, Any]], announced: str | None, announced_at: datetime | None) -> str:

@@ -32,8 +32,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Literal
 
-Ended = Literal["released", "failed"]
-ENDS: tuple[Ended, ...] = ("released", "failed")
+from gpuaas_common.contract import AllocationState
+
+Ended = Literal[AllocationState.RELEASED, AllocationState.FAILED]
+ENDS: tuple[Ended, ...] = (AllocationState.RELEASED, AllocationState.FAILED)
 MONTH = re.compile(r"^(\d{4})-(0[1-9]|1[0-2])$")
 
 

@@ -10,7 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from gpuaas_common.bus import PermanentError, parse_message
-from gpuaas_common.contract import Envelope, derived_event_id
+from gpuaas_common.contract import AllocationState, Envelope, TaskType, derived_event_id
 from gpuaas_common.contract import messages as m
 
 from ..domain.models import (
@@ -110,7 +110,7 @@ async def on_lifecycle(repo: Projection, ev: Event) -> None:
 
 
 # The states a usage record is made of (active, its end) or takes facts from (accepted: SKU and GPU count).
-_USAGE_STATES = ("accepted", "active", *ENDS)
+_USAGE_STATES = (AllocationState.ACCEPTED, AllocationState.ACTIVE, *ENDS)
 
 
 async def record_usage(repo: Projection, allocation_id: Any, cause: str) -> None:
@@ -271,7 +271,7 @@ async def on_slot_wipe_reported(repo: Projection, ev: Event) -> None:
             "task_id": p["task_id"],
             "allocation_id": None,
             "node_id": p["node_id"],
-            "task_type": "slice.slot_wipe",
+            "task_type": TaskType.SLICE_SLOT_WIPE,
             "status": task_status(current, "failed" if unproven else "succeeded"),
             "reason_code": "wipe_not_proven" if unproven else None,
             "reason": ("no verified proof for " + ", ".join(unproven))[:2000] if unproven else None,
@@ -444,16 +444,17 @@ async def on_dead_letter(repo: Projection, ev: Event) -> None:
     await repo.dead_letter(ev.message.seq, ev.message.subject, ev.payload, ev.at)
 
 
-_LIFECYCLE = ("accepted", "placed", "unschedulable", "provisioning", "active", "releasing", "released", "failed")
+# Every state a lifecycle event carries (`requested` never leaves the allocator).
+_LIFECYCLE = tuple(s for s in AllocationState if s != AllocationState.REQUESTED)
 HANDLERS: dict[str, Handler] = {
     **{f"allocation.{state}": on_lifecycle for state in _LIFECYCLE},
     "allocation.rejected": on_rejected,
     "placement.force_released": on_force_released,
-    "slice.vm_provision": on_task_sent,
-    "slice.vm_release": on_task_sent,
-    "slice.topology_discover": on_task_sent,
-    "image.cache_prewarm": on_task_sent,
-    "slice.slot_wipe": on_task_sent,
+    TaskType.SLICE_VM_PROVISION: on_task_sent,
+    TaskType.SLICE_VM_RELEASE: on_task_sent,
+    TaskType.SLICE_TOPOLOGY_DISCOVER: on_task_sent,
+    TaskType.IMAGE_CACHE_PREWARM: on_task_sent,
+    TaskType.SLICE_SLOT_WIPE: on_task_sent,
     "node.slot_wipe_reported": on_slot_wipe_reported,
     "node.task_progress": on_task_progress,
     "node.task_result": on_task_result,

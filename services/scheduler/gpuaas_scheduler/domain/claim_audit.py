@@ -17,8 +17,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
+from gpuaas_common.contract import AllocationState
+
 # The allocator's states in which an allocation holds nothing any more.
-ENDED = frozenset({"released", "failed", "unschedulable"})
+ENDED = frozenset({AllocationState.RELEASED, AllocationState.FAILED, AllocationState.UNSCHEDULABLE})
 
 Action = Literal["keep", "release", "report"]
 

@@ -15,12 +15,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpuaas_common.contract import SlotStatus
+
 from .slots import allowed_from
 
 # Slot statuses under which the allocation's VM may hold the slot's GPU and disk (or a task may be creating it).
-VM_MAY_HOLD = frozenset({"reserved", "provisioning", "active", "releasing"})
+VM_MAY_HOLD = frozenset({SlotStatus.RESERVED, SlotStatus.PROVISIONING, SlotStatus.ACTIVE, SlotStatus.RELEASING})
 # Where force-release puts every slot it frees.
-FORCED_TO = "cleanup_blocked"
+FORCED_TO = SlotStatus.CLEANUP_BLOCKED
 
 
 @dataclass(frozen=True)

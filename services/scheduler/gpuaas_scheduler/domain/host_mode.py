@@ -29,8 +29,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 
-SLICE, BAREMETAL, CONVERTING, DRAINED, RETIRED = "slice", "baremetal", "converting", "drained", "retired"
-MODES = (SLICE, BAREMETAL, CONVERTING, DRAINED, RETIRED)
+from gpuaas_common.contract import HostMode
+
+SLICE, BAREMETAL, CONVERTING, DRAINED, RETIRED = (
+    HostMode.SLICE,
+    HostMode.BAREMETAL,
+    HostMode.CONVERTING,
+    HostMode.DRAINED,
+    HostMode.RETIRED,
+)
+MODES = tuple(HostMode)
 
 
 @dataclass(frozen=True)

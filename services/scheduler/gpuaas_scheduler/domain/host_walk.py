@@ -31,6 +31,8 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
+from gpuaas_common.contract import HostMode
+
 REDEPLOY_REQUESTED, DEPLOYED, REDISCOVERED, PARITY_PASSED, REAPPROVED, STOPPED = (
     "redeploy_requested",
     "deployed",
@@ -145,7 +147,7 @@ class HostWalk:
     ) -> HostWalk:
         """The walk of a host that entered converting. One that cannot start is recorded stopped at once, so the
         node's history says why nothing happens."""
-        if mode != "converting":
+        if mode != HostMode.CONVERTING:
             raise WalkError(f"{node_id} is {mode}: only a converting host walks back to slice mode")
         kept = tuple(sorted(slots, key=lambda s: s.slot_id))
         w = cls(WalkState(walk_id, node_id, REDEPLOY_REQUESTED, "", kept, profile), new=True)
@@ -209,7 +211,7 @@ class HostWalk:
     def reapproval(self, mode_after: str, problems: list[str], at: datetime) -> None:
         if self.state != PARITY_PASSED:
             raise WalkError(f"walk {self.walk_id} is {self.state}: no re-approval pending")
-        if problems or mode_after != "slice":
+        if problems or mode_after != HostMode.SLICE:
             why = "; ".join(problems) or f"the host stayed {mode_after}"
             self._move(STOPPED, f"re-approval refused: {why}", at)
         else:

@@ -31,11 +31,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpuaas_common.contract import HostMode, SlotStatus
+
 from .approval import wipe_verdict
 from .slots import IN_USE
 
-AWAITING_WIPE = "awaiting_wipe"
-CONVERTING = "converting"
+AWAITING_WIPE = SlotStatus.AWAITING_WIPE
+CONVERTING = HostMode.CONVERTING
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ WIPE_OWED_RULES: tuple[WipeRule, ...] = (
     WipeRule(
         "slot_retired",
         "the slot was retired: its disk left slice service and may hold a baremetal tenant's data",
-        lambda f: f.previous_status == "retired",
+        lambda f: f.previous_status == SlotStatus.RETIRED,
     ),
     WipeRule(
         "wipe_still_owed",
@@ -139,18 +141,22 @@ MAINTENANCE_RETURN_RULES: tuple[ReturnRule, ...] = (
         "in use: its release's cleanup proves the wipe before it is placed again",
     ),
     ReturnRule(
-        "retired", lambda f: f.status == "retired", False, None, "retired: its re-approval owes the wipe (slot_retired)"
+        "retired",
+        lambda f: f.status == SlotStatus.RETIRED,
+        False,
+        None,
+        "retired: its re-approval owes the wipe (slot_retired)",
     ),
     ReturnRule(
         "available",
-        lambda f: f.status == "available",
+        lambda f: f.status == SlotStatus.AVAILABLE,
         True,
         AWAITING_WIPE,
         "back from maintenance: its disk may have been swapped or touched",
     ),
     ReturnRule(
         "disabled",
-        lambda f: f.status == "disabled",
+        lambda f: f.status == SlotStatus.DISABLED,
         True,
         None,
         "back from maintenance: its disk may have been swapped or touched; a repair waits for the proof",
@@ -164,14 +170,14 @@ MAINTENANCE_RETURN_RULES: tuple[ReturnRule, ...] = (
     ),
     ReturnRule(
         "blocked_wipe_open",
-        lambda f: f.status == "cleanup_blocked" and f.wipe_open,
+        lambda f: f.status == SlotStatus.CLEANUP_BLOCKED and f.wipe_open,
         True,
         None,
         "back from maintenance: a wipe done before it says nothing of the disk now, so the host is asked again",
     ),
     ReturnRule(
         "blocked",
-        lambda f: f.status == "cleanup_blocked",
+        lambda f: f.status == SlotStatus.CLEANUP_BLOCKED,
         False,
         None,
         "cleanup_blocked: its repair asks the host's wipe",
@@ -194,7 +200,7 @@ def wipe_on_return(facts: ReturnFacts) -> ReturnWipe:
 # dropped as stale) is asked again by the scheduler itself rather than left to an operator: an awaiting slot
 # waits for nothing else, and a disabled one's repair is refused while its wipe is owed. A blocked slot's repair
 # asks again anyway; a claimed slot is its release's business.
-REASKED_WHEN_OVERDUE = frozenset({AWAITING_WIPE, "disabled"})
+REASKED_WHEN_OVERDUE = frozenset({AWAITING_WIPE, SlotStatus.DISABLED})
 
 
 def reasked_when_overdue(status: str, claimed: bool) -> bool:
@@ -204,7 +210,7 @@ def reasked_when_overdue(status: str, claimed: bool) -> bool:
 
 # The statuses a host's passing proof frees (to `available`); the slot's binding rules must still hold. A
 # `disabled` slot's proof is recorded (it owes no wipe any more) but frees nothing: approval or repair decide it.
-FREED_BY_PROOF = frozenset({AWAITING_WIPE, "cleanup_blocked"})
+FREED_BY_PROOF = frozenset({AWAITING_WIPE, SlotStatus.CLEANUP_BLOCKED})
 
 
 @dataclass(frozen=True)
@@ -228,7 +234,7 @@ def judge_wipe(
     `binding_problems`: what keeps the slot from placement besides its disk (a live claim included)."""
     status = slot.get("status")
     device = slot.get("nvme_by_id")
-    failed_to = "cleanup_blocked" if status == AWAITING_WIPE else None
+    failed_to = SlotStatus.CLEANUP_BLOCKED if status == AWAITING_WIPE else None
     if device != requested_device or outcome.get("device") != requested_device:
         # Re-approved onto another disk since the task was sent: the proof is of a disk the slot no longer has.
         return WipeJudgement(

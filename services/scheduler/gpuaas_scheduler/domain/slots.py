@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpuaas_common.contract import SlotStatus as S
+
 Slot = Mapping[str, Any]
 
 
@@ -92,7 +94,7 @@ DISK_RULES: tuple[SlotRule, ...] = (
 
 # What makes an approved, complete slot free to claim right now.
 RUNTIME_RULES: tuple[SlotRule, ...] = (
-    SlotRule("available", "slot is not available", lambda s: s.get("status") == "available"),
+    SlotRule("available", "slot is not available", lambda s: s.get("status") == S.AVAILABLE),
     SlotRule("healthy", "slot is not healthy", lambda s: s.get("health_state") == "healthy"),
 )
 
@@ -115,41 +117,31 @@ def incomplete_reason(slot: Slot) -> str | None:
 
 # --- transitions -------------------------------------------------------------------------------------
 
-SLOT_STATUSES = (
-    "disabled",
-    "available",
-    "reserved",
-    "provisioning",
-    "active",
-    "releasing",
-    "cleanup",
-    "cleanup_blocked",
-    # Approved, its disk owed a wipe proof from its own host (domain/slot_wipe.py): never placed meanwhile.
-    "awaiting_wipe",
-    "retired",
-)
+# Every status; `awaiting_wipe`: approved, its disk owed a wipe proof from its own host (domain/slot_wipe.py),
+# never placed meanwhile.
+SLOT_STATUSES = tuple(S)
 # Statuses in which a tenant's VM may have written the disk.
-TOUCHED = frozenset({"provisioning", "active", "releasing", "cleanup"})
+TOUCHED = frozenset({S.PROVISIONING, S.ACTIVE, S.RELEASING, S.CLEANUP})
 
 SLOT_TRANSITIONS: dict[str, frozenset[str]] = {
     # Repaired, re-approved or retired by ops.
-    "disabled": frozenset({"available", "retired"}),
+    S.DISABLED: frozenset({S.AVAILABLE, S.RETIRED}),
     # Claimed by placement; disabled or retired by ops. Owed a wipe when its host comes back from maintenance:
     # a technician may have swapped or touched its disk, whose past is then unknown (slot_wipe.py).
-    "available": frozenset({"reserved", "disabled", "retired", "awaiting_wipe"}),
+    S.AVAILABLE: frozenset({S.RESERVED, S.DISABLED, S.RETIRED, S.AWAITING_WIPE}),
     # A claim moves on, or ends before anything was written (back to available) or fails.
-    "reserved": frozenset({"provisioning", "releasing", "available", "cleanup", "cleanup_blocked"}),
+    S.RESERVED: frozenset({S.PROVISIONING, S.RELEASING, S.AVAILABLE, S.CLEANUP, S.CLEANUP_BLOCKED}),
     # From here the disk may have been written: back to available only when the attempt provably
     # never touched it (failed before the clone), else through cleanup with a verified wipe.
-    "provisioning": frozenset({"active", "releasing", "available", "cleanup", "cleanup_blocked"}),
-    "active": frozenset({"releasing", "cleanup", "cleanup_blocked"}),
-    "releasing": frozenset({"cleanup", "available", "cleanup_blocked"}),
-    "cleanup": frozenset({"available", "cleanup_blocked"}),
+    S.PROVISIONING: frozenset({S.ACTIVE, S.RELEASING, S.AVAILABLE, S.CLEANUP, S.CLEANUP_BLOCKED}),
+    S.ACTIVE: frozenset({S.RELEASING, S.CLEANUP, S.CLEANUP_BLOCKED}),
+    S.RELEASING: frozenset({S.CLEANUP, S.AVAILABLE, S.CLEANUP_BLOCKED}),
+    S.CLEANUP: frozenset({S.AVAILABLE, S.CLEANUP_BLOCKED}),
     # Tenant data may remain: only the host's own verified wipe (a repair asks for it) brings it back.
-    "cleanup_blocked": frozenset({"available"}),
+    S.CLEANUP_BLOCKED: frozenset({S.AVAILABLE}),
     # Someone else's data may remain: the host's passing wipe proof frees it, a failed or refused one blocks it.
-    "awaiting_wipe": frozenset({"available", "cleanup_blocked"}),
-    "retired": frozenset(),
+    S.AWAITING_WIPE: frozenset({S.AVAILABLE, S.CLEANUP_BLOCKED}),
+    S.RETIRED: frozenset(),
 }
 
 
@@ -184,13 +176,13 @@ def movable_from(to: str, only_from: tuple[str, ...] | list[str] | None) -> list
 # --- approval ------------------------------------------------------------------------------------------
 
 # Statuses under a live claim (a tenant's VM may be placed, running or being cleaned up).
-IN_USE = frozenset({"reserved", "provisioning", "active", "releasing", "cleanup"})
+IN_USE = frozenset({S.RESERVED, S.PROVISIONING, S.ACTIVE, S.RELEASING, S.CLEANUP})
 # The statuses of an existing slot that approval may rewrite: no claim and no tenant data left on its
 # disk (cleanup_blocked may still hold some; only a repair with a verified wipe frees it). A retired
 # slot is among them: re-approval after rediscovery is the one way back from retired.
-APPROVAL_REPLACES = frozenset(SLOT_STATUSES) - IN_USE - {"cleanup_blocked"}
+APPROVAL_REPLACES = frozenset(SLOT_STATUSES) - IN_USE - {S.CLEANUP_BLOCKED}
 # What approval makes of a candidate (see approval.approved_status).
-APPROVAL_RESULTS = frozenset({"available", "disabled", "awaiting_wipe"})
+APPROVAL_RESULTS = frozenset({S.AVAILABLE, S.DISABLED, S.AWAITING_WIPE})
 
 
 def check_approval(current: str | None, new: str) -> None:

@@ -16,10 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
+from gpuaas_common.contract import HostMode
+
 REDISCOVER, PARITY, COMMISSION = "rediscover", "parity", "commission"
 KINDS = (REDISCOVER, PARITY, COMMISSION)
 # Host modes in which the slice node agent runs and answers tasks (domain/host_mode.py).
-SLICE_AGENT_MODES = ("slice", "drained", "converting")
+SLICE_AGENT_MODES = (HostMode.SLICE, HostMode.DRAINED, HostMode.CONVERTING)
 
 
 @dataclass(frozen=True)

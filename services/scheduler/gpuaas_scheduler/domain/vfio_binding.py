@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gpuaas_common.contract import SlotStatus
+
 from .host_mode import DRAINED, SLICE
 
 # The modes whose host keeps its approved devices on vfio-pci.
 BOUND_MODES = frozenset({SLICE, DRAINED})
-RETIRED_SLOT = "retired"
+RETIRED_SLOT = SlotStatus.RETIRED
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpuaas_common.contract import TaskType
 from gpuaas_common.contract import messages as m
 
 
@@ -35,8 +36,8 @@ def live(record: tuple[str, str] | None) -> bool:
     if record is None:
         return False
     task_type, status = record
-    return (task_type == "slice.vm_provision" and status in ("running", "succeeded")) or (
-        task_type == "slice.vm_release" and status in ("running", "failed", "refused")
+    return (task_type == TaskType.SLICE_VM_PROVISION and status in ("running", "succeeded")) or (
+        task_type == TaskType.SLICE_VM_RELEASE and status in ("running", "failed", "refused")
     )
 
 

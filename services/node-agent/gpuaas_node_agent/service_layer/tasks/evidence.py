@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from gpuaas_common.bus import HandlerContext, PermanentError
-from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import TaskType, derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 
 from ...adapters.discovery import discover
@@ -107,7 +107,7 @@ class HostEvidence:
             return
         # Read-only and cheap: a redelivery simply discovers again; the event ids derive from the task id,
         # so JetStream drops the repeat within its duplicate window.
-        self.ctx.store.start_task(task.task_id, "slice.topology_discover", "")
+        self.ctx.store.start_task(task.task_id, TaskType.SLICE_TOPOLOGY_DISCOVER, "")
         async with asyncio.timeout((task.deadline - utcnow()).total_seconds()):
             topology, parity = await self.report_host_state(task_id=task.task_id)
         self.ctx.store.finish_task(
@@ -119,7 +119,7 @@ class HostEvidence:
         if not evidence_task_due(self.ctx.node_id, task):
             return
         # Read-only like discovery: a redelivery checks again and its report's event id is the same.
-        self.ctx.store.start_task(task.task_id, "slice.parity_check", "")
+        self.ctx.store.start_task(task.task_id, TaskType.SLICE_PARITY_CHECK, "")
         async with asyncio.timeout((task.deadline - utcnow()).total_seconds()):
             parity = await self.report_parity(task_id=task.task_id)
         self.ctx.store.finish_task(task.task_id, "succeeded", {"parity_failures": parity.failures})

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpuaas_common.contract import derived_event_id
+from gpuaas_common.contract import TaskType, derived_event_id
 from gpuaas_common.contract import messages as m
 
 from .context import HostContext, log
@@ -29,7 +29,7 @@ def result(
     # A release follows a VM that had its disks, so only a provision can say it never wrote one, and only
     # from the record `enter` writes before the first write.
     record = ctx.store.task(task.task_id)
-    touched = task_type != "slice.vm_provision" or bool(record and record["disk_touched"])
+    touched = task_type != TaskType.SLICE_VM_PROVISION or bool(record and record["disk_touched"])
     return m.NodeTaskResult(
         task_id=task.task_id,
         allocation_id=task.allocation_id,

@@ -14,6 +14,7 @@ from typing import Any
 
 from prometheus_client import Histogram
 
+from gpuaas_common.contract import TaskType
 from gpuaas_common.contract import messages as m
 
 from ...adapters import disk, dnsmasq, guest_ssh, ovs, readiness, seed_iso
@@ -205,7 +206,7 @@ class ProvisionTask:
         return verdict.evidence
 
     async def _provision(self, task: m.SliceVmProvision, *, resume: bool = False) -> m.NodeTaskResult:
-        t = "slice.vm_provision"
+        t = TaskType.SLICE_VM_PROVISION
         clock = _Clock()
 
         async def phase(name: str, **kw: Any) -> None:

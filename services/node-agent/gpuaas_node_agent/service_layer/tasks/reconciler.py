@@ -16,8 +16,8 @@ from typing import Any
 
 from gpuaas_common.bus_dispatch import HeldDeadLetters
 from gpuaas_common.cancellation import stop_if_cancelled
+from gpuaas_common.contract import TaskType, utcnow
 from gpuaas_common.contract import messages as m
-from gpuaas_common.contract import utcnow
 
 from ...adapters import disk, dnsmasq, driverctl
 from ...domain.device_binding import binding_problems
@@ -60,7 +60,11 @@ class HostReconciler:
             # Nobody knows what it holds: the whole node until ops look.
             drift.append(Drift("domain_unmanaged", name, "libvirt domain the agent has no task record of"))
         for vm, record in sorted(latest.items()):
-            if record == ("slice.vm_provision", "succeeded") and vm not in domains and not self.locks.vm_busy(vm):
+            if (
+                record == (TaskType.SLICE_VM_PROVISION, "succeeded")
+                and vm not in domains
+                and not self.locks.vm_busy(vm)
+            ):
                 drift.append(
                     Drift(
                         "domain_missing",
@@ -111,8 +115,8 @@ class HostReconciler:
             async with lock:
                 # Under the VM's lock: a task for it waits until the domain is gone, never sees it half torn.
                 task_type, status = self.ctx.store.latest_by_vm().get(dom.name, record)
-                stale = (task_type == "slice.vm_provision" and status in ("failed", "refused")) or (
-                    task_type == "slice.vm_release" and status == "succeeded"
+                stale = (task_type == TaskType.SLICE_VM_PROVISION and status in ("failed", "refused")) or (
+                    task_type == TaskType.SLICE_VM_RELEASE and status == "succeeded"
                 )
                 if stale:
                     await self.ctx.libvirt.shutdown(dom.name, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from gpuaas_common.contract import TaskType
 from gpuaas_common.contract import messages as m
 
 from ...adapters.state_store import StateStore
@@ -13,8 +14,8 @@ from .reconciler import HostReconciler
 from .runner import TaskRunner
 
 _TASK_MODELS: dict[str, type[m.Payload]] = {
-    "slice.vm_provision": m.SliceVmProvision,
-    "slice.vm_release": m.SliceVmRelease,
+    TaskType.SLICE_VM_PROVISION: m.SliceVmProvision,
+    TaskType.SLICE_VM_RELEASE: m.SliceVmRelease,
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuaas_common.contract import TaskType
 from gpuaas_common.contract import messages as m
 
 from ...adapters import disk, dnsmasq
@@ -23,7 +24,7 @@ class ReleaseTask:
     async def run(self, task: m.SliceVmRelease, left_running: dict[str, Any] | None) -> m.NodeTaskResult:
         """A release a killed agent left running simply runs again: every step is idempotent."""
         ctx = self.ctx
-        t = "slice.vm_release"
+        t = TaskType.SLICE_VM_RELEASE
         await phases.enter(ctx, task, t, "stop")
         stop_path = "absent"
         try:

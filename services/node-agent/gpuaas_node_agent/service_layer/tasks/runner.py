@@ -9,7 +9,7 @@ import contextlib
 from typing import Any, Protocol
 
 from gpuaas_common.bus import HandlerContext, PermanentError
-from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import TaskType, derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 
 from ...adapters import disk
@@ -20,7 +20,7 @@ from .nvlink import NvlinkPartitions
 from .provision import ProvisionTask, slot_lease
 from .release import ReleaseTask
 
-SLICE_TASKS = ("slice.vm_provision", "slice.vm_release")
+SLICE_TASKS = (TaskType.SLICE_VM_PROVISION, TaskType.SLICE_VM_RELEASE)
 
 
 class SliceTask(Protocol):
@@ -40,7 +40,7 @@ class TaskRunner:
         self.locks = locks
         self.nvlink = nvlink
         self.provision = provision
-        self._tasks: dict[str, SliceTask] = {"slice.vm_provision": provision, "slice.vm_release": release}
+        self._tasks: dict[str, SliceTask] = {TaskType.SLICE_VM_PROVISION: provision, TaskType.SLICE_VM_RELEASE: release}
 
     # --- bus entry ----------------------------------------------------------------------------
 
@@ -116,7 +116,7 @@ class TaskRunner:
                     "deadline_exceeded", f"task did not finish by its deadline {task.deadline.isoformat()}"
                 ) from None
         except (Refused, TaskFailed) as exc:
-            if resuming and touched_before and task_type == "slice.vm_provision" and exc.code != "stale_epoch":
+            if resuming and touched_before and task_type == TaskType.SLICE_VM_PROVISION and exc.code != "stale_epoch":
                 # The interrupted provision cannot go on, and the disk was written: wipe it here, with proof.
                 result = await self._wipe_interrupted(task, exc.code, exc.reason)
                 self.ctx.store.finish_task(task.task_id, result.status, result.model_dump(mode="json"))
@@ -132,7 +132,7 @@ class TaskRunner:
         GPUs are still leased to its allocation, so no newer claim ever touched them, and without the release
         the VM would run for nobody (a chaos run found one)."""
         held = [slot_lease(s) for s in task.slots]
-        return task_type == "slice.vm_release" and self.ctx.store.holds_leases(str(task.allocation_id), held)
+        return task_type == TaskType.SLICE_VM_RELEASE and self.ctx.store.holds_leases(str(task.allocation_id), held)
 
     async def _settle(self, task: Any, task_type: str, exc: Refused | TaskFailed) -> m.NodeTaskResult:
         """The refused or failed result, with the bookkeeping that decides `cleanup_required`."""
@@ -144,17 +144,17 @@ class TaskRunner:
                 reason_code=exc.code,
                 reason=exc.reason,
             )
-            if task_type == "slice.vm_provision":
+            if task_type == TaskType.SLICE_VM_PROVISION:
                 await self.nvlink.deactivate_quietly(task)
                 self.ctx.store.drop_leases(str(task.allocation_id))
             # A release that refused to wipe a disk leaves tenant data on it: the slot still needs cleanup.
-            unwiped = task_type == "slice.vm_release" and exc.code.startswith("disk_")
+            unwiped = task_type == TaskType.SLICE_VM_RELEASE and exc.code.startswith("disk_")
             return phases.result(
                 self.ctx, task, task_type, "refused", code=exc.code, reason=exc.reason, cleanup_required=unwiped
             )
         record = self.ctx.store.task(task.task_id)
         touched = bool(record and record["disk_touched"])
-        if task_type == "slice.vm_provision":
+        if task_type == TaskType.SLICE_VM_PROVISION:
             # Never leave a half-provisioned VM defined or running: it would hold the GPUs and the disk.
             await self.provision.tear_down(task)
         if not touched:
@@ -176,7 +176,7 @@ class TaskRunner:
         wipe and verify every disk of the task here and report the proofs with `disk_touched`: the slots go back
         to service only if the scheduler finds them to satisfy the site's policy. A wipe that cannot be done or
         verified also says `cleanup_required`, and the leases stay."""
-        t = "slice.vm_provision"
+        t = TaskType.SLICE_VM_PROVISION
         await self.provision.tear_down(task)
         (self.ctx.seed_dir / f"{task.vm_name}.iso").unlink(missing_ok=True)
         proofs: list[m.WipeProof] = []

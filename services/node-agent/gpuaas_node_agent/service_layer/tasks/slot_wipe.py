@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from gpuaas_common.bus import HandlerContext, PermanentError
-from gpuaas_common.contract import derived_event_id, utcnow
+from gpuaas_common.contract import TaskType, derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 
 from ...adapters import disk
@@ -27,7 +27,7 @@ class SlotWiper:
         if task.deadline <= utcnow():
             log.warning("task_refused", task_id=task.task_id, reason_code="deadline_passed")
             return
-        self.ctx.store.start_task(task.task_id, "slice.slot_wipe", "")
+        self.ctx.store.start_task(task.task_id, TaskType.SLICE_SLOT_WIPE, "")
         async with asyncio.timeout((task.deadline - utcnow()).total_seconds()):
             outcomes = [await self._wipe_slot(s) for s in task.slots]
         report = m.NodeSlotWipeReported(task_id=task.task_id, node_id=self.ctx.node_id, outcomes=outcomes)

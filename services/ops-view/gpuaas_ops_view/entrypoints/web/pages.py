@@ -19,6 +19,7 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from gpuaas_common.admin_http import ACTING, REQUEST_ID, RIGHTS_KEY, WRITE, ApiError, Pages
+from gpuaas_common.contract import WipePolicy
 from gpuaas_common.logging import get_logger
 
 from ...adapters import login_links
@@ -48,7 +49,7 @@ NAV = (
     ("policies", "Quotas & wipe"),
     ("audit", "Audit"),
 )
-WIPE_POLICIES = ("blkdiscard", "nvme_format", "crypto_erase")
+WIPE_POLICIES = tuple(WipePolicy)
 GATES = ("parity", "preflight")
 
 

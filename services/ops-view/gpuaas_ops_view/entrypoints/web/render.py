@@ -10,6 +10,8 @@ from typing import Any
 import jinja2
 from aiohttp import web
 
+from gpuaas_common.contract import AllocationState, SlotStatus
+
 ENV = jinja2.Environment(
     loader=jinja2.PackageLoader("gpuaas_ops_view.entrypoints.web", "templates"),
     autoescape=True,
@@ -45,6 +47,13 @@ def _pretty(value: Any) -> str:
 
 
 ENV.filters.update(ts=_ts, age=_age, pretty=_pretty)
+# The lists the templates test values against, from the contract's vocabulary: a template holds no copy of one.
+ENV.globals.update(
+    # An allocation past these has nothing left to release (`rejected`: the read model's own, never accepted).
+    ENDED_STATES=(AllocationState.RELEASED, AllocationState.FAILED, "rejected", AllocationState.UNSCHEDULABLE),
+    # Slot statuses that take a slot out of service until ops act.
+    BLOCKED_SLOT_STATUSES=(SlotStatus.CLEANUP_BLOCKED, SlotStatus.DISABLED),
+)
 
 
 def page(request: web.Request, template: str, status: int = 200, **context: Any) -> web.Response:

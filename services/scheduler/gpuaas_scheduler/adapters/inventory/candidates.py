@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator, Collection, Sequence
 
 import asyncpg
 
+from gpuaas_common.contract import Shape
+
 from ...domain.placement import NodeCandidate, NodeFacts, Request, node_skus
 from .node_sql import BAREMETAL_CANDIDATE, SLICE_CANDIDATE, SLICE_HOST, rules_sql
 from .predicates import (
@@ -28,7 +30,9 @@ from .predicates import (
 # The slice rules a candidate row passes (node_sql.SLICE_CANDIDATE), with the parameter numbers of the queries
 # below and of `claims.lock_best_in_class`: region $1, SKU $2, GPUs $3, image gate $5/$6 (here $8/$9),
 # hugepage table, driver version.
-_CANDIDATE_SQL = rules_sql("gpu_slice", SLICE_CANDIDATE, region=1, sku=2, gpus=3, slug=8, digest=9, pages=10, driver=11)
+_CANDIDATE_SQL = rules_sql(
+    Shape.GPU_SLICE, SLICE_CANDIDATE, region=1, sku=2, gpus=3, slug=8, digest=9, pages=10, driver=11
+)
 
 
 async def slice_candidates(
@@ -62,7 +66,7 @@ async def slice_candidates(
 
 
 # The same rules with the parameter numbers of `missed_slice_candidates`: the nodes already seen are $4.
-_MISSED_SQL = rules_sql("gpu_slice", SLICE_CANDIDATE, region=1, sku=2, gpus=3, slug=5, digest=6, pages=7, driver=8)
+_MISSED_SQL = rules_sql(Shape.GPU_SLICE, SLICE_CANDIDATE, region=1, sku=2, gpus=3, slug=5, digest=6, pages=7, driver=8)
 
 
 async def missed_slice_candidates(
@@ -96,7 +100,7 @@ async def missed_slice_candidates(
 
 
 # A slice host in service in the request's region and SKU, whatever else the request asks.
-_CLEAN_SQL = rules_sql("gpu_slice", ("region", "sku", *SLICE_HOST), region=1, sku=2)
+_CLEAN_SQL = rules_sql(Shape.GPU_SLICE, ("region", "sku", *SLICE_HOST), region=1, sku=2)
 
 
 async def count_clean_nodes(conn: asyncpg.Connection, req: Request) -> int:
@@ -107,7 +111,7 @@ async def count_clean_nodes(conn: asyncpg.Connection, req: Request) -> int:
     )
 
 
-_BAREMETAL_SQL = rules_sql("baremetal", BAREMETAL_CANDIDATE, region=1, skus=2)
+_BAREMETAL_SQL = rules_sql(Shape.BAREMETAL, BAREMETAL_CANDIDATE, region=1, skus=2)
 
 
 async def baremetal_candidates(conn: asyncpg.Connection, req: Request) -> list[str]:

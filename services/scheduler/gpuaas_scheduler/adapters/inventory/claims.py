@@ -9,6 +9,8 @@ from typing import Any
 
 import asyncpg
 
+from gpuaas_common.contract import Shape
+
 from ...domain.approval import DEFAULT_WIPE_POLICY
 from ...domain.placement import NodeCandidate, Request, SlotView
 from ..wipe_policy import effective_policy_sql
@@ -29,9 +31,9 @@ _FREE_COLUMNS_F = ", ".join("f." + c.strip() for c in SLOT_VIEW_COLUMNS.split(",
 
 
 # What a node the walk listed must still pass once locked (node_sql.SLICE_LOCKED).
-_LOCKED_SQL = rules_sql("gpu_slice", SLICE_LOCKED, gpus=4, slug=2, digest=3, pages=5, driver=6)
+_LOCKED_SQL = rules_sql(Shape.GPU_SLICE, SLICE_LOCKED, gpus=4, slug=2, digest=3, pages=5, driver=6)
 # The fast path's rank-class walk: the candidate rules with the parameter numbers of its query.
-_BEST_SQL = rules_sql("gpu_slice", SLICE_CANDIDATE, region=1, sku=2, gpus=3, slug=5, digest=6, pages=7, driver=8)
+_BEST_SQL = rules_sql(Shape.GPU_SLICE, SLICE_CANDIDATE, region=1, sku=2, gpus=3, slug=5, digest=6, pages=7, driver=8)
 
 
 async def lock_slice_node(

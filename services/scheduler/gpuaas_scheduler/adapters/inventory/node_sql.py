@@ -13,6 +13,8 @@ from __future__ import annotations
 import string
 from collections.abc import Iterable
 
+from gpuaas_common.contract import Shape
+
 from ...domain import nvlink_partitions as nvl
 from ...domain.placement.rules import BAREMETAL_RULES, SLICE_RULES, NodeRule
 from .predicates import (
@@ -94,8 +96,8 @@ BAREMETAL_RULE_SQL: dict[str, str] = {
 }
 
 _BY_SHAPE: dict[str, tuple[tuple[NodeRule, ...], dict[str, str]]] = {
-    "gpu_slice": (SLICE_RULES, SLICE_RULE_SQL),
-    "baremetal": (BAREMETAL_RULES, BAREMETAL_RULE_SQL),
+    Shape.GPU_SLICE: (SLICE_RULES, SLICE_RULE_SQL),
+    Shape.BAREMETAL: (BAREMETAL_RULES, BAREMETAL_RULE_SQL),
 }
 
 
@@ -164,13 +166,15 @@ SLICE_HOST = (
 # The index walk and the fast path: every slice rule but the two `choose` decides on the node's locked free
 # slots (a topology-safe group, a free NVLink partition); the walk narrows topology by rank class
 # (`predicates.TIER_SQL`) instead.
-SLICE_CANDIDATE = all_but("gpu_slice", "nvlink_partition", "topology")
+SLICE_CANDIDATE = all_but(Shape.GPU_SLICE, "nvlink_partition", "topology")
 # A node the walk found, locked by id: what may have changed since it was listed; its capacity is judged on its
 # locked slots by `choose`.
-SLICE_LOCKED = all_but("gpu_slice", "region", "sku", "drifted_slots", "free_slot_count", "nvlink_partition", "topology")
+SLICE_LOCKED = all_but(
+    Shape.GPU_SLICE, "region", "sku", "drifted_slots", "free_slot_count", "nvlink_partition", "topology"
+)
 # A baremetal host that may be handed out whole, busy or not (its live claims are checked under its lock).
-BAREMETAL_HOST = all_but("baremetal", "region", "sku", "in_use")
-BAREMETAL_CANDIDATE = all_but("baremetal")
+BAREMETAL_HOST = all_but(Shape.BAREMETAL, "region", "sku", "in_use")
+BAREMETAL_CANDIDATE = all_but(Shape.BAREMETAL)
 
-SLICE_NODE_SQL = rules_sql("gpu_slice", SLICE_HOST)
-BAREMETAL_NODE_SQL = rules_sql("baremetal", BAREMETAL_HOST)
+SLICE_NODE_SQL = rules_sql(Shape.GPU_SLICE, SLICE_HOST)
+BAREMETAL_NODE_SQL = rules_sql(Shape.BAREMETAL, BAREMETAL_HOST)

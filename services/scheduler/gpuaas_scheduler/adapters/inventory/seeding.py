@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncpg
 
+from gpuaas_common.contract import HostMode
 from gpuaas_common.fleet import Fleet
 
 from ..host_modes import record_created
@@ -57,7 +58,7 @@ async def seed_from_fleet(conn: asyncpg.Connection, fleet: Fleet) -> int:
             node.maas_system_id,
             intent,
             [TAG_SLICE if node.kind == "slice_host" else TAG_BAREMETAL],
-            "slice" if node.kind == "slice_host" else "baremetal",
+            HostMode.SLICE if node.kind == "slice_host" else HostMode.BAREMETAL,
         )
         if inserted_node:
             created.append(inserted_node)

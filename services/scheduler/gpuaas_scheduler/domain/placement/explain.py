@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
+from gpuaas_common.contract import Shape
+
 from .. import nvlink_partitions as nvl
 from .rules import BUCKETS, NodeFacts
 
@@ -62,9 +64,9 @@ def _reason(
     filtered: Counter[str], free_gpus: int, requested: int, shape: str, eligible_nodes: int | None, largest_free: int
 ) -> tuple[str, str]:
     if eligible_nodes == 0:
-        noun = "baremetal host" if shape == "baremetal" else "slice host"
+        noun = "baremetal host" if shape == Shape.BAREMETAL else "slice host"
         return "no_eligible_node", f"no {noun} is eligible"
-    if shape == "baremetal":
+    if shape == Shape.BAREMETAL:
         return "no_capacity", "no clean baremetal-capable host is free"
     if free_gpus == 0:
         return "no_capacity", f"no GPU is free on the eligible hosts; {requested} requested"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuaas_common.contract import Shape
+
 # A baremetal request takes the whole host: all eight GPUs of its board.
 BAREMETAL_GPUS = 8
 
@@ -36,7 +38,7 @@ WHOLE_HOST_SKU: dict[str, str] = {"h200-sxm-slice": "h200-sxm"}
 
 def node_skus(req: Request) -> tuple[str, ...]:
     """The node SKUs that may serve the request: its own, and for baremetal the slice SKUs of that host."""
-    if req.shape != "baremetal":
+    if req.shape != Shape.BAREMETAL:
         return (req.sku,)
     return (req.sku, *sorted(s for s, whole in WHOLE_HOST_SKU.items() if whole == req.sku))
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gpuaas_common.contract import HostMode, Shape
+
 from .. import nvlink_partitions as nvl
 from .fit import NodeCandidate, best_tier
 from .request import Request, node_skus
@@ -147,7 +149,7 @@ SLICE_RULES: tuple[NodeRule, ...] = (
     _REGION,
     _SKU,
     NodeRule("profile_intent", _INTENT, lambda n, r: n.accepts_slices),
-    NodeRule("host_mode", _MODE, lambda n, r: n.mode == "slice"),
+    NodeRule("host_mode", _MODE, lambda n, r: n.mode == HostMode.SLICE),
     _MAINTENANCE,
     _DRAINING,
     _NOT_READY,
@@ -203,7 +205,7 @@ BAREMETAL_RULES: tuple[NodeRule, ...] = (
     _REGION,
     _SKU,
     NodeRule("profile_intent", _INTENT, lambda n, r: n.accepts_baremetal),
-    NodeRule("host_mode", _MODE, lambda n, r: n.mode == "baremetal"),
+    NodeRule("host_mode", _MODE, lambda n, r: n.mode == HostMode.BAREMETAL),
     # A slot promises its GPU and disk to slices; a baremetal tenant owns them all.
     NodeRule("approved_slots", "still holding approved slots", lambda n, r: not n.approved_slots),
     _MAINTENANCE,
@@ -215,7 +217,7 @@ BAREMETAL_RULES: tuple[NodeRule, ...] = (
 
 
 def rules_for(shape: str) -> tuple[NodeRule, ...]:
-    return BAREMETAL_RULES if shape == "baremetal" else SLICE_RULES
+    return BAREMETAL_RULES if shape == Shape.BAREMETAL else SLICE_RULES
 
 
 def first_failing(node: NodeFacts, req: Request) -> NodeRule | None:
