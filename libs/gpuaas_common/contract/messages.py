@@ -23,6 +23,8 @@ AllocationState = Literal[
     "unschedulable",
     "failed",
 ]
+# The two states an allocation ends in once it was accepted.
+AllocationEnd = Literal["released", "failed"]
 Slug = Field(min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9._-]*$")
 Identifier = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 Sha256 = Field(pattern=r"^[0-9a-f]{64}$")
@@ -1131,7 +1133,7 @@ class UsageRecorded(Payload):
     started_at: datetime
     stopped_at: datetime
     seconds: int = Field(ge=0, description="stopped_at - started_at, in whole seconds")
-    ended: Literal["released", "failed"]
+    ended: AllocationEnd
     # The failure's reason code (`force_released`, `task_deadline_passed`, ...); None for a release.
     end_reason_code: str | None = Field(default=None, max_length=128)
 

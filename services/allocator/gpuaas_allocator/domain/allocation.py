@@ -1040,7 +1040,7 @@ def _answer(res: m.NodeTaskResult) -> dict[str, Any]:
     }
 
 
-def _task_type(task: m.SliceVmProvision | m.SliceVmRelease) -> str:
+def _task_type(task: m.SliceVmProvision | m.SliceVmRelease) -> TaskType:
     return TaskType.SLICE_VM_RELEASE if isinstance(task, m.SliceVmRelease) else TaskType.SLICE_VM_PROVISION
 
 

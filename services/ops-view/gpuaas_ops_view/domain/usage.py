@@ -30,12 +30,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Literal
+from typing import get_args
 
-from gpuaas_common.contract import AllocationState
+from gpuaas_common.contract.messages import AllocationEnd as Ended
 
-Ended = Literal[AllocationState.RELEASED, AllocationState.FAILED]
-ENDS: tuple[Ended, ...] = (AllocationState.RELEASED, AllocationState.FAILED)
+ENDS: tuple[Ended, ...] = get_args(Ended)
 MONTH = re.compile(r"^(\d{4})-(0[1-9]|1[0-2])$")
 
 
