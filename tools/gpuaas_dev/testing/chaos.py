@@ -34,7 +34,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
 from gpuaas_common.contract import AllocationState as A
-from gpuaas_common.contract import Envelope
+from gpuaas_common.contract import Envelope, Shape
 from gpuaas_common.contract import messages as m
 from gpuaas_common.jetstream import CONSUMERS, node_agent_consumer
 
@@ -173,7 +173,7 @@ class Portal:
                 await asyncio.sleep(0.5)
 
     async def request(self, alloc: str, shape: str) -> None:
-        slice_ = shape == "gpu_slice"
+        slice_ = shape == Shape.GPU_SLICE
         payload = m.AllocationRequested(
             allocation_id=uuid.UUID(alloc),
             tenant_id="tenant-chaos",
@@ -317,7 +317,7 @@ async def request_until_seen(
     portal: Portal, states: States, alloc: str, baremetal: bool, plan: ChaosPlan
 ) -> str | None:
     """Active or ended, asked again while the allocator has no record of it at all."""
-    shape = "baremetal" if baremetal else "gpu_slice"
+    shape = Shape.BAREMETAL if baremetal else Shape.GPU_SLICE
     state, again = await _ask_until(
         lambda: portal.request(alloc, shape), states, alloc, ("active", *TERMINAL), lambda s: s is None, plan
     )

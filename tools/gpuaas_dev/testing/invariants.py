@@ -14,7 +14,7 @@ import asyncpg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from gpuaas_common.contract import AllocationState, Envelope, SlotStatus
+from gpuaas_common.contract import AllocationState, Envelope, Shape, SlotStatus
 from gpuaas_common.contract.messages import DeadLetter
 
 from .databases import ServiceDatabases
@@ -153,7 +153,11 @@ def host_violations(
     and fabric devices its held claims name and given their disks; no VM that no active allocation explains.
     `hosts` is the simulated fleet's `/sim/hosts` answer."""
     out: list[str] = []
-    active = {a["allocation_id"]: a for a in allocations if a["shape"] == "gpu_slice" and a["state"] == "active"}
+    active = {
+        a["allocation_id"]: a
+        for a in allocations
+        if a["shape"] == Shape.GPU_SLICE and a["state"] == AllocationState.ACTIVE
+    }
     by_name = {vm_name(a_id): a for a_id, a in active.items()}
     seen: dict[str, list[str]] = {}
     for node, host in hosts.items():

@@ -7,6 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuaas_common.contract import Shape
+
 # Each end of a session, as the audit records it.
 END_REASONS = frozenset(
     {
@@ -39,7 +41,7 @@ def terminal_refusal(row: dict[str, Any] | None, allocation_id: uuid.UUID, tenan
     exists."""
     if row is None or row["tenant_id"] != tenant_id:
         return TerminalRefusal(404, "unknown_allocation", f"no allocation {allocation_id} of tenant {tenant_id}")
-    if row["shape"] != "gpu_slice":
+    if row["shape"] != Shape.GPU_SLICE:
         return TerminalRefusal(
             409, "not_a_slice", "a baremetal host is the tenant's own machine: log in to it directly, no relay"
         )

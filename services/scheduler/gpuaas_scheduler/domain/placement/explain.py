@@ -51,7 +51,7 @@ def unschedulable_summary(
     filtered: Counter[str],
     free_gpus: int,
     requested: int,
-    shape: str = "gpu_slice",
+    shape: str = Shape.GPU_SLICE,
     eligible_nodes: int | None = None,
     largest_free: int = 0,
 ) -> tuple[str, str]:
