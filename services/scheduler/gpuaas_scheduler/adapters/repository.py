@@ -8,9 +8,9 @@ modes, each on the unit of work's connection, so handlers go through them and ne
 - `nodes`: node locks, drains and the capacity summary;
 - `hosts`: the `Host` aggregate of domain/host.py (adapters/hosts.py);
 - `audit`: the admin trail;
-- `evidence`, `drift`, `wipes`, `asks`, `modes`, `vfio`: what the host's reports and the sweeps read and write
+- `evidence`, `drift`, `wipes`, `asks`, `modes`, `vfio`, `walks`: what the host's reports and the sweeps read and write
   beside the `Host` (adapters/evidence.py, drift.py, slot_wipes.py, node_actions.py, host_modes.py,
-  vfio_binding.py).
+  vfio_binding.py, host_walk.py).
 
 Placement's search (service_layer/placement.py) runs its own statements and savepoints on `conn`: it is one
 search inside one transaction, not an aggregate to load and save.
@@ -33,6 +33,7 @@ from . import inventory as inv
 from .drift import DriftRepository
 from .evidence import EvidenceRepository
 from .host_modes import HostModeRepository
+from .host_walk import WalkRepository
 from .hosts import HostRepository
 from .inventory.held import held_placement
 from .node_actions import NodeActionRepository
@@ -149,6 +150,7 @@ class SchedulerRepositories:
     asks: NodeActionRepository
     modes: HostModeRepository
     vfio: VfioSlotRepository
+    walks: WalkRepository
 
 
 def scheduler_repositories(conn: asyncpg.Connection) -> SchedulerRepositories:
@@ -166,4 +168,12 @@ def scheduler_repositories(conn: asyncpg.Connection) -> SchedulerRepositories:
         NodeActionRepository(conn),
         HostModeRepository(conn),
         VfioSlotRepository(conn),
+        WalkRepository(conn),
     )
+
+
+def repositories_of(uow: Any) -> SchedulerRepositories:
+    """`uow.repos`, or for a unit of work built without repositories (a caller passing `no_repositories`, as some
+    tests' buses do) the same repositories on its connection."""
+    repos: SchedulerRepositories | None = uow.repos
+    return repos if repos is not None else scheduler_repositories(uow.conn)

@@ -16,6 +16,7 @@ from ..domain.drift import DriftKey
 from ..domain.host import Change, Host
 from ..domain.host_mode import Host as ModeHost
 from ..domain.host_mode import ModeChange
+from ..domain.host_walk import ApprovedSlot, HostWalk
 from ..domain.steering import SteerFacts
 from ..domain.vfio_binding import SlotDevices
 
@@ -168,6 +169,37 @@ class VfioSlots(Protocol):
         """Every slot of the node with its devices and status, which the VFIO binding is derived from."""
 
 
+class WalkStore(Protocol):
+    """The host walks (domain/host_walk.py), each loaded locked, and what starting or stopping one reads."""
+
+    async def by_operation(self, operation_id: str) -> HostWalk | None: ...
+
+    async def by_rediscovery(self, node_id: str, action_id: str) -> HostWalk | None: ...
+
+    async def save(self, walk: HostWalk, operation_id: str | None = None) -> None:
+        """The walk's state and the steps it recorded (then forgotten); inserted the first time."""
+
+    async def owed_a_walk(self, limit: int) -> list[dict[str, Any]]:
+        """Converting slice hosts owed a walk (`node_id`, `mode`, `maas_system_id`), locked, skipping held ones."""
+
+    async def off_course(self, limit: int) -> list[tuple[HostWalk, str, str | None]]:
+        """Open walks whose host left converting: each walk, the host's mode and who moved it; locked."""
+
+    async def slots_left_behind(self, node_id: str) -> list[ApprovedSlot]:
+        """The slots the host had approved when it last left slice mode."""
+
+    async def candidates(self, node_id: str) -> list[dict[str, Any]]:
+        """The host's candidate slots, as rediscovery left them."""
+
+    async def begin_reapproval(self) -> None:
+        """A savepoint the re-approval runs under."""
+
+    async def undo_reapproval(self) -> None:
+        """Back to it: nothing of a refused re-approval stays."""
+
+    async def keep_reapproval(self) -> None: ...
+
+
 class Nodes(Protocol):
     async def refresh(self, node_ids: Iterable[str]) -> None:
         """The nodes' capacity summary recomputed."""
@@ -196,6 +228,9 @@ class EvidenceRepositories(Protocol):
 
     @property
     def asks(self) -> NodeAsks: ...
+
+    @property
+    def walks(self) -> WalkStore: ...
 
 
 class EvidenceUnitOfWork(Protocol):
