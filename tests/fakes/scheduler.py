@@ -353,6 +353,8 @@ class FakeHosts:
         row.mode = ch.to_mode
         if ch.resets_evidence:
             row.parity_failures, row.topology_reported, row.evidence_reset_at = None, False, ch.at
+            row.parity_reported_at = row.topology_reported_at = row.parity_detail = row.topology = None
+            self.world.candidates = {c: r for c, r in self.world.candidates.items() if r[1] != ch.node_id}
         row.history.append(ch)
 
     def _ask(self, ch: WipeAsked) -> None:
