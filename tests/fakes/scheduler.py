@@ -339,14 +339,17 @@ class FakeHosts:
                 del self.world.candidates[cid]
             self.world.candidates.update({r[0]: r for r in ch.candidates})
         else:
-            row.drift_reported_at = ch.checked_at
-            self.world.drift_reports.append((ch.event_id, ch.node_id, ch.checked_at))
-            mine = [r for r in self.world.drift_reports if r[1] == ch.node_id]
-            for gone in sorted(mine, key=lambda r: (r[2], r[0]), reverse=True)[ch.keep :]:
-                self.world.drift_reports.remove(gone)
-            items = self.world.drift.setdefault(ch.node_id, {})
-            items.update({k: "resolved" for k in ch.change.resolve})
-            items.update({k: "open" for k in ch.change.open})
+            self._drift(ch)
+
+    def _drift(self, ch: DriftRecorded) -> None:
+        self.world.row(ch.node_id).drift_reported_at = ch.checked_at
+        self.world.drift_reports.append((ch.event_id, ch.node_id, ch.checked_at))
+        mine = [r for r in self.world.drift_reports if r[1] == ch.node_id]
+        for gone in sorted(mine, key=lambda r: (r[2], r[0]), reverse=True)[ch.keep :]:
+            self.world.drift_reports.remove(gone)
+        items = self.world.drift.setdefault(ch.node_id, {})
+        items.update({k: "resolved" for k in ch.change.resolve})
+        items.update({k: "open" for k in ch.change.open})
 
     def _change_mode(self, ch: ModeChange) -> None:
         row = self.world.row(ch.node_id)

@@ -266,8 +266,8 @@ class Host:
 
     def _takes(self, last: datetime | None, at: datetime, *, strictly_newer: bool = False) -> bool:
         """A report dated `at` is newer than the last one taken (`last`) and than the evidence reset. Parity and
-        topology take a report of the same time again (a redelivery rewrites the same values); drift does not,
-        since a report taken twice would count its items twice in the kept history."""
+        topology take a report of the same time again (it rewrites the same values); drift takes only a strictly
+        newer one, as its statement always did: one report's time opens and resolves items once."""
         if self.evidence.reset is not None and self.evidence.reset >= at:
             return False
         if last is None:
