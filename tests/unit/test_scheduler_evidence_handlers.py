@@ -485,3 +485,47 @@ async def test_a_wipe_report_is_refused_from_another_host_or_for_an_unknown_node
     assert err.value.reason_code == code
     assert world.slots["s0"].status == "awaiting_wipe" and [w.outcome for w in world.wipes] == [None]
     assert uow.events.pending == [] and not uow.committed
+
+
+# --- the aggregate's rule: newer than the last report taken and than the evidence reset ---------------------------
+
+T = datetime(2026, 1, 1, tzinfo=UTC)
+SECOND = timedelta(seconds=1)
+
+
+@pytest.mark.parametrize(
+    ("last", "reset", "at", "parity_and_topology", "drift"),
+    [
+        (None, None, T, True, True),
+        (T, None, T + SECOND, True, True),
+        (T, None, T, True, False),  # the same time again: rewritten by parity and topology, never drift
+        (T, None, T - SECOND, False, False),
+        (None, T, T, False, False),  # a report from the reset's own moment describes the host before it
+        (None, T, T + SECOND, True, True),
+    ],
+)
+def test_a_host_takes_a_report_only_when_newer_than_the_last_and_the_reset(
+    last: datetime | None, reset: datetime | None, at: datetime, parity_and_topology: bool, drift: bool
+) -> None:
+    from gpuaas_scheduler.domain.host import EvidenceTimes, Host
+    from gpuaas_scheduler.domain.host_mode import HostFacts
+
+    def host() -> Host:
+        return Host(HostFacts("h1", "slice"), T, evidence=EvidenceTimes(last, last, last, reset))
+
+    parity, topology, drifted = host(), host(), host()
+    took = [
+        parity.record_parity(failures=0, detail={}, checked_at=at) == "applied",
+        topology.record_topology(
+            discovered_at=at, blockers=[], hugepages_1g=(None, None), fabric_manager=(None, None, None), candidates=[]
+        )
+        == "applied",
+    ]
+    assert took == [parity_and_topology] * 2
+    assert (
+        drifted.record_drift(event_id="e", checked_at=at, report=[], reported={}, held=[], keep=1) is not None
+    ) == drift
+    # A report not taken records nothing to save, and leaves the host's evidence as it was.
+    for h, taken in ((parity, parity_and_topology), (topology, parity_and_topology), (drifted, drift)):
+        assert bool(h.changes) == taken
+        assert taken or h.evidence == EvidenceTimes(last, last, last, reset)
