@@ -62,6 +62,18 @@ TYPED_SERVICE_LAYERS := services/allocator/gpuaas_allocator/service_layer \
 	services/image-pipeline/gpuaas_image_pipeline/service_layer \
 	services/maas-gateway/gpuaas_maas_gateway/service_layer \
 	services/ops-view/gpuaas_ops_view/service_layer
+# The scheduler's service-layer files typed against its ports so far (issue 39), one a line.
+SCHEDULER_TYPED := \
+	services/scheduler/gpuaas_scheduler/service_layer/ports.py \
+	services/scheduler/gpuaas_scheduler/service_layer/evidence.py \
+	services/scheduler/gpuaas_scheduler/service_layer/drift.py \
+	services/scheduler/gpuaas_scheduler/service_layer/slot_wipe.py \
+	services/scheduler/gpuaas_scheduler/service_layer/steering.py \
+	services/scheduler/gpuaas_scheduler/service_layer/host_modes.py \
+	services/scheduler/gpuaas_scheduler/service_layer/vfio_binding.py \
+	services/scheduler/gpuaas_scheduler/service_layer/slot_announcements.py \
+	services/scheduler/gpuaas_scheduler/service_layer/hosts.py \
+	services/scheduler/gpuaas_scheduler/service_layer/host_walk.py
 CODE    := libs services tools tests bench
 
 test: setup check
@@ -76,6 +88,7 @@ check: setup
 	$(VENV)/bin/ruff format --check $(CODE)
 	$(VENV)/bin/mypy --strict --follow-imports=silent --ignore-missing-imports $(DOMAINS)
 	MYPYPATH=libs $(VENV)/bin/mypy --strict --follow-imports=silent --ignore-missing-imports $(TYPED_SERVICE_LAYERS)
+	MYPYPATH=libs $(VENV)/bin/mypy --strict --follow-imports=silent --ignore-missing-imports $(SCHEDULER_TYPED)
 
 bench: setup
 	$(PY) bench/pipeline.py --json

@@ -1,6 +1,7 @@
 """The scheduler's repositories in memory (gpuaas_scheduler.adapters.repository's ClaimRepository, SlotRepository,
-NodeRepository, AuditRepository and adapters/hosts.py's HostRepository): one `World` of node rows, slots, claims,
-the transition log, the wipe asks and the admin trail, as the scheduler's tables hold them."""
+NodeRepository, AuditRepository, adapters/hosts.py's HostRepository, and the evidence's: EvidenceRepository,
+DriftRepository, SlotWipeRepository, NodeActionRepository): one `World` of node rows, slots, claims, the transition
+log, the wipe asks, the asks of hosts, the drift and the admin trail, as the scheduler's tables hold them."""
 
 from __future__ import annotations
 
@@ -10,10 +11,24 @@ from datetime import datetime, timezone
 from typing import Any
 
 from gpuaas_common.contract import messages as m
-from gpuaas_scheduler.domain.host import Change, Drained, Host, HostSlot, ModeChanged, Undrained, WipeAsked
+from gpuaas_scheduler.domain.drift import DriftKey
+from gpuaas_scheduler.domain.host import (
+    Change,
+    Drained,
+    DriftRecorded,
+    EvidenceTimes,
+    Host,
+    HostSlot,
+    ModeChanged,
+    ParityRecorded,
+    TopologyRecorded,
+    Undrained,
+    WipeAsked,
+)
 from gpuaas_scheduler.domain.host_mode import HostFacts, ModeChange
 from gpuaas_scheduler.domain.node_claims import HeldClaim, NodeClaims, NodeDrained, SlotsMoved
 from gpuaas_scheduler.domain.slots import movable_from
+from gpuaas_scheduler.domain.steering import OpenAsk, SteerFacts
 
 
 @dataclass
@@ -30,6 +45,10 @@ class Slot:
     approved_at: datetime | None = None
     gpu_pci_address: str | None = None
     fabric_vf_pci_address: str | None = None
+    mac: str | None = None
+    private_ip: str | None = None
+    fabric_claim_mode: str | None = None
+    emulated: bool = False
 
 
 @dataclass
@@ -48,6 +67,15 @@ class Node:
     drained_by: str | None = None
     maintenance_reason: str | None = None
     history: list[ModeChange] = field(default_factory=list)
+    # The host's evidence as its reports left it.
+    kind: str = "slice_host"
+    maas_system_id: str | None = None
+    parity_reported_at: datetime | None = None
+    parity_detail: dict[str, Any] | None = None
+    topology_reported_at: datetime | None = None
+    topology: TopologyRecorded | None = None
+    drift_reported_at: datetime | None = None
+    preflight: tuple[str, datetime, str] | None = None  # status, reported at, operation
 
 
 @dataclass
@@ -89,6 +117,12 @@ class World:
     rows: dict[str, Node] = field(default_factory=dict)  # node -> its row, default columns until set
     wipes: list[WipeAsk] = field(default_factory=list)
     audit: list[tuple[str, str, str, str | None, Any]] = field(default_factory=list)
+    candidates: dict[str, tuple[Any, ...]] = field(default_factory=dict)  # id -> row, unapproved
+    drift: dict[str, dict[DriftKey, str]] = field(default_factory=dict)  # node -> key -> status
+    drift_reports: list[tuple[str, str, datetime]] = field(default_factory=list)  # event, node, checked at
+    preflights: dict[str, str | None] = field(default_factory=dict)  # operation -> node
+    images: dict[tuple[str, str], tuple[str, bool, datetime]] = field(default_factory=dict)  # status, ok, at
+    asks: dict[str, dict[str, Any]] = field(default_factory=dict)  # action id -> node_actions row
 
     def row(self, node_id: str) -> Node:
         return self.rows.setdefault(node_id, Node())
@@ -265,6 +299,9 @@ class FakeHosts:
             draining=row.draining,
             maintenance=row.maintenance,
             slots=slots,
+            evidence=EvidenceTimes(
+                row.parity_reported_at, row.topology_reported_at, row.drift_reported_at, row.evidence_reset_at
+            ),
         )
 
     async def save(self, host: Host) -> list[Change]:
@@ -286,15 +323,41 @@ class FakeHosts:
                 self._ask(ch)
             elif isinstance(ch, SlotsMoved):
                 moved += self.world.move(ch.slot_ids, ch.status, ch.reason, ch.only_from, None, ch.detail)
+            else:
+                self._evidence(ch)
         if moved:
             self.world.refreshed.append([host.node_id])
         return saved
+
+    def _evidence(self, ch: ParityRecorded | TopologyRecorded | DriftRecorded) -> None:
+        row = self.world.row(ch.node_id)
+        if isinstance(ch, ParityRecorded):
+            row.parity_failures, row.parity_detail, row.parity_reported_at = ch.failures, ch.detail, ch.checked_at
+        elif isinstance(ch, TopologyRecorded):
+            row.topology_reported, row.topology_reported_at, row.topology = True, ch.discovered_at, ch
+            for cid in [c for c, r in self.world.candidates.items() if r[1] == ch.node_id]:
+                del self.world.candidates[cid]
+            self.world.candidates.update({r[0]: r for r in ch.candidates})
+        else:
+            self._drift(ch)
+
+    def _drift(self, ch: DriftRecorded) -> None:
+        self.world.row(ch.node_id).drift_reported_at = ch.checked_at
+        self.world.drift_reports.append((ch.event_id, ch.node_id, ch.checked_at))
+        mine = [r for r in self.world.drift_reports if r[1] == ch.node_id]
+        for gone in sorted(mine, key=lambda r: (r[2], r[0]), reverse=True)[ch.keep :]:
+            self.world.drift_reports.remove(gone)
+        items = self.world.drift.setdefault(ch.node_id, {})
+        items.update({k: "resolved" for k in ch.change.resolve})
+        items.update({k: "open" for k in ch.change.open})
 
     def _change_mode(self, ch: ModeChange) -> None:
         row = self.world.row(ch.node_id)
         row.mode = ch.to_mode
         if ch.resets_evidence:
             row.parity_failures, row.topology_reported, row.evidence_reset_at = None, False, ch.at
+            row.parity_reported_at = row.topology_reported_at = row.parity_detail = row.topology = None
+            self.world.candidates = {c: r for c, r in self.world.candidates.items() if r[1] != ch.node_id}
         row.history.append(ch)
 
     def _ask(self, ch: WipeAsked) -> None:
@@ -317,6 +380,226 @@ class FakeAudit:
         self.world.audit.append((actor, action, target, reason, detail))
 
 
+# --- evidence, steering, drift, wipes, walks (issue 39) -------------------------------------------------------
+
+
+class FakeEvidence:
+    """Same surface as adapters.evidence.EvidenceRepository."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    async def node_for_machine(self, system_id: str, node_id: str | None) -> str | None:
+        by_machine = [n for n, r in self.world.rows.items() if r.maas_system_id == system_id and n in self.world.nodes]
+        if by_machine:
+            return by_machine[0]
+        return node_id if node_id in self.world.nodes else None
+
+    async def insert_slice_preflight(self, node_id: str | None, row: dict[str, Any]) -> bool:
+        if row["operation_id"] in self.world.preflights:
+            return False
+        self.world.preflights[row["operation_id"]] = node_id
+        return True
+
+    async def update_preflight(self, node_id: str, status: str, reported_at: datetime, operation_id: str) -> bool:
+        row = self.world.row(node_id)
+        if row.preflight is not None and row.preflight[1] > reported_at:
+            return False
+        row.preflight = (status, reported_at, operation_id)
+        return True
+
+    async def upsert_image_readiness(
+        self, node_id: str, slug: str, status: str, digest: str | None, schedulable: bool, reported_at: datetime
+    ) -> bool:
+        held = self.world.images.get((node_id, slug))
+        if held is not None and held[2] > reported_at:
+            return False
+        self.world.images[(node_id, slug)] = (status, schedulable, reported_at)
+        return True
+
+
+class FakeDrift:
+    """Same surface as adapters.drift.DriftRepository."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    async def node_slots(self, node_id: str) -> list[dict[str, Any]]:
+        mine = sorted((s for s in self.world.slots.values() if s.node_id == node_id), key=lambda s: s.slot_id)
+        fields = ("gpu_pci_address", "fabric_vf_pci_address", "nvme_by_id", "mac", "private_ip")
+        return [{"slot_id": s.slot_id, **{f: getattr(s, f) for f in fields}} for s in mine]
+
+    async def held_keys(self, node_id: str) -> list[DriftKey]:
+        return [k for k, status in self.world.drift.get(node_id, {}).items() if status != "resolved"]
+
+
+class FakeWipes:
+    """Same surface as adapters.slot_wipes.SlotWipeRepository; each slot's effective policy is its own."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    async def lock_node(self, node_id: str) -> bool:
+        return node_id in self.world.nodes
+
+    async def open_asks(self, task_id: str, node_id: str, slots: Any, *, cause: str, why: str, actor: str) -> None:
+        ids = {s["slot_id"] for s in slots}
+        for w in self.world.wipes:
+            if w.slot_id in ids and w.outcome is None:
+                w.outcome = "superseded"
+        self.world.wipes += [
+            WipeAsk(task_id, s["slot_id"], node_id, s["nvme_by_id"], s["wipe_policy"], cause, why[:2000], actor)
+            for s in slots
+        ]
+
+    def _claimed(self, slot_id: str) -> bool:
+        return any(c.slot_id == slot_id and c.status != "released" for c in self.world.claims)
+
+    async def open_asks_of_task(self, node_id: str, task_id: str) -> list[dict[str, Any]]:
+        out = []
+        for w in sorted(self.world.wipes, key=lambda w: w.slot_id):
+            slot = self.world.slots.get(w.slot_id)
+            if w.task_id != task_id or w.node_id != node_id or w.outcome is not None or slot is None:
+                continue
+            if slot.node_id != node_id:
+                continue
+            out.append(
+                {
+                    "task_id": w.task_id,
+                    "slot_id": w.slot_id,
+                    "device": w.device,
+                    "policy": w.policy,
+                    "cause": w.cause,
+                    "status": slot.status,
+                    "nvme_by_id": slot.nvme_by_id,
+                    "node_id": slot.node_id,
+                    "gpu_pci_address": slot.gpu_pci_address,
+                    "mac": slot.mac,
+                    "private_ip": slot.private_ip,
+                    "fabric_claim_mode": slot.fabric_claim_mode,
+                    "fabric_vf_pci_address": slot.fabric_vf_pci_address,
+                    "emulated": slot.emulated,
+                    "destructive_wipe_policy": slot.wipe_policy,
+                    "wipe_policy_site": None,
+                    "claimed": self._claimed(w.slot_id),
+                }
+            )
+        return out
+
+    async def close(self, task_id: str, slot_id: str, *, outcome: str, verdict: str, report: Any) -> None:
+        for w in self.world.wipes:
+            if w.task_id == task_id and w.slot_id == slot_id and w.outcome is None:
+                w.outcome = outcome
+
+    async def lock_overdue(self, older_than_s: float, statuses: Any, limit: int) -> list[dict[str, Any]]:
+        # Every open ask counts as overdue here: the fake has no clock to age them by.
+        rows = []
+        for w in sorted(self.world.wipes, key=lambda w: (w.node_id, w.slot_id)):
+            slot = self.world.slots[w.slot_id]
+            if w.outcome is None and slot.status in statuses and not self._claimed(w.slot_id):
+                rows.append(
+                    {
+                        "task_id": w.task_id,
+                        "slot_id": w.slot_id,
+                        "node_id": w.node_id,
+                        "cause": w.cause,
+                        "status": slot.status,
+                        "nvme_by_id": slot.nvme_by_id,
+                        "wipe_policy": slot.wipe_policy,
+                    }
+                )
+        return rows[:limit]
+
+    async def expire(self, task_id: str, slot_ids: Any, verdict: str) -> None:
+        for w in self.world.wipes:
+            if w.task_id == task_id and w.slot_id in slot_ids and w.outcome is None:
+                w.outcome = "expired"
+
+    async def move_slot(
+        self, slot_id: str, to: str, reason: str | None, *, actor: str, only_from: Any, detail: Any, health: Any
+    ) -> None:
+        self.world.move([slot_id], to, reason, tuple(only_from), None, detail, health)
+
+
+class FakeAsks:
+    """Same surface as adapters.node_actions.NodeActionRepository."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def _open(self, node_id: str, kind: str) -> dict[str, Any] | None:
+        return next(
+            (
+                a
+                for a in self.world.asks.values()
+                if a["node_id"] == node_id and a["kind"] == kind and a["status"] == "requested"
+            ),
+            None,
+        )
+
+    async def facts(self, node_id: str, kind: str) -> SteerFacts | None:
+        if node_id not in self.world.nodes:
+            return None
+        row = self.world.row(node_id)
+        a = self._open(node_id, kind)
+        return SteerFacts(
+            node_id=node_id,
+            node_kind=row.kind,
+            mode=row.mode,
+            maas_system_id=row.maas_system_id,
+            live_claims=sum(1 for c in self.world.claims if c.node_id == node_id and c.status != "released"),
+            takes_placements=row.mode == "slice" and not row.draining and not row.maintenance,
+            open_ask=OpenAsk(a["action_id"], a["actor"], a["requested_at"], a["deadline"]) if a else None,
+        )
+
+    async def insert(
+        self, action_id: str, node_id: str, kind: str, actor: str, reason: str, deadline_s: float
+    ) -> dict[str, Any] | None:
+        if self._open(node_id, kind) is not None:
+            return None
+        now = datetime.now(timezone.utc)
+        row = {
+            "action_id": action_id,
+            "node_id": node_id,
+            "kind": kind,
+            "actor": actor,
+            "reason": reason,
+            "status": "requested",
+            "outcome": None,
+            "result": {},
+            "requested_at": now,
+            "deadline": now,
+            "finished_at": None,
+        }
+        self.world.asks[action_id] = row
+        return dict(row)
+
+    async def kind_of(self, action_id: str, node_id: str) -> str | None:
+        a = self.world.asks.get(action_id)
+        return a["kind"] if a and a["node_id"] == node_id else None
+
+    async def record_part(
+        self, action_id: str, node_id: str, part: str, value: dict[str, Any], settle: tuple[str, str] | None
+    ) -> str | None:
+        a = self.world.asks.get(action_id)
+        if a is None or a["node_id"] != node_id:
+            return None
+        a["result"] = {**a["result"], part: value}
+        if settle and a["status"] == "requested":
+            a["status"], a["outcome"] = settle
+        return str(a["kind"])
+
+    async def get(self, action_id: str) -> dict[str, Any] | None:
+        a = self.world.asks.get(action_id)
+        return dict(a) if a else None
+
+    async def expire_overdue(self, outcomes: dict[str, str]) -> list[dict[str, Any]]:
+        return []  # no clock: nothing is ever past its deadline here
+
+    async def due_for_parity(self, modes: tuple[str, ...], interval_s: float | None, limit: int) -> list[str]:
+        return []
+
+
 @dataclass
 class FakeRepositories:
     nodes: FakeNodes
@@ -324,7 +607,21 @@ class FakeRepositories:
     claims: FakeClaims
     hosts: FakeHosts | None = None
     audit: FakeAudit | None = None
+    evidence: FakeEvidence | None = None
+    drift: FakeDrift | None = None
+    wipes: FakeWipes | None = None
+    asks: FakeAsks | None = None
 
 
 def fake_repositories(world: World) -> FakeRepositories:
-    return FakeRepositories(FakeNodes(world), FakeSlots(world), FakeClaims(world), FakeHosts(world), FakeAudit(world))
+    return FakeRepositories(
+        FakeNodes(world),
+        FakeSlots(world),
+        FakeClaims(world),
+        FakeHosts(world),
+        FakeAudit(world),
+        FakeEvidence(world),
+        FakeDrift(world),
+        FakeWipes(world),
+        FakeAsks(world),
+    )

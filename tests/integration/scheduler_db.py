@@ -47,17 +47,18 @@ async def report_ready(pool: asyncpg.Pool, node_id: str, *, parity_failures: int
     report it, through the scheduler's own handlers: the evidence slot approval gates on."""
     from datetime import UTC, datetime
 
+    from gpuaas_scheduler.adapters.repository import scheduler_repositories
     from gpuaas_scheduler.service_layer.evidence import record_parity, record_slice_preflight
 
     now = datetime.now(UTC)
     async with pool.acquire() as conn, conn.transaction():
         check = m.ParityCheck(check="kvm", status="FAIL" if parity_failures else "PASS", detail="/dev/kvm")
         await record_parity(
-            conn,
+            scheduler_repositories(conn),
             m.NodeParityReported(node_id=node_id, checked_at=now, checks=[check], failures=parity_failures, warnings=0),
         )
         await record_slice_preflight(
-            conn,
+            scheduler_repositories(conn),
             m.NodeSlicePreflightReported(
                 operation_id=f"pf-{uuid.uuid4().hex[:8]}",
                 site="default",

@@ -16,6 +16,7 @@ from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.migrations import apply_migrations
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters import synthetic
+from gpuaas_scheduler.adapters.repository import scheduler_repositories
 from gpuaas_scheduler.service_layer import evidence
 from gpuaas_scheduler.service_layer.handlers import release_allocation
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place
@@ -279,7 +280,7 @@ def parity(at, failures=0):
 
 async def deliver(pool, fn, ev):
     async with pool.acquire() as conn, conn.transaction():
-        return await fn(conn, ev)
+        return await fn(scheduler_repositories(conn), ev)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from gpuaas_common.outbox import OutboxWriter
 from gpuaas_common.profiles import DEFAULT_PROFILE
 from gpuaas_scheduler.adapters import admin_slots, synthetic
 from gpuaas_scheduler.adapters import inventory as inv
+from gpuaas_scheduler.adapters.repository import scheduler_repositories
 from gpuaas_scheduler.domain.placement import rank_classes, rank_nodes
 from gpuaas_scheduler.domain.slots import InvalidSlotTransition
 from gpuaas_scheduler.service_layer import slot_wipe
@@ -136,7 +137,7 @@ async def test_the_tuned_profile_is_opt_in_per_host_pool_and_why_not_names_it(ap
         assert (await post(api, "/v1/nodes", body))[0] == 200
         async with pool.acquire() as conn:
             # Neither host staged 1 GiB pages.
-            await record_topology(conn, topology_report(node_id, hugepages=0))
+            await record_topology(scheduler_repositories(conn), topology_report(node_id, hugepages=0))
         cand = candidate(0, candidate_id=f"{node_id}-c0")
         assert (
             await post(api, f"/v1/nodes/{node_id}/candidates", {"actor": "ops", "candidates": [cand]}, method="PUT")
@@ -153,7 +154,7 @@ async def test_the_tuned_profile_is_opt_in_per_host_pool_and_why_not_names_it(ap
     assert u is not None and u.filtered.get("hugepages_missing") == 1, u
     assert "1 GiB hugepages asked by profile h200_1g_24c_64g (64 per GPU)" in u.reason
     async with pool.acquire() as conn:
-        await record_topology(conn, topology_report("tuned", hugepages=64))
+        await record_topology(scheduler_repositories(conn), topology_report("tuned", hugepages=64))
     placed = (await run_place(pool, accepted())).placed
     assert placed and placed.node_id == "tuned" and placed.slots[0].profile == "h200_1g_24c_64g"
 
@@ -406,7 +407,9 @@ async def test_release_without_verified_proof_blocks_and_repair_returns_it(pool,
     )
     async with pool.acquire() as conn, conn.transaction():
         subject = f"gpuaas.node.{placed.node_id}.report.slot_wipe"
-        await slot_wipe.wipe_reported(conn, OutboxWriter(conn, "scheduler", "scheduler"), subject, report)
+        await slot_wipe.wipe_reported(
+            scheduler_repositories(conn), OutboxWriter(conn, "scheduler", "scheduler"), subject, report
+        )
     body = await (await api.get(f"/v1/slots/{blocked}", headers=ADMIN_AUTH)).json()
     assert body["slot"]["status"] == "available"
     assert body["transitions"][0]["actor"] == f"node:{placed.node_id}"
@@ -587,9 +590,9 @@ async def test_slice_capability_is_gated_on_the_commissioning_preflight(pool, re
             ev = preflight_report(
                 None if by_sid else node, status, system_id="sys-x" if by_sid else "sys-y", op=f"pf{i}"
             )
-            got = await record_slice_preflight(conn, ev)
+            got = await record_slice_preflight(scheduler_repositories(conn), ev)
         assert got == outcome
-        assert await record_slice_preflight(conn, ev) == "duplicate"
+        assert await record_slice_preflight(scheduler_repositories(conn), ev) == "duplicate"
         kept = await conn.fetchval("SELECT count(*) FROM node_slice_preflight WHERE node_id = $1", node)
         assert kept == len(reports)
     result = await run_place(pool, accepted(gpus=1))
@@ -606,13 +609,18 @@ async def test_preflight_for_an_unknown_machine_is_kept_without_a_node_and_an_ol
         (node,) = await synthetic.build(conn, slice_hosts=1, slots_per_host=1)
         await conn.execute("UPDATE nodes SET maas_system_id = 'sys-x' WHERE node_id = $1", node)
         assert (
-            await record_slice_preflight(conn, preflight_report(None, "passed", system_id="nobody")) == "unknown_node"
+            await record_slice_preflight(
+                scheduler_repositories(conn), preflight_report(None, "passed", system_id="nobody")
+            )
+            == "unknown_node"
         )
         assert await conn.fetchval("SELECT node_id FROM node_slice_preflight WHERE operation_id = 'pf-1'") is None
         late = preflight_report(None, "failed", system_id="sys-x", op="pf-old")
         late = late.model_copy(update={"reported_at": late.reported_at - timedelta(hours=1)})
-        await record_slice_preflight(conn, preflight_report(None, "passed", system_id="sys-x", op="pf-new"))
-        assert await record_slice_preflight(conn, late) == "stale"
+        await record_slice_preflight(
+            scheduler_repositories(conn), preflight_report(None, "passed", system_id="sys-x", op="pf-new")
+        )
+        assert await record_slice_preflight(scheduler_repositories(conn), late) == "stale"
         assert await conn.fetchval("SELECT preflight_status FROM nodes WHERE node_id = $1", node) == "passed"
 
 

@@ -14,6 +14,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_dev.testing.invariants import double_booking
 from gpuaas_scheduler.adapters import inventory as inv
 from gpuaas_scheduler.adapters.inventory.held import held_placement
+from gpuaas_scheduler.adapters.repository import scheduler_repositories
 from gpuaas_scheduler.domain import nvlink_partitions as nvl
 from gpuaas_scheduler.service_layer.evidence import record_topology
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place, with_fleet_shape
@@ -219,7 +220,7 @@ async def test_discovered_module_ids_and_fabric_manager_reach_the_candidates_and
         fabric_manager=m.FabricManagerInfo(mode="shared_nvswitch", version="550.127.05", active=True),
     )
     async with pool.acquire() as conn, conn.transaction():
-        assert await record_topology(conn, report) == "applied"
+        assert await record_topology(scheduler_repositories(conn), report) == "applied"
     async with pool.acquire() as conn:
         cands = await conn.fetch("SELECT gpu_pci_address, module_id FROM candidate_slots WHERE node_id = 'h1'")
         node = await conn.fetchrow("SELECT fabric_manager_mode, fabric_manager_version FROM nodes WHERE node_id='h1'")

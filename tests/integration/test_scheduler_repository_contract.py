@@ -19,7 +19,8 @@ import pytest
 
 from gpuaas_common.unit_of_work import FakeUnitOfWork, UnitOfWork
 from gpuaas_scheduler.adapters.repository import scheduler_repositories
-from gpuaas_scheduler.domain.host import HostSlot
+from gpuaas_scheduler.domain.drift import Item
+from gpuaas_scheduler.domain.host import EvidenceTimes, HostSlot
 from gpuaas_scheduler.domain.host_mode import HostFacts, ModeRefused
 from gpuaas_scheduler.domain.node_claims import HeldClaim, NodeDrained, SlotsMoved
 from tests.fakes.scheduler import Claim, Slot, World, fake_repositories
@@ -438,3 +439,158 @@ async def test_a_saved_mode_change_writes_the_mode_its_history_and_its_evidence_
     assert again is not None
     assert (again.mode, again.facts.parity_failures, again.facts.rediscovered) == ("converting", None, False)
     assert await backend.mode_history("h2") == [("retired", "converting", "ops", "back to slices", True)]
+
+
+# --- evidence, steering, drift, wipes, walks (issue 39) ---------------------------------------------------------
+
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+async def test_a_hosts_reports_are_taken_only_when_newer_and_load_back_with_the_host(backend: Backend) -> None:
+    await backend.add_node("h1")
+    await backend.set_node("h1", parity_reported_at=T0, parity_failures=2)
+    async with backend.unit_of_work() as uow:
+        host = await uow.repos.hosts.get("h1")
+        assert host is not None and host.evidence == EvidenceTimes(parity=T0)
+        assert host.record_parity(failures=0, detail={"source": "x"}, checked_at=T0 - timedelta(seconds=1)) == "stale"
+        assert host.record_parity(failures=0, detail={"source": "x"}, checked_at=T0 + timedelta(seconds=1)) == "applied"
+        assert (
+            host.record_topology(
+                discovered_at=T0,
+                blockers=["gpu 3 has no free disk"],
+                hugepages_1g=(64, 60),
+                fabric_manager=("shared_nvswitch", "550.1", True),
+                candidates=[],
+            )
+            == "applied"
+        )
+        await uow.repos.hosts.save(host)
+        again = await uow.repos.hosts.get("h1")
+        await uow.commit()
+    assert again is not None
+    assert again.evidence == EvidenceTimes(parity=T0 + timedelta(seconds=1), topology=T0)
+    assert (again.facts.parity_failures, again.facts.rediscovered) == (0, True)
+
+
+async def test_a_drift_report_taken_opens_and_resolves_the_hosts_items(backend: Backend) -> None:
+    await backend.add_node("h1")
+    await backend.add_host_slot("h1-s0", "h1", "available", gpu_pci_address=GPU)
+    item = (("disk_dirty", "d", "h1-s0"), Item("disk_dirty", "d", "found", (_disk("h1-s0"),)))
+    for at, reported in ((T0, dict([item])), (T0 + timedelta(minutes=1), {})):
+        async with backend.unit_of_work() as uow:
+            slots = await uow.repos.drift.node_slots("h1")
+            assert [(s["slot_id"], s["gpu_pci_address"], s["nvme_by_id"]) for s in slots] == [
+                ("h1-s0", GPU, _disk("h1-s0"))
+            ]
+            host = await uow.repos.hosts.get("h1")
+            assert host is not None
+            held = await uow.repos.drift.held_keys("h1")
+            change = host.record_drift(
+                event_id=f"ev-{at.minute}", checked_at=at, report=[], reported=reported, held=held, keep=10
+            )
+            assert change is not None
+            await uow.repos.hosts.save(host)
+            after = await uow.repos.drift.held_keys("h1")
+            await uow.commit()
+        assert after == list(reported)
+    async with backend.unit_of_work() as uow:
+        host = await uow.repos.hosts.get("h1")
+        assert host is not None and host.evidence.drift == T0 + timedelta(minutes=1)
+        await uow.commit()
+
+
+async def test_a_preflight_and_an_image_state_are_kept_and_applied_only_when_newest(backend: Backend) -> None:
+    await backend.add_node("h1")
+    await backend.set_node("h1", maas_system_id="sys-h1")
+    row = {
+        "operation_id": "pf-1",
+        "site": "default",
+        "system_id": "sys-h1",
+        "result_set_id": None,
+        "script_name": "50-gpuaas-slice-firmware-preflight",
+        "script_status": None,
+        "exit_status": None,
+        "status": "passed",
+        "reasons": [],
+        "warnings": [],
+        "checks": [],
+        "nvme": [],
+        "reported_at": T0,
+    }
+    async with backend.unit_of_work() as uow:
+        ev = uow.repos.evidence
+        assert await ev.node_for_machine("sys-h1", None) == "h1"
+        assert await ev.node_for_machine("sys-other", "h1") == "h1"
+        assert await ev.node_for_machine("sys-other", "ghost") is None
+        assert await ev.insert_slice_preflight("h1", row) is True
+        assert await ev.insert_slice_preflight("h1", row) is False
+        assert await ev.update_preflight("h1", "passed", T0, "pf-1") is True
+        assert await ev.update_preflight("h1", "failed", T0 - timedelta(hours=1), "pf-0") is False
+        assert await ev.upsert_image_readiness("h1", "ubuntu-24", "pulling", None, False, T0) is True
+        assert await ev.upsert_image_readiness("h1", "ubuntu-24", "verified", None, True, T0 + timedelta(1)) is True
+        assert await ev.upsert_image_readiness("h1", "ubuntu-24", "failed", None, False, T0) is False
+        await uow.commit()
+
+
+async def test_a_wipe_ask_is_read_with_its_slot_closed_and_its_slot_moved(backend: Backend) -> None:
+    await backend.add_node("h1")
+    await backend.add_host_slot("h1-s0", "h1", "awaiting_wipe")
+    async with backend.unit_of_work() as uow:
+        wipes = uow.repos.wipes
+        assert await wipes.lock_node("h1") is True and await wipes.lock_node("ghost") is False
+        slot = {"slot_id": "h1-s0", "nvme_by_id": _disk("h1-s0"), "wipe_policy": "blkdiscard"}
+        await wipes.open_asks("wipe-1", "h1", [slot], cause="approval", why="approved", actor="ops")
+        [ask] = await wipes.open_asks_of_task("h1", "wipe-1")
+        assert await wipes.open_asks_of_task("h1", "wipe-2") == []
+        assert {k: ask[k] for k in ("slot_id", "device", "cause", "status", "nvme_by_id", "node_id", "claimed")} == {
+            "slot_id": "h1-s0",
+            "device": _disk("h1-s0"),
+            "cause": "approval",
+            "status": "awaiting_wipe",
+            "nvme_by_id": _disk("h1-s0"),
+            "node_id": "h1",
+            "claimed": False,
+        }
+        assert ask["destructive_wipe_policy"] == "blkdiscard"
+        await wipes.close("wipe-1", "h1-s0", outcome="passed", verdict="proven", report={"device": _disk("h1-s0")})
+        await wipes.move_slot(
+            "h1-s0",
+            "available",
+            None,
+            actor="node:h1",
+            only_from=["awaiting_wipe"],
+            detail={},
+            health=("healthy", "ok"),
+        )
+        await wipes.move_slot(
+            "h1-s0", "cleanup_blocked", "x", actor="node:h1", only_from=["awaiting_wipe"], detail={}, health=None
+        )
+        assert await wipes.open_asks_of_task("h1", "wipe-1") == []
+        await uow.commit()
+    assert await backend.slot_status("h1-s0") == "available"
+    assert await backend.wipe_asks("h1") == [
+        ("wipe-1", "h1-s0", _disk("h1-s0"), "blkdiscard", "approval", "ops", False)
+    ]
+
+
+async def test_an_ask_of_a_host_is_recorded_once_and_answered_only_by_its_node(backend: Backend) -> None:
+    await backend.add_node("h1")
+    await backend.add_node("h2")
+    async with backend.unit_of_work() as uow:
+        asks = uow.repos.asks
+        facts = await asks.facts("h1", "parity")
+        assert facts is not None and (facts.node_kind, facts.mode, facts.open_ask) == ("slice_host", "slice", None)
+        assert await asks.facts("ghost", "parity") is None
+        row = await asks.insert("parity-1", "h1", "parity", "ops", "why", 600.0)
+        assert row is not None and (row["action_id"], row["status"]) == ("parity-1", "requested")
+        assert await asks.insert("parity-2", "h1", "parity", "ops", "why", 600.0) is None
+        facts = await asks.facts("h1", "parity")
+        assert facts is not None and facts.open_ask is not None and facts.open_ask.action_id == "parity-1"
+        assert await asks.kind_of("parity-1", "h2") is None
+        assert await asks.record_part("parity-1", "h2", "parity", {"a": 1}, ("succeeded", "ok")) is None
+        assert await asks.record_part("parity-1", "h1", "parity", {"a": 1}, ("succeeded", "ok")) == "parity"
+        got = await asks.get("parity-1")
+        assert got is not None and (got["status"], got["outcome"]) == ("succeeded", "ok")
+        result = got["result"]
+        assert (json.loads(result) if isinstance(result, str) else result) == {"parity": {"a": 1}}
+        await uow.commit()

@@ -13,6 +13,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.fleet import generate_fleet
 from gpuaas_dev.sim.instant import InstantSliceHost
 from gpuaas_scheduler.adapters import inventory as inv
+from gpuaas_scheduler.adapters.repository import scheduler_repositories
 from gpuaas_scheduler.service_layer import evidence
 from gpuaas_scheduler.service_layer.placement import PlacementPolicy, place
 
@@ -88,11 +89,16 @@ async def test_seeded_slots_are_candidates_until_discovery_parity_and_approval(p
         await InstantSliceHost(HOST, capture).report_host_state(FLEET.node(HOST))
         reports = dict(published)
         async with pool.acquire() as conn, conn.transaction():
-            assert await evidence.record_topology(conn, reports["node.topology_reported"]) == "applied"
+            assert (
+                await evidence.record_topology(scheduler_repositories(conn), reports["node.topology_reported"])
+                == "applied"
+            )
         # Discovery alone: the host's parity is still unknown.
         assert (await run_place(pool)).placed is None
         async with pool.acquire() as conn, conn.transaction():
-            assert await evidence.record_parity(conn, reports["node.parity_reported"]) == "applied"
+            assert (
+                await evidence.record_parity(scheduler_repositories(conn), reports["node.parity_reported"]) == "applied"
+            )
         async with pool.acquire() as conn:
             found = await conn.fetch(
                 "SELECT candidate_id FROM candidate_slots WHERE source = 'node-agent' ORDER BY candidate_id"

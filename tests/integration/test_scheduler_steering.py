@@ -17,6 +17,7 @@ from gpuaas_common.contract import messages as m
 from gpuaas_common.contract.asyncapi import default_validator
 from gpuaas_common.unit_of_work import UnitOfWork
 from gpuaas_scheduler.adapters import synthetic
+from gpuaas_scheduler.adapters.repository import scheduler_repositories
 from gpuaas_scheduler.service_layer import evidence, steering
 
 from .scheduler_db import ADMIN_AUTH, admin_client, scheduler_pool
@@ -71,12 +72,12 @@ def parity_report(task_id, failures=0, node=HOST):
 
 async def answer_parity(pool, report):
     async with pool.acquire() as conn, conn.transaction():
-        applied = await evidence.record_parity(conn, report)
-        return await steering.parity_answered(conn, report, applied)
+        applied = await evidence.record_parity(scheduler_repositories(conn), report)
+        return await steering.parity_answered(scheduler_repositories(conn).asks, report, applied)
 
 
 async def sweep(pool, policy=POLICY):
-    return await steering.sweep(lambda: UnitOfWork(pool, "scheduler", "scheduler", lambda conn: None), policy)
+    return await steering.sweep(lambda: UnitOfWork(pool, "scheduler", "scheduler", scheduler_repositories), policy)
 
 
 async def test_parity_on_demand_goes_to_the_host_and_its_report_lands_on_the_nodes_history(pool, api) -> None:
@@ -129,7 +130,9 @@ async def test_rediscovery_is_settled_by_the_topology_and_keeps_the_parity_it_ra
         node_id=HOST, task_id=task_id, discovered_at=datetime.now(UTC), blockers=["GPU 0000:18:00.0 has no free VF"]
     )
     async with pool.acquire() as conn, conn.transaction():
-        await steering.topology_answered(conn, topo, await evidence.record_topology(conn, topo))
+        await steering.topology_answered(
+            scheduler_repositories(conn).asks, topo, await evidence.record_topology(scheduler_repositories(conn), topo)
+        )
     [done] = (await node_doc(api))["actions"]
     assert done["status"] == "failed" and "no free VF" in done["outcome"]
     assert set(done["result"]) == {"topology", "parity"} and done["result"]["parity"]["verdict"] == "succeeded"
@@ -184,8 +187,8 @@ async def test_commissioning_goes_to_the_maas_gateway_and_the_preflight_closes_i
         reported_at=datetime.now(UTC),
     )
     async with pool.acquire() as conn, conn.transaction():
-        await evidence.record_slice_preflight(conn, report)
-        assert await steering.preflight_answered(conn, report) == "commission"
+        await evidence.record_slice_preflight(scheduler_repositories(conn), report)
+        assert await steering.preflight_answered(scheduler_repositories(conn).asks, report) == "commission"
     done = (await node_doc(api))["actions"][0]
     assert done["status"] == "failed" and "IOMMU off in firmware" in done["outcome"]
 

@@ -10,6 +10,8 @@ from typing import Any
 import asyncpg
 
 from ..domain.drift import SLOT_DEVICE_FIELDS, DriftKey, Item
+from ..domain.host import DriftRecorded
+from . import inventory as inv
 
 DRIFT_VIEW = (
     "drift_id, node_id, slot_id, kind, subject, detail, devices, status, first_reported_at, last_reported_at, "
@@ -143,3 +145,29 @@ async def drift_by_id(conn: asyncpg.Connection, node_id: str, drift_ids: list[in
         node_id,
         drift_ids,
     )
+
+
+async def record(conn: asyncpg.Connection, ch: DriftRecorded) -> None:
+    """A report the `Host` took: marked applied on the node, kept as it came (the node's `keep` newest), its items
+    opened, kept or resolved, and the node's flag and capacity summary recomputed."""
+    await take_report(conn, ch.node_id, ch.checked_at)
+    await insert_report(conn, ch.event_id, ch.node_id, ch.checked_at, list(ch.report))
+    await trim_reports(conn, ch.node_id, ch.keep)
+    await resolve_items(conn, ch.node_id, ch.change.resolve, ch.checked_at, "node-agent report")
+    await touch_items(conn, ch.node_id, ch.change.still, ch.checked_at)
+    await open_items(conn, ch.node_id, ch.change.open, ch.checked_at)
+    await refresh_node_flag(conn, ch.node_id)
+    await inv.refresh_nodes(conn, [ch.node_id])
+
+
+class DriftRepository:
+    """What a drift report is judged against: the host's slots with their devices and its unresolved items."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def node_slots(self, node_id: str) -> list[dict[str, Any]]:
+        return await node_slots(self.conn, node_id)
+
+    async def held_keys(self, node_id: str) -> list[DriftKey]:
+        return await held_keys(self.conn, node_id)

@@ -171,3 +171,28 @@ async def update_preflight(
         )
         is not None
     )
+
+
+class EvidenceRepository:
+    """The evidence no `Host` method takes: a commissioning's preflight (its machine mapped to a node, the row kept
+    for every report) and a node's image cache state (one row per image, not the node's)."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def node_for_machine(self, system_id: str, node_id: str | None) -> str | None:
+        return await node_for_machine(self.conn, system_id, node_id)
+
+    async def insert_slice_preflight(self, node_id: str | None, row: dict[str, Any]) -> bool:
+        """False: a report of that operation is already kept."""
+        return await insert_slice_preflight(self.conn, node_id, row)
+
+    async def update_preflight(self, node_id: str, status: str, reported_at: datetime, operation_id: str) -> bool:
+        """False: a newer report is applied already."""
+        return await update_preflight(self.conn, node_id, status, reported_at, operation_id)
+
+    async def upsert_image_readiness(
+        self, node_id: str, slug: str, status: str, digest: str | None, schedulable: bool, reported_at: datetime
+    ) -> bool:
+        """False: a newer state of that image on that node is stored already."""
+        return await upsert_image_readiness(self.conn, node_id, slug, status, digest, schedulable, reported_at)

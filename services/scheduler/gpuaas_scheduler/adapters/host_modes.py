@@ -126,3 +126,14 @@ async def history(conn: asyncpg.Connection, node_id: str, limit: int = 20) -> li
         node_id,
         limit,
     )
+
+
+class HostModeRepository:
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def load(self, node_id: str) -> tuple[Host, datetime] | None:
+        return await load_host(self.conn, node_id)
+
+    async def save(self, host: Host) -> list[ModeChange]:
+        return await save(self.conn, host)

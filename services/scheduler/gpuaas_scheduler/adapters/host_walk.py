@@ -9,6 +9,7 @@ from typing import Any
 import asyncpg
 
 from ..domain.host_walk import OPEN, ApprovedSlot, HostWalk, WalkState
+from . import admin_slots
 
 _COLUMNS = (
     "walk_id, node_id, state, reason, profile, operation_id, rediscover_action_id, slots, parity_passed_early, "
@@ -156,3 +157,45 @@ async def history(conn: asyncpg.Connection, node_id: str, limit: int = 20) -> li
         ]
         out.append(d)
     return out
+
+
+class WalkRepository:
+    """The host walks, what starting or stopping one reads, and the savepoint a walk's re-approval runs under (the
+    unit of work began its transaction by hand): a refused approval leaves no slot of the walk half-approved,
+    while the walk's stop still commits."""
+
+    _SAVEPOINT = "host_walk_reapproval"
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def by_operation(self, operation_id: str) -> HostWalk | None:
+        return await by_operation(self.conn, operation_id)
+
+    async def by_rediscovery(self, node_id: str, action_id: str) -> HostWalk | None:
+        return await by_rediscovery(self.conn, node_id, action_id)
+
+    async def save(self, walk: HostWalk, operation_id: str | None = None) -> None:
+        await save(self.conn, walk, operation_id)
+
+    async def owed_a_walk(self, limit: int) -> list[dict[str, Any]]:
+        return [dict(r) for r in await owed_a_walk(self.conn, limit)]
+
+    async def off_course(self, limit: int) -> list[tuple[HostWalk, str, str | None]]:
+        """Open walks whose host left converting: each walk, the host's mode and who moved it."""
+        return [(_walk(r), r["mode"], r["mode_changed_by"]) for r in await open_walks_off_course(self.conn, limit)]
+
+    async def slots_left_behind(self, node_id: str) -> list[ApprovedSlot]:
+        return await slots_left_behind(self.conn, node_id)
+
+    async def candidates(self, node_id: str) -> list[dict[str, Any]]:
+        return [dict(c) for c in await admin_slots.list_candidates(self.conn, node_id)]
+
+    async def begin_reapproval(self) -> None:
+        await self.conn.execute(f"SAVEPOINT {self._SAVEPOINT}")
+
+    async def undo_reapproval(self) -> None:
+        await self.conn.execute(f"ROLLBACK TO SAVEPOINT {self._SAVEPOINT}")
+
+    async def keep_reapproval(self) -> None:
+        await self.conn.execute(f"RELEASE SAVEPOINT {self._SAVEPOINT}")

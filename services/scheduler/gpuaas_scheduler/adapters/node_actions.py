@@ -136,3 +136,37 @@ async def history(conn: asyncpg.Connection, node_id: str, limit: int = 20) -> li
 
 async def get(conn: asyncpg.Connection, action_id: str) -> asyncpg.Record | None:
     return await conn.fetchrow(f"SELECT {_COLUMNS} FROM node_actions WHERE action_id = $1", action_id)
+
+
+class NodeActionRepository:
+    """The asks sent to hosts (node_actions) and the facts their rules read; rows as dicts."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def facts(self, node_id: str, kind: str) -> SteerFacts | None:
+        return await facts(self.conn, node_id, kind)
+
+    async def insert(
+        self, action_id: str, node_id: str, kind: str, actor: str, reason: str, deadline_s: float
+    ) -> dict[str, Any] | None:
+        row = await insert(self.conn, action_id, node_id, kind, actor, reason, deadline_s)
+        return dict(row) if row is not None else None
+
+    async def kind_of(self, action_id: str, node_id: str) -> str | None:
+        return await kind_of(self.conn, action_id, node_id)
+
+    async def record_part(
+        self, action_id: str, node_id: str, part: str, value: dict[str, Any], settle: tuple[str, str] | None
+    ) -> str | None:
+        return await record_part(self.conn, action_id, node_id, part, value, settle)
+
+    async def get(self, action_id: str) -> dict[str, Any] | None:
+        row = await get(self.conn, action_id)
+        return dict(row) if row is not None else None
+
+    async def expire_overdue(self, outcomes: dict[str, str]) -> list[dict[str, Any]]:
+        return [dict(r) for r in await expire_overdue(self.conn, outcomes)]
+
+    async def due_for_parity(self, modes: tuple[str, ...], interval_s: float | None, limit: int) -> list[str]:
+        return await due_for_parity(self.conn, modes, interval_s, limit)

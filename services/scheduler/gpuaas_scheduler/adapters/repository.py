@@ -7,7 +7,10 @@ modes, each on the unit of work's connection, so handlers go through them and ne
   are announced (scheduler.slots_changed);
 - `nodes`: node locks, drains and the capacity summary;
 - `hosts`: the `Host` aggregate of domain/host.py (adapters/hosts.py);
-- `audit`: the admin trail.
+- `audit`: the admin trail;
+- `evidence`, `drift`, `wipes`, `asks`, `modes`, `vfio`, `walks`: what the host's reports and the sweeps read and write
+  beside the `Host` (adapters/evidence.py, drift.py, slot_wipes.py, node_actions.py, host_modes.py,
+  vfio_binding.py, host_walk.py).
 
 Placement's search (service_layer/placement.py) runs its own statements and savepoints on `conn`: it is one
 search inside one transaction, not an aggregate to load and save.
@@ -27,8 +30,15 @@ from gpuaas_common.contract import messages as m
 from ..domain.node_claims import HeldClaim, NodeClaims, NodeDrained, SlotsMoved
 from . import admin_nodes, slot_announcements
 from . import inventory as inv
+from .drift import DriftRepository
+from .evidence import EvidenceRepository
+from .host_modes import HostModeRepository
+from .host_walk import WalkRepository
 from .hosts import HostRepository
 from .inventory.held import held_placement
+from .node_actions import NodeActionRepository
+from .slot_wipes import SlotWipeRepository
+from .vfio_binding import VfioSlotRepository
 from .wipe_policy import effective_policy_sql, policy_site_sql
 
 _LOAD_SQL = (
@@ -133,6 +143,14 @@ class SchedulerRepositories:
     claims: ClaimRepository
     hosts: HostRepository
     audit: AuditRepository
+    # --- evidence, steering, drift, wipes, walks (issue 39) ---
+    evidence: EvidenceRepository
+    drift: DriftRepository
+    wipes: SlotWipeRepository
+    asks: NodeActionRepository
+    modes: HostModeRepository
+    vfio: VfioSlotRepository
+    walks: WalkRepository
 
 
 def scheduler_repositories(conn: asyncpg.Connection) -> SchedulerRepositories:
@@ -144,4 +162,18 @@ def scheduler_repositories(conn: asyncpg.Connection) -> SchedulerRepositories:
         ClaimRepository(conn),
         HostRepository(conn),
         AuditRepository(conn),
+        EvidenceRepository(conn),
+        DriftRepository(conn),
+        SlotWipeRepository(conn),
+        NodeActionRepository(conn),
+        HostModeRepository(conn),
+        VfioSlotRepository(conn),
+        WalkRepository(conn),
     )
+
+
+def repositories_of(uow: Any) -> SchedulerRepositories:
+    """`uow.repos`, or for a unit of work built without repositories (a caller passing `no_repositories`, as some
+    tests' buses do) the same repositories on its connection."""
+    repos: SchedulerRepositories | None = uow.repos
+    return repos if repos is not None else scheduler_repositories(uow.conn)

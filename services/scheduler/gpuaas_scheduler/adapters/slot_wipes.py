@@ -8,6 +8,8 @@ from typing import Any
 
 import asyncpg
 
+from . import admin_nodes
+from . import inventory as inv
 from .admin_slots import CLAIMED
 from .wipe_policy import effective_policy_sql, policy_site_sql
 
@@ -114,3 +116,46 @@ async def expire(conn: asyncpg.Connection, task_id: str, slot_ids: Sequence[str]
         list(slot_ids),
         verdict[:2000],
     )
+
+
+class SlotWipeRepository:
+    """The wipes asked of hosts, and the slot moves their outcomes call for (one guarded, logged statement each)."""
+
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def lock_node(self, node_id: str) -> bool:
+        """The node's row lock; False: no such node."""
+        return await admin_nodes.lock_node(self.conn, node_id) is not None
+
+    async def open_asks(
+        self, task_id: str, node_id: str, slots: Sequence[Mapping[str, Any]], *, cause: str, why: str, actor: str
+    ) -> None:
+        await open_asks(self.conn, task_id, node_id, slots, cause=cause, why=why, actor=actor)
+
+    async def open_asks_of_task(self, node_id: str, task_id: str) -> list[dict[str, Any]]:
+        return [dict(r) for r in await open_asks_of_task(self.conn, node_id, task_id)]
+
+    async def close(self, task_id: str, slot_id: str, *, outcome: str, verdict: str, report: Mapping[str, Any]) -> None:
+        await close(self.conn, task_id, slot_id, outcome=outcome, verdict=verdict, report=report)
+
+    async def lock_overdue(self, older_than_s: float, statuses: Sequence[str], limit: int) -> list[dict[str, Any]]:
+        return [dict(r) for r in await lock_overdue(self.conn, older_than_s, statuses, limit)]
+
+    async def expire(self, task_id: str, slot_ids: Sequence[str], verdict: str) -> None:
+        await expire(self.conn, task_id, slot_ids, verdict)
+
+    async def move_slot(
+        self,
+        slot_id: str,
+        to: str,
+        reason: str | None,
+        *,
+        actor: str,
+        only_from: Sequence[str],
+        detail: dict[str, Any],
+        health: tuple[str, str] | None,
+    ) -> None:
+        await inv.move_slots(
+            self.conn, [slot_id], to, reason, actor=actor, only_from=list(only_from), detail=detail, health=health
+        )

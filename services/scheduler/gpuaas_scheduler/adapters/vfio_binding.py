@@ -14,3 +14,11 @@ async def slot_devices(conn: asyncpg.Connection, node_id: str) -> list[SlotDevic
         node_id,
     )
     return [SlotDevices(r["slot_id"], r["gpu_pci_address"], r["fabric_vf_pci_address"], r["status"]) for r in rows]
+
+
+class VfioSlotRepository:
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self.conn = conn
+
+    async def slot_devices(self, node_id: str) -> list[SlotDevices]:
+        return await slot_devices(self.conn, node_id)

@@ -9,15 +9,22 @@ method, save.
 The rules stay where they are written as tables and pure functions: the mode machine in host_mode.py, the
 maintenance return in slot_wipe.py, the VFIO binding in vfio_binding.py. This aggregate applies them to one host.
 
+The host's own reports (parity, topology, drift) are recorded through it too: each is taken only when newer than
+the last one taken and than the host's last evidence reset (`EvidenceTimes`), since a late redelivery must not roll
+the evidence back, nor a report from before a redeploy describe the host as it is now.
+
 Methods still to come as later issues move them here: approve (candidates into slots), reserve/follow/end of a
-slot's claim, record_parity/topology/drift, a GPU's health quarantine and capacity held for a reservation.
+slot's claim, a GPU's health quarantine and capacity held for a reservation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import Any
 
+from . import drift as drift_rules
 from .approval import DEFAULT_WIPE_POLICY
 from .host_mode import (
     BAREMETAL,
@@ -87,7 +94,54 @@ class ModeChanged:
     binding: tuple[str, tuple[SlotDevices, ...]] | None
 
 
-Change = Drained | Undrained | WipeAsked | SlotsMoved | ModeChanged
+@dataclass(frozen=True)
+class EvidenceTimes:
+    """When the host's last report of each kind was taken, and its last evidence reset (None: never)."""
+
+    parity: datetime | None = None
+    topology: datetime | None = None
+    drift: datetime | None = None
+    reset: datetime | None = None
+
+
+@dataclass(frozen=True)
+class ParityRecorded:
+    node_id: str
+    failures: int
+    detail: dict[str, Any]
+    checked_at: datetime
+
+
+@dataclass(frozen=True)
+class TopologyRecorded:
+    """The host's topology as reported: its node columns, and its candidates (`candidates`: rows of
+    (candidate_id, node_id, *CANDIDATE_FIELDS, nvme evidence json or None)) replacing the unapproved ones."""
+
+    node_id: str
+    discovered_at: datetime
+    blockers: tuple[Any, ...]
+    hugepages_1g_total: int | None
+    hugepages_1g_free: int | None
+    fabric_manager: tuple[str | None, str | None, bool | None]
+    candidates: tuple[tuple[Any, ...], ...]
+
+
+@dataclass(frozen=True)
+class DriftRecorded:
+    """A drift report taken: kept as it came (`report`, under `event_id`; the host keeps its `keep` newest), and
+    the host's drift items opened, kept or resolved as `change` says."""
+
+    node_id: str
+    event_id: str
+    checked_at: datetime
+    report: tuple[dict[str, Any], ...]
+    change: drift_rules.Change
+    keep: int
+
+
+Change = Drained | Undrained | WipeAsked | SlotsMoved | ModeChanged | ParityRecorded | TopologyRecorded | DriftRecorded
+
+APPLIED, STALE = "applied", "stale"
 
 
 @dataclass(frozen=True)
@@ -117,6 +171,7 @@ class Host:
     draining: bool = False
     maintenance: bool = False
     slots: tuple[HostSlot, ...] = ()
+    evidence: EvidenceTimes = EvidenceTimes()
     changes: list[Change] = field(default_factory=list)
 
     @property
@@ -169,8 +224,20 @@ class Host:
         return ended
 
     def _end_maintenance(self, reason: str, actor: str, task_id: str) -> MaintenanceEnd:
+        asked, moves, whys = self._owed_wipes()
+        if not asked:
+            return MaintenanceEnd(None, (), ())
+        why = f"undrain by {actor} after maintenance: {reason}; " + "; ".join(sorted(whys))
+        wiped = tuple((s.slot_id, s.nvme_by_id or "", s.wipe_policy or DEFAULT_WIPE_POLICY) for s in asked)
+        self.changes.append(WipeAsked(self.node_id, task_id, wiped, "maintenance", why, actor))
+        detail = {"cause": "maintenance", "wipe_task": task_id, "undrain_reason": reason}
+        moved = self._move_awaiting(moves, detail, actor)
+        return MaintenanceEnd(task_id, tuple(moved), tuple(s.slot_id for s in asked))
+
+    def _owed_wipes(self) -> tuple[list[HostSlot], dict[tuple[str, str, str], list[str]], set[str]]:
+        """The slots whose disk owes a wipe on the return, their moves by (from, to, why), and the whys."""
         asked: list[HostSlot] = []
-        moves: dict[tuple[str, str, str], list[str]] = {}  # (from, to, why): slots
+        moves: dict[tuple[str, str, str], list[str]] = {}
         whys: set[str] = set()
         for slot in self.slots:
             decision = wipe_on_return(ReturnFacts(slot.status, slot.claimed, slot.wipe_open))
@@ -181,17 +248,83 @@ class Host:
             asked.append(slot)
             if decision.to is not None:
                 moves.setdefault((slot.status, decision.to, decision.why), []).append(slot.slot_id)
-        if not asked:
-            return MaintenanceEnd(None, (), ())
-        why = f"undrain by {actor} after maintenance: {reason}; " + "; ".join(sorted(whys))
-        wiped = tuple((s.slot_id, s.nvme_by_id or "", s.wipe_policy or DEFAULT_WIPE_POLICY) for s in asked)
-        self.changes.append(WipeAsked(self.node_id, task_id, wiped, "maintenance", why, actor))
+        return asked, moves, whys
+
+    def _move_awaiting(
+        self, moves: dict[tuple[str, str, str], list[str]], detail: dict[str, Any], actor: str
+    ) -> list[str]:
         moved: list[str] = []
-        detail = {"cause": "maintenance", "wipe_task": task_id, "undrain_reason": reason}
         for (came_from, to, decision_why), ids in sorted(moves.items()):
             text = ("awaiting the host agent's wipe proof: " + decision_why)[:REASON_MAX]
             self.changes.append(SlotsMoved(tuple(ids), to, text, (came_from,), detail, actor=actor))
             moved += ids
         moved_to = {slot_id: to for (_from, to, _why), ids in moves.items() for slot_id in ids}
         self.slots = tuple(replace(s, status=moved_to.get(s.slot_id, s.status)) for s in self.slots)
-        return MaintenanceEnd(task_id, tuple(moved), tuple(s.slot_id for s in asked))
+        return moved
+
+    # --- evidence: parity, topology, drift (issue 39) ---------------------------------------------------------
+
+    def _takes(self, last: datetime | None, at: datetime, *, strictly_newer: bool = False) -> bool:
+        """A report dated `at` is newer than the last one taken (`last`) and than the evidence reset. Parity and
+        topology take a report of the same time again (it rewrites the same values); drift takes only a strictly
+        newer one, as its statement always did: one report's time opens and resolves items once."""
+        if self.evidence.reset is not None and self.evidence.reset >= at:
+            return False
+        if last is None:
+            return True
+        return last < at if strictly_newer else last <= at
+
+    def record_parity(
+        self, *, failures: int, detail: dict[str, Any], checked_at: datetime, emulated_refused: str | None = None
+    ) -> str:
+        """'applied' or 'stale'. `emulated_refused`: why a report of the emulated profile may not pass here; it is
+        recorded with one failure more, so the host never takes slices on the strength of checks it skipped."""
+        if not self._takes(self.evidence.parity, checked_at):
+            return STALE
+        if emulated_refused is not None:
+            failures, detail = failures + 1, {**detail, "refused": emulated_refused}
+        self.evidence = replace(self.evidence, parity=checked_at)
+        self.facts = replace(self.facts, parity_failures=failures)
+        self.changes.append(ParityRecorded(self.node_id, failures, detail, checked_at))
+        return APPLIED
+
+    def record_topology(
+        self,
+        *,
+        discovered_at: datetime,
+        blockers: Sequence[Any],
+        hugepages_1g: tuple[int | None, int | None],
+        fabric_manager: tuple[str | None, str | None, bool | None],
+        candidates: Iterable[tuple[Any, ...]],
+    ) -> str:
+        """'applied' or 'stale'. Advisory: candidates replace the unapproved ones, no slot is created or changed."""
+        if not self._takes(self.evidence.topology, discovered_at):
+            return STALE
+        self.evidence = replace(self.evidence, topology=discovered_at)
+        self.facts = replace(self.facts, rediscovered=True)
+        total, free = hugepages_1g
+        self.changes.append(
+            TopologyRecorded(
+                self.node_id, discovered_at, tuple(blockers), total, free, fabric_manager, tuple(candidates)
+            )
+        )
+        return APPLIED
+
+    def record_drift(
+        self,
+        *,
+        event_id: str,
+        checked_at: datetime,
+        report: Sequence[dict[str, Any]],
+        reported: Mapping[drift_rules.DriftKey, drift_rules.Item],
+        held: Iterable[drift_rules.DriftKey],
+        keep: int,
+    ) -> drift_rules.Change | None:
+        """The agent's full current drift (`reported`, by key, see drift.current_items) against the host's
+        unresolved items (`held`): what opens, stays and resolves; None for a stale report."""
+        if not self._takes(self.evidence.drift, checked_at, strictly_newer=True):
+            return None
+        change = drift_rules.reconcile(held, reported)
+        self.evidence = replace(self.evidence, drift=checked_at)
+        self.changes.append(DriftRecorded(self.node_id, event_id, checked_at, tuple(report), change, keep))
+        return change

@@ -154,10 +154,26 @@ def why_not(hosts: Mapping[str, Host], count: int) -> tuple[str, str] | None:
     if count not in SIZES:
         return "unsupported_size", f"no {count}-GPU partition exists: a slice has 1, 2, 4 or 8 GPUs"
     free = sum(len(available_modules(g)) for g in hosts.values())
+    short = _short_of_gpus(free, count)
+    if short is not None:
+        return short
+    blocked = _blocked_partitions(hosts, count)
+    if blocked is None:
+        return None
+    return "no_partition", f"{free} GPUs free, no free {count}-GPU partition: {_blocked_by(count, *blocked)}"
+
+
+def _short_of_gpus(free: int, count: int) -> tuple[str, str] | None:
+    """Too few GPUs free anywhere, whatever the partitions."""
     if free == 0:
         return "no_capacity", f"no GPU is free; {count} requested"
     if free < count:
         return "insufficient_capacity", f"{free} GPUs free, {count} requested"
+    return None
+
+
+def _blocked_partitions(hosts: Mapping[str, Host], count: int) -> tuple[int, int] | None:
+    """The `count`-GPU partitions blocked by a tenant only and those blocked by health; None: one is free."""
     tenant = health = 0
     for gpus in hosts.values():
         usable = frozenset(m for m, g in gpus.items() if g.healthy and not g.excluded)
@@ -169,12 +185,14 @@ def why_not(hosts: Mapping[str, Host], count: int) -> tuple[str, str] | None:
                 tenant += 1
             else:
                 health += 1
+    return tenant, health
+
+
+def _blocked_by(count: int, tenant: int, health: int) -> str:
     one, many = _BLOCK_NOUN[count]
     sick = "a degraded or excluded GPU"
     if health == 0:
-        blocked = f"every {one} has a tenant"
-    elif tenant == 0:
-        blocked = f"every {one} has {sick}"
-    else:
-        blocked = f"{tenant} {many if tenant > 1 else one} {'have' if tenant > 1 else 'has'} a tenant, {health} {sick}"
-    return "no_partition", f"{free} GPUs free, no free {count}-GPU partition: {blocked}"
+        return f"every {one} has a tenant"
+    if tenant == 0:
+        return f"every {one} has {sick}"
+    return f"{tenant} {many if tenant > 1 else one} {'have' if tenant > 1 else 'has'} a tenant, {health} {sick}"

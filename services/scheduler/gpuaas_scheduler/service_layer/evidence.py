@@ -25,23 +25,31 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-
-import asyncpg
+from typing import Any
 
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 
-from ..adapters import evidence as repo
+from ..adapters.evidence import CANDIDATE_FIELDS
 from ..domain.evidence_clock import as_received
+from ..domain.host import APPLIED, STALE
+from .ports import Evidence, EvidenceRepositories
 
 log = get_logger(__name__)
 
+UNKNOWN_NODE = "unknown_node"
+EMULATED_REFUSED = "emulated parity profile: this scheduler does not allow emulated slots"
 
-async def record_parity(conn: asyncpg.Connection, ev: m.NodeParityReported, *, allow_emulated: bool = False) -> str:
+
+async def record_parity(repos: EvidenceRepositories, ev: m.NodeParityReported, *, allow_emulated: bool = False) -> str:
     """'applied', 'stale' or 'unknown_node'. A report of the emulated profile (a lab host: its hardware checks
     were not applicable) counts as passing only where emulated slots are allowed; elsewhere it is recorded
     with one failure more, naming why, so the host never takes slices on the strength of checks it skipped."""
-    failures = ev.failures
+    # An unknown node is not an error to retry: the scheduler learns nodes from the fleet file or the
+    # admin API, and the agent reports again at its next start or discovery task.
+    host = await repos.hosts.get(ev.node_id)
+    if host is None:
+        return UNKNOWN_NODE
     detail = {
         "checks": [c.model_dump(mode="json") for c in ev.checks],
         "warnings": ev.warnings,
@@ -49,56 +57,62 @@ async def record_parity(conn: asyncpg.Connection, ev: m.NodeParityReported, *, a
         "source": "node-agent",
         "profile": ev.profile,
     }
-    if ev.profile == "emulated" and not allow_emulated:
-        failures += 1
-        detail["refused"] = "emulated parity profile: this scheduler does not allow emulated slots"
-    if await repo.update_parity(conn, ev.node_id, failures, detail, as_received(ev.checked_at)):
-        return "applied"
-    return await _why_not_applied(conn, ev.node_id)
+    refused = EMULATED_REFUSED if ev.profile == "emulated" and not allow_emulated else None
+    outcome = host.record_parity(
+        failures=ev.failures, detail=detail, checked_at=as_received(ev.checked_at), emulated_refused=refused
+    )
+    await repos.hosts.save(host)
+    return outcome
 
 
-async def record_topology(conn: asyncpg.Connection, ev: m.NodeTopologyReported) -> str:
+async def record_topology(repos: EvidenceRepositories, ev: m.NodeTopologyReported) -> str:
     """Replace the node's unapproved candidates with the reported ones; 'applied', 'stale' or
     'unknown_node'. Approved candidates are the operator's record of what became a slot: kept, and a
     reported candidate for the same GPU (or id) is not stored beside them."""
+    host = await repos.hosts.get(ev.node_id)
+    if host is None:
+        return UNKNOWN_NODE
     fm = ev.fabric_manager
-    if not await repo.update_topology(
-        conn,
-        ev.node_id,
-        as_received(ev.discovered_at),
-        ev.blockers,
-        ev.hugepages_1g_total,
-        ev.hugepages_1g_free,
-        (fm.mode, fm.version, fm.active) if fm else (None, None, None),
-    ):
-        return await _why_not_applied(conn, ev.node_id)
+    outcome = host.record_topology(
+        discovered_at=as_received(ev.discovered_at),
+        blockers=ev.blockers,
+        hugepages_1g=(ev.hugepages_1g_total, ev.hugepages_1g_free),
+        fabric_manager=(fm.mode, fm.version, fm.active) if fm else (None, None, None),
+        candidates=candidate_rows(ev),
+    )
+    await repos.hosts.save(host)
+    return outcome
+
+
+def candidate_rows(ev: m.NodeTopologyReported) -> list[tuple[Any, ...]]:
+    """The report's candidates as stored: (candidate_id, node_id, *CANDIDATE_FIELDS, nvme evidence json or None)."""
     disks = {d.by_id: d for d in ev.nvme if d.by_id}
     rows = []
     for c in ev.candidate_slots:
         disk = disks.get(c.nvme_by_id) if c.nvme_by_id else None
-        # The approval rules read the disk evidence in this shape; no evidence means not approvable.
-        evidence = (
-            json.dumps(
-                {
-                    "mounted": disk.mounted,
-                    "mounted_children": disk.mounted_children,
-                    "signatures": disk.signatures,
-                    "is_os_disk": disk.is_os_disk,
-                }
-            )
-            if disk
-            else None
-        )
         rows.append(
             (
                 candidate_id(ev.node_id, c.gpu_pci_address or c.nvme_by_id or f"slot{c.index}"),
                 ev.node_id,
-                *(getattr(c, f) for f in repo.CANDIDATE_FIELDS),
-                evidence,
+                *(getattr(c, f) for f in CANDIDATE_FIELDS),
+                _disk_evidence(disk),
             )
         )
-    await repo.replace_unapproved_candidates(conn, ev.node_id, rows)
-    return "applied"
+    return rows
+
+
+def _disk_evidence(disk: m.NvmeDevice | None) -> str | None:
+    # The approval rules read the disk evidence in this shape; no evidence means not approvable.
+    if disk is None:
+        return None
+    return json.dumps(
+        {
+            "mounted": disk.mounted,
+            "mounted_children": disk.mounted_children,
+            "signatures": disk.signatures,
+            "is_os_disk": disk.is_os_disk,
+        }
+    )
 
 
 def candidate_id(node_id: str, gpu_pci_address: str) -> str:
@@ -108,27 +122,23 @@ def candidate_id(node_id: str, gpu_pci_address: str) -> str:
     return f"{node_id}-{gpu_pci_address.removeprefix('/dev/disk/by-id/')}"
 
 
-async def record_image_cache(conn: asyncpg.Connection, ev: m.ImageNodeCacheChanged, occurred_at: datetime) -> str:
+async def record_image_cache(repos: EvidenceRepositories, ev: m.ImageNodeCacheChanged, occurred_at: datetime) -> str:
     """'applied' or 'stale'. The payload carries no time of its own; the envelope's does."""
-    applied = await repo.upsert_image_readiness(
-        conn, ev.node_id, ev.slug, ev.status, ev.digest_sha256, ev.schedulable, as_received(occurred_at)
+    evidence: Evidence = repos.evidence
+    applied = await evidence.upsert_image_readiness(
+        ev.node_id, ev.slug, ev.status, ev.digest_sha256, ev.schedulable, as_received(occurred_at)
     )
-    return "applied" if applied else "stale"
+    return APPLIED if applied else STALE
 
 
-async def _why_not_applied(conn: asyncpg.Connection, node_id: str) -> str:
-    # An unknown node is not an error to retry: the scheduler learns nodes from the fleet file or the
-    # admin API, and the agent reports again at its next start or discovery task.
-    return "stale" if await repo.node_exists(conn, node_id) else "unknown_node"
-
-
-async def record_slice_preflight(conn: asyncpg.Connection, ev: m.NodeSlicePreflightReported) -> str:
+async def record_slice_preflight(repos: EvidenceRepositories, ev: m.NodeSlicePreflightReported) -> str:
     """'applied', 'stale', 'duplicate' or 'unknown_node' (the evidence row is kept in every case but a duplicate)."""
-    node_id = await repo.node_for_machine(conn, ev.system_id, ev.node_id)
-    if not await repo.insert_slice_preflight(conn, node_id, ev.model_dump(mode="python")):
+    evidence: Evidence = repos.evidence
+    node_id = await evidence.node_for_machine(ev.system_id, ev.node_id)
+    if not await evidence.insert_slice_preflight(node_id, ev.model_dump(mode="python")):
         return "duplicate"
     if node_id is None:
-        return "unknown_node"
-    if await repo.update_preflight(conn, node_id, ev.status, as_received(ev.reported_at), ev.operation_id):
-        return "applied"
-    return "stale"
+        return UNKNOWN_NODE
+    if await evidence.update_preflight(node_id, ev.status, as_received(ev.reported_at), ev.operation_id):
+        return APPLIED
+    return STALE

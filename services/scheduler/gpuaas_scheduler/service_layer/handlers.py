@@ -130,8 +130,10 @@ class Scheduler:
 
     async def on_parity(self, ctx: HandlerContext) -> None:
         ev: m.NodeParityReported = ctx.payload
-        outcome = await evidence.record_parity(ctx.conn, ev, allow_emulated=self.policy.allow_emulated_slots)
-        asked = await steering.parity_answered(ctx.conn, ev, outcome)
+        # The unit of work's repositories; a bus built without them gets the same on its connection.
+        repos = ctx.uow.repos or scheduler_repositories(ctx.conn)
+        outcome = await evidence.record_parity(repos, ev, allow_emulated=self.policy.allow_emulated_slots)
+        asked = await steering.parity_answered(repos.asks, ev, outcome)
         await self.walker.on_parity(ctx, ev, outcome)
         log.info(
             "parity_recorded",
@@ -144,8 +146,9 @@ class Scheduler:
 
     async def on_topology(self, ctx: HandlerContext) -> None:
         ev: m.NodeTopologyReported = ctx.payload
-        outcome = await evidence.record_topology(ctx.conn, ev)
-        asked = await steering.topology_answered(ctx.conn, ev, outcome)
+        repos = ctx.uow.repos or scheduler_repositories(ctx.conn)
+        outcome = await evidence.record_topology(repos, ev)
+        asked = await steering.topology_answered(repos.asks, ev, outcome)
         await self.walker.on_topology(ctx, ev, outcome)
         log.info(
             "topology_recorded", node_id=ev.node_id, candidates=len(ev.candidate_slots), outcome=outcome, ask=asked
@@ -153,17 +156,20 @@ class Scheduler:
 
     async def on_drift(self, ctx: HandlerContext) -> None:
         ev: m.NodeDriftReported = ctx.payload
-        counts = await drift.record_drift(ctx.conn, ev, ctx.envelope.event_id, keep=self.drift_reports_kept)
+        repos = ctx.uow.repos or scheduler_repositories(ctx.conn)
+        counts = await drift.record_drift(repos, ev, ctx.envelope.event_id, keep=self.drift_reports_kept)
         log.info("drift_recorded", node_id=ev.node_id, reported=len(ev.drift), **counts)
 
     async def on_slot_wipe(self, ctx: HandlerContext) -> None:
         """A host's wipe proofs (service_layer/slot_wipe.py): taken from its own report subject only."""
-        await slot_wipe.wipe_reported(ctx.conn, ctx.outbox, ctx.subject, ctx.payload)
+        repos = ctx.uow.repos or scheduler_repositories(ctx.conn)
+        await slot_wipe.wipe_reported(repos, ctx.outbox, ctx.subject, ctx.payload)
 
     async def on_slice_preflight(self, ctx: HandlerContext) -> None:
         ev: m.NodeSlicePreflightReported = ctx.payload
-        outcome = await evidence.record_slice_preflight(ctx.conn, ev)
-        await steering.preflight_answered(ctx.conn, ev)
+        repos = ctx.uow.repos or scheduler_repositories(ctx.conn)
+        outcome = await evidence.record_slice_preflight(repos, ev)
+        await steering.preflight_answered(repos.asks, ev)
         log.info(
             "slice_preflight_recorded",
             system_id=ev.system_id,
@@ -174,7 +180,8 @@ class Scheduler:
 
     async def on_image_cache(self, ctx: HandlerContext) -> None:
         ev: m.ImageNodeCacheChanged = ctx.payload
-        outcome = await evidence.record_image_cache(ctx.conn, ev, ctx.envelope.occurred_at)
+        repos = ctx.uow.repos or scheduler_repositories(ctx.conn)
+        outcome = await evidence.record_image_cache(repos, ev, ctx.envelope.occurred_at)
         log.info(
             "image_cache_recorded",
             node_id=ev.node_id,

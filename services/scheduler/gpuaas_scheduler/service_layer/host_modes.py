@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-
-import asyncpg
+from typing import Any
 
 from gpuaas_common.contract import derived_event_id
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 from gpuaas_common.outbox import EventCollector
 
-from ..adapters import host_modes as repo
+from ..adapters.host_modes import HostModeRepository
 from ..domain.host_mode import CONVERTING, SLICE, Host, ModeChange, ModeRefused
-from .ports import Hosts
+from .ports import HostModes, Hosts
 
 log = get_logger(__name__)
 
@@ -25,8 +24,8 @@ class UnknownNode(Exception):
     pass
 
 
-async def _load(conn: asyncpg.Connection, node_id: str) -> tuple[Host, datetime]:
-    loaded = await repo.load_host(conn, node_id)
+async def _load(modes: HostModes, node_id: str) -> tuple[Host, datetime]:
+    loaded = await modes.load(node_id)
     if loaded is None:
         raise UnknownNode(node_id)
     return loaded
@@ -59,18 +58,21 @@ async def return_from_baremetal(hosts: Hosts, node_id: str, allocation_id: uuid.
 
 
 async def promote_if_ready(
-    conn: asyncpg.Connection, node_id: str, *, actor: str, reason: str, events: EventCollector | None = None
+    modes: HostModes | Any, node_id: str, *, actor: str, reason: str, events: EventCollector | None = None
 ) -> tuple[str, list[str]]:
     """converting → slice when rediscovery, a passing parity run and re-approval are all in. The mode
-    after, and what still blocks slice mode when the host stays converting. `events`: the change is announced."""
-    host, now = await _load(conn, node_id)
+    after, and what still blocks slice mode when the host stays converting. `events`: the change is announced.
+    `modes`: a repository, or (the admin layer's callers, until they move to ports) a connection to wrap."""
+    if not hasattr(modes, "load"):
+        modes = HostModeRepository(modes)
+    host, now = await _load(modes, node_id)
     if host.mode != CONVERTING:
         return host.mode, []
     blockers = host.blockers(SLICE)
     if blockers:
         return host.mode, blockers
     change = host.change_mode(SLICE, actor=actor, reason=reason, at=now)
-    await repo.save(conn, host)
+    await modes.save(host)
     log.info("host_mode_changed", node_id=node_id, from_mode=CONVERTING, to_mode=SLICE, actor=actor)
     if events is not None:
         await announce(events, change)

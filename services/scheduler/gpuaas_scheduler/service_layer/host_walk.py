@@ -22,16 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import asyncpg
-
 from gpuaas_common.bus import HandlerContext
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 from gpuaas_common.outbox import EventCollector
 
-from ..adapters import admin_slots as slots_repo
-from ..adapters import host_walk as repo
+from ..adapters.repository import repositories_of
 from ..domain import steering as rules
 from ..domain.host_walk import (
     AskRediscovery,
@@ -42,6 +39,7 @@ from ..domain.host_walk import (
 )
 from . import steering
 from .admin.models import AdminError, ApproveIn
+from .ports import EvidenceRepositories, EvidenceUnitOfWork
 
 log = get_logger(__name__)
 
@@ -79,22 +77,24 @@ def operation_id_of(walk_id: str) -> str:
 
 
 class SqlWalks:
-    def __init__(self, conn: asyncpg.Connection, events: EventCollector, policy: WalkPolicy) -> None:
-        self.conn, self.events, self.policy = conn, events, policy
+    """The walk's world in a unit of work: its repositories (`repos.walks`, `repos.asks`) and its outbox."""
+
+    def __init__(self, repos: EvidenceRepositories, events: EventCollector, policy: WalkPolicy) -> None:
+        self.repos, self.events, self.policy = repos, events, policy
 
     async def by_operation(self, operation_id: str) -> HostWalk | None:
-        return await repo.by_operation(self.conn, operation_id)
+        return await self.repos.walks.by_operation(operation_id)
 
     async def by_rediscovery(self, node_id: str, action_id: str) -> HostWalk | None:
-        return await repo.by_rediscovery(self.conn, node_id, action_id)
+        return await self.repos.walks.by_rediscovery(node_id, action_id)
 
     async def save(self, walk: HostWalk, operation_id: str | None = None) -> None:
-        await repo.save(self.conn, walk, operation_id)
+        await self.repos.walks.save(walk, operation_id)
 
     async def ask_rediscovery(self, walk: HostWalk) -> str | list[str]:
         try:
             row = await steering.ask(
-                self.conn,
+                self.repos.asks,
                 self.events,
                 self.policy.steering,
                 walk.node_id,
@@ -109,9 +109,7 @@ class SqlWalks:
         return str(row["action_id"])
 
     async def reapprove(self, command: Reapprove) -> tuple[str, list[str]]:
-        from .admin import slots as admin_slots  # the admin package imports the service layer's modules
-
-        candidates = [dict(c) for c in await slots_repo.list_candidates(self.conn, command.node_id)]
+        candidates = await self.repos.walks.candidates(command.node_id)
         groups, missing = match_candidates(command.slots, candidates)
         if missing:
             return "converting", [f"rediscovery found no candidate for slot(s) {', '.join(missing)}"]
@@ -119,20 +117,11 @@ class SqlWalks:
         scratch = EventCollector(self.events.producer, self.events.correlation_id, self.events.causation_id)
         problems: list[str] = []
         out: dict[str, Any] = {}
-        # A savepoint (the unit of work began its transaction by hand): a refused approval leaves no slot of the
-        # walk half-approved, while the walk's stop still commits.
-        await self.conn.execute("SAVEPOINT host_walk_reapproval")
+        # A refused approval leaves no slot of the walk half-approved, while the walk's stop still commits.
+        await self.repos.walks.begin_reapproval()
         try:
             for profile, ids in sorted(groups.items(), key=lambda g: g[0] or ""):
-                body = ApproveIn(
-                    actor="scheduler",
-                    reason=f"host walk {command.walk_id}: re-approved after redeploy, rediscovery and parity",
-                    candidate_ids=sorted(ids),
-                    profile=profile,
-                )
-                out = await admin_slots.approve(
-                    self.conn, command.node_id, body, events=scratch, allow_emulated=self.policy.allow_emulated
-                )
+                out = await self._approve(command, profile, sorted(ids), scratch)
                 problems += [
                     f"slot {r['slot_id']} would be {r['status']}: {'; '.join(r['problems'])}"
                     for r in out["results"]
@@ -142,11 +131,30 @@ class SqlWalks:
         except AdminError as exc:
             problems = [exc.message]
         if problems:
-            await self.conn.execute("ROLLBACK TO SAVEPOINT host_walk_reapproval")
+            await self.repos.walks.undo_reapproval()
             return "converting", problems
-        await self.conn.execute("RELEASE SAVEPOINT host_walk_reapproval")
+        await self.repos.walks.keep_reapproval()
         self.events.pending.extend(scratch.pending)
         return str(out.get("mode", "converting")), list(out.get("mode_blockers") or [])
+
+    async def _approve(
+        self, command: Reapprove, profile: str | None, ids: list[str], events: EventCollector
+    ) -> dict[str, Any]:
+        from .admin import slots as admin_slots  # the admin package imports the service layer's modules
+
+        body = ApproveIn(
+            actor="scheduler",
+            reason=f"host walk {command.walk_id}: re-approved after redeploy, rediscovery and parity",
+            candidate_ids=ids,
+            profile=profile,
+        )
+        # The admin approval still takes a connection (until the admin layer moves to ports): the one place the
+        # walk reaches past its ports, to the same unit of work's connection (SchedulerRepositories.conn).
+        conn: Any = self.repos.conn  # type: ignore[attr-defined]
+        out: dict[str, Any] = await admin_slots.approve(
+            conn, command.node_id, body, events=events, allow_emulated=self.policy.allow_emulated
+        )
+        return out
 
 
 async def carry_out(walks: Walks, walk: HostWalk, events: EventCollector, policy: WalkPolicy) -> None:
@@ -185,11 +193,11 @@ async def carry_out(walks: Walks, walk: HostWalk, events: EventCollector, policy
 
 class HostWalker:
     """The walk's message handlers. `walks_of` gives the walk's world for a message's unit of work (SqlWalks on its
-    connection; a fake in unit tests)."""
+    repositories; a fake in unit tests)."""
 
     def __init__(self, policy: WalkPolicy, walks_of: Callable[[HandlerContext], Walks] | None = None) -> None:
         self.policy = policy
-        self.walks_of = walks_of or (lambda ctx: SqlWalks(ctx.conn, ctx.outbox, policy))
+        self.walks_of = walks_of or (lambda ctx: SqlWalks(repositories_of(ctx.uow), ctx.outbox, policy))
 
     async def on_deploy_result(self, ctx: HandlerContext) -> None:
         res: m.MaasDeployResult = ctx.payload
@@ -230,25 +238,30 @@ class HostWalker:
 
 async def sweep(unit_of_work: Callable[[], Any], policy: WalkPolicy) -> dict[str, int]:
     """Start the walks owed, stop those whose host left converting; one transaction."""
-    started = stopped = 0
     async with unit_of_work() as uow:
-        walks = SqlWalks(uow.conn, uow.events, policy)
-        for node in await repo.owed_a_walk(uow.conn, policy.sweep_batch):
-            walk = HostWalk.start(
-                str(uuid.uuid4()),
-                node["node_id"],
-                mode=node["mode"],
-                slots=await repo.slots_left_behind(uow.conn, node["node_id"]),
-                profile=policy.slice_host_profile,
-                system_id=node["maas_system_id"],
-                at=utcnow(),
-            )
-            await carry_out(walks, walk, uow.events, policy)
-            started += 1
-        for row in await repo.open_walks_off_course(uow.conn, policy.sweep_batch):
-            walk = repo.walk_of(row)
-            walk.host_left_converting(row["mode"], row["mode_changed_by"] or "someone", utcnow())
-            await walks.save(walk)
+        started = await _start_owed(uow, policy)
+        stopped = 0
+        for walk, mode, changed_by in await uow.repos.walks.off_course(policy.sweep_batch):
+            walk.host_left_converting(mode, changed_by or "someone", utcnow())
+            await uow.repos.walks.save(walk)
             stopped += 1
         await uow.commit()
     return {"walks_started": started, "walks_stopped": stopped}
+
+
+async def _start_owed(uow: EvidenceUnitOfWork, policy: WalkPolicy) -> int:
+    walks = SqlWalks(uow.repos, uow.events, policy)
+    started = 0
+    for node in await uow.repos.walks.owed_a_walk(policy.sweep_batch):
+        walk = HostWalk.start(
+            str(uuid.uuid4()),
+            node["node_id"],
+            mode=node["mode"],
+            slots=await uow.repos.walks.slots_left_behind(node["node_id"]),
+            profile=policy.slice_host_profile,
+            system_id=node["maas_system_id"],
+            at=utcnow(),
+        )
+        await carry_out(walks, walk, uow.events, policy)
+        started += 1
+    return started

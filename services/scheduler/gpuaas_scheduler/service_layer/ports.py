@@ -5,12 +5,20 @@ them, and the repository contract test holds the two to the same answers
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, Protocol
 
 from gpuaas_common.contract import messages as m
 from gpuaas_common.outbox import EventCollector
 
+from ..domain.drift import DriftKey
 from ..domain.host import Change, Host
+from ..domain.host_mode import Host as ModeHost
+from ..domain.host_mode import ModeChange
+from ..domain.host_walk import ApprovedSlot, HostWalk
+from ..domain.steering import SteerFacts
+from ..domain.vfio_binding import SlotDevices
 
 
 class Hosts(Protocol):
@@ -51,6 +59,183 @@ class HostUnitOfWork(Protocol):
 
     @property
     def repos(self) -> HostRepositories: ...
+
+    @property
+    def events(self) -> EventCollector: ...
+
+
+# --- evidence, steering, drift, wipes, walks (issue 39) ---------------------------------------------------------
+
+
+class Evidence(Protocol):
+    """The evidence no `Host` method takes: a commissioning's preflight and a node's image cache state."""
+
+    async def node_for_machine(self, system_id: str, node_id: str | None) -> str | None:
+        """The node a MAAS machine is (by its system id, else the node id named); None: no node carries it."""
+
+    async def insert_slice_preflight(self, node_id: str | None, row: dict[str, Any]) -> bool:
+        """Keep the report (`node_id` None: a machine no node carries); False when its operation's is kept already."""
+
+    async def update_preflight(self, node_id: str, status: str, reported_at: datetime, operation_id: str) -> bool:
+        """The node's preflight status, unless a newer report's is applied; whether it applied."""
+
+    async def upsert_image_readiness(
+        self, node_id: str, slug: str, status: str, digest: str | None, schedulable: bool, reported_at: datetime
+    ) -> bool:
+        """The image's state on the node, unless a newer one is stored; whether it applied."""
+
+
+class Drift(Protocol):
+    async def node_slots(self, node_id: str) -> list[dict[str, Any]]:
+        """Every slot of the node with the device columns drift items are matched on (drift.SLOT_DEVICE_FIELDS)."""
+
+    async def held_keys(self, node_id: str) -> list[DriftKey]:
+        """The node's drift items not resolved, by key."""
+
+
+class SlotWipes(Protocol):
+    async def lock_node(self, node_id: str) -> bool:
+        """The node's row lock; False: no such node."""
+
+    async def open_asks(
+        self, task_id: str, node_id: str, slots: Sequence[Mapping[str, Any]], *, cause: str, why: str, actor: str
+    ) -> None:
+        """One ask per slot (`slot_id`, `nvme_by_id`, `wipe_policy`), an older open ask of the slot superseded."""
+
+    async def open_asks_of_task(self, node_id: str, task_id: str) -> list[dict[str, Any]]:
+        """The task's open asks on the node, each with its slot as it is now (locked) and its effective policy."""
+
+    async def close(self, task_id: str, slot_id: str, *, outcome: str, verdict: str, report: Mapping[str, Any]) -> None:
+        """The ask answered."""
+
+    async def lock_overdue(self, older_than_s: float, statuses: Sequence[str], limit: int) -> list[dict[str, Any]]:
+        """Open asks older than that of unclaimed slots in `statuses`, locked, skipping nodes others hold."""
+
+    async def expire(self, task_id: str, slot_ids: Sequence[str], verdict: str) -> None:
+        """The asks closed `expired`."""
+
+    async def move_slot(
+        self,
+        slot_id: str,
+        to: str,
+        reason: str | None,
+        *,
+        actor: str,
+        only_from: Sequence[str],
+        detail: dict[str, Any],
+        health: tuple[str, str] | None,
+    ) -> None:
+        """The slot moved, only from `only_from`, and the move logged."""
+
+
+class NodeAsks(Protocol):
+    """The asks sent to hosts (node_actions) and the facts their rules read."""
+
+    async def facts(self, node_id: str, kind: str) -> SteerFacts | None: ...
+
+    async def insert(
+        self, action_id: str, node_id: str, kind: str, actor: str, reason: str, deadline_s: float
+    ) -> dict[str, Any] | None:
+        """The ask recorded; None when one of that kind is already open for the node."""
+
+    async def kind_of(self, action_id: str, node_id: str) -> str | None: ...
+
+    async def record_part(
+        self, action_id: str, node_id: str, part: str, value: dict[str, Any], settle: tuple[str, str] | None
+    ) -> str | None:
+        """One report's part added to the ask; `settle` closes it if open. Its kind, None: no such ask there."""
+
+    async def get(self, action_id: str) -> dict[str, Any] | None: ...
+
+    async def expire_overdue(self, outcomes: dict[str, str]) -> list[dict[str, Any]]:
+        """The asks past their deadline closed, each with its kind's outcome."""
+
+    async def due_for_parity(self, modes: tuple[str, ...], interval_s: float | None, limit: int) -> list[str]:
+        """Slice hosts owed a parity run, locked, skipping nodes others hold."""
+
+
+class HostModes(Protocol):
+    """A host's mode aggregate (domain/host_mode.py) for a change made inside another command's transaction."""
+
+    async def load(self, node_id: str) -> tuple[ModeHost, datetime] | None:
+        """The host's mode facts and the transaction's clock; None: no such node."""
+
+    async def save(self, host: ModeHost) -> list[ModeChange]:
+        """The changes the host recorded, written with their history, and forgotten."""
+
+
+class VfioSlots(Protocol):
+    async def slot_devices(self, node_id: str) -> list[SlotDevices]:
+        """Every slot of the node with its devices and status, which the VFIO binding is derived from."""
+
+
+class WalkStore(Protocol):
+    """The host walks (domain/host_walk.py), each loaded locked, and what starting or stopping one reads."""
+
+    async def by_operation(self, operation_id: str) -> HostWalk | None: ...
+
+    async def by_rediscovery(self, node_id: str, action_id: str) -> HostWalk | None: ...
+
+    async def save(self, walk: HostWalk, operation_id: str | None = None) -> None:
+        """The walk's state and the steps it recorded (then forgotten); inserted the first time."""
+
+    async def owed_a_walk(self, limit: int) -> list[dict[str, Any]]:
+        """Converting slice hosts owed a walk (`node_id`, `mode`, `maas_system_id`), locked, skipping held ones."""
+
+    async def off_course(self, limit: int) -> list[tuple[HostWalk, str, str | None]]:
+        """Open walks whose host left converting: each walk, the host's mode and who moved it; locked."""
+
+    async def slots_left_behind(self, node_id: str) -> list[ApprovedSlot]:
+        """The slots the host had approved when it last left slice mode."""
+
+    async def candidates(self, node_id: str) -> list[dict[str, Any]]:
+        """The host's candidate slots, as rediscovery left them."""
+
+    async def begin_reapproval(self) -> None:
+        """A savepoint the re-approval runs under."""
+
+    async def undo_reapproval(self) -> None:
+        """Back to it: nothing of a refused re-approval stays."""
+
+    async def keep_reapproval(self) -> None: ...
+
+
+class Nodes(Protocol):
+    async def refresh(self, node_ids: Iterable[str]) -> None:
+        """The nodes' capacity summary recomputed."""
+
+
+class EvidenceRepositories(Protocol):
+    """What the evidence handlers reach through `uow.repos`."""
+
+    @property
+    def hosts(self) -> Hosts: ...
+
+    @property
+    def slots(self) -> SlotAnnouncements: ...
+
+    @property
+    def nodes(self) -> Nodes: ...
+
+    @property
+    def evidence(self) -> Evidence: ...
+
+    @property
+    def drift(self) -> Drift: ...
+
+    @property
+    def wipes(self) -> SlotWipes: ...
+
+    @property
+    def asks(self) -> NodeAsks: ...
+
+    @property
+    def walks(self) -> WalkStore: ...
+
+
+class EvidenceUnitOfWork(Protocol):
+    @property
+    def repos(self) -> EvidenceRepositories: ...
 
     @property
     def events(self) -> EventCollector: ...

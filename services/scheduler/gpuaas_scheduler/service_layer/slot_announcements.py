@@ -9,13 +9,13 @@ reader keeps the newest whatever else it missed."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-
-import asyncpg
+from typing import Any
 
 from gpuaas_common.contract import messages as m
 from gpuaas_common.outbox import EventCollector, OutboxWriter
 
 from ..adapters.repository import SlotRepository
+from .ports import SlotAnnouncements
 
 TYPE = "scheduler.slots_changed"
 
@@ -27,13 +27,16 @@ async def announce(events: EventCollector | OutboxWriter, change: m.SlotsChanged
 
 
 async def announce_nodes(
-    conn: asyncpg.Connection,
-    events: EventCollector,
+    slots: SlotAnnouncements | Any,
+    events: EventCollector | OutboxWriter,
     node_ids: Iterable[str],
     cause: m.SlotsChangeCause,
     actor: str,
 ) -> None:
-    """Each node's slots as the caller's transaction leaves them, in node id order (the order its locks go)."""
-    slots = SlotRepository(conn)  # the one way to an announcement, as the bus handlers' repos.slots
+    """Each node's slots as the caller's transaction leaves them, in node id order (the order its locks go).
+    `slots`: the unit of work's `repos.slots`, or (the admin layer's callers, until they move to ports) a
+    connection to wrap in the same repository."""
+    if not hasattr(slots, "announcement"):
+        slots = SlotRepository(slots)
     for node_id in sorted(set(node_ids)):
         await announce(events, await slots.announcement(node_id, cause, actor))

@@ -19,20 +19,17 @@ from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-import asyncpg
-
 from gpuaas_common.bus import PermanentError
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
-from gpuaas_common.outbox import EventCollector
+from gpuaas_common.outbox import EventCollector, OutboxWriter
 
-from ..adapters import admin_nodes as nodes_repo
-from ..adapters import inventory as inv
-from ..adapters import slot_wipes as repo
+from ..adapters.slot_wipes import SlotWipeRepository
 from ..domain.approval import DEFAULT_WIPE_POLICY, binding_problems
 from ..domain.slot_wipe import REASKED_WHEN_OVERDUE, judge_wipe
-from .slot_announcements import announce_nodes
+from .ports import EvidenceRepositories, SlotWipes
+from .slot_announcements import announce
 
 log = get_logger(__name__)
 
@@ -48,7 +45,7 @@ def new_task_id() -> str:
 
 
 async def ask_wipe(
-    conn: asyncpg.Connection,
+    wipes: SlotWipes | Any,
     events: EventCollector,
     node_id: str,
     slots: Sequence[Mapping[str, Any]],
@@ -58,11 +55,14 @@ async def ask_wipe(
     actor: str,
 ) -> str | None:
     """Ask the host to wipe these slots' disks (`slot_id`, `nvme_by_id`, `wipe_policy`: the effective one); the
-    task id, or None for no slot."""
+    task id, or None for no slot. `wipes`: the unit of work's, or (the admin layer's callers, until they move to
+    ports) a connection to wrap."""
     if not slots:
         return None
+    if not hasattr(wipes, "open_asks_of_task"):
+        wipes = SlotWipeRepository(wipes)
     task_id = new_task_id()
-    await repo.open_asks(conn, task_id, node_id, slots, cause=cause, why=why, actor=actor)
+    await wipes.open_asks(task_id, node_id, slots, cause=cause, why=why, actor=actor)
     await raise_task(
         events, task_id, node_id, [(s["slot_id"], s["nvme_by_id"], s["wipe_policy"]) for s in slots], cause
     )
@@ -90,19 +90,17 @@ async def raise_task(
     log.info("slot_wipe_asked", node_id=node_id, task_id=task_id, cause=cause, slots=[s for s, _d, _p in slots])
 
 
-async def reask_overdue(conn: asyncpg.Connection, events: EventCollector, *, limit: int) -> list[str]:
+async def reask_overdue(wipes: SlotWipes, events: EventCollector, *, limit: int) -> list[str]:
     """Ask again each wipe whose ask passed its deadline unanswered (at most `limit` slots a sweep): the old ask
     closed `expired`, one new task per node and cause. The new tasks' ids."""
-    overdue = await repo.lock_overdue(
-        conn, WIPE_TASK_DEADLINE_S + WIPE_REASK_GRACE_S, sorted(REASKED_WHEN_OVERDUE), limit
-    )
-    by_task: dict[tuple[str, str, str], list[asyncpg.Record]] = {}
+    overdue = await wipes.lock_overdue(WIPE_TASK_DEADLINE_S + WIPE_REASK_GRACE_S, sorted(REASKED_WHEN_OVERDUE), limit)
+    by_task: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for row in overdue:
         by_task.setdefault((row["node_id"], row["cause"], row["task_id"]), []).append(row)
     asked: list[str] = []
     for (node_id, cause, old_task), rows in sorted(by_task.items()):
         ids = [r["slot_id"] for r in rows]
-        await repo.expire(conn, old_task, ids, "no report by the task's deadline: asked again")
+        await wipes.expire(old_task, ids, "no report by the task's deadline: asked again")
         slots = [
             {
                 "slot_id": r["slot_id"],
@@ -113,7 +111,7 @@ async def reask_overdue(conn: asyncpg.Connection, events: EventCollector, *, lim
             if "/by-id/" in (r["nvme_by_id"] or "")
         ]
         why = f"wipe task {old_task} passed its deadline unanswered ({cause}): asked again"
-        task_id = await ask_wipe(conn, events, node_id, slots, cause=cause, why=why, actor="scheduler")
+        task_id = await ask_wipe(wipes, events, node_id, slots, cause=cause, why=why, actor="scheduler")
         if task_id:
             asked.append(task_id)
         log.warning("slot_wipe_reasked", node_id=node_id, expired_task=old_task, task_id=task_id, slots=ids)
@@ -129,7 +127,7 @@ def subject_node(subject: str) -> str | None:
 
 
 async def wipe_reported(
-    conn: asyncpg.Connection, events: EventCollector, subject: str, ev: m.NodeSlotWipeReported
+    repos: EvidenceRepositories, events: EventCollector | OutboxWriter, subject: str, ev: m.NodeSlotWipeReported
 ) -> dict[str, int]:
     """Judge each slot of the report's task; counts of slots freed, blocked, kept and of outcomes ignored."""
     sender = subject_node(subject)
@@ -139,46 +137,45 @@ async def wipe_reported(
         raise PermanentError(
             "foreign_wipe_report", f"a wipe report for {ev.node_id} arrived on {subject}: taken only from its own host"
         )
-    if await nodes_repo.lock_node(conn, ev.node_id) is None:
+    if not await repos.wipes.lock_node(ev.node_id):
         raise PermanentError("unknown_node", f"no node {ev.node_id}")
-    asks = await repo.open_asks_of_task(conn, ev.node_id, ev.task_id)
+    asks = await repos.wipes.open_asks_of_task(ev.node_id, ev.task_id)
     outcomes = {o.slot_id: o for o in ev.outcomes}
     counts = {"freed": 0, "blocked": 0, "kept": 0, "ignored": len(set(outcomes) - {a["slot_id"] for a in asks})}
     actor = f"node:{ev.node_id}"
     for ask in asks:
-        slot = dict(ask)
-        outcome = outcomes.get(slot["slot_id"])
-        reported = outcome.model_dump(mode="json") if outcome else {"device": slot["device"], "proof": None}
-        if outcome is None:
-            reported |= {"reason_code": "not_reported", "reason": "the host's report names no outcome for this slot"}
-        problems = binding_problems(slot)
-        if slot["claimed"]:
-            problems.append("a live claim holds the slot")
-        judgement = judge_wipe(slot, slot["device"], reported, problems)
-        await repo.close(
-            conn,
-            ev.task_id,
-            slot["slot_id"],
-            outcome="passed" if judgement.passed else "failed",
-            verdict=judgement.verdict,
-            report=reported,
-        )
-        if judgement.to is None:
-            counts["kept"] += 1
-            continue
-        await inv.move_slots(
-            conn,
-            [slot["slot_id"]],
-            judgement.to,
-            None if judgement.to == "available" else judgement.verdict[:500],
-            actor=actor,
-            only_from=[slot["status"]],
-            detail={"wipe_task": ev.task_id, "cause": slot["cause"], "verdict": judgement.verdict, **reported},
-            health=("healthy", judgement.verdict[:500]) if judgement.to == "available" else None,
-        )
-        counts["freed" if judgement.to == "available" else "blocked"] += 1
+        counts[await _judge(repos.wipes, ev.task_id, ask, outcomes.get(ask["slot_id"]), actor)] += 1
     if asks:
-        await inv.refresh_nodes(conn, [ev.node_id])
-        await announce_nodes(conn, events, [ev.node_id], "wipe", actor)
+        await repos.nodes.refresh([ev.node_id])
+        await announce(events, await repos.slots.announcement(ev.node_id, "wipe", actor))
     log.info("slot_wipe_reported", node_id=ev.node_id, task_id=ev.task_id, **counts)
     return counts
+
+
+async def _judge(
+    wipes: SlotWipes, task_id: str, slot: dict[str, Any], outcome: m.SlotWipeOutcome | None, actor: str
+) -> str:
+    """One asked slot judged against the site's policy, its ask closed and the slot moved as the judgement says:
+    'freed', 'blocked' or 'kept'."""
+    reported = outcome.model_dump(mode="json") if outcome else {"device": slot["device"], "proof": None}
+    if outcome is None:
+        reported |= {"reason_code": "not_reported", "reason": "the host's report names no outcome for this slot"}
+    problems = binding_problems(slot)
+    if slot["claimed"]:
+        problems.append("a live claim holds the slot")
+    judgement = judge_wipe(slot, slot["device"], reported, problems)
+    passed = "passed" if judgement.passed else "failed"
+    await wipes.close(task_id, slot["slot_id"], outcome=passed, verdict=judgement.verdict, report=reported)
+    if judgement.to is None:
+        return "kept"
+    freed = judgement.to == "available"
+    await wipes.move_slot(
+        slot["slot_id"],
+        judgement.to,
+        None if freed else judgement.verdict[:500],
+        actor=actor,
+        only_from=[slot["status"]],
+        detail={"wipe_task": task_id, "cause": slot["cause"], "verdict": judgement.verdict, **reported},
+        health=("healthy", judgement.verdict[:500]) if freed else None,
+    )
+    return "freed" if freed else "blocked"

@@ -20,16 +20,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import asyncpg
-
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 from gpuaas_common.outbox import EventCollector
 
-from ..adapters import node_actions as repo
+from ..adapters.node_actions import NodeActionRepository
 from ..domain import steering as rules
 from ..domain.steering import COMMISSION, DECIDED_BY, PARITY, REDISCOVER, Verdict
+from .ports import EvidenceUnitOfWork, NodeAsks
 from .slot_wipe import reask_overdue
 
 log = get_logger(__name__)
@@ -68,7 +67,7 @@ class _Ask:
 
 
 async def ask(
-    conn: asyncpg.Connection,
+    asks: NodeAsks | Any,
     events: EventCollector,
     policy: SteeringPolicy,
     node_id: str,
@@ -76,10 +75,13 @@ async def ask(
     *,
     actor: str,
     reason: str,
-) -> asyncpg.Record:
+) -> dict[str, Any]:
     """Record the ask and queue its command; the caller holds the node lock. Raises UnknownNode, or AskRefused
-    with every reason (nothing written)."""
-    facts = await repo.facts(conn, node_id, kind)
+    with every reason (nothing written). `asks`: the unit of work's, or (the admin layer's callers, until they move
+    to ports) a connection to wrap."""
+    if not hasattr(asks, "record_part"):
+        asks = NodeActionRepository(asks)
+    facts = await asks.facts(node_id, kind)
     if facts is None:
         raise UnknownNode(node_id)
     problems = rules.request_problems(facts, kind)
@@ -87,7 +89,7 @@ async def ask(
         raise AskRefused(node_id, kind, problems)
     deadline_s = policy.commission_deadline_s if kind == COMMISSION else policy.task_deadline_s
     action_id = f"{kind}-{uuid.uuid4().hex}"
-    row = await repo.insert(conn, action_id, node_id, kind, actor, reason, deadline_s)
+    row = await asks.insert(action_id, node_id, kind, actor, reason, deadline_s)
     if row is None:  # another replica's ask won the race after the facts were read
         raise AskRefused(node_id, kind, [f"a {kind} of {node_id} is already open"])
     await _send(events, policy, kind, _Ask(action_id, node_id, deadline_s, facts.maas_system_id))
@@ -133,41 +135,41 @@ async def _send(events: EventCollector, policy: SteeringPolicy, kind: str, a: _A
 
 
 async def _record(
-    conn: asyncpg.Connection, action_id: str | None, node_id: str, part: str, value: dict[str, Any], v: Verdict
+    asks: NodeAsks, action_id: str | None, node_id: str, part: str, value: dict[str, Any], v: Verdict
 ) -> str | None:
     if not action_id:
         return None  # the agent's own start-up report: nobody asked
-    kind = await repo.kind_of(conn, action_id, node_id)
+    kind = await asks.kind_of(action_id, node_id)
     if kind is None:
         return None  # another sender's task (break-glass ops), or not this node's ask
     settle = (v.status, v.outcome) if DECIDED_BY[kind] == part else None
-    await repo.record_part(conn, action_id, node_id, part, {**value, "verdict": v.status, "why": v.outcome}, settle)
+    await asks.record_part(action_id, node_id, part, {**value, "verdict": v.status, "why": v.outcome}, settle)
     if settle:
         log.info("node_ask_answered", node_id=node_id, kind=kind, action_id=action_id, status=v.status)
     return kind
 
 
-async def parity_answered(conn: asyncpg.Connection, ev: m.NodeParityReported, applied: str) -> str | None:
+async def parity_answered(asks: NodeAsks, ev: m.NodeParityReported, applied: str) -> str | None:
     failed = [c.check for c in ev.checks if c.status == "FAIL"]
     v = rules.parity_verdict(applied, ev.failures, failed, ev.warnings)
     value = {"failures": ev.failures, "warnings": ev.warnings, "failed_checks": failed, "applied": applied}
-    return await _record(conn, ev.task_id, ev.node_id, "parity", value, v)
+    return await _record(asks, ev.task_id, ev.node_id, "parity", value, v)
 
 
-async def topology_answered(conn: asyncpg.Connection, ev: m.NodeTopologyReported, applied: str) -> str | None:
+async def topology_answered(asks: NodeAsks, ev: m.NodeTopologyReported, applied: str) -> str | None:
     v = rules.topology_verdict(applied, len(ev.candidate_slots), ev.blockers)
     value = {"candidates": len(ev.candidate_slots), "blockers": ev.blockers, "applied": applied}
-    return await _record(conn, ev.task_id, ev.node_id, "topology", value, v)
+    return await _record(asks, ev.task_id, ev.node_id, "topology", value, v)
 
 
-async def preflight_answered(conn: asyncpg.Connection, ev: m.NodeSlicePreflightReported) -> str | None:
+async def preflight_answered(asks: NodeAsks, ev: m.NodeSlicePreflightReported) -> str | None:
     """The gateway echoes the commissioning's operation id; the ask names its node."""
-    row = await repo.get(conn, ev.operation_id)
+    row = await asks.get(ev.operation_id)
     if row is None or row["kind"] != COMMISSION:
         return None
     v = rules.preflight_verdict(ev.status, ev.reasons)
     value = {"status": ev.status, "reasons": ev.reasons[:20], "warnings": ev.warnings[:20]}
-    return await _record(conn, ev.operation_id, row["node_id"], "preflight", value, v)
+    return await _record(asks, ev.operation_id, row["node_id"], "preflight", value, v)
 
 
 # --- the scheduler's own asks ----------------------------------------------------------------------------------
@@ -178,23 +180,29 @@ async def sweep(unit_of_work: Callable[[], Any], policy: SteeringPolicy) -> dict
     commit together; nodes another replica holds are skipped this round. Then ask again the slot wipes whose
     task passed its deadline unanswered (service_layer/slot_wipe.py)."""
     async with unit_of_work() as uow:
-        expired = await repo.expire_overdue(uow.conn, {k: rules.expired_outcome(k) for k in rules.KINDS})
-        for r in expired:
-            log.warning("node_ask_expired", node_id=r["node_id"], kind=r["kind"], action_id=r["action_id"])
-        due = await repo.due_for_parity(uow.conn, rules.SLICE_AGENT_MODES, policy.parity_interval_s, policy.sweep_batch)
-        asked = 0
-        for node_id in due:
-            try:
-                await ask(uow.conn, uow.events, policy, node_id, PARITY, actor="scheduler", reason=_why_due(policy))
-                asked += 1
-            except (AskRefused, UnknownNode) as exc:  # the node changed since it was read; next round
-                log.info("parity_ask_skipped", node_id=node_id, why=str(exc))
+        expired, asked = await _parity_round(uow, policy)
         await uow.commit()
     # Its own transaction: a slot wipe's re-ask never waits on, nor rolls back, the parity asks.
     async with unit_of_work() as uow:
-        reasked = await reask_overdue(uow.conn, uow.events, limit=policy.sweep_batch)
+        reasked = await reask_overdue(uow.repos.wipes, uow.events, limit=policy.sweep_batch)
         await uow.commit()
-    return {"expired": len(expired), "parity_asked": asked, "wipes_reasked": len(reasked)}
+    return {"expired": expired, "parity_asked": asked, "wipes_reasked": len(reasked)}
+
+
+async def _parity_round(uow: EvidenceUnitOfWork, policy: SteeringPolicy) -> tuple[int, int]:
+    """The asks expired and the parity runs asked."""
+    asks = uow.repos.asks
+    expired = await asks.expire_overdue({k: rules.expired_outcome(k) for k in rules.KINDS})
+    for r in expired:
+        log.warning("node_ask_expired", node_id=r["node_id"], kind=r["kind"], action_id=r["action_id"])
+    asked = 0
+    for node_id in await asks.due_for_parity(rules.SLICE_AGENT_MODES, policy.parity_interval_s, policy.sweep_batch):
+        try:
+            await ask(asks, uow.events, policy, node_id, PARITY, actor="scheduler", reason=_why_due(policy))
+            asked += 1
+        except (AskRefused, UnknownNode) as exc:  # the node changed since it was read; next round
+            log.info("parity_ask_skipped", node_id=node_id, why=str(exc))
+    return len(expired), asked
 
 
 def _why_due(policy: SteeringPolicy) -> str:

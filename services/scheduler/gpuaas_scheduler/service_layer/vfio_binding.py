@@ -7,16 +7,16 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from datetime import timedelta
-
-import asyncpg
+from typing import Any
 
 from gpuaas_common.contract import derived_event_id, utcnow
 from gpuaas_common.contract import messages as m
 from gpuaas_common.logging import get_logger
 from gpuaas_common.outbox import EventCollector
 
-from ..adapters.vfio_binding import slot_devices
+from ..adapters.vfio_binding import VfioSlotRepository
 from ..domain.vfio_binding import SlotDevices, binding_change
+from .ports import VfioSlots
 
 log = get_logger(__name__)
 
@@ -26,11 +26,14 @@ VFIO_TASK_DEADLINE_S = 600.0
 
 
 async def ask_binding(
-    conn: asyncpg.Connection, events: EventCollector, node_id: str, from_mode: str, to_mode: str
+    slots: VfioSlots | Any, events: EventCollector, node_id: str, from_mode: str, to_mode: str
 ) -> str | None:
-    """Queue the binding the change calls for; its task id, or None when it calls for none."""
+    """Queue the binding the change calls for; its task id, or None when it calls for none. `slots`: a repository,
+    or (the admin layer's callers, until they move to ports) a connection to wrap."""
+    if not hasattr(slots, "slot_devices"):
+        slots = VfioSlotRepository(slots)
     return await raise_binding(
-        events, node_id, to_mode, binding_change(from_mode, to_mode, await slot_devices(conn, node_id))
+        events, node_id, to_mode, binding_change(from_mode, to_mode, await slots.slot_devices(node_id))
     )
 
 
