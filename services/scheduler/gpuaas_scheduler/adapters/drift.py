@@ -143,3 +143,7 @@ async def drift_by_id(conn: asyncpg.Connection, node_id: str, drift_ids: list[in
         node_id,
         drift_ids,
     )
+
+
+async def node_flags(conn: asyncpg.Connection, node_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow("SELECT drift_open, drift_reported_at FROM nodes WHERE node_id = $1", node_id)

@@ -7,7 +7,8 @@ modes, each on the unit of work's connection, so handlers go through them and ne
   are announced (scheduler.slots_changed);
 - `nodes`: node locks, drains and the capacity summary;
 - `hosts`: the `Host` aggregate of domain/host.py (adapters/hosts.py);
-- `audit`: the admin trail.
+- `audit`: the admin trail;
+- `node_admin`, `quotas`, `drift`, `wipe_policies`, `force_releases`: the inventory admin's (adapters/admin.py).
 
 Placement's search (service_layer/placement.py) runs its own statements and savepoints on `conn`: it is one
 search inside one transaction, not an aggregate to load and save.
@@ -27,6 +28,13 @@ from gpuaas_common.contract import messages as m
 from ..domain.node_claims import HeldClaim, NodeClaims, NodeDrained, SlotsMoved
 from . import admin_nodes, slot_announcements
 from . import inventory as inv
+from .admin import (
+    AdminNodeRepository,
+    DriftRepository,
+    ForceReleaseRepository,
+    QuotaRepository,
+    WipePolicyRepository,
+)
 from .hosts import HostRepository
 from .inventory.held import held_placement
 from .wipe_policy import effective_policy_sql, policy_site_sql
@@ -133,6 +141,12 @@ class SchedulerRepositories:
     claims: ClaimRepository
     hosts: HostRepository
     audit: AuditRepository
+    # --- admin: nodes, quotas, drift, wipe, force release (issue 39) ---
+    node_admin: AdminNodeRepository
+    quotas: QuotaRepository
+    drift: DriftRepository
+    wipe_policies: WipePolicyRepository
+    force_releases: ForceReleaseRepository
 
 
 def scheduler_repositories(conn: asyncpg.Connection) -> SchedulerRepositories:
@@ -144,4 +158,9 @@ def scheduler_repositories(conn: asyncpg.Connection) -> SchedulerRepositories:
         ClaimRepository(conn),
         HostRepository(conn),
         AuditRepository(conn),
+        AdminNodeRepository(conn),
+        QuotaRepository(conn),
+        DriftRepository(conn),
+        WipePolicyRepository(conn),
+        ForceReleaseRepository(conn),
     )
