@@ -574,7 +574,7 @@ class FakeRepositories:
     # --- admin: nodes, quotas, drift, wipe, force release (issue 39) ---
     node_admin: FakeAdminNodes | None = None
     quotas: FakeQuotas | None = None
-    drift: FakeDrift | None = None
+    drift_log: FakeDrift | None = None
     wipe_policies: FakeWipePolicies | None = None
     force_releases: FakeForceReleases | None = None
 

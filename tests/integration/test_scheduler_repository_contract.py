@@ -598,7 +598,7 @@ async def test_drift_is_listed_and_acknowledged_and_the_nodes_flag_follows(backe
     node = await backend.add_drift("n1", None, "nic", "open")
     gone = await backend.add_drift("n1", None, "old", "resolved")
     async with backend.unit_of_work() as uow:
-        drift = uow.repos.drift
+        drift = uow.repos.drift_log
         assert await drift.node_flags("nope") is None
         before = _pick(await drift.node_flags("n1"), "drift_open", "drift_reported_at")
         current = [_pick(d, "drift_id", "slot_id", "status") for d in await drift.items("n1", include_resolved=False)]

@@ -207,7 +207,7 @@ async def test_drift_is_listed_by_status_and_an_ack_puts_the_items_back() -> Non
     _drift(world, 1, "s0", "open")
     _drift(world, 2, None, "open")
     _drift(world, 3, "s1", "resolved")
-    drift = fake_repositories(world).drift
+    drift = fake_repositories(world).drift_log
     listed = await drift_ops.list_drift(drift, "h1")
     assert ([d["drift_id"] for d in listed["drift"]], listed["drift_open"]) == ([1, 2], True)
     assert [d["drift_id"] for d in (await drift_ops.list_drift(drift, "h1", "resolved"))["drift"]] == [3]

@@ -8,7 +8,7 @@ modes, each on the unit of work's connection, so handlers go through them and ne
 - `nodes`: node locks, drains and the capacity summary;
 - `hosts`: the `Host` aggregate of domain/host.py (adapters/hosts.py);
 - `audit`: the admin trail;
-- `node_admin`, `quotas`, `drift`, `wipe_policies`, `force_releases`: the inventory admin's (adapters/admin.py).
+- `node_admin`, `quotas`, `drift_log`, `wipe_policies`, `force_releases`: the inventory admin's (adapters/admin.py).
 
 Placement's search (service_layer/placement.py) runs its own statements and savepoints on `conn`: it is one
 search inside one transaction, not an aggregate to load and save.
@@ -144,7 +144,7 @@ class SchedulerRepositories:
     # --- admin: nodes, quotas, drift, wipe, force release (issue 39) ---
     node_admin: AdminNodeRepository
     quotas: QuotaRepository
-    drift: DriftRepository
+    drift_log: DriftRepository
     wipe_policies: WipePolicyRepository
     force_releases: ForceReleaseRepository
 

@@ -188,7 +188,7 @@ ROUTES = [
     _r(
         "GET",
         "/v1/nodes/{node_id}/drift",
-        read_port(drift_ops.list_drift, lambda r: r.drift),
+        read_port(drift_ops.list_drift, lambda r: r.drift_log),
         "drift the node agent reported (unresolved by default; status=open|acknowledged|resolved|all)",
         out.DriftList,
         query=("status",),

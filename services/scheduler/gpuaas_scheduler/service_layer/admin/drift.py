@@ -61,7 +61,7 @@ async def _check_open(drift: DriftLog, node_id: str, drift_ids: list[int]) -> No
 
 async def ack_drift(uow: AdminUnitOfWork, node_id: str, body: DriftAckIn) -> dict[str, Any]:
     """Open drift of the node (every item, or the ids named, all or nothing) -> acknowledged."""
-    drift = uow.repos.drift
+    drift = uow.repos.drift_log
     await require_node(uow.repos.node_admin, node_id)
     if body.drift_ids is not None:
         await _check_open(drift, node_id, body.drift_ids)
