@@ -73,7 +73,17 @@ SCHEDULER_TYPED := \
 	services/scheduler/gpuaas_scheduler/service_layer/vfio_binding.py \
 	services/scheduler/gpuaas_scheduler/service_layer/slot_announcements.py \
 	services/scheduler/gpuaas_scheduler/service_layer/hosts.py \
-	services/scheduler/gpuaas_scheduler/service_layer/host_walk.py
+	services/scheduler/gpuaas_scheduler/service_layer/host_walk.py \
+	services/scheduler/gpuaas_scheduler/service_layer/admin/__init__.py \
+	services/scheduler/gpuaas_scheduler/service_layer/admin/common.py \
+	services/scheduler/gpuaas_scheduler/service_layer/admin/drift.py \
+	services/scheduler/gpuaas_scheduler/service_layer/admin/force_release.py \
+	services/scheduler/gpuaas_scheduler/service_layer/admin/models.py \
+	services/scheduler/gpuaas_scheduler/service_layer/admin/modes.py \
+	services/scheduler/gpuaas_scheduler/service_layer/admin/nodes.py \
+	services/scheduler/gpuaas_scheduler/service_layer/admin/quotas.py \
+	services/scheduler/gpuaas_scheduler/service_layer/admin/steer.py \
+	services/scheduler/gpuaas_scheduler/service_layer/admin/wipe.py
 CODE    := libs services tools tests bench
 
 test: setup check

@@ -1,7 +1,8 @@
 """The scheduler's repositories in memory (gpuaas_scheduler.adapters.repository's ClaimRepository, SlotRepository,
 NodeRepository, AuditRepository, adapters/hosts.py's HostRepository, and the evidence's: EvidenceRepository,
-DriftRepository, SlotWipeRepository, NodeActionRepository): one `World` of node rows, slots, claims, the transition
-log, the wipe asks, the asks of hosts, the drift and the admin trail, as the scheduler's tables hold them."""
+DriftRepository, SlotWipeRepository, NodeActionRepository, and adapters/admin.py's inventory admin repositories):
+one `World` of node rows, slots, claims, the transition log, the wipe asks, the asks of hosts, waivers, quotas,
+drift, site wipe policies and the admin trail, as the scheduler's tables hold them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from gpuaas_common.contract import messages as m
 from gpuaas_scheduler.domain.drift import DriftKey
+from gpuaas_scheduler.domain.force_release import ForceRelease, ForceReleaseSaved
 from gpuaas_scheduler.domain.host import (
     Change,
     Drained,
@@ -25,6 +27,7 @@ from gpuaas_scheduler.domain.host import (
     Undrained,
     WipeAsked,
 )
+from gpuaas_scheduler.domain.host_mode import Host as HostModes
 from gpuaas_scheduler.domain.host_mode import HostFacts, ModeChange
 from gpuaas_scheduler.domain.node_claims import HeldClaim, NodeClaims, NodeDrained, SlotsMoved
 from gpuaas_scheduler.domain.slots import movable_from
@@ -76,6 +79,9 @@ class Node:
     topology: TopologyRecorded | None = None
     drift_reported_at: datetime | None = None
     preflight: tuple[str, datetime, str] | None = None  # status, reported at, operation
+    # What registration declares (admin upsert), and who registered it (the mode history's first row).
+    declared: dict[str, Any] = field(default_factory=dict)
+    registered: tuple[str, str, str] | None = None  # actor, reason, mode
 
 
 @dataclass
@@ -97,6 +103,8 @@ class Claim:
     node_id: str
     slot_id: str | None
     status: str = "held"
+    tenant_id: str = "t"
+    gpus: int = 1
 
     @property
     def kind(self) -> str:
@@ -123,6 +131,11 @@ class World:
     preflights: dict[str, str | None] = field(default_factory=dict)  # operation -> node
     images: dict[tuple[str, str], tuple[str, bool, datetime]] = field(default_factory=dict)  # status, ok, at
     asks: dict[str, dict[str, Any]] = field(default_factory=dict)  # action id -> node_actions row
+    waivers: list[dict[str, Any]] = field(default_factory=list)
+    quotas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    drift_rows: list[dict[str, Any]] = field(default_factory=list)  # node_drift's rows, as the admin lists them
+    site_policies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    regions: dict[str, str] = field(default_factory=dict)  # node -> region, "default" until set
 
     def row(self, node_id: str) -> Node:
         return self.rows.setdefault(node_id, Node())
@@ -600,6 +613,242 @@ class FakeAsks:
         return []
 
 
+# --- admin: nodes, quotas, drift, wipe, force release (issue 39) ---
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class FakeAdminNodes:
+    """Same surface as adapters.admin.AdminNodeRepository; a node's view carries the columns the World keeps."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.locked: list[str] = []
+
+    async def lock(self, node_id: str) -> bool:
+        if node_id not in self.world.nodes:
+            return False
+        self.locked.append(node_id)
+        return True
+
+    async def lock_mode(self, node_id: str) -> str | None:
+        return self.world.row(node_id).mode if await self.lock(node_id) else None
+
+    async def register(self, node: dict[str, Any]) -> None:
+        node_id = node["node_id"]
+        row = self.world.row(node_id)
+        if node_id not in self.world.nodes:
+            self.world.nodes.add(node_id)
+            row.mode = node["mode"]
+        row.declared = {k: v for k, v in node.items() if k not in ("node_id", "mode")}
+        self.world.regions[node_id] = node["region"]
+
+    async def record_created(self, node_id: str, actor: str, reason: str) -> None:
+        row = self.world.row(node_id)
+        row.registered = (actor, reason, row.mode)
+
+    async def listing(self, region: str | None, sku: str | None) -> list[dict[str, Any]]:
+        views = [await self.view(n) for n in sorted(self.world.nodes)]
+        return [
+            v for v in views if v and (region is None or v["region"] == region) and (sku is None or v["sku"] == sku)
+        ]
+
+    async def view(self, node_id: str) -> dict[str, Any] | None:
+        if node_id not in self.world.nodes:
+            return None
+        r = self.world.row(node_id)
+        return {
+            "node_id": node_id,
+            **r.declared,
+            "region": self.world.regions.get(node_id, "default"),
+            "mode": r.mode,
+            "draining": r.draining,
+            "drain_reason": r.drain_reason,
+            "maintenance": r.maintenance,
+        }
+
+    async def live_claims(self, node_id: str) -> list[dict[str, Any]]:
+        return [
+            {"allocation_id": c.allocation_id, "slot_id": c.slot_id, "claim_kind": c.kind, "status": c.status}
+            for c in self.world.claims
+            if c.node_id == node_id and c.status != "released"
+        ]
+
+    async def mode_history(self, node_id: str) -> list[dict[str, Any]]:
+        r = self.world.row(node_id)
+        rows = []
+        if r.registered is not None:
+            actor, reason, mode = r.registered
+            rows.append({"from_mode": None, "to_mode": mode, "actor": actor, "reason": reason})
+        rows += [
+            {"from_mode": h.from_mode, "to_mode": h.to_mode, "actor": h.actor, "reason": h.reason} for h in r.history
+        ]
+        return rows[::-1]
+
+    async def mode_record(self, node_id: str) -> dict[str, Any] | None:
+        if node_id not in self.world.nodes:
+            return None
+        r = self.world.row(node_id)
+        last = r.history[-1] if r.history else None
+        by, why = (last.actor, last.reason) if last else (r.registered or (None, None))[:2]
+        return {"mode_changed_by": by, "mode_reason": why}
+
+    async def modes(self, node_id: str) -> HostModes | None:
+        return HostModes(FakeHosts(self.world)._facts(node_id)) if node_id in self.world.nodes else None
+
+    async def waivers(self, node_id: str) -> list[dict[str, Any]]:
+        mine = [w for w in self.world.waivers if w["node_id"] == node_id]
+        return [{**w, "active": w["expires_at"] > _now()} for w in mine[::-1]]
+
+    async def add_waiver(
+        self, node_id: str, gate: str, actor: str, reason: str, expires_at: datetime
+    ) -> dict[str, Any]:
+        row = {
+            "waiver_id": len(self.world.waivers) + 1,
+            "node_id": node_id,
+            "gate": gate,
+            "actor": actor,
+            "reason": reason,
+            "expires_at": expires_at,
+            "created_at": _now(),
+        }
+        self.world.waivers.append(row)
+        return dict(row)
+
+    async def actions(self, node_id: str) -> list[dict[str, Any]]:
+        return []  # the asks are steering's (node_actions), which no admin fake records
+
+    async def walks(self, node_id: str, limit: int) -> list[dict[str, Any]]:
+        return []
+
+    async def now(self) -> datetime:
+        return _now()
+
+
+class FakeQuotas:
+    """Same surface as adapters.admin.QuotaRepository."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    async def set(self, tenant_id: str, max_gpus: int, *, actor: str, reason: str) -> None:
+        self.world.quotas[tenant_id] = {
+            "tenant_id": tenant_id,
+            "max_gpus": max_gpus,
+            "updated_by": actor,
+            "reason": reason,
+            "updated_at": _now(),
+        }
+
+    async def get(self, tenant_id: str) -> dict[str, Any] | None:
+        row = self.world.quotas.get(tenant_id)
+        return dict(row) if row else None
+
+    async def gpus_in_use(self, tenant_id: str) -> int:
+        return sum(c.gpus for c in self.world.claims if c.tenant_id == tenant_id and c.status != "released")
+
+
+class FakeDriftLog:
+    """Same surface as adapters.admin.DriftLogRepository: node_drift's rows, the node's flag computed from them."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    async def node_flags(self, node_id: str) -> dict[str, Any] | None:
+        if node_id not in self.world.nodes:
+            return None
+        node_open = any(d["slot_id"] is None and d["status"] == "open" for d in self._mine(node_id))
+        return {"drift_open": node_open, "drift_reported_at": self.world.row(node_id).drift_reported_at}
+
+    def _mine(self, node_id: str) -> list[dict[str, Any]]:
+        return [d for d in self.world.drift_rows if d["node_id"] == node_id]
+
+    async def items(self, node_id: str, *, include_resolved: bool) -> list[dict[str, Any]]:
+        rows = [dict(d) for d in self._mine(node_id) if include_resolved or d["status"] != "resolved"]
+        return sorted(rows, key=lambda d: (d["status"] == "resolved", d["first_reported_at"], d["drift_id"]))
+
+    async def by_id(self, node_id: str, drift_ids: list[int]) -> list[dict[str, Any]]:
+        return [dict(d) for d in self._mine(node_id) if d["drift_id"] in drift_ids]
+
+    async def acknowledge(
+        self, node_id: str, drift_ids: list[int] | None, actor: str, reason: str
+    ) -> list[dict[str, Any]]:
+        changed = []
+        for d in self._mine(node_id):
+            if d["status"] == "open" and (drift_ids is None or d["drift_id"] in drift_ids):
+                d.update(status="acknowledged", acknowledged_at=_now(), acknowledged_by=actor, ack_reason=reason)
+                changed.append(dict(d))
+        if changed:
+            self.world.refreshed.append([node_id])
+        return changed
+
+
+class FakeWipePolicies:
+    """Same surface as adapters.admin.WipePolicyRepository."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.locked: list[str] = []
+
+    async def site(self, region: str) -> dict[str, Any] | None:
+        row = self.world.site_policies.get(region)
+        return dict(row) if row else None
+
+    async def lock_region(self, region: str) -> None:
+        self.locked.append(region)
+
+    async def set_site(self, region: str, policy: str, *, actor: str, reason: str) -> list[str]:
+        self.world.site_policies[region] = {
+            "region": region,
+            "destructive_wipe_policy": policy,
+            "set_by": actor,
+            "reason": reason,
+            "updated_at": _now(),
+        }
+        changed = []
+        for s in self.world.slots.values():
+            if self.world.regions.get(s.node_id, "default") == region and s.wipe_policy != policy:
+                s.wipe_policy = policy
+                changed.append(s.slot_id)
+        return sorted(changed)
+
+    async def claimed(self, slot_ids: list[str]) -> list[str]:
+        return sorted({c.slot_id for c in self.world.claims if c.slot_id in slot_ids and c.status != "released"})
+
+
+class FakeForceReleases:
+    """Same surface as adapters.admin.ForceReleaseRepository."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.locked: list[str] = []
+
+    async def get(self, allocation_id: uuid.UUID) -> ForceRelease | None:
+        claims = (await FakeClaims(self.world).load(allocation_id)).claims
+        if not claims:
+            return None
+        self.locked += sorted({c.node_id for c in claims})
+        return ForceRelease(str(allocation_id), claims)
+
+    async def save(self, release: ForceRelease) -> ForceReleaseSaved:
+        alloc = uuid.UUID(release.allocation_id)
+        moved: list[str] = []
+        for ch in release.changes:
+            if isinstance(ch, SlotsMoved):
+                moved += [i for i in sorted(ch.slot_ids) if self.world.slots[i].status in ch.only_from]
+                self.world.move(ch.slot_ids, ch.status, ch.reason, ch.only_from, alloc, ch.detail, ch.health)
+            elif isinstance(ch, NodeDrained):
+                self.world.drained[ch.node_id] = ch.reason
+        release.changes.clear()
+        ended = self.world.live(alloc) if release.released else []
+        for c in ended:
+            c.status = "released"
+        self.world.refreshed.append(release.node_ids)
+        return ForceReleaseSaved(len(ended), tuple(moved))
+
+
 @dataclass
 class FakeRepositories:
     nodes: FakeNodes
@@ -611,6 +860,12 @@ class FakeRepositories:
     drift: FakeDrift | None = None
     wipes: FakeWipes | None = None
     asks: FakeAsks | None = None
+    # --- admin: nodes, quotas, drift, wipe, force release (issue 39) ---
+    node_admin: FakeAdminNodes | None = None
+    quotas: FakeQuotas | None = None
+    drift_log: FakeDriftLog | None = None
+    wipe_policies: FakeWipePolicies | None = None
+    force_releases: FakeForceReleases | None = None
 
 
 def fake_repositories(world: World) -> FakeRepositories:
@@ -624,4 +879,9 @@ def fake_repositories(world: World) -> FakeRepositories:
         FakeDrift(world),
         FakeWipes(world),
         FakeAsks(world),
+        FakeAdminNodes(world),
+        FakeQuotas(world),
+        FakeDriftLog(world),
+        FakeWipePolicies(world),
+        FakeForceReleases(world),
     )

@@ -1,5 +1,6 @@
 """The scheduler's repositories (adapters/repository.py: ClaimRepository, SlotRepository, AuditRepository;
-adapters/hosts.py: HostRepository, the `Host` aggregate), one contract test each, run against the handler tests'
+adapters/hosts.py: HostRepository, the `Host` aggregate; adapters/admin.py: the inventory admin's nodes, quotas,
+drift, site wipe policies and force-releases), one contract test each, run against the handler tests'
 fakes (tests/fakes/scheduler.py) and Postgres alike, through one parametrised fixture, as the allocator's are
 (test_allocator_repository_contract.py). The scheduler's rows are arranged by each backend's own hands (a node, its
 columns, its slots, an allocation's claims), since placement, which writes them in production, is no
@@ -48,6 +49,9 @@ class Backend:
     wipe_asks: Callable[[str], Awaitable[list[tuple[Any, ...]]]]  # task, slot, device, policy, cause, by, open
     mode_history: Callable[[str], Awaitable[list[tuple[Any, ...]]]]  # from, to, actor, reason, evidence reset
     audit: Callable[[str], Awaitable[list[tuple[Any, ...]]]]  # actor, action, reason, detail
+    # The inventory admin's: a tenant's claim of some GPUs, and a drift item as a report leaves it (its id).
+    add_tenant_claim: Callable[[uuid.UUID, str, str, str, int], Awaitable[None]]  # alloc, node, slot, tenant, gpus
+    add_drift: Callable[[str, str | None, str, str], Awaitable[int]]  # node, slot (None: the node), subject, status
 
 
 _TAGS = {"accepts_slices": "gpuaas-profile-slice-vm", "accepts_baremetal": "gpuaas-profile-baremetal"}
@@ -63,6 +67,7 @@ def _fake() -> Backend:
 
     async def add_node(node: str) -> None:
         world.nodes.add(node)
+        world.regions[node] = "r"
 
     async def add_slot(slot: str, node: str, status: str) -> None:
         world.slots[slot] = Slot(slot, node, status, _disk(slot))
@@ -103,6 +108,18 @@ def _fake() -> Backend:
     async def audit(target: str) -> list[tuple[Any, ...]]:
         return [(a, act, why, detail) for a, act, t, why, detail in world.audit if t == target]
 
+    async def add_tenant_claim(alloc: uuid.UUID, node: str, slot: str, tenant: str, gpus: int) -> None:
+        world.claims.append(Claim(alloc, node, slot, tenant_id=tenant, gpus=gpus))
+
+    async def add_drift(node: str, slot: str | None, subject: str, status: str) -> int:
+        drift_id = len(world.drift_rows) + 1
+        at = datetime.now(timezone.utc) + timedelta(seconds=drift_id)
+        world.drift_rows.append(
+            {"drift_id": drift_id, "node_id": node, "slot_id": slot, "kind": "gpu_missing", "subject": subject,
+             "detail": "gone", "devices": [], "status": status, "first_reported_at": at}
+        )  # fmt: skip
+        return drift_id
+
     return Backend(
         "fake",
         lambda: FakeUnitOfWork(repos, "scheduler"),
@@ -118,6 +135,8 @@ def _fake() -> Backend:
         wipe_asks,
         mode_history,
         audit,
+        add_tenant_claim,
+        add_drift,
     )
 
 
@@ -207,6 +226,35 @@ def _postgres(pool: asyncpg.Pool) -> Backend:
         )
         return [(r["actor"], r["action"], r["reason"], json.loads(r["detail"]) if r["detail"] else None) for r in rows]
 
+    async def add_tenant_claim(alloc: uuid.UUID, node: str, slot: str, tenant: str, gpus: int) -> None:
+        await pool.execute(
+            "INSERT INTO allocation_resource_claims (allocation_id, node_id, slot_id, claim_kind, status, "
+            "fencing_epoch, tenant_id, gpus) VALUES ($1, $2, $3, 'slot', 'held', 1, $4, $5)",
+            alloc,
+            node,
+            slot,
+            tenant,
+            gpus,
+        )
+
+    async def add_drift(node: str, slot: str | None, subject: str, status: str) -> int:
+        at = datetime.now(timezone.utc) + timedelta(seconds=await pool.fetchval("SELECT count(*) FROM node_drift") + 1)
+        drift_id = await pool.fetchval(
+            "INSERT INTO node_drift (node_id, slot_id, kind, subject, detail, status, first_reported_at, "
+            "last_reported_at) VALUES ($1, $2, 'gpu_missing', $3, 'gone', $4, $5, $5) RETURNING drift_id",
+            node,
+            slot,
+            subject,
+            status,
+            at,
+        )
+        await pool.execute(  # as a report leaves it
+            "UPDATE nodes SET drift_open = EXISTS (SELECT 1 FROM node_drift d WHERE d.node_id = $1 "
+            "AND d.slot_id IS NULL AND d.status = 'open') WHERE node_id = $1",
+            node,
+        )
+        return drift_id
+
     return Backend(
         "postgres",
         lambda: UnitOfWork(pool, "scheduler", "scheduler", scheduler_repositories),
@@ -222,6 +270,8 @@ def _postgres(pool: asyncpg.Pool) -> Backend:
         wipe_asks,
         mode_history,
         audit,
+        add_tenant_claim,
+        add_drift,
     )
 
 
@@ -594,3 +644,182 @@ async def test_an_ask_of_a_host_is_recorded_once_and_answered_only_by_its_node(b
         result = got["result"]
         assert (json.loads(result) if isinstance(result, str) else result) == {"parity": {"a": 1}}
         await uow.commit()
+
+
+# --- the inventory admin: nodes, quotas, drift, site wipe policies, force-release ------------------------------
+
+
+def _pick(row: dict[str, Any] | None, *keys: str) -> tuple[Any, ...] | None:
+    return None if row is None else tuple(row[k] for k in keys)
+
+
+def _registration(node_id: str, **over: Any) -> dict[str, Any]:
+    return {
+        "node_id": node_id,
+        "kind": "slice_host",
+        "hostname": f"{node_id}.lab",
+        "region": "r2",
+        "pool": "p",
+        "sku": "h200",
+        "maas_system_id": None,
+        "profile_intent": "slice-vm",
+        "maas_tags": [],
+        "mode": "slice",
+        "gpu_count": 8,
+        **over,
+    }
+
+
+NODE_KEYS = ("node_id", "kind", "hostname", "region", "sku", "mode", "draining", "maintenance")
+
+
+async def test_a_node_registers_once_with_its_mode_and_is_listed_viewed_and_locked(backend: Backend) -> None:
+    async with backend.unit_of_work() as uow:
+        nodes = uow.repos.node_admin
+        assert (await nodes.lock("n7"), await nodes.lock_mode("n7"), await nodes.view("n7")) == (False, None, None)
+        await nodes.register(_registration("n7"))
+        await nodes.record_created("n7", "ops", "registered")
+        await nodes.register(_registration("n8", sku="b200", kind="baremetal", mode="baremetal"))
+        await nodes.register(_registration("n7", hostname="n7.new", mode="baremetal"))  # its mode stays
+        assert (await nodes.lock("n7"), await nodes.lock_mode("n7")) == (True, "slice")
+        view = await nodes.view("n7")
+        listed = [_pick(n, "node_id", "sku") for n in await nodes.listing("r2", None)]
+        by_sku = [n["node_id"] for n in await nodes.listing(None, "b200")]
+        history = [_pick(h, "from_mode", "to_mode", "actor", "reason") for h in await nodes.mode_history("n7")]
+        record = _pick(await nodes.mode_record("n7"), "mode_changed_by", "mode_reason")
+        modes = await nodes.modes("n7")
+        assert await nodes.modes("nope") is None and await nodes.mode_record("nope") is None
+        now = await nodes.now()
+        await uow.commit()
+    assert _pick(view, *NODE_KEYS) == ("n7", "slice_host", "n7.new", "r2", "h200", "slice", False, False)
+    assert (listed, by_sku) == ([("n7", "h200"), ("n8", "b200")], ["n8"])
+    assert (history, record) == ([(None, "slice", "ops", "registered")], ("ops", "registered"))
+    assert modes is not None and modes.facts == HostFacts(
+        node_id="n7",
+        mode="slice",
+        accepts_slices=False,
+        accepts_baremetal=False,
+        live_claims=0,
+        unretired_slots=0,
+        parity_failures=None,
+        rediscovered=False,
+        reapproved_slots=0,
+        stale_slots=0,
+    )
+    assert now.tzinfo is not None
+
+
+async def test_a_nodes_waivers_and_live_claims_read_back(backend: Backend) -> None:
+    alloc = await _slices(backend, n=2, status="active")
+    async with backend.unit_of_work() as uow:
+        nodes = uow.repos.node_admin
+        soon = await nodes.now() + timedelta(days=1)
+        added = await nodes.add_waiver("n1", "parity", "ops", "vendor RMA", soon)
+        await nodes.add_waiver("n1", "preflight", "ops", "second", soon)
+        waivers = [_pick(w, "gate", "actor", "reason", "active") for w in await nodes.waivers("n1")]
+        claims = [_pick(c, "allocation_id", "slot_id", "claim_kind", "status") for c in await nodes.live_claims("n1")]
+        await uow.commit()
+    assert _pick(added, "node_id", "gate", "actor", "reason", "expires_at") == (
+        "n1",
+        "parity",
+        "ops",
+        "vendor RMA",
+        soon,
+    )
+    assert waivers == [("preflight", "ops", "second", True), ("parity", "ops", "vendor RMA", True)]
+    assert claims == [(alloc, "n1-s0", "slot", "held"), (alloc, "n1-s1", "slot", "held")]
+
+
+async def test_a_quota_is_set_read_and_the_tenants_live_gpus_counted(backend: Backend) -> None:
+    await backend.add_node("n1")
+    for i, status in enumerate(("active", "active")):
+        await backend.add_slot(f"n1-s{i}", "n1", status)
+    await backend.add_tenant_claim(uuid.uuid4(), "n1", "n1-s0", "acme", 2)
+    await backend.add_tenant_claim(uuid.uuid4(), "n1", "n1-s1", "acme", 3)
+    async with backend.unit_of_work() as uow:
+        quotas = uow.repos.quotas
+        assert await quotas.get("acme") is None
+        await quotas.set("acme", 4, actor="ops", reason="trial")
+        await quotas.set("acme", 8, actor="ops2", reason="paid")
+        row = await quotas.get("acme")
+        used, other = await quotas.gpus_in_use("acme"), await quotas.gpus_in_use("nobody")
+        await uow.commit()
+    assert _pick(row, "tenant_id", "max_gpus", "updated_by", "reason") == ("acme", 8, "ops2", "paid")
+    assert (used, other) == (5, 0)
+
+
+async def test_drift_is_listed_and_acknowledged_and_the_nodes_flag_follows(backend: Backend) -> None:
+    await _slices(backend, n=1, status="available")
+    slot = await backend.add_drift("n1", "n1-s0", "gpu0", "open")
+    node = await backend.add_drift("n1", None, "nic", "open")
+    gone = await backend.add_drift("n1", None, "old", "resolved")
+    async with backend.unit_of_work() as uow:
+        drift = uow.repos.drift_log
+        assert await drift.node_flags("nope") is None
+        before = _pick(await drift.node_flags("n1"), "drift_open", "drift_reported_at")
+        current = [_pick(d, "drift_id", "slot_id", "status") for d in await drift.items("n1", include_resolved=False)]
+        every = [d["drift_id"] for d in await drift.items("n1", include_resolved=True)]
+        named = [d["drift_id"] for d in await drift.by_id("n1", [node, gone, 10_000])]
+        acked = [_pick(d, "drift_id", "status", "acknowledged_by", "ack_reason") for d in
+                 await drift.acknowledge("n1", [node], "ops", "known")]  # fmt: skip
+        again = await drift.acknowledge("n1", [node], "ops", "known")
+        after = _pick(await drift.node_flags("n1"), "drift_open")
+        rest = [d["drift_id"] for d in await drift.acknowledge("n1", None, "ops", "all")]
+        await uow.commit()
+    assert before == (True, None)
+    assert current == [(slot, "n1-s0", "open"), (node, None, "open")]
+    assert (every, sorted(named)) == ([slot, node, gone], sorted([node, gone]))
+    assert (acked, again, after, rest) == ([(node, "acknowledged", "ops", "known")], [], (False,), [slot])
+
+
+async def test_a_site_wipe_policy_is_set_on_the_regions_slots_and_names_those_claimed(backend: Backend) -> None:
+    alloc = await _slices(backend, n=2, status="active")
+    await backend.add_slot("n1-s9", "n1", "available")
+    async with backend.unit_of_work() as uow:
+        policies = uow.repos.wipe_policies
+        assert await policies.site("r") is None
+        await policies.lock_region("r")
+        changed = await policies.set_site("r", "nvme_format", actor="ops", reason="audit")
+        claimed = await policies.claimed(changed)
+        unchanged = await policies.set_site("r", "nvme_format", actor="ops", reason="again")
+        site = _pick(await policies.site("r"), "region", "destructive_wipe_policy", "set_by", "reason")
+        await uow.commit()
+    assert (changed, claimed, unchanged) == (["n1-s0", "n1-s1", "n1-s9"], ["n1-s0", "n1-s1"], [])
+    assert site == ("r", "nvme_format", "ops", "again")
+    assert alloc is not None
+
+
+async def test_a_force_release_loads_the_live_claims_and_saves_its_blocks_drains_and_end(backend: Backend) -> None:
+    alloc = await _slices(backend, n=2, status="active")
+    await backend.add_slot("n1-s2", "n1", "retired")
+    await backend.add_claim(alloc, "n1", "n1-s2")
+    whole = uuid.uuid4()
+    await backend.add_node("bm1")
+    await backend.add_claim(whole, "bm1", None)
+    async with backend.unit_of_work() as uow:
+        releases = uow.repos.force_releases
+        assert await releases.get(uuid.uuid4()) is None
+        release = await releases.get(alloc)
+        assert release is not None and release.node_ids == ["n1"]
+        assert [(c.slot_id, c.status) for c in release.claims] == [
+            ("n1-s0", "active"),
+            ("n1-s1", "active"),
+            ("n1-s2", "retired"),
+        ]
+        release.release(actor="ops", reason="stuck", force=True)
+        saved = await releases.save(release)
+        assert await releases.get(alloc) is None and release.changes == []
+        machine = await releases.get(whole)
+        assert machine is not None and machine.claims == (HeldClaim("bm1", "node_exclusive"),)
+        machine.release(actor="ops", reason="gone", force=True)
+        drained = await releases.save(machine)
+        await uow.commit()
+    assert (saved.claims_ended, saved.slots_moved) == (3, ("n1-s0", "n1-s1"))
+    assert (drained.claims_ended, drained.slots_moved) == (1, ())
+    assert [await backend.slot_status(s) for s in ("n1-s0", "n1-s1", "n1-s2")] == [
+        "cleanup_blocked",
+        "cleanup_blocked",
+        "retired",
+    ]
+    assert await backend.log(alloc) == [("n1-s0", "active", "cleanup_blocked"), ("n1-s1", "active", "cleanup_blocked")]
+    assert await backend.drain_reason("bm1") == "force-released by ops: gone"

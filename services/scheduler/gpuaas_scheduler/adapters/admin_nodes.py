@@ -41,6 +41,11 @@ async def lock_node(conn: asyncpg.Connection, node_id: str) -> asyncpg.Record | 
     return await conn.fetchrow("SELECT * FROM nodes WHERE node_id = $1 FOR UPDATE", node_id)
 
 
+async def now(conn: asyncpg.Connection) -> datetime:
+    """The transaction's clock."""
+    return await conn.fetchval("SELECT now()")
+
+
 async def lock_node_mode(conn: asyncpg.Connection, node_id: str) -> str | None:
     """The node's mode under its row lock; None for a node not registered yet."""
     return await conn.fetchval("SELECT mode FROM nodes WHERE node_id = $1 FOR UPDATE", node_id)

@@ -171,3 +171,7 @@ class DriftRepository:
 
     async def held_keys(self, node_id: str) -> list[DriftKey]:
         return await held_keys(self.conn, node_id)
+
+
+async def node_flags(conn: asyncpg.Connection, node_id: str) -> asyncpg.Record | None:
+    return await conn.fetchrow("SELECT drift_open, drift_reported_at FROM nodes WHERE node_id = $1", node_id)

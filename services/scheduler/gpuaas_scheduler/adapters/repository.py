@@ -11,6 +11,7 @@ modes, each on the unit of work's connection, so handlers go through them and ne
 - `evidence`, `drift`, `wipes`, `asks`, `modes`, `vfio`, `walks`: what the host's reports and the sweeps read and write
   beside the `Host` (adapters/evidence.py, drift.py, slot_wipes.py, node_actions.py, host_modes.py,
   vfio_binding.py, host_walk.py).
+- `node_admin`, `quotas`, `drift_log`, `wipe_policies`, `force_releases`: the inventory admin's (adapters/admin.py).
 
 Placement's search (service_layer/placement.py) runs its own statements and savepoints on `conn`: it is one
 search inside one transaction, not an aggregate to load and save.
@@ -30,6 +31,13 @@ from gpuaas_common.contract import messages as m
 from ..domain.node_claims import HeldClaim, NodeClaims, NodeDrained, SlotsMoved
 from . import admin_nodes, slot_announcements
 from . import inventory as inv
+from .admin import (
+    AdminNodeRepository,
+    DriftLogRepository,
+    ForceReleaseRepository,
+    QuotaRepository,
+    WipePolicyRepository,
+)
 from .drift import DriftRepository
 from .evidence import EvidenceRepository
 from .host_modes import HostModeRepository
@@ -151,6 +159,12 @@ class SchedulerRepositories:
     modes: HostModeRepository
     vfio: VfioSlotRepository
     walks: WalkRepository
+    # --- admin: nodes, quotas, drift, wipe, force release (issue 39) ---
+    node_admin: AdminNodeRepository
+    quotas: QuotaRepository
+    drift_log: DriftLogRepository
+    wipe_policies: WipePolicyRepository
+    force_releases: ForceReleaseRepository
 
 
 def scheduler_repositories(conn: asyncpg.Connection) -> SchedulerRepositories:
@@ -169,6 +183,11 @@ def scheduler_repositories(conn: asyncpg.Connection) -> SchedulerRepositories:
         HostModeRepository(conn),
         VfioSlotRepository(conn),
         WalkRepository(conn),
+        AdminNodeRepository(conn),
+        QuotaRepository(conn),
+        DriftLogRepository(conn),
+        WipePolicyRepository(conn),
+        ForceReleaseRepository(conn),
     )
 
 

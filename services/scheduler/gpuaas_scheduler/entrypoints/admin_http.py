@@ -19,8 +19,9 @@ from pydantic import BaseModel, SecretStr
 
 from gpuaas_common.admin_http import AdminApi, Call, Route, openapi, render_yaml
 
-from ..adapters.repository import scheduler_repositories
+from ..adapters.repository import SchedulerRepositories, scheduler_repositories
 from ..service_layer import admin as ops
+from ..service_layer import steering
 from ..service_layer.admin import drift as drift_ops
 from ..service_layer.steering import SteeringPolicy
 from . import api_models as out
@@ -54,6 +55,31 @@ def write_asking(fn: Callable[..., Awaitable[dict]]) -> Callable[[Call], Awaitab
     return handler
 
 
+def read_port(
+    fn: Callable[..., Awaitable[dict]], port: Callable[[SchedulerRepositories], Any]
+) -> Callable[[Call], Awaitable[dict]]:
+    """A read through one of the repositories (`port` picks it) on the read's connection."""
+
+    async def handler(call: Call) -> dict:
+        return await fn(port(scheduler_repositories(call.conn)), *call.params.values(), **call.query)
+
+    return handler
+
+
+def change(fn: Callable[..., Awaitable[dict]]) -> Callable[[Call], Awaitable[dict]]:
+    """A mutation on the unit of work's repositories, answered with what it returns."""
+
+    async def handler(call: Call) -> dict:
+        assert call.uow is not None
+        return await fn(call.uow, *call.params.values(), call.body)
+
+    return handler
+
+
+def _nodes(repos: SchedulerRepositories) -> Any:
+    return repos.node_admin
+
+
 def command(
     fn: Callable[..., Awaitable[dict]], view: Callable[..., Awaitable[dict]]
 ) -> Callable[[Call], Awaitable[dict]]:
@@ -64,25 +90,22 @@ def command(
         assert call.uow is not None
         params = list(call.params.values())
         added = await fn(call.uow, *params, call.body)
-        return await view(call.conn, *params) | added
+        return await view(call.uow.repos.node_admin, *params) | added
 
     return handler
 
 
-async def _force_release(call: Call) -> dict:
-    assert call.uow is not None  # a mutation: the stack runs it in a unit of work, whose outbox tells the allocator
-    return await ops.force_release(call.conn, call.uow.events, call.params["allocation_id"], call.body)
-
-
 async def _node_slots(conn: asyncpg.Connection, node_id: str) -> dict[str, Any]:
-    await ops.get_node(conn, node_id)
+    await ops.get_node(scheduler_repositories(conn).node_admin, node_id)
     return await ops.list_slots(conn, node_id=node_id)
 
 
 def steer(kind: str, policy: SteeringPolicy) -> Callable[[Call], Awaitable[dict]]:
     async def handler(call: Call) -> dict:
         assert call.uow is not None  # a mutation: its task goes out through the unit of work's outbox
-        return await ops.steer(call.conn, call.uow.events, policy, call.params["node_id"], kind, call.body)
+        # steering's ask still takes the connection (service_layer/steering.py): bound here, out of the admin op.
+        ask = functools.partial(steering.ask, call.conn, call.uow.events, policy)
+        return await ops.steer(call.uow, ask, call.params["node_id"], kind, call.body)
 
     return handler
 
@@ -120,20 +143,26 @@ def _r(
 
 
 ROUTES = [
-    _r("GET", "/v1/nodes", read(ops.list_nodes), "list nodes", out.NodeList, query=("region", "sku")),
+    _r("GET", "/v1/nodes", read_port(ops.list_nodes, _nodes), "list nodes", out.NodeList, query=("region", "sku")),
     _r(
         "POST",
         "/v1/nodes",
-        write(ops.upsert_node),
+        change(ops.upsert_node),
         "register or update a node (its first mode only)",
         out.NodeDetail,
         ops.NodeIn,
     ),
-    _r("GET", "/v1/nodes/{node_id}", read(ops.get_node), "a node, its live claims and mode history", out.NodeDetail),
+    _r(
+        "GET",
+        "/v1/nodes/{node_id}",
+        read_port(ops.get_node, _nodes),
+        "a node, its live claims and mode history",
+        out.NodeDetail,
+    ),
     _r(
         "POST",
         "/v1/nodes/{node_id}/waivers",
-        write(ops.add_waiver),
+        change(ops.add_waiver),
         "waive one slot approval gate (parity or preflight) for a while: who, why, until when; the evidence stays",
         out.NodeDetail,
         ops.WaiverIn,
@@ -159,7 +188,7 @@ ROUTES = [
     _r(
         "GET",
         "/v1/nodes/{node_id}/drift",
-        read(drift_ops.list_drift),
+        read_port(drift_ops.list_drift, lambda r: r.drift_log),
         "drift the node agent reported (unresolved by default; status=open|acknowledged|resolved|all)",
         out.DriftList,
         query=("status",),
@@ -167,7 +196,7 @@ ROUTES = [
     _r(
         "POST",
         "/v1/nodes/{node_id}/drift/ack",
-        write(drift_ops.ack_drift),
+        change(drift_ops.ack_drift),
         "acknowledge open drift (all, or drift_ids): its slots or the node take placements again",
         out.DriftList,
         drift_ops.DriftAckIn,
@@ -175,7 +204,7 @@ ROUTES = [
     _r(
         "GET",
         "/v1/nodes/{node_id}/mode",
-        read(ops.get_mode),
+        read_port(ops.get_mode, _nodes),
         "mode, what blocks each transition, history",
         out.ModeView,
     ),
@@ -243,14 +272,14 @@ ROUTES = [
     _r(
         "GET",
         "/v1/sites/{region}/wipe-policy",
-        read(ops.get_site_wipe_policy),
+        read_port(ops.get_site_wipe_policy, lambda r: r.wipe_policies),
         "the destructive wipe the site requires between tenants (null: each slot's approved policy)",
         out.SiteWipePolicyView,
     ),
     _r(
         "PUT",
         "/v1/sites/{region}/wipe-policy",
-        write(ops.set_site_wipe_policy),
+        change(ops.set_site_wipe_policy),
         "set the site's wipe policy: agents are told to use it, and a released slot is reused only with its proof",
         out.SiteWipePolicyView,
         ops.SiteWipePolicyIn,
@@ -258,16 +287,22 @@ ROUTES = [
     _r(
         "POST",
         "/v1/allocations/{allocation_id}/force-release",
-        _force_release,
+        change(ops.force_release),
         "free an allocation's claims; refused while a VM may hold the devices unless forced; slots end cleanup_blocked",
         out.ForceReleaseOut,
         ops.ForceReleaseIn,
     ),
-    _r("GET", "/v1/tenants/{tenant_id}/quota", read(ops.get_quota), "a tenant's GPU quota and use", out.QuotaView),
+    _r(
+        "GET",
+        "/v1/tenants/{tenant_id}/quota",
+        read_port(ops.get_quota, lambda r: r.quotas),
+        "a tenant's GPU quota and use",
+        out.QuotaView,
+    ),
     _r(
         "PUT",
         "/v1/tenants/{tenant_id}/quota",
-        write(ops.set_quota),
+        change(ops.set_quota),
         "set a tenant's GPU quota",
         out.QuotaView,
         ops.QuotaIn,

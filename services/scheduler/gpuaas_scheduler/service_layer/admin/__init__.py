@@ -1,7 +1,9 @@
 """Admin operations on the inventory: each runs inside the caller's transaction (the admin stack's unit of
 work), takes the node lock before touching slots, writes an audit row, and raises AdminError (rolling
-everything back) rather than leaving half of a change behind. Split by topic; the statements are in
-adapters/admin_nodes.py and adapters/admin_slots.py."""
+everything back) rather than leaving half of a change behind. Split by topic. Nodes, quotas, drift, site wipe
+policies, steering and force-release go through the unit of work's repositories (ports.py; adapters/admin.py),
+reads through the one repository they read; the slots' operations still run their statements
+(adapters/admin_slots.py) on the connection."""
 
 from .force_release import force_release
 from .models import (

@@ -6,15 +6,13 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import asyncpg
-
 from ...adapters import admin_nodes as nodes_repo
 from ...domain.host import Host
-from ..ports import HostUnitOfWork
+from ..ports import AdminNodes, HostUnitOfWork
 from .models import AdminError
 
 
-def jsonable(row: Mapping[str, Any]) -> dict:
+def jsonable(row: Mapping[str, Any]) -> dict[str, Any]:
     out = {}
     for k, v in dict(row).items():
         if hasattr(v, "isoformat"):
@@ -27,7 +25,7 @@ def jsonable(row: Mapping[str, Any]) -> dict:
     return out
 
 
-def action_view(row: Mapping[str, Any]) -> dict:
+def action_view(row: Mapping[str, Any]) -> dict[str, Any]:
     """An ask of a node (node_actions) as JSON: its result is the reports' parts."""
     d = dict(row)
     result = d.pop("result", None)
@@ -36,10 +34,21 @@ def action_view(row: Mapping[str, Any]) -> dict:
     return out
 
 
-async def lock_node(conn: asyncpg.Connection, node_id: str) -> asyncpg.Record:
+def node_not_found(node_id: str) -> AdminError:
+    return AdminError(404, "node_not_found", f"no node {node_id!r}")
+
+
+async def require_node(nodes: AdminNodes, node_id: str) -> None:
+    """The node's row lock (inventory's protocol: the node first); 404 for no such node."""
+    if not await nodes.lock(node_id):
+        raise node_not_found(node_id)
+
+
+async def lock_node(conn: Any, node_id: str) -> Any:
+    """The slots admin's node lock on its connection, until slots.py goes through the ports (issue 39)."""
     row = await nodes_repo.lock_node(conn, node_id)
     if row is None:
-        raise AdminError(404, "node_not_found", f"no node {node_id!r}")
+        raise node_not_found(node_id)
     return row
 
 
@@ -47,11 +56,11 @@ async def load_host(uow: HostUnitOfWork, node_id: str) -> Host:
     """The node's `Host`, locked; 404 for no such node."""
     host = await uow.repos.hosts.get(node_id)
     if host is None:
-        raise AdminError(404, "node_not_found", f"no node {node_id!r}")
+        raise node_not_found(node_id)
     return host
 
 
-def require_all(asked: list[str] | None, found: Iterable[Mapping[str, Any]], key: str, code: str, message: str) -> None:
+def require_all(asked: list[Any] | None, found: Iterable[Mapping[str, Any]], key: str, code: str, message: str) -> None:
     """A request naming ids refuses as a whole when any of them is not there (404 lists them all)."""
     if asked is None:
         return

@@ -2,30 +2,27 @@
 
 from __future__ import annotations
 
-import asyncpg
+from typing import Any
 
 from gpuaas_common.logging import get_logger
 
-from ...adapters import admin_nodes as repo
-from ...adapters import host_modes as mode_repo
 from ...domain.host_mode import TRANSITIONS, ModeRefused, allowed_targets
 from ..hosts import publish
-from ..ports import HostUnitOfWork
-from .common import jsonable, load_host
+from ..ports import AdminNodes, HostUnitOfWork
+from .common import jsonable, load_host, node_not_found
 from .models import AdminError, ModeIn
 
 log = get_logger(__name__)
 
 
-async def get_mode(conn: asyncpg.Connection, node_id: str) -> dict:
+async def get_mode(nodes: AdminNodes, node_id: str) -> dict[str, Any]:
     """The node's mode with who/why/when, what each transition out of it still needs, and its history."""
-    loaded = await mode_repo.load_host(conn, node_id)
-    if loaded is None:
-        raise AdminError(404, "node_not_found", f"no node {node_id!r}")
-    host, _ = loaded
-    row = await repo.mode_record(conn, node_id)
+    host = await nodes.modes(node_id)
+    row = await nodes.mode_record(node_id)
+    if host is None or row is None:
+        raise node_not_found(node_id)
     transitions = {to: host.blockers(to) for (frm, to) in TRANSITIONS if frm == host.mode}
-    history = await mode_repo.history(conn, node_id)
+    history = await nodes.mode_history(node_id)
     return {
         "node_id": node_id,
         "mode": host.mode,
@@ -35,7 +32,7 @@ async def get_mode(conn: asyncpg.Connection, node_id: str) -> dict:
     }
 
 
-async def set_mode(uow: HostUnitOfWork, node_id: str, body: ModeIn) -> dict:
+async def set_mode(uow: HostUnitOfWork, node_id: str, body: ModeIn) -> dict[str, Any]:
     """A guarded change; entering slice mode asks the host to bind its approved devices, leaving the modes that
     keep slices asks it to release them (in the same transaction: vfio_binding.py)."""
     host = await load_host(uow, node_id)

@@ -6,31 +6,21 @@ from __future__ import annotations
 
 from typing import Any
 
-import asyncpg
-
-from gpuaas_common.outbox import EventCollector
-
-from ...adapters import admin_nodes as repo
 from .. import steering
-from .common import action_view, lock_node
+from ..ports import AdminUnitOfWork, AskNode
+from .common import action_view, node_not_found, require_node
 from .models import Acted, AdminError
 from .nodes import get_node
 
 
-async def steer(
-    conn: asyncpg.Connection,
-    events: EventCollector,
-    policy: steering.SteeringPolicy,
-    node_id: str,
-    kind: str,
-    body: Acted,
-) -> dict[str, Any]:
-    await lock_node(conn, node_id)
+async def steer(uow: AdminUnitOfWork, ask: AskNode, node_id: str, kind: str, body: Acted) -> dict[str, Any]:
+    """`ask`: steering's ask, bound by the caller to this unit of work and the steering policy."""
+    await require_node(uow.repos.node_admin, node_id)
     try:
-        row = await steering.ask(conn, events, policy, node_id, kind, actor=body.actor, reason=body.reason)
+        row = await ask(node_id, kind, actor=body.actor, reason=body.reason)
     except steering.UnknownNode:
-        raise AdminError(404, "node_not_found", f"no node {node_id!r}") from None
+        raise node_not_found(node_id) from None
     except steering.AskRefused as exc:
         raise AdminError(409, "ask_refused", str(exc), {"kind": kind, "problems": exc.problems}) from None
-    await repo.audit(conn, body.actor, f"node.{kind}", node_id, body.reason, {"action_id": row["action_id"]})
-    return {**await get_node(conn, node_id), "action": action_view(row)}
+    await uow.repos.audit.record(body.actor, f"node.{kind}", node_id, body.reason, {"action_id": row["action_id"]})
+    return {**await get_node(uow.repos.node_admin, node_id), "action": action_view(row)}
